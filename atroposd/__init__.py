@@ -1,0 +1,3 @@
+"""atroposd: one supervised service for Atropos reinforcement-learning jobs."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+import sys
+
+from atroposd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,183 @@
+"""The ``atroposd`` command line: argument parsing only; each command is a small function.
+
+Control commands (start, stop, status, reload, logs, config) and the API child never import
+torch, transformers or vllm: handlers import what they need lazily.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from atroposd import __version__
+
+EXIT_OK = 0
+EXIT_RUNTIME = 1
+EXIT_USAGE = 2
+EXIT_NOT_RUNNING = 3
+EXIT_ALREADY_RUNNING = 4
+EXIT_STOP_TIMEOUT = 5
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse exits 2 on bad usage already; keep its message format."""
+
+
+def _add_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--config", metavar="FILE",
+                   help="config file (default: $ATROPOSD_CONFIG, ./atroposd.toml, "
+                        "/etc/atroposd/atroposd.toml, else the built-in defaults)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="atroposd", description="Run an Atropos reinforcement-learning job as one supervised "
+                                                  "service.")
+    parser.add_argument("--version", action="version", version=f"atroposd {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    def cmd(name: str, help: str, handler: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        _add_config(p)
+        p.set_defaults(handler=handler)
+        return p
+
+    cmd("run", "run the job in the foreground (what systemd's ExecStart runs)", _run)
+    cmd("start", "start the daemon in the background; return once it is READY or has failed", _start)
+    p = cmd("stop", "stop the daemon gracefully; return when every process is gone", _stop)
+    p.add_argument("--timeout", type=float, metavar="S",
+                   help="seconds to wait (default: checkpoint_timeout + stop_timeout + 10)")
+    p = cmd("status", "components, trainer progress, queue", _status)
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    cmd("reload", "re-read the config and apply environment changes live", _reload)
+    p = cmd("logs", "show a component's log", _logs)
+    p.add_argument("name", nargs="?", default="daemon", help="component (default: daemon)")
+    p.add_argument("-f", "--follow", action="store_true", help="follow, across rotation")
+    p.add_argument("-n", "--lines", type=int, default=50, help="lines to show first (default 50)")
+
+    cfg = sub.add_parser("config", help="check or show the configuration")
+    cfg_sub = cfg.add_subparsers(dest="config_command", metavar="ACTION")
+    cfg_sub.required = True
+    for name, helptext, handler in (("check", "validate; exit 0, or 2 with every problem listed", _config_check),
+                                    ("show", "the effective config as TOML, defaults filled in", _config_show),
+                                    ("example", "print the commented example (the built-in defaults)",
+                                     _config_example)):
+        p = cfg_sub.add_parser(name, help=helptext, description=helptext)
+        _add_config(p)
+        p.set_defaults(handler=handler)
+
+    p = cmd("plot", "draw metrics.jsonl (reward, accuracy, loss, KL, clipped fraction, staleness) to a PNG", _plot)
+    p.add_argument("-o", "--output", metavar="PNG", help="output file (default: {state_dir}/metrics.png)")
+    p.add_argument("--metrics", metavar="JSONL", help="metrics file (default: {state_dir}/metrics.jsonl)")
+
+    # Child entry points: each package owns its flags.
+    from atroposd.api import cli as api_cli
+    from atroposd.envs import cli as env_cli
+    from atroposd.inference import cli as inference_cli
+
+    for name, mod, helptext in (("api", api_cli, "the trajectory API server (wire-compatible with run-api)"),
+                                ("inference", inference_cli, "the inference server (/generate, OpenAI routes)"),
+                                ("env", env_cli, "a built-in environment")):
+        p = sub.add_parser(name, help=helptext, description=helptext)
+        _add_config(p)
+        mod.add_arguments(p)
+        p.set_defaults(handler=mod.main)
+    return parser
+
+
+# ----------------------------------------------------------------------------- handlers
+
+
+def load_or_exit(args: argparse.Namespace) -> Any:
+    """Load the config named by ``-c`` (or discovered); print every problem and exit 2 if invalid."""
+    from atroposd.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(getattr(args, "config", None))
+    except ConfigError as exc:
+        print(f"atroposd: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
+    return cfg
+
+
+def _config_check(args: argparse.Namespace) -> int:
+    cfg = load_or_exit(args)
+    for w in cfg.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    print(f"{cfg.source}: ok")
+    return EXIT_OK
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    from atroposd.config import dump_toml
+
+    cfg = load_or_exit(args)
+    print(f"# effective configuration from {cfg.source}")
+    sys.stdout.write(dump_toml(cfg))
+    return EXIT_OK
+
+
+def _config_example(args: argparse.Namespace) -> int:
+    from atroposd.config import render_example
+
+    sys.stdout.write(render_example())
+    return EXIT_OK
+
+
+def _run(args: argparse.Namespace) -> int:
+    from atroposd import commands
+
+    return commands.run(load_or_exit(args), args)
+
+
+def _start(args: argparse.Namespace) -> int:
+    from atroposd import commands
+
+    return commands.start(load_or_exit(args), args)
+
+
+def _stop(args: argparse.Namespace) -> int:
+    from atroposd import commands
+
+    return commands.stop(load_or_exit(args), args)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from atroposd import commands
+
+    return commands.status(load_or_exit(args), args)
+
+
+def _reload(args: argparse.Namespace) -> int:
+    from atroposd import commands
+
+    return commands.reload(load_or_exit(args), args)
+
+
+def _logs(args: argparse.Namespace) -> int:
+    from atroposd import commands
+
+    return commands.logs(load_or_exit(args), args)
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from atroposd import plot
+
+    return plot.main(load_or_exit(args), args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

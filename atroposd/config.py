@@ -1,0 +1,718 @@
+"""The one typed configuration of a job: schema, defaults, loading and validation.
+
+Every key of SPEC §3 is a dataclass field here, with its default and the comment that
+``atroposd.toml.example`` shows above it; the example file is rendered from this schema
+(``render_example``), so defaults are written in exactly one place.
+
+``load_config`` parses a TOML file, rejects unknown keys, type-checks every value and
+applies the cross-key rules, collecting *every* problem (``ConfigError.problems``, each
+with its key path) before raising.  Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_args, get_origin, get_type_hints
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on 3.10
+    import tomli as tomllib
+
+__all__ = [
+    "ApiConfig",
+    "Config",
+    "ConfigError",
+    "DaemonConfig",
+    "EnvConfig",
+    "InferenceConfig",
+    "Problem",
+    "TrainerConfig",
+    "VllmConfig",
+    "discover_config_path",
+    "dump_toml",
+    "load_config",
+    "parse_config",
+    "render_example",
+]
+
+BUILTIN_ENVS = ("arithmetic",)
+SOCKET_PATH_MAX = 107
+CONTROL_SOCKET_NAME = "control.sock"
+
+# ---------------------------------------------------------------------------- schema
+
+
+def _k(default: Any, doc: str, *, choices: Sequence[Any] | None = None, min: float | None = None,
+      max: float | None = None, gt: float | None = None, example: bool = True) -> Any:
+    """A config key: its default, the comment shown above it, and simple value rules."""
+    meta = {"doc": doc, "choices": choices, "min": min, "max": max, "gt": gt, "example": example}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class DaemonConfig:
+    runtime_dir: str = _k("", "Control socket, pidfile, weight manifests (mode 0700). Default: /run/atroposd as root,\n"
+                          "else $XDG_RUNTIME_DIR/atroposd, else /tmp/atroposd-$UID.")
+    state_dir: str = _k("", "Logs, checkpoints, metrics, spool, crash-recovery records. Default: /var/lib/atroposd\n"
+                        "as root, else $XDG_STATE_HOME/atroposd (~/.local/state/atroposd).")
+    log_level: str = _k("info", "debug | info | warning | error", choices=("debug", "info", "warning", "error"))
+    log_format: str = _k("auto", "auto: console on a TTY, JSON otherwise (journald-friendly) | console | json",
+                         choices=("auto", "console", "json"))
+    log_max_bytes: int = _k(52428800, "Per component log file, then rotated.", min=4096)
+    log_backups: int = _k(5, "Rotated log files kept per component.", min=0)
+    stop_timeout: float = _k(30.0, "Seconds for the children's termination, escalation to SIGKILL included.", gt=0)
+    checkpoint_timeout: float = _k(120.0, "Seconds a requested stop may spend writing the final checkpoint.", min=0)
+    metrics_port: int = _k(0, "Prometheus text format on 127.0.0.1; 0 = off.", min=0, max=65535)
+    socket_group: str = _k("", "Optional group allowed to use the control socket (mode 0660).")
+
+
+@dataclass
+class ApiConfig:
+    enabled: bool = _k(True, "false: use an API that runs elsewhere, at url.")
+    url: str = _k("", "Required when enabled = false, e.g. http://10.0.0.5:8000.")
+    host: str = _k("127.0.0.1", "Address the API binds.")
+    port: int = _k(8000, "Port the API binds.", min=1, max=65535)
+    token: str = _k("", "Optional bearer token; binding a non-loopback host without one warns.")
+    max_queued_sequences: int = _k(8192, "Hard cap on sequences held (queue + buffers + formed batches).", min=1)
+    max_request_bytes: int = _k(67108864, "Per request, after gzip decompression.", min=1024)
+    full_wait: float = _k(30.0, "Seconds a submission may wait for room when the queue is full, then 503.", min=0)
+    spool: bool = _k(True, "Accepted groups and registrations survive an API restart.")
+    spool_dir: str = _k("", "Default: {state_dir}/spool/api-{port}.")
+    command: list[str] = _k([], "Optional: run another wire-compatible API instead, e.g.\n"
+                            '["run-api", "--host", "127.0.0.1", "--port", "{port}"]')
+
+
+@dataclass
+class VllmConfig:
+    gpu_memory_utilization: float = _k(0.0, "Required (> 0) when vLLM shares a GPU with the trainer; on CPU the\n"
+                                       "fraction of host RAM for the KV cache (0 = 0.2 on CPU).", min=0, max=1)
+    enforce_eager: bool = _k(False, "Disable CUDA graphs (always on for the CPU backend).")
+    extra_args: list[str] = _k([], "Extra engine arguments, e.g. [\"--max-num-seqs\", \"64\"].")
+
+
+@dataclass
+class InferenceConfig:
+    enabled: bool = _k(True, "false: use an inference server that runs elsewhere, at url.")
+    url: str = _k("", "Required when enabled = false, e.g. http://10.0.0.6:9001.")
+    engine: str = _k("torch", "torch: built in, CPU or GPU | vllm: needs atroposd[vllm].", choices=("torch", "vllm"))
+    model: str = _k("builtin:tiny", "builtin:tiny (built locally, no download) or a local Hugging Face model directory.")
+    tokenizer: str = _k("", "Default: the model's. The one source of truth for every component.")
+    host: str = _k("127.0.0.1", "Address the inference server binds.")
+    port: int = _k(9001, "Port the inference server binds.", min=1, max=65535)
+    dtype: str = _k("auto", "auto: float32 on CPU, bfloat16 on GPU | float32 | bfloat16 | float16",
+                    choices=("auto", "float32", "bfloat16", "float16"))
+    device: str = _k("auto", "auto | cpu | cuda:N | a GPU UUID; the daemon sets CUDA_VISIBLE_DEVICES for the child.")
+    max_model_len: int = _k(4096, "Longest prompt + completion the server accepts, in tokens.", min=8)
+    ready_timeout: float = _k(600.0, "Seconds the server may take to become ready (health + one generation).", gt=0)
+    vllm: VllmConfig = field(default_factory=VllmConfig, metadata={"doc": "Only read when engine = \"vllm\"."})
+
+
+@dataclass
+class TrainerConfig:
+    enabled: bool = _k(True, "false: API + inference + environments only, for an external trainer.")
+    device: str = _k("auto", "auto | cpu | cuda:N | a GPU UUID")
+    steps: int = _k(3000, "Optimizer steps; the job stops by itself after the last.", min=1)
+    batch_size: int = _k(64, "Sequences per optimizer step.", min=1)
+    micro_batch_size: int = _k(32, "Sequences per forward/backward pass; divides batch_size.", min=1)
+    max_token_len: int = _k(512, "Longest sequence (prompt + completion) the trainer accepts, in tokens.", min=2)
+    optimizer: str = _k("adamw", "adamw | adafactor | adamw_8bit (needs bitsandbytes; never a silent fallback)",
+                        choices=("adamw", "adafactor", "adamw_8bit"))
+    lr: float = _k(3e-4, "Peak learning rate.", gt=0)
+    adam_betas: list[float] = _k([0.9, 0.99], "AdamW betas.")
+    weight_decay: float = _k(0.0, "Decoupled weight decay.", min=0)
+    warmup_steps: int = _k(0, "Linear warm-up steps, then constant.", min=0)
+    max_grad_norm: float = _k(1.0, "Gradient-norm clip.", gt=0)
+    loss: str = _k("grpo", "grpo | awsft (advantage-weighted SFT)", choices=("grpo", "awsft"))
+    clip_eps: float = _k(0.2, "Importance-ratio clip: [1 - clip_eps, 1 + clip_eps].", gt=0, max=1)
+    adv_std_floor: float = _k(0.1, "advantage = (score - group mean) / max(group std, adv_std_floor)", gt=0)
+    kl_coef: float = _k(0.04, "k3 KL penalty toward kl_reference; logged as mean_kl. 0 = off.", min=0)
+    kl_reference: str = _k("initial", "initial: a frozen copy of the starting weights | rollout: the sampling policy",
+                           choices=("initial", "rollout"))
+    distill_coef: float = _k(0.0, "> 0 uses distill_token_ids/distill_logprobs from teacher environments.", min=0)
+    distill_temperature: float = _k(1.0, "Temperature of the teacher distribution.", gt=0)
+    mode: str = _k("full", "full | lora", choices=("full", "lora"))
+    lora_r: int = _k(16, "LoRA rank.", min=1)
+    lora_alpha: int = _k(32, "LoRA alpha.", min=1)
+    lora_targets: list[str] = _k(["q_proj", "v_proj"], "Module names that get LoRA adapters.")
+    weight_sync: str = _k("auto", "auto | shared | push | reload; auto = shared for torch, push for vllm",
+                          choices=("auto", "shared", "push", "reload"))
+    sync_every: int = _k(1, "Steps between weight syncs (push and reload).", min=1)
+    max_staleness: int = _k(2, "Batches fetched ahead of the step being trained.", min=0)
+    data_timeout: float = _k(600.0, "No data and no live or restartable environment this long: the job fails.", gt=0)
+    checkpoint_every: int = _k(500, "Steps between checkpoints; also at the last step and on a requested stop.", min=1)
+    keep_checkpoints: int = _k(3, "Newest complete checkpoints kept.", min=1)
+    resume: bool = _k(True, "Continue from the newest complete checkpoint in state_dir.")
+    seed: int = _k(0, "Seeds the model's initialisation, sampling and environments (seed + replica).", min=0)
+
+
+@dataclass
+class EnvConfig:
+    name: str = _k("", "Required, unique; replicas are named NAME-0, NAME-1, ...")
+    builtin: str = _k("", "A built-in environment (arithmetic). Exactly one of builtin and command is required.")
+    command: list[str] = _k([], "An environment's command line, with {placeholders}.", example=False)
+    options: dict[str, Any] = _k({}, "Options of a built-in environment.")
+    group_size: int = _k(8, "Completions per prompt (one group).", min=1)
+    weight: float = _k(1.0, "Share of each batch relative to the other environments.", min=0)
+    replicas: int = _k(1, "Processes of this environment.", min=1, max=256)
+    restart: str = _k("on-failure", "on-failure | always | never (a clean exit 0 is \"finished\" under on-failure)",
+                      choices=("on-failure", "always", "never"))
+    max_restarts: int = _k(5, "Within restart_window seconds, then the component is failed.", min=0)
+    restart_window: float = _k(60.0, "Seconds over which max_restarts counts exits.", gt=0)
+    ready: str = _k("registered", "registered (with the API) | started (alive for start_seconds)",
+                    choices=("registered", "started"))
+    start_seconds: float = _k(1.0, "Seconds alive that count as started.", min=0)
+    ready_timeout: float = _k(120.0, "Seconds the environment may take to become ready.", gt=0)
+    stop_signal: str = _k("SIGTERM", "Signal that asks the environment to stop.")
+    port_base: int = _k(0, "> 0: replica i gets {replica_port} = port_base + i.", min=0, max=65535)
+
+    def replica_names(self) -> list[str]:
+        return [f"{self.name}-{i}" for i in range(self.replicas)]
+
+
+@dataclass
+class Config:
+    daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    env: list[EnvConfig] = field(default_factory=list)
+    # Where the config came from ("<built-in defaults>" when no file was found); not a key.
+    source: str = field(default="<built-in defaults>", compare=False, metadata={"internal": True})
+    warnings: list[str] = field(default_factory=list, compare=False, metadata={"internal": True})
+
+    # --------------------------------------------------------------- derived values
+
+    @property
+    def runtime_dir(self) -> Path:
+        return Path(self.daemon.runtime_dir) if self.daemon.runtime_dir else default_runtime_dir()
+
+    @property
+    def state_dir(self) -> Path:
+        return Path(self.daemon.state_dir) if self.daemon.state_dir else default_state_dir()
+
+    @property
+    def control_socket(self) -> Path:
+        return self.runtime_dir / CONTROL_SOCKET_NAME
+
+    @property
+    def api_url(self) -> str:
+        if not self.api.enabled:
+            return self.api.url.rstrip("/")
+        return f"http://{_url_host(self.api.host)}:{self.api.port}"
+
+    @property
+    def inference_url(self) -> str:
+        if not self.inference.enabled:
+            url = self.inference.url.rstrip("/")
+            return url[: -len("/v1")] if url.endswith("/v1") else url
+        return f"http://{_url_host(self.inference.host)}:{self.inference.port}"
+
+    @property
+    def spool_dir(self) -> Path:
+        if self.api.spool_dir:
+            return Path(self.api.spool_dir)
+        return self.state_dir / "spool" / f"api-{self.api.port}"
+
+    @property
+    def weight_sync(self) -> str:
+        """The resolved weight-sync mode (``auto`` → shared for torch, push for vllm)."""
+        mode = self.trainer.weight_sync
+        if mode == "auto":
+            if self.trainer.mode == "lora":
+                return "shared" if self.inference.engine == "torch" else "reload"
+            return "shared" if self.inference.engine == "torch" else "push"
+        return mode
+
+    def env_by_name(self, name: str) -> EnvConfig | None:
+        return next((e for e in self.env if e.name == name), None)
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def default_runtime_dir() -> Path:
+    if os.geteuid() == 0:
+        return Path("/run/atroposd")
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return Path(xdg) / "atroposd"
+    return Path(f"/tmp/atroposd-{os.getuid()}")
+
+
+def default_state_dir() -> Path:
+    if os.geteuid() == 0:
+        return Path("/var/lib/atroposd")
+    xdg = os.environ.get("XDG_STATE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".local" / "state"
+    return base / "atroposd"
+
+
+# The built-in defaults are the embedded CPU job: the schema defaults plus one environment.
+DEFAULT_ENVS: tuple[dict[str, Any], ...] = ({"name": "arithmetic", "builtin": "arithmetic"},)
+
+# ---------------------------------------------------------------------------- errors
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
+
+
+class ConfigError(Exception):
+    """An invalid configuration; ``problems`` lists every one found."""
+
+    def __init__(self, problems: Sequence[Problem], source: str = "") -> None:
+        self.problems = list(problems)
+        self.source = source
+        head = f"invalid configuration {source}".rstrip() + f" ({len(self.problems)} problem"
+        head += "s)" if len(self.problems) != 1 else ")"
+        super().__init__(head + ":\n" + "\n".join(f"  {p}" for p in self.problems))
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def discover_config_path(explicit: str | os.PathLike[str] | None = None) -> Path | None:
+    """SPEC §2: -c FILE, else $ATROPOSD_CONFIG, else ./atroposd.toml, else /etc/atroposd/atroposd.toml."""
+    if explicit:
+        return Path(explicit)
+    env = os.environ.get("ATROPOSD_CONFIG")
+    if env:
+        return Path(env)
+    for candidate in (Path("atroposd.toml"), Path("/etc/atroposd/atroposd.toml")):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def load_config(path: str | os.PathLike[str] | None = None, *, discover: bool = True) -> Config:
+    """Load and validate a config; ``None`` follows the discovery order, then built-in defaults."""
+    found = discover_config_path(path) if discover else (Path(path) if path else None)
+    if found is None:
+        cfg = parse_config({"env": [dict(e) for e in DEFAULT_ENVS]}, source="<built-in defaults>")
+        return cfg
+    try:
+        text = found.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError([Problem("", f"config file not found: {found}")], str(found)) from None
+    except OSError as exc:
+        raise ConfigError([Problem("", f"cannot read {found}: {exc.strerror or exc}")], str(found)) from None
+    return parse_toml(text, source=str(found.resolve()))
+
+
+_TOML_POS = re.compile(r"\(at line (\d+), column (\d+)\)")
+
+
+def parse_toml(text: str, *, source: str = "<string>") -> Config:
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        msg = str(exc)
+        m = _TOML_POS.search(msg)
+        where = f"line {m.group(1)}, column {m.group(2)}" if m else "unknown position"
+        base = _TOML_POS.sub("", msg).strip()
+        raise ConfigError([Problem("", f"TOML syntax error at {where}: {base}")], source) from None
+    return parse_config(raw, source=source)
+
+
+def parse_config(raw: Mapping[str, Any], *, source: str = "<dict>") -> Config:
+    """Build a validated :class:`Config` from a parsed TOML mapping; raises ConfigError."""
+    problems: list[Problem] = []
+    sections: dict[str, Any] = {}
+    for name in raw:
+        if name not in ("daemon", "api", "inference", "trainer", "env"):
+            problems.append(Problem(name, "unknown section" + _suggest(name, ("daemon", "api", "inference",
+                                                                                 "trainer", "env"))))
+    for name, cls in (("daemon", DaemonConfig), ("api", ApiConfig), ("inference", InferenceConfig),
+                      ("trainer", TrainerConfig)):
+        value = raw.get(name, {})
+        if not isinstance(value, Mapping):
+            problems.append(Problem(name, f"must be a table, got {_type_name(value)}"))
+            value = {}
+        sections[name] = _build(cls, value, name, problems)
+    envs_raw = raw.get("env", [])
+    envs: list[EnvConfig] = []
+    if not isinstance(envs_raw, list):
+        problems.append(Problem("env", "must be an array of tables ([[env]])"))
+        envs_raw = []
+    for i, item in enumerate(envs_raw):
+        if not isinstance(item, Mapping):
+            problems.append(Problem(f"env[{i}]", "must be a table"))
+            continue
+        envs.append(_build(EnvConfig, item, f"env[{i}]", problems))
+    cfg = Config(daemon=sections["daemon"], api=sections["api"], inference=sections["inference"],
+                 trainer=sections["trainer"], env=envs, source=source)
+    problems.extend(_cross_checks(cfg, raw))
+    if problems:
+        raise ConfigError(problems, source)
+    if not cfg.env:
+        cfg.warnings.append("no [[env]]: the job has no environments (they must run elsewhere)")
+    if cfg.api.enabled and cfg.api.host not in ("127.0.0.1", "localhost", "::1") and not cfg.api.token:
+        cfg.warnings.append(f"api.host = {cfg.api.host!r} is not loopback and api.token is empty")
+    return cfg
+
+
+def _type_name(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "a table"}.get(type(value), type(value).__name__)
+
+
+def _suggest(name: str, known: Sequence[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _build(cls: type, raw: Mapping[str, Any], prefix: str, problems: list[Problem]) -> Any:
+    hints = get_type_hints(cls)
+    known = {f.name: f for f in fields(cls) if not f.metadata.get("internal")}
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        path = f"{prefix}.{key}"
+        f = known.get(key)
+        if f is None:
+            problems.append(Problem(path, "unknown key" + _suggest(key, list(known))))
+            continue
+        typ = hints[f.name]
+        if dataclasses.is_dataclass(typ):
+            if not isinstance(value, Mapping):
+                problems.append(Problem(path, f"must be a table, got {_type_name(value)}"))
+                continue
+            kwargs[key] = _build(typ, value, path, problems)  # type: ignore[arg-type]
+            continue
+        err, coerced = _check_value(typ, value, f.metadata)
+        if err:
+            problems.append(Problem(path, err))
+        else:
+            kwargs[key] = coerced
+    return cls(**kwargs)
+
+
+def _check_value(typ: Any, value: Any, meta: Mapping[str, Any]) -> tuple[str | None, Any]:
+    origin = get_origin(typ)
+    if typ is bool:
+        if not isinstance(value, bool):
+            return f"must be true or false, got {_type_name(value)}", None
+    elif typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"must be an integer, got {_type_name(value)}", None
+    elif typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"must be a number, got {_type_name(value)}", None
+        value = float(value)
+        if value != value or value in (float("inf"), float("-inf")):
+            return "must be a finite number", None
+    elif typ is str:
+        if not isinstance(value, str):
+            return f"must be a string, got {_type_name(value)}", None
+    elif origin is list:
+        (item,) = get_args(typ)
+        if not isinstance(value, list):
+            return f"must be an array, got {_type_name(value)}", None
+        out = []
+        for i, v in enumerate(value):
+            err, c = _check_value(item, v, {})
+            if err:
+                return f"element {i} {err}", None
+            out.append(c)
+        value = out
+    elif origin is dict:
+        if not isinstance(value, Mapping):
+            return f"must be a table, got {_type_name(value)}", None
+        value = dict(value)
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        return "must be one of " + ", ".join(repr(c) for c in choices) + f"; got {value!r}", None
+    lo, hi, gt = meta.get("min"), meta.get("max"), meta.get("gt")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if lo is not None and value < lo:
+            return f"must be ≥ {_num(lo)}, got {_num(value)}", None
+        if gt is not None and value <= gt:
+            return f"must be > {_num(gt)}, got {_num(value)}", None
+        if hi is not None and value > hi:
+            return f"must be ≤ {_num(hi)}, got {_num(value)}", None
+    return None, value
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else repr(v)
+
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_RESERVED_NAMES = {"api", "inference", "trainer", "daemon"}
+
+
+def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
+    import signal as _signal
+
+    p: list[Problem] = []
+    t, api, inf = cfg.trainer, cfg.api, cfg.inference
+    # external components: url given exactly when enabled = false
+    for name, sec in (("api", api), ("inference", inf)):
+        if not sec.enabled and not sec.url:
+            p.append(Problem(f"{name}.url", f"required when {name}.enabled = false"))
+        if sec.enabled and sec.url:
+            p.append(Problem(f"{name}.url", f"must be empty when {name}.enabled = true (the daemon runs it at "
+                                            f"{name}.host:{name}.port)"))
+        if sec.url and not re.match(r"^https?://[^/\s]+(/.*)?$", sec.url):
+            p.append(Problem(f"{name}.url", f"must be an http:// or https:// URL, got {sec.url!r}"))
+    if t.micro_batch_size > t.batch_size:
+        p.append(Problem("trainer.micro_batch_size", f"must be ≤ trainer.batch_size ({t.batch_size})"))
+    elif t.batch_size % t.micro_batch_size:
+        p.append(Problem("trainer.micro_batch_size", f"must divide trainer.batch_size ({t.batch_size})"))
+    if len(t.adam_betas) != 2 or not all(0 <= b < 1 for b in t.adam_betas):
+        p.append(Problem("trainer.adam_betas", "must be two numbers in [0, 1)"))
+    if t.max_token_len > inf.max_model_len:
+        p.append(Problem("trainer.max_token_len", f"must be ≤ inference.max_model_len ({inf.max_model_len})"))
+    if t.mode == "lora" and not t.lora_targets:
+        p.append(Problem("trainer.lora_targets", "must name at least one module when trainer.mode = \"lora\""))
+    # engine × sync × mode (SPEC §7)
+    if t.enabled:
+        sync = cfg.weight_sync
+        if inf.engine == "vllm" and sync == "shared":
+            p.append(Problem("trainer.weight_sync", "\"shared\" is not possible with inference.engine = \"vllm\" "
+                                                    "(vLLM fuses and repacks weights); use \"push\" or \"reload\""))
+        if t.mode == "lora":
+            allowed = ("shared", "reload") if inf.engine == "torch" else ("reload",)
+            if sync not in allowed:
+                p.append(Problem("trainer.weight_sync", f"must be {' or '.join(map(repr, allowed))} with "
+                                                        f"trainer.mode = \"lora\" and inference.engine = "
+                                                        f"\"{inf.engine}\""))
+        if not inf.enabled and sync in ("shared", "push"):
+            p.append(Problem("trainer.weight_sync", f"\"{sync}\" needs a local inference server "
+                                                    "(inference.enabled = true); use \"reload\""))
+    if inf.engine == "vllm" and inf.vllm.gpu_memory_utilization == 0.0 and t.enabled and \
+            _is_cuda(inf.device) and _is_cuda(t.device) and inf.device == t.device:
+        p.append(Problem("inference.vllm.gpu_memory_utilization",
+                         "must be > 0 when vLLM shares a GPU with the trainer"))
+    for name, sec in (("inference", inf), ("trainer", t)):
+        if not re.match(r"^(auto|cpu|cuda(:\d+)?|GPU-[0-9a-fA-F-]+)$", sec.device):
+            p.append(Problem(f"{name}.device", f"must be auto, cpu, cuda:N or a GPU UUID, got {sec.device!r}"))
+    if not inf.model:
+        p.append(Problem("inference.model", "must not be empty"))
+    elif inf.model.startswith("builtin:") and inf.model != "builtin:tiny":
+        p.append(Problem("inference.model", f"unknown built-in model {inf.model!r} (known: builtin:tiny)"))
+    # ports distinct
+    ports: dict[int, str] = {}
+
+    def claim(port: int, path: str) -> None:
+        if port in ports:
+            p.append(Problem(path, f"port {port} is already used by {ports[port]}"))
+        else:
+            ports[port] = path
+
+    if api.enabled:
+        claim(api.port, "api.port")
+    if inf.enabled:
+        claim(inf.port, "inference.port")
+    if cfg.daemon.metrics_port:
+        claim(cfg.daemon.metrics_port, "daemon.metrics_port")
+    # environments
+    seen: dict[str, int] = {}
+    replica_names: set[str] = set()
+    for i, e in enumerate(cfg.env):
+        pre = f"env[{i}]"
+        env_raw = raw.get("env", [])[i] if isinstance(raw.get("env"), list) else {}
+        if "name" not in env_raw or not e.name:
+            p.append(Problem(f"{pre}.name", "required"))
+        elif not _NAME_RE.match(e.name):
+            p.append(Problem(f"{pre}.name", "must be 1-63 characters of letters, digits, '.', '_' or '-', "
+                                            f"starting with a letter or digit; got {e.name!r}"))
+        elif e.name in _RESERVED_NAMES:
+            p.append(Problem(f"{pre}.name", f"{e.name!r} is reserved for a daemon component"))
+        elif e.name in seen:
+            p.append(Problem(f"{pre}.name", f"duplicate name {e.name!r} (also env[{seen[e.name]}])"))
+        else:
+            seen[e.name] = i
+            for rn in e.replica_names():
+                replica_names.add(rn)
+        has_builtin, has_cmd = bool(e.builtin), bool(e.command)
+        if has_builtin == has_cmd:
+            p.append(Problem(pre, "exactly one of builtin and command is required"))
+        if has_builtin and e.builtin not in BUILTIN_ENVS:
+            p.append(Problem(f"{pre}.builtin", f"unknown built-in environment {e.builtin!r} "
+                                               f"(known: {', '.join(BUILTIN_ENVS)})"))
+        if e.options and not has_builtin:
+            p.append(Problem(f"{pre}.options", "only a builtin environment takes options"))
+        if has_builtin and e.builtin in BUILTIN_ENVS:
+            from atroposd.envs.options import validate_options
+
+            for path, msg in validate_options(e.builtin, e.options):
+                p.append(Problem(f"{pre}.options.{path}" if path else f"{pre}.options", msg))
+        if t.enabled and e.group_size > t.batch_size:
+            p.append(Problem(f"{pre}.group_size", f"must be ≤ trainer.batch_size ({t.batch_size})"))
+        if e.group_size > cfg.api.max_queued_sequences:
+            p.append(Problem(f"{pre}.group_size", f"must be ≤ api.max_queued_sequences "
+                                                  f"({cfg.api.max_queued_sequences})"))
+        sig = e.stop_signal.upper()
+        if not sig.startswith("SIG"):
+            sig = "SIG" + sig
+        if sig not in _signal.Signals.__members__:
+            p.append(Problem(f"{pre}.stop_signal", f"unknown signal {e.stop_signal!r}"))
+        if e.port_base:
+            if e.port_base + e.replicas - 1 > 65535:
+                p.append(Problem(f"{pre}.port_base", "port_base + replicas - 1 must be ≤ 65535"))
+            for r in range(e.replicas):
+                claim(e.port_base + r, f"{pre}.port_base")
+        if e.command:
+            unknown = _unknown_placeholders(e.command)
+            if unknown:
+                p.append(Problem(f"{pre}.command", "unknown placeholder " + ", ".join("{" + u + "}"
+                                                                                      for u in unknown)))
+            if "{replica_port}" in " ".join(e.command) and not e.port_base:
+                p.append(Problem(f"{pre}.port_base", "must be > 0 when command uses {replica_port}"))
+    if api.command:
+        unknown = _unknown_placeholders(api.command, extra=("port",))
+        if unknown:
+            p.append(Problem("api.command", "unknown placeholder " + ", ".join("{" + u + "}" for u in unknown)))
+    # the control socket path must fit in sun_path
+    sock = str(cfg.control_socket)
+    if len(sock.encode()) > SOCKET_PATH_MAX:
+        p.append(Problem("daemon.runtime_dir", f"control socket path {sock!r} is {len(sock.encode())} bytes; "
+                                               f"it must fit in {SOCKET_PATH_MAX}"))
+    if cfg.daemon.socket_group:
+        import grp
+
+        try:
+            grp.getgrnam(cfg.daemon.socket_group)
+        except KeyError:
+            p.append(Problem("daemon.socket_group", f"no such group {cfg.daemon.socket_group!r}"))
+    return p
+
+
+PLACEHOLDERS = ("api_url", "inference_url", "openai_url", "model", "tokenizer", "group_size", "max_token_len",
+                "steps", "name", "replica", "seed", "replica_port")
+_PLACEHOLDER_RE = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def _unknown_placeholders(command: Sequence[str], extra: Sequence[str] = ()) -> list[str]:
+    known = set(PLACEHOLDERS) | set(extra)
+    return sorted({m for arg in command for m in _PLACEHOLDER_RE.findall(arg) if m not in known})
+
+
+def fill_placeholders(command: Sequence[str], values: Mapping[str, str]) -> list[str]:
+    """Replace ``{name}`` placeholders (only known names; other braces are left alone)."""
+    return [_PLACEHOLDER_RE.sub(lambda m: values.get(m.group(1), m.group(0)), arg) for arg in command]
+
+
+def _is_cuda(device: str) -> bool:
+    return device.startswith("cuda") or device.startswith("GPU-")
+
+
+# ---------------------------------------------------------------------------- rendering
+
+
+def to_dict(cfg: Config, *, resolved: bool = True) -> dict[str, Any]:
+    """The config as plain TOML-able data (internal fields dropped; paths resolved if asked)."""
+    def conv(obj: Any) -> Any:
+        if dataclasses.is_dataclass(obj):
+            return {f.name: conv(getattr(obj, f.name)) for f in fields(obj) if not f.metadata.get("internal")}
+        if isinstance(obj, list):
+            return [conv(x) for x in obj]
+        if isinstance(obj, dict):
+            return {k: conv(v) for k, v in obj.items()}
+        return obj
+
+    out = conv(cfg)
+    if resolved:
+        out["daemon"]["runtime_dir"] = str(cfg.runtime_dir)
+        out["daemon"]["state_dir"] = str(cfg.state_dir)
+        if cfg.api.enabled:
+            out["api"]["spool_dir"] = str(cfg.spool_dir)
+    return out
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e16):
+            return f"{v:.6g}".replace("e-0", "e-")
+        r = repr(v)
+        return r if ("." in r or "e" in r) else r + ".0"
+    if isinstance(v, str):
+        import json
+
+        return json.dumps(v, ensure_ascii=False)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot render {type(v).__name__} as TOML")
+
+
+def _toml_key(k: str) -> str:
+    return k if re.match(r"^[A-Za-z0-9_-]+$", k) else _toml_value(k)
+
+
+def _render(cfg: Config, *, comments: bool, resolved: bool) -> str:
+    data = to_dict(cfg, resolved=resolved)
+    out: list[str] = []
+
+    def section(header: str, cls_obj: Any, values: Mapping[str, Any]) -> None:
+        out.append(header)
+        for f in fields(cls_obj):
+            if f.metadata.get("internal") or dataclasses.is_dataclass(getattr(cls_obj, f.name)):
+                continue
+            value = values[f.name]
+            if comments:
+                for line in f.metadata["doc"].splitlines():
+                    out.append(f"# {line}")
+            if comments and not f.metadata.get("example", True) and not value:
+                out.append(f"# {f.name} = [\"python\", \"environments/gsm8k_server.py\", \"serve\", ...]")
+            elif f.metadata.get("example", True) or value:
+                out.append(f"{f.name} = {_toml_value(value)}")
+        out.append("")
+
+    section("[daemon]", cfg.daemon, data["daemon"])
+    section("[api]", cfg.api, data["api"])
+    section("[inference]", cfg.inference, data["inference"])
+    if comments:
+        out.append("# " + fields(InferenceConfig)[-1].metadata["doc"])
+    section("[inference.vllm]", cfg.inference.vllm, data["inference"]["vllm"])
+    section("[trainer]", cfg.trainer, data["trainer"])
+    for e, ed in zip(cfg.env, data["env"]):
+        section("[[env]]", e, ed)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def dump_toml(cfg: Config) -> str:
+    """The effective config as TOML, every key present, paths resolved (``config show``)."""
+    return _render(cfg, comments=False, resolved=True)
+
+
+EXAMPLE_HEADER = """\
+# atroposd configuration: every key at its default. These defaults are the embedded CPU job:
+# the built-in tiny model learns the built-in arithmetic task, no GPU and no download needed.
+# Copy to /etc/atroposd/atroposd.toml (or ./atroposd.toml, or pass -c FILE) and edit.
+# `atroposd config check` validates a file; `atroposd config show` prints the effective config.
+
+"""
+
+
+def render_example() -> str:
+    """The text of ``atroposd.toml.example``: built-in defaults, each key with its comment."""
+    cfg = load_config(None, discover=False)
+    return EXAMPLE_HEADER + _render(cfg, comments=True, resolved=False)

@@ -1,0 +1,88 @@
+"""Shared fixtures.  Every test runs under a leak check: no process it started, no shared-memory
+segment of atroposd and no listening socket of its own may outlive it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+# Every process a test starts inherits this marker, so escaped grandchildren are found too.
+RUN_MARKER = "ATROPOSD_TEST_RUN"
+os.environ.setdefault(RUN_MARKER, uuid.uuid4().hex)
+_MARK = os.environ[RUN_MARKER]
+
+
+def _marked_processes() -> list[psutil.Process]:
+    me = os.getpid()
+    found = []
+    for proc in psutil.process_iter(["pid", "uids"]):
+        if proc.pid == me or proc.info["uids"] is None or proc.info["uids"].real != os.getuid():
+            continue
+        try:
+            if proc.environ().get(RUN_MARKER) == _MARK and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+    return found
+
+
+def _shm_segments() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("atroposd")}
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail a test that leaves a process or an atroposd shared-memory segment behind."""
+    before_shm = _shm_segments()
+    before = {p.pid for p in _marked_processes()}
+    yield
+    deadline = time.monotonic() + 5.0
+    leaked: list[psutil.Process] = []
+    while time.monotonic() < deadline:
+        leaked = [p for p in _marked_processes() if p.pid not in before]
+        if not leaked:
+            break
+        time.sleep(0.05)
+    descr = []
+    for p in leaked:
+        try:
+            descr.append(f"{p.pid} {' '.join(p.cmdline())[:160]}")
+            p.send_signal(signal.SIGKILL)
+        except psutil.Error:
+            pass
+    new_shm = _shm_segments() - before_shm
+    for name in new_shm:
+        try:
+            os.unlink(f"/dev/shm/{name}")
+        except OSError:
+            pass
+    problems = []
+    if descr:
+        problems.append("processes left behind:\n  " + "\n  ".join(descr))
+    if new_shm:
+        problems.append(f"shared-memory segments left behind: {sorted(new_shm)}")
+    if problems:
+        pytest.fail("\n".join(problems), pytrace=False)
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A short temporary directory (Unix socket paths must fit in 107 bytes)."""
+    import shutil
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="apd-", dir="/tmp"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
