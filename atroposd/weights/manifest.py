@@ -1,0 +1,343 @@
+"""The weight manifest: what the trainer exported, where, and by whom.
+
+A manifest is one JSON file, ``{weights_dir}/manifest-<nonce>.json`` (mode 0600, written to a
+temporary name and renamed), describing every exported tensor of one export:
+
+```
+{"format": 1, "nonce": "<daemon nonce>", "exporter_pid": 4242, "exporter_start_time": 1.7e9,
+ "export_id": 3, "weight_version": 17, "transport": "shm" | "cuda_ipc", "created_at": 1.7e9,
+ "segments": [{"index": 0, "name": "atroposd-<nonce>-0", "size": 1327104, "handle": null,
+               "device_uuid": null}],
+ "tensors": [{"name": "model.embed_tokens.weight", "dtype": "float32", "shape": [22, 128],
+              "stride": [128, 1], "segment": 0, "offset": 0, "nbytes": 11264,
+              "checksum": 0.123}],
+ "tied": {"lm_head.weight": "model.embed_tokens.weight"},
+ "lora": null}
+```
+
+The importer checks all of it before it touches memory (``Manifest.load`` + ``check_against``):
+the nonce is the one it was started with, the exporter (pid + start time) is alive, the file
+is owned by this user and not readable by others, every dtype is in ``ALLOWED_DTYPES`` and
+equal to the importer's own, every shape equals the importer's, every tensor lies inside its
+segment, no tensor is missing and none is extra. Any mismatch raises :class:`ManifestError`
+naming the tensor. Nothing is zero-filled, skipped or looked up anywhere else.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import stat
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+__all__ = [
+    "ALLOWED_DTYPES",
+    "FORMAT_VERSION",
+    "Manifest",
+    "ManifestError",
+    "SegmentRef",
+    "TensorEntry",
+    "TensorSpec",
+    "manifest_path",
+    "process_start_time",
+    "write_atomic",
+]
+
+FORMAT_VERSION = 1
+ALLOWED_DTYPES = ("float32", "bfloat16", "float16")
+NONCE_RE = re.compile(r"^[A-Za-z0-9_-]{4,64}$")
+# Tensors start on this boundary inside a segment (cache line; enough for every allowed dtype).
+ALIGNMENT = 64
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+
+
+class ManifestError(ValueError):
+    """A manifest that must not be used; the message names the tensor or field at fault."""
+
+
+@dataclass(frozen=True)
+class SegmentRef:
+    """One exported flat buffer: a POSIX shm segment (``name``) or a CUDA IPC handle."""
+
+    index: int
+    name: str
+    size: int
+    # CUDA IPC only: base64 of the pickled ``reduce_tensor`` args, and the physical GPU.
+    handle: str | None = None
+    device_uuid: str | None = None
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor inside a segment: ``nbytes`` bytes at ``offset``, contiguous ``shape``."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    segment: int
+    offset: int
+    nbytes: int
+    # float64 sum of the first CHECKSUM_ELEMENTS elements at export time (None: not recorded).
+    checksum: float | None = None
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What the importer expects of a tensor: its own dtype name and shape."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def process_start_time(pid: int) -> float | None:
+    """A process's start time (psutil ``create_time``), or None when it does not exist."""
+    import psutil
+
+    try:
+        return float(psutil.Process(pid).create_time())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return None
+
+
+def exporter_alive(pid: int, start_time: float) -> bool:
+    """True when ``pid`` runs and started at ``start_time`` (so it is not a recycled pid)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return abs(proc.create_time() - start_time) < 0.05
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+
+
+def manifest_path(weights_dir: Path, nonce: str) -> Path:
+    if not NONCE_RE.match(nonce):
+        raise ManifestError(f"invalid nonce {nonce!r}: expected 4-64 letters, digits, '_' or '-'")
+    return weights_dir / f"manifest-{nonce}.json"
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride: list[int] = []
+    acc = 1
+    for dim in reversed(shape):
+        stride.append(acc)
+        acc *= max(dim, 1)
+    return tuple(reversed(stride))
+
+
+def itemsize(dtype: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    nonce: str
+    exporter_pid: int
+    exporter_start_time: float
+    export_id: int
+    weight_version: int
+    transport: str
+    segments: tuple[SegmentRef, ...]
+    tensors: tuple[TensorEntry, ...]
+    tied: Mapping[str, str] = field(default_factory=dict)
+    # LoRA structure the importer must reproduce (r, alpha, targets); None for a full model.
+    lora: Mapping[str, Any] | None = None
+    created_at: float = 0.0
+    format: int = FORMAT_VERSION
+
+    # ------------------------------------------------------------------ (de)serialisation
+
+    def to_json(self) -> bytes:
+        data = asdict(self)
+        data["tied"] = dict(self.tied)
+        data["lora"] = dict(self.lora) if self.lora is not None else None
+        return orjson.dumps(data, option=orjson.OPT_INDENT_2)
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Manifest:
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise ManifestError(f"manifest is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ManifestError("manifest must be a JSON object")
+        try:
+            if data.get("format") != FORMAT_VERSION:
+                raise ManifestError(f"unsupported manifest format {data.get('format')!r} "
+                                    f"(expected {FORMAT_VERSION})")
+            segments = tuple(SegmentRef(index=_int(s["index"], "segment index"), name=str(s["name"]),
+                                        size=_int(s["size"], f"segment {s['name']} size"),
+                                        handle=s.get("handle"), device_uuid=s.get("device_uuid"))
+                             for s in data["segments"])
+            tensors = tuple(TensorEntry(name=str(t["name"]), dtype=str(t["dtype"]),
+                                        shape=tuple(_int(d, f"{t['name']} shape") for d in t["shape"]),
+                                        stride=tuple(_int(d, f"{t['name']} stride") for d in t["stride"]),
+                                        segment=_int(t["segment"], f"{t['name']} segment"),
+                                        offset=_int(t["offset"], f"{t['name']} offset"),
+                                        nbytes=_int(t["nbytes"], f"{t['name']} nbytes"),
+                                        checksum=t.get("checksum"))
+                            for t in data["tensors"])
+            tied = data.get("tied") or {}
+            if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                     for k, v in tied.items()):
+                raise ManifestError("'tied' must map tensor names to tensor names")
+            return cls(nonce=str(data["nonce"]), exporter_pid=_int(data["exporter_pid"], "exporter_pid"),
+                       exporter_start_time=float(data["exporter_start_time"]),
+                       export_id=_int(data["export_id"], "export_id"),
+                       weight_version=_int(data["weight_version"], "weight_version"),
+                       transport=str(data["transport"]), segments=segments, tensors=tensors, tied=tied,
+                       lora=data.get("lora"), created_at=float(data.get("created_at", 0.0)))
+        except (KeyError, TypeError) as exc:
+            raise ManifestError(f"manifest is missing or mistypes a field: {exc!r}") from None
+
+    def write(self, path: Path) -> None:
+        """Write atomically (temporary file, fsync, rename), mode 0600."""
+        write_atomic(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: Path, *, expected_nonce: str, weights_dir: Path,
+             exporter_alive: Callable[[int, float], bool] = exporter_alive) -> Manifest:
+        """Read and check a manifest's provenance: location, owner, mode, nonce, live exporter.
+
+        ``path`` must be exactly ``weights_dir/manifest-<expected_nonce>.json``: an importer
+        never searches for a manifest and never accepts one of another launch.
+        """
+        expected = manifest_path(weights_dir, expected_nonce)
+        if Path(os.path.abspath(path)) != Path(os.path.abspath(expected)):
+            raise ManifestError(f"manifest path {path} is not this launch's manifest ({expected})")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ManifestError(f"manifest {path} does not exist") from None
+        except OSError as exc:
+            raise ManifestError(f"cannot open manifest {path}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ManifestError(f"manifest {path} is not a regular file")
+            if st.st_uid != os.geteuid():
+                raise ManifestError(f"manifest {path} is owned by uid {st.st_uid}, not by this user")
+            if st.st_mode & 0o077:
+                raise ManifestError(f"manifest {path} has mode {stat.S_IMODE(st.st_mode):o}; expected 0600")
+            if st.st_size > MAX_MANIFEST_BYTES:
+                raise ManifestError(f"manifest {path} is {st.st_size} bytes (limit {MAX_MANIFEST_BYTES})")
+            with os.fdopen(fd, "rb", closefd=False) as fh:
+                raw = fh.read()
+        finally:
+            os.close(fd)
+        manifest = cls.from_json(raw)
+        if manifest.nonce != expected_nonce:
+            raise ManifestError(f"manifest nonce {manifest.nonce!r} is not this launch's ({expected_nonce!r}): "
+                                "stale manifest refused")
+        if not exporter_alive(manifest.exporter_pid, manifest.exporter_start_time):
+            raise ManifestError(f"manifest exporter pid {manifest.exporter_pid} (started "
+                                f"{manifest.exporter_start_time}) is not alive: stale manifest refused")
+        manifest.check_layout()
+        return manifest
+
+    # ------------------------------------------------------------------ validation
+
+    def check_layout(self) -> None:
+        """Internal consistency: names unique, dtypes allowed, sizes and bounds right."""
+        if self.transport not in ("shm", "cuda_ipc"):
+            raise ManifestError(f"unknown transport {self.transport!r}")
+        prefix = f"atroposd-{self.nonce}-"
+        seg_by_index: dict[int, SegmentRef] = {}
+        for seg in self.segments:
+            if seg.index in seg_by_index:
+                raise ManifestError(f"segment index {seg.index} appears twice")
+            if self.transport == "shm" and (not seg.name.startswith(prefix) or "/" in seg.name):
+                raise ManifestError(f"segment name {seg.name!r} is not of the form {prefix}<n>")
+            if self.transport == "cuda_ipc" and not seg.handle:
+                raise ManifestError(f"segment {seg.index} has no CUDA IPC handle")
+            if seg.size <= 0:
+                raise ManifestError(f"segment {seg.name!r} has size {seg.size}")
+            seg_by_index[seg.index] = seg
+        seen: set[str] = set()
+        for t in self.tensors:
+            if t.name in seen:
+                raise ManifestError(f"tensor {t.name!r} appears twice")
+            seen.add(t.name)
+            if t.dtype not in ALLOWED_DTYPES:
+                raise ManifestError(f"tensor {t.name!r}: dtype {t.dtype!r} is not allowed "
+                                    f"(allowed: {', '.join(ALLOWED_DTYPES)})")
+            if any(d < 0 for d in t.shape):
+                raise ManifestError(f"tensor {t.name!r}: negative dimension in shape {list(t.shape)}")
+            if t.stride != contiguous_stride(t.shape):
+                raise ManifestError(f"tensor {t.name!r}: stride {list(t.stride)} is not the contiguous "
+                                    f"stride of shape {list(t.shape)}")
+            numel = math.prod(t.shape)
+            if t.nbytes != numel * itemsize(t.dtype):
+                raise ManifestError(f"tensor {t.name!r}: nbytes {t.nbytes} != {numel} elements × "
+                                    f"{itemsize(t.dtype)} bytes")
+            seg = seg_by_index.get(t.segment)
+            if seg is None:
+                raise ManifestError(f"tensor {t.name!r}: segment {t.segment} is not in the manifest")
+            if t.offset < 0 or t.offset % itemsize(t.dtype):
+                raise ManifestError(f"tensor {t.name!r}: offset {t.offset} is not aligned")
+            if t.offset + t.nbytes > seg.size:
+                raise ManifestError(f"tensor {t.name!r}: bytes [{t.offset}, {t.offset + t.nbytes}) lie outside "
+                                    f"segment {seg.name!r} of {seg.size} bytes")
+        for alias, target in self.tied.items():
+            if alias in seen:
+                raise ManifestError(f"tied alias {alias!r} is also exported as a tensor")
+            if target not in seen:
+                raise ManifestError(f"tied alias {alias!r} points at {target!r}, which is not exported")
+
+    def check_against(self, expected: Mapping[str, TensorSpec], tied: Mapping[str, str]) -> dict[str, str]:
+        """Every expected tensor present with the same dtype and shape; nothing extra.
+
+        ``expected`` is the importer's own canonical tensors, ``tied`` its aliases. Returns
+        importer name → exported name (an importer that does not tie what the exporter ties
+        re-ties by mapping both names onto the one exported tensor).
+        """
+        from atroposd.weights.tensors import match_tensors
+
+        exported = {t.name: TensorSpec(t.dtype, tuple(t.shape)) for t in self.tensors}
+        return match_tensors(exported, self.tied, expected, tied)
+
+    def entry(self, name: str) -> TensorEntry:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise ManifestError(f"tensor {name!r} is not in the manifest")
+
+    def segment(self, index: int) -> SegmentRef:
+        for seg in self.segments:
+            if seg.index == index:
+                return seg
+        raise ManifestError(f"segment {index} is not in the manifest")
+
+
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ManifestError(f"{what} must be an integer, got {value!r}")
+    return value
+
+
+def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Write ``data`` to ``path`` atomically: a temporary file beside it, fsync, rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise

@@ -1,0 +1,383 @@
+"""The inference server's side of the weight exchange.
+
+The inference server's control socket routes ``POST /update_weights`` and ``POST /load`` to
+its engine, and the torch engine calls :func:`apply_update` / :func:`load_dir` with the
+request body. The caller must guarantee that no forward pass runs meanwhile (the trainer
+pauses generation around every update: ``/pause`` → update → ``/resume``).
+
+Requests
+--------
+
+``POST /update_weights``::
+
+    {"manifest": "/run/atroposd/weights/manifest-<nonce>.json",   # required, exactly this launch's
+     "mode": "attach" | "copy",                                     # required
+     "weight_version": 17}                                          # optional; must match the manifest
+
+* ``attach`` (``shared`` mode): map every segment (read-only) and rebind the model's tensors to
+  views of the trainer's memory. The mappings live in ``state`` until the next attach, a
+  ``copy``, or :meth:`ReceiverState.release`.
+* ``copy`` (``push`` mode): copy every tensor into the model's own memory. POSIX shm is read
+  through the file descriptor (nothing is mapped; the descriptor is closed on return); a CUDA
+  export is rebuilt, copied, synchronised and dropped before returning (the trainer then
+  calls ``ipc_collect``).
+
+``POST /load``::
+
+    {"path": "<state_dir>/sync/v17", "weight_version": 17}         # both required
+
+reads ``model.safetensors`` of a directory written by the trainer (``reload`` mode).
+
+Every request is validated completely before any model memory is touched: manifest
+provenance (nonce, live exporter pid + start time, owner, mode), dtypes (allow-list, equal
+to the model's), shapes, bounds, no tensor missing and none extra. Checksums recorded by the
+exporter are verified after the transfer. A bad request raises :class:`WeightUpdateError`
+(a ``ValueError``; the server answers 400 with its message) and leaves the model as it was.
+
+Each call returns ``{"weight_version", "mode", "tensors", "bytes", "export_id"}``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import torch
+
+from atroposd.logs import get_logger
+from atroposd.weights.manifest import Manifest, ManifestError, TensorSpec
+from atroposd.weights.shm import ShmError, ShmSegment, read_into
+from atroposd.weights.tensors import (
+    checksum,
+    ensure_lora,
+    match_tensors,
+    model_tensors,
+    same_checksum,
+    torch_dtype,
+)
+
+__all__ = ["ReceiverState", "WeightUpdateError", "apply_update", "load_dir"]
+
+log = get_logger(__name__)
+
+SYNC_WEIGHTS_FILE = "model.safetensors"
+SYNC_FORMAT = "atroposd-sync-1"
+
+
+class WeightUpdateError(ValueError):
+    """A weight update that was refused; the model is unchanged."""
+
+
+@dataclass
+class ReceiverState:
+    """What an inference process keeps between weight updates.
+
+    nonce: the daemon's per-launch nonce (``ATROPOSD_INSTANCE``); only its manifests are used.
+    weights_dir: ``{runtime_dir}/weights``; the only place a manifest is read from.
+    sync_dir: ``{state_dir}/sync``; the only place ``load`` reads from (None: anywhere given).
+    """
+
+    nonce: str
+    weights_dir: Path
+    sync_dir: Path | None = None
+    segments: list[Any] = field(default_factory=list)
+    export_id: int | None = None
+    weight_version: int | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Any, nonce: str | None = None) -> ReceiverState:
+        from atroposd.paths import Paths
+
+        paths = Paths.of(cfg)
+        nonce = nonce or os.environ.get("ATROPOSD_INSTANCE", "")
+        return cls(nonce=nonce, weights_dir=paths.weights_dir, sync_dir=paths.sync_dir)
+
+    @property
+    def attached(self) -> bool:
+        return bool(self.segments)
+
+    def release(self, model: torch.nn.Module | None = None) -> None:
+        """Drop every mapping. With ``model``, first give its tensors private copies."""
+        if not self.segments:
+            return
+        if model is not None:
+            _privatize(model, self.segments)
+        gc.collect()
+        for seg in self.segments:
+            if isinstance(seg, ShmSegment):
+                seg.close()  # raises ShmError naming the segment if a view is still alive
+        if any(not isinstance(s, ShmSegment) for s in self.segments):
+            torch.cuda.synchronize()
+        self.segments = []
+        self.export_id = None
+        gc.collect()
+
+
+def _privatize(model: torch.nn.Module, segments: list[Any]) -> None:
+    mt = model_tensors(model)
+    for name, t in list(mt.tensors.items()):
+        if any(_owns(seg, t) for seg in segments):
+            mt.rebind(name, t.detach().clone())
+
+
+def _owns(seg: Any, t: torch.Tensor) -> bool:
+    if isinstance(seg, ShmSegment):
+        return seg.owns(t)
+    if isinstance(seg, torch.Tensor):
+        base = seg.data_ptr()
+        return t.device == seg.device and base <= t.data_ptr() < base + seg.numel()
+    return False
+
+
+def _field(request: Mapping[str, Any], key: str, typ: type) -> Any:
+    if key not in request:
+        raise WeightUpdateError(f"request is missing {key!r}")
+    value = request[key]
+    if typ is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise WeightUpdateError(f"{key!r} must be an integer, got {value!r}")
+    if typ is str and not isinstance(value, str):
+        raise WeightUpdateError(f"{key!r} must be a string, got {value!r}")
+    return value
+
+
+def apply_update(model: torch.nn.Module, request: Mapping[str, Any], *, state: ReceiverState) -> dict[str, Any]:
+    """Attach to or copy from the export a manifest describes (see the module docstring)."""
+    if not isinstance(request, Mapping):
+        raise WeightUpdateError("request must be a JSON object")
+    mode = _field(request, "mode", str)
+    if mode not in ("attach", "copy"):
+        raise WeightUpdateError(f"'mode' must be 'attach' or 'copy', got {mode!r}")
+    path = Path(_field(request, "manifest", str))
+    if not state.nonce:
+        raise WeightUpdateError("this server has no launch nonce (ATROPOSD_INSTANCE); it cannot accept weights")
+    try:
+        manifest = Manifest.load(path, expected_nonce=state.nonce, weights_dir=state.weights_dir)
+    except ManifestError as exc:
+        raise WeightUpdateError(str(exc)) from None
+    if "weight_version" in request:
+        want = _field(request, "weight_version", int)
+        if want != manifest.weight_version:
+            raise WeightUpdateError(f"manifest holds weight_version {manifest.weight_version}, the request says "
+                                    f"{want}: stale manifest refused")
+    try:
+        ensure_lora(model, manifest.lora)
+        mt = model_tensors(model)
+        source = manifest.check_against(mt.specs(), mt.tied)
+    except ManifestError as exc:
+        raise WeightUpdateError(str(exc)) from None
+    device = next(iter(mt.tensors.values())).device
+    if manifest.transport == "cuda_ipc" and device.type != "cuda":
+        raise WeightUpdateError("a CUDA IPC export needs a model on a GPU")
+    if mode == "attach":
+        moved = _attach(model, manifest, source, state, device)
+    else:
+        moved = _copy(model, manifest, source, state, device)
+    state.weight_version = manifest.weight_version
+    log.info("weights updated", mode=mode, weight_version=manifest.weight_version, export_id=manifest.export_id,
+             tensors=len(source), bytes=moved)
+    return {"weight_version": manifest.weight_version, "mode": mode, "tensors": len(source), "bytes": moved,
+            "export_id": manifest.export_id}
+
+
+def _map_segments(manifest: Manifest) -> dict[int, Any]:
+    mapped: dict[int, Any] = {}
+    try:
+        for seg in manifest.segments:
+            if manifest.transport == "shm":
+                mapped[seg.index] = ShmSegment.attach(seg.name, seg.size)
+            else:
+                from atroposd.weights.cuda_ipc import rebuild_segment
+
+                assert seg.handle is not None and seg.device_uuid is not None
+                buf = rebuild_segment(seg.handle, seg.device_uuid)
+                if buf.numel() < seg.size:
+                    raise WeightUpdateError(f"CUDA segment {seg.index} is {buf.numel()} bytes; the manifest "
+                                            f"says {seg.size}")
+                mapped[seg.index] = buf
+    except (ShmError, OSError) as exc:
+        for m in mapped.values():
+            if isinstance(m, ShmSegment):
+                m.close()
+        raise WeightUpdateError(str(exc)) from None
+    return mapped
+
+
+def _view(mapped: Any, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if isinstance(mapped, ShmSegment):
+        return mapped.view(offset, nbytes, dtype, shape)
+    return mapped[offset:offset + nbytes].view(dtype).view(shape)
+
+
+def _attach(model: torch.nn.Module, manifest: Manifest, source: Mapping[str, str], state: ReceiverState,
+            device: torch.device) -> int:
+    if manifest.transport == "shm" and device.type != "cpu":
+        raise WeightUpdateError("attach to POSIX shared memory needs a model on the CPU")
+    mapped = _map_segments(manifest)
+    mt = model_tensors(model)
+    views: dict[str, torch.Tensor] = {}
+    problem: str | None = None
+    for mine, src in source.items():
+        e = manifest.entry(src)
+        v = _view(mapped[e.segment], e.offset, e.nbytes, torch_dtype(e.dtype), tuple(e.shape))
+        if not same_checksum(e.checksum, checksum(v)):
+            problem = f"tensor {mine!r}: checksum of the mapped memory differs from the exporter's"
+            break
+        views[mine] = v
+    v = None  # type: ignore[assignment]
+    if problem is not None:
+        views.clear()
+        for m in mapped.values():
+            if isinstance(m, ShmSegment):
+                m.close()
+        raise WeightUpdateError(problem)
+    old = state.segments
+    for mine, v in views.items():
+        mt.rebind(mine, v)
+    views.clear()
+    # The previous export's mappings are no longer referenced by the model: release them.
+    state.segments = []
+    for seg in old:
+        if isinstance(seg, ShmSegment):
+            seg.close()
+    state.segments = list(mapped.values())
+    state.export_id = manifest.export_id
+    if manifest.transport == "cuda_ipc":
+        torch.cuda.synchronize()
+    return sum(manifest.entry(s).nbytes for s in source.values())
+
+
+def _copy(model: torch.nn.Module, manifest: Manifest, source: Mapping[str, str], state: ReceiverState,
+          device: torch.device) -> int:
+    if state.segments:
+        state.release(model)  # leave shared mode: the model gets its own memory back
+    mt = model_tensors(model)
+    # Group the destinations by segment. A destination the exporter ties to another one
+    # (an importer that does not tie) is filled after its source.
+    by_seg: dict[int, list[tuple[int, torch.Tensor]]] = {}
+    later: list[tuple[str, str]] = []
+    first_of: dict[str, str] = {}
+    staging: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for mine, src in source.items():
+        if src in first_of:
+            later.append((mine, first_of[src]))
+            continue
+        first_of[src] = mine
+        e = manifest.entry(src)
+        dst = mt.tensors[mine]
+        if manifest.transport == "shm":
+            if dst.device.type != "cpu" or not dst.is_contiguous():
+                tmp = torch.empty(tuple(e.shape), dtype=dst.dtype, pin_memory=dst.device.type == "cuda")
+                staging.append((tmp, dst))
+                dst = tmp
+            by_seg.setdefault(e.segment, []).append((e.offset, dst.data))
+    total = 0
+    if manifest.transport == "shm":
+        try:
+            for seg in manifest.segments:
+                if seg.index in by_seg:
+                    total += read_into(seg.name, seg.size, by_seg[seg.index])
+        except (ShmError, OSError) as exc:
+            raise WeightUpdateError(f"copy failed (the model may hold a partial update): {exc}") from None
+        with torch.no_grad():
+            for tmp, dst in staging:
+                dst.copy_(tmp, non_blocking=False)
+    else:
+        mapped = _map_segments(manifest)
+        try:
+            with torch.no_grad():
+                for mine, src in source.items():
+                    if first_of[src] != mine:
+                        continue
+                    e = manifest.entry(src)
+                    v = _view(mapped[e.segment], e.offset, e.nbytes, torch_dtype(e.dtype), tuple(e.shape))
+                    mt.tensors[mine].copy_(v)
+                    total += e.nbytes
+                    del v
+            torch.cuda.synchronize()
+        finally:
+            mapped.clear()
+            gc.collect()
+    with torch.no_grad():
+        for mine, first in later:
+            mt.tensors[mine].copy_(mt.tensors[first])
+    for mine, src in source.items():
+        e = manifest.entry(src)
+        if not same_checksum(e.checksum, checksum(mt.tensors[mine])):
+            raise WeightUpdateError(f"tensor {mine!r}: checksum after the copy differs from the exporter's "
+                                    "(the export changed during the copy?)")
+    return total
+
+
+# ---------------------------------------------------------------------------- reload mode
+
+
+def load_dir(model: torch.nn.Module, path: str | os.PathLike[str], *, weight_version: int | None = None,
+             state: ReceiverState | None = None) -> dict[str, Any]:
+    """Load a directory the trainer wrote for ``reload`` (``model.safetensors``).
+
+    The file's metadata carries ``format`` and ``weight_version`` (which must equal
+    ``weight_version`` when given) and ``tied``. With ``state``, the directory must lie in
+    ``state.sync_dir``. Every tensor is checked before any is copied.
+    """
+    from safetensors import safe_open
+
+    directory = Path(path)
+    if state is not None and state.sync_dir is not None:
+        real = Path(os.path.realpath(directory))
+        root = Path(os.path.realpath(state.sync_dir))
+        if root not in real.parents:
+            raise WeightUpdateError(f"{directory} is not inside the sync directory {state.sync_dir}")
+    file = directory / SYNC_WEIGHTS_FILE
+    if not file.is_file():
+        raise WeightUpdateError(f"{file} does not exist")
+    try:
+        handle = safe_open(str(file), framework="pt", device="cpu")
+    except Exception as exc:  # safetensors raises its own error types for a damaged file
+        raise WeightUpdateError(f"cannot read {file}: {exc}") from None
+    with handle as f:
+        meta = f.metadata() or {}
+        if meta.get("format") != SYNC_FORMAT:
+            raise WeightUpdateError(f"{file} is not an atroposd sync file (format {meta.get('format')!r})")
+        try:
+            version = int(meta["weight_version"])
+            tied = orjson.loads(meta.get("tied", "{}"))
+            lora = orjson.loads(meta["lora"]) if meta.get("lora") else None
+        except (KeyError, ValueError, orjson.JSONDecodeError) as exc:
+            raise WeightUpdateError(f"{file}: bad metadata ({exc!r})") from None
+        if weight_version is not None and version != weight_version:
+            raise WeightUpdateError(f"{file} holds weight_version {version}, the request says {weight_version}: "
+                                    "stale weights refused")
+        exported: dict[str, TensorSpec] = {}
+        for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+            sl = f.get_slice(key)
+            exported[key] = TensorSpec(_st_dtype(sl.get_dtype(), key), tuple(sl.get_shape()))
+        try:
+            ensure_lora(model, lora)
+            if state is not None and state.segments:
+                state.release(model)
+            mt = model_tensors(model)
+            source = match_tensors(exported, tied, mt.specs(), mt.tied)
+        except ManifestError as exc:
+            raise WeightUpdateError(str(exc)) from None
+        total = 0
+        with torch.no_grad():
+            for mine, src in source.items():
+                t = f.get_tensor(src)
+                mt.tensors[mine].copy_(t)
+                total += t.numel() * t.element_size()
+    if state is not None:
+        state.weight_version = version
+    log.info("weights loaded", path=str(directory), weight_version=version, tensors=len(source), bytes=total)
+    return {"weight_version": version, "mode": "load", "tensors": len(source), "bytes": total, "export_id": None}
+
+
+def _st_dtype(name: str, key: str) -> str:
+    mapping = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    if name not in mapping:
+        raise WeightUpdateError(f"tensor {key!r}: dtype {name} is not allowed (allowed: float32, bfloat16, float16)")
+    return mapping[name]

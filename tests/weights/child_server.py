@@ -1,0 +1,160 @@
+"""A small stand-in inference server for the weight-exchange tests (a real separate process).
+
+It plays the inference server's weight-control socket: ``/pause``, ``/resume``,
+``/update_weights``, ``/load``, ``/weight_info`` over HTTP on a Unix socket, calling
+``atroposd.weights.receiver`` exactly as an engine does, plus ``POST /logprobs`` that scores
+a token sequence with the current weights and reports the ``weight_version`` it used (the
+generation stand-in: it waits while paused and counts as in flight).
+
+    python child_server.py MODEL_DIR SOCKET WEIGHTS_DIR SYNC_DIR   (ATROPOSD_INSTANCE = nonce)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+import torch
+from aiohttp import web
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from atroposd.weights.receiver import ReceiverState, WeightUpdateError, apply_update, load_dir
+
+
+def build_model(model_dir: str) -> torch.nn.Module:
+    config = AutoConfig.from_pretrained(model_dir)
+    torch.manual_seed(12345)  # different from the trainer's weights on purpose
+    model = AutoModelForCausalLM.from_config(config)
+    model.eval()
+    return model
+
+
+def score(model: torch.nn.Module, tokens: list[int]) -> list[float]:
+    """log p(tokens[i] | tokens[:i]) for i ≥ 1: [len(tokens) - 1] floats."""
+    with torch.no_grad():
+        ids = torch.tensor([tokens])
+        logits = model(input_ids=ids).logits[0, :-1].float()  # [T-1, V]
+        lp = torch.log_softmax(logits, dim=-1)
+        return lp.gather(1, ids[0, 1:, None])[:, 0].tolist()
+
+
+class Server:
+    def __init__(self, model_dir: str, weights_dir: str, sync_dir: str) -> None:
+        self.model = build_model(model_dir)
+        self.state = ReceiverState(nonce=os.environ.get("ATROPOSD_INSTANCE", ""), weights_dir=Path(weights_dir),
+                                   sync_dir=Path(sync_dir))
+        self.version: int | None = None
+        self.paused = True  # starts awaiting weights
+        self.resumed = asyncio.Event()
+        self.inflight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.updates = 0
+
+    async def pause(self, request: web.Request) -> web.Response:
+        self.paused = True
+        self.resumed.clear()
+        await self.idle.wait()
+        return web.json_response({"paused": True})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.version = int(body["weight_version"])
+        self.paused = False
+        self.resumed.set()
+        return web.json_response({"paused": False, "weight_version": self.version})
+
+    async def update(self, request: web.Request) -> web.Response:
+        if not self.paused:
+            return web.json_response({"error": "pause first"}, status=409)
+        body = await request.json()
+        try:
+            result = await asyncio.to_thread(apply_update, self.model, body, state=self.state)
+        except WeightUpdateError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        self.updates += 1
+        return web.json_response(result)
+
+    async def load(self, request: web.Request) -> web.Response:
+        if not self.paused:
+            return web.json_response({"error": "pause first"}, status=409)
+        body = await request.json()
+        try:
+            result = await asyncio.to_thread(load_dir, self.model, body["path"],
+                                             weight_version=body.get("weight_version"), state=self.state)
+        except WeightUpdateError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        self.updates += 1
+        return web.json_response(result)
+
+    async def info(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.version, "paused": self.paused,
+                                  "attached": self.state.attached, "updates": self.updates, "pid": os.getpid()})
+
+    async def resources(self, request: web.Request) -> web.Response:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        return web.json_response({
+            "fds": len(os.listdir("/proc/self/fd")),
+            "shm_maps": sum(1 for line in maps if "/dev/shm/atroposd" in line),
+            "rss": _rss(),
+            "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        })
+
+    async def logprobs(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        while self.paused:
+            await self.resumed.wait()
+        self.inflight += 1
+        self.idle.clear()
+        try:
+            version = self.version
+            lps = await asyncio.to_thread(score, self.model, body["tokens"])
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self.idle.set()
+        return web.Response(body=orjson.dumps({"logprobs": lps, "weight_version": version}),
+                            content_type="application/json")
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+async def main(model_dir: str, socket_path: str, weights_dir: str, sync_dir: str) -> None:
+    torch.set_num_threads(1)
+    server = Server(model_dir, weights_dir, sync_dir)
+    app = web.Application()
+    app.router.add_post("/pause", server.pause)
+    app.router.add_post("/resume", server.resume)
+    app.router.add_post("/update_weights", server.update)
+    app.router.add_post("/load", server.load)
+    app.router.add_get("/weight_info", server.info)
+    app.router.add_get("/resources", server.resources)
+    app.router.add_post("/logprobs", server.logprobs)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.UnixSite(runner, socket_path)
+    await site.start()
+    os.chmod(socket_path, 0o600)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    import signal
+
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    print("ready", flush=True)
+    await stop.wait()
+    await runner.cleanup()
+    server.state.release(server.model)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(*sys.argv[1:5]))
