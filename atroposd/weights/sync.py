@@ -225,6 +225,7 @@ class SharedSync(_ArenaSync):
             if not _unreachable(exc):
                 raise
             reachable = False
+            self.server_current = False
             log.warning("inference server unreachable at pause; stepping anyway", error=str(exc))
         version = new_version if new_version is not None else self.version + 1
         try:
