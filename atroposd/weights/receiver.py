@@ -61,7 +61,7 @@ from atroposd.weights.tensors import (
     torch_dtype,
 )
 
-__all__ = ["ReceiverState", "WeightUpdateError", "apply_update", "load_dir"]
+__all__ = ["ReceiverState", "WeightUpdateError", "apply_update", "inspect_sync_dir", "load_dir"]
 
 log = get_logger(__name__)
 
@@ -316,13 +316,14 @@ def _copy(model: torch.nn.Module, manifest: Manifest, source: Mapping[str, str],
 # ---------------------------------------------------------------------------- reload mode
 
 
-def load_dir(model: torch.nn.Module, path: str | os.PathLike[str], *, weight_version: int | None = None,
-             state: ReceiverState | None = None) -> dict[str, Any]:
-    """Load a directory the trainer wrote for ``reload`` (``model.safetensors``).
+def inspect_sync_dir(path: str | os.PathLike[str], weight_version: int | None,
+                     state: ReceiverState | None) -> tuple[Path, int, dict[str, TensorSpec], dict[str, str],
+                                                           dict[str, Any] | None]:
+    """Check a reload directory without loading tensors.
 
-    The file's metadata carries ``format`` and ``weight_version`` (which must equal
-    ``weight_version`` when given) and ``tied``. With ``state``, the directory must lie in
-    ``state.sync_dir``. Every tensor is checked before any is copied.
+    Returns (file, weight_version, exported tensor specs, tied aliases, LoRA spec or None).
+    With ``state``, the directory must lie in ``state.sync_dir``; the file's
+    ``weight_version`` must equal ``weight_version`` when that is given.
     """
     from safetensors import safe_open
 
@@ -356,23 +357,37 @@ def load_dir(model: torch.nn.Module, path: str | os.PathLike[str], *, weight_ver
         for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
             sl = f.get_slice(key)
             exported[key] = TensorSpec(_st_dtype(sl.get_dtype(), key), tuple(sl.get_shape()))
-        try:
-            ensure_lora(model, lora)
-            if state is not None and state.segments:
-                state.release(model)
-            mt = model_tensors(model)
-            source = match_tensors(exported, tied, mt.specs(), mt.tied)
-        except ManifestError as exc:
-            raise WeightUpdateError(str(exc)) from None
-        total = 0
-        with torch.no_grad():
-            for mine, src in source.items():
-                t = f.get_tensor(src)
-                mt.tensors[mine].copy_(t)
-                total += t.numel() * t.element_size()
+    return file, version, exported, tied, lora
+
+
+def load_dir(model: torch.nn.Module, path: str | os.PathLike[str], *, weight_version: int | None = None,
+             state: ReceiverState | None = None) -> dict[str, Any]:
+    """Load a directory the trainer wrote for ``reload`` (``model.safetensors``).
+
+    The file's metadata carries ``format`` and ``weight_version`` (which must equal
+    ``weight_version`` when given) and ``tied``. With ``state``, the directory must lie in
+    ``state.sync_dir``. Every tensor is checked before any is copied.
+    """
+    from safetensors import safe_open
+
+    file, version, exported, tied, lora = inspect_sync_dir(path, weight_version, state)
+    try:
+        ensure_lora(model, lora)
+        if state is not None and state.segments:
+            state.release(model)
+        mt = model_tensors(model)
+        source = match_tensors(exported, tied, mt.specs(), mt.tied)
+    except ManifestError as exc:
+        raise WeightUpdateError(str(exc)) from None
+    total = 0
+    with safe_open(str(file), framework="pt", device="cpu") as f, torch.no_grad():
+        for mine, src in source.items():
+            t = f.get_tensor(src)
+            mt.tensors[mine].copy_(t)
+            total += t.numel() * t.element_size()
     if state is not None:
         state.weight_version = version
-    log.info("weights loaded", path=str(directory), weight_version=version, tensors=len(source), bytes=total)
+    log.info("weights loaded", path=str(file.parent), weight_version=version, tensors=len(source), bytes=total)
     return {"weight_version": version, "mode": "load", "tensors": len(source), "bytes": total, "export_id": None}
 
 

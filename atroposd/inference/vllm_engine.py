@@ -1,0 +1,667 @@
+"""The vLLM engine (``[inference] engine = "vllm"``, extra ``atroposd[vllm]``).
+
+It serves the same ``/generate`` (SPEC §7, with ``logprobs`` and ``prompt_logprobs``) on
+vLLM's ``AsyncLLM`` and takes weights through vLLM's supported mechanisms: a worker extension
+(``worker_extension_cls``) reached with ``collective_rpc``, which reads the trainer's export
+and calls ``model_runner.reload_weights(..., is_checkpoint_format=True)`` — the
+checkpoint-format reload reruns vLLM's fusing and repacking, so it works on the CPU backend
+where a plain ``load_weights`` after start-up does not. Nothing of vLLM is patched, no
+``VLLM_USE_V1`` is set, and only strings cross the RPC (so no insecure serialisation is
+needed); CUDA IPC handles only travel through the 0600 manifest and Unix socket.
+
+* ``logprobs_mode = "processed_logprobs"``: rollout logprobs are ``log_softmax(logits / T)``
+  of the sampled token, what the trainer recomputes. ``top_p < 1`` or ``top_k > 0`` are refused
+  (processed logprobs would be renormalised over the truncated support).
+* Pause (``pause``): no new generation is admitted, in-flight ones finish; ``resume(version)``
+  opens the gate with the new ``weight_version``. Each response carries the version it was
+  admitted under, which cannot change while it runs. After every update the prefix cache is
+  reset (its KV was computed with the old weights).
+* Shutdown: ``close()`` calls ``AsyncLLM.shutdown`` and then kills whatever is left of the
+  engine's processes (vLLM's EngineCore has no parent-death detection): every other member
+  of this process's group when it leads one, else its descendants.
+
+The module imports no vLLM at import time. :func:`main` is a self-contained HTTP front
+(TCP ``/health`` + ``/generate``, Unix control socket) used by ``python -m
+atroposd.inference.vllm_engine``; the shared inference server can host :class:`VllmEngine`
+instead, through the same methods.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from atroposd.logs import get_logger
+
+__all__ = ["AtroposdWorkerExtension", "BadRequest", "VllmEngine", "main"]
+
+log = get_logger(__name__)
+
+WORKER_EXTENSION = "atroposd.inference.vllm_engine.AtroposdWorkerExtension"
+CPU_DEFAULT_MEMORY_FRACTION = 0.2
+
+
+class BadRequest(ValueError):
+    """A /generate request that must be answered with HTTP 400 and this message."""
+
+
+# ---------------------------------------------------------------------------- worker side
+
+
+class AtroposdWorkerExtension:
+    """Mixed into vLLM's worker class; runs inside the worker process.
+
+    Method names are prefixed so that they never collide with a worker attribute (vLLM
+    asserts that). Arguments are JSON strings.
+    """
+
+    def atroposd_reload_from_manifest(self, manifest_json: str) -> str:
+        """Read every tensor of an export and reload it in checkpoint format.
+
+        Returns a JSON ``{"tensors": n, "bytes": b}``.
+        """
+        import torch
+
+        from atroposd.weights.manifest import Manifest
+        from atroposd.weights.shm import read_into
+        from atroposd.weights.tensors import checksum, same_checksum, torch_dtype
+
+        manifest = Manifest.from_json(manifest_json.encode())
+        manifest.check_layout()
+        weights: list[tuple[str, torch.Tensor]] = []
+        total = 0
+        if manifest.transport == "shm":
+            by_seg: dict[int, list[tuple[int, torch.Tensor]]] = {}
+            for e in manifest.tensors:
+                t = torch.empty(tuple(e.shape), dtype=torch_dtype(e.dtype))
+                by_seg.setdefault(e.segment, []).append((e.offset, t))
+                weights.append((e.name, t))
+            for seg in manifest.segments:
+                total += read_into(seg.name, seg.size, by_seg.get(seg.index, []))
+        else:  # CUDA IPC: rebuild once, copy out, synchronise, drop before acknowledging
+            from atroposd.weights.cuda_ipc import rebuild_segment
+
+            buffers = {s.index: rebuild_segment(s.handle or "", s.device_uuid or "") for s in manifest.segments}
+            for e in manifest.tensors:
+                view = buffers[e.segment][e.offset:e.offset + e.nbytes].view(torch_dtype(e.dtype))
+                weights.append((e.name, view.view(tuple(e.shape)).clone()))
+                total += e.nbytes
+            torch.cuda.synchronize()
+            buffers.clear()
+        for e, (name, t) in zip(manifest.tensors, weights):
+            if not same_checksum(e.checksum, checksum(t)):
+                raise ValueError(f"tensor {name!r}: checksum differs from the exporter's")
+        self._atroposd_reload(weights)  # type: ignore[attr-defined]
+        weights.clear()
+        if manifest.transport == "cuda_ipc":
+            import gc
+
+            gc.collect()
+            torch.cuda.synchronize()
+        return orjson.dumps({"tensors": len(manifest.tensors), "bytes": total}).decode()
+
+    def atroposd_reload_from_file(self, path: str) -> str:
+        """Reload from a ``model.safetensors`` written by the trainer (``reload`` mode)."""
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt", device="cpu") as f:
+            weights = [(k, f.get_tensor(k)) for k in f.keys()]  # noqa: SIM118
+        total = sum(t.numel() * t.element_size() for _, t in weights)
+        self._atroposd_reload(weights)  # type: ignore[attr-defined]
+        return orjson.dumps({"tensors": len(weights), "bytes": total}).decode()
+
+    def _atroposd_reload(self, weights: list[Any]) -> None:
+        runner = self.model_runner  # type: ignore[attr-defined]
+        model = runner.get_model()
+        if not hasattr(self, "_atroposd_tied"):
+            # Recorded before the first reload, while vLLM's ties (lm_head ↔ embed_tokens) hold.
+            self._atroposd_tied = _tied_groups(model)
+        runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        # The layerwise reload gives every layer new parameters, which unties an alias such
+        # as a tied lm_head (it would keep the old weights): point aliases at the new tensor.
+        for owners in self._atroposd_tied:
+            first_mod, first_attr = owners[0]
+            param = first_mod._parameters[first_attr]
+            for mod, attr in owners[1:]:
+                mod._parameters[attr] = param
+                # The alias's kernel state derived from the weight (the CPU backend packs the
+                # tied lm_head for its GEMM) must be rebuilt from the new tensor as well.
+                method = getattr(mod, "quant_method", None)
+                if method is not None and hasattr(method, "process_weights_after_loading"):
+                    method.process_weights_after_loading(mod)
+
+    def atroposd_ping(self) -> str:
+        return str(os.getpid())
+
+
+def _tied_groups(model: Any) -> list[list[tuple[Any, str]]]:
+    """Parameters shared between modules: [[(module, attr), ...] per shared Parameter], first owner first."""
+    by_id: dict[int, list[tuple[Any, str]]] = {}
+    for _name, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is not None and (module, attr) not in by_id.setdefault(id(p), []):
+                by_id[id(p)].append((module, attr))
+    return [owners for owners in by_id.values() if len(owners) > 1]
+
+
+# ---------------------------------------------------------------------------- engine
+
+
+class VllmEngine:
+    """AsyncLLM behind the inference-engine methods: generate, pause/resume, weights, close."""
+
+    name = "vllm"
+
+    def __init__(self, *, model: str, tokenizer: str | None = None, dtype: str = "auto", device: str = "cpu",
+                 max_model_len: int = 4096, gpu_memory_utilization: float = 0.0, enforce_eager: bool = False,
+                 extra_args: list[str] | None = None, receiver: Any = None, seed: int = 0,
+                 await_weights: bool = False) -> None:
+        self.model = model
+        self.tokenizer = tokenizer or model
+        self.dtype = dtype
+        self.device = device
+        self.max_model_len = max_model_len
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.enforce_eager = enforce_eager
+        self.extra_args = list(extra_args or [])
+        self.receiver = receiver  # atroposd.weights.receiver.ReceiverState
+        self.seed = seed
+        self.weight_version = 0
+        self.engine: Any = None
+        self._paused = await_weights
+        self._resumed = asyncio.Event()
+        if not await_weights:
+            self._resumed.set()
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._expected: tuple[dict[str, Any], dict[str, str]] | None = None
+        self._update_lock = asyncio.Lock()
+        self.updates = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def engine_args(self) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+        ns = parser.parse_args(["--model", self.model, *self.extra_args])
+        args = AsyncEngineArgs.from_cli_args(ns)
+        args.tokenizer = self.tokenizer
+        args.dtype = _resolve_dtype(self.dtype, self.device)
+        args.max_model_len = self.max_model_len
+        on_cpu = self.device == "cpu"
+        fraction = self.gpu_memory_utilization or (CPU_DEFAULT_MEMORY_FRACTION if on_cpu else 0.9)
+        args.gpu_memory_utilization = fraction
+        args.enforce_eager = self.enforce_eager or on_cpu
+        args.logprobs_mode = "processed_logprobs"
+        args.worker_extension_cls = WORKER_EXTENSION
+        args.seed = self.seed
+        args.disable_log_stats = True
+        return args
+
+    async def start(self) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = self.engine_args()
+        log.info("starting vLLM", model=self.model, dtype=args.dtype, device=self.device,
+                 memory_fraction=args.gpu_memory_utilization)
+        self.engine = AsyncLLM.from_engine_args(args)
+        self._expected = _expected_tensors(self.model, args.dtype if args.dtype != "auto" else "float32")
+
+    async def close(self, timeout: float = 1.5) -> None:
+        """Shut the engine down; then kill what is left of its processes."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            try:
+                await asyncio.to_thread(engine.shutdown, timeout)
+            finally:
+                _kill_leftovers()
+
+    async def check_health(self) -> None:
+        if self.engine is None:
+            raise RuntimeError("engine not started")
+        await self.engine.check_health()
+
+    # ------------------------------------------------------------------ generation
+
+    @contextlib.asynccontextmanager
+    async def _admitted(self, bypass: bool) -> AsyncIterator[int]:
+        if not bypass:
+            while self._paused:
+                await self._resumed.wait()
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            yield self.weight_version
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+    async def generate(self, request: Mapping[str, Any], *, bypass_pause: bool = False) -> dict[str, Any]:
+        """One Atropos ``/generate`` request → its response (SPEC §7)."""
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        prompt_ids, kw = _parse_generate(request, self.max_model_len)
+        params = SamplingParams(**kw, output_kind=RequestOutputKind.FINAL_ONLY)
+        async with self._admitted(bypass_pause) as version:
+            final = None
+            async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params,
+                                                  request_id=f"gen-{uuid.uuid4().hex}"):
+                final = out
+        assert final is not None
+        return _response(final, version, want_prompt_logprobs=kw.get("prompt_logprobs") is not None)
+
+    # ------------------------------------------------------------------ weight control
+
+    async def pause(self) -> dict[str, Any]:
+        """Admit nothing new; return once every in-flight generation has finished."""
+        self._paused = True
+        self._resumed.clear()
+        await self._idle.wait()
+        return {"paused": True, "weight_version": self.weight_version}
+
+    async def resume(self, weight_version: int | None = None) -> dict[str, Any]:
+        if weight_version is not None:
+            self.weight_version = int(weight_version)
+        self._paused = False
+        self._resumed.set()
+        return {"paused": False, "weight_version": self.weight_version}
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    async def update_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """``{"manifest", "mode": "copy", "weight_version"?}``: copy an export in (push)."""
+        from atroposd.weights.manifest import Manifest, ManifestError
+        from atroposd.weights.receiver import WeightUpdateError
+
+        if self.receiver is None or not self.receiver.nonce:
+            raise WeightUpdateError("this server has no launch nonce (ATROPOSD_INSTANCE); it cannot accept weights")
+        if request.get("mode") != "copy":
+            raise WeightUpdateError(f"the vLLM engine only copies weights (mode 'copy'), got {request.get('mode')!r}"
+                                    " (vLLM fuses and repacks weights: no shared mode)")
+        if not isinstance(request.get("manifest"), str):
+            raise WeightUpdateError("request is missing 'manifest'")
+        self._require_paused()
+        try:
+            manifest = Manifest.load(Path(request["manifest"]), expected_nonce=self.receiver.nonce,
+                                     weights_dir=self.receiver.weights_dir)
+            if "weight_version" in request and request["weight_version"] != manifest.weight_version:
+                raise ManifestError(f"manifest holds weight_version {manifest.weight_version}, the request says "
+                                    f"{request['weight_version']}: stale manifest refused")
+            if manifest.lora is not None:
+                raise ManifestError("LoRA exports go through reload mode with the vLLM engine")
+            expected, tied = self._expected or ({}, {})
+            manifest.check_against(expected, tied)
+        except ManifestError as exc:
+            raise WeightUpdateError(str(exc)) from None
+        async with self._update_lock:
+            t0 = time.perf_counter()
+            results = await self.engine.collective_rpc("atroposd_reload_from_manifest",
+                                                       args=(manifest.to_json().decode(),))
+            await self.engine.reset_prefix_cache()
+        self.updates += 1
+        stats = orjson.loads(results[0])
+        log.info("weights updated", weight_version=manifest.weight_version, seconds=time.perf_counter() - t0,
+                 **stats)
+        return {"weight_version": manifest.weight_version, "mode": "copy", "export_id": manifest.export_id, **stats}
+
+    async def load_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """``{"path", "weight_version"}``: load a directory the trainer wrote (reload mode)."""
+        from atroposd.weights.manifest import ManifestError
+        from atroposd.weights.receiver import WeightUpdateError, inspect_sync_dir
+        from atroposd.weights.tensors import match_tensors
+
+        if not isinstance(request.get("path"), str):
+            raise WeightUpdateError("request is missing 'path'")
+        self._require_paused()
+        file, version, exported, tied, lora = inspect_sync_dir(request["path"], request.get("weight_version"),
+                                                               self.receiver)
+        if lora is not None:
+            raise WeightUpdateError("LoRA adapters are not supported by the vLLM engine yet")
+        expected, my_tied = self._expected or ({}, {})
+        try:
+            match_tensors(exported, tied, expected, my_tied)
+        except ManifestError as exc:
+            raise WeightUpdateError(str(exc)) from None
+        async with self._update_lock:
+            results = await self.engine.collective_rpc("atroposd_reload_from_file", args=(str(file),))
+            await self.engine.reset_prefix_cache()
+        self.updates += 1
+        return {"weight_version": version, "mode": "load", "export_id": None, **orjson.loads(results[0])}
+
+    def _require_paused(self) -> None:
+        from atroposd.weights.receiver import WeightUpdateError
+
+        if not self._paused or self._inflight:
+            raise WeightUpdateError("pause generation before updating weights (POST /pause)")
+
+    async def weight_info(self) -> dict[str, Any]:
+        return {"weight_version": self.weight_version, "paused": self._paused, "attached": False,
+                "updates": self.updates, "engine": self.name}
+
+
+def _resolve_dtype(dtype: str, device: str) -> str:
+    if dtype != "auto":
+        return dtype
+    return "float32" if device == "cpu" else "bfloat16"
+
+
+def _expected_tensors(model_dir: str, dtype: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The checkpoint-format tensors vLLM loads: an HF model of the config on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from atroposd.weights.tensors import model_tensors
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    mt = model_tensors(meta)
+    return mt.specs(), mt.tied
+
+
+def _kill_leftovers() -> None:
+    """SIGKILL the engine's processes that survived shutdown (own group, or descendants)."""
+    import psutil
+
+    me = os.getpid()
+    victims: list[psutil.Process] = []
+    try:
+        victims = psutil.Process(me).children(recursive=True)
+    except psutil.Error:
+        victims = []
+    if os.getpgrp() == me:
+        for proc in psutil.process_iter(["pid"]):
+            try:
+                if proc.pid != me and os.getpgid(proc.pid) == me and proc not in victims:
+                    victims.append(proc)
+            except (ProcessLookupError, psutil.Error):
+                continue
+    for proc in victims:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(victims, timeout=2)
+
+
+# ---------------------------------------------------------------------------- /generate mapping
+
+_KNOWN = {"prompt", "n", "max_tokens", "max_new_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+          "stop", "stop_token_ids", "seed", "logprobs", "prompt_logprobs", "min_tokens", "ignore_eos",
+          "skip_special_tokens", "include_stop_str_in_output", "model", "presence_penalty", "frequency_penalty",
+          "repetition_penalty", "min_p"}
+
+
+def _parse_generate(req: Mapping[str, Any], max_model_len: int) -> tuple[list[int], dict[str, Any]]:
+    if not isinstance(req, Mapping):
+        raise BadRequest("request must be a JSON object")
+    unknown = sorted(set(req) - _KNOWN)
+    if unknown:
+        raise BadRequest(f"unknown field(s): {', '.join(unknown)}")
+    prompt = req.get("prompt")
+    if isinstance(prompt, Mapping):
+        ids = prompt.get("prompt_token_ids")
+    else:
+        ids = None
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                       for i in ids):
+        raise BadRequest("prompt must be {\"prompt_token_ids\": [non-negative ints, at least one]}")
+    kw: dict[str, Any] = {}
+    kw["n"] = _num(req, "n", int, 1, lo=1)
+    max_tokens = req.get("max_tokens", req.get("max_new_tokens", req.get("max_completion_tokens", 16)))
+    kw["max_tokens"] = _num({"max_tokens": max_tokens}, "max_tokens", int, 16, lo=1)
+    if len(ids) + kw["max_tokens"] > max_model_len:
+        raise BadRequest(f"prompt ({len(ids)} tokens) + max_tokens ({kw['max_tokens']}) exceeds max_model_len "
+                         f"({max_model_len})")
+    kw["temperature"] = _num(req, "temperature", float, 1.0, lo=0.0)
+    top_p = _num(req, "top_p", float, 1.0, lo=0.0)
+    top_k = _num(req, "top_k", int, 0, lo=-1)
+    if top_p < 1.0 or top_k > 0:
+        raise BadRequest("top_p < 1 and top_k > 0 are not supported: the rollout logprobs would be renormalised "
+                         "over the truncated support and no longer match the trainer's")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if req.get(key, 0) not in (0, 0.0):
+            raise BadRequest(f"{key} is not supported (the trainer's logprobs do not apply it)")
+    if req.get("repetition_penalty", 1) not in (1, 1.0) or req.get("min_p", 0) not in (0, 0.0):
+        raise BadRequest("repetition_penalty and min_p are not supported (the trainer's logprobs do not apply them)")
+    stop = req.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise BadRequest("stop must be a string or a list of strings")
+        kw["stop"] = stop
+    if req.get("stop_token_ids") is not None:
+        kw["stop_token_ids"] = [int(x) for x in req["stop_token_ids"]]
+    if req.get("seed") is not None:
+        kw["seed"] = _num(req, "seed", int, 0)
+    logprobs = req.get("logprobs", 0)
+    if logprobs is None:
+        logprobs = 0
+    kw["logprobs"] = _num({"logprobs": logprobs}, "logprobs", int, 0, lo=0)
+    if req.get("prompt_logprobs") is not None:
+        kw["prompt_logprobs"] = _num(req, "prompt_logprobs", int, 1, lo=0)
+    for key in ("min_tokens",):
+        if key in req:
+            kw[key] = _num(req, key, int, 0, lo=0)
+    for key in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        if key in req:
+            if not isinstance(req[key], bool):
+                raise BadRequest(f"{key} must be true or false")
+            kw[key] = req[key]
+    return list(ids), kw
+
+
+def _num(req: Mapping[str, Any], key: str, typ: type, default: Any, lo: float | None = None) -> Any:
+    value = req.get(key, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (typ is int and not isinstance(value, int)):
+        raise BadRequest(f"{key} must be {'an integer' if typ is int else 'a number'}, got {value!r}")
+    if lo is not None and value < lo:
+        raise BadRequest(f"{key} must be ≥ {lo}, got {value!r}")
+    return typ(value)
+
+
+def _response(out: Any, version: int, *, want_prompt_logprobs: bool) -> dict[str, Any]:
+    """RequestOutput → the Atropos response: logprobs[completion][token] = [{"<id>": lp}]."""
+    completions = sorted(out.outputs, key=lambda c: c.index)
+    logprobs = []
+    for c in completions:
+        per_token = []
+        for pos, tid in enumerate(c.token_ids):
+            entry = c.logprobs[pos] if c.logprobs is not None and pos < len(c.logprobs) else None
+            lp = entry[tid].logprob if entry is not None and tid in entry else None
+            if lp is None:
+                raise RuntimeError(f"vLLM returned no logprob for sampled token {tid} at position {pos}")
+            per_token.append([{str(tid): float(lp)}])
+        logprobs.append(per_token)
+    body: dict[str, Any] = {
+        "text": [c.text for c in completions],
+        "token_ids": [list(c.token_ids) for c in completions],
+        "logprobs": logprobs,
+        "finish_reasons": [c.finish_reason for c in completions],
+        "weight_version": version,
+    }
+    if want_prompt_logprobs:
+        pl: list[Any] = []
+        for pos, entry in enumerate(out.prompt_logprobs or []):
+            if entry is None or pos == 0:
+                pl.append(None)
+            else:
+                pl.append({str(k): float(v.logprob) for k, v in entry.items()})
+        body["prompt_logprobs"] = pl
+    return body
+
+
+# ---------------------------------------------------------------------------- standalone HTTP front
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m atroposd.inference.vllm_engine",
+                                description="The vLLM engine behind atroposd's /generate front.")
+    p.add_argument("--model", required=True)
+    p.add_argument("--tokenizer")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=9001)
+    p.add_argument("--control-socket", required=True, help="Unix socket for the weight-control routes (0600)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.0)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--weights-dir", help="runtime_dir/weights (manifests)")
+    p.add_argument("--sync-dir", help="state_dir/sync (reload mode)")
+    p.add_argument("--await-weights", action="store_true", help="start paused until the first /resume")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-level", default="info")
+    p.add_argument("extra_args", nargs="*", help="extra vLLM engine arguments (after --)")
+    return p
+
+
+def _set_parent_death_signal(sig: int) -> None:
+    """PR_SET_PDEATHSIG: get ``sig`` when the parent dies (Linux)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, sig, 0, 0, 0)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from atroposd.weights.receiver import ReceiverState, WeightUpdateError
+
+    receiver = None
+    if args.weights_dir:
+        receiver = ReceiverState(nonce=os.environ.get("ATROPOSD_INSTANCE", ""), weights_dir=Path(args.weights_dir),
+                                 sync_dir=Path(args.sync_dir) if args.sync_dir else None)
+    engine = VllmEngine(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+                        max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+                        enforce_eager=args.enforce_eager, extra_args=args.extra_args, receiver=receiver,
+                        seed=args.seed, await_weights=args.await_weights)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    def dumps(obj: Any) -> str:
+        return orjson.dumps(obj).decode()
+
+    async def read_json(request: web.Request) -> Any:
+        try:
+            return orjson.loads(await request.read() or b"{}")
+        except orjson.JSONDecodeError as exc:
+            raise web.HTTPBadRequest(text=dumps({"error": f"invalid JSON: {exc}"}),
+                                     content_type="application/json") from None
+
+    def error(status: int, msg: str) -> web.Response:
+        return web.json_response({"error": msg}, status=status, dumps=dumps)
+
+    async def health(_: web.Request) -> web.Response:
+        try:
+            await engine.check_health()
+        except Exception as exc:  # EngineDeadError and friends: report, do not crash the front
+            return error(503, f"engine unhealthy: {exc!r}")
+        return web.json_response({"status": "ok"}, dumps=dumps)
+
+    async def generate(request: web.Request, bypass: bool = False) -> web.Response:
+        body = await read_json(request)
+        try:
+            return web.json_response(await engine.generate(body, bypass_pause=bypass), dumps=dumps)
+        except BadRequest as exc:
+            return error(400, str(exc))
+
+    async def probe(request: web.Request) -> web.Response:
+        return await generate(request, bypass=True)
+
+    async def pause(_: web.Request) -> web.Response:
+        return web.json_response(await engine.pause(), dumps=dumps)
+
+    async def resume(request: web.Request) -> web.Response:
+        body = await read_json(request)
+        version = body.get("weight_version")
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+            return error(400, "weight_version must be an integer")
+        return web.json_response(await engine.resume(version), dumps=dumps)
+
+    async def update(request: web.Request) -> web.Response:
+        try:
+            return web.json_response(await engine.update_weights(await read_json(request)), dumps=dumps)
+        except WeightUpdateError as exc:
+            return error(400, str(exc))
+
+    async def load(request: web.Request) -> web.Response:
+        try:
+            return web.json_response(await engine.load_weights(await read_json(request)), dumps=dumps)
+        except WeightUpdateError as exc:
+            return error(400, str(exc))
+
+    async def info(_: web.Request) -> web.Response:
+        return web.json_response(await engine.weight_info(), dumps=dumps)
+
+    await engine.start()
+    tcp = web.Application(client_max_size=64 * 1024 * 1024)
+    tcp.router.add_get("/health", health)
+    tcp.router.add_post("/generate", generate)
+    control = web.Application(client_max_size=1024 * 1024)
+    control.router.add_post("/pause", pause)
+    control.router.add_post("/resume", resume)
+    control.router.add_post("/update_weights", update)
+    control.router.add_post("/load", load)
+    control.router.add_get("/weight_info", info)
+    control.router.add_post("/probe_generate", probe)
+    runners = [web.AppRunner(tcp, access_log=None), web.AppRunner(control, access_log=None)]
+    try:
+        for r in runners:
+            await r.setup()
+        await web.TCPSite(runners[0], args.host, args.port).start()
+        sock = Path(args.control_socket)
+        with contextlib.suppress(FileNotFoundError):
+            sock.unlink()
+        old_umask = os.umask(0o177)
+        try:
+            await web.UnixSite(runners[1], str(sock)).start()
+        finally:
+            os.umask(old_umask)
+        os.chmod(sock, 0o600)
+        log.info("vLLM engine serving", host=args.host, port=args.port, control_socket=str(sock))
+        await stop.wait()
+        log.info("stopping")
+    finally:
+        for r in reversed(runners):
+            await r.cleanup()
+        await engine.close()
+        with contextlib.suppress(FileNotFoundError):
+            Path(args.control_socket).unlink()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from atroposd.logs import configure_logging
+
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level, "auto", component="inference")
+    if os.getppid() != 1:
+        _set_parent_death_signal(signal.SIGTERM)
+    return asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

