@@ -31,7 +31,7 @@ import re
 import stat
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -158,10 +158,19 @@ class Manifest:
     # ------------------------------------------------------------------ (de)serialisation
 
     def to_json(self) -> bytes:
-        data = asdict(self)
-        data["tied"] = dict(self.tied)
-        data["lora"] = dict(self.lora) if self.lora is not None else None
-        return orjson.dumps(data, option=orjson.OPT_INDENT_2)
+        data = {
+            "format": self.format, "nonce": self.nonce, "exporter_pid": self.exporter_pid,
+            "exporter_start_time": self.exporter_start_time, "export_id": self.export_id,
+            "weight_version": self.weight_version, "transport": self.transport, "created_at": self.created_at,
+            "segments": [{"index": s.index, "name": s.name, "size": s.size, "handle": s.handle,
+                          "device_uuid": s.device_uuid} for s in self.segments],
+            "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "stride": list(t.stride),
+                         "segment": t.segment, "offset": t.offset, "nbytes": t.nbytes, "checksum": t.checksum}
+                        for t in self.tensors],
+            "tied": dict(self.tied),
+            "lora": dict(self.lora) if self.lora is not None else None,
+        }
+        return orjson.dumps(data)
 
     @classmethod
     def from_json(cls, raw: bytes) -> Manifest:
@@ -201,7 +210,7 @@ class Manifest:
             raise ManifestError(f"manifest is missing or mistypes a field: {exc!r}") from None
 
     def write(self, path: Path) -> None:
-        """Write atomically (temporary file, fsync, rename), mode 0600."""
+        """Write atomically (temporary file, rename), mode 0600."""
         write_atomic(path, self.to_json())
 
     @classmethod
@@ -307,10 +316,14 @@ class Manifest:
         return match_tensors(exported, self.tied, expected, tied)
 
     def entry(self, name: str) -> TensorEntry:
-        for t in self.tensors:
-            if t.name == name:
-                return t
-        raise ManifestError(f"tensor {name!r} is not in the manifest")
+        index = self.__dict__.get("_entries")
+        if index is None:
+            index = {t.name: t for t in self.tensors}
+            object.__setattr__(self, "_entries", index)  # a cache on a frozen dataclass
+        try:
+            return index[name]
+        except KeyError:
+            raise ManifestError(f"tensor {name!r} is not in the manifest") from None
 
     def segment(self, index: int) -> SegmentRef:
         for seg in self.segments:
@@ -325,15 +338,20 @@ def _int(value: Any, what: str) -> int:
     return value
 
 
-def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """Write ``data`` to ``path`` atomically: a temporary file beside it, fsync, rename."""
+def write_atomic(path: Path, data: bytes, mode: int = 0o600, *, durable: bool = False) -> None:
+    """Write ``data`` to ``path`` atomically: a temporary file beside it, then rename.
+
+    Readers see the old file or the new one, never a part. ``durable`` adds an fsync; a
+    manifest does not need one (it lives in ``runtime_dir`` and means nothing after a reboot).
+    """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
-            os.fsync(fh.fileno())
+            if durable:
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         try:

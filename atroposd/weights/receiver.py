@@ -17,9 +17,12 @@ Requests
 * ``attach`` (``shared`` mode): map every segment (read-only) and rebind the model's tensors to
   views of the trainer's memory. The mappings live in ``state`` until the next attach, a
   ``copy``, or :meth:`ReceiverState.release`.
-* ``copy`` (``push`` mode): copy every tensor into the model's own memory. POSIX shm is read
-  through the file descriptor (nothing is mapped; the descriptor is closed on return); a CUDA
-  export is rebuilt, copied, synchronised and dropped before returning (the trainer then
+* ``copy`` (``push`` mode): copy every tensor into the model's own memory. POSIX shm segments
+  are mapped read-only once per export and kept in ``state.sources`` while the trainer keeps
+  exporting the same segments (the trainer trains in them; each sync is then one memory copy,
+  and a sync maps nothing new); they are unmapped when the export's segments change, on an
+  ``attach`` or ``load``, and by :meth:`ReceiverState.release`. A CUDA export is rebuilt,
+  copied, synchronised and dropped before returning (one rebuild per export; the trainer then
   calls ``ipc_collect``).
 
 ``POST /load``::
@@ -53,6 +56,7 @@ from atroposd.logs import get_logger
 from atroposd.weights.manifest import Manifest, ManifestError, TensorSpec
 from atroposd.weights.shm import ShmError, ShmSegment, read_into
 from atroposd.weights.tensors import (
+    ModelTensors,
     checksum,
     ensure_lora,
     match_tensors,
@@ -86,6 +90,12 @@ class ReceiverState:
     weights_dir: Path
     sync_dir: Path | None = None
     segments: list[Any] = field(default_factory=list)
+    # push mode: read-only mappings of the trainer's export, kept across syncs of one export
+    sources: dict[str, ShmSegment] = field(default_factory=dict)
+    # push mode on CPU: the model's own tensors laid out like the export (one flat private
+    # buffer per segment), so that a sync is one contiguous copy per segment
+    mirror_key: Any = None
+    mirror: dict[str, torch.Tensor] = field(default_factory=dict)
     export_id: int | None = None
     weight_version: int | None = None
 
@@ -103,6 +113,7 @@ class ReceiverState:
 
     def release(self, model: torch.nn.Module | None = None) -> None:
         """Drop every mapping. With ``model``, first give its tensors private copies."""
+        self.release_sources()
         if not self.segments:
             return
         if model is not None:
@@ -116,6 +127,15 @@ class ReceiverState:
         self.segments = []
         self.export_id = None
         gc.collect()
+
+
+    def release_sources(self) -> None:
+        """Unmap the push-mode copy sources (no model tensor ever views them)."""
+        self.mirror_key = None  # the model keeps its mirror buffers as its own memory
+        self.mirror = {}
+        sources, self.sources = self.sources, {}
+        for seg in sources.values():
+            seg.close()
 
 
 def _privatize(model: torch.nn.Module, segments: list[Any]) -> None:
@@ -174,9 +194,9 @@ def apply_update(model: torch.nn.Module, request: Mapping[str, Any], *, state: R
     if manifest.transport == "cuda_ipc" and device.type != "cuda":
         raise WeightUpdateError("a CUDA IPC export needs a model on a GPU")
     if mode == "attach":
-        moved = _attach(model, manifest, source, state, device)
+        moved = _attach(model, manifest, source, state, device, mt)
     else:
-        moved = _copy(model, manifest, source, state, device)
+        moved = _copy(model, manifest, source, state, device, mt)
     state.weight_version = manifest.weight_version
     log.info("weights updated", mode=mode, weight_version=manifest.weight_version, export_id=manifest.export_id,
              tensors=len(source), bytes=moved)
@@ -214,11 +234,11 @@ def _view(mapped: Any, offset: int, nbytes: int, dtype: torch.dtype, shape: tupl
 
 
 def _attach(model: torch.nn.Module, manifest: Manifest, source: Mapping[str, str], state: ReceiverState,
-            device: torch.device) -> int:
+            device: torch.device, mt: ModelTensors) -> int:
     if manifest.transport == "shm" and device.type != "cpu":
         raise WeightUpdateError("attach to POSIX shared memory needs a model on the CPU")
+    state.release_sources()
     mapped = _map_segments(manifest)
-    mt = model_tensors(model)
     views: dict[str, torch.Tensor] = {}
     problem: str | None = None
     for mine, src in source.items():
@@ -252,10 +272,10 @@ def _attach(model: torch.nn.Module, manifest: Manifest, source: Mapping[str, str
 
 
 def _copy(model: torch.nn.Module, manifest: Manifest, source: Mapping[str, str], state: ReceiverState,
-          device: torch.device) -> int:
+          device: torch.device, mt: ModelTensors) -> int:
     if state.segments:
         state.release(model)  # leave shared mode: the model gets its own memory back
-    mt = model_tensors(model)
+        mt = model_tensors(model)
     # Group the destinations by segment. A destination the exporter ties to another one
     # (an importer that does not tie) is filled after its source.
     by_seg: dict[int, list[tuple[int, torch.Tensor]]] = {}
@@ -276,14 +296,28 @@ def _copy(model: torch.nn.Module, manifest: Manifest, source: Mapping[str, str],
                 dst = tmp
             by_seg.setdefault(e.segment, []).append((e.offset, dst.data))
     total = 0
+    if manifest.transport == "shm" and not staging and not later:
+        return _copy_mirrored(manifest, source, state, mt)
     if manifest.transport == "shm":
-        try:
-            for seg in manifest.segments:
-                if seg.index in by_seg:
-                    total += read_into(seg.name, seg.size, by_seg[seg.index])
-        except (ShmError, OSError) as exc:
-            raise WeightUpdateError(f"copy failed (the model may hold a partial update): {exc}") from None
+        wanted = {seg.name: seg.size for seg in manifest.segments if seg.index in by_seg}
+        if {n: s.size for n, s in state.sources.items()} != wanted:
+            state.release_sources()
+            try:
+                for seg in manifest.segments:
+                    if seg.index in by_seg:
+                        state.sources[seg.name] = ShmSegment.attach(seg.name, seg.size)
+            except (ShmError, OSError) as exc:
+                state.release_sources()
+                raise WeightUpdateError(str(exc)) from None
         with torch.no_grad():
+            for seg in manifest.segments:
+                src_seg = state.sources.get(seg.name)
+                for offset, dst in by_seg.get(seg.index, []):
+                    v = src_seg.view(offset, dst.numel() * dst.element_size(), dst.dtype,  # type: ignore[union-attr]
+                                     tuple(dst.shape))
+                    dst.copy_(v)
+                    total += v.numel() * v.element_size()
+                    del v
             for tmp, dst in staging:
                 dst.copy_(tmp, non_blocking=False)
     else:
@@ -311,6 +345,66 @@ def _copy(model: torch.nn.Module, manifest: Manifest, source: Mapping[str, str],
             raise WeightUpdateError(f"tensor {mine!r}: checksum after the copy differs from the exporter's "
                                     "(the export changed during the copy?)")
     return total
+
+
+def _open_sources(manifest: Manifest, state: ReceiverState) -> None:
+    wanted = {seg.name: seg.size for seg in manifest.segments}
+    if {n: s.size for n, s in state.sources.items()} == wanted:
+        return
+    state.release_sources()
+    try:
+        for seg in manifest.segments:
+            state.sources[seg.name] = ShmSegment.attach(seg.name, seg.size)
+    except (ShmError, OSError) as exc:
+        state.release_sources()
+        raise WeightUpdateError(str(exc)) from None
+
+
+def _copy_mirrored(manifest: Manifest, source: Mapping[str, str], state: ReceiverState, mt: ModelTensors) -> int:
+    """CPU push: copy each exported segment in one piece into a private mirror of it.
+
+    The first copy of an export moves the model's tensors into private flat buffers laid out
+    exactly like the export (same offsets); later syncs of the same export are then one
+    contiguous memory copy per segment, the floor of a copy.
+    """
+    _open_sources(manifest, state)
+    key = (tuple((s.name, s.size) for s in manifest.segments),
+           tuple(sorted((mine, manifest.entry(src).segment, manifest.entry(src).offset)
+                        for mine, src in source.items())))
+    fresh = state.mirror_key != key or any(
+        not _inside(mt.tensors[mine], state.mirror.get(manifest.segment(manifest.entry(src).segment).name))
+        for mine, src in source.items())
+    total = 0
+    with torch.no_grad():
+        if fresh:
+            mirror = {seg.name: torch.empty(seg.size, dtype=torch.uint8) for seg in manifest.segments}
+            for seg in manifest.segments:
+                whole = state.sources[seg.name].view(0, seg.size, torch.uint8, (seg.size,))
+                mirror[seg.name].copy_(whole)
+                del whole
+            for mine, src in source.items():
+                e = manifest.entry(src)
+                buf = mirror[manifest.segment(e.segment).name]
+                mt.rebind(mine, buf[e.offset:e.offset + e.nbytes].view(torch_dtype(e.dtype)).view(tuple(e.shape)))
+            state.mirror, state.mirror_key = mirror, key
+        else:
+            for seg in manifest.segments:
+                whole = state.sources[seg.name].view(0, seg.size, torch.uint8, (seg.size,))
+                state.mirror[seg.name].copy_(whole)
+                del whole
+        total = sum(seg.size for seg in manifest.segments)
+    for mine, src in source.items():
+        e = manifest.entry(src)
+        if not same_checksum(e.checksum, checksum(mt.tensors[mine])):
+            raise WeightUpdateError(f"tensor {mine!r}: checksum after the copy differs from the exporter's "
+                                    "(the export changed during the copy?)")
+    return total
+
+
+def _inside(t: torch.Tensor, buf: torch.Tensor | None) -> bool:
+    if buf is None or t.device.type != "cpu":
+        return False
+    return buf.data_ptr() <= t.data_ptr() < buf.data_ptr() + buf.numel()
 
 
 # ---------------------------------------------------------------------------- reload mode
@@ -373,7 +467,7 @@ def load_dir(model: torch.nn.Module, path: str | os.PathLike[str], *, weight_ver
     file, version, exported, tied, lora = inspect_sync_dir(path, weight_version, state)
     try:
         ensure_lora(model, lora)
-        if state is not None and state.segments:
+        if state is not None:
             state.release(model)
         mt = model_tensors(model)
         source = match_tensors(exported, tied, mt.specs(), mt.tied)

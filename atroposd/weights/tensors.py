@@ -98,7 +98,6 @@ def _strip(name: str) -> str:
 
 def model_tensors(model: torch.nn.Module) -> ModelTensors:
     """Collect a model's parameters and persistent buffers, each storage once."""
-    persistent = set(model.state_dict(keep_vars=True).keys())
     tensors: dict[str, torch.Tensor] = {}
     tied: dict[str, str] = {}
     owners: dict[str, list[tuple[torch.nn.Module, str, bool]]] = {}
@@ -112,9 +111,9 @@ def model_tensors(model: torch.nn.Module) -> ModelTensors:
         for attr, b in module._buffers.items():
             if b is None:
                 continue
-            raw = f"{mod_name}.{attr}" if mod_name else attr
-            if raw not in persistent:
+            if attr in module._non_persistent_buffers_set:
                 continue
+            raw = f"{mod_name}.{attr}" if mod_name else attr
             _add(_strip(raw), b, (module, attr, False), tensors, tied, owners, by_id)
     return ModelTensors(tensors, tied, owners)
 

@@ -130,7 +130,7 @@ def _rss() -> int:
 
 
 async def main(model_dir: str, socket_path: str, weights_dir: str, sync_dir: str) -> None:
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("CHILD_SERVER_THREADS", "1")))
     server = Server(model_dir, weights_dir, sync_dir)
     app = web.Application()
     app.router.add_post("/pause", server.pause)

@@ -1,0 +1,196 @@
+"""Weight-sync latency per mode (shared, push, reload) against the memory-copy floor.
+
+For each model size (the tiny model, and a ~100M-parameter Llama) this starts a real
+inference-side process (``tests/weights/child_server.py``: the weight-control routes on a
+Unix socket, calling ``atroposd.weights.receiver`` exactly as the torch engine does), attaches
+a trainer-side model in this process and times, in the same run:
+
+* ``floor``   — ``dst.copy_(src)`` of the model's bytes (both buffers allocated and touched):
+  the cost of moving the weights once through memory on this machine;
+* ``shared``  — the sync cost in shared mode: ``/pause`` + ``/resume`` around an (empty)
+  optimizer step (the server computes on the trainer's memory, so nothing is copied);
+* ``push``    — ``after_step``: manifest (with checksums) → ``/pause`` → the server copies the
+  exported buffers into its own weights → ``/resume``;
+* ``reload``  — ``after_step``: safetensors written to ``state_dir/sync`` → ``/pause`` → the
+  server loads them → ``/resume``.
+
+Prints a table and one JSON line (``{"benchmark": "weights", ...}``). Targets: shared ≈ the
+pause overhead only; push ≤ 1.5× the floor (for the ~100M model).
+
+    python benchmarks/bench_weights.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import orjson
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from atroposd.weights.shm import list_segments  # noqa: E402
+from atroposd.weights.sync import PushSync, ReloadSync, SharedSync  # noqa: E402
+
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": dict(vocab_size=22, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, head_dim=64),
+    "100M": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                 num_attention_heads=12, num_key_value_heads=12, head_dim=64),
+}
+
+
+def build(size: str, root: Path) -> tuple[torch.nn.Module, Path]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**SIZES[size], max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=0)
+    model_dir = root / f"model-{size}"
+    cfg.save_pretrained(model_dir)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    model.eval()
+    return model, model_dir
+
+
+def floor_seconds(nbytes: int, reps: int) -> list[float]:
+    src = torch.empty(nbytes, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch every page of both
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+class Child:
+    def __init__(self, root: Path, model_dir: Path, nonce: str) -> None:
+        self.socket = root / "inf.sock"
+        self.weights = root / "run" / "weights"
+        self.sync = root / "state" / "sync"
+        for d in (self.weights, self.sync):
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.log = open(root / "child.log", "ab")  # noqa: SIM115
+        # The server copies with every core, as an inference server does while the trainer waits.
+        env = {**os.environ, "ATROPOSD_INSTANCE": nonce, "PYTHONPATH": str(REPO),
+               "CHILD_SERVER_THREADS": str(torch.get_num_threads())}
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests/weights/child_server.py"), str(model_dir),
+                                      str(self.socket), str(self.weights), str(self.sync)], env=env,
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while not self.socket.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start: {(root / 'child.log').read_text()[-2000:]}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+async def timed(fn: Callable[[], Awaitable[Any]], reps: int, warmup: int = 2) -> list[float]:
+    for _ in range(warmup):
+        await fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        await fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+async def run_mode(mode: str, model: torch.nn.Module, child: Child, nonce: str, reps: int) -> list[float]:
+    version = [0]
+    sync: SharedSync | PushSync | ReloadSync
+    if mode == "shared":
+        sync = SharedSync(nonce=nonce, weights_dir=child.weights, control_socket=child.socket)
+    elif mode == "push":
+        sync = PushSync(nonce=nonce, weights_dir=child.weights, control_socket=child.socket)
+    else:
+        sync = ReloadSync(sync_dir=child.sync, control_socket=child.socket)
+    try:
+        await sync.attach(model, 0)
+
+        async def one() -> None:
+            version[0] += 1
+            if mode == "shared":
+                async with sync.paused(version[0]):
+                    pass
+            else:
+                await sync.after_step(model, version[0])
+
+        return await timed(one, reps)
+    finally:
+        sync.close()
+
+
+def ms(xs: list[float]) -> float:
+    return statistics.median(xs) * 1000
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the tiny model only, fewer repetitions")
+    args = ap.parse_args()
+    from atroposd.logs import configure_logging
+
+    configure_logging("warning", "console", stream=sys.stderr)
+    sizes = ["tiny"] if args.quick else ["tiny", "100M"]
+    rows: list[dict[str, Any]] = []
+    for size in sizes:
+        root = Path(tempfile.mkdtemp(prefix="apb-", dir="/tmp"))
+        nonce = "b" + secrets.token_hex(6)
+        child: Child | None = None
+        try:
+            model, model_dir = build(size, root)
+            nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            params = sum(p.numel() for p in model.parameters())
+            reps = {"tiny": 10 if args.quick else 50, "100M": 10}[size]
+            child = Child(root, model_dir, nonce)
+            floor = floor_seconds(nbytes, max(reps, 20))
+            result = {"model": size, "params": params, "bytes": nbytes, "floor_ms": ms(floor)}
+            for mode in ("shared", "push", "reload"):
+                r = reps if mode != "reload" or size == "tiny" else 5
+                times = anyio.run(run_mode, mode, model, child, nonce, r)
+                result[f"{mode}_ms"] = ms(times)
+                result[f"{mode}_x_floor"] = ms(times) / ms(floor)
+            rows.append(result)
+        finally:
+            if child is not None:
+                child.stop()
+            leftover = list_segments(f"atroposd-{nonce}-")
+            shutil.rmtree(root, ignore_errors=True)
+            if leftover:
+                raise RuntimeError(f"segments left behind: {leftover}")
+    print(f"{'model':>6} {'params':>11} {'MB':>8} {'floor ms':>9} {'shared ms':>10} {'push ms':>9} "
+          f"{'push/floor':>10} {'reload ms':>10} {'reload/floor':>12}")
+    for r in rows:
+        print(f"{r['model']:>6} {r['params']:>11,} {r['bytes'] / 1e6:>8.1f} {r['floor_ms']:>9.2f} "
+              f"{r['shared_ms']:>10.2f} {r['push_ms']:>9.2f} {r['push_x_floor']:>10.2f} {r['reload_ms']:>10.2f} "
+              f"{r['reload_x_floor']:>12.2f}")
+    print(orjson.dumps({"benchmark": "weights", "median_ms": True, "rows": rows}).decode())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
