@@ -31,16 +31,18 @@ def build_model(model_dir: str) -> torch.nn.Module:
     torch.manual_seed(12345)  # different from the trainer's weights on purpose
     model = AutoModelForCausalLM.from_config(config)
     model.eval()
-    return model
+    # CHILD_SERVER_DEVICE=cuda:0 for the CUDA IPC tests
+    return model.to(os.environ.get("CHILD_SERVER_DEVICE", "cpu"))
 
 
 def score(model: torch.nn.Module, tokens: list[int]) -> list[float]:
     """log p(tokens[i] | tokens[:i]) for i ≥ 1: [len(tokens) - 1] floats."""
+    device = next(model.parameters()).device
     with torch.no_grad():
-        ids = torch.tensor([tokens])
+        ids = torch.tensor([tokens], device=device)
         logits = model(input_ids=ids).logits[0, :-1].float()  # [T-1, V]
         lp = torch.log_softmax(logits, dim=-1)
-        return lp.gather(1, ids[0, 1:, None])[:, 0].tolist()
+        return lp.gather(1, ids[0, 1:, None])[:, 0].cpu().tolist()
 
 
 class Server:

@@ -41,17 +41,18 @@ def make_model(seed: int = 0, **over: Any) -> LlamaForCausalLM:
 
 
 def score(model: torch.nn.Module, tokens: list[int] = PROMPT) -> torch.Tensor:
-    """log p(tokens[i] | tokens[:i]) for i ≥ 1: [len(tokens) - 1]."""
+    """log p(tokens[i] | tokens[:i]) for i ≥ 1: [len(tokens) - 1] (on the CPU)."""
+    device = next(model.parameters()).device
     with torch.no_grad():
-        ids = torch.tensor([tokens])
+        ids = torch.tensor([tokens], device=device)
         logits = model(input_ids=ids).logits[0, :-1].float()
-        return torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
+        return torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0].cpu()
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: list[int] = PROMPT) -> None:
     """One real optimizer step: maximise the likelihood of ``tokens``."""
     model.train()
-    ids = torch.tensor([tokens])
+    ids = torch.tensor([tokens], device=next(model.parameters()).device)
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     opt.step()
@@ -107,12 +108,13 @@ class ChildFactory:
         self.nonce = nonce
         self.children: list[Child] = []
 
-    def start(self) -> Child:
+    def start(self, env: dict[str, str] | None = None) -> Child:
         sock = self.dirs["runtime"] / f"inf-{len(self.children)}.sock"
         log = self.dirs["runtime"] / f"child-{len(self.children)}.log"
         proc = spawn([sys.executable, str(HERE / "child_server.py"), str(self.dirs["model"]), str(sock),
                       str(self.dirs["weights"]), str(self.dirs["sync"])],
-                     env={"ATROPOSD_INSTANCE": self.nonce, "PYTHONPATH": str(HERE.parent.parent)}, log=log)
+                     env={"ATROPOSD_INSTANCE": self.nonce, "PYTHONPATH": str(HERE.parent.parent), **(env or {})},
+                     log=log)
         child = Child(proc, sock, log)
         self.children.append(child)
 

@@ -304,3 +304,48 @@ def test_cleanup_stale_removes_only_dead_launches(dirs: dict[str, Path]) -> None
 def test_manifest_rejects_bad_nonce(dirs: dict[str, Path]) -> None:
     with pytest.raises(ManifestError, match="invalid nonce"):
         manifest_path(dirs["weights"], "../../etc")
+
+
+# ---------------------------------------------------------------------------- LoRA
+
+
+def _peft(model: torch.nn.Module) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            lora_dropout=0.0))
+
+
+def _lora_step(model: torch.nn.Module) -> None:
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    ids = torch.tensor([[1, 5, 12, 7, 17, 9, 3]])
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    model.eval()
+
+
+def test_lora_shared_and_reload(nonce: str, dirs: dict[str, Path]) -> None:
+    trainer = _peft(make_model(0))
+    arena = ParameterArena.create(trainer, nonce=nonce)
+    try:
+        m = arena.manifest(0)
+        assert m.lora == {"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"], "dropout": 0.0}
+        assert any(t.name == "model.layers.0.self_attn.q_proj.lora_A.default.weight" for t in m.tensors)
+        path = manifest_path(dirs["weights"], nonce)
+        m.write(path)
+        state = ReceiverState(nonce=nonce, weights_dir=dirs["weights"], sync_dir=dirs["sync"])
+        server = make_model(1)  # a plain model: the receiver injects the same adapters
+        apply_update(server, {"manifest": str(path), "mode": "attach"}, state=state)
+        _lora_step(trainer)  # trains the adapters in the shared memory
+        torch.testing.assert_close(score(server), score(trainer), atol=1e-5, rtol=0)
+        assert (score(server) - score(make_model(0))).abs().max() > 1e-3
+        state.release(server)
+        # reload mode: adapters (and base) through state_dir/sync
+        other = make_model(2)
+        d = write_sync_dir(trainer, dirs["sync"], 3)
+        load_dir(other, d, weight_version=3, state=state)
+        torch.testing.assert_close(score(other), score(trainer), atol=1e-5, rtol=0)
+    finally:
+        arena.release()
