@@ -85,7 +85,7 @@ class Child:
         self.sync = root / "state" / "sync"
         for d in (self.weights, self.sync):
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.log = open(root / "child.log", "ab")  # noqa: SIM115
+        self.log = open(root / "child.log", "ab")
         # The server copies with every core, as an inference server does while the trainer waits.
         env = {**os.environ, "ATROPOSD_INSTANCE": nonce, "PYTHONPATH": str(REPO),
                "CHILD_SERVER_THREADS": str(torch.get_num_threads())}

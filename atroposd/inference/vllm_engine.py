@@ -99,10 +99,10 @@ class AtroposdWorkerExtension:
                 total += e.nbytes
             torch.cuda.synchronize()
             buffers.clear()
-        for e, (name, t) in zip(manifest.tensors, weights):
+        for e, (name, t) in zip(manifest.tensors, weights, strict=True):
             if not same_checksum(e.checksum, checksum(t)):
                 raise ValueError(f"tensor {name!r}: checksum differs from the exporter's")
-        self._atroposd_reload(weights)  # type: ignore[attr-defined]
+        self._atroposd_reload(weights)
         weights.clear()
         if manifest.transport == "cuda_ipc":
             import gc
@@ -116,9 +116,9 @@ class AtroposdWorkerExtension:
         from safetensors import safe_open
 
         with safe_open(path, framework="pt", device="cpu") as f:
-            weights = [(k, f.get_tensor(k)) for k in f.keys()]  # noqa: SIM118
+            weights = [(k, f.get_tensor(k)) for k in f.keys()]
         total = sum(t.numel() * t.element_size() for _, t in weights)
-        self._atroposd_reload(weights)  # type: ignore[attr-defined]
+        self._atroposd_reload(weights)
         return orjson.dumps({"tensors": len(weights), "bytes": total}).decode()
 
     def _atroposd_reload(self, weights: list[Any]) -> None:
@@ -632,16 +632,16 @@ async def serve(args: argparse.Namespace) -> int:
         for r in runners:
             await r.setup()
         await web.TCPSite(runners[0], args.host, args.port).start()
-        sock = Path(args.control_socket)
+        sock = str(args.control_socket)
         with contextlib.suppress(FileNotFoundError):
-            sock.unlink()
+            os.unlink(sock)
         old_umask = os.umask(0o177)
         try:
-            await web.UnixSite(runners[1], str(sock)).start()
+            await web.UnixSite(runners[1], sock).start()
         finally:
             os.umask(old_umask)
         os.chmod(sock, 0o600)
-        log.info("vLLM engine serving", host=args.host, port=args.port, control_socket=str(sock))
+        log.info("vLLM engine serving", host=args.host, port=args.port, control_socket=sock)
         await stop.wait()
         log.info("stopping")
     finally:
@@ -649,7 +649,7 @@ async def serve(args: argparse.Namespace) -> int:
             await r.cleanup()
         await engine.close()
         with contextlib.suppress(FileNotFoundError):
-            Path(args.control_socket).unlink()
+            os.unlink(str(args.control_socket))
     return 0
 
 

@@ -23,7 +23,13 @@ from typing import Protocol
 import torch
 
 from atroposd.logs import get_logger
-from atroposd.weights.manifest import ALIGNMENT, Manifest, SegmentRef, TensorEntry, contiguous_stride
+from atroposd.weights.manifest import (
+    ALIGNMENT,
+    Manifest,
+    SegmentRef,
+    TensorEntry,
+    contiguous_stride,
+)
 from atroposd.weights.shm import ShmSegment, segment_name
 from atroposd.weights.tensors import ModelTensors, checksum, dtype_name, lora_spec, model_tensors
 

@@ -91,7 +91,7 @@ def rebuild_segment(handle: str, uuid: str) -> torch.Tensor:
     """
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    args: list[Any] = list(pickle.loads(base64.b64decode(handle)))  # noqa: S301 - 0600 socket/manifest only
+    args: list[Any] = list(pickle.loads(base64.b64decode(handle)))
     args[6] = device_index_for_uuid(uuid)
     return rebuild_cuda_tensor(*args)
 

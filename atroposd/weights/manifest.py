@@ -289,9 +289,10 @@ class Manifest:
             if t.nbytes != numel * itemsize(t.dtype):
                 raise ManifestError(f"tensor {t.name!r}: nbytes {t.nbytes} != {numel} elements × "
                                     f"{itemsize(t.dtype)} bytes")
-            seg = seg_by_index.get(t.segment)
-            if seg is None:
+            found = seg_by_index.get(t.segment)
+            if found is None:
                 raise ManifestError(f"tensor {t.name!r}: segment {t.segment} is not in the manifest")
+            seg = found
             if t.offset < 0 or t.offset % itemsize(t.dtype):
                 raise ManifestError(f"tensor {t.name!r}: offset {t.offset} is not aligned")
             if t.offset + t.nbytes > seg.size:

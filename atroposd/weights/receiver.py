@@ -54,7 +54,7 @@ import torch
 
 from atroposd.logs import get_logger
 from atroposd.weights.manifest import Manifest, ManifestError, TensorSpec
-from atroposd.weights.shm import ShmError, ShmSegment, read_into
+from atroposd.weights.shm import ShmError, ShmSegment
 from atroposd.weights.tensors import (
     ModelTensors,
     checksum,
@@ -448,7 +448,7 @@ def inspect_sync_dir(path: str | os.PathLike[str], weight_version: int | None,
             raise WeightUpdateError(f"{file} holds weight_version {version}, the request says {weight_version}: "
                                     "stale weights refused")
         exported: dict[str, TensorSpec] = {}
-        for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+        for key in f.keys():
             sl = f.get_slice(key)
             exported[key] = TensorSpec(_st_dtype(sl.get_dtype(), key), tuple(sl.get_shape()))
     return file, version, exported, tied, lora

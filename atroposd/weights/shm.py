@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ from atroposd.logs import get_logger
 try:  # The POSIX shm_open/shm_unlink pair; CPython ships it on every POSIX platform.
     import _posixshmem
 except ImportError:  # pragma: no cover - non-POSIX
-    _posixshmem = None  # type: ignore[assignment]
+    _posixshmem = None
 
 __all__ = ["SEGMENT_PREFIX", "ShmError", "ShmSegment", "cleanup_stale", "list_segments", "read_into",
            "segment_name"]
@@ -227,7 +228,8 @@ def read_into(name: str, size: int, targets: Iterable[tuple[int, torch.Tensor]])
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory (no copy)."""
     flat = tensor.detach().reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    array: Any = flat.numpy()
+    return memoryview(array).cast("B")
 
 
 def _split(jobs: list[tuple[int, memoryview]], parts: int) -> list[list[tuple[int, memoryview]]]:

@@ -190,21 +190,21 @@ def test_generate_response_shape_and_logprobs(server: Server, model_dir: Path) -
     assert len(out["token_ids"]) == len(out["logprobs"]) == len(out["finish_reasons"]) == len(out["text"]) == 3
     assert out["weight_version"] == 0
     model = hf_model(model_dir)
-    for ids, lps, reason in zip(out["token_ids"], out["logprobs"], out["finish_reasons"]):
+    for ids, lps, reason in zip(out["token_ids"], out["logprobs"], out["finish_reasons"], strict=True):
         assert reason in ("stop", "length")
         assert len(ids) == len(lps)
         if reason == "stop":
             assert ids[-1] == 2  # the sampled EOS is the last token
         # one-element list per token, keyed by the sampled id (Atropos reads ids from the keys)
-        assert [list(x[0].keys())[0] for x in lps] == [str(t) for t in ids]
+        assert [next(iter(x[0].keys())) for x in lps] == [str(t) for t in ids]
         # processed logprobs: log_softmax(logits / T) of the sampled token, what the trainer computes
         want = hf_logprobs(model, PROMPT + ids, 0.7)[len(PROMPT) - 1:]
-        got = [list(x[0].values())[0] for x in lps]
-        assert max(abs(a - b) for a, b in zip(got, want.tolist())) < 2e-3, (got, want)
+        got = [next(iter(x[0].values())) for x in lps]
+        assert max(abs(a - b) for a, b in zip(got, want.tolist(), strict=True)) < 2e-3, (got, want)
     # prompt logprobs include the actual prompt token and match the HF model
     want = hf_logprobs(model, PROMPT)
     got = prompt_lp(out, PROMPT)
-    assert max(abs(a - b) for a, b in zip(got, want.tolist())) < 2e-3
+    assert max(abs(a - b) for a, b in zip(got, want.tolist(), strict=True)) < 2e-3
 
 
 def test_bad_requests_are_400(server: Server) -> None:
@@ -278,7 +278,7 @@ async def test_refused_update_keeps_serving(server: Server, model_dir: Path, non
         bad.write(path)
         version = (await server.call("GET", "/weight_info"))["weight_version"]
         await server.call("POST", "/pause")
-        with pytest.raises(WeightControlError, match="up_proj.weight.*shape"):
+        with pytest.raises(WeightControlError, match=r"up_proj\.weight.*shape"):
             await server.call("POST", "/update_weights", {"manifest": str(path), "mode": "copy"})
         with pytest.raises(WeightControlError, match="only copies"):
             await server.call("POST", "/update_weights", {"manifest": str(path), "mode": "attach"})
@@ -297,16 +297,17 @@ async def test_pause_holds_new_requests_until_resume(server: Server) -> None:
     version = int((await server.call("GET", "/weight_info"))["weight_version"])
     await server.call("POST", "/pause")
     results: list[tuple[int, dict[str, Any]]] = []
+    answered = anyio.Event()
 
     async def ask() -> None:
         results.append(await anyio.to_thread.run_sync(
             server.generate, {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 3}))
+        answered.set()
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(ask)
-        with anyio.move_on_after(2.0):  # a bounded observation window, not a wait for readiness
-            while not results:
-                await anyio.sleep(0.05)
+        with anyio.move_on_after(2.0):  # a bounded observation window: it must NOT answer
+            await answered.wait()
         assert not results  # held while paused
         info = await server.call("GET", "/weight_info")
         assert info["paused"]

@@ -16,7 +16,6 @@ import os
 import resource
 import sys
 from pathlib import Path
-from typing import Any
 
 import orjson
 import torch
@@ -57,6 +56,7 @@ class Server:
         self.idle = asyncio.Event()
         self.idle.set()
         self.updates = 0
+        self.waiting = 0
 
     async def pause(self, request: web.Request) -> web.Response:
         self.paused = True
@@ -96,10 +96,11 @@ class Server:
 
     async def info(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.version, "paused": self.paused,
-                                  "attached": self.state.attached, "updates": self.updates, "pid": os.getpid()})
+                                  "attached": self.state.attached, "updates": self.updates, "pid": os.getpid(),
+                                  "waiting": self.waiting})
 
     async def resources(self, request: web.Request) -> web.Response:
-        maps = Path("/proc/self/maps").read_text().splitlines()
+        maps = Path("/proc/self/maps").read_text().splitlines()  # noqa: ASYNC240 - a tiny procfs read
         return web.json_response({
             "fds": len(os.listdir("/proc/self/fd")),
             "shm_maps": sum(1 for line in maps if "/dev/shm/atroposd" in line),
@@ -109,8 +110,12 @@ class Server:
 
     async def logprobs(self, request: web.Request) -> web.Response:
         body = await request.json()
-        while self.paused:
-            await self.resumed.wait()
+        self.waiting += 1
+        try:
+            while self.paused:
+                await self.resumed.wait()
+        finally:
+            self.waiting -= 1
         self.inflight += 1
         self.idle.clear()
         try:

@@ -17,7 +17,14 @@ from atroposd.weights.arena import ParameterArena, plan_layout
 from atroposd.weights.manifest import ALIGNMENT, Manifest, ManifestError, manifest_path
 from atroposd.weights.receiver import ReceiverState, WeightUpdateError, apply_update, load_dir
 from atroposd.weights.reload import prune_sync_dirs, write_sync_dir
-from atroposd.weights.shm import ShmError, ShmSegment, cleanup_stale, list_segments, read_into, segment_name
+from atroposd.weights.shm import (
+    ShmError,
+    ShmSegment,
+    cleanup_stale,
+    list_segments,
+    read_into,
+    segment_name,
+)
 from atroposd.weights.tensors import model_tensors
 from tests.weights.conftest import make_model, score
 
@@ -233,7 +240,7 @@ def test_manifest_provenance_checks(exported, tmp_path: Path) -> None:  # type: 
 def test_shape_mismatch_against_a_different_model(exported) -> None:  # type: ignore[no-untyped-def]
     _trainer, _arena, path, state = exported
     other = make_model(1, intermediate_size=384)
-    with pytest.raises(WeightUpdateError, match=r"model.layers.0.mlp.gate_proj.weight'.*shape"):
+    with pytest.raises(WeightUpdateError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight'.*shape"):
         apply_update(other, {"manifest": str(path), "mode": "attach"}, state=state)
     untied = make_model(1, tie_word_embeddings=False)
     # The exporter ties lm_head to embed_tokens; an importer that does not tie re-ties.
@@ -248,7 +255,7 @@ def test_checksum_detects_changed_memory(exported) -> None:  # type: ignore[no-u
     trainer, _arena, path, state = exported
     with torch.no_grad():
         trainer.model.norm.weight.add_(1.0)  # memory changed after the manifest was written
-    with pytest.raises(WeightUpdateError, match="model.norm.weight.*checksum"):
+    with pytest.raises(WeightUpdateError, match=r"model\.norm\.weight.*checksum"):
         apply_update(make_model(1), {"manifest": str(path), "mode": "attach"}, state=state)
 
 

@@ -17,6 +17,8 @@ from tests.weights.conftest import Child, ChildFactory, make_model, own_resource
 
 pytestmark = pytest.mark.anyio
 
+REPO = Path(__file__).resolve().parent.parent.parent
+
 ATOL = 1e-5
 
 
@@ -71,8 +73,8 @@ async def test_generation_during_a_step_carries_one_version(dirs: dict[str, Path
 
                 tg.start_soon(ask)
                 # The request reached the server and waits for the resume.
-                with anyio.fail_after(30):
-                    while not (await child.call("GET", "/weight_info"))["paused"]:
+                with anyio.fail_after(30):  # a probe of the server's state, with a deadline
+                    while (await child.call("GET", "/weight_info"))["waiting"] != 1:  # noqa: ASYNC110
                         await anyio.sleep(0.01)
                 await anyio.wait_all_tasks_blocked()
                 await anyio.to_thread.run_sync(train_step, model, opt)
@@ -241,12 +243,14 @@ async def test_dead_trainer_leftovers_are_removed_by_the_next_start(dirs: dict[s
     import subprocess
     import sys
 
+    import psutil
+
     from atroposd.weights.manifest import exporter_alive
     from atroposd.weights.shm import cleanup_stale
 
     code = f"""
-import anyio, sys
-sys.path.insert(0, {str(Path(__file__).resolve().parent.parent.parent)!r})
+import sys
+sys.path.insert(0, {str(REPO)!r})
 from pathlib import Path
 from atroposd.weights.arena import ParameterArena
 from atroposd.weights.manifest import manifest_path
@@ -254,25 +258,19 @@ from tests.weights.conftest import make_model
 m = make_model(0)
 a = ParameterArena.create(m, nonce={nonce!r})
 a.manifest(0).write(manifest_path(Path({str(dirs['weights'])!r}), {nonce!r}))
-print("exported", flush=True)
+print("EXPORT-DONE", flush=True)
 sys.stdin.read()
 """
-    with subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE) as proc:
-        try:
-            assert proc.stdout is not None
-            with anyio.fail_after(60):
-                while True:
-                    line = await anyio.to_thread.run_sync(proc.stdout.readline)
-                    assert line, "the exporter exited early"
-                    if line.strip() == b"exported":
-                        break
-            start_time = __import__("psutil").Process(proc.pid).create_time()
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    async with await anyio.open_process([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE) as proc:
+        assert proc.stdout is not None
+        seen = b""
+        with anyio.fail_after(60):
+            while b"EXPORT-DONE" not in seen:
+                seen += await proc.stdout.receive()
+        start_time = psutil.Process(proc.pid).create_time()
+        os.kill(proc.pid, signal.SIGKILL)
+        await proc.wait()
     assert list_segments(f"atroposd-{nonce}-")
     assert (dirs["weights"] / f"manifest-{nonce}.json").exists()
     removed = cleanup_stale(dirs["runtime"], lambda n: n == nonce and exporter_alive(proc.pid, start_time))
