@@ -190,6 +190,26 @@ class VllmEngine:
         self._update_lock = asyncio.Lock()
         self.updates = 0
 
+    @classmethod
+    def from_config(cls, cfg: Any, *, receiver: Any = None, await_weights: bool = False) -> VllmEngine:
+        """An engine for ``cfg.inference`` (the model resolved to a local directory first).
+
+        ``receiver`` defaults to ``ReceiverState.from_config(cfg)`` (nonce from
+        ``ATROPOSD_INSTANCE``).
+        """
+        from atroposd.weights.receiver import ReceiverState
+
+        inf = cfg.inference
+        model = _resolve_model(cfg)
+        device = inf.device
+        if device == "auto":
+            device = "cuda" if _cuda_available() else "cpu"
+        return cls(model=model, tokenizer=inf.tokenizer or None, dtype=inf.dtype, device=device,
+                   max_model_len=inf.max_model_len, gpu_memory_utilization=inf.vllm.gpu_memory_utilization,
+                   enforce_eager=inf.vllm.enforce_eager, extra_args=list(inf.vllm.extra_args),
+                   receiver=receiver if receiver is not None else ReceiverState.from_config(cfg),
+                   seed=cfg.trainer.seed, await_weights=await_weights)
+
     # ------------------------------------------------------------------ lifecycle
 
     def engine_args(self) -> Any:
@@ -356,6 +376,29 @@ class VllmEngine:
                 "updates": self.updates, "engine": self.name}
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _resolve_model(cfg: Any) -> str:
+    """A local model directory for ``cfg.inference.model`` (``builtin:tiny`` is built on demand)."""
+    model = cfg.inference.model
+    if not model.startswith("builtin:"):
+        return str(model)
+    import importlib
+
+    try:
+        tiny = importlib.import_module("atroposd.models.tiny")  # built by the models package
+    except ImportError as exc:
+        raise RuntimeError(f"cannot resolve {model!r}: atroposd.models.tiny is not available ({exc})") from None
+    resolve = getattr(tiny, "resolve_model", None) or getattr(tiny, "ensure_builtin_model", None)
+    if resolve is None:
+        raise RuntimeError(f"cannot resolve {model!r}: atroposd.models.tiny has no resolve_model")
+    return str(resolve(cfg))
+
+
 def _resolve_dtype(dtype: str, device: str) -> str:
     if dtype != "auto":
         return dtype
@@ -515,23 +558,48 @@ def _response(out: Any, version: int, *, want_prompt_logprobs: bool) -> dict[str
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m atroposd.inference.vllm_engine",
                                 description="The vLLM engine behind atroposd's /generate front.")
-    p.add_argument("--model", required=True)
+    p.add_argument("-c", "--config", metavar="FILE", help="atroposd config: [inference] fills the defaults")
+    p.add_argument("--model")
     p.add_argument("--tokenizer")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=9001)
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
     p.add_argument("--control-socket", required=True, help="Unix socket for the weight-control routes (0600)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.0)
-    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--dtype")
+    p.add_argument("--device")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--gpu-memory-utilization", type=float)
+    p.add_argument("--enforce-eager", action="store_true", default=None)
     p.add_argument("--weights-dir", help="runtime_dir/weights (manifests)")
     p.add_argument("--sync-dir", help="state_dir/sync (reload mode)")
     p.add_argument("--await-weights", action="store_true", help="start paused until the first /resume")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--log-level")
     p.add_argument("extra_args", nargs="*", help="extra vLLM engine arguments (after --)")
     return p
+
+
+def _config_with_overrides(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
+    """The config (``-c``, else the built-in defaults) with the command line's overrides."""
+    from atroposd.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, discover=bool(args.config))
+    except ConfigError as exc:
+        parser.exit(2, f"{exc}\n")
+    inf = cfg.inference
+    inf.engine = "vllm"
+    for flag, attr in (("model", "model"), ("tokenizer", "tokenizer"), ("host", "host"), ("port", "port"),
+                       ("dtype", "dtype"), ("device", "device"), ("max_model_len", "max_model_len")):
+        value = getattr(args, flag)
+        if value is not None:
+            setattr(inf, attr, value)
+    if args.gpu_memory_utilization is not None:
+        inf.vllm.gpu_memory_utilization = args.gpu_memory_utilization
+    if args.enforce_eager:
+        inf.vllm.enforce_eager = True
+    if args.seed is not None:
+        cfg.trainer.seed = args.seed
+    return cfg
 
 
 def _set_parent_death_signal(sig: int) -> None:
@@ -548,14 +616,15 @@ async def serve(args: argparse.Namespace) -> int:
 
     from atroposd.weights.receiver import ReceiverState, WeightUpdateError
 
-    receiver = None
+    cfg = args.cfg
+    receiver = ReceiverState.from_config(cfg)
     if args.weights_dir:
-        receiver = ReceiverState(nonce=os.environ.get("ATROPOSD_INSTANCE", ""), weights_dir=Path(args.weights_dir),
-                                 sync_dir=Path(args.sync_dir) if args.sync_dir else None)
-    engine = VllmEngine(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
-                        max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-                        enforce_eager=args.enforce_eager, extra_args=args.extra_args, receiver=receiver,
-                        seed=args.seed, await_weights=args.await_weights)
+        receiver.weights_dir = Path(args.weights_dir)
+    if args.sync_dir:
+        receiver.sync_dir = Path(args.sync_dir)
+    engine = VllmEngine.from_config(cfg, receiver=receiver, await_weights=args.await_weights)
+    engine.extra_args += list(args.extra_args)
+    host, port = cfg.inference.host, cfg.inference.port
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -631,7 +700,7 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         for r in runners:
             await r.setup()
-        await web.TCPSite(runners[0], args.host, args.port).start()
+        await web.TCPSite(runners[0], host, port).start()
         sock = str(args.control_socket)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(sock)
@@ -641,7 +710,7 @@ async def serve(args: argparse.Namespace) -> int:
         finally:
             os.umask(old_umask)
         os.chmod(sock, 0o600)
-        log.info("vLLM engine serving", host=args.host, port=args.port, control_socket=sock)
+        log.info("vLLM engine serving", host=host, port=port, control_socket=sock)
         await stop.wait()
         log.info("stopping")
     finally:
@@ -656,8 +725,11 @@ async def serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from atroposd.logs import configure_logging
 
-    args = build_parser().parse_args(argv)
-    configure_logging(args.log_level, "auto", component="inference")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.cfg = _config_with_overrides(args, parser)
+    configure_logging(args.log_level or args.cfg.daemon.log_level, args.cfg.daemon.log_format,
+                      component="inference")
     if os.getppid() != 1:
         _set_parent_death_signal(signal.SIGTERM)
     return asyncio.run(serve(args))
