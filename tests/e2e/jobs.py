@@ -1,0 +1,75 @@
+"""Whole jobs for end-to-end tests: a config in a short temporary directory, CLI helpers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from tests.support import atroposd, free_port, write_config
+
+
+def job_config(root: Path, *, steps: int = 30, seed: int = 0, trainer: Mapping[str, Any] | None = None,
+               envs: list[dict[str, Any]] | None = None, **sections: Mapping[str, Any]) -> Path:
+    """The embedded job, shortened, with its directories under ``root`` and free ports."""
+    api_port, inf_port = free_port(), free_port()
+    while inf_port == api_port:
+        inf_port = free_port()
+    cfg: dict[str, Any] = {
+        "daemon": {"runtime_dir": str(root / "run"), "state_dir": str(root / "state"),
+                   "stop_timeout": 15.0, "log_format": "json"},
+        "api": {"port": api_port},
+        "inference": {"port": inf_port, "max_model_len": 64},
+        "trainer": {"steps": steps, "checkpoint_every": max(1, steps // 2), "seed": seed,
+                    "max_token_len": 64, **(trainer or {})},
+        "env": envs if envs is not None else [{"name": "arithmetic", "builtin": "arithmetic"}],
+    }
+    for name, body in sections.items():
+        cfg[name] = {**cfg.get(name, {}), **body}
+    return write_config(root / "atroposd.toml", cfg)
+
+
+def status(cfg: Path) -> dict[str, Any]:
+    res = atroposd("status", "-c", str(cfg), "--json", timeout=30)
+    assert res.returncode == 0, f"status failed ({res.returncode}): {res.stderr}"
+    return json.loads(res.stdout)
+
+
+def component(st: Mapping[str, Any], name: str) -> dict[str, Any]:
+    for c in st["components"]:
+        if c["name"] == name:
+            return dict(c)
+    raise AssertionError(f"no component {name!r} in {[c['name'] for c in st['components']]}")
+
+
+def metrics(state_dir: Path) -> list[dict[str, Any]]:
+    path = state_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def kill9(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
+def daemon_env() -> dict[str, str]:
+    """Children of the CLI run the package from this checkout with this interpreter."""
+    return {"PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+
+
+def processes_of_instance(nonce: str) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("ATROPOSD_INSTANCE") == nonce and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return out

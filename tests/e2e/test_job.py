@@ -1,0 +1,120 @@
+"""The embedded job end to end through the command line: run, start/status/stop, faults, resume."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.e2e.jobs import component, daemon_env, job_config, kill9, metrics, status
+from tests.support import atroposd, wait_for
+
+REQUIRED_METRICS = {"step", "time", "loss", "reward_mean", "reward_std", "accuracy", "weight_version",
+                    "staleness", "mean_ratio", "clipped_fraction", "mean_kl", "grad_norm", "tokens",
+                    "skipped_steps"}
+
+
+def _no_shm() -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith("atroposd")]
+
+
+def test_run_finishes_its_steps_and_leaves_nothing(short_tmp: Path) -> None:
+    cfg = job_config(short_tmp, steps=20)
+    before_shm = set(_no_shm())
+    res = atroposd("run", "-c", str(cfg), env=daemon_env(), timeout=240)
+    assert res.returncode == 0, f"run exited {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    rows = metrics(short_tmp / "state")
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    missing = REQUIRED_METRICS - set(rows[-1])
+    assert not missing, f"metrics.jsonl lacks {sorted(missing)}"
+    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)
+    ckpts = sorted(p.name for p in (short_tmp / "state" / "checkpoints").iterdir())
+    assert "step-20" in ckpts, ckpts
+    assert (short_tmp / "state" / "checkpoints" / "step-20" / "config.json").exists()
+    assert set(_no_shm()) <= before_shm
+    assert not (short_tmp / "run" / "control.sock").exists()
+
+
+def test_start_status_stop(short_tmp: Path) -> None:
+    cfg = job_config(short_tmp, steps=100_000)
+    res = atroposd("start", "-c", str(cfg), env=daemon_env(), timeout=240)
+    try:
+        assert res.returncode == 0, f"start exited {res.returncode}: {res.stderr[-3000:]}"
+        st = status(cfg)
+        assert st["state"] in ("running", "degraded")
+        names = {c["name"]: c for c in st["components"]}
+        assert {"api", "inference", "arithmetic-0"} <= set(names), names
+        for c in names.values():
+            assert c["state"] == "ready", c
+            assert isinstance(c["pid"], int) and psutil.pid_exists(c["pid"])
+        first = st["trainer"]["step"]
+        wait_for(lambda: status(cfg)["trainer"]["step"] >= first + 5, timeout=90, what="training steps")
+        st = status(cfg)
+        assert st["trainer"]["state"] == "training"
+        assert st["queue"]["capacity"] == 8192
+        human = atroposd("status", "-c", str(cfg), timeout=30)
+        assert human.returncode == 0 and "inference" in human.stdout
+        pids = [c["pid"] for c in st["components"]] + [st["pid"]]
+    finally:
+        stopped = atroposd("stop", "-c", str(cfg), timeout=120)
+    assert stopped.returncode == 0, stopped.stderr
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    assert atroposd("status", "-c", str(cfg), timeout=30).returncode == 3
+
+
+@pytest.mark.slow
+def test_faults_while_training(short_tmp: Path) -> None:
+    """kill -9 of each child in turn: each comes back and the trainer keeps stepping."""
+    cfg = job_config(short_tmp, steps=100_000)
+    res = atroposd("start", "-c", str(cfg), env=daemon_env(), timeout=240)
+    try:
+        assert res.returncode == 0, res.stderr[-3000:]
+        for name in ("arithmetic-0", "inference", "api"):
+            before = component(status(cfg), name)
+            step0 = status(cfg)["trainer"]["step"]
+            kill9(before["pid"])
+
+            def back() -> bool:
+                c = component(status(cfg), name)
+                return c["state"] == "ready" and c["pid"] != before["pid"] and c["restarts"] > before["restarts"]
+            wait_for(back, timeout=120, interval=0.5, what=f"{name} to be restarted")
+            wait_for(lambda: status(cfg)["trainer"]["step"] >= step0 + 10, timeout=120, interval=0.5,
+                     what=f"training to advance after {name} was killed")
+        st = status(cfg)
+        assert st["trainer"]["state"] == "training"
+        rows = metrics(short_tmp / "state")
+        steps = [r["step"] for r in rows]
+        assert steps == sorted(set(steps)), "a step was trained twice or out of order"
+    finally:
+        assert atroposd("stop", "-c", str(cfg), timeout=120).returncode == 0
+
+
+@pytest.mark.slow
+def test_daemon_kill9_then_start_resumes(short_tmp: Path) -> None:
+    cfg = job_config(short_tmp, steps=100_000, trainer={"checkpoint_every": 10})
+    res = atroposd("start", "-c", str(cfg), env=daemon_env(), timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    try:
+        st = status(cfg)
+        wait_for(lambda: (short_tmp / "state" / "checkpoints" / "step-20").is_dir(), timeout=120,
+                 interval=0.5, what="checkpoint step-20")
+        children = [c["pid"] for c in st["components"]]
+        kill9(st["pid"])
+        wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                                 for p in children), timeout=15, what="children to die with the daemon")
+        complete = sorted(int(p.name.split("-")[1]) for p in (short_tmp / "state" / "checkpoints").iterdir()
+                          if p.name.startswith("step-") and p.name.split("-")[1].isdigit())
+        restarted_at = time.time()
+        res = atroposd("start", "-c", str(cfg), env=daemon_env(), timeout=240)
+        assert res.returncode == 0, res.stderr[-3000:]
+        resumed = status(cfg)["trainer"]
+        assert resumed["step"] >= complete[-1], (resumed, complete)
+        wait_for(lambda: status(cfg)["trainer"]["step"] > complete[-1] + 3, timeout=90, what="steps after resume")
+        rows = metrics(short_tmp / "state")
+        assert any(r["step"] == complete[-1] + 1 and r["time"] >= restarted_at for r in rows), \
+            "training did not continue at the step after the last complete checkpoint"
+    finally:
+        assert atroposd("stop", "-c", str(cfg), timeout=120).returncode == 0
