@@ -1,0 +1,265 @@
+"""Process identity, the child subreaper, descendant tracking and crash recovery.
+
+The daemon signals only processes it started: each is held as a ``psutil.Process``, whose
+``send_signal`` checks the pid *and* its start time, so a recycled pid is never hit.
+
+Reaping has one owner per process: the event loop's child watcher waits for every child the
+daemon spawned; :class:`OrphanReaper` reaps only orphans the kernel re-parented to the daemon
+(it is a child subreaper), so no exit status is stolen.
+
+Crash recovery: the daemon records its nonce, pid, start time and every child's descendants in
+``state_dir/recovery/instance.json``.  The next start terminates whatever of a dead daemon
+survived (pid and start time checked, or carrying the dead daemon's ``ATROPOSD_INSTANCE``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import psutil
+
+from atroposd.logs import get_logger
+
+log = get_logger("atroposd.reaper", component="daemon")
+
+PR_SET_CHILD_SUBREAPER = 36
+INSTANCE_VAR = "ATROPOSD_INSTANCE"
+# Start times from psutil are floats from /proc; two reads of one process agree far better.
+_TIME_SLACK = 0.05
+
+
+def set_child_subreaper() -> bool:
+    """Make orphans of our descendants re-parent to this process instead of init."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        log.warning("subreaper unavailable", error=os.strerror(ctypes.get_errno()))
+        return False
+    return True
+
+
+def identity(pid: int) -> psutil.Process | None:
+    """A handle on ``pid`` that remembers its start time (None if it is gone)."""
+    try:
+        proc = psutil.Process(pid)
+        proc.create_time()
+        return proc
+    except psutil.Error:
+        return None
+
+
+def is_alive(proc: psutil.Process) -> bool:
+    """Running, not a zombie, and still the same process (start time)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def same_process(pid: int, start_time: float) -> psutil.Process | None:
+    """The live process ``pid`` if it started at ``start_time``, else None."""
+    proc = identity(pid)
+    if proc is None or abs(proc.create_time() - start_time) > _TIME_SLACK or not is_alive(proc):
+        return None
+    return proc
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def signal_all(procs: Iterable[psutil.Process], sig: int) -> int:
+    """Send ``sig`` to each live process (identity checked by psutil); returns how many got it."""
+    sent = 0
+    for proc in procs:
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            proc.send_signal(sig)
+            sent += 1
+        except psutil.Error:
+            continue
+    return sent
+
+
+def signal_group(pgid: int, sig: int) -> bool:
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+class OrphanReaper:
+    """Reaps processes re-parented to the daemon, never a child someone else waits for.
+
+    ``waitid(P_ALL, WEXITED | WNOHANG | WNOWAIT)`` tells whether any child has exited without
+    consuming its status; then each zombie child is reaped only if the daemon did not spawn it
+    (``own(pid)`` false) — adopted descendants the tracker saw at once, unknown ones only once
+    they have stayed zombies over two passes (an in-process waiter would have reaped them).
+    """
+
+    def __init__(self) -> None:
+        self._seen_unknown: set[int] = set()
+        self.reaped = 0
+
+    def reap(self, *, own: set[int], adopted: set[int]) -> list[tuple[int, int]]:
+        try:
+            peek = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            self._seen_unknown.clear()
+            return []
+        if peek is None:
+            return []
+        out: list[tuple[int, int]] = []
+        unknown_now: set[int] = set()
+        for child in psutil.Process().children():
+            try:
+                if child.status() != psutil.STATUS_ZOMBIE or child.pid in own:
+                    continue
+            except psutil.Error:
+                continue
+            if child.pid not in adopted and child.pid not in self._seen_unknown:
+                unknown_now.add(child.pid)
+                continue
+            try:
+                pid, status = os.waitpid(child.pid, os.WNOHANG)
+            except ChildProcessError:
+                continue
+            if pid:
+                out.append((pid, status))
+                self.reaped += 1
+        self._seen_unknown = unknown_now
+        return out
+
+
+# --------------------------------------------------------------------------- recovery record
+
+
+@dataclass
+class InstanceRecord:
+    """What the next start needs to clean up after this daemon if it dies."""
+
+    nonce: str
+    pid: int
+    start_time: float
+    descendants: list[tuple[int, float]] = field(default_factory=list)
+
+    def to_json(self) -> bytes:
+        return orjson.dumps({"nonce": self.nonce, "pid": self.pid, "start_time": self.start_time,
+                             "descendants": [[p, t] for p, t in self.descendants]})
+
+    @classmethod
+    def from_json(cls, data: bytes) -> InstanceRecord:
+        raw = orjson.loads(data)
+        return cls(nonce=str(raw["nonce"]), pid=int(raw["pid"]), start_time=float(raw["start_time"]),
+                   descendants=[(int(p), float(t)) for p, t in raw.get("descendants", [])])
+
+
+def write_record(path: Path, record: InstanceRecord) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(record.to_json())
+    os.replace(tmp, path)
+
+
+def read_record(path: Path) -> InstanceRecord | None:
+    try:
+        return InstanceRecord.from_json(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("unreadable crash-recovery record ignored", path=str(path), error=str(exc))
+        return None
+
+
+def record_alive(record: InstanceRecord) -> bool:
+    return same_process(record.pid, record.start_time) is not None
+
+
+def _instance_of(proc: psutil.Process) -> str | None:
+    try:
+        return proc.environ().get(INSTANCE_VAR)
+    except (psutil.Error, OSError):
+        return None
+
+
+def survivors(record: InstanceRecord) -> list[psutil.Process]:
+    """Live processes of this user that belong to the dead daemon of ``record``."""
+    me = os.getpid()
+    found: dict[int, psutil.Process] = {}
+    for pid, start in record.descendants:
+        proc = same_process(pid, start)
+        if proc is not None and proc.pid != me:
+            found[proc.pid] = proc
+    uid = os.getuid()
+    for proc in psutil.process_iter(["uids", "create_time"]):
+        try:
+            if proc.pid == me or proc.pid in found or proc.info["uids"] is None or proc.info["uids"].real != uid:
+                continue
+            # Started after the dead daemon, and carrying its nonce.
+            if proc.info["create_time"] + _TIME_SLACK < record.start_time:
+                continue
+        except psutil.Error:
+            continue
+        if _instance_of(proc) == record.nonce and is_alive(proc):
+            found[proc.pid] = proc
+    return list(found.values())
+
+
+def terminate(procs: list[psutil.Process], *, grace: float) -> list[psutil.Process]:
+    """SIGTERM, wait up to ``grace``, SIGKILL what is left; returns the processes that were hit."""
+    if not procs:
+        return []
+    signal_all(procs, signal.SIGTERM)
+    _gone, alive = psutil.wait_procs(procs, timeout=grace)
+    alive = [p for p in alive if is_alive(p)]
+    if alive:
+        signal_all(alive, signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=max(grace, 1.0))
+    return procs
+
+
+def recover_dead_instance(path: Path, *, grace: float = 2.0) -> InstanceRecord | None:
+    """Terminate what a crashed daemon left behind; returns its record (None if nothing to do).
+
+    Blocking (waits for the processes to go): run it before the event loop starts anything.
+    """
+    record = read_record(path)
+    if record is None:
+        return None
+    if record_alive(record):
+        # Another daemon with this state_dir is alive (the pidfile lock normally prevents this).
+        return None
+    left = survivors(record)
+    if left:
+        log.warning("terminating processes left by a dead daemon", nonce=record.nonce, dead_pid=record.pid,
+                    pids=[p.pid for p in left])
+        t0 = time.monotonic()
+        terminate(left, grace=grace)
+        log.info("left-over processes gone", seconds=round(time.monotonic() - t0, 3))
+    return record
+
+
+def describe(proc: psutil.Process) -> dict[str, Any]:
+    try:
+        return {"pid": proc.pid, "cmdline": " ".join(proc.cmdline())[:200]}
+    except psutil.Error:
+        return {"pid": proc.pid}

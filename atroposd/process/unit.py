@@ -1,0 +1,420 @@
+"""One managed child: its state machine, start-until-ready, stop, and restart policy (SPEC §4).
+
+``Unit.supervise()`` is the whole lifecycle as one flat loop:
+
+    launch → wait for readiness (probe vs exit vs deadline) → ready → wait for exit or stop
+      → terminate the group and tracked descendants → classify the exit → backoff → again
+
+Every state change goes through ``_transition``, which checks the move is legal and logs
+old → new with the pid and the reason.  Stopping is TERM to the process group → grace →
+KILL to the group and every tracked descendant → reap, shielded from cancellation and bounded
+by ``stop_timeout``; the same clean-up runs when a child exits by itself, before any backoff.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import psutil
+
+from atroposd.logs import get_logger
+from atroposd.process import reaper
+from atroposd.process.logfiles import LogHub, tail
+from atroposd.process.probes import Probe, ProbeError
+
+log = get_logger("atroposd.unit", component="daemon")
+
+LAUNCHER = str(Path(__file__).with_name("launch.py"))
+BACKOFF_FIRST = 1.0
+BACKOFF_MAX = 30.0
+BACKOFF_JITTER = 0.2
+EXIT_USAGE = 2
+# How long the log pump may keep draining a closed child's pipe before it is cut off.
+PUMP_DRAIN = 1.0
+DESCENDANT_POLL = 0.02
+
+
+class State(str, enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    BACKOFF = "backoff"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+_LEGAL: dict[State, set[State]] = {
+    State.STOPPED: {State.STARTING},
+    State.STARTING: {State.READY, State.BACKOFF, State.FAILED, State.STOPPING, State.STOPPED},
+    State.READY: {State.BACKOFF, State.FAILED, State.STOPPING, State.STOPPED},
+    State.BACKOFF: {State.STARTING, State.STOPPED, State.FAILED},
+    State.STOPPING: {State.STOPPED, State.FAILED},
+    State.FAILED: set(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ExitInfo:
+    """How a child ended: ``code`` is the return code (negative: killed by that signal)."""
+
+    code: int
+    at: float = field(default_factory=time.time)
+
+    @property
+    def signal(self) -> str | None:
+        return reaper.signal_name(-self.code) if self.code < 0 else None
+
+    def describe(self) -> str:
+        if self.code < 0:
+            text = f"killed by {self.signal}"
+            return text + " (possibly the out-of-memory killer)" if self.code == -signal.SIGKILL else text
+        return f"exited with code {self.code}"
+
+    def as_dict(self) -> dict[str, Any]:
+        at = datetime.fromtimestamp(self.at, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return {"code": self.code, "signal": self.signal, "at": at}
+
+
+@dataclass
+class UnitSpec:
+    """Everything needed to run one child; built by the daemon from the config."""
+
+    name: str
+    kind: str  # api | inference | env
+    argv: list[str]
+    env: dict[str, str]
+    probe: Probe
+    ready_timeout: float
+    stop_timeout: float
+    stop_signal: int = signal.SIGTERM
+    death_signal: int = signal.SIGKILL
+    restart: str = "always"  # on-failure | always | never
+    max_restarts: int = 5
+    restart_window: float = 60.0
+    cwd: str | None = None
+
+
+# Called with (unit, restarted) once the probe passed, before the unit is marked ready.
+ReadyHook = Callable[["Unit", bool], Awaitable[None]]
+
+
+class Unit:
+    """One managed child process and its whole lifecycle."""
+
+    def __init__(self, spec: UnitSpec, *, logs: LogHub, on_ready: ReadyHook | None = None,
+                 on_change: Callable[[Unit], None] | None = None) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.kind = spec.kind
+        self.state = State.STOPPED
+        self.pid: int | None = None
+        self.restarts = 0
+        self.last_exit: ExitInfo | None = None
+        self.last_error: str | None = None
+        self.ever_ready = False
+        self.since = time.monotonic()
+        self.tracked: dict[int, psutil.Process] = {}
+        self.settled = anyio.Event()  # the first attempt is over: ready, or it failed
+        self.done = anyio.Event()  # supervise() returned
+        self._stop = anyio.Event()
+        self._changed = anyio.Event()
+        self._exits: collections.deque[float] = collections.deque()
+        self._sink = logs.sink(spec.name)
+        self._on_ready = on_ready
+        self._on_change = on_change
+        self.log_path = self._sink.path
+
+    # ------------------------------------------------------------------ public
+
+    def request_stop(self) -> None:
+        """Ask the unit to stop its child and end ``supervise()`` (idempotent)."""
+        self._stop.set()
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
+
+    async def wait_until(self, predicate: Callable[[Unit], bool]) -> None:
+        while not predicate(self):
+            await self._changed.wait()
+
+    def status(self) -> dict[str, Any]:
+        """This component's entry in ``status --json`` (SPEC §2)."""
+        return {"name": self.name, "kind": self.kind, "external": False, "state": self.state.value,
+                "pid": self.pid, "restarts": self.restarts,
+                "last_exit": self.last_exit.as_dict() if self.last_exit else None,
+                "since_s": round(time.monotonic() - self.since, 3), "log": str(self.log_path),
+                "error": self.last_error, "log_dropped_bytes": self._sink.dropped_bytes}
+
+    def tree_pids(self) -> set[int]:
+        """The child and its known descendants (for crediting API registrations)."""
+        pids = set(self.tracked)
+        if self.pid is not None:
+            pids.add(self.pid)
+            pids.update(p.pid for p in reaper.descendants(self.pid))
+        return pids
+
+    def rescan(self) -> None:
+        """Record the child's current descendants, forget the dead ones (daemon: every 0.5 s)."""
+        if self.pid is not None:
+            for proc in reaper.descendants(self.pid):
+                self.tracked.setdefault(proc.pid, proc)
+        for pid, proc in list(self.tracked.items()):
+            if not reaper.is_alive(proc):
+                del self.tracked[pid]
+
+    async def supervise(self) -> None:
+        """Run the child until a stop is requested or the restart policy gives up."""
+        try:
+            while not self._stop.is_set():
+                exit_info = await self._run_once()
+                if exit_info is None:
+                    break
+                delay = self._after_exit(exit_info)
+                if delay is None:
+                    break
+                with anyio.move_on_after(delay):
+                    await self._stop.wait()
+                if not self._stop.is_set():
+                    self.restarts += 1
+        finally:
+            if self.state not in (State.STOPPED, State.FAILED):
+                self._transition(State.STOPPED, "stop requested")
+            self.settled.set()
+            self.done.set()
+            self._sink.close()
+
+    # ------------------------------------------------------------------ one attempt
+
+    async def _run_once(self) -> ExitInfo | None:
+        """One launch; returns how the child ended, or None if it was stopped on request."""
+        self._transition(State.STARTING, "restart" if self.restarts else "start")
+        try:
+            proc = await self._launch()
+        except OSError as exc:
+            self.last_error = f"cannot start: {exc}"
+            return ExitInfo(code=127)
+        exited = anyio.Event()
+        codes: list[int] = []
+        async with anyio.create_task_group() as tg:
+            pump_done = anyio.Event()
+            tg.start_soon(self._pump, proc, pump_done)
+            tg.start_soon(self._wait_exit, proc, exited, codes)
+            outcome = await self._wait_ready(exited)
+            if outcome == "ready":
+                outcome = await self._become_ready(exited)
+                if outcome == "ready":
+                    await _first_of(exited, self._stop)
+            requested = self._stop.is_set() and not exited.is_set()
+            if requested:
+                self._transition(State.STOPPING, "stop requested")
+            await self._terminate(proc, exited, requested=requested)
+            with anyio.move_on_after(PUMP_DRAIN):
+                await pump_done.wait()
+            tg.cancel_scope.cancel()
+        await proc.aclose()
+        self._sink.sync()
+        self.pid = None
+        exit_info = ExitInfo(code=codes[0] if codes else -signal.SIGKILL)
+        self.last_exit = exit_info
+        if requested:
+            return None
+        if outcome not in ("ready", "exited", "stop"):
+            self.last_error = outcome
+        elif outcome == "exited":
+            self.last_error = f"{exit_info.describe()} while starting; last log lines:\n{tail(self.log_path)}"
+        return exit_info
+
+    async def _launch(self) -> anyio.abc.Process:
+        argv = [sys.executable, "-I", "-S", LAUNCHER, str(int(self.spec.death_signal)), str(os.getpid()), "--",
+                *self.spec.argv]
+        self._sink.write(f"=== atroposd: starting {self.name}: {' '.join(self.spec.argv)}\n".encode())
+        # start_new_session: own session and process group; the launcher adds the death signal.
+        proc = await anyio.open_process(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, env=self.spec.env, cwd=self.spec.cwd,
+                                        start_new_session=True)
+        self.pid = proc.pid
+        self.since = time.monotonic()
+        log.info("launched", unit=self.name, pid=proc.pid, argv=self.spec.argv)
+        return proc
+
+    async def _pump(self, proc: anyio.abc.Process, done: anyio.Event) -> None:
+        assert proc.stdout is not None
+        try:
+            async for chunk in proc.stdout:
+                self._sink.write(chunk)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass
+        finally:
+            done.set()
+
+    async def _wait_exit(self, proc: anyio.abc.Process, exited: anyio.Event, codes: list[int]) -> None:
+        codes.append(await proc.wait())
+        exited.set()
+
+    async def _wait_ready(self, exited: anyio.Event) -> str:
+        """'ready', 'exited', 'stop', or the reason the probe failed."""
+        outcome = "exited"
+        async with anyio.create_task_group() as tg:
+            async def probe() -> None:
+                nonlocal outcome
+                try:
+                    with anyio.fail_after(self.spec.ready_timeout):
+                        await self.spec.probe.wait(self)
+                    outcome = "ready"
+                except TimeoutError:
+                    self._sink.sync()
+                    outcome = (f"not ready after {self.spec.ready_timeout:g}s ({self.spec.probe.description}); "
+                               f"last log lines:\n{tail(self.log_path)}")
+                except ProbeError as exc:
+                    outcome = f"readiness probe failed: {exc}"
+                tg.cancel_scope.cancel()
+
+            async def watch(event: anyio.Event, result: str) -> None:
+                nonlocal outcome
+                await event.wait()
+                outcome = result
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(probe)
+            tg.start_soon(watch, exited, "exited")
+            tg.start_soon(watch, self._stop, "stop")
+        if outcome not in ("ready", "exited", "stop"):
+            log.error("not ready", unit=self.name, pid=self.pid, reason=outcome.splitlines()[0])
+        return outcome
+
+    async def _become_ready(self, exited: anyio.Event) -> str:
+        if self._on_ready is not None:
+            try:
+                await self._on_ready(self, self.ever_ready)
+            except Exception as exc:
+                log.exception("ready hook failed", unit=self.name, pid=self.pid)
+                return f"ready hook failed: {exc}"
+        if exited.is_set():
+            return "exited"
+        if self._stop.is_set():
+            return "stop"
+        self.ever_ready = True
+        self.last_error = None
+        self._transition(State.READY, self.spec.probe.description)
+        return "ready"
+
+    # ------------------------------------------------------------------ termination
+
+    async def _terminate(self, proc: anyio.abc.Process, exited: anyio.Event, *, requested: bool) -> None:
+        """TERM the group and tracked descendants → grace → KILL → reap; within stop_timeout."""
+        with anyio.CancelScope(shield=True):
+            t0 = time.monotonic()
+            timeout = self.spec.stop_timeout
+            grace = max(0.0, timeout - min(2.0, timeout * 0.25))
+            self.rescan()
+            first = self.spec.stop_signal if not exited.is_set() else signal.SIGTERM
+            reaper.signal_group(proc.pid, first)
+            reaper.signal_all(self.tracked.values(), first)
+            with anyio.move_on_after(grace):
+                await exited.wait()
+                await self._descendants_gone()
+            escalated = [p.pid for p in self.tracked.values() if reaper.is_alive(p)]
+            if not exited.is_set():
+                escalated.insert(0, proc.pid)
+            reaper.signal_group(proc.pid, signal.SIGKILL)
+            reaper.signal_all(self.tracked.values(), signal.SIGKILL)
+            with anyio.move_on_after(max(0.2, timeout - (time.monotonic() - t0))):
+                await exited.wait()
+                await self._descendants_gone()
+            elapsed = round(time.monotonic() - t0, 3)
+            if escalated:
+                log.warning("escalated to SIGKILL", unit=self.name, pid=proc.pid, grace_s=round(grace, 3),
+                            pids=escalated)
+            left = [p.pid for p in self.tracked.values() if reaper.is_alive(p)]
+            if left or not exited.is_set():
+                log.error("processes survived SIGKILL", unit=self.name, pids=left, main_exited=exited.is_set())
+            self.tracked.clear()
+            if requested or escalated:
+                log.info("terminated", unit=self.name, pid=proc.pid, seconds=elapsed)
+
+    async def _descendants_gone(self) -> None:
+        # Tracked descendants are not our children (no wait possible): poll them.
+        while any(reaper.is_alive(p) for p in self.tracked.values()):  # noqa: ASYNC110
+            await anyio.sleep(DESCENDANT_POLL)
+
+    # ------------------------------------------------------------------ restart policy
+
+    def _after_exit(self, exit_info: ExitInfo) -> float | None:
+        """Classify an exit (SPEC §4): the backoff before the next start, or None when final."""
+        now = time.monotonic()
+        self._exits.append(now)
+        while self._exits and now - self._exits[0] > self.spec.restart_window:
+            self._exits.popleft()
+        what = exit_info.describe()
+        if exit_info.code == EXIT_USAGE and not self.ever_ready:
+            self.last_error = (f"{what} before it was ever ready: a usage or config error; last log lines:\n"
+                               f"{tail(self.log_path)}")
+            self._transition(State.FAILED, f"{what} before it was ever ready: usage or config error, not restarted")
+            return None
+        clean = exit_info.code == 0
+        if self.spec.restart == "never" or (self.spec.restart == "on-failure" and clean):
+            if clean:
+                self._transition(State.STOPPED, f"{what}: finished")
+            else:
+                self._transition(State.FAILED, f"{what}; restart = never")
+            return None
+        if len(self._exits) > self.spec.max_restarts:
+            reason = (f"{what}; {len(self._exits)} exits within {self.spec.restart_window:g}s "
+                      f"(max_restarts = {self.spec.max_restarts})")
+            self.last_error = self.last_error or reason
+            self._transition(State.FAILED, reason)
+            return None
+        delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (len(self._exits) - 1))
+        delay = min(BACKOFF_MAX, delay * (1 + BACKOFF_JITTER * random.random()))
+        self._transition(State.BACKOFF, f"{what}; restarting in {delay:.1f}s")
+        return delay
+
+    # ------------------------------------------------------------------ state machine
+
+    def _transition(self, new: State, reason: str) -> None:
+        old = self.state
+        if new not in _LEGAL[old]:
+            raise IllegalTransition(f"{self.name}: {old.value} → {new.value} ({reason})")
+        self.state = new
+        self.since = time.monotonic()
+        level = "error" if new == State.FAILED else "warning" if new == State.BACKOFF else "info"
+        getattr(log, level)("state", unit=self.name, kind=self.kind, old=old.value, new=new.value, pid=self.pid,
+                            reason=reason)
+        if old == State.STARTING:
+            self.settled.set()
+        changed, self._changed = self._changed, anyio.Event()
+        changed.set()
+        if self._on_change is not None:
+            self._on_change(self)
+
+
+async def _first_of(*events: anyio.Event) -> None:
+    """Return as soon as any of ``events`` is set."""
+    if any(e.is_set() for e in events):
+        return
+    async with anyio.create_task_group() as tg:
+        async def wait(event: anyio.Event) -> None:
+            await event.wait()
+            tg.cancel_scope.cancel()
+
+        for e in events:
+            tg.start_soon(wait, e)
