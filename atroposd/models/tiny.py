@@ -44,7 +44,7 @@ BUILD_VERSION = 1
 
 PAD, BOS, EOS, UNK = "[PAD]", "[BOS]", "[EOS]", "[UNK]"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
-SYMBOLS = tuple("0123456789") + ("+", "-", "*", "=", "<", ">", "|", "#")
+SYMBOLS = (*"0123456789", "+", "-", "*", "=", "<", ">", "|", "#")
 VOCAB: tuple[str, ...] = SPECIAL_TOKENS + SYMBOLS
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 
@@ -129,7 +129,7 @@ def build_tiny(path: Path, *, seed: int, max_model_len: int) -> None:
     # fork_rng: seeding must not disturb the caller's random state.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(seed))
-        model = LlamaForCausalLM(config).to(torch.float32)
+        model = LlamaForCausalLM(config).float()
     model.generation_config.pad_token_id = PAD_ID
     model.save_pretrained(str(path), safe_serialization=True)
     (path / _MARKER).write_text(json.dumps(

@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 
 from atroposd.config import parse_config
-from atroposd.models.resolve import ModelError, resolve_model, resolve_tokenizer, tokenizer_fingerprint
+from atroposd.models.resolve import (
+    ModelError,
+    resolve_model,
+    resolve_tokenizer,
+    tokenizer_fingerprint,
+)
 from atroposd.models.tiny import BOS_ID, EOS_ID, PAD_ID, UNK_ID, VOCAB, ensure_builtin_model
 
 
@@ -98,7 +103,7 @@ def test_resolve_builtin_and_local_and_errors(tmp_path: Path, tiny_dir: Path) ->
     assert resolve_model(local) == tiny_dir
     with pytest.raises(ModelError, match="neither builtin:tiny nor an existing local directory"):
         resolve_model(parse_config({"inference": {"model": str(tmp_path / "missing")}}))
-    with pytest.raises(ModelError, match="no config.json"):
+    with pytest.raises(ModelError, match=r"no config\.json"):
         resolve_model(parse_config({"inference": {"model": str(tmp_path)}}))
     with pytest.raises(ModelError, match="holds no tokenizer"):
         resolve_tokenizer(parse_config({"inference": {"tokenizer": str(tmp_path)}}))
