@@ -1,0 +1,355 @@
+"""Wire formats of the trajectory API (ATROPOS-PROTOCOL.md §1.1) and the compact in-memory group.
+
+A posted ``ScoredData`` becomes a :class:`Group`: token ids and masks as one flat integer array
+each, inference logprobs as one flat float64 array, row boundaries in ``bounds``. That is about a
+sixth of the memory of Python lists of ints and floats, and ``orjson`` writes the arrays back out
+without building Python objects again. Fields the API never reads (messages, overrides, ...) are
+kept as already-serialised JSON fragments.
+
+Validation is exactly SPEC §5 and no stricter: equal row lengths of tokens/masks/logprobs, one
+score per sequence, finite scores, rows no longer than the registered ``max_token_len``. Types
+are checked only as far as the upstream pydantic model coerces them (an integral float is an
+int, an int is a float); anything else is a 422 naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+__all__ = [
+    "EnvRegistration",
+    "Group",
+    "InvalidRequest",
+    "Ragged",
+    "TrainerRegistration",
+    "dumps",
+    "group_from_json",
+    "group_to_json",
+]
+
+_I32 = np.iinfo(np.int32)
+_NUMPY = orjson.OPT_SERIALIZE_NUMPY
+
+# Upstream's ScoredData fields in its output order (server.py _scored_data_to_dict).
+OUTPUT_ORDER = ("tokens", "masks", "scores", "advantages", "ref_logprobs", "messages", "generation_params",
+                "inference_logprobs", "overrides", "group_overrides", "images", "env_id", "distill_token_ids",
+                "distill_logprobs")
+# Kept verbatim as JSON fragments: the API never looks inside them.
+PASSTHROUGH = ("messages", "generation_params", "overrides", "group_overrides", "images", "distill_token_ids",
+               "distill_logprobs")
+
+
+class InvalidRequest(ValueError):
+    """A request the API refuses; ``status`` is the HTTP code (400, 404, 413, 422)."""
+
+    def __init__(self, message: str, status: int = 422) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def dumps(obj: Any) -> bytes:
+    return orjson.dumps(obj, option=_NUMPY)
+
+
+# ----------------------------------------------------------------------------- ragged rows
+
+
+@dataclass(eq=False, slots=True)
+class Ragged:
+    """Rows of numbers stored flat: row i is ``flat[bounds[i]:bounds[i+1]]``."""
+
+    flat: np.ndarray  # [sum of row lengths], int32/int64 or float64
+    bounds: list[int]  # [rows + 1]
+
+    def rows(self) -> list[np.ndarray]:
+        b, f = self.bounds, self.flat
+        return [f[b[i]:b[i + 1]] for i in range(len(b) - 1)]
+
+    def lengths(self) -> list[int]:
+        b = self.bounds
+        return [b[i + 1] - b[i] for i in range(len(b) - 1)]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.flat.nbytes)
+
+
+def _row_array(row: Any, name: str, i: int) -> np.ndarray:
+    if not isinstance(row, list):
+        raise InvalidRequest(f"{name}[{i}] must be a list of numbers, got {type(row).__name__}")
+    try:
+        a = np.asarray(row)
+    except (ValueError, TypeError):
+        raise InvalidRequest(f"{name}[{i}] must be a flat list of numbers") from None
+    if a.ndim != 1:
+        raise InvalidRequest(f"{name}[{i}] must be a flat list of numbers")
+    return a
+
+
+def _int_rows(rows: Any, name: str) -> Ragged:
+    parts = []
+    for i, row in enumerate(_require_list(rows, name)):
+        a = _row_array(row, name, i)
+        kind = a.dtype.kind
+        if a.size == 0 or kind in "iub":
+            pass
+        elif kind == "f":
+            if not bool(np.all(np.isfinite(a))) or not bool(np.all(a == np.trunc(a))):
+                raise InvalidRequest(f"{name}[{i}] must hold integers")
+        else:
+            raise InvalidRequest(f"{name}[{i}] must hold integers")
+        parts.append(a)
+    return _flatten(parts, integer=True)
+
+
+def _float_rows(rows: Any, name: str) -> Ragged:
+    parts = []
+    for i, row in enumerate(_require_list(rows, name)):
+        a = _row_array(row, name, i)
+        if a.size and a.dtype.kind not in "iubf":
+            raise InvalidRequest(f"{name}[{i}] must hold numbers")
+        parts.append(a)
+    return _flatten(parts, integer=False)
+
+
+def _flatten(parts: list[np.ndarray], *, integer: bool) -> Ragged:
+    bounds = [0]
+    for a in parts:
+        bounds.append(bounds[-1] + int(a.size))
+    if not parts:
+        return Ragged(np.empty(0, dtype=np.int32 if integer else np.float64), bounds)
+    if not integer:
+        return Ragged(np.concatenate(parts).astype(np.float64, copy=False), bounds)
+    try:
+        flat = np.concatenate(parts).astype(np.int64, copy=False)
+    except OverflowError:
+        raise InvalidRequest("integer out of range") from None
+    if flat.size and (int(flat.min()) < _I32.min or int(flat.max()) > _I32.max):
+        return Ragged(flat, bounds)
+    return Ragged(flat.astype(np.int32), bounds)
+
+
+def _require_list(value: Any, name: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise InvalidRequest(f"{name} must be a list, got {type(value).__name__}")
+    return value
+
+
+# ----------------------------------------------------------------------------- groups
+
+
+@dataclass(eq=False, slots=True)
+class Group:
+    """One accepted ScoredData item (an environment's group of sequences)."""
+
+    tokens: Ragged
+    masks: Ragged  # same bounds as tokens
+    scores: np.ndarray  # float64 [n]
+    logprobs: Ragged | None  # inference_logprobs, same bounds as tokens
+    advantages: Ragged | None
+    ref_logprobs: Ragged | None
+    extras: dict[str, orjson.Fragment] = field(default_factory=dict)  # PASSTHROUGH fields, not null
+    env_id: int | None = None
+    seq: int = -1  # acceptance number (the spool's key)
+    qpos: int = -1  # position in the queue order; -1 while in a mixed-size buffer
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens.bounds) - 1
+
+    @property
+    def nbytes(self) -> int:
+        total = self.tokens.nbytes + self.masks.nbytes + int(self.scores.nbytes)
+        for r in (self.logprobs, self.advantages, self.ref_logprobs):
+            if r is not None:
+                total += r.nbytes
+        return total + sum(len(f.contents) for f in self.extras.values())
+
+
+def _optional_int(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise InvalidRequest(f"{name} must be an integer or null")
+    return int(value)
+
+
+def group_from_json(obj: Any, *, max_token_len: int | None = None, where: str = "") -> Group:
+    """Validate one posted ScoredData object (SPEC §5) and build its compact form."""
+    if not isinstance(obj, Mapping):
+        raise InvalidRequest(f"{where}body must be a JSON object (ScoredData), got {type(obj).__name__}")
+    try:
+        return _build_group(obj, max_token_len)
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"{where}{exc}", exc.status) from None
+
+
+def _build_group(obj: Mapping[str, Any], max_token_len: int | None) -> Group:
+    for key in ("tokens", "masks", "scores"):
+        if key not in obj or obj[key] is None:
+            raise InvalidRequest(f"field required: {key}")
+    tokens = _int_rows(obj["tokens"], "tokens")
+    masks = _int_rows(obj["masks"], "masks")
+    n = len(tokens.bounds) - 1
+    lengths = tokens.lengths()
+    if masks.bounds != tokens.bounds:
+        raise InvalidRequest(_mismatch("masks", masks, lengths), 400)
+    logprobs = None
+    if obj.get("inference_logprobs") is not None:
+        logprobs = _float_rows(obj["inference_logprobs"], "inference_logprobs")
+        if logprobs.bounds != tokens.bounds:
+            raise InvalidRequest(_mismatch("inference_logprobs", logprobs, lengths), 400)
+    scores = _scores(obj["scores"], n)
+    if max_token_len is not None and max_token_len > 0 and lengths and max(lengths) > max_token_len:
+        i = max(range(n), key=lengths.__getitem__)
+        raise InvalidRequest(f"tokens[{i}] has {lengths[i]} tokens, longer than the registered "
+                             f"max_token_len {max_token_len}", 400)
+    advantages = _float_rows(obj["advantages"], "advantages") if obj.get("advantages") is not None else None
+    ref = _float_rows(obj["ref_logprobs"], "ref_logprobs") if obj.get("ref_logprobs") is not None else None
+    extras = {k: orjson.Fragment(orjson.dumps(obj[k])) for k in PASSTHROUGH if obj.get(k) is not None}
+    env_id = _optional_int(obj.get("env_id"), "env_id")
+    return Group(tokens=tokens, masks=masks, scores=scores, logprobs=logprobs, advantages=advantages,
+                 ref_logprobs=ref, extras=extras, env_id=env_id)
+
+
+def _mismatch(name: str, other: Ragged, lengths: list[int]) -> str:
+    other_lengths = other.lengths()
+    if len(other_lengths) != len(lengths):
+        return f"{name} has {len(other_lengths)} sequences but tokens has {len(lengths)}"
+    i = next(i for i, (a, b) in enumerate(zip(other_lengths, lengths, strict=True)) if a != b)
+    return f"{name}[{i}] has {other_lengths[i]} entries but tokens[{i}] has {lengths[i]}"
+
+
+def _scores(value: Any, n: int) -> np.ndarray:
+    values = _require_list(value, "scores")
+    if len(values) != n:
+        raise InvalidRequest(f"scores has {len(values)} entries but there are {n} sequences", 400)
+    try:
+        scores = np.asarray(values, dtype=np.float64)
+    except (ValueError, TypeError):
+        raise InvalidRequest("scores must be a list of numbers") from None
+    if scores.ndim != 1:
+        raise InvalidRequest("scores must be a flat list of numbers")
+    bad = np.flatnonzero(~np.isfinite(scores))
+    if bad.size:
+        raise InvalidRequest(f"scores[{int(bad[0])}] is not a finite number", 400)
+    return scores
+
+
+def group_to_json(g: Group) -> dict[str, Any]:
+    """The group as run-api returns it (every field present, null when absent); the arrays are
+    written by orjson (``dumps``) without becoming Python objects."""
+    ex = g.extras
+    return {
+        "tokens": g.tokens.rows(),
+        "masks": g.masks.rows(),
+        "scores": g.scores,
+        "advantages": g.advantages.rows() if g.advantages is not None else None,
+        "ref_logprobs": g.ref_logprobs.rows() if g.ref_logprobs is not None else None,
+        "messages": ex.get("messages"),
+        "generation_params": ex.get("generation_params"),
+        "inference_logprobs": g.logprobs.rows() if g.logprobs is not None else None,
+        "overrides": ex.get("overrides"),
+        "group_overrides": ex.get("group_overrides"),
+        "images": ex.get("images"),
+        "env_id": g.env_id,
+        "distill_token_ids": ex.get("distill_token_ids"),
+        "distill_logprobs": ex.get("distill_logprobs"),
+    }
+
+
+# ----------------------------------------------------------------------------- registrations
+
+
+def _field(obj: Mapping[str, Any], name: str, kind: type, *, optional: bool = False) -> Any:
+    if name not in obj or obj[name] is None:
+        if optional:
+            return None
+        raise InvalidRequest(f"field required: {name}")
+    v = obj[name]
+    if kind is str:
+        if not isinstance(v, str):
+            raise InvalidRequest(f"{name} must be a string")
+        return v
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise InvalidRequest(f"{name} must be a number")
+    if kind is int:
+        if not math.isfinite(v) or v != int(v):
+            raise InvalidRequest(f"{name} must be an integer")
+        return int(v)
+    if not math.isfinite(v):
+        raise InvalidRequest(f"{name} must be a finite number")
+    return float(v)
+
+
+def _object(obj: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(obj, Mapping):
+        raise InvalidRequest(f"body must be a JSON object ({what})")
+    return obj
+
+
+@dataclass(slots=True)
+class TrainerRegistration:
+    """``POST /register``: all fields required, as upstream's pydantic model."""
+
+    wandb_group: str
+    wandb_project: str
+    batch_size: int
+    max_token_len: int
+    checkpoint_dir: str
+    save_checkpoint_interval: int
+    starting_step: int
+    num_steps: int
+
+    @classmethod
+    def from_json(cls, obj: Any) -> TrainerRegistration:
+        o = _object(obj, "Registration")
+        reg = cls(wandb_group=_field(o, "wandb_group", str), wandb_project=_field(o, "wandb_project", str),
+                  batch_size=_field(o, "batch_size", int), max_token_len=_field(o, "max_token_len", int),
+                  checkpoint_dir=_field(o, "checkpoint_dir", str),
+                  save_checkpoint_interval=_field(o, "save_checkpoint_interval", int),
+                  starting_step=_field(o, "starting_step", int), num_steps=_field(o, "num_steps", int))
+        if reg.batch_size < 1:
+            raise InvalidRequest("batch_size must be at least 1")
+        return reg
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+@dataclass(slots=True)
+class EnvRegistration:
+    """One registered environment (upstream's ``app.state.envs`` entry)."""
+
+    max_context_len: int
+    weight: float
+    desired_name: str
+    real_name: str
+    registered_id: int
+    group_size: int
+    min_batch_allocation: float | None
+    connected: bool = True
+    last_update: float = 0.0
+
+    @staticmethod
+    def parse_request(obj: Any) -> dict[str, Any]:
+        """Validate a ``POST /register-env`` body (RegisterEnv)."""
+        o = _object(obj, "RegisterEnv")
+        return {"max_token_length": _field(o, "max_token_length", int),
+                "desired_name": _field(o, "desired_name", str),
+                "weight": _field(o, "weight", float),
+                "group_size": _field(o, "group_size", int),
+                "min_batch_allocation": _field(o, "min_batch_allocation", float, optional=True)}
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+    @classmethod
+    def from_saved(cls, obj: Mapping[str, Any]) -> EnvRegistration:
+        return cls(**{k: obj[k] for k in cls.__slots__ if k in obj})

@@ -1,0 +1,444 @@
+"""The trajectory API on aiohttp: run-api's routes and wire format (ATROPOS-PROTOCOL.md §1.1),
+bounded, validated, spooled, observable (SPEC §5).
+
+Routes: ``/`` ``/register`` ``/register-env`` ``/disconnect-env`` ``/wandb_info`` ``/info`` ``/batch``
+``/latest_example`` ``/scored_data`` ``/scored_data_list`` ``/status`` ``/status-env`` (GET with a
+JSON body) ``/reset_data``, plus ``/atroposd/registrations`` and ``/metrics``.
+
+Request bodies may be gzip (decompressed here, bounded by ``max_request_bytes``, so a gzip
+bomb never allocates its expanded size); responses of 1000 bytes and more are gzip'ed when the
+client accepts it (level 1: on loopback the CPU matters more than the bytes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import time
+import zlib
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from atroposd.api.queue import QueueFull, TrajectoryStore
+from atroposd.api.schema import (
+    EnvRegistration,
+    Group,
+    InvalidRequest,
+    TrainerRegistration,
+    dumps,
+    group_from_json,
+    group_to_json,
+)
+from atroposd.logs import get_logger
+
+__all__ = ["ApiMetrics", "ApiServer", "ApiSettings"]
+
+log = get_logger("api.server", component="api")
+
+GZIP_MIN_BYTES = 1000  # upstream's GZipMiddleware minimum_size
+THREAD_MIN_BYTES = 256 << 10  # compress / decompress bigger bodies off the event loop
+RETRY_AFTER_S = 1
+EMPTY_EXAMPLE: dict[str, list[Any]] = {"tokens": [], "masks": [], "scores": [], "advantages": [], "ref_logprobs": [],
+                 "generation_params": [], "inference_logprobs": [], "messages": [], "images": []}
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass
+class ApiSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    token: str = ""
+    max_queued_sequences: int = 8192
+    max_request_bytes: int = 64 << 20
+    full_wait: float = 30.0
+    spool_dir: str | None = None
+
+
+class ApiMetrics:
+    """Prometheus metrics of one API process (its own registry)."""
+
+    def __init__(self, store: TrajectoryStore) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry()
+        for name, doc, fn in (
+            ("queue_sequences", "Sequences held (queue + buffers + formed batches)", lambda: store.held),
+            ("queue_groups", "Groups in the queue", lambda: len(store.queue)),
+            ("buffered_sequences", "Sequences in mixed-size buffers",
+             lambda: sum(g.n for b in store.buffers.values() for g in b)),
+            ("formed_batches", "Batches formed and not yet served", lambda: len(store.formed)),
+            ("capacity_sequences", "max_queued_sequences", lambda: store.capacity),
+            ("waiting_submissions", "Submissions waiting for room", lambda: store.waiting),
+            ("current_step", "Batches formed (upstream step)", lambda: store.step),
+        ):
+            Gauge(f"atroposd_api_{name}", doc, registry=r).set_function(fn)
+        self.accepted_groups = Counter("atroposd_api_accepted_groups", "Groups accepted", registry=r)
+        self.accepted_sequences = Counter("atroposd_api_accepted_sequences", "Sequences accepted", registry=r)
+        self.refused = Counter("atroposd_api_refused", "Submissions refused with 503 (queue full or spool "
+                               "write failed)", ["reason"], registry=r)
+        self.rejected = Counter("atroposd_api_rejected", "Requests rejected with a 4xx", ["reason"], registry=r)
+        self.batches_served = Counter("atroposd_api_batches_served", "Batches delivered", registry=r)
+        self.sequences_served = Counter("atroposd_api_sequences_served", "Sequences delivered", registry=r)
+        self.batch_write_failures = Counter("atroposd_api_batch_write_failures",
+                                            "Batches whose response could not be written (served again)", registry=r)
+        self.latency = Histogram("atroposd_api_request_seconds", "Request latency", ["route"], registry=r,
+                                 buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30,
+                                          60))
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+def _reason(message: str) -> str:
+    """A short label for a rejection (bounded set, for the metric)."""
+    for key, label in (("JSON", "invalid_json"), ("gzip", "invalid_gzip"), ("max_request_bytes", "too_large"),
+                       ("max_token_len", "too_long"), ("finite", "non_finite_score"), ("scores has", "score_count"),
+                       ("entries but", "length_mismatch"), ("sequences but", "length_mismatch"),
+                       ("unknown env_id", "unknown_env"), ("never fit", "too_large")):
+        if key in message:
+            return label
+    return "invalid"
+
+
+class ApiServer:
+    def __init__(self, store: TrajectoryStore, settings: ApiSettings) -> None:
+        self.store = store
+        self.settings = settings
+        self.metrics = ApiMetrics(store)
+        self.registrations: deque[dict[str, Any]] = deque(maxlen=4096)
+        self._peer_pids: dict[tuple[str, int], int | None] = {}
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.settings.max_request_bytes,
+                              middlewares=[self._observe, self._errors, self._auth])
+        get, post = app.router.add_get, app.router.add_post
+        get("/", self.root)
+        post("/register", self.register)
+        post("/register-env", self.register_env)
+        post("/disconnect-env", self.disconnect_env)
+        get("/wandb_info", self.wandb_info)
+        get("/info", self.info)
+        get("/batch", self.batch)
+        get("/latest_example", self.latest_example)
+        post("/scored_data", self.scored_data)
+        post("/scored_data_list", self.scored_data_list)
+        get("/status", self.status)
+        get("/status-env", self.status_env)
+        post("/status-env", self.status_env)
+        get("/reset_data", self.reset_data)
+        get("/atroposd/registrations", self.list_registrations)
+        get("/metrics", self.metrics_route)
+        return app
+
+    # ------------------------------------------------------------------ middlewares
+
+    @web.middleware
+    async def _observe(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        start = time.perf_counter()
+        try:
+            return await handler(request)
+        finally:
+            route = request.match_info.route.resource
+            name = route.canonical if route is not None else "unmatched"
+            self.metrics.latency.labels(name).observe(time.perf_counter() - start)
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except InvalidRequest as exc:
+            self.metrics.rejected.labels(_reason(str(exc))).inc()
+            log.info("request rejected", path=request.path, status=exc.status, error=str(exc))
+            return _json_plain({"detail": str(exc)}, status=exc.status)
+        except QueueFull as exc:
+            if exc.too_large:
+                self.metrics.rejected.labels("too_large").inc()
+                return _json_plain({"detail": str(exc)}, status=413)
+            self.metrics.refused.labels("full").inc()
+            return _json_plain({"detail": str(exc)}, status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        token = self.settings.token
+        if token:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                self.metrics.rejected.labels("unauthorized").inc()
+                return _json_plain({"detail": "missing or wrong bearer token"}, status=401,
+                                   headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    # ------------------------------------------------------------------ bodies
+
+    async def _read_json(self, request: web.Request, *, optional: bool = False) -> Any:
+        limit = self.settings.max_request_bytes
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise InvalidRequest(f"request body larger than max_request_bytes ({limit})", 413) from None
+        if "gzip" in request.headers.get("Content-Encoding", "").lower() and raw:
+            if len(raw) >= THREAD_MIN_BYTES:
+                raw = await asyncio.to_thread(_gunzip, raw, limit)
+            else:
+                raw = _gunzip(raw, limit)
+        if not raw.strip():
+            if optional:
+                return None
+            raise InvalidRequest("empty request body: a JSON document is required", 400)
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidRequest(f"invalid JSON: {exc}", 400) from None
+
+    # ------------------------------------------------------------------ upstream routes
+
+    async def root(self, request: web.Request) -> web.StreamResponse:
+        return await _json(request, {"message": "AtroposLib API"})
+
+    async def register(self, request: web.Request) -> web.StreamResponse:
+        reg = TrainerRegistration.from_json(await self._read_json(request))
+        try:
+            uid = self.store.register(reg)
+        except OSError as exc:
+            return self._spool_refusal(exc)
+        log.info("trainer registered", batch_size=self.store.registration.batch_size if self.store.registration
+                 else None, requesters=self.store.requesters)
+        # A 128-bit int, as upstream's uuid4().int; orjson stops at 64 bits.
+        return await _send(request, b'{"uuid":%d}' % uid)
+
+    async def register_env(self, request: web.Request) -> web.StreamResponse:
+        req = EnvRegistration.parse_request(await self._read_json(request))
+        try:
+            answer = self.store.register_env(req)
+        except OSError as exc:
+            return self._spool_refusal(exc)
+        pid = await self._peer_pid(request)
+        success = answer["status"] == "success"
+        self.registrations.append({"env_id": answer.get("env_id"), "desired_name": req["desired_name"],
+                                   "peer_pid": pid, "status": "success" if success else "wait",
+                                   "at": time.time()})
+        if success:
+            log.info("environment registered", env_id=answer["env_id"], name=answer["wandb_name"],
+                     group_size=req["group_size"], peer_pid=pid)
+        return await _json(request, answer)
+
+    async def disconnect_env(self, request: web.Request) -> web.StreamResponse:
+        body = await self._read_json(request)
+        env_id = _env_id(body)
+        return await _json(request, self.store.disconnect_env(env_id))
+
+    async def wandb_info(self, request: web.Request) -> web.StreamResponse:
+        reg = self.store.registration
+        return await _json(request, {"group": reg.wandb_group if reg else None,
+                                     "project": reg.wandb_project if reg else None})
+
+    async def info(self, request: web.Request) -> web.StreamResponse:
+        reg = self.store.registration
+        return await _json(request, {"batch_size": reg.batch_size if reg else -1,
+                                     "max_token_len": reg.max_token_len if reg else -1})
+
+    async def batch(self, request: web.Request) -> web.StreamResponse:
+        store = self.store
+        if store.registration is None:
+            return await _json(request, {"status": "error", "message": "Trainer not registered. Call /register first.",
+                                         "batch": []})
+        try:
+            batch = store.take_batch()
+        except OSError as exc:
+            return self._spool_refusal(exc)
+        if batch is None:
+            return await _json(request, {"batch": None})
+        try:
+            resp = await _send(request, _batch_body(batch), complete=True)
+        except BaseException:
+            # Not delivered (client gone, cancelled): it is the next batch served.
+            store.undeliver(batch)
+            self.metrics.batch_write_failures.inc()
+            raise
+        store.delivered(batch)
+        self.metrics.batches_served.inc()
+        self.metrics.sequences_served.inc(sum(g.n for g in batch))
+        return resp
+
+    async def latest_example(self, request: web.Request) -> web.StreamResponse:
+        g = self.store.latest
+        return await _send(request, dumps(group_to_json(g)) if g is not None else dumps(EMPTY_EXAMPLE))
+
+    async def scored_data(self, request: web.Request) -> web.StreamResponse:
+        group = group_from_json(await self._read_json(request), max_token_len=self.store.max_token_len)
+        answers = await self._accept([group])
+        if answers is None:
+            return self._spool_refusal(None)
+        return await _json(request, answers[0])
+
+    async def scored_data_list(self, request: web.Request) -> web.StreamResponse:
+        body = await self._read_json(request)
+        if not isinstance(body, list):
+            raise InvalidRequest(f"body must be a JSON list of ScoredData, got {type(body).__name__}")
+        mtl = self.store.max_token_len
+        groups = [group_from_json(item, max_token_len=mtl, where=f"[{i}].") for i, item in enumerate(body)]
+        answers = await self._accept(groups)
+        if answers is None:
+            return self._spool_refusal(None)
+        out: dict[str, Any] = {"status": "received", "groups_processed": len(groups)}
+        buffered = [a for a in answers if a["status"] == "buffered"]
+        if buffered:
+            out["buffered"] = len(buffered)
+            out["last_buffer_size"] = buffered[-1]["buffer_size"]
+        return await _json(request, out)
+
+    async def _accept(self, groups: list[Group]) -> list[dict[str, Any]] | None:
+        """Reserve room (waiting up to full_wait), then accept all groups or none; None when the
+        spool could not keep them."""
+        n = sum(g.n for g in groups)
+        await self.store.reserve(n, self.settings.full_wait)
+        try:
+            answers = self.store.submit(groups)
+        except OSError as exc:
+            log.error("spool cannot keep a submission; refused", error=str(exc), groups=len(groups))
+            return None
+        self.metrics.accepted_groups.inc(len(groups))
+        self.metrics.accepted_sequences.inc(n)
+        return answers
+
+    def _spool_refusal(self, exc: OSError | None) -> web.Response:
+        self.metrics.refused.labels("spool").inc()
+        detail = "the spool cannot keep this request" + (f": {exc}" if exc else "")
+        return _json_plain({"detail": detail}, status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    async def status(self, request: web.Request) -> web.StreamResponse:
+        return await _json(request, self.store.status())
+
+    async def status_env(self, request: web.Request) -> web.StreamResponse:
+        body = await self._read_json(request, optional=True)
+        if body is None and "env_id" in request.query:
+            body = {"env_id": request.query["env_id"]}
+        return await _json(request, self.store.status_env(_env_id(body)))
+
+    async def reset_data(self, request: web.Request) -> web.StreamResponse:
+        self.store.reset()
+        self.registrations.clear()
+        log.info("data reset")
+        return web.Response(text="Reset successful", content_type="text/plain")
+
+    # ------------------------------------------------------------------ extras
+
+    async def list_registrations(self, request: web.Request) -> web.StreamResponse:
+        return await _json(request, {"registrations": list(self.registrations)})
+
+    async def metrics_route(self, request: web.Request) -> web.StreamResponse:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _peer_pid(self, request: web.Request) -> int | None:
+        """The pid of the process holding the client end of this connection (loopback only)."""
+        transport = request.transport
+        peer = transport.get_extra_info("peername") if transport is not None else None
+        if not peer or len(peer) < 2:
+            return None
+        key = (str(peer[0]), int(peer[1]))
+        try:
+            if not ipaddress.ip_address(key[0].split("%")[0]).is_loopback:
+                return None
+        except ValueError:
+            return None
+        if key not in self._peer_pids:
+            if len(self._peer_pids) > 1024:
+                self._peer_pids.clear()
+            self._peer_pids[key] = await asyncio.to_thread(_find_pid, key)
+        return self._peer_pids[key]
+
+
+def _find_pid(local: tuple[str, int]) -> int | None:
+    import psutil
+
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError) as exc:
+        log.warning("cannot list connections to resolve a peer pid", error=str(exc))
+        return None
+    for c in conns:
+        if c.laddr and c.pid and (c.laddr.ip, c.laddr.port) == local:
+            return int(c.pid)
+    return None
+
+
+def _env_id(body: Any) -> int:
+    if not isinstance(body, dict) or body.get("env_id") is None:
+        raise InvalidRequest("field required: env_id")
+    value = body["env_id"]
+    try:
+        env_id = int(value)
+    except (TypeError, ValueError):
+        raise InvalidRequest("env_id must be an integer") from None
+    if isinstance(value, bool) or (isinstance(value, float) and value != env_id):
+        raise InvalidRequest("env_id must be an integer")
+    return env_id
+
+
+def _batch_body(batch: list[Group]) -> bytes:
+    return dumps({"batch": [group_to_json(g) for g in batch]})
+
+
+def _gunzip(raw: bytes, limit: int) -> bytes:
+    """Decompress gzip members into at most ``limit`` bytes; 413 past it, 400 if invalid."""
+    out: list[bytes] = []
+    total = 0
+    data = raw
+    while data:
+        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        try:
+            chunk = d.decompress(data, limit - total + 1)
+        except zlib.error:
+            raise InvalidRequest("Invalid gzip payload", 400) from None
+        total += len(chunk)
+        if total > limit:
+            raise InvalidRequest(f"request body larger than max_request_bytes ({limit}) after decompression", 413)
+        if not d.eof:
+            raise InvalidRequest("Invalid gzip payload (truncated)", 400)
+        out.append(chunk)
+        data = d.unused_data
+    return b"".join(out)
+
+
+def _accepts_gzip(request: web.Request) -> bool:
+    return "gzip" in request.headers.get("Accept-Encoding", "").lower()
+
+
+def _json_plain(obj: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json", headers=headers)
+
+
+async def _json(request: web.Request, obj: Any) -> web.StreamResponse:
+    return await _send(request, dumps(obj))
+
+
+async def _send(request: web.Request, body: bytes, *, complete: bool = False) -> web.StreamResponse:
+    """A JSON response, gzip'ed when large and accepted. ``complete``: write it here, so that the
+    caller knows it was fully written when this returns."""
+    headers = {"Content-Type": "application/json"}
+    if len(body) >= GZIP_MIN_BYTES and _accepts_gzip(request):
+        body = await asyncio.to_thread(_gzip, body) if len(body) >= THREAD_MIN_BYTES else _gzip(body)
+        headers["Content-Encoding"] = "gzip"
+    if not complete:
+        return web.Response(body=body, headers=headers)
+    resp = web.StreamResponse(headers=headers)
+    resp.content_length = len(body)
+    await resp.prepare(request)
+    await resp.write(body)
+    await resp.write_eof()
+    return resp
+
+
+def _gzip(body: bytes) -> bytes:
+    c = zlib.compressobj(1, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    return c.compress(body) + c.flush()
