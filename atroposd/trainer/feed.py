@@ -1,0 +1,200 @@
+"""The trainer's side of the trajectory API: register, then fetch batches ahead of the step.
+
+``POST /register`` (ATROPOS-PROTOCOL.md §1.2), then ``GET /batch`` polled with a short
+back-off (``{"batch": null}`` means nothing yet). At most ``max_staleness`` batches are held
+beyond the one being trained: a slot is taken before each fetch and given back when the loop
+has finished the step that used the batch (``release``), so rollouts are never more than
+``max_staleness`` steps older than needed.
+
+The feed survives the API going away (connection refused while it restarts: it waits, with
+``waiting_for = "api"``) and an API that lost its registration (it answers
+``{"status": "error"}``: it registers again). Waiting for data is visible — a log line every
+``LOG_EVERY_S`` — and bounded by ``data_timeout`` only when no environment is alive
+(SPEC §4).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import anyio
+import orjson
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from atroposd.logs import get_logger
+
+__all__ = ["BatchFeed", "DataTimeout"]
+
+log = get_logger("trainer")
+
+POLL_MIN_S = 0.005
+POLL_MAX_S = 0.25
+LOG_EVERY_S = 10.0
+REQUEST_TIMEOUT_S = 30.0
+
+
+class DataTimeout(RuntimeError):
+    pass
+
+
+class BatchFeed:
+    """registration: the ``/register`` body. on_wait(reason | None) reports what it waits for."""
+
+    def __init__(self, api_url: str, registration: dict[str, Any], *, max_ahead: int, token: str = "",
+                 on_wait: Callable[[str | None], None] = lambda _r: None) -> None:
+        self.api_url = api_url.rstrip("/")
+        self.registration = registration
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.on_wait = on_wait
+        self.slots = anyio.Semaphore(max(0, max_ahead) + 1)
+        send, receive = anyio.create_memory_object_stream[list[dict[str, Any]]](math.inf)
+        self._send: MemoryObjectSendStream[list[dict[str, Any]]] = send
+        self._receive: MemoryObjectReceiveStream[list[dict[str, Any]]] = receive
+        self._session: aiohttp.ClientSession | None = None
+        self._wait_scope: anyio.CancelScope | None = None
+        self.last_data = time.monotonic()
+        self.registrations = 0
+        self.fetched = 0
+
+    # ------------------------------------------------------------------ HTTP
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S),
+                                                  headers=self.headers)
+        return self._session
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        self._send.close()
+        self._receive.close()
+
+    async def register(self) -> None:
+        """``POST /register`` until the API answers (it may be starting or restarting)."""
+        delay = 0.05
+        while True:
+            try:
+                async with self._http().post(f"{self.api_url}/register", json=self.registration) as resp:
+                    body = await resp.read()
+                    if resp.status == 200:
+                        self.registrations += 1
+                        self.on_wait(None)
+                        log.info("registered with the API", url=self.api_url, uuid=_field(body, "uuid"),
+                                 batch_size=self.registration["batch_size"])
+                        return
+                    raise _ApiHttpError(f"/register answered {resp.status}: {body[:200]!r}")
+            except (aiohttp.ClientError, OSError, TimeoutError, _ApiHttpError) as exc:
+                self.on_wait("api")
+                log.debug("API not reachable for registration", error=str(exc))
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    async def fetch_once(self) -> list[dict[str, Any]] | None:
+        """One ``GET /batch``: the groups, or None when the API has none (or is unreachable)."""
+        try:
+            async with self._http().get(f"{self.api_url}/batch") as resp:
+                body = await resp.read()
+                if resp.status != 200:
+                    raise _ApiHttpError(f"/batch answered {resp.status}: {body[:200]!r}")
+        except (aiohttp.ClientError, OSError, TimeoutError, _ApiHttpError) as exc:
+            self.on_wait("api")
+            log.debug("API not reachable for /batch", error=str(exc))
+            return None
+        data = orjson.loads(body)
+        if isinstance(data, dict) and data.get("status") == "error":
+            # The API restarted without our registration: register again (same body, same step).
+            log.warning("the API lost the trainer's registration; registering again", message=data.get("message"))
+            await self.register()
+            return None
+        batch = data.get("batch") if isinstance(data, dict) else None
+        if not batch:
+            return None
+        if not isinstance(batch, list):
+            log.warning("ignoring a malformed batch from the API", type=type(batch).__name__)
+            return None
+        return batch
+
+    # ------------------------------------------------------------------ prefetch
+
+    async def prime(self) -> None:
+        """The first ``GET /batch`` (it opens the API to the environments); keeps what it gets."""
+        await self.slots.acquire()
+        batch = await self.fetch_once()
+        if batch is None:
+            self.slots.release()
+        else:
+            await self._deliver(batch)
+
+    async def run(self) -> None:
+        """Fetch ahead forever (a task): take a slot, poll until a batch comes, hand it over."""
+        while True:
+            await self.slots.acquire()
+            delay = POLL_MIN_S
+            while (batch := await self.fetch_once()) is None:
+                await anyio.sleep(delay)
+                delay = min(delay * 2, POLL_MAX_S)
+            await self._deliver(batch)
+
+    async def _deliver(self, batch: list[dict[str, Any]]) -> None:
+        self.fetched += 1
+        await self._send.send(batch)
+
+    def release(self) -> None:
+        """The step that used a batch is over: one more batch may be fetched."""
+        self.slots.release()
+
+    def cancel_wait(self) -> None:
+        if self._wait_scope is not None:
+            self._wait_scope.cancel()
+
+    async def next(self, *, data_timeout: float, envs_alive: Callable[[], bool]) -> list[dict[str, Any]] | None:
+        """The next batch; None if the wait was cancelled (stop requested).
+
+        Raises DataTimeout after ``data_timeout`` without data while no environment is alive.
+        """
+        try:
+            batch = self._receive.receive_nowait()
+            self.last_data = time.monotonic()
+            return batch
+        except anyio.WouldBlock:
+            pass
+        started = time.monotonic()
+        self.on_wait("data")
+        with anyio.CancelScope() as scope:
+            self._wait_scope = scope
+            try:
+                while True:
+                    with anyio.move_on_after(min(LOG_EVERY_S, data_timeout)):
+                        batch = await self._receive.receive()
+                        self.on_wait(None)
+                        self.last_data = time.monotonic()
+                        return batch
+                    self.on_wait("data")
+                    quiet = time.monotonic() - self.last_data
+                    alive = envs_alive()
+                    log.info("waiting for data", waited_s=round(time.monotonic() - started, 1),
+                             since_last_batch_s=round(quiet, 1), environments_alive=alive)
+                    if quiet >= data_timeout and not alive:
+                        raise DataTimeout(f"no data for {quiet:.0f} s (trainer.data_timeout = {data_timeout:g}) "
+                                          "and no environment is alive or restartable")
+            finally:
+                self._wait_scope = None
+        return None
+
+
+class _ApiHttpError(Exception):
+    pass
+
+
+def _field(body: bytes, key: str) -> Any:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return data.get(key) if isinstance(data, dict) else None

@@ -1,0 +1,211 @@
+"""The training loop: one flat, ordered loop (fetch → prepare → loss → step → sync → log →
+checkpoint). Modes are the strategies it was handed — the learner's objective and reference,
+the weight-sync object — never flags tested here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+
+from atroposd.logs import get_logger
+from atroposd.trainer.batch import BatchError, RolloutBatch, prepare_batch
+from atroposd.trainer.checkpoint import CheckpointError, rng_state, save_checkpoint
+from atroposd.trainer.feed import BatchFeed
+from atroposd.trainer.learner import Learner, StepResult
+from atroposd.trainer.metrics import MetricsWriter
+
+__all__ = ["Checkpointer", "Progress", "TrainerError", "TrainingLoop"]
+
+log = get_logger("trainer")
+
+# This many non-finite steps in a row means the run is broken, not unlucky: stop it.
+MAX_CONSECUTIVE_SKIPS = 50
+
+
+class TrainerError(RuntimeError):
+    pass
+
+
+@dataclass
+class Progress:
+    """What the status and the metrics know about the run (the event loop's view)."""
+
+    total_steps: int
+    step: int = 0
+    weight_version: int = 0
+    skipped_steps: int = 0
+    state: str = "waiting"
+    waiting_for: str | None = "model"
+    last: dict[str, Any] = field(default_factory=dict)
+    last_checkpoint: str | None = None
+    checkpoint_error: str | None = None
+    error: str | None = None
+    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=50))
+
+    @property
+    def steps_per_s(self) -> float | None:
+        if len(self.step_times) < 2:
+            return None
+        span = self.step_times[-1] - self.step_times[0]
+        return (len(self.step_times) - 1) / span if span > 0 else None
+
+
+class Checkpointer:
+    """Writes ``checkpoints/step-N`` with everything a resume needs (called in a thread)."""
+
+    def __init__(self, root: Path, *, keep: int, learner: Learner, identity: dict[str, Any]) -> None:
+        self.root = root
+        self.keep = keep
+        self.learner = learner
+        self.identity = identity  # config, model, mode, tokenizer: what resume checks
+
+    def save(self, progress: Progress) -> Path:
+        policy = self.learner.policy
+        state = {"weight_version": progress.weight_version, "skipped_steps": progress.skipped_steps,
+                 "optimizer": self.learner.optimizer.state_dict(),
+                 "scheduler": self.learner.scheduler.state_dict(), "rng": rng_state(), **self.identity}
+        return save_checkpoint(self.root, progress.step, model=policy.model, tokenizer=policy.tokenizer,
+                               lora=policy.lora, state=state, keep=self.keep)
+
+
+class TrainingLoop:
+    def __init__(self, *, tcfg: Any, feed: BatchFeed, learner: Learner, weights: Any, metrics: MetricsWriter,
+                 checkpointer: Checkpointer, progress: Progress, envs_alive: Callable[[], bool],
+                 lock: anyio.Lock, progress_every: int = 10) -> None:
+        self.t = tcfg
+        self.feed = feed
+        self.learner = learner
+        self.weights = weights
+        self.metrics = metrics
+        self.checkpointer = checkpointer
+        self.progress = progress
+        self.envs_alive = envs_alive
+        self.lock = lock  # held around the step + sync; the inference-restart re-attach takes it too
+        self.progress_every = progress_every
+        self.stop_requested = False
+
+    def request_stop(self) -> None:
+        self.stop_requested = True
+        self.feed.cancel_wait()
+
+    async def run(self) -> str:
+        """Train until ``steps`` ("finished") or a stop request ("stopped")."""
+        p, t = self.progress, self.t
+        consecutive_skips = 0
+        while p.step < p.total_steps and not self.stop_requested:
+            # fetch: prefetched up to max_staleness ahead; waits visibly
+            wait_start = time.perf_counter()
+            groups = await self.feed.next(data_timeout=t.data_timeout, envs_alive=self.envs_alive)
+            if groups is None:
+                break  # stop requested while waiting
+            batch_wait = time.perf_counter() - wait_start
+            p.state, p.waiting_for = "training", None
+            step_start = time.perf_counter()
+            try:
+                # prepare: validate groups, advantages per group, pad micro-batches
+                try:
+                    batch = await anyio.to_thread.run_sync(self._prepare, groups)
+                except BatchError as exc:
+                    log.warning("batch skipped", reason=str(exc))
+                    continue
+                # loss + backward + clip (worker thread; the event loop stays responsive)
+                result = await anyio.to_thread.run_sync(self.learner.compute, batch)
+                if not result.finite:
+                    # never step on NaN/inf: in shared mode the server computes on these weights
+                    self.learner.discard()
+                    p.skipped_steps += 1
+                    consecutive_skips += 1
+                    log.warning("step skipped: non-finite loss or gradient norm", step=p.step + 1,
+                                loss=result.loss, grad_norm=result.grad_norm, skipped_steps=p.skipped_steps)
+                    if consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
+                        raise TrainerError(f"{consecutive_skips} consecutive steps had a non-finite loss or "
+                                           "gradient norm")
+                    continue
+                consecutive_skips = 0
+                # step + sync: shared mode pauses generation only around optimizer.step
+                async with self.lock:
+                    async with self.weights.paused(p.weight_version + 1):
+                        await anyio.to_thread.run_sync(self.learner.apply)
+                    p.weight_version += 1
+                    p.step += 1
+                    await self.weights.after_step(self.learner.policy.model, p.weight_version)
+            finally:
+                self.feed.release()
+            # log
+            self._record(batch, result, batch_wait, time.perf_counter() - step_start)
+            # checkpoint: every checkpoint_every and at the last step
+            if p.step % t.checkpoint_every == 0 or p.step == p.total_steps:
+                await self.checkpoint()
+        return "finished" if p.step >= p.total_steps else "stopped"
+
+    def _prepare(self, groups: list[dict[str, Any]]) -> RolloutBatch:
+        t = self.t
+        return prepare_batch(groups, micro_batch_size=t.micro_batch_size, max_token_len=t.max_token_len,
+                             adv_std_floor=t.adv_std_floor, use_distill=t.distill_coef > 0)
+
+    async def checkpoint(self, *, deadline_s: float | None = None) -> Path | None:
+        """Write a checkpoint of the current step; a failure is logged and shown, training goes on."""
+        p = self.progress
+        previous = p.state
+        p.state = "checkpointing"
+        path = None
+        try:
+            with anyio.move_on_after(deadline_s):
+                # abandon_on_cancel: past the deadline the thread's temporary directory is left
+                # behind (and ignored at resume); the previous checkpoint stays the newest.
+                path = await anyio.to_thread.run_sync(self.checkpointer.save, p, abandon_on_cancel=True)
+            if path is None:
+                p.checkpoint_error = f"checkpoint of step {p.step} not finished within {deadline_s} s"
+                log.error("checkpoint abandoned", step=p.step, deadline_s=deadline_s)
+            else:
+                p.last_checkpoint, p.checkpoint_error = str(path), None
+                log.info("checkpoint written", step=p.step, path=str(path))
+        except CheckpointError as exc:
+            p.checkpoint_error = str(exc)
+            log.error("checkpoint failed; training goes on", step=p.step, error=str(exc))
+        finally:
+            p.state = previous
+        return path
+
+    def _record(self, batch: RolloutBatch, r: StepResult, batch_wait: float, step_s: float) -> None:
+        p = self.progress
+        versions = batch.weight_versions
+        record: dict[str, Any] = {
+            "step": p.step, "time": time.time(), "loss": r.loss, "reward_mean": batch.reward_mean,
+            "reward_std": batch.reward_std, "accuracy": batch.accuracy, "weight_version": p.weight_version,
+            # trained from version (weight_version - 1); rollouts were sampled at min(versions)
+            "staleness": (p.weight_version - 1 - min(versions)) if versions else None,
+            "mean_ratio": r.mean_ratio, "clipped_fraction": r.clipped_fraction, "mean_kl": r.mean_kl,
+            "grad_norm": r.grad_norm, "lr": self.learner.lr, "tokens": r.tokens, "sequences": batch.sequences,
+            "batch_wait_s": batch_wait, "step_s": step_s, "compute_s": r.compute_s,
+            "skipped_steps": p.skipped_steps, "rejected_groups": batch.rejected,
+            "missing_logprobs": batch.missing_logprobs,
+        }
+        if r.distill_token_count or self.t.distill_coef > 0:
+            record["distill_loss"] = r.distill_loss
+            record["distill_token_count"] = r.distill_token_count
+        self.metrics.write(record)
+        p.last = record
+        p.step_times.append(time.monotonic())
+        if p.step % self.progress_every == 0 or p.step == p.total_steps or p.step == 1:
+            log.info("step", step=p.step, of=p.total_steps, reward=round(batch.reward_mean, 3),
+                     accuracy=None if batch.accuracy is None else round(batch.accuracy, 3),
+                     loss=round(r.loss, 4), kl=round(r.mean_kl, 4), clipped=round(r.clipped_fraction, 3),
+                     staleness=record["staleness"], steps_per_s=_round(p.steps_per_s), wait_s=round(batch_wait, 3))
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 2)
+
+
+def set_threads() -> None:
+    """One compute thread on CPU: small batches gain nothing from more, and cores are shared."""
+    torch.set_num_threads(1)

@@ -1,0 +1,92 @@
+"""Per-step metrics: one JSON object per optimizer step in ``state_dir/metrics.jsonl`` (SPEC §9).
+
+Fields: step, time, loss, reward_mean, reward_std, accuracy, weight_version, staleness,
+mean_ratio, clipped_fraction, mean_kl, grad_norm, lr, tokens, batch_wait_s, step_s,
+skipped_steps, sequences (+ distill_loss, distill_token_count when distillation is on).
+``staleness`` = the weight version trained *from* minus the oldest weight version the batch's
+rollouts were generated with (null when the environments do not report it).
+
+A write that fails (disk full, unwritable) is dropped and counted, never fatal (SPEC §4).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from atroposd.logs import get_logger
+
+__all__ = ["MetricsWriter", "read_metrics"]
+
+log = get_logger("trainer")
+
+
+class MetricsWriter:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.dropped = 0
+        self._file: io.BufferedWriter | None = None
+
+    def _open(self) -> io.BufferedWriter:
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "ab")  # kept open across steps
+        return self._file
+
+    def truncate_after(self, step: int) -> None:
+        """On resume: drop lines of steps after ``step`` (trained but not checkpointed)."""
+        if not self.path.is_file():
+            return
+        try:
+            kept = [line for line in self.path.read_bytes().splitlines()
+                    if line.strip() and _step_of(line) is not None and (_step_of(line) or 0) <= step]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_bytes(b"".join(line + b"\n" for line in kept))
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.warning("metrics file not trimmed at resume", path=str(self.path), error=str(exc))
+
+    def write(self, record: dict[str, Any]) -> None:
+        try:
+            f = self._open()
+            f.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+            f.flush()
+        except (OSError, TypeError) as exc:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 100 == 0:
+                log.warning("metrics line dropped", path=str(self.path), error=str(exc), dropped=self.dropped)
+
+    def close(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+            self._file = None
+
+
+def _step_of(line: bytes) -> int | None:
+    try:
+        value = orjson.loads(line).get("step")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    return value if isinstance(value, int) else None
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Every well-formed line of a metrics file (a torn last line is skipped)."""
+    out = []
+    for line in path.read_bytes().splitlines():
+        if not line.strip():
+            continue
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out

@@ -1,0 +1,227 @@
+"""The policy: loading, dtype and device, sanity checks, LoRA, the frozen reference, logprobs.
+
+Any local Hugging Face causal LM (``builtin:tiny`` is one, built by ``atroposd.models``).
+Checks that the predecessor lacked (LESSONS.md §3.1, §3.2, §3.8):
+
+* the dtype is chosen from ``[inference] dtype`` and the device, and must be one of
+  float32 / bfloat16 / float16 — the trainer and the inference server hold the same weights;
+* no parameter or buffer is left on the meta device, nothing is silently zero-filled (every
+  weight file key is loaded, strictly);
+* every rotary ``inv_freq`` equals what the model's own rotary class computes from its config;
+* the trainer's and the inference server's tokenizers have the same fingerprint (vocabulary
+  and special ids) before any rollout — :func:`check_tokenizers`.
+
+``token_logprobs`` computes log π(label) only at the trained positions: the decoder runs on
+the padded batch, but the vocabulary projection runs on the N completion positions alone, so
+the full ``[B, T, V]`` logits are never materialised.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from atroposd.logs import get_logger
+
+__all__ = ["ModelLoadError", "Policy", "check_rotary", "check_tokenizers", "load_policy", "resolve_device",
+           "resolve_dtype", "token_logprobs"]
+
+log = get_logger("trainer")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    """The model, its dtype/device or its tokenizer cannot be used; the message says why."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("GPU-"):
+        # A UUID: the daemon narrows CUDA_VISIBLE_DEVICES to it, so it is device 0 here.
+        return torch.device("cuda:0")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"trainer.device = {name!r} but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``[inference] dtype``: auto = float32 on CPU, bfloat16 on GPU."""
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if name not in _DTYPES:
+        raise ModelLoadError(f"inference.dtype = {name!r} is not a training dtype (float32, bfloat16, float16)")
+    return _DTYPES[name]
+
+
+@dataclass
+class Policy:
+    """What the loop trains: the model (PEFT-wrapped in LoRA mode), its tokenizer and source.
+
+    reference: the frozen starting weights for ``kl_reference = "initial"`` in full mode (a
+    separate copy); in LoRA mode the base model with the adapters disabled serves, at no
+    memory cost; None when no reference is needed.
+    """
+
+    model: torch.nn.Module
+    tokenizer: Any
+    source: Path
+    device: torch.device
+    dtype: torch.dtype
+    lora: bool
+    reference: torch.nn.Module | None = None
+    use_adapter_off_reference: bool = False
+
+    def reference_context(self) -> AbstractContextManager[Any]:
+        """Context under which ``reference_model`` computes the reference logprobs."""
+        if self.use_adapter_off_reference:
+            return self.model.disable_adapter()  # type: ignore[operator]
+        return nullcontext()
+
+    @property
+    def reference_model(self) -> torch.nn.Module | None:
+        if self.use_adapter_off_reference:
+            return self.model
+        return self.reference
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def load_policy(model_dir: Path, tokenizer_dir: Path, *, device: torch.device, dtype: torch.dtype,
+                lora: Mapping[str, Any] | None = None, need_reference: bool = False,
+                seed: int = 0) -> Policy:
+    """Load the model and tokenizer from local directories, checked, ready to train.
+
+    lora: ``{"r", "alpha", "targets"}`` to wrap the model in PEFT LoRA adapters (only the
+    adapters train); None for full fine-tuning.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer from {tokenizer_dir}: {exc}") from exc
+    torch.manual_seed(seed)
+    model: torch.nn.Module
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the model from {model_dir}: {exc}") from exc
+    model.to(device)  # type: ignore[arg-type]
+    model.eval()  # no dropout: the trainer must score tokens exactly as the sampler did
+    check_materialised(model)
+    check_rotary(model)
+    vocab = len(tokenizer)
+    rows = int(model.get_input_embeddings().weight.shape[0])  # type: ignore[index]
+    if vocab > rows:
+        raise ModelLoadError(f"the tokenizer at {tokenizer_dir} has {vocab} tokens but the model's embedding "
+                             f"has only {rows} rows")
+    reference = None
+    if need_reference and lora is None:
+        reference = copy.deepcopy(model)
+        reference.requires_grad_(False)
+        reference.eval()
+    if lora is not None:
+        model = _wrap_lora(model, lora)
+    policy = Policy(model=model, tokenizer=tokenizer, source=model_dir, device=device, dtype=dtype,
+                    lora=lora is not None, reference=reference,
+                    use_adapter_off_reference=need_reference and lora is not None)
+    log.info("model loaded", source=str(model_dir), device=str(device), dtype=str(dtype).removeprefix("torch."),
+             parameters=sum(p.numel() for p in model.parameters()),
+             trainable=sum(p.numel() for p in policy.trainable()), lora=policy.lora)
+    return policy
+
+
+def _wrap_lora(model: torch.nn.Module, lora: Mapping[str, Any]) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    targets = list(lora["targets"])
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in targets if t not in names]
+    if missing:
+        raise ModelLoadError(f"trainer.lora_targets: no module named {', '.join(map(repr, missing))} in the model "
+                             f"(modules include {', '.join(sorted(n for n in names if n and not n.isdigit())[:12])})")
+    config = LoraConfig(r=int(lora["r"]), lora_alpha=int(lora["alpha"]), target_modules=targets,
+                        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, config)
+    peft_model.eval()
+    return peft_model
+
+
+def check_materialised(model: torch.nn.Module) -> None:
+    """Refuse a model with any tensor still on the meta device (never zero-fill it)."""
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise ModelLoadError(f"{len(meta)} tensor(s) were not loaded (still on the meta device): "
+                             + ", ".join(meta[:8]))
+
+
+def check_rotary(model: torch.nn.Module) -> None:
+    """Every rotary ``inv_freq`` must equal what its own class computes from the config."""
+    for name, module in model.named_modules():
+        inv = getattr(module, "inv_freq", None)
+        config = getattr(module, "config", None)
+        if not isinstance(inv, torch.Tensor) or config is None or not name.endswith("rotary_emb"):
+            continue
+        expected = type(module)(config).inv_freq
+        if expected.shape != inv.shape or not torch.allclose(inv.detach().float().cpu(), expected.float(),
+                                                             rtol=1e-5, atol=1e-7):
+            raise ModelLoadError(f"{name}.inv_freq differs from the model's own rotary initialisation")
+
+
+def check_tokenizers(local: Mapping[str, Any], remote: Mapping[str, Any], *, local_name: str,
+                     remote_name: str) -> None:
+    """Refuse to train when the two tokenizer fingerprints differ (vocabulary or special ids)."""
+    keys = ("vocab_size", "fingerprint", "special_ids")
+    diffs = [k for k in keys if local.get(k) != remote.get(k)]
+    if diffs:
+        detail = "; ".join(f"{k}: trainer {local.get(k)!r} vs inference {remote.get(k)!r}" for k in diffs)
+        raise ModelLoadError(f"tokenizer mismatch between the trainer ({local_name}) and the inference server "
+                             f"({remote_name}): {detail}")
+
+
+def _decoder_and_head(model: torch.nn.Module) -> tuple[Callable[..., Any], torch.nn.Module] | None:
+    get_decoder = getattr(model, "get_decoder", None)
+    get_head = getattr(model, "get_output_embeddings", None)
+    if get_decoder is None or get_head is None:
+        return None
+    decoder, head = get_decoder(), get_head()
+    if decoder is None or head is None or decoder is model:
+        return None
+    return decoder, head
+
+
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
+                   temperature: torch.Tensor, *, want_logits: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits / T)[label] at the N positions where ``mask`` is set.
+
+    input_ids, labels: [B, T] long; mask: [B, T] bool; temperature: [B].
+    want_logits: optional [B, T] bool — also return the raw logits [M, V] at those positions
+    (the distillation positions, a subset of ``mask``'s).
+    Returns (logp [N] float32, logits [M, V] float32 or None).
+    """
+    parts = _decoder_and_head(model)
+    if parts is not None:
+        decoder, head = parts
+        hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, T, H]
+        h = hidden[mask]  # [N, H]
+        logits = head(h).float()  # [N, V]
+    else:  # a model without a separable head: the full logits, then select
+        logits = model(input_ids=input_ids, use_cache=False).logits[mask].float()  # [N, V]
+    temps = temperature[:, None].expand_as(mask)[mask].to(logits.dtype)  # [N]
+    scaled = logits / temps[:, None]  # [N, V]
+    logp = scaled.gather(1, labels[mask][:, None])[:, 0] - torch.logsumexp(scaled, dim=-1)  # [N]
+    extra = None
+    if want_logits is not None:
+        extra = logits[want_logits[mask]]  # [M, V]
+    return logp, extra

@@ -1,0 +1,224 @@
+"""The daemon-facing handle of the in-process trainer (docs/ARCHITECTURE.md, "Trainer").
+
+``run`` sets up in this order (SPEC §4, start order): load the model and tokenizer (and
+resume from the newest complete checkpoint) → compare the tokenizer with the inference
+server's → attach the weights (the server now computes with the trainer's weights and
+version) → build the optimizer (after attach: in shared mode the parameters have moved into
+shared memory) and restore its state → ``POST /register`` → the first ``GET /batch`` →
+``task_status.started()`` → the training loop. Compute runs in worker threads.
+
+The daemon owns ``weights`` and calls ``weights.close()`` once the inference server is gone.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from anyio.abc import TaskStatus
+
+from atroposd.config import Config
+from atroposd.logs import get_logger
+from atroposd.paths import Paths
+
+if sys.version_info < (3, 11):  # pragma: no cover - exercised only on 3.10
+    from exceptiongroup import BaseExceptionGroup
+
+__all__ = ["TrainerOutcome", "TrainerService"]
+
+log = get_logger("trainer")
+
+INFO_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class TrainerOutcome:
+    """How ``run`` ended: ``finished`` (all steps), ``stopped`` (requested) or ``failed``."""
+
+    state: str
+    step: int
+    weight_version: int
+    error: str | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.state == "failed" else 0
+
+
+class TrainerService:
+    def __init__(self, cfg: Config, *, instance: str, weights: Any, envs_alive: Callable[[], bool]) -> None:
+        from atroposd.trainer.loop import Progress
+
+        self.cfg = cfg
+        self.instance = instance
+        self.weights = weights
+        self.envs_alive = envs_alive
+        self.paths = Paths.of(cfg)
+        self.progress = Progress(total_steps=cfg.trainer.steps)
+        self._lock = anyio.Lock()
+        self._loop: Any = None
+        self._policy: Any = None
+        self._stop = False
+        self.outcome: TrainerOutcome | None = None  # set when run() returns
+
+    # ------------------------------------------------------------------ daemon interface
+
+    def request_stop(self) -> None:
+        """Finish (or abandon) the current step, checkpoint within checkpoint_timeout, return."""
+        self._stop = True
+        if self._loop is not None:
+            self._loop.request_stop()
+
+    def status(self) -> dict[str, Any]:
+        """SPEC §2's ``trainer`` object."""
+        p, last = self.progress, self.progress.last
+        return {
+            "state": p.state, "waiting_for": p.waiting_for if p.state == "waiting" else None,
+            "step": p.step, "total_steps": p.total_steps, "weight_version": p.weight_version,
+            "reward_mean": last.get("reward_mean"), "accuracy": last.get("accuracy"), "loss": last.get("loss"),
+            "mean_kl": last.get("mean_kl"), "clipped_fraction": last.get("clipped_fraction"),
+            "staleness": last.get("staleness"), "grad_norm": last.get("grad_norm"),
+            "steps_per_s": p.steps_per_s, "skipped_steps": p.skipped_steps,
+            "last_checkpoint": p.last_checkpoint, "checkpoint_error": p.checkpoint_error, "error": p.error,
+        }
+
+    async def on_inference_restarted(self) -> None:
+        """A restarted inference server gets the current weights before it serves rollouts."""
+        if self._policy is None:
+            return
+        async with self._lock:
+            await self.weights.reattach(self._policy.model, self.progress.weight_version)
+        log.info("weights re-attached to the restarted inference server", weight_version=self.progress.weight_version)
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> TrainerOutcome:
+        p = self.progress
+        started = False
+        feed = None
+        metrics = None
+        try:
+            from atroposd.trainer.feed import BatchFeed
+            from atroposd.trainer.loop import TrainingLoop
+            from atroposd.trainer.metrics import MetricsWriter
+            from atroposd.trainer.setup import build_learner, load_for_training
+
+            p.state, p.waiting_for = "waiting", "model"
+            setup = await anyio.to_thread.run_sync(load_for_training, self.cfg)
+            self._policy = setup.policy
+            p.step, p.weight_version, p.skipped_steps = setup.step, setup.weight_version, setup.skipped_steps
+            p.last_checkpoint = str(setup.restored_from) if setup.restored_from else None
+            p.waiting_for = "inference"
+            await self._check_inference_tokenizer(setup.tokenizer_fingerprint)
+            # The server computes with (shared) or loads (push/reload) the trainer's weights and
+            # version before any rollout — also the restored ones after a resume.
+            await self.weights.attach(setup.policy.model, p.weight_version)
+            learner = await anyio.to_thread.run_sync(build_learner, self.cfg, setup)
+            metrics = MetricsWriter(self.paths.metrics_file)
+            if setup.restored_from is not None:
+                metrics.truncate_after(p.step)
+            p.waiting_for = "api"
+            feed = BatchFeed(self.cfg.api_url, self._registration(), max_ahead=self.cfg.trainer.max_staleness,
+                             token=self.cfg.api.token, on_wait=self._on_wait)
+            await feed.register()
+            await feed.prime()  # the first GET /batch lets environments register
+            loop = TrainingLoop(tcfg=self.cfg.trainer, feed=feed, learner=learner, weights=self.weights,
+                                metrics=metrics, checkpointer=setup.checkpointer(learner), progress=p,
+                                envs_alive=self.envs_alive, lock=self._lock)
+            self._loop = loop
+            if self._stop:
+                loop.request_stop()
+            p.state, p.waiting_for = "waiting", "data"
+            started = True
+            task_status.started()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(feed.run)
+                result = await loop.run()
+                tg.cancel_scope.cancel()
+            if result == "stopped" and p.last_checkpoint != str(self.paths.checkpoints_dir / f"step-{p.step}"):
+                await loop.checkpoint(deadline_s=self.cfg.daemon.checkpoint_timeout)
+            p.state = result
+            log.info("trainer " + result, step=p.step, weight_version=p.weight_version)
+            self.outcome = TrainerOutcome(result, p.step, p.weight_version)
+            return self.outcome
+        except Exception as group:  # any failure ends the job: state failed, exit 1 (SPEC §4)
+            exc = _root_cause(group)
+            p.state, p.error = "failed", f"{type(exc).__name__}: {exc}"
+            log.error("trainer failed", step=p.step, error=p.error, exc_info=not _expected(exc))
+            if not started:
+                task_status.started()
+            self.outcome = TrainerOutcome("failed", p.step, p.weight_version, p.error)
+            return self.outcome
+        finally:
+            with anyio.CancelScope(shield=True):
+                if feed is not None:
+                    await feed.aclose()
+            if metrics is not None:
+                metrics.close()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _on_wait(self, reason: str | None) -> None:
+        p = self.progress
+        if p.state in ("waiting", "training"):
+            p.state, p.waiting_for = ("waiting", reason) if reason else ("training", None)
+
+    def _registration(self) -> dict[str, Any]:
+        t = self.cfg.trainer
+        return {"wandb_group": "", "wandb_project": "", "batch_size": t.batch_size,
+                "max_token_len": t.max_token_len, "checkpoint_dir": str(self.paths.checkpoints_dir),
+                "save_checkpoint_interval": t.checkpoint_every, "starting_step": self.progress.step,
+                "num_steps": t.steps}
+
+    async def _check_inference_tokenizer(self, local: dict[str, Any]) -> None:
+        """Compare the inference server's tokenizer (``GET /info``) with the trainer's."""
+        import aiohttp
+        import orjson
+
+        from atroposd.trainer.model import check_tokenizers
+
+        url = f"{self.cfg.inference_url}/info"
+        deadline = time.monotonic() + max(INFO_TIMEOUT_S, self.cfg.inference.ready_timeout)
+        delay = 0.05
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=INFO_TIMEOUT_S)) as session:
+            while True:
+                try:
+                    async with session.get(url) as resp:
+                        body = await resp.read()
+                        status = resp.status
+                    break
+                except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"inference server at {self.cfg.inference_url} not reachable: "
+                                           f"{exc}") from exc
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        if status == 404:
+            log.warning("the inference server has no /info; its tokenizer cannot be compared", url=url)
+            return
+        info = orjson.loads(body) if status == 200 else None
+        remote = info.get("tokenizer") if isinstance(info, dict) else None
+        if not isinstance(info, dict) or not isinstance(remote, dict):
+            log.warning("the inference server's /info has no tokenizer fingerprint", url=url, status=status)
+            return
+        check_tokenizers(local, remote, local_name=str(self._policy.source),
+                         remote_name=f"{info.get('model')} at {self.cfg.inference_url}")
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The one error inside (nested) single-member exception groups of the loop's task group."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _expected(exc: BaseException) -> bool:
+    from atroposd.trainer.checkpoint import CheckpointError
+    from atroposd.trainer.feed import DataTimeout
+    from atroposd.trainer.model import ModelLoadError
+    from atroposd.trainer.optim import OptimizerError
+    from atroposd.trainer.setup import ResumeError
+
+    return isinstance(exc, (DataTimeout, ModelLoadError, OptimizerError, CheckpointError, ResumeError))

@@ -1,0 +1,140 @@
+"""Building the trainer's objects from the config: model (resumed if asked), then learner.
+
+Split in two because the weights must be attached to the inference server between them: in
+shared mode ``attach`` moves the parameters into shared memory, and the optimizer is built
+on the parameters after that (ARCHITECTURE.md, "Weight sync").
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from atroposd.config import Config, to_dict
+from atroposd.logs import get_logger
+from atroposd.paths import Paths
+from atroposd.trainer.checkpoint import (
+    CheckpointError,
+    Restored,
+    clean_partial,
+    latest_checkpoint,
+    load_checkpoint,
+    restore_weights,
+    set_rng_state,
+)
+from atroposd.trainer.learner import Learner, make_strategies
+from atroposd.trainer.model import Policy, load_policy, resolve_device, resolve_dtype
+from atroposd.trainer.optim import build_optimizer, build_scheduler
+
+__all__ = ["ResumeError", "Setup", "build_learner", "load_for_training"]
+
+log = get_logger("trainer")
+
+# Resume refuses a checkpoint whose identity differs in one of these (SPEC §9).
+IDENTITY_KEYS = ("model", "mode", "tokenizer")
+
+
+class ResumeError(RuntimeError):
+    pass
+
+
+@dataclass
+class Setup:
+    policy: Policy
+    tokenizer_fingerprint: dict[str, Any]
+    identity: dict[str, Any]
+    checkpoints_dir: Path
+    keep_checkpoints: int
+    step: int = 0
+    weight_version: int = 0
+    skipped_steps: int = 0
+    restored: Restored | None = field(default=None, repr=False)
+
+    @property
+    def restored_from(self) -> Path | None:
+        return self.restored.path if self.restored is not None else None
+
+    def checkpointer(self, learner: Learner) -> Any:
+        from atroposd.trainer.loop import Checkpointer
+
+        return Checkpointer(self.checkpoints_dir, keep=self.keep_checkpoints, learner=learner,
+                            identity=self.identity)
+
+
+def load_for_training(cfg: Config) -> Setup:
+    """Load the policy and, with ``resume``, the newest complete checkpoint's weights (thread)."""
+    from atroposd.models.resolve import fingerprint_of, resolve_model, resolve_tokenizer
+
+    t = cfg.trainer
+    device = resolve_device(t.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # small batches gain nothing from more threads; cores are shared
+    dtype = resolve_dtype(cfg.inference.dtype, device)
+    root = Paths.of(cfg).checkpoints_dir
+    _check_writable(root)
+    for partial in clean_partial(root):
+        log.warning("removed an incomplete checkpoint", path=str(partial))
+    model_dir, tokenizer_dir = resolve_model(cfg), resolve_tokenizer(cfg)
+    lora = {"r": t.lora_r, "alpha": t.lora_alpha, "targets": t.lora_targets} if t.mode == "lora" else None
+    policy = load_policy(model_dir, tokenizer_dir, device=device, dtype=dtype, lora=lora,
+                         need_reference=t.kl_coef > 0 and t.kl_reference == "initial", seed=t.seed)
+    fingerprint = fingerprint_of(policy.tokenizer)
+    identity = {"config": to_dict(cfg), "model": cfg.inference.model, "model_dir": str(model_dir),
+                "mode": t.mode, "tokenizer": fingerprint}
+    setup = Setup(policy=policy, tokenizer_fingerprint=fingerprint, identity=identity, checkpoints_dir=root,
+                  keep_checkpoints=t.keep_checkpoints)
+    latest = latest_checkpoint(root) if t.resume else None
+    if latest is not None:
+        restored = load_checkpoint(latest, lora=policy.lora)
+        _check_identity(restored, identity)
+        restore_weights(policy.model, restored, lora=policy.lora)
+        setup.restored = restored
+        setup.step = int(restored.state["step"])
+        setup.weight_version = int(restored.state["weight_version"])
+        setup.skipped_steps = int(restored.state.get("skipped_steps", 0))
+        log.info("resumed from checkpoint", path=str(latest), step=setup.step, weight_version=setup.weight_version)
+    return setup
+
+
+def build_learner(cfg: Config, setup: Setup) -> Learner:
+    """Optimizer (on the attached parameters), scheduler, strategies; restores their state."""
+    t = cfg.trainer
+    optimizer = build_optimizer(setup.policy.trainable(), t)
+    scheduler = build_scheduler(optimizer, t.warmup_steps)
+    if setup.restored is not None:
+        state = setup.restored.state
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+    objective, reference = make_strategies(t)
+    return Learner(setup.policy, optimizer, scheduler, objective=objective, reference=reference,
+                   max_grad_norm=t.max_grad_norm, distill_coef=t.distill_coef,
+                   distill_temperature=t.distill_temperature)
+
+
+def _check_writable(root: Path) -> None:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot create the checkpoint directory {root}: {exc.strerror or exc}") from exc
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise CheckpointError(f"the checkpoint directory {root} is not writable")
+
+
+def _check_identity(restored: Restored, identity: dict[str, Any]) -> None:
+    state = restored.state
+    changed = [k for k in IDENTITY_KEYS if state.get(k) != identity[k]]
+    if changed:
+        detail = "; ".join(f"{k}: checkpoint {state.get(k)!r} vs now {identity[k]!r}" for k in changed)
+        raise ResumeError(f"cannot resume from {restored.path}: changed {detail}. Move the checkpoints away or set "
+                          "trainer.resume = false")
+    old, new = state.get("config", {}), identity["config"]
+    for section in ("trainer", "inference"):
+        diffs = sorted(k for k in set(old.get(section, {})) | set(new.get(section, {}))
+                       if old.get(section, {}).get(k) != new.get(section, {}).get(k))
+        if diffs:
+            log.warning("resuming with a changed configuration", section=section, keys=diffs)
