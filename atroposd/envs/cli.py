@@ -1,13 +1,175 @@
-"""`atroposd envs`: flags and entry point (imports nothing heavy at module level)."""
+"""``atroposd env NAME``: run a built-in environment (imports nothing heavy at module level).
+
+Settings come from, in order of precedence: flags, the ``ATROPOSD_*`` variables the daemon
+exports (SPEC §3), the config's ``[[env]]`` entry (found by replica name, e.g.
+``arithmetic-0``, or by name), and the built-in defaults. Exit 2 on bad usage or options.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from typing import Any
+
+EXIT_USAGE = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add this child's flags to its sub-parser (`-c` is already there)."""
+    parser.add_argument("builtin", metavar="NAME", help="the built-in environment (arithmetic)")
+    parser.add_argument("--name", help="component name, registered as desired_name (default: $ATROPOSD_NAME, "
+                                       "else the [[env]] name and replica, e.g. arithmetic-0)")
+    parser.add_argument("--replica", type=int, help="replica index (default: $ATROPOSD_REPLICA, else 0)")
+    parser.add_argument("--api-url", help="trajectory API (default: $ATROPOSD_API_URL, else from the config)")
+    parser.add_argument("--inference-url", help="inference server (default: $ATROPOSD_INFERENCE_URL, "
+                                                "else from the config)")
+    parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: $ATROPOSD_TOKENIZER, "
+                                                           "else the configured model's)")
+    parser.add_argument("--group-size", type=int, help="completions per prompt (default: $ATROPOSD_GROUP_SIZE, "
+                                                       "else the [[env]] group_size)")
+    parser.add_argument("--seed", type=int, help="seed (default: $ATROPOSD_SEED, else trainer.seed + replica)")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one of the environment's options (VALUE in TOML syntax, e.g. "
+                             "max_tokens=4 or operators=[\"+\",\"*\"]); repeatable")
+    parser.add_argument("--eval", action="store_true",
+                        help="instead of serving: greedy exact match of every problem through the inference "
+                             "server, printed as one JSON object")
 
 
 def main(args: argparse.Namespace) -> int:
-    raise SystemExit("atroposd envs: not implemented yet")
+    try:
+        setup = _resolve(args)
+    except _Usage as exc:
+        print(f"atroposd env: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    import anyio
+
+    from atroposd.logs import configure_logging
+
+    configure_logging(setup["log_level"], setup["log_format"], component=setup["settings"].name)
+    if args.eval:
+        return anyio.run(_evaluate, setup)
+    from atroposd.envs.runner import EnvRunner
+
+    return anyio.run(EnvRunner(setup["task"], setup["settings"]).run)
+
+
+class _Usage(Exception):
+    pass
+
+
+def _resolve(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything the environment needs, or _Usage naming the problem."""
+    from atroposd.cli import load_or_exit
+    from atroposd.config import BUILTIN_ENVS, EnvConfig
+    from atroposd.envs.options import parse_options
+
+    if args.builtin not in BUILTIN_ENVS:
+        raise _Usage(f"unknown built-in environment {args.builtin!r} (known: {', '.join(BUILTIN_ENVS)})")
+    cfg = load_or_exit(args)
+    replica = _pick(args.replica, "ATROPOSD_REPLICA", int, 0)
+    name = _pick(args.name, "ATROPOSD_NAME", str, "")
+    env_cfg = _find_env(cfg.env, name, args.builtin) or EnvConfig(name=args.builtin, builtin=args.builtin)
+    if env_cfg.builtin != args.builtin:
+        raise _Usage(f"[[env]] {env_cfg.name!r} is not the built-in {args.builtin!r}")
+    name = name or f"{env_cfg.name}-{replica}"
+    options = dict(env_cfg.options)
+    options.update(_parse_option_flags(args.option))
+    try:
+        parsed = parse_options(args.builtin, options)
+    except ValueError as exc:
+        raise _Usage(f"invalid options for {name}: {exc}") from None
+    group_size = _pick(args.group_size, "ATROPOSD_GROUP_SIZE", int, env_cfg.group_size)
+    seed = _pick(args.seed, "ATROPOSD_SEED", int, cfg.trainer.seed + replica)
+    if group_size < 1:
+        raise _Usage(f"group size must be ≥ 1, got {group_size}")
+    tokenizer = _pick(args.tokenizer, "ATROPOSD_TOKENIZER", str, "") or _configured_tokenizer(cfg)
+
+    from atroposd.envs.arithmetic import ArithmeticTask
+    from atroposd.envs.runner import RunnerSettings
+    from atroposd.envs.vocab import Vocab, VocabError
+
+    try:
+        task = ArithmeticTask(options=parsed, vocab=Vocab.load(tokenizer), seed=seed, env_name=name)
+    except VocabError as exc:
+        raise _Usage(str(exc)) from None
+    settings = RunnerSettings(
+        name=name,
+        api_url=_pick(args.api_url, "ATROPOSD_API_URL", str, cfg.api_url),
+        inference_url=_pick(args.inference_url, "ATROPOSD_INFERENCE_URL", str, cfg.inference_url),
+        group_size=group_size,
+        max_token_length=_pick(None, "ATROPOSD_MAX_TOKEN_LEN", int, cfg.trainer.max_token_len),
+        concurrency=parsed.concurrency, max_batches_offpolicy=parsed.max_batches_offpolicy,
+        weight=env_cfg.weight, api_token=cfg.api.token)
+    return {"task": task, "settings": settings, "options": parsed, "vocab": task.vocab,
+            "log_level": cfg.daemon.log_level, "log_format": cfg.daemon.log_format}
+
+
+def _find_env(envs: list[Any], name: str, builtin: str) -> Any:
+    """The [[env]] whose replica (or own) name is ``name``; without a name, the first of this builtin."""
+    for e in envs:
+        if name and (name == e.name or name in e.replica_names()):
+            return e
+    if not name:
+        return next((e for e in envs if e.builtin == builtin), None)
+    return None
+
+
+def _pick(flag: Any, variable: str, kind: type, default: Any) -> Any:
+    if flag is not None:
+        return flag
+    raw = os.environ.get(variable)
+    if raw is None or raw == "":
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise _Usage(f"${variable} must be {kind.__name__}, got {raw!r}") from None
+
+
+def _parse_option_flags(items: list[str]) -> dict[str, Any]:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised only on 3.10
+        import tomli as tomllib
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise _Usage(f"--option {item!r}: expected KEY=VALUE")
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            raise _Usage(f"--option {item!r}: VALUE must be in TOML syntax (a string needs quotes)") from None
+    return out
+
+
+def _configured_tokenizer(cfg: Any) -> str:
+    from atroposd.models.resolve import ModelError, resolve_tokenizer
+
+    try:
+        return str(resolve_tokenizer(cfg))
+    except ModelError as exc:
+        raise _Usage(str(exc)) from None
+
+
+async def _evaluate(setup: dict[str, Any]) -> int:
+    import aiohttp
+    import orjson
+
+    from atroposd.envs.arithmetic import all_problems, evaluate_via_server
+    from atroposd.envs.generate import GenerateError, InferenceClient
+
+    options = setup["options"]
+    async with aiohttp.ClientSession() as session:
+        infer = InferenceClient(session, setup["settings"].inference_url)
+        try:
+            result = await evaluate_via_server(infer, setup["vocab"], all_problems(options),
+                                               max_tokens=options.max_tokens)
+        except GenerateError as exc:
+            print(f"atroposd env: {exc}", file=sys.stderr)
+            return 1
+    sys.stdout.write(orjson.dumps(result.as_dict()).decode() + "\n")
+    return 0

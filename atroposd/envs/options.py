@@ -25,6 +25,9 @@ class ArithmeticOptions:
     temperature: float = 1.0
     #: prompts (groups) in flight at once
     concurrency: int = 8
+    #: stop starting groups while this many trainer batches (of this environment's groups,
+    #: queued and in flight together) wait at the API: bounds how stale a rollout gets
+    max_batches_offpolicy: int = 2
 
 
 BUILTIN_OPTIONS: dict[str, type] = {"arithmetic": ArithmeticOptions}
@@ -45,13 +48,14 @@ def validate_options(builtin: str, options: Mapping[str, Any]) -> list[tuple[str
     if cls is None:
         return [("", f"unknown built-in environment {builtin!r}")]
     known = {f.name: f for f in fields(cls)}
+    defaults = cls()
     out: list[tuple[str, str]] = []
     for key, value in options.items():
         f = known.get(key)
         if f is None:
             out.append((key, f"unknown option (known: {', '.join(known)})"))
             continue
-        default = f.default if f.default is not f.default_factory else f.default_factory()  # type: ignore[misc]
+        default = getattr(defaults, key)
         if isinstance(default, bool):
             ok = isinstance(value, bool)
         elif isinstance(default, int):
@@ -64,11 +68,30 @@ def validate_options(builtin: str, options: Mapping[str, Any]) -> list[tuple[str
             ok = isinstance(value, type(default))
         if not ok:
             out.append((key, f"must be {_describe(default)}, got {value!r}"))
-    if builtin == "arithmetic" and "operators" in options and isinstance(options["operators"], list):
-        bad = [o for o in options["operators"] if o not in ("+", "-", "*")]
-        if bad:
-            out.append(("operators", f"unknown operator(s) {bad} (known: '+', '-', '*')"))
+    if builtin == "arithmetic" and not {k for k, _ in out} & {"operators", "max_operand", "max_tokens"}:
+        out.extend(_arithmetic_problems(options))
     return out
+
+
+def _arithmetic_problems(options: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Cross-option rules: known operators, and room in max_tokens for every answer and EOS."""
+    defaults = ArithmeticOptions()
+    operators = options.get("operators", list(defaults.operators))
+    bad = [o for o in operators if o not in ("+", "-", "*")]
+    if bad:
+        return [("operators", f"unknown operator(s) {bad} (known: '+', '-', '*')")]
+    if len(set(operators)) != len(operators):
+        return [("operators", f"duplicate operator in {operators}")]
+    top = int(options.get("max_operand", defaults.max_operand))
+    if top > 999:
+        return [("max_operand", f"must be ≤ 999, got {top}")]
+    extremes = {"+": (top + top,), "-": (-top, top), "*": (top * top,)}
+    longest = max(len(str(v)) for op in operators for v in extremes[op])
+    max_tokens = int(options.get("max_tokens", defaults.max_tokens))
+    if max_tokens < longest + 1:
+        return [("max_tokens", f"must be ≥ {longest + 1} (the longest answer, {longest} characters, "
+                               f"then EOS), got {max_tokens}")]
+    return []
 
 
 def _describe(default: Any) -> str:

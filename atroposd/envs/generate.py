@@ -1,0 +1,136 @@
+"""A client of the inference server's Atropos ``POST /generate`` (SPEC §7, ATROPOS-PROTOCOL §1.4).
+
+An unreachable or restarting server (connection refused, 5xx) is waited for with a visible
+retry, as atroposlib's VLLMServer does; a 4xx is a bad request no retry can fix and raises
+``GenerateError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from atroposd.envs.retry import CONNECTION_ERRORS, Backoff, Retry, retry_after
+from atroposd.logs import get_logger
+
+
+class GenerateError(RuntimeError):
+    """The server refused the request (4xx) or answered in a shape that breaks the protocol."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion: its tokens (a sampled EOS included, as the last one) and the
+    inference logprob of each token, aligned one to one."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class Generation:
+    completions: list[Completion]
+    weight_version: int | None
+
+
+class InferenceClient:
+    def __init__(self, session: aiohttp.ClientSession, url: str, *, log: Any = None) -> None:
+        self._session = session
+        self._url = url.rstrip("/")
+        if self._url.endswith("/v1"):
+            self._url = self._url[: -len("/v1")]
+        self._log = log or get_logger("envs.generate")
+        self.retries = 0
+
+    async def generate(self, prompt_ids: Sequence[int], *, n: int, max_tokens: int, temperature: float,
+                       top_p: float = 1.0, seed: int | None = None) -> Generation:
+        """``n`` completions of one prompt, with the logprob of every sampled token."""
+        body: dict[str, Any] = {"prompt": {"prompt_token_ids": list(prompt_ids)}, "n": n,
+                                "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+                                "logprobs": 0}
+        if seed is not None:
+            body["seed"] = seed
+        backoff = Backoff(self._log, "generate")
+        while True:
+            try:
+                answer = await self._post(body)
+                break
+            except Retry as retry:
+                self.retries += 1
+                await backoff.wait(retry)
+        backoff.done()
+        return parse_generation(answer, n)
+
+    async def _post(self, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            async with self._session.post(self._url + "/generate", data=orjson.dumps(body),
+                                          headers={"Content-Type": "application/json"}) as resp:
+                text = await resp.text()
+                status, retry_header = resp.status, resp.headers.get("Retry-After")
+        except CONNECTION_ERRORS as exc:
+            raise Retry(f"inference server unreachable: {type(exc).__name__}: {exc}", connection=True) from exc
+        if status >= 500:
+            raise Retry(f"/generate answered {status}: {text[:200]}", delay=retry_after(retry_header))
+        if status != 200:
+            raise GenerateError(f"/generate answered {status}: {text[:500]}")
+        try:
+            answer = orjson.loads(text)
+        except orjson.JSONDecodeError as exc:
+            raise GenerateError(f"/generate answered with a body that is not JSON: {text[:200]!r}") from exc
+        if not isinstance(answer, dict):
+            raise GenerateError(f"/generate answered {type(answer).__name__}, not an object")
+        return answer
+
+
+def parse_generation(answer: dict[str, Any], n: int) -> Generation:
+    """Read ``logprobs`` ([completion][token] = [{"<id>": lp}]), ``token_ids`` (when present, they
+    must agree with the logprob keys) and ``finish_reasons``; anything malformed is an error."""
+    logprobs = answer.get("logprobs")
+    reasons = answer.get("finish_reasons")
+    if not isinstance(logprobs, list) or len(logprobs) != n:
+        raise GenerateError(f"/generate: expected 'logprobs' for {n} completions, got {_shape(logprobs)}")
+    if not isinstance(reasons, list) or len(reasons) != n:
+        raise GenerateError(f"/generate: expected {n} 'finish_reasons', got {_shape(reasons)}")
+    token_lists = answer.get("token_ids")
+    completions = []
+    for i, per_token in enumerate(logprobs):
+        ids, lps = _read_logprobs(per_token, i)
+        if token_lists is not None:
+            given = token_lists[i] if isinstance(token_lists, list) and i < len(token_lists) else None
+            if given != ids:
+                raise GenerateError(f"/generate: completion {i}: token_ids {given} disagree with the "
+                                    f"logprob keys {ids}")
+        completions.append(Completion(token_ids=ids, logprobs=lps, finish_reason=str(reasons[i])))
+    version = answer.get("weight_version")
+    return Generation(completions=completions, weight_version=int(version) if version is not None else None)
+
+
+def _read_logprobs(per_token: Any, index: int) -> tuple[list[int], list[float]]:
+    if not isinstance(per_token, list):
+        raise GenerateError(f"/generate: logprobs[{index}] is {_shape(per_token)}, not a list")
+    ids: list[int] = []
+    lps: list[float] = []
+    for j, item in enumerate(per_token):
+        # atroposlib reads item[0]: a one-element list holding {"<token_id>": logprob}.
+        entry = item[0] if isinstance(item, list) and item else item
+        if not isinstance(entry, dict) or len(entry) != 1:
+            raise GenerateError(f"/generate: logprobs[{index}][{j}] must be [{{\"<token_id>\": logprob}}], "
+                                f"got {item!r}")
+        (key, value), = entry.items()
+        try:
+            ids.append(int(key))
+            lps.append(float(value))
+        except (TypeError, ValueError) as exc:
+            raise GenerateError(f"/generate: logprobs[{index}][{j}] = {item!r} is not id → logprob") from exc
+    return ids, lps
+
+
+def _shape(value: Any) -> str:
+    if isinstance(value, list):
+        return f"a list of {len(value)}"
+    return "nothing" if value is None else type(value).__name__

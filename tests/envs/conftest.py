@@ -1,0 +1,123 @@
+"""Fixtures for the environment tests: the builtin tokenizer, a real run-api process, a
+stand-in /generate server process, and a trainer stand-in that opens the API's gate."""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import free_port, spawn, stop_process, wait_http
+
+HERE = Path(__file__).resolve().parent
+RUN_API = Path(sys.executable).parent / "run-api"
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The builtin:tiny tokenizer, saved the way the model builder saves it."""
+    from atroposd.models.tiny import build_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer().save_pretrained(str(path))
+    return path
+
+
+def http_json(method: str, url: str, body: Any = None, timeout: float = 5.0) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read() or b"null")
+
+
+@dataclass
+class Api:
+    """A trajectory API process (run-api or atroposd api) and a trainer stand-in for it."""
+
+    url: str
+    proc: Any
+    log: Path
+    batches: list[list[dict[str, Any]]] = field(default_factory=list)
+
+    def register_trainer(self, batch_size: int = 16, max_token_len: int = 64, num_steps: int = 100) -> None:
+        http_json("POST", self.url + "/register", {
+            "wandb_group": "", "wandb_project": "", "batch_size": batch_size, "max_token_len": max_token_len,
+            "checkpoint_dir": "", "save_checkpoint_interval": 0, "starting_step": 0, "num_steps": num_steps})
+
+    def get_batch(self) -> list[dict[str, Any]] | None:
+        """One GET /batch (the first opens the env-registration gate)."""
+        batch = http_json("GET", self.url + "/batch").get("batch")
+        if batch:
+            self.batches.append(batch)
+        return batch
+
+    def start_trainer(self, **kw: Any) -> None:
+        self.register_trainer(**kw)
+        self.get_batch()
+
+    def status(self) -> dict[str, Any]:
+        return http_json("GET", self.url + "/status")
+
+    def status_env(self, env_id: int) -> dict[str, Any]:
+        return http_json("GET", self.url + "/status-env", {"env_id": env_id})
+
+
+def start_run_api(tmp: Path, port: int | None = None) -> Api:
+    port = port or free_port()
+    log = tmp / f"run-api-{port}.log"
+    proc = spawn([str(RUN_API), "--host", "127.0.0.1", "--port", str(port)], log=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/info", timeout=60, proc=proc)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return Api(url=url, proc=proc, log=log)
+
+
+@pytest.fixture
+def run_api(tmp_path: Path) -> Iterator[Api]:
+    api = start_run_api(tmp_path)
+    try:
+        yield api
+    finally:
+        stop_process(api.proc)
+
+
+@dataclass
+class FakeInference:
+    url: str
+    proc: Any
+
+    def stats(self) -> dict[str, Any]:
+        return http_json("GET", self.url + "/stats")
+
+    def post(self, path: str) -> Any:
+        return http_json("POST", self.url + path, {})
+
+
+@pytest.fixture
+def fake_inference(tmp_path: Path) -> Iterator[Callable[..., FakeInference]]:
+    """``fake_inference(policy="oracle", status=200)`` starts a stand-in /generate server."""
+    procs: list[Any] = []
+
+    def start(policy: str = "oracle", status: int = 200) -> FakeInference:
+        port = free_port()
+        proc = spawn([sys.executable, str(HERE / "fake_inference.py"), "--port", str(port), "--policy", policy,
+                      "--status", str(status)], log=tmp_path / f"fake-inference-{port}.log")
+        procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health", timeout=30, proc=proc)
+        return FakeInference(url=url, proc=proc)
+
+    try:
+        yield start
+    finally:
+        for proc in procs:
+            stop_process(proc)
