@@ -176,18 +176,27 @@ def atroposd_api(module_tmp: Path) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def servers(module_tmp: Path) -> Iterator[dict[str, Server]]:
-    """atroposd's API and, when atroposlib is installed, run-api: started once per module and
-    before any test's leak check begins (module scope), stopped at the end."""
-    started: dict[str, Server] = {}
+def atroposd_server(module_tmp: Path) -> Iterator[Server]:
+    """One atroposd API per module (module scope: up before any test's leak check begins)."""
+    server = start_atroposd(module_tmp, "--max-queued-sequences", "4096")
     try:
-        started["atroposd"] = start_atroposd(module_tmp, "--max-queued-sequences", "4096")
-        if HAS_ATROPOSLIB and RUN_API.exists():
-            started["run-api"] = start_run_api(module_tmp)
+        yield server
+    finally:
+        stop_process(server.proc)
+
+
+@pytest.fixture(scope="module")
+def servers(module_tmp: Path, atroposd_server: Server) -> Iterator[dict[str, Server]]:
+    """atroposd's API and, when atroposlib is installed, run-api."""
+    started = {"atroposd": atroposd_server}
+    if not (HAS_ATROPOSLIB and RUN_API.exists()):
+        yield started
+        return
+    started["run-api"] = start_run_api(module_tmp)
+    try:
         yield started
     finally:
-        for server in started.values():
-            stop_process(server.proc)
+        stop_process(started["run-api"].proc)
 
 
 def fresh(server: Server) -> Api:
@@ -217,5 +226,5 @@ def both(servers: dict[str, Server]) -> tuple[Api, Api]:
 
 
 @pytest.fixture
-def api(servers: dict[str, Server]) -> Api:
-    return fresh(servers["atroposd"])
+def api(atroposd_server: Server) -> Api:
+    return fresh(atroposd_server)
