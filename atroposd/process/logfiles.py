@@ -16,7 +16,7 @@ from pathlib import Path
 
 from atroposd.logs import get_logger
 
-log = get_logger("atroposd.logs", component="daemon")
+log = get_logger("atroposd.logs")
 
 DEFAULT_BUFFER_BYTES = 4 * 1024 * 1024
 

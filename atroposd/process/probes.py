@@ -6,7 +6,6 @@ probe only has to poll its condition; it never needs to know whether the child i
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -18,7 +17,7 @@ from atroposd.logs import get_logger
 if TYPE_CHECKING:
     from atroposd.process.unit import Unit
 
-log = get_logger("atroposd.probes", component="daemon")
+log = get_logger("atroposd.probes")
 
 POLL_INTERVAL = 0.1
 REQUEST_TIMEOUT = 5.0
@@ -29,7 +28,8 @@ class ProbeError(Exception):
 
 
 class Probe(Protocol):
-    description: str
+    @property
+    def description(self) -> str: ...
 
     async def wait(self, unit: Unit) -> None: ...
 
@@ -131,7 +131,6 @@ class RegisteredProbe:
     api_url: str
     names: tuple[str, ...]
     fallback: StartedProbe
-    tree: Callable[[], set[int]] = field(default=lambda: set())
     headers: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -147,7 +146,7 @@ class RegisteredProbe:
                     log.info("API lists no registrations; readiness falls back to started", component=unit.name)
                     await self.fallback.wait(unit)
                     return
-                pids = self.tree()
+                pids = unit.tree_pids()
                 if any(self._credits(r, pids) for r in regs):
                     return
                 await anyio.sleep(POLL_INTERVAL)

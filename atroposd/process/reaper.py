@@ -28,7 +28,7 @@ import psutil
 
 from atroposd.logs import get_logger
 
-log = get_logger("atroposd.reaper", component="daemon")
+log = get_logger("atroposd.reaper")
 
 PR_SET_CHILD_SUBREAPER = 36
 INSTANCE_VAR = "ATROPOSD_INSTANCE"

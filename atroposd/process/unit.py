@@ -36,7 +36,7 @@ from atroposd.process import reaper
 from atroposd.process.logfiles import LogHub, tail
 from atroposd.process.probes import Probe, ProbeError
 
-log = get_logger("atroposd.unit", component="daemon")
+log = get_logger("atroposd.unit")
 
 LAUNCHER = str(Path(__file__).with_name("launch.py"))
 BACKOFF_FIRST = 1.0

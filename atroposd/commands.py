@@ -1,0 +1,353 @@
+"""The control commands: ``run``, ``start``, ``stop``, ``status``, ``reload``, ``logs``.
+
+``run`` is the daemon itself (foreground).  The others are small clients of the control socket
+and import nothing heavy: they must answer in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from atroposd import control
+from atroposd.config import Config
+from atroposd.paths import Paths
+
+EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_ALREADY_RUNNING, EXIT_STOP_TIMEOUT = 0, 1, 2, 3, 4, 5
+FOLLOW_INTERVAL = 0.25
+
+
+def _err(msg: str) -> None:
+    print(f"atroposd: {msg}", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- run
+
+
+class _Tee:
+    """The daemon's log stream: stderr (journald, a terminal) and ``logs/daemon.log`` (rotated)."""
+
+    def __init__(self, stream: TextIO, path: Path, *, max_bytes: int, backups: int) -> None:
+        from atroposd.process.logfiles import RotatingFile
+
+        self._stream = stream
+        self._file = RotatingFile(path, max_bytes=max_bytes, backups=backups)
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self._stream.write(text)
+            try:
+                self._file.write(text.encode())
+            except OSError:
+                pass  # a full disk must not stop the daemon; stderr still has it
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), path.stat()
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _daemon_log_stream(cfg: Config) -> TextIO | Any:
+    path = Paths.of(cfg).log_file("daemon")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if _same_file(sys.stderr.fileno(), path):  # started by `atroposd start`: stderr is the file
+        return sys.stderr
+    return _Tee(sys.stderr, path, max_bytes=cfg.daemon.log_max_bytes, backups=cfg.daemon.log_backups)
+
+
+def run(cfg: Config, args: argparse.Namespace) -> int:
+    from atroposd.daemon import AlreadyRunning, run_foreground
+    from atroposd.logs import configure_logging
+    from atroposd.systemd import Notifier
+
+    notifier = Notifier.from_environment()
+    try:
+        stream = _daemon_log_stream(cfg)
+    except OSError as exc:
+        _err(f"cannot write the daemon log under {cfg.state_dir}: {exc}")
+        return EXIT_RUNTIME
+    configure_logging(cfg.daemon.log_level, cfg.daemon.log_format, stream=stream, component="daemon")
+    for w in cfg.warnings:
+        _err(f"warning: {w}")
+    try:
+        return run_foreground(cfg, notifier)
+    except AlreadyRunning as exc:
+        _err(str(exc))
+        return EXIT_ALREADY_RUNNING
+    except PermissionError as exc:
+        _err(f"permission denied: {exc}")
+        return EXIT_RUNTIME
+
+
+# ----------------------------------------------------------------------------- start
+
+
+def _ping(cfg: Config) -> dict[str, Any] | None:
+    try:
+        return control.request(cfg.control_socket, {"cmd": "ping"}, timeout=5)
+    except control.NotRunning:
+        return None
+
+
+def _start_budget(cfg: Config) -> float:
+    from atroposd.daemon import API_READY_TIMEOUT
+
+    envs = max((e.ready_timeout for e in cfg.env), default=0.0)
+    return API_READY_TIMEOUT + 2 * cfg.inference.ready_timeout + envs + 120
+
+
+def start(cfg: Config, args: argparse.Namespace) -> int:
+    """Start the daemon in the background; return once it is READY (0) or has failed."""
+    try:
+        running = _ping(cfg)
+    except control.ControlError as exc:
+        _err(str(exc))
+        return exc.exit_code
+    if running is not None:
+        _err(f"a daemon is already running for this config (pid {running.get('pid')})")
+        return EXIT_ALREADY_RUNNING
+    log_path = Paths.of(cfg).log_file("daemon")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    offset = log_path.stat().st_size if log_path.exists() else 0
+    tmp = Path(tempfile.mkdtemp(prefix="atroposd-start-"))
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+    try:
+        notify.bind(str(tmp / "notify"))
+        # The daemon speaks sd_notify to us, as it would to systemd: READY=1 means READY.
+        env = {k: v for k, v in os.environ.items() if k not in ("WATCHDOG_USEC", "WATCHDOG_PID")}
+        env["NOTIFY_SOCKET"] = str(tmp / "notify")
+        argv = [sys.executable, "-m", "atroposd", "run"]
+        if not cfg.source.startswith("<"):
+            argv += ["-c", cfg.source]
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True)
+        return _await_ready(proc, notify, log_path, offset, _start_budget(cfg))
+    finally:
+        notify.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _await_ready(proc: subprocess.Popen[bytes], notify: socket.socket, log_path: Path, offset: int,
+                 budget: float) -> int:
+    deadline = time.monotonic() + budget
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([notify], [], [], 0.2)
+        if ready:
+            lines = notify.recv(65536).decode(errors="replace").splitlines()
+            if "READY=1" in lines:
+                print(f"atroposd: ready (pid {proc.pid}); logs: {log_path}")
+                proc.returncode = 0  # the daemon outlives this command; nothing here waits for it
+                return EXIT_OK
+            continue
+        code = proc.poll()
+        if code is not None:
+            _err(f"the daemon failed to start (exit {code}): {_failure_reason(log_path, offset)}")
+            return code or EXIT_RUNTIME
+    _err(f"the daemon is not READY after {budget:g}s; it keeps starting in the background (pid {proc.pid}); "
+         f"see {log_path}")
+    proc.returncode = 0
+    return EXIT_RUNTIME
+
+
+def _failure_reason(log_path: Path, offset: int) -> str:
+    try:
+        with open(log_path, "rb") as fh:
+            fh.seek(offset)
+            text = fh.read().decode(errors="replace")
+    except OSError:
+        return "(no log)"
+    for line in text.splitlines():
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and obj.get("event") == "start failed":
+            return str(obj.get("reason"))
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return "\n" + "\n".join(lines[-20:])
+
+
+# ----------------------------------------------------------------------------- stop / status / reload
+
+
+def stop(cfg: Config, args: argparse.Namespace) -> int:
+    """Ask the daemon to stop; wait until it (and so every child) is gone."""
+    timeout = args.timeout if getattr(args, "timeout", None) is not None else \
+        cfg.daemon.checkpoint_timeout + cfg.daemon.stop_timeout + 10
+    try:
+        answer = control.request(cfg.control_socket, {"cmd": "stop"})
+    except control.ControlError as exc:
+        _err(str(exc))
+        return exc.exit_code
+    pid = int(answer["pid"])
+    if not _wait_gone(pid, float(answer["start_time"]), timeout):
+        _err(f"the daemon (pid {pid}) is still stopping after {timeout:g}s")
+        return EXIT_STOP_TIMEOUT
+    print(f"atroposd: stopped (pid {pid})")
+    return EXIT_OK
+
+
+def _wait_gone(pid: int, start_time: float, timeout: float) -> bool:
+    """Wait until the daemon has exited (a zombie counts: its parent may reap it late)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    try:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - start_time) > 0.05:
+            return True
+        while time.monotonic() < deadline:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return True
+            time.sleep(0.02)
+    except psutil.NoSuchProcess:
+        return True
+    return False
+
+
+def status(cfg: Config, args: argparse.Namespace) -> int:
+    try:
+        answer = control.request(cfg.control_socket, {"cmd": "status"})
+    except control.ControlError as exc:
+        _err(str(exc))
+        return exc.exit_code
+    st = answer["status"]
+    if getattr(args, "json", False):
+        print(json.dumps(st))
+        return EXIT_OK
+    print(_render_status(st))
+    return EXIT_OK
+
+
+def _render_status(st: dict[str, Any]) -> str:
+    out = [f"atroposd {st['state']}  pid {st['pid']}  up {st['uptime_s']:.0f}s  config {st['config']}"]
+    out.append(f"{'COMPONENT':<24} {'STATE':<12} {'PID':>8} {'RESTARTS':>8}  LAST EXIT")
+    for c in st["components"]:
+        last = c.get("last_exit")
+        last_text = "" if not last else (last["signal"] or f"code {last['code']}") + f" at {last['at']}"
+        name = c["name"] + (" (external)" if c.get("external") else "")
+        out.append(f"{name:<24} {c['state']:<12} {c['pid'] or '-':>8} {c['restarts']:>8}  {last_text}")
+    t = st.get("trainer")
+    if t:
+        line = f"trainer: {t.get('state')} step {t.get('step')}/{t.get('total_steps')}"
+        if t.get("waiting_for"):
+            line += f" (waiting for {t['waiting_for']})"
+        for key in ("reward_mean", "accuracy", "loss", "steps_per_s"):
+            if t.get(key) is not None:
+                line += f"  {key} {t[key]:.4g}"
+        out.append(line)
+    q = st.get("queue")
+    if q:
+        out.append(f"queue: {q.get('sequences')} sequences" + (f" of {q['capacity']}" if q.get("capacity") else ""))
+    return "\n".join(out)
+
+
+def reload(cfg: Config, args: argparse.Namespace) -> int:
+    try:
+        answer = control.request(cfg.control_socket, {"cmd": "reload"}, timeout=cfg.daemon.stop_timeout * 2 + 30)
+    except control.ControlError as exc:
+        _err(str(exc))
+        return exc.exit_code
+    if not answer.get("ok"):
+        _err(str(answer.get("error")))
+        return int(answer.get("code", EXIT_USAGE))
+    parts = [f"{k}: {', '.join(answer[k])}" for k in ("added", "removed", "changed") if answer.get(k)]
+    print("atroposd: reloaded" + ("; " + "; ".join(parts) if parts else " (no environment changed)"))
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------------------- logs
+
+
+def logs(cfg: Config, args: argparse.Namespace) -> int:
+    paths = Paths.of(cfg)
+    name = getattr(args, "name", None) or "daemon"
+    path = paths.log_file(name)
+    follow = bool(getattr(args, "follow", False))
+    if follow:
+        try:
+            if _ping(cfg) is None:
+                _err("no daemon is running for this config")
+                return EXIT_NOT_RUNNING
+        except control.ControlError as exc:
+            _err(str(exc))
+            return exc.exit_code
+    if not path.exists() and not follow:
+        known = sorted(p.name[:-4] for p in paths.logs_dir.glob("*.log")) if paths.logs_dir.is_dir() else []
+        _err(f"no log for {name!r} in {paths.logs_dir}" + (f" (known: {', '.join(known)})" if known else ""))
+        return EXIT_USAGE
+    from atroposd.process.logfiles import tail
+
+    lines = max(0, int(getattr(args, "lines", 50)))
+    if lines and path.exists():
+        text = tail(path, max_lines=lines, max_bytes=max(8192, lines * 400))
+        if text:
+            print(text, flush=True)
+    if not follow:
+        return EXIT_OK
+    return _follow(cfg, path)
+
+
+def _follow(cfg: Config, path: Path) -> int:
+    """Print what is appended to ``path``, across rotation, until the daemon is gone."""
+    fh = None
+    inode = None
+    pos = path.stat().st_size if path.exists() else 0
+    last_ping = time.monotonic()
+    try:
+        while True:
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                st = None
+            if st is not None and (fh is None or st.st_ino != inode or st.st_size < pos):
+                if fh is not None:
+                    _drain(fh)  # the rest of the rotated file
+                    fh.close()
+                    pos = 0
+                fh = open(path, "rb")
+                inode = st.st_ino
+                fh.seek(pos)
+            if fh is not None:
+                pos += _drain(fh)
+            if time.monotonic() - last_ping > 1.0:
+                last_ping = time.monotonic()
+                if _ping(cfg) is None:
+                    if fh is not None:
+                        _drain(fh)
+                    return EXIT_OK
+            time.sleep(FOLLOW_INTERVAL)
+    finally:
+        if fh is not None:
+            fh.close()
+
+
+def _drain(fh: Any) -> int:
+    data = fh.read()
+    if data:
+        sys.stdout.write(data.decode(errors="replace"))
+        sys.stdout.flush()
+    return len(data)

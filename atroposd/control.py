@@ -1,0 +1,217 @@
+"""The control socket: a Unix stream socket in ``runtime_dir`` speaking framed JSON.
+
+A frame is a 4-byte big-endian length followed by that many bytes of JSON (at most
+``MAX_FRAME``).  A connection carries one request ``{"cmd": ..., ...}`` and one answer
+``{"ok": bool, ...}``; reading a request has a deadline, so a silent client cannot pin a task.
+The socket is 0600 (0660 with ``socket_group``) and the daemon checks every peer's
+credentials (SO_PEERCRED): the daemon's user, root, or a member of ``socket_group``.
+
+The client side (``request``) is synchronous and imports nothing heavy: it is what ``atroposd
+status`` and friends run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+MAX_FRAME = 1 << 20
+READ_TIMEOUT = 10.0
+_LEN = struct.Struct(">I")
+
+Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+class ControlError(Exception):
+    """A control request could not be made; ``exit_code`` is the CLI's exit code (SPEC §2)."""
+
+    exit_code = 1
+
+
+class NotRunning(ControlError):
+    exit_code = 3
+
+
+class PermissionDenied(ControlError):
+    exit_code = 1
+
+
+class ProtocolError(ControlError):
+    exit_code = 1
+
+
+def encode(obj: dict[str, Any]) -> bytes:
+    body = orjson.dumps(obj)
+    if len(body) > MAX_FRAME:
+        raise ProtocolError(f"message of {len(body)} bytes exceeds the {MAX_FRAME}-byte limit")
+    return _LEN.pack(len(body)) + body
+
+
+def decode_length(header: bytes) -> int:
+    (length,) = _LEN.unpack(header)
+    if length > MAX_FRAME:
+        raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME}-byte limit")
+    return int(length)
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError(f"invalid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("a message must be a JSON object")
+    return obj
+
+
+# ----------------------------------------------------------------------------- server
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
+
+
+def _peer_groups(pid: int) -> set[int]:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Groups:"):
+                return {int(g) for g in line.split()[1:]}
+    except OSError:
+        pass
+    return set()
+
+
+def peer_allowed(pid: int, uid: int, gid: int, group_id: int | None) -> bool:
+    if uid in (0, os.getuid()):
+        return True
+    return group_id is not None and (gid == group_id or group_id in _peer_groups(pid))
+
+
+class ControlServer:
+    """Serves ``handler(request) -> answer`` on a Unix socket until cancelled."""
+
+    def __init__(self, path: Path, handler: Handler, *, socket_group: str = "") -> None:
+        self.path = path
+        self.handler = handler
+        self.group_id: int | None = None
+        if socket_group:
+            import grp
+
+            self.group_id = grp.getgrnam(socket_group).gr_gid
+
+    async def serve(self, *, task_status: Any = None) -> None:
+        import anyio
+
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()  # a dead daemon's socket (the pidfile lock says it is dead)
+        mode = 0o660 if self.group_id is not None else 0o600
+        listener = await anyio.create_unix_listener(self.path, mode=mode)
+        if self.group_id is not None:
+            os.chown(self.path, -1, self.group_id)
+        if task_status is not None:
+            task_status.started()
+        try:
+            async with listener:
+                await listener.serve(self._connection)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+    async def _connection(self, stream: Any) -> None:
+        import anyio
+        from anyio.abc import SocketAttribute
+        from anyio.streams.buffered import BufferedByteReceiveStream
+
+        from atroposd.logs import get_logger
+
+        log = get_logger("atroposd.control", component="daemon")
+        async with stream:
+            pid, uid, gid = peer_credentials(stream.extra(SocketAttribute.raw_socket))
+            if not peer_allowed(pid, uid, gid, self.group_id):
+                log.warning("control client refused", peer_pid=pid, peer_uid=uid)
+                await _send(stream, {"ok": False, "error": "permission denied", "errno": "EACCES"})
+                return
+            buffered = BufferedByteReceiveStream(stream)
+            try:
+                with anyio.fail_after(READ_TIMEOUT):
+                    length = decode_length(await buffered.receive_exactly(_LEN.size))
+                    request = decode_body(await buffered.receive_exactly(length))
+            except (TimeoutError, anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError) as exc:
+                log.debug("control client gave up", peer_pid=pid, error=type(exc).__name__)
+                return
+            except ProtocolError as exc:
+                await _send(stream, {"ok": False, "error": str(exc)})
+                return
+            try:
+                answer = await self.handler(request)
+            except Exception as exc:
+                log.exception("control request failed", cmd=request.get("cmd"))
+                answer = {"ok": False, "error": f"internal error: {exc}"}
+            await _send(stream, answer)
+
+
+async def _send(stream: Any, answer: dict[str, Any]) -> None:
+    import anyio
+
+    try:
+        await stream.send(encode(answer))
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+        pass
+
+
+# ----------------------------------------------------------------------------- client
+
+
+def request(path: Path, message: dict[str, Any], *, timeout: float = 30.0) -> dict[str, Any]:
+    """Send one request to the daemon at ``path`` and return its answer.
+
+    Raises NotRunning (nothing listens there), PermissionDenied (the file system or the daemon
+    refused us), ProtocolError (a broken answer) — each with a message for the user.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.settimeout(timeout)
+    try:
+        try:
+            sock.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise NotRunning(f"no daemon is running (no control socket at {path})") from None
+        except PermissionError:
+            raise PermissionDenied(f"permission denied on the control socket {path}") from None
+        except OSError as exc:
+            if exc.errno == errno.ENOTDIR:
+                raise NotRunning(f"no daemon is running (no control socket at {path})") from None
+            raise ControlError(f"cannot connect to {path}: {exc.strerror or exc}") from None
+        try:
+            sock.sendall(encode(message))
+            answer = decode_body(_recv_exactly(sock, decode_length(_recv_exactly(sock, _LEN.size))))
+        except TimeoutError:
+            raise ControlError(f"the daemon did not answer within {timeout:g}s") from None
+        except (ConnectionResetError, BrokenPipeError) as exc:
+            raise ControlError(f"the daemon closed the connection: {exc}") from None
+    finally:
+        sock.close()
+    if not answer.get("ok", False) and answer.get("errno") == "EACCES":
+        raise PermissionDenied(f"permission denied by the daemon on {path}")
+    return answer
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    chunks: list[bytes] = []
+    while n:
+        chunk = sock.recv(min(n, 1 << 16))
+        if not chunk:
+            raise ProtocolError("the daemon closed the connection mid-answer")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
