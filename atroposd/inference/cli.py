@@ -1,13 +1,88 @@
-"""`atroposd inference`: flags and entry point (imports nothing heavy at module level)."""
+"""`atroposd inference`: flags and entry point (imports nothing heavy at module level).
+
+With ``-c FILE`` the ``[inference]`` section is read, else the built-in defaults; flags
+override either. The weight-control socket defaults to ``{runtime_dir}/inference-<port>.sock``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add this child's flags to its sub-parser (`-c` is already there)."""
+    parser.add_argument("--host", help="address to bind (default [inference] host)")
+    parser.add_argument("--port", type=int, help="port to bind (default [inference] port)")
+    parser.add_argument("--model", help="builtin:tiny or a local Hugging Face model directory")
+    parser.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
+    parser.add_argument("--engine", choices=("torch", "vllm"), help="inference engine (default [inference] engine)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument("--device", help="auto | cpu | cuda:N | a GPU UUID")
+    parser.add_argument("--max-model-len", type=int, metavar="N", help="longest prompt + completion, in tokens")
+    parser.add_argument("--seed", type=int, help="sampling seed and builtin:tiny's initialisation (trainer.seed)")
+    parser.add_argument("--control-socket", metavar="PATH",
+                        help="Unix socket for the weight-control routes (default {runtime_dir}/inference-<port>.sock)")
+    parser.add_argument("--await-weights", action="store_true",
+                        help="start paused: /generate waits until the first /resume")
+    parser.add_argument("--threads", type=int, metavar="N", help="torch threads (default 1 on CPU)")
+    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+
+
+def config_from(args: argparse.Namespace) -> Any:
+    """The config (``-c``, else discovered, else defaults) with the flags applied; exits 2 if invalid.
+
+    Flags are applied to the validated config directly: a standalone server need not satisfy
+    the job-wide cross checks (distinct ports, trainer limits) the flags could trip.
+    """
+    from atroposd.cli import load_or_exit
+
+    cfg = load_or_exit(args)
+    inf = cfg.inference
+    for flag in ("host", "port", "model", "tokenizer", "engine", "dtype", "device", "max_model_len"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            setattr(inf, flag, value)
+    if args.seed is not None:
+        cfg.trainer.seed = args.seed
+    problems = []
+    if not 1 <= inf.port <= 65535:
+        problems.append(f"--port must be in 1..65535, got {inf.port}")
+    if inf.max_model_len < 8:
+        problems.append(f"--max-model-len must be ≥ 8, got {inf.max_model_len}")
+    if args.threads is not None and args.threads < 1:
+        problems.append(f"--threads must be ≥ 1, got {args.threads}")
+    if problems:
+        print("atroposd inference: " + "; ".join(problems), file=sys.stderr)
+        raise SystemExit(2)
+    return cfg
 
 
 def main(args: argparse.Namespace) -> int:
-    raise SystemExit("atroposd inference: not implemented yet")
+    import asyncio
+    from pathlib import Path
+
+    from atroposd.inference.server import PortInUse, ServerOptions, serve
+    from atroposd.logs import configure_logging, get_logger
+    from atroposd.models.resolve import ModelError
+    from atroposd.paths import Paths
+
+    cfg = config_from(args)
+    configure_logging(args.log_level or cfg.daemon.log_level, cfg.daemon.log_format, component="inference")
+    inf = cfg.inference
+    sock = Path(args.control_socket) if args.control_socket else Paths.of(cfg).inference_socket(inf.port)
+    if len(str(sock).encode()) > 107:
+        print(f"atroposd inference: control socket path {sock} is longer than 107 bytes", file=sys.stderr)
+        return 2
+    opts = ServerOptions(host=inf.host, port=inf.port, control_socket=sock, engine=inf.engine,
+                         await_weights=args.await_weights, threads=args.threads)
+    try:
+        return asyncio.run(serve(cfg, opts))
+    except ModelError as exc:
+        print(f"atroposd inference: {exc}", file=sys.stderr)
+        return 2
+    except PortInUse as exc:
+        get_logger("inference").error("cannot start", error=str(exc))
+        print(f"atroposd inference: {exc}", file=sys.stderr)
+        return 1

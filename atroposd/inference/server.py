@@ -1,0 +1,430 @@
+"""The inference server's HTTP front, shared by every engine.
+
+TCP (``host:port``): ``GET /health``, ``POST /generate`` (SPEC §7), ``POST /v1/completions``,
+``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /info``.
+
+Weight control, only on a Unix socket (0600; it carries shared-memory handles): ``POST
+/pause``, ``POST /resume``, ``POST /update_weights``, ``POST /load``, ``GET /weight_info``,
+``POST /probe_generate`` (one short generation that bypasses the pause; the daemon's
+readiness probe).
+
+The TCP port is bound before the model loads, so a port in use fails at once; ``/health``
+answers 503 until the engine is up. An engine is any object with the methods of
+:class:`Engine`; the OpenAI routes translate to ``/generate`` requests, so they work with
+every engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import signal
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import orjson
+from aiohttp import web
+
+from atroposd.inference import schema
+from atroposd.logs import get_logger
+
+__all__ = ["Engine", "ServerOptions", "build_control_app", "build_tcp_app", "make_engine", "serve"]
+
+log = get_logger("inference")
+
+MAX_REQUEST_BYTES = 64 * 1024 * 1024
+
+
+class Engine(Protocol):
+    """What the front needs of an engine (TorchEngine, VllmEngine)."""
+
+    name: str
+    weight_version: int
+
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+    async def check_health(self) -> None: ...
+    async def generate(self, request: Mapping[str, Any], *, bypass_pause: bool = False) -> dict[str, Any]: ...
+    async def pause(self) -> dict[str, Any]: ...
+    async def resume(self, weight_version: int | None = None) -> dict[str, Any]: ...
+    async def update_weights(self, request: Mapping[str, Any]) -> dict[str, Any]: ...
+    async def load_weights(self, request: Mapping[str, Any]) -> dict[str, Any]: ...
+    async def weight_info(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class ServerOptions:
+    host: str
+    port: int
+    control_socket: Path
+    engine: str = "torch"
+    await_weights: bool = False
+    threads: int | None = None
+
+
+@dataclass
+class _Front:
+    """State the routes share: the engine once it is up, the tokenizer, the /info body."""
+
+    model_name: str
+    max_model_len: int
+    engine: Any = None
+    tokenizer: Any = None
+    info: dict[str, Any] = field(default_factory=dict)
+    bad_request: tuple[type[Exception], ...] = (schema.BadRequest,)
+    update_error: tuple[type[Exception], ...] = ()
+    not_paused: tuple[type[Exception], ...] = ()
+
+
+def make_engine(cfg: Any, name: str, *, await_weights: bool, threads: int | None = None
+                ) -> tuple[Any, tuple[type[Exception], ...]]:
+    """(engine, the exception types it raises for a bad request). vLLM is imported only here."""
+    from atroposd.weights.receiver import ReceiverState
+
+    receiver = ReceiverState.from_config(cfg)
+    if name == "torch":
+        from atroposd.inference.torch_engine import TorchEngine
+
+        return (TorchEngine.from_config(cfg, receiver=receiver, await_weights=await_weights, threads=threads),
+                (schema.BadRequest,))
+    if name == "vllm":
+        from atroposd.inference.vllm_engine import BadRequest, VllmEngine
+
+        return (VllmEngine.from_config(cfg, receiver=receiver, await_weights=await_weights),
+                (schema.BadRequest, BadRequest))
+    raise ValueError(f"unknown engine {name!r} (known: torch, vllm)")
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _dumps(obj: Any) -> str:
+    return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS).decode()
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS), status=status,
+                        content_type="application/json")
+
+
+def _error(status: int, message: str, *, openai: bool = False) -> web.Response:
+    if openai:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return _json({"error": {"message": message, "type": kind, "code": status}}, status)
+    return _json({"error": message}, status)
+
+
+async def _read_json(request: web.Request, *, empty_ok: bool = False) -> Any:
+    raw = await request.read()
+    if not raw and empty_ok:
+        return {}
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise schema.BadRequest(f"invalid JSON body: {exc}") from None
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _route(front: _Front, fn: Callable[[web.Request], Awaitable[Any]], *, openai: bool = False,
+           needs_engine: bool = True) -> Handler:
+    """Wrap a route: engine readiness, JSON errors, the status of each refusal."""
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if needs_engine and front.engine is None:
+            return _error(503, "the engine is still loading", openai=openai)
+        try:
+            result = await fn(request)
+        except web.HTTPException:
+            raise
+        except front.bad_request as exc:
+            return _error(400, str(exc), openai=openai)
+        except front.not_paused as exc:
+            return _error(409, str(exc), openai=openai)
+        except front.update_error as exc:
+            return _error(400, str(exc), openai=openai)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # an engine failure: answer 500 with the reason and keep serving
+            log.exception("request failed", path=request.path)
+            return _error(500, f"{type(exc).__name__}: {exc}", openai=openai)
+        return result if isinstance(result, web.StreamResponse) else _json(result)
+
+    return handler
+
+
+# ---------------------------------------------------------------------------- TCP routes
+
+
+def build_tcp_app(front: _Front) -> web.Application:
+    app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+
+    async def health(_: web.Request) -> web.Response:
+        if front.engine is None:
+            return _error(503, "the engine is still loading")
+        try:
+            await front.engine.check_health()
+        except Exception as exc:  # the engine's own error types: report them, keep the front up
+            return _error(503, f"engine unhealthy: {exc}")
+        return _json({"status": "ok", "weight_version": front.engine.weight_version})
+
+    async def generate(request: web.Request) -> Any:
+        return await front.engine.generate(await _read_json(request))
+
+    async def completions(request: web.Request) -> Any:
+        return await _openai_completions(front, await _read_json(request))
+
+    async def chat(request: web.Request) -> Any:
+        return await _openai_chat(front, await _read_json(request))
+
+    async def models(_: web.Request) -> Any:
+        return {"object": "list", "data": [{"id": front.model_name, "object": "model", "owned_by": "atroposd",
+                                            "max_model_len": front.max_model_len}]}
+
+    async def info(_: web.Request) -> Any:
+        weights = await front.engine.weight_info()
+        return {**front.info, "weight_version": weights.get("weight_version"),
+                "awaiting_weights": bool(weights.get("awaiting_weights", False))}
+
+    app.router.add_get("/health", health)
+    app.router.add_post("/generate", _route(front, generate))
+    app.router.add_post("/v1/completions", _route(front, completions, openai=True))
+    app.router.add_post("/v1/chat/completions", _route(front, chat, openai=True))
+    app.router.add_get("/v1/models", _route(front, models, openai=True, needs_engine=False))
+    app.router.add_get("/info", _route(front, info))
+    return app
+
+
+_OPENAI_SAMPLING = ("n", "temperature", "top_p", "top_k", "stop", "seed", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "min_p", "min_tokens", "ignore_eos", "stop_token_ids",
+                    "skip_special_tokens", "include_stop_str_in_output")
+
+
+def _generate_body(front: _Front, body: Mapping[str, Any], ids: list[int], *, max_tokens: Any,
+                   logprobs: int) -> dict[str, Any]:
+    if body.get("stream"):
+        raise schema.BadRequest("stream = true is not supported; ask for the whole response")
+    out: dict[str, Any] = {"prompt": {"prompt_token_ids": ids}, "logprobs": logprobs}
+    out.update({k: body[k] for k in _OPENAI_SAMPLING if body.get(k) is not None})
+    if max_tokens is not None:
+        out["max_tokens"] = max_tokens
+    return out
+
+
+def _openai_prompts(front: _Front, prompt: Any) -> list[list[int]]:
+    """A completions ``prompt``: a string, token ids, or a list of either."""
+    tok = front.tokenizer
+    if isinstance(prompt, str):
+        return [tok.encode(prompt)]
+    if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+        return [list(prompt)]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return [ids for p in prompt for ids in _openai_prompts(front, p)]
+    raise schema.BadRequest("prompt must be a string, a list of token ids, or a list of those")
+
+
+async def _openai_completions(front: _Front, body: Any) -> dict[str, Any]:
+    if not isinstance(body, Mapping):
+        raise schema.BadRequest("request must be a JSON object")
+    if body.get("echo"):
+        raise schema.BadRequest("echo = true is not supported")
+    k = body.get("logprobs")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        raise schema.BadRequest(f"logprobs must be a non-negative integer or null, got {k!r}")
+    prompts = _openai_prompts(front, body.get("prompt"))
+    max_tokens = body.get("max_tokens", schema.DEFAULT_MAX_TOKENS)
+    gens = await asyncio.gather(*(front.engine.generate(_generate_body(front, body, ids, max_tokens=max_tokens,
+                                                                       logprobs=k or 0)) for ids in prompts))
+    out = schema.completion_response(front.model_name, gens[0], want_logprobs=k is not None, decode=_decoder(front))
+    for gen in gens[1:]:  # several prompts: their choices follow in order
+        more = schema.completion_response(front.model_name, gen, want_logprobs=k is not None, decode=_decoder(front))
+        for choice in more["choices"]:
+            choice["index"] = len(out["choices"])
+            out["choices"].append(choice)
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            out["usage"][key] += more["usage"][key]
+    return out
+
+
+async def _openai_chat(front: _Front, body: Any) -> dict[str, Any]:
+    if not isinstance(body, Mapping):
+        raise schema.BadRequest("request must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, Mapping) and isinstance(m.get("role"), str) for m in messages):
+        raise schema.BadRequest("messages must be a non-empty list of {role, content} objects")
+    try:
+        ids = front.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)
+    except Exception as exc:  # jinja and tokenizer errors: the client's messages did not fit the template
+        raise schema.BadRequest(f"cannot apply the chat template: {exc}") from None
+    ids = list(ids)
+    want = bool(body.get("logprobs"))
+    top = body.get("top_logprobs") or 0
+    if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+        raise schema.BadRequest(f"top_logprobs must be a non-negative integer, got {top!r}")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is None:
+        max_tokens = max(1, front.max_model_len - len(ids))
+    gen = await front.engine.generate(_generate_body(front, body, ids, max_tokens=max_tokens,
+                                                     logprobs=top if want else 0))
+    return schema.chat_response(front.model_name, gen, want_logprobs=want, decode=_decoder(front))
+
+
+def _decoder(front: _Front) -> Callable[[int], str]:
+    tok = front.tokenizer
+
+    def decode(tid: int) -> str:
+        return str(tok.decode([tid]))
+
+    return decode
+
+
+# ---------------------------------------------------------------------------- control routes
+
+
+def build_control_app(front: _Front) -> web.Application:
+    app = web.Application(client_max_size=1024 * 1024)
+
+    async def pause(_: web.Request) -> Any:
+        return await front.engine.pause()
+
+    async def resume(request: web.Request) -> Any:
+        body = await _read_json(request, empty_ok=True)
+        version = body.get("weight_version") if isinstance(body, Mapping) else None
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+            raise schema.BadRequest(f"weight_version must be a non-negative integer, got {version!r}")
+        return await front.engine.resume(version)
+
+    async def update(request: web.Request) -> Any:
+        return await front.engine.update_weights(await _read_json(request))
+
+    async def load(request: web.Request) -> Any:
+        return await front.engine.load_weights(await _read_json(request))
+
+    async def weight_info(_: web.Request) -> Any:
+        return await front.engine.weight_info()
+
+    async def probe(request: web.Request) -> Any:
+        body = await _read_json(request, empty_ok=True)
+        if not body:
+            first = front.info.get("tokenizer", {}).get("special_ids", {}).get("bos")
+            body = {"prompt": {"prompt_token_ids": [first if first is not None else 0]}, "max_tokens": 1}
+        return await front.engine.generate(body, bypass_pause=True)
+
+    app.router.add_post("/pause", _route(front, pause))
+    app.router.add_post("/resume", _route(front, resume))
+    app.router.add_post("/update_weights", _route(front, update))
+    app.router.add_post("/load", _route(front, load))
+    app.router.add_get("/weight_info", _route(front, weight_info))
+    app.router.add_post("/probe_generate", _route(front, probe))
+    return app
+
+
+# ---------------------------------------------------------------------------- serve
+
+
+class PortInUse(RuntimeError):
+    pass
+
+
+async def serve(cfg: Any, opts: ServerOptions, *, ready: Callable[[], None] | None = None) -> int:
+    """Run the server until SIGTERM/SIGINT; 0 on a requested stop."""
+    from atroposd.weights.receiver import WeightUpdateError
+
+    front = _Front(model_name=cfg.inference.model, max_model_len=cfg.inference.max_model_len,
+                   update_error=(WeightUpdateError,))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    tcp = web.AppRunner(build_tcp_app(front), access_log=None)
+    control = web.AppRunner(build_control_app(front), access_log=None)
+    sock = opts.control_socket
+    engine = None
+    try:
+        await tcp.setup()
+        try:
+            await web.TCPSite(tcp, opts.host, opts.port).start()
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUse(f"port {opts.port} on {opts.host} is already in use") from None
+            raise
+        await control.setup()
+        await _start_unix_site(control, sock)
+        log.info("listening; loading the engine", host=opts.host, port=opts.port, control_socket=str(sock),
+                 engine=opts.engine, await_weights=opts.await_weights)
+        engine, bad = await asyncio.to_thread(make_engine, cfg, opts.engine, await_weights=opts.await_weights,
+                                              threads=opts.threads)
+        front.bad_request = bad
+        from atroposd.inference.torch_engine import NotPaused
+
+        front.not_paused = (NotPaused,)
+        await _wait_or_stop(engine.start(), stop)
+        if stop.is_set():
+            return 0
+        front.tokenizer = getattr(engine, "tokenizer", None) or await asyncio.to_thread(_load_tokenizer, cfg)
+        front.info = _info(cfg, opts, front.tokenizer)
+        front.engine = engine
+        log.info("ready", model=cfg.inference.model, engine=opts.engine)
+        if ready is not None:
+            ready()
+        await stop.wait()
+        log.info("stopping")
+        return 0
+    finally:
+        front.engine = None
+        await control.cleanup()
+        await tcp.cleanup()
+        if engine is not None:
+            await engine.close()
+        with contextlib.suppress(FileNotFoundError):
+            sock.unlink()
+
+
+async def _wait_or_stop(work: Awaitable[Any], stop: asyncio.Event) -> None:
+    """Await ``work`` unless a stop request comes first (then cancel it)."""
+    task = asyncio.ensure_future(work)
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return
+    task.result()
+
+
+async def _start_unix_site(runner: web.AppRunner, path: Path) -> None:
+    """Serve on a Unix socket created 0600 (never world-accessible, not even briefly)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()  # noqa: ASYNC240 - a stale socket of a dead server (a live one holds the TCP port)
+    old = os.umask(0o177)
+    try:
+        await web.UnixSite(runner, str(path)).start()
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+
+
+def _load_tokenizer(cfg: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    from atroposd.models.resolve import resolve_tokenizer
+
+    return AutoTokenizer.from_pretrained(str(resolve_tokenizer(cfg)))
+
+
+def _info(cfg: Any, opts: ServerOptions, tokenizer: Any) -> dict[str, Any]:
+    from atroposd.models.resolve import fingerprint_of
+
+    return {"model": cfg.inference.model, "engine": opts.engine, "max_model_len": cfg.inference.max_model_len,
+            "tokenizer": fingerprint_of(tokenizer), "pid": os.getpid()}

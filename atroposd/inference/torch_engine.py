@@ -1,0 +1,579 @@
+"""The torch engine (``[inference] engine = "torch"``): any local Hugging Face causal LM, and
+``builtin:tiny``, on CPU or CUDA.
+
+* **Batching.** Requests wait in a queue; one scheduler task takes everything queued when the
+  model is free and decodes it as one batch (a request with ``n = 8`` is 8 rows), prompts
+  left-padded, with the model's KV cache. Requests arriving while a batch runs form the next
+  one, so concurrent environments share forward passes.
+* **Sampling.** Temperature, top-p, top-k, per-request seeds. The reported logprob of a sampled
+  token is ``log_softmax(logits / temperature)`` over the full vocabulary, untruncated by
+  top-p/top-k (SPEC §7) — exactly what the trainer recomputes. Greedy (temperature 0) reports
+  ``log_softmax(logits)``. ``prompt_logprobs`` are teacher-forced with the same scaling.
+* **Pause gate.** ``pause()`` admits nothing new and returns once every admitted request has
+  been answered; weight updates run only then (and never during a forward pass: a lock
+  orders compute). Every response carries the ``weight_version`` it was admitted under.
+* **Weights** arrive through :mod:`atroposd.weights.receiver` (attach/copy an export, load a
+  reload directory).
+
+Compute runs in a worker thread; on CPU torch uses one thread by default (the trainer shares
+the cores).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from atroposd.inference.schema import (
+    BadRequest,
+    Completion,
+    GenerateParams,
+    generate_response,
+    parse_generate,
+)
+from atroposd.logs import get_logger
+
+__all__ = ["BadRequest", "NotPaused", "TorchEngine"]
+
+log = get_logger("inference.torch")
+
+MAX_BATCH_ROWS = 256
+
+
+def _weight_update_error() -> type[ValueError]:
+    from atroposd.weights.receiver import WeightUpdateError
+
+    return WeightUpdateError
+
+
+class NotPaused(RuntimeError):
+    """A weight update arrived while generation was not paused (HTTP 409)."""
+
+
+@dataclass
+class _Job:
+    params: GenerateParams
+    future: asyncio.Future[dict[str, Any]]
+    version: int
+    rows: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rows = self.params.n
+
+
+class TorchEngine:
+    """A Hugging Face causal LM behind the inference-engine methods (see vllm_engine.VllmEngine)."""
+
+    name = "torch"
+
+    def __init__(self, *, model_dir: Path, tokenizer_dir: Path | None = None, dtype: str = "auto",
+                 device: str = "auto", max_model_len: int = 4096, seed: int = 0, receiver: Any = None,
+                 await_weights: bool = False, threads: int | None = None,
+                 max_batch_rows: int = MAX_BATCH_ROWS) -> None:
+        self.model_dir = Path(model_dir)
+        self.tokenizer_dir = Path(tokenizer_dir or model_dir)
+        self.dtype_name = dtype
+        self.device_name = device
+        self.max_model_len = max_model_len
+        self.seed = seed
+        self.receiver = receiver  # atroposd.weights.receiver.ReceiverState
+        self.threads = threads
+        self.max_batch_rows = max_batch_rows
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.vocab_size = 0
+        self.eos_ids: frozenset[int] = frozenset()
+        self.weight_version = 0
+        self.updates = 0
+        self.awaiting_weights = await_weights
+        self._paused = await_weights
+        self._resumed = asyncio.Event()
+        if not await_weights:
+            self._resumed.set()
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._queue: list[_Job] = []
+        self._wake = asyncio.Event()
+        self._compute = asyncio.Lock()  # one forward pass or weight update at a time
+        self._scheduler: asyncio.Task[None] | None = None
+        self._generator: Any = None
+        self.batches = 0
+        self.batched_rows = 0
+
+    @classmethod
+    def from_config(cls, cfg: Any, *, receiver: Any = None, await_weights: bool = False,
+                    threads: int | None = None) -> TorchEngine:
+        """An engine for ``cfg.inference`` (builtin:tiny is built on demand)."""
+        from atroposd.models.resolve import resolve_model, resolve_tokenizer
+        from atroposd.weights.receiver import ReceiverState
+
+        inf = cfg.inference
+        return cls(model_dir=resolve_model(cfg), tokenizer_dir=resolve_tokenizer(cfg), dtype=inf.dtype,
+                   device=inf.device, max_model_len=inf.max_model_len, seed=cfg.trainer.seed,
+                   receiver=receiver if receiver is not None else ReceiverState.from_config(cfg),
+                   await_weights=await_weights, threads=threads)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+        self._scheduler = asyncio.create_task(self._schedule(), name="torch-engine-scheduler")
+
+    def _load(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # a progress bar is noise in a daemon's log files
+        device = _resolve_device(self.device_name)
+        if device.type == "cpu":
+            torch.set_num_threads(self.threads or 1)
+        elif self.threads:
+            torch.set_num_threads(self.threads)
+        dtype = _resolve_dtype(self.dtype_name, device)
+        t0 = time.perf_counter()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
+        model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=dtype)
+        self.model = model.to(device).eval()
+        self.model.requires_grad_(False)
+        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        self.eos_ids = frozenset(_eos_ids(self.tokenizer, self.model))
+        self._generator = torch.Generator(device="cpu").manual_seed(self.seed)
+        log.info("model loaded", model=str(self.model_dir), device=str(device), dtype=str(dtype).removeprefix("torch."),
+                 parameters=sum(p.numel() for p in self.model.parameters()), seconds=round(time.perf_counter() - t0, 3),
+                 threads=torch.get_num_threads())
+
+    async def close(self) -> None:
+        task, self._scheduler = self._scheduler, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for job in self._queue:
+            if not job.future.done():
+                job.future.set_exception(RuntimeError("the inference server is shutting down"))
+        self._queue.clear()
+        async with self._compute:
+            if self.receiver is not None and self.model is not None:
+                await asyncio.to_thread(self.receiver.release, self.model)
+
+    async def check_health(self) -> None:
+        if self.model is None:
+            raise RuntimeError("model not loaded")
+        task = self._scheduler
+        if task is None or task.done():
+            raise RuntimeError("the batch scheduler is not running")
+
+    # ------------------------------------------------------------------ generation
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @contextlib.asynccontextmanager
+    async def _admitted(self, bypass: bool) -> AsyncIterator[int]:
+        if not bypass:
+            while self._paused:
+                await self._resumed.wait()
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            yield self.weight_version
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+    async def generate(self, request: Mapping[str, Any], *, bypass_pause: bool = False) -> dict[str, Any]:
+        """One Atropos ``/generate`` request → its response (SPEC §7)."""
+        params = parse_generate(request, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
+        async with self._admitted(bypass_pause) as version:
+            job = _Job(params, asyncio.get_running_loop().create_future(), version)
+            self._queue.append(job)
+            self._wake.set()
+            return await job.future
+
+    async def _schedule(self) -> None:
+        """Take everything queued, decode it as one batch, answer; repeat."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            # Let handlers that are already runnable enqueue too: they then join this batch.
+            await asyncio.sleep(0)
+            jobs = self._take_batch()
+            if not jobs:
+                continue
+            if self._queue:
+                self._wake.set()
+            async with self._compute:
+                try:
+                    results = await asyncio.to_thread(self._run_batch, jobs)
+                except Exception as exc:  # answer every request of the batch; the scheduler goes on
+                    log.exception("batch failed", requests=len(jobs))
+                    for job in jobs:
+                        if not job.future.done():
+                            job.future.set_exception(exc)
+                    continue
+            for job, result in zip(jobs, results, strict=True):
+                if not job.future.done():  # a client that went away cancelled its future
+                    job.future.set_result(result)
+
+    def _take_batch(self) -> list[_Job]:
+        jobs: list[_Job] = []
+        rows = 0
+        while self._queue:
+            job = self._queue[0]
+            if job.future.done():
+                self._queue.pop(0)
+                continue
+            if jobs and rows + job.rows > self.max_batch_rows:
+                break
+            jobs.append(self._queue.pop(0))
+            rows += job.rows
+        return jobs
+
+    def _run_batch(self, jobs: list[_Job]) -> list[dict[str, Any]]:
+        import torch
+
+        with torch.inference_mode():
+            completions, prompt_lps = decode_batch(self.model, [j.params for j in jobs], tokenizer=self.tokenizer,
+                                                   eos_ids=self.eos_ids, generator=self._generator)
+        self.batches += 1
+        self.batched_rows += sum(j.rows for j in jobs)
+        out = []
+        for job, comps, plp in zip(jobs, completions, prompt_lps, strict=True):
+            prompt_text = self.tokenizer.decode(job.params.prompt_ids)
+            out.append(generate_response(job.params, comps, weight_version=job.version, prompt_text=prompt_text,
+                                         prompt_logprobs=plp))
+        return out
+
+    # ------------------------------------------------------------------ weight control
+
+    async def pause(self) -> dict[str, Any]:
+        """Admit nothing new; return once every admitted generation has been answered."""
+        self._paused = True
+        self._resumed.clear()
+        await self._idle.wait()
+        return {"paused": True, "weight_version": self.weight_version}
+
+    async def resume(self, weight_version: int | None = None) -> dict[str, Any]:
+        if weight_version is not None:
+            self.weight_version = int(weight_version)
+        if self.awaiting_weights and not self.updates:
+            log.warning("resumed before any weights arrived; serving the weights loaded at start")
+        self.awaiting_weights = False
+        self._paused = False
+        self._resumed.set()
+        return {"paused": False, "weight_version": self.weight_version}
+
+    def _require_paused(self) -> None:
+        if not self._paused or self._inflight:
+            raise NotPaused("pause generation before updating weights (POST /pause)")
+
+    async def update_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """``{"manifest", "mode": "attach"|"copy", "weight_version"?}`` (shared / push mode)."""
+        from atroposd.weights.receiver import apply_update
+
+        if self.receiver is None:
+            raise _weight_update_error()("this server has no weight receiver")
+        self._require_paused()
+        async with self._compute:
+            t0 = time.perf_counter()
+            result = await asyncio.to_thread(apply_update, self.model, request, state=self.receiver)
+        self.updates += 1
+        return {**result, "seconds": round(time.perf_counter() - t0, 6)}
+
+    async def load_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """``{"path", "weight_version"}``: load a directory the trainer wrote (reload mode)."""
+        from atroposd.weights.receiver import load_dir
+
+        error = _weight_update_error()
+        if not isinstance(request, Mapping) or not isinstance(request.get("path"), str):
+            raise error("request is missing 'path'")
+        version = request.get("weight_version")
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+            raise error(f"'weight_version' must be an integer, got {version!r}")
+        self._require_paused()
+        async with self._compute:
+            result = await asyncio.to_thread(load_dir, self.model, request["path"], weight_version=version,
+                                             state=self.receiver)
+        self.updates += 1
+        return result
+
+    async def weight_info(self) -> dict[str, Any]:
+        return {"weight_version": self.weight_version, "paused": self._paused,
+                "attached": bool(self.receiver is not None and self.receiver.attached), "updates": self.updates,
+                "awaiting_weights": self.awaiting_weights, "engine": self.name, "pid": os.getpid()}
+
+    def stats(self) -> dict[str, Any]:
+        return {"batches": self.batches, "rows": self.batched_rows, "queued": len(self._queue),
+                "inflight": self._inflight}
+
+
+# ---------------------------------------------------------------------------- decoding
+
+
+@dataclass
+class _Row:
+    """One sequence being generated (row ``index`` of the batch) for request ``job``."""
+
+    job: int
+    params: GenerateParams
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish: str | None = None
+    text: str | None = None  # set when a stop string ended the row
+
+
+def decode_batch(model: Any, requests: list[GenerateParams], *, tokenizer: Any, eos_ids: frozenset[int],
+                 generator: Any) -> tuple[list[list[Completion]], list[list[dict[str, float] | None] | None]]:
+    """Generate every request's ``n`` completions in one batch with a KV cache.
+
+    The prompt of a request is run once and its cache fanned out to its ``n`` rows; rows that
+    finish leave the batch. Returns, per request, its completions and its prompt logprobs
+    (None when not asked).
+    """
+    import torch
+
+    device = model.get_input_embeddings().weight.device
+    rows = [_Row(j, p) for j, p in enumerate(requests) for _ in range(p.n)]
+    lengths = [len(p.prompt_ids) for p in requests]
+    width = max(lengths)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    # Left padding: every prompt's last token sits in the last column.
+    ids = torch.full((len(requests), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(requests), width), dtype=torch.long)
+    for j, p in enumerate(requests):
+        ids[j, width - lengths[j]:] = torch.tensor(p.prompt_ids)
+        mask[j, width - lengths[j]:] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [R, W]
+    want_prompt = any(p.prompt_logprobs is not None for p in requests)
+
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                logits_to_keep=0 if want_prompt else 1)
+    prompt_lps: list[list[dict[str, float] | None] | None] = (
+        _prompt_logprobs(out.logits, requests, width) if want_prompt else [None] * len(requests))
+    # Fan each request's prompt out to its n rows: [R, ...] → [B, ...].
+    fan = torch.tensor([r.job for r in rows], device=device)  # [B]
+    cache = out.past_key_values
+    if len(rows) != len(requests):
+        cache.reorder_cache(fan)
+    logits = out.logits[:, -1, :].float()[fan]  # [B, V]
+    mask = mask[fan]  # [B, W]
+    next_pos = positions[fan][:, -1:] + 1  # [B, 1]
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=device)  # [B]
+    sampler = _Sampler(rows, requests, temps, generator, device)
+    active = list(range(len(rows)))  # rows still in the cache, in cache order
+    full = logits
+    for _step in range(max(p.max_tokens for p in requests)):
+        tokens, lps = sampler.sample(full)  # [B], [B] (finished rows sample too; ignored)
+        alternatives = sampler.alternatives()
+        token_list, lp_list = tokens.tolist(), lps.tolist()
+        for i in active:
+            _advance(rows[i], token_list[i], lp_list[i], alternatives[i] if alternatives else None, eos_ids,
+                     tokenizer)
+        keep = [k for k, i in enumerate(active) if rows[i].finish is None]  # positions in the cache
+        if not keep:
+            break
+        # Shrinking the cache copies it: worth it only once a good share of the rows is done.
+        if len(active) - len(keep) >= max(1, len(active) // 4):
+            index = torch.tensor(keep, device=device)
+            cache.batch_select_indices(index)
+            mask, next_pos = mask[index], next_pos[index]
+            active = [active[k] for k in keep]
+        # Finished rows still in the cache decode padding; their results are final.
+        feed = torch.tensor([token_list[i] if rows[i].finish is None else pad for i in active], dtype=torch.long,
+                            device=device)[:, None]  # [A, 1]
+        mask = torch.cat([mask, torch.ones((len(active), 1), dtype=mask.dtype, device=device)], dim=1)
+        out = model(input_ids=feed, attention_mask=mask, position_ids=next_pos, past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        next_pos = next_pos + 1
+        full = torch.zeros_like(full)
+        full[torch.tensor(active, device=device)] = out.logits[:, -1, :].float()
+    return _collect(rows, requests, tokenizer), prompt_lps
+
+
+def _advance(r: _Row, token: int, lp: float, alts: list[tuple[int, float]] | None, eos_ids: frozenset[int],
+             tokenizer: Any) -> None:
+    p = r.params
+    r.tokens.append(token)
+    r.logprobs.append(lp)
+    if alts is not None:
+        r.top.append(alts)
+    if (token in eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        r.finish = "stop"
+    elif p.stop:
+        text = tokenizer.decode(r.tokens, skip_special_tokens=p.skip_special_tokens)
+        hit = min(((text.find(s), s) for s in p.stop if s in text), default=None)
+        if hit is not None:
+            cut = hit[0] + (len(hit[1]) if p.include_stop_str_in_output else 0)
+            r.text = text[:cut]
+            r.finish = "stop"
+    if r.finish is None and len(r.tokens) >= p.max_tokens:
+        r.finish = "length"
+
+
+def _collect(rows: list[_Row], requests: list[GenerateParams], tokenizer: Any) -> list[list[Completion]]:
+    texts = _decode_texts(tokenizer, rows)
+    out: list[list[Completion]] = [[] for _ in requests]
+    for r, decoded in zip(rows, texts, strict=True):
+        text = r.text if r.text is not None else decoded
+        out[r.job].append(Completion(token_ids=r.tokens, logprobs=r.logprobs, finish_reason=r.finish or "length",
+                                     text=text, top=r.top if r.params.logprobs else []))
+    return out
+
+
+def _decode_texts(tokenizer: Any, rows: list[_Row]) -> list[str]:
+    """Every row's text; one call into a fast tokenizer's backend per batch where possible."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    plain = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+    if backend is not None and plain:
+        texts: list[str] = [""] * len(rows)
+        for skip in (True, False):
+            idx = [i for i, r in enumerate(rows) if r.params.skip_special_tokens is skip]
+            if idx:
+                for i, t in zip(idx, backend.decode_batch([rows[i].tokens for i in idx], skip_special_tokens=skip),
+                                strict=True):
+                    texts[i] = t
+        return texts
+    return [tokenizer.decode(r.tokens, skip_special_tokens=r.params.skip_special_tokens) for r in rows]
+
+
+class _Sampler:
+    """Vectorised sampling over the batch; per-request generators for seeded requests."""
+
+    def __init__(self, rows: list[_Row], requests: list[GenerateParams], temps: Any, generator: Any,
+                 device: Any) -> None:
+        import torch
+
+        self.temps = temps
+        self.greedy = temps == 0  # [B]
+        self.any_greedy = bool(self.greedy.any())
+        self.scale = torch.where(self.greedy, torch.ones_like(temps), temps)[:, None]  # [B, 1]
+        self.top_p = torch.tensor([r.params.top_p for r in rows], device=device)[:, None]  # [B, 1]
+        self.top_k = [r.params.top_k for r in rows]
+        self.truncate = any(r.params.top_p < 1.0 for r in rows) or any(k > 0 for k in self.top_k)
+        self.want_alts = max((r.params.logprobs for r in rows), default=0)
+        self.generator = generator
+        self.device = device
+        # Rows of a seeded request draw their noise from that request's own generator.
+        self.seeded: list[tuple[int, int, Any]] = []
+        start = 0
+        for p in requests:
+            if p.seed is not None:
+                self.seeded.append((start, start + p.n, torch.Generator(device="cpu").manual_seed(p.seed)))
+            start += p.n
+        self.logp: Any = None
+
+    def sample(self, logits: Any) -> tuple[Any, Any]:
+        """logits [B, V] → (token ids [B], their log_softmax(logits / T) [B])."""
+        import torch
+
+        logp = torch.log_softmax(logits / self.scale, dim=-1)  # [B, V], untruncated
+        self.logp = logp
+        probs = logp.exp()
+        if self.truncate:
+            probs = self._truncate(probs)
+        # Exponential race: argmax(p / E), E ~ Exp(1), draws from p (one vectorised op per step).
+        noise = torch.empty(probs.shape, dtype=torch.float32).exponential_(generator=self.generator)
+        for lo, hi, gen in self.seeded:
+            noise[lo:hi].exponential_(generator=gen)
+        tokens = (probs / noise.to(probs.device).clamp_min(1e-30)).argmax(dim=-1)  # [B]
+        if self.any_greedy:
+            tokens = torch.where(self.greedy, logits.argmax(dim=-1), tokens)
+        return tokens, logp.gather(1, tokens[:, None])[:, 0]
+
+    def _truncate(self, probs: Any) -> Any:
+        import torch
+
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always).
+        before = sorted_p.cumsum(-1) - sorted_p
+        keep = before < self.top_p
+        ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+        k = torch.tensor([kk if kk > 0 else probs.shape[-1] for kk in self.top_k], device=probs.device)[:, None]
+        keep &= ranks < k
+        return torch.zeros_like(probs).scatter(1, order, sorted_p * keep)
+
+    def alternatives(self) -> list[list[tuple[int, float]]] | None:
+        """The top ``logprobs`` alternatives of the last sampled step, per row."""
+        if not self.want_alts:
+            return None
+        vals, idx = self.logp.topk(self.want_alts, dim=-1)
+        return [list(zip(i, v, strict=True)) for i, v in zip(idx.tolist(), vals.tolist(), strict=True)]
+
+
+def _prompt_logprobs(logits: Any, requests: list[GenerateParams],
+                     width: int) -> list[list[dict[str, float] | None] | None]:
+    """Teacher-forced logprobs of every prompt token: [None, {id: lp, ...}, ...] per request
+    (the actual token, then the top-k alternatives). ``logits``: [R, W, V], one row per request."""
+    import torch
+
+    out: list[list[dict[str, float] | None] | None] = []
+    for row, p in enumerate(requests):
+        if p.prompt_logprobs is None:
+            out.append(None)
+            continue
+        length = len(p.prompt_ids)
+        t = p.temperature if p.temperature > 0 else 1.0
+        # Column c predicts the token of column c + 1: the prompt's columns W-L .. W-2.
+        lp = torch.log_softmax(logits[row, width - length:width - 1].float() / t, dim=-1)  # [L-1, V]
+        actual = torch.tensor(p.prompt_ids[1:], device=lp.device)
+        chosen = lp.gather(1, actual[:, None])[:, 0].tolist()
+        top_vals: list[list[float]] = []
+        top_idx: list[list[int]] = []
+        if p.prompt_logprobs > 0:
+            vals, idx = lp.topk(min(p.prompt_logprobs, lp.shape[-1]), dim=-1)
+            top_vals, top_idx = vals.tolist(), idx.tolist()
+        entries: list[dict[str, float] | None] = [None]
+        for j, tok in enumerate(p.prompt_ids[1:]):
+            entry = {str(tok): chosen[j]}
+            if top_idx:
+                for a, b in zip(top_idx[j], top_vals[j], strict=True):
+                    entry.setdefault(str(a), b)
+            entries.append(entry)
+        out.append(entries)
+    return out
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _resolve_device(name: str) -> Any:
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("GPU-") or name.startswith("MIG-"):
+        # A GPU UUID: the daemon sets CUDA_VISIBLE_DEVICES to it, so it is device 0 here.
+        return torch.device("cuda:0")
+    return torch.device(name)
+
+
+def _resolve_dtype(name: str, device: Any) -> Any:
+    import torch
+
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return getattr(torch, name)
+
+
+def _eos_ids(tokenizer: Any, model: Any) -> set[int]:
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif isinstance(gen_eos, (list, tuple)):
+        ids.update(int(i) for i in gen_eos)
+    return ids
