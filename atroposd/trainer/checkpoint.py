@@ -188,13 +188,13 @@ def _write_model(path: Path, model: torch.nn.Module, lora: bool) -> None:
             log.warning("generation config not saved", error=str(exc))
 
 
-def load_checkpoint(path: Path, *, lora: bool) -> Restored:
+def load_checkpoint(path: Path) -> Restored:
     from safetensors.torch import load_file
 
     try:
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
-        weights_file = path / ("adapter_model.safetensors" if lora else WEIGHTS_FILE)
-        weights = load_file(str(weights_file))
+        lora = state.get("mode") == "lora"
+        weights = load_file(str(path / ("adapter_model.safetensors" if lora else WEIGHTS_FILE)))
     except (OSError, RuntimeError, ValueError) as exc:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
     if state.get("format") != FORMAT_VERSION:

@@ -89,7 +89,7 @@ def load_for_training(cfg: Config) -> Setup:
                   keep_checkpoints=t.keep_checkpoints)
     latest = latest_checkpoint(root) if t.resume else None
     if latest is not None:
-        restored = load_checkpoint(latest, lora=policy.lora)
+        restored = load_checkpoint(latest)
         _check_identity(restored, identity)
         restore_weights(policy.model, restored, lora=policy.lora)
         setup.restored = restored
