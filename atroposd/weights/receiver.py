@@ -70,6 +70,7 @@ __all__ = ["ReceiverState", "WeightUpdateError", "apply_update", "inspect_sync_d
 log = get_logger(__name__)
 
 SYNC_WEIGHTS_FILE = "model.safetensors"
+ADAPTER_DIR = "adapter"
 SYNC_FORMAT = "atroposd-sync-1"
 
 

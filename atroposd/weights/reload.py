@@ -1,7 +1,8 @@
 """``reload`` mode, trainer side: the weights written to ``{state_dir}/sync/v<version>/``.
 
 One ``model.safetensors`` per version (the model's canonical tensors, tied aliases listed in
-the metadata), written to a temporary directory and renamed when complete, files 0600. Only
+the metadata; for a LoRA model also ``adapter/`` in PEFT's layout), written to a temporary
+directory and renamed when complete, files 0600. Only
 the newest directory is kept once the server has loaded it; the directory is not a
 checkpoint and is not counted in ``keep_checkpoints``.
 """
@@ -11,12 +12,13 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import orjson
 import torch
 
 from atroposd.logs import get_logger
-from atroposd.weights.receiver import SYNC_FORMAT, SYNC_WEIGHTS_FILE
+from atroposd.weights.receiver import ADAPTER_DIR, SYNC_FORMAT, SYNC_WEIGHTS_FILE
 from atroposd.weights.tensors import lora_spec, model_tensors
 
 __all__ = ["prune_sync_dirs", "write_sync_dir"]
@@ -45,6 +47,12 @@ def write_sync_dir(model: torch.nn.Module, sync_dir: Path, weight_version: int) 
         file = tmp / SYNC_WEIGHTS_FILE
         save_file(tensors, str(file), metadata=meta)
         os.chmod(file, 0o600)
+        if lora is not None and hasattr(model, "save_pretrained"):
+            # The adapters alone, in PEFT's layout, for engines that serve LoRA adapters (vLLM).
+            peft_model: Any = model
+            peft_model.save_pretrained(str(tmp / ADAPTER_DIR))
+            for f in (tmp / ADAPTER_DIR).iterdir():
+                os.chmod(f, 0o600)
         fd = os.open(file, os.O_RDONLY)
         try:
             os.fsync(fd)

@@ -32,8 +32,8 @@ try:  # The POSIX shm_open/shm_unlink pair; CPython ships it on every POSIX plat
 except ImportError:  # pragma: no cover - non-POSIX
     _posixshmem = None
 
-__all__ = ["SEGMENT_PREFIX", "ShmError", "ShmSegment", "cleanup_stale", "list_segments", "read_into",
-           "segment_name"]
+__all__ = ["SEGMENT_PREFIX", "ShmError", "ShmSegment", "cleanup_stale", "list_segments", "mapped_segments",
+           "read_into", "segment_name"]
 
 log = get_logger(__name__)
 
@@ -281,13 +281,36 @@ def list_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
     return sorted(mine)
 
 
+def mapped_segments(prefix: str = SEGMENT_PREFIX) -> dict[str, set[int]]:
+    """Segment name → pids of this user's processes that map it (from ``/proc/*/maps``)."""
+    marker = f"{SHM_DIR}/{prefix}"
+    found: dict[str, set[int]] = {}
+    try:
+        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    except FileNotFoundError:  # pragma: no cover - no procfs
+        return found
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    at = line.find(marker)
+                    if at >= 0:
+                        name = line[at + len(str(SHM_DIR)) + 1:].split()[0]
+                        found.setdefault(name, set()).add(pid)
+        except OSError:  # gone, or another user's
+            continue
+    return found
+
+
 def cleanup_stale(runtime_dir: Path, is_alive: Callable[[str], bool]) -> list[str]:
     """Remove segments and manifests of launches that are no longer alive.
 
     ``is_alive(nonce)`` says whether the launch with that nonce still runs (the daemon knows
     its own nonce and the recorded pid + start time of earlier ones). Segments are found by
     their ``atroposd-<nonce>-<n>`` names, manifests as ``{runtime_dir}/weights/manifest-<nonce>.json``
-    (plus their temporary files). Returns what was removed.
+    (plus their temporary files). A segment that a live process still maps is kept whatever
+    ``is_alive`` says (a second instance on this machine has its own records). Returns what was
+    removed.
     """
     from atroposd.weights.manifest import NONCE_RE
 
@@ -299,9 +322,16 @@ def cleanup_stale(runtime_dir: Path, is_alive: Callable[[str], bool]) -> list[st
             verdict[nonce] = is_alive(nonce)
         return verdict[nonce]
 
+    in_use = mapped_segments()
     for name in list_segments():
         nonce = name[len(SEGMENT_PREFIX):].rsplit("-", 1)[0]
         if not NONCE_RE.match(nonce) or alive(nonce):
+            continue
+        if name in in_use:
+            # A live process still maps it (another instance, or a child not yet reaped):
+            # its owner is not dead, whatever the records say.
+            log.warning("shm segment of an unknown launch is still mapped; kept", segment=name,
+                        pids=sorted(in_use[name]))
             continue
         try:
             _shm_unlink(name)

@@ -292,6 +292,9 @@ def test_cleanup_stale_removes_only_dead_launches(dirs: dict[str, Path]) -> None
     segs = [ShmSegment.create(segment_name(n, i), 4096) for n in (dead, live) for i in range(2)]
     for s in segs:
         s.close()
+    # Unknown to the records but mapped by a live process (this one): not dead, kept.
+    mapped = ShmSegment.create(segment_name("deadbeef02", 0), 4096)
+    segs.append(mapped)
     for n in (dead, live):
         manifest_path(dirs["weights"], n).write_text("{}")
     (dirs["weights"] / f".manifest-{dead}.json.1.2.tmp").write_text("")
@@ -302,7 +305,11 @@ def test_cleanup_stale_removes_only_dead_launches(dirs: dict[str, Path]) -> None
         assert list_segments(f"atroposd-{dead}-") == []
         assert len(list_segments(f"atroposd-{live}-")) == 2
         assert manifest_path(dirs["weights"], live).exists()
+        assert list_segments("atroposd-deadbeef02-") == [mapped.name]
+        mapped.close()
+        assert cleanup_stale(dirs["runtime"], lambda n: n == live) == [f"/dev/shm/{mapped.name}"]
     finally:
+        mapped.close()
         for s in segs:
             if os.path.exists(f"/dev/shm/{s.name}"):
                 s.unlink()
