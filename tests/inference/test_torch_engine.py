@@ -1,0 +1,218 @@
+"""The torch engine in this process: sampling, logprobs, batching, stops, the pause gate."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from atroposd.inference.schema import BadRequest
+from atroposd.inference.torch_engine import NotPaused, TorchEngine
+from atroposd.models.tiny import BOS_ID, EOS_ID
+from tests.inference.conftest import MAX_MODEL_LEN
+
+pytestmark = pytest.mark.anyio
+
+PROMPT = [BOS_ID, 5, 14, 7, 17]  # "[BOS]1+3="
+
+
+@pytest.fixture
+async def engine(tiny_dir: Path) -> AsyncIterator[TorchEngine]:
+    eng = TorchEngine(model_dir=tiny_dir, max_model_len=MAX_MODEL_LEN, seed=0)
+    await eng.start()
+    try:
+        yield eng
+    finally:
+        await eng.close()
+
+
+def req(prompt: list[int] = PROMPT, **kw: Any) -> dict[str, Any]:
+    return {"prompt": {"prompt_token_ids": prompt}, "logprobs": 0, **kw}
+
+
+def sampled(resp: dict[str, Any], i: int = 0) -> tuple[list[int], list[float]]:
+    """(token ids, logprobs) of completion i, read the way atroposlib reads them (from the dict keys)."""
+    ids = [int(next(iter(item[0]))) for item in resp["logprobs"][i]]
+    lps = [float(next(iter(item[0].values()))) for item in resp["logprobs"][i]]
+    return ids, lps
+
+
+def reference_logprobs(model: Any, tokens: list[int], start: int, temperature: float) -> list[float]:
+    """log_softmax(logits / T) of tokens[start:], teacher-forced in one plain forward pass."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
+    lp = torch.log_softmax(logits / temperature, dim=-1)
+    return [float(lp[i - 1, tokens[i]]) for i in range(start, len(tokens))]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+async def test_sampled_logprobs_match_teacher_forcing(engine: TorchEngine, temperature: float) -> None:
+    resp = await engine.generate(req(n=6, max_tokens=8, temperature=temperature, ignore_eos=True))
+    assert len(resp["logprobs"]) == 6 and resp["weight_version"] == 0
+    for i in range(6):
+        ids, lps = sampled(resp, i)
+        assert ids == resp["token_ids"][i] and len(ids) == 8
+        full = PROMPT + ids
+        ref = reference_logprobs(engine.model, full, len(PROMPT), temperature)
+        assert max(abs(a - b) for a, b in zip(lps, ref, strict=True)) < 2e-3
+        # The server's own teacher-forced prompt_logprobs of the same sequence agree too.
+        echo = await engine.generate(req(full, max_tokens=1, temperature=temperature, prompt_logprobs=0))
+        pl = echo["prompt_logprobs"]
+        assert pl[0] is None and len(pl) == len(full)
+        forced = [pl[j][str(full[j])] for j in range(len(PROMPT), len(full))]
+        assert max(abs(a - b) for a, b in zip(lps, forced, strict=True)) < 2e-3
+
+
+async def test_top_p_truncates_sampling_but_not_logprobs(engine: TorchEngine) -> None:
+    greedy = await engine.generate(req(max_tokens=6, temperature=0.0, ignore_eos=True))
+    nucleus = await engine.generate(req(n=3, max_tokens=6, temperature=1.0, top_p=1e-6, ignore_eos=True))
+    for i in range(3):
+        ids, lps = sampled(nucleus, i)
+        assert ids == greedy["token_ids"][0]  # only the most likely token survives top_p → 0
+        ref = reference_logprobs(engine.model, PROMPT + ids, len(PROMPT), 1.0)
+        assert max(abs(a - b) for a, b in zip(lps, ref, strict=True)) < 2e-3
+        assert all(lp < -0.05 for lp in lps)  # untruncated: not renormalised to log 1 = 0
+    _, glps = sampled(greedy)
+    ref = reference_logprobs(engine.model, PROMPT + greedy["token_ids"][0], len(PROMPT), 1.0)
+    assert max(abs(a - b) for a, b in zip(glps, ref, strict=True)) < 2e-3
+
+
+async def test_seeds_reproduce_and_n_rows_differ(engine: TorchEngine) -> None:
+    a = await engine.generate(req(n=8, max_tokens=6, seed=123, ignore_eos=True))
+    b = await engine.generate(req(n=8, max_tokens=6, seed=123, ignore_eos=True))
+    c = await engine.generate(req(n=8, max_tokens=6, seed=124, ignore_eos=True))
+    assert a["token_ids"] == b["token_ids"]
+    assert a["token_ids"] != c["token_ids"]
+    assert len({tuple(t) for t in a["token_ids"]}) > 1  # the n rows are separate samples
+    assert len(a["text"]) == len(a["finish_reasons"]) == 8
+
+
+async def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(engine: TorchEngine) -> None:
+    prompts = [[BOS_ID, *range(4, 4 + k)] for k in range(1, 17)]  # 16 different prompt lengths
+    alone = [await engine.generate(req(p, n=2, max_tokens=5, seed=k, ignore_eos=True))
+             for k, p in enumerate(prompts)]
+    batches_before = engine.batches
+    together = await asyncio.gather(*(engine.generate(req(p, n=2, max_tokens=5, seed=k, ignore_eos=True))
+                                      for k, p in enumerate(prompts)))
+    used = engine.batches - batches_before
+    assert used <= 2, f"16 simultaneous requests took {used} batches"
+    for one, many, p in zip(alone, together, prompts, strict=True):
+        assert many["prompt_token_ids"] == p
+        assert many["token_ids"] == one["token_ids"]  # left padding does not change the result
+        for i in range(2):
+            _, l1 = sampled(one, i)
+            _, l2 = sampled(many, i)
+            assert max(abs(a - b) for a, b in zip(l1, l2, strict=True)) < 1e-4
+
+
+async def test_stop_strings_stop_token_ids_eos_and_length(engine: TorchEngine) -> None:
+    tok = engine.tokenizer
+
+    def gen(**kw: Any) -> Any:  # seeded sampling: the same tokens up to wherever a stop cuts
+        return engine.generate(req(max_tokens=8, seed=seed, ignore_eos=kw.pop("ignore_eos", True), **kw))
+
+    for seed in range(50):  # a sample with a character that first appears after the start
+        base = await gen()
+        ids, text = base["token_ids"][0], base["text"][0]
+        chars = [tok.decode([t]) for t in ids]
+        k = next((i for i in range(1, 8) if chars[i] and chars[i] not in "".join(chars[:i])), None)
+        if k is not None:
+            break
+    assert k is not None
+    assert base["finish_reasons"] == ["length"] and len(ids) == 8
+    assert text == tok.decode(ids, skip_special_tokens=True)
+    stopped = await gen(stop=[chars[k]])
+    assert stopped["finish_reasons"] == ["stop"]
+    assert stopped["token_ids"][0] == ids[:k + 1]  # the token that completed the stop string is kept
+    assert stopped["text"][0] == "".join(chars[:k])  # the stop string itself is not in the text
+    kept = await gen(stop=chars[k], include_stop_str_in_output=True)
+    assert kept["text"][0] == "".join(chars[:k + 1])
+    by_id = await gen(stop_token_ids=[ids[k]])
+    assert by_id["finish_reasons"] == ["stop"] and by_id["token_ids"][0] == ids[:k + 1]
+    assert engine.eos_ids == {EOS_ID}
+    engine.eos_ids = frozenset({ids[k]})  # make that token the end of sequence
+    eos = await gen(ignore_eos=False)
+    assert eos["finish_reasons"] == ["stop"] and eos["token_ids"][0] == ids[:k + 1]
+    assert len(eos["logprobs"][0]) == k + 1  # a sampled EOS is the last token, with its logprob
+    ignored = await gen()
+    assert ignored["token_ids"][0] == ids and ignored["finish_reasons"] == ["length"]
+
+
+async def test_prompt_logprobs_with_alternatives(engine: TorchEngine) -> None:
+    resp = await engine.generate(req(max_tokens=1, temperature=0.0, prompt_logprobs=3))
+    pl = resp["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == len(PROMPT)
+    ref = reference_logprobs(engine.model, PROMPT, 1, 1.0)
+    for j in range(1, len(PROMPT)):
+        entry = pl[j]
+        assert str(PROMPT[j]) in entry and 3 <= len(entry) <= 4
+        assert abs(entry[str(PROMPT[j])] - ref[j - 1]) < 2e-3
+    alts = await engine.generate(req(max_tokens=2, logprobs=2, ignore_eos=True))
+    for item in alts["logprobs"][0]:
+        assert len(item) == 3 and all(len(d) == 1 for d in item)  # sampled first, then the top 2
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": "1+1="}, "prompt must be"),
+    (req([]), "prompt must be"),
+    (req([1, 99]), "outside the vocabulary"),
+    (req(max_tokens=0), "max_tokens"),
+    (req(max_tokens=MAX_MODEL_LEN), "exceeds max_model_len"),
+    (req(n=0), "n must be"),
+    (req(temperature=-1), "temperature"),
+    (req(top_p=0), "top_p"),
+    (req(stop=[3]), "stop must be"),
+    (req(seed="x"), "seed must be"),
+    (req(frequency_penalty=0.5), "not supported"),
+    (req(bogus=1), "unknown field"),
+    ([1, 2], "JSON object"),
+])
+async def test_bad_requests_are_refused(engine: TorchEngine, body: Any, message: str) -> None:
+    with pytest.raises(BadRequest, match=message):
+        await engine.generate(body)
+
+
+async def test_pause_waits_for_inflight_and_holds_new_requests(engine: TorchEngine) -> None:
+    long = asyncio.ensure_future(engine.generate(req(n=32, max_tokens=100, ignore_eos=True)))
+    while engine.stats()["inflight"] == 0:
+        await asyncio.sleep(0)
+    paused = await engine.pause()
+    assert long.done(), "pause returned before the in-flight generation finished"
+    assert paused == {"paused": True, "weight_version": 0}
+    held = asyncio.ensure_future(engine.generate(req(max_tokens=2)))
+    probe = await engine.generate(req(max_tokens=1), bypass_pause=True)  # the readiness probe passes
+    assert probe["weight_version"] == 0
+    assert not held.done()
+    with pytest.raises(NotPaused):
+        engine._inflight += 1  # an admitted request: updates must wait for it
+        try:
+            await engine.load_weights({"path": "/nowhere", "weight_version": 1})
+        finally:
+            engine._inflight -= 1
+    await engine.resume(7)
+    resp = await asyncio.wait_for(held, 30)
+    assert resp["weight_version"] == 7
+    with pytest.raises(NotPaused):
+        await engine.load_weights({"path": "/nowhere", "weight_version": 8})
+    assert (await engine.weight_info())["weight_version"] == 7
+
+
+async def test_await_weights_starts_paused(tiny_dir: Path) -> None:
+    eng = TorchEngine(model_dir=tiny_dir, max_model_len=MAX_MODEL_LEN, await_weights=True)
+    await eng.start()
+    try:
+        await eng.check_health()
+        info = await eng.weight_info()
+        assert info["paused"] and info["awaiting_weights"]
+        held = asyncio.ensure_future(eng.generate(req(max_tokens=1)))
+        await eng.generate(req(max_tokens=1), bypass_pause=True)
+        assert not held.done()
+        await eng.resume(3)
+        assert (await asyncio.wait_for(held, 30))["weight_version"] == 3
+        assert not (await eng.weight_info())["awaiting_weights"]
+    finally:
+        await eng.close()
