@@ -112,10 +112,12 @@ async def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(engi
 async def test_stop_strings_stop_token_ids_eos_and_length(engine: TorchEngine) -> None:
     tok = engine.tokenizer
 
+    seed = 0
+
     def gen(**kw: Any) -> Any:  # seeded sampling: the same tokens up to wherever a stop cuts
         return engine.generate(req(max_tokens=8, seed=seed, ignore_eos=kw.pop("ignore_eos", True), **kw))
 
-    for seed in range(50):  # a sample with a character that first appears after the start
+    for seed in range(50):  # noqa: B007 - gen() reads it: a sample with a character first seen after the start
         base = await gen()
         ids, text = base["token_ids"][0], base["text"][0]
         chars = [tok.decode([t]) for t in ids]
@@ -178,7 +180,7 @@ async def test_bad_requests_are_refused(engine: TorchEngine, body: Any, message:
 
 async def test_pause_waits_for_inflight_and_holds_new_requests(engine: TorchEngine) -> None:
     long = asyncio.ensure_future(engine.generate(req(n=32, max_tokens=100, ignore_eos=True)))
-    while engine.stats()["inflight"] == 0:
+    while engine.stats()["inflight"] == 0:  # noqa: ASYNC110 - the engine exposes no event for admission
         await asyncio.sleep(0)
     paused = await engine.pause()
     assert long.done(), "pause returned before the in-flight generation finished"
