@@ -185,24 +185,26 @@ def _rows_of_group(group: Mapping[str, Any], *, std_floor: float, max_token_len:
 
 
 def _pad(rows: Sequence[SequenceRow]) -> MicroBatch:
-    b, t = len(rows), max(len(r.input_ids) for r in rows)
-    input_ids = torch.zeros(b, t, dtype=torch.long)
-    labels = torch.zeros(b, t, dtype=torch.long)
-    mask = torch.zeros(b, t, dtype=torch.bool)
-    old = torch.full((b, t), math.nan, dtype=torch.float32)
-    adv = torch.zeros(b, t, dtype=torch.float32)
-    temp = torch.tensor([r.temperature for r in rows], dtype=torch.float32)
+    # Padded Python lists, then one tensor per field: far cheaper than per-row tensor writes.
+    t = max(len(r.input_ids) for r in rows)
+
+    def padded(values: Sequence[Any], fill: Any) -> list[Any]:
+        return list(values) + [fill] * (t - len(values))
+
+    input_ids = torch.tensor([padded(r.input_ids, 0) for r in rows], dtype=torch.long)  # [B, T]
+    labels = torch.tensor([padded(r.labels, 0) for r in rows], dtype=torch.long)  # [B, T]
+    mask = torch.tensor([padded(r.mask, False) for r in rows], dtype=torch.bool)  # [B, T]
+    old = torch.tensor([padded(r.old_logp, math.nan) for r in rows], dtype=torch.float32)  # [B, T]
+    adv = torch.tensor([padded(r.advantages, 0.0) for r in rows], dtype=torch.float32)  # [B, T]
+    temp = torch.tensor([r.temperature for r in rows], dtype=torch.float32)  # [B]
     k = max((len(e) for r in rows if r.distill_ids for e in r.distill_ids), default=0)
-    d_ids = torch.full((b, t, k), -1, dtype=torch.long) if k else None
-    d_lp = torch.full((b, t, k), -1e9, dtype=torch.float32) if k else None
-    for i, r in enumerate(rows):
-        n = len(r.input_ids)
-        input_ids[i, :n] = torch.tensor(r.input_ids)
-        labels[i, :n] = torch.tensor(r.labels)
-        mask[i, :n] = torch.tensor(r.mask)
-        old[i, :n] = torch.tensor(r.old_logp)
-        adv[i, :n] = torch.tensor(r.advantages)
-        if d_ids is not None and d_lp is not None and r.distill_ids and r.distill_lp:
+    d_ids = d_lp = None
+    if k:
+        d_ids = torch.full((len(rows), t, k), -1, dtype=torch.long)  # [B, T, K]
+        d_lp = torch.full((len(rows), t, k), -1e9, dtype=torch.float32)  # [B, T, K]
+        for i, r in enumerate(rows):
+            if not (r.distill_ids and r.distill_lp):
+                continue
             for pos, (ids, lps) in enumerate(zip(r.distill_ids, r.distill_lp, strict=False)):
                 if ids and r.mask[pos]:
                     d_ids[i, pos, :len(ids)] = torch.tensor(ids)

@@ -13,7 +13,12 @@ import orjson
 import pytest
 import torch
 
-from atroposd.trainer.checkpoint import CheckpointError, complete_checkpoints, latest_checkpoint, save_checkpoint
+from atroposd.trainer.checkpoint import (
+    CheckpointError,
+    complete_checkpoints,
+    latest_checkpoint,
+    save_checkpoint,
+)
 from atroposd.trainer.loop import Progress
 from atroposd.trainer.setup import ResumeError, build_learner, load_for_training
 from tests.support import REPO, wait_for
@@ -118,7 +123,7 @@ def test_unwritable_checkpoint_directory_is_a_clear_error(tiny_dir: Path, state_
     root.mkdir()
     root.chmod(0o500)
     try:
-        with pytest.raises(CheckpointError, match="not writable|cannot write"):
+        with pytest.raises(CheckpointError, match=r"not writable|cannot write"):
             save_checkpoint(root, 1, model=torch.nn.Linear(2, 2), tokenizer=None, lora=False, state={}, keep=2)
     finally:
         root.chmod(0o700)
