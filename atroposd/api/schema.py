@@ -92,30 +92,55 @@ def _row_array(row: Any, name: str, i: int) -> np.ndarray:
     return a
 
 
+def _rectangular(rows: list[Any], name: str) -> np.ndarray | None:
+    """All rows at once when they are lists of one length (the common case): one numpy call
+    instead of one per row. None when ragged or not plain lists."""
+    if not rows or not all(type(r) is list for r in rows) or len({len(r) for r in rows}) != 1 or not rows[0]:
+        return None
+    try:
+        a = np.array(rows)
+    except (ValueError, TypeError):
+        return None
+    return a if a.ndim == 2 else None
+
+
+def _check_int(a: np.ndarray, name: str, i: int | None) -> np.ndarray:
+    kind = a.dtype.kind
+    where = name if i is None else f"{name}[{i}]"
+    if a.size == 0 or kind in "ib":
+        return a
+    if kind == "u":  # beyond int64
+        raise InvalidRequest(f"{where}: integer out of range")
+    if kind == "f" and bool(np.all(np.isfinite(a))) and bool(np.all(a == np.trunc(a))):
+        return a
+    raise InvalidRequest(f"{where} must hold integers")
+
+
+def _check_float(a: np.ndarray, name: str, i: int | None) -> np.ndarray:
+    if a.size and a.dtype.kind not in "iubf":
+        raise InvalidRequest(f"{name if i is None else f'{name}[{i}]'} must hold numbers")
+    return a
+
+
 def _int_rows(rows: Any, name: str) -> Ragged:
-    parts = []
-    for i, row in enumerate(_require_list(rows, name)):
-        a = _row_array(row, name, i)
-        kind = a.dtype.kind
-        if a.size == 0 or kind in "iub":
-            pass
-        elif kind == "f":
-            if not bool(np.all(np.isfinite(a))) or not bool(np.all(a == np.trunc(a))):
-                raise InvalidRequest(f"{name}[{i}] must hold integers")
-        else:
-            raise InvalidRequest(f"{name}[{i}] must hold integers")
-        parts.append(a)
-    return _flatten(parts, integer=True)
+    rows = _require_list(rows, name)
+    block = _rectangular(rows, name)
+    if block is not None:
+        return _from_block(_check_int(block, name, None), integer=True)
+    return _flatten([_check_int(_row_array(row, name, i), name, i) for i, row in enumerate(rows)], integer=True)
 
 
 def _float_rows(rows: Any, name: str) -> Ragged:
-    parts = []
-    for i, row in enumerate(_require_list(rows, name)):
-        a = _row_array(row, name, i)
-        if a.size and a.dtype.kind not in "iubf":
-            raise InvalidRequest(f"{name}[{i}] must hold numbers")
-        parts.append(a)
-    return _flatten(parts, integer=False)
+    rows = _require_list(rows, name)
+    block = _rectangular(rows, name)
+    if block is not None:
+        return _from_block(_check_float(block, name, None), integer=False)
+    return _flatten([_check_float(_row_array(row, name, i), name, i) for i, row in enumerate(rows)], integer=False)
+
+
+def _from_block(block: np.ndarray, *, integer: bool) -> Ragged:
+    n, width = block.shape
+    return _narrow(block.reshape(-1), list(range(0, n * width + 1, width)), integer=integer)
 
 
 def _flatten(parts: list[np.ndarray], *, integer: bool) -> Ragged:
@@ -124,14 +149,17 @@ def _flatten(parts: list[np.ndarray], *, integer: bool) -> Ragged:
         bounds.append(bounds[-1] + int(a.size))
     if not parts:
         return Ragged(np.empty(0, dtype=np.int32 if integer else np.float64), bounds)
+    return _narrow(np.concatenate(parts), bounds, integer=integer)
+
+
+def _narrow(flat: np.ndarray, bounds: list[int], *, integer: bool) -> Ragged:
+    """float64 for numbers; int32 for integers when they fit (token ids do), else int64."""
     if not integer:
-        return Ragged(np.concatenate(parts).astype(np.float64, copy=False), bounds)
-    try:
-        flat = np.concatenate(parts).astype(np.int64, copy=False)
-    except OverflowError:
-        raise InvalidRequest("integer out of range") from None
+        return Ragged(flat.astype(np.float64, copy=False), bounds)
     if flat.size and (int(flat.min()) < _I32.min or int(flat.max()) > _I32.max):
-        return Ragged(flat, bounds)
+        if flat.dtype.kind == "u" or int(flat.max()) > np.iinfo(np.int64).max:
+            raise InvalidRequest("integer out of range")
+        return Ragged(flat.astype(np.int64), bounds)
     return Ragged(flat.astype(np.int32), bounds)
 
 
