@@ -125,17 +125,26 @@ def _check_float(a: np.ndarray, name: str, i: int | None) -> np.ndarray:
 def _int_rows(rows: Any, name: str) -> Ragged:
     rows = _require_list(rows, name)
     block = _rectangular(rows, name)
-    if block is not None:
-        return _from_block(_check_int(block, name, None), integer=True)
+    if block is not None and _fine(_check_int, block, name):
+        return _from_block(block, integer=True)
+    # ragged, or invalid: row by row, so that an error names the row
     return _flatten([_check_int(_row_array(row, name, i), name, i) for i, row in enumerate(rows)], integer=True)
 
 
 def _float_rows(rows: Any, name: str) -> Ragged:
     rows = _require_list(rows, name)
     block = _rectangular(rows, name)
-    if block is not None:
-        return _from_block(_check_float(block, name, None), integer=False)
+    if block is not None and _fine(_check_float, block, name):
+        return _from_block(block, integer=False)
     return _flatten([_check_float(_row_array(row, name, i), name, i) for i, row in enumerate(rows)], integer=False)
+
+
+def _fine(check: Any, block: np.ndarray, name: str) -> bool:
+    try:
+        check(block, name, None)
+    except InvalidRequest:
+        return False
+    return True
 
 
 def _from_block(block: np.ndarray, *, integer: bool) -> Ragged:
