@@ -2,7 +2,7 @@
 
 ``Notifier.from_environment()`` takes NOTIFY_SOCKET (and the watchdog variables) out of the
 process environment, so no child inherits them: only the daemon's main process talks to
-systemd (``NotifyAccess=main``).  Sending never raises; a missing socket is not an error
+systemd (``NotifyAccess=main``).  Sending never raises and never blocks; a missing socket is not an error
 (``atroposd start`` uses the same protocol to learn when its daemon is READY, and goes away).
 """
 
@@ -28,6 +28,7 @@ class Notifier:
     address: str | None = None
     watchdog_usec: int = 0
     failures: int = 0
+    _last_status: str = ""
 
     @classmethod
     def from_environment(cls) -> Notifier:
@@ -53,6 +54,8 @@ class Notifier:
             addr = "\0" + addr[1:]
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+                # Never block the event loop: a receiver that stops reading gets nothing more.
+                sock.setblocking(False)
                 sock.sendto("\n".join(lines).encode(), addr)
             return True
         except OSError as exc:
@@ -65,6 +68,9 @@ class Notifier:
         return self.notify("READY=1", *([f"STATUS={status}"] if status else []))
 
     def status(self, text: str) -> bool:
+        if text == self._last_status:
+            return True
+        self._last_status = text
         return self.notify(f"STATUS={text}")
 
     def stopping(self, status: str = "") -> bool:

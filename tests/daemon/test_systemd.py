@@ -112,3 +112,24 @@ def test_unit_file_has_the_required_settings() -> None:
     assert int(svc["TimeoutStopSec"].rstrip("s")) > 150
     assert "StartLimitBurst" in unit and "StartLimitIntervalSec" in unit
     assert "atroposd run" in svc["ExecStart"]
+
+
+def test_a_notify_socket_nobody_reads_never_blocks_the_daemon(job: Job) -> None:
+    """Regression: a full datagram queue once blocked the event loop (SIGTERM went unanswered)."""
+    job.write(**base_sections(job.dir, [env("worker", script("cooperative.py"), replicas=12)]))
+    notify = str(job.dir / "notify")
+    sink = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sink.bind(notify)  # bound, never read
+    # watchdog pings every 10 ms fill the unread queue at once
+    proc = spawn([sys.executable, "-m", "atroposd", "run", "-c", str(job.config)],
+                 env={"NOTIFY_SOCKET": notify, "WATCHDOG_USEC": "20000"})
+    try:
+        wait_for(lambda: job.cli("status", "--json").returncode == 0 and job.status()["state"] == "running",
+                 timeout=30, what="running")
+        for _ in range(3):
+            assert job.cli("status").returncode == 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        stop_process(proc)
+        sink.close()
