@@ -15,7 +15,7 @@ from atroposd.logs import get_logger
 
 __all__ = ["run", "serve"]
 
-log = get_logger("api", component="api")
+log = get_logger("api")
 SHUTDOWN_GRACE_S = 2.0  # waiting submissions are cancelled (they were never accepted)
 
 

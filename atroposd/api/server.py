@@ -39,7 +39,7 @@ from atroposd.logs import get_logger
 
 __all__ = ["ApiMetrics", "ApiServer", "ApiSettings"]
 
-log = get_logger("api.server", component="api")
+log = get_logger("api.server")
 
 GZIP_MIN_BYTES = 1000  # upstream's GZipMiddleware minimum_size
 THREAD_MIN_BYTES = 256 << 10  # compress / decompress bigger bodies off the event loop

@@ -45,7 +45,7 @@ __all__ = ["Spool", "SpoolError", "SpoolState"]
 _FRAME = struct.Struct("<IIc")
 _HEADER_LEN = struct.Struct("<I")
 _SEGMENT = re.compile(r"^seg-(\d{8})\.log$")
-log = get_logger("api.spool", component="api")
+log = get_logger("api.spool")
 
 
 class SpoolError(RuntimeError):

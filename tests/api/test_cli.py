@@ -1,0 +1,82 @@
+"""`atroposd api` as a process: config and flags, exit codes, a clean SIGTERM, and no torch."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.api.conftest import group, start_atroposd
+from tests.support import REPO, atroposd, free_port, stop_process, write_config
+
+HEAVY = ("torch", "transformers", "vllm")
+
+
+def test_api_modules_import_nothing_heavy() -> None:
+    code = ("import sys, atroposd.cli, atroposd.api.cli, atroposd.api.app; atroposd.cli.build_parser(); "
+            f"heavy = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}); print(heavy)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_running_api_has_no_torch_mapped(tmp_path: Path) -> None:
+    server = start_atroposd(tmp_path)
+    try:
+        maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
+        assert not [line for line in maps.splitlines() if any(f"/{h}/" in line for h in HEAVY)]
+    finally:
+        assert stop_process(server.proc) == 0  # SIGTERM is a clean stop
+
+
+def test_config_file_and_flag_overrides(tmp_path: Path) -> None:
+    port = free_port()
+    cfg = write_config(tmp_path / "atroposd.toml", {
+        "daemon": {"state_dir": str(tmp_path / "state"), "runtime_dir": str(tmp_path / "run")},
+        "api": {"port": port, "max_queued_sequences": 32, "full_wait": 0.1},
+        "env": []})
+    server = start_atroposd(tmp_path, "-c", str(cfg), port=port)
+    try:
+        assert server.api.ok("GET", "/status")["capacity"] == 32
+        server.api.start(batch_size=8)
+        server.api.ok("POST", "/scored_data", group(4))
+        spool = tmp_path / "state" / "spool" / f"api-{port}"
+        assert list(spool.glob("seg-*.log")), "the spool defaults to {state_dir}/spool/api-{port}"
+    finally:
+        stop_process(server.proc)
+    server = start_atroposd(tmp_path, "-c", str(cfg), "--max-queued-sequences", "64", "--no-spool", port=port)
+    try:
+        status = server.api.ok("GET", "/status")
+        assert status["capacity"] == 64 and status["queued_sequences"] == 0  # no spool: nothing replayed
+    finally:
+        stop_process(server.proc)
+
+
+def test_without_config_nothing_is_spooled(tmp_path: Path) -> None:
+    server = start_atroposd(tmp_path, env={"XDG_STATE_HOME": str(tmp_path / "xdg")})
+    try:
+        server.api.start(batch_size=8)
+        server.api.ok("POST", "/scored_data", group(4))
+        assert not (tmp_path / "xdg").exists()
+        text = server.log.read_text()
+        assert '"spool":null' in text or "spool=None" in text
+    finally:
+        stop_process(server.proc)
+
+
+def test_port_in_use_is_exit_1_naming_it() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = atroposd("api", "--port", str(port), timeout=60)
+    assert r.returncode == 1
+    assert "port already in use" in r.stderr and str(port) in r.stderr
+
+
+def test_bad_values_are_exit_2() -> None:
+    r = atroposd("api", "--max-queued-sequences", "0", timeout=60)
+    assert r.returncode == 2 and "--max-queued-sequences" in r.stderr
+    r = atroposd("api", "--port", "notaport", timeout=60)
+    assert r.returncode == 2
