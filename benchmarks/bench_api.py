@@ -30,7 +30,6 @@ import os
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -249,9 +248,9 @@ async def flood(server: Server, bodies: list[bytes], clients: int, cap: int, ful
     while statuses.get(503, 0) < 20 * clients and not task.done():
         samples.append(server.ps.memory_info().rss / 2**20)
         await asyncio.sleep(0.2)
-    full = [m for m in samples[len(samples) // 2:]] or samples
+    full = samples[len(samples) // 2:] or samples
     tags: list[int] = []
-    while not task.done() or True:
+    while True:  # now drain while the clients finish their retries
         got, *_ = await drain(server.url, server)
         tags.extend(got)
         if task.done() and not got:
