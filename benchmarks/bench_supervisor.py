@@ -57,7 +57,14 @@ def write_config(d: Path, kind: str, n: int, stop_timeout: float) -> Path:
     return path
 
 
-def foreground(cfg: Path, d: Path) -> tuple[float, float]:
+def _children_settled(d: Path, kind: str, n: int) -> None:
+    """Stubborn children ignore SIGTERM only once their handler is set: wait for their pidfiles."""
+    deadline = time.monotonic() + 60
+    while kind == "stubborn" and len(list(d.glob("pids-*"))) < n and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def foreground(cfg: Path, d: Path, kind: str, n: int) -> tuple[float, float]:
     """(start-to-READY, SIGTERM-to-exit) of one `atroposd run`."""
     notify = d / "notify"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -71,6 +78,7 @@ def foreground(cfg: Path, d: Path) -> tuple[float, float]:
         while b"READY=1" not in sock.recv(65536):
             pass
         ready = time.monotonic() - t0
+        _children_settled(d, kind, n)
         t1 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)
@@ -86,7 +94,7 @@ def foreground(cfg: Path, d: Path) -> tuple[float, float]:
         notify.unlink(missing_ok=True)
 
 
-def cli(cfg: Path) -> tuple[float, float]:
+def cli(cfg: Path, d: Path, kind: str, n: int) -> tuple[float, float]:
     """(atroposd start, atroposd stop) wall times."""
     def run(*args: str) -> float:
         t0 = time.monotonic()
@@ -96,7 +104,11 @@ def cli(cfg: Path) -> tuple[float, float]:
             raise RuntimeError(f"atroposd {args[0]} exited {r.returncode}: {r.stderr}")
         return time.monotonic() - t0
 
-    return run("start"), run("stop")
+    for f in d.glob("pids-*"):
+        f.unlink()
+    start = run("start")
+    _children_settled(d, kind, n)
+    return start, run("stop")
 
 
 def floor() -> float:
@@ -120,10 +132,10 @@ def main() -> int:
                 with tempfile.TemporaryDirectory(prefix="apd-bench-", dir="/tmp") as tmp:
                     d = Path(tmp)
                     cfg = write_config(d, kind, n, args.stop_timeout)
-                    ready, stop = foreground(cfg, d)
+                    ready, stop = foreground(cfg, d, kind, n)
                     samples["ready"].append(ready)
                     samples["stop"].append(stop)
-                    s, t = cli(cfg)
+                    s, t = cli(cfg, d, kind, n)
                     samples["cli_start"].append(s)
                     samples["cli_stop"].append(t)
             rows.append({"children": kind, "n": n, **{k: round(statistics.median(v), 3) for k, v in samples.items()}})
