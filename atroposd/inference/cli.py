@@ -65,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
 
     from atroposd.inference.server import PortInUse, ServerOptions, serve
     from atroposd.logs import configure_logging, get_logger
-    from atroposd.models.resolve import ModelError
+    from atroposd.models.resolve import BUILTIN_TINY, ModelError, resolve_model, resolve_tokenizer
     from atroposd.paths import Paths
 
     cfg = config_from(args)
@@ -74,6 +74,13 @@ def main(args: argparse.Namespace) -> int:
     sock = Path(args.control_socket) if args.control_socket else Paths.of(cfg).inference_socket(inf.port)
     if len(str(sock).encode()) > 107:
         print(f"atroposd inference: control socket path {sock} is longer than 107 bytes", file=sys.stderr)
+        return 2
+    try:
+        if inf.model != BUILTIN_TINY:  # a local directory: check it now, before anything is loaded
+            resolve_model(cfg)
+            resolve_tokenizer(cfg)
+    except ModelError as exc:
+        print(f"atroposd inference: {exc}", file=sys.stderr)
         return 2
     opts = ServerOptions(host=inf.host, port=inf.port, control_socket=sock, engine=inf.engine,
                          await_weights=args.await_weights, threads=args.threads)

@@ -334,10 +334,7 @@ class PortInUse(RuntimeError):
 
 async def serve(cfg: Any, opts: ServerOptions, *, ready: Callable[[], None] | None = None) -> int:
     """Run the server until SIGTERM/SIGINT; 0 on a requested stop."""
-    from atroposd.weights.receiver import WeightUpdateError
-
-    front = _Front(model_name=cfg.inference.model, max_model_len=cfg.inference.max_model_len,
-                   update_error=(WeightUpdateError,))
+    front = _Front(model_name=cfg.inference.model, max_model_len=cfg.inference.max_model_len)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -358,12 +355,13 @@ async def serve(cfg: Any, opts: ServerOptions, *, ready: Callable[[], None] | No
         await _start_unix_site(control, sock)
         log.info("listening; loading the engine", host=opts.host, port=opts.port, control_socket=str(sock),
                  engine=opts.engine, await_weights=opts.await_weights)
+        # torch is imported from here on (after the port is ours, so a port in use fails fast).
         engine, bad = await asyncio.to_thread(make_engine, cfg, opts.engine, await_weights=opts.await_weights,
                                               threads=opts.threads)
-        front.bad_request = bad
         from atroposd.inference.torch_engine import NotPaused
+        from atroposd.weights.receiver import WeightUpdateError
 
-        front.not_paused = (NotPaused,)
+        front.bad_request, front.not_paused, front.update_error = bad, (NotPaused,), (WeightUpdateError,)
         await _wait_or_stop(engine.start(), stop)
         if stop.is_set():
             return 0

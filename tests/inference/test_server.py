@@ -178,10 +178,10 @@ def test_openai_client_with_logprobs(server: Server, tiny_dir: Path) -> None:
     asyncio.run(run())
 
 
-def test_port_in_use_is_an_error_naming_the_port(server: Server, short_tmp: Path) -> None:
+def test_port_in_use_is_an_error_naming_the_port(server: Server, short_tmp: Path, tiny_dir: Path) -> None:
     port = server.url.rsplit(":", 1)[1]
     log = short_tmp / "second.log"
-    proc = spawn([sys.executable, "-m", "atroposd", "inference", "--port", port, "--model", str(short_tmp),
+    proc = spawn([sys.executable, "-m", "atroposd", "inference", "--port", port, "--model", str(tiny_dir),
                   "--control-socket", str(short_tmp / "x.sock")], log=log)
     try:
         code = proc.wait(120)
@@ -190,3 +190,12 @@ def test_port_in_use_is_an_error_naming_the_port(server: Server, short_tmp: Path
     assert code == 1
     assert f"port {port}" in log.read_text()
     assert server.http("GET", "/health")[0] == 200  # the running server is untouched
+
+
+def test_a_bad_model_directory_is_a_usage_error(short_tmp: Path) -> None:
+    from tests.support import atroposd
+
+    result = atroposd("inference", "--model", str(short_tmp / "nope"), "--control-socket", str(short_tmp / "s"),
+                      timeout=120)
+    assert result.returncode == 2
+    assert "neither builtin:tiny nor an existing local directory" in result.stderr
