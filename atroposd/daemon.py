@@ -197,6 +197,11 @@ class Daemon:
             self._write_child_config()
             self._hub = LogHub(self.paths.logs_dir, max_bytes=self.cfg.daemon.log_max_bytes,
                                backups=self.cfg.daemon.log_backups)
+            try:
+                self._check_ports()  # before anything binds (the metrics server included)
+            except StartFailed as exc:
+                log.error("start failed", reason=str(exc))
+                return EXIT_RUNTIME
             control = ControlServer(self.paths.control_socket, self._control, socket_group=self.cfg.daemon.socket_group)
             async with anyio.create_task_group() as tg:
                 self._tg = tg
@@ -205,6 +210,8 @@ class Daemon:
                 tg.start_soon(self._track_loop)
                 tg.start_soon(self._status_loop)
                 tg.start_soon(self.notifier.watchdog_loop)
+                if self.cfg.daemon.metrics_port:
+                    await tg.start(self._serve_metrics)
                 code = await self._lifecycle()
                 tg.cancel_scope.cancel()
             log.info("daemon exits", code=code)
@@ -242,6 +249,11 @@ class Daemon:
             self.start_error = str(exc)
             log.error("start failed", reason=str(exc))
             code = EXIT_RUNTIME
+        except Exception as exc:
+            # A bug or an unexpected environment problem: stop everything cleanly, exit 1.
+            self.start_error = f"{type(exc).__name__}: {exc}"
+            log.exception("start failed", reason=self.start_error)
+            code = EXIT_RUNTIME
         finally:
             with anyio.CancelScope(shield=True):
                 await self._stop_all()
@@ -250,7 +262,6 @@ class Daemon:
     # ------------------------------------------------------------------ start
 
     async def _start_all(self) -> None:
-        self._check_ports()
         if self.cfg.inference.enabled or self.cfg.trainer.enabled:
             await self._resolve_model()
             self._write_child_config()
@@ -670,6 +681,32 @@ class Daemon:
         return {"sequences": data.get("queued_sequences", data.get("queue_size")),
                 "capacity": data.get("capacity") if self.cfg.api.enabled else None}
 
+    # ------------------------------------------------------------------ metrics
+
+    async def _serve_metrics(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        """Prometheus text on 127.0.0.1:metrics_port, read from the live state at each scrape."""
+        from aiohttp import web
+        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_DaemonCollector(self))
+
+        async def metrics(_request: web.Request) -> web.Response:
+            return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, "127.0.0.1", self.cfg.daemon.metrics_port)
+            await site.start()
+            task_status.started()
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await runner.cleanup()
+
     # ------------------------------------------------------------------ state
 
     def _set_state(self, new: str) -> None:
@@ -688,6 +725,46 @@ class Daemon:
             st = self.trainer.status()
             text += f"; trainer {st.get('state')} step {st.get('step')}/{st.get('total_steps')}"
         return text
+
+
+class _DaemonCollector:
+    """Component states, restarts and trainer progress as Prometheus gauges."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        d = self.daemon
+        up = GaugeMetricFamily("atroposd_uptime_seconds", "Seconds since the daemon started")
+        up.add_metric([], time.monotonic() - d._t0)
+        yield up
+        state = GaugeMetricFamily("atroposd_component_state", "1 for the state each component is in",
+                                  labels=["component", "kind", "state"])
+        restarts = CounterMetricFamily("atroposd_component_restarts", "Restarts of each component",
+                                       labels=["component", "kind"])
+        dropped = CounterMetricFamily("atroposd_component_log_dropped_bytes",
+                                      "Output a component wrote faster than its log could take",
+                                      labels=["component", "kind"])
+        for u in list(d.units.values()):
+            for st in State:
+                state.add_metric([u.name, u.kind, st.value], 1.0 if u.state == st else 0.0)
+            restarts.add_metric([u.name, u.kind], u.restarts)
+            dropped.add_metric([u.name, u.kind], u.status()["log_dropped_bytes"])
+        yield state
+        yield restarts
+        yield dropped
+        if d.trainer is not None:
+            t = d.trainer.status()
+            for key, help_text in (("step", "Optimizer steps done"), ("weight_version", "Weights served"),
+                                   ("reward_mean", "Mean reward of the last batch"),
+                                   ("accuracy", "Exact-match accuracy of the last batch"),
+                                   ("loss", "Loss of the last step"), ("steps_per_s", "Optimizer steps per second")):
+                if isinstance(t.get(key), (int, float)):
+                    g = GaugeMetricFamily(f"atroposd_trainer_{key}", help_text)
+                    g.add_metric([], float(t[key]))
+                    yield g
 
 
 def _session(timeout: float) -> Any:

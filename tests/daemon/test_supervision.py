@@ -72,3 +72,16 @@ def test_a_client_refused_by_the_file_system_is_told_permission_denied(job: Job)
     assert r.returncode == 1, r.stderr
     assert "permission denied" in r.stderr
     assert job.cli("stop").returncode == 0
+
+
+def test_metrics_port_serves_component_states(job: Job) -> None:
+    import urllib.request
+
+    port = free_port()
+    job.write(**base_sections(job.dir, [env("worker", script("cooperative.py"))], daemon={"metrics_port": port}))
+    assert job.cli("start").returncode == 0
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert 'atroposd_component_state{component="worker-0",kind="env",state="ready"} 1.0' in text
+    assert 'atroposd_component_restarts_total{component="worker-0",kind="env"} 0.0' in text
+    assert "atroposd_uptime_seconds" in text
+    assert job.cli("stop").returncode == 0
