@@ -70,10 +70,13 @@ def test_kill9_and_restart_serves_every_unserved_group_once(tmp_path: Path) -> N
         stop_process(server.proc)
 
 
-def test_reset_data_clears_the_spool(tmp_path: Path) -> None:
+def test_spool_is_exclusive_and_reset_data_clears_it(tmp_path: Path) -> None:
     spool = tmp_path / "spool"
     server = start_atroposd(tmp_path, "--spool-dir", str(spool))
     try:
+        r = subprocess.run([sys.executable, "-m", "atroposd", "api", "--port", str(free_port()), "--spool-dir",
+                            str(spool)], capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert r.returncode == 1 and "in use by another API process" in r.stderr
         server.api.start(batch_size=8)
         server.api.ok("POST", "/scored_data", group(4))
         assert server.api.get("/reset_data").status == 200
@@ -81,17 +84,6 @@ def test_reset_data_clears_the_spool(tmp_path: Path) -> None:
         server = start_atroposd(tmp_path, "--spool-dir", str(spool))
         assert server.api.ok("GET", "/info")["batch_size"] == -1
         assert server.api.ok("GET", "/status")["queued_sequences"] == 0
-    finally:
-        stop_process(server.proc)
-
-
-def test_second_api_on_the_same_spool_refuses(tmp_path: Path) -> None:
-    spool = tmp_path / "spool"
-    server = start_atroposd(tmp_path, "--spool-dir", str(spool))
-    try:
-        r = subprocess.run([sys.executable, "-m", "atroposd", "api", "--port", str(free_port()), "--spool-dir",
-                            str(spool)], capture_output=True, text=True, timeout=60, cwd=REPO)
-        assert r.returncode == 1 and "in use by another API process" in r.stderr
     finally:
         stop_process(server.proc)
 
