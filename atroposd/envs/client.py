@@ -157,12 +157,15 @@ class AtroposEnvClient:
             try:
                 await self._ensure_registered()
                 assert self.registration is not None
+                # Groups accepted while this request is under way may or may not be counted in
+                # its answer: keep counting them (an overestimate only throttles a little early).
+                counted = self.accepted_since_status
                 answer = await self._request("GET", "/status-env", {"env_id": self.registration.env_id})
                 break
             except Retry as retry:
                 await backoff.wait(retry)
         backoff.done()
-        self.accepted_since_status = 0
+        self.accepted_since_status -= counted
         return EnvStatus(current_step=int(answer.get("current_step", 0)),
                          queue_size=int(answer.get("queue_size", 0)), at=anyio.current_time())
 

@@ -68,10 +68,15 @@ class Api:
         return http_json("GET", self.url + "/status-env", {"env_id": env_id})
 
 
-def start_run_api(tmp: Path, port: int | None = None) -> Api:
+def start_api(kind: str, tmp: Path, port: int | None = None, extra: tuple[str, ...] = ()) -> Api:
+    """``kind``: "run-api" (atroposlib's reference) or "atroposd" (``atroposd api``)."""
     port = port or free_port()
-    log = tmp / f"run-api-{port}.log"
-    proc = spawn([str(RUN_API), "--host", "127.0.0.1", "--port", str(port)], log=log)
+    log = tmp / f"{kind}-{port}.log"
+    if kind == "run-api":
+        cmd = [str(RUN_API), "--host", "127.0.0.1", "--port", str(port), *extra]
+    else:
+        cmd = [sys.executable, "-m", "atroposd", "api", "--host", "127.0.0.1", "--port", str(port), *extra]
+    proc = spawn(cmd, log=log)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + "/info", timeout=60, proc=proc)
@@ -81,13 +86,30 @@ def start_run_api(tmp: Path, port: int | None = None) -> Api:
     return Api(url=url, proc=proc, log=log)
 
 
-@pytest.fixture
-def run_api(tmp_path: Path) -> Iterator[Api]:
-    api = start_run_api(tmp_path)
+@pytest.fixture(scope="module")
+def api_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Api]]:
+    """One run-api and one ``atroposd api`` per test module; each test starts from a clean
+    state through ``GET /reset_data``."""
+    tmp = tmp_path_factory.mktemp("apis")
+    servers: dict[str, Api] = {}
     try:
-        yield api
+        for kind in ("run-api", "atroposd"):
+            servers[kind] = start_api(kind, tmp)
+        yield servers
     finally:
-        stop_process(api.proc)
+        for server in servers.values():
+            stop_process(server.proc)
+
+
+@pytest.fixture(params=["run-api", "atroposd"])
+def api(request: pytest.FixtureRequest, api_servers: dict[str, Api]) -> Api:
+    """The env tests run against both APIs."""
+    server = api_servers[request.param]
+    if server.proc.poll() is not None:
+        raise AssertionError(f"{request.param} exited with {server.proc.returncode}")
+    urllib.request.urlopen(server.url + "/reset_data", timeout=10).close()
+    server.batches.clear()
+    return server
 
 
 @dataclass
@@ -102,22 +124,37 @@ class FakeInference:
         return http_json("POST", self.url + path, {})
 
 
-@pytest.fixture
-def fake_inference(tmp_path: Path) -> Iterator[Callable[..., FakeInference]]:
-    """``fake_inference(policy="oracle", status=200)`` starts a stand-in /generate server."""
-    procs: list[Any] = []
-
-    def start(policy: str = "oracle", status: int = 200) -> FakeInference:
-        port = free_port()
-        proc = spawn([sys.executable, str(HERE / "fake_inference.py"), "--port", str(port), "--policy", policy,
-                      "--status", str(status)], log=tmp_path / f"fake-inference-{port}.log")
-        procs.append(proc)
-        url = f"http://127.0.0.1:{port}"
-        wait_http(url + "/health", timeout=30, proc=proc)
-        return FakeInference(url=url, proc=proc)
-
-    try:
-        yield start
-    finally:
-        for proc in procs:
+def start_fake_inference(tmp: Path, policy: str = "oracle", status: int = 200, port: int | None = None,
+                         wait: bool = True) -> FakeInference:
+    port = port or free_port()
+    proc = spawn([sys.executable, str(HERE / "fake_inference.py"), "--port", str(port), "--policy", policy,
+                  "--status", str(status)], log=tmp / f"fake-inference-{port}.log")
+    url = f"http://127.0.0.1:{port}"
+    if wait:
+        try:
+            wait_http(url + "/health", timeout=30, proc=proc)
+        except BaseException:
             stop_process(proc)
+            raise
+    return FakeInference(url=url, proc=proc)
+
+
+@pytest.fixture(scope="module")
+def shared_fake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeInference]:
+    server = start_fake_inference(tmp_path_factory.mktemp("fake"))
+    try:
+        yield server
+    finally:
+        stop_process(server.proc)
+
+
+@pytest.fixture
+def fake_inference(shared_fake: FakeInference) -> Callable[..., FakeInference]:
+    """``fake_inference(policy="oracle", status=200)``: the module's stand-in /generate server,
+    switched to that policy with its counters reset."""
+
+    def configure(policy: str = "oracle", status: int = 200) -> FakeInference:
+        http_json("POST", shared_fake.url + "/configure", {"policy": policy, "status": status})
+        return shared_fake
+
+    return configure

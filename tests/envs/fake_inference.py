@@ -11,6 +11,8 @@ scripted policies so that environment tests know exactly what rewards to expect.
 - ``GET /stats`` → ``{"requests", "in_flight", "bodies": last 50 request bodies}``;
   ``POST /hold`` makes later /generate requests wait until ``POST /release``.
 - ``--status S``: answer every /generate with HTTP S (to test error handling).
+- ``POST /configure {"policy", "status"}``: switch, and reset counters and holds (one server
+  serves a whole test module).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import asyncio
 import random
 import re
 import string
+from typing import Any
 
 from aiohttp import web
 
@@ -55,7 +58,8 @@ def main() -> None:
     ap.add_argument("--policy", default="oracle")
     ap.add_argument("--status", type=int, default=200)
     args = ap.parse_args()
-    state = {"requests": 0, "in_flight": 0, "version": 0, "bodies": []}
+    state: dict[str, Any] = {"requests": 0, "in_flight": 0, "version": 0, "bodies": [],
+                             "policy": args.policy, "status": args.status}
     released = asyncio.Event()
     released.set()
 
@@ -63,8 +67,8 @@ def main() -> None:
         body = await request.json()
         state["requests"] += 1
         state["bodies"] = [*state["bodies"][-49:], body]
-        if args.status != 200:
-            return web.Response(status=args.status, text="scripted failure")
+        if state["status"] != 200:
+            return web.Response(status=state["status"], text="scripted failure")
         state["in_flight"] += 1
         try:
             await released.wait()
@@ -72,7 +76,7 @@ def main() -> None:
             state["in_flight"] -= 1
         prompt = body["prompt"]["prompt_token_ids"]
         rng = random.Random(body.get("seed"))
-        outs = [completion(args.policy, prompt, int(body["max_tokens"]), rng) for _ in range(int(body["n"]))]
+        outs = [completion(state["policy"], prompt, int(body["max_tokens"]), rng) for _ in range(int(body["n"]))]
         return web.json_response({
             "text": ["".join(VOCAB[t] for t in o) for o in outs],
             "token_ids": outs,
@@ -91,6 +95,13 @@ def main() -> None:
         state["version"] += 1
         return web.json_response({"weight_version": state["version"]})
 
+    async def configure(request: web.Request) -> web.Response:
+        body = await request.json()
+        state.update(requests=0, version=0, bodies=[], policy=body.get("policy", "oracle"),
+                     status=int(body.get("status", 200)))
+        released.set()
+        return web.json_response({})
+
     async def hold(request: web.Request) -> web.Response:
         released.clear()
         return web.json_response({})
@@ -102,8 +113,9 @@ def main() -> None:
     app = web.Application()
     app.add_routes([web.post("/generate", generate), web.get("/stats", stats), web.get("/health", health),
                     web.post("/set_version", set_version), web.post("/hold", hold),
-                    web.post("/release", release)])
-    web.run_app(app, host="127.0.0.1", port=args.port, print=None)
+                    web.post("/release", release), web.post("/configure", configure)])
+    # Held requests must not delay a stop.
+    web.run_app(app, host="127.0.0.1", port=args.port, print=None, shutdown_timeout=0.2)
 
 
 if __name__ == "__main__":

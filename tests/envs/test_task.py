@@ -17,7 +17,7 @@ from atroposd.envs.arithmetic import (
     prompt_ignoring_bound,
     score,
 )
-from atroposd.envs.generate import Completion, Generation, GenerateError, parse_generation
+from atroposd.envs.generate import Completion, GenerateError, Generation, parse_generation
 from atroposd.envs.options import ArithmeticOptions, parse_options, validate_options
 from atroposd.envs.vocab import Vocab, VocabError
 
@@ -101,7 +101,7 @@ def test_options_validation() -> None:
     assert "≥ 4" in msg
     assert validate_options("arithmetic", {"max_operand": 99, "max_tokens": 4}) == []
     assert "≥ 3" in dict(validate_options("arithmetic", {"operators": ["-"], "max_tokens": 2}))["max_tokens"]
-    with pytest.raises(ValueError, match="options.concurrency"):
+    with pytest.raises(ValueError, match=r"options\.concurrency"):
         parse_options("arithmetic", {"concurrency": "8"})
     assert parse_options("arithmetic", {"operators": ["+", "-"]}).operators == ("+", "-")
 
@@ -118,7 +118,7 @@ def test_vocab_round_trip(tokenizer_dir: Path) -> None:
     assert not ended and text != "1" and score("1", text, True) < 1
     with pytest.raises(VocabError, match="outside the vocabulary"):
         vocab.encode_prompt("3/4=")
-    with pytest.raises(VocabError, match="no tokenizer.json"):
+    with pytest.raises(VocabError, match=r"no tokenizer\.json"):
         Vocab.load(tokenizer_dir.parent)
 
 
@@ -180,7 +180,7 @@ def test_evaluate_exact_match(tokenizer_dir: Path) -> None:
         for ids in prompts:
             a, b = ids[1] - 4, ids[3] - 4
             answer = str(a + b) if a + b <= 15 else "0"
-            out.append(vocab.encode_prompt(answer)[1:] + [vocab.eos_id])
+            out.append([*vocab.encode_prompt(answer)[1:], vocab.eos_id])
         return out
 
     result = evaluate_exact_match(oracle_except_sums_over_15, vocab, problems)

@@ -1,0 +1,220 @@
+"""``atroposd env arithmetic`` as a real process against a real API (atroposlib's run-api and
+``atroposd api``) and a stand-in /generate server with scripted policies."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.envs.conftest import Api, FakeInference, start_fake_inference
+from tests.support import atroposd, free_port, spawn, stop_process, wait_for, write_config
+
+
+@dataclass
+class EnvProc:
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def events(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                out.append({"event": line})
+        return out
+
+    def count(self, event: str) -> int:
+        return sum(1 for e in self.events() if e.get("event", "").startswith(event))
+
+    def wait_event(self, event: str, n: int = 1, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while self.count(event) < n:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"env exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {event!r} ×{n} in the env log within {timeout}s:\n"
+                                     f"{self.log.read_text()[-3000:]}")
+            time.sleep(0.05)
+
+
+def env_config(tmp: Path, group_size: int = 4, **options: Any) -> Path:
+    return write_config(tmp / "atroposd.toml", {
+        "daemon": {"state_dir": str(tmp / "state"), "runtime_dir": str(tmp / "run"), "log_format": "json"},
+        "trainer": {"batch_size": 16, "micro_batch_size": 8, "max_token_len": 64},
+        "env": [{"name": "arithmetic", "builtin": "arithmetic", "group_size": group_size, "options": options}],
+    })
+
+
+@pytest.fixture
+def start_env(tmp_path: Path, tokenizer_dir: Path) -> Iterator[Callable[..., EnvProc]]:
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(api_url: str, inference_url: str, *, group_size: int = 4, replica: int = 0,
+              **options: Any) -> EnvProc:
+        cfg = env_config(tmp_path, group_size, **options)
+        log = tmp_path / f"env-{len(procs)}.log"
+        proc = spawn([sys.executable, "-m", "atroposd", "env", "arithmetic", "-c", str(cfg), "--replica",
+                      str(replica), "--api-url", api_url, "--inference-url", inference_url,
+                      "--tokenizer", str(tokenizer_dir)], log=log)
+        procs.append(proc)
+        return EnvProc(proc, log)
+
+    try:
+        yield start
+    finally:
+        for proc in procs:
+            stop_process(proc)
+
+
+def check_group(group: dict[str, Any], group_size: int) -> None:
+    """The wire layout every group must have."""
+    assert len(group["tokens"]) == len(group["masks"]) == len(group["scores"]) == group_size
+    assert len(group["inference_logprobs"]) == group_size
+    for tokens, masks, lps in zip(group["tokens"], group["masks"], group["inference_logprobs"], strict=True):
+        assert len(tokens) == len(masks) == len(lps)
+        prompt_len = 5  # [BOS] a + b =
+        assert tokens[0] == 1 and tokens[4] == 17  # BOS ... '='
+        assert masks[:prompt_len] == [-100] * prompt_len
+        assert masks[prompt_len:] == tokens[prompt_len:] and len(tokens) > prompt_len
+        assert lps[:prompt_len] == [1.0] * prompt_len
+        # the stand-in's logprob of completion token j is -(0.1 + 0.01 j)
+        assert lps[prompt_len:] == pytest.approx([-(0.1 + 0.01 * j) for j in range(len(tokens) - prompt_len)])
+    assert all(0.0 <= s <= 1.0 for s in group["scores"])
+    ext = group["group_overrides"]["atroposd"]
+    assert set(ext) >= {"weight_version", "accuracy", "reward_mean", "env"}
+    assert group["generation_params"]["temperature"] == 1.0
+
+
+def test_env_registers_after_the_gate_and_posts_well_formed_groups(
+        api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
+    infer = fake_inference("oracle")
+    api.register_trainer(batch_size=8, max_token_len=64)
+    env = start_env(api.url, infer.url, group_size=4, concurrency=2)
+    # Until the trainer's first GET /batch the API says "wait for trainer to start": no rollouts.
+    env.wait_event("register-env: retrying")
+    assert infer.stats()["requests"] == 0
+    api.get_batch()
+    env.wait_event("registered")
+    batch = wait_for(api.get_batch, timeout=30, what="a batch")
+    assert sum(len(g["tokens"]) for g in batch) == 8
+    for group in batch:
+        check_group(group, 4)
+        assert group["env_id"] == 0
+        assert group["scores"] == [1.0] * 4  # the oracle is always exactly right
+        ext = group["group_overrides"]["atroposd"]
+        assert ext == {"weight_version": 0, "accuracy": 1.0, "reward_mean": 1.0, "env": "arithmetic-0"}
+    body = infer.stats()["bodies"][0]
+    assert body["n"] == 4 and body["max_tokens"] == 3 and body["temperature"] == 1.0
+    assert body["logprobs"] == 0 and isinstance(body["seed"], int)
+    assert body["prompt"]["prompt_token_ids"][0] == 1
+
+
+def test_prompt_ignoring_policy_scores_a_third(
+        api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
+    """The exploit of EMBEDDED-TASK.md ("10" then EOS whatever the prompt) earns 0.5 or 0.1 per
+    completion unless the sum is 10; accuracy shows it for what it is."""
+    infer = fake_inference("fixed:10")
+    api.start_trainer(batch_size=8, max_token_len=64)
+    start_env(api.url, infer.url, group_size=4, concurrency=2)
+    groups = [g for _ in range(6) for g in wait_for(api.get_batch, timeout=30, what="a batch")]
+    for g in groups:
+        check_group(g, 4)
+        prompt = g["tokens"][0][1:4]
+        total = (prompt[0] - 4) + (prompt[2] - 4)
+        expected = 1.0 if total == 10 else 0.5 if str(total).startswith("1") else 0.1
+        assert g["scores"] == [expected] * 4
+        assert g["group_overrides"]["atroposd"]["accuracy"] == (1.0 if total == 10 else 0.0)
+
+
+def test_throttles_when_the_queue_is_full_and_resumes_when_it_drains(
+        api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
+    infer = fake_inference("uniform")
+    api.start_trainer(batch_size=8, max_token_len=64)
+    # limit = max_batches_offpolicy (1) × batch (8) / group (4) = 2 groups queued or in flight
+    env = start_env(api.url, infer.url, group_size=4, concurrency=4, max_batches_offpolicy=1)
+    env.wait_event("throttled")
+    wait_for(lambda: api.status()["queue_size"] == 2, timeout=20, what="2 groups queued")
+    assert infer.stats()["requests"] == 2  # nothing generated beyond the limit
+    for drained in (1, 2):
+        assert len(api.get_batch() or []) == 2
+        env.wait_event("resumed", n=drained)
+        wait_for(lambda: api.status()["queue_size"] == 2, timeout=20, what="2 groups queued again")
+        env.wait_event("throttled", n=drained + 1)
+        assert infer.stats()["requests"] == 2 * (drained + 1)
+        assert api.status()["queue_size"] == 2
+
+
+def test_sigterm_abandons_generation_disconnects_and_exits_zero(
+        api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
+    infer = fake_inference("oracle")
+    infer.post("/hold")  # every generation stays in flight
+    api.start_trainer(batch_size=8, max_token_len=64)
+    env = start_env(api.url, infer.url, group_size=4, concurrency=2)
+    env.wait_event("registered")
+    wait_for(lambda: infer.stats()["in_flight"] == 2, timeout=20, what="2 generations in flight")
+    os.kill(env.proc.pid, signal.SIGTERM)
+    assert env.proc.wait(timeout=15) == 0
+    assert env.count("disconnected") == 1
+    assert env.count("environment stopped") == 1
+    assert api.status()["queue_size"] == 0
+
+
+def test_bad_options_exit_2(tmp_path: Path, tokenizer_dir: Path) -> None:
+    tok = ["--tokenizer", str(tokenizer_dir), "--api-url", "http://127.0.0.1:1", "--inference-url",
+           "http://127.0.0.1:1"]
+    cfg = env_config(tmp_path, operators=["/"])
+    r = atroposd("env", "arithmetic", "-c", str(cfg), *tok)
+    assert r.returncode == 2 and "env[0].options.operators" in r.stderr and "unknown operator" in r.stderr
+    cfg = env_config(tmp_path)
+    r = atroposd("env", "arithmetic", "-c", str(cfg), "--option", "max_tokens=1", *tok)
+    assert r.returncode == 2 and "options.max_tokens: must be ≥ 3" in r.stderr
+    r = atroposd("env", "arithmetic", "-c", str(cfg), "--option", "max_tokens", *tok)
+    assert r.returncode == 2 and "KEY=VALUE" in r.stderr
+    r = atroposd("env", "geometry", "-c", str(cfg), *tok)
+    assert r.returncode == 2 and "unknown built-in environment 'geometry'" in r.stderr
+    r = atroposd("env", "arithmetic", "-c", str(cfg), *tok[2:], "--tokenizer", str(tmp_path))
+    assert r.returncode == 2 and "no tokenizer.json" in r.stderr
+
+
+def test_sequences_longer_than_max_token_len_exit_2(
+        api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
+    infer = fake_inference("oracle")
+    api.start_trainer(batch_size=8, max_token_len=7)  # prompt 5 + max_tokens 3 = 8
+    env = start_env(api.url, infer.url, group_size=4)
+    assert env.proc.wait(timeout=30) == 2
+    assert "do not fit the trainer's max_token_len 7" in env.log.read_text()
+    assert infer.stats()["requests"] == 0
+
+
+def test_generate_4xx_exits_1(api: Api, fake_inference: Callable[..., FakeInference],
+                              start_env: Callable[..., EnvProc]) -> None:
+    infer = fake_inference("oracle", status=400)
+    api.start_trainer(batch_size=8, max_token_len=64)
+    env = start_env(api.url, infer.url, group_size=4)
+    assert env.proc.wait(timeout=30) == 1
+    assert "/generate answered 400: scripted failure" in env.log.read_text()
+
+
+def test_waits_for_inference_then_serves(api: Api, tmp_path: Path, start_env: Callable[..., EnvProc]) -> None:
+    """An inference server that is not up yet (or restarting) is waited for, visibly."""
+    api.start_trainer(batch_size=8, max_token_len=64)
+    port = free_port()
+    env = start_env(api.url, f"http://127.0.0.1:{port}", group_size=4, concurrency=2)
+    env.wait_event("generate: retrying")
+    infer = start_fake_inference(tmp_path, "oracle", port=port)
+    try:
+        batch = wait_for(api.get_batch, timeout=30, what="a batch")
+        assert all(g["scores"] == [1.0] * 4 for g in batch)
+    finally:
+        stop_process(infer.proc)
