@@ -85,7 +85,7 @@ def main(args: argparse.Namespace) -> int:
     opts = ServerOptions(host=inf.host, port=inf.port, control_socket=sock, engine=inf.engine,
                          await_weights=args.await_weights, threads=args.threads)
     try:
-        return asyncio.run(serve(cfg, opts))
+        code = asyncio.run(serve(cfg, opts))
     except ModelError as exc:
         print(f"atroposd inference: {exc}", file=sys.stderr)
         return 2
@@ -93,3 +93,17 @@ def main(args: argparse.Namespace) -> int:
         get_logger("inference").error("cannot start", error=str(exc))
         print(f"atroposd inference: {exc}", file=sys.stderr)
         return 1
+    _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """Exit without the interpreter's teardown: everything is closed by now, and unloading
+    torch's native libraries can take seconds, which would eat into the supervisor's stop budget."""
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
