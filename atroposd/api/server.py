@@ -256,10 +256,20 @@ class ApiServer:
             return self._spool_refusal(exc)
         if batch is None:
             return await _json(request, {"batch": None})
+        body, headers = await _encode(request, _batch_body(batch))
+        resp = web.StreamResponse(headers=headers)
+        resp.content_length = len(body)
         try:
-            resp = await _send(request, _batch_body(batch), complete=True)
+            await resp.prepare(request)
+            await resp.write(body)
+            await resp.write_eof()
+        except OSError as exc:
+            # The trainer went away mid-response: not delivered, it is the next batch served.
+            store.undeliver(batch)
+            self.metrics.batch_write_failures.inc()
+            log.warning("batch not delivered (connection lost); it is served next", error=str(exc) or repr(exc))
+            return resp
         except BaseException:
-            # Not delivered (client gone, cancelled): it is the next batch served.
             store.undeliver(batch)
             self.metrics.batch_write_failures.inc()
             raise
@@ -422,21 +432,18 @@ async def _json(request: web.Request, obj: Any) -> web.StreamResponse:
     return await _send(request, dumps(obj))
 
 
-async def _send(request: web.Request, body: bytes, *, complete: bool = False) -> web.StreamResponse:
-    """A JSON response, gzip'ed when large and accepted. ``complete``: write it here, so that the
-    caller knows it was fully written when this returns."""
+async def _send(request: web.Request, body: bytes) -> web.Response:
+    body, headers = await _encode(request, body)
+    return web.Response(body=body, headers=headers)
+
+
+async def _encode(request: web.Request, body: bytes) -> tuple[bytes, dict[str, str]]:
+    """The JSON body, gzip'ed when large and the client accepts it."""
     headers = {"Content-Type": "application/json"}
     if len(body) >= GZIP_MIN_BYTES and _accepts_gzip(request):
         body = await asyncio.to_thread(_gzip, body) if len(body) >= THREAD_MIN_BYTES else _gzip(body)
         headers["Content-Encoding"] = "gzip"
-    if not complete:
-        return web.Response(body=body, headers=headers)
-    resp = web.StreamResponse(headers=headers)
-    resp.content_length = len(body)
-    await resp.prepare(request)
-    await resp.write(body)
-    await resp.write_eof()
-    return resp
+    return body, headers
 
 
 def _gzip(body: bytes) -> bytes:
