@@ -1,0 +1,69 @@
+"""atroposd's additions that unmodified clients ignore: /status fields, /atroposd/registrations
+(with the client's pid from the TCP peer) and /metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.api.conftest import Api, group
+from tests.api.test_backpressure import metric
+
+REGISTER_ENV = {"max_token_length": 64, "desired_name": "child-env", "weight": 1.0, "group_size": 4}
+
+
+def test_status_extras(api: Api) -> None:
+    s = api.ok("GET", "/status")
+    assert (s["registered"], s["started"], s["queued_sequences"], s["capacity"]) == (False, False, 0, 4096)
+    api.register(batch_size=8)
+    assert api.ok("GET", "/status")["registered"] and not api.ok("GET", "/status")["started"]
+    api.ok("GET", "/batch")
+    api.ok("POST", "/scored_data", group(4))
+    s = api.ok("GET", "/status")
+    assert s["started"] and s["queued_sequences"] == 4 and s["queue_size"] == 1
+
+
+def test_registrations_name_the_client_process(api: Api) -> None:
+    api.register_env(name="early")  # answered "wait": listed too
+    api.start()
+    code = ("import json, sys, urllib.request\n"
+            "req = urllib.request.Request(sys.argv[1] + '/register-env', data=sys.argv[2].encode(),\n"
+            "                             headers={'Content-Type': 'application/json'})\n"
+            "print(urllib.request.urlopen(req).read().decode())")
+    child = subprocess.Popen([sys.executable, "-c", code, api.url, json.dumps(REGISTER_ENV)],
+                             stdout=subprocess.PIPE, text=True)
+    out, _ = child.communicate(timeout=60)
+    assert json.loads(out)["status"] == "success"
+    regs = api.ok("GET", "/atroposd/registrations")["registrations"]
+    assert [(r["desired_name"], r["status"], r["env_id"]) for r in regs] == [("early", "wait", None),
+                                                                              ("child-env", "success", 0)]
+    assert regs[0]["peer_pid"] == os.getpid()
+    assert regs[1]["peer_pid"] == child.pid
+    assert all(isinstance(r["at"], float) for r in regs)
+
+
+def test_metrics(api: Api) -> None:
+    names = ("atroposd_api_accepted_groups_total", "atroposd_api_batches_served_total",
+             'atroposd_api_rejected_total{reason="score_count"}', 'atroposd_api_rejected_total{reason="invalid_json"}')
+    before = {n: _value(api, n) for n in names}  # counters run on across tests (one server per module)
+    api.start(batch_size=4)
+    api.ok("POST", "/scored_data", group(4))
+    api.post("/scored_data", group(4, scores=[1.0]))
+    api.post("/scored_data", raw=b"nope")
+    api.ok("GET", "/batch")
+    r = api.get("/metrics")
+    assert r.status == 200 and r.headers["content-type"].startswith("text/plain")
+    assert {n: _value(api, n) - before[n] for n in names} == dict.fromkeys(names, 1.0)
+    text = r.body.decode()
+    assert "atroposd_api_queue_sequences 0.0" in text and "atroposd_api_capacity_sequences 4096.0" in text
+    assert 'atroposd_api_request_seconds_count{route="/scored_data"}' in text
+    assert metric(api, "atroposd_api_refused_total") == 0
+
+
+def _value(api: Api, series: str) -> float:
+    for line in api.get("/metrics").body.decode().splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
