@@ -306,7 +306,8 @@ class TrajectoryStore:
         """``GET /status-env``, computed as upstream; an unknown env_id is a 404 (upstream: 500)
         and a total weight of 0 gives every connected env an equal share (upstream: 500)."""
         if not 0 <= env_id < len(self.envs):
-            raise InvalidRequest(f"unknown env_id {env_id}: {len(self.envs)} environments registered", 404)
+            raise InvalidRequest(f"unknown env_id {env_id}: {len(self.envs)} environments registered", 404,
+                                 "unknown_env")
         me = self.envs[env_id]
         connected = [e for e in self.envs if e.connected]
         total = sum(e.max_context_len * max(0.0, e.weight) for e in connected)

@@ -46,11 +46,13 @@ PASSTHROUGH = ("messages", "generation_params", "overrides", "group_overrides", 
 
 
 class InvalidRequest(ValueError):
-    """A request the API refuses; ``status`` is the HTTP code (400, 404, 413, 422)."""
+    """A request the API refuses: ``status`` is the HTTP code (400, 404, 413, 422), ``reason`` a
+    short label for the rejection metric (a bounded set)."""
 
-    def __init__(self, message: str, status: int = 422) -> None:
+    def __init__(self, message: str, status: int = 422, reason: str = "invalid") -> None:
         super().__init__(message)
         self.status = status
+        self.reason = reason
 
 
 def dumps(obj: Any) -> bytes:
@@ -224,7 +226,7 @@ def group_from_json(obj: Any, *, max_token_len: int | None = None, where: str = 
     try:
         return _build_group(obj, max_token_len)
     except InvalidRequest as exc:
-        raise InvalidRequest(f"{where}{exc}", exc.status) from None
+        raise InvalidRequest(f"{where}{exc}", exc.status, exc.reason) from None
 
 
 def _build_group(obj: Mapping[str, Any], max_token_len: int | None) -> Group:
@@ -236,17 +238,17 @@ def _build_group(obj: Mapping[str, Any], max_token_len: int | None) -> Group:
     n = len(tokens.bounds) - 1
     lengths = tokens.lengths()
     if masks.bounds != tokens.bounds:
-        raise InvalidRequest(_mismatch("masks", masks, lengths), 400)
+        raise InvalidRequest(_mismatch("masks", masks, lengths), 400, "length_mismatch")
     logprobs = None
     if obj.get("inference_logprobs") is not None:
         logprobs = _float_rows(obj["inference_logprobs"], "inference_logprobs")
         if logprobs.bounds != tokens.bounds:
-            raise InvalidRequest(_mismatch("inference_logprobs", logprobs, lengths), 400)
+            raise InvalidRequest(_mismatch("inference_logprobs", logprobs, lengths), 400, "length_mismatch")
     scores = _scores(obj["scores"], n)
     if max_token_len is not None and max_token_len > 0 and lengths and max(lengths) > max_token_len:
         i = max(range(n), key=lengths.__getitem__)
         raise InvalidRequest(f"tokens[{i}] has {lengths[i]} tokens, longer than the registered "
-                             f"max_token_len {max_token_len}", 400)
+                             f"max_token_len {max_token_len}", 400, "too_long")
     advantages = _float_rows(obj["advantages"], "advantages") if obj.get("advantages") is not None else None
     ref = _float_rows(obj["ref_logprobs"], "ref_logprobs") if obj.get("ref_logprobs") is not None else None
     extras = {k: orjson.Fragment(orjson.dumps(obj[k])) for k in PASSTHROUGH if obj.get(k) is not None}
@@ -266,7 +268,7 @@ def _mismatch(name: str, other: Ragged, lengths: list[int]) -> str:
 def _scores(value: Any, n: int) -> np.ndarray:
     values = _require_list(value, "scores")
     if len(values) != n:
-        raise InvalidRequest(f"scores has {len(values)} entries but there are {n} sequences", 400)
+        raise InvalidRequest(f"scores has {len(values)} entries but there are {n} sequences", 400, "score_count")
     try:
         scores = np.asarray(values, dtype=np.float64)
     except (ValueError, TypeError):
@@ -275,7 +277,7 @@ def _scores(value: Any, n: int) -> np.ndarray:
         raise InvalidRequest("scores must be a flat list of numbers")
     bad = np.flatnonzero(~np.isfinite(scores))
     if bad.size:
-        raise InvalidRequest(f"scores[{int(bad[0])}] is not a finite number", 400)
+        raise InvalidRequest(f"scores[{int(bad[0])}] is not a finite number", 400, "non_finite_score")
     return scores
 
 

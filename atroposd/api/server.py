@@ -97,24 +97,12 @@ class ApiMetrics:
         return generate_latest(self.registry)
 
 
-def _reason(message: str) -> str:
-    """A short label for a rejection (bounded set, for the metric)."""
-    for key, label in (("JSON", "invalid_json"), ("gzip", "invalid_gzip"), ("max_request_bytes", "too_large"),
-                       ("max_token_len", "too_long"), ("finite", "non_finite_score"), ("scores has", "score_count"),
-                       ("entries but", "length_mismatch"), ("sequences but", "length_mismatch"),
-                       ("unknown env_id", "unknown_env"), ("never fit", "too_large")):
-        if key in message:
-            return label
-    return "invalid"
-
-
 class ApiServer:
     def __init__(self, store: TrajectoryStore, settings: ApiSettings) -> None:
         self.store = store
         self.settings = settings
         self.metrics = ApiMetrics(store)
         self.registrations: deque[dict[str, Any]] = deque(maxlen=4096)
-        self._peer_pids: dict[tuple[str, int], int | None] = {}
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.settings.max_request_bytes,
@@ -155,7 +143,7 @@ class ApiServer:
         try:
             return await handler(request)
         except InvalidRequest as exc:
-            self.metrics.rejected.labels(_reason(str(exc))).inc()
+            self.metrics.rejected.labels(exc.reason).inc()
             log.info("request rejected", path=request.path, status=exc.status, error=str(exc))
             return _json_plain({"detail": str(exc)}, status=exc.status)
         except QueueFull as exc:
@@ -183,7 +171,7 @@ class ApiServer:
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise InvalidRequest(f"request body larger than max_request_bytes ({limit})", 413) from None
+            raise InvalidRequest(f"request body larger than max_request_bytes ({limit})", 413, "too_large") from None
         if "gzip" in request.headers.get("Content-Encoding", "").lower() and raw:
             if len(raw) >= THREAD_MIN_BYTES:
                 raw = await asyncio.to_thread(_gunzip, raw, limit)
@@ -192,11 +180,11 @@ class ApiServer:
         if not raw.strip():
             if optional:
                 return None
-            raise InvalidRequest("empty request body: a JSON document is required", 400)
+            raise InvalidRequest("empty request body: a JSON document is required", 400, "invalid_json")
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
-            raise InvalidRequest(f"invalid JSON: {exc}", 400) from None
+            raise InvalidRequest(f"invalid JSON: {exc}", 400, "invalid_json") from None
 
     # ------------------------------------------------------------------ upstream routes
 
@@ -361,11 +349,8 @@ class ApiServer:
                 return None
         except ValueError:
             return None
-        if key not in self._peer_pids:
-            if len(self._peer_pids) > 1024:
-                self._peer_pids.clear()
-            self._peer_pids[key] = await asyncio.to_thread(_find_pid, key)
-        return self._peer_pids[key]
+        # Not cached: atroposlib opens a new connection per request, and a port is soon reused.
+        return await asyncio.to_thread(_find_pid, key)
 
 
 def _find_pid(local: tuple[str, int]) -> int | None:
@@ -409,12 +394,13 @@ def _gunzip(raw: bytes, limit: int) -> bytes:
         try:
             chunk = d.decompress(data, limit - total + 1)
         except zlib.error:
-            raise InvalidRequest("Invalid gzip payload", 400) from None
+            raise InvalidRequest("Invalid gzip payload", 400, "invalid_gzip") from None
         total += len(chunk)
         if total > limit:
-            raise InvalidRequest(f"request body larger than max_request_bytes ({limit}) after decompression", 413)
+            raise InvalidRequest(f"request body larger than max_request_bytes ({limit}) after decompression", 413,
+                                 "too_large")
         if not d.eof:
-            raise InvalidRequest("Invalid gzip payload (truncated)", 400)
+            raise InvalidRequest("Invalid gzip payload (truncated)", 400, "invalid_gzip")
         out.append(chunk)
         data = d.unused_data
     return b"".join(out)
