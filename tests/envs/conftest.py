@@ -4,7 +4,9 @@ stand-in /generate server process, and a trainer stand-in that opens the API's g
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -13,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import free_port, spawn, stop_process, wait_http
+from tests.support import free_port, spawn, stop_process, wait_http, write_config
 
 HERE = Path(__file__).resolve().parent
 RUN_API = Path(sys.executable).parent / "run-api"
@@ -101,15 +103,25 @@ def api_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
             stop_process(server.proc)
 
 
-@pytest.fixture(params=["run-api", "atroposd"])
-def api(request: pytest.FixtureRequest, api_servers: dict[str, Api]) -> Api:
-    """The env tests run against both APIs."""
-    server = api_servers[request.param]
+def _clean(api_servers: dict[str, Api], kind: str) -> Api:
+    server = api_servers[kind]
     if server.proc.poll() is not None:
-        raise AssertionError(f"{request.param} exited with {server.proc.returncode}")
+        raise AssertionError(f"{kind} exited with {server.proc.returncode}")
     urllib.request.urlopen(server.url + "/reset_data", timeout=10).close()
     server.batches.clear()
     return server
+
+
+@pytest.fixture(params=["run-api", "atroposd"])
+def api(request: pytest.FixtureRequest, api_servers: dict[str, Api]) -> Api:
+    """Both APIs, in turn, from a clean state: for the protocol tests."""
+    return _clean(api_servers, request.param)
+
+
+@pytest.fixture
+def our_api(api_servers: dict[str, Api]) -> Api:
+    """``atroposd api`` from a clean state: for tests of the environment's own behaviour."""
+    return _clean(api_servers, "atroposd")
 
 
 @dataclass
@@ -158,3 +170,60 @@ def fake_inference(shared_fake: FakeInference) -> Callable[..., FakeInference]:
         return shared_fake
 
     return configure
+
+
+@dataclass
+class EnvProc:
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def events(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                out.append({"event": line})
+        return out
+
+    def count(self, event: str) -> int:
+        return sum(1 for e in self.events() if e.get("event", "").startswith(event))
+
+    def wait_event(self, event: str, n: int = 1, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while self.count(event) < n:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"env exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {event!r} ×{n} in the env log within {timeout}s:\n"
+                                     f"{self.log.read_text()[-3000:]}")
+            time.sleep(0.05)
+
+
+def env_config(tmp: Path, group_size: int = 4, **options: Any) -> Path:
+    return write_config(tmp / "atroposd.toml", {
+        "daemon": {"state_dir": str(tmp / "state"), "runtime_dir": str(tmp / "run"), "log_format": "json"},
+        "trainer": {"batch_size": 16, "micro_batch_size": 8, "max_token_len": 64},
+        "env": [{"name": "arithmetic", "builtin": "arithmetic", "group_size": group_size, "options": options}],
+    })
+
+
+@pytest.fixture
+def start_env(tmp_path: Path, tokenizer_dir: Path) -> Iterator[Callable[..., EnvProc]]:
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(api_url: str, inference_url: str, *, group_size: int = 4, replica: int = 0,
+              **options: Any) -> EnvProc:
+        cfg = env_config(tmp_path, group_size, **options)
+        log = tmp_path / f"env-{len(procs)}.log"
+        proc = spawn([sys.executable, "-m", "atroposd", "env", "arithmetic", "-c", str(cfg), "--replica",
+                      str(replica), "--api-url", api_url, "--inference-url", inference_url,
+                      "--tokenizer", str(tokenizer_dir)], log=log)
+        procs.append(proc)
+        return EnvProc(proc, log)
+
+    try:
+        yield start
+    finally:
+        for proc in procs:
+            stop_process(proc)

@@ -3,78 +3,16 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.envs.conftest import Api, FakeInference, start_fake_inference
-from tests.support import atroposd, free_port, spawn, stop_process, wait_for, write_config
-
-
-@dataclass
-class EnvProc:
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    def events(self) -> list[dict[str, Any]]:
-        out = []
-        for line in self.log.read_text(errors="replace").splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                out.append({"event": line})
-        return out
-
-    def count(self, event: str) -> int:
-        return sum(1 for e in self.events() if e.get("event", "").startswith(event))
-
-    def wait_event(self, event: str, n: int = 1, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while self.count(event) < n:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"env exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no {event!r} ×{n} in the env log within {timeout}s:\n"
-                                     f"{self.log.read_text()[-3000:]}")
-            time.sleep(0.05)
-
-
-def env_config(tmp: Path, group_size: int = 4, **options: Any) -> Path:
-    return write_config(tmp / "atroposd.toml", {
-        "daemon": {"state_dir": str(tmp / "state"), "runtime_dir": str(tmp / "run"), "log_format": "json"},
-        "trainer": {"batch_size": 16, "micro_batch_size": 8, "max_token_len": 64},
-        "env": [{"name": "arithmetic", "builtin": "arithmetic", "group_size": group_size, "options": options}],
-    })
-
-
-@pytest.fixture
-def start_env(tmp_path: Path, tokenizer_dir: Path) -> Iterator[Callable[..., EnvProc]]:
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start(api_url: str, inference_url: str, *, group_size: int = 4, replica: int = 0,
-              **options: Any) -> EnvProc:
-        cfg = env_config(tmp_path, group_size, **options)
-        log = tmp_path / f"env-{len(procs)}.log"
-        proc = spawn([sys.executable, "-m", "atroposd", "env", "arithmetic", "-c", str(cfg), "--replica",
-                      str(replica), "--api-url", api_url, "--inference-url", inference_url,
-                      "--tokenizer", str(tokenizer_dir)], log=log)
-        procs.append(proc)
-        return EnvProc(proc, log)
-
-    try:
-        yield start
-    finally:
-        for proc in procs:
-            stop_process(proc)
+from tests.envs.conftest import Api, EnvProc, FakeInference, env_config, start_fake_inference
+from tests.support import atroposd, free_port, stop_process, wait_for
 
 
 def check_group(group: dict[str, Any], group_size: int) -> None:
@@ -121,13 +59,13 @@ def test_env_registers_after_the_gate_and_posts_well_formed_groups(
 
 
 def test_prompt_ignoring_policy_scores_a_third(
-        api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
+        our_api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
     """The exploit of EMBEDDED-TASK.md ("10" then EOS whatever the prompt) earns 0.5 or 0.1 per
     completion unless the sum is 10; accuracy shows it for what it is."""
     infer = fake_inference("fixed:10")
-    api.start_trainer(batch_size=8, max_token_len=64)
-    start_env(api.url, infer.url, group_size=4, concurrency=2)
-    groups = [g for _ in range(6) for g in wait_for(api.get_batch, timeout=30, what="a batch")]
+    our_api.start_trainer(batch_size=8, max_token_len=64)
+    start_env(our_api.url, infer.url, group_size=4, concurrency=2)
+    groups = [g for _ in range(6) for g in wait_for(our_api.get_batch, timeout=30, what="a batch")]
     for g in groups:
         check_group(g, 4)
         prompt = g["tokens"][0][1:4]
@@ -188,33 +126,33 @@ def test_bad_options_exit_2(tmp_path: Path, tokenizer_dir: Path) -> None:
 
 
 def test_sequences_longer_than_max_token_len_exit_2(
-        api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
+        our_api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
     infer = fake_inference("oracle")
-    api.start_trainer(batch_size=8, max_token_len=7)  # prompt 5 + max_tokens 3 = 8
-    env = start_env(api.url, infer.url, group_size=4)
+    our_api.start_trainer(batch_size=8, max_token_len=7)  # prompt 5 + max_tokens 3 = 8
+    env = start_env(our_api.url, infer.url, group_size=4)
     assert env.proc.wait(timeout=30) == 2
     assert "do not fit the trainer's max_token_len 7" in env.log.read_text()
     assert infer.stats()["requests"] == 0
 
 
-def test_generate_4xx_exits_1(api: Api, fake_inference: Callable[..., FakeInference],
+def test_generate_4xx_exits_1(our_api: Api, fake_inference: Callable[..., FakeInference],
                               start_env: Callable[..., EnvProc]) -> None:
     infer = fake_inference("oracle", status=400)
-    api.start_trainer(batch_size=8, max_token_len=64)
-    env = start_env(api.url, infer.url, group_size=4)
+    our_api.start_trainer(batch_size=8, max_token_len=64)
+    env = start_env(our_api.url, infer.url, group_size=4)
     assert env.proc.wait(timeout=30) == 1
     assert "/generate answered 400: scripted failure" in env.log.read_text()
 
 
-def test_waits_for_inference_then_serves(api: Api, tmp_path: Path, start_env: Callable[..., EnvProc]) -> None:
+def test_waits_for_inference_then_serves(our_api: Api, tmp_path: Path, start_env: Callable[..., EnvProc]) -> None:
     """An inference server that is not up yet (or restarting) is waited for, visibly."""
-    api.start_trainer(batch_size=8, max_token_len=64)
+    our_api.start_trainer(batch_size=8, max_token_len=64)
     port = free_port()
-    env = start_env(api.url, f"http://127.0.0.1:{port}", group_size=4, concurrency=2)
+    env = start_env(our_api.url, f"http://127.0.0.1:{port}", group_size=4, concurrency=2)
     env.wait_event("generate: retrying")
     infer = start_fake_inference(tmp_path, "oracle", port=port)
     try:
-        batch = wait_for(api.get_batch, timeout=30, what="a batch")
+        batch = wait_for(our_api.get_batch, timeout=30, what="a batch")
         assert all(g["scores"] == [1.0] * 4 for g in batch)
     finally:
         stop_process(infer.proc)
