@@ -61,6 +61,7 @@ class TrajectoryStore:
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
         self._next_seq = 0
         self._next_qpos = 0
+        self.epoch = 0  # bumped by reset: a batch taken before a reset is neither acked nor put back
 
     # ------------------------------------------------------------------ restore
 
@@ -126,6 +127,7 @@ class TrajectoryStore:
         self.queue, self.buffers, self.formed = [], {}, []
         self.latest = None
         self.held = 0
+        self.epoch += 1
         if self.spool is not None:
             self.spool.reset(self.snapshot())
         self._wake()
@@ -281,8 +283,10 @@ class TrajectoryStore:
         self.step += len(formed)
         self.formed.extend(formed)
 
-    def delivered(self, batch: list[Group]) -> None:
+    def delivered(self, batch: list[Group], epoch: int) -> None:
         """The batch's response was fully written: acknowledge it and free its room."""
+        if epoch != self.epoch:
+            return  # taken before a reset, which already forgot it
         self.served_step += 1
         if self.spool is not None:
             self.spool.write_ack(batch, self.served_step)
@@ -290,9 +294,10 @@ class TrajectoryStore:
         self._wake()
         self._on_change()
 
-    def undeliver(self, batch: list[Group]) -> None:
+    def undeliver(self, batch: list[Group], epoch: int) -> None:
         """Writing the batch failed: it is served next."""
-        self.formed.append(batch)
+        if epoch == self.epoch:
+            self.formed.append(batch)
 
     # ------------------------------------------------------------------ status
 

@@ -238,6 +238,7 @@ class ApiServer:
         if store.registration is None:
             return await _json(request, {"status": "error", "message": "Trainer not registered. Call /register first.",
                                          "batch": []})
+        epoch = store.epoch
         try:
             batch = store.take_batch()
         except OSError as exc:
@@ -253,15 +254,15 @@ class ApiServer:
             await resp.write_eof()
         except OSError as exc:
             # The trainer went away mid-response: not delivered, it is the next batch served.
-            store.undeliver(batch)
+            store.undeliver(batch, epoch)
             self.metrics.batch_write_failures.inc()
             log.warning("batch not delivered (connection lost); it is served next", error=str(exc) or repr(exc))
             return resp
         except BaseException:
-            store.undeliver(batch)
+            store.undeliver(batch, epoch)
             self.metrics.batch_write_failures.inc()
             raise
-        store.delivered(batch)
+        store.delivered(batch, epoch)
         self.metrics.batches_served.inc()
         self.metrics.sequences_served.inc(sum(g.n for g in batch))
         return resp
