@@ -213,12 +213,12 @@ def start_env(tmp_path: Path, tokenizer_dir: Path) -> Iterator[Callable[..., Env
     procs: list[subprocess.Popen[bytes]] = []
 
     def start(api_url: str, inference_url: str, *, group_size: int = 4, replica: int = 0,
-              **options: Any) -> EnvProc:
+              tokenizer: Path | None = None, **options: Any) -> EnvProc:
         cfg = env_config(tmp_path, group_size, **options)
         log = tmp_path / f"env-{len(procs)}.log"
         proc = spawn([sys.executable, "-m", "atroposd", "env", "arithmetic", "-c", str(cfg), "--replica",
                       str(replica), "--api-url", api_url, "--inference-url", inference_url,
-                      "--tokenizer", str(tokenizer_dir)], log=log)
+                      "--tokenizer", str(tokenizer or tokenizer_dir)], log=log)
         procs.append(proc)
         return EnvProc(proc, log)
 
