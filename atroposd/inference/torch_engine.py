@@ -261,6 +261,10 @@ class TorchEngine:
         self._paused = True
         self._resumed.clear()
         await self._idle.wait()
+        # A batch whose every client went away still computes: let it finish before the
+        # caller touches the weights (in shared mode the trainer writes them in place).
+        async with self._compute:
+            pass
         return {"paused": True, "weight_version": self.weight_version}
 
     async def resume(self, weight_version: int | None = None) -> dict[str, Any]:
