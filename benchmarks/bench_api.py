@@ -17,7 +17,7 @@ Both servers run as real processes on loopback and get the same load in the same
 Prints a table, the ratios, and one JSON line (``{"benchmark": "api", ...}``).
 Targets: POST ≥ 5× run-api, drain ≥ 20× run-api, memory per queued group ≤ 1/4 of run-api's.
 
-    python benchmarks/bench_api.py [--groups 256] [--clients 8] [--flood] [--no-run-api]
+    python benchmarks/bench_api.py [--groups 256] [--clients 8] [--repeat 3] [--flood] [--spool] [--no-run-api]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import asyncio
 import gzip
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -56,10 +57,11 @@ def free_port() -> int:
 def make_group(tag: int, env_id: int) -> bytes:
     """One gzip'ed ScoredData body: 8 × 512 tokens, a 128-token prompt masked with -100."""
     prompt = 128
-    tokens = [[(tag * 31 + i * 7 + j) % 50000 + 100 for j in range(TOKENS)] for i in range(SEQS)]
+    rng = random.Random(tag)
+    shared = [rng.randrange(100, 150000) for _ in range(prompt)]  # one prompt per group, as in GRPO
+    tokens = [shared + [rng.randrange(100, 150000) for _ in range(TOKENS - prompt)] for _ in range(SEQS)]
     masks = [[-100] * prompt + row[prompt:] for row in tokens]
-    logprobs = [[1.0] * prompt + [-((tag + i + j) % 97) / 37.0 - 0.001 for j in range(TOKENS - prompt)]
-                for i in range(SEQS)]
+    logprobs = [[1.0] * prompt + [-rng.expovariate(2.0) for _ in range(TOKENS - prompt)] for _ in range(SEQS)]
     body = {"tokens": tokens, "masks": masks, "scores": [float(tag)] + [0.5] * (SEQS - 1),
             "inference_logprobs": logprobs, "env_id": env_id, "messages": None,
             "generation_params": {"temperature": 1.0}}
@@ -270,12 +272,14 @@ def main() -> int:
     ap.add_argument("--flood", action="store_true", help="also run the flood mode (atroposd only)")
     ap.add_argument("--no-run-api", action="store_true", help="skip atroposlib's run-api")
     ap.add_argument("--spool", action="store_true", help="also measure atroposd with its spool on")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="rounds (servers interleaved); the best round of each server is reported, which "
+                         "filters out the noise of a shared machine (default 3)")
     args = ap.parse_args()
     groups = args.groups - args.groups % (BATCH // SEQS)
     tmp = Path(tempfile.mkdtemp(prefix="bench-api-"))
     print(f"building {groups} groups of {SEQS} × {TOKENS} tokens ...", file=sys.stderr)
     bodies = [make_group(k, 0) for k in range(groups)]
-    results: list[Result] = []
     flood_out: dict[str, Any] | None = None
     configs: list[tuple[str, list[str]]] = [
         ("atroposd", [sys.executable, "-m", "atroposd", "api", "--port", str(free_port()), "--no-spool",
@@ -288,14 +292,18 @@ def main() -> int:
             print("run-api not installed (pip install atroposlib==0.4.0); skipping it", file=sys.stderr)
         else:
             configs.append(("run-api", [str(RUN_API), "--host", "127.0.0.1", "--port", str(free_port())]))
+    rounds: dict[str, list[Result]] = {name: [] for name, _ in configs}
     try:
-        for name, cmd in configs:
-            server = start(name, cmd, tmp)
-            try:
-                print(f"measuring {name} ...", file=sys.stderr)
-                results.append(asyncio.run(bench(server, bodies, args.clients)))
-            finally:
-                server.stop()
+        for round_ in range(args.repeat):
+            for name, cmd in configs:
+                shutil.rmtree(tmp / "spool", ignore_errors=True)  # each round starts from an empty spool
+                server = start(name, cmd, tmp)
+                try:
+                    print(f"round {round_ + 1}/{args.repeat}: measuring {name} ...", file=sys.stderr)
+                    rounds[name].append(asyncio.run(bench(server, bodies, args.clients)))
+                finally:
+                    server.stop()
+        results = [best(rs) for rs in rounds.values()]
         if args.flood:
             cap, full_wait = 512, 0.5
             server = start("atroposd-flood", [sys.executable, "-m", "atroposd", "api", "--port", str(free_port()),
@@ -310,6 +318,25 @@ def main() -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     report(results, flood_out, groups, args.clients)
     return 0
+
+
+def best(rounds: list[Result]) -> Result:
+    """The best figure of each metric over the rounds (exactly-once must hold in every round)."""
+    out = Result(rounds[0].name)
+    out.post_groups_s = max(r.post_groups_s for r in rounds)
+    out.post_p50_ms = min(r.post_p50_ms for r in rounds)
+    out.post_p99_ms = min(r.post_p99_ms for r in rounds)
+    out.post_cpu_ms_per_group = min(r.post_cpu_ms_per_group for r in rounds)
+    out.drain_groups_s = max(r.drain_groups_s for r in rounds)
+    out.drain_cpu_ms_per_batch = min(r.drain_cpu_ms_per_batch for r in rounds)
+    out.drain_p50_ms = min(r.drain_p50_ms for r in rounds)
+    out.mem_per_group_kb = min(r.mem_per_group_kb for r in rounds)
+    out.lost = max(r.lost for r in rounds)
+    out.duplicated = max(r.duplicated for r in rounds)
+    out.exactly_once = all(r.exactly_once for r in rounds)
+    out.extra = {"rounds": len(rounds), "post_groups_s_all": [round(r.post_groups_s, 1) for r in rounds],
+                 "drain_groups_s_all": [round(r.drain_groups_s, 1) for r in rounds]}
+    return out
 
 
 def report(results: list[Result], flood_out: dict[str, Any] | None, groups: int, clients: int) -> None:
