@@ -37,23 +37,24 @@ def check_group(group: dict[str, Any], group_size: int) -> None:
 def test_env_registers_after_the_gate_and_posts_well_formed_groups(
         api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
     infer = fake_inference("oracle")
-    api.register_trainer(batch_size=8, max_token_len=64)
-    env = start_env(api.url, infer.url, group_size=4, concurrency=2)
+    api.register_trainer(batch_size=16, max_token_len=64)
+    # Groups of 8 make bodies over 1 KiB: the client gzips them, as atroposlib's environments do.
+    env = start_env(api.url, infer.url, group_size=8, concurrency=2)
     # Until the trainer's first GET /batch the API says "wait for trainer to start": no rollouts.
     env.wait_event("register-env: retrying")
     assert infer.stats()["requests"] == 0
     api.get_batch()
     env.wait_event("registered")
     batch = wait_for(api.get_batch, timeout=30, what="a batch")
-    assert sum(len(g["tokens"]) for g in batch) == 8
+    assert sum(len(g["tokens"]) for g in batch) == 16
     for group in batch:
-        check_group(group, 4)
+        check_group(group, 8)
         assert group["env_id"] == 0
-        assert group["scores"] == [1.0] * 4  # the oracle is always exactly right
+        assert group["scores"] == [1.0] * 8  # the oracle is always exactly right
         ext = group["group_overrides"]["atroposd"]
         assert ext == {"weight_version": 0, "accuracy": 1.0, "reward_mean": 1.0, "env": "arithmetic-0"}
     body = infer.stats()["bodies"][0]
-    assert body["n"] == 4 and body["max_tokens"] == 3 and body["temperature"] == 1.0
+    assert body["n"] == 8 and body["max_tokens"] == 3 and body["temperature"] == 1.0
     assert body["logprobs"] == 0 and isinstance(body["seed"], int)
     assert body["prompt"]["prompt_token_ids"][0] == 1
 
@@ -106,6 +107,16 @@ def test_sigterm_abandons_generation_disconnects_and_exits_zero(
     assert env.count("disconnected") == 1
     assert env.count("environment stopped") == 1
     assert api.status()["queue_size"] == 0
+
+
+def test_sigterm_while_waiting_for_the_trainer_exits_zero(
+        our_api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
+    infer = fake_inference("oracle")
+    env = start_env(our_api.url, infer.url, group_size=4)
+    env.wait_event("register-env: retrying")
+    os.kill(env.proc.pid, signal.SIGTERM)
+    assert env.proc.wait(timeout=15) == 0
+    assert env.count("environment stopped") == 1 and env.count("disconnected") == 0
 
 
 def test_bad_options_exit_2(tmp_path: Path, tokenizer_dir: Path) -> None:
