@@ -296,6 +296,8 @@ class Daemon:
         from atroposd.models.resolve import resolve_model, resolve_tokenizer
 
         self._set_status("resolving the model")
+        # Building builtin:tiny or reading a large model can take minutes on a first start.
+        self.notifier.extend_timeout(600)
         try:
             model = await anyio.to_thread.run_sync(resolve_model, self.cfg)
             tokenizer = await anyio.to_thread.run_sync(resolve_tokenizer, self.cfg)

@@ -216,3 +216,40 @@ def test_logs_of_the_daemon(job: Job, name: str) -> None:
     assert job.cli("logs", "nope").returncode == 2
     assert job.cli("stop").returncode == 0
     assert "daemon exits" in Path(job.state_dir / "logs" / "daemon.log").read_text()
+
+
+def test_logs_follow_across_rotation_until_the_daemon_stops(job: Job) -> None:
+    import subprocess
+    import sys
+
+    from tests.support import REPO
+
+    job.write(**base_sections(job.dir, [env("ticker", script("ticker.py", "0.05"))],
+                              daemon={"log_max_bytes": 4096, "log_backups": 3}))
+    assert job.cli("start").returncode == 0
+    follower = subprocess.Popen([sys.executable, "-m", "atroposd", "logs", "ticker-0", "-f", "-n", "0", "-c",
+                                 str(job.config)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert follower.stdout is not None
+        first = follower.stdout.readline()  # following has begun
+        assert first.startswith("tick ")
+        log = job.state_dir / "logs" / "ticker-0.log"
+
+        def last_tick() -> int:
+            return max(int(ln.split()[1]) for ln in log.read_text().splitlines() if ln.startswith("tick "))
+
+        # ~20 lines fill a 4096-byte file: 45 more lines is at least two rotations
+        wait_for(lambda: last_tick() > int(first.split()[1]) + 45, timeout=30, what="two rotations")
+        assert job.cli("stop").returncode == 0
+        follower.wait(30)  # it ends when the daemon is gone (what it printed fits the pipe)
+        out = first + follower.stdout.read()  # the text buffer, not the raw pipe: readline() filled it
+        assert follower.returncode == 0
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait()
+        if follower.stdout is not None:
+            follower.stdout.close()
+    ticks = [int(line.split()[1]) for line in out.splitlines() if line.startswith("tick ")]
+    assert len(ticks) > 45
+    assert ticks == list(range(ticks[0], ticks[0] + len(ticks))), "lines lost or repeated across rotation"
