@@ -20,20 +20,16 @@ needed); CUDA IPC handles only travel through the 0600 manifest and Unix socket.
   engine's processes (vLLM's EngineCore has no parent-death detection): every other member
   of this process's group when it leads one, else its descendants.
 
-The module imports no vLLM at import time. :func:`main` is a self-contained HTTP front
-(TCP ``/health`` + ``/generate``, Unix control socket) used by ``python -m
-atroposd.inference.vllm_engine``; the shared inference server can host :class:`VllmEngine`
-instead, through the same methods.
+The module imports no vLLM at import time. The inference server's front
+(``atroposd inference --engine vllm``, :mod:`atroposd.inference.server`) hosts
+:class:`VllmEngine` through the same methods as the torch engine.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
-import signal
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -42,9 +38,10 @@ from typing import Any
 
 import orjson
 
+from atroposd.inference import schema
 from atroposd.logs import get_logger
 
-__all__ = ["AtroposdWorkerExtension", "BadRequest", "VllmEngine", "main"]
+__all__ = ["AtroposdWorkerExtension", "BadRequest", "VllmEngine"]
 
 log = get_logger(__name__)
 
@@ -52,7 +49,7 @@ WORKER_EXTENSION = "atroposd.inference.vllm_engine.AtroposdWorkerExtension"
 CPU_DEFAULT_MEMORY_FRACTION = 0.2
 
 
-class BadRequest(ValueError):
+class BadRequest(schema.BadRequest):
     """A /generate request that must be answered with HTTP 400 and this message."""
 
 
@@ -166,9 +163,10 @@ class VllmEngine:
     def __init__(self, *, model: str, tokenizer: str | None = None, dtype: str = "auto", device: str = "cpu",
                  max_model_len: int = 4096, gpu_memory_utilization: float = 0.0, enforce_eager: bool = False,
                  extra_args: list[str] | None = None, receiver: Any = None, seed: int = 0,
-                 await_weights: bool = False) -> None:
+                 await_weights: bool = False, lora_rank: int | None = None) -> None:
         self.model = model
-        self.tokenizer = tokenizer or model
+        # A path, not a tokenizer object: the front loads its own tokenizer from the config.
+        self.tokenizer_path = tokenizer or model
         self.dtype = dtype
         self.device = device
         self.max_model_len = max_model_len
@@ -179,6 +177,8 @@ class VllmEngine:
         self.seed = seed
         self.weight_version = 0
         self.engine: Any = None
+        self._starting: asyncio.Future[Any] | None = None
+        self.awaiting_weights = await_weights
         self._paused = await_weights
         self._resumed = asyncio.Event()
         if not await_weights:
@@ -189,6 +189,10 @@ class VllmEngine:
         self._expected: tuple[dict[str, Any], dict[str, str]] | None = None
         self._update_lock = asyncio.Lock()
         self.updates = 0
+        # LoRA (trainer.mode = "lora"): adapters arrive through reload; generations use the newest.
+        self.lora_rank = lora_rank
+        self._lora: Any = None  # the current LoRARequest
+        self._lora_ids = 0
 
     @classmethod
     def from_config(cls, cfg: Any, *, receiver: Any = None, await_weights: bool = False) -> VllmEngine:
@@ -197,18 +201,21 @@ class VllmEngine:
         ``receiver`` defaults to ``ReceiverState.from_config(cfg)`` (nonce from
         ``ATROPOSD_INSTANCE``).
         """
+        from atroposd.models.resolve import resolve_model, resolve_tokenizer
         from atroposd.weights.receiver import ReceiverState
 
         inf = cfg.inference
-        model = _resolve_model(cfg)
+        model = str(resolve_model(cfg))
+        tokenizer = str(resolve_tokenizer(cfg))
         device = inf.device
         if device == "auto":
             device = "cuda" if _cuda_available() else "cpu"
-        return cls(model=model, tokenizer=inf.tokenizer or None, dtype=inf.dtype, device=device,
+        return cls(model=model, tokenizer=tokenizer, dtype=inf.dtype, device=device,
                    max_model_len=inf.max_model_len, gpu_memory_utilization=inf.vllm.gpu_memory_utilization,
                    enforce_eager=inf.vllm.enforce_eager, extra_args=list(inf.vllm.extra_args),
                    receiver=receiver if receiver is not None else ReceiverState.from_config(cfg),
-                   seed=cfg.trainer.seed, await_weights=await_weights)
+                   seed=cfg.trainer.seed, await_weights=await_weights,
+                   lora_rank=cfg.trainer.lora_r if cfg.trainer.enabled and cfg.trainer.mode == "lora" else None)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -219,7 +226,7 @@ class VllmEngine:
         parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
         ns = parser.parse_args(["--model", self.model, *self.extra_args])
         args = AsyncEngineArgs.from_cli_args(ns)
-        args.tokenizer = self.tokenizer
+        args.tokenizer = self.tokenizer_path
         args.dtype = _resolve_dtype(self.dtype, self.device)
         args.max_model_len = self.max_model_len
         on_cpu = self.device == "cpu"
@@ -230,6 +237,12 @@ class VllmEngine:
         args.worker_extension_cls = WORKER_EXTENSION
         args.seed = self.seed
         args.disable_log_stats = True
+        if self.lora_rank is not None:
+            ranks = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+            args.enable_lora = True
+            args.max_lora_rank = next((r for r in ranks if r >= self.lora_rank), ranks[-1])
+            args.max_loras = 1
+            args.max_cpu_loras = 2
         return args
 
     async def start(self) -> None:
@@ -238,17 +251,27 @@ class VllmEngine:
         args = self.engine_args()
         log.info("starting vLLM", model=self.model, dtype=args.dtype, device=self.device,
                  memory_fraction=args.gpu_memory_utilization)
-        self.engine = AsyncLLM.from_engine_args(args)
-        self._expected = _expected_tensors(self.model, args.dtype if args.dtype != "auto" else "float32")
+        self._expected = await asyncio.to_thread(_expected_tensors, self.model,
+                                                 args.dtype if args.dtype != "auto" else "float32")
+        # Built in a thread: the start takes a minute on a CPU, and meanwhile the front must keep
+        # answering /health (503) and its signals. A stop during the start cancels this
+        # coroutine but not the thread; close() waits for the engine and shuts it down.
+        self._starting = asyncio.get_running_loop().run_in_executor(None, AsyncLLM.from_engine_args, args)
+        self.engine = await asyncio.shield(self._starting)
+        self._starting = None
 
     async def close(self, timeout: float = 1.5) -> None:
-        """Shut the engine down; then kill what is left of its processes."""
+        """Shut the engine down (waiting for one still starting); then kill what is left of its processes."""
         engine, self.engine = self.engine, None
-        if engine is not None:
-            try:
+        starting, self._starting = self._starting, None
+        try:
+            if engine is None and starting is not None:
+                with contextlib.suppress(Exception):
+                    engine = await starting
+            if engine is not None:
                 await asyncio.to_thread(engine.shutdown, timeout)
-            finally:
-                _kill_leftovers()
+        finally:
+            _kill_leftovers()
 
     async def check_health(self) -> None:
         if self.engine is None:
@@ -280,7 +303,7 @@ class VllmEngine:
         async with self._admitted(bypass_pause) as version:
             final = None
             async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params,
-                                                  request_id=f"gen-{uuid.uuid4().hex}"):
+                                                  request_id=f"gen-{uuid.uuid4().hex}", lora_request=self._lora):
                 final = out
         assert final is not None
         return _response(final, version, want_prompt_logprobs=kw.get("prompt_logprobs") is not None)
@@ -297,6 +320,9 @@ class VllmEngine:
     async def resume(self, weight_version: int | None = None) -> dict[str, Any]:
         if weight_version is not None:
             self.weight_version = int(weight_version)
+        if self.awaiting_weights and not self.updates:
+            log.warning("resumed before any weights arrived; serving the weights loaded at start")
+        self.awaiting_weights = False
         self._paused = False
         self._resumed.set()
         return {"paused": False, "weight_version": self.weight_version}
@@ -332,9 +358,7 @@ class VllmEngine:
             raise WeightUpdateError(str(exc)) from None
         async with self._update_lock:
             t0 = time.perf_counter()
-            results = await self.engine.collective_rpc("atroposd_reload_from_manifest",
-                                                       args=(manifest.to_json().decode(),))
-            await self.engine.reset_prefix_cache()
+            results = await self._worker_call("atroposd_reload_from_manifest", manifest.to_json().decode())
         self.updates += 1
         stats = orjson.loads(results[0])
         log.info("weights updated", weight_version=manifest.weight_version, seconds=time.perf_counter() - t0,
@@ -353,50 +377,81 @@ class VllmEngine:
         file, version, exported, tied, lora = inspect_sync_dir(request["path"], request.get("weight_version"),
                                                                self.receiver)
         if lora is not None:
-            raise WeightUpdateError("LoRA adapters are not supported by the vLLM engine yet")
+            return await self._load_adapter(file.parent, version, lora)
+        if self.lora_rank is not None:
+            raise WeightUpdateError("this engine serves LoRA adapters (trainer.mode = \"lora\"); the sync "
+                                    "directory holds a full model")
         expected, my_tied = self._expected or ({}, {})
         try:
             match_tensors(exported, tied, expected, my_tied)
         except ManifestError as exc:
             raise WeightUpdateError(str(exc)) from None
         async with self._update_lock:
-            results = await self.engine.collective_rpc("atroposd_reload_from_file", args=(str(file),))
-            await self.engine.reset_prefix_cache()
+            results = await self._worker_call("atroposd_reload_from_file", str(file))
         self.updates += 1
         return {"weight_version": version, "mode": "load", "export_id": None, **orjson.loads(results[0])}
 
-    def _require_paused(self) -> None:
+    async def _load_adapter(self, directory: Path, version: int, spec: Mapping[str, Any]) -> dict[str, Any]:
+        """Serve the adapter of a LoRA sync directory; the previous adapter is dropped."""
+        from vllm.lora.request import LoRARequest
+
+        from atroposd.weights.receiver import ADAPTER_DIR, WeightUpdateError
+
+        if self.lora_rank is None:
+            raise WeightUpdateError("a LoRA adapter arrived but this engine was started without LoRA "
+                                    "(trainer.mode is not \"lora\")")
+        if int(spec["r"]) > self.lora_rank:
+            raise WeightUpdateError(f"adapter rank {spec['r']} exceeds the engine's lora rank {self.lora_rank}")
+        adapter = directory / ADAPTER_DIR
+        if not (adapter / "adapter_config.json").is_file():
+            raise WeightUpdateError(f"{adapter} holds no PEFT adapter (adapter_config.json missing)")
+        self._lora_ids += 1
+        request = LoRARequest(lora_name=f"atroposd-v{version}-{self._lora_ids}", lora_int_id=self._lora_ids,
+                              lora_path=str(adapter))
+        async with self._update_lock:
+            try:
+                await self.engine.add_lora(request)
+            except Exception as exc:  # vLLM reports a bad adapter with its own exception types
+                raise WeightUpdateError(f"vLLM refused the adapter {adapter}: {exc}") from exc
+            previous, self._lora = self._lora, request
+            if previous is not None:
+                await self.engine.remove_lora(previous.lora_int_id)
+            await self.engine.reset_prefix_cache()
+        self.updates += 1
+        return {"weight_version": version, "mode": "load", "export_id": None, "adapter": str(adapter)}
+
+    async def _worker_call(self, method: str, arg: str) -> list[Any]:
+        """Run a worker-extension method on every worker, then drop the prefix cache.
+
+        The worker reads and checks every tensor before it reloads anything, so a failure
+        there (a segment gone, a checksum off) leaves the served weights as they were; it is
+        answered as a refused update, naming the cause.
+        """
         from atroposd.weights.receiver import WeightUpdateError
 
+        try:
+            results: list[Any] = await self.engine.collective_rpc(method, args=(arg,))
+        except Exception as exc:  # vLLM wraps the worker's exception in its own types
+            raise WeightUpdateError(f"the vLLM worker refused the update: {exc}") from exc
+        await self.engine.reset_prefix_cache()
+        return results
+
+    def _require_paused(self) -> None:
+        from atroposd.inference.torch_engine import NotPaused
+
         if not self._paused or self._inflight:
-            raise WeightUpdateError("pause generation before updating weights (POST /pause)")
+            raise NotPaused("pause generation before updating weights (POST /pause)")
 
     async def weight_info(self) -> dict[str, Any]:
         return {"weight_version": self.weight_version, "paused": self._paused, "attached": False,
-                "updates": self.updates, "engine": self.name}
+                "updates": self.updates, "awaiting_weights": self.awaiting_weights, "engine": self.name,
+                "pid": os.getpid()}
 
 
 def _cuda_available() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
-
-
-def _resolve_model(cfg: Any) -> str:
-    """A local model directory for ``cfg.inference.model`` (``builtin:tiny`` is built on demand)."""
-    model = cfg.inference.model
-    if not model.startswith("builtin:"):
-        return str(model)
-    import importlib
-
-    try:
-        tiny = importlib.import_module("atroposd.models.tiny")  # built by the models package
-    except ImportError as exc:
-        raise RuntimeError(f"cannot resolve {model!r}: atroposd.models.tiny is not available ({exc})") from None
-    resolve = getattr(tiny, "resolve_model", None) or getattr(tiny, "ensure_builtin_model", None)
-    if resolve is None:
-        raise RuntimeError(f"cannot resolve {model!r}: atroposd.models.tiny has no resolve_model")
-    return str(resolve(cfg))
 
 
 def _resolve_dtype(dtype: str, device: str) -> str:
@@ -550,190 +605,3 @@ def _response(out: Any, version: int, *, want_prompt_logprobs: bool) -> dict[str
                 pl.append({str(k): float(v.logprob) for k, v in entry.items()})
         body["prompt_logprobs"] = pl
     return body
-
-
-# ---------------------------------------------------------------------------- standalone HTTP front
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m atroposd.inference.vllm_engine",
-                                description="The vLLM engine behind atroposd's /generate front.")
-    p.add_argument("-c", "--config", metavar="FILE", help="atroposd config: [inference] fills the defaults")
-    p.add_argument("--model")
-    p.add_argument("--tokenizer")
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
-    p.add_argument("--control-socket", required=True, help="Unix socket for the weight-control routes (0600)")
-    p.add_argument("--dtype")
-    p.add_argument("--device")
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--gpu-memory-utilization", type=float)
-    p.add_argument("--enforce-eager", action="store_true", default=None)
-    p.add_argument("--weights-dir", help="runtime_dir/weights (manifests)")
-    p.add_argument("--sync-dir", help="state_dir/sync (reload mode)")
-    p.add_argument("--await-weights", action="store_true", help="start paused until the first /resume")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--log-level")
-    p.add_argument("extra_args", nargs="*", help="extra vLLM engine arguments (after --)")
-    return p
-
-
-def _config_with_overrides(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
-    """The config (``-c``, else the built-in defaults) with the command line's overrides."""
-    from atroposd.config import ConfigError, load_config
-
-    try:
-        cfg = load_config(args.config, discover=bool(args.config))
-    except ConfigError as exc:
-        parser.exit(2, f"{exc}\n")
-    inf = cfg.inference
-    inf.engine = "vllm"
-    for flag, attr in (("model", "model"), ("tokenizer", "tokenizer"), ("host", "host"), ("port", "port"),
-                       ("dtype", "dtype"), ("device", "device"), ("max_model_len", "max_model_len")):
-        value = getattr(args, flag)
-        if value is not None:
-            setattr(inf, attr, value)
-    if args.gpu_memory_utilization is not None:
-        inf.vllm.gpu_memory_utilization = args.gpu_memory_utilization
-    if args.enforce_eager:
-        inf.vllm.enforce_eager = True
-    if args.seed is not None:
-        cfg.trainer.seed = args.seed
-    return cfg
-
-
-def _set_parent_death_signal(sig: int) -> None:
-    """PR_SET_PDEATHSIG: get ``sig`` when the parent dies (Linux)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    pr_set_pdeathsig = 1
-    libc.prctl(pr_set_pdeathsig, sig, 0, 0, 0)
-
-
-async def serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
-    from atroposd.weights.receiver import ReceiverState, WeightUpdateError
-
-    cfg = args.cfg
-    receiver = ReceiverState.from_config(cfg)
-    if args.weights_dir:
-        receiver.weights_dir = Path(args.weights_dir)
-    if args.sync_dir:
-        receiver.sync_dir = Path(args.sync_dir)
-    engine = VllmEngine.from_config(cfg, receiver=receiver, await_weights=args.await_weights)
-    engine.extra_args += list(args.extra_args)
-    host, port = cfg.inference.host, cfg.inference.port
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-
-    def dumps(obj: Any) -> str:
-        return orjson.dumps(obj).decode()
-
-    async def read_json(request: web.Request) -> Any:
-        try:
-            return orjson.loads(await request.read() or b"{}")
-        except orjson.JSONDecodeError as exc:
-            raise web.HTTPBadRequest(text=dumps({"error": f"invalid JSON: {exc}"}),
-                                     content_type="application/json") from None
-
-    def error(status: int, msg: str) -> web.Response:
-        return web.json_response({"error": msg}, status=status, dumps=dumps)
-
-    async def health(_: web.Request) -> web.Response:
-        try:
-            await engine.check_health()
-        except Exception as exc:  # EngineDeadError and friends: report, do not crash the front
-            return error(503, f"engine unhealthy: {exc!r}")
-        return web.json_response({"status": "ok"}, dumps=dumps)
-
-    async def generate(request: web.Request, bypass: bool = False) -> web.Response:
-        body = await read_json(request)
-        try:
-            return web.json_response(await engine.generate(body, bypass_pause=bypass), dumps=dumps)
-        except BadRequest as exc:
-            return error(400, str(exc))
-
-    async def probe(request: web.Request) -> web.Response:
-        return await generate(request, bypass=True)
-
-    async def pause(_: web.Request) -> web.Response:
-        return web.json_response(await engine.pause(), dumps=dumps)
-
-    async def resume(request: web.Request) -> web.Response:
-        body = await read_json(request)
-        version = body.get("weight_version")
-        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
-            return error(400, "weight_version must be an integer")
-        return web.json_response(await engine.resume(version), dumps=dumps)
-
-    async def update(request: web.Request) -> web.Response:
-        try:
-            return web.json_response(await engine.update_weights(await read_json(request)), dumps=dumps)
-        except WeightUpdateError as exc:
-            return error(400, str(exc))
-
-    async def load(request: web.Request) -> web.Response:
-        try:
-            return web.json_response(await engine.load_weights(await read_json(request)), dumps=dumps)
-        except WeightUpdateError as exc:
-            return error(400, str(exc))
-
-    async def info(_: web.Request) -> web.Response:
-        return web.json_response(await engine.weight_info(), dumps=dumps)
-
-    await engine.start()
-    tcp = web.Application(client_max_size=64 * 1024 * 1024)
-    tcp.router.add_get("/health", health)
-    tcp.router.add_post("/generate", generate)
-    control = web.Application(client_max_size=1024 * 1024)
-    control.router.add_post("/pause", pause)
-    control.router.add_post("/resume", resume)
-    control.router.add_post("/update_weights", update)
-    control.router.add_post("/load", load)
-    control.router.add_get("/weight_info", info)
-    control.router.add_post("/probe_generate", probe)
-    runners = [web.AppRunner(tcp, access_log=None), web.AppRunner(control, access_log=None)]
-    try:
-        for r in runners:
-            await r.setup()
-        await web.TCPSite(runners[0], host, port).start()
-        sock = str(args.control_socket)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(sock)
-        old_umask = os.umask(0o177)
-        try:
-            await web.UnixSite(runners[1], sock).start()
-        finally:
-            os.umask(old_umask)
-        os.chmod(sock, 0o600)
-        log.info("vLLM engine serving", host=host, port=port, control_socket=sock)
-        await stop.wait()
-        log.info("stopping")
-    finally:
-        for r in reversed(runners):
-            await r.cleanup()
-        await engine.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(str(args.control_socket))
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    from atroposd.logs import configure_logging
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args.cfg = _config_with_overrides(args, parser)
-    configure_logging(args.log_level or args.cfg.daemon.log_level, args.cfg.daemon.log_format,
-                      component="inference")
-    if os.getppid() != 1:
-        _set_parent_death_signal(signal.SIGTERM)
-    return asyncio.run(serve(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -87,25 +87,46 @@ async def test_generation_during_a_step_carries_one_version(dirs: dict[str, Path
         sync.close()
 
 
+@pytest.mark.parametrize("mode", ["shared", pytest.param("push", marks=pytest.mark.slow),
+                                  pytest.param("reload", marks=pytest.mark.slow)])
 async def test_killed_server_keeps_trainer_segments_and_restart_reattaches(
-        dirs: dict[str, Path], nonce: str, child_factory: ChildFactory) -> None:
+        dirs: dict[str, Path], nonce: str, child_factory: ChildFactory, mode: str) -> None:
+    """kill -9 of the inference server with a generation in flight, mid-training."""
     child = child_factory.start()
     model = make_model(0)
-    sync = _shared(dirs, nonce, child)
+    sync = _make(mode, dirs, nonce, child)
     try:
         await sync.attach(model, 0)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         segments = list_segments(f"atroposd-{nonce}-")
-        assert segments
-        os.kill(child.proc.pid, signal.SIGKILL)
-        child.proc.wait(10)
+        assert bool(segments) == (mode != "reload")
+        # A generation is held in the server (paused), then the server is killed under it.
+        await child.call("POST", "/pause")
+        async with anyio.create_task_group() as tg:
+            failed = anyio.Event()
+
+            async def ask() -> None:
+                from atroposd.weights.client import WeightControlError
+
+                with pytest.raises(WeightControlError):
+                    await child.logprobs()
+                failed.set()
+
+            tg.start_soon(ask)
+            with anyio.fail_after(30):
+                while (await child.call("GET", "/weight_info"))["waiting"] != 1:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+            os.kill(child.proc.pid, signal.SIGKILL)
+            child.proc.wait(10)
+            with anyio.fail_after(30):
+                await failed.wait()
         assert list_segments(f"atroposd-{nonce}-") == segments  # nothing unlinked by the dead server
-        # Training goes on while the server is away (pause/resume are skipped).
-        async with sync.paused(1):
-            train_step(model, opt)
+        # Training goes on while the server is away (pause, resume and syncs are skipped).
+        for v in (1, 2):
+            async with sync.paused(v):
+                train_step(model, opt)
+            await sync.after_step(model, v)
         assert not sync.server_current
-        async with sync.paused(2):
-            train_step(model, opt)
         restarted = child_factory.start()
         sync.control_socket = restarted.socket
         await sync.reattach(model, 2)
@@ -115,6 +136,15 @@ async def test_killed_server_keeps_trainer_segments_and_restart_reattaches(
         assert list_segments(f"atroposd-{nonce}-") == segments  # re-exported, not re-created
     finally:
         sync.close()
+    assert not list_segments(f"atroposd-{nonce}-")
+
+
+def _make(mode: str, dirs: dict[str, Path], nonce: str, child: Child) -> PushSync | ReloadSync | SharedSync:
+    if mode == "push":
+        return PushSync(nonce=nonce, weights_dir=dirs["weights"], control_socket=child.socket)
+    if mode == "reload":
+        return ReloadSync(sync_dir=dirs["sync"], control_socket=child.socket)
+    return _shared(dirs, nonce, child)
 
 
 @pytest.mark.parametrize("mode", ["push", "reload"])
@@ -200,14 +230,14 @@ async def _leak_run(dirs: dict[str, Path], nonce: str, child_factory: ChildFacto
                     params[v % len(params)].add_(1e-4)
             await sync.after_step(model, v)
         mine0, theirs0 = own_resources(), await child.call("GET", "/resources")
-        segs0 = list_segments("atroposd-")
+        segs0 = list_segments(f"atroposd-{nonce}-")
         for v in range(warm + 1, warm + syncs + 1):
             async with sync.paused(v):
                 with torch.no_grad():
                     params[v % len(params)].add_(1e-4)
             await sync.after_step(model, v)
         mine1, theirs1 = own_resources(), await child.call("GET", "/resources")
-        assert list_segments("atroposd-") == segs0
+        assert list_segments(f"atroposd-{nonce}-") == segs0
         assert mine1["fds"] == mine0["fds"] and mine1["shm_maps"] == mine0["shm_maps"]
         assert theirs1["fds"] == theirs0["fds"] and theirs1["shm_maps"] == theirs0["shm_maps"]
         # steady memory: well under one model copy (1.3 MB) per 100 syncs
