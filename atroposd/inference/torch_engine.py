@@ -44,6 +44,7 @@ __all__ = ["BadRequest", "NotPaused", "TorchEngine"]
 log = get_logger("inference.torch")
 
 MAX_BATCH_ROWS = 256
+BATCH_WINDOW = 0.003  # seconds a partial batch may wait for the rest of its group
 
 
 def _weight_update_error() -> type[ValueError]:
@@ -75,7 +76,7 @@ class TorchEngine:
     def __init__(self, *, model_dir: Path, tokenizer_dir: Path | None = None, dtype: str = "auto",
                  device: str = "auto", max_model_len: int = 4096, seed: int = 0, receiver: Any = None,
                  await_weights: bool = False, threads: int | None = None,
-                 max_batch_rows: int = MAX_BATCH_ROWS) -> None:
+                 max_batch_rows: int = MAX_BATCH_ROWS, batch_window: float = BATCH_WINDOW) -> None:
         self.model_dir = Path(model_dir)
         self.tokenizer_dir = Path(tokenizer_dir or model_dir)
         self.dtype_name = dtype
@@ -85,6 +86,8 @@ class TorchEngine:
         self.receiver = receiver  # atroposd.weights.receiver.ReceiverState
         self.threads = threads
         self.max_batch_rows = max_batch_rows
+        self.batch_window = batch_window
+        self._last_rows = 0
         self.model: Any = None
         self.tokenizer: Any = None
         self.vocab_size = 0
@@ -205,8 +208,7 @@ class TorchEngine:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            # Let handlers that are already runnable enqueue too: they then join this batch.
-            await asyncio.sleep(0)
+            await self._gather()
             jobs = self._take_batch()
             if not jobs:
                 continue
@@ -225,6 +227,28 @@ class TorchEngine:
                 if not job.future.done():  # a client that went away cancelled its future
                     job.future.set_result(result)
 
+    async def _gather(self) -> None:
+        """Give requests sent together a moment to arrive together.
+
+        Clients such as an environment send a group's requests at once, but over separate
+        connections they reach the queue a little apart. While fewer rows are queued than the
+        last batch had, wait up to ``batch_window`` seconds for more, so the group is decoded
+        as one batch instead of two.
+        """
+        await asyncio.sleep(0)  # handlers that are already runnable enqueue first
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.batch_window
+        while self._queued_rows() < self._last_rows:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), left)
+
+    def _queued_rows(self) -> int:
+        return sum(j.rows for j in self._queue if not j.future.done())
+
     def _take_batch(self) -> list[_Job]:
         jobs: list[_Job] = []
         rows = 0
@@ -237,6 +261,8 @@ class TorchEngine:
                 break
             jobs.append(self._queue.pop(0))
             rows += job.rows
+        if jobs:
+            self._last_rows = rows
         return jobs
 
     def _run_batch(self, jobs: list[_Job]) -> list[dict[str, Any]]:
