@@ -25,11 +25,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
 import torch
 
 __all__ = ["BatchError", "MicroBatch", "RolloutBatch", "SequenceRow", "group_advantages", "prepare_batch"]
 
 IGNORE = -100
+
+log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
 
 class BatchError(ValueError):
@@ -215,7 +218,6 @@ def _pad(rows: Sequence[SequenceRow]) -> MicroBatch:
 def prepare_batch(groups: Sequence[Mapping[str, Any]], *, micro_batch_size: int, max_token_len: int,
                   adv_std_floor: float, use_distill: bool = False) -> RolloutBatch:
     """Validate the groups, compute advantages and pad into micro-batches of ≤ micro_batch_size."""
-    from atroposd.logs import get_logger
 
     rows: list[SequenceRow] = []
     scores: list[float] = []
@@ -228,7 +230,7 @@ def prepare_batch(groups: Sequence[Mapping[str, Any]], *, micro_batch_size: int,
                                         use_distill=use_distill)
         except (BatchError, TypeError, ValueError) as exc:
             rejected += 1
-            get_logger("trainer").warning("group rejected", group=gi, reason=str(exc))
+            log.warning("group rejected", group=gi, reason=str(exc))
             continue
         rows.extend(group_rows)
         scores.extend(float(s) for s in group["scores"])

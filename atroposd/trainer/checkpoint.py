@@ -29,14 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
-
-from atroposd.logs import get_logger
 
 __all__ = ["FORMAT_VERSION", "CheckpointError", "Restored", "clean_partial", "complete_checkpoints",
            "latest_checkpoint", "load_checkpoint", "prune", "rng_state", "save_checkpoint", "set_rng_state"]
 
-log = get_logger("trainer")
+log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
 FORMAT_VERSION = 1
 STATE_FILE = "trainer_state.pt"

@@ -23,13 +23,12 @@ from typing import Any
 import aiohttp
 import anyio
 import orjson
+import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-
-from atroposd.logs import get_logger
 
 __all__ = ["BatchFeed", "DataTimeout"]
 
-log = get_logger("trainer")
+log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
 POLL_MIN_S = 0.005
 POLL_MAX_S = 0.25

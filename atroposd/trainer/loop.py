@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import structlog
 import torch
 
-from atroposd.logs import get_logger
 from atroposd.trainer.batch import BatchError, RolloutBatch, prepare_batch
 from atroposd.trainer.checkpoint import CheckpointError, rng_state, save_checkpoint
 from atroposd.trainer.feed import BatchFeed
@@ -24,7 +24,7 @@ from atroposd.trainer.metrics import MetricsWriter
 
 __all__ = ["Checkpointer", "Progress", "TrainerError", "TrainingLoop"]
 
-log = get_logger("trainer")
+log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
 # This many non-finite steps in a row means the run is broken, not unlucky: stop it.
 MAX_CONSECUTIVE_SKIPS = 50

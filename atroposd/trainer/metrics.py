@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-
-from atroposd.logs import get_logger
+import structlog
 
 __all__ = ["MetricsWriter", "read_metrics"]
 
-log = get_logger("trainer")
+log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
 
 class MetricsWriter:

@@ -25,14 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
-
-from atroposd.logs import get_logger
 
 __all__ = ["ModelLoadError", "Policy", "check_rotary", "check_tokenizers", "load_policy", "resolve_device",
            "resolve_dtype", "token_logprobs"]
 
-log = get_logger("trainer")
+log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import structlog
 from anyio.abc import TaskStatus
 
 from atroposd.config import Config
-from atroposd.logs import get_logger
 from atroposd.paths import Paths
 
 if sys.version_info < (3, 11):  # pragma: no cover - exercised only on 3.10
@@ -30,7 +30,7 @@ if sys.version_info < (3, 11):  # pragma: no cover - exercised only on 3.10
 
 __all__ = ["TrainerOutcome", "TrainerService"]
 
-log = get_logger("trainer")
+log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
 INFO_TIMEOUT_S = 10.0
 

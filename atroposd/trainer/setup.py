@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 
 from atroposd.config import Config, to_dict
-from atroposd.logs import get_logger
 from atroposd.paths import Paths
 from atroposd.trainer.checkpoint import (
     CheckpointError,
@@ -32,7 +32,7 @@ from atroposd.trainer.optim import build_optimizer, build_scheduler
 
 __all__ = ["ResumeError", "Setup", "build_learner", "load_for_training"]
 
-log = get_logger("trainer")
+log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
 # Resume refuses a checkpoint whose identity differs in one of these (SPEC §9).
 IDENTITY_KEYS = ("model", "mode", "tokenizer")
