@@ -42,6 +42,7 @@ from typing import Any
 
 from atroposd.envs.generate import Generation, InferenceClient
 from atroposd.envs.options import ArithmeticOptions
+from atroposd.envs.runner import ScoredGroup
 from atroposd.envs.vocab import Vocab
 
 OPERATIONS: dict[str, Callable[[int, int], int]] = {"+": operator.add, "-": operator.sub, "*": operator.mul}
@@ -116,20 +117,6 @@ def prompt_ignoring_bound(problems: Sequence[Problem]) -> tuple[float, str]:
 
 
 # ---------------------------------------------------------------------------- groups
-
-
-@dataclass
-class ScoredGroup:
-    """One group ready for ``POST /scored_data`` (without ``env_id``), with its summary."""
-
-    payload: dict[str, Any]
-    scores: list[float]
-    correct: list[bool]
-    weight_version: int | None
-
-    @property
-    def accuracy(self) -> float:
-        return sum(self.correct) / len(self.correct)
 
 
 def build_group(problem: Problem, prompt_ids: Sequence[int], generation: Generation, vocab: Vocab, *,

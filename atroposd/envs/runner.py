@@ -29,7 +29,6 @@ import aiohttp
 import anyio
 from anyio.abc import TaskGroup
 
-from atroposd.envs.arithmetic import ScoredGroup
 from atroposd.envs.client import (
     ApiError,
     AtroposEnvClient,
@@ -43,6 +42,20 @@ from atroposd.logs import get_logger
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 DISCONNECT_TIMEOUT = 3.0
+
+
+@dataclass
+class ScoredGroup:
+    """One group ready for ``POST /scored_data`` (without ``env_id``), with its summary."""
+
+    payload: dict[str, Any]
+    scores: list[float]
+    correct: list[bool]
+    weight_version: int | None
+
+    @property
+    def accuracy(self) -> float:
+        return sum(self.correct) / len(self.correct)
 
 
 class EnvTask(Protocol):
