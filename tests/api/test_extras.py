@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
-from tests.api.conftest import Api, group
+import pytest
+
+from tests.api.conftest import Api, group, start_atroposd
 from tests.api.test_backpressure import metric
+from tests.support import stop_process
 
 REGISTER_ENV = {"max_token_length": 64, "desired_name": "child-env", "weight": 1.0, "group_size": 4}
 
@@ -67,3 +72,36 @@ def _value(api: Api, series: str) -> float:
         if line.startswith(series + " "):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def _host_address() -> str | None:
+    """This host's address on a non-loopback interface (no packet is sent), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            address = str(s.getsockname()[0])
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+def test_gzip_level_by_peer(tmp_path: Path) -> None:
+    """Loopback clients get stored-block gzip (cheap), remote ones real compression."""
+    address = _host_address()
+    if address is None:
+        pytest.skip("no non-loopback interface")
+    server = start_atroposd(tmp_path, "--host", "0.0.0.0")
+    try:
+        local = server.api
+        local.start(batch_size=4, max_token_len=512)
+        local.ok("POST", "/scored_data", group(4, length=500))
+        remote = Api(f"http://{address}:{server.port}")
+        sizes = {}
+        for name, client in (("local", local), ("remote", remote)):
+            r = client.get("/latest_example", headers={"Accept-Encoding": "gzip"})
+            assert r.status == 200 and r.headers["content-encoding"] == "gzip"
+            sizes[name] = int(r.headers["content-length"])
+            assert r.json()["tokens"] == group(4, length=500)["tokens"]
+        assert sizes["remote"] < sizes["local"] / 2
+    finally:
+        stop_process(server.proc)
