@@ -107,6 +107,7 @@ class AtroposEnvClient:
         self._check_registration = False
         # Groups accepted since the last /status-env answer (the gate counts them as queued).
         self.accepted_since_status = 0
+        self._registration_lock = anyio.Lock()
 
     # ------------------------------------------------------------------ registration
 
@@ -196,6 +197,14 @@ class AtroposEnvClient:
         restarted with its spool does; a fresh one does not) and register again if not."""
         if self.registration is not None and not self._check_registration:
             return
+        # One task checks or renews the registration; the others wait and then use its result
+        # (several registering at once would leave stray environments at the API).
+        async with self._registration_lock:
+            if self.registration is not None and not self._check_registration:
+                return
+            await self._renew_registration()
+
+    async def _renew_registration(self) -> None:
         if self.registration is not None:
             try:
                 await self._request("GET", "/status-env", {"env_id": self.registration.env_id}, probe=True)

@@ -55,26 +55,35 @@ def test_503_is_retried_until_accepted_and_nothing_is_lost(
 def test_api_restart_registers_again_and_resends(
         tmp_path: Path, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
     """run-api keeps nothing across a restart: the environment notices the lost connection, finds
-    its env_id unknown, waits at the gate again and registers anew; groups scored meanwhile are
-    kept and sent to the new API."""
+    its env_id unknown, waits at the gate again and registers anew — once, although the status
+    poll and two submissions all found the registration stale — and the groups scored while the
+    API was down reach the new API."""
     api = start_api("run-api", tmp_path)
     port = int(api.url.rsplit(":", 1)[1])
     infer = fake_inference("oracle")
     api.start_trainer(batch_size=8, max_token_len=64)
-    env = start_env(api.url, infer.url, group_size=4, concurrency=2, max_batches_offpolicy=1)
-    env.wait_event("throttled")
-    stop_process(api.proc)
-    env.wait_event("status-env: retrying")
+    # limit: 2 batches × 8 / 4 = 4 groups queued or in flight
+    env = start_env(api.url, infer.url, group_size=4, concurrency=4, max_batches_offpolicy=2)
     api2: Api | None = None
     try:
+        env.wait_event("throttled")
+        infer.post("/hold")
+        assert len(api.get_batch() or []) == 2  # room for more groups, whose generation is held
+        wait_for(lambda: infer.stats()["in_flight"] >= 2, timeout=20, what="generations in flight")
+        stop_process(api.proc)
+        infer.post("/release")  # those groups are scored while the API is down
+        env.wait_event("scored_data: retrying", n=2)
         api2 = start_api("run-api", tmp_path, port=port)
         api2.start_trainer(batch_size=8, max_token_len=64)
         env.wait_event("registered", n=2)
-        batch = wait_for(api2.get_batch, timeout=30, what="a batch from the restarted API")
-        assert all(g["env_id"] == 0 and g["scores"] == [1.0] * 4 for g in batch)
-        assert env.count("registration lost") == 1
+        received = []
+        while len(received) < 4:
+            received += wait_for(api2.get_batch, timeout=30, what="a batch from the restarted API")
+        assert all(g["env_id"] == 0 and g["scores"] == [1.0] * 4 for g in received)
+        assert env.count("registered") == 2 and env.count("registration lost") == 1
         stop_process(env.proc)  # before the API, so that it is not kept waiting on the connection
     finally:
+        stop_process(api.proc)
         if api2 is not None:
             stop_process(api2.proc)
 
@@ -90,11 +99,12 @@ def test_api_restart_with_spool_keeps_the_registration(
     infer = fake_inference("oracle")
     api.start_trainer(batch_size=8, max_token_len=64)
     env = start_env(api.url, infer.url, group_size=4, concurrency=2, max_batches_offpolicy=1)
-    env.wait_event("throttled")
-    stop_process(api.proc)
-    env.wait_event("status-env: retrying")
-    api2 = start_api("atroposd", tmp_path, port=port, extra=spool)
+    api2: Api | None = None
     try:
+        env.wait_event("throttled")
+        stop_process(api.proc)
+        env.wait_event("status-env: retrying")
+        api2 = start_api("atroposd", tmp_path, port=port, extra=spool)
         received = []
         while len(received) < 6:
             received += wait_for(api2.get_batch, timeout=30, what="a batch from the restarted API")
@@ -102,4 +112,6 @@ def test_api_restart_with_spool_keeps_the_registration(
         assert env.count("registered") == 1 and env.count("registration lost") == 0
         stop_process(env.proc)
     finally:
-        stop_process(api2.proc)
+        stop_process(api.proc)
+        if api2 is not None:
+            stop_process(api2.proc)
