@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -17,13 +18,15 @@ REQUIRED_METRICS = {"step", "time", "loss", "reward_mean", "reward_std", "accura
                     "skipped_steps"}
 
 
-def _no_shm() -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if n.startswith("atroposd")]
+def _segments_of_job(state_dir: Path) -> list[str]:
+    """The shared-memory segments still named after this job's per-launch nonces."""
+    nonces = set(re.findall(r"config-([0-9a-f]+)\.toml", (state_dir / "logs" / "daemon.log").read_text()))
+    assert nonces, "the daemon log names no launch"
+    return [n for n in os.listdir("/dev/shm") if any(n.startswith(f"atroposd-{x}-") for x in nonces)]
 
 
 def test_run_finishes_its_steps_and_leaves_nothing(short_tmp: Path) -> None:
     cfg = job_config(short_tmp, steps=20)
-    before_shm = set(_no_shm())
     res = atroposd("run", "-c", str(cfg), env=daemon_env(), timeout=240)
     assert res.returncode == 0, f"run exited {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     rows = metrics(short_tmp / "state")
@@ -34,7 +37,7 @@ def test_run_finishes_its_steps_and_leaves_nothing(short_tmp: Path) -> None:
     ckpts = sorted(p.name for p in (short_tmp / "state" / "checkpoints").iterdir())
     assert "step-20" in ckpts, ckpts
     assert (short_tmp / "state" / "checkpoints" / "step-20" / "config.json").exists()
-    assert set(_no_shm()) <= before_shm
+    assert _segments_of_job(short_tmp / "state") == []
     assert not (short_tmp / "run" / "control.sock").exists()
 
 
