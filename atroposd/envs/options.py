@@ -26,8 +26,10 @@ class ArithmeticOptions:
     #: prompts (groups) in flight at once
     concurrency: int = 8
     #: stop starting groups while this many trainer batches (of this environment's groups,
-    #: queued and in flight together) wait at the API: bounds how stale a rollout gets
-    max_batches_offpolicy: int = 2
+    #: queued and in flight together) wait at the API: bounds how stale a rollout gets. The
+    #: trainer already fetches up to ``max_staleness`` batches ahead, so one more is enough to
+    #: keep it fed
+    max_batches_offpolicy: int = 1
 
 
 BUILTIN_OPTIONS: dict[str, type] = {"arithmetic": ArithmeticOptions}
