@@ -1,0 +1,11 @@
+"""The trajectory API child (`atroposd api`): wire-compatible with atroposlib's run-api, bounded,
+validated, durable. It never imports torch, transformers or vllm.
+
+  schema.py    request parsing and validation; the compact in-memory group (numpy rows)
+  batching.py  run-api's batch formation, on group sizes
+  queue.py     TrajectoryStore: registrations, queue, buffers, formed batches, room (backpressure)
+  spool.py     the append-only spool: replay after a restart, acknowledgements, compaction
+  server.py    the aiohttp routes, gzip, metrics, registrations with peer pids
+  app.py       the process: replay, bind, serve until SIGTERM
+  cli.py       flags and config
+"""

@@ -41,11 +41,9 @@ class QueueFull(Exception):
 
 
 class TrajectoryStore:
-    def __init__(self, capacity: int, *, spool: Spool | None = None,
-                 on_change: Callable[[], None] | None = None) -> None:
+    def __init__(self, capacity: int, *, spool: Spool | None = None) -> None:
         self.capacity = capacity
         self.spool = spool
-        self._on_change = on_change or (lambda: None)
         self.registration: TrainerRegistration | None = None
         self.requesters = 0
         self.started = False
@@ -91,7 +89,7 @@ class TrajectoryStore:
             self.registration = reg
             self.step = self.served_step = reg.starting_step
             self.started = False
-            self._save_state()
+            self._save_state(rollback=self._forget_registration)
         self.requesters += 1
         return uuid.uuid4().int
 
@@ -109,6 +107,10 @@ class TrajectoryStore:
         return {"status": "success", "env_id": env.registered_id, "wandb_name": real_name,
                 "checkpoint_dir": reg.checkpoint_dir, "starting_step": self.step,
                 "checkpoint_interval": reg.save_checkpoint_interval, "num_steps": reg.num_steps}
+
+    def _forget_registration(self) -> None:
+        self.registration = None
+        self.step = self.served_step = 0
 
     def disconnect_env(self, env_id: int) -> dict[str, Any]:
         if not 0 <= env_id < len(self.envs):
@@ -131,7 +133,6 @@ class TrajectoryStore:
         if self.spool is not None:
             self.spool.reset(self.snapshot())
         self._wake()
-        self._on_change()
 
     def snapshot(self) -> dict[str, Any]:
         """What the spool keeps besides groups."""
@@ -222,7 +223,6 @@ class TrajectoryStore:
         answers = [self._place(g, entered) for g in groups]
         if entered and self.spool is not None:
             self.spool.write_queued(entered)
-        self._on_change()
         return answers
 
     def _place(self, g: Group, entered: list[Group]) -> dict[str, Any]:
@@ -292,7 +292,6 @@ class TrajectoryStore:
             self.spool.write_ack(batch, self.served_step)
         self.held -= sum(g.n for g in batch)
         self._wake()
-        self._on_change()
 
     def undeliver(self, batch: list[Group], epoch: int) -> None:
         """Writing the batch failed: it is served next."""
