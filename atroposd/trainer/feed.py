@@ -41,9 +41,10 @@ class DataTimeout(RuntimeError):
 
 
 class BatchFeed:
-    """registration: the ``/register`` body. on_wait(reason | None) reports what it waits for."""
+    """registration() gives the ``/register`` body (its ``starting_step`` is the current step at
+    each call). on_wait(reason | None) reports what it waits for."""
 
-    def __init__(self, api_url: str, registration: dict[str, Any], *, max_ahead: int, token: str = "",
+    def __init__(self, api_url: str, registration: Callable[[], dict[str, Any]], *, max_ahead: int, token: str = "",
                  on_wait: Callable[[str | None], None] = lambda _r: None) -> None:
         self.api_url = api_url.rstrip("/")
         self.registration = registration
@@ -79,13 +80,14 @@ class BatchFeed:
         delay = 0.05
         while True:
             try:
-                async with self._http().post(f"{self.api_url}/register", json=self.registration) as resp:
+                request = self.registration()
+                async with self._http().post(f"{self.api_url}/register", json=request) as resp:
                     body = await resp.read()
                     if resp.status == 200:
                         self.registrations += 1
                         self.on_wait(None)
                         log.info("registered with the API", url=self.api_url, uuid=_field(body, "uuid"),
-                                 batch_size=self.registration["batch_size"])
+                                 batch_size=request["batch_size"], starting_step=request["starting_step"])
                         return
                     raise _ApiHttpError(f"/register answered {resp.status}: {body[:200]!r}")
             except (aiohttp.ClientError, OSError, TimeoutError, _ApiHttpError) as exc:

@@ -120,7 +120,7 @@ class TrainerService:
             if setup.restored_from is not None:
                 metrics.truncate_after(p.step)
             p.waiting_for = "api"
-            feed = BatchFeed(self.cfg.api_url, self._registration(), max_ahead=self.cfg.trainer.max_staleness,
+            feed = BatchFeed(self.cfg.api_url, self._registration, max_ahead=self.cfg.trainer.max_staleness,
                              token=self.cfg.api.token, on_wait=self._on_wait)
             await feed.register()
             await feed.prime()  # the first GET /batch lets environments register

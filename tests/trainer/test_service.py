@@ -143,3 +143,42 @@ async def test_tokenizer_mismatch_is_refused_before_any_rollout(tiny_dir: Path, 
     assert outcome.error is not None and "tokenizer mismatch" in outcome.error
     assert str(tiny_dir) in outcome.error and "stand-in" in outcome.error and "special_ids" in outcome.error
     assert info["batch_size"] == -1  # never registered: no rollout could start
+
+
+async def test_survives_an_api_restart_and_registers_again(tiny_dir: Path, state_dir: Path, tmp_path: Path) -> None:
+    from tests.support import free_port as _port
+
+    api_port = _port()
+    inf_port = free_port()
+    async with info_server(tokenizer_fingerprint(tiny_dir), inf_port):
+        with run_api(tmp_path / "api1.log", port=api_port) as (api_url, _proc):
+            cfg = _cfg(state_dir, tiny_dir, api_url, inf_port, steps=4, checkpoint_every=100)
+            service = _service(cfg)
+            done = anyio.Event()
+
+            async def trainer(*, task_status: Any) -> None:
+                await service.run(task_status=task_status)
+                done.set()
+
+            async with anyio.create_task_group() as tg:
+                with anyio.fail_after(120):
+                    await tg.start(trainer)
+                    producer = anyio.CancelScope()
+
+                    async def first_producer() -> None:
+                        with producer:
+                            await produce(api_url, 8, 4, 0)
+
+                    tg.start_soon(first_producer)
+                    while service.status()["step"] < 2:  # noqa: ASYNC110 - a probe, with a deadline
+                        await anyio.sleep(0.01)
+                    producer.cancel()
+                    _proc.kill()  # the API dies with everything it held
+                    _proc.wait(10)
+                    while service.status()["waiting_for"] != "api":  # noqa: ASYNC110
+                        await anyio.sleep(0.01)
+                    with run_api(tmp_path / "api2.log", port=api_port):  # a fresh API: no registration
+                        tg.start_soon(produce, api_url, 8, 4, 1)
+                        await done.wait()
+                        tg.cancel_scope.cancel()
+    assert service.outcome == TrainerOutcome("finished", 4, 4)
