@@ -8,12 +8,15 @@ import socket
 import struct
 from pathlib import Path
 
+import pytest
+
 from tests.api.conftest import group, start_atroposd
 from tests.support import stop_process, wait_for
 
 LENGTH = 8192  # 32 × 8192-token sequences: about 8 MB, twice what the socket buffers can take
 
 
+@pytest.mark.slow  # moves about 30 MB of JSON; the in-process store tests cover the same rule quickly
 def test_interrupted_batch_is_served_again(tmp_path: Path) -> None:
     server = start_atroposd(tmp_path)
     api = server.api
