@@ -4,8 +4,8 @@ The embedded job samples 8 prompts × group 8 = 64 sequences of 3 tokens from 5-
 (``[BOS]a+b=``) per optimizer step. Measured on builtin:tiny, CPU, one torch thread:
 
 * engine: the decoding loop in this process (no HTTP) — the 64 sequences as one batch (the
-  8 requests with n = 8 arriving together), as 8 requests one after another, and as 64 single
-  sequences one after another;
+  8 requests with n = 8 arriving together; with the flat Llama forward and with the model's own
+  forward), as 8 requests one after another, and as 64 single sequences one after another;
 * http: ``atroposd inference`` as a real child process; 8 concurrent ``POST /generate`` with
   n = 8 (what the environment sends) against 64 sequential ``n = 1`` requests.
 
@@ -74,12 +74,13 @@ def bench_engine(model_dir: Path, rounds: int) -> dict[str, tuple[float, float]]
     group = [GenerateParams(prompt_ids=p, n=GROUP, max_tokens=MAX_TOKENS, ignore_eos=True) for p in prompts()]
     single = [GenerateParams(prompt_ids=p, n=1, max_tokens=MAX_TOKENS, ignore_eos=True) for p in prompts()]
 
-    def run(reqs: list[GenerateParams]) -> None:
+    def run(reqs: list[GenerateParams], fast: bool = True) -> None:
         with torch.inference_mode():
-            decode_batch(model, reqs, tokenizer=tok, eos_ids=frozenset({2}), generator=gen)
+            decode_batch(model, reqs, tokenizer=tok, eos_ids=frozenset({2}), generator=gen, fast=fast)
 
     return {
         "one batch (8 requests × n=8)": timed(lambda: run(group), rounds),
+        "one batch, model's own forward": timed(lambda: run(group, fast=False), rounds),
         "8 requests one at a time": timed(lambda: [run([r]) for r in group], rounds),
         "64 sequences one at a time": timed(lambda: [run([r]) for r in single for _ in range(GROUP)],
                                             max(3, rounds // 5)),

@@ -87,6 +87,7 @@ class TorchEngine:
         self.threads = threads
         self.max_batch_rows = max_batch_rows
         self.batch_window = batch_window
+        self.fast = True  # the flat Llama forward where it applies (atroposd.inference.steppers)
         self._last_rows = 0
         self.model: Any = None
         self.tokenizer: Any = None
@@ -270,7 +271,7 @@ class TorchEngine:
 
         with torch.inference_mode():
             completions, prompt_lps = decode_batch(self.model, [j.params for j in jobs], tokenizer=self.tokenizer,
-                                                   eos_ids=self.eos_ids, generator=self._generator)
+                                                   eos_ids=self.eos_ids, generator=self._generator, fast=self.fast)
         self.batches += 1
         self.batched_rows += sum(j.rows for j in jobs)
         out = []
@@ -364,16 +365,21 @@ class _Row:
 
 
 def decode_batch(model: Any, requests: list[GenerateParams], *, tokenizer: Any, eos_ids: frozenset[int],
-                 generator: Any) -> tuple[list[list[Completion]], list[list[dict[str, float] | None] | None]]:
+                 generator: Any, fast: bool = True
+                 ) -> tuple[list[list[Completion]], list[list[dict[str, float] | None] | None]]:
     """Generate every request's ``n`` completions in one batch with a KV cache.
 
     The prompt of a request is run once and its cache fanned out to its ``n`` rows; rows that
-    finish leave the batch. Returns, per request, its completions and its prompt logprobs
-    (None when not asked).
+    finish leave the batch. ``fast``: use the flat Llama forward where it applies
+    (:mod:`atroposd.inference.steppers`). Returns, per request, its completions and its prompt
+    logprobs (None when not asked).
     """
     import torch
 
+    from atroposd.inference.steppers import HFStepper, make_stepper
+
     device = model.get_input_embeddings().weight.device
+    stepper = make_stepper(model) if fast else HFStepper(model)
     rows = [_Row(j, p) for j, p in enumerate(requests) for _ in range(p.n)]
     lengths = [len(p.prompt_ids) for p in requests]
     width = max(lengths)
@@ -388,22 +394,18 @@ def decode_batch(model: Any, requests: list[GenerateParams], *, tokenizer: Any, 
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [R, W]
     want_prompt = any(p.prompt_logprobs is not None for p in requests)
 
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                logits_to_keep=0 if want_prompt else 1)
+    logits = stepper.prefill(ids, mask, positions, all_logits=want_prompt)  # [R, W or 1, V]
     prompt_lps: list[list[dict[str, float] | None] | None] = (
-        _prompt_logprobs(out.logits, requests, width) if want_prompt else [None] * len(requests))
+        _prompt_logprobs(logits, requests, width) if want_prompt else [None] * len(requests))
     # Fan each request's prompt out to its n rows: [R, ...] → [B, ...].
     fan = torch.tensor([r.job for r in rows], device=device)  # [B]
-    cache = out.past_key_values
     if len(rows) != len(requests):
-        cache.reorder_cache(fan)
-    logits = out.logits[:, -1, :].float()[fan]  # [B, V]
-    mask = mask[fan]  # [B, W]
+        stepper.select(fan)
+    full = logits[:, -1, :].float()[fan]  # [B, V]
     next_pos = positions[fan][:, -1:] + 1  # [B, 1]
     temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=device)  # [B]
     sampler = _Sampler(rows, requests, temps, generator, device)
     active = list(range(len(rows)))  # rows still in the cache, in cache order
-    full = logits
     for _step in range(max(p.max_tokens for p in requests)):
         tokens, lps = sampler.sample(full)  # [B], [B] (finished rows sample too; ignored)
         alternatives = sampler.alternatives()
@@ -417,18 +419,19 @@ def decode_batch(model: Any, requests: list[GenerateParams], *, tokenizer: Any, 
         # Shrinking the cache copies it: worth it only once a good share of the rows is done.
         if len(active) - len(keep) >= max(1, len(active) // 4):
             index = torch.tensor(keep, device=device)
-            cache.batch_select_indices(index)
-            mask, next_pos = mask[index], next_pos[index]
+            stepper.select(index)
+            next_pos = next_pos[index]
             active = [active[k] for k in keep]
         # Finished rows still in the cache decode padding; their results are final.
         feed = torch.tensor([token_list[i] if rows[i].finish is None else pad for i in active], dtype=torch.long,
                             device=device)[:, None]  # [A, 1]
-        mask = torch.cat([mask, torch.ones((len(active), 1), dtype=mask.dtype, device=device)], dim=1)
-        out = model(input_ids=feed, attention_mask=mask, position_ids=next_pos, past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        step_logits = stepper.step(feed, next_pos).float()  # [A, V]
         next_pos = next_pos + 1
-        full = torch.zeros_like(full)
-        full[torch.tensor(active, device=device)] = out.logits[:, -1, :].float()
+        if len(active) == len(rows):
+            full = step_logits
+        else:
+            full = torch.zeros_like(full)
+            full[torch.tensor(active, device=device)] = step_logits
     return _collect(rows, requests, tokenizer), prompt_lps
 
 

@@ -218,3 +218,45 @@ async def test_await_weights_starts_paused(tiny_dir: Path) -> None:
         assert not (await eng.weight_info())["awaiting_weights"]
     finally:
         await eng.close()
+
+
+def test_flat_llama_forward_matches_the_models_own(tiny_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from atroposd.inference.schema import GenerateParams
+    from atroposd.inference.steppers import LlamaStepper
+    from atroposd.inference.torch_engine import decode_batch
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_dir)).eval()
+    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    assert LlamaStepper.supports(model)
+    reqs = [GenerateParams(prompt_ids=[BOS_ID, *range(4, 4 + k)], n=1 + k % 3, max_tokens=4 + k, seed=k,
+                           prompt_logprobs=1 if k % 2 else None) for k in range(1, 7)]
+    results = []
+    for fast in (True, False):
+        with torch.inference_mode():
+            results.append(decode_batch(model, reqs, tokenizer=tok, eos_ids=frozenset({EOS_ID}),
+                                        generator=torch.Generator().manual_seed(0), fast=fast))
+    (fast_c, fast_p), (hf_c, hf_p) = results
+    for a, b in zip(fast_c, hf_c, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)) < 1e-4
+    for a, b in zip(fast_p, hf_p, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None and b is not None:
+            assert a[0] is None and b[0] is None
+            assert all(abs(a[j][k] - b[j][k]) < 1e-4 for j in range(1, len(a)) for k in a[j])
+
+
+def test_flat_forward_declines_what_it_does_not_implement(tiny_dir: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from atroposd.inference.steppers import LlamaStepper
+
+    cfg = AutoConfig.from_pretrained(str(tiny_dir))
+    cfg.attention_bias = True
+    assert not LlamaStepper.supports(AutoModelForCausalLM.from_config(cfg))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_dir))
+    model.model.layers[0].self_attn.q_proj = torch.nn.Sequential(model.model.layers[0].self_attn.q_proj)
+    assert not LlamaStepper.supports(model)  # a wrapped projection (LoRA, for one) needs the model's forward
