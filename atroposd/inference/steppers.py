@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F  # noqa: N812
+import torch.nn.functional as F
 
 __all__ = ["HFStepper", "LlamaStepper", "make_stepper"]
 
