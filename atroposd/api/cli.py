@@ -35,18 +35,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def settings_from(args: argparse.Namespace) -> tuple[Any, str, str]:
     """(ApiSettings, log level, log format) from -c and the flags."""
     from atroposd.api.server import ApiSettings
+    from atroposd.config import ApiConfig, DaemonConfig
 
-    level, fmt = "info", "auto"
-    s = ApiSettings()
     if getattr(args, "config", None):
         from atroposd.cli import load_or_exit
 
         cfg = load_or_exit(args)
-        a = cfg.api
-        s = ApiSettings(host=a.host, port=a.port, token=a.token, max_queued_sequences=a.max_queued_sequences,
-                        max_request_bytes=a.max_request_bytes, full_wait=a.full_wait,
-                        spool_dir=str(cfg.spool_dir) if a.spool else None)
+        s = ApiSettings.from_config(cfg.api, str(cfg.spool_dir) if cfg.api.spool else None)
         level, fmt = cfg.daemon.log_level, cfg.daemon.log_format
+    else:  # standalone: the built-in defaults, and no spool unless --spool-dir (SPEC §2)
+        s = ApiSettings.from_config(ApiConfig(), None)
+        level, fmt = DaemonConfig().log_level, DaemonConfig().log_format
     for flag, attr in (("host", "host"), ("port", "port"), ("max_queued_sequences", "max_queued_sequences"),
                        ("full_wait", "full_wait"), ("spool_dir", "spool_dir"),
                        ("max_request_bytes", "max_request_bytes"), ("token", "token")):

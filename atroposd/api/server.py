@@ -37,6 +37,7 @@ from atroposd.api.schema import (
     group_from_json,
     group_to_json,
 )
+from atroposd.config import ApiConfig
 from atroposd.logs import get_logger
 
 __all__ = ["ApiMetrics", "ApiServer", "ApiSettings"]
@@ -53,13 +54,20 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @dataclass
 class ApiSettings:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    token: str = ""
-    max_queued_sequences: int = 8192
-    max_request_bytes: int = 64 << 20
-    full_wait: float = 30.0
-    spool_dir: str | None = None
+    """What the API process runs with: the ``[api]`` section (defaults: ``ApiConfig``) after flags."""
+
+    host: str
+    port: int
+    token: str
+    max_queued_sequences: int
+    max_request_bytes: int
+    full_wait: float
+    spool_dir: str | None  # None: nothing survives a restart
+
+    @classmethod
+    def from_config(cls, api: ApiConfig, spool_dir: str | None) -> ApiSettings:
+        return cls(host=api.host, port=api.port, token=api.token, max_queued_sequences=api.max_queued_sequences,
+                   max_request_bytes=api.max_request_bytes, full_wait=api.full_wait, spool_dir=spool_dir)
 
 
 class ApiMetrics:
