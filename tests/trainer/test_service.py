@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,21 @@ pytestmark = pytest.mark.anyio
 REQUIRED = ("step", "time", "loss", "reward_mean", "reward_std", "accuracy", "weight_version", "staleness",
             "mean_ratio", "clipped_fraction", "mean_kl", "grad_norm", "tokens", "skipped_steps", "lr",
             "batch_wait_s", "step_s")
+
+
+@pytest.fixture(scope="module")
+def shared_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One run-api for the module's tests (each starts from /reset_data)."""
+    with run_api(tmp_path_factory.mktemp("api") / "api.log") as (url, _proc):
+        yield url
+
+
+@pytest.fixture
+def api_url(shared_api: str) -> str:
+    import urllib.request
+
+    urllib.request.urlopen(f"{shared_api}/reset_data", timeout=10).close()
+    return shared_api
 
 
 def _cfg(state_dir: Path, tiny_dir: Path, api_url: str, inf_port: int, **trainer: Any) -> Config:
@@ -60,85 +76,81 @@ def _metrics(state_dir: Path) -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in (state_dir / "metrics.jsonl").read_bytes().splitlines()]
 
 
-async def test_trains_checkpoints_and_resumes(tiny_dir: Path, state_dir: Path, tmp_path: Path) -> None:
+async def test_trains_checkpoints_and_resumes(tiny_dir: Path, state_dir: Path, api_url: str) -> None:
     fp = tokenizer_fingerprint(tiny_dir)
     inf_port = free_port()
-    with run_api(tmp_path / "api.log") as (api_url, _proc):
-        async with info_server(fp, inf_port):
-            cfg = _cfg(state_dir, tiny_dir, api_url, inf_port, steps=4, checkpoint_every=2, keep_checkpoints=2)
-            outcome, service = await _train(cfg, api_url)
-            assert outcome == TrainerOutcome("finished", 4, 4), outcome
-            status = service.status()
-            assert status["state"] == "finished" and status["step"] == 4 and status["total_steps"] == 4
-            assert status["reward_mean"] is not None and status["accuracy"] == 0.25
-            rows = _metrics(state_dir)
-            assert [r["step"] for r in rows] == [1, 2, 3, 4]
-            for r in rows:
-                assert all(k in r for k in REQUIRED), set(REQUIRED) - set(r)
-                assert r["tokens"] == 16 * 3 and r["skipped_steps"] == 0
-            assert rows[-1]["weight_version"] == 4 and rows[0]["staleness"] == 0
-            ckpts = sorted(p.name for p in (state_dir / "checkpoints").iterdir())
-            assert ckpts == ["step-2", "step-4"]
-            step4 = state_dir / "checkpoints" / "step-4"
-            assert {"config.json", "model.safetensors", "trainer_state.pt", "tokenizer.json"} <= \
-                {p.name for p in step4.iterdir()}
-            # the same job with more steps continues from step 4 with the same weight version
-            cfg2 = _cfg(state_dir, tiny_dir, api_url, inf_port, steps=6, checkpoint_every=2, keep_checkpoints=2)
-            outcome2, _ = await _train(cfg2, api_url, seed=1)
-            assert outcome2 == TrainerOutcome("finished", 6, 6)
-            assert [r["step"] for r in _metrics(state_dir)] == [1, 2, 3, 4, 5, 6]
+    async with info_server(fp, inf_port):
+        cfg = _cfg(state_dir, tiny_dir, api_url, inf_port, steps=4, checkpoint_every=2, keep_checkpoints=2)
+        outcome, service = await _train(cfg, api_url)
+        assert outcome == TrainerOutcome("finished", 4, 4), outcome
+        status = service.status()
+        assert status["state"] == "finished" and status["step"] == 4 and status["total_steps"] == 4
+        assert status["reward_mean"] is not None and status["accuracy"] == 0.25
+        rows = _metrics(state_dir)
+        assert [r["step"] for r in rows] == [1, 2, 3, 4]
+        for r in rows:
+            assert all(k in r for k in REQUIRED), set(REQUIRED) - set(r)
+            assert r["tokens"] == 16 * 3 and r["skipped_steps"] == 0
+        assert rows[-1]["weight_version"] == 4 and rows[0]["staleness"] == 0
+        ckpts = sorted(p.name for p in (state_dir / "checkpoints").iterdir())
+        assert ckpts == ["step-2", "step-4"]
+        step4 = state_dir / "checkpoints" / "step-4"
+        assert {"config.json", "model.safetensors", "trainer_state.pt", "tokenizer.json"} <= \
+            {p.name for p in step4.iterdir()}
+        # the same job with more steps continues from step 4 with the same weight version
+        cfg2 = _cfg(state_dir, tiny_dir, api_url, inf_port, steps=6, checkpoint_every=2, keep_checkpoints=2)
+        outcome2, _ = await _train(cfg2, api_url, seed=1)
+        assert outcome2 == TrainerOutcome("finished", 6, 6)
+        assert [r["step"] for r in _metrics(state_dir)] == [1, 2, 3, 4, 5, 6]
 
 
-async def test_stop_while_waiting_for_data_checkpoints(tiny_dir: Path, state_dir: Path, tmp_path: Path) -> None:
+async def test_stop_while_waiting_for_data_checkpoints(tiny_dir: Path, state_dir: Path, api_url: str) -> None:
     inf_port = free_port()
-    with run_api(tmp_path / "api.log") as (api_url, _proc):
-        async with info_server(tokenizer_fingerprint(tiny_dir), inf_port):
-            service = _service(_cfg(state_dir, tiny_dir, api_url, inf_port))
-            outcome: TrainerOutcome | None = None
+    async with info_server(tokenizer_fingerprint(tiny_dir), inf_port):
+        service = _service(_cfg(state_dir, tiny_dir, api_url, inf_port))
+        outcome: TrainerOutcome | None = None
 
-            async def trainer(*, task_status: Any) -> None:
-                nonlocal outcome
-                outcome = await service.run(task_status=task_status)
+        async def trainer(*, task_status: Any) -> None:
+            nonlocal outcome
+            outcome = await service.run(task_status=task_status)
 
-            with anyio.fail_after(60):
-                async with anyio.create_task_group() as tg:
-                    await tg.start(trainer)
-                    while service.status()["waiting_for"] != "data":  # noqa: ASYNC110 - a probe, with a deadline
-                        await anyio.sleep(0.01)
-                    assert service.status()["state"] == "waiting"
-                    t0 = time.monotonic()
-                    service.request_stop()
-            assert time.monotonic() - t0 < 10
-            assert outcome == TrainerOutcome("stopped", 0, 0)
-            assert (state_dir / "checkpoints" / "step-0" / "trainer_state.pt").is_file()
-            assert service.status()["state"] == "stopped"
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                await tg.start(trainer)
+                while service.status()["waiting_for"] != "data":  # noqa: ASYNC110 - a probe, with a deadline
+                    await anyio.sleep(0.01)
+                assert service.status()["state"] == "waiting"
+                t0 = time.monotonic()
+                service.request_stop()
+        assert time.monotonic() - t0 < 10
+        assert outcome == TrainerOutcome("stopped", 0, 0)
+        assert (state_dir / "checkpoints" / "step-0" / "trainer_state.pt").is_file()
+        assert service.status()["state"] == "stopped"
 
 
 async def test_no_data_and_no_environment_fails_after_data_timeout(tiny_dir: Path, state_dir: Path,
-                                                                   tmp_path: Path) -> None:
+                                                                   api_url: str) -> None:
     inf_port = free_port()
-    with run_api(tmp_path / "api.log") as (api_url, _proc):
-        async with info_server(tokenizer_fingerprint(tiny_dir), inf_port):
-            service = _service(_cfg(state_dir, tiny_dir, api_url, inf_port, data_timeout=0.5), envs_alive=False)
-            with anyio.fail_after(60):
-                outcome = await service.run()
+    async with info_server(tokenizer_fingerprint(tiny_dir), inf_port):
+        service = _service(_cfg(state_dir, tiny_dir, api_url, inf_port, data_timeout=0.5), envs_alive=False)
+        with anyio.fail_after(60):
+            outcome = await service.run()
     assert outcome.state == "failed" and outcome.exit_code == 1
     assert outcome.error is not None and "data_timeout" in outcome.error
     assert service.status()["state"] == "failed"
 
 
 async def test_tokenizer_mismatch_is_refused_before_any_rollout(tiny_dir: Path, state_dir: Path,
-                                                                tmp_path: Path) -> None:
+                                                                api_url: str) -> None:
     inf_port = free_port()
     other = dict(tokenizer_fingerprint(tiny_dir), fingerprint="0" * 32)
     other["special_ids"] = dict(other["special_ids"], eos=7)
-    with run_api(tmp_path / "api.log") as (api_url, _proc):
-        async with info_server(other, inf_port):
-            service = _service(_cfg(state_dir, tiny_dir, api_url, inf_port))
-            with anyio.fail_after(60):
-                outcome = await service.run()
-            async with aiohttp.ClientSession() as http, http.get(f"{api_url}/info") as resp:
-                info = await resp.json()
+    async with info_server(other, inf_port):
+        service = _service(_cfg(state_dir, tiny_dir, api_url, inf_port))
+        with anyio.fail_after(60):
+            outcome = await service.run()
+        async with aiohttp.ClientSession() as http, http.get(f"{api_url}/info") as resp:
+            info = await resp.json()
     assert outcome.state == "failed"
     assert outcome.error is not None and "tokenizer mismatch" in outcome.error
     assert str(tiny_dir) in outcome.error and "stand-in" in outcome.error and "special_ids" in outcome.error
