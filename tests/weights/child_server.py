@@ -46,6 +46,7 @@ def score(model: torch.nn.Module, tokens: list[int]) -> list[float]:
 
 class Server:
     def __init__(self, model_dir: str, weights_dir: str, sync_dir: str) -> None:
+        self.model_dir = model_dir
         self.model = build_model(model_dir)
         self.state = ReceiverState(nonce=os.environ.get("ATROPOSD_INSTANCE", ""), weights_dir=Path(weights_dir),
                                    sync_dir=Path(sync_dir))
@@ -93,6 +94,21 @@ class Server:
             return web.json_response({"error": str(exc)}, status=400)
         self.updates += 1
         return web.json_response(result)
+
+    async def reset(self, request: web.Request) -> web.Response:
+        """Start over as a freshly started server for another launch (the tests reuse one process)."""
+        body = await request.json()
+        if self.inflight or self.waiting:
+            return web.json_response({"error": "requests in flight"}, status=409)
+        self.state.release(self.model)
+        self.model = await asyncio.to_thread(build_model, self.model_dir)
+        self.state = ReceiverState(nonce=body["nonce"], weights_dir=Path(body["weights_dir"]),
+                                   sync_dir=Path(body["sync_dir"]))
+        self.version = None
+        self.paused = True
+        self.resumed.clear()
+        self.updates = 0
+        return web.json_response({"reset": True})
 
     async def info(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.version, "paused": self.paused,
@@ -145,6 +161,7 @@ async def main(model_dir: str, socket_path: str, weights_dir: str, sync_dir: str
     app.router.add_post("/update_weights", server.update)
     app.router.add_post("/load", server.load)
     app.router.add_get("/weight_info", server.info)
+    app.router.add_post("/reset", server.reset)
     app.router.add_get("/resources", server.resources)
     app.router.add_post("/logprobs", server.logprobs)
     runner = web.AppRunner(app, access_log=None)

@@ -102,38 +102,102 @@ class Child:
         return torch.tensor(out["logprobs"]), out["weight_version"]
 
 
+def _post(sock: Path, route: str, body: dict[str, Any]) -> None:
+    """A blocking POST over the Unix socket (callable from inside a running event loop)."""
+    import http.client
+    import json
+    import socket
+
+    class Conn(http.client.HTTPConnection):
+        def connect(self) -> None:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(60)
+            self.sock.connect(str(sock))
+
+    conn = Conn("localhost")
+    try:
+        conn.request("POST", route, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        text = resp.read().decode()
+        if resp.status != 200:
+            raise AssertionError(f"POST {route} answered {resp.status}: {text}")
+    finally:
+        conn.close()
+
+
+def start_child(dirs: dict[str, Path], nonce: str, name: str, env: dict[str, str] | None = None) -> Child:
+    sock = dirs["runtime"] / f"{name}.sock"
+    log = dirs["runtime"] / f"{name}.log"
+    proc = spawn([sys.executable, str(HERE / "child_server.py"), str(dirs["model"]), str(sock),
+                  str(dirs["weights"]), str(dirs["sync"])],
+                 env={"ATROPOSD_INSTANCE": nonce, "PYTHONPATH": str(HERE.parent.parent), **(env or {})}, log=log)
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"child server exited {proc.returncode}: {log.read_text()[-2000:]}")
+        return sock.exists()
+
+    try:
+        wait_for(up, timeout=120, what="child server socket")
+    except BaseException:
+        stop_process(proc)
+        raise
+    return Child(proc, sock, log)
+
+
 class ChildFactory:
-    def __init__(self, dirs: dict[str, Path], nonce: str) -> None:
+    def __init__(self, dirs: dict[str, Path], nonce: str, pooled: Child | None = None) -> None:
         self.dirs = dirs
         self.nonce = nonce
+        self.pooled = pooled
         self.children: list[Child] = []
 
     def start(self, env: dict[str, str] | None = None) -> Child:
-        sock = self.dirs["runtime"] / f"inf-{len(self.children)}.sock"
-        log = self.dirs["runtime"] / f"child-{len(self.children)}.log"
-        proc = spawn([sys.executable, str(HERE / "child_server.py"), str(self.dirs["model"]), str(sock),
-                      str(self.dirs["weights"]), str(self.dirs["sync"])],
-                     env={"ATROPOSD_INSTANCE": self.nonce, "PYTHONPATH": str(HERE.parent.parent), **(env or {})},
-                     log=log)
-        child = Child(proc, sock, log)
+        """A new server process of this test's launch (for tests that kill it)."""
+        child = start_child(self.dirs, self.nonce, f"inf-{len(self.children)}", env)
         self.children.append(child)
-
-        def up() -> bool:
-            if proc.poll() is not None:
-                raise AssertionError(f"child server exited {proc.returncode}: {log.read_text()[-2000:]}")
-            return sock.exists()
-
-        wait_for(up, timeout=60, what="child server socket")
         return child
+
+    def reuse(self) -> Child:
+        """The module's server process, reset to a fresh server of this test's launch.
+
+        Starting a process imports torch and transformers (seconds on a loaded machine), so
+        tests that do not kill their server share one.
+        """
+        if self.pooled is None or self.pooled.proc.poll() is not None:
+            return self.start()
+        _post(self.pooled.socket, "/reset", {"nonce": self.nonce, "weights_dir": str(self.dirs["weights"]),
+                                             "sync_dir": str(self.dirs["sync"])})
+        return self.pooled
 
     def stop_all(self) -> None:
         for c in self.children:
             stop_process(c.proc)
 
 
+@pytest.fixture(scope="module")
+def pooled_child(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Child]:
+    """One server process per module, started before the per-test leak check records its baseline."""
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="apw-", dir="/tmp"))
+    d = {"runtime": root / "run", "state": root / "state", "model": root / "model"}
+    d["weights"], d["sync"] = d["runtime"] / "weights", d["state"] / "sync"
+    for p in d.values():
+        p.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tiny_config().save_pretrained(d["model"])
+    child = start_child(d, "pool" + secrets.token_hex(4), "pooled")
+    try:
+        yield child
+    finally:
+        stop_process(child.proc)
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.fixture
-def child_factory(dirs: dict[str, Path], nonce: str) -> Iterator[ChildFactory]:
-    factory = ChildFactory(dirs, nonce)
+def child_factory(dirs: dict[str, Path], nonce: str, pooled_child: Child) -> Iterator[ChildFactory]:
+    factory = ChildFactory(dirs, nonce, pooled_child)
     try:
         yield factory
     finally:
