@@ -219,7 +219,7 @@ class EnvRunner:
             groups.start_soon(self._one_group, self.task.next_item(), api, infer)
 
     async def _one_group(self, item: Any, api: AtroposEnvClient, infer: InferenceClient) -> None:
-        submitted = False
+        settled = False  # accepted by the API, or rejected by it for good
         group: ScoredGroup | None = None
         try:
             with anyio.CancelScope() as generation:
@@ -230,12 +230,14 @@ class EnvRunner:
                     self._generating.discard(generation)
             if group is None:
                 return  # abandoned at stop; nothing of it reached the API
-            await api.submit(group.payload)
-            submitted = True
+            try:
+                await api.submit(group.payload)
+            except GroupRejected:
+                settled = True  # logged with the API's message by the client
+                return
+            settled = True
             self._window.add(group)
             self.totals.add(group)
-        except GroupRejected:
-            pass  # logged with the API's message by the client
         except GenerateError as exc:
             self._fail(EXIT_FAILURE, str(exc))
         except ApiError as exc:
@@ -243,7 +245,7 @@ class EnvRunner:
         finally:
             assert self._slots is not None
             self._slots.release()
-            if group is not None and not submitted and self._stopping:
+            if group is not None and not settled and self._stopping:
                 self.dropped_at_stop += 1
                 self.log.warning("scored group dropped at stop: the API did not take it within the grace",
                                  grace_s=self.settings.stop_grace)
