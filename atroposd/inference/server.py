@@ -365,7 +365,8 @@ async def serve(cfg: Any, opts: ServerOptions, *, ready: Callable[[], None] | No
         await _wait_or_stop(engine.start(), stop)
         if stop.is_set():
             return 0
-        front.tokenizer = getattr(engine, "tokenizer", None) or await asyncio.to_thread(_load_tokenizer, cfg)
+        own = getattr(engine, "tokenizer", None)  # the torch engine's loaded tokenizer (vLLM's is a path)
+        front.tokenizer = own if hasattr(own, "encode") else await asyncio.to_thread(_load_tokenizer, cfg)
         front.info = _info(cfg, opts, front.tokenizer)
         front.engine = engine
         log.info("ready", model=cfg.inference.model, engine=opts.engine)
