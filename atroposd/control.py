@@ -101,9 +101,11 @@ def peer_allowed(pid: int, uid: int, gid: int, group_id: int | None) -> bool:
 class ControlServer:
     """Serves ``handler(request) -> answer`` on a Unix socket until cancelled."""
 
-    def __init__(self, path: Path, handler: Handler, *, socket_group: str = "") -> None:
+    def __init__(self, path: Path, handler: Handler, *, socket_group: str = "",
+                 read_timeout: float = READ_TIMEOUT) -> None:
         self.path = path
         self.handler = handler
+        self.read_timeout = read_timeout
         self.group_id: int | None = None
         if socket_group:
             import grp
@@ -144,7 +146,7 @@ class ControlServer:
                 return
             buffered = BufferedByteReceiveStream(stream)
             try:
-                with anyio.fail_after(READ_TIMEOUT):
+                with anyio.fail_after(self.read_timeout):
                     length = decode_length(await buffered.receive_exactly(_LEN.size))
                     request = decode_body(await buffered.receive_exactly(length))
             except (TimeoutError, anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError) as exc:
