@@ -38,6 +38,7 @@ import re
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from atroposd.envs.generate import Generation, InferenceClient
@@ -205,12 +206,15 @@ class EvalResult:
 GreedyFn = Callable[[list[list[int]], int], Sequence[Sequence[int]]]
 
 
-def evaluate_exact_match(generate_fn: GreedyFn, vocab: Vocab, problems: Sequence[Problem] | None = None, *,
-                         max_tokens: int = 3) -> EvalResult:
+def evaluate_exact_match(generate_fn: GreedyFn, vocab: Vocab | str | Path,
+                         problems: Sequence[Problem] | None = None, *, max_tokens: int = 3) -> EvalResult:
     """Greedy exact match: ``generate_fn(prompt_id_lists, max_tokens)`` returns one greedy
     completion (token ids, EOS included if generated) per prompt; every problem is scored.
 
-    The default problem set is all 100 problems of the default task."""
+    ``vocab``: a loaded Vocab or the tokenizer directory. The default problem set is all 100
+    problems of the default task. Needs no torch itself: the caller's ``generate_fn`` decodes."""
+    if not isinstance(vocab, Vocab):
+        vocab = Vocab.load(vocab)
     problems = list(problems) if problems is not None else all_problems(ArithmeticOptions())
     prompts = [vocab.encode_prompt(p.prompt) for p in problems]
     completions = generate_fn(prompts, max_tokens)

@@ -190,3 +190,5 @@ def test_evaluate_exact_match(tokenizer_dir: Path) -> None:
     assert result.misses[0][1] == "0<eos>"
     with pytest.raises(ValueError, match="returned 0 completions"):
         evaluate_exact_match(lambda prompts, k: [], vocab, problems)
+    # the tokenizer directory will do as well; the default set is the 100 problems
+    assert evaluate_exact_match(oracle_except_sums_over_15, tokenizer_dir).correct == 94
