@@ -487,8 +487,10 @@ class Daemon:
     async def _track_loop(self) -> None:
         """Every 0.5 s: record descendants, reap adopted orphans, update the recovery record."""
         while True:
-            for unit in list(self.units.values()):
-                unit.rescan()
+            units = list(self.units.values())
+            tree = reaper.descendant_map(u.pid for u in units if u.pid is not None)
+            for unit in units:
+                unit.rescan(tree.get(unit.pid, []) if unit.pid is not None else [])
             own = {u.pid for u in self.units.values() if u.pid is not None}
             adopted = {pid for u in self.units.values() for pid in u.tracked}
             for pid, status in self._reaper.reap(own=own, adopted=adopted):

@@ -172,10 +172,13 @@ class Unit:
             pids.update(p.pid for p in reaper.descendants(self.pid))
         return pids
 
-    def rescan(self) -> None:
-        """Record the child's current descendants, forget the dead ones (daemon: every 0.5 s)."""
+    def rescan(self, current: list[psutil.Process] | None = None) -> None:
+        """Record the child's descendants (``current``, else scanned now), forget the dead ones.
+
+        The daemon calls it every 0.5 s with one shared scan of the process table.
+        """
         if self.pid is not None:
-            for proc in reaper.descendants(self.pid):
+            for proc in current if current is not None else reaper.descendants(self.pid):
                 self.tracked.setdefault(proc.pid, proc)
         for pid, proc in list(self.tracked.items()):
             if not reaper.is_alive(proc):
