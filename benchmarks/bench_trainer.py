@@ -5,8 +5,8 @@ the k3 KL toward the frozen initial model, backward, clip, AdamW) on:
 
 * ``tiny``: builtin:tiny (331k parameters, 22-token vocabulary), the embedded job's batch
   (64 sequences of a 4-token prompt + 4-token completion, 2 micro-batches of 32);
-* ``100m``: a ~100M-parameter Llama (hidden 768, 8 layers, 32k vocabulary), 16 sequences of
-  64 + 64 tokens, micro-batches of 8.
+* ``100m``: a ~100M-parameter Llama (hidden 768, 8 layers, 32k vocabulary), 8 sequences of
+  48 prompt + 16 completion tokens, micro-batches of 4.
 
 The reference is the predecessor's shape of the same loss: full ``[B, T, V]`` logits for the
 policy, again scaled by the temperature, a second cross-entropy over them for metrics, and
@@ -112,7 +112,7 @@ def bench(kind: str, steps: int) -> dict[str, Any]:
     if kind == "tiny":
         n, group, prompt, completion, micro, vocab = 64, 8, 4, 4, 32, 22
     else:
-        n, group, prompt, completion, micro, vocab = 16, 8, 64, 64, 8, 32000
+        n, group, prompt, completion, micro, vocab = 8, 8, 48, 16, 4, 32000
     batches = [prepare_batch(make_groups(n, group, prompt, completion, vocab, s), micro_batch_size=micro,
                              max_token_len=4096, adv_std_floor=0.1) for s in range(4)]
     tokens = batches[0].completion_tokens
@@ -138,13 +138,14 @@ def bench(kind: str, steps: int) -> dict[str, Any]:
 
             def run(b: RolloutBatch, stepper: ReferenceStep = stepper) -> None:
                 stepper.step(b)
-        for b in batches[:2]:  # warm-up
+        for b in batches[:1 if kind == "100m" else 2]:  # warm-up
             run(b)
         start = time.perf_counter()
         for i in range(steps):
             run(batches[i % len(batches)])
         elapsed = (time.perf_counter() - start) / steps
         out[impl] = {"ms_per_step": elapsed * 1000, "tokens_per_s": tokens / elapsed}
+        print(f"  {kind} {impl}: {elapsed * 1000:.1f} ms/step", file=sys.stderr, flush=True)
     out["speedup"] = out["reference"]["ms_per_step"] / out["atroposd"]["ms_per_step"]
     return out
 
@@ -159,7 +160,7 @@ def prepare_cost(steps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=0, help="timed steps per case (default: 100 tiny, 5 for 100m)")
+    ap.add_argument("--steps", type=int, default=0, help="timed steps per case (default: 100 tiny, 2 for 100m)")
     ap.add_argument("--only", choices=("tiny", "100m"))
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -168,7 +169,7 @@ def main() -> None:
         for kind in ("tiny", "100m"):
             if args.only and kind != args.only:
                 continue
-            results.append(bench(kind, args.steps or (100 if kind == "tiny" else 5)))
+            results.append(bench(kind, args.steps or (100 if kind == "tiny" else 2)))
     prep = prepare_cost(50)
     print(f"{'model':<6} {'params':>11} {'tokens':>7} {'impl':<10} {'ms/step':>9} {'tokens/s':>10}")
     for r in results:

@@ -33,6 +33,7 @@ __all__ = ["TrainerOutcome", "TrainerService"]
 log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
 INFO_TIMEOUT_S = 10.0
+PROGRESS_EVERY = 10
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,9 @@ class TrainerService:
             await feed.prime()  # the first GET /batch lets environments register
             loop = TrainingLoop(tcfg=self.cfg.trainer, feed=feed, learner=learner, weights=self.weights,
                                 metrics=metrics, checkpointer=setup.checkpointer(learner), progress=p,
-                                envs_alive=self.envs_alive, lock=self._lock)
+                                envs_alive=self.envs_alive, lock=self._lock,
+                                # a line per step on a terminal, every 10 steps in log files
+                                progress_every=1 if sys.stderr.isatty() else PROGRESS_EVERY)
             self._loop = loop
             if self._stop:
                 loop.request_stop()

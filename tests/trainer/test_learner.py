@@ -131,3 +131,60 @@ def test_lora_trains_only_the_adapters(tiny_dir: Path, tmp_path: Path) -> None:
     assert changed and all("lora_" in k for k in changed)
     assert any("lora_B" in k for k in changed)
     assert r.mean_kl > 0  # the reference is the base model with the adapters off
+
+
+def test_distillation_changes_the_gradient(tiny_dir: Path, tmp_path: Path) -> None:
+    groups = make_groups(10, n=1)
+    teacher_ids, teacher_lps = [], []
+    for seq in groups[0]["tokens"]:
+        teacher_ids.append([None] + [[5, 6, 7]] * (len(seq) - 1))
+        teacher_lps.append([None] + [[-0.1, -2.5, -4.0]] * (len(seq) - 1))
+    groups[0]["distill_token_ids"], groups[0]["distill_logprobs"] = teacher_ids, teacher_lps
+    grads = []
+    for coef in (0.0, 0.5):
+        learner = _learner(tiny_dir, tmp_path)
+        learner.distill_coef = coef
+        batch = prepare_batch(groups, micro_batch_size=8, max_token_len=64, adv_std_floor=0.1, use_distill=True)
+        r = learner.compute(batch)
+        assert r.finite
+        if coef:
+            assert r.distill_token_count == batch.completion_tokens == 24 and r.distill_loss is not None
+            assert r.distill_loss > 0
+        grads.append(torch.cat([p.grad.reshape(-1) for p in learner.params if p.grad is not None]))
+    assert (grads[0] - grads[1]).abs().max() > 1e-4  # not a no-op
+
+
+def test_awsft_objective_trains(tiny_dir: Path, tmp_path: Path) -> None:
+    learner = _learner(tiny_dir, tmp_path, loss="awsft", lr=3e-3)
+    batch = prepare_batch(make_groups(11), micro_batch_size=8, max_token_len=64, adv_std_floor=0.1)
+    before = _snapshot(learner.policy)
+    r = learner.compute(batch)
+    assert r.finite and r.grad_norm > 0 and r.clipped_fraction == 0.0
+    learner.apply()
+    after = _snapshot(learner.policy)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_optimizers(tiny_dir: Path, tmp_path: Path) -> None:
+    from atroposd.trainer.optim import OptimizerError
+
+    learner = _learner(tiny_dir, tmp_path, optimizer="adafactor")
+    assert type(learner.optimizer).__name__ == "Adafactor"
+    learner.compute(prepare_batch(make_groups(12), micro_batch_size=8, max_token_len=64, adv_std_floor=0.1))
+    learner.apply()
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        with pytest.raises(OptimizerError, match="needs bitsandbytes"):
+            _learner(tiny_dir, tmp_path, optimizer="adamw_8bit")
+
+
+def test_warmup_schedule(tiny_dir: Path, tmp_path: Path) -> None:
+    learner = _learner(tiny_dir, tmp_path, warmup_steps=4, lr=1e-3)
+    lrs = []
+    batch = prepare_batch(make_groups(13), micro_batch_size=8, max_token_len=64, adv_std_floor=0.1)
+    for _ in range(5):
+        lrs.append(learner.lr)
+        learner.compute(batch)
+        learner.apply()
+    assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
