@@ -48,6 +48,7 @@ def main(args: argparse.Namespace) -> int:
     from atroposd.logs import configure_logging
 
     configure_logging(setup["log_level"], setup["log_format"], component=setup["settings"].name)
+    _warn_if_exploitable(setup["task"])
     if args.eval:
         return anyio.run(_evaluate, setup)
     from atroposd.envs.runner import EnvRunner
@@ -57,6 +58,21 @@ def main(args: argparse.Namespace) -> int:
 
 class _Usage(Exception):
     pass
+
+
+# SPEC §8: a policy that ignores the prompt earns at most this much.
+EXPLOIT_LIMIT = 0.35
+
+
+def _warn_if_exploitable(task: Any) -> None:
+    from atroposd.envs.arithmetic import prompt_ignoring_bound
+    from atroposd.logs import get_logger
+
+    bound, best = prompt_ignoring_bound(task.problems)
+    if bound > EXPLOIT_LIMIT:
+        get_logger("envs").warning("with these options a policy that ignores the prompt can earn more than "
+                                   f"{EXPLOIT_LIMIT}: reward alone will not show learning (watch accuracy)",
+                                   prompt_ignoring_bound=round(bound, 4), answer=best)
 
 
 def _resolve(args: argparse.Namespace) -> dict[str, Any]:

@@ -119,6 +119,20 @@ def test_sigterm_while_waiting_for_the_trainer_exits_zero(
     assert env.count("environment stopped") == 1 and env.count("disconnected") == 0
 
 
+def test_exploitable_options_are_warned_about_and_an_unreachable_api_is_waited_for(
+        start_env: Callable[..., EnvProc]) -> None:
+    """With operands 0..2 the answer "2" alone earns 0.4; the log says so. The API is not up:
+    the environment keeps trying, visibly, and still stops cleanly."""
+    port = free_port()
+    env = start_env(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}", max_operand=2)
+    env.wait_event("with these options a policy that ignores the prompt")
+    env.wait_event("register-env: retrying")
+    warning = next(e for e in env.events() if e.get("event", "").startswith("with these options"))
+    assert warning["prompt_ignoring_bound"] == 0.4 and warning["answer"] == "2"
+    os.kill(env.proc.pid, signal.SIGTERM)
+    assert env.proc.wait(timeout=15) == 0
+
+
 def test_bad_options_exit_2(tmp_path: Path, tokenizer_dir: Path) -> None:
     tok = ["--tokenizer", str(tokenizer_dir), "--api-url", "http://127.0.0.1:1", "--inference-url",
            "http://127.0.0.1:1"]
