@@ -3,8 +3,11 @@ reaches the trainer exactly once, and the environment registers again when the A
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import sys
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.envs.conftest import Api, EnvProc, FakeInference, start_api
-from tests.support import stop_process, wait_for
+from tests.support import spawn, stop_process, wait_for, write_config
 
 
 def _key(group: dict[str, Any]) -> str:
@@ -115,3 +118,32 @@ def test_api_restart_with_spool_keeps_the_registration(
         stop_process(api.proc)
         if api2 is not None:
             stop_process(api2.proc)
+
+
+def test_bearer_token_from_the_config(tmp_path: Path, tokenizer_dir: Path,
+                                      fake_inference: Callable[..., FakeInference]) -> None:
+    """The environment sends ``[api] token``; an API that refuses it is a failure (exit 1)."""
+    api = start_api("atroposd", tmp_path, extra=("--token", "s3cret"))
+    infer = fake_inference("oracle")
+    procs = []
+    try:
+        urllib.request.urlopen(urllib.request.Request(
+            api.url + "/register", method="POST", data=json.dumps({
+                "wandb_group": "", "wandb_project": "", "batch_size": 8, "max_token_len": 64, "checkpoint_dir": "",
+                "save_checkpoint_interval": 0, "starting_step": 0, "num_steps": 10}).encode(),
+            headers={"Authorization": "Bearer s3cret", "Content-Type": "application/json"}), timeout=10).close()
+        for token in ("s3cret", "wrong"):
+            cfg = write_config(tmp_path / f"{token}.toml", {
+                "daemon": {"state_dir": str(tmp_path / "state"), "log_format": "json"}, "api": {"token": token},
+                "env": [{"name": "arithmetic", "builtin": "arithmetic", "group_size": 4}]})
+            log = tmp_path / f"env-{token}.log"
+            procs.append(spawn([sys.executable, "-m", "atroposd", "env", "arithmetic", "-c", str(cfg), "--api-url",
+                                api.url, "--inference-url", infer.url, "--tokenizer", str(tokenizer_dir)], log=log))
+        good, bad = (EnvProc(p, tmp_path / f"env-{t}.log") for p, t in zip(procs, ("s3cret", "wrong"), strict=True))
+        assert bad.proc.wait(timeout=30) == 1
+        assert "401" in bad.log.read_text() and "bearer token" in bad.log.read_text()
+        good.wait_event("register-env: retrying")  # the token passed; the gate is still closed
+    finally:
+        for proc in procs:
+            stop_process(proc)
+        stop_process(api.proc)
