@@ -3,6 +3,7 @@ concurrent builders, and the resolver's errors."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from atroposd.config import parse_config
 from atroposd.models.resolve import (
     ModelError,
+    fingerprint_of,
     resolve_model,
     resolve_tokenizer,
     tokenizer_fingerprint,
@@ -82,7 +84,7 @@ def test_concurrent_builders_get_one_complete_directory(tmp_path: Path) -> None:
     code = ("import sys; from pathlib import Path; from atroposd.models.tiny import ensure_builtin_model;"
             "print(ensure_builtin_model(Path(sys.argv[1]), 3, 64))")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
-             for _ in range(3)]
+             for _ in range(2)]
     outs = []
     for p in procs:
         out, _ = p.communicate(timeout=120)
@@ -120,6 +122,17 @@ def test_fingerprint_compares_vocabulary_and_special_ids(tmp_path: Path, tiny_di
     tok.add_tokens(["@"])
     tok.save_pretrained(str(tmp_path / "changed"))
     assert tokenizer_fingerprint(tmp_path / "changed")["fingerprint"] != fp["fingerprint"]
+    assert tokenizer_fingerprint(tmp_path / "changed") == fingerprint_of(tok)
+
+
+def test_fingerprint_reads_tokenizer_files_without_torch(tiny_dir: Path) -> None:
+    code = ("import sys; from atroposd.models.resolve import tokenizer_fingerprint as f; import json;"
+            "print(json.dumps(f(sys.argv[1]))); assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_dir)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    from transformers import AutoTokenizer
+
+    assert json.loads(out.stdout) == fingerprint_of(AutoTokenizer.from_pretrained(str(tiny_dir)))
 
 
 def test_chat_template_as_atroposlib_calls_it(tiny_dir: Path) -> None:
