@@ -183,6 +183,9 @@ class Daemon:
         self._reaper = reaper.OrphanReaper()
         self._record_key: tuple[tuple[int, float], ...] = ()
         self._identities: dict[int, psutil.Process] = {}
+        # Children start from the environment the daemon was given (before any narrowing of
+        # CUDA_VISIBLE_DEVICES for the in-process trainer).
+        self._base_env = {k: v for k, v in os.environ.items() if k not in _SYSTEMD_VARS}
 
     # ------------------------------------------------------------------ entry
 
@@ -316,6 +319,10 @@ class Daemon:
         from atroposd.weights.sync import make_weight_sync
 
         self._set_status("starting the trainer")
+        if self.cfg.trainer.device.startswith("GPU-"):
+            # The trainer runs in this process: its GPU, named by UUID, becomes device 0 here
+            # (before anything initialises CUDA; the children keep the original list).
+            os.environ["CUDA_VISIBLE_DEVICES"] = self.cfg.trainer.device
         self.notifier.extend_timeout(self.cfg.inference.ready_timeout + API_READY_TIMEOUT)
         sock = self.paths.inference_socket(self.cfg.inference.port) if self.cfg.inference.enabled else None
         self.weights = make_weight_sync(self.cfg, nonce=self.nonce, control_socket=sock)
@@ -349,7 +356,7 @@ class Daemon:
     # ------------------------------------------------------------------ specs
 
     def _child_env(self, values: dict[str, str]) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in _SYSTEMD_VARS}
+        env = dict(self._base_env)
         env.update({f"ATROPOSD_{k.upper()}": v for k, v in values.items()})
         env["ATROPOSD_INSTANCE"] = self.nonce
         env["PYTHONUNBUFFERED"] = "1"
@@ -395,11 +402,9 @@ class Daemon:
         if c.trainer.enabled and c.weight_sync in ("shared", "push"):
             argv.append("--await-weights")
         env = self._child_env(self._values(name="inference"))
-        device = c.inference.device
-        if device.startswith("cuda:"):
-            env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
-        elif device.startswith("GPU-"):
-            env["CUDA_VISIBLE_DEVICES"] = device
+        if c.inference.device.startswith(("GPU-", "MIG-")):
+            # A GPU named by UUID is device 0 in the child (cuda:N keeps the daemon's numbering).
+            env["CUDA_VISIBLE_DEVICES"] = c.inference.device
         # SIGTERM on the daemon's death: the server shuts its engine (and its process group) down.
         return UnitSpec(name="inference", kind="inference", argv=argv, env=env,
                         probe=InferenceProbe(c.inference_url, sock), ready_timeout=c.inference.ready_timeout,
