@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 _I32 = np.iinfo(np.int32)
+_I64 = np.iinfo(np.int64)
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
 
 # Upstream's ScoredData fields in its output order (server.py _scored_data_to_dict).
@@ -94,7 +95,7 @@ def _row_array(row: Any, name: str, i: int) -> np.ndarray:
     return a
 
 
-def _rectangular(rows: list[Any], name: str) -> np.ndarray | None:
+def _rectangular(rows: list[Any]) -> np.ndarray | None:
     """All rows at once when they are lists of one length (the common case): one numpy call
     instead of one per row. None when ragged or not plain lists."""
     if not rows or not all(type(r) is list for r in rows) or len({len(r) for r in rows}) != 1 or not rows[0]:
@@ -126,19 +127,21 @@ def _check_float(a: np.ndarray, name: str, i: int | None) -> np.ndarray:
 
 def _int_rows(rows: Any, name: str) -> Ragged:
     rows = _require_list(rows, name)
-    block = _rectangular(rows, name)
+    block = _rectangular(rows)
     if block is not None and _fine(_check_int, block, name):
-        return _from_block(block, integer=True)
+        return _from_block(block, name, integer=True)
     # ragged, or invalid: row by row, so that an error names the row
-    return _flatten([_check_int(_row_array(row, name, i), name, i) for i, row in enumerate(rows)], integer=True)
+    return _flatten([_check_int(_row_array(row, name, i), name, i) for i, row in enumerate(rows)], name,
+                    integer=True)
 
 
 def _float_rows(rows: Any, name: str) -> Ragged:
     rows = _require_list(rows, name)
-    block = _rectangular(rows, name)
+    block = _rectangular(rows)
     if block is not None and _fine(_check_float, block, name):
-        return _from_block(block, integer=False)
-    return _flatten([_check_float(_row_array(row, name, i), name, i) for i, row in enumerate(rows)], integer=False)
+        return _from_block(block, name, integer=False)
+    return _flatten([_check_float(_row_array(row, name, i), name, i) for i, row in enumerate(rows)], name,
+                    integer=False)
 
 
 def _fine(check: Any, block: np.ndarray, name: str) -> bool:
@@ -149,27 +152,27 @@ def _fine(check: Any, block: np.ndarray, name: str) -> bool:
     return True
 
 
-def _from_block(block: np.ndarray, *, integer: bool) -> Ragged:
+def _from_block(block: np.ndarray, name: str, *, integer: bool) -> Ragged:
     n, width = block.shape
-    return _narrow(block.reshape(-1), list(range(0, n * width + 1, width)), integer=integer)
+    return _narrow(block.reshape(-1), list(range(0, n * width + 1, width)), name, integer=integer)
 
 
-def _flatten(parts: list[np.ndarray], *, integer: bool) -> Ragged:
+def _flatten(parts: list[np.ndarray], name: str, *, integer: bool) -> Ragged:
     bounds = [0]
     for a in parts:
         bounds.append(bounds[-1] + int(a.size))
     if not parts:
         return Ragged(np.empty(0, dtype=np.int32 if integer else np.float64), bounds)
-    return _narrow(np.concatenate(parts), bounds, integer=integer)
+    return _narrow(np.concatenate(parts), bounds, name, integer=integer)
 
 
-def _narrow(flat: np.ndarray, bounds: list[int], *, integer: bool) -> Ragged:
+def _narrow(flat: np.ndarray, bounds: list[int], name: str, *, integer: bool) -> Ragged:
     """float64 for numbers; int32 for integers when they fit (token ids do), else int64."""
     if not integer:
         return Ragged(flat.astype(np.float64, copy=False), bounds)
     if flat.size and (int(flat.min()) < _I32.min or int(flat.max()) > _I32.max):
-        if flat.dtype.kind == "u" or int(flat.max()) > np.iinfo(np.int64).max:
-            raise InvalidRequest("integer out of range")
+        if flat.dtype.kind == "u" or int(flat.min()) < _I64.min or int(flat.max()) > _I64.max:
+            raise InvalidRequest(f"{name}: integer out of range")
         return Ragged(flat.astype(np.int64), bounds)
     return Ragged(flat.astype(np.int32), bounds)
 
