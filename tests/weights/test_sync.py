@@ -28,7 +28,7 @@ def _shared(dirs: dict[str, Path], nonce: str, child: Child) -> SharedSync:
 
 async def test_shared_step_is_seen_by_the_server(dirs: dict[str, Path], nonce: str,
                                                  child_factory: ChildFactory) -> None:
-    child = child_factory.start()
+    child = child_factory.reuse()
     model = make_model(0)
     sync = _shared(dirs, nonce, child)
     try:
@@ -58,7 +58,7 @@ async def test_shared_step_is_seen_by_the_server(dirs: dict[str, Path], nonce: s
 
 async def test_generation_during_a_step_carries_one_version(dirs: dict[str, Path], nonce: str,
                                                             child_factory: ChildFactory) -> None:
-    child = child_factory.start()
+    child = child_factory.reuse()
     model = make_model(0)
     sync = _shared(dirs, nonce, child)
     results: list[tuple[torch.Tensor, int | None]] = []
@@ -150,7 +150,7 @@ def _make(mode: str, dirs: dict[str, Path], nonce: str, child: Child) -> PushSyn
 @pytest.mark.parametrize("mode", ["push", "reload"])
 async def test_push_and_reload_sync_every(dirs: dict[str, Path], nonce: str, child_factory: ChildFactory,
                                           mode: str) -> None:
-    child = child_factory.start()
+    child = child_factory.reuse()
     model = make_model(0)
     sync: PushSync | ReloadSync
     if mode == "push":
@@ -190,7 +190,7 @@ async def test_push_and_reload_sync_every(dirs: dict[str, Path], nonce: str, chi
 
 async def test_refused_update_leaves_the_server_serving(dirs: dict[str, Path], nonce: str,
                                                         child_factory: ChildFactory) -> None:
-    child = child_factory.start()
+    child = child_factory.reuse()
     model = make_model(0)
     sync = PushSync(nonce=nonce, weights_dir=dirs["weights"], control_socket=child.socket)
     try:
@@ -211,7 +211,7 @@ async def test_refused_update_leaves_the_server_serving(dirs: dict[str, Path], n
 
 async def _leak_run(dirs: dict[str, Path], nonce: str, child_factory: ChildFactory, mode: str,
                     syncs: int) -> None:
-    child = child_factory.start()
+    child = child_factory.reuse()
     model = make_model(0)
     sync: PushSync | ReloadSync | SharedSync
     if mode == "push":
