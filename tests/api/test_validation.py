@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import zlib
 from typing import Any
 
@@ -145,3 +146,19 @@ def test_bearer_token(tmp_path: Any) -> None:
         assert Api(server.url, token="wrong").get("/status").status == 401
     finally:
         stop_process(server.proc)
+
+
+def test_integer_types_as_pydantic_coerces_them() -> None:
+    """An integral float is an int; anything that is not an integer, or is out of int64, is refused
+    with the field named."""
+    from atroposd.api.schema import InvalidRequest, group_from_json
+
+    ok = group_from_json({"tokens": [[1.0, 2], [3, 4]], "masks": [[1, 1], [1, 1]], "scores": [1, 2]})
+    assert ok.tokens.flat.tolist() == [1, 2, 3, 4] and ok.scores.tolist() == [1.0, 2.0]
+    wide = group_from_json({"tokens": [[2**40, 1]], "masks": [[1, 1]], "scores": [0]})
+    assert wide.tokens.flat.tolist() == [2**40, 1]
+    for tokens, words in (([[1, 2], [3, -1e20]], "tokens: integer out of range"),
+                          ([[1, 2], [3, 2**65]], "tokens[1]"), ([[1, 2], [3, 0.5]], "tokens[1] must hold integers"),
+                          ([[1, 2], [3, None]], "tokens[1]"), ([[1, [2]], [3, 4]], "tokens[0]")):
+        with pytest.raises(InvalidRequest, match=re.escape(words)):
+            group_from_json({"tokens": tokens, "masks": [[1, 1], [1, 1]], "scores": [1, 2]})
