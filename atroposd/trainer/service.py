@@ -64,6 +64,9 @@ class TrainerService:
         self._loop: Any = None
         self._policy: Any = None
         self._stop = False
+        # Cancelled by a stop request that comes before training starts (waits for the
+        # inference server or the API must not hold up the daemon's stop).
+        self._setup_scope = anyio.CancelScope()
         self.outcome: TrainerOutcome | None = None  # set when run() returns
 
     # ------------------------------------------------------------------ daemon interface
@@ -73,6 +76,8 @@ class TrainerService:
         self._stop = True
         if self._loop is not None:
             self._loop.request_stop()
+        else:
+            self._setup_scope.cancel()
 
     def status(self) -> dict[str, Any]:
         """SPEC §2's ``trainer`` object."""
@@ -107,30 +112,39 @@ class TrainerService:
             from atroposd.trainer.setup import build_learner, load_for_training
 
             p.state, p.waiting_for = "waiting", "model"
-            setup = await anyio.to_thread.run_sync(load_for_training, self.cfg)
-            self._policy = setup.policy
-            p.step, p.weight_version, p.skipped_steps = setup.step, setup.weight_version, setup.skipped_steps
-            p.last_checkpoint = str(setup.restored_from) if setup.restored_from else None
-            p.waiting_for = "inference"
-            await self._check_inference_tokenizer(setup.tokenizer_fingerprint)
-            # The server computes with (shared) or loads (push/reload) the trainer's weights and
-            # version before any rollout — also the restored ones after a resume.
-            await self.weights.attach(setup.policy.model, p.weight_version)
-            learner = await anyio.to_thread.run_sync(build_learner, self.cfg, setup)
-            metrics = MetricsWriter(self.paths.metrics_file)
-            if setup.restored_from is not None:
-                metrics.truncate_after(p.step)
-            p.waiting_for = "api"
-            feed = BatchFeed(self.cfg.api_url, self._registration, max_ahead=self.cfg.trainer.max_staleness,
-                             token=self.cfg.api.token, on_wait=self._on_wait)
-            await feed.register()
-            await feed.prime()  # the first GET /batch lets environments register
-            loop = TrainingLoop(tcfg=self.cfg.trainer, feed=feed, learner=learner, weights=self.weights,
-                                metrics=metrics, checkpointer=setup.checkpointer(learner), progress=p,
-                                envs_alive=self.envs_alive, lock=self._lock,
-                                # a line per step on a terminal, every 10 steps in log files
-                                progress_every=1 if sys.stderr.isatty() else PROGRESS_EVERY)
-            self._loop = loop
+            with self._setup_scope:
+                setup = await anyio.to_thread.run_sync(load_for_training, self.cfg)
+                self._policy = setup.policy
+                p.step, p.weight_version, p.skipped_steps = setup.step, setup.weight_version, setup.skipped_steps
+                p.last_checkpoint = str(setup.restored_from) if setup.restored_from else None
+                p.waiting_for = "inference"
+                await self._check_inference_tokenizer(setup.tokenizer_fingerprint)
+                # The server computes with (shared) or loads (push/reload) the trainer's weights
+                # and version before any rollout — also the restored ones after a resume.
+                await self.weights.attach(setup.policy.model, p.weight_version)
+                learner = await anyio.to_thread.run_sync(build_learner, self.cfg, setup)
+                metrics = MetricsWriter(self.paths.metrics_file)
+                if setup.restored_from is not None:
+                    metrics.truncate_after(p.step)
+                p.waiting_for = "api"
+                feed = BatchFeed(self.cfg.api_url, self._registration, max_ahead=self.cfg.trainer.max_staleness,
+                                 token=self.cfg.api.token, on_wait=self._on_wait)
+                await feed.register()
+                await feed.prime()  # the first GET /batch lets environments register
+                loop = TrainingLoop(tcfg=self.cfg.trainer, feed=feed, learner=learner, weights=self.weights,
+                                    metrics=metrics, checkpointer=setup.checkpointer(learner), progress=p,
+                                    envs_alive=self.envs_alive, lock=self._lock,
+                                    # a line per step on a terminal, every 10 steps in log files
+                                    progress_every=1 if sys.stderr.isatty() else PROGRESS_EVERY)
+                self._loop = loop
+            if self._setup_scope.cancelled_caught or feed is None or self._loop is None:
+                # stopped before training began: nothing new to checkpoint
+                p.state, p.waiting_for = "stopped", None
+                log.info("trainer stopped before training began", step=p.step)
+                if not started:
+                    task_status.started()
+                self.outcome = TrainerOutcome("stopped", p.step, p.weight_version)
+                return self.outcome
             if self._stop:
                 loop.request_stop()
             p.state, p.waiting_for = "waiting", "data"

@@ -194,3 +194,19 @@ async def test_survives_an_api_restart_and_registers_again(tiny_dir: Path, state
                         await done.wait()
                         tg.cancel_scope.cancel()
     assert service.outcome == TrainerOutcome("finished", 4, 4)
+
+
+async def test_stop_while_waiting_for_the_api(tiny_dir: Path, state_dir: Path) -> None:
+    inf_port = free_port()
+    nowhere = f"http://127.0.0.1:{free_port()}"  # nothing listens: the API is "restarting"
+    async with info_server(tokenizer_fingerprint(tiny_dir), inf_port):
+        service = _service(_cfg(state_dir, tiny_dir, nowhere, inf_port))
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(service.run)
+                while service.status()["waiting_for"] != "api":  # noqa: ASYNC110 - a probe, with a deadline
+                    await anyio.sleep(0.01)
+                assert service.status()["state"] == "waiting"
+                service.request_stop()
+    assert service.outcome == TrainerOutcome("stopped", 0, 0)
+    assert service.status()["state"] == "stopped"
