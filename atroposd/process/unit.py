@@ -198,6 +198,12 @@ class Unit:
                     await self._stop.wait()
                 if not self._stop.is_set():
                     self.restarts += 1
+        except Exception as exc:
+            # A bug here must not take the daemon down: this component fails, visibly.
+            log.exception("supervision failed", unit=self.name)
+            self.last_error = f"internal error: {type(exc).__name__}: {exc}"
+            if State.FAILED in _LEGAL[self.state]:
+                self._transition(State.FAILED, self.last_error)
         finally:
             if self.state not in (State.STOPPED, State.FAILED):
                 self._transition(State.STOPPED, "stop requested")
@@ -212,31 +218,39 @@ class Unit:
         self._transition(State.STARTING, "restart" if self.restarts else "start")
         try:
             proc = await self._launch()
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             self.last_error = f"cannot start: {exc}"
             return ExitInfo(code=127)
         exited = anyio.Event()
         codes: list[int] = []
-        async with anyio.create_task_group() as tg:
-            pump_done = anyio.Event()
-            tg.start_soon(self._pump, proc, pump_done)
-            tg.start_soon(self._wait_exit, proc, exited, codes)
-            outcome = await self._wait_ready(exited)
-            if outcome == "ready":
-                outcome = await self._become_ready(exited)
+        requested = True
+        outcome = "stop"
+        try:
+            async with anyio.create_task_group() as tg:
+                pump_done = anyio.Event()
+                tg.start_soon(self._pump, proc, pump_done)
+                tg.start_soon(self._wait_exit, proc, exited, codes)
+                outcome = await self._wait_ready(exited)
                 if outcome == "ready":
-                    await _first_of(exited, self._stop)
-            requested = self._stop.is_set() and not exited.is_set()
-            if requested:
-                self._transition(State.STOPPING, "stop requested")
-            await self._terminate(proc, exited, requested=requested)
-            with anyio.move_on_after(PUMP_DRAIN):
-                await pump_done.wait()
-            tg.cancel_scope.cancel()
-        await proc.aclose()
-        self._sink.sync()
+                    outcome = await self._become_ready(exited)
+                    if outcome == "ready":
+                        await _first_of(exited, self._stop)
+                requested = self._stop.is_set() and not exited.is_set()
+                if requested:
+                    self._transition(State.STOPPING, "stop requested")
+                await self._terminate(proc, requested=requested)
+                with anyio.move_on_after(PUMP_DRAIN):
+                    await pump_done.wait()
+                tg.cancel_scope.cancel()
+        finally:
+            # Cancelled or failed on the way: the child is still stopped and reaped first.
+            with anyio.CancelScope(shield=True):
+                if proc.returncode is None:
+                    await self._terminate(proc, requested=True)
+                self._sink.sync()
         self.pid = None
-        exit_info = ExitInfo(code=codes[0] if codes else -signal.SIGKILL)
+        code = proc.returncode if proc.returncode is not None else (codes[0] if codes else -signal.SIGKILL)
+        exit_info = ExitInfo(code=code)
         self.last_exit = exit_info
         if requested:
             return None
@@ -322,34 +336,34 @@ class Unit:
 
     # ------------------------------------------------------------------ termination
 
-    async def _terminate(self, proc: anyio.abc.Process, exited: anyio.Event, *, requested: bool) -> None:
+    async def _terminate(self, proc: anyio.abc.Process, *, requested: bool) -> None:
         """TERM the group and tracked descendants → grace → KILL → reap; within stop_timeout."""
         with anyio.CancelScope(shield=True):
             t0 = time.monotonic()
             timeout = self.spec.stop_timeout
             grace = max(0.0, timeout - min(2.0, timeout * 0.25))
             self.rescan()
-            first = self.spec.stop_signal if not exited.is_set() else signal.SIGTERM
+            first = self.spec.stop_signal if proc.returncode is None else signal.SIGTERM
             reaper.signal_group(proc.pid, first)
             reaper.signal_all(self.tracked.values(), first)
             with anyio.move_on_after(grace):
-                await exited.wait()
+                await proc.wait()
                 await self._descendants_gone()
             escalated = [p.pid for p in self.tracked.values() if reaper.is_alive(p)]
-            if not exited.is_set():
+            if proc.returncode is None:
                 escalated.insert(0, proc.pid)
             reaper.signal_group(proc.pid, signal.SIGKILL)
             reaper.signal_all(self.tracked.values(), signal.SIGKILL)
             with anyio.move_on_after(max(0.2, timeout - (time.monotonic() - t0))):
-                await exited.wait()
+                await proc.wait()
                 await self._descendants_gone()
             elapsed = round(time.monotonic() - t0, 3)
             if escalated:
                 log.warning("escalated to SIGKILL", unit=self.name, pid=proc.pid, grace_s=round(grace, 3),
                             pids=escalated)
             left = [p.pid for p in self.tracked.values() if reaper.is_alive(p)]
-            if left or not exited.is_set():
-                log.error("processes survived SIGKILL", unit=self.name, pids=left, main_exited=exited.is_set())
+            if left or proc.returncode is None:
+                log.error("processes survived SIGKILL", unit=self.name, pids=left, main_exited=proc.returncode is not None)
             self.tracked.clear()
             if requested or escalated:
                 log.info("terminated", unit=self.name, pid=proc.pid, seconds=elapsed)

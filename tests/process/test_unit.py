@@ -210,3 +210,32 @@ def test_parent_death_signal_is_set(hub: LogHub, sig: int) -> None:
         assert status
 
     supervise(make_spec("pdeath", script("cooperative.py"), death_signal=sig), hub, body)
+
+
+def test_cancelling_the_supervisor_still_stops_and_reaps_the_child(hub: LogHub) -> None:
+    """Cancellation (the daemon's task group ending) never leaves the child running."""
+    seen: dict[str, int] = {}
+
+    async def main() -> None:
+        unit = Unit(make_spec("cancelled", script("cooperative.py")), logs=hub)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(unit.supervise)
+            with anyio.fail_after(30):
+                await _ready(unit)
+            assert unit.pid is not None
+            seen["pid"] = unit.pid
+            tg.cancel_scope.cancel()
+        assert unit.done.is_set()
+
+    anyio.run(main)
+    assert not _alive(seen["pid"])
+
+
+def test_a_command_that_cannot_be_executed_is_an_exit_not_a_crash(hub: LogHub, tmp_path: Path) -> None:
+    async def body(unit: Unit) -> None:
+        await unit.wait_until(lambda u: u.state == State.FAILED)
+
+    unit = supervise(make_spec("missing", [str(tmp_path / "no-such-binary")], restart="never",
+                               probe=StartedProbe(30.0)), hub, body)
+    assert unit.last_exit is not None and unit.last_exit.code == 127
+    assert unit.last_error and "cannot execute" in unit.last_error
