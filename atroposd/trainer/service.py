@@ -63,6 +63,7 @@ class TrainerService:
         self._lock = anyio.Lock()
         self._loop: Any = None
         self._policy: Any = None
+        self._metrics: Any = None
         self._stop = False
         # Cancelled by a stop request that comes before training starts (waits for the
         # inference server or the API must not hold up the daemon's stop).
@@ -90,6 +91,7 @@ class TrainerService:
             "staleness": last.get("staleness"), "grad_norm": last.get("grad_norm"),
             "steps_per_s": p.steps_per_s, "skipped_steps": p.skipped_steps,
             "last_checkpoint": p.last_checkpoint, "checkpoint_error": p.checkpoint_error, "error": p.error,
+            "metrics_dropped": self._metrics.dropped if self._metrics is not None else 0,
         }
 
     async def on_inference_restarted(self) -> None:
@@ -123,7 +125,7 @@ class TrainerService:
                 # and version before any rollout — also the restored ones after a resume.
                 await self.weights.attach(setup.policy.model, p.weight_version)
                 learner = await anyio.to_thread.run_sync(build_learner, self.cfg, setup)
-                metrics = MetricsWriter(self.paths.metrics_file)
+                metrics = self._metrics = MetricsWriter(self.paths.metrics_file)
                 if setup.restored_from is not None:
                     metrics.truncate_after(p.step)
                 p.waiting_for = "api"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -90,3 +91,20 @@ def test_distill_payload_is_shifted_to_the_predicting_position() -> None:
     # input position 0 predicts token 1 (5): the teacher's top-k for token 1
     assert mb.distill_ids[0].tolist() == [[5, 7], [6, -1], [2, 3]]
     assert batch.distill_positions == 3
+
+
+def test_metrics_writer_counts_what_it_cannot_write(tmp_path: Path) -> None:
+    from atroposd.trainer.metrics import MetricsWriter, read_metrics
+
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    writer = MetricsWriter(blocked / "metrics.jsonl")  # its directory is a file: every write fails
+    writer.write({"step": 1})
+    writer.write({"step": 2})
+    assert writer.dropped == 2
+    good = MetricsWriter(tmp_path / "m.jsonl")
+    for step in (1, 2, 3):
+        good.write({"step": step, "loss": 0.5})
+    good.close()
+    good.truncate_after(2)
+    assert [r["step"] for r in read_metrics(tmp_path / "m.jsonl")] == [1, 2]
