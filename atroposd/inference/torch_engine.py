@@ -107,6 +107,8 @@ class TorchEngine:
         self._wake = asyncio.Event()
         self._compute = asyncio.Lock()  # one forward pass or weight update at a time
         self._scheduler: asyncio.Task[None] | None = None
+        self._running: asyncio.Future[list[dict[str, Any]]] | None = None  # the batch being computed
+        self._running_jobs: list[_Job] = []
         self._generator: Any = None
         self.batches = 0
         self.batched_rows = 0
@@ -160,6 +162,11 @@ class TorchEngine:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        running = self._running
+        if running is not None:
+            if not running.done():
+                await asyncio.wait({running})
+            self._answer(self._running_jobs, running)  # answered already unless the scheduler was cancelled
         for job in self._queue:
             if not job.future.done():
                 job.future.set_exception(RuntimeError("the inference server is shutting down"))
@@ -216,17 +223,26 @@ class TorchEngine:
             if self._queue:
                 self._wake.set()
             async with self._compute:
-                try:
-                    results = await asyncio.to_thread(self._run_batch, jobs)
-                except Exception as exc:  # answer every request of the batch; the scheduler goes on
-                    log.exception("batch failed", requests=len(jobs))
-                    for job in jobs:
-                        if not job.future.done():
-                            job.future.set_exception(exc)
-                    continue
-            for job, result in zip(jobs, results, strict=True):
-                if not job.future.done():  # a client that went away cancelled its future
-                    job.future.set_result(result)
+                # A cancelled scheduler (shutdown) must not abandon a forward pass that still
+                # reads the weights: the batch runs on, and close() waits for it.
+                self._running = asyncio.ensure_future(asyncio.to_thread(self._run_batch, jobs))
+                self._running_jobs = jobs
+                await asyncio.wait({self._running})  # neither raises nor cancels the batch
+                self._answer(jobs, self._running)
+
+    @staticmethod
+    def _answer(jobs: list[_Job], done: asyncio.Future[list[dict[str, Any]]]) -> None:
+        """Deliver a finished batch: each request its result, or the batch's error to all."""
+        exc = done.exception() if not done.cancelled() else RuntimeError("the batch was cancelled")
+        if exc is not None:
+            log.error("batch failed", requests=len(jobs), error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+        for i, job in enumerate(jobs):
+            if job.future.done():  # a client that went away cancelled its future
+                continue
+            if exc is not None:
+                job.future.set_exception(exc)
+            else:
+                job.future.set_result(done.result()[i])
 
     async def _gather(self) -> None:
         """Give requests sent together a moment to arrive together.

@@ -179,7 +179,7 @@ async def test_bad_requests_are_refused(engine: TorchEngine, body: Any, message:
 
 
 async def test_pause_waits_for_inflight_and_holds_new_requests(engine: TorchEngine) -> None:
-    long = asyncio.ensure_future(engine.generate(req(n=32, max_tokens=100, ignore_eos=True)))
+    long = asyncio.ensure_future(engine.generate(req(n=16, max_tokens=60, ignore_eos=True)))
     while engine.stats()["inflight"] == 0:  # noqa: ASYNC110 - the engine exposes no event for admission
         await asyncio.sleep(0)
     paused = await engine.pause()
@@ -260,3 +260,29 @@ def test_flat_forward_declines_what_it_does_not_implement(tiny_dir: Path) -> Non
     model = AutoModelForCausalLM.from_pretrained(str(tiny_dir))
     model.model.layers[0].self_attn.q_proj = torch.nn.Sequential(model.model.layers[0].self_attn.q_proj)
     assert not LlamaStepper.supports(model)  # a wrapped projection (LoRA, for one) needs the model's forward
+
+
+async def test_a_failing_batch_answers_its_requests_and_the_engine_goes_on(engine: TorchEngine) -> None:
+    real = engine.model.forward
+    engine.model.forward = None  # every forward pass raises TypeError
+    engine.fast = False
+    try:
+        results = await asyncio.gather(*(engine.generate(req(max_tokens=2)) for _ in range(3)),
+                                       return_exceptions=True)
+        assert all(isinstance(r, TypeError) for r in results)
+    finally:
+        engine.model.forward = real
+    await engine.check_health()
+    assert len((await engine.generate(req(max_tokens=2, ignore_eos=True)))["token_ids"][0]) == 2
+
+
+async def test_close_waits_for_the_running_batch_and_answers_it(tiny_dir: Path) -> None:
+    eng = TorchEngine(model_dir=tiny_dir, max_model_len=MAX_MODEL_LEN)
+    await eng.start()
+    long = asyncio.ensure_future(eng.generate(req(n=16, max_tokens=60, ignore_eos=True)))
+    while eng._running is None:  # noqa: ASYNC110 - the engine exposes no event for a started batch
+        await asyncio.sleep(0.001)
+    await eng.close()
+    assert eng._running.done()  # close() returned only after the forward passes ended
+    result = await asyncio.wait_for(long, 30)
+    assert len(result["token_ids"]) == 16  # and the batch was delivered
