@@ -239,6 +239,8 @@ async def _openai_completions(front: _Front, body: Any) -> dict[str, Any]:
     max_tokens = body.get("max_tokens", schema.DEFAULT_MAX_TOKENS)
     gens = await asyncio.gather(*(front.engine.generate(_generate_body(front, body, ids, max_tokens=max_tokens,
                                                                        logprobs=k or 0)) for ids in prompts))
+    for gen, ids in zip(gens, prompts, strict=True):
+        gen.setdefault("prompt_token_ids", ids)  # for usage; not every engine echoes the prompt
     out = schema.completion_response(front.model_name, gens[0], want_logprobs=k is not None, decode=_decoder(front))
     for gen in gens[1:]:  # several prompts: their choices follow in order
         more = schema.completion_response(front.model_name, gen, want_logprobs=k is not None, decode=_decoder(front))
@@ -272,6 +274,7 @@ async def _openai_chat(front: _Front, body: Any) -> dict[str, Any]:
         max_tokens = max(1, front.max_model_len - len(ids))
     gen = await front.engine.generate(_generate_body(front, body, ids, max_tokens=max_tokens,
                                                      logprobs=top if want else 0))
+    gen.setdefault("prompt_token_ids", ids)
     return schema.chat_response(front.model_name, gen, want_logprobs=want, decode=_decoder(front))
 
 
