@@ -203,6 +203,7 @@ def test_sigterm_to_run_stops_cleanly_with_exit_0(job: Job) -> None:
         stop_process(proc)
 
 
+@pytest.mark.slow
 def test_unexpected_exit_of_an_environment_restarts_it(job: Job) -> None:
     job.write(**base_sections(job.dir, [env("worker", script("cooperative.py"))]))
     assert job.cli("start").returncode == 0
@@ -214,6 +215,7 @@ def test_unexpected_exit_of_an_environment_restarts_it(job: Job) -> None:
     assert job.cli("stop").returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["daemon"])
 def test_logs_of_the_daemon(job: Job, name: str) -> None:
     job.write(**base_sections(job.dir, [env("worker", script("cooperative.py"))]))
@@ -225,6 +227,7 @@ def test_logs_of_the_daemon(job: Job, name: str) -> None:
     assert "daemon exits" in Path(job.state_dir / "logs" / "daemon.log").read_text()
 
 
+@pytest.mark.slow
 def test_logs_follow_across_rotation_until_the_daemon_stops(job: Job) -> None:
     import subprocess
     import sys

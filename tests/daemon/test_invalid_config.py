@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import atroposd
+from atroposd.cli import main
 
 BASE = """\
 [daemon]
@@ -39,14 +39,29 @@ CASES = [
 
 
 @pytest.mark.parametrize(("body", "key"), CASES, ids=[k for _, k in CASES])
-def test_invalid_config_exits_2_naming_the_key(short_tmp: Path, body: str, key: str) -> None:
+def test_invalid_config_exits_2_naming_the_key(short_tmp: Path, body: str, key: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI's own code path, in-process (an interpreter start per case would dominate)."""
     cfg = short_tmp / "atroposd.toml"
     if body.startswith("[daemon]"):  # merge into the one [daemon] table
         text = BASE.format(d=short_tmp) + body[len("[daemon]\n"):]
     else:
         text = BASE.format(d=short_tmp) + body
     cfg.write_text(text)
-    r = atroposd("start", "-c", str(cfg))
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    assert key in r.stderr, r.stderr
+    with pytest.raises(SystemExit) as exc:
+        main(["start", "-c", str(cfg)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    assert key in err, err
     assert not (short_tmp / "run").exists()  # nothing started, nothing created
+
+
+def test_invalid_config_through_a_real_command_line(short_tmp: Path) -> None:
+    from tests.support import atroposd
+
+    cfg = short_tmp / "atroposd.toml"
+    cfg.write_text(BASE.format(d=short_tmp) + "stop_timeout = -1\n")
+    for cmd in ("start", "run"):
+        r = atroposd(cmd, "-c", str(cfg))
+        assert r.returncode == 2 and "daemon.stop_timeout" in r.stderr, r.stderr
+    assert not (short_tmp / "run").exists()

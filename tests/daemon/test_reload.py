@@ -7,6 +7,7 @@ import signal
 from typing import Any
 
 import psutil
+import pytest
 
 from tests.daemon.conftest import Job, base_sections, env, script
 from tests.support import wait_for
@@ -44,6 +45,7 @@ def test_reload_adds_removes_and_restarts_environments_without_touching_the_othe
     assert job.cli("stop").returncode == 0
 
 
+@pytest.mark.slow
 def test_reload_refuses_changes_that_need_a_restart(job: Job) -> None:
     job.write(**base_sections(job.dir, [env("keep", script("cooperative.py"))]))
     assert job.cli("start").returncode == 0
@@ -57,6 +59,7 @@ def test_reload_refuses_changes_that_need_a_restart(job: Job) -> None:
     assert job.cli("stop").returncode == 0
 
 
+@pytest.mark.slow
 def test_sighup_with_an_invalid_file_keeps_the_running_config(job: Job) -> None:
     job.write(**base_sections(job.dir, [env("keep", script("cooperative.py"))]))
     assert job.cli("start").returncode == 0

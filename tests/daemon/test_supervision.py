@@ -26,6 +26,7 @@ def test_start_reports_why_a_required_component_failed(job: Job) -> None:
     assert job.cli("status").returncode == 3
 
 
+@pytest.mark.slow
 def test_adopted_orphans_are_reaped_and_own_children_keep_their_status(job: Job) -> None:
     pidfile = job.dir / "orphans"
     job.write(**base_sections(job.dir, [env("maker", script("orphan_maker.py", str(pidfile), "1.5")),
@@ -58,6 +59,7 @@ def test_adopted_orphans_are_reaped_and_own_children_keep_their_status(job: Job)
     assert job.cli("stop").returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
 def test_a_client_refused_by_the_file_system_is_told_permission_denied(job: Job) -> None:
     job.write(**base_sections(job.dir, [env("worker", script("cooperative.py"))]))
@@ -74,6 +76,7 @@ def test_a_client_refused_by_the_file_system_is_told_permission_denied(job: Job)
     assert job.cli("stop").returncode == 0
 
 
+@pytest.mark.slow
 def test_metrics_port_serves_component_states(job: Job) -> None:
     import urllib.request
 

@@ -114,6 +114,7 @@ def test_unit_file_has_the_required_settings() -> None:
     assert "atroposd run" in svc["ExecStart"]
 
 
+@pytest.mark.slow
 def test_a_notify_socket_nobody_reads_never_blocks_the_daemon(job: Job) -> None:
     """Regression: a full datagram queue once blocked the event loop (SIGTERM went unanswered)."""
     job.write(**base_sections(job.dir, [env("worker", script("cooperative.py"), replicas=12)]))
