@@ -305,11 +305,18 @@ class QueueGate:
             return
         now = anyio.current_time()
         self.throttled = on
+        # Debug level: in steady state the gate closes and opens with every trainer step; the
+        # progress line reports the time spent throttled.
         if on:
             self._throttled_since = now
-            self._log.info("throttled: the API holds enough of this environment's groups",
-                           queued_groups=queued, in_flight=in_flight, limit=self.limit)
+            self._log.debug("throttled: the API holds enough of this environment's groups",
+                            queued_groups=queued, in_flight=in_flight, limit=self.limit)
         else:
             self.throttled_s += now - self._throttled_since
-            self._log.info("resumed", queued_groups=queued, in_flight=in_flight, limit=self.limit,
-                           throttled_s=round(now - self._throttled_since, 2))
+            self._log.debug("resumed", queued_groups=queued, in_flight=in_flight, limit=self.limit,
+                            throttled_s=round(now - self._throttled_since, 2))
+
+    def throttled_total(self) -> float:
+        """Seconds spent throttled so far, the current spell included."""
+        extra = anyio.current_time() - self._throttled_since if self.throttled else 0.0
+        return self.throttled_s + extra

@@ -125,6 +125,7 @@ class EnvRunner:
         self._window = _Window()
         self.totals = _Window()
         self.dropped_at_stop = 0
+        self._throttled_at_window = 0.0
         self.api: AtroposEnvClient | None = None
         self.gate: QueueGate | None = None
 
@@ -270,25 +271,30 @@ class EnvRunner:
             self._report()
 
     def _report(self, final: bool = False) -> None:
+        """One progress line: this window's rollouts (or, at the end, the totals), and the share
+        of the time the gate held generation back (high: the trainer is the bottleneck)."""
+        if self.gate is None:
+            return  # not registered yet: the registration's own retries are logged
         w = self._window if not final else self.totals
-        if not w.groups and not final:
-            return
-        elapsed = max(anyio.current_time() - w.started, 1e-9) if w.started else 0.0
+        now = anyio.current_time()
+        elapsed = max(now - w.started, 1e-9)
+        throttled = self.gate.throttled_total()
         api = self.api
         fields: dict[str, Any] = {
             "groups": w.groups, "sequences": w.sequences,
             "reward_mean": round(w.reward_sum / w.sequences, 4) if w.sequences else None,
             "accuracy": round(w.exact / w.sequences, 4) if w.sequences else None,
-            "groups_per_s": round(w.groups / elapsed, 2) if elapsed else None,
+            "groups_per_s": round(w.groups / elapsed, 2),
             "weight_versions": [min(w.versions), max(w.versions)] if w.versions else None,
+            "throttled": round((throttled - (0.0 if final else self._throttled_at_window)) / elapsed, 3),
+            "throttled_now": self.gate.throttled,
         }
         if api is not None:
             fields.update(submit_retries=api.stats.submit_retries, refused_503=api.stats.refused_503,
                           rejected=api.stats.rejected_groups, registrations=api.stats.registrations)
-        if self.gate is not None:
-            fields["throttled_s"] = round(self.gate.throttled_s, 1)
         if final:
             fields["dropped_at_stop"] = self.dropped_at_stop
         self.log.info("rollouts (total)" if final else "rollouts", **fields)
         if not final:
-            self._window = _Window(started=anyio.current_time())
+            self._window = _Window(started=now)
+            self._throttled_at_window = throttled

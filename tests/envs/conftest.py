@@ -202,7 +202,8 @@ class EnvProc:
 
 def env_config(tmp: Path, group_size: int = 4, **options: Any) -> Path:
     return write_config(tmp / "atroposd.toml", {
-        "daemon": {"state_dir": str(tmp / "state"), "runtime_dir": str(tmp / "run"), "log_format": "json"},
+        "daemon": {"state_dir": str(tmp / "state"), "runtime_dir": str(tmp / "run"), "log_format": "json",
+                   "log_level": "debug"},  # the gate logs its transitions at debug level
         "trainer": {"batch_size": 16, "micro_batch_size": 8, "max_token_len": 64},
         "env": [{"name": "arithmetic", "builtin": "arithmetic", "group_size": group_size, "options": options}],
     })
