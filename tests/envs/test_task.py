@@ -192,3 +192,16 @@ def test_evaluate_exact_match(tokenizer_dir: Path) -> None:
         evaluate_exact_match(lambda prompts, k: [], vocab, problems)
     # the tokenizer directory will do as well; the default set is the 100 problems
     assert evaluate_exact_match(oracle_except_sums_over_15, tokenizer_dir).correct == 94
+
+
+def test_environment_modules_import_no_torch() -> None:
+    """An environment child stays small: none of its modules pulls in torch or transformers."""
+    import subprocess
+    import sys
+
+    code = ("import sys, atroposd.cli\n"
+            "from atroposd.envs import arithmetic, cli, client, generate, options, runner, vocab\n"
+            "heavy = sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules)\n"
+            "assert not heavy, heavy\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
