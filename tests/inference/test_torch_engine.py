@@ -51,9 +51,9 @@ def reference_logprobs(model: Any, tokens: list[int], start: int, temperature: f
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 async def test_sampled_logprobs_match_teacher_forcing(engine: TorchEngine, temperature: float) -> None:
-    resp = await engine.generate(req(n=6, max_tokens=8, temperature=temperature, ignore_eos=True))
-    assert len(resp["logprobs"]) == 6 and resp["weight_version"] == 0
-    for i in range(6):
+    resp = await engine.generate(req(n=4, max_tokens=8, temperature=temperature, ignore_eos=True))
+    assert len(resp["logprobs"]) == 4 and resp["weight_version"] == 0
+    for i in range(4):
         ids, lps = sampled(resp, i)
         assert ids == resp["token_ids"][i] and len(ids) == 8
         full = PROMPT + ids
