@@ -52,28 +52,30 @@ def _mean(xs: list[float]) -> float:
 
 
 def greedy_exact_match(checkpoint: Path) -> float:
-    """Greedy decoding of ``[BOS]a+b=`` for all 100 single-digit pairs; fraction answered exactly."""
+    """Greedy exact match of the checkpoint on every problem of the default task."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from atroposd.envs.arithmetic import evaluate_exact_match
 
     torch.set_num_threads(1)
-    tok = AutoTokenizer.from_pretrained(str(checkpoint))
     model = AutoModelForCausalLM.from_pretrained(str(checkpoint)).eval()
-    right = 0
-    for a in range(10):
-        for b in range(10):
-            ids = [tok.bos_token_id] + tok.convert_tokens_to_ids(list(f"{a}+{b}="))
-            out: list[int] = []
-            with torch.no_grad():
-                for _ in range(4):
-                    logits = model(torch.tensor([ids + out])).logits[0, -1]
-                    nxt = int(logits.argmax())
-                    out.append(nxt)
-                    if nxt == tok.eos_token_id:
+    eos = model.config.eos_token_id
+
+    def greedy(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        out = []
+        with torch.no_grad():
+            for ids in prompts:
+                completion: list[int] = []
+                for _ in range(max_tokens):
+                    nxt = int(model(torch.tensor([ids + completion])).logits[0, -1].argmax())
+                    completion.append(nxt)
+                    if nxt == eos:
                         break
-            want = tok.convert_tokens_to_ids(list(str(a + b))) + [tok.eos_token_id]
-            right += out == want
-    return right / 100
+                out.append(completion)
+        return out
+
+    return evaluate_exact_match(greedy, checkpoint).accuracy
 
 
 def run_seed(seed: int, steps: int | None, out_dir: Path) -> dict[str, Any]:
