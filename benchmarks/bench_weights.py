@@ -18,6 +18,16 @@ Prints a table and one JSON line (``{"benchmark": "weights", ...}``). Targets: s
 pause overhead only; push ≤ 1.5× the floor (for the ~100M model).
 
     python benchmarks/bench_weights.py [--quick]
+
+Measured on the 2-core CPU machine while other jobs loaded it (load average 6-12; medians,
+ms). The tiny model's figures are round trips on the control socket, not copies, and swing
+with the load; the ~100M model's are the ones the targets are about:
+
+    model   params       floor   shared   push (x floor)   reload (x floor)
+    tiny    331,136      0.06    39.9     144.8            132.1           (load 12)
+    tiny    331,136      15.9    7.3      29.2             55.9            (load 6)
+    100M    109,529,856  416.0   22.0     534.5 (1.28)     4848 (11.7)     (load 12)
+    100M    109,529,856  179.7   7.6      250.8 (1.40)     2516 (14.0)     (load 6)
 """
 
 from __future__ import annotations
