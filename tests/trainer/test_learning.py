@@ -91,6 +91,7 @@ async def environment(api_url: str, service: TrainerService, seed: int) -> None:
                 assert resp.status == 200, await resp.text()
 
 
+@pytest.mark.timeout(1500)
 async def test_the_trainer_learns_the_next_digit(tiny_dir: Path, state_dir: Path, tmp_path: Path) -> None:
     steps = 300
     inf_port = free_port()
@@ -108,7 +109,7 @@ async def test_the_trainer_learns_the_next_digit(tiny_dir: Path, state_dir: Path
                 await service.run(task_status=task_status)
                 done.set()
 
-            with anyio.fail_after(900):
+            with anyio.fail_after(1400):
                 async with anyio.create_task_group() as tg:
                     await tg.start(trainer)
                     tg.start_soon(environment, api_url, service, 0)
