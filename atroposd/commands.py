@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 from atroposd import control
 from atroposd.config import Config
@@ -36,9 +36,13 @@ def _err(msg: str) -> None:
 
 
 class _Tee:
-    """The daemon's log stream: stderr (journald, a terminal) and ``logs/daemon.log`` (rotated)."""
+    """The daemon's log stream: stderr (journald, a terminal) and ``logs/daemon.log`` (rotated).
 
-    def __init__(self, stream: TextIO, path: Path, *, max_bytes: int, backups: int) -> None:
+    ``stream`` None: the file only (a daemon started by ``atroposd start``, whose stderr is
+    ``logs/daemon.out`` and keeps only what bypasses logging, such as a crash's traceback).
+    """
+
+    def __init__(self, stream: TextIO | None, path: Path, *, max_bytes: int, backups: int) -> None:
         from atroposd.process.logfiles import RotatingFile
 
         self._stream = stream
@@ -47,7 +51,8 @@ class _Tee:
 
     def write(self, text: str) -> int:
         with self._lock:
-            self._stream.write(text)
+            if self._stream is not None:
+                self._stream.write(text)
             try:
                 self._file.write(text.encode())
             except OSError:
@@ -55,10 +60,11 @@ class _Tee:
         return len(text)
 
     def flush(self) -> None:
-        self._stream.flush()
+        if self._stream is not None:
+            self._stream.flush()
 
     def isatty(self) -> bool:
-        return self._stream.isatty()
+        return self._stream is not None and self._stream.isatty()
 
 
 def _same_file(fd: int, path: Path) -> bool:
@@ -69,12 +75,17 @@ def _same_file(fd: int, path: Path) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def _daemon_log_stream(cfg: Config) -> TextIO | Any:
-    path = Paths.of(cfg).log_file("daemon")
+def _daemon_log_stream(cfg: Config) -> _Tee:
+    paths = Paths.of(cfg)
+    path = paths.log_file("daemon")
     path.parent.mkdir(parents=True, exist_ok=True)
-    if _same_file(sys.stderr.fileno(), path):  # started by `atroposd start`: stderr is the file
-        return sys.stderr
-    return _Tee(sys.stderr, path, max_bytes=cfg.daemon.log_max_bytes, backups=cfg.daemon.log_backups)
+    detached = _same_file(sys.stderr.fileno(), _daemon_out(paths))  # started by `atroposd start`
+    return _Tee(None if detached else sys.stderr, path, max_bytes=cfg.daemon.log_max_bytes,
+                backups=cfg.daemon.log_backups)
+
+
+def _daemon_out(paths: Paths) -> Path:
+    return paths.logs_dir / "daemon.out"
 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
@@ -88,7 +99,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     except OSError as exc:
         _err(f"cannot write the daemon log under {cfg.state_dir}: {exc}")
         return EXIT_RUNTIME
-    configure_logging(cfg.daemon.log_level, cfg.daemon.log_format, stream=stream, component="daemon")
+    configure_logging(cfg.daemon.log_level, cfg.daemon.log_format, stream=cast(TextIO, stream), component="daemon")
     for w in cfg.warnings:
         _err(f"warning: {w}")
     try:
@@ -128,9 +139,11 @@ def start(cfg: Config, args: argparse.Namespace) -> int:
     if running is not None:
         _err(f"a daemon is already running for this config (pid {running.get('pid')})")
         return EXIT_ALREADY_RUNNING
-    log_path = Paths.of(cfg).log_file("daemon")
+    paths = Paths.of(cfg)
+    log_path, out_path = paths.log_file("daemon"), _daemon_out(paths)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     offset = log_path.stat().st_size if log_path.exists() else 0
+    out_offset = out_path.stat().st_size if out_path.exists() else 0
     tmp = Path(tempfile.mkdtemp(prefix="atroposd-start-"))
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
     try:
@@ -141,17 +154,18 @@ def start(cfg: Config, args: argparse.Namespace) -> int:
         argv = [sys.executable, "-m", "atroposd", "run"]
         if not cfg.source.startswith("<"):
             argv += ["-c", cfg.source]
-        with open(log_path, "ab") as out:
+        with open(out_path, "ab") as out:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     env=env, start_new_session=True)
-        return _await_ready(proc, notify, log_path, offset, _start_budget(cfg))
+        return _await_ready(proc, notify, (log_path, offset), (out_path, out_offset), _start_budget(cfg))
     finally:
         notify.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _await_ready(proc: subprocess.Popen[bytes], notify: socket.socket, log_path: Path, offset: int,
-                 budget: float) -> int:
+def _await_ready(proc: subprocess.Popen[bytes], notify: socket.socket, log: tuple[Path, int],
+                 out: tuple[Path, int], budget: float) -> int:
+    log_path = log[0]
     deadline = time.monotonic() + budget
     while time.monotonic() < deadline:
         ready, _, _ = select.select([notify], [], [], 0.2)
@@ -164,7 +178,7 @@ def _await_ready(proc: subprocess.Popen[bytes], notify: socket.socket, log_path:
             continue
         code = proc.poll()
         if code is not None:
-            _err(f"the daemon failed to start (exit {code}): {_failure_reason(log_path, offset)}")
+            _err(f"the daemon failed to start (exit {code}): {_failure_reason(*log, *out)}")
             return code or EXIT_RUNTIME
     _err(f"the daemon is not READY after {budget:g}s; it keeps starting in the background (pid {proc.pid}); "
          f"see {log_path}")
@@ -172,13 +186,18 @@ def _await_ready(proc: subprocess.Popen[bytes], notify: socket.socket, log_path:
     return EXIT_RUNTIME
 
 
-def _failure_reason(log_path: Path, offset: int) -> str:
+def _read_from(path: Path, offset: int) -> str:
     try:
-        with open(log_path, "rb") as fh:
+        with open(path, "rb") as fh:
             fh.seek(offset)
-            text = fh.read().decode(errors="replace")
+            return fh.read().decode(errors="replace")
     except OSError:
-        return "(no log)"
+        return ""
+
+
+def _failure_reason(log_path: Path, offset: int, out_path: Path, out_offset: int) -> str:
+    """The daemon's own 'start failed' reason, else the last lines it wrote."""
+    text = _read_from(log_path, offset)
     for line in text.splitlines():
         try:
             obj = json.loads(line)
@@ -186,8 +205,8 @@ def _failure_reason(log_path: Path, offset: int) -> str:
             continue
         if isinstance(obj, dict) and obj.get("event") == "start failed":
             return str(obj.get("reason"))
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    return "\n" + "\n".join(lines[-20:])
+    lines = [ln for ln in (text + "\n" + _read_from(out_path, out_offset)).splitlines() if ln.strip()]
+    return "\n" + "\n".join(lines[-20:]) if lines else "(nothing logged)"
 
 
 # ----------------------------------------------------------------------------- stop / status / reload
