@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.anyio,
 @pytest.mark.parametrize("mode", ["shared", "push"])
 async def test_cuda_ipc_sync(dirs: dict[str, Path], nonce: str, child_factory: ChildFactory, mode: str) -> None:
     child = child_factory.start(env={"CHILD_SERVER_DEVICE": "cuda:0"})
-    model = make_model(0).to("cuda:0")
+    model = make_model(0).to("cuda:0")  # type: ignore[arg-type]  # transformers types .to oddly
     sync = (SharedSync(nonce=nonce, weights_dir=dirs["weights"], control_socket=child.socket) if mode == "shared"
             else PushSync(nonce=nonce, weights_dir=dirs["weights"], control_socket=child.socket))
     try:

@@ -125,7 +125,7 @@ def test_arena_moves_parameters_in_place_and_releases(nonce: str) -> None:
 
 
 @pytest.fixture
-def exported(nonce: str, dirs: dict[str, Path]):  # type: ignore[no-untyped-def]
+def exported(nonce: str, dirs: dict[str, Path]):
     trainer = make_model(0)
     arena = ParameterArena.create(trainer, nonce=nonce)
     path = manifest_path(dirs["weights"], nonce)
@@ -146,7 +146,7 @@ def _tensor_change(path: Path, name: str, **changes: object) -> None:
     dataclasses.replace(m, tensors=tensors).write(path)
 
 
-def test_copy_and_attach_give_the_trainer_weights(exported) -> None:  # type: ignore[no-untyped-def]
+def test_copy_and_attach_give_the_trainer_weights(exported) -> None:
     trainer, _arena, path, state = exported
     server = make_model(1)
     assert not torch.allclose(score(server), score(trainer))
@@ -167,7 +167,7 @@ def test_copy_and_attach_give_the_trainer_weights(exported) -> None:  # type: ig
 
 @pytest.mark.parametrize("case", ["dtype16", "dtypebf16", "dtype_bad", "shape", "missing", "extra", "bounds",
                                   "nonce", "dead_pid", "version", "segment_name"])
-def test_tampered_manifest_is_refused(exported, case: str, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_tampered_manifest_is_refused(exported, case: str, tmp_path: Path) -> None:
     _trainer, _arena, path, state = exported
     name = "model.layers.0.mlp.up_proj.weight"
     expect = name
@@ -215,7 +215,7 @@ def test_tampered_manifest_is_refused(exported, case: str, tmp_path: Path) -> No
     assert not state.attached
 
 
-def test_manifest_provenance_checks(exported, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_manifest_provenance_checks(exported, tmp_path: Path) -> None:
     _trainer, _arena, path, state = exported
     server = make_model(1)
     elsewhere = tmp_path / path.name
@@ -237,7 +237,7 @@ def test_manifest_provenance_checks(exported, tmp_path: Path) -> None:  # type: 
         apply_update(server, {"manifest": str(path), "mode": "steal"}, state=state)
 
 
-def test_shape_mismatch_against_a_different_model(exported) -> None:  # type: ignore[no-untyped-def]
+def test_shape_mismatch_against_a_different_model(exported) -> None:
     _trainer, _arena, path, state = exported
     other = make_model(1, intermediate_size=384)
     with pytest.raises(WeightUpdateError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight'.*shape"):
@@ -251,7 +251,7 @@ def test_shape_mismatch_against_a_different_model(exported) -> None:  # type: ig
         apply_update(fp16, {"manifest": str(path), "mode": "copy"}, state=state)
 
 
-def test_checksum_detects_changed_memory(exported) -> None:  # type: ignore[no-untyped-def]
+def test_checksum_detects_changed_memory(exported) -> None:
     trainer, _arena, path, state = exported
     with torch.no_grad():
         trainer.model.norm.weight.add_(1.0)  # memory changed after the manifest was written
