@@ -72,6 +72,7 @@ class _Front:
 
     model_name: str
     max_model_len: int
+    await_weights: bool = False
     engine: Any = None
     tokenizer: Any = None
     info: dict[str, Any] = field(default_factory=dict)
@@ -186,16 +187,21 @@ def build_tcp_app(front: _Front) -> web.Application:
                                             "max_model_len": front.max_model_len}]}
 
     async def info(_: web.Request) -> Any:
+        if not front.info:
+            return _error(503, "the model is still being resolved")
+        if front.engine is None:  # loading: the tokenizer can already be compared
+            return {**front.info, "weight_version": None, "awaiting_weights": front.await_weights,
+                    "ready": False}
         weights = await front.engine.weight_info()
         return {**front.info, "weight_version": weights.get("weight_version"),
-                "awaiting_weights": bool(weights.get("awaiting_weights", False))}
+                "awaiting_weights": bool(weights.get("awaiting_weights", False)), "ready": True}
 
     app.router.add_get("/health", health)
     app.router.add_post("/generate", _route(front, generate))
     app.router.add_post("/v1/completions", _route(front, completions, openai=True))
     app.router.add_post("/v1/chat/completions", _route(front, chat, openai=True))
     app.router.add_get("/v1/models", _route(front, models, openai=True, needs_engine=False))
-    app.router.add_get("/info", _route(front, info))
+    app.router.add_get("/info", _route(front, info, needs_engine=False))
     return app
 
 
@@ -337,7 +343,8 @@ class PortInUse(RuntimeError):
 
 async def serve(cfg: Any, opts: ServerOptions, *, ready: Callable[[], None] | None = None) -> int:
     """Run the server until SIGTERM/SIGINT; 0 on a requested stop."""
-    front = _Front(model_name=cfg.inference.model, max_model_len=cfg.inference.max_model_len)
+    front = _Front(model_name=cfg.inference.model, max_model_len=cfg.inference.max_model_len,
+                   await_weights=opts.await_weights)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -359,6 +366,8 @@ async def serve(cfg: Any, opts: ServerOptions, *, ready: Callable[[], None] | No
         log.info("listening; loading the engine", host=opts.host, port=opts.port, control_socket=str(sock),
                  engine=opts.engine, await_weights=opts.await_weights)
         # torch is imported from here on (after the port is ours, so a port in use fails fast).
+        # The tokenizer's fingerprint is known before the model loads: /info answers early.
+        front.info, tokenizer = await asyncio.to_thread(_info, cfg, opts)
         engine, bad = await asyncio.to_thread(make_engine, cfg, opts.engine, await_weights=opts.await_weights,
                                               threads=opts.threads)
         from atroposd.inference.torch_engine import NotPaused
@@ -368,9 +377,7 @@ async def serve(cfg: Any, opts: ServerOptions, *, ready: Callable[[], None] | No
         await _wait_or_stop(engine.start(), stop)
         if stop.is_set():
             return 0
-        own = getattr(engine, "tokenizer", None)  # the torch engine's loaded tokenizer (vLLM's is a path)
-        front.tokenizer = own if hasattr(own, "encode") else await asyncio.to_thread(_load_tokenizer, cfg)
-        front.info = _info(cfg, opts, front.tokenizer)
+        front.tokenizer = tokenizer
         front.engine = engine
         log.info("ready", model=cfg.inference.model, engine=opts.engine)
         if ready is not None:
@@ -417,16 +424,16 @@ async def _start_unix_site(runner: web.AppRunner, path: Path) -> None:
     os.chmod(path, 0o600)
 
 
-def _load_tokenizer(cfg: Any) -> Any:
+def _info(cfg: Any, opts: ServerOptions) -> tuple[dict[str, Any], Any]:
+    """The /info body and the tokenizer (for the OpenAI routes), before the engine loads.
+
+    The fingerprint is computed from the loaded tokenizer, exactly as the trainer does.
+    """
     from transformers import AutoTokenizer
 
-    from atroposd.models.resolve import resolve_tokenizer
+    from atroposd.models.resolve import fingerprint_of, resolve_tokenizer
 
-    return AutoTokenizer.from_pretrained(str(resolve_tokenizer(cfg)))
-
-
-def _info(cfg: Any, opts: ServerOptions, tokenizer: Any) -> dict[str, Any]:
-    from atroposd.models.resolve import fingerprint_of
-
-    return {"model": cfg.inference.model, "engine": opts.engine, "max_model_len": cfg.inference.max_model_len,
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_tokenizer(cfg)))
+    info = {"model": cfg.inference.model, "engine": opts.engine, "max_model_len": cfg.inference.max_model_len,
             "tokenizer": fingerprint_of(tokenizer), "pid": os.getpid()}
+    return info, tokenizer

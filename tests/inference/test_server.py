@@ -50,6 +50,7 @@ def test_health_info_models(server: Server, tiny_dir: Path) -> None:
     assert info["engine"] == "torch" and info["max_model_len"] == MAX_MODEL_LEN and info["model"] == str(tiny_dir)
     assert info["tokenizer"]["vocab_size"] == 22 and info["tokenizer"]["special_ids"]["eos"] == 2
     assert isinstance(info["tokenizer"]["fingerprint"], str) and info["awaiting_weights"] is False
+    assert info["ready"] is True and info["weight_version"] == 0
     from atroposd.models.resolve import tokenizer_fingerprint
 
     assert info["tokenizer"] == tokenizer_fingerprint(tiny_dir)
@@ -199,3 +200,24 @@ def test_a_bad_model_directory_is_a_usage_error(short_tmp: Path) -> None:
                       timeout=120)
     assert result.returncode == 2
     assert "neither builtin:tiny nor an existing local directory" in result.stderr
+
+
+def test_info_answers_while_the_engine_loads() -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from atroposd.inference.server import _Front, build_tcp_app
+
+    async def run() -> None:
+        front = _Front(model_name="m", max_model_len=64, await_weights=True)
+        async with TestClient(TestServer(build_tcp_app(front))) as client:
+            resp = await client.get("/info")
+            assert resp.status == 503  # not even the tokenizer is known yet
+            front.info = {"model": "m", "tokenizer": {"vocab_size": 22}}
+            resp = await client.get("/info")
+            body = await resp.json()
+            assert resp.status == 200 and body["ready"] is False and body["awaiting_weights"] is True
+            assert body["tokenizer"] == {"vocab_size": 22} and body["weight_version"] is None
+            assert (await client.get("/health")).status == 503
+            assert (await client.post("/generate", json={})).status == 503
+
+    asyncio.run(run())
