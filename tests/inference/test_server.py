@@ -150,6 +150,19 @@ def test_atroposlib_vllm_client_reads_the_responses(server: Server, tiny_dir: Pa
         chat = await client.chat_completion(messages=[{"role": "user", "content": "1+3="}], n=2, max_tokens=3,
                                             model=str(tiny_dir))
         assert len(chat.choices) == 2 and chat.choices[0].message.role == "assistant"
+        # ManagedServer: the tracked sequences a trainer gets (tokens, -100 masks, 1.0 logprob sentinels).
+        from atroposlib.envs.server_handling.managed_server import ManagedServer
+
+        managed = ManagedServer(client, tokenizer=client.tokenizer)
+        await managed.completion(prompt="1+3=", n=3, max_tokens=3, temperature=1.0, ignore_eos=True)
+        nodes = managed.get_state()["nodes"]
+        assert len(nodes) == 3
+        for node in nodes:
+            assert node.tokens[:len(PROMPT)] == PROMPT and len(node.tokens) == len(PROMPT) + 3
+            assert node.masked_tokens[:len(PROMPT)] == [-100] * len(PROMPT)
+            assert node.masked_tokens[len(PROMPT):] == node.tokens[len(PROMPT):]
+            assert node.logprobs[:len(PROMPT)] == [1.0] * len(PROMPT)
+            assert all(lp <= 0 for lp in node.logprobs[len(PROMPT):])
         await client.openai.close()
 
     asyncio.run(run())
