@@ -8,7 +8,8 @@ the k3 KL toward the frozen initial model, backward, clip, AdamW) on:
 * ``100m``: a ~100M-parameter Llama (hidden 768, 8 layers, 32k vocabulary), 8 sequences of
   48 prompt + 16 completion tokens, micro-batches of 4.
 
-The reference is the predecessor's shape of the same loss: full ``[B, T, V]`` logits for the
+Both implementations run interleaved step by step, so they see the same machine load. The
+reference is the predecessor's shape of the same loss: full ``[B, T, V]`` logits for the
 policy, again scaled by the temperature, a second cross-entropy over them for metrics, and
 the reference model's full logits — all positions, prompt included.
 
@@ -119,6 +120,7 @@ def bench(kind: str, steps: int) -> dict[str, Any]:
     model = build_model(kind)
     params = sum(p.numel() for p in model.parameters())
     out: dict[str, Any] = {"model": kind, "parameters": params, "sequences": n, "completion_tokens": tokens}
+    runners: dict[str, Any] = {}
     for impl in ("atroposd", "reference"):
         m = copy.deepcopy(model)
         ref = copy.deepcopy(model).requires_grad_(False)
@@ -138,14 +140,19 @@ def bench(kind: str, steps: int) -> dict[str, Any]:
 
             def run(b: RolloutBatch, stepper: ReferenceStep = stepper) -> None:
                 stepper.step(b)
-        for b in batches[:1 if kind == "100m" else 2]:  # warm-up
-            run(b)
-        start = time.perf_counter()
-        for i in range(steps):
+        runners[impl] = run
+    # Interleaved, step by step: both implementations see the same machine load.
+    elapsed = dict.fromkeys(runners, 0.0)
+    for i in range(-(1 if kind == "100m" else 2), steps):  # negative i: warm-up
+        for impl, run in runners.items():
+            start = time.perf_counter()
             run(batches[i % len(batches)])
-        elapsed = (time.perf_counter() - start) / steps
-        out[impl] = {"ms_per_step": elapsed * 1000, "tokens_per_s": tokens / elapsed}
-        print(f"  {kind} {impl}: {elapsed * 1000:.1f} ms/step", file=sys.stderr, flush=True)
+            if i >= 0:
+                elapsed[impl] += time.perf_counter() - start
+    for impl, total in elapsed.items():
+        per_step = total / steps
+        out[impl] = {"ms_per_step": per_step * 1000, "tokens_per_s": tokens / per_step}
+        print(f"  {kind} {impl}: {per_step * 1000:.1f} ms/step", file=sys.stderr, flush=True)
     out["speedup"] = out["reference"]["ms_per_step"] / out["atroposd"]["ms_per_step"]
     return out
 
