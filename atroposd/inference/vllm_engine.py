@@ -246,9 +246,9 @@ class VllmEngine:
         return args
 
     async def start(self) -> None:
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        args = self.engine_args()
+        # Importing vLLM and building its arguments takes seconds (minutes on a loaded machine):
+        # off the event loop, like the engine itself.
+        args = await asyncio.to_thread(self.engine_args)
         log.info("starting vLLM", model=self.model, dtype=args.dtype, device=self.device,
                  memory_fraction=args.gpu_memory_utilization)
         self._expected = await asyncio.to_thread(_expected_tensors, self.model,
@@ -256,7 +256,7 @@ class VllmEngine:
         # Built in a thread: the start takes a minute on a CPU, and meanwhile the front must keep
         # answering /health (503) and its signals. A stop during the start cancels this
         # coroutine but not the thread; close() waits for the engine and shuts it down.
-        self._starting = asyncio.get_running_loop().run_in_executor(None, AsyncLLM.from_engine_args, args)
+        self._starting = asyncio.get_running_loop().run_in_executor(None, _build_engine, args)
         self.engine = await asyncio.shield(self._starting)
         self._starting = None
 
@@ -446,6 +446,12 @@ class VllmEngine:
         return {"weight_version": self.weight_version, "paused": self._paused, "attached": False,
                 "updates": self.updates, "awaiting_weights": self.awaiting_weights, "engine": self.name,
                 "pid": os.getpid()}
+
+
+def _build_engine(args: Any) -> Any:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(args)
 
 
 def _cuda_available() -> bool:
