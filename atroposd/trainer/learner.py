@@ -51,6 +51,9 @@ class StepResult:
     compute_s: float
     distill_loss: float | None = None
     distill_token_count: int = 0
+    # mean |log π_trainer − log π_rollout| over tokens that carry a rollout logprob: ~0 for
+    # on-policy data; a large value with staleness 0 means the two sides score tokens differently
+    logprob_diff_abs_mean: float | None = None
 
 
 class Reference(Protocol):
@@ -174,6 +177,7 @@ class Learner:
         ratio_sum = clipped = kl_sum = 0.0
         d_loss = 0.0
         d_tokens = 0
+        diff_sum, diff_n = 0.0, 0
         device = self.policy.device
         for mb_cpu in batch.micro:
             mb = mb_cpu.to(device)
@@ -182,7 +186,10 @@ class Learner:
             logp, d_logits = token_logprobs(self.policy.model, mb.input_ids, mb.mask, mb.labels, mb.temperature,
                                             want_logits=d_mask)  # [N], [M, V]
             old = mb.old_logp[mb.mask]  # [N]
-            old = torch.where(torch.isnan(old), logp.detach(), old)  # missing → on-policy
+            present = ~torch.isnan(old)  # [N]
+            diff_sum += float((logp.detach() - old)[present].abs().sum())
+            diff_n += int(present.sum())
+            old = torch.where(present, old, logp.detach())  # missing → on-policy
             adv = mb.advantages[mb.mask]  # [N]
             ref = self.reference.logprobs(self.policy, mb, old)
             loss, stats = self.objective.loss(logp, old, adv, ref, denom)
@@ -207,7 +214,8 @@ class Learner:
                           clipped_fraction=clipped / denom, mean_kl=kl_sum / denom, tokens=batch.completion_tokens,
                           compute_s=time.perf_counter() - start,
                           distill_loss=(d_loss / max(d_tokens, 1)) if d_tokens else None,
-                          distill_token_count=d_tokens)
+                          distill_token_count=d_tokens,
+                          logprob_diff_abs_mean=diff_sum / diff_n if diff_n else None)
 
     def apply(self) -> None:
         """The optimizer step (in shared mode: while the inference server is paused)."""

@@ -187,7 +187,7 @@ class TrainingLoop:
             "grad_norm": r.grad_norm, "lr": self.learner.lr, "tokens": r.tokens, "sequences": batch.sequences,
             "batch_wait_s": batch_wait, "step_s": step_s, "compute_s": r.compute_s,
             "skipped_steps": p.skipped_steps, "rejected_groups": batch.rejected,
-            "missing_logprobs": batch.missing_logprobs,
+            "missing_logprobs": batch.missing_logprobs, "logprob_diff_abs_mean": r.logprob_diff_abs_mean,
         }
         if r.distill_token_count or self.t.distill_coef > 0:
             record["distill_loss"] = r.distill_loss

@@ -2,7 +2,8 @@
 
 Fields: step, time, loss, reward_mean, reward_std, accuracy, weight_version, staleness,
 mean_ratio, clipped_fraction, mean_kl, grad_norm, lr, tokens, batch_wait_s, step_s,
-skipped_steps, sequences (+ distill_loss, distill_token_count when distillation is on).
+skipped_steps, sequences, rejected_groups, missing_logprobs, logprob_diff_abs_mean (trainer vs
+rollout logprob of the same tokens) (+ distill_loss, distill_token_count when distillation is on).
 ``staleness`` = the weight version trained *from* minus the oldest weight version the batch's
 rollouts were generated with (null when the environments do not report it).
 

@@ -43,6 +43,21 @@ def test_selected_position_logprobs_equal_full_logits(tiny_dir: Path, tmp_path: 
     torch.testing.assert_close(fast, full, atol=1e-5, rtol=0)
 
 
+def test_on_policy_rollout_logprobs_give_ratio_one_and_no_logprob_difference(tiny_dir: Path,
+                                                                               tmp_path: Path) -> None:
+    learner = _learner(tiny_dir, tmp_path)
+    batch = prepare_batch(make_groups(15, n=2), micro_batch_size=8, max_token_len=64, adv_std_floor=0.1)
+    with torch.no_grad():  # the rollout logprobs the trainer itself would have sampled with
+        for mb in batch.micro:
+            lp, _ = token_logprobs(learner.policy.model, mb.input_ids, mb.mask, mb.labels, mb.temperature)
+            mb.old_logp[mb.mask] = lp
+    r = learner.compute(batch)
+    assert r.logprob_diff_abs_mean is not None and r.logprob_diff_abs_mean < 1e-6
+    assert r.mean_ratio == pytest.approx(1.0, abs=1e-6) and r.clipped_fraction == 0.0
+    skewed = prepare_batch(make_groups(15, n=2), micro_batch_size=8, max_token_len=64, adv_std_floor=0.1)
+    assert learner.compute(skewed).logprob_diff_abs_mean > 0.1  # synthetic logprobs differ
+
+
 def test_micro_batch_split_does_not_change_loss_or_gradient(tiny_dir: Path, tmp_path: Path) -> None:
     groups = make_groups(1, n=2)
     results = []
