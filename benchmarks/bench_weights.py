@@ -29,6 +29,13 @@ with the load; the ~100M model's are the ones the targets are about:
     tiny    331,136      15.9    7.3      29.2             55.9            (load 6)
     100M    109,529,856  416.0   22.0     534.5 (1.28)     4848 (11.7)     (load 12)
     100M    109,529,856  179.7   7.6      250.8 (1.40)     2516 (14.0)     (load 6)
+    tiny    331,136      0.06    2.5      31.5             40.1            (load 3, floor fixed)
+    100M    109,529,856  73.1    3.2      118.4 (1.62)     3294 (45.1)     (load 3, floor fixed)
+    tiny, vLLM engine    0.05    -        84.4             107.9           (--engine vllm, load 3)
+
+Push = the copy (one memcpy per segment into the server's mirror of the export) plus about
+20-40 ms of fixed cost (manifest with checksums, its atomic write, the pause / update /
+resume round trips), so it approaches the floor as models grow: 1.3-1.6x at 100M.
 """
 
 from __future__ import annotations
