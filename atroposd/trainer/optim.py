@@ -26,7 +26,11 @@ def build_optimizer(params: Sequence[torch.nn.Parameter], tcfg: Any) -> torch.op
         raise OptimizerError("no trainable parameters")
     betas = (float(tcfg.adam_betas[0]), float(tcfg.adam_betas[1]))
     if tcfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=tcfg.lr, betas=betas, weight_decay=tcfg.weight_decay, eps=1e-8)
+        # The fused kernel is one pass over each tensor instead of a dozen small ops (2-3x
+        # cheaper for a small model, where the optimizer's Python overhead shows).
+        fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
+        return torch.optim.AdamW(params, lr=tcfg.lr, betas=betas, weight_decay=tcfg.weight_decay, eps=1e-8,
+                                 fused=fused or None)
     if tcfg.optimizer == "adafactor":
         from transformers.optimization import Adafactor
 
