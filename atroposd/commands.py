@@ -52,7 +52,11 @@ class _Tee:
     def write(self, text: str) -> int:
         with self._lock:
             if self._stream is not None:
-                self._stream.write(text)
+                try:
+                    self._stream.write(text)
+                except (OSError, ValueError):
+                    # stderr went away (a closed pipe, a closed terminal): the file keeps the log.
+                    self._stream = None
             try:
                 self._file.write(text.encode())
             except OSError:
@@ -61,7 +65,10 @@ class _Tee:
 
     def flush(self) -> None:
         if self._stream is not None:
-            self._stream.flush()
+            try:
+                self._stream.flush()
+            except (OSError, ValueError):
+                self._stream = None
 
     def isatty(self) -> bool:
         return self._stream is not None and self._stream.isatty()
