@@ -427,8 +427,9 @@ def decode_batch(model: Any, requests: list[GenerateParams], *, tokenizer: Any, 
         alternatives = sampler.alternatives()
         token_list, lp_list = tokens.tolist(), lps.tolist()
         for i in active:
-            _advance(rows[i], token_list[i], lp_list[i], alternatives[i] if alternatives else None, eos_ids,
-                     tokenizer)
+            if rows[i].finish is None:  # a finished row still in the cache decodes padding: ignore it
+                _advance(rows[i], token_list[i], lp_list[i], alternatives[i] if alternatives else None, eos_ids,
+                         tokenizer)
         keep = [k for k, i in enumerate(active) if rows[i].finish is None]  # positions in the cache
         if not keep:
             break

@@ -286,3 +286,25 @@ async def test_close_waits_for_the_running_batch_and_answers_it(tiny_dir: Path) 
     assert eng._running.done()  # close() returned only after the forward passes ended
     result = await asyncio.wait_for(long, 30)
     assert len(result["token_ids"]) == 16  # and the batch was delivered
+
+
+async def test_rows_that_stop_early_get_nothing_after_their_stop(engine: TorchEngine) -> None:
+    """Rows of one batch finish at different steps; a finished row stays in the cache (decoding
+    padding) until enough rows are done, and none of that may reach its completion."""
+    stops = [6, 9, 12]  # three of the 22 ids: some rows stop at each step, most go on
+    resp = await engine.generate(req(n=48, max_tokens=8, temperature=1.0, seed=3, stop_token_ids=stops))
+    stops.append(EOS_ID)
+    early = 0
+    for i, (ids, reason) in enumerate(zip(resp["token_ids"], resp["finish_reasons"], strict=True)):
+        enders = [*stops, EOS_ID]
+        assert not any(t in enders for t in ids[:-1]), f"completion {i} goes on after a stop token: {ids}"
+        if reason == "stop":
+            assert ids[-1] in enders
+            early += len(ids) < 8
+        else:
+            assert reason == "length" and len(ids) == 8
+        got_ids, lps = sampled(resp, i)
+        assert got_ids == ids
+        ref = reference_logprobs(engine.model, PROMPT + ids, len(PROMPT), 1.0)
+        assert max(abs(a - b) for a, b in zip(lps, ref, strict=True)) < 2e-3
+    assert early >= 3, "the sample should hold rows that stopped before max_tokens"
