@@ -64,5 +64,6 @@ def _bind_component(component: str) -> Any:
 
 
 def get_logger(name: str | None = None, **bound: Any) -> Any:
-    log = structlog.get_logger(name)
-    return log.bind(**bound) if bound else log
+    """A lazy logger: safe at import time, it takes the configuration of ``configure_logging``
+    whenever that runs (binding eagerly would freeze the default configuration)."""
+    return structlog.get_logger(name, **bound)
