@@ -262,6 +262,7 @@ async def test_no_leak_over_syncs_quick(dirs: dict[str, Path], nonce: str, child
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.parametrize("mode", ["push", "shared", "reload"])
 async def test_no_leak_over_1000_syncs(dirs: dict[str, Path], nonce: str, child_factory: ChildFactory,
                                        mode: str) -> None:
