@@ -306,6 +306,9 @@ class Daemon:
             tokenizer = await anyio.to_thread.run_sync(resolve_tokenizer, self.cfg)
         except ValueError as exc:
             raise StartFailed(str(exc)) from None
+        except Exception as exc:  # a full disk or an unwritable state_dir while building builtin:tiny
+            raise StartFailed(f"cannot prepare the model under {self.cfg.state_dir}: "
+                              f"{type(exc).__name__}: {exc}") from None
         self.model_path, self.tokenizer_path = str(model), str(tokenizer)
 
     async def _until_ready(self, unit: Unit) -> None:
