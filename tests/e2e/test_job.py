@@ -56,7 +56,7 @@ def test_start_status_stop(short_tmp: Path) -> None:
         first = st["trainer"]["step"]
         wait_for(lambda: status(cfg)["trainer"]["step"] >= first + 5, timeout=90, what="training steps")
         st = status(cfg)
-        assert st["trainer"]["state"] == "training"
+        assert st["trainer"]["state"] in ("training", "waiting")  # waiting: between two batches
         assert st["queue"]["capacity"] == 8192
         human = atroposd("status", "-c", str(cfg), timeout=30)
         assert human.returncode == 0 and "inference" in human.stdout
@@ -87,7 +87,7 @@ def test_faults_while_training(short_tmp: Path) -> None:
             wait_for(lambda: status(cfg)["trainer"]["step"] >= step0 + 10, timeout=120, interval=0.5,
                      what=f"training to advance after {name} was killed")
         st = status(cfg)
-        assert st["trainer"]["state"] == "training"
+        assert st["trainer"]["state"] in ("training", "waiting")  # waiting: between two batches
         rows = metrics(short_tmp / "state")
         steps = [r["step"] for r in rows]
         assert steps == sorted(set(steps)), "a step was trained twice or out of order"
