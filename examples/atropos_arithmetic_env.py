@@ -43,6 +43,8 @@ class ArithmeticEnv(BaseEnv):
         env_config = BaseEnvConfig(
             group_size=8,
             use_wandb=False,
+            # sent as /register-env's desired_name, which the API requires (as run-api does)
+            wandb_name=cls.name,
             max_token_length=16,
             # every group is useful to GRPO's KL term and to the accuracy metric
             ensure_scores_are_not_same=False,
