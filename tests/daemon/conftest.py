@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,33 +107,3 @@ def _teardown(j: Job) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-@pytest.fixture(autouse=True)
-def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
-    """The suite-wide leak check, for processes only.
-
-    These jobs run without trainer and inference, so they never create shared memory; the
-    suite-wide check of /dev/shm would only see segments of other tests running concurrently
-    on the same machine.  Processes are checked exactly as in tests/conftest.py.
-    """
-    from tests.conftest import _marked_processes
-
-    before = {p.pid for p in _marked_processes()}
-    yield
-    deadline = time.monotonic() + 5.0
-    leaked: list[psutil.Process] = []
-    while time.monotonic() < deadline:
-        leaked = [p for p in _marked_processes() if p.pid not in before]
-        if not leaked:
-            break
-        time.sleep(0.05)
-    descr = []
-    for p in leaked:
-        try:
-            descr.append(f"{p.pid} {' '.join(p.cmdline())[:160]}")
-            p.send_signal(signal.SIGKILL)
-        except psutil.Error:
-            pass
-    if descr:
-        pytest.fail("processes left behind:\n  " + "\n  ".join(descr), pytrace=False)
