@@ -28,9 +28,11 @@ __all__ = [
     "InvalidRequest",
     "Ragged",
     "TrainerRegistration",
+    "assemble_group",
     "dumps",
     "group_from_json",
     "group_to_json",
+    "narrow_rows",
 ]
 
 _I32 = np.iinfo(np.int32)
@@ -42,6 +44,8 @@ OUTPUT_ORDER = ("tokens", "masks", "scores", "advantages", "ref_logprobs", "mess
                 "inference_logprobs", "overrides", "group_overrides", "images", "env_id", "distill_token_ids",
                 "distill_logprobs")
 # Kept verbatim as JSON fragments: the API never looks inside them.
+# Rows of floats, stored flat like the token ids.
+FLOAT_ROWS = ("inference_logprobs", "advantages", "ref_logprobs")
 PASSTHROUGH = ("messages", "generation_params", "overrides", "group_overrides", "images", "distill_token_ids",
                "distill_logprobs")
 
@@ -154,7 +158,7 @@ def _fine(check: Any, block: np.ndarray, name: str) -> bool:
 
 def _from_block(block: np.ndarray, name: str, *, integer: bool) -> Ragged:
     n, width = block.shape
-    return _narrow(block.reshape(-1), list(range(0, n * width + 1, width)), name, integer=integer)
+    return narrow_rows(block.reshape(-1), list(range(0, n * width + 1, width)), name, integer=integer)
 
 
 def _flatten(parts: list[np.ndarray], name: str, *, integer: bool) -> Ragged:
@@ -163,10 +167,10 @@ def _flatten(parts: list[np.ndarray], name: str, *, integer: bool) -> Ragged:
         bounds.append(bounds[-1] + int(a.size))
     if not parts:
         return Ragged(np.empty(0, dtype=np.int32 if integer else np.float64), bounds)
-    return _narrow(np.concatenate(parts), bounds, name, integer=integer)
+    return narrow_rows(np.concatenate(parts), bounds, name, integer=integer)
 
 
-def _narrow(flat: np.ndarray, bounds: list[int], name: str, *, integer: bool) -> Ragged:
+def narrow_rows(flat: np.ndarray, bounds: list[int], name: str, *, integer: bool) -> Ragged:
     """float64 for numbers; int32 for integers when they fit (token ids do), else int64."""
     if not integer:
         return Ragged(flat.astype(np.float64, copy=False), bounds)
@@ -238,26 +242,43 @@ def _build_group(obj: Mapping[str, Any], max_token_len: int | None) -> Group:
             raise InvalidRequest(f"field required: {key}")
     tokens = _int_rows(obj["tokens"], "tokens")
     masks = _int_rows(obj["masks"], "masks")
+    floats = {k: _float_rows(obj[k], k) if obj.get(k) is not None else None for k in FLOAT_ROWS}
+    extras = {k: orjson.Fragment(orjson.dumps(obj[k])) for k in PASSTHROUGH if obj.get(k) is not None}
+    return assemble_group(tokens, masks, obj["scores"], floats, extras, obj.get("env_id"),
+                          max_token_len=max_token_len)
+
+
+def assemble_group(tokens: Ragged, masks: Ragged, scores: Any, floats: Mapping[str, Ragged | None],
+                   extras: dict[str, orjson.Fragment], env_id: Any, *, max_token_len: int | None,
+                   where: str = "") -> Group:
+    """The checks of SPEC §5 on already-converted rows, and the group (``floats``: the rows of
+    FLOAT_ROWS by field name, None when absent; ``scores`` and ``env_id`` as posted; ``where``
+    prefixes error messages)."""
+    try:
+        return _assemble(tokens, masks, scores, floats, extras, env_id, max_token_len)
+    except InvalidRequest as exc:
+        if not where:
+            raise
+        raise InvalidRequest(f"{where}{exc}", exc.status, exc.reason) from None
+
+
+def _assemble(tokens: Ragged, masks: Ragged, scores: Any, floats: Mapping[str, Ragged | None],
+              extras: dict[str, orjson.Fragment], env_id: Any, max_token_len: int | None) -> Group:
     n = len(tokens.bounds) - 1
     lengths = tokens.lengths()
     if masks.bounds != tokens.bounds:
         raise InvalidRequest(_mismatch("masks", masks, lengths), 400, "length_mismatch")
-    logprobs = None
-    if obj.get("inference_logprobs") is not None:
-        logprobs = _float_rows(obj["inference_logprobs"], "inference_logprobs")
-        if logprobs.bounds != tokens.bounds:
-            raise InvalidRequest(_mismatch("inference_logprobs", logprobs, lengths), 400, "length_mismatch")
-    scores = _scores(obj["scores"], n)
+    logprobs = floats.get("inference_logprobs")
+    if logprobs is not None and logprobs.bounds != tokens.bounds:
+        raise InvalidRequest(_mismatch("inference_logprobs", logprobs, lengths), 400, "length_mismatch")
+    score_array = _scores(scores, n)
     if max_token_len is not None and max_token_len > 0 and lengths and max(lengths) > max_token_len:
         i = max(range(n), key=lengths.__getitem__)
         raise InvalidRequest(f"tokens[{i}] has {lengths[i]} tokens, longer than the registered "
                              f"max_token_len {max_token_len}", 400, "too_long")
-    advantages = _float_rows(obj["advantages"], "advantages") if obj.get("advantages") is not None else None
-    ref = _float_rows(obj["ref_logprobs"], "ref_logprobs") if obj.get("ref_logprobs") is not None else None
-    extras = {k: orjson.Fragment(orjson.dumps(obj[k])) for k in PASSTHROUGH if obj.get(k) is not None}
-    env_id = _optional_int(obj.get("env_id"), "env_id")
-    return Group(tokens=tokens, masks=masks, scores=scores, logprobs=logprobs, advantages=advantages,
-                 ref_logprobs=ref, extras=extras, env_id=env_id)
+    return Group(tokens=tokens, masks=masks, scores=score_array, logprobs=logprobs,
+                 advantages=floats.get("advantages"), ref_logprobs=floats.get("ref_logprobs"), extras=extras,
+                 env_id=_optional_int(env_id, "env_id"))
 
 
 def _mismatch(name: str, other: Ragged, lengths: list[int]) -> str:

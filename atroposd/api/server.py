@@ -21,12 +21,14 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from atroposd.api.fastparse import parse_groups
 from atroposd.api.queue import QueueFull, TrajectoryStore
 from atroposd.api.schema import (
     EnvRegistration,
@@ -45,7 +47,10 @@ __all__ = ["ApiMetrics", "ApiServer", "ApiSettings"]
 log = get_logger("api.server")
 
 GZIP_MIN_BYTES = 1000  # upstream's GZipMiddleware minimum_size
-THREAD_MIN_BYTES = 256 << 10  # compress / decompress bigger bodies off the event loop
+THREAD_MIN_BYTES = 256 << 10  # compress bigger responses off the event loop
+# Decompress bigger request bodies off the event loop: zlib releases the GIL, so a posted
+# group inflates on the other core while the loop parses the previous one.
+GUNZIP_THREAD_MIN_BYTES = 8 << 10
 RETRY_AFTER_S = 1
 EMPTY_EXAMPLE: dict[str, list[Any]] = {"tokens": [], "masks": [], "scores": [], "advantages": [], "ref_logprobs": [],
                  "generation_params": [], "inference_logprobs": [], "messages": [], "images": []}
@@ -113,10 +118,13 @@ class ApiServer:
         self.settings = settings
         self.metrics = ApiMetrics(store)
         self.registrations: deque[dict[str, Any]] = deque(maxlen=4096)
+        # One thread inflates gzip bodies (more would only fight over the GIL on return).
+        self._inflater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="api-inflate")
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.settings.max_request_bytes,
                               middlewares=[self._observe, self._errors, self._auth])
+        app.on_cleanup.append(self._close_inflater)
         get, post = app.router.add_get, app.router.add_post
         get("/", self.root)
         post("/register", self.register)
@@ -135,6 +143,9 @@ class ApiServer:
         get("/atroposd/registrations", self.list_registrations)
         get("/metrics", self.metrics_route)
         return app
+
+    async def _close_inflater(self, app: web.Application) -> None:
+        self._inflater.shutdown(wait=True, cancel_futures=True)
 
     # ------------------------------------------------------------------ middlewares
 
@@ -176,25 +187,36 @@ class ApiServer:
 
     # ------------------------------------------------------------------ bodies
 
-    async def _read_json(self, request: web.Request, *, optional: bool = False) -> Any:
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The request body, decompressed (at most ``max_request_bytes`` either way)."""
         limit = self.settings.max_request_bytes
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise InvalidRequest(f"request body larger than max_request_bytes ({limit})", 413, "too_large") from None
         if "gzip" in request.headers.get("Content-Encoding", "").lower() and raw:
-            if len(raw) >= THREAD_MIN_BYTES:
-                raw = await asyncio.to_thread(_gunzip, raw, limit)
+            if len(raw) >= GUNZIP_THREAD_MIN_BYTES:
+                raw = await asyncio.get_running_loop().run_in_executor(self._inflater, _gunzip, raw, limit)
             else:
                 raw = _gunzip(raw, limit)
-        if not raw.strip():
-            if optional:
-                return None
-            raise InvalidRequest("empty request body: a JSON document is required", 400, "invalid_json")
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise InvalidRequest(f"invalid JSON: {exc}", 400, "invalid_json") from None
+        return raw
+
+    async def _read_json(self, request: web.Request, *, optional: bool = False) -> Any:
+        return _parse_json(await self._read_body(request), optional=optional)
+
+    async def _read_groups(self, request: web.Request, *, listed: bool) -> list[Group]:
+        """The validated groups of a ``/scored_data`` (one) or ``/scored_data_list`` body."""
+        raw = await self._read_body(request)
+        mtl = self.store.max_token_len
+        groups = parse_groups(raw, listed=listed, max_token_len=mtl)
+        if groups is not None:
+            return groups
+        body = _parse_json(raw)  # not in the plain shape: the full path names what is wrong
+        if not listed:
+            return [group_from_json(body, max_token_len=mtl)]
+        if not isinstance(body, list):
+            raise InvalidRequest(f"body must be a JSON list of ScoredData, got {type(body).__name__}")
+        return [group_from_json(item, max_token_len=mtl, where=f"[{i}].") for i, item in enumerate(body)]
 
     # ------------------------------------------------------------------ upstream routes
 
@@ -282,18 +304,13 @@ class ApiServer:
         return await _send(request, dumps(group_to_json(g)) if g is not None else dumps(EMPTY_EXAMPLE))
 
     async def scored_data(self, request: web.Request) -> web.StreamResponse:
-        group = group_from_json(await self._read_json(request), max_token_len=self.store.max_token_len)
-        answers = await self._accept([group])
+        answers = await self._accept(await self._read_groups(request, listed=False))
         if answers is None:
             return self._spool_refusal(None)
         return await _json(request, answers[0])
 
     async def scored_data_list(self, request: web.Request) -> web.StreamResponse:
-        body = await self._read_json(request)
-        if not isinstance(body, list):
-            raise InvalidRequest(f"body must be a JSON list of ScoredData, got {type(body).__name__}")
-        mtl = self.store.max_token_len
-        groups = [group_from_json(item, max_token_len=mtl, where=f"[{i}].") for i, item in enumerate(body)]
+        groups = await self._read_groups(request, listed=True)
         answers = await self._accept(groups)
         if answers is None:
             return self._spool_refusal(None)
@@ -386,6 +403,17 @@ def _env_id(body: Any) -> int:
     if isinstance(value, bool) or (isinstance(value, float) and value != env_id):
         raise InvalidRequest("env_id must be an integer")
     return env_id
+
+
+def _parse_json(raw: bytes, *, optional: bool = False) -> Any:
+    if not raw.strip():
+        if optional:
+            return None
+        raise InvalidRequest("empty request body: a JSON document is required", 400, "invalid_json")
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"invalid JSON: {exc}", 400, "invalid_json") from None
 
 
 def _batch_body(batch: list[Group]) -> bytes:
