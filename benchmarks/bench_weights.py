@@ -6,11 +6,13 @@ Unix socket, calling ``atroposd.weights.receiver`` exactly as the torch engine d
 a trainer-side model in this process and times, in the same run:
 
 * ``floor``   — ``dst.copy_(src)`` of the model's bytes (both buffers allocated and touched):
-  the cost of moving the weights once through memory on this machine;
+  the cost of moving the weights once through memory on this machine, timed right before
+  each sync (interleaved), so that the machine's swings in memory bandwidth hit both alike;
+  each mode's ratio is against the floor timed between its own syncs;
 * ``shared``  — the sync cost in shared mode: ``/pause`` + ``/resume`` around an (empty)
   optimizer step (the server computes on the trainer's memory, so nothing is copied);
 * ``push``    — ``after_step``: manifest (with checksums) → ``/pause`` → the server copies the
-  exported buffers into its own weights → ``/resume``;
+  exported buffers into its own weights → ``/resume`` (one connection for the three);
 * ``reload``  — ``after_step``: safetensors written to ``state_dir/sync`` → ``/pause`` → the
   server loads them → ``/resume``.
 
@@ -101,28 +103,41 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def floor_seconds(nbytes: int, reps: int) -> list[float]:
-    """Copy times of ``nbytes`` with torch's threads and with one thread; the faster set.
+class Floor:
+    """The memory-copy floor: ``dst.copy_(src)`` of the model's bytes, both buffers touched.
 
-    A small copy split across threads waits for a busy core on a loaded machine, so the
-    single-threaded copy is the floor there; a large one is faster with every core.
+    It is timed right before every sync of every mode (interleaved, not in a block of its
+    own), so that a shared machine's swings in memory bandwidth hit the floor and the sync
+    alike and their ratio stays meaningful. A small copy split across threads waits for a
+    busy core on a loaded machine, so the faster of torch's threads and one thread is used.
     """
-    src = torch.empty(nbytes, dtype=torch.uint8).random_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # touch every page of both
-    threads = torch.get_num_threads()
-    best: list[float] = []
-    for n in sorted({threads, 1}):
-        torch.set_num_threads(n)
-        out = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            out.append(time.perf_counter() - t0)
-        if not best or statistics.median(out) < statistics.median(best):
-            best = out
-    torch.set_num_threads(threads)
-    return best
+
+    def __init__(self, nbytes: int) -> None:
+        self.src = torch.empty(nbytes, dtype=torch.uint8).random_()
+        self.dst = torch.empty_like(self.src)
+        self.dst.copy_(self.src)  # touch every page of both
+        self.threads = torch.get_num_threads()
+        self.single = False
+        if self.threads > 1:
+            many = [self._copy() for _ in range(5)]
+            torch.set_num_threads(1)
+            one = [self._copy() for _ in range(5)]
+            torch.set_num_threads(self.threads)
+            self.single = statistics.median(one) < statistics.median(many)
+
+    def _copy(self) -> float:
+        t0 = time.perf_counter()
+        self.dst.copy_(self.src)
+        return time.perf_counter() - t0
+
+    def __call__(self) -> float:
+        if not self.single:
+            return self._copy()
+        torch.set_num_threads(1)
+        try:
+            return self._copy()
+        finally:
+            torch.set_num_threads(self.threads)
 
 
 class Child:
@@ -178,18 +193,23 @@ class Child:
         self.log.close()
 
 
-async def timed(fn: Callable[[], Awaitable[Any]], reps: int, warmup: int = 2) -> list[float]:
+async def timed(fn: Callable[[], Awaitable[Any]], reps: int, floor: Floor,
+                warmup: int = 2) -> tuple[list[float], list[float]]:
+    """(sync times, floor times), each sync right after a floor copy."""
     for _ in range(warmup):
         await fn()
-    out = []
+    out: list[float] = []
+    floors: list[float] = []
     for _ in range(reps):
+        floors.append(floor())
         t0 = time.perf_counter()
         await fn()
         out.append(time.perf_counter() - t0)
-    return out
+    return out, floors
 
 
-async def run_mode(mode: str, model: torch.nn.Module, child: Child, nonce: str, reps: int) -> list[float]:
+async def run_mode(mode: str, model: torch.nn.Module, child: Child, nonce: str, reps: int,
+                   floor: Floor) -> tuple[list[float], list[float]]:
     version = [0]
     sync: SharedSync | PushSync | ReloadSync
     if mode == "shared":
@@ -209,7 +229,7 @@ async def run_mode(mode: str, model: torch.nn.Module, child: Child, nonce: str, 
             else:
                 await sync.after_step(model, version[0])
 
-        return await timed(one, reps)
+        return await timed(one, reps, floor)
     finally:
         sync.close()
 
@@ -251,14 +271,19 @@ def main() -> int:
             params = sum(p.numel() for p in model.parameters())
             reps = {"tiny": 10 if args.quick else 50, "100M": 10}[size]
             child = Child(root, model_dir, nonce, args.engine)
-            floor = floor_seconds(nbytes, max(reps, 20))
-            result = {"model": size, "params": params, "bytes": nbytes, "floor_ms": ms(floor),
-                      "engine": args.engine, "shared_ms": float("nan"), "shared_x_floor": float("nan")}
+            floor = Floor(nbytes)
+            floors: list[float] = []
+            result = {"model": size, "params": params, "bytes": nbytes, "engine": args.engine,
+                      "shared_ms": float("nan"), "shared_x_floor": float("nan")}
             for mode in ("shared", "push", "reload") if args.engine != "vllm" else ("push", "reload"):
                 r = reps if mode != "reload" or size == "tiny" else 5
-                times = anyio.run(run_mode, mode, model, child, nonce, r)
+                times, mode_floor = anyio.run(run_mode, mode, model, child, nonce, r, floor)
+                floors += mode_floor
                 result[f"{mode}_ms"] = ms(times)
-                result[f"{mode}_x_floor"] = ms(times) / ms(floor)
+                result[f"{mode}_floor_ms"] = ms(mode_floor)  # the floor timed between this mode's syncs
+                result[f"{mode}_x_floor"] = ms(times) / ms(mode_floor)
+            result["floor_ms"] = ms(floors)
+            del floor
             rows.append(result)
         finally:
             if child is not None:

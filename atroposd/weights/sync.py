@@ -86,15 +86,34 @@ def _unreachable(exc: WeightControlError) -> bool:
 
 class _ControlMixin:
     control_socket: Path | None
+    _conn: WeightControlClient | None = None
 
     def _client(self) -> WeightControlClient:
         assert self.control_socket is not None
         return WeightControlClient(self.control_socket)
 
+    @asynccontextmanager
+    async def _connected(self) -> AsyncIterator[None]:
+        """One connection for a sequence of calls (pause → update → resume): a sync pays
+        for one connection set-up, not three."""
+        if self._conn is not None:
+            yield
+            return
+        self._conn = self._client()
+        try:
+            yield
+        finally:
+            conn, self._conn = self._conn, None
+            with anyio.CancelScope(shield=True):
+                await conn.close()
+
     async def _call(self, method: str, *args: Any) -> dict[str, Any]:
+        if self._conn is not None:
+            result: dict[str, Any] = await getattr(self._conn, method)(*args)
+            return result
         client = self._client()
         try:
-            result: dict[str, Any] = await getattr(client, method)(*args)
+            result = await getattr(client, method)(*args)
             return result
         finally:
             await client.close()
@@ -153,6 +172,10 @@ class _ArenaSync(_ControlMixin):
         arena = self.arena
         manifest = await anyio.to_thread.run_sync(arena.manifest, version)
         manifest.write(self.manifest_file)
+        async with self._connected():
+            return await self._send_export(arena, version)
+
+    async def _send_export(self, arena: ParameterArena, version: int) -> bool:
         try:
             await self._call("pause")
         except WeightControlError as exc:
@@ -218,6 +241,7 @@ class SharedSync(_ArenaSync):
         ``new_version`` defaults to the last version + 1. The server is resumed even when
         the step raised (its weights may have changed, so it gets the new version).
         """
+        # A connection per call: the step between pause and resume may outlast a kept-alive one.
         reachable = True
         try:
             await self._call("pause")
@@ -281,6 +305,12 @@ class ReloadSync(_ControlMixin):
             self.version = version
             await anyio.to_thread.run_sync(prune_sync_dirs, self.sync_dir, path)
             return True
+        async with self._connected():
+            return await self._send_load(path, version)
+
+    async def _send_load(self, path: Path, version: int) -> bool:
+        from atroposd.weights.reload import prune_sync_dirs
+
         try:
             await self._call("pause")
         except WeightControlError as exc:
