@@ -370,7 +370,7 @@ async def serve(cfg: Any, opts: ServerOptions, *, ready: Callable[[], None] | No
         front.info, tokenizer = await asyncio.to_thread(_info, cfg, opts)
         engine, bad = await asyncio.to_thread(make_engine, cfg, opts.engine, await_weights=opts.await_weights,
                                               threads=opts.threads)
-        from atroposd.inference.torch_engine import NotPaused
+        from atroposd.inference.gate import NotPaused
         from atroposd.weights.receiver import WeightUpdateError
 
         front.bad_request, front.not_paused, front.update_error = bad, (NotPaused,), (WeightUpdateError,)

@@ -9,9 +9,9 @@
   token is ``log_softmax(logits / temperature)`` over the full vocabulary, untruncated by
   top-p/top-k (SPEC §7) — exactly what the trainer recomputes. Greedy (temperature 0) reports
   ``log_softmax(logits)``. ``prompt_logprobs`` are teacher-forced with the same scaling.
-* **Pause gate.** ``pause()`` admits nothing new and returns once every admitted request has
-  been answered; weight updates run only then (and never during a forward pass: a lock
-  orders compute). Every response carries the ``weight_version`` it was admitted under.
+* **Pause gate** (:mod:`atroposd.inference.gate`). ``pause()`` admits nothing new and returns
+  once every admitted request has been answered; weight updates run only then (and never
+  during a forward pass: a lock orders compute). Every response carries the ``weight_version`` it was admitted under.
 * **Weights** arrive through :mod:`atroposd.weights.receiver` (attach/copy an export, load a
   reload directory).
 
@@ -25,11 +25,12 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from atroposd.inference.gate import NotPaused, WeightGate
 from atroposd.inference.schema import (
     BadRequest,
     Completion,
@@ -53,10 +54,6 @@ def _weight_update_error() -> type[ValueError]:
     return WeightUpdateError
 
 
-class NotPaused(RuntimeError):
-    """A weight update arrived while generation was not paused (HTTP 409)."""
-
-
 @dataclass
 class _Job:
     params: GenerateParams
@@ -68,7 +65,7 @@ class _Job:
         self.rows = self.params.n
 
 
-class TorchEngine:
+class TorchEngine(WeightGate):
     """A Hugging Face causal LM behind the inference-engine methods (see vllm_engine.VllmEngine)."""
 
     name = "torch"
@@ -93,16 +90,7 @@ class TorchEngine:
         self.tokenizer: Any = None
         self.vocab_size = 0
         self.eos_ids: frozenset[int] = frozenset()
-        self.weight_version = 0
-        self.updates = 0
-        self.awaiting_weights = await_weights
-        self._paused = await_weights
-        self._resumed = asyncio.Event()
-        if not await_weights:
-            self._resumed.set()
-        self._inflight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        super().__init__(await_weights=await_weights)
         self._queue: list[_Job] = []
         self._wake = asyncio.Event()
         self._compute = asyncio.Lock()  # one forward pass or weight update at a time
@@ -183,24 +171,6 @@ class TorchEngine:
             raise RuntimeError("the batch scheduler is not running")
 
     # ------------------------------------------------------------------ generation
-
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
-    @contextlib.asynccontextmanager
-    async def _admitted(self, bypass: bool) -> AsyncIterator[int]:
-        if not bypass:
-            while self._paused:
-                await self._resumed.wait()
-        self._inflight += 1
-        self._idle.clear()
-        try:
-            yield self.weight_version
-        finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
 
     async def generate(self, request: Mapping[str, Any], *, bypass_pause: bool = False) -> dict[str, Any]:
         """One Atropos ``/generate`` request → its response (SPEC §7)."""
@@ -301,28 +271,12 @@ class TorchEngine:
 
     async def pause(self) -> dict[str, Any]:
         """Admit nothing new; return once every admitted generation has been answered."""
-        self._paused = True
-        self._resumed.clear()
-        await self._idle.wait()
+        result = await super().pause()
         # A batch whose every client went away still computes: let it finish before the
         # caller touches the weights (in shared mode the trainer writes them in place).
         async with self._compute:
             pass
-        return {"paused": True, "weight_version": self.weight_version}
-
-    async def resume(self, weight_version: int | None = None) -> dict[str, Any]:
-        if weight_version is not None:
-            self.weight_version = int(weight_version)
-        if self.awaiting_weights and not self.updates:
-            log.warning("resumed before any weights arrived; serving the weights loaded at start")
-        self.awaiting_weights = False
-        self._paused = False
-        self._resumed.set()
-        return {"paused": False, "weight_version": self.weight_version}
-
-    def _require_paused(self) -> None:
-        if not self._paused or self._inflight:
-            raise NotPaused("pause generation before updating weights (POST /pause)")
+        return result
 
     async def update_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """``{"manifest", "mode": "attach"|"copy", "weight_version"?}`` (shared / push mode)."""

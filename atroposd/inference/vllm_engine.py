@@ -32,13 +32,14 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import orjson
 
 from atroposd.inference import schema
+from atroposd.inference.gate import WeightGate
 from atroposd.logs import get_logger
 
 __all__ = ["AtroposdWorkerExtension", "BadRequest", "VllmEngine"]
@@ -155,7 +156,7 @@ def _tied_groups(model: Any) -> list[list[tuple[Any, str]]]:
 # ---------------------------------------------------------------------------- engine
 
 
-class VllmEngine:
+class VllmEngine(WeightGate):
     """AsyncLLM behind the inference-engine methods: generate, pause/resume, weights, close."""
 
     name = "vllm"
@@ -175,20 +176,11 @@ class VllmEngine:
         self.extra_args = list(extra_args or [])
         self.receiver = receiver  # atroposd.weights.receiver.ReceiverState
         self.seed = seed
-        self.weight_version = 0
+        super().__init__(await_weights=await_weights)
         self.engine: Any = None
         self._starting: asyncio.Future[Any] | None = None
-        self.awaiting_weights = await_weights
-        self._paused = await_weights
-        self._resumed = asyncio.Event()
-        if not await_weights:
-            self._resumed.set()
-        self._inflight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
         self._expected: tuple[dict[str, Any], dict[str, str]] | None = None
         self._update_lock = asyncio.Lock()
-        self.updates = 0
         # LoRA (trainer.mode = "lora"): adapters arrive through reload; generations use the newest.
         self.lora_rank = lora_rank
         self._lora: Any = None  # the current LoRARequest
@@ -280,20 +272,6 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ generation
 
-    @contextlib.asynccontextmanager
-    async def _admitted(self, bypass: bool) -> AsyncIterator[int]:
-        if not bypass:
-            while self._paused:
-                await self._resumed.wait()
-        self._inflight += 1
-        self._idle.clear()
-        try:
-            yield self.weight_version
-        finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
-
     async def generate(self, request: Mapping[str, Any], *, bypass_pause: bool = False) -> dict[str, Any]:
         """One Atropos ``/generate`` request → its response (SPEC §7)."""
         from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -309,27 +287,6 @@ class VllmEngine:
         return _response(final, version, want_prompt_logprobs=kw.get("prompt_logprobs") is not None)
 
     # ------------------------------------------------------------------ weight control
-
-    async def pause(self) -> dict[str, Any]:
-        """Admit nothing new; return once every in-flight generation has finished."""
-        self._paused = True
-        self._resumed.clear()
-        await self._idle.wait()
-        return {"paused": True, "weight_version": self.weight_version}
-
-    async def resume(self, weight_version: int | None = None) -> dict[str, Any]:
-        if weight_version is not None:
-            self.weight_version = int(weight_version)
-        if self.awaiting_weights and not self.updates:
-            log.warning("resumed before any weights arrived; serving the weights loaded at start")
-        self.awaiting_weights = False
-        self._paused = False
-        self._resumed.set()
-        return {"paused": False, "weight_version": self.weight_version}
-
-    @property
-    def paused(self) -> bool:
-        return self._paused
 
     async def update_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """``{"manifest", "mode": "copy", "weight_version"?}``: copy an export in (push)."""
@@ -435,12 +392,6 @@ class VllmEngine:
             raise WeightUpdateError(f"the vLLM worker refused the update: {exc}") from exc
         await self.engine.reset_prefix_cache()
         return results
-
-    def _require_paused(self) -> None:
-        from atroposd.inference.torch_engine import NotPaused
-
-        if not self._paused or self._inflight:
-            raise NotPaused("pause generation before updating weights (POST /pause)")
 
     async def weight_info(self) -> dict[str, Any]:
         return {"weight_version": self.weight_version, "paused": self._paused, "attached": False,

@@ -1,0 +1,85 @@
+"""Admission of generations around weight updates, the same for every engine (SPEC §7).
+
+``pause`` admits no new generation and returns once every admitted one has been answered;
+``resume(version)`` opens the gate with the new ``weight_version``. A generation is admitted
+under the version current at admission and keeps it in its response, so every response
+carries exactly one version. Weight updates are refused (:class:`NotPaused`) unless the gate
+is closed and nothing is in flight.
+
+An engine subclasses :class:`WeightGate` and wraps each generation in
+``async with self._admitted(bypass_pause) as version``. A server started with
+``--await-weights`` starts paused: it serves once the trainer's weights arrived and the
+trainer resumed it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from atroposd.logs import get_logger
+
+__all__ = ["NotPaused", "WeightGate"]
+
+log = get_logger(__name__)
+
+
+class NotPaused(RuntimeError):
+    """A weight update while generation is not paused (HTTP 409)."""
+
+
+class WeightGate:
+    def __init__(self, *, await_weights: bool) -> None:
+        self.weight_version = 0
+        self.updates = 0  # weight updates applied since start
+        self.awaiting_weights = await_weights
+        self._paused = await_weights
+        self._resumed = asyncio.Event()
+        if not await_weights:
+            self._resumed.set()
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @contextlib.asynccontextmanager
+    async def _admitted(self, bypass: bool) -> AsyncIterator[int]:
+        """Wait for the gate (unless ``bypass``: the readiness probe's own generation), then
+        count the generation as in flight; yields the version it is admitted under."""
+        if not bypass:
+            while self._paused:
+                await self._resumed.wait()
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            yield self.weight_version
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+    async def pause(self) -> dict[str, Any]:
+        """Admit nothing new; return once every admitted generation has been answered."""
+        self._paused = True
+        self._resumed.clear()
+        await self._idle.wait()
+        return {"paused": True, "weight_version": self.weight_version}
+
+    async def resume(self, weight_version: int | None = None) -> dict[str, Any]:
+        if weight_version is not None:
+            self.weight_version = int(weight_version)
+        if self.awaiting_weights and not self.updates:
+            log.warning("resumed before any weights arrived; serving the weights loaded at start")
+        self.awaiting_weights = False
+        self._paused = False
+        self._resumed.set()
+        return {"paused": False, "weight_version": self.weight_version}
+
+    def _require_paused(self) -> None:
+        if not self._paused or self._inflight:
+            raise NotPaused("pause generation before updating weights (POST /pause)")
