@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from atroposd.api.batching import find_groups_summing_to_target, grab_exact, grab_with_minimums
 from atroposd.api.schema import EnvRegistration, Group, InvalidRequest, TrainerRegistration
+from atroposd.logs import get_logger
 
 if TYPE_CHECKING:
     from atroposd.api.spool import Spool, SpoolState
@@ -30,6 +31,29 @@ if TYPE_CHECKING:
 __all__ = ["QueueFull", "TrajectoryStore"]
 
 MIN_ENV_WEIGHT = 0.01  # upstream: an environment's weight never drops below this share
+
+
+log = get_logger("api.queue")
+
+
+def process_alive(pid: int, start_time: float) -> bool:
+    """True when ``pid`` runs and started at ``start_time`` (not a recycled pid)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and abs(proc.create_time() - start_time) < 0.05
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return False
+
+
+def process_start(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return float(psutil.Process(pid).create_time())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return None
 
 
 class QueueFull(Exception):
@@ -75,6 +99,20 @@ class TrajectoryStore:
         self._next_qpos = state.next_qpos
         self.held = sum(g.n for g in self.queue) + sum(g.n for b in self.buffers.values() for g in b)
         self.latest = self.queue[-1] if self.queue else None
+        self._disconnect_gone_envs()
+
+    def _disconnect_gone_envs(self) -> None:
+        """An environment whose registering process no longer runs (the whole daemon restarted,
+        not only the API) will not post again: it no longer counts in /status-env weights or
+        minimum allocations. Its queued groups are still served."""
+        gone = [e for e in self.envs if e.connected and e.peer_pid is not None and e.peer_start is not None
+                and not process_alive(e.peer_pid, e.peer_start)]
+        for e in gone:
+            e.connected = False
+            log.info("environment from before the restart is gone; marked disconnected", env_id=e.registered_id,
+                     name=e.real_name, peer_pid=e.peer_pid)
+        if gone:
+            self._save_state()
 
     # ------------------------------------------------------------------ registrations
 
@@ -93,14 +131,16 @@ class TrajectoryStore:
         self.requesters += 1
         return uuid.uuid4().int
 
-    def register_env(self, req: dict[str, Any]) -> dict[str, Any]:
+    def register_env(self, req: dict[str, Any], *, peer: tuple[int, float] | None = None) -> dict[str, Any]:
+        """``POST /register-env``; ``peer`` = (pid, start time) of the registering process."""
         if not self.started or self.registration is None:
             return {"status": "wait for trainer to start"}
         name = req["desired_name"]
         real_name = f"{name}_{sum(1 for e in self.envs if e.desired_name == name)}"
         env = EnvRegistration(max_context_len=req["max_token_length"], weight=req["weight"], desired_name=name,
                               real_name=real_name, registered_id=len(self.envs), group_size=req["group_size"],
-                              min_batch_allocation=req["min_batch_allocation"], last_update=time.time())
+                              min_batch_allocation=req["min_batch_allocation"], last_update=time.time(),
+                              peer_pid=peer[0] if peer else None, peer_start=peer[1] if peer else None)
         self.envs.append(env)
         self._save_state(rollback=lambda: self.envs.pop())
         reg = self.registration

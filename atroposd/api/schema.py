@@ -399,6 +399,9 @@ class EnvRegistration:
     min_batch_allocation: float | None
     connected: bool = True
     last_update: float = 0.0
+    # The registering process (loopback clients), so that a restart can tell whether it still runs.
+    peer_pid: int | None = None
+    peer_start: float | None = None
 
     @staticmethod
     def parse_request(obj: Any) -> dict[str, Any]:

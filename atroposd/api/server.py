@@ -29,7 +29,7 @@ import orjson
 from aiohttp import web
 
 from atroposd.api.fastparse import parse_groups
-from atroposd.api.queue import QueueFull, TrajectoryStore
+from atroposd.api.queue import QueueFull, TrajectoryStore, process_start
 from atroposd.api.schema import (
     EnvRegistration,
     Group,
@@ -236,11 +236,12 @@ class ApiServer:
 
     async def register_env(self, request: web.Request) -> web.StreamResponse:
         req = EnvRegistration.parse_request(await self._read_json(request))
+        pid = await self._peer_pid(request)
+        start = process_start(pid) if pid is not None else None
         try:
-            answer = self.store.register_env(req)
+            answer = self.store.register_env(req, peer=(pid, start) if pid is not None and start is not None else None)
         except OSError as exc:
             return self._spool_refusal(exc)
-        pid = await self._peer_pid(request)
         success = answer["status"] == "success"
         self.registrations.append({"env_id": answer.get("env_id"), "desired_name": req["desired_name"],
                                    "peer_pid": pid, "status": "success" if success else "wait",
@@ -358,7 +359,9 @@ class ApiServer:
     # ------------------------------------------------------------------ extras
 
     async def list_registrations(self, request: web.Request) -> web.StreamResponse:
-        return await _json(request, {"registrations": list(self.registrations)})
+        envs = [{"env_id": e.registered_id, "name": e.real_name, "connected": e.connected, "peer_pid": e.peer_pid}
+                for e in self.store.envs]
+        return await _json(request, {"registrations": list(self.registrations), "envs": envs})
 
     async def metrics_route(self, request: web.Request) -> web.StreamResponse:
         from prometheus_client import CONTENT_TYPE_LATEST

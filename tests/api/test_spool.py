@@ -3,6 +3,7 @@ accepted, unserved group is served exactly once after a restart; the spool stays
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import signal
@@ -202,3 +203,37 @@ def test_spool_lock(tmp_path: Path) -> None:
         Spool(tmp_path).open()
     first.close()
     Spool(tmp_path).open()
+
+
+def test_restart_marks_environments_whose_process_is_gone_disconnected(tmp_path: Path) -> None:
+    """After a whole-daemon restart the old environments' processes are gone: their
+    registrations stop counting in /status-env weights; a live environment keeps its own."""
+    spool = tmp_path / "spool"
+    port = free_port()
+    server = start_atroposd(tmp_path, "--spool-dir", str(spool), port=port)
+    try:
+        api = server.api
+        api.start(batch_size=8, max_token_len=64)
+        code = ("import json, sys, urllib.request\n"
+                "req = urllib.request.Request(sys.argv[1] + '/register-env', data=sys.argv[2].encode(),\n"
+                "                             headers={'Content-Type': 'application/json'})\n"
+                "print(urllib.request.urlopen(req).read().decode())")
+        body = '{"max_token_length": 64, "desired_name": "gone", "weight": 1.0, "group_size": 4}'
+        child = subprocess.run([sys.executable, "-c", code, api.url, body], capture_output=True, text=True,
+                               timeout=60, check=True)
+        gone = int(json.loads(child.stdout)["env_id"])
+        live = api.register_env(group_size=4, name="live")["env_id"]
+        assert api.ok("POST", "/scored_data", group(4, env_id=gone, tag=1.0)) == {"status": "received"}
+        assert api.ok("GET", "/status-env", {"env_id": live})["env_weight"] == 0.5
+        kill9(server)
+
+        server = start_atroposd(tmp_path, "--spool-dir", str(spool), port=port)
+        api = server.api
+        envs = {e["env_id"]: e for e in api.ok("GET", "/atroposd/registrations")["envs"]}
+        assert envs[gone]["connected"] is False and envs[live]["connected"] is True
+        assert api.ok("GET", "/status-env", {"env_id": live})["env_weight"] == 1.0
+        # what the gone environment posted is still served, with the live one's
+        assert api.ok("POST", "/scored_data", group(4, env_id=live, tag=2.0)) == {"status": "received"}
+        assert sorted(served_tags(api.drain())) == [1.0, 2.0]
+    finally:
+        stop_process(server.proc)
