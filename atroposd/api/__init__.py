@@ -3,6 +3,7 @@ validated, durable. It never imports torch, transformers or vllm.
 
   schema.py    request parsing and validation; the compact in-memory group (numpy rows)
   fastparse.py ScoredData bodies straight into numpy rows (simdjson), same checks as schema.py
+  bodies.py    bounded gzip inflation, JSON, the groups of a body (fast path, else the full one)
   batching.py  run-api's batch formation, on group sizes
   queue.py     TrajectoryStore: registrations, queue, buffers, formed batches, room (backpressure)
   spool.py     the append-only spool: replay after a restart, acknowledgements, compaction

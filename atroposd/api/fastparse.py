@@ -80,7 +80,7 @@ def _extract(item: Any) -> dict[str, Any] | None:
         return None  # JSON says the last one wins, simdjson gives the first: let orjson decide
     brackets = sum(k.count("[") for k in keys)
     rows: dict[str, Ragged | None] = {}
-    extras: dict[str, orjson.Fragment] = {}
+    extras: dict[str, bytes] = {}
     scores: Any = None
     env_id: Any = None
     for key in keys:
@@ -103,7 +103,7 @@ def _extract(item: Any) -> dict[str, Any] | None:
             if key == "scores":
                 scores = value.as_list() if isinstance(value, simdjson.Array) else value.as_dict()
             elif key in PASSTHROUGH:
-                extras[key] = orjson.Fragment(mini)
+                extras[key] = mini
             continue
         if isinstance(value, str):
             brackets += value.count("[")
@@ -112,7 +112,7 @@ def _extract(item: Any) -> dict[str, Any] | None:
         elif key == "env_id":
             env_id = value
         elif key in PASSTHROUGH and value is not None:
-            extras[key] = orjson.Fragment(orjson.dumps(value))
+            extras[key] = orjson.dumps(value)
     if any(rows.get(k) is None for k in INT_ROWS) or scores is None:
         return None  # a required field is missing: the full path says which
     return {"tokens": rows["tokens"], "masks": rows["masks"], "scores": scores, "env_id": env_id,

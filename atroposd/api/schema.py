@@ -200,7 +200,7 @@ class Group:
     logprobs: Ragged | None  # inference_logprobs, same bounds as tokens
     advantages: Ragged | None
     ref_logprobs: Ragged | None
-    extras: dict[str, orjson.Fragment] = field(default_factory=dict)  # PASSTHROUGH fields, not null
+    extras: dict[str, bytes] = field(default_factory=dict)  # PASSTHROUGH fields as JSON text, not null
     env_id: int | None = None
     seq: int = -1  # acceptance number (the spool's key)
     qpos: int = -1  # position in the queue order; -1 while in a mixed-size buffer
@@ -215,7 +215,7 @@ class Group:
         for r in (self.logprobs, self.advantages, self.ref_logprobs):
             if r is not None:
                 total += r.nbytes
-        return total + sum(len(f.contents) for f in self.extras.values())
+        return total + sum(len(v) for v in self.extras.values())
 
 
 def _optional_int(value: Any, name: str) -> int | None:
@@ -243,13 +243,13 @@ def _build_group(obj: Mapping[str, Any], max_token_len: int | None) -> Group:
     tokens = _int_rows(obj["tokens"], "tokens")
     masks = _int_rows(obj["masks"], "masks")
     floats = {k: _float_rows(obj[k], k) if obj.get(k) is not None else None for k in FLOAT_ROWS}
-    extras = {k: orjson.Fragment(orjson.dumps(obj[k])) for k in PASSTHROUGH if obj.get(k) is not None}
+    extras = {k: orjson.dumps(obj[k]) for k in PASSTHROUGH if obj.get(k) is not None}
     return assemble_group(tokens, masks, obj["scores"], floats, extras, obj.get("env_id"),
                           max_token_len=max_token_len)
 
 
 def assemble_group(tokens: Ragged, masks: Ragged, scores: Any, floats: Mapping[str, Ragged | None],
-                   extras: dict[str, orjson.Fragment], env_id: Any, *, max_token_len: int | None,
+                   extras: dict[str, bytes], env_id: Any, *, max_token_len: int | None,
                    where: str = "") -> Group:
     """The checks of SPEC §5 on already-converted rows, and the group (``floats``: the rows of
     FLOAT_ROWS by field name, None when absent; ``scores`` and ``env_id`` as posted; ``where``
@@ -263,7 +263,7 @@ def assemble_group(tokens: Ragged, masks: Ragged, scores: Any, floats: Mapping[s
 
 
 def _assemble(tokens: Ragged, masks: Ragged, scores: Any, floats: Mapping[str, Ragged | None],
-              extras: dict[str, orjson.Fragment], env_id: Any, max_token_len: int | None) -> Group:
+              extras: dict[str, bytes], env_id: Any, max_token_len: int | None) -> Group:
     n = len(tokens.bounds) - 1
     lengths = tokens.lengths()
     if masks.bounds != tokens.bounds:
@@ -308,7 +308,7 @@ def _scores(value: Any, n: int) -> np.ndarray:
 def group_to_json(g: Group) -> dict[str, Any]:
     """The group as run-api returns it (every field present, null when absent); the arrays are
     written by orjson (``dumps``) without becoming Python objects."""
-    ex = g.extras
+    ex = {k: orjson.Fragment(v) for k, v in g.extras.items()}
     return {
         "tokens": g.tokens.rows(),
         "masks": g.masks.rows(),

@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from atroposd.api.fastparse import parse_groups
+from atroposd.api.bodies import groups_from_body, gunzip, parse_json
 from atroposd.api.queue import QueueFull, TrajectoryStore, process_start
 from atroposd.api.schema import (
     EnvRegistration,
@@ -36,7 +36,6 @@ from atroposd.api.schema import (
     InvalidRequest,
     TrainerRegistration,
     dumps,
-    group_from_json,
     group_to_json,
 )
 from atroposd.config import ApiConfig
@@ -187,36 +186,32 @@ class ApiServer:
 
     # ------------------------------------------------------------------ bodies
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        """The request body, decompressed (at most ``max_request_bytes`` either way)."""
+    async def _read_raw(self, request: web.Request) -> tuple[bytes, bool]:
+        """The body as sent (at most ``max_request_bytes``) and whether it is gzip'ed."""
         limit = self.settings.max_request_bytes
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise InvalidRequest(f"request body larger than max_request_bytes ({limit})", 413, "too_large") from None
-        if "gzip" in request.headers.get("Content-Encoding", "").lower() and raw:
-            if len(raw) >= GUNZIP_THREAD_MIN_BYTES:
-                raw = await asyncio.get_running_loop().run_in_executor(self._inflater, _gunzip, raw, limit)
-            else:
-                raw = _gunzip(raw, limit)
-        return raw
+        return raw, bool(raw) and "gzip" in request.headers.get("Content-Encoding", "").lower()
+
+    async def _inflate(self, raw: bytes) -> bytes:
+        limit = self.settings.max_request_bytes
+        if len(raw) >= GUNZIP_THREAD_MIN_BYTES:
+            return await asyncio.get_running_loop().run_in_executor(self._inflater, gunzip, raw, limit)
+        return gunzip(raw, limit)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The request body, decompressed (at most ``max_request_bytes`` either way)."""
+        raw, gzipped = await self._read_raw(request)
+        return await self._inflate(raw) if gzipped else raw
 
     async def _read_json(self, request: web.Request, *, optional: bool = False) -> Any:
-        return _parse_json(await self._read_body(request), optional=optional)
+        return parse_json(await self._read_body(request), optional=optional)
 
     async def _read_groups(self, request: web.Request, *, listed: bool) -> list[Group]:
         """The validated groups of a ``/scored_data`` (one) or ``/scored_data_list`` body."""
-        raw = await self._read_body(request)
-        mtl = self.store.max_token_len
-        groups = parse_groups(raw, listed=listed, max_token_len=mtl)
-        if groups is not None:
-            return groups
-        body = _parse_json(raw)  # not in the plain shape: the full path names what is wrong
-        if not listed:
-            return [group_from_json(body, max_token_len=mtl)]
-        if not isinstance(body, list):
-            raise InvalidRequest(f"body must be a JSON list of ScoredData, got {type(body).__name__}")
-        return [group_from_json(item, max_token_len=mtl, where=f"[{i}].") for i, item in enumerate(body)]
+        return groups_from_body(await self._read_body(request), listed=listed, max_token_len=self.store.max_token_len)
 
     # ------------------------------------------------------------------ upstream routes
 
@@ -408,41 +403,8 @@ def _env_id(body: Any) -> int:
     return env_id
 
 
-def _parse_json(raw: bytes, *, optional: bool = False) -> Any:
-    if not raw.strip():
-        if optional:
-            return None
-        raise InvalidRequest("empty request body: a JSON document is required", 400, "invalid_json")
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"invalid JSON: {exc}", 400, "invalid_json") from None
-
-
 def _batch_body(batch: list[Group]) -> bytes:
     return dumps({"batch": [group_to_json(g) for g in batch]})
-
-
-def _gunzip(raw: bytes, limit: int) -> bytes:
-    """Decompress gzip members into at most ``limit`` bytes; 413 past it, 400 if invalid."""
-    out: list[bytes] = []
-    total = 0
-    data = raw
-    while data:
-        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-        try:
-            chunk = d.decompress(data, limit - total + 1)
-        except zlib.error:
-            raise InvalidRequest("Invalid gzip payload", 400, "invalid_gzip") from None
-        total += len(chunk)
-        if total > limit:
-            raise InvalidRequest(f"request body larger than max_request_bytes ({limit}) after decompression", 413,
-                                 "too_large")
-        if not d.eof:
-            raise InvalidRequest("Invalid gzip payload (truncated)", 400, "invalid_gzip")
-        out.append(chunk)
-        data = d.unused_data
-    return b"".join(out)
 
 
 def _accepts_gzip(request: web.Request) -> bool:

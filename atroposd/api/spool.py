@@ -86,7 +86,7 @@ def _encode_group(g: Group) -> bytes:
     arrays: list[np.ndarray] = [g.tokens.flat, g.masks.flat, g.scores]
     header: dict[str, Any] = {"seq": g.seq, "qpos": g.qpos, "env_id": g.env_id, "b": g.tokens.bounds,
                               "t": g.tokens.flat.dtype.str, "m": g.masks.flat.dtype.str,
-                              "x": dict(g.extras)}
+                              "x": {k: orjson.Fragment(v) for k, v in g.extras.items()}}
     for key, ragged in (("lp", g.logprobs), ("adv", g.advantages), ("ref", g.ref_logprobs)):
         if ragged is not None:
             header[key] = ragged.bounds
@@ -117,7 +117,7 @@ def _decode_group(payload: bytes) -> Group:
         extra[key] = Ragged(take("<f8", b[-1]), b) if b is not None else None
     return Group(tokens=tokens, masks=masks, scores=scores, logprobs=extra["lp"], advantages=extra["adv"],
                  ref_logprobs=extra["ref"],
-                 extras={k: orjson.Fragment(orjson.dumps(v)) for k, v in header["x"].items()},
+                 extras={k: orjson.dumps(v) for k, v in header["x"].items()},
                  env_id=header["env_id"], seq=header["seq"], qpos=header["qpos"])
 
 
