@@ -21,13 +21,17 @@ from typing import Any
 
 from atroposd.logs import get_logger
 
-__all__ = ["NotPaused", "WeightGate"]
+__all__ = ["NotPaused", "ShuttingDown", "WeightGate"]
 
 log = get_logger(__name__)
 
 
 class NotPaused(RuntimeError):
     """A weight update while generation is not paused (HTTP 409)."""
+
+
+class ShuttingDown(RuntimeError):
+    """The server is stopping: a generation is refused instead of admitted (HTTP 503)."""
 
 
 class WeightGate:
@@ -42,6 +46,7 @@ class WeightGate:
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._closing = False
 
     @property
     def paused(self) -> bool:
@@ -52,8 +57,10 @@ class WeightGate:
         """Wait for the gate (unless ``bypass``: the readiness probe's own generation), then
         count the generation as in flight; yields the version it is admitted under."""
         if not bypass:
-            while self._paused:
+            while self._paused and not self._closing:
                 await self._resumed.wait()
+        if self._closing:
+            raise ShuttingDown("the inference server is shutting down")
         self._inflight += 1
         self._idle.clear()
         try:
@@ -79,6 +86,12 @@ class WeightGate:
         self._paused = False
         self._resumed.set()
         return {"paused": False, "weight_version": self.weight_version}
+
+    def _close_gate(self) -> None:
+        """Stopping: admit nothing more, and release every generation waiting at a closed gate
+        (each gets ShuttingDown) so that the server's shutdown does not wait for a resume."""
+        self._closing = True
+        self._resumed.set()
 
     def _require_paused(self) -> None:
         if not self._paused or self._inflight:

@@ -30,6 +30,7 @@ import orjson
 from aiohttp import web
 
 from atroposd.inference import schema
+from atroposd.inference.gate import ShuttingDown
 from atroposd.logs import get_logger
 
 __all__ = ["Engine", "ServerOptions", "build_control_app", "build_tcp_app", "make_engine", "serve"]
@@ -148,6 +149,8 @@ def _route(front: _Front, fn: Callable[[web.Request], Awaitable[Any]], *, openai
             return _error(409, str(exc), openai=openai)
         except front.update_error as exc:
             return _error(400, str(exc), openai=openai)
+        except ShuttingDown as exc:
+            return _error(503, str(exc), openai=openai)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # an engine failure: answer 500 with the reason and keep serving
@@ -337,6 +340,9 @@ def build_control_app(front: _Front) -> web.Application:
 # ---------------------------------------------------------------------------- serve
 
 
+SHUTDOWN_GRACE_S = 2.0  # what a stopping server still gives a request in flight
+
+
 class PortInUse(RuntimeError):
     pass
 
@@ -349,8 +355,8 @@ async def serve(cfg: Any, opts: ServerOptions, *, ready: Callable[[], None] | No
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    tcp = web.AppRunner(build_tcp_app(front), access_log=None)
-    control = web.AppRunner(build_control_app(front), access_log=None)
+    tcp = web.AppRunner(build_tcp_app(front), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+    control = web.AppRunner(build_control_app(front), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     sock = opts.control_socket
     engine = None
     try:
@@ -386,11 +392,14 @@ async def serve(cfg: Any, opts: ServerOptions, *, ready: Callable[[], None] | No
         log.info("stopping")
         return 0
     finally:
+        # New requests get 503 at once; the engine's close answers every admitted or waiting
+        # generation (the running batch finishes, queued ones and ones waiting at a paused gate
+        # are refused), so the runners' cleanup does not wait for generations that would not end.
         front.engine = None
-        await control.cleanup()
-        await tcp.cleanup()
         if engine is not None:
             await engine.close()
+        await control.cleanup()
+        await tcp.cleanup()
         with contextlib.suppress(FileNotFoundError):
             sock.unlink()
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from atroposd.inference.gate import NotPaused, WeightGate
+from atroposd.inference.gate import NotPaused, ShuttingDown, WeightGate
 from atroposd.inference.schema import (
     BadRequest,
     Completion,
@@ -145,6 +145,7 @@ class TorchEngine(WeightGate):
                  threads=torch.get_num_threads())
 
     async def close(self) -> None:
+        self._close_gate()
         task, self._scheduler = self._scheduler, None
         if task is not None:
             task.cancel()
@@ -157,7 +158,7 @@ class TorchEngine(WeightGate):
             self._answer(self._running_jobs, running)  # answered already unless the scheduler was cancelled
         for job in self._queue:
             if not job.future.done():
-                job.future.set_exception(RuntimeError("the inference server is shutting down"))
+                job.future.set_exception(ShuttingDown("the inference server is shutting down"))
         self._queue.clear()
         async with self._compute:
             if self.receiver is not None and self.model is not None:

@@ -254,6 +254,7 @@ class VllmEngine(WeightGate):
 
     async def close(self, timeout: float = 1.5) -> None:
         """Shut the engine down (waiting for one still starting); then kill what is left of its processes."""
+        self._close_gate()
         engine, self.engine = self.engine, None
         starting, self._starting = self._starting, None
         try:

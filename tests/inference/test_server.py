@@ -235,3 +235,37 @@ def test_info_answers_while_the_engine_loads() -> None:
             assert (await client.post("/generate", json={})).status == 503
 
     asyncio.run(run())
+
+
+def test_sigterm_while_generations_wait_at_a_paused_gate(short_tmp: Path, tiny_dir: Path) -> None:
+    """A stop does not wait for a resume that will never come: the waiting generations get a
+    503 naming the shutdown and the server exits 0 at once (not after the HTTP server's grace)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from tests.inference.conftest import start_server
+
+    srv = start_server(short_tmp, tiny_dir)
+    answers: list[tuple[int, Any]] = []
+    try:
+        assert srv.control("POST", "/pause")[0] == 200
+        threads = [threading.Thread(target=lambda k=k: answers.append(
+            srv.http("POST", "/generate", gen_body(max_tokens=3, seed=k), timeout=60))) for k in range(6)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # all six are admitted to the handler and wait at the gate
+        assert not answers
+        t0 = time.monotonic()
+        os.killpg(srv.proc.pid, signal.SIGTERM)
+        code = srv.proc.wait(30)
+        took = time.monotonic() - t0
+        for t in threads:
+            t.join(30)
+    finally:
+        stop_process(srv.proc)
+    assert code == 0, srv.tail()
+    assert took < 10, f"stop took {took:.1f} s"
+    assert len(answers) == 6
+    assert all(status == 503 and "shutting down" in str(body) for status, body in answers), answers
