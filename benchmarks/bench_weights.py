@@ -22,22 +22,21 @@ pause overhead only; push ≤ 1.5× the floor (for the ~100M model).
     python benchmarks/bench_weights.py [--quick]
     .venv-vllm/bin/python benchmarks/bench_weights.py --engine vllm   # the vLLM engine (push, reload)
 
-Measured on the 2-core CPU machine while other jobs loaded it (load average 6-12; medians,
-ms). The tiny model's figures are round trips on the control socket, not copies, and swing
-with the load; the ~100M model's are the ones the targets are about:
+Measured on the 2-core CPU machine, quiet (load average below 1.3), four runs on 2026-11-24
+(medians, ms; each ratio against the floor timed between that mode's own syncs). The tiny
+model's figures are round trips on the control socket, not copies; the ~100M model's are the
+ones the targets are about:
 
     model   params       floor   shared   push (x floor)   reload (x floor)
-    tiny    331,136      0.06    39.9     144.8            132.1           (load 12)
-    tiny    331,136      15.9    7.3      29.2             55.9            (load 6)
-    100M    109,529,856  416.0   22.0     534.5 (1.28)     4848 (11.7)     (load 12)
-    100M    109,529,856  179.7   7.6      250.8 (1.40)     2516 (14.0)     (load 6)
-    tiny    331,136      0.06    2.5      31.5             40.1            (load 3, floor fixed)
-    100M    109,529,856  73.1    3.2      118.4 (1.62)     3294 (45.1)     (load 3, floor fixed)
-    tiny, vLLM engine    0.05    -        84.4             107.9           (--engine vllm, load 3)
+    tiny    331,136      0.1     0.9-1.7  3.4-9.2          6.8-10.2
+    100M    109,529,856  28-32   2.3-3.4  38.2-41.4        301-356
+                                          (1.23-1.33)      (10.6-12.5)
 
 Push = the copy (one memcpy per segment into the server's mirror of the export) plus about
-20-40 ms of fixed cost (manifest with checksums, its atomic write, the pause / update /
-resume round trips), so it approaches the floor as models grow: 1.3-1.6x at 100M.
+8-10 ms of fixed cost: the manifest with checksums (about 2 ms) and its atomic write, the
+pause / update / resume round trips on one connection, the server's manifest checks and
+checksum verification. Timed in separate blocks instead, the floor and the copy swing by
+±30 % with the machine's memory bandwidth, which is why they are interleaved.
 """
 
 from __future__ import annotations
