@@ -31,6 +31,7 @@ ones the targets are about:
     tiny    331,136      0.1     0.9-1.7  3.4-9.2          6.8-10.2
     100M    109,529,856  28-32   2.3-3.4  38.2-41.4        301-356
                                           (1.23-1.33)      (10.6-12.5)
+    tiny, vLLM engine    0.1     -        13.4             16.3             (--engine vllm)
 
 Push = the copy (one memcpy per segment into the server's mirror of the export) plus about
 8-10 ms of fixed cost: the manifest with checksums (about 2 ms) and its atomic write, the
