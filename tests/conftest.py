@@ -34,8 +34,10 @@ def _marked_processes() -> list[psutil.Process]:
 
 
 def _shm_segments() -> set[str]:
+    """Every name in /dev/shm: atroposd's weight segments, and what children leave (vLLM's
+    ``psm_*`` message queues, multiprocessing's ``sem.mp-*``)."""
     try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith("atroposd")}
+        return set(os.listdir("/dev/shm"))
     except FileNotFoundError:
         return set()
 
@@ -45,13 +47,13 @@ def _unmapped(names: set[str]) -> set[str]:
     is running (possibly not this test's: tests may share the machine with a real job)."""
     from atroposd.weights.shm import mapped_segments
 
-    in_use = mapped_segments()
+    in_use = mapped_segments(prefix="")
     return {n for n in names if n not in in_use}
 
 
 @pytest.fixture(autouse=True)
 def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Fail a test that leaves a process or an atroposd shared-memory segment behind."""
+    """Fail a test that leaves a process or a shared-memory segment behind."""
     before_shm = _shm_segments()
     before = {p.pid for p in _marked_processes()}
     yield

@@ -253,10 +253,14 @@ class VllmEngine(WeightGate):
         self._starting = None
 
     async def close(self, timeout: float = 1.5) -> None:
-        """Shut the engine down (waiting for one still starting); then kill what is left of its processes."""
+        """Shut the engine down (waiting for one still starting); then kill what is left of its
+        processes and remove the shared memory they leave (vLLM's message queues are ``psm_*``
+        segments of a few hundred MB that only their creator unlinks, which a killed EngineCore
+        never does). Called as the server stops: segments this process still maps go too."""
         self._close_gate()
         engine, self.engine = self.engine, None
         starting, self._starting = self._starting, None
+        mapped = await asyncio.to_thread(_engine_segments)
         try:
             if engine is None and starting is not None:
                 with contextlib.suppress(Exception):
@@ -265,6 +269,8 @@ class VllmEngine(WeightGate):
                 await asyncio.to_thread(engine.shutdown, timeout)
         finally:
             _kill_leftovers()
+            mapped |= _engine_segments()  # an engine still starting maps its queues late
+            _remove_segments(mapped)
 
     async def check_health(self) -> None:
         if self.engine is None:
@@ -430,6 +436,32 @@ def _expected_tensors(model_dir: str, dtype: str) -> tuple[dict[str, Any], dict[
         meta = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     mt = model_tensors(meta)
     return mt.specs(), mt.tied
+
+
+def _engine_segments() -> set[str]:
+    """/dev/shm segments this process and its descendants map now."""
+    import psutil
+
+    from atroposd.process.reaper import mapped_shm
+
+    pids = [os.getpid()]
+    with contextlib.suppress(psutil.Error):
+        pids += [p.pid for p in psutil.Process().children(recursive=True)]
+    return set(mapped_shm(pids=pids))
+
+
+def _remove_segments(names: set[str]) -> None:
+    import psutil
+
+    from atroposd.process.reaper import unlink_orphaned_segments
+
+    try:
+        since = psutil.Process().create_time()
+    except psutil.Error:
+        return
+    removed = unlink_orphaned_segments(names, since=since, ignore_pids=[os.getpid()])
+    if removed:
+        log.info("removed the engine's shared-memory segments", segments=removed)
 
 
 def _kill_leftovers() -> None:

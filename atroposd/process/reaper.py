@@ -10,6 +10,13 @@ daemon spawned; :class:`OrphanReaper` reaps only orphans the kernel re-parented 
 Crash recovery: the daemon records its nonce, pid, start time and every child's descendants in
 ``state_dir/recovery/instance.json``.  The next start terminates whatever of a dead daemon
 survived (pid and start time checked, or carrying the dead daemon's ``ATROPOSD_INSTANCE``).
+
+Shared memory that children leave: a child killed before its own cleanup (vLLM's engine keeps
+its message queues in ``/dev/shm/psm_*`` segments of a few hundred MB) leaves segments behind
+that hold RAM until the machine reboots. Before a component's processes are stopped, the
+segments they map are noted (``/proc/<pid>/maps``); once they are gone, every noted segment
+that no live process maps any more and that was created since the component started is
+unlinked. Recovery does the same for the processes a dead daemon left.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from atroposd.logs import get_logger
 log = get_logger("atroposd.reaper")
 
 PR_SET_CHILD_SUBREAPER = 36
+SHM_DIR = "/dev/shm"
+OWN_SEGMENT_PREFIX = "atroposd-"  # the weight segments: their owner unlinks them (atroposd.weights.shm)
 INSTANCE_VAR = "ATROPOSD_INSTANCE"
 # Start times from psutil are floats from /proc; two reads of one process agree far better.
 _TIME_SLACK = 0.05
@@ -275,10 +284,64 @@ def recover_dead_instance(path: Path, *, grace: float = 2.0) -> InstanceRecord |
     if left:
         log.warning("terminating processes left by a dead daemon", nonce=record.nonce, dead_pid=record.pid,
                     pids=[p.pid for p in left])
+        segments = mapped_shm(pids=[p.pid for p in left])
         t0 = time.monotonic()
         terminate(left, grace=grace)
         log.info("left-over processes gone", seconds=round(time.monotonic() - t0, 3))
+        removed = unlink_orphaned_segments(segments, since=record.start_time)
+        if removed:
+            log.info("removed shared-memory segments the dead daemon's processes left", segments=removed)
     return record
+
+
+def mapped_shm(prefix: str = "", pids: Iterable[int] | None = None) -> dict[str, set[int]]:
+    """Segment name → pids that map it, from ``/proc/<pid>/maps`` (every readable process when
+    ``pids`` is None). Deleted segments (unlinked while still mapped) are not listed."""
+    marker = f"{SHM_DIR}/{prefix}"
+    found: dict[str, set[int]] = {}
+    if pids is None:
+        try:
+            pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+        except FileNotFoundError:  # pragma: no cover - no procfs
+            return found
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    at = line.find(marker)
+                    if at < 0 or line.rstrip().endswith("(deleted)"):
+                        continue
+                    name = line[at + len(SHM_DIR) + 1:].split()[0]
+                    found.setdefault(name, set()).add(pid)
+        except OSError:  # gone, or another user's
+            continue
+    return found
+
+
+def unlink_orphaned_segments(names: Iterable[str], *, since: float, ignore_pids: Iterable[int] = ()) -> list[str]:
+    """Unlink the ``/dev/shm`` segments among ``names`` that no live process maps any more
+    (processes in ``ignore_pids`` aside: a process about to exit may clean up what it still
+    maps) and that were created at or after ``since`` (epoch seconds); ``atroposd-*`` weight
+    segments are left to their owner. Returns the names removed."""
+    candidates = {n for n in names if n and "/" not in n and not n.startswith(OWN_SEGMENT_PREFIX)}
+    if not candidates:
+        return []
+    ignored = set(ignore_pids)
+    in_use = {name for name, pids in mapped_shm().items() if pids - ignored}
+    removed = []
+    for name in sorted(candidates - set(in_use)):
+        path = os.path.join(SHM_DIR, name)
+        try:
+            st = os.stat(path)
+            if st.st_uid != os.getuid() or st.st_ctime + _TIME_SLACK < since:
+                continue
+            os.unlink(path)
+            removed.append(name)
+        except FileNotFoundError:  # its owner cleaned it up
+            continue
+        except OSError as exc:
+            log.warning("cannot remove a left-over shared-memory segment", segment=name, error=str(exc))
+    return removed
 
 
 def describe(proc: psutil.Process) -> dict[str, Any]:

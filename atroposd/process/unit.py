@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
 import os
 import random
 import signal
@@ -131,6 +132,7 @@ class Unit:
         self.last_error: str | None = None
         self.ever_ready = False
         self.since = time.monotonic()
+        self.launched_at = time.time()  # wall clock: compared with file times
         self.tracked: dict[int, psutil.Process] = {}
         self.settled = anyio.Event()  # the first attempt is over: ready, or it failed
         self.done = anyio.Event()  # supervise() returned
@@ -265,6 +267,7 @@ class Unit:
                 *self.spec.argv]
         self._sink.write(f"=== atroposd: starting {self.name}: {' '.join(self.spec.argv)}\n".encode())
         # start_new_session: own session and process group; the launcher adds the death signal.
+        self.launched_at = time.time()
         proc = await anyio.open_process(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, env=self.spec.env, cwd=self.spec.cwd,
                                         start_new_session=True)
@@ -343,6 +346,8 @@ class Unit:
             timeout = self.spec.stop_timeout
             grace = max(0.0, timeout - min(2.0, timeout * 0.25))
             self.rescan()
+            # What the processes map now: what they leave in /dev/shm if killed before their cleanup.
+            mapped = reaper.mapped_shm(pids=[*self.tracked, *([proc.pid] if proc.returncode is None else [])])
             first = self.spec.stop_signal if proc.returncode is None else signal.SIGTERM
             reaper.signal_group(proc.pid, first)
             reaper.signal_all(self.tracked.values(), first)
@@ -367,6 +372,12 @@ class Unit:
             self.tracked.clear()
             if requested or escalated:
                 log.info("terminated", unit=self.name, pid=proc.pid, seconds=elapsed)
+            if mapped:
+                removed = await anyio.to_thread.run_sync(
+                    functools.partial(reaper.unlink_orphaned_segments, mapped, since=self.launched_at))
+                if removed:
+                    log.info("removed shared-memory segments the component's processes left", unit=self.name,
+                             segments=removed)
 
     async def _descendants_gone(self) -> None:
         # Tracked descendants are not our children (no wait possible): poll them.

@@ -283,23 +283,9 @@ def list_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
 
 def mapped_segments(prefix: str = SEGMENT_PREFIX) -> dict[str, set[int]]:
     """Segment name → pids of this user's processes that map it (from ``/proc/*/maps``)."""
-    marker = f"{SHM_DIR}/{prefix}"
-    found: dict[str, set[int]] = {}
-    try:
-        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
-    except FileNotFoundError:  # pragma: no cover - no procfs
-        return found
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
-                for line in f:
-                    at = line.find(marker)
-                    if at >= 0:
-                        name = line[at + len(str(SHM_DIR)) + 1:].split()[0]
-                        found.setdefault(name, set()).add(pid)
-        except OSError:  # gone, or another user's
-            continue
-    return found
+    from atroposd.process.reaper import mapped_shm
+
+    return mapped_shm(prefix)
 
 
 def cleanup_stale(runtime_dir: Path, is_alive: Callable[[str], bool]) -> list[str]:

@@ -21,6 +21,7 @@ import orjson
 import psutil
 import pytest
 
+from atroposd.process import reaper
 from tests.support import free_port, spawn, stop_process, wait_for, write_config
 from tests.vllm.conftest import build_model_dir, tokens
 
@@ -54,6 +55,7 @@ class Server:
         if await_weights:
             cmd.append("--await-weights")
         env = {"ATROPOSD_INSTANCE": nonce, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        started_at = time.time()
         self.launcher: subprocess.Popen[bytes] | None = None
         if via_launcher:
             # A stand-in daemon: starts the inference child in its own session with a parent-death
@@ -73,6 +75,7 @@ class Server:
         else:
             self.proc = spawn(cmd, env=env, log=self.log)
             self.pid = self.proc.pid
+        self.started_at = started_at
 
     @property
     def url(self) -> str:
@@ -345,8 +348,14 @@ def test_no_engine_core_after_kill_of_the_front(model_dir: Path, nonce: str, sho
         srv.proc.kill()
         srv.proc.wait(10)
         assert srv.group(), "the engine died with its front: the group-kill fallback is untested"
+        # As the daemon's supervisor does: note what the survivors map, end them, remove what they left.
+        mapped = reaper.mapped_shm(pids=[p.pid for p in srv.group()])
+        assert any(n.startswith("psm_") for n in mapped), mapped  # vLLM's message queues
         os.killpg(srv.pid, signal.SIGTERM)
         wait_for(lambda: not srv.group(), timeout=30, what="engine processes gone after the group SIGTERM")
+        reaper.unlink_orphaned_segments(mapped, since=srv.started_at)
+        left = [n for n in mapped if os.path.exists(f"/dev/shm/{n}")]
+        assert not left, f"segments left after the engine's processes: {left}"
     finally:
         srv.stop()
 

@@ -1,0 +1,104 @@
+"""Shared memory a component's processes leave when they are killed before their own cleanup
+(vLLM's ``psm_*`` message queues) is removed once they are gone, and nothing else is: not a
+segment another process still maps, not one older than the component, not atroposd's own
+weight segments (their owner unlinks them)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import anyio
+
+from atroposd.process import reaper
+from atroposd.process.logfiles import LogHub
+from atroposd.process.unit import State, Unit
+from tests.process.conftest import make_spec, script, supervise
+from tests.support import spawn, wait_for
+
+
+def _exists(name: str) -> bool:
+    return os.path.exists(f"/dev/shm/{name}")
+
+
+def _create(name: str) -> None:
+    fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.ftruncate(fd, 4096)
+    os.close(fd)
+
+
+def _unlink(*names: str) -> None:
+    for n in names:
+        try:
+            os.unlink(f"/dev/shm/{n}")
+        except FileNotFoundError:
+            pass
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+
+
+def test_only_unmapped_recent_foreign_segments_are_removed(tmp_path: Path) -> None:
+    tag = secrets.token_hex(4)
+    old, a, b, own = f"psm_t{tag}_old", f"psm_t{tag}_a", f"psm_t{tag}_b", f"atroposd-t{tag}-0"
+    _create(old)
+    time.sleep(0.05)
+    since = time.time()
+    holders: list[subprocess.Popen[bytes]] = []
+    try:
+        holders.append(spawn(script("shm_holder.py", str(tmp_path / "m1"), old, a, b, own)))
+        holders.append(spawn(script("shm_holder.py", str(tmp_path / "m2"), b)))
+        wait_for(lambda: (tmp_path / "m1").exists() and (tmp_path / "m2").exists(), what="holders ready")
+        mapped = reaper.mapped_shm(pids=[holders[0].pid])
+        assert {old, a, b, own} <= set(mapped), mapped
+        assert mapped[a] == {holders[0].pid}
+        _kill(holders[0])
+        assert reaper.unlink_orphaned_segments(mapped, since=since) == [a]
+        assert not _exists(a)
+        assert _exists(b), "still mapped by another process"
+        assert _exists(old), "older than the processes that mapped it"
+        assert _exists(own), "atroposd's weight segments are their owner's to unlink"
+        # A process about to exit may clean up what only it still maps.
+        mapped = reaper.mapped_shm(pids=[holders[1].pid])
+        assert reaper.unlink_orphaned_segments(mapped, since=since, ignore_pids=[holders[1].pid]) == [b]
+    finally:
+        for h in holders:
+            _kill(h)
+        _unlink(old, a, b, own)
+
+
+def test_a_stopped_component_leaves_no_segments(hub: LogHub, tmp_path: Path) -> None:
+    """The child and its grandchild map segments and ignore SIGTERM: the stop kills them, then
+    removes what they mapped (and keeps a segment that predates the component)."""
+    tag = secrets.token_hex(4)
+    old, a, b = f"psm_t{tag}_old", f"psm_t{tag}_a", f"psm_t{tag}_b"
+    marker = tmp_path / "marker"
+    _create(old)
+    time.sleep(0.05)
+
+    async def body(unit: Unit) -> None:
+        await unit.wait_until(lambda u: u.state == State.READY)
+        while not marker.exists():  # noqa: ASYNC110 - a file another process writes
+            await anyio.sleep(0.02)
+        while not unit.tracked:  # the grandchild, seen while it is a descendant
+            unit.rescan()
+            await anyio.sleep(0.02)
+        assert _exists(a) and _exists(b)
+        unit.request_stop()
+        await unit.done.wait()
+
+    try:
+        unit = supervise(make_spec("holder", script("shm_holder.py", "--grandchild", str(marker), old, a, b),
+                                   stop_timeout=2.0, restart="never"), hub, body)
+        assert unit.state == State.STOPPED
+        assert not _exists(a) and not _exists(b), "segments left by the stopped component"
+        assert _exists(old)
+    finally:
+        _unlink(old, a, b)
