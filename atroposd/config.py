@@ -693,7 +693,7 @@ def _render(cfg: Config, *, comments: bool, resolved: bool) -> str:
         out.append("# " + fields(InferenceConfig)[-1].metadata["doc"])
     section("[inference.vllm]", cfg.inference.vllm, data["inference"]["vllm"])
     section("[trainer]", cfg.trainer, data["trainer"])
-    for e, ed in zip(cfg.env, data["env"]):
+    for e, ed in zip(cfg.env, data["env"], strict=False):
         section("[[env]]", e, ed)
     return "\n".join(out).rstrip() + "\n"
 

@@ -68,7 +68,7 @@ class ArithmeticEnv(BaseEnv):
                                                   max_tokens=3, temperature=1.0)
             nodes = managed.get_state()["nodes"]
         group = ScoredDataGroup(tokens=[], masks=[], scores=[], inference_logprobs=[])
-        for choice, node in zip(completion.choices, nodes):
+        for choice, node in zip(completion.choices, nodes, strict=False):
             group["tokens"].append(node.tokens)
             group["masks"].append(node.masked_tokens)
             group["inference_logprobs"].append(node.logprobs)

@@ -77,7 +77,7 @@ def spawn(cmd: Sequence[str], *, env: Mapping[str, str] | None = None, log: Path
     full_env = dict(os.environ)
     if env:
         full_env.update(env)
-    out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
+    out = open(log, "ab") if log else subprocess.DEVNULL
     try:
         return subprocess.Popen(list(cmd), env=full_env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, **kw)

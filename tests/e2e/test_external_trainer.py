@@ -39,7 +39,7 @@ def test_external_trainer_pulls_batches(short_tmp: Path) -> None:
         assert sum(len(g["tokens"]) for g in got) == 16
         for g in got:
             assert len(g["tokens"]) == len(g["masks"]) == len(g["scores"])
-            for toks, masks, lps in zip(g["tokens"], g["masks"], g["inference_logprobs"]):
+            for toks, masks, lps in zip(g["tokens"], g["masks"], g["inference_logprobs"], strict=True):
                 assert len(toks) == len(masks) == len(lps)
                 assert masks[0] == -100 and masks[-1] == toks[-1]
     finally:

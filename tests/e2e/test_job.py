@@ -6,6 +6,7 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -80,11 +81,11 @@ def test_faults_while_training(short_tmp: Path) -> None:
             step0 = status(cfg)["trainer"]["step"]
             kill9(before["pid"])
 
-            def back() -> bool:
+            def back(name: str = name, before: dict[str, Any] = before) -> bool:
                 c = component(status(cfg), name)
                 return c["state"] == "ready" and c["pid"] != before["pid"] and c["restarts"] > before["restarts"]
             wait_for(back, timeout=120, interval=0.5, what=f"{name} to be restarted")
-            wait_for(lambda: status(cfg)["trainer"]["step"] >= step0 + 10, timeout=120, interval=0.5,
+            wait_for(lambda step0=step0: status(cfg)["trainer"]["step"] >= step0 + 10, timeout=120, interval=0.5,
                      what=f"training to advance after {name} was killed")
         st = status(cfg)
         assert st["trainer"]["state"] in ("training", "waiting")  # waiting: between two batches
