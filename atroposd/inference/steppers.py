@@ -17,6 +17,7 @@ Shapes: B rows, T new tokens per row, S cached positions, V vocabulary.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -36,13 +37,16 @@ class HFStepper:
         self.model = model
         self.cache: Any = None
         self.mask: torch.Tensor | None = None  # [B, S] 1 = a real token
+        # transformers 5.24 renamed the cache argument and output field ``past_key_values`` to
+        # ``cache`` (the old name warns); older releases only know the old one.
+        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, *,
                 all_logits: bool) -> torch.Tensor:
         """ids, mask, positions [B, T] (left-padded) → logits [B, T, V] (or [B, 1, V])."""
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=0 if all_logits else 1)
-        self.cache, self.mask = out.past_key_values, mask
+        self.cache, self.mask = _returned_cache(out), mask
         return out.logits
 
     def select(self, index: torch.Tensor) -> None:
@@ -56,9 +60,16 @@ class HFStepper:
         assert self.mask is not None
         self.mask = torch.cat([self.mask, torch.ones_like(tokens)], dim=1)
         out = self.model(input_ids=tokens, attention_mask=self.mask, position_ids=positions,
-                         past_key_values=self.cache, use_cache=True)
-        self.cache = out.past_key_values
+                         use_cache=True, **{self._cache_arg: self.cache})
+        self.cache = _returned_cache(out)
         return out.logits[:, -1, :]
+
+
+def _returned_cache(out: Any) -> Any:
+    """The cache a forward returned: ``out.cache`` (transformers ≥ 5.24), else ``out.past_key_values``."""
+    if "cache" in getattr(out, "__dataclass_fields__", {}):
+        return out.cache
+    return out.past_key_values
 
 
 class LlamaStepper:
