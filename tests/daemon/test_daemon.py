@@ -171,6 +171,37 @@ def test_kill_9_of_the_daemon_then_the_next_start_cleans_up(job: Job) -> None:
     assert job.cli("stop").returncode == 0
 
 
+def test_kill_9_of_the_daemon_then_the_next_start_removes_left_shared_memory(job: Job) -> None:
+    """A component whose grandchild maps segments (as vLLM's EngineCore maps its psm_* queues)
+    outlives the daemon's kill -9; the next start ends it and removes the segments."""
+    import secrets
+
+    tag = secrets.token_hex(4)
+    a, b = f"psm_t{tag}_a", f"psm_t{tag}_b"
+    marker = job.dir / "holder.ready"
+    job.write(**base_sections(job.dir, [env("holder", script("shm_holder.py", "--grandchild", str(marker), a, b))]))
+    try:
+        assert job.cli("start").returncode == 0
+        wait_for(marker.exists, what="segments mapped")
+        child = int(marker.read_text())
+        record = job.state_dir / "recovery" / "instance.json"
+        wait_for(lambda: len(json.loads(record.read_text())["descendants"]) >= 2, what="grandchild recorded")
+        daemon = job.daemon_pid()
+        assert daemon is not None
+        os.kill(daemon, signal.SIGKILL)
+        wait_for(lambda: not _alive(child) and not _alive(daemon), timeout=10, what="daemon and child gone")
+        assert os.path.exists(f"/dev/shm/{a}") and os.path.exists(f"/dev/shm/{b}")
+        # the next start runs something else (the holder would map the names again)
+        job.write(**base_sections(job.dir, [env("coop", script("cooperative.py"))]))
+        assert job.cli("start").returncode == 0
+        assert not os.path.exists(f"/dev/shm/{a}") and not os.path.exists(f"/dev/shm/{b}")
+        assert job.cli("stop").returncode == 0
+    finally:
+        for n in (a, b):
+            if os.path.exists(f"/dev/shm/{n}"):
+                os.unlink(f"/dev/shm/{n}")
+
+
 def test_port_in_use_is_a_clear_error_and_nothing_is_killed(job: Job) -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
