@@ -149,6 +149,13 @@ class ParameterArena:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.slots)
 
+    def missing_segments(self) -> list[str]:
+        """Segments whose name is gone from /dev/shm (someone removed them: our mapping still
+        works, but no other process can attach any more)."""
+        if self.transport != "shm":
+            return []
+        return [seg.name for seg in self.segments if not os.path.exists(os.path.join("/dev/shm", seg.name))]
+
     def check_bound(self) -> None:
         """Raise if a tensor of the model no longer lives in the arena (e.g. ``model.to()``)."""
         current = model_tensors(self.model)

@@ -156,7 +156,12 @@ class _ArenaSync(_ControlMixin):
     def _ensure_arena(self, model: torch.nn.Module) -> None:
         if self.arena is not None and self.arena.model is model:
             self.arena.check_bound()
-            return
+            missing = self.arena.missing_segments()
+            if not missing:
+                return
+            # The trainer's mapping still works; a server (re)attaching needs the names: export anew.
+            log.warning("exported segments were removed from /dev/shm by something else; exporting into new ones",
+                        segments=missing)
         if self.arena is not None:
             self.arena.release()
             self.arena = None

@@ -139,6 +139,41 @@ async def test_killed_server_keeps_trainer_segments_and_restart_reattaches(
     assert not list_segments(f"atroposd-{nonce}-")
 
 
+async def test_segments_removed_behind_the_trainer_are_exported_anew(
+        dirs: dict[str, Path], nonce: str, child_factory: ChildFactory) -> None:
+    """Someone removes the trainer's segments from /dev/shm (its mapping still works); after an
+    inference restart the trainer exports into new segments and the server attaches to them."""
+    child = child_factory.start()
+    model = make_model(0)
+    sync = _shared(dirs, nonce, child)
+    try:
+        await sync.attach(model, 0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        old = list_segments(f"atroposd-{nonce}-")
+        for name in old:
+            os.unlink(f"/dev/shm/{name}")
+        async with sync.paused(1):
+            train_step(model, opt)  # the trainer goes on in its mapping
+        os.kill(child.proc.pid, signal.SIGKILL)
+        child.proc.wait(10)
+        restarted = child_factory.start()
+        sync.control_socket = restarted.socket
+        await sync.reattach(model, 1)
+        lp, version = await restarted.logprobs()
+        assert version == 1 and sync.server_current
+        torch.testing.assert_close(lp, score(model), atol=ATOL, rtol=0)
+        new = list_segments(f"atroposd-{nonce}-")
+        assert new and not set(new) & set(old)
+        async with sync.paused(2):  # the server computes on the new segments: it sees the next step
+            train_step(model, opt)
+        lp, version = await restarted.logprobs()
+        assert version == 2
+        torch.testing.assert_close(lp, score(model), atol=ATOL, rtol=0)
+    finally:
+        sync.close()
+    assert not list_segments(f"atroposd-{nonce}-")
+
+
 def _make(mode: str, dirs: dict[str, Path], nonce: str, child: Child) -> PushSync | ReloadSync | SharedSync:
     if mode == "push":
         return PushSync(nonce=nonce, weights_dir=dirs["weights"], control_socket=child.socket)
