@@ -58,6 +58,7 @@ from atroposd.systemd import Notifier
 log = get_logger("atroposd.daemon")
 
 TRACK_INTERVAL = 0.5
+SEGMENT_SCAN_TICKS = 10  # the children's /dev/shm mappings are recorded every 10 ticks (5 s)
 STATUS_INTERVAL = 5.0
 API_READY_TIMEOUT = 60.0
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_ALREADY_RUNNING = 0, 1, 2, 4
@@ -182,6 +183,8 @@ class Daemon:
         self._trainer_outcome: Any = None
         self._reaper = reaper.OrphanReaper()
         self._record_key: tuple[tuple[int, float], ...] = ()
+        self._record_segments: tuple[str, ...] = ()
+        self._segment_ticks = 0
         self._identities: dict[int, psutil.Process] = {}
         # Children start from the environment the daemon was given (before any narrowing of
         # CUDA_VISIBLE_DEVICES for the in-process trainer).
@@ -587,11 +590,20 @@ class Daemon:
                 with contextlib.suppress(psutil.Error):
                     entries.append((p.pid, p.create_time()))
         key = tuple(sorted(set(entries)))
-        if key == self._record_key and self.paths.recovery_dir.joinpath("instance.json").exists():
+        # The segments the children map: read from /proc every few seconds (and when the set of
+        # processes changes), not every tick: an engine's maps run to thousands of lines.
+        self._segment_ticks = (self._segment_ticks + 1) % SEGMENT_SCAN_TICKS
+        if key != self._record_key or self._segment_ticks == 0:
+            mapped = reaper.mapped_shm(pids=[pid for pid, _ in key])
+            segments = tuple(sorted(n for n in mapped if not n.startswith(reaper.OWN_SEGMENT_PREFIX)))
+        else:
+            segments = self._record_segments
+        if (key, segments) == (self._record_key, self._record_segments) and \
+                self.paths.recovery_dir.joinpath("instance.json").exists():
             return
-        self._record_key = key
+        self._record_key, self._record_segments = key, segments
         reaper.write_record(self.paths.recovery_dir / "instance.json",
-                            reaper.InstanceRecord(self.nonce, self.pid, self.start_time, list(key)))
+                            reaper.InstanceRecord(self.nonce, self.pid, self.start_time, list(key), list(segments)))
 
     def _write_child_config(self) -> None:
         path = self.paths.child_config(self.nonce)

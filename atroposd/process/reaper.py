@@ -193,16 +193,20 @@ class InstanceRecord:
     pid: int
     start_time: float
     descendants: list[tuple[int, float]] = field(default_factory=list)
+    # /dev/shm segments the children mapped when last looked at (atroposd's own aside): what
+    # they leave if they all die with the daemon before their cleanup.
+    segments: list[str] = field(default_factory=list)
 
     def to_json(self) -> bytes:
         return orjson.dumps({"nonce": self.nonce, "pid": self.pid, "start_time": self.start_time,
-                             "descendants": [[p, t] for p, t in self.descendants]})
+                             "descendants": [[p, t] for p, t in self.descendants], "segments": self.segments})
 
     @classmethod
     def from_json(cls, data: bytes) -> InstanceRecord:
         raw = orjson.loads(data)
         return cls(nonce=str(raw["nonce"]), pid=int(raw["pid"]), start_time=float(raw["start_time"]),
-                   descendants=[(int(p), float(t)) for p, t in raw.get("descendants", [])])
+                   descendants=[(int(p), float(t)) for p, t in raw.get("descendants", [])],
+                   segments=[str(n) for n in raw.get("segments", [])])
 
 
 def write_record(path: Path, record: InstanceRecord) -> None:
@@ -281,16 +285,17 @@ def recover_dead_instance(path: Path, *, grace: float = 2.0) -> InstanceRecord |
         # Another daemon with this state_dir is alive (the pidfile lock normally prevents this).
         return None
     left = survivors(record)
+    segments = set(record.segments)
     if left:
         log.warning("terminating processes left by a dead daemon", nonce=record.nonce, dead_pid=record.pid,
                     pids=[p.pid for p in left])
-        segments = mapped_shm(pids=[p.pid for p in left])
+        segments |= set(mapped_shm(pids=[p.pid for p in left]))
         t0 = time.monotonic()
         terminate(left, grace=grace)
         log.info("left-over processes gone", seconds=round(time.monotonic() - t0, 3))
-        removed = unlink_orphaned_segments(segments, since=record.start_time)
-        if removed:
-            log.info("removed shared-memory segments the dead daemon's processes left", segments=removed)
+    removed = unlink_orphaned_segments(segments, since=record.start_time)
+    if removed:
+        log.info("removed shared-memory segments the dead daemon's processes left", segments=removed)
     return record
 
 

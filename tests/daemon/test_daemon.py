@@ -202,6 +202,35 @@ def test_kill_9_of_the_daemon_then_the_next_start_removes_left_shared_memory(job
                 os.unlink(f"/dev/shm/{n}")
 
 
+def test_segments_of_children_that_all_died_with_the_daemon_are_removed_at_the_next_start(job: Job) -> None:
+    """Nothing of the dead daemon survives to be asked what it mapped: the recovery record
+    names the segments (recorded every few seconds) and the next start removes them."""
+    import secrets
+
+    a = f"psm_t{secrets.token_hex(4)}_a"
+    marker = job.dir / "holder.ready"
+    job.write(**base_sections(job.dir, [env("holder", script("shm_holder.py", str(marker), a))]))
+    try:
+        assert job.cli("start").returncode == 0
+        wait_for(marker.exists, what="segment mapped")
+        child = int(marker.read_text())
+        record = job.state_dir / "recovery" / "instance.json"
+        wait_for(lambda: a in json.loads(record.read_text()).get("segments", []), timeout=20,
+                 what="segment recorded")
+        daemon = job.daemon_pid()
+        assert daemon is not None
+        os.kill(daemon, signal.SIGKILL)
+        wait_for(lambda: not _alive(child) and not _alive(daemon), timeout=10, what="daemon and child gone")
+        assert os.path.exists(f"/dev/shm/{a}")
+        job.write(**base_sections(job.dir, [env("coop", script("cooperative.py"))]))
+        assert job.cli("start").returncode == 0
+        assert not os.path.exists(f"/dev/shm/{a}")
+        assert job.cli("stop").returncode == 0
+    finally:
+        if os.path.exists(f"/dev/shm/{a}"):
+            os.unlink(f"/dev/shm/{a}")
+
+
 def test_port_in_use_is_a_clear_error_and_nothing_is_killed(job: Job) -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
