@@ -27,7 +27,15 @@ import numpy as np
 import orjson
 import simdjson
 
-from atroposd.api.schema import FLOAT_ROWS, PASSTHROUGH, Group, Ragged, assemble_group, narrow_rows
+from atroposd.api.schema import (
+    FLOAT_ROWS,
+    PASSTHROUGH,
+    Group,
+    InvalidRequest,
+    Ragged,
+    assemble_group,
+    narrow_rows,
+)
 
 __all__ = ["parse_groups"]
 
@@ -61,6 +69,8 @@ def parse_groups(raw: bytes, *, listed: bool, max_token_len: int | None) -> list
                 return None
             parts.append(got)
             brackets += got.pop("_brackets")
+    except InvalidRequest:  # a ValueError, but a refusal, not a shape this path does not take
+        raise
     except _SHAPE_ERRORS:
         return None
     finally:
