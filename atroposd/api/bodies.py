@@ -1,7 +1,7 @@
 """Request bodies: bounded gzip inflation, JSON, and the ScoredData groups of a body.
 
-Shared by the API's event loop and its parser process (:mod:`atroposd.api.parsers`), so a
-body is read the same way wherever it is parsed.
+The groups come from the simdjson path (:mod:`atroposd.api.fastparse`) when the body is in
+its plain shape, else from orjson and the full checks of :mod:`atroposd.api.schema`.
 """
 
 from __future__ import annotations

@@ -40,7 +40,6 @@ from atroposd.api.schema import (
 __all__ = ["parse_groups"]
 
 INT_ROWS = ("tokens", "masks")
-_REQUIRED = ("tokens", "masks", "scores")
 # What a simdjson proxy raises on an unexpected type or value.
 _SHAPE_ERRORS = (TypeError, ValueError, RuntimeError, OverflowError, KeyError, IndexError)
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from atroposd.api.batching import find_groups_summing_to_target, grab_exact, grab_with_minimums
 from atroposd.api.schema import EnvRegistration, Group, InvalidRequest, TrainerRegistration
 from atroposd.logs import get_logger
+from atroposd.process import reaper
 
 if TYPE_CHECKING:
     from atroposd.api.spool import Spool, SpoolState
@@ -34,26 +35,6 @@ MIN_ENV_WEIGHT = 0.01  # upstream: an environment's weight never drops below thi
 
 
 log = get_logger("api.queue")
-
-
-def process_alive(pid: int, start_time: float) -> bool:
-    """True when ``pid`` runs and started at ``start_time`` (not a recycled pid)."""
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        return proc.status() != psutil.STATUS_ZOMBIE and abs(proc.create_time() - start_time) < 0.05
-    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
-        return False
-
-
-def process_start(pid: int) -> float | None:
-    import psutil
-
-    try:
-        return float(psutil.Process(pid).create_time())
-    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
-        return None
 
 
 class QueueFull(Exception):
@@ -106,7 +87,7 @@ class TrajectoryStore:
         not only the API) will not post again: it no longer counts in /status-env weights or
         minimum allocations. Its queued groups are still served."""
         gone = [e for e in self.envs if e.connected and e.peer_pid is not None and e.peer_start is not None
-                and not process_alive(e.peer_pid, e.peer_start)]
+                and reaper.same_process(e.peer_pid, e.peer_start) is None]
         for e in gone:
             e.connected = False
             log.info("environment from before the restart is gone; marked disconnected", env_id=e.registered_id,

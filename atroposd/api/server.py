@@ -29,7 +29,7 @@ import orjson
 from aiohttp import web
 
 from atroposd.api.bodies import groups_from_body, gunzip, parse_json
-from atroposd.api.queue import QueueFull, TrajectoryStore, process_start
+from atroposd.api.queue import QueueFull, TrajectoryStore
 from atroposd.api.schema import (
     EnvRegistration,
     Group,
@@ -40,6 +40,7 @@ from atroposd.api.schema import (
 )
 from atroposd.config import ApiConfig
 from atroposd.logs import get_logger
+from atroposd.process import reaper
 
 __all__ = ["ApiMetrics", "ApiServer", "ApiSettings"]
 
@@ -186,25 +187,18 @@ class ApiServer:
 
     # ------------------------------------------------------------------ bodies
 
-    async def _read_raw(self, request: web.Request) -> tuple[bytes, bool]:
-        """The body as sent (at most ``max_request_bytes``) and whether it is gzip'ed."""
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The request body, decompressed (at most ``max_request_bytes`` either way)."""
         limit = self.settings.max_request_bytes
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise InvalidRequest(f"request body larger than max_request_bytes ({limit})", 413, "too_large") from None
-        return raw, bool(raw) and "gzip" in request.headers.get("Content-Encoding", "").lower()
-
-    async def _inflate(self, raw: bytes) -> bytes:
-        limit = self.settings.max_request_bytes
+        if not raw or "gzip" not in request.headers.get("Content-Encoding", "").lower():
+            return raw
         if len(raw) >= GUNZIP_THREAD_MIN_BYTES:
             return await asyncio.get_running_loop().run_in_executor(self._inflater, gunzip, raw, limit)
         return gunzip(raw, limit)
-
-    async def _read_body(self, request: web.Request) -> bytes:
-        """The request body, decompressed (at most ``max_request_bytes`` either way)."""
-        raw, gzipped = await self._read_raw(request)
-        return await self._inflate(raw) if gzipped else raw
 
     async def _read_json(self, request: web.Request, *, optional: bool = False) -> Any:
         return parse_json(await self._read_body(request), optional=optional)
@@ -232,9 +226,9 @@ class ApiServer:
     async def register_env(self, request: web.Request) -> web.StreamResponse:
         req = EnvRegistration.parse_request(await self._read_json(request))
         pid = await self._peer_pid(request)
-        start = process_start(pid) if pid is not None else None
+        peer = reaper.identity(pid) if pid is not None else None
         try:
-            answer = self.store.register_env(req, peer=(pid, start) if pid is not None and start is not None else None)
+            answer = self.store.register_env(req, peer=(peer.pid, peer.create_time()) if peer is not None else None)
         except OSError as exc:
             return self._spool_refusal(exc)
         success = answer["status"] == "success"

@@ -11,7 +11,8 @@
   ``log_softmax(logits)``. ``prompt_logprobs`` are teacher-forced with the same scaling.
 * **Pause gate** (:mod:`atroposd.inference.gate`). ``pause()`` admits nothing new and returns
   once every admitted request has been answered; weight updates run only then (and never
-  during a forward pass: a lock orders compute). Every response carries the ``weight_version`` it was admitted under.
+  during a forward pass: a lock orders compute). Every response carries the
+  ``weight_version`` it was admitted under.
 * **Weights** arrive through :mod:`atroposd.weights.receiver` (attach/copy an export, load a
   reload directory).
 

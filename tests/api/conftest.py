@@ -133,6 +133,20 @@ class Server:
         return self.api.url
 
 
+def register_env_from_child(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """POST /register-env from a separate short-lived process: (its pid, the answer)."""
+    import subprocess
+
+    code = ("import json, sys, urllib.request\n"
+            "req = urllib.request.Request(sys.argv[1] + '/register-env', data=sys.argv[2].encode(),\n"
+            "                             headers={'Content-Type': 'application/json'})\n"
+            "print(urllib.request.urlopen(req).read().decode())")
+    child = subprocess.Popen([sys.executable, "-c", code, url, json.dumps(body)], stdout=subprocess.PIPE, text=True)
+    out, _ = child.communicate(timeout=60)
+    assert child.returncode == 0, out
+    return child.pid, json.loads(out)
+
+
 def start_atroposd(tmp: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None) -> Server:
     port = port or free_port()
     log = tmp / f"api-{port}.log"

@@ -3,16 +3,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.api.conftest import Api, group, start_atroposd
+from tests.api.conftest import Api, group, register_env_from_child, start_atroposd
 from tests.api.test_backpressure import metric
 from tests.support import stop_process
 
@@ -33,19 +30,13 @@ def test_status_extras(api: Api) -> None:
 def test_registrations_name_the_client_process(api: Api) -> None:
     api.register_env(name="early")  # answered "wait": listed too
     api.start()
-    code = ("import json, sys, urllib.request\n"
-            "req = urllib.request.Request(sys.argv[1] + '/register-env', data=sys.argv[2].encode(),\n"
-            "                             headers={'Content-Type': 'application/json'})\n"
-            "print(urllib.request.urlopen(req).read().decode())")
-    child = subprocess.Popen([sys.executable, "-c", code, api.url, json.dumps(REGISTER_ENV)],
-                             stdout=subprocess.PIPE, text=True)
-    out, _ = child.communicate(timeout=60)
-    assert json.loads(out)["status"] == "success"
+    child_pid, answer = register_env_from_child(api.url, REGISTER_ENV)
+    assert answer["status"] == "success"
     regs = api.ok("GET", "/atroposd/registrations")["registrations"]
     assert [(r["desired_name"], r["status"], r["env_id"]) for r in regs] == [("early", "wait", None),
                                                                               ("child-env", "success", 0)]
     assert regs[0]["peer_pid"] == os.getpid()
-    assert regs[1]["peer_pid"] == child.pid
+    assert regs[1]["peer_pid"] == child_pid
     assert all(isinstance(r["at"], float) for r in regs)
 
 

@@ -3,7 +3,6 @@ accepted, unserved group is served exactly once after a restart; the spool stays
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import signal
@@ -16,7 +15,7 @@ import pytest
 
 from atroposd.api.schema import group_from_json
 from atroposd.api.spool import Spool, SpoolError
-from tests.api.conftest import Api, Server, group, start_atroposd
+from tests.api.conftest import Api, Server, group, register_env_from_child, start_atroposd
 from tests.support import REPO, free_port, spawn, stop_process
 
 
@@ -214,14 +213,9 @@ def test_restart_marks_environments_whose_process_is_gone_disconnected(tmp_path:
     try:
         api = server.api
         api.start(batch_size=8, max_token_len=64)
-        code = ("import json, sys, urllib.request\n"
-                "req = urllib.request.Request(sys.argv[1] + '/register-env', data=sys.argv[2].encode(),\n"
-                "                             headers={'Content-Type': 'application/json'})\n"
-                "print(urllib.request.urlopen(req).read().decode())")
-        body = '{"max_token_length": 64, "desired_name": "gone", "weight": 1.0, "group_size": 4}'
-        child = subprocess.run([sys.executable, "-c", code, api.url, body], capture_output=True, text=True,
-                               timeout=60, check=True)
-        gone = int(json.loads(child.stdout)["env_id"])
+        _, answer = register_env_from_child(
+            api.url, {"max_token_length": 64, "desired_name": "gone", "weight": 1.0, "group_size": 4})
+        gone = int(answer["env_id"])
         live = api.register_env(group_size=4, name="live")["env_id"]
         assert api.ok("POST", "/scored_data", group(4, env_id=gone, tag=1.0)) == {"status": "received"}
         assert api.ok("GET", "/status-env", {"env_id": live})["env_weight"] == 0.5
