@@ -21,6 +21,7 @@ value, or the body takes the full path.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,12 @@ from atroposd.api.schema import (
 __all__ = ["parse_groups"]
 
 INT_ROWS = ("tokens", "masks")
+# A parser keeps its buffers (about 8 bytes of tape per byte of JSON) for the next body: a new
+# parser per body would allocate and page-fault them afresh each time, which costs more than
+# the parse. Bodies larger than this get a parser of their own, so that one huge body does not
+# leave its buffers behind for the life of the process.
+REUSE_MAX_BYTES = 4 << 20
+_local = threading.local()
 # What a simdjson proxy raises on an unexpected type or value.
 _SHAPE_ERRORS = (TypeError, ValueError, RuntimeError, OverflowError, KeyError, IndexError)
 
@@ -52,7 +59,7 @@ def parse_groups(raw: bytes, *, listed: bool, max_token_len: int | None) -> list
     if b"\\" in raw and b"\\u005" in raw:  # an escaped bracket in a string would upset the bracket count
         return None
     try:
-        doc = simdjson.Parser().parse(raw)  # a parser per body: no state shared between requests
+        doc = _parse(raw)
         if listed:
             if not isinstance(doc, simdjson.Array):
                 return None
@@ -79,6 +86,22 @@ def parse_groups(raw: bytes, *, listed: bool, max_token_len: int | None) -> list
     return [assemble_group(p["tokens"], p["masks"], p["scores"], p["floats"], p["extras"], p["env_id"],
                            max_token_len=max_token_len, where=f"[{i}]." if listed else "")
             for i, p in enumerate(parts)]
+
+
+def _parse(raw: bytes) -> Any:
+    """The document of ``raw`` from this thread's parser. Every proxy of it must be gone before
+    the thread parses again (``parse_groups`` drops them before it returns); should one still
+    be alive, the parser refuses, and a new one takes its place."""
+    if len(raw) > REUSE_MAX_BYTES:
+        return simdjson.Parser().parse(raw)
+    parser = getattr(_local, "parser", None)
+    if parser is not None:
+        try:
+            return parser.parse(raw)
+        except RuntimeError:  # the last document is still referenced somewhere
+            pass
+    _local.parser = parser = simdjson.Parser()
+    return parser.parse(raw)
 
 
 def _extract(item: Any) -> dict[str, Any] | None:

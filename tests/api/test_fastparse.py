@@ -12,6 +12,7 @@ import numpy as np
 import orjson
 import pytest
 
+from atroposd.api import fastparse
 from atroposd.api.fastparse import parse_groups
 from atroposd.api.schema import Group, InvalidRequest, dumps, group_from_json, group_to_json
 
@@ -162,3 +163,23 @@ def test_fast_path_arrays_are_the_posted_numbers() -> None:
     assert g.logprobs is not None
     assert np.array_equal(g.logprobs.flat, np.array(body["inference_logprobs"]).reshape(-1))
     assert g.tokens.bounds == list(range(0, 8 * 512 + 1, 512))
+
+
+def test_the_parser_is_reused_and_replaced_when_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One parser serves body after body (its buffers stay allocated); a document still
+    referenced from elsewhere pins it, and then a new parser takes over instead of failing."""
+    first, second = enc(plain(2, 5, seed=1)), enc(plain(3, 4, seed=2))
+    assert parse_groups(first, listed=False, max_token_len=None) is not None
+    parser = fastparse._local.parser
+    assert parse_groups(second, listed=False, max_token_len=None) is not None
+    assert fastparse._local.parser is parser  # reused
+    pinned = fastparse._parse(first)["tokens"]  # a proxy that outlives its parse
+    assert outcome(parse_groups, second, listed=False, max_token_len=None) == \
+        outcome(full_path, second, listed=False, max_token_len=None)
+    assert fastparse._local.parser is not parser  # replaced, not failed
+    assert pinned.as_list() == plain(2, 5, seed=1)["tokens"]  # the old document is intact
+    # A body over REUSE_MAX_BYTES gets a parser of its own, which is not kept.
+    monkeypatch.setattr(fastparse, "REUSE_MAX_BYTES", len(first) - 1)
+    kept = fastparse._local.parser
+    assert parse_groups(first, listed=False, max_token_len=None) is not None
+    assert fastparse._local.parser is kept
