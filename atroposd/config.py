@@ -505,9 +505,9 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
             _is_cuda(inf.device) and _is_cuda(t.device) and inf.device == t.device:
         p.append(Problem("inference.vllm.gpu_memory_utilization",
                          "must be > 0 when vLLM shares a GPU with the trainer"))
-    for name, sec in (("inference", inf), ("trainer", t)):
-        if not re.match(r"^(auto|cpu|cuda(:\d+)?|GPU-[0-9a-fA-F-]+)$", sec.device):
-            p.append(Problem(f"{name}.device", f"must be auto, cpu, cuda:N or a GPU UUID, got {sec.device!r}"))
+    for name, device in (("inference", inf.device), ("trainer", t.device)):
+        if not re.match(r"^(auto|cpu|cuda(:\d+)?|GPU-[0-9a-fA-F-]+)$", device):
+            p.append(Problem(f"{name}.device", f"must be auto, cpu, cuda:N or a GPU UUID, got {device!r}"))
     if not inf.model:
         p.append(Problem("inference.model", "must not be empty"))
     elif inf.model.startswith("builtin:") and inf.model != "builtin:tiny":

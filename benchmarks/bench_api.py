@@ -2,6 +2,9 @@
 
 Both servers run as real processes on loopback and get the same load in the same invocation:
 
+* warm-up: after registering, 64 groups are posted and drained (on every server alike), so that
+  one-time start-up costs (the clients' connections, a new process's first allocations) stay
+  out of the figures, which are those of a server that has been running;
 * ingest: a trainer registers (batch size 64), one environment registers, then 8 concurrent
   clients post groups of 8 × 512 tokens with masks (-100 on the prompt), scores and inference
   logprobs (as atroposlib's env client does: JSON, gzip'ed since the body is ≥ 1 KiB);
@@ -17,7 +20,8 @@ Both servers run as real processes on loopback and get the same load in the same
 Prints a table, the ratios, and one JSON line (``{"benchmark": "api", ...}``).
 Targets: POST ≥ 5× run-api, drain ≥ 20× run-api, memory per queued group ≤ 1/4 of run-api's.
 
-    python benchmarks/bench_api.py [--groups 256] [--clients 8] [--repeat 3] [--flood] [--spool] [--no-run-api]
+    python benchmarks/bench_api.py [--groups 512] [--warmup 64] [--clients 8] [--repeat 3] [--flood] [--spool]
+                                   [--no-run-api]
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 RUN_API = Path(sys.executable).parent / "run-api"
 SEQS, TOKENS, BATCH = 8, 512, 64
+WARMUP_TAG = 1_000_000  # warm-up groups carry tags from here on
 
 
 def free_port() -> int:
@@ -210,11 +215,15 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def bench(server: Server, bodies: list[bytes], clients: int) -> Result:
+async def bench(server: Server, bodies: list[bytes], clients: int, warmup: list[bytes]) -> Result:
     res = Result(server.name)
     async with aiohttp.ClientSession() as s:
         env_id = await register(s, server.url)
     assert env_id == 0
+    if warmup:  # the same for every server: start-up costs (connections, first allocations) stay out
+        await post_all(server.url, warmup, clients)
+        tags, *_ = await drain(server.url, server)
+        assert sorted(tags) == sorted(range(WARMUP_TAG, WARMUP_TAG + len(warmup))), "warm-up not served once"
     rss0 = server.ps.memory_info().rss
     cpu0 = sum(server.ps.cpu_times()[:2])
     t0 = time.perf_counter()
@@ -267,7 +276,9 @@ async def flood(server: Server, bodies: list[bytes], clients: int, cap: int, ful
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--groups", type=int, default=256, help="groups of 8 × 512 tokens (default 256)")
+    ap.add_argument("--groups", type=int, default=512, help="groups of 8 × 512 tokens (default 512)")
+    ap.add_argument("--warmup", type=int, default=64,
+                    help="groups posted and drained before the timed run, on every server (default 64)")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--flood", action="store_true", help="also run the flood mode (atroposd only)")
     ap.add_argument("--no-run-api", action="store_true", help="skip atroposlib's run-api")
@@ -280,6 +291,8 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-api-"))
     print(f"building {groups} groups of {SEQS} × {TOKENS} tokens ...", file=sys.stderr)
     bodies = [make_group(k, 0) for k in range(groups)]
+    warm = args.warmup - args.warmup % (BATCH // SEQS)
+    warmup = [make_group(WARMUP_TAG + k, 0) for k in range(warm)]
     flood_out: dict[str, Any] | None = None
     configs: list[tuple[str, list[str]]] = [
         ("atroposd", [sys.executable, "-m", "atroposd", "api", "--port", str(free_port()), "--no-spool",
@@ -300,7 +313,7 @@ def main() -> int:
                 server = start(name, cmd, tmp)
                 try:
                     print(f"round {round_ + 1}/{args.repeat}: measuring {name} ...", file=sys.stderr)
-                    rounds[name].append(asyncio.run(bench(server, bodies, args.clients)))
+                    rounds[name].append(asyncio.run(bench(server, bodies, args.clients, warmup)))
                 finally:
                     server.stop()
         results = [best(rs) for rs in rounds.values()]

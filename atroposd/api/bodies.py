@@ -15,8 +15,12 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
-import deflate
 import orjson
+
+try:
+    import deflate
+except ImportError:  # Python 3.10 has no wheel of it: zlib inflates every body
+    deflate = None  # type: ignore[assignment]
 
 from atroposd.api.fastparse import parse_groups
 from atroposd.api.schema import Group, InvalidRequest, group_from_json
@@ -43,7 +47,7 @@ def _one_member(raw: bytes, limit: int) -> bytearray | None:
     stops at the end of the first member, so the content must match the input's last eight
     bytes (CRC-32 and size) and those eight bytes must occur nowhere earlier: a member that
     ended before the input's end would have its own trailer, equal to them, earlier."""
-    if len(raw) < 18 or not raw.startswith(_GZIP_MAGIC):
+    if deflate is None or len(raw) < 18 or not raw.startswith(_GZIP_MAGIC):
         return None
     tail = raw[-8:]
     size = int.from_bytes(tail[4:], "little")
@@ -80,7 +84,7 @@ def _gunzip_stream(raw: bytes, limit: int) -> bytes:
     return b"".join(out)
 
 
-def parse_json(raw: bytes, *, optional: bool = False) -> Any:
+def parse_json(raw: bytes | bytearray, *, optional: bool = False) -> Any:
     if not raw.strip():
         if optional:
             return None
@@ -91,7 +95,7 @@ def parse_json(raw: bytes, *, optional: bool = False) -> Any:
         raise InvalidRequest(f"invalid JSON: {exc}", 400, "invalid_json") from None
 
 
-def groups_from_body(raw: bytes, *, listed: bool, max_token_len: int | None) -> list[Group]:
+def groups_from_body(raw: bytes | bytearray, *, listed: bool, max_token_len: int | None) -> list[Group]:
     """The validated groups of a ``/scored_data`` (one) or ``/scored_data_list`` body
     (decompressed): the simdjson path for the plain shape, else orjson and the full checks,
     which name what is wrong."""

@@ -51,7 +51,7 @@ _local = threading.local()
 _SHAPE_ERRORS = (TypeError, ValueError, RuntimeError, OverflowError, KeyError, IndexError)
 
 
-def parse_groups(raw: bytes, *, listed: bool, max_token_len: int | None) -> list[Group] | None:
+def parse_groups(raw: bytes | bytearray, *, listed: bool, max_token_len: int | None) -> list[Group] | None:
     """The validated groups of a ``/scored_data`` body (``listed=False``: one object) or a
     ``/scored_data_list`` body (a list of objects); None when the body is not in the plain
     shape (the caller then takes the full path). Raises ``InvalidRequest`` exactly as the full
@@ -88,7 +88,7 @@ def parse_groups(raw: bytes, *, listed: bool, max_token_len: int | None) -> list
             for i, p in enumerate(parts)]
 
 
-def _parse(raw: bytes) -> Any:
+def _parse(raw: bytes | bytearray) -> Any:
     """The document of ``raw`` from this thread's parser. Every proxy of it must be gone before
     the thread parses again (``parse_groups`` drops them before it returns); should one still
     be alive, the parser refuses, and a new one takes its place."""

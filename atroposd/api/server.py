@@ -187,7 +187,7 @@ class ApiServer:
 
     # ------------------------------------------------------------------ bodies
 
-    async def _read_body(self, request: web.Request) -> bytes:
+    async def _read_body(self, request: web.Request) -> bytes | bytearray:
         """The request body, decompressed (at most ``max_request_bytes`` either way)."""
         limit = self.settings.max_request_bytes
         try:
