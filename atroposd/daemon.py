@@ -42,6 +42,7 @@ from atroposd.config import (
 from atroposd.control import ControlServer
 from atroposd.logs import get_logger
 from atroposd.paths import Paths
+from atroposd.pids import identity
 from atroposd.process import reaper
 from atroposd.process.logfiles import LogHub
 from atroposd.process.probes import (
@@ -581,7 +582,7 @@ class Daemon:
             if unit.pid is not None:
                 proc = self._identities.get(unit.pid)
                 if proc is None or proc.pid != unit.pid:
-                    proc = reaper.identity(unit.pid)
+                    proc = identity(unit.pid)
                     if proc is not None:
                         self._identities[unit.pid] = proc
                 if proc is not None:

@@ -21,10 +21,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from atroposd import pids
 from atroposd.api.batching import find_groups_summing_to_target, grab_exact, grab_with_minimums
 from atroposd.api.schema import EnvRegistration, Group, InvalidRequest, TrainerRegistration
 from atroposd.logs import get_logger
-from atroposd.process import reaper
 
 if TYPE_CHECKING:
     from atroposd.api.spool import Spool, SpoolState
@@ -87,7 +87,7 @@ class TrajectoryStore:
         not only the API) will not post again: it no longer counts in /status-env weights or
         minimum allocations. Its queued groups are still served."""
         gone = [e for e in self.envs if e.connected and e.peer_pid is not None and e.peer_start is not None
-                and reaper.same_process(e.peer_pid, e.peer_start) is None]
+                and pids.same_process(e.peer_pid, e.peer_start) is None]
         for e in gone:
             e.connected = False
             log.info("environment from before the restart is gone; marked disconnected", env_id=e.registered_id,

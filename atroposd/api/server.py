@@ -28,6 +28,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from atroposd import pids
 from atroposd.api.bodies import groups_from_body, gunzip, parse_json
 from atroposd.api.queue import QueueFull, TrajectoryStore
 from atroposd.api.schema import (
@@ -40,7 +41,6 @@ from atroposd.api.schema import (
 )
 from atroposd.config import ApiConfig
 from atroposd.logs import get_logger
-from atroposd.process import reaper
 
 __all__ = ["ApiMetrics", "ApiServer", "ApiSettings"]
 
@@ -226,7 +226,7 @@ class ApiServer:
     async def register_env(self, request: web.Request) -> web.StreamResponse:
         req = EnvRegistration.parse_request(await self._read_json(request))
         pid = await self._peer_pid(request)
-        peer = reaper.identity(pid) if pid is not None else None
+        peer = pids.identity(pid) if pid is not None else None
         try:
             answer = self.store.register_env(req, peer=(peer.pid, peer.create_time()) if peer is not None else None)
         except OSError as exc:

@@ -34,6 +34,7 @@ import orjson
 import psutil
 
 from atroposd.logs import get_logger
+from atroposd.pids import TIME_SLACK, is_alive, same_process
 
 log = get_logger("atroposd.reaper")
 
@@ -41,8 +42,6 @@ PR_SET_CHILD_SUBREAPER = 36
 SHM_DIR = "/dev/shm"
 OWN_SEGMENT_PREFIX = "atroposd-"  # the weight segments: their owner unlinks them (atroposd.weights.shm)
 INSTANCE_VAR = "ATROPOSD_INSTANCE"
-# Start times from psutil are floats from /proc; two reads of one process agree far better.
-_TIME_SLACK = 0.05
 
 
 def set_child_subreaper() -> bool:
@@ -52,32 +51,6 @@ def set_child_subreaper() -> bool:
         log.warning("subreaper unavailable", error=os.strerror(ctypes.get_errno()))
         return False
     return True
-
-
-def identity(pid: int) -> psutil.Process | None:
-    """A handle on ``pid`` that remembers its start time (None if it is gone)."""
-    try:
-        proc = psutil.Process(pid)
-        proc.create_time()
-        return proc
-    except psutil.Error:
-        return None
-
-
-def is_alive(proc: psutil.Process) -> bool:
-    """Running, not a zombie, and still the same process (start time)."""
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def same_process(pid: int, start_time: float) -> psutil.Process | None:
-    """The live process ``pid`` if it started at ``start_time``, else None."""
-    proc = identity(pid)
-    if proc is None or abs(proc.create_time() - start_time) > _TIME_SLACK or not is_alive(proc):
-        return None
-    return proc
 
 
 def descendants(pid: int) -> list[psutil.Process]:
@@ -251,7 +224,7 @@ def survivors(record: InstanceRecord) -> list[psutil.Process]:
             if proc.pid == me or proc.pid in found or proc.info["uids"] is None or proc.info["uids"].real != uid:
                 continue
             # Started after the dead daemon, and carrying its nonce.
-            if proc.info["create_time"] + _TIME_SLACK < record.start_time:
+            if proc.info["create_time"] + TIME_SLACK < record.start_time:
                 continue
         except psutil.Error:
             continue
@@ -338,7 +311,7 @@ def unlink_orphaned_segments(names: Iterable[str], *, since: float, ignore_pids:
         path = os.path.join(SHM_DIR, name)
         try:
             st = os.stat(path)
-            if st.st_uid != os.getuid() or st.st_ctime + _TIME_SLACK < since:
+            if st.st_uid != os.getuid() or st.st_ctime + TIME_SLACK < since:
                 continue
             os.unlink(path)
             removed.append(name)

@@ -33,6 +33,7 @@ import anyio.abc
 import psutil
 
 from atroposd.logs import get_logger
+from atroposd.pids import is_alive
 from atroposd.process import reaper
 from atroposd.process.logfiles import LogHub, tail
 from atroposd.process.probes import Probe, ProbeError
@@ -183,7 +184,7 @@ class Unit:
             for proc in current if current is not None else reaper.descendants(self.pid):
                 self.tracked.setdefault(proc.pid, proc)
         for pid, proc in list(self.tracked.items()):
-            if not reaper.is_alive(proc):
+            if not is_alive(proc):
                 del self.tracked[pid]
 
     async def supervise(self) -> None:
@@ -354,7 +355,7 @@ class Unit:
             with anyio.move_on_after(grace):
                 await proc.wait()
                 await self._descendants_gone()
-            escalated = [p.pid for p in self.tracked.values() if reaper.is_alive(p)]
+            escalated = [p.pid for p in self.tracked.values() if is_alive(p)]
             if proc.returncode is None:
                 escalated.insert(0, proc.pid)
             reaper.signal_group(proc.pid, signal.SIGKILL)
@@ -366,7 +367,7 @@ class Unit:
             if escalated:
                 log.warning("escalated to SIGKILL", unit=self.name, pid=proc.pid, grace_s=round(grace, 3),
                             pids=escalated)
-            left = [p.pid for p in self.tracked.values() if reaper.is_alive(p)]
+            left = [p.pid for p in self.tracked.values() if is_alive(p)]
             if left or proc.returncode is None:
                 log.error("processes survived SIGKILL", unit=self.name, pids=left, main_exited=proc.returncode is not None)
             self.tracked.clear()
@@ -381,7 +382,7 @@ class Unit:
 
     async def _descendants_gone(self) -> None:
         # Tracked descendants are not our children (no wait possible): poll them.
-        while any(reaper.is_alive(p) for p in self.tracked.values()):  # noqa: ASYNC110
+        while any(is_alive(p) for p in self.tracked.values()):  # noqa: ASYNC110
             await anyio.sleep(DESCENDANT_POLL)
 
     # ------------------------------------------------------------------ restart policy

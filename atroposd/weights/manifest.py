@@ -37,6 +37,8 @@ from typing import Any
 
 import orjson
 
+from atroposd import pids
+
 __all__ = [
     "ALLOWED_DTYPES",
     "FORMAT_VERSION",
@@ -109,15 +111,7 @@ def process_start_time(pid: int) -> float | None:
 
 def exporter_alive(pid: int, start_time: float) -> bool:
     """True when ``pid`` runs and started at ``start_time`` (so it is not a recycled pid)."""
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return False
-        return abs(proc.create_time() - start_time) < 0.05
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return False
+    return pids.same_process(pid, start_time) is not None
 
 
 def manifest_path(weights_dir: Path, nonce: str) -> Path:
