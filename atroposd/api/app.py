@@ -8,6 +8,7 @@ import signal
 
 from aiohttp import web
 
+from atroposd.api.ingest import ParseHelper, helper_wanted
 from atroposd.api.queue import TrajectoryStore
 from atroposd.api.server import ApiServer, ApiSettings
 from atroposd.api.spool import Spool, SpoolError
@@ -35,7 +36,14 @@ async def serve(settings: ApiSettings, *, ready: asyncio.Event | None = None,
             log.error("cannot open the spool", dir=settings.spool_dir, error=str(exc))
             spool.close()
             return 1
-    server = ApiServer(store, settings)
+    helper = ParseHelper(settings.max_request_bytes) if helper_wanted() else None
+    if helper is not None:
+        try:
+            await helper.start()
+        except OSError as exc:
+            log.error("cannot start the parse helper; parsing on the event loop", error=str(exc))
+            helper = None
+    server = ApiServer(store, settings, helper)
     runner = web.AppRunner(server.app(), auto_decompress=False, access_log=None, handle_signals=False,
                            shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
@@ -68,5 +76,7 @@ async def serve(settings: ApiSettings, *, ready: asyncio.Event | None = None,
         return 0
     finally:
         await runner.cleanup()
+        if helper is not None:
+            await helper.close()
         if spool is not None:
             spool.close()

@@ -30,6 +30,7 @@ from aiohttp import web
 
 from atroposd import pids
 from atroposd.api.bodies import groups_from_body, gunzip, parse_json
+from atroposd.api.ingest import ParseHelper
 from atroposd.api.queue import QueueFull, TrajectoryStore
 from atroposd.api.schema import (
     EnvRegistration,
@@ -80,7 +81,7 @@ class ApiSettings:
 class ApiMetrics:
     """Prometheus metrics of one API process (its own registry)."""
 
-    def __init__(self, store: TrajectoryStore) -> None:
+    def __init__(self, store: TrajectoryStore, helper: ParseHelper | None = None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = r = CollectorRegistry()
@@ -95,6 +96,12 @@ class ApiMetrics:
             ("current_step", "Batches formed (upstream step)", lambda: store.step),
         ):
             Gauge(f"atroposd_api_{name}", doc, registry=r).set_function(fn)
+        parsed = Gauge("atroposd_api_parsed_bodies", "Posted bodies parsed, by where (helper process or "
+                       "event loop)", ["where"], registry=r)
+        parsed.labels("helper").set_function(lambda: helper.handed if helper is not None else 0)
+        parsed.labels("loop").set_function(lambda: helper.on_loop if helper is not None else 0)
+        Gauge("atroposd_api_parse_helper_restarts", "Times the parse helper was started again",
+              registry=r).set_function(lambda: helper.restarts if helper is not None else 0)
         self.accepted_groups = Counter("atroposd_api_accepted_groups", "Groups accepted", registry=r)
         self.accepted_sequences = Counter("atroposd_api_accepted_sequences", "Sequences accepted", registry=r)
         self.refused = Counter("atroposd_api_refused", "Submissions refused with 503 (queue full or spool "
@@ -122,10 +129,11 @@ class ApiMetrics:
 
 
 class ApiServer:
-    def __init__(self, store: TrajectoryStore, settings: ApiSettings) -> None:
+    def __init__(self, store: TrajectoryStore, settings: ApiSettings, helper: ParseHelper | None = None) -> None:
         self.store = store
         self.settings = settings
-        self.metrics = ApiMetrics(store)
+        self.helper = helper
+        self.metrics = ApiMetrics(store, helper)
         self.registrations: deque[dict[str, Any]] = deque(maxlen=4096)
         # One thread inflates large gzip bodies (more would only fight over the GIL on return).
         self._inflater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="api-inflate")
@@ -187,24 +195,34 @@ class ApiServer:
 
     # ------------------------------------------------------------------ bodies
 
-    async def _read_body(self, request: web.Request) -> bytes | bytearray:
-        """The request body, decompressed (at most ``max_request_bytes`` either way)."""
-        limit = self.settings.max_request_bytes
+    async def _read_raw(self, request: web.Request) -> tuple[bytes, bool]:
+        """The request body as sent (at most ``max_request_bytes``) and whether it is gzip."""
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise InvalidRequest(f"request body larger than max_request_bytes ({limit})", 413, "too_large") from None
-        if not raw or "gzip" not in request.headers.get("Content-Encoding", "").lower():
+            raise InvalidRequest(f"request body larger than max_request_bytes ({self.settings.max_request_bytes})",
+                                 413, "too_large") from None
+        return raw, bool(raw) and "gzip" in request.headers.get("Content-Encoding", "").lower()
+
+    async def _read_body(self, request: web.Request) -> bytes | bytearray:
+        """The request body, decompressed (at most ``max_request_bytes`` either way)."""
+        raw, gz = await self._read_raw(request)
+        if not gz:
             return raw
         if len(raw) >= GUNZIP_THREAD_MIN_BYTES:
-            return await asyncio.get_running_loop().run_in_executor(self._inflater, gunzip, raw, limit)
-        return gunzip(raw, limit)
+            return await asyncio.get_running_loop().run_in_executor(self._inflater, gunzip, raw,
+                                                                    self.settings.max_request_bytes)
+        return gunzip(raw, self.settings.max_request_bytes)
 
     async def _read_json(self, request: web.Request, *, optional: bool = False) -> Any:
         return parse_json(await self._read_body(request), optional=optional)
 
     async def _read_groups(self, request: web.Request, *, listed: bool) -> list[Group]:
-        """The validated groups of a ``/scored_data`` (one) or ``/scored_data_list`` body."""
+        """The validated groups of a ``/scored_data`` (one) or ``/scored_data_list`` body: from
+        the parse helper when there is one (:mod:`atroposd.api.ingest`), else parsed here."""
+        if self.helper is not None:
+            raw, gz = await self._read_raw(request)
+            return await self.helper.groups(raw, gz, listed=listed, max_token_len=self.store.max_token_len)
         return groups_from_body(await self._read_body(request), listed=listed, max_token_len=self.store.max_token_len)
 
     # ------------------------------------------------------------------ upstream routes
