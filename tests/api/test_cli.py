@@ -5,6 +5,9 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+import psutil
+
+from atroposd.api.ingest import helper_wanted
 from tests.api.conftest import group, start_atroposd
 from tests.support import atroposd, free_port, stop_process, write_config
 
@@ -13,11 +16,14 @@ HEAVY = ("torch", "transformers", "vllm")
 
 def test_running_api_has_no_torch_mapped(tmp_path: Path) -> None:
     """SPEC §1: the API child never imports torch, transformers or vllm (checked on the live
-    process: no file of theirs is mapped)."""
+    processes, the API and its parse helper: no file of theirs is mapped)."""
     server = start_atroposd(tmp_path)
     try:
-        maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
-        assert not [line for line in maps.splitlines() if any(f"/{h}/" in line for h in HEAVY)]
+        procs = [server.proc.pid, *(p.pid for p in psutil.Process(server.proc.pid).children())]
+        assert len(procs) == (2 if helper_wanted() else 1), "the API and its parse helper (two or more CPUs)"
+        for pid in procs:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            assert not [line for line in maps.splitlines() if any(f"/{h}/" in line for h in HEAVY)]
     finally:
         assert stop_process(server.proc) == 0  # SIGTERM is a clean stop
 
