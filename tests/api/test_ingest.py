@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import os
+import re
 import signal
 import threading
 from pathlib import Path
@@ -38,9 +39,12 @@ async def outcome_of(coro: Any) -> Any:
 
 
 def on_loop(raw: bytes, gz: bool, listed: bool, max_token_len: int | None) -> Any:
-    async def parse() -> Any:
-        return groups_from_body(gunzip(raw, LIMIT) if gz else raw, listed=listed, max_token_len=max_token_len)
-    return asyncio.run(outcome_of(parse()))
+    """What the event loop makes of a body (the reference)."""
+    try:
+        return ("accepted", answer(groups_from_body(gunzip(raw, LIMIT) if gz else raw, listed=listed,
+                                                    max_token_len=max_token_len)))
+    except InvalidRequest as exc:
+        return ("refused", exc.status, exc.reason, str(exc))
 
 
 def bodies() -> list[tuple[str, bytes, bool, bool, int | None]]:
@@ -67,7 +71,8 @@ def bodies() -> list[tuple[str, bytes, bool, bool, int | None]]:
     return out
 
 
-def test_the_helper_answers_as_the_loop_would() -> None:
+def test_the_helper_answers_as_the_loop_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ingest, "MIN_BYTES", 0)  # small bodies too
     cases = bodies()
 
     async def run() -> list[Any]:
@@ -88,7 +93,8 @@ def test_the_helper_answers_as_the_loop_would() -> None:
     assert sum(1 for a in got if a[0] == "refused") >= 8  # the corpus does exercise refusals
 
 
-def test_bodies_beyond_its_depth_are_parsed_on_the_loop() -> None:
+def test_bodies_beyond_its_depth_are_parsed_on_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ingest, "MIN_BYTES", 0)
     raws = [orjson.dumps(plain(4, 32, seed=k)) for k in range(12)]
 
     async def run() -> tuple[list[Any], int, int]:
@@ -104,6 +110,25 @@ def test_bodies_beyond_its_depth_are_parsed_on_the_loop() -> None:
     got, handed, looped = asyncio.run(run())
     assert got == [on_loop(r, False, False, None) for r in raws]
     assert handed == ingest.DEPTH and looped == len(raws) - ingest.DEPTH
+
+
+def test_small_bodies_are_parsed_on_the_loop() -> None:
+    small, large = orjson.dumps(plain(2, 5)), orjson.dumps(plain(8, 256))
+    assert len(small) < ingest.MIN_BYTES <= len(large)
+
+    async def run() -> tuple[int, int]:
+        helper = ParseHelper(LIMIT)
+        await helper.start()
+        try:
+            assert await outcome_of(helper.groups(small, False, listed=False, max_token_len=None)) == \
+                on_loop(small, False, False, None)
+            assert await outcome_of(helper.groups(large, False, listed=False, max_token_len=None)) == \
+                on_loop(large, False, False, None)
+            return helper.handed, helper.on_loop
+        finally:
+            await helper.close()
+
+    assert asyncio.run(run()) == (1, 1)
 
 
 def test_a_dead_helper_loses_nothing_and_comes_back(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -145,14 +170,14 @@ def test_api_under_load_survives_its_helper_being_killed(tmp_path: Path) -> None
     server = start_atroposd(tmp_path)
     api = server.api
     try:
-        api.start(batch_size=8, max_token_len=64)
+        api.start(batch_size=8, max_token_len=512)
         first = helper_of(server.proc.pid)
         statuses: list[int] = []
         lock = threading.Lock()
 
         def client(c: int) -> None:
             for k in range(25):
-                r = api.post("/scored_data", group(4, length=40, tag=float(c * 100 + k)), gzip_body=True)
+                r = api.post("/scored_data", group(4, length=400, tag=float(c * 100 + k)))  # 30 KB: helper-sized
                 with lock:
                     statuses.append(r.status)
 
@@ -170,7 +195,8 @@ def test_api_under_load_survives_its_helper_being_killed(tmp_path: Path) -> None
                  helper_of(server.proc.pid).pid != first.pid, timeout=20, what="a new helper")
         metrics = api.get("/metrics").body.decode()
         assert "atroposd_api_parse_helper_restarts 1.0" in metrics
-        assert 'atroposd_api_parsed_bodies{where="helper"}' in metrics
+        handed = re.search(r'atroposd_api_parsed_bodies\{where="helper"\} (\S+)', metrics)
+        assert handed is not None and float(handed.group(1)) >= 20, metrics
         assert "the parse helper is gone" in server.log.read_text()
     finally:
         stop_process(server.proc)
