@@ -170,22 +170,31 @@ class ParseHelper:
             while True:
                 size, kind, _ = HEADER.unpack(await reader.readexactly(HEADER.size))
                 payload = await reader.readexactly(size)
-                fut = self._pending.popleft()
+                fut = self._pending[0]  # stays pending until decoded: a failure below still answers it
                 if fut.done():  # the request went away meanwhile
+                    self._pending.popleft()
                     continue
                 if kind == DONE:
-                    fut.set_result(decode_groups(payload))
+                    answer: list[Group] | BaseException = decode_groups(payload)
                 elif kind == REFUSED:
                     status, reason, message = pickle.loads(payload)
-                    fut.set_exception(InvalidRequest(message, status, reason))
+                    answer = InvalidRequest(message, status, reason)
                 else:
                     log.warning("the parse helper failed on a body; parsing it on the event loop",
                                 error=payload.decode(errors="replace")[-2000:])
-                    fut.set_exception(HelperGone())
+                    answer = HelperGone()
+                self._pending.popleft()
+                if isinstance(answer, BaseException):
+                    fut.set_exception(answer)
+                else:
+                    fut.set_result(answer)
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             if not self._closing:
                 log.error("the parse helper is gone; parsing on the event loop until it is back",
                           pid=proc.pid, returncode=proc.returncode, error=repr(exc))
+        except Exception as exc:  # an answer that does not decode: this helper is not to be trusted
+            log.error("the parse helper sent an answer that does not decode; replacing it", pid=proc.pid,
+                      error=repr(exc))
         finally:
             if self._writer is not None:
                 self._writer.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import os
+import pickle
 import re
 import signal
 import threading
@@ -232,3 +233,36 @@ def test_the_helper_can_be_turned_off(tmp_path: Path) -> None:
         assert psutil.Process(server.proc.pid).children() == []
     finally:
         stop_process(server.proc)
+
+
+def test_an_answer_that_does_not_decode_replaces_the_helper(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ingest, "RESTART_DELAY_S", 0.2)
+    raw = orjson.dumps(plain(8, 64, seed=6))
+    expected = on_loop(raw, False, False, None)
+    real = ingest.decode_groups
+    calls = {"n": 0}
+
+    def garbled(payload: bytes) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise pickle.UnpicklingError("garbled")
+        return real(payload)
+
+    monkeypatch.setattr(ingest, "decode_groups", garbled)
+
+    async def run() -> None:
+        helper = ParseHelper(LIMIT)
+        await helper.start()
+        try:
+            assert helper.proc is not None
+            first = helper.proc
+            assert await outcome_of(helper.groups(raw, False, listed=False, max_token_len=None)) == expected
+            assert helper.on_loop == 1 and not helper.up
+            await asyncio.sleep(0.3)
+            assert await outcome_of(helper.groups(raw, False, listed=False, max_token_len=None)) == expected
+            assert helper.restarts == 1 and helper.proc is not first and helper.on_loop == 1
+            await asyncio.wait_for(first.wait(), 5)  # the distrusted helper was ended
+        finally:
+            await helper.close()
+
+    asyncio.run(run())
