@@ -51,6 +51,7 @@ DEPTH = 2  # bodies in the helper's hands at once
 # Smaller bodies are parsed on the loop: below this, handing one over (about 0.05 ms of the
 # loop's time, and the helper's) costs more than parsing it.
 MIN_BYTES = 8 << 10
+LOOP_GUNZIP_MAX_BYTES = 1 << 20  # a larger gzip body parsed on the loop inflates on a thread
 RESTART_DELAY_S = 2.0
 READY_TIMEOUT_S = 30.0  # the helper's imports (numpy, simdjson) take about 0.3 s
 SOCKET_BUFFER = 4 << 20
@@ -151,7 +152,12 @@ class ParseHelper:
             except HelperGone:
                 pass
         self.on_loop += 1
-        body = gunzip(raw, self.limit) if gzip else raw
+        if not gzip:
+            body: bytes | bytearray = raw
+        elif len(raw) >= LOOP_GUNZIP_MAX_BYTES:  # zlib and libdeflate release the GIL
+            body = await asyncio.to_thread(gunzip, raw, self.limit)
+        else:
+            body = gunzip(raw, self.limit)
         return groups_from_body(body, listed=listed, max_token_len=max_token_len)
 
     async def _hand_over(self, raw: bytes, gzip: bool, listed: bool, max_token_len: int | None) -> list[Group]:

@@ -266,3 +266,33 @@ def test_an_answer_that_does_not_decode_replaces_the_helper(monkeypatch: pytest.
             await helper.close()
 
     asyncio.run(run())
+
+
+def test_a_large_gzip_body_parsed_on_the_loop_inflates_on_a_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ingest, "DEPTH", 0)  # the helper never has room: everything on the loop
+    raw = gzip.compress(orjson.dumps(plain(8, 20000, seed=9)), compresslevel=1)
+    assert len(raw) >= ingest.LOOP_GUNZIP_MAX_BYTES
+    threads: list[str] = []
+    real = ingest.gunzip
+
+    def spy(data: bytes, limit: int) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(data, limit)
+
+    monkeypatch.setattr(ingest, "gunzip", spy)
+
+    async def run() -> Any:
+        helper = ParseHelper(64 << 20)
+        await helper.start()
+        try:
+            return await outcome_of(helper.groups(raw, True, listed=False, max_token_len=None))
+        finally:
+            await helper.close()
+
+    got = asyncio.run(run())
+    assert got[0] == "accepted" and got == on_loop_limit(raw, 64 << 20)
+    assert threads and threads[0] != threading.main_thread().name
+
+
+def on_loop_limit(raw: bytes, limit: int) -> Any:
+    return ("accepted", answer(groups_from_body(gunzip(raw, limit), listed=False, max_token_len=None)))
