@@ -240,15 +240,19 @@ async def bench(server: Server, bodies: list[bytes], clients: int, warmup: list[
     # group is measured here, on the first fill of a fresh process (once drained, the freed
     # memory is reused, so a second fill would not show it).
     rss0 = server.rss()
-    await post_all(server.url, warmup, clients)
-    rss1 = server.rss()
-    res.mem_per_group_kb = (rss1 - rss0) / len(warmup) / 1024
-    tags, *_ = await drain(server.url, server)
-    assert sorted(tags) == sorted(range(WARMUP_TAG, WARMUP_TAG + len(warmup))), "warm-up not served once"
+    if warmup:
+        await post_all(server.url, warmup, clients)
+        rss1 = server.rss()
+        res.mem_per_group_kb = (rss1 - rss0) / len(warmup) / 1024
+        tags, *_ = await drain(server.url, server)
+        assert sorted(tags) == sorted(range(WARMUP_TAG, WARMUP_TAG + len(warmup))), "warm-up not served once"
     cpu0 = server.cpu()
     t0 = time.perf_counter()
     lat = await post_all(server.url, bodies, clients)
     wall = time.perf_counter() - t0
+    if not warmup:  # --warmup 0: memory from the timed fill, which is then the first
+        rss1 = server.rss()
+        res.mem_per_group_kb = (rss1 - rss0) / len(bodies) / 1024
     res.post_cpu_ms_per_group = (server.cpu() - cpu0) / len(bodies) * 1e3
     res.post_groups_s = len(bodies) / wall
     res.post_p50_ms, res.post_p99_ms = pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3
