@@ -10,7 +10,8 @@ the same answer either way. The loop hands a body over only while the helper hol
 ``DEPTH`` (one parsing, one waiting) and parses the others itself: both stay busy and neither
 waits for the other. Bodies under ``MIN_BYTES`` are cheaper to parse than to hand over.
 Measured on two cores with the load generator beside it: 20–25 % more groups per second than
-the loop alone (``benchmarks/bench_api.py``: 5.5–6.0× run-api instead of 4.2–5.3×).
+the loop alone (``benchmarks/bench_api.py``: 5.5–6.0× run-api; the runs made before the helper
+gave 4.2–5.3×).
 
 The helper is a child of the API process: it dies with it (parent-death signal, and it exits
 when its socket closes), ignores SIGTERM/SIGINT so that a group stop lets the API close it, and
