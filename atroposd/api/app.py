@@ -37,12 +37,8 @@ async def serve(settings: ApiSettings, *, ready: asyncio.Event | None = None,
             spool.close()
             return 1
     helper = ParseHelper(settings.max_request_bytes) if helper_wanted() else None
-    if helper is not None:
-        try:
-            await helper.start()
-        except OSError as exc:
-            log.error("cannot start the parse helper; parsing on the event loop", error=str(exc))
-            helper = None
+    if helper is not None and not await helper.try_start():
+        helper = None
     server = ApiServer(store, settings, helper)
     runner = web.AppRunner(server.app(), auto_decompress=False, access_log=None, handle_signals=False,
                            shutdown_timeout=SHUTDOWN_GRACE_S)

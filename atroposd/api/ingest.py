@@ -7,7 +7,8 @@ Per posted group of 8 × 512 tokens the event loop spends about 0.12 ms inflatin
 finished groups (their numpy arrays as raw buffers, pickle protocol 5) or the refusal, decided
 by the same :func:`~atroposd.api.bodies.groups_from_body` the loop would call, so a body gets
 the same answer either way. The loop hands a body over only while the helper holds fewer than
-``DEPTH`` (one parsing, one waiting) and parses the others itself: both stay busy and neither
+``DEPTH`` (one parsing, one waiting) and parses the others itself (:meth:`ParseHelper.groups`
+answers None for those): both stay busy and neither
 waits for the other. Bodies under ``MIN_BYTES`` are cheaper to parse than to hand over.
 Measured on two cores with the load generator beside it: 20–25 % more groups per second than
 the loop alone (``benchmarks/bench_api.py``: 5.5–6.0× run-api; the runs made before the helper
@@ -53,7 +54,6 @@ DEPTH = 2  # bodies in the helper's hands at once
 # Smaller bodies are parsed on the loop: below this, handing one over (about 0.05 ms of the
 # loop's time, and the helper's) costs more than parsing it.
 MIN_BYTES = 8 << 10
-LOOP_GUNZIP_MAX_BYTES = 1 << 20  # a larger gzip body parsed on the loop inflates on a thread
 RESTART_DELAY_S = 2.0
 READY_TIMEOUT_S = 30.0  # the helper's imports (numpy, simdjson) take about 0.3 s
 SOCKET_BUFFER = 4 << 20
@@ -137,30 +137,31 @@ class ParseHelper:
 
     # ------------------------------------------------------------------ bodies
 
-    async def groups(self, raw: bytes, gzip: bool, *, listed: bool, max_token_len: int | None) -> list[Group]:
-        """The validated groups of a posted body: from the helper when it has room, else parsed
-        on the loop. Raises ``InvalidRequest`` as :func:`groups_from_body` does."""
+    async def try_start(self) -> bool:
+        """Start the helper; False (logged) when it cannot be, and the loop parses everything."""
+        try:
+            await self.start()
+        except OSError as exc:
+            log.error("cannot start the parse helper; parsing on the event loop", error=str(exc))
+            return False
+        return True
+
+    async def groups(self, raw: bytes, gzip: bool, *, listed: bool, max_token_len: int | None) -> list[Group] | None:
+        """The validated groups of a posted body from the helper, or None when the body is the
+        loop's to parse (small, the helper busy, down or failing). Raises ``InvalidRequest`` as
+        :func:`groups_from_body` does."""
         if not self.up and not self._closing and self._down_since is not None \
                 and time.monotonic() - self._down_since >= RESTART_DELAY_S:
             self._down_since = time.monotonic()  # one attempt per delay, even if it fails
-            try:
-                await self.start()
+            if await self.try_start():
                 self.restarts += 1
-            except OSError as exc:
-                log.error("cannot start the parse helper; parsing on the event loop", error=str(exc))
         if len(raw) >= MIN_BYTES and self.up and len(self._pending) < DEPTH:
             try:
                 return await self._hand_over(raw, gzip, listed, max_token_len)
             except HelperGone:
                 pass
         self.on_loop += 1
-        if not gzip:
-            body: bytes | bytearray = raw
-        elif len(raw) >= LOOP_GUNZIP_MAX_BYTES:  # zlib and libdeflate release the GIL
-            body = await asyncio.to_thread(gunzip, raw, self.limit)
-        else:
-            body = gunzip(raw, self.limit)
-        return groups_from_body(body, listed=listed, max_token_len=max_token_len)
+        return None
 
     async def _hand_over(self, raw: bytes, gzip: bool, listed: bool, max_token_len: int | None) -> list[Group]:
         writer = self._writer

@@ -204,9 +204,8 @@ class ApiServer:
                                  413, "too_large") from None
         return raw, bool(raw) and "gzip" in request.headers.get("Content-Encoding", "").lower()
 
-    async def _read_body(self, request: web.Request) -> bytes | bytearray:
-        """The request body, decompressed (at most ``max_request_bytes`` either way)."""
-        raw, gz = await self._read_raw(request)
+    async def _inflate(self, raw: bytes, gz: bool) -> bytes | bytearray:
+        """``raw`` decompressed when it is gzip (at most ``max_request_bytes``)."""
         if not gz:
             return raw
         if len(raw) >= GUNZIP_THREAD_MIN_BYTES:
@@ -214,16 +213,23 @@ class ApiServer:
                                                                     self.settings.max_request_bytes)
         return gunzip(raw, self.settings.max_request_bytes)
 
+    async def _read_body(self, request: web.Request) -> bytes | bytearray:
+        """The request body, decompressed (at most ``max_request_bytes`` either way)."""
+        return await self._inflate(*await self._read_raw(request))
+
     async def _read_json(self, request: web.Request, *, optional: bool = False) -> Any:
         return parse_json(await self._read_body(request), optional=optional)
 
     async def _read_groups(self, request: web.Request, *, listed: bool) -> list[Group]:
         """The validated groups of a ``/scored_data`` (one) or ``/scored_data_list`` body: from
-        the parse helper when there is one (:mod:`atroposd.api.ingest`), else parsed here."""
+        the parse helper when it takes the body (:mod:`atroposd.api.ingest`), else parsed here."""
+        raw, gz = await self._read_raw(request)
+        max_token_len = self.store.max_token_len
         if self.helper is not None:
-            raw, gz = await self._read_raw(request)
-            return await self.helper.groups(raw, gz, listed=listed, max_token_len=self.store.max_token_len)
-        return groups_from_body(await self._read_body(request), listed=listed, max_token_len=self.store.max_token_len)
+            groups = await self.helper.groups(raw, gz, listed=listed, max_token_len=max_token_len)
+            if groups is not None:
+                return groups
+        return groups_from_body(await self._inflate(raw, gz), listed=listed, max_token_len=max_token_len)
 
     # ------------------------------------------------------------------ upstream routes
 

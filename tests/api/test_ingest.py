@@ -18,9 +18,12 @@ import psutil
 import pytest
 
 from atroposd.api import ingest
+from atroposd.api import server as server_module
 from atroposd.api.bodies import groups_from_body, gunzip
 from atroposd.api.ingest import ParseHelper
+from atroposd.api.queue import TrajectoryStore
 from atroposd.api.schema import InvalidRequest, dumps, group_to_json
+from atroposd.api.server import ApiServer, ApiSettings
 from tests.api.conftest import group, start_atroposd
 from tests.api.test_fastparse import plain
 from tests.support import stop_process, wait_for
@@ -37,6 +40,14 @@ async def outcome_of(coro: Any) -> Any:
         return ("accepted", answer(await coro))
     except InvalidRequest as exc:
         return ("refused", exc.status, exc.reason, str(exc))
+
+
+async def parsed(helper: ParseHelper, raw: bytes, gz: bool, listed: bool, max_token_len: int | None) -> Any:
+    """What the API does with a body: the helper's groups, or (None) the loop's own parse."""
+    groups = await helper.groups(raw, gz, listed=listed, max_token_len=max_token_len)
+    if groups is not None:
+        return groups
+    return groups_from_body(gunzip(raw, helper.limit) if gz else raw, listed=listed, max_token_len=max_token_len)
 
 
 def on_loop(raw: bytes, gz: bool, listed: bool, max_token_len: int | None) -> Any:
@@ -80,7 +91,7 @@ def test_the_helper_answers_as_the_loop_would(monkeypatch: pytest.MonkeyPatch) -
         helper = ParseHelper(LIMIT)
         await helper.start()
         try:
-            got = [await outcome_of(helper.groups(raw, gz, listed=listed, max_token_len=mtl))
+            got = [await outcome_of(parsed(helper, raw, gz, listed, mtl))
                    for _, raw, gz, listed, mtl in cases]
             assert helper.handed == len(cases) and helper.on_loop == 0, "the helper did not take every body"
             return got
@@ -102,7 +113,7 @@ def test_bodies_beyond_its_depth_are_parsed_on_the_loop(monkeypatch: pytest.Monk
         helper = ParseHelper(LIMIT)
         await helper.start()
         try:
-            got = await asyncio.gather(*(outcome_of(helper.groups(r, False, listed=False, max_token_len=None))
+            got = await asyncio.gather(*(outcome_of(parsed(helper, r, False, False, None))
                                          for r in raws))
             return list(got), helper.handed, helper.on_loop
         finally:
@@ -121,9 +132,9 @@ def test_small_bodies_are_parsed_on_the_loop() -> None:
         helper = ParseHelper(LIMIT)
         await helper.start()
         try:
-            assert await outcome_of(helper.groups(small, False, listed=False, max_token_len=None)) == \
+            assert await outcome_of(parsed(helper, small, False, False, None)) == \
                 on_loop(small, False, False, None)
-            assert await outcome_of(helper.groups(large, False, listed=False, max_token_len=None)) == \
+            assert await outcome_of(parsed(helper, large, False, False, None)) == \
                 on_loop(large, False, False, None)
             return helper.handed, helper.on_loop
         finally:
@@ -143,14 +154,14 @@ def test_a_dead_helper_loses_nothing_and_comes_back(monkeypatch: pytest.MonkeyPa
         try:
             assert helper.proc is not None
             first = helper.proc.pid
-            assert await outcome_of(helper.groups(raw, False, listed=False, max_token_len=None)) == expected
+            assert await outcome_of(parsed(helper, raw, False, False, None)) == expected
             os.kill(first, signal.SIGKILL)
             # bodies sent to the dead helper, or after it was seen to be gone, are parsed here
             for _ in range(3):
-                assert await outcome_of(helper.groups(raw, False, listed=False, max_token_len=None)) == expected
+                assert await outcome_of(parsed(helper, raw, False, False, None)) == expected
             assert helper.on_loop >= 1 and not helper.up
             await asyncio.sleep(0.3)
-            assert await outcome_of(helper.groups(raw, False, listed=False, max_token_len=None)) == expected
+            assert await outcome_of(parsed(helper, raw, False, False, None)) == expected
             assert helper.restarts == 1 and helper.up and helper.proc.pid != first
             assert not psutil.pid_exists(first) or psutil.Process(first).status() == psutil.STATUS_ZOMBIE
         finally:
@@ -256,10 +267,10 @@ def test_an_answer_that_does_not_decode_replaces_the_helper(monkeypatch: pytest.
         try:
             assert helper.proc is not None
             first = helper.proc
-            assert await outcome_of(helper.groups(raw, False, listed=False, max_token_len=None)) == expected
+            assert await outcome_of(parsed(helper, raw, False, False, None)) == expected
             assert helper.on_loop == 1 and not helper.up
             await asyncio.sleep(0.3)
-            assert await outcome_of(helper.groups(raw, False, listed=False, max_token_len=None)) == expected
+            assert await outcome_of(parsed(helper, raw, False, False, None)) == expected
             assert helper.restarts == 1 and helper.proc is not first and helper.on_loop == 1
             await asyncio.wait_for(first.wait(), 5)  # the distrusted helper was ended
         finally:
@@ -269,28 +280,38 @@ def test_an_answer_that_does_not_decode_replaces_the_helper(monkeypatch: pytest.
 
 
 def test_a_large_gzip_body_parsed_on_the_loop_inflates_on_a_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ingest, "DEPTH", 0)  # the helper never has room: everything on the loop
+    """A body the helper leaves to the loop (here it never has room) is inflated by the server,
+    on its inflater thread when it is 1 MiB or more, as without a helper."""
+    monkeypatch.setattr(ingest, "DEPTH", 0)
     raw = gzip.compress(orjson.dumps(plain(8, 20000, seed=9)), compresslevel=1)
-    assert len(raw) >= ingest.LOOP_GUNZIP_MAX_BYTES
+    assert len(raw) >= server_module.GUNZIP_THREAD_MIN_BYTES
     threads: list[str] = []
-    real = ingest.gunzip
+    real = server_module.gunzip
 
     def spy(data: bytes, limit: int) -> Any:
         threads.append(threading.current_thread().name)
         return real(data, limit)
 
-    monkeypatch.setattr(ingest, "gunzip", spy)
+    monkeypatch.setattr(server_module, "gunzip", spy)
+    limit = 64 << 20
+    settings = ApiSettings(host="127.0.0.1", port=0, token="", max_queued_sequences=64, max_request_bytes=limit,
+                           full_wait=0.1, spool_dir=None)
 
-    async def run() -> Any:
-        helper = ParseHelper(64 << 20)
+    async def run() -> tuple[Any, Any]:
+        helper = ParseHelper(limit)
         await helper.start()
+        server = ApiServer(TrajectoryStore(64), settings, helper)
         try:
-            return await outcome_of(helper.groups(raw, True, listed=False, max_token_len=None))
+            declined = await helper.groups(raw, True, listed=False, max_token_len=None)
+            body = await server._inflate(raw, True)
+            return declined, ("accepted", answer(groups_from_body(body, listed=False, max_token_len=None)))
         finally:
+            server._inflater.shutdown(wait=True)
             await helper.close()
 
-    got = asyncio.run(run())
-    assert got[0] == "accepted" and got == on_loop_limit(raw, 64 << 20)
+    declined, got = asyncio.run(run())
+    assert declined is None
+    assert got[0] == "accepted" and got == on_loop_limit(raw, limit)
     assert threads and threads[0] != threading.main_thread().name
 
 
