@@ -38,6 +38,7 @@ from typing import Any
 import orjson
 
 from atroposd import pids
+from atroposd.fsutil import write_atomic
 
 __all__ = [
     "ALLOWED_DTYPES",
@@ -49,7 +50,6 @@ __all__ = [
     "TensorSpec",
     "manifest_path",
     "process_start_time",
-    "write_atomic",
 ]
 
 FORMAT_VERSION = 1
@@ -333,24 +333,3 @@ def _int(value: Any, what: str) -> int:
     return value
 
 
-def write_atomic(path: Path, data: bytes, mode: int = 0o600, *, durable: bool = False) -> None:
-    """Write ``data`` to ``path`` atomically: a temporary file beside it, then rename.
-
-    Readers see the old file or the new one, never a part. ``durable`` adds an fsync; a
-    manifest does not need one (it lives in ``runtime_dir`` and means nothing after a reboot).
-    """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            if durable:
-                os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
