@@ -29,7 +29,6 @@ import math
 import os
 import re
 import stat
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
