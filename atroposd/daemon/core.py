@@ -145,7 +145,12 @@ class Daemon:
             if self._hub is not None:
                 self._hub.close()
             self._clean_files()
+            self._close_events()
             os.close(pid_fd)
+
+    def _close_events(self) -> None:
+        self._events_send.close()
+        self._events.close()
 
     async def _serve_metrics(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         await status_mod.serve_metrics(self, self.cfg.daemon.metrics_port, task_status=task_status)
