@@ -96,3 +96,27 @@ def test_a_port_in_use_names_the_key_and_its_owner() -> None:
         with pytest.raises(StartFailed, match=rf"api.port: port {port} on 127.0.0.1 is already in use by pid {os.getpid()}"):
             check_port("127.0.0.1", port, "api.port")
     check_port("127.0.0.1", port, "api.port")  # free again
+
+
+def test_the_recovery_record_names_this_daemon_and_is_rewritten_when_missing(tmp_path: Path) -> None:
+    import psutil
+
+    from atroposd.daemon.recovery import RecoveryRecord, record_path
+    from atroposd.process.reaper import read_record
+
+    cfg = parse_config({"daemon": {"runtime_dir": str(tmp_path / "run"), "state_dir": str(tmp_path / "state")}})
+    paths = Paths.of(cfg)
+    paths.recovery_dir.mkdir(parents=True)
+    me = psutil.Process()
+    record = RecoveryRecord(paths, nonce="n0nce", pid=me.pid, start_time=me.create_time())
+    record.update(())
+    got = read_record(record_path(paths))
+    assert got is not None and (got.nonce, got.pid, got.descendants) == ("n0nce", me.pid, [])
+    assert stat.S_IMODE(record_path(paths).stat().st_mode) == 0o600
+    record_path(paths).unlink()
+    record.update(())  # nothing changed, but the file is gone: written again
+    assert read_record(record_path(paths)) == got
+    record.remove()
+    assert not record_path(paths).exists()
+    record.remove()  # twice is fine
+    assert list(paths.recovery_dir.iterdir()) == []
