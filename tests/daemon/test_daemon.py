@@ -114,8 +114,8 @@ def test_crash_looping_environment_degrades_the_daemon_and_fails(job: Job) -> No
     assert r.returncode == 0, r.stderr  # an environment that fails does not fail the start
     crashy = job.wait_state("crashy-0", "failed", timeout=20)
     assert crashy["restarts"] == 1 and crashy["last_exit"]["code"] == 1
-    st = job.status()
-    assert st["state"] == "degraded"
+    # the unit's failure reaches the daemon's state through its event queue: wait for it
+    st = wait_for(lambda: (s := job.status())["state"] == "degraded" and s, timeout=10, what="daemon degraded")
     steady = next(c for c in st["components"] if c["name"] == "steady-0")
     assert steady["state"] == "ready" and steady["restarts"] == 0
     assert job.cli("stop").returncode == 0

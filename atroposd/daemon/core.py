@@ -1,0 +1,455 @@
+"""The daemon's lifecycle: start order, the main loop, signals, stop (SPEC §4).
+
+``Daemon.main()`` in order:
+
+    lock the pidfile → child subreaper → clean up after a crashed daemon → control socket
+      → start: API → inference (health + one generation) → trainer (first /batch) → environments
+      → READY → serve events (stop, reload, component changes, trainer end) → stop in reverse
+
+Signal handlers, control requests and the units only put an event (:mod:`.state`) on one
+queue; the main task applies them.  SIGTERM and ``atroposd stop`` take the same path.  Every
+child is a :class:`~atroposd.process.unit.Unit` built from :mod:`.specs`; the daemon never
+signals a process it did not start.  The rest lives beside this module: runtime files and
+ports (:mod:`.runtime`), crash recovery (:mod:`.recovery`), status and metrics
+(:mod:`.status`), the reload plan (:mod:`.reload`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import signal
+import time
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+import psutil
+
+from atroposd.config import Config, ConfigError, load_config
+from atroposd.control import ControlServer
+from atroposd.daemon import runtime, specs
+from atroposd.daemon import status as status_mod
+from atroposd.daemon.recovery import RecoveryRecord, recover
+from atroposd.daemon.reload import env_of, plan_reload
+from atroposd.daemon.runtime import StartFailed
+from atroposd.daemon.specs import API_READY_TIMEOUT, SpecInputs
+from atroposd.daemon.state import (
+    DaemonState,
+    Event,
+    ReloadRequested,
+    Reply,
+    StopRequested,
+    TrainerEnded,
+    UnitChanged,
+)
+from atroposd.exitcodes import Exit
+from atroposd.logs import get_logger
+from atroposd.paths import Paths
+from atroposd.process import reaper
+from atroposd.process.logfiles import LogHub
+from atroposd.process.unit import State, Unit, UnitSpec
+from atroposd.systemd import Notifier
+
+if TYPE_CHECKING:
+    from atroposd.trainer.service import TrainerOutcome, TrainerService
+    from atroposd.weights.sync import WeightSync
+
+log = get_logger("atroposd.daemon")
+
+TRACK_INTERVAL = 0.5
+STATUS_INTERVAL = 5.0
+MODEL_RESOLVE_TIMEOUT = 600.0  # building builtin:tiny or reading a large model on a first start
+
+
+class Daemon:
+    def __init__(self, cfg: Config, *, notifier: Notifier | None = None) -> None:
+        self.cfg = cfg
+        self.paths = Paths.of(cfg)
+        self.nonce = secrets.token_hex(6)
+        self.notifier = notifier or Notifier()
+        self._state = DaemonState.STARTING
+        self.pid = os.getpid()
+        self.start_time = psutil.Process().create_time()
+        self._t0 = time.monotonic()
+        self.units: dict[str, Unit] = {}
+        self.trainer: TrainerService | None = None
+        self.weights: WeightSync | None = None
+        self.model_path: str = cfg.inference.model
+        self.tokenizer_path: str = cfg.inference.tokenizer or cfg.inference.model
+        self.start_error: str | None = None
+        self._events_send, self._events = anyio.create_memory_object_stream[Event](math.inf)
+        self._stop_requested = False
+        self._start_scope: anyio.CancelScope | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._hub: LogHub | None = None
+        self._trainer_done = anyio.Event()
+        self._trainer_scope: anyio.CancelScope | None = None
+        self._trainer_outcome: TrainerOutcome | None = None
+        self._reaper = reaper.OrphanReaper()
+        self._record = RecoveryRecord(self.paths, nonce=self.nonce, pid=self.pid, start_time=self.start_time)
+        # Children start from the environment the daemon was given (before any narrowing of
+        # CUDA_VISIBLE_DEVICES for the in-process trainer).
+        self._base_env = specs.child_base_env(os.environ)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def state(self) -> DaemonState:
+        return self._state
+
+    def _move(self, new: DaemonState, reason: str) -> None:
+        """The one place the daemon's state changes: a legal move, logged old → new."""
+        old = self._state
+        old.check_move(new)
+        self._state = new
+        log.info("daemon state", old=old.value, new=new.value, reason=reason)
+
+    def uptime(self) -> float:
+        return time.monotonic() - self._t0
+
+    # ------------------------------------------------------------------ entry
+
+    async def main(self) -> int:
+        """Run the job until it ends; the exit code of SPEC §2."""
+        runtime.prepare_dirs(self.paths)
+        pid_fd = runtime.lock_pidfile(self.paths.pidfile)
+        try:
+            reaper.set_child_subreaper()
+            recover(self.paths)
+            self._record.update(())
+            self._write_child_config()
+            self._hub = LogHub(self.paths.logs_dir, max_bytes=self.cfg.daemon.log_max_bytes,
+                               backups=self.cfg.daemon.log_backups)
+            try:
+                runtime.check_ports(self.cfg)  # before anything binds (the metrics server included)
+            except StartFailed as exc:
+                log.error("start failed", reason=str(exc))
+                return Exit.RUNTIME
+            control = ControlServer(self.paths.control_socket, self._control, socket_group=self.cfg.daemon.socket_group)
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(self._signals)
+                await tg.start(control.serve)
+                tg.start_soon(self._track_loop)
+                tg.start_soon(self._status_loop)
+                tg.start_soon(self.notifier.watchdog_loop)
+                if self.cfg.daemon.metrics_port:
+                    await tg.start(self._serve_metrics)
+                code = await self._lifecycle()
+                tg.cancel_scope.cancel()
+            log.info("daemon exits", code=int(code))
+            return code
+        finally:
+            if self._hub is not None:
+                self._hub.close()
+            self._clean_files()
+            self._close_events()
+            os.close(pid_fd)
+
+    def _close_events(self) -> None:
+        self._events_send.close()
+        self._events.close()
+
+    async def _serve_metrics(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        await status_mod.serve_metrics(self, self.cfg.daemon.metrics_port, task_status=task_status)
+
+    async def _lifecycle(self) -> Exit:
+        code = Exit.RUNTIME
+        try:
+            with anyio.CancelScope() as scope:
+                self._start_scope = scope
+                await self._start_all()
+            self._start_scope = None
+            if scope.cancelled_caught:
+                log.info("start abandoned: stop requested")
+                code = Exit.OK
+            else:
+                self._move(DaemonState.RUNNING, "every component started")
+                self.notifier.ready(status_mod.status_line(self))
+                log.info("READY", seconds=round(self.uptime(), 3), instance=self.nonce)
+                code = await self._serve()
+        except StartFailed as exc:
+            self.start_error = str(exc)
+            log.error("start failed", reason=str(exc))
+            code = Exit.RUNTIME
+        except Exception as exc:
+            # A bug or an unexpected environment problem: stop everything cleanly, exit 1.
+            self.start_error = f"{type(exc).__name__}: {exc}"
+            log.exception("start failed", reason=self.start_error)
+            code = Exit.RUNTIME
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._stop_all()
+        return code
+
+    # ------------------------------------------------------------------ start
+
+    def _spec_inputs(self) -> SpecInputs:
+        return SpecInputs(cfg=self.cfg, paths=self.paths, nonce=self.nonce, model=self.model_path,
+                          tokenizer=self.tokenizer_path, base_env=self._base_env)
+
+    async def _start_all(self) -> None:
+        if self.cfg.inference.enabled or self.cfg.trainer.enabled:
+            await self._resolve_model()
+            self._write_child_config()
+        ins = self._spec_inputs()
+        if self.cfg.api.enabled:
+            self.notifier.extend_timeout(API_READY_TIMEOUT + 10)
+            await self._until_ready(self._add_unit(specs.api_spec(ins)))
+        if self.cfg.inference.enabled:
+            self.notifier.extend_timeout(self.cfg.inference.ready_timeout + 10)
+            await self._until_ready(self._add_unit(specs.inference_spec(ins), on_ready=self._inference_ready))
+        if self.cfg.trainer.enabled:
+            await self._start_trainer()
+        envs = [self._add_unit(spec) for e in self.cfg.env for spec in specs.env_specs(ins, e)]
+        if envs:
+            self.notifier.extend_timeout(max(u.spec.ready_timeout for u in envs) + 10)
+        for unit in envs:
+            await unit.settled.wait()
+
+    async def _resolve_model(self) -> None:
+        from atroposd.models.resolve import resolve_model, resolve_tokenizer
+
+        self._set_status("resolving the model")
+        self.notifier.extend_timeout(MODEL_RESOLVE_TIMEOUT)
+        try:
+            model = await anyio.to_thread.run_sync(resolve_model, self.cfg)
+            tokenizer = await anyio.to_thread.run_sync(resolve_tokenizer, self.cfg)
+        except ValueError as exc:
+            raise StartFailed(str(exc)) from None
+        except Exception as exc:  # a full disk or an unwritable state_dir while building builtin:tiny
+            raise StartFailed(f"cannot prepare the model under {self.cfg.state_dir}: "
+                              f"{type(exc).__name__}: {exc}") from None
+        self.model_path, self.tokenizer_path = str(model), str(tokenizer)
+
+    async def _until_ready(self, unit: Unit) -> None:
+        self._set_status(f"starting {unit.name}")
+        await unit.wait_until(lambda u: u.state in (State.READY, State.FAILED, State.STOPPED) and u.settled.is_set())
+        if unit.state != State.READY:
+            raise StartFailed(f"{unit.name} did not become ready: {unit.last_error or unit.state.value}")
+
+    async def _start_trainer(self) -> None:
+        from atroposd.trainer.service import TrainerService
+        from atroposd.weights.sync import make_weight_sync
+
+        self._set_status("starting the trainer")
+        if self.cfg.trainer.device.startswith("GPU-"):
+            # The trainer runs in this process: its GPU, named by UUID, becomes device 0 here
+            # (before anything initialises CUDA; the children keep the original list).
+            os.environ["CUDA_VISIBLE_DEVICES"] = self.cfg.trainer.device
+        self.notifier.extend_timeout(self.cfg.inference.ready_timeout + API_READY_TIMEOUT)
+        sock = self.paths.inference_socket(self.cfg.inference.port) if self.cfg.inference.enabled else None
+        self.weights = make_weight_sync(self.cfg, nonce=self.nonce, control_socket=sock)
+        self.trainer = TrainerService(self.cfg, instance=self.nonce, weights=self.weights,
+                                      envs_alive=self.envs_alive)
+        assert self._tg is not None
+        await self._tg.start(self._run_trainer, self.trainer)
+        status = self.trainer.status()
+        if status.get("state") == "failed":
+            raise StartFailed(f"trainer: {status.get('error')}")
+
+    async def _run_trainer(self, trainer: TrainerService, *,
+                           task_status: anyio.abc.TaskStatus[Any] = anyio.TASK_STATUS_IGNORED) -> None:
+        try:
+            with anyio.CancelScope() as scope:
+                self._trainer_scope = scope
+                outcome = await trainer.run(task_status=task_status)
+                self._trainer_outcome = outcome
+                self._events_send.send_nowait(TrainerEnded(outcome))
+        finally:
+            self._trainer_done.set()
+
+    async def _inference_ready(self, unit: Unit, restarted: bool) -> None:
+        # A restarted server (--await-weights) gets the trainer's current weights before it serves.
+        if restarted and self.trainer is not None:
+            await self.trainer.on_inference_restarted()
+
+    def envs_alive(self) -> bool:
+        """Any environment alive or still restartable (the trainer's data_timeout rule)."""
+        return any(u.kind == "env" and u.state not in (State.FAILED, State.STOPPED) for u in self.units.values())
+
+    def _add_unit(self, spec: UnitSpec, **kw: Any) -> Unit:
+        assert self._hub is not None and self._tg is not None
+        unit = Unit(spec, logs=self._hub, on_change=self._unit_changed, **kw)
+        self.units[spec.name] = unit
+        self._tg.start_soon(unit.supervise, name=f"unit {spec.name}")
+        return unit
+
+    def _unit_changed(self, unit: Unit) -> None:
+        self._events_send.send_nowait(UnitChanged(unit))
+
+    # ------------------------------------------------------------------ running
+
+    async def _serve(self) -> Exit:
+        """The reconciler: apply events until the job ends; returns the exit code."""
+        async for event in self._events:
+            if isinstance(event, StopRequested):
+                log.info("stopping", reason=event.reason)
+                return Exit.OK
+            if isinstance(event, TrainerEnded):
+                code = Exit(event.outcome.exit_code)
+                log.info("trainer ended", state=event.outcome.state, code=int(code))
+                return code
+            if isinstance(event, ReloadRequested):
+                event.reply.set(await self._reload())
+                continue
+            unit = event.unit
+            if unit.kind in ("api", "inference") and unit.state == State.FAILED and self.units.get(unit.name) is unit:
+                log.error("job fails: a required component failed", unit=unit.name, error=unit.last_error)
+                return Exit.RUNTIME
+            self._update_degraded()
+        return Exit.RUNTIME
+
+    def _update_degraded(self) -> None:
+        if self.state.serving:
+            failed = [u.name for u in self.units.values() if u.state == State.FAILED]
+            new = DaemonState.DEGRADED if failed else DaemonState.RUNNING
+            if new != self.state:
+                self._move(new, f"failed: {', '.join(failed)}" if failed else "no component failed")
+            self.notifier.status(status_mod.status_line(self))
+
+    def request_stop(self, reason: str) -> None:
+        """Desired state: stopped.  SIGTERM, SIGINT and ``atroposd stop`` all come here."""
+        if not self._stop_requested:
+            self._stop_requested = True
+            if self._start_scope is not None:
+                self._start_scope.cancel()
+        self._events_send.send_nowait(StopRequested(reason))
+
+    async def _signals(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            async for signum in signals:
+                name = reaper.signal_name(signum)
+                log.info("signal received", signal=name)
+                if signum == signal.SIGHUP:
+                    self._events_send.send_nowait(ReloadRequested())
+                else:
+                    self.request_stop(name)
+
+    async def _track_loop(self) -> None:
+        """Every 0.5 s: record descendants, reap adopted orphans, update the recovery record."""
+        while True:
+            units = list(self.units.values())
+            tree = reaper.descendant_map(u.pid for u in units if u.pid is not None)
+            for unit in units:
+                unit.rescan(tree.get(unit.pid, []) if unit.pid is not None else [])
+            own = {u.pid for u in self.units.values() if u.pid is not None}
+            adopted = {pid for u in self.units.values() for pid in u.tracked}
+            for pid, status in self._reaper.reap(own=own, adopted=adopted):
+                log.debug("reaped an adopted orphan", pid=pid, status=status)
+            self._record.update(self.units.values())
+            await anyio.sleep(TRACK_INTERVAL)
+
+    async def _status_loop(self) -> None:
+        while True:
+            await anyio.sleep(STATUS_INTERVAL)
+            if self.state.serving:
+                self.notifier.status(status_mod.status_line(self))
+
+    def _set_status(self, text: str) -> None:
+        log.info(text)
+        self.notifier.status(text)
+
+    # ------------------------------------------------------------------ reload
+
+    async def _reload(self) -> dict[str, Any]:
+        """SPEC §6: environments change live; anything else is refused and nothing changes."""
+        source = self.cfg.source
+        if source.startswith("<"):
+            return {"ok": False, "code": int(Exit.USAGE), "error": "the daemon runs on the built-in defaults: no "
+                                                                "config file to re-read"}
+        try:
+            new = await anyio.to_thread.run_sync(load_config, source)
+        except ConfigError as exc:
+            log.error("reload refused: invalid config; the running config is kept", error=str(exc))
+            return {"ok": False, "code": int(Exit.USAGE), "error": f"{exc}\nthe running configuration is kept"}
+        plan = plan_reload(self.cfg, new)
+        if not plan.ok:
+            log.error("reload refused", keys=list(plan.refused))
+            return {"ok": False, "code": int(Exit.USAGE), "error": plan.refusal()}
+        old_envs = self.cfg.env
+        self.cfg = new
+        self._write_child_config()
+        gone = [u for u in self.units.values() if u.kind == "env" and env_of(u.name, old_envs) in plan.stop]
+        await self._stop_units(gone)
+        for u in gone:
+            if self.units.get(u.name) is u:
+                del self.units[u.name]
+        ins = self._spec_inputs()
+        new_envs = {e.name: e for e in new.env}
+        for name in plan.start:
+            for spec in specs.env_specs(ins, new_envs[name]):
+                self._add_unit(spec)
+        added, removed, changed = list(plan.added), list(plan.removed), list(plan.changed)
+        log.info("reloaded", added=added, removed=removed, changed=changed)
+        self._update_degraded()
+        return {"ok": True, "added": added, "removed": removed, "changed": changed}
+
+    # ------------------------------------------------------------------ control
+
+    async def _control(self, request: dict[str, Any]) -> dict[str, Any]:
+        cmd = request.get("cmd")
+        if cmd == "status":
+            return {"ok": True, "status": await self.status()}
+        if cmd == "stop":
+            self.request_stop("stop command")
+            return {"ok": True, "pid": self.pid, "start_time": self.start_time}
+        if cmd == "reload":
+            event = ReloadRequested(Reply())
+            self._events_send.send_nowait(event)
+            await event.reply.done.wait()
+            return event.reply.value
+        if cmd == "ping":
+            return {"ok": True, "pid": self.pid, "start_time": self.start_time, "state": self.state.value}
+        return {"ok": False, "error": f"unknown command {cmd!r}"}
+
+    async def status(self) -> dict[str, Any]:
+        """The object of ``status --json`` (SPEC §2)."""
+        return await status_mod.status(self)
+
+    # ------------------------------------------------------------------ stop
+
+    async def _stop_all(self) -> None:
+        """Trainer (checkpoint), then environments, inference, API: each bounded by its timeout."""
+        self._move(DaemonState.STOPPING, "start failed" if self.start_error else "stop")
+        c = self.cfg.daemon
+        self.notifier.stopping("stopping")
+        self.notifier.extend_timeout(c.checkpoint_timeout + 3 * c.stop_timeout + 10)
+        if self.trainer is not None and not self._trainer_done.is_set():
+            self.trainer.request_stop()
+            with anyio.move_on_after(c.checkpoint_timeout + 5):
+                await self._trainer_done.wait()
+            if not self._trainer_done.is_set() and self._trainer_scope is not None:
+                log.error("trainer did not stop within checkpoint_timeout; abandoning it")
+                self._trainer_scope.cancel()
+                with anyio.move_on_after(5):
+                    await self._trainer_done.wait()
+        for kind in ("env", "inference", "api"):
+            await self._stop_units([u for u in self.units.values() if u.kind == kind])
+        if self.weights is not None:
+            try:
+                self.weights.close()
+            except Exception:
+                log.exception("weight sync close failed")
+
+    async def _stop_units(self, units: list[Unit]) -> None:
+        for u in units:
+            u.request_stop()
+        for u in units:
+            await u.done.wait()
+
+    def _write_child_config(self) -> None:
+        runtime.write_child_config(self.paths, self.nonce, self.cfg)
+
+    def _clean_files(self) -> None:
+        runtime.remove_child_config(self.paths, self.nonce)
+        if all(u.done.is_set() for u in self.units.values()):
+            self._record.remove()
+
+
+def run_foreground(cfg: Config, notifier: Notifier) -> int:
+    """``atroposd run``: the daemon in this process until the job ends."""
+    daemon = Daemon(cfg, notifier=notifier)
+    return int(anyio.run(daemon.main))

@@ -1,0 +1,156 @@
+"""The children's specs from the config: command lines, variables, probes, stop policy (no process)."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from atroposd.config import Config, parse_config
+from atroposd.daemon.specs import (
+    API_READY_TIMEOUT,
+    SpecInputs,
+    all_specs,
+    api_spec,
+    child_base_env,
+    env_specs,
+    inference_spec,
+)
+from atroposd.paths import Paths
+from atroposd.process.probes import HttpProbe, InferenceProbe, RegisteredProbe, StartedProbe
+from atroposd.process.unit import UnitSpec
+
+PY = "/opt/py/bin/python3"
+NONCE = "0123456789ab"
+BASE_ENV = {"PATH": "/usr/bin", "HOME": "/home/u", "CUDA_VISIBLE_DEVICES": "0,1"}
+
+
+def _config(**sections: Any) -> Config:
+    raw: dict[str, Any] = {"daemon": {"runtime_dir": "/run/job", "state_dir": "/var/job", "stop_timeout": 7.0}}
+    raw.update(sections)
+    return parse_config(raw)
+
+
+def _inputs(cfg: Config, base_env: dict[str, str] | None = None) -> SpecInputs:
+    return SpecInputs(cfg=cfg, paths=Paths.of(cfg), nonce=NONCE, model="/models/m", tokenizer="/models/tok",
+                      base_env=dict(BASE_ENV) if base_env is None else base_env, python=PY)
+
+
+def _atroposd_vars(spec: UnitSpec) -> dict[str, str]:
+    return {k: v for k, v in spec.env.items() if k.startswith("ATROPOSD_")}
+
+
+CHILD_CONFIG = f"/run/job/config-{NONCE}.toml"
+
+
+def test_built_in_job_with_two_env_replicas() -> None:
+    cfg = _config(trainer={"seed": 10, "steps": 40, "max_token_len": 256},
+                  env=[{"name": "math", "builtin": "arithmetic", "replicas": 2, "port_base": 7100, "group_size": 4}])
+    ins = _inputs(cfg)
+    specs = all_specs(ins)
+    assert [s.name for s in specs] == ["api", "inference", "math-0", "math-1"]
+    assert [s.kind for s in specs] == ["api", "inference", "env", "env"]
+    api, inference, m0, m1 = specs
+
+    assert api.argv == [PY, "-m", "atroposd", "api", "-c", CHILD_CONFIG]
+    assert api.probe == HttpProbe("http://127.0.0.1:8000/info", {})
+    assert api.ready_timeout == API_READY_TIMEOUT and api.stop_timeout == 7.0
+    assert "ATROPOSD_GROUP_SIZE" not in api.env and api.env["ATROPOSD_NAME"] == "api"
+
+    sock = "/run/job/inference-9001.sock"
+    # the trainer is in this job and syncs through shared memory: the server waits for its weights
+    assert inference.argv == [PY, "-m", "atroposd", "inference", "-c", CHILD_CONFIG, "--control-socket", sock,
+                              "--await-weights"]
+    assert inference.probe == InferenceProbe("http://127.0.0.1:9001", Path(sock))
+    assert inference.death_signal == signal.SIGTERM
+    assert inference.env["CUDA_VISIBLE_DEVICES"] == "0,1"  # device auto: the daemon's list
+
+    for i, spec in enumerate((m0, m1)):
+        name = f"math-{i}"
+        assert spec.argv == [PY, "-m", "atroposd", "env", "arithmetic", "-c", CHILD_CONFIG, "--name", name,
+                             "--replica", str(i)]
+        assert _atroposd_vars(spec) == {
+            "ATROPOSD_API_URL": "http://127.0.0.1:8000", "ATROPOSD_INFERENCE_URL": "http://127.0.0.1:9001",
+            "ATROPOSD_OPENAI_URL": "http://127.0.0.1:9001/v1", "ATROPOSD_MODEL": "/models/m",
+            "ATROPOSD_TOKENIZER": "/models/tok", "ATROPOSD_GROUP_SIZE": "4", "ATROPOSD_MAX_TOKEN_LEN": "256",
+            "ATROPOSD_STEPS": "40", "ATROPOSD_NAME": name, "ATROPOSD_REPLICA": str(i),
+            "ATROPOSD_SEED": str(10 + i), "ATROPOSD_REPLICA_PORT": str(7100 + i), "ATROPOSD_INSTANCE": NONCE,
+        }
+        assert spec.env["PYTHONUNBUFFERED"] == "1" and spec.env["PATH"] == "/usr/bin"
+        # two replicas: each is credited by its own name only, not by the environment's
+        assert spec.probe == RegisteredProbe("http://127.0.0.1:8000", (name,), fallback=StartedProbe(1.0))
+        assert spec.restart == "on-failure" and spec.stop_signal == signal.SIGTERM
+
+
+def test_external_api_and_inference_with_a_command_environment() -> None:
+    cfg = _config(api={"enabled": False, "url": "http://10.0.0.5:8000/", "token": "s3cret"},
+                  inference={"enabled": False, "url": "http://10.0.0.6:9001"},
+                  trainer={"enabled": False},
+                  env=[{"name": "web", "replicas": 2, "port_base": 7000, "ready": "started", "start_seconds": 0.5,
+                        "restart": "always", "max_restarts": 2, "restart_window": 9.0, "stop_signal": "INT",
+                        "ready_timeout": 33.0,
+                        "command": ["serve", "--api={api_url}", "{openai_url}", "--port", "{replica_port}",
+                                    "--seed", "{seed}", "--model", "{model}", "{name}/{replica}"]}])
+    specs = all_specs(_inputs(cfg))
+    assert [s.name for s in specs] == ["web-0", "web-1"]  # external components are not supervised
+    for i, spec in enumerate(specs):
+        assert spec.argv == ["serve", "--api=http://10.0.0.5:8000", "http://10.0.0.6:9001/v1", "--port",
+                             str(7000 + i), "--seed", str(i), "--model", "/models/m", f"web-{i}/{i}"]
+        assert spec.env["ATROPOSD_API_URL"] == "http://10.0.0.5:8000"
+        assert spec.env["ATROPOSD_INFERENCE_URL"] == "http://10.0.0.6:9001"
+        assert spec.probe == StartedProbe(0.5)
+        assert (spec.restart, spec.max_restarts, spec.restart_window) == ("always", 2, 9.0)
+        assert spec.stop_signal == signal.SIGINT and spec.ready_timeout == 33.0 and spec.stop_timeout == 7.0
+
+
+def test_a_single_replica_registers_under_its_name_or_the_environments_with_the_token() -> None:
+    cfg = _config(api={"token": "s3cret"}, env=[{"name": "solo", "builtin": "arithmetic"}])
+    (spec,) = env_specs(_inputs(cfg), cfg.env[0])
+    assert spec.probe == RegisteredProbe("http://127.0.0.1:8000", ("solo-0", "solo"), fallback=StartedProbe(1.0),
+                                         headers={"Authorization": "Bearer s3cret"})
+    assert spec.env["ATROPOSD_REPLICA_PORT"] == ""  # no port_base
+    assert api_spec(_inputs(cfg)).probe == HttpProbe("http://127.0.0.1:8000/info",
+                                                      {"Authorization": "Bearer s3cret"})
+
+
+def test_api_command_gets_its_port() -> None:
+    cfg = _config(api={"command": ["my-api", "--port", "{port}", "--model", "{tokenizer}"], "port": 8123})
+    assert api_spec(_inputs(cfg)).argv == ["my-api", "--port", "8123", "--model", "/models/tok"]
+
+
+def test_inference_on_a_gpu_by_uuid_without_a_trainer() -> None:
+    cfg = _config(inference={"device": "GPU-6f1e", "port": 9100}, trainer={"enabled": False})
+    spec = inference_spec(_inputs(cfg))
+    assert "--await-weights" not in spec.argv  # nobody will send weights
+    assert spec.env["CUDA_VISIBLE_DEVICES"] == "GPU-6f1e"  # device 0 in the child
+    assert spec.argv[-1] == "/run/job/inference-9100.sock"
+
+
+@pytest.mark.parametrize(("configured", "expected"), [("SIGTERM", signal.SIGTERM), ("int", signal.SIGINT),
+                                                      ("SIGUSR1", signal.SIGUSR1), ("HUP", signal.SIGHUP)])
+def test_stop_signal_names(configured: str, expected: signal.Signals) -> None:
+    cfg = _config(env=[{"name": "e", "builtin": "arithmetic", "stop_signal": configured}])
+    assert env_specs(_inputs(cfg), cfg.env[0])[0].stop_signal == expected
+
+
+def test_children_never_inherit_systemds_variables() -> None:
+    base = child_base_env({**BASE_ENV, "NOTIFY_SOCKET": "/run/n", "WATCHDOG_USEC": "1", "WATCHDOG_PID": "1",
+                           "LISTEN_FDS": "1", "LISTEN_PID": "1", "LISTEN_FDNAMES": "x"})
+    assert base == BASE_ENV
+    cfg = _config(env=[{"name": "e", "builtin": "arithmetic"}])
+    for spec in all_specs(_inputs(cfg, base)):
+        assert not {"NOTIFY_SOCKET", "WATCHDOG_USEC", "LISTEN_FDS"} & set(spec.env)
+
+
+def test_specs_are_a_pure_function_of_their_inputs() -> None:
+    cfg = _config(env=[{"name": "math", "builtin": "arithmetic", "replicas": 3}])
+    base = dict(BASE_ENV)
+    ins = _inputs(cfg, base)
+    first = all_specs(ins)
+    assert all_specs(ins) == first  # same inputs, same specs
+    assert base == BASE_ENV  # the daemon's environment is not written to
+    for spec in first:
+        spec.env["X"] = "1"
+    assert all(spec.env is not base and "X" not in s.env for s, spec in zip(all_specs(ins), first, strict=True))
