@@ -21,6 +21,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
+from atroposd.envoptions import BUILTIN_ENVS, validate_options
+from atroposd.net import is_loopback
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised only on 3.10
@@ -36,6 +39,7 @@ __all__ = [
     "Problem",
     "TrainerConfig",
     "VllmConfig",
+    "check_fields",
     "discover_config_path",
     "dump_toml",
     "load_config",
@@ -43,7 +47,6 @@ __all__ = [
     "render_example",
 ]
 
-BUILTIN_ENVS = ("arithmetic",)
 SOCKET_PATH_MAX = 107
 CONTROL_SOCKET_NAME = "control.sock"
 
@@ -366,7 +369,7 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<dict>") -> Config:
         raise ConfigError(problems, source)
     if not cfg.env:
         cfg.warnings.append("no [[env]]: the job has no environments (they must run elsewhere)")
-    if cfg.api.enabled and cfg.api.host not in ("127.0.0.1", "localhost", "::1") and not cfg.api.token:
+    if cfg.api.enabled and not is_loopback(cfg.api.host) and not cfg.api.token:
         cfg.warnings.append(f"api.host = {cfg.api.host!r} is not loopback and api.token is empty")
     return cfg
 
@@ -406,6 +409,19 @@ def _build(cls: type, raw: Mapping[str, Any], prefix: str, problems: list[Proble
         else:
             kwargs[key] = coerced
     return cls(**kwargs)
+
+
+def check_fields(section: Any, prefix: str, names: Sequence[str]) -> list[Problem]:
+    """Check values set on a built section after loading (command-line flags) against the
+    schema's rules for those keys: type, choices and bounds, as ``load_config`` does."""
+    hints = get_type_hints(type(section))
+    by_name = {f.name: f for f in fields(section)}
+    problems = []
+    for name in names:
+        err, _ = _check_value(hints[name], getattr(section, name), by_name[name].metadata)
+        if err:
+            problems.append(Problem(f"{prefix}.{name}", err))
+    return problems
 
 
 def _check_value(typ: Any, value: Any, meta: Mapping[str, Any]) -> tuple[str | None, Any]:
@@ -555,8 +571,6 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
         if e.options and not has_builtin:
             p.append(Problem(f"{pre}.options", "only a builtin environment takes options"))
         if has_builtin and e.builtin in BUILTIN_ENVS:
-            from atroposd.envs.options import validate_options
-
             for path, msg in validate_options(e.builtin, e.options):
                 p.append(Problem(f"{pre}.options.{path}" if path else f"{pre}.options", msg))
         if t.enabled and e.group_size > t.batch_size:

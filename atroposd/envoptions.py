@@ -1,5 +1,6 @@
-"""Options of the built-in environments, validated by ``config check`` (no heavy imports here).
+"""The built-in environments: their names and options, written once (a leaf: standard library only).
 
+``config`` validates ``[[env]] builtin`` and ``options`` against this; ``envs/`` runs them.
 Each built-in environment declares its options as a dataclass; ``validate_options`` checks a
 ``[[env]] options`` table against it and returns ``(key, message)`` pairs.
 """
@@ -33,6 +34,8 @@ class ArithmeticOptions:
 
 
 BUILTIN_OPTIONS: dict[str, type] = {"arithmetic": ArithmeticOptions}
+#: The names a ``[[env]] builtin`` (and ``atroposd env NAME``) accepts.
+BUILTIN_ENVS: tuple[str, ...] = tuple(BUILTIN_OPTIONS)
 
 
 def parse_options(builtin: str, options: Mapping[str, Any]) -> Any:
