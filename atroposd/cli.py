@@ -55,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, helptext, handler in (("check", "validate; exit 0, or 2 with every problem listed", _config_check),
                                     ("show", "the effective config as TOML, defaults filled in", _config_show),
                                     ("example", "print the commented example (the built-in defaults)",
-                                     _config_example)):
+                                     _config_example),
+                                    ("schema", "print the config file's JSON Schema (for editors: keys, types, "
+                                               "defaults, bounds)", _config_schema)):
         p = cfg_sub.add_parser(name, help=helptext, description=helptext)
         _add_config(p)
         p.set_defaults(handler=handler)
@@ -99,6 +101,13 @@ def _config_example(args: argparse.Namespace) -> int:
     from atroposd.config import render_example
 
     sys.stdout.write(render_example())
+    return Exit.OK
+
+
+def _config_schema(args: argparse.Namespace) -> int:
+    from atroposd.config import render_json_schema
+
+    sys.stdout.write(render_json_schema())
     return Exit.OK
 
 

@@ -38,6 +38,27 @@ BUILTIN_OPTIONS: dict[str, type] = {"arithmetic": ArithmeticOptions}
 BUILTIN_ENVS: tuple[str, ...] = tuple(BUILTIN_OPTIONS)
 
 
+def options_schema(builtin: str) -> dict[str, Any]:
+    """A JSON Schema of one built-in's ``options`` table (the per-option rules of ``validate_options``)."""
+    cls = BUILTIN_OPTIONS[builtin]
+    defaults = cls()
+    props: dict[str, Any] = {}
+    for f in fields(cls):
+        default = getattr(defaults, f.name)
+        if isinstance(default, bool):
+            props[f.name] = {"type": "boolean"}
+        elif isinstance(default, int):
+            props[f.name] = {"type": "integer", "exclusiveMinimum": 0}
+        elif isinstance(default, float):
+            props[f.name] = {"type": "number", "exclusiveMinimum": 0}
+        elif isinstance(default, tuple):
+            props[f.name] = {"type": "array", "items": {"type": "string"}, "minItems": 1}
+        else:
+            props[f.name] = {"type": "string"}
+        props[f.name]["default"] = list(default) if isinstance(default, tuple) else default
+    return {"type": "object", "properties": props, "additionalProperties": False}
+
+
 def parse_options(builtin: str, options: Mapping[str, Any]) -> Any:
     """Build the options object of a built-in environment; raises ValueError listing every problem."""
     problems = validate_options(builtin, options)
