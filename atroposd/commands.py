@@ -23,7 +23,7 @@ from typing import Any, TextIO, cast
 from atroposd import control
 from atroposd.config import Config
 from atroposd.exitcodes import Exit
-from atroposd.paths import Paths
+from atroposd.paths import Paths, RuntimeDirError
 
 FOLLOW_INTERVAL = 0.25
 
@@ -109,6 +109,11 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     configure_logging(cfg.daemon.log_level, cfg.daemon.log_format, stream=cast(TextIO, stream), component="daemon")
     for w in cfg.warnings:
         _err(f"warning: {w}")
+    try:
+        Paths.of(cfg).ensure_runtime_dir()
+    except (RuntimeDirError, OSError) as exc:
+        _err(f"cannot use the runtime directory: {exc}")
+        return Exit.RUNTIME
     try:
         return run_foreground(cfg, notifier)
     except AlreadyRunning as exc:

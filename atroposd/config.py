@@ -84,11 +84,13 @@ def _k(default: Any, doc: str, *, choices: Sequence[Any] | None = None, min: flo
 
 @dataclass
 class DaemonConfig:
-    runtime_dir: str = _k("", "Control socket, pidfile, weight manifests (mode 0700). Default: /run/atroposd as root,\n"
-                          "else $XDG_RUNTIME_DIR/atroposd, else /tmp/atroposd-$UID.",
+    runtime_dir: str = _k("", "Control socket, pidfile, weight manifests (mode 0700). Default: $RUNTIME_DIRECTORY\n"
+                          "(systemd), else /run/atroposd as root, else $XDG_RUNTIME_DIR/atroposd, else\n"
+                          "/tmp/atroposd-$UID (refused unless ours with mode 0700).",
                           schema={"maxLength": SOCKET_PATH_MAX - len("/" + CONTROL_SOCKET_NAME)})
-    state_dir: str = _k("", "Logs, checkpoints, metrics, spool, crash-recovery records. Default: /var/lib/atroposd\n"
-                        "as root, else $XDG_STATE_HOME/atroposd (~/.local/state/atroposd).")
+    state_dir: str = _k("", "Logs, checkpoints, metrics, spool, crash-recovery records. Default: $STATE_DIRECTORY\n"
+                        "(systemd), else /var/lib/atroposd as root, else $XDG_STATE_HOME/atroposd\n"
+                        "(~/.local/state/atroposd).")
     log_level: str = _k("info", "debug | info | warning | error", choices=("debug", "info", "warning", "error"))
     log_format: str = _k("auto", "auto: console on a TTY, JSON otherwise (journald-friendly) | console | json",
                          choices=("auto", "console", "json"))
@@ -281,20 +283,41 @@ def _url_host(host: str) -> str:
 
 
 def default_runtime_dir() -> Path:
+    """$RUNTIME_DIRECTORY (systemd's RuntimeDirectory=), else /run/atroposd as root, else
+    $XDG_RUNTIME_DIR/atroposd, else the fallback /tmp/atroposd-$UID."""
+    systemd = _systemd_directory("RUNTIME_DIRECTORY")
+    if systemd is not None:
+        return systemd
     if os.geteuid() == 0:
         return Path("/run/atroposd")
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg:
         return Path(xdg) / "atroposd"
+    return fallback_runtime_dir()
+
+
+def fallback_runtime_dir() -> Path:
+    """The runtime_dir of last resort, in a directory every user may write (checked strictly)."""
     return Path(f"/tmp/atroposd-{os.getuid()}")
 
 
 def default_state_dir() -> Path:
+    """$STATE_DIRECTORY (systemd's StateDirectory=), else /var/lib/atroposd as root, else
+    $XDG_STATE_HOME/atroposd (~/.local/state/atroposd)."""
+    systemd = _systemd_directory("STATE_DIRECTORY")
+    if systemd is not None:
+        return systemd
     if os.geteuid() == 0:
         return Path("/var/lib/atroposd")
     xdg = os.environ.get("XDG_STATE_HOME")
     base = Path(xdg) if xdg else Path.home() / ".local" / "state"
     return base / "atroposd"
+
+
+def _systemd_directory(variable: str) -> Path | None:
+    """The first absolute path of a systemd directory variable (a colon-separated list)."""
+    first = os.environ.get(variable, "").split(":", 1)[0]
+    return Path(first) if first.startswith("/") else None
 
 
 # The built-in defaults are the embedded CPU job: the schema defaults plus one environment.
