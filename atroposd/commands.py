@@ -316,7 +316,11 @@ def reload(cfg: Config, args: argparse.Namespace) -> int:
 def logs(cfg: Config, args: argparse.Namespace) -> int:
     paths = Paths.of(cfg)
     name = getattr(args, "name", None) or "daemon"
-    path = paths.log_file(name)
+    try:
+        path = paths.log_file(name)
+    except ValueError as exc:
+        _err(str(exc))
+        return Exit.USAGE
     follow = bool(getattr(args, "follow", False))
     if follow:
         try:

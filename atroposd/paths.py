@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from atroposd.config import Config, fallback_runtime_dir
+
+
+# A component: daemon, api, inference, trainer, or an environment replica (NAME-i). One path
+# component that cannot climb: no '/', and no leading '.'.
+COMPONENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,10 @@ class Paths:
         return self.state_dir / "logs"
 
     def log_file(self, component: str) -> Path:
+        """``logs/<component>.log``; ValueError for a name that is not a component's (a path, ``..``)."""
+        if not COMPONENT_NAME.fullmatch(component):
+            raise ValueError(f"{component!r} is not a component name (letters, digits, '.', '_', '-'; "
+                             "no '/', not starting with '.')")
         return self.logs_dir / f"{component}.log"
 
     @property

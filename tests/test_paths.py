@@ -95,3 +95,24 @@ def test_run_refuses_an_untrusted_runtime_dir(tmp_path: Path) -> None:
     r = atroposd("run", "-c", str(cfg), timeout=60)
     assert r.returncode == Exit.RUNTIME and "symlink" in r.stderr
     assert list(target.iterdir()) == []  # nothing was put there
+
+
+@pytest.mark.parametrize("name", ["../secret", "../../etc/passwd", "/etc/passwd", "a/b", ".hidden", "..", ""])
+def test_logs_refuses_a_name_that_is_a_path(tmp_path: Path, name: str) -> None:
+    secret = tmp_path / "secret.log"
+    secret.write_text("not a component's log\n")
+    with pytest.raises(ValueError, match="not a component name"):
+        Paths(tmp_path / "run", tmp_path / "state").log_file(name)
+    cfg = tmp_path / "a.toml"
+    cfg.write_text(f'[daemon]\nruntime_dir = "{tmp_path}/run"\nstate_dir = "{tmp_path}/state"\n')
+    (tmp_path / "state" / "logs").mkdir(parents=True, exist_ok=True)
+    r = atroposd("logs", "-c", str(cfg), "--", name, timeout=60)
+    if name:  # an empty name means the daemon's log
+        assert r.returncode == Exit.USAGE and "not a component name" in r.stderr
+    assert "not a component's log" not in r.stdout
+
+
+def test_component_names_are_log_names(tmp_path: Path) -> None:
+    paths = Paths(tmp_path / "run", tmp_path / "state")
+    for name in ("daemon", "api", "inference", "trainer", "gsm8k.v2-0", "my_env-12"):
+        assert paths.log_file(name) == tmp_path / "state" / "logs" / f"{name}.log"
