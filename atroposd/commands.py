@@ -24,6 +24,7 @@ from atroposd import control
 from atroposd.config import Config
 from atroposd.exitcodes import Exit
 from atroposd.paths import Paths, RuntimeDirError
+from atroposd.pyexec import python_module
 
 FOLLOW_INTERVAL = 0.25
 
@@ -163,7 +164,7 @@ def start(cfg: Config, args: argparse.Namespace) -> int:
         # The daemon speaks sd_notify to us, as it would to systemd: READY=1 means READY.
         env = {k: v for k, v in os.environ.items() if k not in ("WATCHDOG_USEC", "WATCHDOG_PID")}
         env["NOTIFY_SOCKET"] = str(tmp / "notify")
-        argv = [sys.executable, "-m", "atroposd", "run"]
+        argv = [*python_module("atroposd"), "run"]
         if not cfg.source.startswith("<"):
             argv += ["-c", cfg.source]
         with open(out_path, "ab") as out:

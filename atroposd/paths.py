@@ -10,7 +10,6 @@ from pathlib import Path
 
 from atroposd.config import Config, fallback_runtime_dir
 
-
 # A component: daemon, api, inference, trainer, or an environment replica (NAME-i). One path
 # component that cannot climb: no '/', and no leading '.'.
 COMPONENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
