@@ -99,9 +99,10 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         raise _Usage(f"invalid options for {name}: {exc}") from None
     group_size = _pick(args.group_size, "ATROPOSD_GROUP_SIZE", int, env_cfg.group_size)
     seed = _pick(args.seed, "ATROPOSD_SEED", int, cfg.trainer.seed + replica)
-    env_cfg = dataclasses.replace(env_cfg, group_size=group_size)
-    for problem in check_fields(env_cfg, "env", ["group_size"]):
-        raise _Usage(f"group size {problem.message}")
+    weight = _pick(None, "ATROPOSD_WEIGHT", float, env_cfg.weight)
+    env_cfg = dataclasses.replace(env_cfg, group_size=group_size, weight=weight)
+    for problem in check_fields(env_cfg, "env", ["group_size", "weight"]):
+        raise _Usage(f"{problem.path.removeprefix('env.').replace('_', ' ')} {problem.message}")
     tokenizer = _pick(args.tokenizer, "ATROPOSD_TOKENIZER", str, "") or _configured_tokenizer(cfg)
 
     from atroposd.envs.arithmetic import ArithmeticTask
