@@ -9,26 +9,18 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from atroposd import __version__
-
-EXIT_OK = 0
-EXIT_RUNTIME = 1
-EXIT_USAGE = 2
-EXIT_NOT_RUNNING = 3
-EXIT_ALREADY_RUNNING = 4
-EXIT_STOP_TIMEOUT = 5
+from atroposd.api import cli as api_cli
+from atroposd.clargs import add_config as _add_config
+from atroposd.clargs import load_or_exit
+from atroposd.envs import cli as env_cli
+from atroposd.exitcodes import Exit
+from atroposd.inference import cli as inference_cli
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse exits 2 on bad usage already; keep its message format."""
-
-
-def _add_config(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-c", "--config", metavar="FILE",
-                   help="config file (default: $ATROPOSD_CONFIG, ./atroposd.toml, "
-                        "/etc/atroposd/atroposd.toml, else the built-in defaults)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, helptext, handler in (("check", "validate; exit 0, or 2 with every problem listed", _config_check),
                                     ("show", "the effective config as TOML, defaults filled in", _config_show),
                                     ("example", "print the commented example (the built-in defaults)",
-                                     _config_example)):
+                                     _config_example),
+                                    ("schema", "print the config file's JSON Schema (for editors: keys, types, "
+                                               "defaults, bounds)", _config_schema)):
         p = cfg_sub.add_parser(name, help=helptext, description=helptext)
         _add_config(p)
         p.set_defaults(handler=handler)
@@ -72,11 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", metavar="PNG", help="output file (default: {state_dir}/metrics.png)")
     p.add_argument("--metrics", metavar="JSONL", help="metrics file (default: {state_dir}/metrics.jsonl)")
 
-    # Child entry points: each package owns its flags.
-    from atroposd.api import cli as api_cli
-    from atroposd.envs import cli as env_cli
-    from atroposd.inference import cli as inference_cli
-
+    # Child entry points: each package owns its flags (its cli module imports nothing heavy).
     for name, mod, helptext in (("api", api_cli, "the trajectory API server (wire-compatible with run-api)"),
                                 ("inference", inference_cli, "the inference server (/generate, OpenAI routes)"),
                                 ("env", env_cli, "a built-in environment")):
@@ -90,24 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------- handlers
 
 
-def load_or_exit(args: argparse.Namespace) -> Any:
-    """Load the config named by ``-c`` (or discovered); print every problem and exit 2 if invalid."""
-    from atroposd.config import ConfigError, load_config
-
-    try:
-        cfg = load_config(getattr(args, "config", None))
-    except ConfigError as exc:
-        print(f"atroposd: {exc}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE) from None
-    return cfg
-
-
 def _config_check(args: argparse.Namespace) -> int:
     cfg = load_or_exit(args)
     for w in cfg.warnings:
         print(f"warning: {w}", file=sys.stderr)
     print(f"{cfg.source}: ok")
-    return EXIT_OK
+    return Exit.OK
 
 
 def _config_show(args: argparse.Namespace) -> int:
@@ -116,14 +94,21 @@ def _config_show(args: argparse.Namespace) -> int:
     cfg = load_or_exit(args)
     print(f"# effective configuration from {cfg.source}")
     sys.stdout.write(dump_toml(cfg))
-    return EXIT_OK
+    return Exit.OK
 
 
 def _config_example(args: argparse.Namespace) -> int:
     from atroposd.config import render_example
 
     sys.stdout.write(render_example())
-    return EXIT_OK
+    return Exit.OK
+
+
+def _config_schema(args: argparse.Namespace) -> int:
+    from atroposd.config import render_json_schema
+
+    sys.stdout.write(render_json_schema())
+    return Exit.OK
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -176,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
-        return EXIT_OK
+        return Exit.OK
 
 
 if __name__ == "__main__":  # pragma: no cover

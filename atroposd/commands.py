@@ -22,9 +22,10 @@ from typing import Any, TextIO, cast
 
 from atroposd import control
 from atroposd.config import Config
-from atroposd.paths import Paths
+from atroposd.exitcodes import Exit
+from atroposd.paths import Paths, RuntimeDirError
+from atroposd.pyexec import python_module
 
-EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_NOT_RUNNING, EXIT_ALREADY_RUNNING, EXIT_STOP_TIMEOUT = 0, 1, 2, 3, 4, 5
 FOLLOW_INTERVAL = 0.25
 
 
@@ -105,18 +106,23 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
         stream = _daemon_log_stream(cfg)
     except OSError as exc:
         _err(f"cannot write the daemon log under {cfg.state_dir}: {exc}")
-        return EXIT_RUNTIME
+        return Exit.RUNTIME
     configure_logging(cfg.daemon.log_level, cfg.daemon.log_format, stream=cast(TextIO, stream), component="daemon")
     for w in cfg.warnings:
         _err(f"warning: {w}")
     try:
+        Paths.of(cfg).ensure_runtime_dir()
+    except (RuntimeDirError, OSError) as exc:
+        _err(f"cannot use the runtime directory: {exc}")
+        return Exit.RUNTIME
+    try:
         return run_foreground(cfg, notifier)
     except AlreadyRunning as exc:
         _err(str(exc))
-        return EXIT_ALREADY_RUNNING
+        return Exit.ALREADY_RUNNING
     except PermissionError as exc:
         _err(f"permission denied: {exc}")
-        return EXIT_RUNTIME
+        return Exit.RUNTIME
 
 
 # ----------------------------------------------------------------------------- start
@@ -145,7 +151,7 @@ def start(cfg: Config, args: argparse.Namespace) -> int:
         return exc.exit_code
     if running is not None:
         _err(f"a daemon is already running for this config (pid {running.get('pid')})")
-        return EXIT_ALREADY_RUNNING
+        return Exit.ALREADY_RUNNING
     paths = Paths.of(cfg)
     log_path, out_path = paths.log_file("daemon"), _daemon_out(paths)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -158,7 +164,7 @@ def start(cfg: Config, args: argparse.Namespace) -> int:
         # The daemon speaks sd_notify to us, as it would to systemd: READY=1 means READY.
         env = {k: v for k, v in os.environ.items() if k not in ("WATCHDOG_USEC", "WATCHDOG_PID")}
         env["NOTIFY_SOCKET"] = str(tmp / "notify")
-        argv = [sys.executable, "-m", "atroposd", "run"]
+        argv = [*python_module("atroposd"), "run"]
         if not cfg.source.startswith("<"):
             argv += ["-c", cfg.source]
         with open(out_path, "ab") as out:
@@ -181,16 +187,16 @@ def _await_ready(proc: subprocess.Popen[bytes], notify: socket.socket, log: tupl
             if "READY=1" in lines:
                 print(f"atroposd: ready (pid {proc.pid}); logs: {log_path}")
                 proc.returncode = 0  # the daemon outlives this command; nothing here waits for it
-                return EXIT_OK
+                return Exit.OK
             continue
         code = proc.poll()
         if code is not None:
             _err(f"the daemon failed to start (exit {code}): {_failure_reason(*log, *out)}")
-            return code or EXIT_RUNTIME
+            return code or Exit.RUNTIME
     _err(f"the daemon is not READY after {budget:g}s; it keeps starting in the background (pid {proc.pid}); "
          f"see {log_path}")
     proc.returncode = 0
-    return EXIT_RUNTIME
+    return Exit.RUNTIME
 
 
 def _read_from(path: Path, offset: int) -> str:
@@ -231,9 +237,9 @@ def stop(cfg: Config, args: argparse.Namespace) -> int:
     pid = int(answer["pid"])
     if not _wait_gone(pid, float(answer["start_time"]), timeout):
         _err(f"the daemon (pid {pid}) is still stopping after {timeout:g}s")
-        return EXIT_STOP_TIMEOUT
+        return Exit.STOP_TIMEOUT
     print(f"atroposd: stopped (pid {pid})")
-    return EXIT_OK
+    return Exit.OK
 
 
 def _wait_gone(pid: int, start_time: float, timeout: float) -> bool:
@@ -263,9 +269,9 @@ def status(cfg: Config, args: argparse.Namespace) -> int:
     st = answer["status"]
     if getattr(args, "json", False):
         print(json.dumps(st))
-        return EXIT_OK
+        return Exit.OK
     print(_render_status(st))
-    return EXIT_OK
+    return Exit.OK
 
 
 def _render_status(st: dict[str, Any]) -> str:
@@ -299,10 +305,10 @@ def reload(cfg: Config, args: argparse.Namespace) -> int:
         return exc.exit_code
     if not answer.get("ok"):
         _err(str(answer.get("error")))
-        return int(answer.get("code", EXIT_USAGE))
+        return int(answer.get("code", Exit.USAGE))
     parts = [f"{k}: {', '.join(answer[k])}" for k in ("added", "removed", "changed") if answer.get(k)]
     print("atroposd: reloaded" + ("; " + "; ".join(parts) if parts else " (no environment changed)"))
-    return EXIT_OK
+    return Exit.OK
 
 
 # ----------------------------------------------------------------------------- logs
@@ -311,20 +317,24 @@ def reload(cfg: Config, args: argparse.Namespace) -> int:
 def logs(cfg: Config, args: argparse.Namespace) -> int:
     paths = Paths.of(cfg)
     name = getattr(args, "name", None) or "daemon"
-    path = paths.log_file(name)
+    try:
+        path = paths.log_file(name)
+    except ValueError as exc:
+        _err(str(exc))
+        return Exit.USAGE
     follow = bool(getattr(args, "follow", False))
     if follow:
         try:
             if _ping(cfg) is None:
                 _err("no daemon is running for this config")
-                return EXIT_NOT_RUNNING
+                return Exit.NOT_RUNNING
         except control.ControlError as exc:
             _err(str(exc))
             return exc.exit_code
     if not path.exists() and not follow:
         known = sorted(p.name[:-4] for p in paths.logs_dir.glob("*.log")) if paths.logs_dir.is_dir() else []
         _err(f"no log for {name!r} in {paths.logs_dir}" + (f" (known: {', '.join(known)})" if known else ""))
-        return EXIT_USAGE
+        return Exit.USAGE
     from atroposd.process.logfiles import tail
 
     lines = max(0, int(getattr(args, "lines", 50)))
@@ -333,7 +343,7 @@ def logs(cfg: Config, args: argparse.Namespace) -> int:
         if text:
             print(text, flush=True)
     if not follow:
-        return EXIT_OK
+        return Exit.OK
     return _follow(cfg, path)
 
 
@@ -364,7 +374,7 @@ def _follow(cfg: Config, path: Path) -> int:
                 if _ping(cfg) is None:
                     if fh is not None:
                         _drain(fh)
-                    return EXIT_OK
+                    return Exit.OK
             time.sleep(FOLLOW_INTERVAL)
     finally:
         if fh is not None:

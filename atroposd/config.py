@@ -21,6 +21,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
+from atroposd.envoptions import BUILTIN_ENVS, options_schema, validate_options
+from atroposd.net import is_loopback
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised only on 3.10
@@ -36,24 +39,44 @@ __all__ = [
     "Problem",
     "TrainerConfig",
     "VllmConfig",
+    "check_fields",
     "discover_config_path",
     "dump_toml",
+    "json_schema",
     "load_config",
     "parse_config",
     "render_example",
 ]
 
-BUILTIN_ENVS = ("arithmetic",)
 SOCKET_PATH_MAX = 107
 CONTROL_SOCKET_NAME = "control.sock"
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?|GPU-[0-9a-fA-F-]+)$"
+BUILTIN_MODELS = ("builtin:tiny",)
+# A model is a built-in name or a local directory (anything not starting with "builtin:").
+MODEL_PATTERN = "^(" + "|".join(re.escape(m) for m in BUILTIN_MODELS) + "|(?!builtin:).+)$"
+URL_PATTERN = r"^https?://[^/\s]+(/.*)?$"
+ENV_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+RESERVED_NAMES = ("api", "inference", "trainer", "daemon")
+PLACEHOLDERS = ("api_url", "inference_url", "openai_url", "model", "tokenizer", "group_size", "max_token_len",
+                "steps", "name", "replica", "seed", "replica_port", "weight")
+
+
+def _placeholder_pattern(known: Sequence[str]) -> str:
+    """A string whose ``{identifier}`` braces are all known placeholders (other braces are free)."""
+    return r"^(?:[^{]|\{(?:" + "|".join(known) + r")\}|\{(?![A-Za-z_][A-Za-z0-9_]*\}))*$"
 
 # ---------------------------------------------------------------------------- schema
 
 
 def _k(default: Any, doc: str, *, choices: Sequence[Any] | None = None, min: float | None = None,
-      max: float | None = None, gt: float | None = None, example: bool = True) -> Any:
-    """A config key: its default, the comment shown above it, and simple value rules."""
-    meta = {"doc": doc, "choices": choices, "min": min, "max": max, "gt": gt, "example": example}
+      max: float | None = None, gt: float | None = None, example: bool = True,
+      schema: Mapping[str, Any] | None = None) -> Any:
+    """A config key: its default, the comment shown above it, and simple value rules.
+
+    ``schema``: JSON Schema keywords for rules that ``_cross_checks`` applies to this key alone
+    (a pattern, a length), so that ``json_schema`` expresses them too."""
+    meta = {"doc": doc, "choices": choices, "min": min, "max": max, "gt": gt, "example": example,
+            "schema": dict(schema or {})}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -61,10 +84,13 @@ def _k(default: Any, doc: str, *, choices: Sequence[Any] | None = None, min: flo
 
 @dataclass
 class DaemonConfig:
-    runtime_dir: str = _k("", "Control socket, pidfile, weight manifests (mode 0700). Default: /run/atroposd as root,\n"
-                          "else $XDG_RUNTIME_DIR/atroposd, else /tmp/atroposd-$UID.")
-    state_dir: str = _k("", "Logs, checkpoints, metrics, spool, crash-recovery records. Default: /var/lib/atroposd\n"
-                        "as root, else $XDG_STATE_HOME/atroposd (~/.local/state/atroposd).")
+    runtime_dir: str = _k("", "Control socket, pidfile, weight manifests (mode 0700). Default: $RUNTIME_DIRECTORY\n"
+                          "(systemd), else /run/atroposd as root, else $XDG_RUNTIME_DIR/atroposd, else\n"
+                          "/tmp/atroposd-$UID (refused unless ours with mode 0700).",
+                          schema={"maxLength": SOCKET_PATH_MAX - len("/" + CONTROL_SOCKET_NAME)})
+    state_dir: str = _k("", "Logs, checkpoints, metrics, spool, crash-recovery records. Default: $STATE_DIRECTORY\n"
+                        "(systemd), else /var/lib/atroposd as root, else $XDG_STATE_HOME/atroposd\n"
+                        "(~/.local/state/atroposd).")
     log_level: str = _k("info", "debug | info | warning | error", choices=("debug", "info", "warning", "error"))
     log_format: str = _k("auto", "auto: console on a TTY, JSON otherwise (journald-friendly) | console | json",
                          choices=("auto", "console", "json"))
@@ -79,7 +105,8 @@ class DaemonConfig:
 @dataclass
 class ApiConfig:
     enabled: bool = _k(True, "false: use an API that runs elsewhere, at url.")
-    url: str = _k("", "Required when enabled = false, e.g. http://10.0.0.5:8000.")
+    url: str = _k("", "Required when enabled = false, e.g. http://10.0.0.5:8000.",
+                  schema={"pattern": "^$|" + URL_PATTERN})
     host: str = _k("127.0.0.1", "Address the API binds.")
     port: int = _k(8000, "Port the API binds.", min=1, max=65535)
     token: str = _k("", "Optional bearer token; binding a non-loopback host without one warns.")
@@ -89,7 +116,9 @@ class ApiConfig:
     spool: bool = _k(True, "Accepted groups and registrations survive an API restart.")
     spool_dir: str = _k("", "Default: {state_dir}/spool/api-{port}.")
     command: list[str] = _k([], "Optional: run another wire-compatible API instead, e.g.\n"
-                            '["run-api", "--host", "127.0.0.1", "--port", "{port}"]')
+                            '["run-api", "--host", "127.0.0.1", "--port", "{port}"]',
+                            schema={"items": {"type": "string", "pattern": _placeholder_pattern((*PLACEHOLDERS,
+                                                                                                 "port"))}})
 
 
 @dataclass
@@ -103,15 +132,18 @@ class VllmConfig:
 @dataclass
 class InferenceConfig:
     enabled: bool = _k(True, "false: use an inference server that runs elsewhere, at url.")
-    url: str = _k("", "Required when enabled = false, e.g. http://10.0.0.6:9001.")
+    url: str = _k("", "Required when enabled = false, e.g. http://10.0.0.6:9001.",
+                  schema={"pattern": "^$|" + URL_PATTERN})
     engine: str = _k("torch", "torch: built in, CPU or GPU | vllm: needs atroposd[vllm].", choices=("torch", "vllm"))
-    model: str = _k("builtin:tiny", "builtin:tiny (built locally, no download) or a local Hugging Face model directory.")
+    model: str = _k("builtin:tiny", "builtin:tiny (built locally, no download) or a local Hugging Face model directory.",
+                    schema={"pattern": MODEL_PATTERN})
     tokenizer: str = _k("", "Default: the model's. The one source of truth for every component.")
     host: str = _k("127.0.0.1", "Address the inference server binds.")
     port: int = _k(9001, "Port the inference server binds.", min=1, max=65535)
     dtype: str = _k("auto", "auto: float32 on CPU, bfloat16 on GPU | float32 | bfloat16 | float16",
                     choices=("auto", "float32", "bfloat16", "float16"))
-    device: str = _k("auto", "auto | cpu | cuda:N | a GPU UUID; the daemon sets CUDA_VISIBLE_DEVICES for the child.")
+    device: str = _k("auto", "auto | cpu | cuda:N | a GPU UUID; the daemon sets CUDA_VISIBLE_DEVICES for the child.",
+                     schema={"pattern": DEVICE_PATTERN})
     max_model_len: int = _k(4096, "Longest prompt + completion the server accepts, in tokens.", min=8)
     ready_timeout: float = _k(600.0, "Seconds the server may take to become ready (health + one generation).", gt=0)
     vllm: VllmConfig = field(default_factory=VllmConfig, metadata={"doc": "Only read when engine = \"vllm\"."})
@@ -120,7 +152,7 @@ class InferenceConfig:
 @dataclass
 class TrainerConfig:
     enabled: bool = _k(True, "false: API + inference + environments only, for an external trainer.")
-    device: str = _k("auto", "auto | cpu | cuda:N | a GPU UUID")
+    device: str = _k("auto", "auto | cpu | cuda:N | a GPU UUID", schema={"pattern": DEVICE_PATTERN})
     steps: int = _k(3000, "Optimizer steps; the job stops by itself after the last.", min=1)
     batch_size: int = _k(64, "Sequences per optimizer step.", min=1)
     micro_batch_size: int = _k(32, "Sequences per forward/backward pass; divides batch_size.", min=1)
@@ -128,7 +160,9 @@ class TrainerConfig:
     optimizer: str = _k("adamw", "adamw | adafactor | adamw_8bit (needs bitsandbytes; never a silent fallback)",
                         choices=("adamw", "adafactor", "adamw_8bit"))
     lr: float = _k(3e-4, "Peak learning rate.", gt=0)
-    adam_betas: list[float] = _k([0.9, 0.99], "AdamW betas.")
+    adam_betas: list[float] = _k([0.9, 0.99], "AdamW betas.",
+                                 schema={"minItems": 2, "maxItems": 2,
+                                         "items": {"type": "number", "minimum": 0, "exclusiveMaximum": 1}})
     weight_decay: float = _k(0.0, "Decoupled weight decay.", min=0)
     warmup_steps: int = _k(0, "Linear warm-up steps, then constant.", min=0)
     max_grad_norm: float = _k(1.0, "Gradient-norm clip.", gt=0)
@@ -157,12 +191,15 @@ class TrainerConfig:
 
 @dataclass
 class EnvConfig:
-    name: str = _k("", "Required, unique; replicas are named NAME-0, NAME-1, ...")
+    name: str = _k("", "Required, unique; replicas are named NAME-0, NAME-1, ...",
+                   schema={"pattern": ENV_NAME_PATTERN, "not": {"enum": list(RESERVED_NAMES)}})
     builtin: str = _k("", "A built-in environment (arithmetic). Exactly one of builtin and command is required.")
-    command: list[str] = _k([], "An environment's command line, with {placeholders}.", example=False)
+    command: list[str] = _k([], "An environment's command line, with {placeholders}.", example=False,
+                            schema={"items": {"type": "string", "pattern": _placeholder_pattern(PLACEHOLDERS)}})
     options: dict[str, Any] = _k({}, "Options of a built-in environment.")
     group_size: int = _k(8, "Completions per prompt (one group).", min=1)
-    weight: float = _k(1.0, "Share of each batch relative to the other environments.", min=0)
+    weight: float = _k(1.0, "Share of each batch relative to the other environments (sent in the registration;\n"
+                       "a command gets it as {weight} / ATROPOSD_WEIGHT).", min=0)
     replicas: int = _k(1, "Processes of this environment.", min=1, max=256)
     restart: str = _k("on-failure", "on-failure | always | never (a clean exit 0 is \"finished\" under on-failure)",
                       choices=("on-failure", "always", "never"))
@@ -246,20 +283,41 @@ def _url_host(host: str) -> str:
 
 
 def default_runtime_dir() -> Path:
+    """$RUNTIME_DIRECTORY (systemd's RuntimeDirectory=), else /run/atroposd as root, else
+    $XDG_RUNTIME_DIR/atroposd, else the fallback /tmp/atroposd-$UID."""
+    systemd = _systemd_directory("RUNTIME_DIRECTORY")
+    if systemd is not None:
+        return systemd
     if os.geteuid() == 0:
         return Path("/run/atroposd")
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg:
         return Path(xdg) / "atroposd"
+    return fallback_runtime_dir()
+
+
+def fallback_runtime_dir() -> Path:
+    """The runtime_dir of last resort, in a directory every user may write (checked strictly)."""
     return Path(f"/tmp/atroposd-{os.getuid()}")
 
 
 def default_state_dir() -> Path:
+    """$STATE_DIRECTORY (systemd's StateDirectory=), else /var/lib/atroposd as root, else
+    $XDG_STATE_HOME/atroposd (~/.local/state/atroposd)."""
+    systemd = _systemd_directory("STATE_DIRECTORY")
+    if systemd is not None:
+        return systemd
     if os.geteuid() == 0:
         return Path("/var/lib/atroposd")
     xdg = os.environ.get("XDG_STATE_HOME")
     base = Path(xdg) if xdg else Path.home() / ".local" / "state"
     return base / "atroposd"
+
+
+def _systemd_directory(variable: str) -> Path | None:
+    """The first absolute path of a systemd directory variable (a colon-separated list)."""
+    first = os.environ.get(variable, "").split(":", 1)[0]
+    return Path(first) if first.startswith("/") else None
 
 
 # The built-in defaults are the embedded CPU job: the schema defaults plus one environment.
@@ -366,7 +424,7 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<dict>") -> Config:
         raise ConfigError(problems, source)
     if not cfg.env:
         cfg.warnings.append("no [[env]]: the job has no environments (they must run elsewhere)")
-    if cfg.api.enabled and cfg.api.host not in ("127.0.0.1", "localhost", "::1") and not cfg.api.token:
+    if cfg.api.enabled and not is_loopback(cfg.api.host) and not cfg.api.token:
         cfg.warnings.append(f"api.host = {cfg.api.host!r} is not loopback and api.token is empty")
     return cfg
 
@@ -406,6 +464,19 @@ def _build(cls: type, raw: Mapping[str, Any], prefix: str, problems: list[Proble
         else:
             kwargs[key] = coerced
     return cls(**kwargs)
+
+
+def check_fields(section: Any, prefix: str, names: Sequence[str]) -> list[Problem]:
+    """Check values set on a built section after loading (command-line flags) against the
+    schema's rules for those keys: type, choices and bounds, as ``load_config`` does."""
+    hints = get_type_hints(type(section))
+    by_name = {f.name: f for f in fields(section)}
+    problems = []
+    for name in names:
+        err, _ = _check_value(hints[name], getattr(section, name), by_name[name].metadata)
+        if err:
+            problems.append(Problem(f"{prefix}.{name}", err))
+    return problems
 
 
 def _check_value(typ: Any, value: Any, meta: Mapping[str, Any]) -> tuple[str | None, Any]:
@@ -458,8 +529,7 @@ def _num(v: float) -> str:
     return str(int(v)) if float(v).is_integer() else repr(v)
 
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-_RESERVED_NAMES = {"api", "inference", "trainer", "daemon"}
+_NAME_RE = re.compile(ENV_NAME_PATTERN)
 
 
 def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
@@ -474,7 +544,7 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
         if sec.enabled and sec.url:
             p.append(Problem(f"{name}.url", f"must be empty when {name}.enabled = true (the daemon runs it at "
                                             f"{name}.host:{name}.port)"))
-        if sec.url and not re.match(r"^https?://[^/\s]+(/.*)?$", sec.url):
+        if sec.url and not re.match(URL_PATTERN, sec.url):
             p.append(Problem(f"{name}.url", f"must be an http:// or https:// URL, got {sec.url!r}"))
     if t.micro_batch_size > t.batch_size:
         p.append(Problem("trainer.micro_batch_size", f"must be ≤ trainer.batch_size ({t.batch_size})"))
@@ -506,12 +576,13 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
         p.append(Problem("inference.vllm.gpu_memory_utilization",
                          "must be > 0 when vLLM shares a GPU with the trainer"))
     for name, device in (("inference", inf.device), ("trainer", t.device)):
-        if not re.match(r"^(auto|cpu|cuda(:\d+)?|GPU-[0-9a-fA-F-]+)$", device):
+        if not re.match(DEVICE_PATTERN, device):
             p.append(Problem(f"{name}.device", f"must be auto, cpu, cuda:N or a GPU UUID, got {device!r}"))
     if not inf.model:
         p.append(Problem("inference.model", "must not be empty"))
-    elif inf.model.startswith("builtin:") and inf.model != "builtin:tiny":
-        p.append(Problem("inference.model", f"unknown built-in model {inf.model!r} (known: builtin:tiny)"))
+    elif inf.model.startswith("builtin:") and inf.model not in BUILTIN_MODELS:
+        p.append(Problem("inference.model", f"unknown built-in model {inf.model!r} (known: "
+                                            f"{', '.join(BUILTIN_MODELS)})"))
     # ports distinct
     ports: dict[int, str] = {}
 
@@ -538,7 +609,7 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
         elif not _NAME_RE.match(e.name):
             p.append(Problem(f"{pre}.name", "must be 1-63 characters of letters, digits, '.', '_' or '-', "
                                             f"starting with a letter or digit; got {e.name!r}"))
-        elif e.name in _RESERVED_NAMES:
+        elif e.name in RESERVED_NAMES:
             p.append(Problem(f"{pre}.name", f"{e.name!r} is reserved for a daemon component"))
         elif e.name in seen:
             p.append(Problem(f"{pre}.name", f"duplicate name {e.name!r} (also env[{seen[e.name]}])"))
@@ -555,8 +626,6 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
         if e.options and not has_builtin:
             p.append(Problem(f"{pre}.options", "only a builtin environment takes options"))
         if has_builtin and e.builtin in BUILTIN_ENVS:
-            from atroposd.envs.options import validate_options
-
             for path, msg in validate_options(e.builtin, e.options):
                 p.append(Problem(f"{pre}.options.{path}" if path else f"{pre}.options", msg))
         if t.enabled and e.group_size > t.batch_size:
@@ -600,8 +669,6 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
     return p
 
 
-PLACEHOLDERS = ("api_url", "inference_url", "openai_url", "model", "tokenizer", "group_size", "max_token_len",
-                "steps", "name", "replica", "seed", "replica_port")
 _PLACEHOLDER_RE = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -704,10 +771,13 @@ def dump_toml(cfg: Config) -> str:
 
 
 EXAMPLE_HEADER = """\
+#:schema ./atroposd/config.schema.json
 # atroposd configuration: every key at its default. These defaults are the embedded CPU job:
 # the built-in tiny model learns the built-in arithmetic task, no GPU and no download needed.
 # Copy to /etc/atroposd/atroposd.toml (or ./atroposd.toml, or pass -c FILE) and edit.
 # `atroposd config check` validates a file; `atroposd config show` prints the effective config.
+# The first line points editors (taplo, Even Better TOML) at the JSON Schema of this file, shipped
+# as atroposd/config.schema.json; for a copy elsewhere: `atroposd config schema > FILE`, and name FILE.
 
 """
 
@@ -716,3 +786,98 @@ def render_example() -> str:
     """The text of ``atroposd.toml.example``: built-in defaults, each key with its comment."""
     cfg = load_config(None, discover=False)
     return EXAMPLE_HEADER + _render(cfg, comments=True, resolved=False)
+
+
+# ---------------------------------------------------------------------------- JSON Schema
+
+_JSON_TYPES: dict[Any, str] = {bool: "boolean", int: "integer", float: "number", str: "string"}
+JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+
+
+def _key_schema(typ: Any, f: dataclasses.Field[Any]) -> dict[str, Any]:
+    meta = f.metadata
+    origin = get_origin(typ)
+    out: dict[str, Any]
+    if origin is list:
+        (item,) = get_args(typ)
+        out = {"type": "array", "items": {"type": _JSON_TYPES[item]}}
+    elif origin is dict:
+        out = {"type": "object"}
+    else:
+        out = {"type": _JSON_TYPES[typ]}
+    out["description"] = meta["doc"]
+    factory = f.default_factory
+    default = factory() if f.default is dataclasses.MISSING and callable(factory) else f.default
+    out["default"] = default
+    if meta.get("choices") is not None:
+        out["enum"] = list(meta["choices"])
+    for rule, keyword in (("min", "minimum"), ("max", "maximum"), ("gt", "exclusiveMinimum")):
+        if meta.get(rule) is not None:
+            out[keyword] = meta[rule]
+    for keyword, value in meta.get("schema", {}).items():
+        out[keyword] = {**out[keyword], **value} if isinstance(out.get(keyword), dict) else value
+    return out
+
+
+def _section_schema(cls: type, doc: str = "") -> dict[str, Any]:
+    hints = get_type_hints(cls)
+    props: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.metadata.get("internal"):
+            continue
+        typ = hints[f.name]
+        props[f.name] = (_section_schema(typ, f.metadata.get("doc", "")) if isinstance(typ, type) and
+                         dataclasses.is_dataclass(typ) else _key_schema(typ, f))
+    out: dict[str, Any] = {"type": "object", "properties": props, "additionalProperties": False}
+    if doc:
+        out = {"description": doc, **out}
+    return out
+
+
+def _external() -> dict[str, Any]:
+    """``url`` is required exactly when ``enabled = false``."""
+    return {"if": {"properties": {"enabled": {"const": False}}, "required": ["enabled"]},
+            "then": {"properties": {"url": {"minLength": 1}}, "required": ["url"]},
+            "else": {"properties": {"url": {"maxLength": 0}}}}
+
+
+def json_schema() -> dict[str, Any]:
+    """A JSON Schema (draft 2020-12) of the config file, generated from the dataclasses above:
+    every key with its type, default, bounds and comment; unknown keys refused. It expresses
+    the rules on one key, and of the cross-key rules those a schema can (``url`` exactly when
+    not ``enabled``; exactly one of an environment's ``builtin`` and ``command``; a built-in's
+    options). ``atroposd config schema`` prints it; ``config check`` remains the full check."""
+    api, inference = _section_schema(ApiConfig), _section_schema(InferenceConfig)
+    api["allOf"], inference["allOf"] = [_external()], [_external()]
+    env = _section_schema(EnvConfig)
+    env["properties"]["builtin"]["enum"] = ["", *BUILTIN_ENVS]
+    has_builtin = {"properties": {"builtin": {"minLength": 1}}, "required": ["builtin"]}
+    has_command = {"properties": {"command": {"minItems": 1}}, "required": ["command"]}
+    env["required"] = ["name"]
+    env["oneOf"] = [has_builtin, has_command]
+    env["allOf"] = [{"if": {"not": has_builtin}, "then": {"properties": {"options": {"maxProperties": 0}}}}]
+    env["allOf"] += [{"if": {"properties": {"builtin": {"const": name}}, "required": ["builtin"]},
+                      "then": {"properties": {"options": options_schema(name)}}} for name in BUILTIN_ENVS]
+    return {
+        "$schema": JSON_SCHEMA_DIALECT,
+        "title": "atroposd configuration",
+        "description": "atroposd.toml (SPEC §3). Generated by `atroposd config schema`; `atroposd config check` "
+                       "also applies the rules between keys that a schema cannot express.",
+        "type": "object",
+        "properties": {
+            "daemon": _section_schema(DaemonConfig),
+            "api": api,
+            "inference": inference,
+            "trainer": _section_schema(TrainerConfig),
+            "env": {"description": "The environments ([[env]]), each run as supervised children.",
+                    "type": "array", "items": env},
+        },
+        "additionalProperties": False,
+    }
+
+
+def render_json_schema() -> str:
+    """The text of ``atroposd/config.schema.json`` (what ``atroposd config schema`` prints)."""
+    import json
+
+    return json.dumps(json_schema(), indent=2, ensure_ascii=False) + "\n"

@@ -23,6 +23,8 @@ from typing import Any
 
 import orjson
 
+from atroposd.exitcodes import Exit
+
 MAX_FRAME = 1 << 20
 READ_TIMEOUT = 10.0
 _LEN = struct.Struct(">I")
@@ -33,19 +35,19 @@ Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 class ControlError(Exception):
     """A control request could not be made; ``exit_code`` is the CLI's exit code (SPEC §2)."""
 
-    exit_code = 1
+    exit_code: Exit = Exit.RUNTIME
 
 
 class NotRunning(ControlError):
-    exit_code = 3
+    exit_code = Exit.NOT_RUNNING
 
 
 class PermissionDenied(ControlError):
-    exit_code = 1
+    exit_code = Exit.RUNTIME
 
 
 class ProtocolError(ControlError):
-    exit_code = 1
+    exit_code = Exit.RUNTIME
 
 
 def encode(obj: dict[str, Any]) -> bytes:

@@ -2,20 +2,33 @@
 
 from __future__ import annotations
 
+import os
+import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from atroposd.config import Config
+from atroposd.config import Config, fallback_runtime_dir
+
+# A component: daemon, api, inference, trainer, or an environment replica (NAME-i). One path
+# component that cannot climb: no '/', and no leading '.'.
+COMPONENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
 @dataclass(frozen=True)
 class Paths:
     runtime_dir: Path
     state_dir: Path
+    #: runtime_dir is the /tmp fallback (a directory every user may write): checked strictly
+    runtime_dir_is_fallback: bool = False
 
     @classmethod
     def of(cls, cfg: Config) -> Paths:
-        return cls(cfg.runtime_dir, cfg.state_dir)
+        return cls(cfg.runtime_dir, cfg.state_dir, cfg.runtime_dir == fallback_runtime_dir())
+
+    def ensure_runtime_dir(self) -> None:
+        """Create or check runtime_dir before anything is put there (see ``ensure_runtime_dir``)."""
+        ensure_runtime_dir(self.runtime_dir, fallback=self.runtime_dir_is_fallback)
 
     # runtime_dir ---------------------------------------------------------------
     @property
@@ -42,6 +55,10 @@ class Paths:
         return self.state_dir / "logs"
 
     def log_file(self, component: str) -> Path:
+        """``logs/<component>.log``; ValueError for a name that is not a component's (a path, ``..``)."""
+        if not COMPONENT_NAME.fullmatch(component):
+            raise ValueError(f"{component!r} is not a component name (letters, digits, '.', '_', '-'; "
+                             "no '/', not starting with '.')")
         return self.logs_dir / f"{component}.log"
 
     @property
@@ -63,3 +80,40 @@ class Paths:
     @property
     def sync_dir(self) -> Path:
         return self.state_dir / "sync"
+
+
+class RuntimeDirError(Exception):
+    """The runtime directory cannot be trusted (not a directory, a symlink, or not ours)."""
+
+
+def ensure_runtime_dir(path: Path, *, fallback: bool = False) -> None:
+    """Create ``runtime_dir`` (mode 0700, parents as needed) or check the one that is there.
+
+    Refused with RuntimeDirError (SPEC §13): a symlink or anything but a directory, and a
+    directory owned by another user. The ``fallback`` one (``/tmp/atroposd-$UID``, in a
+    directory every user may write) is refused unless it is ours with mode exactly 0700:
+    someone else may have made it to read our sockets and manifests. Any other of ours
+    with looser permissions is set to 0700.
+    """
+    existed = os.path.lexists(path)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise RuntimeDirError(f"runtime_dir {path} is a symlink; refusing to use it")
+    if not stat.S_ISDIR(st.st_mode):
+        raise RuntimeDirError(f"runtime_dir {path} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise RuntimeDirError(f"runtime_dir {path} belongs to uid {st.st_uid}, not to us (uid {os.geteuid()}); "
+                              "remove it or set daemon.runtime_dir")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode != 0o700:
+        if fallback and existed:
+            raise RuntimeDirError(f"runtime_dir {path} has mode {mode:04o}, not 0700: someone may have used it; "
+                                  "remove it or set daemon.runtime_dir")
+        os.chmod(path, 0o700, follow_symlinks=False)
+
+
+def open_nofollow(path: Path, flags: int, mode: int = 0o600) -> int:
+    """``os.open`` that never follows a symlink at ``path`` (ELOOP instead): for the pidfile and
+    other files the daemon opens in runtime_dir; add ``os.O_EXCL`` for a temporary file."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)

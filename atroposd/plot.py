@@ -10,9 +10,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from atroposd.exitcodes import Exit
+
 __all__ = ["main", "moving_average", "plot_metrics"]
 
-EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
 
 # (title, metric keys drawn on the panel)
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -120,6 +121,6 @@ def main(cfg: Any, args: argparse.Namespace) -> int:
         plot_metrics(rows, output, title=f"{metrics} — {len(rows)} steps")
     except PlotError as exc:
         print(f"atroposd plot: {exc}", file=sys.stderr)
-        return EXIT_RUNTIME
+        return Exit.RUNTIME
     print(output)
-    return EXIT_OK
+    return Exit.OK

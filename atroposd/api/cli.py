@@ -12,6 +12,8 @@ import ipaddress
 import sys
 from typing import Any
 
+from atroposd.exitcodes import Exit
+
 LOOPBACK_NAMES = ("localhost",)
 
 
@@ -32,42 +34,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
 
 
-def settings_from(args: argparse.Namespace) -> tuple[Any, str, str]:
-    """(ApiSettings, log level, log format) from -c and the flags."""
+# Flags that set an [api] key: (argparse attribute, key); checked by the key's schema rules.
+_FLAGS = {"host": "host", "port": "port", "max_queued_sequences": "max_queued_sequences", "full_wait": "full_wait",
+          "max_request_bytes": "max_request_bytes", "token": "token"}
+
+
+def settings_from(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
+    """(ApiSettings, log level, log format, problems with the flags) from -c and the flags."""
     from atroposd.api.server import ApiSettings
+    from atroposd.clargs import apply_flags
     from atroposd.config import ApiConfig, DaemonConfig
 
     if getattr(args, "config", None):
-        from atroposd.cli import load_or_exit
+        from atroposd.clargs import load_or_exit
 
         cfg = load_or_exit(args)
-        s = ApiSettings.from_config(cfg.api, str(cfg.spool_dir) if cfg.api.spool else None)
+        api, spool = cfg.api, str(cfg.spool_dir) if cfg.api.spool else None
         level, fmt = cfg.daemon.log_level, cfg.daemon.log_format
     else:  # standalone: the built-in defaults, and no spool unless --spool-dir (SPEC §2)
-        s = ApiSettings.from_config(ApiConfig(), None)
+        api, spool = ApiConfig(), None
         level, fmt = DaemonConfig().log_level, DaemonConfig().log_format
-    for flag, attr in (("host", "host"), ("port", "port"), ("max_queued_sequences", "max_queued_sequences"),
-                       ("full_wait", "full_wait"), ("spool_dir", "spool_dir"),
-                       ("max_request_bytes", "max_request_bytes"), ("token", "token")):
-        value = getattr(args, flag, None)
-        if value is not None:
-            setattr(s, attr, value)
+    problems = apply_flags(api, "api", args, _FLAGS)
+    s = ApiSettings.from_config(api, spool)
+    if getattr(args, "spool_dir", None) is not None:
+        s.spool_dir = args.spool_dir
     if getattr(args, "no_spool", False):
         s.spool_dir = None
-    return s, args.log_level or level, fmt
-
-
-def _check(s: Any) -> list[str]:
-    problems = []
-    if not 1 <= s.port <= 65535:
-        problems.append(f"--port must be in 1..65535, got {s.port}")
-    if s.max_queued_sequences < 1:
-        problems.append(f"--max-queued-sequences must be at least 1, got {s.max_queued_sequences}")
-    if s.full_wait < 0:
-        problems.append(f"--full-wait must be ≥ 0, got {s.full_wait}")
-    if s.max_request_bytes < 1024:
-        problems.append(f"--max-request-bytes must be at least 1024, got {s.max_request_bytes}")
-    return problems
+    return s, args.log_level or level, fmt, problems
 
 
 def is_loopback(host: str) -> bool:
@@ -80,12 +73,11 @@ def is_loopback(host: str) -> bool:
 
 
 def main(args: argparse.Namespace) -> int:
-    settings, level, fmt = settings_from(args)
-    problems = _check(settings)
+    settings, level, fmt, problems = settings_from(args)
     if problems:
         for p in problems:
             print(f"atroposd api: {p}", file=sys.stderr)
-        return 2
+        return Exit.USAGE
     from atroposd.logs import configure_logging
 
     configure_logging(level, fmt, component="api")

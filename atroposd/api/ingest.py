@@ -40,6 +40,7 @@ from typing import Any
 from atroposd.api.bodies import groups_from_body, gunzip
 from atroposd.api.schema import Group, InvalidRequest
 from atroposd.logs import get_logger
+from atroposd.pyexec import python_module
 
 __all__ = ["ParseHelper", "helper_wanted"]
 
@@ -99,7 +100,7 @@ class ParseHelper:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "atroposd.api.ingest", str(theirs.fileno()), str(os.getpid()),
+                *python_module("atroposd.api.ingest"), str(theirs.fileno()), str(os.getpid()),
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         except OSError:
             ours.close()

@@ -10,7 +10,6 @@
 - ``arithmetic``: the built-in task ``arithmetic`` (reward, exact-match accuracy, the
   prompt-ignoring bound, ``evaluate_exact_match`` for greedy evaluation).
 - ``vocab``: the job's tokenizer through the ``tokenizers`` library (no torch, no transformers).
-- ``options``: each built-in's options, validated by ``config check``.
 - ``cli``: ``atroposd env NAME``.
 
 Nothing here imports torch: an environment child stays small and starts quickly.

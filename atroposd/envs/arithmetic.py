@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from atroposd.envoptions import ArithmeticOptions
 from atroposd.envs.generate import Generation, InferenceClient
-from atroposd.envs.options import ArithmeticOptions
 from atroposd.envs.runner import ScoredGroup
 from atroposd.envs.vocab import Vocab
 

@@ -8,11 +8,12 @@ exports (SPEC §3), the config's ``[[env]]`` entry (found by replica name, e.g.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Any
 
-EXIT_USAGE = 2
+from atroposd.exitcodes import Exit
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +43,7 @@ def main(args: argparse.Namespace) -> int:
         setup = _resolve(args)
     except _Usage as exc:
         print(f"atroposd env: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return Exit.USAGE
     import anyio
 
     from atroposd.logs import configure_logging
@@ -77,9 +78,9 @@ def _warn_if_exploitable(task: Any) -> None:
 
 def _resolve(args: argparse.Namespace) -> dict[str, Any]:
     """Everything the environment needs, or _Usage naming the problem."""
-    from atroposd.cli import load_or_exit
-    from atroposd.config import BUILTIN_ENVS, EnvConfig
-    from atroposd.envs.options import parse_options
+    from atroposd.clargs import load_or_exit
+    from atroposd.config import EnvConfig, check_fields
+    from atroposd.envoptions import BUILTIN_ENVS, parse_options
 
     if args.builtin not in BUILTIN_ENVS:
         raise _Usage(f"unknown built-in environment {args.builtin!r} (known: {', '.join(BUILTIN_ENVS)})")
@@ -98,8 +99,10 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         raise _Usage(f"invalid options for {name}: {exc}") from None
     group_size = _pick(args.group_size, "ATROPOSD_GROUP_SIZE", int, env_cfg.group_size)
     seed = _pick(args.seed, "ATROPOSD_SEED", int, cfg.trainer.seed + replica)
-    if group_size < 1:
-        raise _Usage(f"group size must be ≥ 1, got {group_size}")
+    weight = _pick(None, "ATROPOSD_WEIGHT", float, env_cfg.weight)
+    env_cfg = dataclasses.replace(env_cfg, group_size=group_size, weight=weight)
+    for problem in check_fields(env_cfg, "env", ["group_size", "weight"]):
+        raise _Usage(f"{problem.path.removeprefix('env.').replace('_', ' ')} {problem.message}")
     tokenizer = _pick(args.tokenizer, "ATROPOSD_TOKENIZER", str, "") or _configured_tokenizer(cfg)
 
     from atroposd.envs.arithmetic import ArithmeticTask
@@ -186,6 +189,6 @@ async def _evaluate(setup: dict[str, Any]) -> int:
                                                max_tokens=options.max_tokens)
         except GenerateError as exc:
             print(f"atroposd env: {exc}", file=sys.stderr)
-            return 1
+            return Exit.RUNTIME
     sys.stdout.write(orjson.dumps(result.as_dict()).decode() + "\n")
-    return 0
+    return Exit.OK

@@ -9,14 +9,15 @@ if the API forgot it. Only a 4xx, which no retry can fix, rejects a group, and t
 as an error with the API's message.
 
 ``QueueGate`` is the cooperative throttle: it admits a new group only while this
-environment's groups queued at the API plus those in flight stay under
-``max_batches_offpolicy`` trainer batches, which bounds how stale a rollout can be when the
-trainer takes it.
+environment's groups queued at the API plus those in flight stay under its weight's share
+of ``max_batches_offpolicy`` trainer batches, which bounds how stale a rollout can be when
+the trainer takes it and makes batches follow the environments' weights.
 """
 
 from __future__ import annotations
 
 import gzip
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +80,10 @@ class EnvStatus:
     current_step: int
     queue_size: int
     at: float  # anyio.current_time() when fetched
+    #: this environment's own groups in the queue (an API without the field: ``queue_size``)
+    self_queue_size: int = 0
+    #: this environment's share of each batch by the registered weights (``env_weight``), 0..1
+    env_weight: float = 1.0
 
 
 @dataclass
@@ -167,8 +172,11 @@ class AtroposEnvClient:
                 await backoff.wait(retry)
         backoff.done()
         self.accepted_since_status -= counted
-        return EnvStatus(current_step=int(answer.get("current_step", 0)),
-                         queue_size=int(answer.get("queue_size", 0)), at=anyio.current_time())
+        queue_size = int(answer.get("queue_size", 0))
+        share = float(answer.get("env_weight", 1.0))
+        return EnvStatus(current_step=int(answer.get("current_step", 0)), queue_size=queue_size,
+                         at=anyio.current_time(), self_queue_size=int(answer.get("self_queue_size", queue_size)),
+                         env_weight=min(1.0, share) if math.isfinite(share) and share > 0 else 1.0)
 
     # ------------------------------------------------------------------ submission
 
@@ -270,7 +278,14 @@ class AtroposEnvClient:
 
 class QueueGate:
     """Admits a new group only while this environment's queued and in-flight groups stay under
-    ``limit`` (``max_batches_offpolicy`` batches' worth of groups)."""
+    its share of ``limit`` (``max_batches_offpolicy`` batches' worth of groups).
+
+    The share is the API's ``env_weight`` (this environment's ``[[env]] weight`` over all the
+    connected ones'): each environment keeps at most its share of the off-policy budget
+    waiting, so batches are made of the environments' groups in the proportion of their
+    weights. Alone, an environment's share is 1: the whole budget. The shares of every
+    environment add up to the budget, so the queue can always reach a full batch.
+    """
 
     def __init__(self, client: AtroposEnvClient, *, limit: int, log: Any = None) -> None:
         self._client = client
@@ -292,15 +307,20 @@ class QueueGate:
             status = self._status
             if status is None or anyio.current_time() - status.at > STATUS_MAX_AGE:
                 status = self._status = await self._client.status()
-            queued = status.queue_size + self._client.accepted_since_status
+            queued = status.self_queue_size + self._client.accepted_since_status
             busy = in_flight()
-            if queued + busy < self.limit:
-                self._set_throttled(False, queued, busy)
+            limit = self.limit_for(status)
+            if queued + busy < limit:
+                self._set_throttled(False, queued, busy, limit)
                 return status
-            self._set_throttled(True, queued, busy)
+            self._set_throttled(True, queued, busy, limit)
             await anyio.sleep(STATUS_MAX_AGE)
 
-    def _set_throttled(self, on: bool, queued: int, in_flight: int) -> None:
+    def limit_for(self, status: EnvStatus) -> int:
+        """Groups this environment may have queued or in flight: its share of the limit."""
+        return max(1, math.ceil(self.limit * status.env_weight - 1e-9))
+
+    def _set_throttled(self, on: bool, queued: int, in_flight: int, limit: int) -> None:
         if on == self.throttled:
             return
         now = anyio.current_time()
@@ -310,10 +330,10 @@ class QueueGate:
         if on:
             self._throttled_since = now
             self._log.debug("throttled: the API holds enough of this environment's groups",
-                            queued_groups=queued, in_flight=in_flight, limit=self.limit)
+                            queued_groups=queued, in_flight=in_flight, limit=limit)
         else:
             self.throttled_s += now - self._throttled_since
-            self._log.debug("resumed", queued_groups=queued, in_flight=in_flight, limit=self.limit,
+            self._log.debug("resumed", queued_groups=queued, in_flight=in_flight, limit=limit,
                             throttled_s=round(now - self._throttled_since, 2))
 
     def throttled_total(self) -> float:

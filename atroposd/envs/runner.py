@@ -38,9 +38,9 @@ from atroposd.envs.client import (
     Registration,
 )
 from atroposd.envs.generate import GenerateError, InferenceClient
+from atroposd.exitcodes import Exit
 from atroposd.logs import get_logger
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 DISCONNECT_TIMEOUT = 3.0
 
 
@@ -156,7 +156,7 @@ class EnvRunner:
             self.log.error("environment failed", error=message, exit_code=code)
             return code
         self.log.info("environment stopped")
-        return EXIT_OK
+        return Exit.OK
 
     def request_stop(self, *, now: bool = False) -> None:
         """Stop starting groups, abandon generations, give scored groups ``stop_grace`` (or, with
@@ -195,10 +195,10 @@ class EnvRunner:
                     registration = await api.register()
                     self._check_fits(registration)
                 except UsageError as exc:
-                    self._fail(EXIT_USAGE, str(exc))
+                    self._fail(Exit.USAGE, str(exc))
                     return
                 except ApiError as exc:
-                    self._fail(EXIT_FAILURE, str(exc))
+                    self._fail(Exit.RUNTIME, str(exc))
                     return
                 self.gate = QueueGate(api, limit=self._queue_limit(registration), log=self.log)
                 self._window.started = self.totals.started = anyio.current_time()
@@ -240,9 +240,9 @@ class EnvRunner:
             self._window.add(group)
             self.totals.add(group)
         except GenerateError as exc:
-            self._fail(EXIT_FAILURE, str(exc))
+            self._fail(Exit.RUNTIME, str(exc))
         except ApiError as exc:
-            self._fail(EXIT_FAILURE, str(exc))
+            self._fail(Exit.RUNTIME, str(exc))
         finally:
             assert self._slots is not None
             self._slots.release()

@@ -10,6 +10,8 @@ import argparse
 import sys
 from typing import Any
 
+from atroposd.exitcodes import Exit
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add this child's flags to its sub-parser (`-c` is already there)."""
@@ -30,32 +32,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
 
 
+# Flags that set an [inference] key of the same name; checked by the key's schema rules.
+_FLAGS = ("host", "port", "model", "tokenizer", "engine", "dtype", "device", "max_model_len")
+
+
 def config_from(args: argparse.Namespace) -> Any:
     """The config (``-c``, else discovered, else defaults) with the flags applied; exits 2 if invalid.
 
     Flags are applied to the validated config directly: a standalone server need not satisfy
     the job-wide cross checks (distinct ports, trainer limits) the flags could trip.
     """
-    from atroposd.cli import load_or_exit
+    from atroposd.clargs import apply_flags, load_or_exit
 
     cfg = load_or_exit(args)
-    inf = cfg.inference
-    for flag in ("host", "port", "model", "tokenizer", "engine", "dtype", "device", "max_model_len"):
-        value = getattr(args, flag, None)
-        if value is not None:
-            setattr(inf, flag, value)
-    if args.seed is not None:
-        cfg.trainer.seed = args.seed
-    problems = []
-    if not 1 <= inf.port <= 65535:
-        problems.append(f"--port must be in 1..65535, got {inf.port}")
-    if inf.max_model_len < 8:
-        problems.append(f"--max-model-len must be ≥ 8, got {inf.max_model_len}")
+    problems = apply_flags(cfg.inference, "inference", args, {f: f for f in _FLAGS})
+    problems += apply_flags(cfg.trainer, "trainer", args, {"seed": "seed"})
     if args.threads is not None and args.threads < 1:
         problems.append(f"--threads must be ≥ 1, got {args.threads}")
     if problems:
         print("atroposd inference: " + "; ".join(problems), file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(Exit.USAGE)
     return cfg
 
 
@@ -63,6 +59,7 @@ def main(args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
 
+    from atroposd.config import SOCKET_PATH_MAX
     from atroposd.inference.server import PortInUse, ServerOptions, serve
     from atroposd.logs import configure_logging, get_logger
     from atroposd.models.resolve import BUILTIN_TINY, ModelError, resolve_model, resolve_tokenizer
@@ -72,27 +69,28 @@ def main(args: argparse.Namespace) -> int:
     configure_logging(args.log_level or cfg.daemon.log_level, cfg.daemon.log_format, component="inference")
     inf = cfg.inference
     sock = Path(args.control_socket) if args.control_socket else Paths.of(cfg).inference_socket(inf.port)
-    if len(str(sock).encode()) > 107:
-        print(f"atroposd inference: control socket path {sock} is longer than 107 bytes", file=sys.stderr)
-        return 2
+    if len(str(sock).encode()) > SOCKET_PATH_MAX:
+        print(f"atroposd inference: control socket path {sock} is longer than {SOCKET_PATH_MAX} bytes",
+              file=sys.stderr)
+        return Exit.USAGE
     try:
         if inf.model != BUILTIN_TINY:  # a local directory: check it now, before anything is loaded
             resolve_model(cfg)
             resolve_tokenizer(cfg)
     except ModelError as exc:
         print(f"atroposd inference: {exc}", file=sys.stderr)
-        return 2
+        return Exit.USAGE
     opts = ServerOptions(host=inf.host, port=inf.port, control_socket=sock, engine=inf.engine,
                          await_weights=args.await_weights, threads=args.threads)
     try:
         code = asyncio.run(serve(cfg, opts))
     except ModelError as exc:
         print(f"atroposd inference: {exc}", file=sys.stderr)
-        return 2
+        return Exit.USAGE
     except PortInUse as exc:
         get_logger("inference").error("cannot start", error=str(exc))
         print(f"atroposd inference: {exc}", file=sys.stderr)
-        return 1
+        return Exit.RUNTIME
     _exit_now(code)
     return code
 

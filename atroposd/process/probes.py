@@ -8,14 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import anyio
 
 from atroposd.logs import get_logger
-
-if TYPE_CHECKING:
-    from atroposd.process.unit import Unit
 
 log = get_logger("atroposd.probes")
 
@@ -25,6 +22,15 @@ REQUEST_TIMEOUT = 5.0
 
 class ProbeError(Exception):
     """The probe itself decided the child cannot become ready (a wrong answer, not a slow one)."""
+
+
+class Unit(Protocol):
+    """What a probe reads of the unit it waits on (``process.unit.Unit`` has it)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def tree_pids(self) -> set[int]: ...
 
 
 class Probe(Protocol):

@@ -32,6 +32,7 @@ import anyio
 import anyio.abc
 import psutil
 
+from atroposd.exitcodes import Exit
 from atroposd.logs import get_logger
 from atroposd.pids import is_alive
 from atroposd.process import reaper
@@ -44,7 +45,6 @@ LAUNCHER = str(Path(__file__).with_name("launch.py"))
 BACKOFF_FIRST = 1.0
 BACKOFF_MAX = 30.0
 BACKOFF_JITTER = 0.2
-EXIT_USAGE = 2
 # How long the log pump may keep draining a closed child's pipe before it is cut off.
 PUMP_DRAIN = 1.0
 DESCENDANT_POLL = 0.02
@@ -223,7 +223,7 @@ class Unit:
             proc = await self._launch()
         except (OSError, ValueError) as exc:
             self.last_error = f"cannot start: {exc}"
-            return ExitInfo(code=127)
+            return ExitInfo(code=Exit.EXEC_FAILED)
         exited = anyio.Event()
         codes: list[int] = []
         requested = True
@@ -394,7 +394,7 @@ class Unit:
         while self._exits and now - self._exits[0] > self.spec.restart_window:
             self._exits.popleft()
         what = exit_info.describe()
-        if exit_info.code == EXIT_USAGE and not self.ever_ready:
+        if exit_info.code == Exit.USAGE and not self.ever_ready:
             self.last_error = (f"{what} before it was ever ready: a usage or config error; last log lines:\n"
                                f"{tail(self.log_path)}")
             self._transition(State.FAILED, f"{what} before it was ever ready: usage or config error, not restarted")

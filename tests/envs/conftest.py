@@ -200,12 +200,13 @@ class EnvProc:
             time.sleep(0.05)
 
 
-def env_config(tmp: Path, group_size: int = 4, **options: Any) -> Path:
+def env_config(tmp: Path, group_size: int = 4, weight: float = 1.0, **options: Any) -> Path:
     return write_config(tmp / "atroposd.toml", {
         "daemon": {"state_dir": str(tmp / "state"), "runtime_dir": str(tmp / "run"), "log_format": "json",
                    "log_level": "debug"},  # the gate logs its transitions at debug level
         "trainer": {"batch_size": 16, "micro_batch_size": 8, "max_token_len": 64},
-        "env": [{"name": "arithmetic", "builtin": "arithmetic", "group_size": group_size, "options": options}],
+        "env": [{"name": "arithmetic", "builtin": "arithmetic", "group_size": group_size, "weight": weight,
+                 "options": options}],
     })
 
 
@@ -214,8 +215,8 @@ def start_env(tmp_path: Path, tokenizer_dir: Path) -> Iterator[Callable[..., Env
     procs: list[subprocess.Popen[bytes]] = []
 
     def start(api_url: str, inference_url: str, *, group_size: int = 4, replica: int = 0,
-              tokenizer: Path | None = None, **options: Any) -> EnvProc:
-        cfg = env_config(tmp_path, group_size, **options)
+              tokenizer: Path | None = None, weight: float = 1.0, **options: Any) -> EnvProc:
+        cfg = env_config(tmp_path, group_size, weight, **options)
         log = tmp_path / f"env-{len(procs)}.log"
         proc = spawn([sys.executable, "-m", "atroposd", "env", "arithmetic", "-c", str(cfg), "--replica",
                       str(replica), "--api-url", api_url, "--inference-url", inference_url,

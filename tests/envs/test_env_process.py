@@ -11,7 +11,14 @@ from typing import Any
 
 import pytest
 
-from tests.envs.conftest import Api, EnvProc, FakeInference, env_config, start_fake_inference
+from tests.envs.conftest import (
+    Api,
+    EnvProc,
+    FakeInference,
+    env_config,
+    http_json,
+    start_fake_inference,
+)
 from tests.support import atroposd, free_port, stop_process, wait_for
 
 
@@ -94,6 +101,26 @@ def test_throttles_when_the_queue_is_full_and_resumes_when_it_drains(
         assert api.status()["queue_size"] == 2
 
 
+@pytest.mark.parametrize(("weight", "other", "limit"), [(1.0, 3.0, 1), (3.0, 1.0, 3)])
+def test_weight_is_registered_and_sets_the_share_of_the_throttle(
+        api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc],
+        weight: float, other: float, limit: int) -> None:
+    """Beside another environment of weight ``other``, this one's share of the off-policy
+    budget (batch 16 / group 4 = 4 groups) is weight / (weight + other): it keeps that many
+    groups queued or in flight, no more."""
+    infer = fake_inference("uniform")
+    api.start_trainer(batch_size=16, max_token_len=64)
+    http_json("POST", api.url + "/register-env", {"max_token_length": 64, "desired_name": "other",
+                                                  "weight": other, "group_size": 4})
+    env = start_env(api.url, infer.url, group_size=4, concurrency=8, max_batches_offpolicy=1, weight=weight)
+    env.wait_event("throttled")
+    status = api.status_env(1)
+    assert status["env_weight"] == pytest.approx(weight / (weight + other))
+    wait_for(lambda: api.status_env(1)["self_queue_size"] == limit, timeout=20, what=f"{limit} groups queued")
+    env.wait_event("throttled")
+    assert infer.stats()["requests"] == limit  # nothing generated beyond its share
+
+
 def test_sigterm_abandons_generation_disconnects_and_exits_zero(
         api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
     infer = fake_inference("oracle")
@@ -148,6 +175,11 @@ def test_bad_options_exit_2(tmp_path: Path, tokenizer_dir: Path) -> None:
     assert r.returncode == 2 and "unknown built-in environment 'geometry'" in r.stderr
     r = atroposd("env", "arithmetic", "-c", str(cfg), *tok[2:], "--tokenizer", str(tmp_path))
     assert r.returncode == 2 and "no tokenizer.json" in r.stderr
+    # the daemon's variables are checked by the config's rules for the key they stand for
+    r = atroposd("env", "arithmetic", "-c", str(cfg), *tok, env={"ATROPOSD_WEIGHT": "-1"})
+    assert r.returncode == 2 and "weight must be ≥ 0, got -1" in r.stderr
+    r = atroposd("env", "arithmetic", "-c", str(cfg), *tok, env={"ATROPOSD_GROUP_SIZE": "0"})
+    assert r.returncode == 2 and "group size must be ≥ 1, got 0" in r.stderr
 
 
 def test_sequences_longer_than_max_token_len_exit_2(

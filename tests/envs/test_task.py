@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from atroposd.envoptions import ArithmeticOptions, parse_options, validate_options
 from atroposd.envs.arithmetic import (
     ArithmeticTask,
     Problem,
@@ -18,7 +19,6 @@ from atroposd.envs.arithmetic import (
     score,
 )
 from atroposd.envs.generate import Completion, GenerateError, Generation, parse_generation
-from atroposd.envs.options import ArithmeticOptions, parse_options, validate_options
 from atroposd.envs.vocab import Vocab, VocabError
 
 
@@ -199,8 +199,8 @@ def test_environment_modules_import_no_torch() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, atroposd.cli\n"
-            "from atroposd.envs import arithmetic, cli, client, generate, options, runner, vocab\n"
+    code = ("import sys, atroposd.cli, atroposd.envoptions\n"
+            "from atroposd.envs import arithmetic, cli, client, generate, runner, vocab\n"
             "heavy = sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules)\n"
             "assert not heavy, heavy\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -1,5 +1,6 @@
-"""Options of the built-in environments, validated by ``config check`` (no heavy imports here).
+"""The built-in environments: their names and options, written once (a leaf: standard library only).
 
+``config`` validates ``[[env]] builtin`` and ``options`` against this; ``envs/`` runs them.
 Each built-in environment declares its options as a dataclass; ``validate_options`` checks a
 ``[[env]] options`` table against it and returns ``(key, message)`` pairs.
 """
@@ -33,6 +34,29 @@ class ArithmeticOptions:
 
 
 BUILTIN_OPTIONS: dict[str, type] = {"arithmetic": ArithmeticOptions}
+#: The names a ``[[env]] builtin`` (and ``atroposd env NAME``) accepts.
+BUILTIN_ENVS: tuple[str, ...] = tuple(BUILTIN_OPTIONS)
+
+
+def options_schema(builtin: str) -> dict[str, Any]:
+    """A JSON Schema of one built-in's ``options`` table (the per-option rules of ``validate_options``)."""
+    cls = BUILTIN_OPTIONS[builtin]
+    defaults = cls()
+    props: dict[str, Any] = {}
+    for f in fields(cls):
+        default = getattr(defaults, f.name)
+        if isinstance(default, bool):
+            props[f.name] = {"type": "boolean"}
+        elif isinstance(default, int):
+            props[f.name] = {"type": "integer", "exclusiveMinimum": 0}
+        elif isinstance(default, float):
+            props[f.name] = {"type": "number", "exclusiveMinimum": 0}
+        elif isinstance(default, tuple):
+            props[f.name] = {"type": "array", "items": {"type": "string"}, "minItems": 1}
+        else:
+            props[f.name] = {"type": "string"}
+        props[f.name]["default"] = list(default) if isinstance(default, tuple) else default
+    return {"type": "object", "properties": props, "additionalProperties": False}
 
 
 def parse_options(builtin: str, options: Mapping[str, Any]) -> Any:
