@@ -35,10 +35,7 @@ class StartFailed(Exception):
 
 def prepare_dirs(paths: Paths) -> None:
     """The runtime directory (0700 when it is ours), the state, log and recovery directories."""
-    rt = paths.runtime_dir
-    rt.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if rt.stat().st_uid == os.getuid():
-        rt.chmod(0o700)
+    paths.ensure_runtime_dir()  # RuntimeDirError: a link, not a directory, or not ours
     for d in (paths.state_dir, paths.logs_dir, paths.recovery_dir):
         d.mkdir(parents=True, exist_ok=True)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from atroposd.config import Config, EnvConfig, fill_placeholders
 from atroposd.paths import Paths
+from atroposd.pyexec import python_module
 from atroposd.process.probes import HttpProbe, InferenceProbe, Probe, RegisteredProbe, StartedProbe
 from atroposd.process.unit import UnitSpec
 
@@ -56,7 +57,7 @@ def placeholder_values(ins: SpecInputs, *, name: str = "", replica: int = 0,
                        env: EnvConfig | None = None) -> dict[str, str]:
     """The values of SPEC §3's placeholders for one child (``{port}`` excepted)."""
     c = ins.cfg
-    return {
+    values = {
         "api_url": c.api_url, "inference_url": c.inference_url, "openai_url": c.inference_url + "/v1",
         "model": ins.model, "tokenizer": ins.tokenizer,
         "group_size": str(env.group_size if env else 0), "max_token_len": str(c.trainer.max_token_len),
@@ -64,6 +65,9 @@ def placeholder_values(ins: SpecInputs, *, name: str = "", replica: int = 0,
         "seed": str(c.trainer.seed + replica),
         "replica_port": str(env.port_base + replica) if env and env.port_base else "",
     }
+    if env is not None:
+        values["weight"] = str(env.weight)  # {weight} / ATROPOSD_WEIGHT: environments only
+    return values
 
 
 def child_env(ins: SpecInputs, values: Mapping[str, str]) -> dict[str, str]:
@@ -76,7 +80,8 @@ def child_env(ins: SpecInputs, values: Mapping[str, str]) -> dict[str, str]:
 
 
 def _atroposd(ins: SpecInputs, *args: str) -> list[str]:
-    return [ins.python, "-m", "atroposd", *args]
+    """``python -m atroposd ARGS`` with the working directory kept off ``sys.path``."""
+    return [*python_module("atroposd", executable=ins.python), *args]
 
 
 def api_spec(ins: SpecInputs) -> UnitSpec:
@@ -98,7 +103,9 @@ def inference_spec(ins: SpecInputs) -> UnitSpec:
     c = ins.cfg
     sock = ins.paths.inference_socket(c.inference.port)
     argv = _atroposd(ins, "inference", "-c", ins.child_config, "--control-socket", str(sock))
-    if c.trainer.enabled and c.weight_sync in ("shared", "push"):
+    if c.trainer.enabled:
+        # Every mode: a (re)started server waits for the trainer's current weights before it
+        # serves, never the base model (SPEC §4).
         argv.append("--await-weights")
     env = child_env(ins, placeholder_values(ins, name="inference"))
     if c.inference.device.startswith(("GPU-", "MIG-")):

@@ -54,14 +54,14 @@ def test_built_in_job_with_two_env_replicas() -> None:
     assert [s.kind for s in specs] == ["api", "inference", "env", "env"]
     api, inference, m0, m1 = specs
 
-    assert api.argv == [PY, "-m", "atroposd", "api", "-c", CHILD_CONFIG]
+    assert api.argv == [PY, "-P", "-m", "atroposd", "api", "-c", CHILD_CONFIG]
     assert api.probe == HttpProbe("http://127.0.0.1:8000/info", {})
     assert api.ready_timeout == API_READY_TIMEOUT and api.stop_timeout == 7.0
     assert "ATROPOSD_GROUP_SIZE" not in api.env and api.env["ATROPOSD_NAME"] == "api"
 
     sock = "/run/job/inference-9001.sock"
     # the trainer is in this job and syncs through shared memory: the server waits for its weights
-    assert inference.argv == [PY, "-m", "atroposd", "inference", "-c", CHILD_CONFIG, "--control-socket", sock,
+    assert inference.argv == [PY, "-P", "-m", "atroposd", "inference", "-c", CHILD_CONFIG, "--control-socket", sock,
                               "--await-weights"]
     assert inference.probe == InferenceProbe("http://127.0.0.1:9001", Path(sock))
     assert inference.death_signal == signal.SIGTERM
@@ -69,7 +69,7 @@ def test_built_in_job_with_two_env_replicas() -> None:
 
     for i, spec in enumerate((m0, m1)):
         name = f"math-{i}"
-        assert spec.argv == [PY, "-m", "atroposd", "env", "arithmetic", "-c", CHILD_CONFIG, "--name", name,
+        assert spec.argv == [PY, "-P", "-m", "atroposd", "env", "arithmetic", "-c", CHILD_CONFIG, "--name", name,
                              "--replica", str(i)]
         assert _atroposd_vars(spec) == {
             "ATROPOSD_API_URL": "http://127.0.0.1:8000", "ATROPOSD_INFERENCE_URL": "http://127.0.0.1:9001",
@@ -77,6 +77,7 @@ def test_built_in_job_with_two_env_replicas() -> None:
             "ATROPOSD_TOKENIZER": "/models/tok", "ATROPOSD_GROUP_SIZE": "4", "ATROPOSD_MAX_TOKEN_LEN": "256",
             "ATROPOSD_STEPS": "40", "ATROPOSD_NAME": name, "ATROPOSD_REPLICA": str(i),
             "ATROPOSD_SEED": str(10 + i), "ATROPOSD_REPLICA_PORT": str(7100 + i), "ATROPOSD_INSTANCE": NONCE,
+            "ATROPOSD_WEIGHT": "1.0",
         }
         assert spec.env["PYTHONUNBUFFERED"] == "1" and spec.env["PATH"] == "/usr/bin"
         # two replicas: each is credited by its own name only, not by the environment's
@@ -92,12 +93,15 @@ def test_external_api_and_inference_with_a_command_environment() -> None:
                         "restart": "always", "max_restarts": 2, "restart_window": 9.0, "stop_signal": "INT",
                         "ready_timeout": 33.0,
                         "command": ["serve", "--api={api_url}", "{openai_url}", "--port", "{replica_port}",
-                                    "--seed", "{seed}", "--model", "{model}", "{name}/{replica}"]}])
+                                    "--seed", "{seed}", "--model", "{model}", "{name}/{replica}",
+                                    "--weight={weight}"], "weight": 0.25}])
     specs = all_specs(_inputs(cfg))
     assert [s.name for s in specs] == ["web-0", "web-1"]  # external components are not supervised
     for i, spec in enumerate(specs):
         assert spec.argv == ["serve", "--api=http://10.0.0.5:8000", "http://10.0.0.6:9001/v1", "--port",
-                             str(7000 + i), "--seed", str(i), "--model", "/models/m", f"web-{i}/{i}"]
+                             str(7000 + i), "--seed", str(i), "--model", "/models/m", f"web-{i}/{i}",
+                             "--weight=0.25"]
+        assert spec.env["ATROPOSD_WEIGHT"] == "0.25"
         assert spec.env["ATROPOSD_API_URL"] == "http://10.0.0.5:8000"
         assert spec.env["ATROPOSD_INFERENCE_URL"] == "http://10.0.0.6:9001"
         assert spec.probe == StartedProbe(0.5)
@@ -118,6 +122,12 @@ def test_a_single_replica_registers_under_its_name_or_the_environments_with_the_
 def test_api_command_gets_its_port() -> None:
     cfg = _config(api={"command": ["my-api", "--port", "{port}", "--model", "{tokenizer}"], "port": 8123})
     assert api_spec(_inputs(cfg)).argv == ["my-api", "--port", "8123", "--model", "/models/tok"]
+
+
+@pytest.mark.parametrize("sync", ["shared", "push", "reload"])
+def test_a_restarted_inference_server_waits_for_weights_in_every_mode(sync: str) -> None:
+    cfg = _config(trainer={"weight_sync": sync})
+    assert "--await-weights" in inference_spec(_inputs(cfg)).argv  # never the base model
 
 
 def test_inference_on_a_gpu_by_uuid_without_a_trainer() -> None:
