@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from atroposd.config import Config, EnvConfig, fill_placeholders
 from atroposd.paths import Paths
-from atroposd.pyexec import python_module
 from atroposd.process.probes import HttpProbe, InferenceProbe, Probe, RegisteredProbe, StartedProbe
 from atroposd.process.unit import UnitSpec
+from atroposd.pyexec import python_module
 
 API_READY_TIMEOUT = 60.0
 # systemd's variables are for the daemon alone: no child inherits them.
