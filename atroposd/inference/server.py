@@ -30,8 +30,9 @@ import orjson
 from aiohttp import web
 
 from atroposd.inference import schema
-from atroposd.inference.gate import ShuttingDown
+from atroposd.inference.gate import NotPaused, ShuttingDown
 from atroposd.logs import get_logger
+from atroposd.weights.protocol import WeightUpdateError
 
 __all__ = ["Engine", "ServerOptions", "build_control_app", "build_tcp_app", "make_engine", "serve"]
 
@@ -77,27 +78,25 @@ class _Front:
     engine: Any = None
     tokenizer: Any = None
     info: dict[str, Any] = field(default_factory=dict)
-    bad_request: tuple[type[Exception], ...] = (schema.BadRequest,)
-    update_error: tuple[type[Exception], ...] = ()
-    not_paused: tuple[type[Exception], ...] = ()
 
 
-def make_engine(cfg: Any, name: str, *, await_weights: bool, threads: int | None = None
-                ) -> tuple[Any, tuple[type[Exception], ...]]:
-    """(engine, the exception types it raises for a bad request). vLLM is imported only here."""
+def make_engine(cfg: Any, name: str, *, await_weights: bool, threads: int | None = None) -> Any:
+    """The engine named ``name`` for ``cfg``. vLLM is imported only here.
+
+    Every engine answers a bad request with :class:`schema.BadRequest`, a refused weight
+    update with :class:`WeightUpdateError` and an update outside a pause with
+    :class:`NotPaused`: the routes catch exactly these."""
     from atroposd.weights.receiver import ReceiverState
 
     receiver = ReceiverState.from_config(cfg)
     if name == "torch":
         from atroposd.inference.torch_engine import TorchEngine
 
-        return (TorchEngine.from_config(cfg, receiver=receiver, await_weights=await_weights, threads=threads),
-                (schema.BadRequest,))
+        return TorchEngine.from_config(cfg, receiver=receiver, await_weights=await_weights, threads=threads)
     if name == "vllm":
-        from atroposd.inference.vllm_engine import BadRequest, VllmEngine
+        from atroposd.inference.vllm_engine import VllmEngine
 
-        return (VllmEngine.from_config(cfg, receiver=receiver, await_weights=await_weights),
-                (schema.BadRequest, BadRequest))
+        return VllmEngine.from_config(cfg, receiver=receiver, await_weights=await_weights)
     raise ValueError(f"unknown engine {name!r} (known: torch, vllm)")
 
 
@@ -143,11 +142,11 @@ def _route(front: _Front, fn: Callable[[web.Request], Awaitable[Any]], *, openai
             result = await fn(request)
         except web.HTTPException:
             raise
-        except front.bad_request as exc:
+        except schema.BadRequest as exc:
             return _error(400, str(exc), openai=openai)
-        except front.not_paused as exc:
+        except NotPaused as exc:
             return _error(409, str(exc), openai=openai)
-        except front.update_error as exc:
+        except WeightUpdateError as exc:
             return _error(400, str(exc), openai=openai)
         except ShuttingDown as exc:
             return _error(503, str(exc), openai=openai)
@@ -374,12 +373,8 @@ async def serve(cfg: Any, opts: ServerOptions, *, ready: Callable[[], None] | No
         # torch is imported from here on (after the port is ours, so a port in use fails fast).
         # The tokenizer's fingerprint is known before the model loads: /info answers early.
         front.info, tokenizer = await asyncio.to_thread(_info, cfg, opts)
-        engine, bad = await asyncio.to_thread(make_engine, cfg, opts.engine, await_weights=opts.await_weights,
-                                              threads=opts.threads)
-        from atroposd.inference.gate import NotPaused
-        from atroposd.weights.receiver import WeightUpdateError
-
-        front.bad_request, front.not_paused, front.update_error = bad, (NotPaused,), (WeightUpdateError,)
+        engine = await asyncio.to_thread(make_engine, cfg, opts.engine, await_weights=opts.await_weights,
+                                         threads=opts.threads)
         await _wait_or_stop(engine.start(), stop)
         if stop.is_set():
             return 0

@@ -54,6 +54,7 @@ import torch
 
 from atroposd.logs import get_logger
 from atroposd.weights.manifest import Manifest, ManifestError, TensorSpec
+from atroposd.weights.protocol import SYNC_FORMAT, SYNC_WEIGHTS_FILE, WeightUpdateError
 from atroposd.weights.shm import ShmError, ShmSegment
 from atroposd.weights.tensors import (
     ModelTensors,
@@ -68,15 +69,6 @@ from atroposd.weights.tensors import (
 __all__ = ["ReceiverState", "WeightUpdateError", "apply_update", "inspect_sync_dir", "load_dir"]
 
 log = get_logger(__name__)
-
-SYNC_WEIGHTS_FILE = "model.safetensors"
-ADAPTER_DIR = "adapter"
-SYNC_FORMAT = "atroposd-sync-1"
-
-
-class WeightUpdateError(ValueError):
-    """A weight update that was refused; the model is unchanged."""
-
 
 @dataclass
 class ReceiverState:
