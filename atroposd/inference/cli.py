@@ -36,9 +36,14 @@ def config_from(args: argparse.Namespace) -> Any:
     Flags are applied to the validated config directly: a standalone server need not satisfy
     the job-wide cross checks (distinct ports, trainer limits) the flags could trip.
     """
-    from atroposd.cli import load_or_exit
+    from atroposd.config import ConfigError, load_config
+    from atroposd.exitcodes import Exit
 
-    cfg = load_or_exit(args)
+    try:
+        cfg = load_config(getattr(args, "config", None))
+    except ConfigError as exc:
+        print(f"atroposd: {exc}", file=sys.stderr)
+        raise SystemExit(Exit.USAGE) from None
     inf = cfg.inference
     for flag in ("host", "port", "model", "tokenizer", "engine", "dtype", "device", "max_model_len"):
         value = getattr(args, flag, None)
@@ -55,7 +60,7 @@ def config_from(args: argparse.Namespace) -> Any:
         problems.append(f"--threads must be ≥ 1, got {args.threads}")
     if problems:
         print("atroposd inference: " + "; ".join(problems), file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(Exit.USAGE)
     return cfg
 
 

@@ -431,7 +431,7 @@ def _engine_segments() -> set[str]:
     """/dev/shm segments this process and its descendants map now."""
     import psutil
 
-    from atroposd.process.reaper import mapped_shm
+    from atroposd.shmscan import mapped_shm
 
     pids = [os.getpid()]
     with contextlib.suppress(psutil.Error):
@@ -442,7 +442,7 @@ def _engine_segments() -> set[str]:
 def _remove_segments(names: set[str]) -> None:
     import psutil
 
-    from atroposd.process.reaper import unlink_orphaned_segments
+    from atroposd.shmscan import unlink_orphaned_segments
 
     try:
         since = psutil.Process().create_time()

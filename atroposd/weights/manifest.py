@@ -48,6 +48,7 @@ __all__ = [
     "TensorEntry",
     "TensorSpec",
     "manifest_path",
+    "match_tensors",
     "process_start_time",
 ]
 
@@ -304,8 +305,6 @@ class Manifest:
         importer name → exported name (an importer that does not tie what the exporter ties
         re-ties by mapping both names onto the one exported tensor).
         """
-        from atroposd.weights.tensors import match_tensors
-
         exported = {t.name: TensorSpec(t.dtype, tuple(t.shape)) for t in self.tensors}
         return match_tensors(exported, self.tied, expected, tied)
 
@@ -324,6 +323,39 @@ class Manifest:
             if seg.index == index:
                 return seg
         raise ManifestError(f"segment {index} is not in the manifest")
+
+
+def match_tensors(exported: Mapping[str, TensorSpec], exported_tied: Mapping[str, str],
+                  mine: Mapping[str, TensorSpec], my_tied: Mapping[str, str]) -> dict[str, str]:
+    """Check an export against the importer's own tensors; return importer name → exported name.
+
+    Every canonical tensor of the importer must be exported (directly, or as an alias the
+    exporter ties) with the same dtype and shape; the export must hold nothing the importer
+    lacks, and nothing the importer ties but the exporter keeps separate.
+    Raises ManifestError listing every problem, each naming its tensor.
+    """
+    source: dict[str, str] = {}
+    problems: list[str] = []
+    for name, spec in mine.items():
+        src = name if name in exported else exported_tied.get(name)
+        if src is None or src not in exported:
+            problems.append(f"tensor {name!r} is missing from the export")
+            continue
+        got = exported[src]
+        if got.dtype != spec.dtype:
+            problems.append(f"tensor {name!r}: dtype {got.dtype} != the importer's {spec.dtype}")
+        if tuple(got.shape) != tuple(spec.shape):
+            problems.append(f"tensor {name!r}: shape {list(got.shape)} != the importer's {list(spec.shape)}")
+        source[name] = src
+    for name in exported:
+        if name in my_tied:
+            problems.append(f"tensor {name!r} is exported on its own but the importer ties it to "
+                            f"{my_tied[name]!r}")
+        elif name not in mine:
+            problems.append(f"tensor {name!r} is in the export but not in the importer's model")
+    if problems:
+        raise ManifestError("weights do not match the model: " + "; ".join(problems))
+    return source
 
 
 def _int(value: Any, what: str) -> int:

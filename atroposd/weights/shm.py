@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from atroposd.logs import get_logger
+from atroposd.shmscan import mapped_shm
 
 try:  # The POSIX shm_open/shm_unlink pair; CPython ships it on every POSIX platform.
     import _posixshmem
@@ -283,8 +284,6 @@ def list_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
 
 def mapped_segments(prefix: str = SEGMENT_PREFIX) -> dict[str, set[int]]:
     """Segment name → pids of this user's processes that map it (from ``/proc/*/maps``)."""
-    from atroposd.process.reaper import mapped_shm
-
     return mapped_shm(prefix)
 
 

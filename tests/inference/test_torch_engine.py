@@ -220,6 +220,37 @@ async def test_await_weights_starts_paused(tiny_dir: Path) -> None:
         await eng.close()
 
 
+async def test_awaiting_server_takes_its_first_weights_by_reload(tiny_dir: Path, tmp_path: Path) -> None:
+    """reload mode: a (restarted) server started awaiting weights serves nothing until the
+    trainer's /load and /resume, and then serves the loaded weights (SPEC §4)."""
+    from transformers import AutoModelForCausalLM
+
+    from atroposd.weights.receiver import ReceiverState
+    from atroposd.weights.reload import write_sync_dir
+
+    sync_dir = tmp_path / "sync"
+    receiver = ReceiverState(nonce="reloadtest", weights_dir=tmp_path / "weights", sync_dir=sync_dir)
+    eng = TorchEngine(model_dir=tiny_dir, max_model_len=MAX_MODEL_LEN, await_weights=True, receiver=receiver)
+    await eng.start()
+    try:
+        probe = req(max_tokens=1, prompt_logprobs=0)
+        base = (await eng.generate(probe, bypass_pause=True))["prompt_logprobs"]
+        held = asyncio.ensure_future(eng.generate(probe))
+        trained = AutoModelForCausalLM.from_pretrained(str(tiny_dir))
+        with torch.no_grad():
+            trained.get_input_embeddings().weight.mul_(1.5)
+        path = write_sync_dir(trained, sync_dir, 4)
+        loaded = await eng.load_weights({"path": str(path), "weight_version": 4})
+        assert loaded["weight_version"] == 4
+        assert not held.done() and (await eng.weight_info())["awaiting_weights"]
+        await eng.resume(4)
+        answer = await asyncio.wait_for(held, 30)
+        assert answer["weight_version"] == 4 and answer["prompt_logprobs"] != base
+        assert (await eng.weight_info())["updates"] == 1
+    finally:
+        await eng.close()
+
+
 def test_flat_llama_forward_matches_the_models_own(tiny_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
