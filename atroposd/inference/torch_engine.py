@@ -312,7 +312,7 @@ class TorchEngine(WeightGate):
     async def weight_info(self) -> dict[str, Any]:
         return {"weight_version": self.weight_version, "paused": self._paused,
                 "attached": bool(self.receiver is not None and self.receiver.attached), "updates": self.updates,
-                "awaiting_weights": self.awaiting_weights, "engine": self.name, "pid": os.getpid()}
+                "awaiting_weights": self.awaiting_weights, "waiting": self.waiting, "engine": self.name, "pid": os.getpid()}
 
     def stats(self) -> dict[str, Any]:
         return {"batches": self.batches, "rows": self.batched_rows, "queued": len(self._queue),

@@ -402,7 +402,7 @@ class VllmEngine(WeightGate):
 
     async def weight_info(self) -> dict[str, Any]:
         return {"weight_version": self.weight_version, "paused": self._paused, "attached": False,
-                "updates": self.updates, "awaiting_weights": self.awaiting_weights, "engine": self.name,
+                "updates": self.updates, "awaiting_weights": self.awaiting_weights, "waiting": self.waiting, "engine": self.name,
                 "pid": os.getpid()}
 
 

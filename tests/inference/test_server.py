@@ -255,7 +255,10 @@ def test_sigterm_while_generations_wait_at_a_paused_gate(short_tmp: Path, tiny_d
             srv.http("POST", "/generate", gen_body(max_tokens=3, seed=k), timeout=60))) for k in range(6)]
         for t in threads:
             t.start()
-        time.sleep(1.0)  # all six are admitted to the handler and wait at the gate
+        deadline = time.monotonic() + 30  # all six reach the handler and wait at the gate
+        while srv.control("GET", "/weight_info")[1]["waiting"] != 6:
+            assert time.monotonic() < deadline, "the generations never reached the paused gate"
+            time.sleep(0.02)
         assert not answers
         t0 = time.monotonic()
         os.killpg(srv.proc.pid, signal.SIGTERM)

@@ -211,8 +211,10 @@ async def test_await_weights_starts_paused(tiny_dir: Path) -> None:
         info = await eng.weight_info()
         assert info["paused"] and info["awaiting_weights"]
         held = asyncio.ensure_future(eng.generate(req(max_tokens=1)))
-        await eng.generate(req(max_tokens=1), bypass_pause=True)
-        assert not held.done()
+        # The readiness probe's generation passes the closed gate (a deadline, not a hang, if not).
+        probe = await asyncio.wait_for(eng.generate(req(max_tokens=1), bypass_pause=True), 30)
+        assert probe["weight_version"] == 0
+        assert not held.done() and (await eng.weight_info())["waiting"] == 1
         await eng.resume(3)
         assert (await asyncio.wait_for(held, 30))["weight_version"] == 3
         assert not (await eng.weight_info())["awaiting_weights"]
