@@ -222,7 +222,7 @@ def _is_view_of(t: torch.Tensor, seg: Segment) -> bool:
     return False
 
 
-def _own_start_time() -> float:
+def _own_start_time() -> int:
     from atroposd.weights.manifest import process_start_time
 
     st = process_start_time(os.getpid())

@@ -4,7 +4,7 @@ A manifest is one JSON file, ``{weights_dir}/manifest-<nonce>.json`` (mode 0600,
 temporary name and renamed), describing every exported tensor of one export:
 
 ```
-{"format": 1, "nonce": "<daemon nonce>", "exporter_pid": 4242, "exporter_start_time": 1.7e9,
+{"format": 1, "nonce": "<daemon nonce>", "exporter_pid": 4242, "exporter_start_time": 268735,
  "export_id": 3, "weight_version": 17, "transport": "shm" | "cuda_ipc", "created_at": 1.7e9,
  "segments": [{"index": 0, "name": "atroposd-<nonce>-0", "size": 1327104, "handle": null,
                "device_uuid": null}],
@@ -99,17 +99,13 @@ class TensorSpec:
     shape: tuple[int, ...]
 
 
-def process_start_time(pid: int) -> float | None:
-    """A process's start time (psutil ``create_time``), or None when it does not exist."""
-    import psutil
-
-    try:
-        return float(psutil.Process(pid).create_time())
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return None
+def process_start_time(pid: int) -> int | None:
+    """A process's start time in clock ticks since boot (:func:`atroposd.pids.start_ticks`:
+    no clock step moves it), or None when it does not exist."""
+    return pids.start_ticks(pid)
 
 
-def exporter_alive(pid: int, start_time: float) -> bool:
+def exporter_alive(pid: int, start_time: int) -> bool:
     """True when ``pid`` runs and started at ``start_time`` (so it is not a recycled pid)."""
     return pids.same_process(pid, start_time) is not None
 
@@ -137,7 +133,7 @@ def itemsize(dtype: str) -> int:
 class Manifest:
     nonce: str
     exporter_pid: int
-    exporter_start_time: float
+    exporter_start_time: int  # clock ticks since boot (process_start_time)
     export_id: int
     weight_version: int
     transport: str
@@ -195,7 +191,7 @@ class Manifest:
                                                      for k, v in tied.items()):
                 raise ManifestError("'tied' must map tensor names to tensor names")
             return cls(nonce=str(data["nonce"]), exporter_pid=_int(data["exporter_pid"], "exporter_pid"),
-                       exporter_start_time=float(data["exporter_start_time"]),
+                       exporter_start_time=_int(data["exporter_start_time"], "exporter_start_time"),
                        export_id=_int(data["export_id"], "export_id"),
                        weight_version=_int(data["weight_version"], "weight_version"),
                        transport=str(data["transport"]), segments=segments, tensors=tensors, tied=tied,
@@ -209,7 +205,7 @@ class Manifest:
 
     @classmethod
     def load(cls, path: Path, *, expected_nonce: str, weights_dir: Path,
-             exporter_alive: Callable[[int, float], bool] = exporter_alive) -> Manifest:
+             exporter_alive: Callable[[int, int], bool] = exporter_alive) -> Manifest:
         """Read and check a manifest's provenance: location, owner, mode, nonce, live exporter.
 
         ``path`` must be exactly ``weights_dir/manifest-<expected_nonce>.json``: an importer
