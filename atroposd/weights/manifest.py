@@ -6,7 +6,7 @@ temporary name and renamed), describing every exported tensor of one export:
 ```
 {"format": 1, "nonce": "<daemon nonce>", "exporter_pid": 4242, "exporter_start_time": 268735,
  "export_id": 3, "weight_version": 17, "transport": "shm" | "cuda_ipc", "created_at": 1.7e9,
- "segments": [{"index": 0, "name": "atroposd-<nonce>-0", "size": 1327104, "handle": null,
+ "segments": [{"index": 0, "name": "atroposd-<nonce>-<tag>-0", "size": 1327104, "handle": null,
                "device_uuid": null}],
  "tensors": [{"name": "model.embed_tokens.weight", "dtype": "float32", "shape": [22, 128],
               "stride": [128, 1], "segment": 0, "offset": 0, "nbytes": 11264,
@@ -55,6 +55,8 @@ __all__ = [
 FORMAT_VERSION = 1
 ALLOWED_DTYPES = ("float32", "bfloat16", "float16")
 NONCE_RE = re.compile(r"^[A-Za-z0-9_-]{4,64}$")
+# A shm segment's name after ``atroposd-<nonce>-`` (atroposd.weights.shm.segment_name).
+SEGMENT_TAIL_RE = re.compile(r"^[0-9a-f]{16}-[0-9]+$")
 # Tensors start on this boundary inside a segment (cache line; enough for every allowed dtype).
 ALIGNMENT = 64
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
@@ -255,8 +257,9 @@ class Manifest:
         for seg in self.segments:
             if seg.index in seg_by_index:
                 raise ManifestError(f"segment index {seg.index} appears twice")
-            if self.transport == "shm" and (not seg.name.startswith(prefix) or "/" in seg.name):
-                raise ManifestError(f"segment name {seg.name!r} is not of the form {prefix}<n>")
+            if self.transport == "shm" and (not seg.name.startswith(prefix)
+                                            or not SEGMENT_TAIL_RE.match(seg.name[len(prefix):])):
+                raise ManifestError(f"segment name {seg.name!r} is not of the form {prefix}<tag>-<n>")
             if self.transport == "cuda_ipc" and not seg.handle:
                 raise ManifestError(f"segment {seg.index} has no CUDA IPC handle")
             if seg.size <= 0:
