@@ -68,7 +68,7 @@ def main(args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
 
-    from atroposd.inference.server import PortInUse, ServerOptions, serve
+    from atroposd.inference.server import ControlSocketInUse, PortInUse, ServerOptions, serve
     from atroposd.logs import configure_logging, get_logger
     from atroposd.models.resolve import BUILTIN_TINY, ModelError, resolve_model, resolve_tokenizer
     from atroposd.paths import Paths
@@ -94,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
     except ModelError as exc:
         print(f"atroposd inference: {exc}", file=sys.stderr)
         return 2
-    except PortInUse as exc:
+    except (PortInUse, ControlSocketInUse) as exc:
         get_logger("inference").error("cannot start", error=str(exc))
         print(f"atroposd inference: {exc}", file=sys.stderr)
         return 1
