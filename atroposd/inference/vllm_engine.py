@@ -89,10 +89,14 @@ class AtroposdWorkerExtension:
         else:  # CUDA IPC: rebuild once, copy out, synchronise, drop before acknowledging
             from atroposd.weights.cuda_ipc import rebuild_segment
 
-            buffers = {s.index: rebuild_segment(s.handle or "", s.device_uuid or "") for s in manifest.segments}
+            # check_layout guarantees every segment's handle and GPU UUID.
+            buffers = {s.index: rebuild_segment(s.handle, s.device_uuid)  # type: ignore[arg-type]
+                       for s in manifest.segments}
+            # The copy lands on this worker's own device, whichever GPU the trainer exported from.
+            own = torch.device("cuda", torch.cuda.current_device())
             for e in manifest.tensors:
                 view = buffers[e.segment][e.offset:e.offset + e.nbytes].view(torch_dtype(e.dtype))
-                weights.append((e.name, view.view(tuple(e.shape)).clone()))
+                weights.append((e.name, view.view(tuple(e.shape)).to(own, copy=True)))
                 total += e.nbytes
             torch.cuda.synchronize()
             buffers.clear()

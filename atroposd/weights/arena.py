@@ -158,6 +158,13 @@ class ParameterArena:
             return []
         return [seg.name for seg in self.segments if not os.path.exists(os.path.join("/dev/shm", seg.name))]
 
+    def synchronize(self) -> None:
+        """Wait until the device has finished every kernel queued on the buffers (the optimizer's
+        step: CUDA runs it asynchronously). A CPU arena's writes are done when the step returns."""
+        if self.transport == "cuda_ipc":
+            for seg in self.segments:
+                seg.synchronize()  # type: ignore[attr-defined]
+
     def check_bound(self) -> None:
         """Raise if a tensor of the model no longer lives in the arena (e.g. ``model.to()``)."""
         current = model_tensors(self.model)

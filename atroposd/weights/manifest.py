@@ -25,6 +25,7 @@ naming the tensor. Nothing is zero-filled, skipped or looked up anywhere else.
 
 from __future__ import annotations
 
+import base64
 import math
 import os
 import re
@@ -42,6 +43,7 @@ from atroposd.fsutil import write_atomic
 __all__ = [
     "ALLOWED_DTYPES",
     "FORMAT_VERSION",
+    "CudaIpcHandle",
     "Manifest",
     "ManifestError",
     "SegmentRef",
@@ -67,14 +69,73 @@ class ManifestError(ValueError):
 
 
 @dataclass(frozen=True)
+class CudaIpcHandle:
+    """The fields of torch's CUDA IPC export of one flat ``uint8`` buffer
+    (``torch.multiprocessing.reductions.reduce_tensor``), carried as plain JSON values: the
+    manifest holds no pickle. The importer supplies the classes itself (``torch.Tensor``,
+    ``TypedStorage``, ``uint8``) and its own index of the GPU named by ``device_uuid``."""
+
+    numel: int
+    storage_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes | None
+    event_sync_required: bool
+
+    _INTS = ("numel", "storage_size_bytes", "storage_offset_bytes", "ref_counter_offset")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"numel": self.numel, "storage_handle": _b64(self.storage_handle),
+                "storage_size_bytes": self.storage_size_bytes, "storage_offset_bytes": self.storage_offset_bytes,
+                "ref_counter_handle": _b64(self.ref_counter_handle), "ref_counter_offset": self.ref_counter_offset,
+                "event_handle": _b64(self.event_handle) if self.event_handle is not None else None,
+                "event_sync_required": self.event_sync_required}
+
+    @classmethod
+    def from_dict(cls, raw: Any, what: str) -> CudaIpcHandle:
+        fields = ("numel", "storage_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle",
+                  "ref_counter_offset", "event_handle", "event_sync_required")
+        if not isinstance(raw, dict) or set(raw) != set(fields):
+            raise ManifestError(f"{what}: a CUDA IPC handle must be an object with exactly the fields "
+                                f"{', '.join(fields)}")
+        for key in cls._INTS:
+            if _int(raw[key], f"{what} {key}") < 0:
+                raise ManifestError(f"{what} {key} must be ≥ 0")
+        if not isinstance(raw["event_sync_required"], bool):
+            raise ManifestError(f"{what} event_sync_required must be true or false")
+        event = raw["event_handle"]
+        return cls(numel=raw["numel"], storage_handle=_unb64(raw["storage_handle"], f"{what} storage_handle"),
+                   storage_size_bytes=raw["storage_size_bytes"], storage_offset_bytes=raw["storage_offset_bytes"],
+                   ref_counter_handle=_unb64(raw["ref_counter_handle"], f"{what} ref_counter_handle"),
+                   ref_counter_offset=raw["ref_counter_offset"],
+                   event_handle=_unb64(event, f"{what} event_handle") if event is not None else None,
+                   event_sync_required=raw["event_sync_required"])
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _unb64(value: Any, what: str) -> bytes:
+    if not isinstance(value, str):
+        raise ManifestError(f"{what} must be a base64 string")
+    try:
+        return base64.b64decode(value, validate=True)
+    except ValueError:
+        raise ManifestError(f"{what} is not valid base64") from None
+
+
+@dataclass(frozen=True)
 class SegmentRef:
     """One exported flat buffer: a POSIX shm segment (``name``) or a CUDA IPC handle."""
 
     index: int
     name: str
     size: int
-    # CUDA IPC only: base64 of the pickled ``reduce_tensor`` args, and the physical GPU.
-    handle: str | None = None
+    # CUDA IPC only: the export's fields, and the physical GPU.
+    handle: CudaIpcHandle | None = None
     device_uuid: str | None = None
 
 
@@ -154,7 +215,8 @@ class Manifest:
             "format": self.format, "nonce": self.nonce, "exporter_pid": self.exporter_pid,
             "exporter_start_time": self.exporter_start_time, "export_id": self.export_id,
             "weight_version": self.weight_version, "transport": self.transport, "created_at": self.created_at,
-            "segments": [{"index": s.index, "name": s.name, "size": s.size, "handle": s.handle,
+            "segments": [{"index": s.index, "name": s.name, "size": s.size,
+                          "handle": s.handle.to_dict() if s.handle is not None else None,
                           "device_uuid": s.device_uuid} for s in self.segments],
             "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "stride": list(t.stride),
                          "segment": t.segment, "offset": t.offset, "nbytes": t.nbytes, "checksum": t.checksum}
@@ -178,7 +240,9 @@ class Manifest:
                                     f"(expected {FORMAT_VERSION})")
             segments = tuple(SegmentRef(index=_int(s["index"], "segment index"), name=str(s["name"]),
                                         size=_int(s["size"], f"segment {s['name']} size"),
-                                        handle=s.get("handle"), device_uuid=s.get("device_uuid"))
+                                        handle=(CudaIpcHandle.from_dict(s["handle"], f"segment {s['name']} handle")
+                                                if s.get("handle") is not None else None),
+                                        device_uuid=_opt_str(s.get("device_uuid"), f"segment {s['name']} device_uuid"))
                              for s in data["segments"])
             tensors = tuple(TensorEntry(name=str(t["name"]), dtype=str(t["dtype"]),
                                         shape=tuple(_int(d, f"{t['name']} shape") for d in t["shape"]),
@@ -260,8 +324,11 @@ class Manifest:
             if self.transport == "shm" and (not seg.name.startswith(prefix)
                                             or not SEGMENT_TAIL_RE.match(seg.name[len(prefix):])):
                 raise ManifestError(f"segment name {seg.name!r} is not of the form {prefix}<tag>-<n>")
-            if self.transport == "cuda_ipc" and not seg.handle:
-                raise ManifestError(f"segment {seg.index} has no CUDA IPC handle")
+            if self.transport == "cuda_ipc" and (seg.handle is None or not seg.device_uuid):
+                raise ManifestError(f"segment {seg.index} has no CUDA IPC handle or no device_uuid")
+            if self.transport == "cuda_ipc" and seg.handle is not None and seg.handle.numel < seg.size:
+                raise ManifestError(f"segment {seg.index}: its CUDA buffer holds {seg.handle.numel} bytes; the "
+                                    f"manifest says {seg.size}")
             if seg.size <= 0:
                 raise ManifestError(f"segment {seg.name!r} has size {seg.size}")
             seg_by_index[seg.index] = seg
@@ -355,6 +422,12 @@ def match_tensors(exported: Mapping[str, TensorSpec], exported_tied: Mapping[str
     if problems:
         raise ManifestError("weights do not match the model: " + "; ".join(problems))
     return source
+
+
+def _opt_str(value: Any, what: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ManifestError(f"{what} must be a string, got {value!r}")
+    return value
 
 
 def _int(value: Any, what: str) -> int:
