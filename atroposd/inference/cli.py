@@ -68,6 +68,7 @@ def main(args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
 
+    from atroposd.devices import DeviceError
     from atroposd.inference.server import ControlSocketInUse, PortInUse, ServerOptions, serve
     from atroposd.logs import configure_logging, get_logger
     from atroposd.models.resolve import BUILTIN_TINY, ModelError, resolve_model, resolve_tokenizer
@@ -91,7 +92,7 @@ def main(args: argparse.Namespace) -> int:
                          await_weights=args.await_weights, threads=args.threads)
     try:
         code = asyncio.run(serve(cfg, opts))
-    except ModelError as exc:
+    except (ModelError, DeviceError) as exc:
         print(f"atroposd inference: {exc}", file=sys.stderr)
         return 2
     except (PortInUse, ControlSocketInUse) as exc:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from atroposd.models.tiny import BOS_ID
 from tests.inference.conftest import MAX_MODEL_LEN, Server
@@ -205,6 +206,17 @@ def test_port_in_use_is_an_error_naming_the_port(server: Server, short_tmp: Path
     assert code == 1
     assert f"port {port}" in log.read_text()
     assert server.http("GET", "/health")[0] == 200  # the running server is untouched
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_device_that_is_not_there_is_a_usage_error(short_tmp: Path, tiny_dir: Path) -> None:
+    from tests.support import atroposd, free_port
+
+    result = atroposd("inference", "--model", str(tiny_dir), "--device", "cuda:0", "--port", str(free_port()),
+                      "--control-socket", str(short_tmp / "s"), timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "inference.device = 'cuda:0' but CUDA is not available" in result.stderr
+    assert not (short_tmp / "s").exists()
 
 
 def test_a_bad_model_directory_is_a_usage_error(short_tmp: Path) -> None:
