@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -180,7 +181,9 @@ async def test_bad_requests_are_refused(engine: TorchEngine, body: Any, message:
 
 async def test_pause_waits_for_inflight_and_holds_new_requests(engine: TorchEngine) -> None:
     long = asyncio.ensure_future(engine.generate(req(n=16, max_tokens=60, ignore_eos=True)))
-    while engine.stats()["inflight"] == 0:  # noqa: ASYNC110 - the engine exposes no event for admission
+    deadline = time.monotonic() + 30
+    while engine.stats()["inflight"] == 0:  # the engine exposes no event for admission
+        assert time.monotonic() < deadline, "the generation was never admitted"
         await asyncio.sleep(0)
     paused = await engine.pause()
     assert long.done(), "pause returned before the in-flight generation finished"
@@ -313,7 +316,9 @@ async def test_close_waits_for_the_running_batch_and_answers_it(tiny_dir: Path) 
     eng = TorchEngine(model_dir=tiny_dir, max_model_len=MAX_MODEL_LEN)
     await eng.start()
     long = asyncio.ensure_future(eng.generate(req(n=16, max_tokens=60, ignore_eos=True)))
-    while eng._running is None:  # noqa: ASYNC110 - the engine exposes no event for a started batch
+    deadline = time.monotonic() + 30
+    while eng._running is None:  # the engine exposes no event for a started batch
+        assert time.monotonic() < deadline, "the batch never started"
         await asyncio.sleep(0.001)
     await eng.close()
     assert eng._running.done()  # close() returned only after the forward passes ended
