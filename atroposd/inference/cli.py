@@ -60,7 +60,8 @@ def main(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from atroposd.config import SOCKET_PATH_MAX
-    from atroposd.inference.server import PortInUse, ServerOptions, serve
+    from atroposd.devices import DeviceError
+    from atroposd.inference.server import ControlSocketInUse, PortInUse, ServerOptions, serve
     from atroposd.logs import configure_logging, get_logger
     from atroposd.models.resolve import BUILTIN_TINY, ModelError, resolve_model, resolve_tokenizer
     from atroposd.paths import Paths
@@ -84,10 +85,10 @@ def main(args: argparse.Namespace) -> int:
                          await_weights=args.await_weights, threads=args.threads)
     try:
         code = asyncio.run(serve(cfg, opts))
-    except ModelError as exc:
+    except (ModelError, DeviceError) as exc:
         print(f"atroposd inference: {exc}", file=sys.stderr)
         return Exit.USAGE
-    except PortInUse as exc:
+    except (PortInUse, ControlSocketInUse) as exc:
         get_logger("inference").error("cannot start", error=str(exc))
         print(f"atroposd inference: {exc}", file=sys.stderr)
         return Exit.RUNTIME

@@ -44,6 +44,7 @@ class WeightGate:
         if not await_weights:
             self._resumed.set()
         self._inflight = 0
+        self.waiting = 0  # generations held at the closed gate (reported by /weight_info)
         self._idle = asyncio.Event()
         self._idle.set()
         self._closing = False
@@ -56,9 +57,13 @@ class WeightGate:
     async def _admitted(self, bypass: bool) -> AsyncIterator[int]:
         """Wait for the gate (unless ``bypass``: the readiness probe's own generation), then
         count the generation as in flight; yields the version it is admitted under."""
-        if not bypass:
-            while self._paused and not self._closing:
-                await self._resumed.wait()
+        if not bypass and self._paused and not self._closing:
+            self.waiting += 1
+            try:
+                while self._paused and not self._closing:
+                    await self._resumed.wait()
+            finally:
+                self.waiting -= 1
         if self._closing:
             raise ShuttingDown("the inference server is shutting down")
         self._inflight += 1

@@ -2,7 +2,14 @@
 (SPEC §7, ATROPOS-PROTOCOL.md §1.4) and the OpenAI-style shapes built on top of them.
 
 A request is validated completely here, before anything is queued: a malformed one raises
-:class:`BadRequest` (the server answers 400 with its message).
+:class:`BadRequest` (the server answers 400 with its message). This is the one parser of
+``/generate`` for every engine: :func:`parse_generate` gives a :class:`GenerateParams`, and
+each engine maps that to its own sampling parameters, refusing (with a ``BadRequest``) only
+what it cannot honour — the vLLM engine refuses ``top_p < 1`` and ``top_k > 0`` (SPEC §7).
+
+Bounds that keep one request from allocating without limit (SPEC §13): ``n ≤ MAX_N``,
+``logprobs`` and ``prompt_logprobs ≤ MAX_LOGPROBS`` (vLLM's ``max_logprobs`` default),
+``n × max_tokens ≤ MAX_REQUEST_TOKENS``.
 """
 
 from __future__ import annotations
@@ -13,8 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BadRequest", "Completion", "GenerateParams", "chat_response", "completion_response",
-           "generate_response", "parse_generate"]
+__all__ = ["MAX_LOGPROBS", "MAX_N", "MAX_REQUEST_TOKENS", "BadRequest", "Completion", "GenerateParams",
+           "chat_response", "completion_response", "generate_response", "parse_generate"]
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default, which /generate inherits
 
@@ -63,6 +70,11 @@ _KNOWN = {"prompt", "n", "max_tokens", "max_new_tokens", "max_completion_tokens"
           "stop", "stop_token_ids", "seed", "logprobs", "prompt_logprobs", "ignore_eos", "skip_special_tokens",
           "include_stop_str_in_output", "model", "best_of", *_NEUTRAL}
 MAX_N = 256
+# vLLM's ``ModelConfig.max_logprobs`` default (its processor refuses more, for logprobs and
+# prompt_logprobs alike): a larger k would materialise k entries per position.
+MAX_LOGPROBS = 20
+# Generated tokens one request may ask for (n × max_tokens): 64 completions of 16k tokens.
+MAX_REQUEST_TOKENS = 1 << 20
 
 
 def parse_generate(body: Any, *, max_model_len: int, vocab_size: int) -> GenerateParams:
@@ -102,6 +114,9 @@ def sampling_params(body: Mapping[str, Any], ids: list[int], *, max_model_len: i
     if max_tokens > room:
         raise BadRequest(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
                          f"({max_model_len}); nothing is truncated")
+    if n * max_tokens > MAX_REQUEST_TOKENS:
+        raise BadRequest(f"n × max_tokens = {n} × {max_tokens} exceeds {MAX_REQUEST_TOKENS} generated tokens per "
+                         "request; split the request")
     stop_raw = body.get("stop")
     if isinstance(stop_raw, str):
         stop_raw = [stop_raw]
@@ -115,14 +130,14 @@ def sampling_params(body: Mapping[str, Any], ids: list[int], *, max_model_len: i
         raise BadRequest(f"seed must be an integer, got {seed!r}")
     prompt_logprobs = body.get("prompt_logprobs")
     if prompt_logprobs is not None:
-        prompt_logprobs = _int(body, "prompt_logprobs", 0, lo=0, hi=vocab_size)
+        prompt_logprobs = _int(body, "prompt_logprobs", 0, lo=0, hi=min(vocab_size, MAX_LOGPROBS))
     return GenerateParams(
         prompt_ids=list(ids), n=n, max_tokens=max_tokens,
         temperature=_float(body, "temperature", 1.0, lo=0.0),
         top_p=_float(body, "top_p", 1.0, lo=0.0, hi=1.0, open_lo=True),
         top_k=_int(body, "top_k", 0, lo=-1),
         stop=tuple(stop_raw or ()), stop_token_ids=tuple(stop_ids), seed=seed,
-        logprobs=_int({"logprobs": body.get("logprobs") or 0}, "logprobs", 0, lo=0, hi=min(vocab_size, 20)),
+        logprobs=_int({"logprobs": body.get("logprobs") or 0}, "logprobs", 0, lo=0, hi=min(vocab_size, MAX_LOGPROBS)),
         prompt_logprobs=prompt_logprobs,
         ignore_eos=_bool(body, "ignore_eos", False),
         skip_special_tokens=_bool(body, "skip_special_tokens", True),

@@ -21,6 +21,9 @@ import contextlib
 import errno
 import os
 import signal
+import socket
+import stat
+import struct
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,10 +33,12 @@ import orjson
 from aiohttp import web
 
 from atroposd.inference import schema
-from atroposd.inference.gate import ShuttingDown
+from atroposd.inference.gate import NotPaused, ShuttingDown
 from atroposd.logs import get_logger
+from atroposd.weights.protocol import WeightUpdateError
 
-__all__ = ["Engine", "ServerOptions", "build_control_app", "build_tcp_app", "make_engine", "serve"]
+__all__ = ["ControlSocketInUse", "Engine", "PortInUse", "ServerOptions", "build_control_app", "build_tcp_app",
+           "make_engine", "peer_uid", "serve"]
 
 log = get_logger("inference")
 
@@ -77,27 +82,25 @@ class _Front:
     engine: Any = None
     tokenizer: Any = None
     info: dict[str, Any] = field(default_factory=dict)
-    bad_request: tuple[type[Exception], ...] = (schema.BadRequest,)
-    update_error: tuple[type[Exception], ...] = ()
-    not_paused: tuple[type[Exception], ...] = ()
 
 
-def make_engine(cfg: Any, name: str, *, await_weights: bool, threads: int | None = None
-                ) -> tuple[Any, tuple[type[Exception], ...]]:
-    """(engine, the exception types it raises for a bad request). vLLM is imported only here."""
+def make_engine(cfg: Any, name: str, *, await_weights: bool, threads: int | None = None) -> Any:
+    """The engine named ``name`` for ``cfg``. vLLM is imported only here.
+
+    Every engine answers a bad request with :class:`schema.BadRequest`, a refused weight
+    update with :class:`WeightUpdateError` and an update outside a pause with
+    :class:`NotPaused`: the routes catch exactly these."""
     from atroposd.weights.receiver import ReceiverState
 
     receiver = ReceiverState.from_config(cfg)
     if name == "torch":
         from atroposd.inference.torch_engine import TorchEngine
 
-        return (TorchEngine.from_config(cfg, receiver=receiver, await_weights=await_weights, threads=threads),
-                (schema.BadRequest,))
+        return TorchEngine.from_config(cfg, receiver=receiver, await_weights=await_weights, threads=threads)
     if name == "vllm":
-        from atroposd.inference.vllm_engine import BadRequest, VllmEngine
+        from atroposd.inference.vllm_engine import VllmEngine
 
-        return (VllmEngine.from_config(cfg, receiver=receiver, await_weights=await_weights),
-                (schema.BadRequest, BadRequest))
+        return VllmEngine.from_config(cfg, receiver=receiver, await_weights=await_weights)
     raise ValueError(f"unknown engine {name!r} (known: torch, vllm)")
 
 
@@ -143,11 +146,11 @@ def _route(front: _Front, fn: Callable[[web.Request], Awaitable[Any]], *, openai
             result = await fn(request)
         except web.HTTPException:
             raise
-        except front.bad_request as exc:
+        except schema.BadRequest as exc:
             return _error(400, str(exc), openai=openai)
-        except front.not_paused as exc:
+        except NotPaused as exc:
             return _error(409, str(exc), openai=openai)
-        except front.update_error as exc:
+        except WeightUpdateError as exc:
             return _error(400, str(exc), openai=openai)
         except ShuttingDown as exc:
             return _error(503, str(exc), openai=openai)
@@ -299,8 +302,14 @@ def _decoder(front: _Front) -> Callable[[int], str]:
 # ---------------------------------------------------------------------------- control routes
 
 
-def build_control_app(front: _Front) -> web.Application:
-    app = web.Application(client_max_size=1024 * 1024)
+CONTROL_SEND_TIMEOUT_S = 30.0
+
+
+def build_control_app(front: _Front, *, send_timeout: float = CONTROL_SEND_TIMEOUT_S,
+                      allowed_uids: frozenset[int] | None = None) -> web.Application:
+    """The weight-control routes; served only to ``allowed_uids`` (default: this user and root)."""
+    allowed = allowed_uids if allowed_uids is not None else frozenset({os.geteuid(), 0})
+    app = web.Application(client_max_size=1024 * 1024, middlewares=[_control_guard(allowed, send_timeout)])
 
     async def pause(_: web.Request) -> Any:
         return await front.engine.pause()
@@ -359,6 +368,7 @@ async def serve(cfg: Any, opts: ServerOptions, *, ready: Callable[[], None] | No
     control = web.AppRunner(build_control_app(front), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     sock = opts.control_socket
     engine = None
+    sock_ours = False
     try:
         await tcp.setup()
         try:
@@ -369,17 +379,14 @@ async def serve(cfg: Any, opts: ServerOptions, *, ready: Callable[[], None] | No
             raise
         await control.setup()
         await _start_unix_site(control, sock)
+        sock_ours = True
         log.info("listening; loading the engine", host=opts.host, port=opts.port, control_socket=str(sock),
                  engine=opts.engine, await_weights=opts.await_weights)
         # torch is imported from here on (after the port is ours, so a port in use fails fast).
         # The tokenizer's fingerprint is known before the model loads: /info answers early.
         front.info, tokenizer = await asyncio.to_thread(_info, cfg, opts)
-        engine, bad = await asyncio.to_thread(make_engine, cfg, opts.engine, await_weights=opts.await_weights,
-                                              threads=opts.threads)
-        from atroposd.inference.gate import NotPaused
-        from atroposd.weights.receiver import WeightUpdateError
-
-        front.bad_request, front.not_paused, front.update_error = bad, (NotPaused,), (WeightUpdateError,)
+        engine = await asyncio.to_thread(make_engine, cfg, opts.engine, await_weights=opts.await_weights,
+                                         threads=opts.threads)
         await _wait_or_stop(engine.start(), stop)
         if stop.is_set():
             return 0
@@ -400,8 +407,9 @@ async def serve(cfg: Any, opts: ServerOptions, *, ready: Callable[[], None] | No
             await engine.close()
         await control.cleanup()
         await tcp.cleanup()
-        with contextlib.suppress(FileNotFoundError):
-            sock.unlink()
+        if sock_ours:  # never a path that named something else when this server started
+            with contextlib.suppress(FileNotFoundError):
+                sock.unlink()
 
 
 async def _wait_or_stop(work: Awaitable[Any], stop: asyncio.Event) -> None:
@@ -421,16 +429,87 @@ async def _wait_or_stop(work: Awaitable[Any], stop: asyncio.Event) -> None:
 
 
 async def _start_unix_site(runner: web.AppRunner, path: Path) -> None:
-    """Serve on a Unix socket created 0600 (never world-accessible, not even briefly)."""
+    """Serve on a Unix socket created 0600 (never world-accessible, not even briefly).
+
+    What the path names already is removed only when it is a stale socket of ours (owned by
+    this user, nobody listening): anything else — a live server's socket, a file, a link,
+    another user's socket — is left alone and the start fails naming it.
+    """
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()  # noqa: ASYNC240 - a stale socket of a dead server (a live one holds the TCP port)
+    _remove_stale_socket(path)
     old = os.umask(0o177)
     try:
         await web.UnixSite(runner, str(path)).start()
     finally:
         os.umask(old)
     os.chmod(path, 0o600)
+
+
+class ControlSocketInUse(RuntimeError):
+    """The control socket's path names something that is not a stale socket of ours."""
+
+
+def _remove_stale_socket(path: Path) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ControlSocketInUse(f"control socket path {path} exists and is not a socket; not removing it")
+    if st.st_uid != os.geteuid():
+        raise ControlSocketInUse(f"control socket {path} belongs to uid {st.st_uid}; not removing it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        pass  # stale: its server is gone
+    except OSError as exc:
+        raise ControlSocketInUse(f"control socket {path} cannot be probed ({exc}); not removing it") from None
+    else:
+        raise ControlSocketInUse(f"control socket {path} is served by another live process")
+    finally:
+        probe.close()
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+def peer_uid(request: web.Request) -> int | None:
+    """The uid of the process at the other end of a Unix-socket request (SO_PEERCRED)."""
+    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
+
+
+def _control_guard(allowed_uids: frozenset[int], send_timeout: float) -> Any:
+    """The control socket's middleware: only this user (or root) is served (SO_PEERCRED), and
+    each answer is sent within ``send_timeout`` (a client that stops reading is dropped, it
+    does not hold the handler)."""
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        uid = peer_uid(request)
+        if uid is None or uid not in allowed_uids:
+            log.warning("control request from another user refused", peer_uid=uid, path=request.path)
+            return _error(403, "the weight-control socket serves only its own user")
+        resp = await handler(request)
+        try:
+            await asyncio.wait_for(_send(request, resp), send_timeout)
+        except (asyncio.TimeoutError, ConnectionError) as exc:
+            log.warning("control answer not delivered; connection dropped", path=request.path,
+                        error=type(exc).__name__)
+            if request.transport is not None:
+                request.transport.abort()
+        return resp
+
+    return guard
+
+
+async def _send(request: web.Request, resp: web.StreamResponse) -> None:
+    await resp.prepare(request)
+    await resp.write_eof()
 
 
 def _info(cfg: Any, opts: ServerOptions) -> tuple[dict[str, Any], Any]:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from atroposd.devices import resolve_torch
 from atroposd.inference.gate import NotPaused, ShuttingDown, WeightGate
 from atroposd.inference.schema import (
     BadRequest,
@@ -40,6 +41,7 @@ from atroposd.inference.schema import (
     parse_generate,
 )
 from atroposd.logs import get_logger
+from atroposd.weights.protocol import WeightUpdateError
 
 __all__ = ["BadRequest", "NotPaused", "TorchEngine"]
 
@@ -47,12 +49,6 @@ log = get_logger("inference.torch")
 
 MAX_BATCH_ROWS = 256
 BATCH_WINDOW = 0.003  # seconds a partial batch may wait for the rest of its group
-
-
-def _weight_update_error() -> type[ValueError]:
-    from atroposd.weights.receiver import WeightUpdateError
-
-    return WeightUpdateError
 
 
 @dataclass
@@ -127,12 +123,11 @@ class TorchEngine(WeightGate):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # a progress bar is noise in a daemon's log files
-        device = _resolve_device(self.device_name)
+        device, dtype = resolve_torch(self.device_name, self.dtype_name, key="inference.device")
         if device.type == "cpu":
             torch.set_num_threads(self.threads or 1)
         elif self.threads:
             torch.set_num_threads(self.threads)
-        dtype = _resolve_dtype(self.dtype_name, device)
         t0 = time.perf_counter()
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
         model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=dtype)
@@ -176,12 +171,17 @@ class TorchEngine(WeightGate):
 
     async def generate(self, request: Mapping[str, Any], *, bypass_pause: bool = False) -> dict[str, Any]:
         """One Atropos ``/generate`` request → its response (SPEC §7)."""
-        params = parse_generate(request, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
+        params = self.validate(request)
         async with self._admitted(bypass_pause) as version:
             job = _Job(params, asyncio.get_running_loop().create_future(), version)
             self._queue.append(job)
             self._wake.set()
             return await job.future
+
+    def validate(self, request: Any) -> GenerateParams:
+        """The request parsed as every engine parses it; this engine honours all of it
+        (top-p and top-k included: its logprobs are untruncated, SPEC §7)."""
+        return parse_generate(request, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
 
     async def _schedule(self) -> None:
         """Take everything queued, decode it as one batch, answer; repeat."""
@@ -285,7 +285,7 @@ class TorchEngine(WeightGate):
         from atroposd.weights.receiver import apply_update
 
         if self.receiver is None:
-            raise _weight_update_error()("this server has no weight receiver")
+            raise WeightUpdateError("this server has no weight receiver")
         self._require_paused()
         async with self._compute:
             t0 = time.perf_counter()
@@ -297,12 +297,11 @@ class TorchEngine(WeightGate):
         """``{"path", "weight_version"}``: load a directory the trainer wrote (reload mode)."""
         from atroposd.weights.receiver import load_dir
 
-        error = _weight_update_error()
         if not isinstance(request, Mapping) or not isinstance(request.get("path"), str):
-            raise error("request is missing 'path'")
+            raise WeightUpdateError("request is missing 'path'")
         version = request.get("weight_version")
         if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
-            raise error(f"'weight_version' must be an integer, got {version!r}")
+            raise WeightUpdateError(f"'weight_version' must be an integer, got {version!r}")
         self._require_paused()
         async with self._compute:
             result = await asyncio.to_thread(load_dir, self.model, request["path"], weight_version=version,
@@ -313,7 +312,7 @@ class TorchEngine(WeightGate):
     async def weight_info(self) -> dict[str, Any]:
         return {"weight_version": self.weight_version, "paused": self._paused,
                 "attached": bool(self.receiver is not None and self.receiver.attached), "updates": self.updates,
-                "awaiting_weights": self.awaiting_weights, "engine": self.name, "pid": os.getpid()}
+                "awaiting_weights": self.awaiting_weights, "waiting": self.waiting, "engine": self.name, "pid": os.getpid()}
 
     def stats(self) -> dict[str, Any]:
         return {"batches": self.batches, "rows": self.batched_rows, "queued": len(self._queue),
@@ -552,25 +551,6 @@ def _prompt_logprobs(logits: Any, requests: list[GenerateParams],
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def _resolve_device(name: str) -> Any:
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("GPU-") or name.startswith("MIG-"):
-        # A GPU UUID: the daemon sets CUDA_VISIBLE_DEVICES to it, so it is device 0 here.
-        return torch.device("cuda:0")
-    return torch.device(name)
-
-
-def _resolve_dtype(name: str, device: Any) -> Any:
-    import torch
-
-    if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return getattr(torch, name)
 
 
 def _eos_ids(tokenizer: Any, model: Any) -> set[int]:

@@ -38,20 +38,19 @@ from typing import Any
 
 import orjson
 
+from atroposd.devices import resolve
 from atroposd.inference import schema
 from atroposd.inference.gate import WeightGate
+from atroposd.inference.schema import BadRequest
 from atroposd.logs import get_logger
+from atroposd.weights.protocol import ADAPTER_DIR, WeightUpdateError
 
-__all__ = ["AtroposdWorkerExtension", "BadRequest", "VllmEngine"]
+__all__ = ["REFUSED", "AtroposdWorkerExtension", "BadRequest", "VllmEngine", "sampling_kwargs"]
 
 log = get_logger(__name__)
 
 WORKER_EXTENSION = "atroposd.inference.vllm_engine.AtroposdWorkerExtension"
 CPU_DEFAULT_MEMORY_FRACTION = 0.2
-
-
-class BadRequest(schema.BadRequest):
-    """A /generate request that must be answered with HTTP 400 and this message."""
 
 
 # ---------------------------------------------------------------------------- worker side
@@ -90,10 +89,14 @@ class AtroposdWorkerExtension:
         else:  # CUDA IPC: rebuild once, copy out, synchronise, drop before acknowledging
             from atroposd.weights.cuda_ipc import rebuild_segment
 
-            buffers = {s.index: rebuild_segment(s.handle or "", s.device_uuid or "") for s in manifest.segments}
+            # check_layout guarantees every segment's handle and GPU UUID.
+            buffers = {s.index: rebuild_segment(s.handle, s.device_uuid)  # type: ignore[arg-type]
+                       for s in manifest.segments}
+            # The copy lands on this worker's own device, whichever GPU the trainer exported from.
+            own = torch.device("cuda", torch.cuda.current_device())
             for e in manifest.tensors:
                 view = buffers[e.segment][e.offset:e.offset + e.nbytes].view(torch_dtype(e.dtype))
-                weights.append((e.name, view.view(tuple(e.shape)).clone()))
+                weights.append((e.name, view.view(tuple(e.shape)).to(own, copy=True)))
                 total += e.nbytes
             torch.cuda.synchronize()
             buffers.clear()
@@ -176,6 +179,7 @@ class VllmEngine(WeightGate):
         self.extra_args = list(extra_args or [])
         self.receiver = receiver  # atroposd.weights.receiver.ReceiverState
         self.seed = seed
+        self.vocab_size = 0  # the embedding's rows, read from the model's config at start
         super().__init__(await_weights=await_weights)
         self.engine: Any = None
         self._starting: asyncio.Future[Any] | None = None
@@ -199,10 +203,8 @@ class VllmEngine(WeightGate):
         inf = cfg.inference
         model = str(resolve_model(cfg))
         tokenizer = str(resolve_tokenizer(cfg))
-        device = inf.device
-        if device == "auto":
-            device = "cuda" if _cuda_available() else "cpu"
-        return cls(model=model, tokenizer=tokenizer, dtype=inf.dtype, device=device,
+        device, dtype = resolve(inf.device, inf.dtype, key="inference.device")
+        return cls(model=model, tokenizer=tokenizer, dtype=dtype, device=device,
                    max_model_len=inf.max_model_len, gpu_memory_utilization=inf.vllm.gpu_memory_utilization,
                    enforce_eager=inf.vllm.enforce_eager, extra_args=list(inf.vllm.extra_args),
                    receiver=receiver if receiver is not None else ReceiverState.from_config(cfg),
@@ -219,7 +221,7 @@ class VllmEngine(WeightGate):
         ns = parser.parse_args(["--model", self.model, *self.extra_args])
         args = AsyncEngineArgs.from_cli_args(ns)
         args.tokenizer = self.tokenizer_path
-        args.dtype = _resolve_dtype(self.dtype, self.device)
+        args.dtype = resolve(self.device, self.dtype, key="inference.device")[1]
         args.max_model_len = self.max_model_len
         on_cpu = self.device == "cpu"
         fraction = self.gpu_memory_utilization or (CPU_DEFAULT_MEMORY_FRACTION if on_cpu else 0.9)
@@ -243,8 +245,9 @@ class VllmEngine(WeightGate):
         args = await asyncio.to_thread(self.engine_args)
         log.info("starting vLLM", model=self.model, dtype=args.dtype, device=self.device,
                  memory_fraction=args.gpu_memory_utilization)
-        self._expected = await asyncio.to_thread(_expected_tensors, self.model,
-                                                 args.dtype if args.dtype != "auto" else "float32")
+        specs, tied, self.vocab_size = await asyncio.to_thread(_expected_tensors, self.model,
+                                                                args.dtype if args.dtype != "auto" else "float32")
+        self._expected = specs, tied
         # Built in a thread: the start takes a minute on a CPU, and meanwhile the front must keep
         # answering /health (503) and its signals. A stop during the start cancels this
         # coroutine but not the thread; close() waits for the engine and shuts it down.
@@ -283,23 +286,27 @@ class VllmEngine(WeightGate):
         """One Atropos ``/generate`` request → its response (SPEC §7)."""
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-        prompt_ids, kw = _parse_generate(request, self.max_model_len)
+        parsed, kw = self.validate(request)
         params = SamplingParams(**kw, output_kind=RequestOutputKind.FINAL_ONLY)
         async with self._admitted(bypass_pause) as version:
             final = None
-            async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params,
+            async for out in self.engine.generate({"prompt_token_ids": parsed.prompt_ids}, params,
                                                   request_id=f"gen-{uuid.uuid4().hex}", lora_request=self._lora):
                 final = out
         assert final is not None
-        return _response(final, version, want_prompt_logprobs=kw.get("prompt_logprobs") is not None)
+        return _response(final, version, want_prompt_logprobs=parsed.prompt_logprobs is not None)
+
+    def validate(self, request: Any) -> tuple[schema.GenerateParams, dict[str, Any]]:
+        """The request parsed as every engine parses it, and its ``SamplingParams`` arguments
+        (a :class:`BadRequest` for a malformed request or one this engine cannot honour)."""
+        params = schema.parse_generate(request, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
+        return params, sampling_kwargs(params)
 
     # ------------------------------------------------------------------ weight control
 
     async def update_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """``{"manifest", "mode": "copy", "weight_version"?}``: copy an export in (push)."""
         from atroposd.weights.manifest import Manifest, ManifestError
-        from atroposd.weights.receiver import WeightUpdateError
-
         if self.receiver is None or not self.receiver.nonce:
             raise WeightUpdateError("this server has no launch nonce (ATROPOSD_INSTANCE); it cannot accept weights")
         if request.get("mode") != "copy":
@@ -332,7 +339,7 @@ class VllmEngine(WeightGate):
     async def load_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """``{"path", "weight_version"}``: load a directory the trainer wrote (reload mode)."""
         from atroposd.weights.manifest import ManifestError
-        from atroposd.weights.receiver import WeightUpdateError, inspect_sync_dir
+        from atroposd.weights.receiver import inspect_sync_dir
         from atroposd.weights.tensors import match_tensors
 
         if not isinstance(request.get("path"), str):
@@ -359,7 +366,6 @@ class VllmEngine(WeightGate):
         """Serve the adapter of a LoRA sync directory; the previous adapter is dropped."""
         from vllm.lora.request import LoRARequest
 
-        from atroposd.weights.receiver import ADAPTER_DIR, WeightUpdateError
 
         if self.lora_rank is None:
             raise WeightUpdateError("a LoRA adapter arrived but this engine was started without LoRA "
@@ -391,8 +397,6 @@ class VllmEngine(WeightGate):
         there (a segment gone, a checksum off) leaves the served weights as they were; it is
         answered as a refused update, naming the cause.
         """
-        from atroposd.weights.receiver import WeightUpdateError
-
         try:
             results: list[Any] = await self.engine.collective_rpc(method, args=(arg,))
         except Exception as exc:  # vLLM wraps the worker's exception in its own types
@@ -402,7 +406,7 @@ class VllmEngine(WeightGate):
 
     async def weight_info(self) -> dict[str, Any]:
         return {"weight_version": self.weight_version, "paused": self._paused, "attached": False,
-                "updates": self.updates, "awaiting_weights": self.awaiting_weights, "engine": self.name,
+                "updates": self.updates, "awaiting_weights": self.awaiting_weights, "waiting": self.waiting, "engine": self.name,
                 "pid": os.getpid()}
 
 
@@ -412,20 +416,9 @@ def _build_engine(args: Any) -> Any:
     return AsyncLLM.from_engine_args(args)
 
 
-def _cuda_available() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
-def _resolve_dtype(dtype: str, device: str) -> str:
-    if dtype != "auto":
-        return dtype
-    return "float32" if device == "cpu" else "bfloat16"
-
-
-def _expected_tensors(model_dir: str, dtype: str) -> tuple[dict[str, Any], dict[str, str]]:
-    """The checkpoint-format tensors vLLM loads: an HF model of the config on the meta device."""
+def _expected_tensors(model_dir: str, dtype: str) -> tuple[dict[str, Any], dict[str, str], int]:
+    """The checkpoint-format tensors vLLM loads (an HF model of the config on the meta device),
+    their aliases, and the vocabulary (the input embedding's rows)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -435,14 +428,14 @@ def _expected_tensors(model_dir: str, dtype: str) -> tuple[dict[str, Any], dict[
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     mt = model_tensors(meta)
-    return mt.specs(), mt.tied
+    return mt.specs(), mt.tied, int(meta.get_input_embeddings().weight.shape[0])
 
 
 def _engine_segments() -> set[str]:
     """/dev/shm segments this process and its descendants map now."""
     import psutil
 
-    from atroposd.process.reaper import mapped_shm
+    from atroposd.shmscan import mapped_shm
 
     pids = [os.getpid()]
     with contextlib.suppress(psutil.Error):
@@ -453,7 +446,7 @@ def _engine_segments() -> set[str]:
 def _remove_segments(names: set[str]) -> None:
     import psutil
 
-    from atroposd.process.reaper import unlink_orphaned_segments
+    from atroposd.shmscan import unlink_orphaned_segments
 
     try:
         since = psutil.Process().create_time()
@@ -489,81 +482,33 @@ def _kill_leftovers() -> None:
 
 # ---------------------------------------------------------------------------- /generate mapping
 
-_KNOWN = {"prompt", "n", "max_tokens", "max_new_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-          "stop", "stop_token_ids", "seed", "logprobs", "prompt_logprobs", "min_tokens", "ignore_eos",
-          "skip_special_tokens", "include_stop_str_in_output", "model", "presence_penalty", "frequency_penalty",
-          "repetition_penalty", "min_p"}
+# What this engine cannot honour of a valid /generate request (SPEC §7): with
+# processed_logprobs, vLLM renormalises the logprobs over the truncated support.
+REFUSED = ("top_p < 1", "top_k > 0")
 
 
-def _parse_generate(req: Mapping[str, Any], max_model_len: int) -> tuple[list[int], dict[str, Any]]:
-    if not isinstance(req, Mapping):
-        raise BadRequest("request must be a JSON object")
-    unknown = sorted(set(req) - _KNOWN)
-    if unknown:
-        raise BadRequest(f"unknown field(s): {', '.join(unknown)}")
-    prompt = req.get("prompt")
-    if isinstance(prompt, Mapping):
-        ids = prompt.get("prompt_token_ids")
-    else:
-        ids = None
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
-                                                       for i in ids):
-        raise BadRequest("prompt must be {\"prompt_token_ids\": [non-negative ints, at least one]}")
-    kw: dict[str, Any] = {}
-    kw["n"] = _num(req, "n", int, 1, lo=1)
-    max_tokens = req.get("max_tokens", req.get("max_new_tokens", req.get("max_completion_tokens", 16)))
-    kw["max_tokens"] = _num({"max_tokens": max_tokens}, "max_tokens", int, 16, lo=1)
-    if len(ids) + kw["max_tokens"] > max_model_len:
-        raise BadRequest(f"prompt ({len(ids)} tokens) + max_tokens ({kw['max_tokens']}) exceeds max_model_len "
-                         f"({max_model_len})")
-    kw["temperature"] = _num(req, "temperature", float, 1.0, lo=0.0)
-    top_p = _num(req, "top_p", float, 1.0, lo=0.0)
-    top_k = _num(req, "top_k", int, 0, lo=-1)
-    if top_p < 1.0 or top_k > 0:
-        raise BadRequest("top_p < 1 and top_k > 0 are not supported: the rollout logprobs would be renormalised "
-                         "over the truncated support and no longer match the trainer's")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if req.get(key, 0) not in (0, 0.0):
-            raise BadRequest(f"{key} is not supported (the trainer's logprobs do not apply it)")
-    if req.get("repetition_penalty", 1) not in (1, 1.0) or req.get("min_p", 0) not in (0, 0.0):
-        raise BadRequest("repetition_penalty and min_p are not supported (the trainer's logprobs do not apply them)")
-    stop = req.get("stop")
-    if stop is not None:
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise BadRequest("stop must be a string or a list of strings")
-        kw["stop"] = stop
-    if req.get("stop_token_ids") is not None:
-        kw["stop_token_ids"] = [int(x) for x in req["stop_token_ids"]]
-    if req.get("seed") is not None:
-        kw["seed"] = _num(req, "seed", int, 0)
-    logprobs = req.get("logprobs", 0)
-    if logprobs is None:
-        logprobs = 0
-    kw["logprobs"] = _num({"logprobs": logprobs}, "logprobs", int, 0, lo=0)
-    if req.get("prompt_logprobs") is not None:
-        kw["prompt_logprobs"] = _num(req, "prompt_logprobs", int, 1, lo=0)
-    for key in ("min_tokens",):
-        if key in req:
-            kw[key] = _num(req, key, int, 0, lo=0)
-    for key in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
-        if key in req:
-            if not isinstance(req[key], bool):
-                raise BadRequest(f"{key} must be true or false")
-            kw[key] = req[key]
-    return list(ids), kw
-
-
-def _num(req: Mapping[str, Any], key: str, typ: type, default: Any, lo: float | None = None) -> Any:
-    value = req.get(key, default)
-    if value is None:
-        value = default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (typ is int and not isinstance(value, int)):
-        raise BadRequest(f"{key} must be {'an integer' if typ is int else 'a number'}, got {value!r}")
-    if lo is not None and value < lo:
-        raise BadRequest(f"{key} must be ≥ {lo}, got {value!r}")
-    return typ(value)
+def sampling_kwargs(params: schema.GenerateParams) -> dict[str, Any]:
+    """A request parsed by :func:`atroposd.inference.schema.parse_generate` → the keyword
+    arguments of vLLM's ``SamplingParams``; :data:`REFUSED` is answered with a ``BadRequest``."""
+    if params.top_p < 1.0 or params.top_k > 0:
+        raise BadRequest(f"top_p < 1 and top_k > 0 are not supported by the vLLM engine (got top_p = {params.top_p}, "
+                         f"top_k = {params.top_k}): the rollout logprobs would be renormalised over the truncated "
+                         "support and no longer match the trainer's")
+    kw: dict[str, Any] = {
+        "n": params.n, "max_tokens": params.max_tokens, "temperature": params.temperature,
+        "logprobs": params.logprobs, "ignore_eos": params.ignore_eos,
+        "skip_special_tokens": params.skip_special_tokens,
+        "include_stop_str_in_output": params.include_stop_str_in_output,
+    }
+    if params.stop:
+        kw["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        kw["stop_token_ids"] = list(params.stop_token_ids)
+    if params.seed is not None:
+        kw["seed"] = params.seed
+    if params.prompt_logprobs is not None:
+        kw["prompt_logprobs"] = params.prompt_logprobs
+    return kw
 
 
 def _response(out: Any, version: int, *, want_prompt_logprobs: bool) -> dict[str, Any]:

@@ -16,7 +16,8 @@ its message queues in ``/dev/shm/psm_*`` segments of a few hundred MB) leaves se
 that hold RAM until the machine reboots. Before a component's processes are stopped, the
 segments they map are noted (``/proc/<pid>/maps``); once they are gone, every noted segment
 that no live process maps any more and that was created since the component started is
-unlinked. Recovery does the same for the processes a dead daemon left.
+unlinked (the scan lives in :mod:`atroposd.shmscan`). Recovery does the same for the
+processes a dead daemon left.
 """
 
 from __future__ import annotations
@@ -35,12 +36,12 @@ import psutil
 
 from atroposd.logs import get_logger
 from atroposd.pids import TIME_SLACK, is_alive, same_process
+from atroposd.shmscan import OWN_SEGMENT_PREFIX as OWN_SEGMENT_PREFIX  # re-exported for the daemon
+from atroposd.shmscan import mapped_shm, unlink_orphaned_segments
 
 log = get_logger("atroposd.reaper")
 
 PR_SET_CHILD_SUBREAPER = 36
-SHM_DIR = "/dev/shm"
-OWN_SEGMENT_PREFIX = "atroposd-"  # the weight segments: their owner unlinks them (atroposd.weights.shm)
 INSTANCE_VAR = "ATROPOSD_INSTANCE"
 
 
@@ -270,56 +271,6 @@ def recover_dead_instance(path: Path, *, grace: float = 2.0) -> InstanceRecord |
     if removed:
         log.info("removed shared-memory segments the dead daemon's processes left", segments=removed)
     return record
-
-
-def mapped_shm(prefix: str = "", pids: Iterable[int] | None = None) -> dict[str, set[int]]:
-    """Segment name → pids that map it, from ``/proc/<pid>/maps`` (every readable process when
-    ``pids`` is None). Deleted segments (unlinked while still mapped) are not listed."""
-    marker = f"{SHM_DIR}/{prefix}"
-    found: dict[str, set[int]] = {}
-    if pids is None:
-        try:
-            pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
-        except FileNotFoundError:  # pragma: no cover - no procfs
-            return found
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
-                for line in f:
-                    at = line.find(marker)
-                    if at < 0 or line.rstrip().endswith("(deleted)"):
-                        continue
-                    name = line[at + len(SHM_DIR) + 1:].split()[0]
-                    found.setdefault(name, set()).add(pid)
-        except OSError:  # gone, or another user's
-            continue
-    return found
-
-
-def unlink_orphaned_segments(names: Iterable[str], *, since: float, ignore_pids: Iterable[int] = ()) -> list[str]:
-    """Unlink the ``/dev/shm`` segments among ``names`` that no live process maps any more
-    (processes in ``ignore_pids`` aside: a process about to exit may clean up what it still
-    maps) and that were created at or after ``since`` (epoch seconds); ``atroposd-*`` weight
-    segments are left to their owner. Returns the names removed."""
-    candidates = {n for n in names if n and "/" not in n and not n.startswith(OWN_SEGMENT_PREFIX)}
-    if not candidates:
-        return []
-    ignored = set(ignore_pids)
-    in_use = {name for name, pids in mapped_shm().items() if pids - ignored}
-    removed = []
-    for name in sorted(candidates - set(in_use)):
-        path = os.path.join(SHM_DIR, name)
-        try:
-            st = os.stat(path)
-            if st.st_uid != os.getuid() or st.st_ctime + TIME_SLACK < since:
-                continue
-            os.unlink(path)
-            removed.append(name)
-        except FileNotFoundError:  # its owner cleaned it up
-            continue
-        except OSError as exc:
-            log.warning("cannot remove a left-over shared-memory segment", segment=name, error=str(exc))
-    return removed
 
 
 def describe(proc: psutil.Process) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import structlog
 import torch
 
 from atroposd.config import Config, to_dict
+from atroposd.devices import resolve_torch
 from atroposd.paths import Paths
 from atroposd.trainer.checkpoint import (
     CheckpointError,
@@ -27,7 +28,7 @@ from atroposd.trainer.checkpoint import (
     set_rng_state,
 )
 from atroposd.trainer.learner import Learner, make_strategies
-from atroposd.trainer.model import Policy, load_policy, resolve_device, resolve_dtype
+from atroposd.trainer.model import Policy, load_policy
 from atroposd.trainer.optim import build_optimizer, build_scheduler
 
 __all__ = ["ResumeError", "Setup", "build_learner", "load_for_training"]
@@ -70,10 +71,9 @@ def load_for_training(cfg: Config) -> Setup:
     from atroposd.models.resolve import fingerprint_of, resolve_model, resolve_tokenizer
 
     t = cfg.trainer
-    device = resolve_device(t.device)
+    device, dtype = resolve_torch(t.device, cfg.inference.dtype, key="trainer.device")
     if device.type == "cpu":
         torch.set_num_threads(1)  # small batches gain nothing from more threads; cores are shared
-    dtype = resolve_dtype(cfg.inference.dtype, device)
     root = Paths.of(cfg).checkpoints_dir
     _check_writable(root)
     for partial in clean_partial(root):

@@ -30,7 +30,7 @@ from atroposd.weights.manifest import (
     TensorEntry,
     contiguous_stride,
 )
-from atroposd.weights.shm import ShmSegment, segment_name
+from atroposd.weights.shm import ShmSegment, segment_name, segment_tag
 from atroposd.weights.tensors import ModelTensors, checksum, dtype_name, lora_spec, model_tensors
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "ParameterArena", "Slot", "plan_layout"]
@@ -100,7 +100,8 @@ class ParameterArena:
                first_index: int = 0) -> ParameterArena:
         """Move ``model``'s tensors into new buffers (shm on CPU, CUDA IPC on GPU).
 
-        Segments are numbered from ``first_index`` (``atroposd-<nonce>-<n>``).
+        Segments are numbered from ``first_index`` (``atroposd-<nonce>-<tag>-<n>``, one random
+        ``tag`` per arena).
         """
         mt = model_tensors(model)
         devices = {t.device for t in mt.tensors.values()}
@@ -116,10 +117,11 @@ class ParameterArena:
         slots, seg_sizes = plan_layout(sizes, max_segment_bytes)
         transport = "shm" if device.type == "cpu" else "cuda_ipc"
         segments: list[Segment] = []
+        tag = segment_tag()
         try:
             for i, size in enumerate(seg_sizes):
                 if transport == "shm":
-                    segments.append(ShmSegment.create(segment_name(nonce, first_index + i), size))
+                    segments.append(ShmSegment.create(segment_name(nonce, first_index + i, tag), size))
                 else:
                     from atroposd.weights.cuda_ipc import CudaSegment
 
@@ -155,6 +157,13 @@ class ParameterArena:
         if self.transport != "shm":
             return []
         return [seg.name for seg in self.segments if not os.path.exists(os.path.join("/dev/shm", seg.name))]
+
+    def synchronize(self) -> None:
+        """Wait until the device has finished every kernel queued on the buffers (the optimizer's
+        step: CUDA runs it asynchronously). A CPU arena's writes are done when the step returns."""
+        if self.transport == "cuda_ipc":
+            for seg in self.segments:
+                seg.synchronize()  # type: ignore[attr-defined]
 
     def check_bound(self) -> None:
         """Raise if a tensor of the model no longer lives in the arena (e.g. ``model.to()``)."""
@@ -222,7 +231,7 @@ def _is_view_of(t: torch.Tensor, seg: Segment) -> bool:
     return False
 
 
-def _own_start_time() -> float:
+def _own_start_time() -> int:
     from atroposd.weights.manifest import process_start_time
 
     st = process_start_time(os.getpid())

@@ -2,32 +2,73 @@
 
 Shaped exactly like the CPU path so the CPU tests cover the protocol: the trainer's arena
 allocates a few flat ``uint8`` CUDA buffers (``CudaSegment``) instead of shm segments, and a
-manifest segment carries ``handle`` (base64 of the pickled ``reduce_tensor`` args) and the
+manifest segment carries ``handle`` (the fields of torch's ``reduce_tensor`` export as plain
+JSON values, :class:`~atroposd.weights.manifest.CudaIpcHandle`: nothing is unpickled) and the
 physical GPU's UUID instead of a segment name.
+
+Each buffer is exported once (``export_handle`` caches it): every torch export of a storage
+wraps it in a new ref-counted IPC entry that lives as long as the storage, so re-exporting the
+long-lived arena at every sync would grow without bound. Later exports synchronise the device
+and hand out the same handle.
 
 Release protocol (VLLM-NOTES §3):
 
-* producer: one ``reduce_tensor`` per flat buffer per export; keep the buffers alive (they
-  are the trainer's parameters) until the consumer acknowledged; on re-export and on close,
-  ``gc.collect()`` then ``torch.cuda.ipc_collect()``;
+* producer: one ``reduce_tensor`` per flat buffer for the arena's life; keep the buffers alive
+  (they are the trainer's parameters) until the consumer acknowledged; after each export and
+  on close, ``gc.collect()`` then ``torch.cuda.ipc_collect()``;
 * consumer: rebuild once per export, copy (push) or compute on views (shared),
   ``torch.cuda.synchronize()``, drop every view and the rebuilt tensor, ``gc.collect()``,
   and only then acknowledge.
 
-Handles are pickles: they only ever travel through the 0600 manifest in ``runtime_dir`` and
-the 0600 Unix control socket. This module needs a GPU; the tests marked ``gpu`` run it.
+Handles only ever travel through the 0600 manifest in ``runtime_dir`` and the 0600 Unix
+control socket. The GPU calls need a GPU (the tests marked ``gpu`` run them); the mapping
+between torch's export tuple and the manifest's fields is tested on the CPU.
 """
 
 from __future__ import annotations
 
-import base64
 import gc
-import pickle
 from typing import Any
 
 import torch
 
-__all__ = ["CudaSegment", "device_index_for_uuid", "device_uuid", "ipc_collect", "rebuild_segment"]
+from atroposd.weights.manifest import CudaIpcHandle
+
+__all__ = ["CudaSegment", "device_index_for_uuid", "device_uuid", "handle_args", "handle_from_args", "ipc_collect",
+           "rebuild_segment"]
+
+# torch.multiprocessing.reductions.reduce_tensor's arguments for rebuild_cuda_tensor:
+# (tensor_cls, size, stride, tensor_offset, storage_cls, dtype, device, storage_handle,
+#  storage_size_bytes, storage_offset_bytes, requires_grad, ref_counter_handle,
+#  ref_counter_offset, event_handle, event_sync_required)
+_REDUCE_FIELDS = 15
+
+
+def handle_from_args(args: tuple[Any, ...]) -> CudaIpcHandle:
+    """The manifest's fields of ``reduce_tensor(flat_uint8_buffer)[1]``; refuses anything but a
+    whole contiguous ``uint8`` tensor (what the importer will rebuild)."""
+    if len(args) != _REDUCE_FIELDS:
+        raise RuntimeError(f"torch's reduce_tensor gave {len(args)} fields, expected {_REDUCE_FIELDS}: this torch "
+                           "version's CUDA IPC export is not supported")
+    (tensor_cls, size, stride, offset, storage_cls, dtype, _device, storage_handle, storage_size_bytes,
+     storage_offset_bytes, requires_grad, ref_counter_handle, ref_counter_offset, event_handle,
+     event_sync_required) = args
+    if (tensor_cls is not torch.Tensor or storage_cls is not torch.storage.TypedStorage or dtype != torch.uint8
+            or len(size) != 1 or tuple(stride) != (1,) or offset != 0 or requires_grad):
+        raise RuntimeError("a CUDA IPC export must be a whole flat uint8 tensor")
+    return CudaIpcHandle(numel=int(size[0]), storage_handle=bytes(storage_handle),
+                         storage_size_bytes=int(storage_size_bytes), storage_offset_bytes=int(storage_offset_bytes),
+                         ref_counter_handle=bytes(ref_counter_handle), ref_counter_offset=int(ref_counter_offset),
+                         event_handle=bytes(event_handle) if event_handle is not None else None,
+                         event_sync_required=bool(event_sync_required))
+
+
+def handle_args(handle: CudaIpcHandle, device_index: int) -> tuple[Any, ...]:
+    """``rebuild_cuda_tensor``'s arguments for ``handle`` on this process's ``device_index``;
+    the classes are the importer's own, never read from the manifest."""
+    return (torch.Tensor, torch.Size([handle.numel]), (1,), 0, torch.storage.TypedStorage, torch.uint8,
+            device_index, handle.storage_handle, handle.storage_size_bytes, handle.storage_offset_bytes, False,
+            handle.ref_counter_handle, handle.ref_counter_offset, handle.event_handle, handle.event_sync_required)
 
 
 def device_uuid(device: torch.device) -> str:
@@ -51,6 +92,7 @@ class CudaSegment:
         self.name = name
         self.size = int(buffer.numel())
         self.buffer: torch.Tensor | None = buffer
+        self._export: tuple[CudaIpcHandle, str] | None = None
 
     @classmethod
     def allocate(cls, name: str, size: int, device: torch.device) -> CudaSegment:
@@ -67,33 +109,41 @@ class CudaSegment:
         base = self.buffer.data_ptr()
         return base <= t.data_ptr() < base + self.size
 
-    def export_handle(self) -> tuple[str, str]:
-        """One export: (base64 pickled reduce_tensor args, GPU UUID)."""
-        from torch.multiprocessing.reductions import reduce_tensor
+    def export_handle(self) -> tuple[CudaIpcHandle, str]:
+        """(handle, GPU UUID) of the buffer, after the device finished every queued kernel.
 
+        The handle is made once per buffer and reused (see the module docstring)."""
         assert self.buffer is not None
         torch.cuda.synchronize(self.buffer.device)
-        _rebuild, args = reduce_tensor(self.buffer)
-        return base64.b64encode(pickle.dumps(args)).decode(), device_uuid(self.buffer.device)
+        if self._export is None:
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            _rebuild, args = reduce_tensor(self.buffer)
+            self._export = handle_from_args(tuple(args)), device_uuid(self.buffer.device)
+        return self._export
+
+    def synchronize(self) -> None:
+        """Wait for every kernel queued on the buffer's device (the optimizer's step)."""
+        if self.buffer is not None:
+            torch.cuda.synchronize(self.buffer.device)
 
     def close(self) -> None:
         self.buffer = None
+        self._export = None
         ipc_collect()
 
     def unlink(self) -> None:
         """Nothing has a name on a GPU; kept for the segment protocol."""
 
 
-def rebuild_segment(handle: str, uuid: str) -> torch.Tensor:
+def rebuild_segment(handle: CudaIpcHandle, uuid: str) -> torch.Tensor:
     """Consumer: rebuild the flat buffer of one export (call once per export).
 
     Returns: a ``uint8`` CUDA tensor of the segment's size on the local index of ``uuid``.
     """
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    args: list[Any] = list(pickle.loads(base64.b64decode(handle)))
-    args[6] = device_index_for_uuid(uuid)
-    return rebuild_cuda_tensor(*args)
+    return rebuild_cuda_tensor(*handle_args(handle, device_index_for_uuid(uuid)))
 
 
 def ipc_collect() -> None:

@@ -4,9 +4,9 @@ A manifest is one JSON file, ``{weights_dir}/manifest-<nonce>.json`` (mode 0600,
 temporary name and renamed), describing every exported tensor of one export:
 
 ```
-{"format": 1, "nonce": "<daemon nonce>", "exporter_pid": 4242, "exporter_start_time": 1.7e9,
+{"format": 1, "nonce": "<daemon nonce>", "exporter_pid": 4242, "exporter_start_time": 268735,
  "export_id": 3, "weight_version": 17, "transport": "shm" | "cuda_ipc", "created_at": 1.7e9,
- "segments": [{"index": 0, "name": "atroposd-<nonce>-0", "size": 1327104, "handle": null,
+ "segments": [{"index": 0, "name": "atroposd-<nonce>-<tag>-0", "size": 1327104, "handle": null,
                "device_uuid": null}],
  "tensors": [{"name": "model.embed_tokens.weight", "dtype": "float32", "shape": [22, 128],
               "stride": [128, 1], "segment": 0, "offset": 0, "nbytes": 11264,
@@ -25,6 +25,7 @@ naming the tensor. Nothing is zero-filled, skipped or looked up anywhere else.
 
 from __future__ import annotations
 
+import base64
 import math
 import os
 import re
@@ -42,18 +43,22 @@ from atroposd.fsutil import write_atomic
 __all__ = [
     "ALLOWED_DTYPES",
     "FORMAT_VERSION",
+    "CudaIpcHandle",
     "Manifest",
     "ManifestError",
     "SegmentRef",
     "TensorEntry",
     "TensorSpec",
     "manifest_path",
+    "match_tensors",
     "process_start_time",
 ]
 
 FORMAT_VERSION = 1
 ALLOWED_DTYPES = ("float32", "bfloat16", "float16")
 NONCE_RE = re.compile(r"^[A-Za-z0-9_-]{4,64}$")
+# A shm segment's name after ``atroposd-<nonce>-`` (atroposd.weights.shm.segment_name).
+SEGMENT_TAIL_RE = re.compile(r"^[0-9a-f]{16}-[0-9]+$")
 # Tensors start on this boundary inside a segment (cache line; enough for every allowed dtype).
 ALIGNMENT = 64
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
@@ -64,14 +69,73 @@ class ManifestError(ValueError):
 
 
 @dataclass(frozen=True)
+class CudaIpcHandle:
+    """The fields of torch's CUDA IPC export of one flat ``uint8`` buffer
+    (``torch.multiprocessing.reductions.reduce_tensor``), carried as plain JSON values: the
+    manifest holds no pickle. The importer supplies the classes itself (``torch.Tensor``,
+    ``TypedStorage``, ``uint8``) and its own index of the GPU named by ``device_uuid``."""
+
+    numel: int
+    storage_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes | None
+    event_sync_required: bool
+
+    _INTS = ("numel", "storage_size_bytes", "storage_offset_bytes", "ref_counter_offset")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"numel": self.numel, "storage_handle": _b64(self.storage_handle),
+                "storage_size_bytes": self.storage_size_bytes, "storage_offset_bytes": self.storage_offset_bytes,
+                "ref_counter_handle": _b64(self.ref_counter_handle), "ref_counter_offset": self.ref_counter_offset,
+                "event_handle": _b64(self.event_handle) if self.event_handle is not None else None,
+                "event_sync_required": self.event_sync_required}
+
+    @classmethod
+    def from_dict(cls, raw: Any, what: str) -> CudaIpcHandle:
+        fields = ("numel", "storage_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle",
+                  "ref_counter_offset", "event_handle", "event_sync_required")
+        if not isinstance(raw, dict) or set(raw) != set(fields):
+            raise ManifestError(f"{what}: a CUDA IPC handle must be an object with exactly the fields "
+                                f"{', '.join(fields)}")
+        for key in cls._INTS:
+            if _int(raw[key], f"{what} {key}") < 0:
+                raise ManifestError(f"{what} {key} must be ≥ 0")
+        if not isinstance(raw["event_sync_required"], bool):
+            raise ManifestError(f"{what} event_sync_required must be true or false")
+        event = raw["event_handle"]
+        return cls(numel=raw["numel"], storage_handle=_unb64(raw["storage_handle"], f"{what} storage_handle"),
+                   storage_size_bytes=raw["storage_size_bytes"], storage_offset_bytes=raw["storage_offset_bytes"],
+                   ref_counter_handle=_unb64(raw["ref_counter_handle"], f"{what} ref_counter_handle"),
+                   ref_counter_offset=raw["ref_counter_offset"],
+                   event_handle=_unb64(event, f"{what} event_handle") if event is not None else None,
+                   event_sync_required=raw["event_sync_required"])
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _unb64(value: Any, what: str) -> bytes:
+    if not isinstance(value, str):
+        raise ManifestError(f"{what} must be a base64 string")
+    try:
+        return base64.b64decode(value, validate=True)
+    except ValueError:
+        raise ManifestError(f"{what} is not valid base64") from None
+
+
+@dataclass(frozen=True)
 class SegmentRef:
     """One exported flat buffer: a POSIX shm segment (``name``) or a CUDA IPC handle."""
 
     index: int
     name: str
     size: int
-    # CUDA IPC only: base64 of the pickled ``reduce_tensor`` args, and the physical GPU.
-    handle: str | None = None
+    # CUDA IPC only: the export's fields, and the physical GPU.
+    handle: CudaIpcHandle | None = None
     device_uuid: str | None = None
 
 
@@ -98,17 +162,13 @@ class TensorSpec:
     shape: tuple[int, ...]
 
 
-def process_start_time(pid: int) -> float | None:
-    """A process's start time (psutil ``create_time``), or None when it does not exist."""
-    import psutil
-
-    try:
-        return float(psutil.Process(pid).create_time())
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return None
+def process_start_time(pid: int) -> int | None:
+    """A process's start time in clock ticks since boot (:func:`atroposd.pids.start_ticks`:
+    no clock step moves it), or None when it does not exist."""
+    return pids.start_ticks(pid)
 
 
-def exporter_alive(pid: int, start_time: float) -> bool:
+def exporter_alive(pid: int, start_time: int) -> bool:
     """True when ``pid`` runs and started at ``start_time`` (so it is not a recycled pid)."""
     return pids.same_process(pid, start_time) is not None
 
@@ -136,7 +196,7 @@ def itemsize(dtype: str) -> int:
 class Manifest:
     nonce: str
     exporter_pid: int
-    exporter_start_time: float
+    exporter_start_time: int  # clock ticks since boot (process_start_time)
     export_id: int
     weight_version: int
     transport: str
@@ -155,7 +215,8 @@ class Manifest:
             "format": self.format, "nonce": self.nonce, "exporter_pid": self.exporter_pid,
             "exporter_start_time": self.exporter_start_time, "export_id": self.export_id,
             "weight_version": self.weight_version, "transport": self.transport, "created_at": self.created_at,
-            "segments": [{"index": s.index, "name": s.name, "size": s.size, "handle": s.handle,
+            "segments": [{"index": s.index, "name": s.name, "size": s.size,
+                          "handle": s.handle.to_dict() if s.handle is not None else None,
                           "device_uuid": s.device_uuid} for s in self.segments],
             "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "stride": list(t.stride),
                          "segment": t.segment, "offset": t.offset, "nbytes": t.nbytes, "checksum": t.checksum}
@@ -179,7 +240,9 @@ class Manifest:
                                     f"(expected {FORMAT_VERSION})")
             segments = tuple(SegmentRef(index=_int(s["index"], "segment index"), name=str(s["name"]),
                                         size=_int(s["size"], f"segment {s['name']} size"),
-                                        handle=s.get("handle"), device_uuid=s.get("device_uuid"))
+                                        handle=(CudaIpcHandle.from_dict(s["handle"], f"segment {s['name']} handle")
+                                                if s.get("handle") is not None else None),
+                                        device_uuid=_opt_str(s.get("device_uuid"), f"segment {s['name']} device_uuid"))
                              for s in data["segments"])
             tensors = tuple(TensorEntry(name=str(t["name"]), dtype=str(t["dtype"]),
                                         shape=tuple(_int(d, f"{t['name']} shape") for d in t["shape"]),
@@ -194,7 +257,7 @@ class Manifest:
                                                      for k, v in tied.items()):
                 raise ManifestError("'tied' must map tensor names to tensor names")
             return cls(nonce=str(data["nonce"]), exporter_pid=_int(data["exporter_pid"], "exporter_pid"),
-                       exporter_start_time=float(data["exporter_start_time"]),
+                       exporter_start_time=_int(data["exporter_start_time"], "exporter_start_time"),
                        export_id=_int(data["export_id"], "export_id"),
                        weight_version=_int(data["weight_version"], "weight_version"),
                        transport=str(data["transport"]), segments=segments, tensors=tensors, tied=tied,
@@ -208,7 +271,7 @@ class Manifest:
 
     @classmethod
     def load(cls, path: Path, *, expected_nonce: str, weights_dir: Path,
-             exporter_alive: Callable[[int, float], bool] = exporter_alive) -> Manifest:
+             exporter_alive: Callable[[int, int], bool] = exporter_alive) -> Manifest:
         """Read and check a manifest's provenance: location, owner, mode, nonce, live exporter.
 
         ``path`` must be exactly ``weights_dir/manifest-<expected_nonce>.json``: an importer
@@ -258,10 +321,14 @@ class Manifest:
         for seg in self.segments:
             if seg.index in seg_by_index:
                 raise ManifestError(f"segment index {seg.index} appears twice")
-            if self.transport == "shm" and (not seg.name.startswith(prefix) or "/" in seg.name):
-                raise ManifestError(f"segment name {seg.name!r} is not of the form {prefix}<n>")
-            if self.transport == "cuda_ipc" and not seg.handle:
-                raise ManifestError(f"segment {seg.index} has no CUDA IPC handle")
+            if self.transport == "shm" and (not seg.name.startswith(prefix)
+                                            or not SEGMENT_TAIL_RE.match(seg.name[len(prefix):])):
+                raise ManifestError(f"segment name {seg.name!r} is not of the form {prefix}<tag>-<n>")
+            if self.transport == "cuda_ipc" and (seg.handle is None or not seg.device_uuid):
+                raise ManifestError(f"segment {seg.index} has no CUDA IPC handle or no device_uuid")
+            if self.transport == "cuda_ipc" and seg.handle is not None and seg.handle.numel < seg.size:
+                raise ManifestError(f"segment {seg.index}: its CUDA buffer holds {seg.handle.numel} bytes; the "
+                                    f"manifest says {seg.size}")
             if seg.size <= 0:
                 raise ManifestError(f"segment {seg.name!r} has size {seg.size}")
             seg_by_index[seg.index] = seg
@@ -304,8 +371,6 @@ class Manifest:
         importer name → exported name (an importer that does not tie what the exporter ties
         re-ties by mapping both names onto the one exported tensor).
         """
-        from atroposd.weights.tensors import match_tensors
-
         exported = {t.name: TensorSpec(t.dtype, tuple(t.shape)) for t in self.tensors}
         return match_tensors(exported, self.tied, expected, tied)
 
@@ -324,6 +389,45 @@ class Manifest:
             if seg.index == index:
                 return seg
         raise ManifestError(f"segment {index} is not in the manifest")
+
+
+def match_tensors(exported: Mapping[str, TensorSpec], exported_tied: Mapping[str, str],
+                  mine: Mapping[str, TensorSpec], my_tied: Mapping[str, str]) -> dict[str, str]:
+    """Check an export against the importer's own tensors; return importer name → exported name.
+
+    Every canonical tensor of the importer must be exported (directly, or as an alias the
+    exporter ties) with the same dtype and shape; the export must hold nothing the importer
+    lacks, and nothing the importer ties but the exporter keeps separate.
+    Raises ManifestError listing every problem, each naming its tensor.
+    """
+    source: dict[str, str] = {}
+    problems: list[str] = []
+    for name, spec in mine.items():
+        src = name if name in exported else exported_tied.get(name)
+        if src is None or src not in exported:
+            problems.append(f"tensor {name!r} is missing from the export")
+            continue
+        got = exported[src]
+        if got.dtype != spec.dtype:
+            problems.append(f"tensor {name!r}: dtype {got.dtype} != the importer's {spec.dtype}")
+        if tuple(got.shape) != tuple(spec.shape):
+            problems.append(f"tensor {name!r}: shape {list(got.shape)} != the importer's {list(spec.shape)}")
+        source[name] = src
+    for name in exported:
+        if name in my_tied:
+            problems.append(f"tensor {name!r} is exported on its own but the importer ties it to "
+                            f"{my_tied[name]!r}")
+        elif name not in mine:
+            problems.append(f"tensor {name!r} is in the export but not in the importer's model")
+    if problems:
+        raise ManifestError("weights do not match the model: " + "; ".join(problems))
+    return source
+
+
+def _opt_str(value: Any, what: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ManifestError(f"{what} must be a string, got {value!r}")
+    return value
 
 
 def _int(value: Any, what: str) -> int:

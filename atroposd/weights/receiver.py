@@ -54,6 +54,7 @@ import torch
 
 from atroposd.logs import get_logger
 from atroposd.weights.manifest import Manifest, ManifestError, TensorSpec
+from atroposd.weights.protocol import SYNC_FORMAT, SYNC_WEIGHTS_FILE, WeightUpdateError
 from atroposd.weights.shm import ShmError, ShmSegment
 from atroposd.weights.tensors import (
     ModelTensors,
@@ -65,18 +66,9 @@ from atroposd.weights.tensors import (
     torch_dtype,
 )
 
-__all__ = ["ReceiverState", "WeightUpdateError", "apply_update", "inspect_sync_dir", "load_dir"]
+__all__ = ["ReceiverState", "WeightUpdateError", "apply_update", "inspect_sync_dir", "load_dir", "other_gpu"]
 
 log = get_logger(__name__)
-
-SYNC_WEIGHTS_FILE = "model.safetensors"
-ADAPTER_DIR = "adapter"
-SYNC_FORMAT = "atroposd-sync-1"
-
-
-class WeightUpdateError(ValueError):
-    """A weight update that was refused; the model is unchanged."""
-
 
 @dataclass
 class ReceiverState:
@@ -194,6 +186,12 @@ def apply_update(model: torch.nn.Module, request: Mapping[str, Any], *, state: R
     device = next(iter(mt.tensors.values())).device
     if manifest.transport == "cuda_ipc" and device.type != "cuda":
         raise WeightUpdateError("a CUDA IPC export needs a model on a GPU")
+    if mode == "attach" and manifest.transport == "cuda_ipc":
+        from atroposd.weights.cuda_ipc import device_uuid
+
+        problem = other_gpu(manifest, device_uuid(device))
+        if problem is not None:
+            raise WeightUpdateError(problem)
     if mode == "attach":
         moved = _attach(model, manifest, source, state, device, mt)
     else:
@@ -205,6 +203,16 @@ def apply_update(model: torch.nn.Module, request: Mapping[str, Any], *, state: R
             "export_id": manifest.export_id}
 
 
+def other_gpu(manifest: Manifest, own_uuid: str) -> str | None:
+    """Why the server cannot compute on this CUDA IPC export in place (shared mode needs the
+    trainer's buffers on the server's own physical GPU), or None when it can."""
+    for seg in manifest.segments:
+        if seg.device_uuid != own_uuid:
+            return (f"shared mode needs the trainer and the inference server on the same physical GPU: segment "
+                    f"{seg.index} lives on {seg.device_uuid}, this server computes on {own_uuid}")
+    return None
+
+
 def _map_segments(manifest: Manifest) -> dict[int, Any]:
     mapped: dict[int, Any] = {}
     try:
@@ -214,7 +222,7 @@ def _map_segments(manifest: Manifest) -> dict[int, Any]:
             else:
                 from atroposd.weights.cuda_ipc import rebuild_segment
 
-                assert seg.handle is not None and seg.device_uuid is not None
+                assert seg.handle is not None and seg.device_uuid is not None  # check_layout
                 buf = rebuild_segment(seg.handle, seg.device_uuid)
                 if buf.numel() < seg.size:
                     raise WeightUpdateError(f"CUDA segment {seg.index} is {buf.numel()} bytes; the manifest "

@@ -18,7 +18,7 @@ import orjson
 import torch
 
 from atroposd.logs import get_logger
-from atroposd.weights.receiver import ADAPTER_DIR, SYNC_FORMAT, SYNC_WEIGHTS_FILE
+from atroposd.weights.protocol import ADAPTER_DIR, SYNC_FORMAT, SYNC_WEIGHTS_FILE
 from atroposd.weights.tensors import lora_spec, model_tensors
 
 __all__ = ["prune_sync_dirs", "write_sync_dir"]

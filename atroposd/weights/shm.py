@@ -1,6 +1,7 @@
 """POSIX shared-memory segments without Python's resource tracker.
 
-Segments are named ``atroposd-<nonce>-<n>`` (``/dev/shm/atroposd-...`` on Linux), created
+Segments are named ``atroposd-<nonce>-<tag>-<n>`` (``/dev/shm/atroposd-...`` on Linux; ``tag``
+is random, one per export, so the names cannot be guessed from the nonce), created
 with ``O_CREAT | O_EXCL`` and mode 0600, sized up front with ``ftruncate`` and mapped with
 ``mmap`` directly. ``multiprocessing.shared_memory`` is not used: on Python 3.11 its resource
 tracker unlinks a segment when *any* process that attached to it exits, which would let a
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import secrets
 import stat
 import warnings
 from collections.abc import Callable, Iterable
@@ -26,6 +28,8 @@ from typing import Any
 import torch
 
 from atroposd.logs import get_logger
+from atroposd.shmscan import mapped_shm
+from atroposd.weights.manifest import NONCE_RE, SEGMENT_TAIL_RE
 
 try:  # The POSIX shm_open/shm_unlink pair; CPython ships it on every POSIX platform.
     import _posixshmem
@@ -33,7 +37,7 @@ except ImportError:  # pragma: no cover - non-POSIX
     _posixshmem = None
 
 __all__ = ["SEGMENT_PREFIX", "ShmError", "ShmSegment", "cleanup_stale", "list_segments", "mapped_segments",
-           "read_into", "segment_name"]
+           "read_into", "segment_name", "segment_nonce", "segment_tag"]
 
 log = get_logger(__name__)
 
@@ -48,8 +52,26 @@ class ShmError(OSError):
     """A segment that cannot be created, opened or trusted."""
 
 
-def segment_name(nonce: str, index: int) -> str:
-    return f"{SEGMENT_PREFIX}{nonce}-{index}"
+def segment_tag() -> str:
+    """The unpredictable part of an export's segment names (64 random bits)."""
+    return secrets.token_hex(8)
+
+
+def segment_name(nonce: str, index: int, tag: str | None = None) -> str:
+    """``atroposd-<nonce>-<tag>-<index>``. The nonce is in every child's environment and argv
+    (``ps`` shows it), so the name also carries ``tag`` (default: a fresh :func:`segment_tag`;
+    one per export): another user cannot create the names first and block the export."""
+    return f"{SEGMENT_PREFIX}{nonce}-{tag if tag is not None else segment_tag()}-{index}"
+
+
+def segment_nonce(name: str) -> str | None:
+    """The launch nonce of a segment name, or None when the name is not of our form."""
+    if not name.startswith(SEGMENT_PREFIX):
+        return None
+    parts = name[len(SEGMENT_PREFIX):].rsplit("-", 2)
+    if len(parts) != 3 or not SEGMENT_TAIL_RE.match(f"{parts[1]}-{parts[2]}"):
+        return None
+    return parts[0]
 
 
 def _shm_open(name: str, flags: int, mode: int = 0o600) -> int:
@@ -283,8 +305,6 @@ def list_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
 
 def mapped_segments(prefix: str = SEGMENT_PREFIX) -> dict[str, set[int]]:
     """Segment name → pids of this user's processes that map it (from ``/proc/*/maps``)."""
-    from atroposd.process.reaper import mapped_shm
-
     return mapped_shm(prefix)
 
 
@@ -293,13 +313,11 @@ def cleanup_stale(runtime_dir: Path, is_alive: Callable[[str], bool]) -> list[st
 
     ``is_alive(nonce)`` says whether the launch with that nonce still runs (the daemon knows
     its own nonce and the recorded pid + start time of earlier ones). Segments are found by
-    their ``atroposd-<nonce>-<n>`` names, manifests as ``{runtime_dir}/weights/manifest-<nonce>.json``
+    their ``atroposd-<nonce>-<tag>-<n>`` names, manifests as ``{runtime_dir}/weights/manifest-<nonce>.json``
     (plus their temporary files). A segment that a live process still maps is kept whatever
     ``is_alive`` says (a second instance on this machine has its own records). Returns what was
     removed.
     """
-    from atroposd.weights.manifest import NONCE_RE
-
     removed: list[str] = []
     verdict: dict[str, bool] = {}
 
@@ -310,8 +328,8 @@ def cleanup_stale(runtime_dir: Path, is_alive: Callable[[str], bool]) -> list[st
 
     in_use = mapped_segments()
     for name in list_segments():
-        nonce = name[len(SEGMENT_PREFIX):].rsplit("-", 1)[0]
-        if not NONCE_RE.match(nonce) or alive(nonce):
+        nonce = segment_nonce(name)
+        if nonce is None or not NONCE_RE.match(nonce) or alive(nonce):
             continue
         if name in in_use:
             # A live process still maps it (another instance, or a child not yet reaped):

@@ -263,6 +263,10 @@ class SharedSync(_ArenaSync):
             self.version = version
             if reachable:
                 with anyio.CancelScope(shield=True):
+                    # On a GPU the step's kernels may still run: the server must not read a mix
+                    # of versions, so the device finishes them before generation resumes.
+                    if self.arena is not None:
+                        await anyio.to_thread.run_sync(self.arena.synchronize)
                     self.server_current = await self._resume(version)
 
 

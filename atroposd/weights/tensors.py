@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from atroposd.weights.manifest import ALLOWED_DTYPES, ManifestError, TensorSpec
+from atroposd.weights.manifest import ALLOWED_DTYPES, ManifestError, TensorSpec, match_tensors
 
 __all__ = ["CHECKSUM_ELEMENTS", "ModelTensors", "checksum", "dtype_name", "lora_spec", "match_tensors",
            "model_tensors", "torch_dtype"]
@@ -131,39 +131,6 @@ def _add(name: str, t: torch.Tensor, owner: tuple[torch.nn.Module, str, bool], t
         tied[name] = canonical
     if owner not in owners[canonical]:
         owners[canonical].append(owner)
-
-
-def match_tensors(exported: Mapping[str, TensorSpec], exported_tied: Mapping[str, str],
-                  mine: Mapping[str, TensorSpec], my_tied: Mapping[str, str]) -> dict[str, str]:
-    """Check an export against the importer's own tensors; return importer name → exported name.
-
-    Every canonical tensor of the importer must be exported (directly, or as an alias the
-    exporter ties) with the same dtype and shape; the export must hold nothing the importer
-    lacks, and nothing the importer ties but the exporter keeps separate.
-    Raises ManifestError listing every problem, each naming its tensor.
-    """
-    source: dict[str, str] = {}
-    problems: list[str] = []
-    for name, spec in mine.items():
-        src = name if name in exported else exported_tied.get(name)
-        if src is None or src not in exported:
-            problems.append(f"tensor {name!r} is missing from the export")
-            continue
-        got = exported[src]
-        if got.dtype != spec.dtype:
-            problems.append(f"tensor {name!r}: dtype {got.dtype} != the importer's {spec.dtype}")
-        if tuple(got.shape) != tuple(spec.shape):
-            problems.append(f"tensor {name!r}: shape {list(got.shape)} != the importer's {list(spec.shape)}")
-        source[name] = src
-    for name in exported:
-        if name in my_tied:
-            problems.append(f"tensor {name!r} is exported on its own but the importer ties it to "
-                            f"{my_tied[name]!r}")
-        elif name not in mine:
-            problems.append(f"tensor {name!r} is in the export but not in the importer's model")
-    if problems:
-        raise ManifestError("weights do not match the model: " + "; ".join(problems))
-    return source
 
 
 def lora_spec(model: torch.nn.Module) -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from atroposd.models.tiny import BOS_ID
 from tests.inference.conftest import MAX_MODEL_LEN, Server
@@ -207,6 +208,17 @@ def test_port_in_use_is_an_error_naming_the_port(server: Server, short_tmp: Path
     assert server.http("GET", "/health")[0] == 200  # the running server is untouched
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_device_that_is_not_there_is_a_usage_error(short_tmp: Path, tiny_dir: Path) -> None:
+    from tests.support import atroposd, free_port
+
+    result = atroposd("inference", "--model", str(tiny_dir), "--device", "cuda:0", "--port", str(free_port()),
+                      "--control-socket", str(short_tmp / "s"), timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "inference.device = 'cuda:0' but CUDA is not available" in result.stderr
+    assert not (short_tmp / "s").exists()
+
+
 def test_a_bad_model_directory_is_a_usage_error(short_tmp: Path) -> None:
     from tests.support import atroposd
 
@@ -255,7 +267,10 @@ def test_sigterm_while_generations_wait_at_a_paused_gate(short_tmp: Path, tiny_d
             srv.http("POST", "/generate", gen_body(max_tokens=3, seed=k), timeout=60))) for k in range(6)]
         for t in threads:
             t.start()
-        time.sleep(1.0)  # all six are admitted to the handler and wait at the gate
+        deadline = time.monotonic() + 30  # all six reach the handler and wait at the gate
+        while srv.control("GET", "/weight_info")[1]["waiting"] != 6:
+            assert time.monotonic() < deadline, "the generations never reached the paused gate"
+            time.sleep(0.02)
         assert not answers
         t0 = time.monotonic()
         os.killpg(srv.proc.pid, signal.SIGTERM)

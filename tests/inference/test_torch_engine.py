@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -180,7 +181,9 @@ async def test_bad_requests_are_refused(engine: TorchEngine, body: Any, message:
 
 async def test_pause_waits_for_inflight_and_holds_new_requests(engine: TorchEngine) -> None:
     long = asyncio.ensure_future(engine.generate(req(n=16, max_tokens=60, ignore_eos=True)))
-    while engine.stats()["inflight"] == 0:  # noqa: ASYNC110 - the engine exposes no event for admission
+    deadline = time.monotonic() + 30
+    while engine.stats()["inflight"] == 0:  # the engine exposes no event for admission
+        assert time.monotonic() < deadline, "the generation was never admitted"
         await asyncio.sleep(0)
     paused = await engine.pause()
     assert long.done(), "pause returned before the in-flight generation finished"
@@ -211,11 +214,44 @@ async def test_await_weights_starts_paused(tiny_dir: Path) -> None:
         info = await eng.weight_info()
         assert info["paused"] and info["awaiting_weights"]
         held = asyncio.ensure_future(eng.generate(req(max_tokens=1)))
-        await eng.generate(req(max_tokens=1), bypass_pause=True)
-        assert not held.done()
+        # The readiness probe's generation passes the closed gate (a deadline, not a hang, if not).
+        probe = await asyncio.wait_for(eng.generate(req(max_tokens=1), bypass_pause=True), 30)
+        assert probe["weight_version"] == 0
+        assert not held.done() and (await eng.weight_info())["waiting"] == 1
         await eng.resume(3)
         assert (await asyncio.wait_for(held, 30))["weight_version"] == 3
         assert not (await eng.weight_info())["awaiting_weights"]
+    finally:
+        await eng.close()
+
+
+async def test_awaiting_server_takes_its_first_weights_by_reload(tiny_dir: Path, tmp_path: Path) -> None:
+    """reload mode: a (restarted) server started awaiting weights serves nothing until the
+    trainer's /load and /resume, and then serves the loaded weights (SPEC §4)."""
+    from transformers import AutoModelForCausalLM
+
+    from atroposd.weights.receiver import ReceiverState
+    from atroposd.weights.reload import write_sync_dir
+
+    sync_dir = tmp_path / "sync"
+    receiver = ReceiverState(nonce="reloadtest", weights_dir=tmp_path / "weights", sync_dir=sync_dir)
+    eng = TorchEngine(model_dir=tiny_dir, max_model_len=MAX_MODEL_LEN, await_weights=True, receiver=receiver)
+    await eng.start()
+    try:
+        probe = req(max_tokens=1, prompt_logprobs=0)
+        base = (await eng.generate(probe, bypass_pause=True))["prompt_logprobs"]
+        held = asyncio.ensure_future(eng.generate(probe))
+        trained = AutoModelForCausalLM.from_pretrained(str(tiny_dir))
+        with torch.no_grad():
+            trained.get_input_embeddings().weight.mul_(1.5)
+        path = write_sync_dir(trained, sync_dir, 4)
+        loaded = await eng.load_weights({"path": str(path), "weight_version": 4})
+        assert loaded["weight_version"] == 4
+        assert not held.done() and (await eng.weight_info())["awaiting_weights"]
+        await eng.resume(4)
+        answer = await asyncio.wait_for(held, 30)
+        assert answer["weight_version"] == 4 and answer["prompt_logprobs"] != base
+        assert (await eng.weight_info())["updates"] == 1
     finally:
         await eng.close()
 
@@ -280,7 +316,9 @@ async def test_close_waits_for_the_running_batch_and_answers_it(tiny_dir: Path) 
     eng = TorchEngine(model_dir=tiny_dir, max_model_len=MAX_MODEL_LEN)
     await eng.start()
     long = asyncio.ensure_future(eng.generate(req(n=16, max_tokens=60, ignore_eos=True)))
-    while eng._running is None:  # noqa: ASYNC110 - the engine exposes no event for a started batch
+    deadline = time.monotonic() + 30
+    while eng._running is None:  # the engine exposes no event for a started batch
+        assert time.monotonic() < deadline, "the batch never started"
         await asyncio.sleep(0.001)
     await eng.close()
     assert eng._running.done()  # close() returned only after the forward passes ended

@@ -40,8 +40,26 @@ async def test_cuda_ipc_sync(dirs: dict[str, Path], nonce: str, child_factory: C
         torch.testing.assert_close(lp, score(model), atol=1e-4, rtol=0)
         assert (lp - old).abs().max() > 1e-3
         before = torch.cuda.memory_allocated()
+        handles = [seg.export_handle() for seg in sync.arena.segments]  # type: ignore[attr-defined]
         for v in range(2, 22):
             await sync.after_step(model, v)
         assert torch.cuda.memory_allocated() <= before  # nothing grows across exports
+        # One torch export per buffer for the arena's life: every sync reuses its handle.
+        assert [seg.export_handle() for seg in sync.arena.segments] == handles  # type: ignore[attr-defined]
+    finally:
+        sync.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+async def test_shared_mode_refuses_a_trainer_on_another_gpu(dirs: dict[str, Path], nonce: str,
+                                                            child_factory: ChildFactory) -> None:
+    from atroposd.weights.client import WeightControlError
+
+    child = child_factory.start(env={"CHILD_SERVER_DEVICE": "cuda:1"})
+    model = make_model(0).to("cuda:0")  # type: ignore[arg-type]
+    sync = SharedSync(nonce=nonce, weights_dir=dirs["weights"], control_socket=child.socket)
+    try:
+        with pytest.raises(WeightControlError, match="same physical GPU"):
+            await sync.attach(model, 0)
     finally:
         sync.close()

@@ -42,6 +42,29 @@ def test_plan_layout_aligns_and_splits() -> None:
         assert s.offset + s.nbytes <= segs[s.segment]
 
 
+def test_segment_names_carry_an_unpredictable_part(nonce: str) -> None:
+    """The nonce is visible in ``ps``: a name squatted from it does not block an export."""
+    from atroposd.weights.arena import ParameterArena
+    from atroposd.weights.shm import segment_nonce
+
+    first, second = segment_name(nonce, 0), segment_name(nonce, 0)
+    assert first != second and first.startswith(f"atroposd-{nonce}-")
+    assert segment_nonce(first) == nonce and segment_nonce(f"atroposd-{nonce}-0") is None
+    squat = ShmSegment.create(f"atroposd-{nonce}-0", 4096)  # the old, predictable name
+    try:
+        arena = ParameterArena.create(make_model(0), nonce=nonce)
+        try:
+            names = [s.name for s in arena.manifest(0).segments]
+            assert names and squat.name not in names
+            assert all(segment_nonce(n) == nonce for n in names)
+            assert len({n.rsplit("-", 2)[1] for n in names}) == 1  # one tag per export
+        finally:
+            arena.release()
+    finally:
+        squat.unlink()
+        squat.close()
+
+
 def test_segment_is_exclusive_private_and_not_tracked(nonce: str) -> None:
     name = segment_name(nonce, 0)
     seg = ShmSegment.create(name, 4096)
@@ -301,7 +324,7 @@ def test_cleanup_stale_removes_only_dead_launches(dirs: dict[str, Path]) -> None
     try:
         removed = cleanup_stale(dirs["runtime"], lambda n: n == live)
         assert sorted(Path(r).name for r in removed) == sorted(
-            [segment_name(dead, 0), segment_name(dead, 1), f"manifest-{dead}.json", f".manifest-{dead}.json.1.2.tmp"])
+            [segs[0].name, segs[1].name, f"manifest-{dead}.json", f".manifest-{dead}.json.1.2.tmp"])
         assert list_segments(f"atroposd-{dead}-") == []
         assert len(list_segments(f"atroposd-{live}-")) == 2
         assert manifest_path(dirs["weights"], live).exists()

@@ -309,8 +309,7 @@ async def test_dead_trainer_leftovers_are_removed_by_the_next_start(dirs: dict[s
     import subprocess
     import sys
 
-    import psutil
-
+    from atroposd.pids import start_ticks
     from atroposd.weights.manifest import exporter_alive
     from atroposd.weights.shm import cleanup_stale
 
@@ -334,7 +333,8 @@ sys.stdin.read()
         with anyio.fail_after(60):
             while b"EXPORT-DONE" not in seen:
                 seen += await proc.stdout.receive()
-        start_time = psutil.Process(proc.pid).create_time()
+        start_time = start_ticks(proc.pid)
+        assert start_time is not None
         os.kill(proc.pid, signal.SIGKILL)
         await proc.wait()
     assert list_segments(f"atroposd-{nonce}-")

@@ -1,0 +1,73 @@
+"""Which ``/dev/shm`` segments live processes map, and the removal of ones nobody maps.
+
+A leaf shared by the supervisor (:mod:`atroposd.process.reaper`: what a stopped component
+left), the weight exchange (:mod:`atroposd.weights.shm`: is a segment of a dead launch still
+in use) and the vLLM engine (the message-queue segments its EngineCore leaves).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+from atroposd.logs import get_logger
+
+__all__ = ["OWN_SEGMENT_PREFIX", "SHM_DIR", "mapped_shm", "unlink_orphaned_segments"]
+
+log = get_logger("atroposd.shmscan")
+
+SHM_DIR = "/dev/shm"
+OWN_SEGMENT_PREFIX = "atroposd-"  # the weight segments: their owner unlinks them (atroposd.weights.shm)
+# A segment's ctime against a process's start (both wall-clock): two reads agree far better.
+CTIME_SLACK = 0.05
+
+
+def mapped_shm(prefix: str = "", pids: Iterable[int] | None = None) -> dict[str, set[int]]:
+    """Segment name → pids that map it, from ``/proc/<pid>/maps`` (every readable process when
+    ``pids`` is None). Deleted segments (unlinked while still mapped) are not listed."""
+    marker = f"{SHM_DIR}/{prefix}"
+    found: dict[str, set[int]] = {}
+    if pids is None:
+        try:
+            pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+        except FileNotFoundError:  # pragma: no cover - no procfs
+            return found
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    at = line.find(marker)
+                    if at < 0 or line.rstrip().endswith("(deleted)"):
+                        continue
+                    name = line[at + len(SHM_DIR) + 1:].split()[0]
+                    found.setdefault(name, set()).add(pid)
+        except OSError:  # gone, or another user's
+            continue
+    return found
+
+
+def unlink_orphaned_segments(names: Iterable[str], *, since: float, ignore_pids: Iterable[int] = ()) -> list[str]:
+    """Unlink the ``/dev/shm`` segments among ``names`` that no live process maps any more
+    (processes in ``ignore_pids`` aside: a process about to exit may clean up what it still
+    maps) and that were created at or after ``since`` (epoch seconds, compared with the
+    segment's ctime); ``atroposd-*`` weight segments are left to their owner. Returns the
+    names removed."""
+    candidates = {n for n in names if n and "/" not in n and not n.startswith(OWN_SEGMENT_PREFIX)}
+    if not candidates:
+        return []
+    ignored = set(ignore_pids)
+    in_use = {name for name, pids in mapped_shm().items() if pids - ignored}
+    removed = []
+    for name in sorted(candidates - set(in_use)):
+        path = os.path.join(SHM_DIR, name)
+        try:
+            st = os.stat(path, follow_symlinks=False)
+            if st.st_uid != os.getuid() or st.st_ctime + CTIME_SLACK < since:
+                continue
+            os.unlink(path)
+            removed.append(name)
+        except FileNotFoundError:  # its owner cleaned it up
+            continue
+        except OSError as exc:
+            log.warning("cannot remove a left-over shared-memory segment", segment=name, error=str(exc))
+    return removed
