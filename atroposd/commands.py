@@ -235,24 +235,27 @@ def stop(cfg: Config, args: argparse.Namespace) -> int:
         _err(str(exc))
         return exc.exit_code
     pid = int(answer["pid"])
-    if not _wait_gone(pid, float(answer["start_time"]), timeout):
+    if not _wait_gone(pid, answer["start_time"], timeout):
         _err(f"the daemon (pid {pid}) is still stopping after {timeout:g}s")
         return Exit.STOP_TIMEOUT
     print(f"atroposd: stopped (pid {pid})")
     return Exit.OK
 
 
-def _wait_gone(pid: int, start_time: float, timeout: float) -> bool:
-    """Wait until the daemon has exited (a zombie counts: its parent may reap it late)."""
+def _wait_gone(pid: int, start_time: int | float, timeout: float) -> bool:
+    """Wait until the daemon (pid and start, :mod:`atroposd.pids`) has exited; a zombie counts:
+    its parent may reap it late."""
     import psutil
+
+    from atroposd.pids import same_process
 
     deadline = time.monotonic() + timeout
     try:
-        proc = psutil.Process(pid)
-        if abs(proc.create_time() - start_time) > 0.05:
+        proc = same_process(pid, start_time)
+        if proc is None:
             return True
         while time.monotonic() < deadline:
-            if proc.status() == psutil.STATUS_ZOMBIE:
+            if proc.status() == psutil.STATUS_ZOMBIE or same_process(pid, start_time) is None:
                 return True
             time.sleep(0.02)
     except psutil.NoSuchProcess:

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
-import psutil
 
 from atroposd.config import Config, ConfigError, load_config
 from atroposd.control import ControlServer
@@ -47,6 +46,7 @@ from atroposd.daemon.state import (
 from atroposd.exitcodes import Exit
 from atroposd.logs import get_logger
 from atroposd.paths import Paths
+from atroposd.pids import start_ticks
 from atroposd.process import reaper
 from atroposd.process.logfiles import LogHub
 from atroposd.process.unit import State, Unit, UnitSpec
@@ -71,7 +71,9 @@ class Daemon:
         self.notifier = notifier or Notifier()
         self._state = DaemonState.STARTING
         self.pid = os.getpid()
-        self.start_time = psutil.Process().create_time()
+        # Identity (pid + boot-relative start): what `stop` and recovery compare, exactly.
+        self.start_time: int = start_ticks(self.pid) or 0
+        self.started_at = time.time()  # wall clock: compared with file times only
         self._t0 = time.monotonic()
         self.units: dict[str, Unit] = {}
         self.trainer: TrainerService | None = None
@@ -88,7 +90,8 @@ class Daemon:
         self._trainer_scope: anyio.CancelScope | None = None
         self._trainer_outcome: TrainerOutcome | None = None
         self._reaper = reaper.OrphanReaper()
-        self._record = RecoveryRecord(self.paths, nonce=self.nonce, pid=self.pid, start_time=self.start_time)
+        self._record = RecoveryRecord(self.paths, nonce=self.nonce, pid=self.pid, start_time=self.start_time,
+                                      started_at=self.started_at)
         # Children start from the environment the daemon was given (before any narrowing of
         # CUDA_VISIBLE_DEVICES for the in-process trainer).
         self._base_env = specs.child_base_env(os.environ)

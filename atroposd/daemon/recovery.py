@@ -19,7 +19,7 @@ from atroposd.daemon.runtime import remove_dead_runtime_files
 from atroposd.fsutil import write_atomic
 from atroposd.logs import get_logger
 from atroposd.paths import Paths
-from atroposd.pids import identity
+from atroposd.pids import Start, identity, start_ticks
 from atroposd.process import reaper
 from atroposd.process.unit import Unit
 
@@ -58,16 +58,17 @@ def recover(paths: Paths) -> reaper.InstanceRecord | None:
 class RecoveryRecord:
     """This daemon's ``instance.json``: its identity, its children's and their segments."""
 
-    def __init__(self, paths: Paths, *, nonce: str, pid: int, start_time: float) -> None:
+    def __init__(self, paths: Paths, *, nonce: str, pid: int, start_time: Start, started_at: float) -> None:
         self.path = record_path(paths)
         self.nonce, self.pid, self.start_time = nonce, pid, start_time
+        self.started_at = started_at
         self._key: tuple[tuple[int, float], ...] = ()
         self._segments: tuple[str, ...] = ()
         self._ticks = 0
         self._identities: dict[int, psutil.Process] = {}
 
     def _processes(self, units: Iterable[Unit]) -> tuple[tuple[int, float], ...]:
-        entries: list[tuple[int, float]] = []
+        entries: list[tuple[int, Start]] = []
         for unit in units:
             procs = list(unit.tracked.values())
             if unit.pid is not None:
@@ -79,8 +80,11 @@ class RecoveryRecord:
                 if proc is not None:
                     procs.append(proc)
             for p in procs:
-                with contextlib.suppress(psutil.Error):
-                    entries.append((p.pid, p.create_time()))
+                # is_running: still the process psutil met (not a recycled pid), then its
+                # boot-relative start, the identity the record keeps.
+                ticks = start_ticks(p.pid) if p.is_running() else None
+                if ticks is not None:
+                    entries.append((p.pid, ticks))
         return tuple(sorted(set(entries)))
 
     def update(self, units: Iterable[Unit]) -> None:
@@ -97,7 +101,8 @@ class RecoveryRecord:
         if (key, segments) == (self._key, self._segments) and self.path.exists():
             return
         self._key, self._segments = key, segments
-        record = reaper.InstanceRecord(self.nonce, self.pid, self.start_time, list(key), list(segments))
+        record = reaper.InstanceRecord(self.nonce, self.pid, self.start_time, list(key), list(segments),
+                                       started_at=self.started_at)
         write_atomic(self.path, record.to_json())
 
     def remove(self) -> None:

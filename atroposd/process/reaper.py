@@ -34,8 +34,9 @@ from typing import Any
 import orjson
 import psutil
 
+from atroposd.fsutil import write_atomic
 from atroposd.logs import get_logger
-from atroposd.pids import TIME_SLACK, is_alive, same_process
+from atroposd.pids import TIME_SLACK, Start, is_alive, same_process, start_ticks
 from atroposd.shmscan import OWN_SEGMENT_PREFIX as OWN_SEGMENT_PREFIX  # re-exported for the daemon
 from atroposd.shmscan import mapped_shm, unlink_orphaned_segments
 
@@ -161,33 +162,56 @@ class OrphanReaper:
 
 @dataclass
 class InstanceRecord:
-    """What the next start needs to clean up after this daemon if it dies."""
+    """What the next start needs to clean up after this daemon if it dies.
+
+    ``start_time`` and each descendant's start are process identities (:mod:`atroposd.pids`):
+    clock ticks since boot, compared exactly; a float is the older wall-clock form.
+    ``started_at`` is the daemon's start on the wall clock, for comparing with file times.
+    """
 
     nonce: str
     pid: int
-    start_time: float
-    descendants: list[tuple[int, float]] = field(default_factory=list)
+    start_time: Start
+    descendants: list[tuple[int, Start]] = field(default_factory=list)
     # /dev/shm segments the children mapped when last looked at (atroposd's own aside): what
     # they leave if they all die with the daemon before their cleanup.
     segments: list[str] = field(default_factory=list)
+    started_at: float | None = None
 
     def to_json(self) -> bytes:
         return orjson.dumps({"nonce": self.nonce, "pid": self.pid, "start_time": self.start_time,
+                             "started_at": self.started_at,
                              "descendants": [[p, t] for p, t in self.descendants], "segments": self.segments})
 
     @classmethod
     def from_json(cls, data: bytes) -> InstanceRecord:
         raw = orjson.loads(data)
-        return cls(nonce=str(raw["nonce"]), pid=int(raw["pid"]), start_time=float(raw["start_time"]),
-                   descendants=[(int(p), float(t)) for p, t in raw.get("descendants", [])],
-                   segments=[str(n) for n in raw.get("segments", [])])
+        started_at = raw.get("started_at")
+        return cls(nonce=str(raw["nonce"]), pid=int(raw["pid"]), start_time=_start(raw["start_time"]),
+                   descendants=[(int(p), _start(t)) for p, t in raw.get("descendants", [])],
+                   segments=[str(n) for n in raw.get("segments", [])],
+                   started_at=float(started_at) if started_at is not None else None)
+
+    @property
+    def wall_start(self) -> float:
+        """The daemon's start on the wall clock (file times are compared with it)."""
+        if self.started_at is not None:
+            return self.started_at
+        if isinstance(self.start_time, float):
+            return self.start_time
+        return 0.0  # unknown: every segment named in the record is a candidate
+
+
+def _start(value: Any) -> Start:
+    """A recorded start as written: int ticks stay exact, anything else is legacy seconds."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return float(value)
 
 
 def write_record(path: Path, record: InstanceRecord) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(record.to_json())
-    os.replace(tmp, path)
+    write_atomic(path, record.to_json())
 
 
 def read_record(path: Path) -> InstanceRecord | None:
@@ -225,13 +249,21 @@ def survivors(record: InstanceRecord) -> list[psutil.Process]:
             if proc.pid == me or proc.pid in found or proc.info["uids"] is None or proc.info["uids"].real != uid:
                 continue
             # Started after the dead daemon, and carrying its nonce.
-            if proc.info["create_time"] + TIME_SLACK < record.start_time:
+            if not _started_since(proc, record.start_time):
                 continue
         except psutil.Error:
             continue
         if _instance_of(proc) == record.nonce and is_alive(proc):
             found[proc.pid] = proc
     return list(found.values())
+
+
+def _started_since(proc: psutil.Process, start: Start) -> bool:
+    """Whether ``proc`` started at or after ``start`` (ticks since boot; legacy: wall seconds)."""
+    if isinstance(start, int):
+        ticks = start_ticks(proc.pid)
+        return ticks is not None and ticks >= start
+    return bool(proc.info["create_time"] + TIME_SLACK >= start)
 
 
 def terminate(procs: list[psutil.Process], *, grace: float) -> list[psutil.Process]:
@@ -267,7 +299,7 @@ def recover_dead_instance(path: Path, *, grace: float = 2.0) -> InstanceRecord |
         t0 = time.monotonic()
         terminate(left, grace=grace)
         log.info("left-over processes gone", seconds=round(time.monotonic() - t0, 3))
-    removed = unlink_orphaned_segments(segments, since=record.start_time)
+    removed = unlink_orphaned_segments(segments, since=record.wall_start)
     if removed:
         log.info("removed shared-memory segments the dead daemon's processes left", segments=removed)
     return record

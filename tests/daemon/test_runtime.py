@@ -99,19 +99,27 @@ def test_a_port_in_use_names_the_key_and_its_owner() -> None:
 
 
 def test_the_recovery_record_names_this_daemon_and_is_rewritten_when_missing(tmp_path: Path) -> None:
-    import psutil
+    import time
 
     from atroposd.daemon.recovery import RecoveryRecord, record_path
-    from atroposd.process.reaper import read_record
+    from atroposd.pids import start_ticks
+    from atroposd.process.reaper import read_record, record_alive
 
     cfg = parse_config({"daemon": {"runtime_dir": str(tmp_path / "run"), "state_dir": str(tmp_path / "state")}})
     paths = Paths.of(cfg)
     paths.recovery_dir.mkdir(parents=True)
-    me = psutil.Process()
-    record = RecoveryRecord(paths, nonce="n0nce", pid=me.pid, start_time=me.create_time())
+    ticks = start_ticks(os.getpid())
+    assert isinstance(ticks, int)
+    record = RecoveryRecord(paths, nonce="n0nce", pid=os.getpid(), start_time=ticks, started_at=time.time())
     record.update(())
     got = read_record(record_path(paths))
-    assert got is not None and (got.nonce, got.pid, got.descendants) == ("n0nce", me.pid, [])
+    assert got is not None and (got.nonce, got.pid, got.descendants) == ("n0nce", os.getpid(), [])
+    # The identity survives the round trip exactly (boot-relative ticks, no wall clock): alive.
+    assert got.start_time == ticks and isinstance(got.start_time, int) and record_alive(got)
+    got_other = read_record(record_path(paths))
+    assert got_other is not None
+    got_other.start_time = ticks + 1  # one tick off is another process
+    assert not record_alive(got_other)
     assert stat.S_IMODE(record_path(paths).stat().st_mode) == 0o600
     record_path(paths).unlink()
     record.update(())  # nothing changed, but the file is gone: written again
