@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
 from atroposd.envoptions import BUILTIN_ENVS, options_schema, validate_options
+from atroposd.devices import same_device
 from atroposd.net import is_loopback
 
 if sys.version_info >= (3, 11):
@@ -568,6 +569,10 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
                 p.append(Problem("trainer.weight_sync", f"must be {' or '.join(map(repr, allowed))} with "
                                                         f"trainer.mode = \"lora\" and inference.engine = "
                                                         f"\"{inf.engine}\""))
+        if sync == "shared" and inf.enabled and same_device(t.device, inf.device) is False:
+            p.append(Problem("trainer.weight_sync", f"\"shared\" needs the trainer and the inference server on "
+                                                    f"the same device (trainer.device = {t.device!r}, "
+                                                    f"inference.device = {inf.device!r}); use \"push\""))
         if not inf.enabled and sync in ("shared", "push"):
             p.append(Problem("trainer.weight_sync", f"\"{sync}\" needs a local inference server "
                                                     "(inference.enabled = true); use \"reload\""))

@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DTYPES", "DeviceError", "resolve", "resolve_torch"]
+__all__ = ["DTYPES", "DeviceError", "gpu_uuids", "resolve", "resolve_torch", "same_device"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
@@ -62,3 +62,52 @@ def resolve_torch(device: str, dtype: str, *, key: str = "device") -> tuple[Any,
 
     name, dtype_name = resolve(device, dtype, key=key)
     return torch.device(name), getattr(torch, dtype_name)
+
+
+def gpu_uuids() -> list[str] | None:
+    """The UUID of each GPU in index order (``nvidia-smi``), or None where it cannot be asked.
+
+    Used by ``config check``, which must not import torch; the attach in shared mode compares
+    the UUIDs torch reports, so a check skipped here is still made there.
+    """
+    import shutil
+    import subprocess
+
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=uuid", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def same_device(a: str, b: str, *, uuids: Callable[[], list[str] | None] = gpu_uuids) -> bool | None:
+    """Whether two device settings name the same physical device: True, False, or None when
+    it cannot be told without a GPU to ask (a UUID beside an index, with no ``nvidia-smi``).
+
+    ``auto`` on both sides is the same device (both resolve alike); ``cuda`` is ``cuda:0``.
+    """
+    def norm(d: str) -> str:
+        return "cuda:0" if d == "cuda" else d
+
+    a, b = norm(a), norm(b)
+    if a == b:
+        return True
+    if "auto" in (a, b):
+        return None  # auto is the CPU or a GPU, which only the attach can tell
+    if "cpu" in (a, b):
+        return False
+    uuid_a, uuid_b = a.startswith(("GPU-", "MIG-")), b.startswith(("GPU-", "MIG-"))
+    if not uuid_a and not uuid_b:
+        return False  # two different indices
+    if uuid_a and uuid_b:
+        return False  # two different UUIDs
+    table = uuids()
+    if table is None:
+        return None
+    index_dev, uuid_dev = (b, a) if uuid_a else (a, b)
+    index = int(index_dev.partition(":")[2] or 0)
+    return index < len(table) and table[index] == uuid_dev

@@ -39,3 +39,30 @@ def test_resolution(device: str, dtype: str, cuda: Callable[[], bool], want: tup
 def test_refusals_name_the_setting(device: str, dtype: str, message: str) -> None:
     with pytest.raises(DeviceError, match=message):
         resolve(device, dtype, key="trainer.device", cuda_available=no)
+
+
+@pytest.mark.parametrize(("a", "b", "table", "expected"), [
+    ("cpu", "cpu", None, True),
+    ("cuda", "cuda:0", None, True),
+    ("cuda:0", "cuda:1", None, False),
+    ("cpu", "cuda:0", None, False),
+    ("GPU-a", "GPU-b", None, False),
+    ("auto", "cpu", None, None),
+    ("cuda:1", "GPU-b", None, None),          # no nvidia-smi: told at attach
+    ("cuda:1", "GPU-b", ["GPU-a", "GPU-b"], True),
+    ("GPU-a", "cuda:1", ["GPU-a", "GPU-b"], False),
+    ("cuda:3", "GPU-a", ["GPU-a", "GPU-b"], False),
+])
+def test_same_device(a: str, b: str, table: list[str] | None, expected: bool | None) -> None:
+    from atroposd.devices import same_device
+
+    assert same_device(a, b, uuids=lambda: table) is expected
+
+
+def test_config_check_refuses_shared_mode_across_two_gpus() -> None:
+    from atroposd.config import ConfigError, parse_toml
+
+    with pytest.raises(ConfigError, match=r"trainer.weight_sync.*same device.*cuda:0.*cuda:1"):
+        parse_toml('[trainer]\nweight_sync = "shared"\ndevice = "cuda:0"\n[inference]\ndevice = "cuda:1"\n')
+    cfg = parse_toml('[trainer]\nweight_sync = "push"\ndevice = "cuda:0"\n[inference]\ndevice = "cuda:1"\n')
+    assert cfg.weight_sync == "push"
