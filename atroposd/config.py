@@ -21,8 +21,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
-from atroposd.envoptions import BUILTIN_ENVS, options_schema, validate_options
 from atroposd.devices import same_device
+from atroposd.envoptions import BUILTIN_ENVS, options_schema, validate_options
 from atroposd.net import is_loopback
 
 if sys.version_info >= (3, 11):
