@@ -91,6 +91,11 @@ class Policy:
             return self.model
         return self.reference
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding and of the output head (the smaller): valid ids are below it."""
+        return vocab_rows(self.model)
+
     def trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
@@ -138,6 +143,16 @@ def load_policy(model_dir: Path, tokenizer_dir: Path, *, device: torch.device, d
              parameters=sum(p.numel() for p in model.parameters()),
              trainable=sum(p.numel() for p in policy.trainable()), lora=policy.lora)
     return policy
+
+
+def vocab_rows(model: torch.nn.Module) -> int:
+    """The number of token ids the model can embed and score: min(embedding rows, head rows)."""
+    rows = [int(m.weight.shape[0]) for m in (model.get_input_embeddings(),  # type: ignore[operator]
+                                            getattr(model, "get_output_embeddings", lambda: None)())
+            if m is not None and isinstance(getattr(m, "weight", None), torch.Tensor)]
+    if not rows:
+        raise ModelLoadError("the model has no input embedding to read its vocabulary size from")
+    return min(rows)
 
 
 def _wrap_lora(model: torch.nn.Module, lora: Mapping[str, Any]) -> torch.nn.Module:

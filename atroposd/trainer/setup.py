@@ -24,13 +24,15 @@ from atroposd.trainer.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     restore_weights,
+    rng_state,
+    save_checkpoint,
     set_rng_state,
 )
 from atroposd.trainer.learner import Learner, make_strategies
 from atroposd.trainer.model import Policy, load_policy, resolve_device, resolve_dtype
 from atroposd.trainer.optim import build_optimizer, build_scheduler
 
-__all__ = ["ResumeError", "Setup", "build_learner", "load_for_training"]
+__all__ = ["Checkpointer", "ResumeError", "Setup", "build_learner", "load_for_training"]
 
 log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
@@ -58,11 +60,27 @@ class Setup:
     def restored_from(self) -> Path | None:
         return self.restored.path if self.restored is not None else None
 
-    def checkpointer(self, learner: Learner) -> Any:
-        from atroposd.trainer.loop import Checkpointer
-
+    def checkpointer(self, learner: Learner) -> Checkpointer:
         return Checkpointer(self.checkpoints_dir, keep=self.keep_checkpoints, learner=learner,
                             identity=self.identity)
+
+
+class Checkpointer:
+    """Writes ``checkpoints/step-N`` with everything a resume needs (called in a thread)."""
+
+    def __init__(self, root: Path, *, keep: int, learner: Learner, identity: dict[str, Any]) -> None:
+        self.root = root
+        self.keep = keep
+        self.learner = learner
+        self.identity = identity  # config, model, mode, tokenizer: what resume checks
+
+    def save(self, step: int, weight_version: int, skipped_steps: int) -> Path:
+        policy = self.learner.policy
+        state = {"weight_version": weight_version, "skipped_steps": skipped_steps,
+                 "optimizer": self.learner.optimizer.state_dict(),
+                 "scheduler": self.learner.scheduler.state_dict(), "rng": rng_state(), **self.identity}
+        return save_checkpoint(self.root, step, model=policy.model, tokenizer=policy.tokenizer,
+                               lora=policy.lora, state=state, keep=self.keep)
 
 
 def load_for_training(cfg: Config) -> Setup:
