@@ -21,8 +21,7 @@ from atroposd.trainer.checkpoint import (
     CheckpointError,
     Restored,
     clean_partial,
-    latest_checkpoint,
-    load_checkpoint,
+    load_latest,
     restore_weights,
     rng_state,
     save_checkpoint,
@@ -55,6 +54,7 @@ class Setup:
     weight_version: int = 0
     skipped_steps: int = 0
     restored: Restored | None = field(default=None, repr=False)
+    set_aside: list[Path] = field(default_factory=list)  # damaged checkpoints renamed at this start
 
     @property
     def restored_from(self) -> Path | None:
@@ -105,16 +105,19 @@ def load_for_training(cfg: Config) -> Setup:
                 "mode": t.mode, "tokenizer": fingerprint}
     setup = Setup(policy=policy, tokenizer_fingerprint=fingerprint, identity=identity, checkpoints_dir=root,
                   keep_checkpoints=t.keep_checkpoints)
-    latest = latest_checkpoint(root) if t.resume else None
+    latest = load_latest(root) if t.resume else None
     if latest is not None:
-        restored = load_checkpoint(latest)
+        setup.set_aside = latest.set_aside
+    if latest is not None and latest.restored is not None:
+        restored = latest.restored
         _check_identity(restored, identity)
         restore_weights(policy.model, restored, lora=policy.lora)
         setup.restored = restored
         setup.step = int(restored.state["step"])
         setup.weight_version = int(restored.state["weight_version"])
         setup.skipped_steps = int(restored.state.get("skipped_steps", 0))
-        log.info("resumed from checkpoint", path=str(latest), step=setup.step, weight_version=setup.weight_version)
+        log.info("resumed from checkpoint", path=str(restored.path), step=setup.step,
+                 weight_version=setup.weight_version)
     return setup
 
 
