@@ -165,7 +165,7 @@ def test_a_real_full_disk(tmp_path: Path) -> None:
         _save(root, 1)  # small: fits
         for big in ({"size": 400}, {"state": {"blob": torch.zeros(100_000)}}):  # safetensors, then torch.save
             with pytest.raises(CheckpointError, match=r"cannot write checkpoint .* bytes free on the device"):
-                _save(root, 2, **big)  # type: ignore[arg-type]
+                _save(root, 2, **big)
             assert sorted(p.name for p in root.iterdir()) == ["step-1"]
         assert load_latest(root).restored is not None
 
