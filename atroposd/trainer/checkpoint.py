@@ -237,7 +237,11 @@ def _install(tmp: Path, final: Path) -> None:
     old = final.with_name(f"{OLD_PREFIX}{final.name.removeprefix('step-')}-{os.getpid()}")
     shutil.rmtree(old, ignore_errors=True)
     os.rename(final, old)  # a crash here: clean_partial puts ``old`` back
-    os.rename(tmp, final)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        os.rename(old, final)
+        raise
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -289,3 +289,19 @@ def test_keep_more_than_one_prunes_first_to_make_room(tmp_path: Path, monkeypatc
     monkeypatch.setattr(ckpt.torch, "save", spy)
     _save(tmp_path, 4, keep=3)
     assert seen == [[2, 3]] and _steps(tmp_path) == [2, 3, 4]
+
+
+def test_a_failed_rename_aside_puts_the_previous_copy_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _save(tmp_path, 5, keep=1)
+    monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
+    real_rename = os.rename
+
+    def rename(src: Any, dst: Any) -> None:
+        if Path(src).name.startswith(ckpt.TMP_PREFIX):
+            raise OSError(5, "Input/output error")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "rename", rename)
+    with pytest.raises(CheckpointError, match="Input/output error"):
+        _save(tmp_path, 5, keep=1)
+    assert sorted(os.listdir(tmp_path)) == ["step-5"] and ckpt.verify_checksums(tmp_path / "step-5")
