@@ -47,6 +47,8 @@ MIN_LOGPROB = -1e4  # a sampled token is never this unlikely: a lower rollout lo
 # MIN a sampler is greedy (vLLM's epsilon); above MAX the distribution is uniform in float32.
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-5, 1e4
 
+LOGGED_PER_BATCH = 3  # rejections logged one by one per batch; the rest in one line with the counts
+
 # Why a group was rejected (the keys of ``rejected_groups``).
 REASONS = ("malformed", "too_long", "token_out_of_range", "score_invalid", "advantage_invalid",
            "logprob_invalid", "distill_invalid", "error")
@@ -342,12 +344,14 @@ def prepare_batch(groups: Sequence[Any], *, micro_batch_size: int, max_token_len
             acc, version = ext.get("accuracy"), ext.get("weight_version")
         except GroupRejected as exc:
             rejected[exc.reason] = rejected.get(exc.reason, 0) + 1
-            log.warning("group rejected", group=gi, reason=exc.reason, detail=str(exc)[:300])
+            if sum(rejected.values()) <= LOGGED_PER_BATCH:
+                log.warning("group rejected", group=gi, reason=exc.reason, detail=str(exc)[:300])
             continue
         except Exception as exc:  # one group's preparation never fails the job (SPEC §13)
             rejected["error"] = rejected.get("error", 0) + 1
-            log.warning("group rejected", group=gi, reason="error", detail=f"{type(exc).__name__}: {exc}"[:300],
-                        exc_info=True)
+            if sum(rejected.values()) <= LOGGED_PER_BATCH:
+                log.warning("group rejected", group=gi, reason="error",
+                            detail=f"{type(exc).__name__}: {exc}"[:300], exc_info=True)
             continue
         rows.extend(group_rows)
         scores.extend(float(s) for s in group["scores"])
@@ -355,6 +359,8 @@ def prepare_batch(groups: Sequence[Any], *, micro_batch_size: int, max_token_len
             accuracies.append(float(acc))  # an accuracy: anything else is ignored
         if type(version) is int and 0 <= version < 2**53:
             versions.append(version)
+    if sum(rejected.values()) > LOGGED_PER_BATCH:
+        log.warning("groups rejected in this batch", by_reason=rejected, logged=LOGGED_PER_BATCH)
     if not rows:
         total = sum(rejected.values())
         raise BatchError(f"no usable sequence in the batch ({total} group(s) rejected: {rejected})", rejected)
