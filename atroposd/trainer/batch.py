@@ -14,12 +14,12 @@ Per-token ``advantages`` sent by the environment replace the computed ones;
 
 **A bad group is rejected, never the job failed** (SPEC §13): each group is checked before it
 is used, and a group that fails a check is dropped and counted by reason (``REASONS``) —
-token ids outside ``[0, vocab_size)``, distillation ids outside ``[-1, vocab_size)``,
-non-finite or absurd scores (|s| > 1e15) and advantages (|A| > 1e4), non-finite teacher
-logprobs, rollout logprobs below −1e4, fields of the wrong type or of disagreeing lengths,
-sequences longer than ``max_token_len``. Any other exception from one group's preparation
-is a rejection too (reason ``error``). What passes the checks pads into tensors without
-error and gives a finite loss.
+token ids outside ``[0, vocab_size)``, distillation ids outside ``[-1, vocab_size)`` or more
+than ``MAX_DISTILL_K`` of them at a position, non-finite teacher logprobs, non-finite or
+absurd scores (|s| > 1e15) and advantages (|A| > 1e4), rollout logprobs below −1e4, fields
+of the wrong type or of disagreeing lengths, sequences longer than ``max_token_len``. Any
+other exception from one group's preparation is a rejection too (reason ``error``). What
+passes the checks pads into tensors without error and gives a finite loss.
 
 A rollout logprob that is missing (no ``inference_logprobs``, or the 1.0 sentinel at a
 completion position — a log-probability is never positive) is NaN in ``old_logp``; the loss
@@ -42,6 +42,7 @@ __all__ = ["REASONS", "BatchError", "GroupRejected", "MicroBatch", "RolloutBatch
 IGNORE = -100
 MAX_ABS_ADVANTAGE = 1e4  # SPEC §13: a larger advantage is absurd
 MAX_ABS_SCORE = 1e15  # beyond this, float64 sums of scores lose unit precision (and squares overflow)
+MAX_DISTILL_K = 256  # teacher top-k per position: more would let one group allocate [B, T, K] at will
 MIN_LOGPROB = -1e4  # a sampled token is never this unlikely: a lower rollout logprob is garbage
 # A temperature outside [MIN, MAX] is treated like an invalid one (≤ 0, non-finite): 1.0. Below
 # MIN a sampler is greedy (vLLM's epsilon); above MAX the distribution is uniform in float32.
@@ -287,6 +288,8 @@ def _distill_rows(ids_i: Any, lps_i: Any, length: int, vocab_size: int | None, i
     for e_ids, e_lps in zip(ids_i[1:], lps_i[1:], strict=True):
         e_ids, e_lps = e_ids or [], e_lps or []
         ids = _ids(e_ids, vocab_size, what, low=-1)
+        if len(ids) > MAX_DISTILL_K:
+            raise GroupRejected("distill_invalid", f"{what}: {len(ids)} teacher ids at one position > {MAX_DISTILL_K}")
         lps = [_number(x, "distill_invalid", what) for x in _list(e_lps, len(ids), what)]
         if not all(math.isfinite(x) for x, k in zip(lps, ids, strict=True) if k >= 0):
             raise GroupRejected("distill_invalid", f"{what}: non-finite teacher logprob")

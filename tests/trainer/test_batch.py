@@ -143,13 +143,15 @@ def test_each_defect_is_rejected_under_its_reason() -> None:
     distill_high = group(distill_token_ids=[d_ids[0], [None] + [[22]] * 6], distill_logprobs=[d_lps[0], d_lps[0]])
     distill_low = group(distill_token_ids=[[None] + [[-2, 5]] * 6] * 2, distill_logprobs=d_lps)
     distill_nan = group(distill_token_ids=d_ids, distill_logprobs=[[None] + [[float("nan"), 0.0]] * 6] * 2)
+    distill_wide = group(distill_token_ids=[[None] + [[5] * 257] * 6] * 2,
+                         distill_logprobs=[[None] + [[-1.0] * 257] * 6] * 2)
     groups = [good, vocab, negative, nan_scalar, huge_scalar, huge_list, ok_list, inf_score, huge_score,
-              distill_ok, distill_high, distill_low, distill_nan]
+              distill_ok, distill_high, distill_low, distill_nan, distill_wide]
     batch = prepare_batch(groups, micro_batch_size=8, max_token_len=32, adv_std_floor=0.1, vocab_size=22,
                           use_distill=True)
     assert batch.rejected_by_reason == {"token_out_of_range": 2, "advantage_invalid": 3, "score_invalid": 2,
-                                        "distill_invalid": 3}
-    assert batch.sequences == 3 * 2 and batch.rejected == 10
+                                        "distill_invalid": 4}
+    assert batch.sequences == 3 * 2 and batch.rejected == 11
     # without distillation the teacher fields are not read, so they cannot reject a group
     assert _reasons([distill_high, distill_low]) == {}
     # without a vocabulary size, ids still must be ≥ 0
