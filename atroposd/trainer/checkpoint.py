@@ -108,9 +108,12 @@ def clean_partial(root: Path) -> list[Path]:
         for entry in sorted(root.iterdir()):
             m = _OLD_RE.match(entry.name)
             if m and not (root / f"step-{m.group(1)}").exists():
-                os.rename(entry, root / f"step-{m.group(1)}")
-                log.warning("restored the previous copy of an interrupted checkpoint",
-                            path=str(root / f"step-{m.group(1)}"))
+                try:
+                    os.rename(entry, root / f"step-{m.group(1)}")
+                    log.warning("restored the previous copy of an interrupted checkpoint",
+                                path=str(root / f"step-{m.group(1)}"))
+                except OSError as exc:  # left where it is: never removed while it may be the only copy
+                    log.error("cannot restore the previous copy of a checkpoint", path=str(entry), error=str(exc))
             elif m or entry.name.startswith(TMP_PREFIX):
                 shutil.rmtree(entry, ignore_errors=True)
                 removed.append(entry)
