@@ -243,24 +243,16 @@ def _rows_of_group(group: Any, *, std_floor: float, max_token_len: int, use_dist
         if lp is not None:
             lp = _list(lp, len(tok), f"sequence {i}: inference_logprobs")
         mask = [m != IGNORE for m in msk[1:]]
-        old = [math.nan] * n
-        if lp is not None:
-            for t, x in enumerate(lp[1:]):
-                if x is None:
-                    continue
-                v = _number(x, "logprob_invalid", f"sequence {i}: inference_logprobs")
-                if v < MIN_LOGPROB:
-                    raise GroupRejected("logprob_invalid", f"sequence {i}: rollout logprob {v} < {MIN_LOGPROB:g}")
-                if v <= 0.0:  # 1.0 (the sentinel), NaN, +inf: missing
-                    old[t] = v
+        old = _rollout_logprobs(lp[1:], i) if lp is not None else [math.nan] * n
         over = _index(overrides, i)
         zero = isinstance(over, Mapping) and bool(over.get("set_advantage_to_zero"))
         env_adv = _index(env_advantages, i)
         if zero:
             adv = [0.0] * n
         elif isinstance(env_adv, list):
-            adv = [_number(a, "advantage_invalid", f"sequence {i}: advantages")
-                   for a in _list(env_adv, len(tok), f"sequence {i}: advantages")[1:]]
+            adv = _list(env_adv, len(tok), f"sequence {i}: advantages")[1:]
+            if not all(type(a) is float for a in adv):  # the usual case needs no conversion
+                adv = [_number(a, "advantage_invalid", f"sequence {i}: advantages") for a in adv]
         elif env_adv is not None:
             adv = [_number(env_adv, "advantage_invalid", f"sequence {i}: advantage")] * n
         else:
@@ -275,6 +267,16 @@ def _rows_of_group(group: Any, *, std_floor: float, max_token_len: int, use_dist
             row.distill_ids, row.distill_lp = _distill_rows(ids_i, lps_i, len(tok), vocab_size, i)
         rows.append(row)
     return rows
+
+
+def _rollout_logprobs(values: list[Any], i: int) -> list[float]:
+    """Rollout logprobs as floats, NaN where missing (None, the 1.0 sentinel, NaN, +inf)."""
+    if not all(type(x) is float for x in values):  # the usual case: all floats, one pass each below
+        values = [math.nan if x is None else _number(x, "logprob_invalid", f"sequence {i}: inference_logprobs")
+                  for x in values]
+    if any(x < MIN_LOGPROB for x in values):
+        raise GroupRejected("logprob_invalid", f"sequence {i}: a rollout logprob < {MIN_LOGPROB:g}")
+    return [x if x <= 0.0 else math.nan for x in values]  # NaN <= 0 is False: stays missing
 
 
 def _distill_rows(ids_i: Any, lps_i: Any, length: int, vocab_size: int | None, i: int
