@@ -104,6 +104,11 @@ class TrainingLoop:
                     self._count_rejected(exc.rejected)
                     log.warning("batch skipped", reason=str(exc))
                     continue
+                except Exception as exc:  # a defect past the per-group checks: the batch, not the job
+                    self._count_rejected({"error": len(groups)})
+                    log.error("batch skipped: its preparation failed", error=f"{type(exc).__name__}: {exc}",
+                              groups=len(groups), exc_info=True)
+                    continue
                 self._count_rejected(batch.rejected_by_reason)
                 # loss + backward + clip (worker thread; the event loop stays responsive)
                 result = await anyio.to_thread.run_sync(self.learner.compute, batch)

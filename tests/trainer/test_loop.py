@@ -133,3 +133,25 @@ async def test_a_batch_of_only_rejected_groups_is_skipped_and_counted(tiny_dir: 
         loop.metrics.close()
     assert loop.progress.rejected_groups == {"token_out_of_range": 1, "score_invalid": 1}
     assert read_metrics(state_dir / "metrics.jsonl")[0]["rejected_groups"] == loop.progress.rejected_groups
+
+
+async def test_a_batch_whose_preparation_fails_past_the_group_checks_is_skipped(
+        tiny_dir: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from atroposd.trainer import batch as batch_mod
+
+    real_pad = batch_mod._pad
+    calls = [0]
+
+    def pad_once_broken(rows: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("a defect in padding")
+        return real_pad(rows)
+
+    monkeypatch.setattr(batch_mod, "_pad", pad_once_broken)
+    loop, _sync = _loop(tiny_dir, state_dir, ListFeed([make_groups(8, n=2, size=4)]), steps=1)
+    try:
+        assert await loop.run() == "finished"
+    finally:
+        loop.metrics.close()
+    assert loop.progress.rejected_groups == {"error": 2} and loop.progress.step == 1
