@@ -166,10 +166,3 @@ def _file_lock(path: Path) -> Iterator[None]:
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
-
-
-def resolve_model(cfg: Any) -> Path:
-    """The configured model's local directory (see :mod:`atroposd.models.resolve`)."""
-    from atroposd.models.resolve import resolve_model as resolve
-
-    return resolve(cfg)

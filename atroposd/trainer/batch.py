@@ -10,8 +10,16 @@ Advantages, per group (SPEC §3): ``(score − mean) / max(std, adv_std_floor)``
 std; equal scores give exactly 0. A **group of one sequence has no baseline**: its advantage
 is 0 (it still contributes its KL term) — unlike the predecessor, which used the raw reward.
 Per-token ``advantages`` sent by the environment replace the computed ones;
-``overrides[i].set_advantage_to_zero`` forces 0. A group with a non-finite score, or whose
-fields disagree in length, is rejected (counted in ``rejected``), never trained on.
+``overrides[i].set_advantage_to_zero`` forces 0.
+
+**A bad group is rejected, never the job failed** (SPEC §13): each group is checked before it
+is used, and a group that fails a check is dropped and counted by reason (``REASONS``) —
+token ids outside ``[0, vocab_size)``, distillation ids outside ``[-1, vocab_size)`` or more
+than ``MAX_DISTILL_K`` of them at a position, non-finite teacher logprobs, non-finite or
+absurd scores (|s| > 1e15) and advantages (|A| > 1e4), rollout logprobs below −1e4, fields
+of the wrong type or of disagreeing lengths, sequences longer than ``max_token_len``. Any
+other exception from one group's preparation is a rejection too (reason ``error``). What
+passes the checks pads into tensors without error and gives a finite loss.
 
 A rollout logprob that is missing (no ``inference_logprobs``, or the 1.0 sentinel at a
 completion position — a log-probability is never positive) is NaN in ``old_logp``; the loss
@@ -28,15 +36,41 @@ from typing import Any
 import structlog
 import torch
 
-__all__ = ["BatchError", "MicroBatch", "RolloutBatch", "SequenceRow", "group_advantages", "prepare_batch"]
+__all__ = ["REASONS", "BatchError", "GroupRejected", "MicroBatch", "RolloutBatch", "SequenceRow",
+           "group_advantages", "prepare_batch"]
 
 IGNORE = -100
+MAX_ABS_ADVANTAGE = 1e4  # SPEC §13: a larger advantage is absurd
+MAX_ABS_SCORE = 1e15  # beyond this, float64 sums of scores lose unit precision (and squares overflow)
+MAX_DISTILL_K = 256  # teacher top-k per position: more would let one group allocate [B, T, K] at will
+MIN_LOGPROB = -1e4  # a sampled token is never this unlikely: a lower rollout logprob is garbage
+# A temperature outside [MIN, MAX] is treated like an invalid one (≤ 0, non-finite): 1.0. Below
+# MIN a sampler is greedy (vLLM's epsilon); above MAX the distribution is uniform in float32.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-5, 1e4
+
+LOGGED_PER_BATCH = 3  # rejections logged one by one per batch; the rest in one line with the counts
+
+# Why a group was rejected (the keys of ``rejected_groups``).
+REASONS = ("malformed", "too_long", "token_out_of_range", "score_invalid", "advantage_invalid",
+           "logprob_invalid", "distill_invalid", "error")
 
 log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
 
 class BatchError(ValueError):
-    """A batch that cannot be trained on (the message says why)."""
+    """A batch that cannot be trained on (the message says why); ``rejected``: by reason."""
+
+    def __init__(self, message: str, rejected: Mapping[str, int] | None = None) -> None:
+        super().__init__(message)
+        self.rejected = dict(rejected or {})
+
+
+class GroupRejected(ValueError):
+    """One group that cannot be trained on: ``reason`` is one of ``REASONS``."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -97,8 +131,12 @@ class RolloutBatch:
     reward_std: float
     accuracy: float | None  # mean of the groups' reported exact-match accuracy, when any
     weight_versions: list[int] = field(default_factory=list)  # per group that reported one
-    rejected: int = 0  # groups dropped (non-finite scores, malformed, too long)
+    rejected_by_reason: dict[str, int] = field(default_factory=dict)  # groups dropped, by reason
     missing_logprobs: int = 0  # completion tokens without a rollout logprob
+
+    @property
+    def rejected(self) -> int:
+        return sum(self.rejected_by_reason.values())
 
 
 def group_advantages(scores: Sequence[float], std_floor: float) -> list[float]:
@@ -116,8 +154,8 @@ def _temperature(group: Mapping[str, Any], i: int) -> float:
     for source in (_index(group.get("overrides"), i), group.get("generation_params"),
                    group.get("group_overrides")):
         if isinstance(source, Mapping) and source.get("temperature") is not None:
-            t = float(source["temperature"])
-            return t if t > 0 and math.isfinite(t) else 1.0
+            t = _number(source["temperature"], "malformed", "temperature")
+            return t if MIN_TEMPERATURE <= t <= MAX_TEMPERATURE else 1.0
     return 1.0
 
 
@@ -131,60 +169,135 @@ def _extension(group: Mapping[str, Any]) -> Mapping[str, Any]:
     return ext if isinstance(ext, Mapping) else {}
 
 
-def _rows_of_group(group: Mapping[str, Any], *, std_floor: float, max_token_len: int,
-                   use_distill: bool) -> list[SequenceRow]:
-    """The group's sequences as shifted rows; raises BatchError when the group is unusable."""
+def _number(x: Any, reason: str, what: str) -> float:
+    """``x`` as a float: an int or a float (not a bool, not a string), else rejected."""
+    if type(x) is float:
+        return x
+    if type(x) is int:
+        try:
+            return float(x)
+        except OverflowError:
+            raise GroupRejected(reason, f"{what}: {x} is too large") from None
+    raise GroupRejected("malformed", f"{what}: {type(x).__name__} is not a number")
+
+
+def _ids(values: Any, vocab_size: int | None, what: str, *, low: int = 0) -> list[int]:
+    """A list of int token ids in ``[low, vocab_size)`` (``[low, 2**31)`` without a vocabulary)."""
+    if not isinstance(values, list) or not all(type(v) is int for v in values):
+        raise GroupRejected("malformed", f"{what} is not a list of integers")
+    high = vocab_size if vocab_size is not None else 2**31
+    if values and (min(values) < low or max(values) >= high):
+        bad = next(v for v in values if v < low or v >= high)
+        reason = "distill_invalid" if low < 0 else "token_out_of_range"
+        raise GroupRejected(reason, f"{what}: id {bad} outside [{low}, {vocab_size})")
+    return values
+
+
+def _list(x: Any, n: int, what: str) -> list[Any]:
+    if not isinstance(x, list) or len(x) != n:
+        raise GroupRejected("malformed", f"{what}: expected a list of {n} entries")
+    return x
+
+
+def _rows_of_group(group: Any, *, std_floor: float, max_token_len: int, use_distill: bool,
+                   vocab_size: int | None = None) -> list[SequenceRow]:
+    """The group's sequences as shifted rows; raises GroupRejected when the group is unusable."""
+    if not isinstance(group, Mapping):
+        raise GroupRejected("malformed", f"a group is an object, not {type(group).__name__}")
     tokens, masks, scores = group.get("tokens"), group.get("masks"), group.get("scores")
     if not isinstance(tokens, list) or not isinstance(masks, list) or not isinstance(scores, list):
-        raise BatchError("group without tokens, masks and scores")
+        raise GroupRejected("malformed", "group without tokens, masks and scores")
     if not (len(tokens) == len(masks) == len(scores)) or not tokens:
-        raise BatchError(f"group has {len(tokens)} token lists, {len(masks)} masks, {len(scores)} scores")
-    score_values = [float(s) for s in scores]
-    if not all(math.isfinite(s) for s in score_values):
-        raise BatchError(f"non-finite score in {score_values}")
+        raise GroupRejected("malformed", f"group has {len(tokens)} token lists, {len(masks)} masks, "
+                                         f"{len(scores)} scores")
+    score_values = [_number(s, "score_invalid", "scores") for s in scores]
+    if not all(math.isfinite(s) and abs(s) <= MAX_ABS_SCORE for s in score_values):
+        raise GroupRejected("score_invalid", f"non-finite or absurd (|s| > {MAX_ABS_SCORE:g}) score in "
+                                             f"{score_values[:8]}")
     advs = group_advantages(score_values, std_floor)
     logprobs = group.get("inference_logprobs")
     env_advantages = group.get("advantages")
+    overrides = group.get("overrides")
     d_ids = group.get("distill_token_ids") if use_distill else None
     d_lps = group.get("distill_logprobs") if use_distill else None
+    for name, value in (("inference_logprobs", logprobs), ("advantages", env_advantages),
+                        ("overrides", overrides), ("distill_token_ids", d_ids), ("distill_logprobs", d_lps)):
+        if value is not None and not isinstance(value, list):
+            raise GroupRejected("malformed", f"{name} is not a list")
     rows = []
     for i, (tok, msk) in enumerate(zip(tokens, masks, strict=True)):
-        if len(tok) != len(msk):
-            raise BatchError(f"sequence {i}: {len(tok)} tokens but {len(msk)} mask entries")
-        if len(tok) < 2:
-            raise BatchError(f"sequence {i}: fewer than 2 tokens")
+        if not isinstance(tok, list) or not isinstance(msk, list):
+            raise GroupRejected("malformed", f"sequence {i}: tokens and masks must be lists")
         if len(tok) > max_token_len:
-            raise BatchError(f"sequence {i}: {len(tok)} tokens > trainer.max_token_len {max_token_len}")
+            raise GroupRejected("too_long", f"sequence {i}: {len(tok)} tokens > trainer.max_token_len "
+                                            f"{max_token_len}")
+        if len(tok) != len(msk):
+            raise GroupRejected("malformed", f"sequence {i}: {len(tok)} tokens but {len(msk)} mask entries")
+        if len(tok) < 2:
+            raise GroupRejected("malformed", f"sequence {i}: fewer than 2 tokens")
+        _ids(tok, vocab_size, f"sequence {i}: tokens")
+        if not all(type(m) is int for m in msk):
+            raise GroupRejected("malformed", f"sequence {i}: masks are not integers")
+        n = len(tok) - 1
         lp = _index(logprobs, i)
-        if lp is not None and len(lp) != len(tok):
-            raise BatchError(f"sequence {i}: {len(lp)} inference_logprobs for {len(tok)} tokens")
+        if lp is not None:
+            lp = _list(lp, len(tok), f"sequence {i}: inference_logprobs")
         mask = [m != IGNORE for m in msk[1:]]
-        old = [float(x) if (lp is not None and x is not None and x <= 0.0) else math.nan
-               for x in (lp[1:] if lp is not None else [None] * (len(tok) - 1))]
-        over = _index(group.get("overrides"), i)
+        old = _rollout_logprobs(lp[1:], i) if lp is not None else [math.nan] * n
+        over = _index(overrides, i)
         zero = isinstance(over, Mapping) and bool(over.get("set_advantage_to_zero"))
         env_adv = _index(env_advantages, i)
         if zero:
-            adv = [0.0] * (len(tok) - 1)
-        elif isinstance(env_adv, list) and len(env_adv) == len(tok):
-            adv = [float(a) for a in env_adv[1:]]
-            if not all(math.isfinite(a) for a in adv):
-                raise BatchError(f"sequence {i}: non-finite advantages")
-        elif isinstance(env_adv, (int, float)) and not isinstance(env_adv, bool):
-            adv = [float(env_adv)] * (len(tok) - 1)
+            adv = [0.0] * n
+        elif isinstance(env_adv, list):
+            adv = _list(env_adv, len(tok), f"sequence {i}: advantages")[1:]
+            if not all(type(a) is float for a in adv):  # the usual case needs no conversion
+                adv = [_number(a, "advantage_invalid", f"sequence {i}: advantages") for a in adv]
+        elif env_adv is not None:
+            adv = [_number(env_adv, "advantage_invalid", f"sequence {i}: advantage")] * n
         else:
-            adv = [advs[i]] * (len(tok) - 1)
-        row = SequenceRow(input_ids=[int(t) for t in tok[:-1]], labels=[int(t) for t in tok[1:]], mask=mask,
-                          old_logp=old, advantages=adv, temperature=_temperature(group, i))
+            adv = [advs[i]] * n
+        if not all(abs(a) <= MAX_ABS_ADVANTAGE for a in adv):  # NaN fails too
+            raise GroupRejected("advantage_invalid", f"sequence {i}: non-finite or absurd advantage "
+                                                     f"(|A| > {MAX_ABS_ADVANTAGE:g})")
+        row = SequenceRow(input_ids=tok[:-1], labels=tok[1:], mask=mask, old_logp=old, advantages=adv,
+                          temperature=_temperature(group, i))
         ids_i, lps_i = _index(d_ids, i), _index(d_lps, i)
-        if isinstance(ids_i, list) and isinstance(lps_i, list):
-            if len(ids_i) != len(tok) or len(lps_i) != len(tok):
-                raise BatchError(f"sequence {i}: distill_token_ids/distill_logprobs not aligned with tokens")
-            # Entry t is the teacher's top-k for token t: the input position t-1 predicts it.
-            row.distill_ids = [[int(x) for x in (e or [])] for e in ids_i[1:]]
-            row.distill_lp = [[float(x) for x in (e or [])] for e in lps_i[1:]]
+        if ids_i is not None or lps_i is not None:
+            row.distill_ids, row.distill_lp = _distill_rows(ids_i, lps_i, len(tok), vocab_size, i)
         rows.append(row)
     return rows
+
+
+def _rollout_logprobs(values: list[Any], i: int) -> list[float]:
+    """Rollout logprobs as floats, NaN where missing (None, the 1.0 sentinel, NaN, +inf)."""
+    if not all(type(x) is float for x in values):  # the usual case: all floats, one pass each below
+        values = [math.nan if x is None else _number(x, "logprob_invalid", f"sequence {i}: inference_logprobs")
+                  for x in values]
+    if any(x < MIN_LOGPROB for x in values):
+        raise GroupRejected("logprob_invalid", f"sequence {i}: a rollout logprob < {MIN_LOGPROB:g}")
+    return [x if x <= 0.0 else math.nan for x in values]  # NaN <= 0 is False: stays missing
+
+
+def _distill_rows(ids_i: Any, lps_i: Any, length: int, vocab_size: int | None, i: int
+                  ) -> tuple[list[list[int]], list[list[float]]]:
+    """The teacher's top-k of one sequence, shifted: ids in [-1, vocab) (-1 = padding), finite logprobs."""
+    what = f"sequence {i}: distill_token_ids/distill_logprobs"
+    ids_i, lps_i = _list(ids_i, length, what), _list(lps_i, length, what)
+    out_ids: list[list[int]] = []
+    out_lps: list[list[float]] = []
+    # Entry t is the teacher's top-k for token t: the input position t-1 predicts it.
+    for e_ids, e_lps in zip(ids_i[1:], lps_i[1:], strict=True):
+        e_ids, e_lps = e_ids or [], e_lps or []
+        ids = _ids(e_ids, vocab_size, what, low=-1)
+        if len(ids) > MAX_DISTILL_K:
+            raise GroupRejected("distill_invalid", f"{what}: {len(ids)} teacher ids at one position > {MAX_DISTILL_K}")
+        lps = [_number(x, "distill_invalid", what) for x in _list(e_lps, len(ids), what)]
+        if not all(math.isfinite(x) for x, k in zip(lps, ids, strict=True) if k >= 0):
+            raise GroupRejected("distill_invalid", f"{what}: non-finite teacher logprob")
+        out_ids.append(ids)
+        out_lps.append([x if k >= 0 else -1e9 for x, k in zip(lps, ids, strict=True)])
+    return out_ids, out_lps
 
 
 def _pad(rows: Sequence[SequenceRow]) -> MicroBatch:
@@ -215,32 +328,47 @@ def _pad(rows: Sequence[SequenceRow]) -> MicroBatch:
     return MicroBatch(input_ids, labels, mask, old, adv, temp, d_ids, d_lp)
 
 
-def prepare_batch(groups: Sequence[Mapping[str, Any]], *, micro_batch_size: int, max_token_len: int,
-                  adv_std_floor: float, use_distill: bool = False) -> RolloutBatch:
-    """Validate the groups, compute advantages and pad into micro-batches of ≤ micro_batch_size."""
+def prepare_batch(groups: Sequence[Any], *, micro_batch_size: int, max_token_len: int,
+                  adv_std_floor: float, use_distill: bool = False, vocab_size: int | None = None) -> RolloutBatch:
+    """Validate the groups, compute advantages and pad into micro-batches of ≤ micro_batch_size.
+
+    vocab_size: the model's vocabulary (token ids must be below it); None checks only ≥ 0.
+    Raises BatchError (with the rejections by reason) when no group is usable.
+    """
 
     rows: list[SequenceRow] = []
     scores: list[float] = []
     accuracies: list[float] = []
     versions: list[int] = []
-    rejected = 0
+    rejected: dict[str, int] = {}
     for gi, group in enumerate(groups):
         try:
             group_rows = _rows_of_group(group, std_floor=adv_std_floor, max_token_len=max_token_len,
-                                        use_distill=use_distill)
-        except (BatchError, TypeError, ValueError) as exc:
-            rejected += 1
-            log.warning("group rejected", group=gi, reason=str(exc))
+                                        use_distill=use_distill, vocab_size=vocab_size)
+            ext = _extension(group)
+            acc, version = ext.get("accuracy"), ext.get("weight_version")
+        except GroupRejected as exc:
+            rejected[exc.reason] = rejected.get(exc.reason, 0) + 1
+            if sum(rejected.values()) <= LOGGED_PER_BATCH:
+                log.warning("group rejected", group=gi, reason=exc.reason, detail=str(exc)[:300])
+            continue
+        except Exception as exc:  # one group's preparation never fails the job (SPEC §13)
+            rejected["error"] = rejected.get("error", 0) + 1
+            if sum(rejected.values()) <= LOGGED_PER_BATCH:
+                log.warning("group rejected", group=gi, reason="error",
+                            detail=f"{type(exc).__name__}: {exc}"[:300], exc_info=True)
             continue
         rows.extend(group_rows)
         scores.extend(float(s) for s in group["scores"])
-        ext = _extension(group)
-        if isinstance(ext.get("accuracy"), (int, float)):
-            accuracies.append(float(ext["accuracy"]))
-        if isinstance(ext.get("weight_version"), int):
-            versions.append(int(ext["weight_version"]))
+        if isinstance(acc, (int, float)) and not isinstance(acc, bool) and 0 <= acc <= 1:
+            accuracies.append(float(acc))  # an accuracy: anything else is ignored
+        if type(version) is int and 0 <= version < 2**53:
+            versions.append(version)
+    if sum(rejected.values()) > LOGGED_PER_BATCH:
+        log.warning("groups rejected in this batch", by_reason=rejected, logged=LOGGED_PER_BATCH)
     if not rows:
-        raise BatchError(f"no usable sequence in the batch ({rejected} group(s) rejected)")
+        total = sum(rejected.values())
+        raise BatchError(f"no usable sequence in the batch ({total} group(s) rejected: {rejected})", rejected)
     micro = [_pad(rows[i:i + micro_batch_size]) for i in range(0, len(rows), micro_batch_size)]
     completion = int(sum(int(m.mask.sum()) for m in micro))
     missing = int(sum(int((m.mask & m.old_logp.isnan()).sum()) for m in micro))
@@ -250,4 +378,4 @@ def prepare_batch(groups: Sequence[Mapping[str, Any]], *, micro_batch_size: int,
     return RolloutBatch(micro=micro, sequences=len(rows), completion_tokens=completion,
                         distill_positions=distill_positions, reward_mean=mean, reward_std=std,
                         accuracy=(math.fsum(accuracies) / len(accuracies)) if accuracies else None,
-                        weight_versions=versions, rejected=rejected, missing_logprobs=missing)
+                        weight_versions=versions, rejected_by_reason=rejected, missing_logprobs=missing)

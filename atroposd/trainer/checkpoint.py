@@ -7,12 +7,25 @@ Layout (a Hugging Face directory plus the trainer's state)::
     step-N/tokenizer files
     step-N/trainer_state.pt   {"format", "step", "weight_version", "optimizer", "scheduler", "rng",
                                "config", "model", "mode", "tokenizer", "skipped_steps"}
+    step-N/checksums.json     {"format", "files": {relative path: sha256}}, written last
 
-Everything is written into ``.tmp-step-N-<pid>/``, each file fsync'ed, then the directory is
-renamed to ``step-N`` and the parent fsync'ed. A ``step-N`` directory therefore always is a
-complete checkpoint; a temporary one left by a crash or kill is ignored and removed at the
-next start. Old checkpoints are pruned *before* a new one is written (so a full disk has room)
-keeping ``keep - 1``, then ``keep`` once the new one is in place.
+Everything is written into ``.tmp-step-N-<pid>/``, the checksums of every file last, each file
+fsync'ed, then the directory is renamed to ``step-N`` and the parent fsync'ed. A ``step-N``
+directory therefore always is a complete checkpoint; a temporary one left by a crash or kill
+is ignored and removed at the next start. Any failure while writing (a full disk raises
+``SafetensorError`` or ``RuntimeError`` from safetensors and torch.save, not only
+``OSError``) removes the temporary directory and is one ``CheckpointError``.
+
+Never a moment without a complete checkpoint (SPEC §13): with ``keep > 1`` the oldest are
+pruned *before* a write, keeping ``keep - 1`` (so a full disk has room); with ``keep = 1``
+the old checkpoint goes only once the new one is in place. Writing a step that already has
+a checkpoint exchanges the two directories atomically (``renameat2(RENAME_EXCHANGE)``;
+where the file system lacks it, the old copy is renamed to ``.old-step-N-<pid>`` first and
+put back at the next start if the new one never arrived) and only then removes the old copy.
+
+Resume (:func:`load_latest`) verifies the checksums of the newest complete checkpoint; one
+that fails (or cannot be read) is set aside as ``step-N.bad-<time>`` — kept for a look,
+never used again — and the next older is tried.
 
 The reference model of ``kl_reference = "initial"`` is not stored: it is the model source
 itself (the configured directory, or builtin:tiny rebuilt from the seed), which resume checks
@@ -21,27 +34,39 @@ is unchanged (``model`` and ``tokenizer`` fingerprints in the state).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
+import hashlib
+import json
 import os
 import random
 import re
 import shutil
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import structlog
 import torch
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "Restored", "clean_partial", "complete_checkpoints",
-           "latest_checkpoint", "load_checkpoint", "prune", "rng_state", "save_checkpoint", "set_rng_state"]
+from atroposd.fsutil import fsync_dir
+
+__all__ = ["FORMAT_VERSION", "CheckpointError", "Latest", "Restored", "clean_partial", "complete_checkpoints",
+           "latest_checkpoint", "load_checkpoint", "load_latest", "prune", "rng_state", "save_checkpoint",
+           "set_rng_state", "verify_checksums"]
 
 log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
 FORMAT_VERSION = 1
 STATE_FILE = "trainer_state.pt"
 WEIGHTS_FILE = "model.safetensors"
+CHECKSUM_FILE = "checksums.json"
 _STEP_RE = re.compile(r"^step-(\d+)$")
 TMP_PREFIX = ".tmp-step-"
+OLD_PREFIX = ".old-step-"  # the previous copy of a step being written again (fallback path only)
+_OLD_RE = re.compile(r"^\.old-step-(\d+)-\d+$")
 
 
 class CheckpointError(RuntimeError):
@@ -73,19 +98,33 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def clean_partial(root: Path) -> list[Path]:
-    """Remove temporary directories left by an interrupted write; returns what was removed."""
+    """Remove temporary directories left by an interrupted write; returns what was removed.
+
+    The previous copy of a step that was being written again (``.old-step-N-<pid>``) is put
+    back as ``step-N`` when the new copy never arrived, and removed when it did.
+    """
     removed = []
     if root.is_dir():
-        for entry in root.iterdir():
-            if entry.name.startswith(TMP_PREFIX):
+        for entry in sorted(root.iterdir()):
+            m = _OLD_RE.match(entry.name)
+            if m and not (root / f"step-{m.group(1)}").exists():
+                try:
+                    os.rename(entry, root / f"step-{m.group(1)}")
+                    log.warning("restored the previous copy of an interrupted checkpoint",
+                                path=str(root / f"step-{m.group(1)}"))
+                except OSError as exc:  # left where it is: never removed while it may be the only copy
+                    log.error("cannot restore the previous copy of a checkpoint", path=str(entry), error=str(exc))
+            elif m or entry.name.startswith(TMP_PREFIX):
                 shutil.rmtree(entry, ignore_errors=True)
                 removed.append(entry)
     return removed
 
 
-def prune(root: Path, keep: int) -> None:
-    """Keep the ``keep`` newest complete checkpoints (``keep`` may be 0)."""
-    found = complete_checkpoints(root)
+def prune(root: Path, keep: int, *, spare: Path | None = None) -> None:
+    """Keep the ``keep`` newest complete checkpoints (``keep`` may be 0), and ``spare`` always."""
+    found = [(s, p) for s, p in complete_checkpoints(root) if p != spare]
+    if spare is not None and spare.is_dir():
+        keep -= 1
     for _, path in found[: max(0, len(found) - keep)]:
         shutil.rmtree(path, ignore_errors=True)
 
@@ -129,15 +168,84 @@ def _fsync_tree(path: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(Path(dirpath))
+        fsync_dir(Path(dirpath))
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_checksums(path: Path) -> None:
+    """``checksums.json``: the sha256 of every file under ``path`` (written last)."""
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != CHECKSUM_FILE)
+    table = {str(f.relative_to(path)): _sha256(f) for f in files}
+    (path / CHECKSUM_FILE).write_text(json.dumps({"format": 1, "files": table}, indent=1) + "\n")
+
+
+def verify_checksums(path: Path) -> bool:
+    """Check every file against ``checksums.json``; raises CheckpointError naming the first
+    difference. Returns False when the checkpoint has no checksums (written before they were)."""
+    table_file = path / CHECKSUM_FILE
+    if not table_file.exists():
+        return False
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        table = json.loads(table_file.read_text())["files"]
+        if not isinstance(table, dict) or STATE_FILE not in table:
+            raise ValueError("no checksum of the trainer state")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: unreadable {CHECKSUM_FILE}: {exc}") from exc
+    for name, expected in table.items():
+        file = path / str(name)
+        try:
+            actual = _sha256(file)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {path}: cannot read {name}: {exc.strerror or exc}") from exc
+        if actual != expected:
+            raise CheckpointError(f"checkpoint {path}: {name} does not match its checksum")
+    return True
+
+
+# renameat2(2)'s RENAME_EXCHANGE: swap two directory entries atomically (Linux ≥ 3.15).
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap ``a`` and ``b``; False where the system cannot (then nothing happened)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _install(tmp: Path, final: Path) -> None:
+    """Rename the complete ``tmp`` to ``final``; an existing ``final`` goes only after that."""
+    if not final.exists():
+        os.rename(tmp, final)
+        return
+    if _exchange(tmp, final):
+        shutil.rmtree(tmp, ignore_errors=True)  # now the previous copy
+        return
+    old = final.with_name(f"{OLD_PREFIX}{final.name.removeprefix('step-')}-{os.getpid()}")
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(final, old)  # a crash here: clean_partial puts ``old`` back
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        os.rename(old, final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, tokenizer: Any, lora: bool,
@@ -147,21 +255,28 @@ def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, tokenizer:
     tmp = root / f"{TMP_PREFIX}{step}-{os.getpid()}"
     try:
         root.mkdir(parents=True, exist_ok=True)
-        prune(root, keep - 1)
+        if keep > 1:  # room first; with keep = 1 the only checkpoint stays until the new one is in place
+            prune(root, keep - 1, spare=final)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         _write_model(tmp, model, lora)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         torch.save({"format": FORMAT_VERSION, "step": step, **state}, tmp / STATE_FILE)
+        _write_checksums(tmp)  # last: a checkpoint with checksums was written in full
         _fsync_tree(tmp)
-        if final.exists():  # a checkpoint of this very step (e.g. written again after a resume)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-    except OSError as exc:
+        _install(tmp, final)
+        fsync_dir(root)
+    except Exception as exc:  # safetensors and torch.save report a full disk as their own errors
         shutil.rmtree(tmp, ignore_errors=True)
-        reason = "no space left on the device" if exc.errno == 28 else (exc.strerror or str(exc))
+        if isinstance(exc, OSError):
+            reason = "no space left on the device" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
+        else:
+            reason = f"{type(exc).__name__}: {exc}"
+            if "No space left" in str(exc) or "os error 28" in str(exc):
+                reason = f"no space left on the device ({reason})"
+            with contextlib.suppress(OSError):  # torch.save says "unexpected pos": say how full it is
+                reason += f" ({shutil.disk_usage(root).free} bytes free on the device)"
         raise CheckpointError(f"cannot write checkpoint {final}: {reason}") from exc
     prune(root, keep)
     return final
@@ -187,6 +302,45 @@ def _write_model(path: Path, model: torch.nn.Module, lora: bool) -> None:
             log.warning("generation config not saved", error=str(exc))
 
 
+@dataclass
+class Latest:
+    """What :func:`load_latest` found: the restored checkpoint (or None) and what it set aside."""
+
+    restored: Restored | None
+    set_aside: list[Path] = field(default_factory=list)
+
+
+def load_latest(root: Path) -> Latest:
+    """The newest complete checkpoint that verifies and loads; bad ones are set aside.
+
+    A checkpoint whose checksums differ or whose files cannot be read is renamed to
+    ``step-N.bad-<unix time>`` (logged) and the next older one is tried. A checkpoint of
+    another format version is an error, not a fallback (a newer atroposd wrote it).
+    """
+    result = Latest(restored=None)
+    for _step, path in reversed(complete_checkpoints(root)):
+        try:
+            verified = verify_checksums(path)
+            restored = load_checkpoint(path)
+        except CheckpointError as exc:
+            if "has format" in str(exc):
+                raise
+            aside = path.with_name(f"{path.name}.bad-{int(time.time())}")
+            try:
+                os.rename(path, aside)
+            except OSError as rename_exc:
+                raise CheckpointError(f"{exc}; and it cannot be set aside: {rename_exc}") from exc
+            result.set_aside.append(aside)
+            log.error("checkpoint is damaged: set aside, trying the next older one", path=str(path),
+                      moved_to=str(aside), error=str(exc))
+            continue
+        if not verified:
+            log.warning("checkpoint has no checksums (written by an older atroposd): not verified", path=str(path))
+        result.restored = restored
+        return result
+    return result
+
+
 def load_checkpoint(path: Path) -> Restored:
     from safetensors.torch import load_file
 
@@ -194,8 +348,8 @@ def load_checkpoint(path: Path) -> Restored:
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
         lora = state.get("mode") == "lora"
         weights = load_file(str(path / ("adapter_model.safetensors" if lora else WEIGHTS_FILE)))
-    except (OSError, RuntimeError, ValueError) as exc:
-        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+    except Exception as exc:  # torch.load / safetensors errors of a damaged file are of many kinds
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from exc
     if state.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format {state.get('format')!r}; this atroposd reads "
                               f"format {FORMAT_VERSION}")

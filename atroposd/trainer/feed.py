@@ -15,6 +15,7 @@ The feed survives the API going away (connection refused while it restarts: it w
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
@@ -107,7 +108,7 @@ class BatchFeed:
             self.on_wait("api")
             log.debug("API not reachable for /batch", error=str(exc))
             return None
-        data = orjson.loads(body)
+        data = _parse(body)
         if isinstance(data, dict) and data.get("status") == "error":
             # The API restarted without our registration: register again (same body, same step).
             log.warning("the API lost the trainer's registration; registering again", message=data.get("message"))
@@ -199,3 +200,18 @@ def _field(body: bytes, key: str) -> Any:
     except orjson.JSONDecodeError:
         return None
     return data.get(key) if isinstance(data, dict) else None
+
+
+def _parse(body: bytes) -> Any:
+    """A ``/batch`` answer. NaN and Infinity literals (Python's json writes them; orjson refuses
+    them) are read too, so that batch preparation judges each group instead of the whole batch
+    being lost; a body that is not JSON at all is logged and read as "no batch"."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        log.warning("ignoring a /batch answer that is not JSON", error=str(exc)[:200], body=body[:200])
+        return None

@@ -17,12 +17,13 @@ import structlog
 import torch
 
 from atroposd.trainer.batch import BatchError, RolloutBatch, prepare_batch
-from atroposd.trainer.checkpoint import CheckpointError, rng_state, save_checkpoint
+from atroposd.trainer.checkpoint import CheckpointError
 from atroposd.trainer.feed import BatchFeed
 from atroposd.trainer.learner import Learner, StepResult
 from atroposd.trainer.metrics import MetricsWriter
+from atroposd.trainer.setup import Checkpointer
 
-__all__ = ["Checkpointer", "Progress", "TrainerError", "TrainingLoop"]
+__all__ = ["Progress", "TrainerError", "TrainingLoop"]
 
 log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
@@ -47,6 +48,9 @@ class Progress:
     last: dict[str, Any] = field(default_factory=dict)
     last_checkpoint: str | None = None
     checkpoint_error: str | None = None
+    checkpoint_failures: int = 0  # failed or abandoned checkpoint writes (training went on)
+    # groups rejected by batch preparation since this process started, by reason (SPEC §13)
+    rejected_groups: dict[str, int] = field(default_factory=dict)
     error: str | None = None
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=50))
 
@@ -56,24 +60,6 @@ class Progress:
             return None
         span = self.step_times[-1] - self.step_times[0]
         return (len(self.step_times) - 1) / span if span > 0 else None
-
-
-class Checkpointer:
-    """Writes ``checkpoints/step-N`` with everything a resume needs (called in a thread)."""
-
-    def __init__(self, root: Path, *, keep: int, learner: Learner, identity: dict[str, Any]) -> None:
-        self.root = root
-        self.keep = keep
-        self.learner = learner
-        self.identity = identity  # config, model, mode, tokenizer: what resume checks
-
-    def save(self, progress: Progress) -> Path:
-        policy = self.learner.policy
-        state = {"weight_version": progress.weight_version, "skipped_steps": progress.skipped_steps,
-                 "optimizer": self.learner.optimizer.state_dict(),
-                 "scheduler": self.learner.scheduler.state_dict(), "rng": rng_state(), **self.identity}
-        return save_checkpoint(self.root, progress.step, model=policy.model, tokenizer=policy.tokenizer,
-                               lora=policy.lora, state=state, keep=self.keep)
 
 
 class TrainingLoop:
@@ -91,6 +77,7 @@ class TrainingLoop:
         self.lock = lock  # held around the step + sync; the inference-restart re-attach takes it too
         self.progress_every = progress_every
         self.stop_requested = False
+        self.vocab_size = learner.policy.vocab_size  # token ids at or above it are rejected
 
     def request_stop(self) -> None:
         self.stop_requested = True
@@ -114,8 +101,15 @@ class TrainingLoop:
                 try:
                     batch = await anyio.to_thread.run_sync(self._prepare, groups)
                 except BatchError as exc:
+                    self._count_rejected(exc.rejected)
                     log.warning("batch skipped", reason=str(exc))
                     continue
+                except Exception as exc:  # a defect past the per-group checks: the batch, not the job
+                    self._count_rejected({"error": len(groups)})
+                    log.error("batch skipped: its preparation failed", error=f"{type(exc).__name__}: {exc}",
+                              groups=len(groups), exc_info=True)
+                    continue
+                self._count_rejected(batch.rejected_by_reason)
                 # loss + backward + clip (worker thread; the event loop stays responsive)
                 result = await anyio.to_thread.run_sync(self.learner.compute, batch)
                 if not result.finite:
@@ -149,7 +143,13 @@ class TrainingLoop:
     def _prepare(self, groups: list[dict[str, Any]]) -> RolloutBatch:
         t = self.t
         return prepare_batch(groups, micro_batch_size=t.micro_batch_size, max_token_len=t.max_token_len,
-                             adv_std_floor=t.adv_std_floor, use_distill=t.distill_coef > 0)
+                             adv_std_floor=t.adv_std_floor, use_distill=t.distill_coef > 0,
+                             vocab_size=self.vocab_size)
+
+    def _count_rejected(self, by_reason: dict[str, int]) -> None:
+        counts = self.progress.rejected_groups
+        for reason, n in by_reason.items():
+            counts[reason] = counts.get(reason, 0) + n
 
     async def checkpoint(self, *, deadline_s: float | None = None) -> Path | None:
         """Write a checkpoint of the current step; a failure is logged and shown, training goes on."""
@@ -161,16 +161,20 @@ class TrainingLoop:
             with anyio.move_on_after(deadline_s):
                 # abandon_on_cancel: past the deadline the thread's temporary directory is left
                 # behind (and ignored at resume); the previous checkpoint stays the newest.
-                path = await anyio.to_thread.run_sync(self.checkpointer.save, p, abandon_on_cancel=True)
+                path = await anyio.to_thread.run_sync(self.checkpointer.save, p.step, p.weight_version,
+                                                      p.skipped_steps, abandon_on_cancel=True)
             if path is None:
+                p.checkpoint_failures += 1
                 p.checkpoint_error = f"checkpoint of step {p.step} not finished within {deadline_s} s"
                 log.error("checkpoint abandoned", step=p.step, deadline_s=deadline_s)
             else:
                 p.last_checkpoint, p.checkpoint_error = str(path), None
                 log.info("checkpoint written", step=p.step, path=str(path))
-        except CheckpointError as exc:
-            p.checkpoint_error = str(exc)
-            log.error("checkpoint failed; training goes on", step=p.step, error=str(exc))
+        except Exception as exc:  # any failure to write (a full disk included) is not the job's end
+            p.checkpoint_failures += 1
+            p.checkpoint_error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+            log.error("checkpoint failed; training goes on", step=p.step, error=p.checkpoint_error,
+                      failures=p.checkpoint_failures, exc_info=not isinstance(exc, CheckpointError))
         finally:
             p.state = previous
         return path
@@ -186,7 +190,7 @@ class TrainingLoop:
             "mean_ratio": r.mean_ratio, "clipped_fraction": r.clipped_fraction, "mean_kl": r.mean_kl,
             "grad_norm": r.grad_norm, "lr": self.learner.lr, "tokens": r.tokens, "sequences": batch.sequences,
             "batch_wait_s": batch_wait, "step_s": step_s, "compute_s": r.compute_s,
-            "skipped_steps": p.skipped_steps, "rejected_groups": batch.rejected,
+            "skipped_steps": p.skipped_steps, "rejected_groups": dict(p.rejected_groups),
             "missing_logprobs": batch.missing_logprobs, "logprob_diff_abs_mean": r.logprob_diff_abs_mean,
         }
         if r.distill_token_count or self.t.distill_coef > 0:

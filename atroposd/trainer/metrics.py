@@ -6,6 +6,8 @@ skipped_steps, sequences, rejected_groups, missing_logprobs, logprob_diff_abs_me
 rollout logprob of the same tokens) (+ distill_loss, distill_token_count when distillation is on).
 ``staleness`` = the weight version trained *from* minus the oldest weight version the batch's
 rollouts were generated with (null when the environments do not report it).
+``rejected_groups`` = the groups batch preparation refused since the trainer started, by
+reason (``{"token_out_of_range": 2, ...}``; SPEC §13), skipped batches' groups included.
 
 A write that fails (disk full, unwritable) is dropped and counted, never fatal (SPEC §4).
 """
@@ -13,12 +15,13 @@ A write that fails (disk full, unwritable) is dropped and counted, never fatal (
 from __future__ import annotations
 
 import io
-import os
 from pathlib import Path
 from typing import Any
 
 import orjson
 import structlog
+
+from atroposd.fsutil import write_atomic
 
 __all__ = ["MetricsWriter", "read_metrics"]
 
@@ -44,9 +47,7 @@ class MetricsWriter:
         try:
             kept = [line for line in self.path.read_bytes().splitlines()
                     if line.strip() and _step_of(line) is not None and (_step_of(line) or 0) <= step]
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_bytes(b"".join(line + b"\n" for line in kept))
-            os.replace(tmp, self.path)
+            write_atomic(self.path, b"".join(line + b"\n" for line in kept), mode=0o644)
         except OSError as exc:
             log.warning("metrics file not trimmed at resume", path=str(self.path), error=str(exc))
 

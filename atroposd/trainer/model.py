@@ -5,8 +5,10 @@ Checks that the predecessor lacked (LESSONS.md §3.1, §3.2, §3.8):
 
 * the dtype is chosen from ``[inference] dtype`` and the device, and must be one of
   float32 / bfloat16 / float16 — the trainer and the inference server hold the same weights;
-* no parameter or buffer is left on the meta device, nothing is silently zero-filled (every
-  weight file key is loaded, strictly);
+* no parameter or buffer is left on the meta device, nothing is silently zero-filled or
+  randomly initialised: a weight the model has and the directory lacks refuses the model
+  (strict load; tied aliases such as a tied ``lm_head`` are not missing). Tensors in the
+  files that the model does not use are logged and ignored;
 * every rotary ``inv_freq`` equals what the model's own rotary class computes from its config;
 * the trainer's and the inference server's tokenizers have the same fingerprint (vocabulary
   and special ids) before any rollout — :func:`check_tokenizers`.
@@ -28,8 +30,8 @@ from typing import Any
 import structlog
 import torch
 
-__all__ = ["ModelLoadError", "Policy", "check_rotary", "check_tokenizers", "load_policy", "resolve_device",
-           "resolve_dtype", "token_logprobs"]
+__all__ = ["ModelLoadError", "Policy", "check_loading_info", "check_materialised", "check_rotary",
+           "check_tokenizers", "load_policy", "resolve_device", "resolve_dtype", "token_logprobs", "vocab_rows"]
 
 log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
@@ -91,6 +93,11 @@ class Policy:
             return self.model
         return self.reference
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding and of the output head (the smaller): valid ids are below it."""
+        return vocab_rows(self.model)
+
     def trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
@@ -112,18 +119,20 @@ def load_policy(model_dir: Path, tokenizer_dir: Path, *, device: torch.device, d
     torch.manual_seed(seed)
     model: torch.nn.Module
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot load the model from {model_dir}: {exc}") from exc
-    model.to(device)  # type: ignore[arg-type]
+        loaded: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, output_loading_info=True)
+        model, info = loaded
+    except Exception as exc:  # OSError, ValueError, a size mismatch's RuntimeError, safetensors' own errors
+        raise ModelLoadError(f"cannot load the model from {model_dir}: {type(exc).__name__}: {exc}") from exc
+    check_loading_info(info, model_dir)
+    check_materialised(model)  # before .to(): a meta tensor cannot be copied anywhere
+    model.to(device)
     model.eval()  # no dropout: the trainer must score tokens exactly as the sampler did
-    check_materialised(model)
     check_rotary(model)
     vocab = len(tokenizer)
-    rows = int(model.get_input_embeddings().weight.shape[0])  # type: ignore[index]
+    rows = vocab_rows(model)
     if vocab > rows:
         raise ModelLoadError(f"the tokenizer at {tokenizer_dir} has {vocab} tokens but the model's embedding "
-                             f"has only {rows} rows")
+                             f"(or output head) has only {rows} rows")
     reference = None
     if need_reference and lora is None:
         reference = copy.deepcopy(model)
@@ -140,6 +149,16 @@ def load_policy(model_dir: Path, tokenizer_dir: Path, *, device: torch.device, d
     return policy
 
 
+def vocab_rows(model: torch.nn.Module) -> int:
+    """The number of token ids the model can embed and score: min(embedding rows, head rows)."""
+    rows = [int(m.weight.shape[0]) for m in (model.get_input_embeddings(),  # type: ignore[operator]
+                                            getattr(model, "get_output_embeddings", lambda: None)())
+            if m is not None and isinstance(getattr(m, "weight", None), torch.Tensor)]
+    if not rows:
+        raise ModelLoadError("the model has no input embedding to read its vocabulary size from")
+    return min(rows)
+
+
 def _wrap_lora(model: torch.nn.Module, lora: Mapping[str, Any]) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
@@ -154,6 +173,23 @@ def _wrap_lora(model: torch.nn.Module, lora: Mapping[str, Any]) -> torch.nn.Modu
     peft_model = get_peft_model(model, config)
     peft_model.eval()
     return peft_model
+
+
+def check_loading_info(info: Mapping[str, Any], model_dir: Path) -> None:
+    """Refuse weights the model has and the directory lacks (they would be random), or that
+    differ in shape; log the directory's tensors the model does not use."""
+    missing = sorted(info.get("missing_keys") or ())
+    mismatched = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys") or ())
+    if missing or mismatched:
+        detail = "; ".join(part for part in (
+            f"{len(missing)} missing ({', '.join(missing[:8])})" if missing else "",
+            f"{len(mismatched)} of another shape ({', '.join(mismatched[:8])})" if mismatched else "") if part)
+        raise ModelLoadError(f"the model directory {model_dir} does not hold every weight of the model: {detail}; "
+                             "they would be initialised at random")
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    if unexpected:
+        log.warning("the model directory holds tensors the model does not use (ignored)", model=str(model_dir),
+                    count=len(unexpected), names=unexpected[:8])
 
 
 def check_materialised(model: torch.nn.Module) -> None:

@@ -92,6 +92,9 @@ class TrainerService:
             "steps_per_s": p.steps_per_s, "skipped_steps": p.skipped_steps,
             "last_checkpoint": p.last_checkpoint, "checkpoint_error": p.checkpoint_error, "error": p.error,
             "metrics_dropped": self._metrics.dropped if self._metrics is not None else 0,
+            "checkpoint_failures": p.checkpoint_failures,
+            # groups the trainer refused since this process started, by reason (SPEC §13)
+            "rejected_groups": dict(p.rejected_groups),
         }
 
     async def on_inference_restarted(self) -> None:

@@ -22,16 +22,17 @@ from atroposd.trainer.checkpoint import (
     CheckpointError,
     Restored,
     clean_partial,
-    latest_checkpoint,
-    load_checkpoint,
+    load_latest,
     restore_weights,
+    rng_state,
+    save_checkpoint,
     set_rng_state,
 )
 from atroposd.trainer.learner import Learner, make_strategies
 from atroposd.trainer.model import Policy, load_policy
 from atroposd.trainer.optim import build_optimizer, build_scheduler
 
-__all__ = ["ResumeError", "Setup", "build_learner", "load_for_training"]
+__all__ = ["Checkpointer", "ResumeError", "Setup", "build_learner", "load_for_training"]
 
 log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
@@ -54,16 +55,33 @@ class Setup:
     weight_version: int = 0
     skipped_steps: int = 0
     restored: Restored | None = field(default=None, repr=False)
+    set_aside: list[Path] = field(default_factory=list)  # damaged checkpoints renamed at this start
 
     @property
     def restored_from(self) -> Path | None:
         return self.restored.path if self.restored is not None else None
 
-    def checkpointer(self, learner: Learner) -> Any:
-        from atroposd.trainer.loop import Checkpointer
-
+    def checkpointer(self, learner: Learner) -> Checkpointer:
         return Checkpointer(self.checkpoints_dir, keep=self.keep_checkpoints, learner=learner,
                             identity=self.identity)
+
+
+class Checkpointer:
+    """Writes ``checkpoints/step-N`` with everything a resume needs (called in a thread)."""
+
+    def __init__(self, root: Path, *, keep: int, learner: Learner, identity: dict[str, Any]) -> None:
+        self.root = root
+        self.keep = keep
+        self.learner = learner
+        self.identity = identity  # config, model, mode, tokenizer: what resume checks
+
+    def save(self, step: int, weight_version: int, skipped_steps: int) -> Path:
+        policy = self.learner.policy
+        state = {"weight_version": weight_version, "skipped_steps": skipped_steps,
+                 "optimizer": self.learner.optimizer.state_dict(),
+                 "scheduler": self.learner.scheduler.state_dict(), "rng": rng_state(), **self.identity}
+        return save_checkpoint(self.root, step, model=policy.model, tokenizer=policy.tokenizer,
+                               lora=policy.lora, state=state, keep=self.keep)
 
 
 def load_for_training(cfg: Config) -> Setup:
@@ -87,16 +105,19 @@ def load_for_training(cfg: Config) -> Setup:
                 "mode": t.mode, "tokenizer": fingerprint}
     setup = Setup(policy=policy, tokenizer_fingerprint=fingerprint, identity=identity, checkpoints_dir=root,
                   keep_checkpoints=t.keep_checkpoints)
-    latest = latest_checkpoint(root) if t.resume else None
+    latest = load_latest(root) if t.resume else None
     if latest is not None:
-        restored = load_checkpoint(latest)
+        setup.set_aside = latest.set_aside
+    if latest is not None and latest.restored is not None:
+        restored = latest.restored
         _check_identity(restored, identity)
         restore_weights(policy.model, restored, lora=policy.lora)
         setup.restored = restored
         setup.step = int(restored.state["step"])
         setup.weight_version = int(restored.state["weight_version"])
         setup.skipped_steps = int(restored.state.get("skipped_steps", 0))
-        log.info("resumed from checkpoint", path=str(latest), step=setup.step, weight_version=setup.weight_version)
+        log.info("resumed from checkpoint", path=str(restored.path), step=setup.step,
+                 weight_version=setup.weight_version)
     return setup
 
 

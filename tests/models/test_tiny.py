@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,8 +30,9 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_tokenizer_round_trips_and_loads_with_autotokenizer(tiny_dir: Path) -> None:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
-    assert isinstance(tok, PreTrainedTokenizerFast)
+    loaded = AutoTokenizer.from_pretrained(str(tiny_dir))
+    assert isinstance(loaded, PreTrainedTokenizerFast)
+    tok: Any = loaded  # transformers' return types are unions this test need not narrow
     assert len(tok) == len(VOCAB) == 22
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (PAD_ID, BOS_ID, EOS_ID, UNK_ID)
     ids = tok("12+34=46")["input_ids"]
@@ -118,7 +120,7 @@ def test_fingerprint_compares_vocabulary_and_special_ids(tmp_path: Path, tiny_di
     assert fp["vocab_size"] == 22
     assert fp["special_ids"] == {"bos": BOS_ID, "eos": EOS_ID, "pad": PAD_ID, "unk": UNK_ID}
     assert tokenizer_fingerprint(ensure_builtin_model(tmp_path, seed=5, max_model_len=64)) == fp
-    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    tok: Any = AutoTokenizer.from_pretrained(str(tiny_dir))
     tok.add_tokens(["@"])
     tok.save_pretrained(str(tmp_path / "changed"))
     assert tokenizer_fingerprint(tmp_path / "changed")["fingerprint"] != fp["fingerprint"]
@@ -138,7 +140,7 @@ def test_fingerprint_reads_tokenizer_files_without_torch(tiny_dir: Path) -> None
 def test_chat_template_as_atroposlib_calls_it(tiny_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    tok: Any = AutoTokenizer.from_pretrained(str(tiny_dir))
     chat = [{"role": "user", "content": "3+4="}, {"role": "assistant", "content": "7"}]
     ids = tok.apply_chat_template(chat, tokenize=True, return_dict=False)
     assert ids == [BOS_ID, *tok.convert_tokens_to_ids(list("3+4=7"))]

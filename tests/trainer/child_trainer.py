@@ -59,7 +59,7 @@ def main() -> None:
     checkpointer = setup.checkpointer(learner)
     while progress.step < steps:
         train_step(learner, progress, cfg)
-    checkpointer.save(progress)
+    checkpointer.save(progress.step, progress.weight_version, progress.skipped_steps)
     loss = train_step(learner, progress, cfg)
     if mode == "kill-mid-write":
         real_save = torch.save
@@ -70,7 +70,7 @@ def main() -> None:
             threading.Event().wait()  # killed here, with the temporary directory half done
 
         ckpt_mod.torch.save = stuck_save  # type: ignore[assignment]
-        checkpointer.save(progress)
+        checkpointer.save(progress.step, progress.weight_version, progress.skipped_steps)
     print(orjson.dumps({"loss": loss, "hash": weights_hash(learner.policy.model)}).decode(), flush=True)
     threading.Event().wait()
 

@@ -54,8 +54,9 @@ async def info_server(tokenizer: dict[str, Any], port: int) -> AsyncIterator[str
 
 
 async def produce(api_url: str, group_size: int = 8, max_queue: int = 4, seed: int = 0,
-                  accuracy: float | None = 0.25) -> None:
-    """Register as an environment (once the trainer has started) and keep the queue topped up."""
+                  accuracy: float | None = 0.25, first: list[dict[str, Any]] | None = None) -> None:
+    """Register as an environment (once the trainer has started) and keep the queue topped up;
+    ``first``: groups posted as they are (with the env_id) before the generated ones."""
     rng = random.Random(seed)
     async with aiohttp.ClientSession() as http:
         env_id = None
@@ -68,6 +69,9 @@ async def produce(api_url: str, group_size: int = 8, max_queue: int = 4, seed: i
                 env_id = data["env_id"]
             else:
                 await anyio.sleep(0.02)
+        for group in first or []:
+            async with http.post(f"{api_url}/scored_data", json={**group, "env_id": env_id}) as resp:
+                assert resp.status == 200, await resp.text()
         while True:
             async with http.get(f"{api_url}/status") as resp:
                 queued = (await resp.json())["queue_size"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,6 +66,7 @@ def test_bad_groups_are_rejected_and_the_rest_kept() -> None:
     groups[2]["tokens"][0] = [1] * 100  # longer than max_token_len
     batch = prepare_batch(groups, micro_batch_size=8, max_token_len=32, adv_std_floor=0.1)
     assert batch.rejected == 3 and batch.sequences == 2
+    assert batch.rejected_by_reason == {"score_invalid": 1, "malformed": 1, "too_long": 1}
     with pytest.raises(BatchError, match="no usable sequence"):
         prepare_batch(groups[:3], micro_batch_size=8, max_token_len=32, adv_std_floor=0.1)
 
@@ -108,3 +110,63 @@ def test_metrics_writer_counts_what_it_cannot_write(tmp_path: Path) -> None:
     good.close()
     good.truncate_after(2)
     assert [r["step"] for r in read_metrics(tmp_path / "m.jsonl")] == [1, 2]
+
+
+def _reasons(groups: list[Any], **kw: Any) -> dict[str, int]:
+    try:
+        return prepare_batch(groups, micro_batch_size=8, max_token_len=32, adv_std_floor=0.1, vocab_size=22,
+                             **kw).rejected_by_reason
+    except BatchError as exc:
+        return exc.rejected
+
+
+def test_each_defect_is_rejected_under_its_reason() -> None:
+    """SPEC §13: out-of-vocabulary and negative ids, bad distillation ids, non-finite or absurd
+    advantages and scores — each group rejected and counted by reason, the others trained on."""
+    def group(**change: Any) -> dict[str, Any]:
+        g = make_groups(5, n=1, size=2)[0]
+        g.update(change)
+        return g
+
+    good = group()
+    vocab = group(tokens=[good["tokens"][0], [*good["tokens"][1][:-1], 22]])
+    negative = group(tokens=[[-1, *good["tokens"][0][1:]], good["tokens"][1]])
+    nan_scalar = group(advantages=[float("nan"), 0.5])
+    huge_scalar = group(advantages=[1e4 + 1, 0.0])
+    huge_list = group(advantages=[[0.0] * 7, [2e4] * 7])
+    ok_list = group(advantages=[[0.0] * 7, [1e4] * 7])
+    inf_score = group(scores=[float("inf"), 0.0])
+    huge_score = group(scores=[1e300, -1e300])
+    d_ids = [[None] + [[5, -1]] * 6] * 2
+    d_lps = [[None] + [[-0.5, 0.0]] * 6] * 2
+    distill_ok = group(distill_token_ids=d_ids, distill_logprobs=d_lps)
+    distill_high = group(distill_token_ids=[d_ids[0], [None] + [[22]] * 6], distill_logprobs=[d_lps[0], d_lps[0]])
+    distill_low = group(distill_token_ids=[[None] + [[-2, 5]] * 6] * 2, distill_logprobs=d_lps)
+    distill_nan = group(distill_token_ids=d_ids, distill_logprobs=[[None] + [[float("nan"), 0.0]] * 6] * 2)
+    distill_wide = group(distill_token_ids=[[None] + [[5] * 257] * 6] * 2,
+                         distill_logprobs=[[None] + [[-1.0] * 257] * 6] * 2)
+    groups = [good, vocab, negative, nan_scalar, huge_scalar, huge_list, ok_list, inf_score, huge_score,
+              distill_ok, distill_high, distill_low, distill_nan, distill_wide]
+    batch = prepare_batch(groups, micro_batch_size=8, max_token_len=32, adv_std_floor=0.1, vocab_size=22,
+                          use_distill=True)
+    assert batch.rejected_by_reason == {"token_out_of_range": 2, "advantage_invalid": 3, "score_invalid": 2,
+                                        "distill_invalid": 4}
+    assert batch.sequences == 3 * 2 and batch.rejected == 11
+    # without distillation the teacher fields are not read, so they cannot reject a group
+    assert _reasons([distill_high, distill_low]) == {}
+    # without a vocabulary size, ids still must be ≥ 0
+    assert prepare_batch([vocab, negative], micro_batch_size=8, max_token_len=32,
+                         adv_std_floor=0.1).rejected_by_reason == {"token_out_of_range": 1}
+
+
+def test_any_other_exception_of_one_group_is_a_rejection() -> None:
+    class Hostile(dict[str, Any]):
+        def get(self, key: Any, default: Any = None) -> Any:
+            if key == "overrides":
+                raise RuntimeError("boom")
+            return super().get(key, default)
+
+    good = make_groups(6, n=2, size=2)
+    batch = prepare_batch([Hostile(good[0]), good[1], "not a group"], micro_batch_size=8, max_token_len=32,
+                          adv_std_floor=0.1)
+    assert batch.rejected_by_reason == {"error": 1, "malformed": 1} and batch.sequences == 2

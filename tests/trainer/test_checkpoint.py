@@ -19,7 +19,6 @@ from atroposd.trainer.checkpoint import (
     latest_checkpoint,
     save_checkpoint,
 )
-from atroposd.trainer.loop import Progress
 from atroposd.trainer.setup import ResumeError, build_learner, load_for_training
 from tests.support import REPO, wait_for
 from tests.trainer.child_trainer import batch_for, weights_hash
@@ -87,14 +86,14 @@ def test_keep_checkpoints_prunes_the_oldest(tiny_dir: Path, state_dir: Path) -> 
     learner = build_learner(cfg, setup)
     checkpointer = setup.checkpointer(learner)
     for step in (1, 2, 3):
-        checkpointer.save(Progress(total_steps=10, step=step, weight_version=step))
+        checkpointer.save(step, step, 0)
     assert [s for s, _ in complete_checkpoints(state_dir / "checkpoints")] == [2, 3]
 
 
 def test_resume_refuses_a_changed_mode(tiny_dir: Path, state_dir: Path) -> None:
     cfg = make_cfg(state_dir, tiny_dir)
     setup = load_for_training(cfg)
-    setup.checkpointer(build_learner(cfg, setup)).save(Progress(total_steps=10, step=1, weight_version=1))
+    setup.checkpointer(build_learner(cfg, setup)).save(1, 1, 0)
     lora = make_cfg(state_dir, tiny_dir, mode="lora", lora_r=4)
     with pytest.raises(ResumeError, match="mode"):
         load_for_training(lora)
@@ -108,7 +107,7 @@ def test_lora_checkpoint_round_trip(tiny_dir: Path, state_dir: Path) -> None:
     learner = build_learner(cfg, setup)
     learner.compute(batch_for(1, cfg))  # type: ignore[arg-type]
     learner.apply()
-    path = setup.checkpointer(learner).save(Progress(total_steps=10, step=1, weight_version=1))
+    path = setup.checkpointer(learner).save(1, 1, 0)
     assert (path / "adapter_model.safetensors").is_file() and (path / "adapter_config.json").is_file()
     adapters = {k: v.clone() for k, v in learner.policy.model.state_dict().items() if "lora_" in k}
     again = load_for_training(cfg)

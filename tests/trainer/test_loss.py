@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from atroposd.trainer.loss import (
 from atroposd.trainer.model import token_logprobs
 
 
-def _grad(logp0: list[float], old: list[float], adv: list[float], denom: int, **kw: float
+def _grad(logp0: list[float], old: list[float], adv: list[float], denom: int, **kw: Any
           ) -> tuple[float, list[float]]:
     logp = torch.tensor(logp0, dtype=torch.float64, requires_grad=True)
     loss, _ = grpo_loss(logp, torch.tensor(old, dtype=torch.float64), torch.tensor(adv, dtype=torch.float64),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from atroposd.models.resolve import tokenizer_fingerprint
 from atroposd.trainer.service import TrainerOutcome, TrainerService
 from atroposd.weights.sync import make_weight_sync
 from tests.support import free_port
-from tests.trainer.conftest import make_cfg
+from tests.trainer.conftest import make_cfg, make_groups
 from tests.trainer.helpers import info_server, produce, run_api
 
 pytestmark = pytest.mark.anyio
@@ -54,7 +55,8 @@ def _service(cfg: Config, *, envs_alive: bool = True) -> TrainerService:
     return TrainerService(cfg, instance="t", weights=weights, envs_alive=lambda: envs_alive)
 
 
-async def _train(cfg: Config, api_url: str, *, seed: int = 0) -> tuple[TrainerOutcome, TrainerService]:
+async def _train(cfg: Config, api_url: str, *, seed: int = 0,
+                 first: list[dict[str, Any]] | None = None) -> tuple[TrainerOutcome, TrainerService]:
     service = _service(cfg)
     done = anyio.Event()
 
@@ -65,7 +67,7 @@ async def _train(cfg: Config, api_url: str, *, seed: int = 0) -> tuple[TrainerOu
     with anyio.fail_after(120):
         async with anyio.create_task_group() as tg:
             await tg.start(trainer)  # returns after /register and the first /batch
-            tg.start_soon(produce, api_url, 8, 4, seed)
+            tg.start_soon(partial(produce, api_url, 8, 4, seed, first=first))
             await done.wait()
             tg.cancel_scope.cancel()
     assert service.outcome is not None
@@ -102,6 +104,27 @@ async def test_trains_checkpoints_and_resumes(tiny_dir: Path, state_dir: Path, a
         outcome2, _ = await _train(cfg2, api_url, seed=1)
         assert outcome2 == TrainerOutcome("finished", 6, 6)
         assert [r["step"] for r in _metrics(state_dir)] == [1, 2, 3, 4, 5, 6]
+
+
+async def test_hostile_groups_are_rejected_by_reason_and_training_goes_on(tiny_dir: Path, state_dir: Path,
+                                                                          api_url: str) -> None:
+    """Groups that would crash the model (ids outside the vocabulary, negative ids) or poison the
+    step (absurd advantages), posted through the real API: counted, never the job's end."""
+    hostile = make_groups(7, n=4, size=8)
+    hostile[0]["tokens"][3][-1] = 999  # the tiny model has 22 tokens
+    hostile[1]["tokens"][0][2] = -5
+    hostile[2]["advantages"] = [[1e6] * len(t) for t in hostile[2]["tokens"]]
+    hostile[3]["tokens"][1][0] = 22
+    inf_port = free_port()
+    async with info_server(tokenizer_fingerprint(tiny_dir), inf_port):
+        cfg = _cfg(state_dir, tiny_dir, api_url, inf_port, steps=3, checkpoint_every=10)
+        outcome, service = await _train(cfg, api_url, first=hostile)
+    assert outcome == TrainerOutcome("finished", 3, 3), outcome
+    expected = {"token_out_of_range": 3, "advantage_invalid": 1}
+    assert service.status()["rejected_groups"] == expected
+    rows = _metrics(state_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["rejected_groups"] == expected  # (the first two batches were all hostile: skipped)
 
 
 async def test_stop_while_waiting_for_data_checkpoints(tiny_dir: Path, state_dir: Path, api_url: str) -> None:
