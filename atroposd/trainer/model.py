@@ -31,36 +31,14 @@ import structlog
 import torch
 
 __all__ = ["ModelLoadError", "Policy", "check_loading_info", "check_materialised", "check_rotary",
-           "check_tokenizers", "load_policy", "resolve_device", "resolve_dtype", "token_logprobs", "vocab_rows"]
+           "check_tokenizers", "load_policy", "token_logprobs", "vocab_rows"]
 
 log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ModelLoadError(RuntimeError):
     """The model, its dtype/device or its tokenizer cannot be used; the message says why."""
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("GPU-"):
-        # A UUID: the daemon narrows CUDA_VISIBLE_DEVICES to it, so it is device 0 here.
-        return torch.device("cuda:0")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError(f"trainer.device = {name!r} but CUDA is not available")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``[inference] dtype``: auto = float32 on CPU, bfloat16 on GPU."""
-    if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    if name not in _DTYPES:
-        raise ModelLoadError(f"inference.dtype = {name!r} is not a training dtype (float32, bfloat16, float16)")
-    return _DTYPES[name]
 
 
 @dataclass

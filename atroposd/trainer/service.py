@@ -237,10 +237,11 @@ def _root_cause(exc: BaseException) -> BaseException:
 
 
 def _expected(exc: BaseException) -> bool:
+    from atroposd.devices import DeviceError
     from atroposd.trainer.checkpoint import CheckpointError
     from atroposd.trainer.feed import DataTimeout
     from atroposd.trainer.model import ModelLoadError
     from atroposd.trainer.optim import OptimizerError
     from atroposd.trainer.setup import ResumeError
 
-    return isinstance(exc, (DataTimeout, ModelLoadError, OptimizerError, CheckpointError, ResumeError))
+    return isinstance(exc, (DataTimeout, DeviceError, ModelLoadError, OptimizerError, CheckpointError, ResumeError))
