@@ -294,6 +294,12 @@ def _render_status(st: dict[str, Any]) -> str:
             if t.get(key) is not None:
                 line += f"  {key} {t[key]:.4g}"
         out.append(line)
+        rejected = {k: v for k, v in (t.get("rejected_groups") or {}).items() if v}
+        if rejected:
+            out.append("trainer: rejected groups " + ", ".join(f"{k} {v}" for k, v in sorted(rejected.items())))
+        if t.get("checkpoint_failures"):
+            out.append(f"trainer: {t['checkpoint_failures']} checkpoint write(s) failed; last: "
+                       f"{t.get('checkpoint_error') or '?'}")
     q = st.get("queue")
     if q:
         out.append(f"queue: {q.get('sequences')} sequences" + (f" of {q['capacity']}" if q.get("capacity") else ""))

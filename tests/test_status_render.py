@@ -1,0 +1,31 @@
+"""The human form of `atroposd status`: what a person reads must carry what --json carries
+about refused input and failed checkpoints (SPEC §13)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from atroposd.commands import _render_status
+
+
+def _status(**trainer: Any) -> dict[str, Any]:
+    base = {"state": "training", "step": 7, "total_steps": 10, "waiting_for": None, "reward_mean": 0.5,
+            "accuracy": None, "loss": 0.1, "steps_per_s": 2.0, "rejected_groups": {}, "checkpoint_failures": 0}
+    base.update(trainer)
+    return {"state": "running", "pid": 1, "uptime_s": 3.0, "config": "/x.toml",
+            "components": [{"name": "api", "state": "ready", "pid": 2, "restarts": 0, "last_exit": None}],
+            "trainer": base, "queue": {"sequences": 4, "capacity": 8}}
+
+
+def test_rejected_groups_and_checkpoint_failures_are_shown() -> None:
+    text = _render_status(_status(rejected_groups={"token_out_of_range": 3, "score_invalid": 0, "malformed": 1},
+                                  checkpoint_failures=2, checkpoint_error="No space left on device"))
+    assert "rejected groups malformed 1, token_out_of_range 3" in text
+    assert "score_invalid" not in text
+    assert "2 checkpoint write(s) failed; last: No space left on device" in text
+
+
+def test_a_clean_run_shows_neither() -> None:
+    text = _render_status(_status())
+    assert "rejected" not in text and "checkpoint" not in text
+    assert "trainer: training step 7/10" in text and "queue: 4 sequences of 8" in text
