@@ -13,6 +13,7 @@ from atroposd.api.queue import TrajectoryStore
 from atroposd.api.server import ApiServer, ApiSettings
 from atroposd.api.spool import Spool, SpoolError
 from atroposd.logs import get_logger
+from atroposd.net import is_loopback
 
 __all__ = ["run", "serve"]
 
@@ -51,8 +52,6 @@ async def serve(settings: ApiSettings, *, ready: asyncio.Event | None = None,
             reason = "port already in use" if exc.errno == errno.EADDRINUSE else str(exc)
             log.error("cannot bind the API", host=settings.host, port=settings.port, error=reason)
             return 1
-        from atroposd.api.cli import is_loopback
-
         if not is_loopback(settings.host) and not settings.token:
             log.warning("binding a non-loopback address without a token: anyone who can reach it can post "
                         "and drain data", host=settings.host)

@@ -8,11 +8,10 @@ unless ``--spool-dir`` is given. Flags override either.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import sys
 from typing import Any
 
-LOOPBACK_NAMES = ("localhost",)
+from atroposd.exitcodes import Exit
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,9 +37,13 @@ def settings_from(args: argparse.Namespace) -> tuple[Any, str, str]:
     from atroposd.config import ApiConfig, DaemonConfig
 
     if getattr(args, "config", None):
-        from atroposd.cli import load_or_exit
+        from atroposd.config import ConfigError, load_config
 
-        cfg = load_or_exit(args)
+        try:
+            cfg = load_config(args.config)
+        except ConfigError as exc:
+            print(f"atroposd api: {exc}", file=sys.stderr)
+            raise SystemExit(Exit.USAGE) from None
         s = ApiSettings.from_config(cfg.api, str(cfg.spool_dir) if cfg.api.spool else None)
         level, fmt = cfg.daemon.log_level, cfg.daemon.log_format
     else:  # standalone: the built-in defaults, and no spool unless --spool-dir (SPEC §2)
@@ -70,22 +73,13 @@ def _check(s: Any) -> list[str]:
     return problems
 
 
-def is_loopback(host: str) -> bool:
-    if host in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def main(args: argparse.Namespace) -> int:
     settings, level, fmt = settings_from(args)
     problems = _check(settings)
     if problems:
         for p in problems:
             print(f"atroposd api: {p}", file=sys.stderr)
-        return 2
+        return int(Exit.USAGE)
     from atroposd.logs import configure_logging
 
     configure_logging(level, fmt, component="api")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import time
 import zlib
 from collections import deque
@@ -42,6 +41,7 @@ from atroposd.api.schema import (
 )
 from atroposd.config import ApiConfig
 from atroposd.logs import get_logger
+from atroposd.net import is_loopback
 
 __all__ = ["ApiMetrics", "ApiServer", "ApiSettings"]
 
@@ -388,7 +388,7 @@ class ApiServer:
         if not peer or len(peer) < 2:
             return None
         key = (str(peer[0]), int(peer[1]))
-        if not _is_loopback(key[0]):
+        if not is_loopback(key[0]):
             return None
         # Not cached: atroposlib opens a new connection per request, and a port is soon reused.
         return await asyncio.to_thread(_find_pid, key)
@@ -446,20 +446,13 @@ async def _encode(request: web.Request, body: bytes) -> tuple[bytes, dict[str, s
     """The JSON body, gzip'ed when large and the client accepts it."""
     headers = {"Content-Type": "application/json"}
     if len(body) >= GZIP_MIN_BYTES and _accepts_gzip(request):
-        level = 0 if _is_loopback(request.remote) else 1
+        level = 0 if is_loopback(request.remote) else 1
         if len(body) >= THREAD_MIN_BYTES and level > 0:
             body = await asyncio.to_thread(_gzip, body, level)
         else:
             body = _gzip(body, level)
         headers["Content-Encoding"] = "gzip"
     return body, headers
-
-
-def _is_loopback(host: str | None) -> bool:
-    try:
-        return host is not None and ipaddress.ip_address(host.split("%")[0]).is_loopback
-    except ValueError:
-        return False
 
 
 def _gzip(body: bytes, level: int = 1) -> bytes:
