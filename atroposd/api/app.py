@@ -28,7 +28,7 @@ def run(settings: ApiSettings) -> int:
 
 async def serve(settings: ApiSettings, *, ready: asyncio.Event | None = None,
                 stop: asyncio.Event | None = None) -> int:
-    spool = Spool(settings.spool_dir) if settings.spool_dir else None
+    spool = Spool(settings.spool_dir, fsync=settings.spool_fsync) if settings.spool_dir else None
     store = TrajectoryStore(settings.max_queued_sequences, spool=spool)
     if spool is not None:
         try:
@@ -41,8 +41,10 @@ async def serve(settings: ApiSettings, *, ready: asyncio.Event | None = None,
     if helper is not None and not await helper.try_start():
         helper = None
     server = ApiServer(store, settings, helper)
+    # handler_cancellation: a client that goes away ends its handler, so a submission waiting for
+    # room gives its place back at once.
     runner = web.AppRunner(server.app(), auto_decompress=False, access_log=None, handle_signals=False,
-                           shutdown_timeout=SHUTDOWN_GRACE_S)
+                           shutdown_timeout=SHUTDOWN_GRACE_S, handler_cancellation=True)
     await runner.setup()
     try:
         site = web.TCPSite(runner, settings.host, settings.port)
