@@ -404,7 +404,7 @@ def test_only_one_peer_lookup_runs_at_a_time() -> None:
         server = ApiServer(TrajectoryStore(64), _settings())
         try:
             class Req:
-                class transport:  # noqa: N801
+                class transport:
                     @staticmethod
                     def get_extra_info(name: str) -> Any:
                         return ("127.0.0.1", 1)
