@@ -29,7 +29,7 @@ def run(settings: ApiSettings) -> int:
 async def serve(settings: ApiSettings, *, ready: asyncio.Event | None = None,
                 stop: asyncio.Event | None = None) -> int:
     spool = Spool(settings.spool_dir, fsync=settings.spool_fsync) if settings.spool_dir else None
-    store = TrajectoryStore(settings.max_queued_sequences, spool=spool)
+    store = TrajectoryStore(settings.max_queued_sequences, spool=spool, capacity_bytes=settings.queue_bytes())
     if spool is not None:
         try:
             store.restore(spool.open())

@@ -36,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-file", metavar="F", help="read the bearer token from this file "
                                                           "(default: [api] token_file)")
     parser.add_argument("--body-timeout", type=float, metavar="S", help=argparse.SUPPRESS)
+    parser.add_argument("--max-queued-bytes", type=int, metavar="B", help=argparse.SUPPRESS)
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
 
 
@@ -63,7 +64,7 @@ def settings_from(args: argparse.Namespace) -> tuple[Any, str, str]:
     for flag, attr in (("host", "host"), ("port", "port"), ("max_queued_sequences", "max_queued_sequences"),
                        ("full_wait", "full_wait"), ("spool_dir", "spool_dir"),
                        ("max_request_bytes", "max_request_bytes"), ("token", "token"),
-                       ("body_timeout", "body_timeout")):
+                       ("body_timeout", "body_timeout"), ("max_queued_bytes", "max_queued_bytes")):
         value = getattr(args, flag, None)
         if value is not None:
             setattr(s, attr, value)

@@ -37,6 +37,7 @@ from atroposd.api.schema import (
     Ragged,
     assemble_group,
     check_passthrough,
+    encode_passthrough,
     narrow_rows,
     text_depth,
 )
@@ -149,7 +150,7 @@ def _extract(item: Any) -> dict[str, Any] | None:
             env_id = value
         elif key in PASSTHROUGH and value is not None:
             check_passthrough(key, value)
-            extras[key] = orjson.dumps(value)
+            extras[key] = encode_passthrough(key, value)
     if any(rows.get(k) is None for k in INT_ROWS) or scores is None:
         return None  # a required field is missing: the full path says which
     return {"tokens": rows["tokens"], "masks": rows["masks"], "scores": scores, "env_id": env_id,

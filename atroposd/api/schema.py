@@ -231,8 +231,11 @@ class Group:
 def _optional_int(value: Any, name: str) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value != int(value):
         raise InvalidRequest(f"{name} must be an integer or null")
+    if not _I64.min <= int(value) <= _I64.max:
+        raise InvalidRequest(f"{name}: integer out of range")
     return int(value)
 
 
@@ -259,7 +262,7 @@ def _build_group(obj: Mapping[str, Any], max_token_len: int | None) -> Group:
         if value is None:
             continue
         check_passthrough(k, value)
-        extras[k] = orjson.dumps(value)
+        extras[k] = encode_passthrough(k, value)
     return assemble_group(tokens, masks, obj["scores"], floats, extras, obj.get("env_id"),
                           max_token_len=max_token_len)
 
@@ -330,6 +333,15 @@ def check_passthrough(name: str, value: Any) -> None:
         raise InvalidRequest(f"{name} nests deeper than {MAX_PASSTHROUGH_DEPTH} levels", 422, "too_deep")
     if name == "messages":
         check_messages(value)
+
+
+def encode_passthrough(name: str, value: Any) -> bytes:
+    """A decoded passthrough field as JSON text; 422 for what orjson cannot write (integers
+    beyond 64 bits)."""
+    try:
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError as exc:
+        raise InvalidRequest(f"{name}: {exc}") from None
 
 
 def check_messages(value: Any) -> None:
@@ -417,6 +429,8 @@ def _field(obj: Mapping[str, Any], name: str, kind: type, *, optional: bool = Fa
     if kind is int:
         if not math.isfinite(v) or v != int(v):
             raise InvalidRequest(f"{name} must be an integer")
+        if not _I64.min <= int(v) <= _I64.max:
+            raise InvalidRequest(f"{name}: integer out of range")
         return int(v)
     if not math.isfinite(v):
         raise InvalidRequest(f"{name} must be a finite number")

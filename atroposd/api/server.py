@@ -31,7 +31,7 @@ from aiohttp import web
 from atroposd import pids
 from atroposd.api.bodies import groups_from_body, gunzip, parse_json
 from atroposd.api.ingest import ParseHelper
-from atroposd.api.queue import QueueFull, TrajectoryStore
+from atroposd.api.queue import BYTES_PER_SEQUENCE, QueueFull, TrajectoryStore
 from atroposd.api.schema import (
     EnvRegistration,
     Group,
@@ -78,6 +78,14 @@ class ApiSettings:
     spool_dir: str | None  # None: nothing survives a restart
     spool_fsync: bool = False
     body_timeout: float = BODY_TIMEOUT_S
+    max_queued_bytes: int | None = None  # None: the default of queue_bytes()
+
+    def queue_bytes(self) -> int:
+        """The byte budget of groups held: ``max_queued_bytes``, else 64 KiB per sequence of the
+        cap, and never less than two bodies of ``max_request_bytes`` (any acceptable body fits)."""
+        if self.max_queued_bytes is not None:
+            return self.max_queued_bytes
+        return max(self.max_queued_sequences * BYTES_PER_SEQUENCE, 2 * self.max_request_bytes)
 
     @classmethod
     def from_config(cls, api: ApiConfig, spool_dir: str | None) -> ApiSettings:

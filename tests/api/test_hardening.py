@@ -42,7 +42,7 @@ def _nested(depth: int) -> Any:
     return v
 
 
-def _on_both_paths(body: Any) -> tuple[str, str]:
+def _on_both_paths(body: Any, *, may_decline: bool = False) -> tuple[str, str]:
     """(fast path outcome, full path outcome) for one /scored_data body: 'accepted' or the status."""
     raw = json.dumps(body).encode()  # orjson writes at most 254 levels
     out = []
@@ -50,6 +50,9 @@ def _on_both_paths(body: Any) -> tuple[str, str]:
         try:
             if fast:
                 got = parse_groups(raw, listed=False, max_token_len=None)
+                if got is None and may_decline:  # not its shape: the full path decides alone
+                    out.append("declined")
+                    continue
                 assert got is not None, "the body should be in the fast path's plain shape"
             else:
                 group_from_json(json.loads(raw))
@@ -70,6 +73,14 @@ def test_passthrough_depth_is_bounded_on_both_parse_paths() -> None:
     # brackets inside strings do not count; an escaped quote takes the decoding path
     text = group(2, generation_params={"s": "[" * 500 + '\\"' + "{" * 100})
     assert _on_both_paths(text) == ("accepted", "accepted")
+
+
+def test_integers_beyond_64_bits_are_refused_on_both_paths() -> None:
+    """Found by the fuzz suite: an env_id or a passthrough integer beyond 64 bits was accepted
+    and then failed to encode (500)."""
+    for body in (group(2, env_id=2 ** 64), group(2, env_id=-(2 ** 63) - 1), group(2, generation_params=2 ** 64)):
+        fast, full = _on_both_paths(body, may_decline=True)
+        assert fast in ("declined", "422") and full == "422", body
 
 
 def test_empty_group_is_refused_on_both_paths() -> None:
@@ -146,7 +157,7 @@ def _started_store(capacity: int = 64) -> TrajectoryStore:
 BAD_REGISTRATIONS = [
     {"min_batch_allocation": 1e308}, {"min_batch_allocation": -0.1}, {"min_batch_allocation": 1.5},
     {"weight": -1.0}, {"weight": 1e400}, {"group_size": 0}, {"group_size": 65}, {"group_size": 10 ** 12},
-    {"max_token_length": 0}, {"desired_name": "n" * 257},
+    {"max_token_length": 0}, {"desired_name": "n" * 257}, {"max_token_length": 2 ** 64},
 ]
 
 
