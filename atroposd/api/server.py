@@ -205,6 +205,10 @@ class ApiServer:
                 self.metrics.rejected.labels("misdirected").inc()
                 return _json_plain({"detail": "Host header names another host; this API answers only to "
                                               "localhost, loopback addresses and this machine's names"}, status=421)
+            if _from_a_web_page(request):
+                # A page's GET (an image, a link) passes the Host check: its Host is ours.
+                self.metrics.rejected.labels("cross_site").inc()
+                return _json_plain({"detail": "requests from a web page of another site are refused"}, status=403)
             token = self.settings.token
             if token and not _token_ok(request.headers.get("Authorization", ""), token):
                 self.metrics.rejected.labels("unauthorized").inc()
@@ -525,6 +529,19 @@ def _token_ok(header: str, token: str) -> bool:
 def _is_json(mimetype: str) -> bool:
     mimetype = mimetype.lower()
     return mimetype == "application/json" or (mimetype.startswith("application/") and mimetype.endswith("+json"))
+
+
+def _from_a_web_page(request: web.Request) -> bool:
+    """A browser marks what a page makes it fetch (Fetch Metadata; Origin on cross-site
+    requests); no API client sends these headers."""
+    site = request.headers.get("Sec-Fetch-Site")
+    if site is not None and site.lower() not in ("same-origin", "none"):
+        return True
+    origin = request.headers.get("Origin")
+    if origin is None or origin == "null":
+        return origin == "null"
+    host = origin.split("://", 1)[-1].split("/", 1)[0]
+    return host.lower() != (request.headers.get("Host") or "").lower()
 
 
 def _own_host_names() -> frozenset[str]:

@@ -267,6 +267,20 @@ def test_host_header_is_checked_on_a_loopback_bind(atroposd_server: Server) -> N
     assert _status(_raw_request(port, head)) == 200
 
 
+def test_requests_a_web_page_makes_are_refused(atroposd_server: Server) -> None:
+    """A page's image or link to /reset_data carries our own Host: the browser's Fetch Metadata
+    and Origin headers tell it apart from an API client."""
+    port = atroposd_server.port
+    for extra in ("Sec-Fetch-Site: cross-site", "Sec-Fetch-Site: same-site", "Origin: http://evil.example",
+                  "Origin: null"):
+        head = (f"GET /reset_data HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{extra}\r\n"
+                "Connection: close\r\n\r\n").encode()
+        assert _status(_raw_request(port, head)) == 403, extra
+    for extra in ("Sec-Fetch-Site: same-origin", "Sec-Fetch-Site: none", f"Origin: http://127.0.0.1:{port}"):
+        head = (f"GET /info HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{extra}\r\nConnection: close\r\n\r\n").encode()
+        assert _status(_raw_request(port, head)) == 200, extra
+
+
 def test_status_env_takes_env_id_from_the_query(atroposd_server: Server) -> None:
     api = Api(atroposd_server.url)
     api.get("/reset_data")
