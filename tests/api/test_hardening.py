@@ -32,7 +32,7 @@ from atroposd.api.schema import (
 from atroposd.api.server import ApiServer, ApiSettings
 from atroposd.config import ApiConfig
 from tests.api.conftest import Api, Server, group, start_atroposd
-from tests.support import free_port, stop_process, wait_for
+from tests.support import atroposd, free_port, stop_process, wait_for, write_config
 
 
 def _nested(depth: int) -> Any:
@@ -352,6 +352,24 @@ def test_token_from_a_file_or_the_environment(tmp_path: Path) -> None:
             assert token not in " ".join(server.proc.args)
         finally:
             stop_process(server.proc)
+
+
+def test_token_file_from_the_config(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("cfg-token\n")
+    port = free_port()
+    cfg = write_config(tmp_path / "atroposd.toml", {
+        "daemon": {"state_dir": str(tmp_path / "state"), "runtime_dir": str(tmp_path / "run")},
+        "api": {"port": port, "token_file": str(token_file), "spool": False}, "env": []})
+    server = start_atroposd(tmp_path, "-c", str(cfg), port=port)
+    try:
+        assert Api(server.url).get("/info").status == 401
+        assert Api(server.url, "cfg-token").get("/info").status == 200
+    finally:
+        stop_process(server.proc)
+    token_file.write_text("")
+    out = atroposd("api", "-c", str(cfg))
+    assert out.returncode == 2 and "token file" in out.stderr
 
 
 def test_spool_fsync_reaches_the_settings() -> None:
