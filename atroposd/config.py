@@ -111,11 +111,15 @@ class ApiConfig:
     host: str = _k("127.0.0.1", "Address the API binds.")
     port: int = _k(8000, "Port the API binds.", min=1, max=65535)
     token: str = _k("", "Optional bearer token; binding a non-loopback host without one warns.")
+    token_file: str = _k("", "Optional file holding the bearer token (read at start; not visible in ps).\n"
+                         "The ATROPOSD_API_TOKEN environment variable is read when neither is set.")
     max_queued_sequences: int = _k(8192, "Hard cap on sequences held (queue + buffers + formed batches).", min=1)
     max_request_bytes: int = _k(67108864, "Per request, after gzip decompression.", min=1024)
     full_wait: float = _k(30.0, "Seconds a submission may wait for room when the queue is full, then 503.", min=0)
     spool: bool = _k(True, "Accepted groups and registrations survive an API restart.")
     spool_dir: str = _k("", "Default: {state_dir}/spool/api-{port}.")
+    spool_fsync: bool = _k(False, "fsync every spool write (power-loss safe, slower); segment files are\n"
+                           "created and deleted with a directory sync.")
     command: list[str] = _k([], "Optional: run another wire-compatible API instead, e.g.\n"
                             '["run-api", "--host", "127.0.0.1", "--port", "{port}"]',
                             schema={"items": {"type": "string", "pattern": _placeholder_pattern((*PLACEHOLDERS,

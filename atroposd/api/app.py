@@ -13,6 +13,7 @@ from atroposd.api.queue import TrajectoryStore
 from atroposd.api.server import ApiServer, ApiSettings
 from atroposd.api.spool import Spool, SpoolError
 from atroposd.logs import get_logger
+from atroposd.net import is_loopback
 
 __all__ = ["run", "serve"]
 
@@ -27,8 +28,8 @@ def run(settings: ApiSettings) -> int:
 
 async def serve(settings: ApiSettings, *, ready: asyncio.Event | None = None,
                 stop: asyncio.Event | None = None) -> int:
-    spool = Spool(settings.spool_dir) if settings.spool_dir else None
-    store = TrajectoryStore(settings.max_queued_sequences, spool=spool)
+    spool = Spool(settings.spool_dir, fsync=settings.spool_fsync) if settings.spool_dir else None
+    store = TrajectoryStore(settings.max_queued_sequences, spool=spool, capacity_bytes=settings.queue_bytes())
     if spool is not None:
         try:
             store.restore(spool.open())
@@ -40,8 +41,10 @@ async def serve(settings: ApiSettings, *, ready: asyncio.Event | None = None,
     if helper is not None and not await helper.try_start():
         helper = None
     server = ApiServer(store, settings, helper)
+    # handler_cancellation: a client that goes away ends its handler, so a submission waiting for
+    # room gives its place back at once.
     runner = web.AppRunner(server.app(), auto_decompress=False, access_log=None, handle_signals=False,
-                           shutdown_timeout=SHUTDOWN_GRACE_S)
+                           shutdown_timeout=SHUTDOWN_GRACE_S, handler_cancellation=True)
     await runner.setup()
     try:
         site = web.TCPSite(runner, settings.host, settings.port)
@@ -51,8 +54,6 @@ async def serve(settings: ApiSettings, *, ready: asyncio.Event | None = None,
             reason = "port already in use" if exc.errno == errno.EADDRINUSE else str(exc)
             log.error("cannot bind the API", host=settings.host, port=settings.port, error=reason)
             return 1
-        from atroposd.api.cli import is_loopback
-
         if not is_loopback(settings.host) and not settings.token:
             log.warning("binding a non-loopback address without a token: anyone who can reach it can post "
                         "and drain data", host=settings.host)

@@ -28,21 +28,21 @@ def find_groups_summing_to_target(sizes: Sequence[int], target: int) -> list[int
             total += size
             if total == target:
                 return fifo
-    n = len(sizes)
-    # reach[i][j]: sum j can be made from the first i groups.
-    reach = [[False] * (target + 1) for _ in range(n + 1)]
-    reach[0][0] = True
-    for i in range(1, n + 1):
-        size, prev, row = sizes[i - 1], reach[i - 1], reach[i]
-        for j in range(target + 1):
-            row[j] = prev[j] or (j >= size and prev[j - size])
-    if not reach[n][target]:
+    # reach[i]: bit j set when sum j can be made from the first i groups. A bitset per row: the
+    # search costs n × target / 64 word operations and n × target bits, not Python lists of cells.
+    mask = (1 << (target + 1)) - 1
+    reach = [1]
+    for size in sizes:
+        prev = reach[-1]
+        reach.append(prev | ((prev << size) & mask) if 0 < size <= target else prev)
+    if not reach[-1] >> target & 1:
         return []
     picked, j = [], target
-    for i in range(n, 0, -1):
-        if j >= sizes[i - 1] and reach[i - 1][j - sizes[i - 1]]:
+    for i in range(len(sizes), 0, -1):
+        size = sizes[i - 1]
+        if 0 < size <= j and reach[i - 1] >> (j - size) & 1:
             picked.append(i - 1)
-            j -= sizes[i - 1]
+            j -= size
     return sorted(picked)
 
 

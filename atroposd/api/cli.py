@@ -8,13 +8,14 @@ unless ``--spool-dir`` is given. Flags override either.
 from __future__ import annotations
 
 import argparse
-import ipaddress
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from atroposd.exitcodes import Exit
 
-LOOPBACK_NAMES = ("localhost",)
+TOKEN_ENV = "ATROPOSD_API_TOKEN"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,17 +31,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-spool", action="store_true", help="keep nothing across restarts")
     parser.add_argument("--max-request-bytes", type=int, metavar="B",
                         help="largest request body, after gzip decompression")
-    parser.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (default: [api] token)")
+    parser.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (default: [api] token); visible "
+                                        "in ps: prefer --token-file or ATROPOSD_API_TOKEN")
+    parser.add_argument("--token-file", metavar="F", help="read the bearer token from this file "
+                                                          "(default: [api] token_file)")
+    parser.add_argument("--body-timeout", type=float, metavar="S", help=argparse.SUPPRESS)
+    parser.add_argument("--max-queued-bytes", type=int, metavar="B", help=argparse.SUPPRESS)
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
 
 
 # Flags that set an [api] key: (argparse attribute, key); checked by the key's schema rules.
 _FLAGS = {"host": "host", "port": "port", "max_queued_sequences": "max_queued_sequences", "full_wait": "full_wait",
-          "max_request_bytes": "max_request_bytes", "token": "token"}
+          "max_request_bytes": "max_request_bytes", "token": "token", "token_file": "token_file"}
 
 
 def settings_from(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
-    """(ApiSettings, log level, log format, problems with the flags) from -c and the flags."""
+    """(ApiSettings, log level, log format, problems with the flags) from -c and the flags. The
+    token: ``--token``, else ``--token-file``, else ``[api] token``, else ``[api] token_file``,
+    else ``$ATROPOSD_API_TOKEN``."""
     from atroposd.api.server import ApiSettings
     from atroposd.clargs import apply_flags
     from atroposd.config import ApiConfig, DaemonConfig
@@ -54,22 +62,42 @@ def settings_from(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
     else:  # standalone: the built-in defaults, and no spool unless --spool-dir (SPEC §2)
         api, spool = ApiConfig(), None
         level, fmt = DaemonConfig().log_level, DaemonConfig().log_format
+    if getattr(args, "token", None) is None and getattr(args, "token_file", None) is not None:
+        api.token = ""  # --token-file overrides a token from the file
     problems = apply_flags(api, "api", args, _FLAGS)
     s = ApiSettings.from_config(api, spool)
-    if getattr(args, "spool_dir", None) is not None:
-        s.spool_dir = args.spool_dir
+    for flag in ("spool_dir", "body_timeout", "max_queued_bytes"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            setattr(s, flag, value)
     if getattr(args, "no_spool", False):
         s.spool_dir = None
+    if not s.token:
+        s.token = _read_token(api.token_file) if api.token_file else os.environ.get(TOKEN_ENV, "").strip()
+    problems += _check(s)
     return s, args.log_level or level, fmt, problems
 
 
-def is_loopback(host: str) -> bool:
-    if host in LOOPBACK_NAMES:
-        return True
+def _read_token(path: str) -> str:
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+        token = Path(path).expanduser().read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeError) as exc:
+        print(f"atroposd api: cannot read the token file {path}: {exc}", file=sys.stderr)
+        raise SystemExit(Exit.USAGE) from None
+    if not token:
+        print(f"atroposd api: the token file {path} is empty", file=sys.stderr)
+        raise SystemExit(Exit.USAGE)
+    return token
+
+
+def _check(s: Any) -> list[str]:
+    """What the config schema cannot check: the token's characters and the hidden test flags."""
+    problems = []
+    if not s.token.isascii() or any(c.isspace() for c in s.token):
+        problems.append("the token must be printable ASCII without spaces")
+    if s.body_timeout <= 0:
+        problems.append(f"--body-timeout must be > 0, got {s.body_timeout}")
+    return problems
 
 
 def main(args: argparse.Namespace) -> int:
@@ -77,7 +105,7 @@ def main(args: argparse.Namespace) -> int:
     if problems:
         for p in problems:
             print(f"atroposd api: {p}", file=sys.stderr)
-        return Exit.USAGE
+        return int(Exit.USAGE)
     from atroposd.logs import configure_logging
 
     configure_logging(level, fmt, component="api")

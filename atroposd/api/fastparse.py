@@ -30,12 +30,16 @@ import simdjson
 
 from atroposd.api.schema import (
     FLOAT_ROWS,
+    MAX_PASSTHROUGH_DEPTH,
     PASSTHROUGH,
     Group,
     InvalidRequest,
     Ragged,
     assemble_group,
+    check_passthrough,
+    encode_passthrough,
     narrow_rows,
+    text_depth,
 )
 
 __all__ = ["parse_groups"]
@@ -135,6 +139,7 @@ def _extract(item: Any) -> dict[str, Any] | None:
             if key == "scores":
                 scores = value.as_list() if isinstance(value, simdjson.Array) else value.as_dict()
             elif key in PASSTHROUGH:
+                _check_kept(key, mini)
                 extras[key] = mini
             continue
         if isinstance(value, str):
@@ -144,11 +149,26 @@ def _extract(item: Any) -> dict[str, Any] | None:
         elif key == "env_id":
             env_id = value
         elif key in PASSTHROUGH and value is not None:
-            extras[key] = orjson.dumps(value)
+            check_passthrough(key, value)
+            extras[key] = encode_passthrough(key, value)
     if any(rows.get(k) is None for k in INT_ROWS) or scores is None:
         return None  # a required field is missing: the full path says which
     return {"tokens": rows["tokens"], "masks": rows["masks"], "scores": scores, "env_id": env_id,
             "floats": {k: rows.get(k) for k in FLOAT_ROWS}, "extras": extras, "_brackets": brackets}
+
+
+def _check_kept(key: str, mini: bytes) -> None:
+    """The passthrough checks of the full path, on the field's compact text: its depth from the
+    brackets (decoded only when the text has escapes), and the shape of ``messages``."""
+    depth = text_depth(mini)
+    if depth is None or key == "messages":
+        try:
+            value = orjson.loads(mini)
+        except orjson.JSONDecodeError:  # deeper than orjson reads
+            raise InvalidRequest(f"{key} nests deeper than {MAX_PASSTHROUGH_DEPTH} levels", 422, "too_deep") from None
+        check_passthrough(key, value)
+    elif depth > MAX_PASSTHROUGH_DEPTH:
+        raise InvalidRequest(f"{key} nests deeper than {MAX_PASSTHROUGH_DEPTH} levels", 422, "too_deep")
 
 
 def _rows(value: Any, name: str, *, integer: bool) -> Ragged | None:

@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 from atroposd import pids
 from atroposd.api.batching import find_groups_summing_to_target, grab_exact, grab_with_minimums
-from atroposd.api.schema import EnvRegistration, Group, InvalidRequest, TrainerRegistration
+from atroposd.api.schema import (
+    MAX_ENVS,
+    EnvRegistration,
+    Group,
+    InvalidRequest,
+    TrainerRegistration,
+)
 from atroposd.logs import get_logger
 
 if TYPE_CHECKING:
@@ -32,6 +38,8 @@ if TYPE_CHECKING:
 __all__ = ["QueueFull", "TrajectoryStore"]
 
 MIN_ENV_WEIGHT = 0.01  # upstream: an environment's weight never drops below this share
+BYTES_PER_SEQUENCE = 64 << 10  # default byte budget per sequence of the cap (4096 tokens with logprobs)
+MAX_WAITING = 256  # submissions waiting for room; beyond it a 503 at once
 
 
 log = get_logger("api.queue")
@@ -40,14 +48,21 @@ log = get_logger("api.queue")
 class QueueFull(Exception):
     """No room for a submission within its wait; ``too_large`` when it can never fit."""
 
-    def __init__(self, message: str, *, too_large: bool = False) -> None:
+    def __init__(self, message: str, *, too_large: bool = False, reason: str = "full") -> None:
         super().__init__(message)
         self.too_large = too_large
+        self.reason = reason
 
 
 class TrajectoryStore:
-    def __init__(self, capacity: int, *, spool: Spool | None = None) -> None:
+    def __init__(self, capacity: int, *, spool: Spool | None = None, capacity_bytes: int | None = None,
+                 max_waiting: int = MAX_WAITING) -> None:
         self.capacity = capacity
+        # Groups are held in their compact form; passthrough fields (messages, ...) count too.
+        self.capacity_bytes = capacity_bytes if capacity_bytes is not None else capacity * BYTES_PER_SEQUENCE
+        self.max_waiting = max_waiting
+        self.held_bytes = 0
+        self._reserved_bytes = 0
         self.spool = spool
         self.registration: TrainerRegistration | None = None
         self.requesters = 0
@@ -61,7 +76,7 @@ class TrajectoryStore:
         self.latest: Group | None = None
         self.held = 0  # sequences in queue + buffers + formed
         self._reserved = 0
-        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self._waiters: deque[tuple[int, int, asyncio.Future[None]]] = deque()
         self._next_seq = 0
         self._next_qpos = 0
         self.epoch = 0  # bumped by reset: a batch taken before a reset is neither acked nor put back
@@ -73,12 +88,15 @@ class TrajectoryStore:
         self.registration = state.registration
         self.started = state.started
         self.step = self.served_step = state.step
-        self.envs = state.envs
+        self.envs = [e for e in state.envs]
+        for e in self.envs:
+            e.group_size = min(e.group_size, self.capacity)
         self.queue = state.queue
         self.buffers = state.buffers
         self._next_seq = state.next_seq
         self._next_qpos = state.next_qpos
         self.held = sum(g.n for g in self.queue) + sum(g.n for b in self.buffers.values() for g in b)
+        self.held_bytes = sum(g.nbytes for g in self.queue) + sum(g.nbytes for b in self.buffers.values() for g in b)
         self.latest = self.queue[-1] if self.queue else None
         self._disconnect_gone_envs()
 
@@ -92,8 +110,7 @@ class TrajectoryStore:
             e.connected = False
             log.info("environment from before the restart is gone; marked disconnected", env_id=e.registered_id,
                      name=e.real_name, peer_pid=e.peer_pid)
-        if gone:
-            self._save_state()
+            self._save_env(e)
 
     # ------------------------------------------------------------------ registrations
 
@@ -116,6 +133,12 @@ class TrajectoryStore:
         """``POST /register-env``; ``peer`` = (pid, start time) of the registering process."""
         if not self.started or self.registration is None:
             return {"status": "wait for trainer to start"}
+        if req["group_size"] > self.capacity:
+            raise InvalidRequest(f"group_size {req['group_size']} can never fit: max_queued_sequences is "
+                                 f"{self.capacity}", 422, "invalid_registration")
+        if len(self.envs) >= MAX_ENVS:
+            raise InvalidRequest(f"at most {MAX_ENVS} environments may register (reset_data starts again)", 422,
+                                 "too_many_envs")
         name = req["desired_name"]
         real_name = f"{name}_{sum(1 for e in self.envs if e.desired_name == name)}"
         env = EnvRegistration(max_context_len=req["max_token_length"], weight=req["weight"], desired_name=name,
@@ -123,7 +146,7 @@ class TrajectoryStore:
                               min_batch_allocation=req["min_batch_allocation"], last_update=time.time(),
                               peer_pid=peer[0] if peer else None, peer_start=peer[1] if peer else None)
         self.envs.append(env)
-        self._save_state(rollback=lambda: self.envs.pop())
+        self._save_env(env, rollback=lambda: self.envs.pop())
         reg = self.registration
         return {"status": "success", "env_id": env.registered_id, "wandb_name": real_name,
                 "checkpoint_dir": reg.checkpoint_dir, "starting_step": self.step,
@@ -137,7 +160,7 @@ class TrajectoryStore:
         if not 0 <= env_id < len(self.envs):
             return {"status": "failure", "error": "list index out of range"}
         self.envs[env_id].connected = False
-        self._save_state()
+        self._save_env(self.envs[env_id])
         return {"status": "success"}
 
     def reset(self) -> None:
@@ -149,7 +172,7 @@ class TrajectoryStore:
         self.envs = []
         self.queue, self.buffers, self.formed = [], {}, []
         self.latest = None
-        self.held = 0
+        self.held = self.held_bytes = 0
         self.epoch += 1
         if self.spool is not None:
             self.spool.reset(self.snapshot())
@@ -171,19 +194,39 @@ class TrajectoryStore:
                 rollback()
             raise
 
+    def _save_env(self, env: EnvRegistration, rollback: Callable[[], Any] | None = None) -> None:
+        """One registration's change: one spool record, not all of them again."""
+        if self.spool is None:
+            return
+        try:
+            self.spool.write_env(env.registered_id, env.to_json())
+        except OSError:
+            if rollback is not None:
+                rollback()
+            raise
+
     # ------------------------------------------------------------------ room
 
-    async def reserve(self, n: int, timeout: float) -> None:
-        """Wait (FIFO) until ``n`` more sequences fit, for at most ``timeout`` s; QueueFull if not.
-        The caller must ``submit`` (or ``release``) exactly ``n`` without awaiting in between."""
+    async def reserve(self, n: int, timeout: float, nbytes: int = 0) -> None:
+        """Wait (FIFO) until ``n`` more sequences (and ``nbytes`` more bytes) fit, for at most
+        ``timeout`` s; QueueFull if not. The caller must ``submit`` (or ``release``) exactly that
+        without awaiting in between. A caller cancelled while waiting (its client went away)
+        keeps nothing."""
         if n > self.capacity:
             raise QueueFull(f"{n} sequences can never fit: max_queued_sequences is {self.capacity}",
                             too_large=True)
-        if not self._waiters and self.held + self._reserved + n <= self.capacity:
+        if nbytes > self.capacity_bytes:
+            raise QueueFull(f"{nbytes} bytes of groups can never fit: the byte budget is {self.capacity_bytes}",
+                            too_large=True)
+        if not self._waiters and self._fits(n, nbytes):
             self._reserved += n
+            self._reserved_bytes += nbytes
             return
+        if len(self._waiters) >= self.max_waiting:
+            raise QueueFull(f"the queue is full ({self.held} of {self.capacity} sequences held) and "
+                            f"{len(self._waiters)} submissions already wait for room", reason="waiting")
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (n, fut)
+        entry = (n, nbytes, fut)
         self._waiters.append(entry)
         try:
             await asyncio.wait_for(asyncio.shield(fut), timeout)
@@ -197,26 +240,33 @@ class TrajectoryStore:
         except BaseException:
             if fut.done():
                 self._reserved -= n
+                self._reserved_bytes -= nbytes
             else:
                 self._waiters.remove(entry)
             self._wake()
             raise
 
-    def release(self, n: int) -> None:
+    def _fits(self, n: int, nbytes: int) -> bool:
+        return (self.held + self._reserved + n <= self.capacity
+                and self.held_bytes + self._reserved_bytes + nbytes <= self.capacity_bytes)
+
+    def release(self, n: int, nbytes: int = 0) -> None:
         """Give back a reservation that was not used."""
         self._reserved -= n
+        self._reserved_bytes -= nbytes
         self._wake()
 
     def _wake(self) -> None:
         while self._waiters:
-            n, fut = self._waiters[0]
+            n, nbytes, fut = self._waiters[0]
             if fut.done():  # cancelled waiter
                 self._waiters.popleft()
                 continue
-            if self.held + self._reserved + n > self.capacity:
+            if not self._fits(n, nbytes):
                 return
             self._waiters.popleft()
             self._reserved += n
+            self._reserved_bytes += nbytes
             fut.set_result(None)
 
     @property
@@ -229,6 +279,7 @@ class TrajectoryStore:
         """Accept reserved, validated groups; one upstream answer per group. Raises OSError
         (nothing accepted) when the spool cannot keep them."""
         n_total = sum(g.n for g in groups)
+        b_total = sum(g.nbytes for g in groups)
         for g in groups:
             g.seq, self._next_seq = self._next_seq, self._next_seq + 1
             g.qpos = -1
@@ -236,10 +287,12 @@ class TrajectoryStore:
             try:
                 self.spool.write_groups(groups)
             except OSError:
-                self.release(n_total)
+                self.release(n_total, b_total)
                 raise
         self._reserved -= n_total
+        self._reserved_bytes -= b_total
         self.held += n_total
+        self.held_bytes += b_total
         entered: list[Group] = []
         answers = [self._place(g, entered) for g in groups]
         if entered and self.spool is not None:
@@ -312,6 +365,7 @@ class TrajectoryStore:
         if self.spool is not None:
             self.spool.write_ack(batch, self.served_step)
         self.held -= sum(g.n for g in batch)
+        self.held_bytes -= sum(g.nbytes for g in batch)
         self._wake()
 
     def undeliver(self, batch: list[Group], epoch: int) -> None:
@@ -325,7 +379,8 @@ class TrajectoryStore:
         return {"current_step": self.step, "queue_size": len(self.queue), "queued_sequences": self.held,
                 "capacity": self.capacity, "registered": self.registration is not None, "started": self.started,
                 "buffered_sequences": sum(g.n for b in self.buffers.values() for g in b),
-                "formed_batches": len(self.formed), "waiting_submissions": len(self._waiters)}
+                "formed_batches": len(self.formed), "waiting_submissions": len(self._waiters),
+                "queued_bytes": self.held_bytes, "capacity_bytes": self.capacity_bytes}
 
     def status_env(self, env_id: int) -> dict[str, Any]:
         """``GET /status-env``, computed as upstream; an unknown env_id is a 404 (upstream: 500)

@@ -29,10 +29,13 @@ __all__ = [
     "Ragged",
     "TrainerRegistration",
     "assemble_group",
+    "check_passthrough",
     "dumps",
     "group_from_json",
     "group_to_json",
     "narrow_rows",
+    "text_depth",
+    "value_depth",
 ]
 
 _I32 = np.iinfo(np.int32)
@@ -48,6 +51,13 @@ OUTPUT_ORDER = ("tokens", "masks", "scores", "advantages", "ref_logprobs", "mess
 FLOAT_ROWS = ("inference_logprobs", "advantages", "ref_logprobs")
 PASSTHROUGH = ("messages", "generation_params", "overrides", "group_overrides", "images", "distill_token_ids",
                "distill_logprobs")
+# How deep a passthrough field may nest below its own level (SPEC §13). Kept bytes are written
+# back verbatim, never re-encoded, but a client's JSON encoder or orjson (254 levels) must
+# still be able to read what a batch serves.
+MAX_PASSTHROUGH_DEPTH = 64
+# Registration bounds (SPEC §13).
+MAX_ENVS = 1024
+MAX_NAME_CHARS = 256
 
 
 class InvalidRequest(ValueError):
@@ -221,8 +231,11 @@ class Group:
 def _optional_int(value: Any, name: str) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value != int(value):
         raise InvalidRequest(f"{name} must be an integer or null")
+    if not _I64.min <= int(value) <= _I64.max:
+        raise InvalidRequest(f"{name}: integer out of range")
     return int(value)
 
 
@@ -243,7 +256,13 @@ def _build_group(obj: Mapping[str, Any], max_token_len: int | None) -> Group:
     tokens = _int_rows(obj["tokens"], "tokens")
     masks = _int_rows(obj["masks"], "masks")
     floats = {k: _float_rows(obj[k], k) if obj.get(k) is not None else None for k in FLOAT_ROWS}
-    extras = {k: orjson.dumps(obj[k]) for k in PASSTHROUGH if obj.get(k) is not None}
+    extras = {}
+    for k in PASSTHROUGH:
+        value = obj.get(k)
+        if value is None:
+            continue
+        check_passthrough(k, value)
+        extras[k] = encode_passthrough(k, value)
     return assemble_group(tokens, masks, obj["scores"], floats, extras, obj.get("env_id"),
                           max_token_len=max_token_len)
 
@@ -265,6 +284,8 @@ def assemble_group(tokens: Ragged, masks: Ragged, scores: Any, floats: Mapping[s
 def _assemble(tokens: Ragged, masks: Ragged, scores: Any, floats: Mapping[str, Ragged | None],
               extras: dict[str, bytes], env_id: Any, max_token_len: int | None) -> Group:
     n = len(tokens.bounds) - 1
+    if n == 0:
+        raise InvalidRequest("tokens is empty: a group needs at least one sequence", 422, "empty_group")
     lengths = tokens.lengths()
     if masks.bounds != tokens.bounds:
         raise InvalidRequest(_mismatch("masks", masks, lengths), 400, "length_mismatch")
@@ -303,6 +324,69 @@ def _scores(value: Any, n: int) -> np.ndarray:
     if bad.size:
         raise InvalidRequest(f"scores[{int(bad[0])}] is not a finite number", 400, "non_finite_score")
     return scores
+
+
+def check_passthrough(name: str, value: Any) -> None:
+    """The checks a passthrough field gets on every parse path: its nesting depth, and for
+    ``messages`` run-api's own shape (a list of lists of objects with ``role`` and ``content``)."""
+    if value_depth(value, MAX_PASSTHROUGH_DEPTH) > MAX_PASSTHROUGH_DEPTH:
+        raise InvalidRequest(f"{name} nests deeper than {MAX_PASSTHROUGH_DEPTH} levels", 422, "too_deep")
+    if name == "messages":
+        check_messages(value)
+
+
+def encode_passthrough(name: str, value: Any) -> bytes:
+    """A decoded passthrough field as JSON text; 422 for what orjson cannot write (integers
+    beyond 64 bits)."""
+    try:
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError as exc:
+        raise InvalidRequest(f"{name}: {exc}") from None
+
+
+def check_messages(value: Any) -> None:
+    """run-api's ``messages: Optional[List[List[Dict[str, Any]]]]`` and its validator."""
+    if not isinstance(value, list):
+        raise InvalidRequest("messages must be a list of lists of messages")
+    for i, conversation in enumerate(value):
+        if not isinstance(conversation, list):
+            raise InvalidRequest(f"messages[{i}] must be a list of messages")
+        for j, msg in enumerate(conversation):
+            if not isinstance(msg, dict):
+                raise InvalidRequest(f"messages[{i}][{j}] must be an object")
+            if "role" not in msg or "content" not in msg:
+                raise InvalidRequest(f"messages[{i}][{j}]: Message must have 'role' and 'content' fields")
+
+
+def value_depth(value: Any, limit: int) -> int:
+    """Nesting depth of a decoded JSON value (a scalar: 0), counted up to ``limit`` + 1."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            v = list(v.values())
+        elif not isinstance(v, list):
+            continue
+        d += 1
+        if d > deepest:
+            deepest = d
+            if d > limit:
+                return d
+        stack.extend((x, d) for x in v if isinstance(x, (list, dict)))
+    return deepest
+
+
+def text_depth(data: bytes) -> int | None:
+    """Nesting depth of compact JSON text, from its brackets outside strings; None when it holds
+    a backslash (an escaped quote would upset the string mask: decode and use value_depth)."""
+    if b"\\" in data:
+        return None
+    a = np.frombuffer(data, dtype=np.uint8)
+    outside = (np.cumsum(a == 0x22) & 1) == 0  # '"' toggles; the quote itself counts as inside
+    step = (((a == 0x5B) | (a == 0x7B)).astype(np.int32) - ((a == 0x5D) | (a == 0x7D)).astype(np.int32))
+    step *= outside
+    return int(np.cumsum(step).max()) if a.size else 0
 
 
 def group_to_json(g: Group) -> dict[str, Any]:
@@ -345,6 +429,8 @@ def _field(obj: Mapping[str, Any], name: str, kind: type, *, optional: bool = Fa
     if kind is int:
         if not math.isfinite(v) or v != int(v):
             raise InvalidRequest(f"{name} must be an integer")
+        if not _I64.min <= int(v) <= _I64.max:
+            raise InvalidRequest(f"{name}: integer out of range")
         return int(v)
     if not math.isfinite(v):
         raise InvalidRequest(f"{name} must be a finite number")
@@ -407,15 +493,44 @@ class EnvRegistration:
     def parse_request(obj: Any) -> dict[str, Any]:
         """Validate a ``POST /register-env`` body (RegisterEnv)."""
         o = _object(obj, "RegisterEnv")
-        return {"max_token_length": _field(o, "max_token_length", int),
-                "desired_name": _field(o, "desired_name", str),
-                "weight": _field(o, "weight", float),
-                "group_size": _field(o, "group_size", int),
-                "min_batch_allocation": _field(o, "min_batch_allocation", float, optional=True)}
+        req = {"max_token_length": _field(o, "max_token_length", int),
+               "desired_name": _field(o, "desired_name", str),
+               "weight": _field(o, "weight", float),
+               "group_size": _field(o, "group_size", int),
+               "min_batch_allocation": _field(o, "min_batch_allocation", float, optional=True)}
+        if req["max_token_length"] < 1:
+            raise InvalidRequest(f"max_token_length must be at least 1, got {req['max_token_length']}")
+        if len(req["desired_name"]) > MAX_NAME_CHARS:
+            raise InvalidRequest(f"desired_name is longer than {MAX_NAME_CHARS} characters")
+        if req["weight"] < 0:
+            raise InvalidRequest(f"weight must be ≥ 0, got {req['weight']}")
+        if req["group_size"] < 1:
+            raise InvalidRequest(f"group_size must be at least 1, got {req['group_size']}")
+        mba = req["min_batch_allocation"]
+        if mba is not None and not 0.0 <= mba <= 1.0:
+            raise InvalidRequest(f"min_batch_allocation must be between 0 and 1, got {mba}")
+        return req
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}
 
     @classmethod
-    def from_saved(cls, obj: Mapping[str, Any]) -> EnvRegistration:
-        return cls(**{k: obj[k] for k in cls.__slots__ if k in obj})
+    def from_saved(cls, obj: Mapping[str, Any], capacity: int = 1 << 31) -> EnvRegistration:
+        """A registration from the spool, its fields clamped into the bounds a request gets
+        (a spool written before the bounds existed may hold anything)."""
+        env = cls(**{k: obj[k] for k in cls.__slots__ if k in obj})
+        env.max_context_len = max(1, _finite_int(env.max_context_len, 1))
+        w = env.weight
+        env.weight = float(w) if isinstance(w, (int, float)) and math.isfinite(w) and w >= 0 else 0.0
+        env.group_size = min(max(1, _finite_int(env.group_size, 1)), capacity)
+        m = env.min_batch_allocation
+        env.min_batch_allocation = (min(1.0, max(0.0, float(m))) if isinstance(m, (int, float)) and math.isfinite(m)
+                                    else None)
+        env.desired_name = str(env.desired_name)[:MAX_NAME_CHARS]
+        return env
+
+
+def _finite_int(v: Any, default: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return default
+    return int(v)

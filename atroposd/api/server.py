@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
+import os
 import time
 import zlib
 from collections import deque
@@ -31,7 +31,7 @@ from aiohttp import web
 from atroposd import pids
 from atroposd.api.bodies import groups_from_body, gunzip, parse_json
 from atroposd.api.ingest import ParseHelper
-from atroposd.api.queue import QueueFull, TrajectoryStore
+from atroposd.api.queue import BYTES_PER_SEQUENCE, QueueFull, TrajectoryStore
 from atroposd.api.schema import (
     EnvRegistration,
     Group,
@@ -42,6 +42,7 @@ from atroposd.api.schema import (
 )
 from atroposd.config import ApiConfig
 from atroposd.logs import get_logger
+from atroposd.net import is_loopback
 
 __all__ = ["ApiMetrics", "ApiServer", "ApiSettings"]
 
@@ -55,6 +56,10 @@ THREAD_MIN_BYTES = 256 << 10  # compress bigger responses off the event loop
 # bodies this large go to the inflater thread, so that one does not stall the loop.
 GUNZIP_THREAD_MIN_BYTES = 1 << 20
 RETRY_AFTER_S = 1
+BODY_TIMEOUT_S = 30.0  # a request body must arrive within this (a slow client holds a reservation)
+INFLIGHT_BODIES = 4  # bytes of bodies in flight (read, inflated, being parsed): this many max_request_bytes
+PARSE_THREAD_MIN_BYTES = 1 << 20  # the loop hands bodies this large to the inflater thread to parse
+PEER_LOOKUP_BUDGET_S = 0.5  # one peer-pid lookup at a time, for at most this long
 EMPTY_EXAMPLE: dict[str, list[Any]] = {"tokens": [], "masks": [], "scores": [], "advantages": [], "ref_logprobs": [],
                  "generation_params": [], "inference_logprobs": [], "messages": [], "images": []}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -71,11 +76,22 @@ class ApiSettings:
     max_request_bytes: int
     full_wait: float
     spool_dir: str | None  # None: nothing survives a restart
+    spool_fsync: bool = False
+    body_timeout: float = BODY_TIMEOUT_S
+    max_queued_bytes: int | None = None  # None: the default of queue_bytes()
+
+    def queue_bytes(self) -> int:
+        """The byte budget of groups held: ``max_queued_bytes``, else 64 KiB per sequence of the
+        cap, and never less than two bodies of ``max_request_bytes`` (any acceptable body fits)."""
+        if self.max_queued_bytes is not None:
+            return self.max_queued_bytes
+        return max(self.max_queued_sequences * BYTES_PER_SEQUENCE, 2 * self.max_request_bytes)
 
     @classmethod
     def from_config(cls, api: ApiConfig, spool_dir: str | None) -> ApiSettings:
         return cls(host=api.host, port=api.port, token=api.token, max_queued_sequences=api.max_queued_sequences,
-                   max_request_bytes=api.max_request_bytes, full_wait=api.full_wait, spool_dir=spool_dir)
+                   max_request_bytes=api.max_request_bytes, full_wait=api.full_wait, spool_dir=spool_dir,
+                   spool_fsync=api.spool_fsync)
 
 
 class ApiMetrics:
@@ -109,6 +125,14 @@ class ApiMetrics:
         self.rejected = Counter("atroposd_api_rejected", "Requests rejected with a 4xx", ["reason"], registry=r)
         self.batches_served = Counter("atroposd_api_batches_served", "Batches delivered", registry=r)
         self.sequences_served = Counter("atroposd_api_sequences_served", "Sequences delivered", registry=r)
+        Gauge("atroposd_api_queue_bytes", "Bytes of groups held (passthrough fields included)",
+              registry=r).set_function(lambda: store.held_bytes)
+        Gauge("atroposd_api_spool_set_aside", "Spool records or damaged regions set aside at the last start",
+              registry=r).set_function(lambda: store.spool.set_aside if store.spool is not None else 0)
+        Gauge("atroposd_api_spool_ack_failures", "Acknowledgements the spool could not write",
+              registry=r).set_function(lambda: store.spool.ack_failures if store.spool is not None else 0)
+        self.peer_lookups_skipped = Counter("atroposd_api_peer_lookups_skipped", "Registrations whose peer pid "
+                                            "was not looked up (another lookup running)", registry=r)
         self.batch_write_failures = Counter("atroposd_api_batch_write_failures",
                                             "Batches whose response could not be written (served again)", registry=r)
         self.latency = Histogram("atroposd_api_request_seconds", "Request latency", ["route"], registry=r,
@@ -137,6 +161,10 @@ class ApiServer:
         self.registrations: deque[dict[str, Any]] = deque(maxlen=4096)
         # One thread inflates large gzip bodies (more would only fight over the GIL on return).
         self._inflater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="api-inflate")
+        self.inflight_bytes = 0
+        self.max_inflight_bytes = INFLIGHT_BODIES * settings.max_request_bytes
+        self._peer_lookup: asyncio.Lock = asyncio.Lock()
+        self._own_hosts = _own_host_names() if is_loopback(settings.host) else None
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.settings.max_request_bytes,
@@ -172,12 +200,24 @@ class ApiServer:
         layer rather than three: every posted group passes through it."""
         start = time.perf_counter()
         try:
+            if self._own_hosts is not None and not _host_allowed(request.headers.get("Host"), self._own_hosts):
+                # A page in a browser on this host must not reach a loopback API through DNS rebinding.
+                self.metrics.rejected.labels("misdirected").inc()
+                return _json_plain({"detail": "Host header names another host; this API answers only to "
+                                              "localhost, loopback addresses and this machine's names"}, status=421)
+            if _from_a_web_page(request):
+                # A page's GET (an image, a link) passes the Host check: its Host is ours.
+                self.metrics.rejected.labels("cross_site").inc()
+                return _json_plain({"detail": "requests from a web page of another site are refused"}, status=403)
             token = self.settings.token
-            if token and not hmac.compare_digest(request.headers.get("Authorization", "").encode(),
-                                                 f"Bearer {token}".encode()):
+            if token and not _token_ok(request.headers.get("Authorization", ""), token):
                 self.metrics.rejected.labels("unauthorized").inc()
                 return _json_plain({"detail": "missing or wrong bearer token"}, status=401,
                                    headers={"WWW-Authenticate": "Bearer"})
+            if request.method == "POST" and "Content-Type" in request.headers and not _is_json(request.content_type):
+                self.metrics.rejected.labels("media_type").inc()
+                return _json_plain({"detail": f"Content-Type {request.content_type!r} is not JSON: send "
+                                              "application/json"}, status=415)
             return await handler(request)
         except InvalidRequest as exc:
             self.metrics.rejected.labels(exc.reason).inc()
@@ -187,7 +227,7 @@ class ApiServer:
             if exc.too_large:
                 self.metrics.rejected.labels("too_large").inc()
                 return _json_plain({"detail": str(exc)}, status=413)
-            self.metrics.refused.labels("full").inc()
+            self.metrics.refused.labels(exc.reason).inc()
             return _json_plain({"detail": str(exc)}, status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
         finally:
             route = request.match_info.route.resource
@@ -198,17 +238,20 @@ class ApiServer:
     async def _read_raw(self, request: web.Request) -> tuple[bytes, bool]:
         """The request body as sent (at most ``max_request_bytes``) and whether it is gzip."""
         try:
-            raw = await request.read()
+            raw = await asyncio.wait_for(request.read(), self.settings.body_timeout)
         except web.HTTPRequestEntityTooLarge:
             raise InvalidRequest(f"request body larger than max_request_bytes ({self.settings.max_request_bytes})",
                                  413, "too_large") from None
+        except asyncio.TimeoutError:
+            raise InvalidRequest(f"request body not received within {self.settings.body_timeout:g} s", 408,
+                                 "body_timeout") from None
         return raw, bool(raw) and "gzip" in request.headers.get("Content-Encoding", "").lower()
 
     async def _inflate(self, raw: bytes, gz: bool) -> bytes | bytearray:
         """``raw`` decompressed when it is gzip (at most ``max_request_bytes``)."""
         if not gz:
             return raw
-        if len(raw) >= GUNZIP_THREAD_MIN_BYTES:
+        if _inflated_size(raw, gz) >= GUNZIP_THREAD_MIN_BYTES:  # by what it inflates to, not its size
             return await asyncio.get_running_loop().run_in_executor(self._inflater, gunzip, raw,
                                                                     self.settings.max_request_bytes)
         return gunzip(raw, self.settings.max_request_bytes)
@@ -223,13 +266,32 @@ class ApiServer:
     async def _read_groups(self, request: web.Request, *, listed: bool) -> list[Group]:
         """The validated groups of a ``/scored_data`` (one) or ``/scored_data_list`` body: from
         the parse helper when it takes the body (:mod:`atroposd.api.ingest`), else parsed here."""
-        raw, gz = await self._read_raw(request)
-        max_token_len = self.store.max_token_len
-        if self.helper is not None:
-            groups = await self.helper.groups(raw, gz, listed=listed, max_token_len=max_token_len)
-            if groups is not None:
-                return groups
-        return groups_from_body(await self._inflate(raw, gz), listed=listed, max_token_len=max_token_len)
+        declared = request.content_length or 0
+        self._charge(declared)
+        charged = declared
+        try:
+            raw, gz = await self._read_raw(request)
+            size = len(raw) + (min(_inflated_size(raw, gz), self.settings.max_request_bytes) if gz else 0)
+            self._charge(size - charged)
+            charged = size
+            max_token_len = self.store.max_token_len
+            if self.helper is not None:
+                groups = await self.helper.groups(raw, gz, listed=listed, max_token_len=max_token_len)
+                if groups is not None:
+                    return groups
+            if size >= PARSE_THREAD_MIN_BYTES:  # inflate and parse off the event loop
+                limit = self.settings.max_request_bytes
+                return await asyncio.get_running_loop().run_in_executor(
+                    self._inflater, _groups_of, raw, gz, limit, listed, max_token_len)
+            return groups_from_body(await self._inflate(raw, gz), listed=listed, max_token_len=max_token_len)
+        finally:
+            self.inflight_bytes -= charged
+
+    def _charge(self, nbytes: int) -> None:
+        """Count ``nbytes`` more of bodies in flight; 503 at once when they would pass the bound."""
+        if nbytes > 0 and self.inflight_bytes > 0 and self.inflight_bytes + nbytes > self.max_inflight_bytes:
+            raise QueueFull(f"too many request bytes in flight ({self.inflight_bytes}); try again", reason="inflight")
+        self.inflight_bytes += nbytes
 
     # ------------------------------------------------------------------ upstream routes
 
@@ -339,7 +401,7 @@ class ApiServer:
         """Reserve room (waiting up to full_wait), then accept all groups or none; None when the
         spool could not keep them."""
         n = sum(g.n for g in groups)
-        await self.store.reserve(n, self.settings.full_wait)
+        await self.store.reserve(n, self.settings.full_wait, sum(g.nbytes for g in groups))
         try:
             answers = self.store.submit(groups)
         except OSError as exc:
@@ -359,8 +421,8 @@ class ApiServer:
 
     async def status_env(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_json(request, optional=True)
-        if body is None and "env_id" in request.query:
-            body = {"env_id": request.query["env_id"]}
+        if (body is None or (isinstance(body, dict) and "env_id" not in body)) and "env_id" in request.query:
+            body = {"env_id": request.query["env_id"]}  # the form later atroposlib forks send
         return await _json(request, self.store.status_env(_env_id(body)))
 
     async def reset_data(self, request: web.Request) -> web.StreamResponse:
@@ -388,24 +450,120 @@ class ApiServer:
         if not peer or len(peer) < 2:
             return None
         key = (str(peer[0]), int(peer[1]))
-        if not _is_loopback(key[0]):
+        if not is_loopback(key[0]):
             return None
         # Not cached: atroposlib opens a new connection per request, and a port is soon reused.
-        return await asyncio.to_thread(_find_pid, key)
+        # One lookup at a time, each within a time budget: registrations cannot make the API scan
+        # the host's sockets without bound.
+        if self._peer_lookup.locked():
+            self.metrics.peer_lookups_skipped.inc()
+            return None
+        async with self._peer_lookup:
+            return await asyncio.to_thread(_find_pid, key, time.monotonic() + PEER_LOOKUP_BUDGET_S)
 
 
-def _find_pid(local: tuple[str, int]) -> int | None:
-    import psutil
-
-    try:
-        conns = psutil.net_connections(kind="tcp")
-    except (psutil.Error, OSError) as exc:
-        log.warning("cannot list connections to resolve a peer pid", error=str(exc))
+def _find_pid(local: tuple[str, int], deadline: float) -> int | None:
+    """The pid owning the TCP socket bound to ``local``: its inode from /proc/net/tcp{,6}, then
+    the processes' fd tables (newest pid first), until ``deadline``."""
+    ip, port = local
+    inode = _socket_inode(port)
+    if inode is None:
         return None
-    for c in conns:
-        if c.laddr and c.pid and (c.laddr.ip, c.laddr.port) == local:
-            return int(c.pid)
+    target = f"socket:[{inode}]"
+    try:
+        pids_found = sorted((int(p) for p in os.listdir("/proc") if p.isdigit()), reverse=True)
+    except OSError:
+        return None
+    for pid in pids_found:
+        if time.monotonic() > deadline:
+            log.info("peer pid lookup ran out of time", peer=f"{ip}:{port}")
+            return None
+        try:
+            with os.scandir(f"/proc/{pid}/fd") as fds:
+                for fd in fds:
+                    try:
+                        if os.readlink(fd.path) == target:
+                            return pid
+                    except OSError:
+                        continue
+        except OSError:
+            continue
     return None
+
+
+def _socket_inode(port: int) -> int | None:
+    """Inode of the TCP socket whose local port is ``port`` (the client's end of the connection)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)
+                for line in f:
+                    fields = line.split()
+                    if len(fields) > 9 and int(fields[1].rsplit(":", 1)[1], 16) == port and fields[9] != "0":
+                        return int(fields[9])
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _groups_of(raw: bytes, gz: bool, limit: int, listed: bool, max_token_len: int | None) -> list[Group]:
+    return groups_from_body(gunzip(raw, limit) if gz else raw, listed=listed, max_token_len=max_token_len)
+
+
+def _inflated_size(raw: bytes, gz: bool) -> int:
+    """What a body inflates to by its gzip trailer (ISIZE, modulo 4 GiB): where to inflate it is
+    decided by this, not by its compressed size; a lying trailer only moves work to the thread."""
+    if not gz:
+        return len(raw)
+    return int.from_bytes(raw[-4:], "little") if len(raw) >= 18 else len(raw)
+
+
+def _token_ok(header: str, token: str) -> bool:
+    try:
+        given = header.encode("utf-8")
+    except UnicodeError:  # undecodable bytes in the header: not our token
+        return False
+    return hmac.compare_digest(given, f"Bearer {token}".encode())
+
+
+def _is_json(mimetype: str) -> bool:
+    mimetype = mimetype.lower()
+    return mimetype == "application/json" or (mimetype.startswith("application/") and mimetype.endswith("+json"))
+
+
+def _from_a_web_page(request: web.Request) -> bool:
+    """A browser marks what a page makes it fetch (Fetch Metadata; Origin on cross-site
+    requests); no API client sends these headers."""
+    site = request.headers.get("Sec-Fetch-Site")
+    if site is not None and site.lower() not in ("same-origin", "none"):
+        return True
+    origin = request.headers.get("Origin")
+    if origin is None or origin == "null":
+        return origin == "null"
+    host = origin.split("://", 1)[-1].split("/", 1)[0]
+    return host.lower() != (request.headers.get("Host") or "").lower()
+
+
+def _own_host_names() -> frozenset[str]:
+    import socket
+
+    names = {socket.gethostname().lower()}
+    names.add(next(iter(names)).split(".")[0])
+    return frozenset(n for n in names if n)
+
+
+def _host_allowed(host: str | None, own: frozenset[str]) -> bool:
+    """Host header check of a loopback bind: localhost, a loopback address, or this machine's
+    names; no Host header (HTTP/1.0) passes."""
+    if host is None:
+        return True
+    h = host.strip().lower()
+    if h.startswith("["):
+        h = h[1:h.find("]")] if "]" in h else h
+    elif h.count(":") == 1:
+        h = h.split(":", 1)[0]
+    h = h.rstrip(".")
+    return is_loopback(h) or h in own
 
 
 def _env_id(body: Any) -> int:
@@ -446,20 +604,13 @@ async def _encode(request: web.Request, body: bytes) -> tuple[bytes, dict[str, s
     """The JSON body, gzip'ed when large and the client accepts it."""
     headers = {"Content-Type": "application/json"}
     if len(body) >= GZIP_MIN_BYTES and _accepts_gzip(request):
-        level = 0 if _is_loopback(request.remote) else 1
+        level = 0 if is_loopback(request.remote) else 1
         if len(body) >= THREAD_MIN_BYTES and level > 0:
             body = await asyncio.to_thread(_gzip, body, level)
         else:
             body = _gzip(body, level)
         headers["Content-Encoding"] = "gzip"
     return body, headers
-
-
-def _is_loopback(host: str | None) -> bool:
-    try:
-        return host is not None and ipaddress.ip_address(host.split("%")[0]).is_loopback
-    except ValueError:
-        return False
 
 
 def _gzip(body: bytes, level: int = 1) -> bytes:

@@ -1,14 +1,20 @@
 """The API's spool: accepted groups and registrations survive a restart (SPEC §5, durability).
 
 An append-only log split into segment files ``seg-NNNNNNNN.log`` in the spool directory. Each
-record is framed ``<payload length u32><crc32 u32><type byte><payload>``; a torn or corrupt tail
-(a crash mid-write) ends the replay of that segment and is cut off.
+record is framed ``<payload length u32><crc32 u32><type byte><payload>``. Damage (a torn tail
+after a crash mid-write, or bad bytes in the middle) costs only the damaged bytes: the replay
+resynchronises at the next valid frame, and a record that is framed correctly but cannot be
+replayed is skipped. Either is copied to ``bad/`` first (``set_aside`` counts them, the log
+names them) and the segment is rewritten without it, so a spool never stops the API starting.
 
 Records:
   ``S`` state   the registration, environments, ``started`` and the delivered step (JSON);
-                written at the head of every segment and whenever it changes.
-  ``G`` group   one accepted group (JSON header + raw arrays), with its acceptance number
-                ``seq`` and queue position ``qpos`` (-1: not yet in the queue).
+                written at the head of every segment and whenever the registration changes.
+  ``E`` env     ``{"i": index, "env": {...}}``: one environment registered or changed (every
+                segment starts with a full ``S``, so these never outlive it).
+  ``G`` group   one accepted group (JSON header + raw arrays + passthrough fields as received),
+                with its acceptance number ``seq`` and queue position ``qpos`` (-1: not yet in
+                the queue).
   ``Q`` queued  ``[[seq, qpos], ...]``: groups that entered the queue (from a mixed-size buffer,
                 or right after acceptance).
   ``A`` ack     ``{"seqs": [...], "step": N}``: a batch whose response was fully written.
@@ -19,7 +25,8 @@ served exactly once. Compaction: a segment is deleted as soon as none of its gro
 held; when the spool grows past twice the live data (and a few segments), the live groups of the
 oldest segment are copied to the active one and the oldest is deleted — nothing is rewritten in
 place. Records reach the kernel (``os.write``) before the client is answered, so a killed API
-loses nothing; ``fsync = True`` also syncs each write for power loss.
+loses nothing; ``fsync = True`` (``[api] spool_fsync``) also syncs each write for power loss.
+Creating and deleting a segment syncs the directory.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import numpy as np
 import orjson
 
 from atroposd.api.schema import EnvRegistration, Group, Ragged, TrainerRegistration
+from atroposd.fsutil import fsync_dir, write_atomic
 from atroposd.logs import get_logger
 
 __all__ = ["Spool", "SpoolError", "SpoolState"]
@@ -45,6 +53,8 @@ __all__ = ["Spool", "SpoolError", "SpoolState"]
 _FRAME = struct.Struct("<IIc")
 _HEADER_LEN = struct.Struct("<I")
 _SEGMENT = re.compile(r"^seg-(\d{8})\.log$")
+_KINDS = frozenset((b"S", b"E", b"G", b"Q", b"A"))
+BAD_DIR = "bad"  # damaged bytes and records that cannot be replayed, kept for a post-mortem
 log = get_logger("api.spool")
 
 
@@ -64,7 +74,8 @@ class SpoolState:
     buffers: dict[int, list[Group]] = field(default_factory=dict)
     next_seq: int = 0
     next_qpos: int = 0
-    dropped_bytes: int = 0  # torn tails cut off
+    dropped_bytes: int = 0  # damaged bytes skipped (torn tails included)
+    set_aside: int = 0  # damaged regions and records that could not be replayed, copied to bad/
 
 
 @dataclass
@@ -84,15 +95,17 @@ def _frame(kind: bytes, payload: bytes) -> bytes:
 
 def _encode_group(g: Group) -> bytes:
     arrays: list[np.ndarray] = [g.tokens.flat, g.masks.flat, g.scores]
+    # Passthrough fields go after the arrays as the bytes received: a replay never re-encodes them.
     header: dict[str, Any] = {"seq": g.seq, "qpos": g.qpos, "env_id": g.env_id, "b": g.tokens.bounds,
                               "t": g.tokens.flat.dtype.str, "m": g.masks.flat.dtype.str,
-                              "x": {k: orjson.Fragment(v) for k, v in g.extras.items()}}
+                              "xl": [[k, len(v)] for k, v in g.extras.items()]}
     for key, ragged in (("lp", g.logprobs), ("adv", g.advantages), ("ref", g.ref_logprobs)):
         if ragged is not None:
             header[key] = ragged.bounds
             arrays.append(ragged.flat)
     head = orjson.dumps(header)
-    return _frame(b"G", b"".join([_HEADER_LEN.pack(len(head)), head, *(a.tobytes() for a in arrays)]))
+    return _frame(b"G", b"".join([_HEADER_LEN.pack(len(head)), head, *(a.tobytes() for a in arrays),
+                                  *g.extras.values()]))
 
 
 def _decode_group(payload: bytes) -> Group:
@@ -115,27 +128,57 @@ def _decode_group(payload: bytes) -> Group:
     for key in ("lp", "adv", "ref"):
         b = header.get(key)
         extra[key] = Ragged(take("<f8", b[-1]), b) if b is not None else None
-    return Group(tokens=tokens, masks=masks, scores=scores, logprobs=extra["lp"], advantages=extra["adv"],
-                 ref_logprobs=extra["ref"],
-                 extras={k: orjson.dumps(v) for k, v in header["x"].items()},
-                 env_id=header["env_id"], seq=header["seq"], qpos=header["qpos"])
+    kept: dict[str, bytes] = {}
+    if "xl" in header:
+        for name, size in header["xl"]:
+            kept[str(name)] = payload[offset:offset + size]
+            offset += size
+    else:  # written before passthrough fields were kept as received
+        kept = {k: orjson.dumps(v) for k, v in header["x"].items()}
+    if offset != len(payload):
+        raise ValueError(f"group record of {len(payload)} bytes holds {offset}")
+    g = Group(tokens=tokens, masks=masks, scores=scores, logprobs=extra["lp"], advantages=extra["adv"],
+              ref_logprobs=extra["ref"], extras=kept, env_id=header["env_id"], seq=int(header["seq"]),
+              qpos=int(header["qpos"]))
+    if g.n < 1 or g.masks.bounds != bounds or (g.env_id is not None and not isinstance(g.env_id, int)):
+        raise ValueError("group record does not hold a valid group")
+    return g
 
 
-def _read_records(path: Path) -> tuple[list[tuple[bytes, bytes, int]], int, int]:
-    """(records as (type, payload, framed size), good length, file length)."""
-    data = path.read_bytes()
-    records, pos = [], 0
-    while pos + _FRAME.size <= len(data):
-        length, crc, kind = _FRAME.unpack_from(data, pos)
-        end = pos + _FRAME.size + length
-        if end > len(data):
-            break
-        payload = data[pos + _FRAME.size:end]
-        if zlib.crc32(payload, zlib.crc32(kind)) != crc:
-            break
-        records.append((kind, payload, end - pos))
+def _frame_at(data: bytes, pos: int, *, resync: bool = False) -> int:
+    """The end of a valid frame starting at ``pos``, or -1. While resynchronising after damage,
+    a cheap test comes first: the bytes after the candidate must start another frame (or end)."""
+    if pos + _FRAME.size > len(data):
+        return -1
+    length, crc, kind = _FRAME.unpack_from(data, pos)
+    end = pos + _FRAME.size + length
+    if kind not in _KINDS or end > len(data):
+        return -1
+    if resync and end + _FRAME.size <= len(data) and data[end + 8:end + 9] not in _KINDS:
+        return -1
+    if zlib.crc32(data[pos + _FRAME.size:end], zlib.crc32(kind)) != crc:
+        return -1
+    return end
+
+
+def _read_records(data: bytes) -> tuple[list[tuple[bytes, bytes, int, int]], list[tuple[int, int]]]:
+    """(records as (type, payload, offset, framed size), damaged regions as (offset, end)). After
+    damage the scan resynchronises at the next offset where a valid frame starts."""
+    records: list[tuple[bytes, bytes, int, int]] = []
+    bad: list[tuple[int, int]] = []
+    pos = 0
+    while pos < len(data):
+        end = _frame_at(data, pos)
+        if end < 0:
+            start = pos
+            pos += 1
+            while pos < len(data) and _frame_at(data, pos, resync=True) < 0:
+                pos += 1
+            bad.append((start, pos))
+            continue
+        records.append((data[pos + 4 + 4:pos + 9], data[pos + _FRAME.size:end], pos, end - pos))
         pos = end
-    return records, pos, len(data)
+    return records, bad
 
 
 # ----------------------------------------------------------------------------- spool
@@ -157,6 +200,8 @@ class Spool:
         self._next_number = 0
         self._state_segment: _Segment | None = None  # holds the newest state record
         self.write_errors = 0
+        self.ack_failures = 0  # acknowledgements not written (their groups replay after a crash)
+        self.set_aside = 0  # damaged regions and unreplayable records set aside at open
 
     # ------------------------------------------------------------------ open / replay
 
@@ -169,7 +214,7 @@ class Spool:
         log.info("spool replayed", dir=str(self.directory), queued_groups=len(state.queue),
                  buffered_groups=sum(len(b) for b in state.buffers.values()), step=state.step,
                  registered=state.registration is not None, segments=len(self._segments),
-                 dropped_bytes=state.dropped_bytes)
+                 dropped_bytes=state.dropped_bytes, set_aside=state.set_aside)
         return state
 
     def _lock(self) -> None:
@@ -194,47 +239,91 @@ class Spool:
         snapshot: dict[str, Any] = {}
         step = 0
         max_seq = max_qpos = -1
-        dropped = 0
+        dropped = set_aside = 0
         for number, path in self._segment_files():
             seg = _Segment(number, path)
-            records, good, total = _read_records(path)
-            if good < total:
-                dropped += total - good
-                log.warning("spool segment has a torn tail; cut off", segment=path.name, bytes=total - good)
-                with open(path, "r+b") as f:
-                    f.truncate(good)
-            seg.size = good
+            data = path.read_bytes()
+            records, damaged = _read_records(data)
+            bad = [(start, data[start:end]) for start, end in damaged]
+            dropped += sum(end - start for start, end in damaged)
+            kept: list[bytes] = []
             self._segments.append(seg)
             self._next_number = number + 1
-            for kind, payload, size in records:
-                if kind == b"G":
-                    g = _decode_group(payload)
-                    old = self._where.get(g.seq)
-                    if old is not None:
-                        old[0].live -= 1
-                    groups[g.seq] = g
-                    self._where[g.seq] = (seg, size)
-                    seg.live += 1
-                    max_seq = max(max_seq, g.seq)
-                    max_qpos = max(max_qpos, g.qpos)
-                elif kind == b"Q":
-                    for seq, qpos in orjson.loads(payload):
-                        if seq in groups:
-                            groups[seq].qpos = qpos
-                        max_qpos = max(max_qpos, qpos)
-                elif kind == b"A":
-                    ack = orjson.loads(payload)
-                    for seq in ack["seqs"]:
-                        self._forget(seq, groups)
-                        max_seq = max(max_seq, seq)
-                    step = ack["step"]
-                elif kind == b"S":
-                    snapshot = orjson.loads(payload)
-                    step = snapshot.get("step", step)
+            for kind, payload, offset, size in records:
+                try:
+                    if kind == b"G":
+                        g = _decode_group(payload)
+                        old = self._where.get(g.seq)
+                        if old is not None:
+                            old[0].live -= 1
+                        groups[g.seq] = g
+                        self._where[g.seq] = (seg, size)
+                        seg.live += 1
+                        max_seq = max(max_seq, g.seq)
+                        max_qpos = max(max_qpos, g.qpos)
+                    elif kind == b"Q":
+                        for seq, qpos in orjson.loads(payload):
+                            if seq in groups:
+                                groups[seq].qpos = int(qpos)
+                            max_qpos = max(max_qpos, int(qpos))
+                    elif kind == b"A":
+                        ack = orjson.loads(payload)
+                        for seq in ack["seqs"]:
+                            self._forget(seq, groups)
+                            max_seq = max(max_seq, int(seq))
+                        step = int(ack["step"])
+                    elif kind == b"S":
+                        new = orjson.loads(payload)
+                        if not isinstance(new, dict):
+                            raise ValueError("state record is not an object")
+                        snapshot = new
+                        step = int(snapshot.get("step", step))
+                    elif kind == b"E":
+                        change = orjson.loads(payload)
+                        envs = snapshot.setdefault("envs", [])
+                        i = int(change["i"])
+                        if not 0 <= i <= len(envs) or not isinstance(change["env"], dict):
+                            raise ValueError(f"environment record {i} does not follow {len(envs)} environments")
+                        if i == len(envs):
+                            envs.append(change["env"])
+                        else:
+                            envs[i] = change["env"]
+                except (ValueError, TypeError, KeyError, IndexError, orjson.JSONDecodeError) as exc:
+                    log.error("spool record cannot be replayed; set aside", segment=path.name, offset=offset,
+                              record=kind.decode(errors="replace"), error=str(exc) or repr(exc))
+                    bad.append((offset, data[offset:offset + size]))
+                    continue
+                kept.append(data[offset:offset + size])
+            if bad:
+                set_aside += len(bad)
+                self._set_aside(path, bad)
+                good = b"".join(kept)
+                write_atomic(path, good, durable=True)
+                seg.size = len(good)
+            else:
+                seg.size = len(data)
         self._groups = groups
         self._live_bytes = sum(size for _, size in self._where.values())
+        try:
+            state = self._rebuild(snapshot, step, groups, max_seq + 1, max_qpos + 1, dropped)
+        except (ValueError, TypeError, KeyError) as exc:  # a state that does not describe a run
+            log.error("spool state cannot be replayed; starting unregistered", error=str(exc) or repr(exc))
+            set_aside += 1
+            snapshot = {"step": step}
+            state = self._rebuild(snapshot, step, groups, max_seq + 1, max_qpos + 1, dropped)
         self._state = snapshot
-        return self._rebuild(snapshot, step, groups, max_seq + 1, max_qpos + 1, dropped)
+        state.set_aside = self.set_aside = set_aside
+        return state
+
+    def _set_aside(self, path: Path, bad: list[tuple[int, bytes]]) -> None:
+        """Copy damaged bytes to ``bad/`` before the segment is rewritten without them."""
+        where = self.directory / BAD_DIR
+        where.mkdir(mode=0o700, exist_ok=True)
+        for offset, chunk in bad:
+            target = where / f"{path.stem}-{offset:010d}.bad"
+            write_atomic(target, chunk, durable=True)
+            log.warning("spool bytes set aside", segment=path.name, offset=offset, bytes=len(chunk),
+                        copy=str(target))
 
     def _forget(self, seq: int, groups: dict[int, Group]) -> None:
         groups.pop(seq, None)
@@ -248,6 +337,8 @@ class Spool:
                  dropped: int) -> SpoolState:
         reg = snapshot.get("registration")
         envs = [EnvRegistration.from_saved(e) for e in snapshot.get("envs", [])]
+        for i, e in enumerate(envs):
+            e.registered_id = i
         state = SpoolState(registration=TrainerRegistration(**reg) if reg else None,
                            started=bool(snapshot.get("started", False)), step=step, envs=envs,
                            next_seq=next_seq, dropped_bytes=dropped)
@@ -269,6 +360,7 @@ class Spool:
         number = self._next_number
         path = self.directory / f"seg-{number:08d}.log"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._sync_dir()
         self._next_number += 1
         old, self._fd = self._fd, fd
         self._segments.append(_Segment(number, path, size=os.fstat(fd).st_size))
@@ -279,6 +371,10 @@ class Spool:
     def _write_state_record(self) -> None:
         self._append(_frame(b"S", orjson.dumps(self._state)))
         self._state_segment = self._active
+
+    def _sync_dir(self) -> None:
+        if self.fsync:
+            fsync_dir(self.directory)
 
     @property
     def _active(self) -> _Segment:
@@ -322,7 +418,8 @@ class Spool:
     def write_ack(self, batch: Iterable[Group], step: int) -> None:
         """Acknowledge a delivered batch and drop its groups from the spool."""
         seqs = [g.seq for g in batch]
-        self._try(_frame(b"A", orjson.dumps({"seqs": seqs, "step": step})), "ack")
+        if not self._try(_frame(b"A", orjson.dumps({"seqs": seqs, "step": step})), "ack"):
+            self.ack_failures += 1
         for seq in seqs:
             self._forget(seq, self._groups)
         self._state["step"] = step
@@ -338,13 +435,27 @@ class Spool:
             raise
         self._maybe_rotate()
 
-    def _try(self, data: bytes, what: str) -> None:
+    def write_env(self, index: int, env: dict[str, Any]) -> None:
+        """Record one environment registered or changed; raises OSError (the change is then
+        refused)."""
+        envs = list(self._state.get("envs", []))
+        if index == len(envs):
+            envs.append(env)
+        else:
+            envs[index] = env
+        self._append(_frame(b"E", orjson.dumps({"i": index, "env": env})))
+        self._state = {**self._state, "envs": envs}
+        self._maybe_rotate()
+
+    def _try(self, data: bytes, what: str) -> bool:
         try:
             self._append(data)
         except OSError as exc:
             # The groups are already accepted or delivered; refusing now would lose or repeat
             # them. After a crash this record's absence replays them (logged, counted).
             log.error("spool write failed", record=what, error=str(exc))
+            return False
+        return True
 
     def reset(self, snapshot: dict[str, Any]) -> None:
         """``/reset_data``: drop every segment and start again from ``snapshot``."""
@@ -353,6 +464,7 @@ class Spool:
             self._fd = -1
         for seg in self._segments:
             seg.path.unlink(missing_ok=True)
+        self._sync_dir()
         self._segments = []
         self._where.clear()
         self._groups.clear()
@@ -392,6 +504,7 @@ class Spool:
             if oldest.live > 0:
                 self._copy_forward(oldest)
             oldest.path.unlink(missing_ok=True)
+            self._sync_dir()
             self._segments.pop(0)
 
     def _too_big(self) -> bool:
@@ -413,7 +526,8 @@ class Spool:
 
     def stats(self) -> dict[str, Any]:
         return {"segments": len(self._segments), "bytes": sum(s.size for s in self._segments),
-                "live_bytes": self._live_bytes, "live_groups": len(self._where), "write_errors": self.write_errors}
+                "live_bytes": self._live_bytes, "live_groups": len(self._where), "write_errors": self.write_errors,
+                "ack_failures": self.ack_failures, "set_aside": self.set_aside}
 
     def segments(self) -> Iterator[Path]:
         return (s.path for s in self._segments)

@@ -9,7 +9,7 @@ import psutil
 
 from atroposd.api.ingest import helper_wanted
 from tests.api.conftest import group, start_atroposd
-from tests.support import atroposd, free_port, stop_process, write_config
+from tests.support import REPO, atroposd, free_port, stop_process, write_config
 
 HEAVY = ("torch", "transformers", "vllm")
 
@@ -78,3 +78,26 @@ def test_bad_values_are_exit_2() -> None:
     assert r.returncode == 2 and "--max-queued-sequences" in r.stderr
     r = atroposd("api", "--port", "notaport", timeout=60)
     assert r.returncode == 2
+
+
+def test_api_package_imports_no_daemon_layer() -> None:
+    """The API package sits below the CLI and the daemon: importing every module of it (and
+    running its flag parsing) loads none of atroposd.cli/commands/daemon/process, and it keeps
+    no copy of is_loopback of its own (atroposd.net has the one)."""
+    import subprocess
+    import sys
+
+    code = ("import argparse, pkgutil, importlib, sys\n"
+            "import atroposd.api as p\n"
+            "for m in pkgutil.iter_modules(p.__path__): importlib.import_module('atroposd.api.' + m.name)\n"
+            "from atroposd.api import cli\n"
+            "ap = argparse.ArgumentParser(); ap.add_argument('-c', dest='config'); cli.add_arguments(ap)\n"
+            "cli.settings_from(ap.parse_args(['--port', '9']))\n"
+            "bad = [m for m in ('atroposd.cli', 'atroposd.commands', 'atroposd.daemon', 'atroposd.process')\n"
+            "       if m in sys.modules]\n"
+            "print(bad)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+    for path in (REPO / "atroposd" / "api").glob("*.py"):
+        assert "def is_loopback" not in path.read_text() and "def _is_loopback" not in path.read_text(), path

@@ -28,7 +28,7 @@ def test_interrupted_batch_is_served_again(tmp_path: Path) -> None:
         s = socket.socket()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         s.connect(("127.0.0.1", server.port))
-        s.sendall(b"GET /batch HTTP/1.1\r\nHost: api\r\nAccept-Encoding: identity\r\n\r\n")
+        s.sendall(b"GET /batch HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept-Encoding: identity\r\n\r\n")
         s.recv(1024)  # the response has started
         wait_for(lambda: api.ok("GET", "/status")["formed_batches"] == 1, timeout=20,
                  what="the server to be writing the first batch")

@@ -86,7 +86,7 @@ def test_plain_bodies_take_the_fast_path_and_match() -> None:
     assert same_on_both_paths(enc(items), listed=True, fast_taken=True)[0] == "accepted"
     # empty rows and an empty group
     assert same_on_both_paths(enc({"tokens": [[]], "masks": [[]], "scores": [1]}), fast_taken=True)[0] == "accepted"
-    assert same_on_both_paths(enc({"tokens": [], "masks": [], "scores": []}), fast_taken=True)[0] == "accepted"
+    assert same_on_both_paths(enc({"tokens": [], "masks": [], "scores": []}), fast_taken=True)[0] == "refused"
 
 
 def test_rule_breaking_plain_bodies_get_the_same_refusal() -> None:
