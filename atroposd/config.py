@@ -125,6 +125,30 @@ class ApiConfig:
                             schema={"items": {"type": "string", "pattern": _placeholder_pattern((*PLACEHOLDERS,
                                                                                                  "port"))}})
 
+    def bearer_token(self) -> str:
+        """The token in force: ``token``, else the content of ``token_file``, else
+        ``$ATROPOSD_API_TOKEN``, else "" (no token). Raises TokenError for a token file that
+        cannot be read or is empty."""
+        if self.token:
+            return self.token
+        if self.token_file:
+            path = Path(self.token_file).expanduser()
+            try:
+                token = path.read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeError) as exc:
+                raise TokenError(f"api.token_file: cannot read {path}: {exc}") from None
+            if not token:
+                raise TokenError(f"api.token_file: {path} is empty")
+            return token
+        return os.environ.get(API_TOKEN_ENV, "").strip()
+
+
+class TokenError(ValueError):
+    """``[api] token_file`` names a file that cannot give a token; the message says why."""
+
+
+API_TOKEN_ENV = "ATROPOSD_API_TOKEN"
+
 
 @dataclass
 class VllmConfig:
@@ -429,7 +453,7 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<dict>") -> Config:
         raise ConfigError(problems, source)
     if not cfg.env:
         cfg.warnings.append("no [[env]]: the job has no environments (they must run elsewhere)")
-    if cfg.api.enabled and not is_loopback(cfg.api.host) and not cfg.api.token:
+    if cfg.api.enabled and not is_loopback(cfg.api.host) and not (cfg.api.token or cfg.api.token_file):
         cfg.warnings.append(f"api.host = {cfg.api.host!r} is not loopback and api.token is empty")
     return cfg
 

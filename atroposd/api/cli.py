@@ -8,14 +8,10 @@ unless ``--spool-dir`` is given. Flags override either.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from atroposd.exitcodes import Exit
-
-TOKEN_ENV = "ATROPOSD_API_TOKEN"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,21 +69,14 @@ def settings_from(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
     if getattr(args, "no_spool", False):
         s.spool_dir = None
     if not s.token:
-        s.token = _read_token(api.token_file) if api.token_file else os.environ.get(TOKEN_ENV, "").strip()
+        from atroposd.config import TokenError
+
+        try:
+            s.token = api.bearer_token()  # [api] token_file, else $ATROPOSD_API_TOKEN
+        except TokenError as exc:
+            problems.append(str(exc))
     problems += _check(s)
     return s, args.log_level or level, fmt, problems
-
-
-def _read_token(path: str) -> str:
-    try:
-        token = Path(path).expanduser().read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeError) as exc:
-        print(f"atroposd api: cannot read the token file {path}: {exc}", file=sys.stderr)
-        raise SystemExit(Exit.USAGE) from None
-    if not token:
-        print(f"atroposd api: the token file {path} is empty", file=sys.stderr)
-        raise SystemExit(Exit.USAGE)
-    return token
 
 
 def _check(s: Any) -> list[str]:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.abc
 
-from atroposd.config import Config, ConfigError, load_config
+from atroposd.config import Config, ConfigError, TokenError, load_config
 from atroposd.control import ControlServer
 from atroposd.daemon import runtime, specs
 from atroposd.daemon import status as status_mod
@@ -109,6 +109,15 @@ class Daemon:
         self._state = new
         log.info("daemon state", old=old.value, new=new.value, reason=reason)
 
+    def _resolve_api_token(self) -> None:
+        """The API's token from ``token_file`` or ``$ATROPOSD_API_TOKEN`` into the config, once:
+        the children read it from their 0600 config file, the daemon's own requests (probes,
+        trainer) and the built-in environments send it — never on a command line."""
+        try:
+            self.cfg.api.token = self.cfg.api.bearer_token()
+        except TokenError as exc:
+            raise StartFailed(str(exc)) from None
+
     def uptime(self) -> float:
         return time.monotonic() - self._t0
 
@@ -122,14 +131,15 @@ class Daemon:
             reaper.set_child_subreaper()
             recover(self.paths)
             self._record.update(())
-            self._write_child_config()
             self._hub = LogHub(self.paths.logs_dir, max_bytes=self.cfg.daemon.log_max_bytes,
                                backups=self.cfg.daemon.log_backups)
             try:
                 runtime.check_ports(self.cfg)  # before anything binds (the metrics server included)
+                self._resolve_api_token()
             except StartFailed as exc:
                 log.error("start failed", reason=str(exc))
                 return Exit.RUNTIME
+            self._write_child_config()
             control = ControlServer(self.paths.control_socket, self._control, socket_group=self.cfg.daemon.socket_group)
             async with anyio.create_task_group() as tg:
                 self._tg = tg
@@ -367,6 +377,10 @@ class Daemon:
             new = await anyio.to_thread.run_sync(load_config, source)
         except ConfigError as exc:
             log.error("reload refused: invalid config; the running config is kept", error=str(exc))
+            return {"ok": False, "code": int(Exit.USAGE), "error": f"{exc}\nthe running configuration is kept"}
+        try:
+            new.api.token = new.api.bearer_token()  # compared as in force, like the running one
+        except TokenError as exc:
             return {"ok": False, "code": int(Exit.USAGE), "error": f"{exc}\nthe running configuration is kept"}
         plan = plan_reload(self.cfg, new)
         if not plan.ok:

@@ -323,3 +323,37 @@ def test_logs_follow_across_rotation_until_the_daemon_stops(job: Job) -> None:
     ticks = [int(line.split()[1]) for line in out.splitlines() if line.startswith("tick ")]
     assert len(ticks) > 45
     assert ticks == list(range(ticks[0], ticks[0] + len(ticks))), "lines lost or repeated across rotation"
+
+
+def test_api_token_from_a_file_reaches_the_api_and_the_daemons_own_requests(job: Job) -> None:
+    token_file = job.dir / "api.token"
+    token_file.write_text("s3cret-from-file\n")
+    port = free_port()
+    job.write(**base_sections(job.dir, [env("worker", script("cooperative.py"))],
+                              api={"enabled": True, "url": "", "port": port, "token_file": str(token_file)}))
+    r = job.cli("start")
+    assert r.returncode == 0, r.stderr  # the API's readiness probe sent the token it requires
+    st = job.status()
+    api = st["components"][0]
+    assert api["name"] == "api" and api["state"] == "ready"
+    assert "s3cret-from-file" not in " ".join(psutil.Process(api["pid"]).cmdline())  # never in ps
+    import urllib.error
+    import urllib.request
+
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/info", timeout=5)
+    assert refused.value.code == 401
+    refused.value.close()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/info",
+                                 headers={"Authorization": "Bearer s3cret-from-file"})
+    with urllib.request.urlopen(req, timeout=5) as ok:
+        assert ok.status == 200
+    assert job.cli("stop").returncode == 0
+
+
+def test_an_unreadable_api_token_file_fails_the_start_naming_it(job: Job) -> None:
+    job.write(**base_sections(job.dir, [], api={"enabled": True, "url": "", "port": free_port(),
+                                                "token_file": str(job.dir / "missing.token")}))
+    r = job.cli("run", timeout=60)
+    assert r.returncode == 1
+    assert "api.token_file" in r.stdout + r.stderr
