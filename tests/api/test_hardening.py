@@ -369,7 +369,7 @@ def test_token_file_from_the_config(tmp_path: Path) -> None:
         stop_process(server.proc)
     token_file.write_text("")
     out = atroposd("api", "-c", str(cfg))
-    assert out.returncode == 2 and "token file" in out.stderr
+    assert out.returncode == 2 and "api.token_file" in out.stderr and "empty" in out.stderr
 
 
 def test_spool_fsync_reaches_the_settings() -> None:
