@@ -739,7 +739,7 @@ def to_dict(cfg: Config, *, resolved: bool = True) -> dict[str, Any]:
         out["daemon"]["state_dir"] = str(cfg.state_dir)
         if cfg.api.enabled:
             out["api"]["spool_dir"] = str(cfg.spool_dir)
-    return out
+    return dict(out)
 
 
 def _toml_value(v: Any) -> str:

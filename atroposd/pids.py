@@ -56,7 +56,7 @@ def identity(pid: int) -> psutil.Process | None:
 def is_alive(proc: psutil.Process) -> bool:
     """Running, not a zombie, and still the same process (start time)."""
     try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        return bool(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:
         return False
 

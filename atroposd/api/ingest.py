@@ -253,7 +253,8 @@ def decode_groups(payload: bytes) -> list[Group]:
     for size in sizes:
         buffers.append(view[pos:pos + size])
         pos += size
-    return pickle.loads(head, buffers=buffers)  # our own child's output, never a client's bytes
+    groups: list[Group] = pickle.loads(head, buffers=buffers)  # our own child's output, never a client's bytes
+    return groups
 
 
 # ---------------------------------------------------------------------- the helper process

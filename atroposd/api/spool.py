@@ -151,7 +151,7 @@ def _frame_at(data: bytes, pos: int, *, resync: bool = False) -> int:
     if pos + _FRAME.size > len(data):
         return -1
     length, crc, kind = _FRAME.unpack_from(data, pos)
-    end = pos + _FRAME.size + length
+    end: int = pos + _FRAME.size + length
     if kind not in _KINDS or end > len(data):
         return -1
     if resync and end + _FRAME.size <= len(data) and data[end + 8:end + 9] not in _KINDS:

@@ -47,7 +47,8 @@ class HFStepper:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=0 if all_logits else 1)
         self.cache, self.mask = _returned_cache(out), mask
-        return out.logits
+        logits: torch.Tensor = out.logits
+        return logits
 
     def select(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` (in that order; repeats fan a row out)."""
@@ -62,7 +63,8 @@ class HFStepper:
         out = self.model(input_ids=tokens, attention_mask=self.mask, position_ids=positions,
                          use_cache=True, **{self._cache_arg: self.cache})
         self.cache = _returned_cache(out)
-        return out.logits[:, -1, :]
+        last: torch.Tensor = out.logits[:, -1, :]
+        return last
 
 
 def _returned_cache(out: Any) -> Any:

@@ -57,7 +57,8 @@ def set_child_subreaper() -> bool:
 
 def descendants(pid: int) -> list[psutil.Process]:
     try:
-        return psutil.Process(pid).children(recursive=True)
+        children: list[psutil.Process] = psutil.Process(pid).children(recursive=True)
+        return children
     except psutil.Error:
         return []
 
@@ -230,7 +231,8 @@ def record_alive(record: InstanceRecord) -> bool:
 
 def _instance_of(proc: psutil.Process) -> str | None:
     try:
-        return proc.environ().get(INSTANCE_VAR)
+        nonce: str | None = proc.environ().get(INSTANCE_VAR)
+        return nonce
     except (psutil.Error, OSError):
         return None
 

@@ -412,7 +412,7 @@ class Unit:
             self.last_error = self.last_error or reason
             self._transition(State.FAILED, reason)
             return None
-        delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (len(self._exits) - 1))
+        delay: float = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (len(self._exits) - 1))
         delay = min(BACKOFF_MAX, delay * (1 + BACKOFF_JITTER * random.random()))
         self._transition(State.BACKOFF, f"{what}; restarting in {delay:.1f}s")
         return delay

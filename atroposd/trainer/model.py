@@ -62,7 +62,8 @@ class Policy:
     def reference_context(self) -> AbstractContextManager[Any]:
         """Context under which ``reference_model`` computes the reference logprobs."""
         if self.use_adapter_off_reference:
-            return self.model.disable_adapter()  # type: ignore[operator]
+            ctx: AbstractContextManager[Any] = self.model.disable_adapter()  # type: ignore[operator]
+            return ctx
         return nullcontext()
 
     @property

@@ -143,7 +143,8 @@ def rebuild_segment(handle: CudaIpcHandle, uuid: str) -> torch.Tensor:
     """
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    return rebuild_cuda_tensor(*handle_args(handle, device_index_for_uuid(uuid)))
+    tensor: torch.Tensor = rebuild_cuda_tensor(*handle_args(handle, device_index_for_uuid(uuid)))
+    return tensor
 
 
 def ipc_collect() -> None:

@@ -375,7 +375,7 @@ class Manifest:
         return match_tensors(exported, self.tied, expected, tied)
 
     def entry(self, name: str) -> TensorEntry:
-        index = self.__dict__.get("_entries")
+        index: dict[str, TensorEntry] | None = self.__dict__.get("_entries")
         if index is None:
             index = {t.name: t for t in self.tensors}
             object.__setattr__(self, "_entries", index)  # a cache on a frozen dataclass

@@ -239,7 +239,8 @@ def _map_segments(manifest: Manifest) -> dict[int, Any]:
 def _view(mapped: Any, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     if isinstance(mapped, ShmSegment):
         return mapped.view(offset, nbytes, dtype, shape)
-    return mapped[offset:offset + nbytes].view(dtype).view(shape)
+    view: torch.Tensor = mapped[offset:offset + nbytes].view(dtype).view(shape)
+    return view
 
 
 def _attach(model: torch.nn.Module, manifest: Manifest, source: Mapping[str, str], state: ReceiverState,
