@@ -8,9 +8,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from atroposd.exitcodes import Exit
+
+if TYPE_CHECKING:
+    from atroposd.config import Config
 
 __all__ = ["main", "moving_average", "plot_metrics"]
 
@@ -109,7 +112,7 @@ def load_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def main(cfg: Any, args: argparse.Namespace) -> int:
+def main(cfg: Config, args: argparse.Namespace) -> int:
     """The ``atroposd plot`` command: 0 when the PNG is written, 1 with a clear message if not."""
     from atroposd.paths import Paths
 

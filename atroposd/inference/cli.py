@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from atroposd.exitcodes import Exit
+
+if TYPE_CHECKING:
+    from atroposd.config import Config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 _FLAGS = ("host", "port", "model", "tokenizer", "engine", "dtype", "device", "max_model_len")
 
 
-def config_from(args: argparse.Namespace) -> Any:
+def config_from(args: argparse.Namespace) -> Config:
     """The config (``-c``, else discovered, else defaults) with the flags applied; exits 2 if invalid.
 
     Flags are applied to the validated config directly: a standalone server need not satisfy

@@ -27,7 +27,7 @@ import struct
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 from aiohttp import web
@@ -36,6 +36,9 @@ from atroposd.inference import schema
 from atroposd.inference.gate import NotPaused, ShuttingDown
 from atroposd.logs import get_logger
 from atroposd.weights.protocol import WeightUpdateError
+
+if TYPE_CHECKING:
+    from atroposd.config import Config
 
 __all__ = ["ControlSocketInUse", "Engine", "PortInUse", "ServerOptions", "build_control_app", "build_tcp_app",
            "make_engine", "peer_uid", "serve"]
@@ -84,7 +87,7 @@ class _Front:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def make_engine(cfg: Any, name: str, *, await_weights: bool, threads: int | None = None) -> Any:
+def make_engine(cfg: Config, name: str, *, await_weights: bool, threads: int | None = None) -> Any:
     """The engine named ``name`` for ``cfg``. vLLM is imported only here.
 
     Every engine answers a bad request with :class:`schema.BadRequest`, a refused weight

@@ -29,7 +29,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from atroposd.devices import resolve_torch
 from atroposd.inference.gate import NotPaused, ShuttingDown, WeightGate
@@ -42,6 +42,9 @@ from atroposd.inference.schema import (
 )
 from atroposd.logs import get_logger
 from atroposd.weights.protocol import WeightUpdateError
+
+if TYPE_CHECKING:
+    from atroposd.config import Config
 
 __all__ = ["BadRequest", "NotPaused", "TorchEngine"]
 
@@ -99,7 +102,7 @@ class TorchEngine(WeightGate):
         self.batched_rows = 0
 
     @classmethod
-    def from_config(cls, cfg: Any, *, receiver: Any = None, await_weights: bool = False,
+    def from_config(cls, cfg: Config, *, receiver: Any = None, await_weights: bool = False,
                     threads: int | None = None) -> TorchEngine:
         """An engine for ``cfg.inference`` (builtin:tiny is built on demand)."""
         from atroposd.models.resolve import resolve_model, resolve_tokenizer

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -32,6 +32,9 @@ from atroposd.trainer.loss import (
     normalise_batch_advantages,
 )
 from atroposd.trainer.model import Policy, token_logprobs
+
+if TYPE_CHECKING:
+    from atroposd.config import TrainerConfig
 
 __all__ = ["AwsftObjective", "GrpoObjective", "InitialReference", "Learner", "NoReference", "Objective",
            "Reference", "RolloutReference", "StepResult", "make_strategies"]
@@ -131,7 +134,7 @@ class AwsftObjective:
         return loss, LossStats(ratio_sum=torch.ones_like(logp).sum(), clipped=zero, kl_sum=kl.detach().sum())
 
 
-def make_strategies(tcfg: Any) -> tuple[Objective, Reference]:
+def make_strategies(tcfg: TrainerConfig) -> tuple[Objective, Reference]:
     objective: Objective
     if tcfg.loss == "awsft":
         objective = AwsftObjective(kl_coef=tcfg.kl_coef)

@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
@@ -22,6 +22,10 @@ from atroposd.trainer.feed import BatchFeed
 from atroposd.trainer.learner import Learner, StepResult
 from atroposd.trainer.metrics import MetricsWriter
 from atroposd.trainer.setup import Checkpointer
+
+if TYPE_CHECKING:
+    from atroposd.config import TrainerConfig
+    from atroposd.weights.sync import WeightSync
 
 __all__ = ["Progress", "TrainerError", "TrainingLoop"]
 
@@ -63,7 +67,7 @@ class Progress:
 
 
 class TrainingLoop:
-    def __init__(self, *, tcfg: Any, feed: BatchFeed, learner: Learner, weights: Any, metrics: MetricsWriter,
+    def __init__(self, *, tcfg: TrainerConfig, feed: BatchFeed, learner: Learner, weights: WeightSync, metrics: MetricsWriter,
                  checkpointer: Checkpointer, progress: Progress, envs_alive: Callable[[], bool],
                  lock: anyio.Lock, progress_every: int = 10) -> None:
         self.t = tcfg

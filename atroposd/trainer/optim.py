@@ -8,9 +8,12 @@ Only parameters that require grad are optimised (LoRA: the adapters).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from atroposd.config import TrainerConfig
 
 __all__ = ["OptimizerError", "build_optimizer", "build_scheduler"]
 
@@ -19,7 +22,7 @@ class OptimizerError(RuntimeError):
     pass
 
 
-def build_optimizer(params: Sequence[torch.nn.Parameter], tcfg: Any) -> torch.optim.Optimizer:
+def build_optimizer(params: Sequence[torch.nn.Parameter], tcfg: TrainerConfig) -> torch.optim.Optimizer:
     """The optimizer named by ``trainer.optimizer`` over ``params``."""
     params = list(params)
     if not params:

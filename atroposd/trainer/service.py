@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
@@ -24,6 +24,9 @@ from anyio.abc import TaskStatus
 
 from atroposd.config import Config
 from atroposd.paths import Paths
+
+if TYPE_CHECKING:
+    from atroposd.weights.sync import WeightSync
 
 if sys.version_info < (3, 11):  # pragma: no cover - exercised only on 3.10
     from exceptiongroup import BaseExceptionGroup
@@ -51,7 +54,7 @@ class TrainerOutcome:
 
 
 class TrainerService:
-    def __init__(self, cfg: Config, *, instance: str, weights: Any, envs_alive: Callable[[], bool]) -> None:
+    def __init__(self, cfg: Config, *, instance: str, weights: WeightSync, envs_alive: Callable[[], bool]) -> None:
         from atroposd.trainer.loop import Progress
 
         self.cfg = cfg

@@ -35,7 +35,7 @@ import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import torch
@@ -44,6 +44,9 @@ from atroposd.logs import get_logger
 from atroposd.weights.arena import DEFAULT_SEGMENT_BYTES, ParameterArena
 from atroposd.weights.client import WeightControlClient, WeightControlError
 from atroposd.weights.manifest import manifest_path
+
+if TYPE_CHECKING:
+    from atroposd.config import Config
 
 __all__ = ["PushSync", "ReloadSync", "SharedSync", "WeightSync", "make_weight_sync"]
 
@@ -60,7 +63,7 @@ class WeightSync(Protocol):
     def close(self) -> None: ...
 
 
-def make_weight_sync(cfg: Any, *, nonce: str, control_socket: Path | None) -> WeightSync:
+def make_weight_sync(cfg: Config, *, nonce: str, control_socket: Path | None) -> WeightSync:
     """The strategy for ``cfg.weight_sync`` (``auto`` already resolved by the config)."""
     from atroposd.paths import Paths
 
