@@ -88,6 +88,8 @@ class ApiConfig:
     full_wait: float = _k(30.0, "Seconds a submission may wait for room when the queue is full, then 503.", min=0)
     spool: bool = _k(True, "Accepted groups and registrations survive an API restart.")
     spool_dir: str = _k("", "Default: {state_dir}/spool/api-{port}.")
+    shm_ack_timeout: float = _k(30.0, "Seconds a batch taken through shared memory waits for its acknowledgement,\n"
+                                "then it is served again.", gt=0)
     command: list[str] = _k([], "Optional: run another wire-compatible API instead, e.g.\n"
                             '["run-api", "--host", "127.0.0.1", "--port", "{port}"]')
 

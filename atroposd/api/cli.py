@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-spool", action="store_true", help="keep nothing across restarts")
     parser.add_argument("--max-request-bytes", type=int, metavar="B",
                         help="largest request body, after gzip decompression")
+    parser.add_argument("--shm-ack-timeout", type=float, metavar="S",
+                        help="seconds a shared-memory batch waits for its acknowledgement before it is served again")
     parser.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (default: [api] token)")
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
 
@@ -48,7 +50,8 @@ def settings_from(args: argparse.Namespace) -> tuple[Any, str, str]:
         level, fmt = DaemonConfig().log_level, DaemonConfig().log_format
     for flag, attr in (("host", "host"), ("port", "port"), ("max_queued_sequences", "max_queued_sequences"),
                        ("full_wait", "full_wait"), ("spool_dir", "spool_dir"),
-                       ("max_request_bytes", "max_request_bytes"), ("token", "token")):
+                       ("max_request_bytes", "max_request_bytes"), ("token", "token"),
+                       ("shm_ack_timeout", "shm_ack_timeout")):
         value = getattr(args, flag, None)
         if value is not None:
             setattr(s, attr, value)
@@ -65,6 +68,8 @@ def _check(s: Any) -> list[str]:
         problems.append(f"--max-queued-sequences must be at least 1, got {s.max_queued_sequences}")
     if s.full_wait < 0:
         problems.append(f"--full-wait must be ≥ 0, got {s.full_wait}")
+    if s.shm_ack_timeout <= 0:
+        problems.append(f"--shm-ack-timeout must be > 0, got {s.shm_ack_timeout}")
     if s.max_request_bytes < 1024:
         problems.append(f"--max-request-bytes must be at least 1024, got {s.max_request_bytes}")
     return problems
