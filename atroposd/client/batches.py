@@ -118,6 +118,22 @@ class Batch:
         raw = self.arrays["groups_json"]
         return list(orjson.loads(raw.tobytes())) if raw.size else []
 
+    def prompt_response(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """Per sequence ``(prompt_ids, response_ids, response_logprobs, loss_mask)``, unpadded:
+        the prompt is the tokens before the first position the mask trains on (the environment
+        masks the prompt with -100); ``loss_mask`` is 1 where the mask is not -100 (a multi-turn
+        response may hold tool output the environment masked too). The shape SkyRL's
+        ``GeneratorOutput`` and verl's prompt / response split use."""
+        out = []
+        tokens, masks, lps, lengths = self.tokens, self.masks, self.inference_logprobs, self.lengths
+        for i in range(tokens.shape[0]):
+            n = int(lengths[i])
+            trained = np.flatnonzero(masks[i, :n] != -100)
+            start = int(trained[0]) if trained.size else n
+            out.append((tokens[i, :start], tokens[i, start:n], lps[i, start:n],
+                        (masks[i, start:n] != -100).astype(np.int64)))
+        return out
+
     def torch(self, device: Any = None) -> dict[str, Any]:
         """The arrays as torch tensors (sharing memory with the arrays on the CPU; copied to
         ``device`` when given). Needs torch."""
