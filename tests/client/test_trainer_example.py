@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from atroposd.client import InferenceControl
 from tests.e2e.jobs import daemon_env, job_config
