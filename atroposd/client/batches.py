@@ -10,7 +10,6 @@ transport. No torch needed; ``Batch.torch()`` gives torch tensors when torch is 
 from __future__ import annotations
 
 import gzip
-import http.client
 import ipaddress
 import mmap
 import os
@@ -26,6 +25,7 @@ import numpy as np
 import orjson
 
 from atroposd.api.binary import CONTENT_TYPE, FORMAT, LayoutError, batch_arrays, decode
+from atroposd.client._http import HttpConnection
 
 try:
     import _posixshmem
@@ -35,7 +35,6 @@ except ImportError:  # pragma: no cover - non-POSIX
 __all__ = ["TRANSPORTS", "ApiError", "Batch", "BatchClient"]
 
 TRANSPORTS = ("auto", "shm", "safetensors", "json")
-_MAP_POPULATE: int = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class ApiError(RuntimeError):
@@ -190,16 +189,16 @@ class BatchClient:
         self.poll_interval = poll_interval
         self.max_backoff = max_backoff
         self.request_timeout = request_timeout
-        self._conn: http.client.HTTPConnection | None = None
+        self._conn: HttpConnection | None = None
         self._registered = False
         self.fallbacks: list[str] = []  # why the transport changed, if it did
 
     # ------------------------------------------------------------------ HTTP
 
-    def _connection(self) -> http.client.HTTPConnection:
+    def _connection(self) -> HttpConnection:
         if self._conn is None:
-            cls = http.client.HTTPSConnection if self._scheme == "https" else http.client.HTTPConnection
-            self._conn = cls(self._host, self._port, timeout=self.request_timeout)
+            port = self._port or (443 if self._scheme == "https" else 80)
+            self._conn = HttpConnection(self._host, port, tls=self._scheme == "https", timeout=self.request_timeout)
         return self._conn
 
     def _request(self, method: str, path: str, body: Any = None) -> tuple[int, str, bytearray]:
@@ -211,29 +210,15 @@ class BatchClient:
         if body is not None:
             data = orjson.dumps(body)
             headers["Content-Type"] = "application/json"
-        conn = self._connection()
         try:
-            conn.request(method, self._base + path, body=data, headers=headers)
-            resp = conn.getresponse()
-            length = resp.getheader("Content-Length")
-            if length is not None:
-                buf = bytearray(int(length))
-                view, got = memoryview(buf), 0
-                while got < len(buf):
-                    n = resp.readinto(view[got:])
-                    if not n:
-                        raise http.client.IncompleteRead(bytes(buf[:got]), len(buf) - got)
-                    got += n
-            else:
-                buf = bytearray(resp.read())
-            if resp.getheader("Connection", "").lower() == "close":
-                self.close()
-        except (OSError, http.client.HTTPException) as exc:
+            resp = self._connection().request(method, self._base + path, headers, data)
+        except (OSError, ValueError) as exc:
             self.close()
             raise _Unreachable(f"{method} {self.url}{path}: {exc!r}") from exc
-        if (resp.getheader("Content-Encoding") or "").lower() == "gzip":
+        buf = resp.body
+        if resp.headers.get("content-encoding", "").lower() == "gzip":
             buf = bytearray(gzip.decompress(buf))
-        return resp.status, (resp.getheader("Content-Type") or "").split(";")[0].strip(), buf
+        return resp.status, resp.headers.get("content-type", "").split(";")[0].strip(), buf
 
     def close(self) -> None:
         if self._conn is not None:
@@ -367,6 +352,6 @@ def _map_segment(name: str, size: int) -> mmap.mmap:
             raise PermissionError(f"segment {name!r} has mode {stat.S_IMODE(st.st_mode):o}; expected 0600")
         if st.st_size < size:
             raise ValueError(f"segment {name!r} is {st.st_size} bytes; the API said {size}")
-        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | _MAP_POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
