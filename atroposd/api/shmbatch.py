@@ -11,7 +11,7 @@ the segment).
 
 Segments follow the weight segments' rules (SPEC §7): named ``atroposd-batch-<launch>-<random>``
 (both parts from ``secrets``), created with ``O_CREAT | O_EXCL`` and mode 0600, sized up front,
-written through a mapping that is closed at once (the API keeps nothing mapped), never through
+written with ``pwrite`` (the API maps nothing), never through
 ``multiprocessing.shared_memory`` (its resource tracker). Every pending segment is unlinked when
 the API stops. With a spool, the launch's prefix is recorded in the spool directory (file
 ``shm-batches``) before the first segment exists, so an API started again after ``kill -9``
@@ -24,7 +24,6 @@ so the few system calls are repeated here.
 from __future__ import annotations
 
 import asyncio
-import mmap
 import os
 import secrets
 from collections import OrderedDict
@@ -111,6 +110,7 @@ class ShmBatches:
         self.prefix = f"{BATCH_PREFIX}{secrets.token_hex(8)}-"
         self.pending: dict[str, _Pending] = {}
         self._acked: OrderedDict[str, None] = OrderedDict()
+        self._scratch = bytearray()  # the file is laid out here, then written into the segment
         self.expired = 0
         self._started = False
 
@@ -167,15 +167,17 @@ class ShmBatches:
         batch_id = secrets.token_hex(12)
         name = f"{self.prefix}{batch_id}"
         layout = plan_batch([rows_from_group(g) for g in batch], {"batch_id": batch_id, "step": str(step)})
+        if len(self._scratch) < layout.size:
+            self._scratch = bytearray(layout.size)
+        data = memoryview(self._scratch)[:layout.size]
+        layout.fill(data)  # every byte: the header, then the tensors back to back
         fd = _shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.fchmod(fd, 0o600)
             os.ftruncate(fd, layout.size)
-            mapping = mmap.mmap(fd, layout.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            try:
-                layout.fill(mapping)
-            finally:
-                mapping.close()
+            done = 0
+            while done < layout.size:  # written, not mapped: tmpfs takes it in one copy
+                done += os.pwrite(fd, data[done:], done)
         except BaseException:
             _shm_unlink(name)
             raise
