@@ -125,7 +125,7 @@ def main() -> int:
                                              "save_checkpoint_interval": 0, "starting_step": 0,
                                              "num_steps": 0}))
         call(url, "/batch")
-        body = make_groups(0, GROUPS_PER_BATCH * args.batches)
+        bodies = [make_groups(i * GROUPS_PER_BATCH, GROUPS_PER_BATCH) for i in range(args.batches)]
         st_client = BatchClient(url, batch_size=BATCH, max_token_len=TOKENS, transport="safetensors")
         shm_client = BatchClient(url, batch_size=BATCH, max_token_len=TOKENS, transport="shm")
 
@@ -165,7 +165,8 @@ def main() -> int:
             assert check(fetch()) == BATCH
         for _ in range(args.repeat):
             for name, fetch, check in clients:
-                call(url, "/scored_data_list", body, gz=True)
+                for body in bodies:
+                    call(url, "/scored_data_list", body, gz=True)
                 gc.collect()
                 for _ in range(args.batches):
                     w0, c0 = time.perf_counter(), time.process_time()
