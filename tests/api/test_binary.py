@@ -110,7 +110,7 @@ def shm_path(batch: list[Any]) -> dict[str, np.ndarray]:
 # ----------------------------------------------------------------------------- in process
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(groups(), min_size=1, max_size=4))
 def test_three_formats_give_identical_arrays(posted: list[dict[str, Any]]) -> None:
     """For random groups, parsed by either of the API's parsers: the safetensors file, the shared-

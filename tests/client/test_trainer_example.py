@@ -7,10 +7,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
-
-import pytest
-import tomllib
 
 from atroposd.client import InferenceControl
 from tests.e2e.jobs import daemon_env, job_config
@@ -31,7 +29,6 @@ def test_documented_example_is_short() -> None:
     assert len(example_source().strip().splitlines()) < 40
 
 
-@pytest.mark.slow  # a whole job (API, inference server, environment) and a torch trainer
 def test_documented_trainer_trains_against_a_job(short_tmp: Path) -> None:
     cfg = job_config(short_tmp, trainer={"enabled": False, "batch_size": 16, "micro_batch_size": 16})
     script = short_tmp / "trainer.py"
@@ -42,8 +39,8 @@ def test_documented_trainer_trains_against_a_job(short_tmp: Path) -> None:
         from atroposd.config import load_config
         from atroposd.models.resolve import resolve_model
 
-        model_dir = resolve_model(load_config(cfg))
-        port = tomllib.loads(cfg.read_text())["api"]["port"]
+        config = load_config(cfg)
+        model_dir, port = resolve_model(config), config.api.port
         run = subprocess.run([sys.executable, str(script), f"http://127.0.0.1:{port}", str(model_dir), str(cfg),
                               str(STEPS)], capture_output=True, text=True, timeout=300, cwd=short_tmp,
                              env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -51,5 +48,10 @@ def test_documented_trainer_trains_against_a_job(short_tmp: Path) -> None:
         steps = [line for line in run.stdout.splitlines() if line.startswith("step ")]
         assert len(steps) == STEPS, run.stdout
         assert InferenceControl.from_config(cfg).weight_version() == STEPS, "the server runs the newest weights"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            metrics = resp.read().decode()
+        acks = [line for line in metrics.splitlines()
+                if line.startswith("atroposd_api_request_seconds_count") and 'route="/batch/ack"' in line]
+        assert acks and float(acks[0].split()[-1]) >= STEPS, "every batch came through shared memory"
     finally:
         assert atroposd("stop", "-c", str(cfg), timeout=120).returncode == 0
