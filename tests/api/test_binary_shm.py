@@ -186,6 +186,10 @@ def test_exactly_once_across_an_api_restart(tmp_path: Path) -> None:
         pending = take_shm(server.api)  # another trainer's, never acknowledged
         with BatchClient(server.url, batch_size=4, max_token_len=64, transport="json") as other:
             got += tags_of(other.next_batch(10))
+        # A JSON batch counts once the API has finished writing it, which may come a moment
+        # after the client has read it all: kill only once the API has recorded it.
+        wait_for(lambda: server.api.ok("GET", "/status")["queued_sequences"] == 20, timeout=10,
+                 what="the JSON batch to be recorded as delivered")
         server.proc.send_signal(signal.SIGKILL)
         server.proc.wait(10)
         with pytest.raises(OSError):
@@ -194,8 +198,8 @@ def test_exactly_once_across_an_api_restart(tmp_path: Path) -> None:
         assert not (SHM / pending["name"]).exists()
         while len(got) < 8:
             got += tags_of(client.next_batch(timeout=20))
-        assert client.get_batch() is None
         assert sorted(got) == list(range(8)), got
+        assert client.get_batch() is None
         assert client.fallbacks == []
     finally:
         client.close()
