@@ -9,13 +9,15 @@ segment unlinked; a late acknowledgement is answered ``{"acknowledged": false}``
 nothing. ``{"batch_id", "release": true}`` gives a batch back at once (a client that cannot map
 the segment).
 
-Segments follow the weight segments' rules (SPEC §7): named ``atroposd-batch-<launch>-<random>``
-(both parts from ``secrets``), created with ``O_CREAT | O_EXCL`` and mode 0600, sized up front,
+Segments follow the weight segments' rules (SPEC §7): named
+``atroposd-batch-<pid>-<launch>-<batch id>`` (the last two parts from ``secrets``), created with ``O_CREAT | O_EXCL`` and mode 0600, sized up front,
 written with ``pwrite`` (the API maps nothing), never through
 ``multiprocessing.shared_memory`` (its resource tracker). Every pending segment is unlinked when
 the API stops. With a spool, the launch's prefix is recorded in the spool directory (file
 ``shm-batches``) before the first segment exists, so an API started again after ``kill -9``
-removes what the previous launch left (the spool's lock says no other API uses that directory).
+removes what the previous launch left (the spool's lock says no other API uses that directory);
+any API, spooled or not, also removes at its start the batch segments of API processes that
+no longer run (the pid in the name).
 
 This module imports no torch: the weight segments' module (:mod:`atroposd.weights.shm`) does,
 so the few system calls are repeated here.
@@ -44,7 +46,7 @@ try:
 except ImportError:  # pragma: no cover - non-POSIX
     _posixshmem = None
 
-__all__ = ["BATCH_PREFIX", "RECORD_NAME", "ShmBatches", "remove_segments"]
+__all__ = ["BATCH_PREFIX", "RECORD_NAME", "ShmBatches", "remove_orphans", "remove_segments"]
 
 log = get_logger("api.shm")
 
@@ -90,6 +92,45 @@ def remove_segments(prefix: str) -> list[str]:
     return removed
 
 
+def remove_orphans() -> list[str]:
+    """Unlink this user's batch segments whose creating API process no longer runs (its pid is
+    the first part of the name). A reused pid keeps them (until the record of that launch's
+    spool removes them). Should a live API's segment go (one in another pid namespace sharing
+    /dev/shm), nothing is lost: its client cannot map it and releases the batch, or the batch
+    expires, and it is served again."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:  # pragma: no cover
+        return []
+    removed = []
+    for name in sorted(names):
+        if not name.startswith(BATCH_PREFIX):
+            continue
+        pid_text = name[len(BATCH_PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit() or _alive(int(pid_text)):
+            continue
+        try:
+            if os.stat(SHM_DIR / name, follow_symlinks=False).st_uid != os.geteuid():
+                continue
+        except FileNotFoundError:
+            continue
+        _shm_unlink(name)
+        removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not a pid we can judge
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @dataclass
 class _Pending:
     batch: list[Group]
@@ -107,7 +148,7 @@ class ShmBatches:
         self.ack_timeout = ack_timeout
         self.record = Path(spool_dir) / RECORD_NAME if spool_dir else None
         self.metrics = metrics
-        self.prefix = f"{BATCH_PREFIX}{secrets.token_hex(8)}-"
+        self.prefix = f"{BATCH_PREFIX}{os.getpid()}-{secrets.token_hex(8)}-"
         self.pending: dict[str, _Pending] = {}
         self._acked: OrderedDict[str, None] = OrderedDict()
         self._scratch = bytearray()  # the file is laid out here, then written into the segment
@@ -121,6 +162,9 @@ class ShmBatches:
         if self._started:
             return
         self._started = True
+        orphans = remove_orphans()
+        if orphans:
+            log.info("removed batch segments of API processes that no longer run", segments=orphans)
         if self.record is None:
             return
         try:

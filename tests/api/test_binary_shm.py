@@ -154,7 +154,9 @@ def test_stop_unlinks_and_kill9_leftovers_go_at_the_next_start(tmp_path: Path) -
         post(server.api, range(3))
         info = take_shm(server.api)
         first = shm_tags(info)
-        assert (spool / RECORD_NAME).read_text().strip() == info["name"][:len(BATCH_PREFIX) + 17]
+        prefix = f"{BATCH_PREFIX}{server.proc.pid}-"
+        assert info["name"].startswith(prefix)
+        assert (spool / RECORD_NAME).read_text().strip() == info["name"][:len(prefix) + 17]
         assert stop_process(server.proc) == 0
         assert not (SHM / info["name"]).exists(), "a clean stop unlinks every pending segment"
         server = start_atroposd(tmp_path, "--spool-dir", str(spool), port=port)
@@ -246,3 +248,21 @@ def test_client_killed_holding_an_unacknowledged_batch(tmp_path: Path) -> None:
             if child.stdout is not None:
                 child.stdout.close()
         stop_process(server.proc)
+
+
+def test_without_a_spool_the_next_api_removes_a_killed_apis_segments(tmp_path: Path) -> None:
+    server = start_atroposd(tmp_path)
+    try:
+        server.api.start(batch_size=4)
+        post(server.api, range(1))
+        info = take_shm(server.api)
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait(10)
+        assert (SHM / info["name"]).exists()
+    finally:
+        stop_process(server.proc)
+    other = start_atroposd(tmp_path)
+    try:
+        assert not (SHM / info["name"]).exists(), "its creator no longer runs"
+    finally:
+        stop_process(other.proc)
