@@ -316,18 +316,21 @@ class BatchClient:
 
     def _ack(self, batch_id: str, *, release: bool = False) -> bool:
         """Acknowledge (or release) a shared-memory batch; True when the API counts it delivered.
-        Retried while the API is unreachable: once it answers, a restarted API does not know the
-        id (the batch is replayed from its spool) and the answer is False."""
+        Retried while the API is unreachable (for up to ``request_timeout`` seconds): once it
+        answers, a restarted API does not know the id (the batch is replayed from its spool) and
+        the answer is False; so is giving up."""
         pause = self.poll_interval
+        deadline = time.monotonic() + self.request_timeout
         while True:
             try:
                 status, _, body = self._request("POST", "/batch/ack", {"batch_id": batch_id, "release": release})
             except _Unreachable:
+                status, body = 503, bytearray()
+            if status in (502, 503, 504):
+                if time.monotonic() + pause > deadline:
+                    return False
                 time.sleep(pause)
                 pause = min(pause * 2, self.max_backoff)
-                continue
-            if status in (502, 503, 504):
-                time.sleep(pause)
                 continue
             if status != 200:
                 raise ApiError(f"/batch/ack answered {status}: {bytes(body[:300])!r}", status)
