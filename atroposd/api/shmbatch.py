@@ -7,7 +7,9 @@ acknowledges it (``POST /batch/ack {"batch_id"}``); the segment is unlinked then
 acknowledged within ``shm_ack_timeout`` seconds is served again (first, in any format) and its
 segment unlinked; a late acknowledgement is answered ``{"acknowledged": false}`` and changes
 nothing. ``{"batch_id", "release": true}`` gives a batch back at once (a client that cannot map
-the segment).
+the segment). An acknowledgement is answered the same when repeated, also after a restart with
+the spool (the ack record carries the batch id), so a client whose answer was lost to a
+restart retries and still gets it right.
 
 Segments follow the weight segments' rules (SPEC §7): named
 ``atroposd-batch-<pid>-<launch>-<batch id>`` (the last two parts from ``secrets``), created with ``O_CREAT | O_EXCL`` and mode 0600, sized up front,
@@ -162,6 +164,8 @@ class ShmBatches:
         if self._started:
             return
         self._started = True
+        for batch_id in self.store.acked_batch_ids:  # acknowledged before a restart (the spool)
+            self._acked[batch_id] = None
         orphans = remove_orphans()
         if orphans:
             log.info("removed batch segments of API processes that no longer run", segments=orphans)
@@ -245,7 +249,7 @@ class ShmBatches:
         if release:
             self.store.undeliver(p.batch, p.epoch)
             return {"acknowledged": False, "released": True, "batch_id": batch_id}
-        self.store.delivered(p.batch, p.epoch)
+        self.store.delivered(p.batch, p.epoch, batch_id)
         self._acked[batch_id] = None
         while len(self._acked) > RECENT_ACKS:
             self._acked.popitem(last=False)

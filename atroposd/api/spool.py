@@ -11,7 +11,9 @@ Records:
                 ``seq`` and queue position ``qpos`` (-1: not yet in the queue).
   ``Q`` queued  ``[[seq, qpos], ...]``: groups that entered the queue (from a mixed-size buffer,
                 or right after acceptance).
-  ``A`` ack     ``{"seqs": [...], "step": N}``: a batch whose response was fully written.
+  ``A`` ack     ``{"seqs": [...], "step": N}``: a batch whose response was fully written (a
+                shared-memory batch's also carries its ``batch_id``: a repeated
+                acknowledgement after a restart is answered the same).
 
 Replay rebuilds the queue (by ``qpos``) and the buffers from the groups not acknowledged; a
 batch formed but not delivered before a crash goes back to the queue, so every accepted group is
@@ -46,6 +48,7 @@ _FRAME = struct.Struct("<IIc")
 _HEADER_LEN = struct.Struct("<I")
 _SEGMENT = re.compile(r"^seg-(\d{8})\.log$")
 log = get_logger("api.spool")
+ACKED_IDS_KEPT = 1024
 
 
 class SpoolError(RuntimeError):
@@ -65,6 +68,7 @@ class SpoolState:
     next_seq: int = 0
     next_qpos: int = 0
     dropped_bytes: int = 0  # torn tails cut off
+    acked_batch_ids: list[str] = field(default_factory=list)  # shared-memory batches, newest last
 
 
 @dataclass
@@ -195,6 +199,7 @@ class Spool:
         step = 0
         max_seq = max_qpos = -1
         dropped = 0
+        acked_ids: list[str] = []
         for number, path in self._segment_files():
             seg = _Segment(number, path)
             records, good, total = _read_records(path)
@@ -228,13 +233,17 @@ class Spool:
                         self._forget(seq, groups)
                         max_seq = max(max_seq, seq)
                     step = ack["step"]
+                    if isinstance(ack.get("batch_id"), str):
+                        acked_ids.append(ack["batch_id"])
                 elif kind == b"S":
                     snapshot = orjson.loads(payload)
                     step = snapshot.get("step", step)
         self._groups = groups
         self._live_bytes = sum(size for _, size in self._where.values())
         self._state = snapshot
-        return self._rebuild(snapshot, step, groups, max_seq + 1, max_qpos + 1, dropped)
+        state = self._rebuild(snapshot, step, groups, max_seq + 1, max_qpos + 1, dropped)
+        state.acked_batch_ids = acked_ids[-ACKED_IDS_KEPT:]
+        return state
 
     def _forget(self, seq: int, groups: dict[int, Group]) -> None:
         groups.pop(seq, None)
@@ -319,10 +328,13 @@ class Spool:
         """Record queue entries; a failure only costs the exact queue order after a restart."""
         self._try(_frame(b"Q", orjson.dumps([[g.seq, g.qpos] for g in groups])), "queued")
 
-    def write_ack(self, batch: Iterable[Group], step: int) -> None:
+    def write_ack(self, batch: Iterable[Group], step: int, batch_id: str | None = None) -> None:
         """Acknowledge a delivered batch and drop its groups from the spool."""
         seqs = [g.seq for g in batch]
-        self._try(_frame(b"A", orjson.dumps({"seqs": seqs, "step": step})), "ack")
+        record: dict[str, Any] = {"seqs": seqs, "step": step}
+        if batch_id is not None:
+            record["batch_id"] = batch_id
+        self._try(_frame(b"A", orjson.dumps(record)), "ack")
         for seq in seqs:
             self._forget(seq, self._groups)
         self._state["step"] = step
