@@ -120,6 +120,8 @@ class ApiConfig:
     spool_dir: str = _k("", "Default: {state_dir}/spool/api-{port}.")
     spool_fsync: bool = _k(False, "fsync every spool write (power-loss safe, slower); segment files are\n"
                            "created and deleted with a directory sync.")
+    shm_ack_timeout: float = _k(30.0, "Seconds a batch taken through shared memory waits for its acknowledgement,\n"
+                                "then it is served again.", gt=0)
     command: list[str] = _k([], "Optional: run another wire-compatible API instead, e.g.\n"
                             '["run-api", "--host", "127.0.0.1", "--port", "{port}"]',
                             schema={"items": {"type": "string", "pattern": _placeholder_pattern((*PLACEHOLDERS,

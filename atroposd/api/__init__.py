@@ -8,6 +8,8 @@ validated, durable. It never imports torch, transformers or vllm.
   queue.py     TrajectoryStore: registrations, queue, buffers, formed batches, room (backpressure)
   spool.py     the append-only spool: replay after a restart, acknowledgements, compaction
   server.py    the aiohttp routes, gzip, metrics, registrations with peer pids
+  binary.py    binary batches: the safetensors layout of a batch (numpy only), encode / decode
+  shmbatch.py  batches through shared-memory segments: acknowledgement, expiry, clean-up
   app.py       the process: replay, bind, serve until SIGTERM
   cli.py       flags and config
 """

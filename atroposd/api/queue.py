@@ -80,6 +80,7 @@ class TrajectoryStore:
         self._next_seq = 0
         self._next_qpos = 0
         self.epoch = 0  # bumped by reset: a batch taken before a reset is neither acked nor put back
+        self.acked_batch_ids: list[str] = []  # shared-memory batches acknowledged before a restart
 
     # ------------------------------------------------------------------ restore
 
@@ -98,6 +99,7 @@ class TrajectoryStore:
         self.held = sum(g.n for g in self.queue) + sum(g.n for b in self.buffers.values() for g in b)
         self.held_bytes = sum(g.nbytes for g in self.queue) + sum(g.nbytes for b in self.buffers.values() for g in b)
         self.latest = self.queue[-1] if self.queue else None
+        self.acked_batch_ids = state.acked_batch_ids
         self._disconnect_gone_envs()
 
     def _disconnect_gone_envs(self) -> None:
@@ -357,13 +359,14 @@ class TrajectoryStore:
         self.step += len(formed)
         self.formed.extend(formed)
 
-    def delivered(self, batch: list[Group], epoch: int) -> None:
-        """The batch's response was fully written: acknowledge it and free its room."""
+    def delivered(self, batch: list[Group], epoch: int, batch_id: str | None = None) -> None:
+        """The batch's response was fully written (or, ``batch_id``, its shared-memory segment
+        acknowledged): acknowledge it and free its room."""
         if epoch != self.epoch:
             return  # taken before a reset, which already forgot it
         self.served_step += 1
         if self.spool is not None:
-            self.spool.write_ack(batch, self.served_step)
+            self.spool.write_ack(batch, self.served_step, batch_id)
         self.held -= sum(g.n for g in batch)
         self.held_bytes -= sum(g.nbytes for g in batch)
         self._wake()

@@ -29,6 +29,7 @@ import orjson
 from aiohttp import web
 
 from atroposd import pids
+from atroposd.api import binary
 from atroposd.api.bodies import groups_from_body, gunzip, parse_json
 from atroposd.api.ingest import ParseHelper
 from atroposd.api.queue import BYTES_PER_SEQUENCE, QueueFull, TrajectoryStore
@@ -40,6 +41,7 @@ from atroposd.api.schema import (
     dumps,
     group_to_json,
 )
+from atroposd.api.shmbatch import ShmBatches
 from atroposd.config import ApiConfig
 from atroposd.logs import get_logger
 from atroposd.net import is_loopback
@@ -76,6 +78,7 @@ class ApiSettings:
     max_request_bytes: int
     full_wait: float
     spool_dir: str | None  # None: nothing survives a restart
+    shm_ack_timeout: float = 30.0
     spool_fsync: bool = False
     body_timeout: float = BODY_TIMEOUT_S
     max_queued_bytes: int | None = None  # None: the default of queue_bytes()
@@ -91,7 +94,7 @@ class ApiSettings:
     def from_config(cls, api: ApiConfig, spool_dir: str | None) -> ApiSettings:
         return cls(host=api.host, port=api.port, token=api.token, max_queued_sequences=api.max_queued_sequences,
                    max_request_bytes=api.max_request_bytes, full_wait=api.full_wait, spool_dir=spool_dir,
-                   spool_fsync=api.spool_fsync)
+                   spool_fsync=api.spool_fsync, shm_ack_timeout=api.shm_ack_timeout)
 
 
 class ApiMetrics:
@@ -165,11 +168,15 @@ class ApiServer:
         self.max_inflight_bytes = INFLIGHT_BODIES * settings.max_request_bytes
         self._peer_lookup: asyncio.Lock = asyncio.Lock()
         self._own_hosts = _own_host_names() if is_loopback(settings.host) else None
+        self.shm = ShmBatches(store, ack_timeout=settings.shm_ack_timeout, spool_dir=settings.spool_dir,
+                              metrics=self.metrics)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.settings.max_request_bytes,
                               middlewares=[self._guard])
         app.on_cleanup.append(self._close_inflater)
+        app.on_startup.append(self.shm.on_startup)
+        app.on_cleanup.append(self.shm.on_cleanup)
         get, post = app.router.add_get, app.router.add_post
         get("/", self.root)
         post("/register", self.register)
@@ -178,6 +185,7 @@ class ApiServer:
         get("/wandb_info", self.wandb_info)
         get("/info", self.info)
         get("/batch", self.batch)
+        post("/batch/ack", self.batch_ack)
         get("/latest_example", self.latest_example)
         post("/scored_data", self.scored_data)
         post("/scored_data_list", self.scored_data_list)
@@ -346,6 +354,10 @@ class ApiServer:
         if store.registration is None:
             return await _json(request, {"status": "error", "message": "Trainer not registered. Call /register first.",
                                          "batch": []})
+        fmt = binary.requested_format(request.headers.get("Accept", ""), request.query.get("format"))
+        if fmt == "shm" and not is_loopback(request.remote):
+            raise InvalidRequest("shared-memory batches are for trainers on the API's host; use "
+                                 "format=safetensors", 400, "shm_remote")
         epoch = store.epoch
         try:
             batch = store.take_batch()
@@ -353,10 +365,28 @@ class ApiServer:
             return self._spool_refusal(exc)
         if batch is None:
             return await _json(request, {"batch": None})
-        body, headers = await _encode(request, _batch_body(batch))
-        resp = web.StreamResponse(headers=headers)
-        resp.content_length = len(body)
+        if fmt == "shm":
+            try:
+                offer = self.shm.offer(batch, epoch, store.served_step)
+            except BaseException as exc:
+                store.undeliver(batch, epoch)
+                if not isinstance(exc, OSError):
+                    raise
+                log.error("cannot write a batch into shared memory", error=str(exc))
+                # Like a full spool: the batch went back to the queue, the trainer retries (or asks
+                # for format=safetensors); a 503, never a 500 (SPEC §13).
+                return _json_plain({"detail": f"cannot create a shared-memory segment: {exc}", "shm": False},
+                                   status=503, headers={"Retry-After": "1"})
+            return await _json(request, {"shm": offer})
+        resp = web.StreamResponse()
         try:
+            if fmt == "safetensors":
+                body, headers = binary.response_body(batch, store.served_step, remote=not is_loopback(request.remote),
+                                                     accepts_gzip=_accepts_gzip(request))
+            else:
+                body, headers = await _encode(request, _batch_body(batch))
+            resp.headers.update(headers)
+            resp.content_length = len(body)
             await resp.prepare(request)
             await resp.write(body)
             await resp.write_eof()
@@ -374,6 +404,15 @@ class ApiServer:
         self.metrics.batches_served.inc()
         self.metrics.sequences_served.inc(sum(g.n for g in batch))
         return resp
+
+    async def batch_ack(self, request: web.Request) -> web.StreamResponse:
+        """``POST /batch/ack {"batch_id", "release"?}``: a shared-memory batch was received (or,
+        with ``release``, cannot be read and is to be served again)."""
+        body = await self._read_json(request)
+        batch_id = body.get("batch_id") if isinstance(body, dict) else None
+        if not isinstance(batch_id, str) or not batch_id:
+            raise InvalidRequest("field required: batch_id (a string)")
+        return await _json(request, self.shm.ack(batch_id, release=bool(body.get("release", False))))
 
     async def latest_example(self, request: web.Request) -> web.StreamResponse:
         g = self.store.latest

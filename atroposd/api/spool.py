@@ -17,7 +17,9 @@ Records:
                 the queue).
   ``Q`` queued  ``[[seq, qpos], ...]``: groups that entered the queue (from a mixed-size buffer,
                 or right after acceptance).
-  ``A`` ack     ``{"seqs": [...], "step": N}``: a batch whose response was fully written.
+  ``A`` ack     ``{"seqs": [...], "step": N}``: a batch whose response was fully written (a
+                shared-memory batch's also carries its ``batch_id``: a repeated
+                acknowledgement after a restart is answered the same).
 
 Replay rebuilds the queue (by ``qpos``) and the buffers from the groups not acknowledged; a
 batch formed but not delivered before a crash goes back to the queue, so every accepted group is
@@ -56,6 +58,7 @@ _SEGMENT = re.compile(r"^seg-(\d{8})\.log$")
 _KINDS = frozenset((b"S", b"E", b"G", b"Q", b"A"))
 BAD_DIR = "bad"  # damaged bytes and records that cannot be replayed, kept for a post-mortem
 log = get_logger("api.spool")
+ACKED_IDS_KEPT = 1024
 
 
 class SpoolError(RuntimeError):
@@ -76,6 +79,7 @@ class SpoolState:
     next_qpos: int = 0
     dropped_bytes: int = 0  # damaged bytes skipped (torn tails included)
     set_aside: int = 0  # damaged regions and records that could not be replayed, copied to bad/
+    acked_batch_ids: list[str] = field(default_factory=list)  # shared-memory batches, newest last
 
 
 @dataclass
@@ -240,6 +244,7 @@ class Spool:
         step = 0
         max_seq = max_qpos = -1
         dropped = set_aside = 0
+        acked_ids: list[str] = []
         for number, path in self._segment_files():
             seg = _Segment(number, path)
             data = path.read_bytes()
@@ -272,6 +277,8 @@ class Spool:
                             self._forget(seq, groups)
                             max_seq = max(max_seq, int(seq))
                         step = int(ack["step"])
+                        if isinstance(ack.get("batch_id"), str):
+                            acked_ids.append(ack["batch_id"])
                     elif kind == b"S":
                         new = orjson.loads(payload)
                         if not isinstance(new, dict):
@@ -313,6 +320,7 @@ class Spool:
             state = self._rebuild(snapshot, step, groups, max_seq + 1, max_qpos + 1, dropped)
         self._state = snapshot
         state.set_aside = self.set_aside = set_aside
+        state.acked_batch_ids = acked_ids[-ACKED_IDS_KEPT:]
         return state
 
     def _set_aside(self, path: Path, bad: list[tuple[int, bytes]]) -> None:
@@ -415,10 +423,13 @@ class Spool:
         """Record queue entries; a failure only costs the exact queue order after a restart."""
         self._try(_frame(b"Q", orjson.dumps([[g.seq, g.qpos] for g in groups])), "queued")
 
-    def write_ack(self, batch: Iterable[Group], step: int) -> None:
+    def write_ack(self, batch: Iterable[Group], step: int, batch_id: str | None = None) -> None:
         """Acknowledge a delivered batch and drop its groups from the spool."""
         seqs = [g.seq for g in batch]
-        if not self._try(_frame(b"A", orjson.dumps({"seqs": seqs, "step": step})), "ack"):
+        record: dict[str, Any] = {"seqs": seqs, "step": step}
+        if batch_id is not None:
+            record["batch_id"] = batch_id
+        if not self._try(_frame(b"A", orjson.dumps(record)), "ack"):
             self.ack_failures += 1
         for seq in seqs:
             self._forget(seq, self._groups)
