@@ -4,7 +4,7 @@ Every module of the package is parsed with ``ast`` and every import counts: modu
 inside functions, under ``TYPE_CHECKING``. The layers, top to bottom:
 
 0. ``cli``, ``__main__``
-1. ``commands``, ``plot``
+1. ``commands``, ``plot``, ``client`` (the library for trainers that run elsewhere)
 2. ``daemon`` (module or package)
 3. ``process/``, ``control``, ``systemd``
 4. the child programs and the trainer: ``api/``, ``inference/``, ``envs/``, ``trainer/``
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli", "__main__"),
-    ("commands", "plot"),
+    ("commands", "plot", "client"),
     ("daemon",),
     ("process", "control", "systemd"),
     ("api", "inference", "envs", "trainer"),
