@@ -9,10 +9,8 @@ by the same :func:`~atroposd.api.bodies.groups_from_body` the loop would call, s
 the same answer either way. The loop hands a body over only while the helper holds fewer than
 ``DEPTH`` (one parsing, one waiting) and parses the others itself (:meth:`ParseHelper.groups`
 answers None for those): both stay busy and neither
-waits for the other. Bodies under ``MIN_BYTES`` are cheaper to parse than to hand over.
-Measured on two cores with the load generator beside it: 20–25 % more groups per second than
-the loop alone (``benchmarks/bench_api.py``: 5.5–6.0× run-api; the runs made before the helper
-gave 4.2–5.3×).
+waits for the other. Bodies under ``MIN_BYTES`` are cheaper to parse than to hand over. What
+it gains is measured by ``benchmarks/bench_api.py`` (the README's measured table).
 
 The helper is a child of the API process: it dies with it (parent-death signal, and it exits
 when its socket closes), ignores SIGTERM/SIGINT so that a group stop lets the API close it, and

@@ -7,8 +7,8 @@ reorder or shrink its batch (``select``). Two implementations:
   causal LM.
 * :class:`LlamaStepper` — the same arithmetic as transformers' Llama written out flat, for
   plain Llama models (default RoPE, no biases, SiLU, plain ``nn.Linear`` projections). A tiny
-  model spends most of a forward pass in Python module overhead, which this avoids (about
-  1.6× faster on builtin:tiny). It reads the weights from the model's modules at every call,
+  model spends most of a forward pass in Python module overhead, which this avoids
+  (``benchmarks/bench_inference.py`` measures it). It reads the weights from the model's modules at every call,
   so weights rebound into shared memory are used as they are. Anything else (LoRA layers,
   rope scaling, biases) goes through :class:`HFStepper`; :func:`make_stepper` decides per batch.
 
