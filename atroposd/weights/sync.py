@@ -50,6 +50,7 @@ __all__ = ["PushSync", "ReloadSync", "SharedSync", "WeightSync", "make_weight_sy
 log = get_logger(__name__)
 
 DEFAULT_DEADLINE = 300.0
+MIN_DEADLINE = 30.0
 
 
 class WeightSync(Protocol):
@@ -88,12 +89,15 @@ def make_weight_sync(cfg: Any, *, nonce: str, control_socket: Path | None) -> We
 
 def sync_deadline(stall_timeout: float) -> float:
     """A weight-control request's deadline: half the trainer's stall_timeout (the daemon then
-    still has time to restart the server within the stall), else 300 s."""
-    return stall_timeout / 2 if stall_timeout > 0 else DEFAULT_DEADLINE
+    still has time to restart the server within the stall), at least ``MIN_DEADLINE``; without
+    a stall_timeout, 300 s."""
+    return max(MIN_DEADLINE, stall_timeout / 2) if stall_timeout > 0 else DEFAULT_DEADLINE
 
 
 def _unreachable(exc: WeightControlError) -> bool:
-    return exc.status is None
+    """Not reachable, not answering within the deadline, or not serving (503: its engine is
+    loading or shutting down): the server gets the weights from ``reattach`` when it is back."""
+    return exc.status is None or exc.status == 503
 
 
 class _ControlMixin:
