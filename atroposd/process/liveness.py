@@ -226,7 +226,8 @@ class HeartbeatLiveCheck:
 
     async def check(self, unit: Unit, tick: int) -> str | None:
         beat = self.board.latest(unit)
-        since = unit.live_since if beat is None else max(beat.at, unit.live_since)
+        ready_at = unit.since  # the unit is READY: its last state change
+        since = ready_at if beat is None else max(beat.at, ready_at)
         age = time.monotonic() - since
         if age <= self.timeout:
             return None

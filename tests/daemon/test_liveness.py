@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -130,8 +131,9 @@ def test_unresolved_stall_ends_the_job_and_the_next_start_resumes(short_tmp: Pat
     cfg = job_config(short_tmp, steps=8, trainer={"checkpoint_every": 3, "stall_timeout": 3.0},
                      daemon={"stop_timeout": 5.0})
     env = {**daemon_env(), "ATROPOSD_TEST_STALL_STEP": f"5:{marker}"}
-    proc = psutil.Popen([*_cli(), "run", "-c", str(cfg)], env={**os.environ, **env},
-                        stdout=open(short_tmp / "run1.out", "wb"), stderr=open(short_tmp / "run1.err", "wb"))
+    with open(short_tmp / "run1.err", "wb") as err_file:
+        proc = psutil.Popen([*_cli(), "run", "-c", str(cfg)], env={**os.environ, **env},
+                            stdout=subprocess.DEVNULL, stderr=err_file)
     try:
         seen = wait_for(lambda: _status_or_none(cfg, lambda st: (st["trainer"] or {}).get("state") == "stalled"),
                         timeout=120, interval=0.2, what="status to show the trainer stalled")
