@@ -52,7 +52,8 @@ def test_a_stopped_http_child_is_declared_hung_killed_and_restarted(hub: LogHub)
         os.kill(pid, signal.SIGSTOP)
         t0 = time.monotonic()
         try:
-            await unit.wait_until(lambda u: u.live_failures > 0 or u.state != State.READY)
+            while unit.live_failures == 0 and unit.state == State.READY:  # noqa: ASYNC110 - checks run beside
+                await anyio.sleep(0.01)
             seen["failing"] = unit.status()["live"]["state"]
             await _ready(unit, pid_not=pid)
             seen["restart_s"] = time.monotonic() - t0
@@ -71,7 +72,8 @@ def test_a_stopped_http_child_is_declared_hung_killed_and_restarted(hub: LogHub)
     assert unit.last_hung is not None and unit.last_hung["pid"] == seen["pid"]
     assert "did not answer" in unit.last_hung["reason"]
     # interval × failures + the probe's timeout + the stop (TERM after CONT: at once)
-    assert float(seen["restart_s"]) < FAST.interval * FAST.failures + FAST.timeout + 5.0, seen  # type: ignore[arg-type]
+    # (and the backoff, a start of the child: generous on a loaded machine)
+    assert float(seen["restart_s"]) < FAST.interval * FAST.failures + FAST.timeout + 10.0, seen  # type: ignore[arg-type]
 
 
 def test_liveness_off_leaves_a_stopped_child_alone(hub: LogHub) -> None:
