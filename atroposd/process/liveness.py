@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 
 log = get_logger("atroposd.liveness")
 
+# A command environment with no CPU use, heartbeat or registration this long starts failing its checks.
+COMMAND_QUIET_S = 60.0
+
 __all__ = ["ActivityLiveCheck", "HeartbeatBoard", "HeartbeatLiveCheck", "HttpLiveCheck", "InferenceLiveCheck",
            "LiveCheck", "LiveSettings"]
 
@@ -240,36 +243,50 @@ class HeartbeatLiveCheck:
 
 @dataclass
 class ActivityLiveCheck:
-    """Alive while the child's processes used CPU, it sent a beat, or it registered with the API
-    since the last check (a ``command`` environment, which need not know of heartbeats)."""
+    """Alive while the child's processes use CPU, it sends beats, or it registers with the API
+    (a ``command`` environment, which need not know of heartbeats).
+
+    A program may wait on a slow generation without using any CPU, so a check fails only once
+    the child has shown none of these for ``quiet`` seconds (``COMMAND_QUIET_S``); then
+    ``live_failures`` such checks in a row make it hung.
+    """
 
     board: HeartbeatBoard
     api_url: str
     timeout: float
     headers: dict[str, str] = field(default_factory=dict)
+    quiet: float = COMMAND_QUIET_S
     _cpu: float | None = None
     _checked: float = field(default_factory=time.time)
+    _active: float = field(default_factory=time.time)
 
     @property
     def description(self) -> str:
         return "CPU use, heartbeats or registrations with the API"
 
     async def check(self, unit: Unit, tick: int) -> str | None:
-        now_wall = time.time()
-        since_wall, self._checked = self._checked, now_wall
+        now = time.time()
+        since, self._checked = self._checked, now
+        if await self._active_since(unit, since):
+            self._active = now
+            return None
+        idle = now - self._active
+        if idle < self.quiet:
+            return None
+        return f"no CPU use, heartbeat or registration with the API for {idle:.1f}s"
+
+    async def _active_since(self, unit: Unit, since: float) -> bool:
         cpu = _cpu_seconds(unit.tree_pids())
         previous, self._cpu = self._cpu, cpu
         if previous is None or cpu > previous:
-            return None
+            return True
         beat = self.board.latest(unit)
         if beat is not None and time.monotonic() - beat.at <= self.timeout:
-            return None
-        if await self._registered_since(unit, since_wall):
-            return None
-        return f"no CPU use, heartbeat or registration with the API for {now_wall - since_wall:.1f}s"
+            return True
+        return await self._registered_since(unit, since)
 
     def reset(self) -> None:
-        self._cpu, self._checked = None, time.time()
+        self._cpu, self._checked, self._active = None, time.time(), time.time()
 
     async def _registered_since(self, unit: Unit, since: float) -> bool:
         import aiohttp

@@ -179,7 +179,7 @@ def test_a_command_environment_is_live_while_it_uses_cpu(hub: LogHub, tmp_path: 
 
     spin = [sys.executable, "-c", "import signal,sys\nsignal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
             "while True: pass"]
-    spec = make_spec("cmd-0", spin, live=FAST, live_check=ActivityLiveCheck(board, api, FAST.timeout))
+    spec = make_spec("cmd-0", spin, live=FAST, live_check=ActivityLiveCheck(board, api, FAST.timeout, quiet=0.0))
     unit = supervise(spec, hub, body)
     assert exits[0] is not None and exits[0].reason == "hung"
     assert unit.last_hung is not None and "no CPU use" in unit.last_hung["reason"]
