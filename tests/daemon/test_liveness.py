@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import psutil
 import pytest
 
 from tests.e2e.jobs import component, daemon_env, job_config, metrics, status
-from tests.support import atroposd, wait_for
+from tests.support import atroposd, free_port, wait_for
 
 # Short liveness settings: a stopped child is declared hung after 3 failed checks, 0.5 s apart.
 LIVE = {"live_interval": 0.5, "live_timeout": 1.0, "live_failures": 3}
@@ -128,8 +129,9 @@ def test_unresolved_stall_ends_the_job_and_the_next_start_resumes(short_tmp: Pat
     """A trainer step blocked in a test hook: status shows ``stalled`` at the trainer's own stage;
     past twice stall_timeout the job exits 1; the next start resumes from the last checkpoint."""
     marker = short_tmp / "stalled-once"
+    metrics_port = free_port()
     cfg = job_config(short_tmp, steps=8, trainer={"checkpoint_every": 3, "stall_timeout": 3.0},
-                     daemon={"stop_timeout": 5.0})
+                     daemon={"stop_timeout": 5.0, "metrics_port": metrics_port})
     env = {**daemon_env(), "ATROPOSD_TEST_STALL_STEP": f"5:{marker}"}
     with open(short_tmp / "run1.err", "wb") as err_file:
         proc = psutil.Popen([*_cli(), "run", "-c", str(cfg)], env={**os.environ, **env},
@@ -141,6 +143,9 @@ def test_unresolved_stall_ends_the_job_and_the_next_start_resumes(short_tmp: Pat
         assert t["stage"] == "trainer", t
         assert t["stalled_for_s"] >= 3.0, t
         assert t["step"] == 4, t
+        scrape = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+        gauge = [line for line in scrape.splitlines() if line.startswith('atroposd_trainer_stalled_seconds{stage="trainer"}')]
+        assert gauge and float(gauge[0].split()[-1]) >= 3.0, scrape[-2000:]
         code = proc.wait(timeout=60)
     finally:
         if proc.is_running():

@@ -223,3 +223,18 @@ def test_a_timed_out_control_request_is_an_unreachable_server(tmp_path: Path) ->
             tg.cancel_scope.cancel()
 
     anyio.run(main)
+
+
+def test_steps_per_s_is_measured_over_a_recent_window() -> None:
+    from atroposd.trainer.loop import STEPS_WINDOW_S
+
+    p = Progress(total_steps=100)
+    assert p.steps_per_s is None  # no step yet
+    now = time.monotonic()
+    p.step_times.extend([now - STEPS_WINDOW_S - 20 + i * 0.1 for i in range(10)])  # fast, long ago
+    assert p.steps_per_s == 0.0  # nothing moved in the window: 0, not the old 10 steps/s
+    p.step_times.extend([now - 2.0, now - 1.0])
+    assert p.steps_per_s == pytest.approx(2 / STEPS_WINDOW_S)  # the window is covered in full
+    q = Progress(total_steps=100)
+    q.step_times.extend([now - 2.0, now - 1.5, now - 1.0])
+    assert q.steps_per_s == pytest.approx(2 / 2.0, rel=0.05)  # from its first step to now
