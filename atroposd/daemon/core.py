@@ -456,6 +456,8 @@ class Daemon:
     async def _stop_all(self) -> None:
         """Trainer (checkpoint), then environments, inference, API: each bounded by its timeout."""
         self._move(DaemonState.STOPPING, "start failed" if self.start_error else "stop")
+        if self.watchdog is not None:
+            self.watchdog.stop()
         c = self.cfg.daemon
         self.notifier.stopping("stopping")
         self.notifier.extend_timeout(c.checkpoint_timeout + 3 * c.stop_timeout + 10)

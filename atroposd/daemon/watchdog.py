@@ -142,6 +142,7 @@ class StallWatchdog:
         self._last_progress = time.monotonic()
         self._sync_timeouts = weights.sync_timeouts if weights is not None else 0
         self._ended = False
+        self._scope = anyio.CancelScope()
 
     @property
     def period(self) -> float:
@@ -149,9 +150,16 @@ class StallWatchdog:
 
     async def run(self) -> None:
         self._last_progress = time.monotonic()
-        while True:
-            await anyio.sleep(self.period)
-            await self.tick()
+        with self._scope:
+            while True:
+                await anyio.sleep(self.period)
+                await self.tick()
+
+    def stop(self) -> None:
+        """The job is stopping: a checkpoint or a child's stop is not a stall."""
+        self._ended = True
+        self.stall = None
+        self._scope.cancel()
 
     async def tick(self) -> None:
         self._check_sync_timeouts()
