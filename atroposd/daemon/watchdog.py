@@ -142,7 +142,7 @@ class StallWatchdog:
         self._last_progress = time.monotonic()
         self._sync_timeouts = weights.sync_timeouts if weights is not None else 0
         self._ended = False
-        self._scope = anyio.CancelScope()
+        self._scope: anyio.CancelScope | None = None
 
     @property
     def period(self) -> float:
@@ -150,7 +150,9 @@ class StallWatchdog:
 
     async def run(self) -> None:
         self._last_progress = time.monotonic()
-        with self._scope:
+        with anyio.CancelScope() as self._scope:
+            if self._ended:
+                return
             while True:
                 await anyio.sleep(self.period)
                 await self.tick()
@@ -159,7 +161,8 @@ class StallWatchdog:
         """The job is stopping: a checkpoint or a child's stop is not a stall."""
         self._ended = True
         self.stall = None
-        self._scope.cancel()
+        if self._scope is not None:
+            self._scope.cancel()
 
     async def tick(self) -> None:
         self._check_sync_timeouts()

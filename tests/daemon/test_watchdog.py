@@ -205,8 +205,8 @@ def test_a_timed_out_control_request_is_an_unreachable_server(tmp_path: Path) ->
 
     async def main() -> None:
         listener = await anyio.create_unix_listener(sock)
+        conns: list[Any] = []
         async with listener, anyio.create_task_group() as tg:
-            conns: list[Any] = []
 
             async def keep(conn: Any) -> None:
                 conns.append(conn)
@@ -221,6 +221,8 @@ def test_a_timed_out_control_request_is_an_unreachable_server(tmp_path: Path) ->
             assert info.value.timed_out and info.value.status is None
             assert "did not answer within 0.3s" in str(info.value)
             tg.cancel_scope.cancel()
+        for conn in conns:
+            await conn.aclose()
 
     anyio.run(main)
 
