@@ -120,7 +120,7 @@ class InferenceConfig:
     ready_timeout: float = _k(600.0, "Seconds the server may take to become ready (health + one generation).", gt=0)
     live_interval: float = _k(5.0, "Seconds between liveness probes of the running server (GET /health; one tiny\n"
                               "generation every live_generate_every probes); 0 = off.", min=0)
-    live_timeout: float = _k(5.0, "Seconds a /health probe may take before it counts as failed (a generation: 6x).",
+    live_timeout: float = _k(5.0, "Seconds a /health probe may take (a generation: live_generate_every times this).",
                              gt=0)
     live_failures: int = _k(3, "Consecutive failed probes before the server is declared hung and restarted; 0 = off.",
                             min=0)
