@@ -140,7 +140,7 @@ class StallWatchdog:
         self.stalls = 0  # stall episodes so far
         self._last_step: int | None = None
         self._last_progress = time.monotonic()
-        self._sync_timeouts = weights.sync_timeouts if weights is not None else 0
+        self._sync_timeouts = 0  # one that timed out before the watchdog started counts too
         self._ended = False
         self._scope: anyio.CancelScope | None = None
 

@@ -18,8 +18,8 @@ from atroposd.daemon.watchdog import StallWatchdog, WatchedSync
 from atroposd.heartbeat import Beat
 from atroposd.process.liveness import HeartbeatBoard
 from atroposd.process.logfiles import LogHub
-from atroposd.process.probes import StartedProbe
-from atroposd.process.unit import Unit, UnitSpec
+from atroposd.process.probes import HttpProbe, StartedProbe
+from atroposd.process.unit import State, Unit, UnitSpec
 from atroposd.trainer.loop import Progress
 from atroposd.weights.client import WeightControlError
 from atroposd.weights.sync import SharedSync
@@ -157,19 +157,30 @@ def test_waiting_for_data_names_the_api_environments_or_inference(hub: LogHub, f
 
 def test_a_weight_sync_that_does_not_return_is_bounded_named_and_counted(hub: LogHub, tmp_path: Path) -> None:
     """A server that accepts on its control socket and never answers: the pause is given up at
-    its deadline (the step goes on), the watchdog names ``weight_sync`` meanwhile, and the
-    timeout is counted for the daemon to restart the server."""
+    its deadline (the step goes on), the watchdog names ``weight_sync`` meanwhile, and restarts
+    the server (here a stand-in child) for the timed-out request."""
+    import sys
+
     sock = tmp_path / "inf.sock"
     inner = SharedSync(nonce="test", weights_dir=tmp_path / "w", control_socket=sock)
     inner.deadline = 1.0
     watched = WatchedSync(inner)
     trainer, ended = _Trainer(), []  # type: ignore[var-annotated]
-    w = _watchdog(_cfg(free_port()), trainer, _units(hub), HeartbeatBoard(), ended, weights=watched)
+    port = free_port()
+    script = Path(__file__).resolve().parent.parent / "child_scripts" / "fake_api.py"
+    server = Unit(UnitSpec(name="inference", kind="inference", argv=[sys.executable, str(script), str(port)],
+                           env=dict(os.environ), probe=HttpProbe(f"http://127.0.0.1:{port}/info"), ready_timeout=20,
+                           stop_timeout=3), logs=hub)
+    w = _watchdog(_cfg(free_port()), trainer, {"inference": server}, HeartbeatBoard(), ended, weights=watched)
     held: list[Any] = []
 
     async def main() -> None:
         listener = await anyio.create_unix_listener(sock)
         async with listener, anyio.create_task_group() as tg:
+            tg.start_soon(server.supervise)
+            with anyio.fail_after(30):
+                await server.wait_until(lambda u: u.state == State.READY)
+            first = server.pid
             async def hold() -> None:
                 async def keep(conn: Any) -> None:
                     held.append(conn)
@@ -191,6 +202,14 @@ def test_a_weight_sync_that_does_not_return_is_bounded_named_and_counted(hub: Lo
             assert 0.9 <= time.monotonic() - t0 < 5
             assert watched.busy is None or watched.busy[0] == "resume"
             assert watched.sync_timeouts == 1 and inner.server_current is False
+            await w.tick()  # the timed-out request restarts the server
+            with anyio.fail_after(30):
+                await server.wait_until(lambda u: u.state == State.READY and u.pid != first)
+            assert server.last_exit is not None and server.last_exit.reason == "hung"
+            assert server.last_hung is not None and "weight sync" in server.last_hung["reason"]
+            server.request_stop()
+            with anyio.fail_after(30):
+                await server.done.wait()
             tg.cancel_scope.cancel()
         for conn in held:
             await conn.aclose()
