@@ -474,8 +474,9 @@ class Unit:
             first = self.spec.stop_signal if proc.returncode is None else signal.SIGTERM
             reaper.signal_group(proc.pid, first)
             reaper.signal_all(self.tracked.values(), first)
-            if self.hung_reason is not None and proc.returncode is None:
-                # A hung child may be stopped (SIGSTOP, a debugger): let it see the TERM.
+            if proc.returncode is None:
+                # As systemd does: a stopped child (SIGSTOP, a debugger; often a hung one) sees the
+                # TERM at once instead of only the KILL after the grace.
                 reaper.signal_group(proc.pid, signal.SIGCONT)
                 reaper.signal_all(self.tracked.values(), signal.SIGCONT)
             with anyio.move_on_after(grace):
