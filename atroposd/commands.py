@@ -283,13 +283,20 @@ def _render_status(st: dict[str, Any]) -> str:
     for c in st["components"]:
         last = c.get("last_exit")
         last_text = "" if not last else (last["signal"] or f"code {last['code']}") + f" at {last['at']}"
+        if last and last.get("reason"):
+            last_text = f"{last['reason']}: {last_text}"
         name = c["name"] + (" (external)" if c.get("external") else "")
         out.append(f"{name:<24} {c['state']:<12} {c['pid'] or '-':>8} {c['restarts']:>8}  {last_text}")
+        live = c.get("live") or {}
+        if live.get("state") in ("failing", "hung"):
+            out.append(f"  {live['state']}: {live.get('error') or (live.get('last_hung') or {}).get('reason')}")
     t = st.get("trainer")
     if t:
         line = f"trainer: {t.get('state')} step {t.get('step')}/{t.get('total_steps')}"
         if t.get("waiting_for"):
             line += f" (waiting for {t['waiting_for']})"
+        if t.get("state") == "stalled":
+            line += f" (no step for {t.get('stalled_for_s')}s; stuck: {t.get('stage_text') or t.get('stage')})"
         for key in ("reward_mean", "accuracy", "loss", "steps_per_s"):
             if t.get(key) is not None:
                 line += f"  {key} {t[key]:.4g}"

@@ -126,6 +126,10 @@ class ApiConfig:
                             '["run-api", "--host", "127.0.0.1", "--port", "{port}"]',
                             schema={"items": {"type": "string", "pattern": _placeholder_pattern((*PLACEHOLDERS,
                                                                                                  "port"))}})
+    live_interval: float = _k(5.0, "Seconds between liveness probes of the running API (GET /info); 0 = off.", min=0)
+    live_timeout: float = _k(5.0, "Seconds a liveness probe may take before it counts as failed.", gt=0)
+    live_failures: int = _k(3, "Consecutive failed probes before the API is declared hung and restarted; 0 = off.",
+                            min=0)
 
     def bearer_token(self) -> str:
         """The token in force: ``token``, else the content of ``token_file``, else
@@ -177,6 +181,14 @@ class InferenceConfig:
                      schema={"pattern": DEVICE_PATTERN})
     max_model_len: int = _k(4096, "Longest prompt + completion the server accepts, in tokens.", min=8)
     ready_timeout: float = _k(600.0, "Seconds the server may take to become ready (health + one generation).", gt=0)
+    live_interval: float = _k(5.0, "Seconds between liveness probes of the running server (GET /health; one tiny\n"
+                              "generation every live_generate_every probes); 0 = off.", min=0)
+    live_timeout: float = _k(5.0, "Seconds a /health probe may take (a generation: live_generate_every times this).",
+                             gt=0)
+    live_failures: int = _k(3, "Consecutive failed probes before the server is declared hung and restarted; 0 = off.",
+                            min=0)
+    live_generate_every: int = _k(6, "Every this many liveness probes, one tiny real generation; 0 = never.",
+                                  min=0)
     vllm: VllmConfig = field(default_factory=VllmConfig, metadata={"doc": "Only read when engine = \"vllm\"."})
 
 
@@ -214,6 +226,9 @@ class TrainerConfig:
     sync_every: int = _k(1, "Steps between weight syncs (push and reload).", min=1)
     max_staleness: int = _k(2, "Batches fetched ahead of the step being trained.", min=0)
     data_timeout: float = _k(600.0, "No data and no live or restartable environment this long: the job fails.", gt=0)
+    stall_timeout: float = _k(300.0, "No step for this long: the trainer is stalled; the stuck stage is named and the\n"
+                              "child to blame restarted. Unresolved for twice this: the job exits 1 (resume\n"
+                              "follows). 0 = off.", min=0)
     checkpoint_every: int = _k(500, "Steps between checkpoints; also at the last step and on a requested stop.", min=1)
     keep_checkpoints: int = _k(3, "Newest complete checkpoints kept.", min=1)
     resume: bool = _k(True, "Continue from the newest complete checkpoint in state_dir.")
@@ -242,6 +257,10 @@ class EnvConfig:
     ready_timeout: float = _k(120.0, "Seconds the environment may take to become ready.", gt=0)
     stop_signal: str = _k("SIGTERM", "Signal that asks the environment to stop.")
     port_base: int = _k(0, "> 0: replica i gets {replica_port} = port_base + i.", min=0, max=65535)
+    live_interval: float = _k(5.0, "Seconds between liveness checks: a built-in environment's heartbeat; a command's\n"
+                              "registrations with the API or its CPU use (README, Troubleshooting); 0 = off.", min=0)
+    live_timeout: float = _k(5.0, "Seconds without a heartbeat (built-in) that count as one failed check.", gt=0)
+    live_failures: int = _k(3, "Consecutive failed checks before the environment is declared hung; 0 = off.", min=0)
 
     def replica_names(self) -> list[str]:
         return [f"{self.name}-{i}" for i in range(self.replicas)]

@@ -20,12 +20,14 @@ import math
 import os
 import secrets
 import signal
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
 
+from atroposd import heartbeat
 from atroposd.config import Config, ConfigError, TokenError, load_config
 from atroposd.control import ControlServer
 from atroposd.daemon import runtime, specs
@@ -39,15 +41,18 @@ from atroposd.daemon.state import (
     Event,
     ReloadRequested,
     Reply,
+    StallUnresolved,
     StopRequested,
     TrainerEnded,
     UnitChanged,
 )
+from atroposd.daemon.watchdog import StallWatchdog, WatchedSync
 from atroposd.exitcodes import Exit
 from atroposd.logs import get_logger
 from atroposd.paths import Paths
 from atroposd.pids import start_ticks
 from atroposd.process import reaper
+from atroposd.process.liveness import HeartbeatBoard
 from atroposd.process.logfiles import LogHub
 from atroposd.process.unit import State, Unit, UnitSpec
 from atroposd.systemd import Notifier
@@ -90,6 +95,10 @@ class Daemon:
         self._trainer_scope: anyio.CancelScope | None = None
         self._trainer_outcome: TrainerOutcome | None = None
         self._reaper = reaper.OrphanReaper()
+        # Liveness (SPEC §4): environments' heartbeats, and the trainer's forward-progress watchdog.
+        self.board = HeartbeatBoard()
+        self.watchdog: StallWatchdog | None = None
+        self._stall_exit: str | None = None
         self._record = RecoveryRecord(self.paths, nonce=self.nonce, pid=self.pid, start_time=self.start_time,
                                       started_at=self.started_at)
         # Children start from the environment the daemon was given (before any narrowing of
@@ -145,12 +154,15 @@ class Daemon:
                 self._tg = tg
                 tg.start_soon(self._signals)
                 await tg.start(control.serve)
+                await tg.start(self.board.serve, self.paths.runtime_dir / heartbeat.SOCKET_NAME)
                 tg.start_soon(self._track_loop)
                 tg.start_soon(self._status_loop)
                 tg.start_soon(self.notifier.watchdog_loop)
                 if self.cfg.daemon.metrics_port:
                     await tg.start(self._serve_metrics)
                 code = await self._lifecycle()
+                if self.trainer is not None and not self._trainer_done.is_set():
+                    self._exit_without_trainer(code, pid_fd)  # its compute thread does not return
                 tg.cancel_scope.cancel()
             log.info("daemon exits", code=int(code))
             return code
@@ -182,6 +194,7 @@ class Daemon:
                 self._move(DaemonState.RUNNING, "every component started")
                 self.notifier.ready(status_mod.status_line(self))
                 log.info("READY", seconds=round(self.uptime(), 3), instance=self.nonce)
+                self._start_watchdog()
                 code = await self._serve()
         except StartFailed as exc:
             self.start_error = str(exc)
@@ -201,7 +214,7 @@ class Daemon:
 
     def _spec_inputs(self) -> SpecInputs:
         return SpecInputs(cfg=self.cfg, paths=self.paths, nonce=self.nonce, model=self.model_path,
-                          tokenizer=self.tokenizer_path, base_env=self._base_env)
+                          tokenizer=self.tokenizer_path, base_env=self._base_env, board=self.board)
 
     async def _start_all(self) -> None:
         if self.cfg.inference.enabled or self.cfg.trainer.enabled:
@@ -254,7 +267,8 @@ class Daemon:
             os.environ["CUDA_VISIBLE_DEVICES"] = self.cfg.trainer.device
         self.notifier.extend_timeout(self.cfg.inference.ready_timeout + API_READY_TIMEOUT)
         sock = self.paths.inference_socket(self.cfg.inference.port) if self.cfg.inference.enabled else None
-        self.weights = make_weight_sync(self.cfg, nonce=self.nonce, control_socket=sock)
+        # Watched: the stall watchdog sees a weight sync in flight (the stage "weight_sync").
+        self.weights = WatchedSync(make_weight_sync(self.cfg, nonce=self.nonce, control_socket=sock))
         self.trainer = TrainerService(self.cfg, instance=self.nonce, weights=self.weights,
                                       envs_alive=self.envs_alive)
         assert self._tg is not None
@@ -308,6 +322,10 @@ class Daemon:
             if isinstance(event, ReloadRequested):
                 event.reply.set(await self._reload())
                 continue
+            if isinstance(event, StallUnresolved):
+                self._stall_exit = event.reason
+                log.error("job fails: the trainer's stall was not resolved", reason=event.reason)
+                return Exit.RUNTIME
             unit = event.unit
             if unit.kind in ("api", "inference") and unit.state == State.FAILED and self.units.get(unit.name) is unit:
                 log.error("job fails: a required component failed", unit=unit.name, error=unit.last_error)
@@ -360,6 +378,35 @@ class Daemon:
             await anyio.sleep(STATUS_INTERVAL)
             if self.state.serving:
                 self.notifier.status(status_mod.status_line(self))
+
+    def _start_watchdog(self) -> None:
+        if self.trainer is None or self._tg is None:
+            return
+        weights = self.weights if isinstance(self.weights, WatchedSync) else None
+        self.watchdog = StallWatchdog(self.cfg, trainer=self.trainer, units=self.units, board=self.board,
+                                      weights=weights, on_unresolved=self._stall_unresolved)
+        self._tg.start_soon(self.watchdog.run, name="stall watchdog")
+
+    def _stall_unresolved(self, reason: str) -> None:
+        self._events_send.send_nowait(StallUnresolved(reason))
+
+    def _exit_without_trainer(self, code: int, pid_fd: int) -> None:
+        """The trainer's compute thread never returned (a stall the daemon could not resolve):
+        no thread can be cancelled, so the process ends here, its files cleaned up first."""
+        log.error("the trainer's compute thread does not return; the daemon exits without it", code=int(code))
+        if self._hub is not None:
+            self._hub.close()
+        self._clean_files()
+        for path in (self.paths.control_socket, self.paths.runtime_dir / heartbeat.SOCKET_NAME):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+        log.info("daemon exits", code=int(code))
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os.close(pid_fd)
+        os._exit(int(code))
 
     def _set_status(self, text: str) -> None:
         log.info(text)
@@ -431,12 +478,16 @@ class Daemon:
     async def _stop_all(self) -> None:
         """Trainer (checkpoint), then environments, inference, API: each bounded by its timeout."""
         self._move(DaemonState.STOPPING, "start failed" if self.start_error else "stop")
+        if self.watchdog is not None:
+            self.watchdog.stop()
         c = self.cfg.daemon
         self.notifier.stopping("stopping")
         self.notifier.extend_timeout(c.checkpoint_timeout + 3 * c.stop_timeout + 10)
         if self.trainer is not None and not self._trainer_done.is_set():
             self.trainer.request_stop()
-            with anyio.move_on_after(c.checkpoint_timeout + 5):
+            # A stalled trainer cannot write a checkpoint: the last complete one is where the
+            # next start resumes.
+            with anyio.move_on_after(5 if self._stall_exit else c.checkpoint_timeout + 5):
                 await self._trainer_done.wait()
             if not self._trainer_done.is_set() and self._trainer_scope is not None:
                 log.error("trainer did not stop within checkpoint_timeout; abandoning it")

@@ -13,9 +13,20 @@ import signal
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
+from atroposd import heartbeat
 from atroposd.config import Config, EnvConfig, fill_placeholders
 from atroposd.paths import Paths
+from atroposd.process.liveness import (
+    ActivityLiveCheck,
+    HeartbeatBoard,
+    HeartbeatLiveCheck,
+    HttpLiveCheck,
+    InferenceLiveCheck,
+    LiveCheck,
+    LiveSettings,
+)
 from atroposd.process.probes import HttpProbe, InferenceProbe, Probe, RegisteredProbe, StartedProbe
 from atroposd.process.unit import UnitSpec
 from atroposd.pyexec import python_module
@@ -41,11 +52,17 @@ class SpecInputs:
     tokenizer: str
     base_env: Mapping[str, str]
     python: str = sys.executable
+    # The daemon's heartbeat receiver; None: environments' liveness falls back to CPU use.
+    board: HeartbeatBoard | None = None
 
     @property
     def child_config(self) -> str:
         """The resolved config file the built-in children read (``-c``)."""
         return str(self.paths.child_config(self.nonce))
+
+    @property
+    def heartbeat_socket(self) -> Path:
+        return self.paths.runtime_dir / heartbeat.SOCKET_NAME
 
 
 def api_headers(cfg: Config) -> dict[str, str]:
@@ -93,9 +110,11 @@ def api_spec(ins: SpecInputs) -> UnitSpec:
     else:
         argv = _atroposd(ins, "api", "-c", ins.child_config)
     values.pop("group_size")
+    live = LiveSettings(c.api.live_interval, c.api.live_timeout, c.api.live_failures)
     return UnitSpec(name="api", kind="api", argv=argv, env=child_env(ins, values),
                     probe=HttpProbe(f"{c.api_url}/info", api_headers(c)), ready_timeout=API_READY_TIMEOUT,
-                    stop_timeout=c.daemon.stop_timeout)
+                    stop_timeout=c.daemon.stop_timeout, live=live,
+                    live_check=HttpLiveCheck(f"{c.api_url}/info", c.api.live_timeout, api_headers(c)))
 
 
 def inference_spec(ins: SpecInputs) -> UnitSpec:
@@ -112,9 +131,13 @@ def inference_spec(ins: SpecInputs) -> UnitSpec:
         # A GPU named by UUID is device 0 in the child (cuda:N keeps the daemon's numbering).
         env["CUDA_VISIBLE_DEVICES"] = c.inference.device
     # SIGTERM on the daemon's death: the server shuts its engine (and its process group) down.
+    i = c.inference
+    live = LiveSettings(i.live_interval, i.live_timeout, i.live_failures)
+    check = InferenceLiveCheck(c.inference_url, sock, timeout=i.live_timeout, generate_every=i.live_generate_every,
+                               failures=i.live_failures)
     return UnitSpec(name="inference", kind="inference", argv=argv, env=env,
                     probe=InferenceProbe(c.inference_url, sock), ready_timeout=c.inference.ready_timeout,
-                    stop_timeout=c.daemon.stop_timeout, death_signal=signal.SIGTERM)
+                    stop_timeout=c.daemon.stop_timeout, death_signal=signal.SIGTERM, live=live, live_check=check)
 
 
 def stop_signal_of(e: EnvConfig) -> signal.Signals:
@@ -138,11 +161,29 @@ def env_specs(ins: SpecInputs, e: EnvConfig) -> list[UnitSpec]:
             names = (name, e.name) if e.replicas == 1 else (name,)
             probe = RegisteredProbe(ins.cfg.api_url, names, fallback=StartedProbe(e.start_seconds),
                                     headers=api_headers(ins.cfg))
-        specs.append(UnitSpec(name=name, kind="env", argv=argv, env=child_env(ins, values), probe=probe,
+        env = child_env(ins, values)
+        live, check = env_liveness(ins, e)
+        if ins.board is not None:
+            env[heartbeat.ENV_SOCKET] = str(ins.heartbeat_socket)
+            env[heartbeat.ENV_INTERVAL] = f"{min(1.0, max(0.05, e.live_timeout / 3)):g}"
+        specs.append(UnitSpec(name=name, kind="env", argv=argv, env=env, probe=probe,
                               ready_timeout=e.ready_timeout, stop_timeout=ins.cfg.daemon.stop_timeout,
                               stop_signal=stop_signal, restart=e.restart, max_restarts=e.max_restarts,
-                              restart_window=e.restart_window))
+                              restart_window=e.restart_window, live=live, live_check=check))
     return specs
+
+
+def env_liveness(ins: SpecInputs, e: EnvConfig) -> tuple[LiveSettings, LiveCheck]:
+    """A built-in environment heartbeats; a ``command`` one is live while it uses CPU, beats,
+    or registers with the API (SPEC §4)."""
+    live = LiveSettings(e.live_interval, e.live_timeout, e.live_failures)
+    board = ins.board if ins.board is not None else HeartbeatBoard()
+    check: LiveCheck
+    if e.command or ins.board is None:
+        check = ActivityLiveCheck(board, ins.cfg.api_url, e.live_timeout, api_headers(ins.cfg))
+    else:
+        check = HeartbeatLiveCheck(board, e.live_timeout)
+    return live, check
 
 
 def all_specs(ins: SpecInputs) -> list[UnitSpec]:

@@ -102,4 +102,11 @@ class TrainerEnded:
     outcome: TrainerOutcome
 
 
-Event = StopRequested | ReloadRequested | UnitChanged | TrainerEnded
+@dataclass(frozen=True)
+class StallUnresolved:
+    """The trainer made no step for twice ``stall_timeout``: the job ends with exit 1 (SPEC §4)."""
+
+    reason: str
+
+
+Event = StopRequested | ReloadRequested | UnitChanged | TrainerEnded | StallUnresolved

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     import aiohttp
     from prometheus_client.metrics_core import Metric
 
+    from atroposd.daemon.watchdog import StallWatchdog
+
 PROBE_TIMEOUT = 1.5
 
 
@@ -46,7 +48,17 @@ class DaemonView(Protocol):
     def nonce(self) -> str: ...
     @property
     def start_error(self) -> str | None: ...
+    @property
+    def watchdog(self) -> StallWatchdog | None: ...
     def uptime(self) -> float: ...
+
+
+def trainer_status(d: DaemonView) -> dict[str, Any] | None:
+    """The trainer's status, ``stalled`` (with ``stalled_for_s`` and the stage) while a stall lasts."""
+    if d.trainer is None:
+        return None
+    st = d.trainer.status()
+    return d.watchdog.annotate(st) if d.watchdog is not None else st
 
 
 def _session(timeout: float) -> aiohttp.ClientSession:
@@ -74,7 +86,7 @@ async def status(d: DaemonView) -> dict[str, Any]:
         queue = await _queue(cfg, session)
     return {"state": d.state.value, "pid": d.pid, "uptime_s": round(d.uptime(), 3),
             "config": cfg.source, "instance": d.nonce, "components": components,
-            "trainer": d.trainer.status() if d.trainer is not None else None, "queue": queue,
+            "trainer": trainer_status(d), "queue": queue,
             "start_error": d.start_error}
 
 
@@ -99,9 +111,11 @@ def status_line(d: DaemonView) -> str:
     units = list(d.units.values())
     ready = sum(u.state == State.READY for u in units)
     text = f"{d.state.value}: {ready}/{len(units)} components ready"
-    if d.trainer is not None:
-        st = d.trainer.status()
+    st = trainer_status(d)
+    if st is not None:
         text += f"; trainer {st.get('state')} step {st.get('step')}/{st.get('total_steps')}"
+        if st.get("state") == "stalled":
+            text += f" for {st.get('stalled_for_s')}s at {st.get('stage')}"
     return text
 
 
@@ -141,13 +155,26 @@ class DaemonCollector:
         yield state
         yield restarts
         yield dropped
-        if d.trainer is not None:
-            t = d.trainer.status()
+        hung = CounterMetricFamily("atroposd_component_hung", "Times each component was stopped as hung",
+                                   labels=["component", "kind"])
+        for u in list(d.units.values()):
+            hung.add_metric([u.name, u.kind], u.hung_count)
+        yield hung
+        t = trainer_status(d)
+        if t is not None:
             for key, help_text in _TRAINER_GAUGES:
                 if isinstance(t.get(key), (int, float)):
                     g = GaugeMetricFamily(f"atroposd_trainer_{key}", help_text)
                     g.add_metric([], float(t[key]))
                     yield g
+            from atroposd.daemon.watchdog import STAGES
+
+            stalled = GaugeMetricFamily("atroposd_trainer_stalled_seconds",
+                                        "Seconds the trainer has made no step, by the stage that is stuck "
+                                        "(0 while it advances)", labels=["stage"])
+            for stage in STAGES:
+                stalled.add_metric([stage], float(t.get("stalled_for_s") or 0.0) if t.get("stage") == stage else 0.0)
+            yield stalled
 
 
 async def serve_metrics(d: DaemonView, port: int, *,

@@ -39,6 +39,7 @@ from atroposd.envs.client import (
 )
 from atroposd.envs.generate import GenerateError, InferenceClient
 from atroposd.exitcodes import Exit
+from atroposd.heartbeat import HeartbeatSender
 from atroposd.logs import get_logger
 
 DISCONNECT_TIMEOUT = 3.0
@@ -120,6 +121,7 @@ class EnvRunner:
         self._front: anyio.CancelScope | None = None
         self._groups_scope: anyio.CancelScope | None = None
         self._generating: set[anyio.CancelScope] = set()
+        self._generation_started: dict[int, float] = {}  # id(scope) → when its generation began
         self._stopping = False
         self._fatal: tuple[int, str] | None = None
         self._window = _Window()
@@ -140,6 +142,8 @@ class EnvRunner:
         async with aiohttp.ClientSession(timeout=timeout) as session, anyio.create_task_group() as tg:
             tg.start_soon(self._watch_signals)
             tg.start_soon(self._report_loop)
+            # Liveness (SPEC §4): a beat every second tells the daemon this loop runs, and what it waits on.
+            tg.start_soon(HeartbeatSender.from_environ(s.name, state=self.heartbeat_state).run)
             registration = EnvRegistration(desired_name=s.name, group_size=s.group_size,
                                            max_token_length=s.max_token_length, weight=s.weight)
             self.api = AtroposEnvClient(session, s.api_url, registration, token=s.api_token, log=self.log)
@@ -225,10 +229,12 @@ class EnvRunner:
         try:
             with anyio.CancelScope() as generation:
                 self._generating.add(generation)
+                self._generation_started[id(generation)] = anyio.current_time()
                 try:
                     group = await self.task.rollout(item, infer, self.settings.group_size)
                 finally:
                     self._generating.discard(generation)
+                    self._generation_started.pop(id(generation), None)
             if group is None:
                 return  # abandoned at stop; nothing of it reached the API
             try:
@@ -252,6 +258,13 @@ class EnvRunner:
                                  grace_s=self.settings.stop_grace)
 
     # ------------------------------------------------------------------ checks and reports
+
+    def heartbeat_state(self) -> dict[str, Any]:
+        """What a heartbeat carries: generations in flight and how long the oldest has waited."""
+        now = anyio.current_time()
+        starts = list(self._generation_started.values())
+        return {"generating": len(starts), "oldest_generation_s": round(now - min(starts), 3) if starts else 0.0,
+                "groups": self.totals.groups, "throttled": bool(self.gate.throttled) if self.gate else False}
 
     def _check_fits(self, reg: Registration) -> None:
         s = self.settings

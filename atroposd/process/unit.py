@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -36,6 +36,7 @@ from atroposd.exitcodes import Exit
 from atroposd.logs import get_logger
 from atroposd.pids import is_alive
 from atroposd.process import reaper
+from atroposd.process.liveness import LiveCheck, LiveSettings
 from atroposd.process.logfiles import LogHub, tail
 from atroposd.process.probes import Probe, ProbeError
 
@@ -64,7 +65,7 @@ _LEGAL: dict[State, set[State]] = {
     State.STARTING: {State.READY, State.BACKOFF, State.FAILED, State.STOPPING, State.STOPPED},
     State.READY: {State.BACKOFF, State.FAILED, State.STOPPING, State.STOPPED},
     State.BACKOFF: {State.STARTING, State.STOPPED, State.FAILED},
-    State.STOPPING: {State.STOPPED, State.FAILED},
+    State.STOPPING: {State.STOPPED, State.FAILED, State.BACKOFF},  # BACKOFF: after a hung child
     State.FAILED: set(),
 }
 
@@ -75,16 +76,23 @@ class IllegalTransition(RuntimeError):
 
 @dataclass(frozen=True)
 class ExitInfo:
-    """How a child ended: ``code`` is the return code (negative: killed by that signal)."""
+    """How a child ended: ``code`` is the return code (negative: killed by that signal);
+    ``reason`` is ``"hung"`` when the daemon stopped it for failing its liveness checks."""
 
     code: int
     at: float = field(default_factory=time.time)
+    reason: str | None = None
 
     @property
     def signal(self) -> str | None:
         return reaper.signal_name(-self.code) if self.code < 0 else None
 
     def describe(self) -> str:
+        if self.reason is not None:
+            return f"{self.reason}: {self._describe_code()}"
+        return self._describe_code()
+
+    def _describe_code(self) -> str:
         if self.code < 0:
             text = f"killed by {self.signal}"
             return text + " (possibly the out-of-memory killer)" if self.code == -signal.SIGKILL else text
@@ -92,7 +100,7 @@ class ExitInfo:
 
     def as_dict(self) -> dict[str, Any]:
         at = datetime.fromtimestamp(self.at, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        return {"code": self.code, "signal": self.signal, "at": at}
+        return {"code": self.code, "signal": self.signal, "at": at, "reason": self.reason}
 
 
 @dataclass
@@ -112,6 +120,8 @@ class UnitSpec:
     max_restarts: int = 5
     restart_window: float = 60.0
     cwd: str | None = None
+    live: LiveSettings | None = None  # liveness while it runs (SPEC §4); None or 0s: off
+    live_check: LiveCheck | None = None
 
 
 # Called with (unit, restarted) once the probe passed, before the unit is marked ready.
@@ -144,6 +154,16 @@ class Unit:
         self._on_ready = on_ready
         self._on_change = on_change
         self.log_path = self._sink.path
+        # Liveness (SPEC §4): the current attempt's checks; see _watch_running.
+        self.launched_monotonic = time.monotonic()
+        self.live_since = time.monotonic()  # the last sign of life (ready, or a passed check)
+        self.live_failures = 0
+        self.live_error: str | None = None
+        self.hung_reason: str | None = None  # set when the current attempt is declared hung
+        self.last_hung: dict[str, Any] | None = None
+        self.hung_count = 0
+        self._hung = anyio.Event()
+        self._live_tg: anyio.abc.TaskGroup | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -160,12 +180,58 @@ class Unit:
             await self._changed.wait()
 
     def status(self) -> dict[str, Any]:
-        """This component's entry in ``status --json`` (SPEC §2)."""
+        """This component's entry in ``status --json`` (SPEC §2).
+
+        ``since_s``: for a ready child with liveness checks, the time since its last sign of
+        life; otherwise the time since its last state change.
+        """
+        now = time.monotonic()
+        checked = self.state == State.READY and self._live_on
+        since = max(self.live_since, self.since) if checked else self.since
         return {"name": self.name, "kind": self.kind, "external": False, "state": self.state.value,
                 "pid": self.pid, "restarts": self.restarts,
                 "last_exit": self.last_exit.as_dict() if self.last_exit else None,
-                "since_s": round(time.monotonic() - self.since, 3), "log": str(self.log_path),
-                "error": self.last_error, "log_dropped_bytes": self._sink.dropped_bytes}
+                "since_s": round(now - since, 3), "log": str(self.log_path),
+                "error": self.last_error, "log_dropped_bytes": self._sink.dropped_bytes,
+                "live": self.live_status()}
+
+    @property
+    def _live_on(self) -> bool:
+        return self.spec.live is not None and self.spec.live.on and self.spec.live_check is not None
+
+    def live_status(self) -> dict[str, Any]:
+        """``ok`` | ``failing`` (some checks failed) | ``hung`` (being stopped) | ``off``; and the last hang."""
+        if self.hung_reason is not None:
+            state = "hung"
+        elif not self._live_on:
+            state = "off"
+        elif self.state != State.READY:
+            state = "unknown"
+        else:
+            state = "failing" if self.live_failures else "ok"
+        return {"state": state, "failures": self.live_failures, "error": self.live_error,
+                "last_hung": self.last_hung}
+
+    def declare_hung(self, reason: str) -> bool:
+        """Stop the running child as hung (TERM → KILL) and restart it under its policy.
+
+        Called by the liveness checks, and by the daemon for a child to blame for a stall.
+        False when the child is not running and ready (nothing to do).
+        """
+        if self.state != State.READY or self.hung_reason is not None or self._stop.is_set():
+            return False
+        self.hung_reason = reason
+        self.hung_count += 1
+        self.last_hung = {"reason": reason, "pid": self.pid,
+                          "at": datetime.now(tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+        log.error("hung", unit=self.name, kind=self.kind, pid=self.pid, reason=reason)
+        self._hung.set()
+        return True
+
+    def live_task(self, fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run ``fn`` beside the liveness loop of the current attempt (cancelled with it)."""
+        if self._live_tg is not None:
+            self._live_tg.start_soon(fn)
 
     def tree_pids(self) -> set[int]:
         """The child and its known descendants (for crediting API registrations)."""
@@ -219,6 +285,8 @@ class Unit:
     async def _run_once(self) -> ExitInfo | None:
         """One launch; returns how the child ended, or None if it was stopped on request."""
         self._transition(State.STARTING, "restart" if self.restarts else "start")
+        self.hung_reason, self._hung = None, anyio.Event()
+        self.live_failures, self.live_error = 0, None
         try:
             proc = await self._launch()
         except (OSError, ValueError) as exc:
@@ -237,10 +305,13 @@ class Unit:
                 if outcome == "ready":
                     outcome = await self._become_ready(exited)
                     if outcome == "ready":
-                        await _first_of(exited, self._stop)
+                        await self._watch_running(exited)
                 requested = self._stop.is_set() and not exited.is_set()
+                hung = self.hung_reason is not None and not requested and not exited.is_set()
                 if requested:
                     self._transition(State.STOPPING, "stop requested")
+                elif hung:
+                    self._transition(State.STOPPING, f"hung: {self.hung_reason}")
                 await self._terminate(proc, requested=requested)
                 with anyio.move_on_after(PUMP_DRAIN):
                     await pump_done.wait()
@@ -253,10 +324,12 @@ class Unit:
                 self._sink.sync()
         self.pid = None
         code = proc.returncode if proc.returncode is not None else (codes[0] if codes else -signal.SIGKILL)
-        exit_info = ExitInfo(code=code)
+        exit_info = ExitInfo(code=code, reason="hung" if self.hung_reason is not None else None)
         self.last_exit = exit_info
         if requested:
             return None
+        if self.hung_reason is not None:
+            self.last_error = f"hung: {self.hung_reason}"
         if outcome not in ("ready", "exited", "stop"):
             self.last_error = outcome
         elif outcome == "exited":
@@ -273,7 +346,7 @@ class Unit:
                                         stderr=subprocess.STDOUT, env=self.spec.env, cwd=self.spec.cwd,
                                         start_new_session=True)
         self.pid = proc.pid
-        self.since = time.monotonic()
+        self.since = self.launched_monotonic = time.monotonic()
         log.info("launched", unit=self.name, pid=proc.pid, argv=self.spec.argv)
         return proc
 
@@ -338,6 +411,55 @@ class Unit:
         self._transition(State.READY, self.spec.probe.description)
         return "ready"
 
+    # ------------------------------------------------------------------ liveness
+
+    async def _watch_running(self, exited: anyio.Event) -> None:
+        """While the child runs: its liveness checks, until it exits, a stop, or it is hung."""
+        self.live_since = time.monotonic()
+        live, check = self.spec.live, self.spec.live_check
+        if live is None or check is None or not live.on:
+            await _first_of(exited, self._stop, self._hung)
+            return
+        check.reset()
+        async with anyio.create_task_group() as tg:
+            self._live_tg = tg
+            tg.start_soon(self._live_loop, live, check)
+            await _first_of(exited, self._stop, self._hung)
+            self._live_tg = None
+            tg.cancel_scope.cancel()
+
+    async def _live_loop(self, live: LiveSettings, check: LiveCheck) -> None:
+        """A check every ``live.interval`` s; ``live.failures`` failures in a row: hung."""
+        tick = 0
+        next_at = time.monotonic() + live.interval
+        while True:
+            await anyio.sleep(max(0.0, next_at - time.monotonic()))
+            next_at = max(next_at + live.interval, time.monotonic())
+            tick += 1
+            error: str | None
+            try:
+                with anyio.fail_after(2 * max(live.timeout, live.interval) + 1):
+                    error = await check.check(self, tick)
+            except TimeoutError:
+                error = f"{check.description}: no answer"
+            except Exception as exc:  # a bug in a check must not pass for a hung child, nor kill the unit
+                log.exception("liveness check failed to run", unit=self.name)
+                error = f"liveness check error: {type(exc).__name__}: {exc}"
+            if error is None:
+                if self.live_failures:
+                    log.info("alive again", unit=self.name, pid=self.pid, after_failures=self.live_failures)
+                self.live_failures, self.live_error = 0, None
+                self.live_since = time.monotonic()
+                continue
+            self.live_failures += 1
+            self.live_error = error
+            log.warning("liveness check failed", unit=self.name, kind=self.kind, pid=self.pid,
+                        failures=f"{self.live_failures}/{live.failures}", error=error)
+            if self.live_failures >= live.failures:
+                self.declare_hung(f"{error} ({self.live_failures} liveness checks in a row failed: "
+                                  f"{check.description})")
+                return
+
     # ------------------------------------------------------------------ termination
 
     async def _terminate(self, proc: anyio.abc.Process, *, requested: bool) -> None:
@@ -352,6 +474,11 @@ class Unit:
             first = self.spec.stop_signal if proc.returncode is None else signal.SIGTERM
             reaper.signal_group(proc.pid, first)
             reaper.signal_all(self.tracked.values(), first)
+            if proc.returncode is None:
+                # As systemd does: a stopped child (SIGSTOP, a debugger; often a hung one) sees the
+                # TERM at once instead of only the KILL after the grace.
+                reaper.signal_group(proc.pid, signal.SIGCONT)
+                reaper.signal_all(self.tracked.values(), signal.SIGCONT)
             with anyio.move_on_after(grace):
                 await proc.wait()
                 await self._descendants_gone()
@@ -399,7 +526,7 @@ class Unit:
                                f"{tail(self.log_path)}")
             self._transition(State.FAILED, f"{what} before it was ever ready: usage or config error, not restarted")
             return None
-        clean = exit_info.code == 0
+        clean = exit_info.code == 0 and exit_info.reason is None  # a hung child is a failure
         if self.spec.restart == "never" or (self.spec.restart == "on-failure" and clean):
             if clean:
                 self._transition(State.STOPPED, f"{what}: finished")

@@ -5,6 +5,8 @@ the weight-sync object — never flags tested here.
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -33,6 +35,11 @@ log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at fir
 
 # This many non-finite steps in a row means the run is broken, not unlucky: stop it.
 MAX_CONSECUTIVE_SKIPS = 50
+# steps_per_s is measured over this recent window (SPEC §4): a stalled run shows 0.
+STEPS_WINDOW_S = 30.0
+# Test hook (tests/daemon/test_liveness.py): "STEP:FILE" blocks the compute thread at STEP for
+# good, once — unless FILE exists (it is created first), so the resumed job goes past it.
+TEST_STALL_ENV = "ATROPOSD_TEST_STALL_STEP"
 
 
 class TrainerError(RuntimeError):
@@ -60,10 +67,18 @@ class Progress:
 
     @property
     def steps_per_s(self) -> float | None:
-        if len(self.step_times) < 2:
+        """Steps per second over the last ``STEPS_WINDOW_S`` (0 when no step came in it)."""
+        times = list(self.step_times)
+        if not times:
             return None
-        span = self.step_times[-1] - self.step_times[0]
-        return (len(self.step_times) - 1) / span if span > 0 else None
+        now = time.monotonic()
+        recent = [t for t in times if now - t <= STEPS_WINDOW_S]
+        if not recent:
+            return 0.0
+        if len(recent) < len(times):  # steps before the window: it is covered in full
+            return len(recent) / STEPS_WINDOW_S
+        span = now - recent[0]  # every known step is in the window: from the first one to now
+        return (len(recent) - 1) / span if len(recent) > 1 and span > 0 else None
 
 
 class TrainingLoop:
@@ -145,6 +160,7 @@ class TrainingLoop:
         return "finished" if p.step >= p.total_steps else "stopped"
 
     def _prepare(self, groups: list[dict[str, Any]]) -> RolloutBatch:
+        _test_stall(self.progress.step + 1)
         t = self.t
         return prepare_batch(groups, micro_batch_size=t.micro_batch_size, max_token_len=t.max_token_len,
                              adv_std_floor=t.adv_std_floor, use_distill=t.distill_coef > 0,
@@ -208,6 +224,19 @@ class TrainingLoop:
                      accuracy=None if batch.accuracy is None else round(batch.accuracy, 3),
                      loss=round(r.loss, 4), kl=round(r.mean_kl, 4), clipped=round(r.clipped_fraction, 3),
                      staleness=record["staleness"], steps_per_s=_round(p.steps_per_s), wait_s=round(batch_wait, 3))
+
+
+def _test_stall(step: int) -> None:
+    """The hook of ``TEST_STALL_ENV`` (never set outside tests): a compute thread stuck for good."""
+    spec = os.environ.get(TEST_STALL_ENV)
+    if not spec:
+        return
+    at, _, marker = spec.partition(":")
+    if step != int(at) or not marker or os.path.exists(marker):
+        return
+    Path(marker).touch()
+    log.warning("test hook: the compute thread blocks for good", step=step)
+    threading.Event().wait()
 
 
 def _round(x: float | None) -> float | None:

@@ -7,6 +7,7 @@ raises :class:`WeightControlError` with the server's message.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,10 @@ __all__ = ["WeightControlClient", "WeightControlError"]
 class WeightControlError(RuntimeError):
     """The inference server refused or failed a weight-control request."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, *, timed_out: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        self.timed_out = timed_out  # no answer within the client's deadline (status None)
 
 
 class WeightControlClient:
@@ -48,6 +50,10 @@ class WeightControlClient:
         except aiohttp.ClientConnectionError as exc:
             raise WeightControlError(f"{method} {route}: inference control socket {self.socket_path} is not "
                                      f"reachable ({exc})") from exc
+        except (TimeoutError, asyncio.TimeoutError) as exc:
+            # Bounded by its own deadline: a server that does not answer counts as unreachable.
+            raise WeightControlError(f"{method} {route}: the inference server did not answer within "
+                                     f"{self.timeout:g}s", timed_out=True) from exc
         try:
             data = orjson.loads(raw) if raw else {}
         except orjson.JSONDecodeError:

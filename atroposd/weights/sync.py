@@ -52,6 +52,9 @@ __all__ = ["PushSync", "ReloadSync", "SharedSync", "WeightSync", "make_weight_sy
 
 log = get_logger(__name__)
 
+DEFAULT_DEADLINE = 300.0
+MIN_DEADLINE = 30.0
+
 
 class WeightSync(Protocol):
     mode: str
@@ -70,30 +73,48 @@ def make_weight_sync(cfg: Config, *, nonce: str, control_socket: Path | None) ->
     paths = Paths.of(cfg)
     mode = cfg.weight_sync
     sync_every = int(cfg.trainer.sync_every)
+    sync: SharedSync | PushSync | ReloadSync
     if mode == "shared":
         assert control_socket is not None, "shared mode needs the inference control socket"
-        return SharedSync(nonce=nonce, weights_dir=paths.weights_dir, control_socket=control_socket)
-    if mode == "push":
+        sync = SharedSync(nonce=nonce, weights_dir=paths.weights_dir, control_socket=control_socket)
+    elif mode == "push":
         assert control_socket is not None, "push mode needs the inference control socket"
-        return PushSync(nonce=nonce, weights_dir=paths.weights_dir, control_socket=control_socket,
+        sync = PushSync(nonce=nonce, weights_dir=paths.weights_dir, control_socket=control_socket,
                         sync_every=sync_every)
-    if mode == "reload":
+    elif mode == "reload":
         notify = control_socket if cfg.inference.enabled else None
-        return ReloadSync(sync_dir=paths.sync_dir, control_socket=notify, sync_every=sync_every)
-    raise ValueError(f"unknown weight_sync mode {mode!r}")
+        sync = ReloadSync(sync_dir=paths.sync_dir, control_socket=notify, sync_every=sync_every)
+    else:
+        raise ValueError(f"unknown weight_sync mode {mode!r}")
+    sync.deadline = sync_deadline(float(getattr(cfg.trainer, "stall_timeout", 0.0)))
+    return sync
+
+
+def sync_deadline(stall_timeout: float) -> float:
+    """A weight-control request's deadline: half the trainer's stall_timeout (the daemon then
+    still has time to restart the server within the stall), at least ``MIN_DEADLINE``; without
+    a stall_timeout, 300 s."""
+    return max(MIN_DEADLINE, stall_timeout / 2) if stall_timeout > 0 else DEFAULT_DEADLINE
 
 
 def _unreachable(exc: WeightControlError) -> bool:
-    return exc.status is None
+    """Not reachable, not answering within the deadline, or not serving (503: its engine is
+    loading or shutting down): the server gets the weights from ``reattach`` when it is back."""
+    return exc.status is None or exc.status == 503
 
 
 class _ControlMixin:
     control_socket: Path | None
     _conn: WeightControlClient | None = None
+    # Each control request's own deadline: past it the server counts as unreachable (the
+    # update is skipped and ``sync_timeouts`` counts it; the daemon restarts the server, and
+    # the restarted one gets the weights from ``reattach``).
+    deadline: float = DEFAULT_DEADLINE
+    sync_timeouts: int = 0
 
     def _client(self) -> WeightControlClient:
         assert self.control_socket is not None
-        return WeightControlClient(self.control_socket)
+        return WeightControlClient(self.control_socket, timeout=self.deadline)
 
     @asynccontextmanager
     async def _connected(self) -> AsyncIterator[None]:
@@ -111,6 +132,16 @@ class _ControlMixin:
                 await conn.close()
 
     async def _call(self, method: str, *args: Any) -> dict[str, Any]:
+        try:
+            return await self._call_once(method, *args)
+        except WeightControlError as exc:
+            if exc.timed_out:
+                self.sync_timeouts += 1
+                log.error("weight sync did not return within its deadline", request=method,
+                          deadline_s=self.deadline, timeouts=self.sync_timeouts)
+            raise
+
+    async def _call_once(self, method: str, *args: Any) -> dict[str, Any]:
         if self._conn is not None:
             result: dict[str, Any] = await getattr(self._conn, method)(*args)
             return result
