@@ -177,12 +177,11 @@ def env_liveness(ins: SpecInputs, e: EnvConfig) -> tuple[LiveSettings, LiveCheck
     """A built-in environment heartbeats; a ``command`` one is live while it uses CPU, beats,
     or registers with the API (SPEC §4)."""
     live = LiveSettings(e.live_interval, e.live_timeout, e.live_failures)
-    board = ins.board if ins.board is not None else HeartbeatBoard()
     check: LiveCheck
     if e.command or ins.board is None:
-        check = ActivityLiveCheck(board, ins.cfg.api_url, e.live_timeout, api_headers(ins.cfg))
+        check = ActivityLiveCheck(ins.board, ins.cfg.api_url, e.live_timeout, api_headers(ins.cfg))
     else:
-        check = HeartbeatLiveCheck(board, e.live_timeout)
+        check = HeartbeatLiveCheck(ins.board, e.live_timeout)
     return live, check
 
 

@@ -25,9 +25,10 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import anyio
 import anyio.abc
@@ -36,8 +37,16 @@ import psutil
 from atroposd.heartbeat import MAX_BEAT_BYTES, Beat, decode
 from atroposd.logs import get_logger
 
-if TYPE_CHECKING:
-    from atroposd.process.unit import Unit
+
+class Unit(Protocol):
+    """What a liveness check reads of the unit it checks (``process.unit.Unit`` is one)."""
+
+    name: str
+    since: float  # monotonic time of its last state change
+    launched_monotonic: float  # monotonic time of its current process's start
+
+    def tree_pids(self) -> set[int]: ...
+    def live_task(self, fn: Callable[[], Coroutine[Any, Any, None]]) -> None: ...
 
 log = get_logger("atroposd.liveness")
 
@@ -251,14 +260,14 @@ class ActivityLiveCheck:
     ``live_failures`` such checks in a row make it hung.
     """
 
-    board: HeartbeatBoard
+    board: HeartbeatBoard | None  # None: no heartbeats are received (a child started elsewhere)
     api_url: str
     timeout: float
     headers: dict[str, str] = field(default_factory=dict)
     quiet: float = COMMAND_QUIET_S
     _cpu: float | None = None
-    _checked: float = field(default_factory=time.time)
-    _active: float = field(default_factory=time.time)
+    _checked: float = field(default_factory=time.time, compare=False)
+    _active: float = field(default_factory=time.time, compare=False)
 
     @property
     def description(self) -> str:
@@ -280,7 +289,7 @@ class ActivityLiveCheck:
         previous, self._cpu = self._cpu, cpu
         if previous is None or cpu > previous:
             return True
-        beat = self.board.latest(unit)
+        beat = self.board.latest(unit) if self.board is not None else None
         if beat is not None and time.monotonic() - beat.at <= self.timeout:
             return True
         return await self._registered_since(unit, since)

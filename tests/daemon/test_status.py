@@ -31,6 +31,7 @@ class View:
     pid: int = 4242
     nonce: str = "abcdef012345"
     start_error: str | None = None
+    watchdog: None = None
 
     def uptime(self) -> float:
         return 81.23456
