@@ -21,14 +21,17 @@ class Paths:
     state_dir: Path
     #: runtime_dir is the /tmp fallback (a directory every user may write): checked strictly
     runtime_dir_is_fallback: bool = False
+    #: ``daemon.socket_group``: its members may reach the control socket (runtime_dir 0710)
+    socket_group: str = ""
 
     @classmethod
     def of(cls, cfg: Config) -> Paths:
-        return cls(cfg.runtime_dir, cfg.state_dir, cfg.runtime_dir == fallback_runtime_dir())
+        return cls(cfg.runtime_dir, cfg.state_dir, cfg.runtime_dir == fallback_runtime_dir(),
+                   cfg.daemon.socket_group)
 
     def ensure_runtime_dir(self) -> None:
         """Create or check runtime_dir before anything is put there (see ``ensure_runtime_dir``)."""
-        ensure_runtime_dir(self.runtime_dir, fallback=self.runtime_dir_is_fallback)
+        ensure_runtime_dir(self.runtime_dir, fallback=self.runtime_dir_is_fallback, group=self.socket_group)
 
     # runtime_dir ---------------------------------------------------------------
     @property
@@ -86,8 +89,12 @@ class RuntimeDirError(Exception):
     """The runtime directory cannot be trusted (not a directory, a symlink, or not ours)."""
 
 
-def ensure_runtime_dir(path: Path, *, fallback: bool = False) -> None:
+def ensure_runtime_dir(path: Path, *, fallback: bool = False, group: str = "") -> None:
     """Create ``runtime_dir`` (mode 0700, parents as needed) or check the one that is there.
+
+    With ``group`` (``daemon.socket_group``) the directory belongs to that group with mode 0710:
+    its members may pass through to the control socket (0660) and list or read nothing; every
+    other file in it stays 0600.
 
     Refused with RuntimeDirError (SPEC §13): a symlink or anything but a directory, and a
     directory owned by another user. The ``fallback`` one (``/tmp/atroposd-$UID``, in a
@@ -106,11 +113,26 @@ def ensure_runtime_dir(path: Path, *, fallback: bool = False) -> None:
         raise RuntimeDirError(f"runtime_dir {path} belongs to uid {st.st_uid}, not to us (uid {os.geteuid()}); "
                               "remove it or set daemon.runtime_dir")
     mode = stat.S_IMODE(st.st_mode)
-    if mode != 0o700:
-        if fallback and existed:
+    want = 0o700
+    if group:
+        import grp
+
+        try:
+            gid = grp.getgrnam(group).gr_gid
+        except KeyError:
+            raise RuntimeDirError(f"daemon.socket_group: no such group {group!r}") from None
+        if st.st_gid != gid:
+            try:
+                os.chown(path, -1, gid, follow_symlinks=False)
+            except OSError as exc:
+                raise RuntimeDirError(f"runtime_dir {path}: cannot give it to group {group!r} "
+                                      f"(daemon.socket_group): {exc.strerror}") from None
+        want = 0o710
+    if mode != want:
+        if fallback and existed and mode != 0o700:
             raise RuntimeDirError(f"runtime_dir {path} has mode {mode:04o}, not 0700: someone may have used it; "
                                   "remove it or set daemon.runtime_dir")
-        os.chmod(path, 0o700, follow_symlinks=False)
+        os.chmod(path, want, follow_symlinks=False)
 
 
 def open_nofollow(path: Path, flags: int, mode: int = 0o600) -> int:

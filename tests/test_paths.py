@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,17 @@ def test_component_names_are_log_names(tmp_path: Path) -> None:
     paths = Paths(tmp_path / "run", tmp_path / "state")
     for name in ("daemon", "api", "inference", "trainer", "gsm8k.v2-0", "my_env-12"):
         assert paths.log_file(name) == tmp_path / "state" / "logs" / f"{name}.log"
+
+
+def test_socket_group_opens_the_runtime_dir_to_its_members_for_traversal_only(tmp_path: Path) -> None:
+    import grp
+
+    group = grp.getgrgid(os.getgid()).gr_name
+    rt = tmp_path / "rt"
+    ensure_runtime_dir(rt, group=group)
+    st = os.stat(rt)
+    assert stat.S_IMODE(st.st_mode) == 0o710 and st.st_gid == os.getgid()
+    ensure_runtime_dir(rt)  # without the group again: back to private
+    assert stat.S_IMODE(os.stat(rt).st_mode) == 0o700
+    with pytest.raises(RuntimeDirError, match="no such group"):
+        ensure_runtime_dir(rt, group="no-such-group-atroposd")
