@@ -131,7 +131,7 @@ class TrajectoryStore:
         self.requesters += 1
         return uuid.uuid4().int
 
-    def register_env(self, req: dict[str, Any], *, peer: tuple[int, float] | None = None) -> dict[str, Any]:
+    def register_env(self, req: dict[str, Any], *, peer: tuple[int, int | float] | None = None) -> dict[str, Any]:
         """``POST /register-env``; ``peer`` = (pid, start time) of the registering process."""
         if not self.started or self.registration is None:
             return {"status": "wait for trainer to start"}

@@ -487,7 +487,7 @@ class EnvRegistration:
     last_update: float = 0.0
     # The registering process (loopback clients), so that a restart can tell whether it still runs.
     peer_pid: int | None = None
-    peer_start: float | None = None
+    peer_start: int | float | None = None  # pids.Start: ticks since boot (a float: older wall-clock form)
 
     @staticmethod
     def parse_request(obj: Any) -> dict[str, Any]:
@@ -527,6 +527,9 @@ class EnvRegistration:
         env.min_batch_allocation = (min(1.0, max(0.0, float(m))) if isinstance(m, (int, float)) and math.isfinite(m)
                                     else None)
         env.desired_name = str(env.desired_name)[:MAX_NAME_CHARS]
+        if isinstance(env.peer_start, bool) or not isinstance(env.peer_start, (int, float)) or \
+                not isinstance(env.peer_pid, int) or isinstance(env.peer_pid, bool):
+            env.peer_pid, env.peer_start = None, None  # no identity to check: treated as unknown
         return env
 
 

@@ -320,9 +320,9 @@ class ApiServer:
     async def register_env(self, request: web.Request) -> web.StreamResponse:
         req = EnvRegistration.parse_request(await self._read_json(request))
         pid = await self._peer_pid(request)
-        peer = pids.identity(pid) if pid is not None else None
+        start = pids.start_ticks(pid) if pid is not None else None  # identity: boot-relative, exact
         try:
-            answer = self.store.register_env(req, peer=(peer.pid, peer.create_time()) if peer is not None else None)
+            answer = self.store.register_env(req, peer=(pid, start) if pid is not None and start is not None else None)
         except OSError as exc:
             return self._spool_refusal(exc)
         success = answer["status"] == "success"
