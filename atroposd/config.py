@@ -320,9 +320,6 @@ class Config:
             return "shared" if self.inference.engine == "torch" else "push"
         return mode
 
-    def env_by_name(self, name: str) -> EnvConfig | None:
-        return next((e for e in self.env if e.name == name), None)
-
 
 def _url_host(host: str) -> str:
     if host in ("0.0.0.0", ""):

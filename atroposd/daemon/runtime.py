@@ -17,7 +17,7 @@ import psutil
 
 from atroposd.config import Config, dump_toml
 from atroposd.fsutil import write_atomic
-from atroposd.paths import Paths
+from atroposd.paths import Paths, open_nofollow
 
 
 class AlreadyRunning(Exception):
@@ -45,7 +45,7 @@ def prepare_dirs(paths: Paths) -> None:
 
 def lock_pidfile(path: Path) -> int:
     """An exclusive lock on ``path`` held for the daemon's life; raises AlreadyRunning."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    fd = open_nofollow(path, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -61,7 +61,7 @@ def lock_pidfile(path: Path) -> int:
 
 def read_pidfile(path: Path) -> int | None:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = open_nofollow(path, os.O_RDONLY)
     except OSError:
         return None
     try:

@@ -110,10 +110,6 @@ def make_engine(cfg: Config, name: str, *, await_weights: bool, threads: int | N
 # ---------------------------------------------------------------------------- helpers
 
 
-def _dumps(obj: Any) -> str:
-    return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS).decode()
-
-
 def _json(body: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS), status=status,
                         content_type="application/json")

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
-import torch
 
 from atroposd.trainer.batch import BatchError, RolloutBatch, prepare_batch
 from atroposd.trainer.checkpoint import CheckpointError
@@ -243,6 +242,3 @@ def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 2)
 
 
-def set_threads() -> None:
-    """One compute thread on CPU: small batches gain nothing from more, and cores are shared."""
-    torch.set_num_threads(1)
