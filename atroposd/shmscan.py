@@ -71,3 +71,30 @@ def unlink_orphaned_segments(names: Iterable[str], *, since: float, ignore_pids:
         except OSError as exc:
             log.warning("cannot remove a left-over shared-memory segment", segment=name, error=str(exc))
     return removed
+
+
+class SegmentCheckError(ValueError):
+    """An opened segment that is not ours to read: another user's, readable by others, or short.
+    ``permission``: the first two (the caller may raise PermissionError for them)."""
+
+    def __init__(self, message: str, *, permission: bool) -> None:
+        super().__init__(message)
+        self.permission = permission
+
+
+def check_private_segment(fd: int, name: str, min_size: int) -> int:
+    """Check an opened shared-memory segment before mapping it: owned by this user, mode 0600
+    (nothing for group or others), at least ``min_size`` bytes. Returns its size."""
+    import stat
+
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        raise SegmentCheckError(f"shared-memory segment {name!r} is owned by uid {st.st_uid}, not by this user",
+                                permission=True)
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise SegmentCheckError(f"shared-memory segment {name!r} has mode {stat.S_IMODE(st.st_mode):o}; "
+                                "expected 0600", permission=True)
+    if st.st_size < min_size:
+        raise SegmentCheckError(f"shared-memory segment {name!r} is {st.st_size} bytes; expected at least "
+                                f"{min_size}", permission=False)
+    return int(st.st_size)

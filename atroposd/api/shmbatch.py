@@ -31,6 +31,7 @@ import asyncio
 import os
 import secrets
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -76,22 +77,7 @@ def _shm_unlink(name: str) -> None:
 
 def remove_segments(prefix: str) -> list[str]:
     """Unlink this user's segments whose names start with ``prefix``; returns their names."""
-    try:
-        names = os.listdir(SHM_DIR)
-    except FileNotFoundError:  # pragma: no cover
-        return []
-    removed = []
-    for name in sorted(names):
-        if not name.startswith(prefix):
-            continue
-        try:
-            if os.stat(SHM_DIR / name, follow_symlinks=False).st_uid != os.geteuid():
-                continue
-        except FileNotFoundError:
-            continue
-        _shm_unlink(name)
-        removed.append(name)
-    return removed
+    return _remove_own(lambda name: name.startswith(prefix))
 
 
 def remove_orphans() -> list[str]:
@@ -100,16 +86,24 @@ def remove_orphans() -> list[str]:
     spool removes them). Should a live API's segment go (one in another pid namespace sharing
     /dev/shm), nothing is lost: its client cannot map it and releases the batch, or the batch
     expires, and it is served again."""
+    def orphaned(name: str) -> bool:
+        if not name.startswith(BATCH_PREFIX):
+            return False
+        pid_text = name[len(BATCH_PREFIX):].split("-", 1)[0]
+        return pid_text.isdigit() and not _alive(int(pid_text))
+
+    return _remove_own(orphaned)
+
+
+def _remove_own(wanted: Callable[[str], bool]) -> list[str]:
+    """Unlink each segment of this user that ``wanted`` names; returns their names."""
     try:
         names = os.listdir(SHM_DIR)
     except FileNotFoundError:  # pragma: no cover
         return []
     removed = []
     for name in sorted(names):
-        if not name.startswith(BATCH_PREFIX):
-            continue
-        pid_text = name[len(BATCH_PREFIX):].split("-", 1)[0]
-        if not pid_text.isdigit() or _alive(int(pid_text)):
+        if not wanted(name):
             continue
         try:
             if os.stat(SHM_DIR / name, follow_symlinks=False).st_uid != os.geteuid():

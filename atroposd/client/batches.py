@@ -10,10 +10,8 @@ transport. No torch needed; ``Batch.torch()`` gives torch tensors when torch is 
 from __future__ import annotations
 
 import gzip
-import ipaddress
 import mmap
 import os
-import stat
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -26,6 +24,8 @@ import orjson
 
 from atroposd.api.binary import CONTENT_TYPE, FORMAT, LayoutError, batch_arrays, decode
 from atroposd.client._http import HttpConnection
+from atroposd.net import is_loopback
+from atroposd.shmscan import SegmentCheckError, check_private_segment
 
 try:
     import _posixshmem
@@ -147,15 +147,6 @@ class Batch:
         return out
 
 
-def _is_local(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 class BatchClient:
     """Register as the trainer and pull batches.
 
@@ -183,7 +174,7 @@ class BatchClient:
                              "max_token_len": max_token_len, "checkpoint_dir": checkpoint_dir,
                              "save_checkpoint_interval": save_checkpoint_interval, "starting_step": starting_step,
                              "num_steps": num_steps}
-        local = _is_local(self._host)
+        local = is_loopback(self._host)
         self.transport = ("shm" if local else "safetensors") if transport == "auto" else transport
         self._gzip = not local
         self.poll_interval = poll_interval
@@ -349,13 +340,10 @@ def _map_segment(name: str, size: int) -> mmap.mmap:
     else:  # pragma: no cover
         fd = os.open(f"/dev/shm/{name}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid():
-            raise PermissionError(f"segment {name!r} belongs to uid {st.st_uid}")
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            raise PermissionError(f"segment {name!r} has mode {stat.S_IMODE(st.st_mode):o}; expected 0600")
-        if st.st_size < size:
-            raise ValueError(f"segment {name!r} is {st.st_size} bytes; the API said {size}")
+        try:
+            check_private_segment(fd, name, size)
+        except SegmentCheckError as exc:
+            raise (PermissionError if exc.permission else ValueError)(str(exc)) from None
         return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)

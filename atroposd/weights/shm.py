@@ -18,7 +18,6 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
-import stat
 import warnings
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 
 from atroposd.logs import get_logger
-from atroposd.shmscan import mapped_shm
+from atroposd.shmscan import SegmentCheckError, check_private_segment, mapped_shm
 from atroposd.weights.manifest import NONCE_RE, SEGMENT_TAIL_RE
 
 try:  # The POSIX shm_open/shm_unlink pair; CPython ships it on every POSIX platform.
@@ -88,14 +87,10 @@ def _shm_unlink(name: str) -> None:
 
 
 def _check_fd(fd: int, name: str, min_size: int) -> int:
-    st = os.fstat(fd)
-    if st.st_uid != os.geteuid():
-        raise ShmError(f"shared-memory segment {name!r} is owned by uid {st.st_uid}, not by this user")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        raise ShmError(f"shared-memory segment {name!r} has mode {stat.S_IMODE(st.st_mode):o}; expected 0600")
-    if st.st_size < min_size:
-        raise ShmError(f"shared-memory segment {name!r} is {st.st_size} bytes; the manifest says {min_size}")
-    return int(st.st_size)
+    try:
+        return check_private_segment(fd, name, min_size)
+    except SegmentCheckError as exc:
+        raise ShmError(str(exc)) from None
 
 
 class ShmSegment:
