@@ -285,6 +285,10 @@ def _render_status(st: dict[str, Any]) -> str:
         last_text = "" if not last else (last["signal"] or f"code {last['code']}") + f" at {last['at']}"
         name = c["name"] + (" (external)" if c.get("external") else "")
         out.append(f"{name:<24} {c['state']:<12} {c['pid'] or '-':>8} {c['restarts']:>8}  {last_text}")
+    replicas = [c for c in st["components"] if c.get("kind") == "inference" and "generations" in c]
+    if len(replicas) > 1:
+        out.append("replicas: " + ", ".join(f"{c['name']} weights v{c.get('weight_version')}, "
+                                            f"{c.get('generations')} generations" for c in replicas))
     t = st.get("trainer")
     if t:
         line = f"trainer: {t.get('state')} step {t.get('step')}/{t.get('total_steps')}"
