@@ -6,7 +6,7 @@ the client is the built-in environments' own (``atroposd.envs.generate.Inference
 which sends each request to the ready replica with the fewest in flight. ``--concurrency``
 requests are kept in flight (each ``n = 8``, 3 tokens from a 5-token prompt, as the embedded
 job's environment sends them) for ``--seconds`` after a warm-up; the figure is requests and
-sequences per second, plus how the requests split between the replicas. On a CPU each replica
+sequences per second, how the requests split between the replicas, and each replica's memory. On a CPU each replica
 is one more process competing for the same cores: more replicas only help while cores are
 idle. Prints a table and one JSON line (``{"benchmark": "replicas", ...}``).
 
@@ -118,6 +118,9 @@ def main() -> int:
             name = f"{k} replica{'s' if k > 1 else ''}"
             results[name if name not in results else name + " (again)"] = asyncio.run(
                 measure(urls[:k], args.seconds, args.concurrency))
+        import psutil
+
+        rss_mb = [round(psutil.Process(p.pid).memory_info().rss / 2**20) for p in procs]
     finally:
         for p in procs:
             stop(p)
@@ -127,8 +130,9 @@ def main() -> int:
     print(f"{'':<20} {'requests/s':>10} {'sequences/s':>12}  per replica")
     for name, r in results.items():
         print(f"{name:<20} {r['requests_per_s']:>10} {r['sequences_per_s']:>12}  {r['per_replica']}")
+    print(f"memory (RSS) of each replica process: {rss_mb} MiB")
     print(json.dumps({"benchmark": "replicas", "concurrency": args.concurrency, "seconds": args.seconds,
-                      "load_average": round(os.getloadavg()[0], 1), **results}, ensure_ascii=False))
+                      "load_average": round(os.getloadavg()[0], 1), "replica_rss_mib": rss_mb, **results}, ensure_ascii=False))
     return 0
 
 
