@@ -290,6 +290,10 @@ def _render_status(st: dict[str, Any]) -> str:
         live = c.get("live") or {}
         if live.get("state") in ("failing", "hung"):
             out.append(f"  {live['state']}: {live.get('error') or (live.get('last_hung') or {}).get('reason')}")
+    replicas = [c for c in st["components"] if c.get("kind") == "inference" and "generations" in c]
+    if len(replicas) > 1:
+        out.append("replicas: " + ", ".join(f"{c['name']} weights v{c.get('weight_version')}, "
+                                            f"{c.get('generations')} generations" for c in replicas))
     t = st.get("trainer")
     if t:
         line = f"trainer: {t.get('state')} step {t.get('step')}/{t.get('total_steps')}"

@@ -16,6 +16,7 @@ import dataclasses
 import os
 import re
 import sys
+import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -52,13 +53,18 @@ __all__ = [
 SOCKET_PATH_MAX = 107
 CONTROL_SOCKET_NAME = "control.sock"
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?|GPU-[0-9a-fA-F-]+)$"
+# One entry of a list-valued [inference] device: one device, or several GPUs for one replica
+# ("cuda:2,cuda:3": a tensor-parallel vLLM replica, passed to it as CUDA_VISIBLE_DEVICES).
+_GPU = r"(cuda:\d+|GPU-[0-9a-fA-F-]+)"
+REPLICA_DEVICE_PATTERN = r"^(auto|cpu|cuda|" + _GPU + "(," + _GPU + ")*)$"
+MAX_INFERENCE_REPLICAS = 64
 BUILTIN_MODELS = ("builtin:tiny",)
 # A model is a built-in name or a local directory (anything not starting with "builtin:").
 MODEL_PATTERN = "^(" + "|".join(re.escape(m) for m in BUILTIN_MODELS) + "|(?!builtin:).+)$"
 URL_PATTERN = r"^https?://[^/\s]+(/.*)?$"
 ENV_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 RESERVED_NAMES = ("api", "inference", "trainer", "daemon")
-PLACEHOLDERS = ("api_url", "inference_url", "openai_url", "model", "tokenizer", "group_size", "max_token_len",
+PLACEHOLDERS = ("api_url", "inference_url", "inference_urls", "openai_url", "model", "tokenizer", "group_size", "max_token_len",
                 "steps", "name", "replica", "seed", "replica_port", "weight")
 
 
@@ -177,8 +183,13 @@ class InferenceConfig:
     port: int = _k(9001, "Port the inference server binds.", min=1, max=65535)
     dtype: str = _k("auto", "auto: float32 on CPU, bfloat16 on GPU | float32 | bfloat16 | float16",
                     choices=("auto", "float32", "bfloat16", "float16"))
-    device: str = _k("auto", "auto | cpu | cuda:N | a GPU UUID; the daemon sets CUDA_VISIBLE_DEVICES for the child.",
-                     schema={"pattern": DEVICE_PATTERN})
+    device: str | list[str] = _k(
+        "auto", "auto | cpu | cuda:N | a GPU UUID; the daemon sets CUDA_VISIBLE_DEVICES for the child. With\n"
+        "replicas > 1: one device for every replica, or a list of exactly `replicas` entries; an\n"
+        "entry may name several GPUs (\"cuda:2,cuda:3\") for one tensor-parallel vLLM replica.",
+        schema={"pattern": DEVICE_PATTERN, "items": {"pattern": REPLICA_DEVICE_PATTERN}})
+    replicas: int = _k(1, "Inference servers (replicas); replica i listens on port + i. Components inference-0,\n"
+                       "inference-1, ... (just inference when 1).", min=1, max=MAX_INFERENCE_REPLICAS)
     max_model_len: int = _k(4096, "Longest prompt + completion the server accepts, in tokens.", min=8)
     ready_timeout: float = _k(600.0, "Seconds the server may take to become ready (health + one generation).", gt=0)
     live_interval: float = _k(5.0, "Seconds between liveness probes of the running server (GET /health; one tiny\n"
@@ -303,6 +314,21 @@ class Config:
             url = self.inference.url.rstrip("/")
             return url[: -len("/v1")] if url.endswith("/v1") else url
         return f"http://{_url_host(self.inference.host)}:{self.inference.port}"
+
+    @property
+    def inference_urls(self) -> list[str]:
+        """Every inference replica's URL (no ``/v1``), replica 0 first; one URL when external."""
+        if not self.inference.enabled:
+            return [self.inference_url]
+        host = _url_host(self.inference.host)
+        return [f"http://{host}:{self.inference.port + i}" for i in range(self.inference.replicas)]
+
+    def inference_devices(self) -> list[str]:
+        """The device of each inference replica (a single ``device`` repeated; a list as given)."""
+        dev = self.inference.device
+        if isinstance(dev, list):
+            return list(dev)
+        return [dev] * self.inference.replicas
 
     @property
     def spool_dir(self) -> Path:
@@ -528,6 +554,14 @@ def check_fields(section: Any, prefix: str, names: Sequence[str]) -> list[Proble
 
 def _check_value(typ: Any, value: Any, meta: Mapping[str, Any]) -> tuple[str | None, Any]:
     origin = get_origin(typ)
+    if origin is types.UnionType:
+        # A value of one of several types (a device, or a list of devices): the arm of its own type.
+        arms = get_args(typ)
+        arm = next((a for a in arms if isinstance(value, get_origin(a) or a)), None)
+        if arm is None:
+            return "must be " + " or ".join(_ARM_NAMES.get(a, str(a)) for a in arms) + \
+                f", got {_type_name(value)}", None
+        return _check_value(arm, value, meta)
     if typ is bool:
         if not isinstance(value, bool):
             return f"must be true or false, got {_type_name(value)}", None
@@ -570,6 +604,9 @@ def _check_value(typ: Any, value: Any, meta: Mapping[str, Any]) -> tuple[str | N
         if hi is not None and value > hi:
             return f"must be ≤ {_num(hi)}, got {_num(value)}", None
     return None, value
+
+
+_ARM_NAMES: dict[Any, str] = {str: "a string", list[str]: "an array of strings"}
 
 
 def _num(v: float) -> str:
@@ -615,20 +652,32 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
                 p.append(Problem("trainer.weight_sync", f"must be {' or '.join(map(repr, allowed))} with "
                                                         f"trainer.mode = \"lora\" and inference.engine = "
                                                         f"\"{inf.engine}\""))
-        if sync == "shared" and inf.enabled and same_device(t.device, inf.device) is False:
-            p.append(Problem("trainer.weight_sync", f"\"shared\" needs the trainer and the inference server on "
-                                                    f"the same device (trainer.device = {t.device!r}, "
-                                                    f"inference.device = {inf.device!r}); use \"push\""))
+        if sync == "shared" and inf.enabled and isinstance(t.device, str):
+            for d in dict.fromkeys(cfg.inference_devices()):
+                if "," in d or same_device(t.device, d) is False:
+                    p.append(Problem("trainer.weight_sync", f"\"shared\" needs the trainer and every inference "
+                                                            f"replica on one device (trainer.device = {t.device!r}, "
+                                                            f"inference.device = {d!r}); use \"push\""))
+                    break
         if not inf.enabled and sync in ("shared", "push"):
             p.append(Problem("trainer.weight_sync", f"\"{sync}\" needs a local inference server "
                                                     "(inference.enabled = true); use \"reload\""))
     if inf.engine == "vllm" and inf.vllm.gpu_memory_utilization == 0.0 and t.enabled and \
-            _is_cuda(inf.device) and _is_cuda(t.device) and inf.device == t.device:
+            _is_cuda(t.device) and any(_is_cuda(d) and t.device in d.split(",") for d in cfg.inference_devices()):
         p.append(Problem("inference.vllm.gpu_memory_utilization",
                          "must be > 0 when vLLM shares a GPU with the trainer"))
-    for name, device in (("inference", inf.device), ("trainer", t.device)):
-        if not re.match(DEVICE_PATTERN, device):
-            p.append(Problem(f"{name}.device", f"must be auto, cpu, cuda:N or a GPU UUID, got {device!r}"))
+    if isinstance(inf.device, list):
+        if len(inf.device) != inf.replicas:
+            p.append(Problem("inference.device", f"a list must have exactly inference.replicas ({inf.replicas}) "
+                                                 f"entries, one per replica; got {len(inf.device)}"))
+        for i, d in enumerate(inf.device):
+            if not re.match(REPLICA_DEVICE_PATTERN, d):
+                p.append(Problem(f"inference.device[{i}]", "must be auto, cpu, cuda:N, a GPU UUID or several "
+                                                           f"GPUs (\"cuda:2,cuda:3\"), got {d!r}"))
+    elif not re.match(DEVICE_PATTERN, inf.device):
+        p.append(Problem("inference.device", f"must be auto, cpu, cuda:N or a GPU UUID, got {inf.device!r}"))
+    if isinstance(t.device, str) and not re.match(DEVICE_PATTERN, t.device):
+        p.append(Problem("trainer.device", f"must be auto, cpu, cuda:N or a GPU UUID, got {t.device!r}"))
     if not inf.model:
         p.append(Problem("inference.model", "must not be empty"))
     elif inf.model.startswith("builtin:") and inf.model not in BUILTIN_MODELS:
@@ -637,16 +686,21 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
     # ports distinct
     ports: dict[int, str] = {}
 
-    def claim(port: int, path: str) -> None:
+    def claim(port: int, path: str, who: str = "") -> None:
+        """``who``: how the port is derived from ``path`` (an inference replica's port + i)."""
         if port in ports:
-            p.append(Problem(path, f"port {port} is already used by {ports[port]}"))
+            p.append(Problem(path, f"port {port}{f' ({who})' if who else ''} is already used by {ports[port]}"))
         else:
-            ports[port] = path
+            ports[port] = f"{path} ({who})" if who else path
 
     if api.enabled:
         claim(api.port, "api.port")
     if inf.enabled:
-        claim(inf.port, "inference.port")
+        if inf.port + inf.replicas - 1 > 65535:
+            p.append(Problem("inference.port", f"inference.port + inference.replicas - 1 must be ≤ 65535 "
+                                               f"(replica i listens on port + i), got {inf.port + inf.replicas - 1}"))
+        for r in range(inf.replicas):
+            claim(inf.port + r, "inference.port", f"inference replica {r}: port + {r}" if inf.replicas > 1 else "")
     if cfg.daemon.metrics_port:
         claim(cfg.daemon.metrics_port, "daemon.metrics_port")
     # environments
@@ -849,7 +903,9 @@ def _key_schema(typ: Any, f: dataclasses.Field[Any]) -> dict[str, Any]:
     meta = f.metadata
     origin = get_origin(typ)
     out: dict[str, Any]
-    if origin is list:
+    if origin is types.UnionType:  # str | list[str]: a JSON type per arm
+        out = {"type": [_JSON_TYPES.get(a, "array") for a in get_args(typ)], "items": {"type": "string"}}
+    elif origin is list:
         (item,) = get_args(typ)
         out = {"type": "array", "items": {"type": _JSON_TYPES[item]}}
     elif origin is dict:

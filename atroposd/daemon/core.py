@@ -22,6 +22,7 @@ import secrets
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -225,8 +226,12 @@ class Daemon:
             self.notifier.extend_timeout(API_READY_TIMEOUT + 10)
             await self._until_ready(self._add_unit(specs.api_spec(ins)))
         if self.cfg.inference.enabled:
+            # Every replica starts at once; READY waits for each (its health and one generation).
             self.notifier.extend_timeout(self.cfg.inference.ready_timeout + 10)
-            await self._until_ready(self._add_unit(specs.inference_spec(ins), on_ready=self._inference_ready))
+            replicas = [self._add_unit(spec, on_ready=self._inference_ready(i))
+                        for i, spec in enumerate(specs.inference_specs(ins))]
+            for unit in replicas:
+                await self._until_ready(unit)
         if self.cfg.trainer.enabled:
             await self._start_trainer()
         envs = [self._add_unit(spec) for e in self.cfg.env for spec in specs.env_specs(ins, e)]
@@ -266,9 +271,10 @@ class Daemon:
             # (before anything initialises CUDA; the children keep the original list).
             os.environ["CUDA_VISIBLE_DEVICES"] = self.cfg.trainer.device
         self.notifier.extend_timeout(self.cfg.inference.ready_timeout + API_READY_TIMEOUT)
-        sock = self.paths.inference_socket(self.cfg.inference.port) if self.cfg.inference.enabled else None
+        inf = self.cfg.inference
+        socks = [self.paths.inference_socket(inf.port + i) for i in range(inf.replicas)] if inf.enabled else []
         # Watched: the stall watchdog sees a weight sync in flight (the stage "weight_sync").
-        self.weights = WatchedSync(make_weight_sync(self.cfg, nonce=self.nonce, control_socket=sock))
+        self.weights = WatchedSync(make_weight_sync(self.cfg, nonce=self.nonce, control_sockets=socks))
         self.trainer = TrainerService(self.cfg, instance=self.nonce, weights=self.weights,
                                       envs_alive=self.envs_alive)
         assert self._tg is not None
@@ -288,10 +294,13 @@ class Daemon:
         finally:
             self._trainer_done.set()
 
-    async def _inference_ready(self, unit: Unit, restarted: bool) -> None:
-        # A restarted server (--await-weights) gets the trainer's current weights before it serves.
-        if restarted and self.trainer is not None:
-            await self.trainer.on_inference_restarted()
+    def _inference_ready(self, replica: int) -> Callable[[Unit, bool], Awaitable[None]]:
+        """The ready hook of inference replica ``replica``."""
+        async def hook(unit: Unit, restarted: bool) -> None:
+            # A restarted replica (--await-weights) gets the trainer's current weights before it serves.
+            if restarted and self.trainer is not None:
+                await self.trainer.on_inference_restarted(replica)
+        return hook
 
     def envs_alive(self) -> bool:
         """Any environment alive or still restartable (the trainer's data_timeout rule)."""

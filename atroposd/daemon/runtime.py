@@ -113,7 +113,9 @@ def ports_to_check(cfg: Config) -> list[tuple[str, int, str]]:
     if cfg.api.enabled:
         out.append((cfg.api.host, cfg.api.port, "api.port"))
     if cfg.inference.enabled:
-        out.append((cfg.inference.host, cfg.inference.port, "inference.port"))
+        inf = cfg.inference
+        out += [(inf.host, inf.port + r, "inference.port" if inf.replicas == 1 else f"inference.port (replica {r})")
+                for r in range(inf.replicas)]
     if cfg.daemon.metrics_port:
         out.append(("127.0.0.1", cfg.daemon.metrics_port, "daemon.metrics_port"))
     for i, e in enumerate(cfg.env):

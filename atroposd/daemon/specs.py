@@ -74,8 +74,11 @@ def placeholder_values(ins: SpecInputs, *, name: str = "", replica: int = 0,
                        env: EnvConfig | None = None) -> dict[str, str]:
     """The values of SPEC §3's placeholders for one child (``{port}`` excepted)."""
     c = ins.cfg
+    urls = c.inference_urls
+    # An environment replica's own inference replica (replica index mod replicas); others: replica 0.
+    url = urls[replica % len(urls)] if env is not None else urls[0]
     values = {
-        "api_url": c.api_url, "inference_url": c.inference_url, "openai_url": c.inference_url + "/v1",
+        "api_url": c.api_url, "inference_url": url, "inference_urls": ",".join(urls), "openai_url": url + "/v1",
         "model": ins.model, "tokenizer": ins.tokenizer,
         "group_size": str(env.group_size if env else 0), "max_token_len": str(c.trainer.max_token_len),
         "steps": str(c.trainer.steps), "name": name, "replica": str(replica),
@@ -117,27 +120,62 @@ def api_spec(ins: SpecInputs) -> UnitSpec:
                     live_check=HttpLiveCheck(f"{c.api_url}/info", c.api.live_timeout, api_headers(c)))
 
 
-def inference_spec(ins: SpecInputs) -> UnitSpec:
-    """The inference server, with its weight-control socket."""
+def inference_name(cfg: Config, replica: int) -> str:
+    """The component name of an inference replica: ``inference`` alone, else ``inference-<i>``."""
+    return "inference" if cfg.inference.replicas == 1 else f"inference-{replica}"
+
+
+def replica_device(entry: str, base_env: Mapping[str, str]) -> tuple[str, str | None]:
+    """``(--device for the child, CUDA_VISIBLE_DEVICES for it or None)`` for one replica's device.
+
+    A GPU UUID becomes the child's only visible GPU (its device 0); several GPUs
+    (``"cuda:2,cuda:3"``, a tensor-parallel vLLM replica) become its visible GPUs, numbered as
+    the daemon numbers them (through the daemon's own CUDA_VISIBLE_DEVICES when it has one),
+    and the child computes on ``cuda:0``; ``cuda:N`` keeps the daemon's numbering.
+    """
+    if "," not in entry:
+        return entry, entry if entry.startswith(("GPU-", "MIG-")) else None
+    parent = [d.strip() for d in base_env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    visible = []
+    for gpu in entry.split(","):
+        if gpu.startswith("cuda:"):
+            index = int(gpu.removeprefix("cuda:"))
+            visible.append(parent[index] if parent and index < len(parent) else str(index))
+        else:
+            visible.append(gpu)
+    return "cuda:0", ",".join(visible)
+
+
+def inference_spec(ins: SpecInputs, replica: int = 0) -> UnitSpec:
+    """One inference replica (replica i on ``port + i``), with its weight-control socket."""
     c = ins.cfg
-    sock = ins.paths.inference_socket(c.inference.port)
+    port = c.inference.port + replica
+    sock = ins.paths.inference_socket(port)
     argv = _atroposd(ins, "inference", "-c", ins.child_config, "--control-socket", str(sock))
+    device, visible = replica_device(c.inference_devices()[replica], ins.base_env)
+    if c.inference.replicas > 1 or isinstance(c.inference.device, list):
+        argv += ["--port", str(port), "--device", device]
     if c.trainer.enabled:
         # Every mode: a (re)started server waits for the trainer's current weights before it
         # serves, never the base model (SPEC §4).
         argv.append("--await-weights")
-    env = child_env(ins, placeholder_values(ins, name="inference"))
-    if c.inference.device.startswith(("GPU-", "MIG-")):
-        # A GPU named by UUID is device 0 in the child (cuda:N keeps the daemon's numbering).
-        env["CUDA_VISIBLE_DEVICES"] = c.inference.device
+    name = inference_name(c, replica)
+    env = child_env(ins, placeholder_values(ins, name=name, replica=replica))
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
     # SIGTERM on the daemon's death: the server shuts its engine (and its process group) down.
     i = c.inference
     live = LiveSettings(i.live_interval, i.live_timeout, i.live_failures)
-    check = InferenceLiveCheck(c.inference_url, sock, timeout=i.live_timeout, generate_every=i.live_generate_every,
-                               failures=i.live_failures)
-    return UnitSpec(name="inference", kind="inference", argv=argv, env=env,
-                    probe=InferenceProbe(c.inference_url, sock), ready_timeout=c.inference.ready_timeout,
+    check = InferenceLiveCheck(c.inference_urls[replica], sock, timeout=i.live_timeout,
+                               generate_every=i.live_generate_every, failures=i.live_failures)
+    return UnitSpec(name=name, kind="inference", argv=argv, env=env,
+                    probe=InferenceProbe(c.inference_urls[replica], sock), ready_timeout=c.inference.ready_timeout,
                     stop_timeout=c.daemon.stop_timeout, death_signal=signal.SIGTERM, live=live, live_check=check)
+
+
+def inference_specs(ins: SpecInputs) -> list[UnitSpec]:
+    """Every inference replica, replica 0 first."""
+    return [inference_spec(ins, i) for i in range(ins.cfg.inference.replicas)]
 
 
 def stop_signal_of(e: EnvConfig) -> signal.Signals:
@@ -191,7 +229,7 @@ def all_specs(ins: SpecInputs) -> list[UnitSpec]:
     if ins.cfg.api.enabled:
         out.append(api_spec(ins))
     if ins.cfg.inference.enabled:
-        out.append(inference_spec(ins))
+        out += inference_specs(ins)
     for e in ins.cfg.env:
         out += env_specs(ins, e)
     return out

@@ -75,7 +75,10 @@ async def status(d: DaemonView) -> dict[str, Any]:
         for kind, enabled, url in (("api", cfg.api.enabled, f"{cfg.api_url}/info"),
                                    ("inference", cfg.inference.enabled, f"{cfg.inference_url}/health")):
             if enabled:
-                components += [u.status() for u in d.units.values() if u.kind == kind]
+                rows = [u.status() for u in d.units.values() if u.kind == kind]
+                if kind == "inference":
+                    await _replica_health(cfg, session, rows)
+                components += rows
                 continue
             # External components are probed, not supervised.
             ok = await get_ok(session, url, api_headers(cfg) if kind == "api" else None)
@@ -88,6 +91,36 @@ async def status(d: DaemonView) -> dict[str, Any]:
             "config": cfg.source, "instance": d.nonce, "components": components,
             "trainer": trainer_status(d), "queue": queue,
             "start_error": d.start_error}
+
+
+def replica_index(name: str) -> int:
+    """The replica index of an inference component: ``inference`` is 0, ``inference-<i>`` is i."""
+    _, _, tail = name.partition("-")
+    return int(tail) if tail.isdigit() else 0
+
+
+async def _replica_health(cfg: Config, session: aiohttp.ClientSession, rows: list[dict[str, Any]]) -> None:
+    """Each inference replica's URL, the weight_version it serves and the generations it
+    answered (its ``/health``; None when it does not answer), asked of all at once."""
+    import aiohttp
+
+    urls = cfg.inference_urls
+
+    async def one(row: dict[str, Any]) -> None:
+        i = replica_index(row["name"])
+        url = urls[i] if i < len(urls) else urls[0]
+        row.update(url=url, weight_version=None, generations=None)
+        try:
+            async with session.get(f"{url}/health") as resp:
+                data = await resp.json(content_type=None) if resp.status == 200 else None
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            return
+        if isinstance(data, dict):
+            row.update(weight_version=data.get("weight_version"), generations=data.get("generations"))
+
+    async with anyio.create_task_group() as tg:
+        for row in rows:
+            tg.start_soon(one, row)
 
 
 async def _queue(cfg: Config, session: aiohttp.ClientSession) -> dict[str, Any] | None:

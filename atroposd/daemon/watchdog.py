@@ -79,9 +79,12 @@ class WatchedSync:
         async with self._busy("attach"):
             await self.inner.attach(model, version)
 
-    async def reattach(self, model: Any, version: int) -> None:
+    async def reattach(self, model: Any, version: int, replica: int | None = None) -> None:
         async with self._busy("reattach"):
-            await self.inner.reattach(model, version)
+            await self.inner.reattach(model, version, replica)
+
+    def replica_versions(self) -> list[int | None]:
+        return list(self.inner.replica_versions())
 
     async def after_step(self, model: Any, version: int) -> None:
         async with self._busy("after_step"):

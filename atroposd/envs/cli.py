@@ -117,6 +117,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         name=name,
         api_url=_pick(args.api_url, "ATROPOSD_API_URL", str, cfg.api_url),
         inference_url=_pick(args.inference_url, "ATROPOSD_INFERENCE_URL", str, cfg.inference_url),
+        inference_urls=_inference_urls(args.inference_url, cfg),
         group_size=group_size,
         max_token_length=_pick(None, "ATROPOSD_MAX_TOKEN_LEN", int, cfg.trainer.max_token_len),
         concurrency=parsed.concurrency, max_batches_offpolicy=parsed.max_batches_offpolicy,
@@ -133,6 +134,19 @@ def _find_env(envs: list[Any], name: str, builtin: str) -> Any:
     if not name:
         return next((e for e in envs if e.builtin == builtin), None)
     return None
+
+
+def _inference_urls(flag: str | None, cfg: Any) -> tuple[str, ...]:
+    """Every inference replica this environment may use: ``--inference-url`` alone when given,
+    else $ATROPOSD_INFERENCE_URLS (comma-separated, from the daemon), else $ATROPOSD_INFERENCE_URL
+    alone, else the config's replicas."""
+    if flag:
+        return (flag,)
+    listed = [u.strip() for u in os.environ.get("ATROPOSD_INFERENCE_URLS", "").split(",") if u.strip()]
+    if listed:
+        return tuple(listed)
+    single = os.environ.get("ATROPOSD_INFERENCE_URL")
+    return (single,) if single else tuple(cfg.inference_urls)
 
 
 def _pick(flag: Any, variable: str, kind: type, default: Any) -> Any:
@@ -183,7 +197,7 @@ async def _evaluate(setup: dict[str, Any]) -> int:
 
     options = setup["options"]
     async with aiohttp.ClientSession() as session:
-        infer = InferenceClient(session, setup["settings"].inference_url)
+        infer = InferenceClient(session, setup["settings"].inference_urls or setup["settings"].inference_url)
         try:
             result = await evaluate_via_server(infer, setup["vocab"], all_problems(options),
                                                max_tokens=options.max_tokens)

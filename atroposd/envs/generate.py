@@ -1,4 +1,5 @@
-"""A client of the inference server's Atropos ``POST /generate`` (SPEC §7, ATROPOS-PROTOCOL §1.4).
+"""A client of the inference server's Atropos ``POST /generate`` (SPEC §7, ATROPOS-PROTOCOL §1.4),
+routing each generation to one of several inference replicas (SPEC §12.2).
 
 An unreachable or restarting server (connection refused, 5xx) is waited for with a visible
 retry, as atroposlib's VLLMServer does; a 4xx is a bad request no retry can fix and raises
@@ -7,11 +8,13 @@ retry, as atroposlib's VLLMServer does; a 4xx is a bad request no retry can fix 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import anyio
 import orjson
 
 from atroposd.envs.retry import CONNECTION_ERRORS, Backoff, Retry, retry_after
@@ -38,14 +41,47 @@ class Generation:
     weight_version: int | None
 
 
+# A replica marked down is asked whether it is ready again at most this often.
+RECHECK_S = 1.0
+RECHECK_TIMEOUT_S = 2.0
+
+
+@dataclass(eq=False)
+class ReplicaState:
+    """One inference replica as this client sees it."""
+
+    url: str
+    in_flight: int = 0
+    served: int = 0
+    down: bool = False
+    checked_at: float = -math.inf
+    checking: bool = False
+
+
+def _base(url: str) -> str:
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
 class InferenceClient:
-    def __init__(self, session: aiohttp.ClientSession, url: str, *, log: Any = None) -> None:
+    """``POST /generate`` to one inference server, or to several replicas (SPEC §12.2): each
+    generation goes to the ready replica with the fewest requests in flight; a replica that
+    fails (unreachable, 5xx) is skipped — its request goes to another at once — until it
+    answers ready again (``GET /info``: loaded and not awaiting weights; checked at most every
+    ``RECHECK_S``). With every replica down the client waits with a visible backoff, as with one."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str | Sequence[str], *, log: Any = None) -> None:
         self._session = session
-        self._url = url.rstrip("/")
-        if self._url.endswith("/v1"):
-            self._url = self._url[: -len("/v1")]
+        urls = [url] if isinstance(url, str) else list(url)
+        if not urls:
+            raise ValueError("InferenceClient needs at least one URL")
+        self.replicas = [ReplicaState(_base(u)) for u in urls]
         self._log = log or get_logger("envs.generate")
         self.retries = 0
+
+    def served(self) -> list[int]:
+        """Generations each replica answered, in the order of the URLs."""
+        return [r.served for r in self.replicas]
 
     async def generate(self, prompt_ids: Sequence[int], *, n: int, max_tokens: int, temperature: float,
                        top_p: float = 1.0, seed: int | None = None) -> Generation:
@@ -57,18 +93,73 @@ class InferenceClient:
             body["seed"] = seed
         backoff = Backoff(self._log, "generate")
         while True:
+            replica = await self._pick()
+            replica.in_flight += 1
             try:
-                answer = await self._post(body)
+                answer = await self._post(replica.url, body)
                 break
             except Retry as retry:
                 self.retries += 1
+                if len(self.replicas) > 1:
+                    self._mark_down(replica, retry.reason)
+                    if any(not r.down for r in self.replicas):
+                        continue  # another replica takes it at once
                 await backoff.wait(retry)
+            finally:
+                replica.in_flight -= 1
         backoff.done()
+        replica.served += 1
         return parse_generation(answer, n)
 
-    async def _post(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def _pick(self) -> ReplicaState:
+        """The ready replica with the fewest requests in flight (then the fewest served); with
+        none ready, the least busy of all (its failure is waited for with backoff)."""
+        if len(self.replicas) == 1:
+            return self.replicas[0]
+        now = anyio.current_time()
+        due = [r for r in self.replicas if r.down and not r.checking and now - r.checked_at >= RECHECK_S]
+        for r in due:
+            await self._recheck(r)
+        ready = [r for r in self.replicas if not r.down] or self.replicas
+        return min(ready, key=lambda r: (r.in_flight, r.served))
+
+    def _mark_down(self, replica: ReplicaState, reason: str) -> None:
+        if not replica.down:
+            self._log.warning("inference replica unavailable; skipping it until it is ready again",
+                              url=replica.url, reason=reason)
+        replica.down = True
+        replica.checked_at = anyio.current_time()
+
+    async def _recheck(self, replica: ReplicaState) -> None:
+        """Ask a down replica whether it serves again: ``/info`` ready and not awaiting weights
+        (a server without ``/info``: ``/health`` answers 200)."""
+        replica.checking = True
         try:
-            async with self._session.post(self._url + "/generate", data=orjson.dumps(body),
+            with anyio.move_on_after(RECHECK_TIMEOUT_S):
+                ready = await self._ready(replica.url)
+                if ready:
+                    replica.down = False
+                    self._log.info("inference replica ready again", url=replica.url)
+        finally:
+            replica.checking = False
+            replica.checked_at = anyio.current_time()
+
+    async def _ready(self, url: str) -> bool:
+        try:
+            async with self._session.get(url + "/info") as resp:
+                if resp.status == 404:
+                    async with self._session.get(url + "/health") as health:
+                        return health.status == 200
+                if resp.status != 200:
+                    return False
+                info = orjson.loads(await resp.read())
+        except (*CONNECTION_ERRORS, orjson.JSONDecodeError):
+            return False
+        return isinstance(info, dict) and info.get("ready", True) is not False and not info.get("awaiting_weights")
+
+    async def _post(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            async with self._session.post(url + "/generate", data=orjson.dumps(body),
                                           headers={"Content-Type": "application/json"}) as resp:
                 text = await resp.text()
                 status, retry_header = resp.status, resp.headers.get("Retry-After")

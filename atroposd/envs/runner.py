@@ -89,6 +89,8 @@ class RunnerSettings:
     api_token: str = ""
     stop_grace: float = 5.0
     report_every: float = 10.0
+    #: every inference replica (generations go to the least busy ready one); empty: inference_url alone
+    inference_urls: tuple[str, ...] = ()
 
 
 @dataclass
@@ -129,6 +131,7 @@ class EnvRunner:
         self.dropped_at_stop = 0
         self._throttled_at_window = 0.0
         self.api: AtroposEnvClient | None = None
+        self.infer: InferenceClient | None = None
         self.gate: QueueGate | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -147,8 +150,10 @@ class EnvRunner:
             registration = EnvRegistration(desired_name=s.name, group_size=s.group_size,
                                            max_token_length=s.max_token_length, weight=s.weight)
             self.api = AtroposEnvClient(session, s.api_url, registration, token=s.api_token, log=self.log)
-            infer = InferenceClient(session, s.inference_url, log=self.log)
-            self.log.info("environment starting", api=s.api_url, inference=s.inference_url,
+            infer = InferenceClient(session, s.inference_urls or s.inference_url, log=self.log)
+            self.infer = infer
+            self.log.info("environment starting", api=s.api_url, inference=",".join(s.inference_urls or
+                                                                                    (s.inference_url,)),
                           group_size=s.group_size, concurrency=s.concurrency, **self.task.describe())
             await self._serve(self.api, infer)
             with anyio.CancelScope(shield=True), anyio.move_on_after(DISCONNECT_TIMEOUT):
@@ -305,6 +310,8 @@ class EnvRunner:
         if api is not None:
             fields.update(submit_retries=api.stats.submit_retries, refused_503=api.stats.refused_503,
                           rejected=api.stats.rejected_groups, registrations=api.stats.registrations)
+        if self.infer is not None and len(self.infer.replicas) > 1:
+            fields["generations_per_replica"] = self.infer.served()  # since the start
         if final:
             fields["dropped_at_stop"] = self.dropped_at_stop
         self.log.info("rollouts (total)" if final else "rollouts", **fields)

@@ -50,6 +50,10 @@ def config_from(args: argparse.Namespace) -> Config:
     cfg = load_or_exit(args)
     problems = apply_flags(cfg.inference, "inference", args, {f: f for f in _FLAGS})
     problems += apply_flags(cfg.trainer, "trainer", args, {"seed": "seed"})
+    if isinstance(cfg.inference.device, list):
+        # A list (one entry per replica) without --device: this server is replica 0. The daemon
+        # passes each replica its own --device and --port.
+        cfg.inference.device = cfg.inference_devices()[0]
     if args.threads is not None and args.threads < 1:
         problems.append(f"--threads must be ≥ 1, got {args.threads}")
     if problems:

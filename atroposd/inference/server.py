@@ -85,6 +85,8 @@ class _Front:
     engine: Any = None
     tokenizer: Any = None
     info: dict[str, Any] = field(default_factory=dict)
+    #: requests answered on /generate and the OpenAI routes (``/health``: load per replica)
+    generations: int = 0
 
 
 def make_engine(cfg: Config, name: str, *, await_weights: bool, threads: int | None = None) -> Any:
@@ -176,16 +178,23 @@ def build_tcp_app(front: _Front) -> web.Application:
             await front.engine.check_health()
         except Exception as exc:  # the engine's own error types: report them, keep the front up
             return _error(503, f"engine unhealthy: {exc}")
-        return _json({"status": "ok", "weight_version": front.engine.weight_version})
+        return _json({"status": "ok", "weight_version": front.engine.weight_version,
+                      "generations": front.generations})
 
     async def generate(request: web.Request) -> Any:
-        return await front.engine.generate(await _read_json(request))
+        out = await front.engine.generate(await _read_json(request))
+        front.generations += 1
+        return out
 
     async def completions(request: web.Request) -> Any:
-        return await _openai_completions(front, await _read_json(request))
+        out = await _openai_completions(front, await _read_json(request))
+        front.generations += 1
+        return out
 
     async def chat(request: web.Request) -> Any:
-        return await _openai_chat(front, await _read_json(request))
+        out = await _openai_chat(front, await _read_json(request))
+        front.generations += 1
+        return out
 
     async def models(_: web.Request) -> Any:
         return {"object": "list", "data": [{"id": front.model_name, "object": "model", "owned_by": "atroposd",

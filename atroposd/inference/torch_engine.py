@@ -109,8 +109,10 @@ class TorchEngine(WeightGate):
         from atroposd.weights.receiver import ReceiverState
 
         inf = cfg.inference
+        # A device list names one device per replica; a server is told its own (inference/cli.py).
+        device = inf.device if isinstance(inf.device, str) else cfg.inference_devices()[0]
         return cls(model_dir=resolve_model(cfg), tokenizer_dir=resolve_tokenizer(cfg), dtype=inf.dtype,
-                   device=inf.device, max_model_len=inf.max_model_len, seed=cfg.trainer.seed,
+                   device=device, max_model_len=inf.max_model_len, seed=cfg.trainer.seed,
                    receiver=receiver if receiver is not None else ReceiverState.from_config(cfg),
                    await_weights=await_weights, threads=threads)
 

@@ -100,13 +100,15 @@ class TrainerService:
             "rejected_groups": dict(p.rejected_groups),
         }
 
-    async def on_inference_restarted(self) -> None:
-        """A restarted inference server gets the current weights before it serves rollouts."""
+    async def on_inference_restarted(self, replica: int | None = None) -> None:
+        """A restarted inference replica (None: every one) gets the current weights before it
+        serves rollouts."""
         if self._policy is None:
             return
         async with self._lock:
-            await self.weights.reattach(self._policy.model, self.progress.weight_version)
-        log.info("weights re-attached to the restarted inference server", weight_version=self.progress.weight_version)
+            await self.weights.reattach(self._policy.model, self.progress.weight_version, replica)
+        log.info("weights re-attached to the restarted inference server", replica=replica,
+                 weight_version=self.progress.weight_version)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> TrainerOutcome:
         p = self.progress

@@ -1,6 +1,6 @@
 """Trainer-side weight sync strategies: ``shared``, ``push`` and ``reload`` (SPEC §7).
 
-``make_weight_sync(cfg, nonce=..., control_socket=...)`` picks the strategy from
+``make_weight_sync(cfg, nonce=..., control_sockets=[...])`` picks the strategy from
 ``cfg.weight_sync``. Every strategy has the same shape, which the training loop uses without
 knowing the mode::
 
@@ -12,7 +12,7 @@ knowing the mode::
         version += 1
         await sync.after_step(model, version) # push / reload: every sync_every steps
     ...
-    await sync.reattach(model, version)      # after an inference-server restart
+    await sync.reattach(model, version, i)   # after inference replica i restarted
     sync.close()                             # release everything (segments, manifest, sync dir)
 
 * ``shared``: ``attach`` moves the model's tensors into POSIX shm segments (CUDA buffers on a
@@ -24,18 +24,23 @@ knowing the mode::
 * ``reload``: every ``sync_every`` steps the weights are written to ``{state_dir}/sync/`` and
   the server loads them while paused.
 
-If the inference server is unreachable (it died and is being restarted) a pause, resume or
-push is skipped with a warning: the restarted server starts paused (``--await-weights``)
-and gets the current weights from ``reattach`` before it serves again.
+Every call goes to every inference replica (SPEC §12.2), in parallel, one connection per
+replica; a sync waits for each replica it reaches. ``shared``: the replicas all map the same
+exported buffers — one copy for all; ``push``: each copies them; ``reload``: each loads the
+one directory. If a replica is unreachable (it died and is being restarted, or its engine
+is still loading) its pause, resume or push is skipped with a warning: the restarted server
+starts paused (``--await-weights``) and gets the current weights from ``reattach(...,
+replica)`` before it serves again.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 import torch
@@ -48,9 +53,10 @@ from atroposd.weights.manifest import manifest_path
 if TYPE_CHECKING:
     from atroposd.config import Config
 
-__all__ = ["PushSync", "ReloadSync", "SharedSync", "WeightSync", "make_weight_sync"]
+__all__ = ["PushSync", "ReloadSync", "Replica", "SharedSync", "WeightSync", "make_weight_sync"]
 
 log = get_logger(__name__)
+_T = TypeVar("_T")
 
 DEFAULT_DEADLINE = 300.0
 MIN_DEADLINE = 30.0
@@ -62,28 +68,34 @@ class WeightSync(Protocol):
     async def attach(self, model: torch.nn.Module, version: int) -> None: ...
     def paused(self, new_version: int | None = None) -> Any: ...
     async def after_step(self, model: torch.nn.Module, version: int) -> None: ...
-    async def reattach(self, model: torch.nn.Module, version: int) -> None: ...
+    async def reattach(self, model: torch.nn.Module, version: int, replica: int | None = None) -> None: ...
+    def replica_versions(self) -> list[int | None]: ...
     def close(self) -> None: ...
 
 
-def make_weight_sync(cfg: Config, *, nonce: str, control_socket: Path | None) -> WeightSync:
-    """The strategy for ``cfg.weight_sync`` (``auto`` already resolved by the config)."""
+def make_weight_sync(cfg: Config, *, nonce: str, control_socket: Path | None = None,
+                     control_sockets: Sequence[Path] | None = None) -> WeightSync:
+    """The strategy for ``cfg.weight_sync`` (``auto`` already resolved by the config).
+
+    ``control_sockets``: one weight-control socket per inference replica (replica 0 first);
+    ``control_socket`` is the one-replica shorthand."""
     from atroposd.paths import Paths
 
     paths = Paths.of(cfg)
     mode = cfg.weight_sync
     sync_every = int(cfg.trainer.sync_every)
+    sockets = list(control_sockets) if control_sockets is not None else \
+        ([control_socket] if control_socket is not None else [])
     sync: SharedSync | PushSync | ReloadSync
     if mode == "shared":
-        assert control_socket is not None, "shared mode needs the inference control socket"
-        sync = SharedSync(nonce=nonce, weights_dir=paths.weights_dir, control_socket=control_socket)
+        assert sockets, "shared mode needs the inference control socket"
+        sync = SharedSync(nonce=nonce, weights_dir=paths.weights_dir, control_sockets=sockets)
     elif mode == "push":
-        assert control_socket is not None, "push mode needs the inference control socket"
-        sync = PushSync(nonce=nonce, weights_dir=paths.weights_dir, control_socket=control_socket,
-                        sync_every=sync_every)
+        assert sockets, "push mode needs the inference control socket"
+        sync = PushSync(nonce=nonce, weights_dir=paths.weights_dir, control_sockets=sockets, sync_every=sync_every)
     elif mode == "reload":
-        notify = control_socket if cfg.inference.enabled else None
-        sync = ReloadSync(sync_dir=paths.sync_dir, control_socket=notify, sync_every=sync_every)
+        sync = ReloadSync(sync_dir=paths.sync_dir, control_sockets=sockets if cfg.inference.enabled else [],
+                          sync_every=sync_every)
     else:
         raise ValueError(f"unknown weight_sync mode {mode!r}")
     sync.deadline = sync_deadline(float(getattr(cfg.trainer, "stall_timeout", 0.0)))
@@ -98,101 +110,179 @@ def sync_deadline(stall_timeout: float) -> float:
 
 
 def _unreachable(exc: WeightControlError) -> bool:
-    """Not reachable, not answering within the deadline, or not serving (503: its engine is
-    loading or shutting down): the server gets the weights from ``reattach`` when it is back."""
+    """The server is not there to take weights now: dead (no answer), or answering 503 (its engine
+    still loading, or shutting down). It gets the current weights when it is ready again."""
     return exc.status is None or exc.status == 503
 
 
+@dataclass(eq=False)
+class Replica:
+    """One inference replica as the weight sync sees it: its control socket and what it holds."""
+
+    index: int
+    socket: Path
+    #: holds the trainer's current weights and serves with them
+    current: bool = False
+    #: the weight_version it was last resumed with (None: never reached)
+    version: int | None = None
+    conn: WeightControlClient | None = field(default=None, repr=False)
+
+
 class _ControlMixin:
-    control_socket: Path | None
-    _conn: WeightControlClient | None = None
-    # Each control request's own deadline: past it the server counts as unreachable (the
+    """Weight-control calls to every inference replica (SPEC §12.2): a sync goes to each replica
+    in parallel and waits for every one it reaches; a replica that is down (or dies during the
+    sync) is skipped and gets the current weights from ``reattach`` before it serves again."""
+
+    replicas: list[Replica]
+    # Each control request's own deadline: past it the replica counts as unreachable (the
     # update is skipped and ``sync_timeouts`` counts it; the daemon restarts the server, and
     # the restarted one gets the weights from ``reattach``).
     deadline: float = DEFAULT_DEADLINE
     sync_timeouts: int = 0
 
-    def _client(self) -> WeightControlClient:
-        assert self.control_socket is not None
-        return WeightControlClient(self.control_socket, timeout=self.deadline)
+    def _set_sockets(self, sockets: Sequence[Path | str]) -> None:
+        self.replicas = [Replica(i, Path(s)) for i, s in enumerate(sockets)]
+
+    @property
+    def control_socket(self) -> Path | None:
+        """Replica 0's socket (the one-replica view)."""
+        return self.replicas[0].socket if self.replicas else None
+
+    @control_socket.setter
+    def control_socket(self, path: Path | None) -> None:
+        self._set_sockets([path] if path is not None else [])
+
+    @property
+    def server_current(self) -> bool:
+        """Every replica holds the trainer's current weights."""
+        return bool(self.replicas) and all(r.current for r in self.replicas)
+
+    def replica_versions(self) -> list[int | None]:
+        """The weight_version each replica was last resumed with (None: not reached yet)."""
+        return [r.version for r in self.replicas]
+
+    def _targets(self, replica: int | None) -> list[Replica]:
+        if replica is None:
+            return list(self.replicas)
+        return [r for r in self.replicas if r.index == replica]
 
     @asynccontextmanager
-    async def _connected(self) -> AsyncIterator[None]:
+    async def _connected(self, r: Replica) -> AsyncIterator[None]:
         """One connection for a sequence of calls (pause → update → resume): a sync pays
-        for one connection set-up, not three."""
-        if self._conn is not None:
+        for one connection set-up per replica, not three."""
+        if r.conn is not None:
             yield
             return
-        self._conn = self._client()
+        r.conn = WeightControlClient(r.socket, timeout=self.deadline)
         try:
             yield
         finally:
-            conn, self._conn = self._conn, None
+            conn, r.conn = r.conn, None
             with anyio.CancelScope(shield=True):
                 await conn.close()
 
-    async def _call(self, method: str, *args: Any) -> dict[str, Any]:
+    async def _call(self, method: str, *args: Any, replica: Replica) -> dict[str, Any]:
         try:
-            return await self._call_once(method, *args)
+            return await self._call_once(method, *args, replica=replica)
         except WeightControlError as exc:
             if exc.timed_out:
                 self.sync_timeouts += 1
                 log.error("weight sync did not return within its deadline", request=method,
-                          deadline_s=self.deadline, timeouts=self.sync_timeouts)
+                          replica=replica.index, deadline_s=self.deadline, timeouts=self.sync_timeouts)
             raise
 
-    async def _call_once(self, method: str, *args: Any) -> dict[str, Any]:
-        if self._conn is not None:
-            result: dict[str, Any] = await getattr(self._conn, method)(*args)
+    async def _call_once(self, method: str, *args: Any, replica: Replica) -> dict[str, Any]:
+        if replica.conn is not None:
+            result: dict[str, Any] = await getattr(replica.conn, method)(*args)
             return result
-        client = self._client()
+        client = WeightControlClient(replica.socket, timeout=self.deadline)
         try:
             result = await getattr(client, method)(*args)
             return result
         finally:
             await client.close()
 
-    async def _resume(self, version: int) -> bool:
+    async def _each(self, targets: Sequence[Replica], fn: Callable[[Replica], Awaitable[_T]]) -> list[_T]:
+        """``fn`` on every target in parallel; the results in the targets' order. A failure is
+        raised (the first, by replica) once every call has ended: never an exception group."""
+        if len(targets) == 1:
+            return [await fn(targets[0])]
+        results: dict[int, _T] = {}
+        errors: dict[int, BaseException] = {}
+
+        async def one(i: int, r: Replica) -> None:
+            try:
+                results[i] = await fn(r)
+            except Exception as exc:
+                errors[i] = exc
+
+        async with anyio.create_task_group() as tg:
+            for i, r in enumerate(targets):
+                tg.start_soon(one, i, r)
+        if errors:
+            raise errors[min(errors)]
+        return [results[i] for i in range(len(targets))]
+
+    async def _pause(self, r: Replica, version: int) -> bool:
+        """Pause one replica; False (and a warning) when it is not there."""
         try:
-            await self._call("resume", version)
+            await self._call("pause", replica=r)
             return True
         except WeightControlError as exc:
             if _unreachable(exc):
-                log.warning("inference server unreachable at resume; it gets the weights when it is back",
-                            weight_version=version, error=str(exc))
+                log.warning("inference server unreachable; weights follow when it is back",
+                            replica=r.index, weight_version=version, error=str(exc))
+                r.current = False
                 return False
             raise
 
+    async def _resume(self, r: Replica, version: int) -> bool:
+        try:
+            await self._call("resume", version, replica=r)
+        except WeightControlError as exc:
+            if _unreachable(exc):
+                log.warning("inference server unreachable at resume; it gets the weights when it is back",
+                            replica=r.index, weight_version=version, error=str(exc))
+                r.current = False
+                return False
+            raise
+        r.version = version
+        r.current = True
+        return True
+
 
 class _ArenaSync(_ControlMixin):
-    """Common part of shared and push: the model trains inside exported buffers."""
+    """Common part of shared and push: the model trains inside exported buffers (one copy, which
+    every replica maps (shared) or copies from (push))."""
 
     mode = "?"
     update_mode = "?"
 
-    def __init__(self, *, nonce: str, weights_dir: Path, control_socket: Path,
+    def __init__(self, *, nonce: str, weights_dir: Path, control_socket: Path | None = None,
+                 control_sockets: Sequence[Path] | None = None,
                  max_segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
         self.nonce = nonce
         self.weights_dir = weights_dir
-        self.control_socket = control_socket
+        self._set_sockets(control_sockets if control_sockets is not None else
+                          [control_socket] if control_socket is not None else [])
         self.max_segment_bytes = max_segment_bytes
         self.manifest_file = manifest_path(weights_dir, nonce)
         self.arena: ParameterArena | None = None
         self.version = 0
         self._next_segment = 0
-        self.server_current = False  # the server holds the trainer's current weights
 
     async def attach(self, model: torch.nn.Module, version: int) -> None:
-        """Export ``model`` (moving it into shared buffers once) and bring the server to it."""
+        """Export ``model`` (moving it into shared buffers once) and bring every replica to it."""
         await anyio.to_thread.run_sync(self._ensure_arena, model)
-        await self._export(version)
+        await self._export(version, self.replicas)
 
-    def _ensure_arena(self, model: torch.nn.Module) -> None:
+    def _ensure_arena(self, model: torch.nn.Module) -> bool:
+        """Make sure the model lives in exported buffers; True when they are new ones."""
         if self.arena is not None and self.arena.model is model:
             self.arena.check_bound()
             missing = self.arena.missing_segments()
             if not missing:
-                return
+                return False
             # The trainer's mapping still works; a server (re)attaching needs the names: export anew.
             log.warning("exported segments were removed from /dev/shm by something else; exporting into new ones",
                         segments=missing)
@@ -204,48 +294,50 @@ class _ArenaSync(_ControlMixin):
         self.arena = ParameterArena.create(model, nonce=self.nonce, max_segment_bytes=self.max_segment_bytes,
                                            first_index=self._next_segment)
         self._next_segment += len(self.arena.segments)
+        return True
 
-    async def _export(self, version: int) -> bool:
-        """Write the manifest for ``version``; the server takes it (attach or copy) while paused."""
+    async def _export(self, version: int, targets: Sequence[Replica]) -> bool:
+        """Write the manifest for ``version``; each target takes it (attach or copy) while paused,
+        all in parallel. True when every target did."""
         assert self.arena is not None, "attach() first"
         arena = self.arena
         manifest = await anyio.to_thread.run_sync(arena.manifest, version)
         manifest.write(self.manifest_file)
-        async with self._connected():
-            return await self._send_export(arena, version)
 
-    async def _send_export(self, arena: ParameterArena, version: int) -> bool:
+        async def one(r: Replica) -> bool:
+            async with self._connected(r):
+                return await self._send_export(arena, version, r)
+
+        done = await self._each(targets, one)
+        self.version = version
+        return all(done)
+
+    async def _send_export(self, arena: ParameterArena, version: int, r: Replica) -> bool:
+        if not await self._pause(r, version):
+            return False
         try:
-            await self._call("pause")
+            await self._call("update_weights", self.manifest_file, self.update_mode, version, replica=r)
         except WeightControlError as exc:
             if _unreachable(exc):
-                log.warning("inference server unreachable; weights follow when it is back",
-                            weight_version=version, error=str(exc))
-                self.server_current = False
-                return False
-            raise
-        try:
-            await self._call("update_weights", self.manifest_file, self.update_mode, version)
-        except WeightControlError as exc:
-            if _unreachable(exc):
-                self.server_current = False
+                r.current = False
                 return False
             # Refused before anything was touched: let the server go on with what it had.
             with anyio.CancelScope(shield=True):
-                await self._resume(self.version)
+                await self._resume(r, r.version if r.version is not None else self.version)
             raise
         finally:
             if arena.transport == "cuda_ipc":
                 from atroposd.weights.cuda_ipc import ipc_collect
 
                 ipc_collect()
-        self.version = version
-        self.server_current = await self._resume(version)
-        return self.server_current
+        return await self._resume(r, version)
 
-    async def reattach(self, model: torch.nn.Module, version: int) -> None:
-        """The server restarted: export again and let it attach/copy before it serves."""
-        await self.attach(model, version)
+    async def reattach(self, model: torch.nn.Module, version: int, replica: int | None = None) -> None:
+        """A replica restarted (``replica``; None: every one): export again and let it attach or
+        copy before it serves. Buffers exported anew (segments removed behind the trainer) go to
+        every replica, since the others compute on (or copy from) the old ones."""
+        fresh = await anyio.to_thread.run_sync(self._ensure_arena, model)
+        await self._export(version, self.replicas if fresh else self._targets(replica))
 
     @asynccontextmanager
     async def paused(self, new_version: int | None = None) -> AsyncIterator[None]:
@@ -268,44 +360,37 @@ class _ArenaSync(_ControlMixin):
 
 
 class SharedSync(_ArenaSync):
-    """``shared``: the server computes on the trainer's parameter memory."""
+    """``shared``: every replica computes on the trainer's parameter memory (one copy for all)."""
 
     mode = "shared"
     update_mode = "attach"
 
     @asynccontextmanager
     async def paused(self, new_version: int | None = None) -> AsyncIterator[None]:
-        """Pause generation around the optimizer step; resume with ``new_version``.
+        """Pause generation on every replica around the optimizer step; resume with ``new_version``.
 
-        ``new_version`` defaults to the last version + 1. The server is resumed even when
-        the step raised (its weights may have changed, so it gets the new version).
+        ``new_version`` defaults to the last version + 1. The replicas are resumed even when
+        the step raised (their weights may have changed, so they get the new version).
         """
         # A connection per call: the step between pause and resume may outlast a kept-alive one.
-        reachable = True
-        try:
-            await self._call("pause")
-        except WeightControlError as exc:
-            if not _unreachable(exc):
-                raise
-            reachable = False
-            self.server_current = False
-            log.warning("inference server unreachable at pause; stepping anyway", error=str(exc))
         version = new_version if new_version is not None else self.version + 1
+        reached = await self._each(self.replicas, lambda r: self._pause(r, version))
+        paused = [r for r, ok in zip(self.replicas, reached, strict=True) if ok]
         try:
             yield
         finally:
             self.version = version
-            if reachable:
+            if paused:
                 with anyio.CancelScope(shield=True):
                     # On a GPU the step's kernels may still run: the server must not read a mix
                     # of versions, so the device finishes them before generation resumes.
                     if self.arena is not None:
                         await anyio.to_thread.run_sync(self.arena.synchronize)
-                    self.server_current = await self._resume(version)
+                    await self._each(paused, lambda r: self._resume(r, version))
 
 
 class PushSync(_ArenaSync):
-    """``push``: every ``sync_every`` steps the server copies the exported buffers in."""
+    """``push``: every ``sync_every`` steps every replica copies the exported buffers in, in parallel."""
 
     mode = "push"
     update_mode = "copy"
@@ -321,68 +406,64 @@ class PushSync(_ArenaSync):
             return
         if self.arena is None or self.arena.model is not model:
             await anyio.to_thread.run_sync(self._ensure_arena, model)
-        if await self._export(version):
+        if await self._export(version, self.replicas):
             self._since = 0
 
 
 class ReloadSync(_ControlMixin):
-    """``reload``: weights written to ``state_dir/sync/v<N>/``; the server loads them."""
+    """``reload``: weights written to ``state_dir/sync/v<N>/``; every replica loads them."""
 
     mode = "reload"
 
-    def __init__(self, *, sync_dir: Path, control_socket: Path | None, sync_every: int = 1) -> None:
+    def __init__(self, *, sync_dir: Path, control_socket: Path | None = None,
+                 control_sockets: Sequence[Path] | None = None, sync_every: int = 1) -> None:
         self.sync_dir = sync_dir
-        self.control_socket = control_socket
+        self._set_sockets(control_sockets if control_sockets is not None else
+                          [control_socket] if control_socket is not None else [])
         self.sync_every = max(1, sync_every)
         self.version = 0
         self._since = 0
         self.current: Path | None = None
-        self.server_current = False
 
-    async def _publish(self, model: torch.nn.Module, version: int) -> bool:
+    async def _publish(self, model: torch.nn.Module, version: int, targets: Sequence[Replica]) -> bool:
         from atroposd.weights.reload import prune_sync_dirs, write_sync_dir
 
-        path = await anyio.to_thread.run_sync(write_sync_dir, model, self.sync_dir, version)
-        self.current = path
-        if self.control_socket is None:
-            self.version = version
+        if self.current is None or self.version != version or not self.current.is_dir():
+            # A replica catching up on the version already written loads that directory.
+            self.current = await anyio.to_thread.run_sync(write_sync_dir, model, self.sync_dir, version)
+        path = self.current
+        self.version = version
+        if not self.replicas:
             await anyio.to_thread.run_sync(prune_sync_dirs, self.sync_dir, path)
             return True
-        async with self._connected():
-            return await self._send_load(path, version)
 
-    async def _send_load(self, path: Path, version: int) -> bool:
-        from atroposd.weights.reload import prune_sync_dirs
+        async def one(r: Replica) -> bool:
+            async with self._connected(r):
+                return await self._send_load(path, version, r)
 
+        done = await self._each(targets, one)
+        await anyio.to_thread.run_sync(prune_sync_dirs, self.sync_dir, path)
+        return all(done)
+
+    async def _send_load(self, path: Path, version: int, r: Replica) -> bool:
+        if not await self._pause(r, version):
+            return False
         try:
-            await self._call("pause")
+            await self._call("load", path, version, replica=r)
         except WeightControlError as exc:
             if _unreachable(exc):
-                log.warning("inference server unreachable; weights follow when it is back",
-                            weight_version=version, error=str(exc))
-                self.server_current = False
-                return False
-            raise
-        previous = self.version
-        try:
-            await self._call("load", path, version)
-        except WeightControlError as exc:
-            if _unreachable(exc):
-                self.server_current = False
+                r.current = False
                 return False
             with anyio.CancelScope(shield=True):
-                await self._resume(previous)
+                await self._resume(r, r.version if r.version is not None else 0)
             raise
-        self.version = version
-        self.server_current = await self._resume(version)
-        await anyio.to_thread.run_sync(prune_sync_dirs, self.sync_dir, path)
-        return self.server_current
+        return await self._resume(r, version)
 
     async def attach(self, model: torch.nn.Module, version: int) -> None:
-        await self._publish(model, version)
+        await self._publish(model, version, self.replicas)
 
-    async def reattach(self, model: torch.nn.Module, version: int) -> None:
-        await self._publish(model, version)
+    async def reattach(self, model: torch.nn.Module, version: int, replica: int | None = None) -> None:
+        await self._publish(model, version, self._targets(replica))
 
     @asynccontextmanager
     async def paused(self, new_version: int | None = None) -> AsyncIterator[None]:
@@ -392,7 +473,7 @@ class ReloadSync(_ControlMixin):
         self._since += 1
         if self._since < self.sync_every:
             return
-        if await self._publish(model, version):
+        if await self._publish(model, version, self.replicas):
             self._since = 0
 
     def close(self) -> None:

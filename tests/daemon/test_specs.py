@@ -17,6 +17,8 @@ from atroposd.daemon.specs import (
     child_base_env,
     env_specs,
     inference_spec,
+    inference_specs,
+    replica_device,
 )
 from atroposd.paths import Paths
 from atroposd.process.probes import HttpProbe, InferenceProbe, RegisteredProbe, StartedProbe
@@ -73,7 +75,7 @@ def test_built_in_job_with_two_env_replicas() -> None:
                              "--replica", str(i)]
         assert _atroposd_vars(spec) == {
             "ATROPOSD_API_URL": "http://127.0.0.1:8000", "ATROPOSD_INFERENCE_URL": "http://127.0.0.1:9001",
-            "ATROPOSD_OPENAI_URL": "http://127.0.0.1:9001/v1", "ATROPOSD_MODEL": "/models/m",
+            "ATROPOSD_INFERENCE_URLS": "http://127.0.0.1:9001", "ATROPOSD_OPENAI_URL": "http://127.0.0.1:9001/v1", "ATROPOSD_MODEL": "/models/m",
             "ATROPOSD_TOKENIZER": "/models/tok", "ATROPOSD_GROUP_SIZE": "4", "ATROPOSD_MAX_TOKEN_LEN": "256",
             "ATROPOSD_STEPS": "40", "ATROPOSD_NAME": name, "ATROPOSD_REPLICA": str(i),
             "ATROPOSD_SEED": str(10 + i), "ATROPOSD_REPLICA_PORT": str(7100 + i), "ATROPOSD_INSTANCE": NONCE,
@@ -164,3 +166,75 @@ def test_specs_are_a_pure_function_of_their_inputs() -> None:
     for spec in first:
         spec.env["X"] = "1"
     assert all(spec.env is not base and "X" not in s.env for s, spec in zip(all_specs(ins), first, strict=True))
+
+
+# ---------------------------------------------------------------------------- inference replicas (SPEC §12.2)
+
+
+def test_two_inference_replicas_each_on_its_port_socket_and_device() -> None:
+    cfg = _config(inference={"replicas": 2, "port": 9100, "device": ["cpu", "cpu"]}, trainer={"device": "cpu"},
+                  env=[{"name": "math", "builtin": "arithmetic", "replicas": 3}])
+    specs = all_specs(_inputs(cfg))
+    assert [s.name for s in specs] == ["api", "inference-0", "inference-1", "math-0", "math-1", "math-2"]
+    for i, spec in enumerate(specs[1:3]):
+        sock = f"/run/job/inference-{9100 + i}.sock"
+        assert spec.kind == "inference"
+        assert spec.argv == [PY, "-P", "-m", "atroposd", "inference", "-c", CHILD_CONFIG, "--control-socket", sock,
+                             "--port", str(9100 + i), "--device", "cpu", "--await-weights"]
+        # each replica's readiness: its own health and one real generation through its own socket
+        assert spec.probe == InferenceProbe(f"http://127.0.0.1:{9100 + i}", Path(sock))
+        assert spec.env["ATROPOSD_NAME"] == f"inference-{i}" and spec.env["ATROPOSD_REPLICA"] == str(i)
+        assert spec.death_signal == signal.SIGTERM
+    urls = "http://127.0.0.1:9100,http://127.0.0.1:9101"
+    for i, spec in enumerate(specs[3:]):
+        # environment replica i: inference replica i mod 2, and the list of all of them
+        own = f"http://127.0.0.1:{9100 + i % 2}"
+        assert spec.env["ATROPOSD_INFERENCE_URL"] == own and spec.env["ATROPOSD_OPENAI_URL"] == own + "/v1"
+        assert spec.env["ATROPOSD_INFERENCE_URLS"] == urls
+    api = specs[0]
+    assert api.env["ATROPOSD_INFERENCE_URL"] == "http://127.0.0.1:9100"
+
+
+def test_a_command_environment_gets_inference_url_and_urls() -> None:
+    cfg = _config(inference={"replicas": 3}, trainer={"enabled": False},
+                  env=[{"name": "web", "replicas": 4, "command": ["serve", "{inference_url}", "--all={inference_urls}",
+                                                                  "{openai_url}"]}])
+    specs = env_specs(_inputs(cfg), cfg.env[0])
+    urls = ",".join(f"http://127.0.0.1:{9001 + r}" for r in range(3))
+    for i, spec in enumerate(specs):
+        own = f"http://127.0.0.1:{9001 + i % 3}"
+        assert spec.argv == ["serve", own, f"--all={urls}", own + "/v1"]
+
+
+def test_one_replica_keeps_todays_name_and_command_line() -> None:
+    cfg = _config()
+    (spec,) = inference_specs(_inputs(cfg))
+    assert spec.name == "inference"
+    assert "--port" not in spec.argv and "--device" not in spec.argv
+    # a one-entry list is still one replica called "inference", told its device
+    cfg = _config(inference={"device": ["cpu"]}, trainer={"device": "cpu"})
+    (spec,) = inference_specs(_inputs(cfg))
+    assert spec.name == "inference" and spec.argv[-5:] == ["--port", "9001", "--device", "cpu", "--await-weights"]
+
+
+def test_replica_devices_several_gpus_and_uuids() -> None:
+    cfg = _config(inference={"replicas": 3, "engine": "vllm", "device": ["cuda:1", "cuda:2,cuda:3", "GPU-6f1e"]},
+                  trainer={"device": "cuda:0"}, env=[])
+    r0, r1, r2 = inference_specs(_inputs(cfg, {"PATH": "/usr/bin"}))
+    assert r0.argv[r0.argv.index("--device") + 1] == "cuda:1" and "CUDA_VISIBLE_DEVICES" not in r0.env
+    # several GPUs: the child sees exactly them and computes on its device 0 (tensor parallel via extra_args)
+    assert r1.argv[r1.argv.index("--device") + 1] == "cuda:0" and r1.env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert r2.argv[r2.argv.index("--device") + 1] == "GPU-6f1e" and r2.env["CUDA_VISIBLE_DEVICES"] == "GPU-6f1e"
+
+
+@pytest.mark.parametrize(("entry", "parent", "expected"), [
+    ("cpu", "", ("cpu", None)),
+    ("cuda:3", "4,5,6,7", ("cuda:3", None)),
+    ("cuda:2,cuda:3", "", ("cuda:0", "2,3")),
+    ("cuda:2,cuda:3", "4,5,6,7", ("cuda:0", "6,7")),  # the daemon's own numbering
+    ("cuda:0,GPU-ab12", "3", ("cuda:0", "3,GPU-ab12")),
+    ("GPU-ab12", "", ("GPU-ab12", "GPU-ab12")),
+])
+def test_replica_device(entry: str, parent: str, expected: tuple[str, str | None]) -> None:
+    env = {"CUDA_VISIBLE_DEVICES": parent} if parent else {}
+    assert replica_device(entry, env) == expected

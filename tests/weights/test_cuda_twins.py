@@ -124,9 +124,9 @@ async def test_shared_resume_waits_for_the_device(dirs: dict[str, Path], nonce: 
             events.append("synchronize")
             real_sync()
 
-        async def call(method: str, *args: Any) -> dict[str, Any]:
+        async def call(method: str, *args: Any, **kw: Any) -> dict[str, Any]:
             events.append(method)
-            return await real_call(method, *args)
+            return await real_call(method, *args, **kw)
 
         object.__setattr__(arena, "synchronize", synchronize)
         object.__setattr__(sync, "_call", call)

@@ -1,0 +1,137 @@
+"""The embedded job with two inference replicas (SPEC §12.2), end to end through the command line:
+both replicas serve, kill -9 of one leaves generation to the other and the restarted one comes
+back with the current weights, and stop leaves nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import tomllib
+
+from tests.e2e.jobs import (
+    component,
+    daemon_env,
+    job_config,
+    kill9,
+    metrics,
+    processes_of_instance,
+    status,
+)
+from tests.support import atroposd, free_port, wait_for
+
+
+def _two_free_ports() -> int:
+    """A port p with p and p + 1 free (replica i listens on port + i)."""
+    for _ in range(50):
+        port = free_port()
+        if port >= 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no two consecutive free ports")
+
+
+def _config(root: Path, **kw: Any) -> Path:
+    port = _two_free_ports()
+    cfg = job_config(root, inference={"port": port, "replicas": 2}, **kw)
+    api_port = tomllib.loads(cfg.read_text())["api"]["port"]
+    while api_port in (port, port + 1):  # job_config's free API port may be one of ours: move it
+        api_port = free_port()
+        cfg = job_config(root, inference={"port": port, "replicas": 2}, api={"port": api_port}, **kw)
+    return cfg
+
+
+def _health(cfg_path: Path, replica: int) -> dict[str, Any]:
+    port = tomllib.loads(cfg_path.read_text())["inference"]["port"] + replica
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
+        body: dict[str, Any] = json.loads(resp.read())
+    return body
+
+
+def _segments(nonce: str) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"atroposd-{nonce}-")]
+
+
+@pytest.mark.slow
+def test_two_replicas_serve_survive_a_kill_and_stop_cleanly(short_tmp: Path) -> None:
+    cfg = _config(short_tmp, steps=100_000)
+    res = atroposd("start", "-c", str(cfg), env=daemon_env(), timeout=300)
+    nonce = ""
+    try:
+        assert res.returncode == 0, f"start exited {res.returncode}: {res.stderr[-3000:]}"
+        st = status(cfg)
+        nonce = st["instance"]
+        names = [c["name"] for c in st["components"]]
+        assert names[:3] == ["api", "inference-0", "inference-1"], names
+        assert "inference" not in names
+        for name in ("inference-0", "inference-1"):
+            assert component(st, name)["state"] == "ready"
+        # both serve: each replica's own count of generations grows
+        wait_for(lambda: all(_health(cfg, i)["generations"] >= 3 for i in (0, 1)), timeout=120, interval=0.5,
+                 what="both replicas to serve")
+        wait_for(lambda: status(cfg)["trainer"]["step"] >= 3, timeout=120, interval=0.5, what="training steps")
+
+        before = component(status(cfg), "inference-1")
+        version_at_kill = _health(cfg, 0)["weight_version"]
+        kill9(before["pid"])
+        # generation goes on through replica 0: the trainer keeps stepping
+        step0 = status(cfg)["trainer"]["step"]
+        served0 = _health(cfg, 0)["generations"]
+        wait_for(lambda: status(cfg)["trainer"]["step"] >= step0 + 3, timeout=120, interval=0.5,
+                 what="training to go on with one replica")
+        assert _health(cfg, 0)["generations"] > served0
+
+        def back() -> bool:
+            c = component(status(cfg), "inference-1")
+            return c["state"] == "ready" and c["pid"] != before["pid"] and c["restarts"] > before["restarts"]
+        wait_for(back, timeout=180, interval=0.5, what="inference-1 to be restarted")
+        # it came back with the trainer's weights (never the base model), and serves again
+        restarted = _health(cfg, 1)
+        assert restarted["weight_version"] is not None and restarted["weight_version"] > version_at_kill, restarted
+        wait_for(lambda: _health(cfg, 1)["generations"] >= 2, timeout=120, interval=0.5,
+                 what="the restarted replica to serve")
+        wait_for(lambda: _health(cfg, 1)["weight_version"] == _health(cfg, 0)["weight_version"]
+                 == status(cfg)["trainer"]["weight_version"], timeout=60, interval=0.2,
+                 what="both replicas at the trainer's weight_version")
+        human = atroposd("status", "-c", str(cfg), timeout=30)
+        assert "inference-0" in human.stdout and "inference-1" in human.stdout
+        pids = [c["pid"] for c in status(cfg)["components"]]
+    finally:
+        stopped = atroposd("stop", "-c", str(cfg), timeout=120)
+    assert stopped.returncode == 0, stopped.stderr
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    assert processes_of_instance(nonce) == []
+    assert _segments(nonce) == []
+    rows = metrics(short_tmp / "state")
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(set(steps))
+
+
+@pytest.mark.slow
+def test_a_short_job_with_two_replicas_learns(short_tmp: Path) -> None:
+    """test_job's shortened learning run, with two inference replicas: the same floor."""
+    envs = [{"name": "arithmetic", "builtin": "arithmetic", "options": {"max_operand": 4}}]
+    cfg = _config(short_tmp, steps=400, envs=envs, trainer={"checkpoint_every": 400})
+    res = atroposd("run", "-c", str(cfg), env=daemon_env(), timeout=600)
+    assert res.returncode == 0, f"run exited {res.returncode}\n{res.stderr[-3000:]}"
+    rows = metrics(short_tmp / "state")
+    assert len(rows) == 400
+
+    def mean(key: str, part: list[dict[str, float]]) -> float:
+        return sum(r[key] for r in part) / len(part)
+    first, last = rows[:10], rows[-10:]
+    assert mean("reward_mean", last) >= mean("reward_mean", first) + 0.3
+    assert mean("accuracy", last) >= mean("accuracy", first) + 0.3
+    log = (short_tmp / "state" / "logs" / "daemon.log").read_text()
+    assert "inference-1" in log
