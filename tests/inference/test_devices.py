@@ -62,7 +62,7 @@ def test_same_device(a: str, b: str, table: list[str] | None, expected: bool | N
 def test_config_check_refuses_shared_mode_across_two_gpus() -> None:
     from atroposd.config import ConfigError, parse_toml
 
-    with pytest.raises(ConfigError, match=r"trainer.weight_sync.*same device.*cuda:0.*cuda:1"):
+    with pytest.raises(ConfigError, match=r"trainer.weight_sync.*one device.*cuda:0.*cuda:1"):
         parse_toml('[trainer]\nweight_sync = "shared"\ndevice = "cuda:0"\n[inference]\ndevice = "cuda:1"\n')
     cfg = parse_toml('[trainer]\nweight_sync = "push"\ndevice = "cuda:0"\n[inference]\ndevice = "cuda:1"\n')
     assert cfg.weight_sync == "push"
