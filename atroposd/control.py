@@ -27,6 +27,7 @@ from atroposd.exitcodes import Exit
 
 MAX_FRAME = 1 << 20
 READ_TIMEOUT = 10.0
+SEND_TIMEOUT = 10.0  # an answer the client does not read within this is dropped
 _LEN = struct.Struct(">I")
 
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -104,10 +105,11 @@ class ControlServer:
     """Serves ``handler(request) -> answer`` on a Unix socket until cancelled."""
 
     def __init__(self, path: Path, handler: Handler, *, socket_group: str = "",
-                 read_timeout: float = READ_TIMEOUT) -> None:
+                 read_timeout: float = READ_TIMEOUT, send_timeout: float = SEND_TIMEOUT) -> None:
         self.path = path
         self.handler = handler
         self.read_timeout = read_timeout
+        self.send_timeout = send_timeout
         self.group_id: int | None = None
         if socket_group:
             import grp
@@ -144,7 +146,8 @@ class ControlServer:
             pid, uid, gid = peer_credentials(stream.extra(SocketAttribute.raw_socket))
             if not peer_allowed(pid, uid, gid, self.group_id):
                 log.warning("control client refused", peer_pid=pid, peer_uid=uid)
-                await _send(stream, {"ok": False, "error": "permission denied", "errno": "EACCES"})
+                await _send(stream, {"ok": False, "error": "permission denied", "errno": "EACCES"},
+                            self.send_timeout)
                 return
             buffered = BufferedByteReceiveStream(stream)
             try:
@@ -155,23 +158,29 @@ class ControlServer:
                 log.debug("control client gave up", peer_pid=pid, error=type(exc).__name__)
                 return
             except ProtocolError as exc:
-                await _send(stream, {"ok": False, "error": str(exc)})
+                await _send(stream, {"ok": False, "error": str(exc)}, self.send_timeout)
                 return
             try:
                 answer = await self.handler(request)
             except Exception as exc:
                 log.exception("control request failed", cmd=request.get("cmd"))
                 answer = {"ok": False, "error": f"internal error: {exc}"}
-            await _send(stream, answer)
+            if not await _send(stream, answer, self.send_timeout):
+                log.warning("control client did not take its answer; dropped", peer_pid=pid,
+                            cmd=request.get("cmd"), deadline_s=self.send_timeout)
 
 
-async def _send(stream: Any, answer: dict[str, Any]) -> None:
+async def _send(stream: Any, answer: dict[str, Any], timeout: float) -> bool:
+    """Send one answer within ``timeout``: a client that stops reading cannot pin the task.
+    False when it was not delivered."""
     import anyio
 
     try:
-        await stream.send(encode(answer))
-    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-        pass
+        with anyio.fail_after(timeout):
+            await stream.send(encode(answer))
+        return True
+    except (TimeoutError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+        return False
 
 
 # ----------------------------------------------------------------------------- client

@@ -88,6 +88,27 @@ def test_a_silent_client_is_dropped_at_the_read_deadline(short_tmp: Path) -> Non
     assert got == [b""]
 
 
+def test_an_answer_nobody_reads_is_dropped_at_the_send_deadline(short_tmp: Path) -> None:
+    """An answer far larger than the socket buffers, to a client that never reads: the send
+    gives up at its deadline (False) instead of pinning the task (the test would hang)."""
+    import time
+
+    path = short_tmp / "control.sock"
+
+    async def main() -> tuple[bool, float]:
+        listener = await anyio.create_unix_listener(path)
+        async with listener:
+            with socket.socket(socket.AF_UNIX) as client:  # connects, then never reads
+                client.connect(str(path))
+                async with await listener.accept() as stream:
+                    t0 = time.monotonic()
+                    sent = await control._send(stream, {"ok": True, "pad": "x" * (900 << 10)}, 0.5)
+                    return sent, time.monotonic() - t0
+
+    sent, took = anyio.run(main)
+    assert sent is False and 0.4 < took < 5.0, (sent, took)
+
+
 def test_client_errors_name_the_problem(short_tmp: Path) -> None:
     with pytest.raises(control.NotRunning, match="no daemon is running"):
         control.request(short_tmp / "missing.sock", {"cmd": "ping"})
