@@ -97,6 +97,14 @@ class TrainerService:
             "rejected_groups": dict(p.rejected_groups),
         }
 
+    def metrics_view(self) -> dict[str, Any]:
+        """What /metrics reads beyond the status: the last metrics row and the running totals."""
+        from atroposd.trainer.batch import REASONS
+
+        p = self.progress
+        return {"last": dict(p.last), "seconds": dict(p.seconds), "tokens_total": p.tokens_total,
+                "rejected_reasons": list(REASONS)}
+
     async def on_inference_restarted(self) -> None:
         """A restarted inference server gets the current weights before it serves rollouts."""
         if self._policy is None:
