@@ -264,6 +264,8 @@ def _wait_gone(pid: int, start_time: int | float, timeout: float) -> bool:
 
 
 def status(cfg: Config, args: argparse.Namespace) -> int:
+    if getattr(args, "watch", False):
+        return _watch_status(cfg, as_json=getattr(args, "json", False))
     try:
         answer = control.request(cfg.control_socket, {"cmd": "status"})
     except control.ControlError as exc:
@@ -275,6 +277,37 @@ def status(cfg: Config, args: argparse.Namespace) -> int:
         return Exit.OK
     print(_render_status(st))
     return Exit.OK
+
+
+WATCH_INTERVAL_S = 1.0
+_CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
+
+
+def _watch_status(cfg: Config, *, as_json: bool, interval: float = WATCH_INTERVAL_S) -> int:
+    """``status --watch``: the status redrawn every ``interval`` until Ctrl-C (0) or the daemon
+    is gone (its exit code). On a terminal each view replaces the last; otherwise (or with
+    ``--json``: one object per line) the views follow each other."""
+    tty = sys.stdout.isatty() and not as_json
+    try:
+        while True:
+            started = time.monotonic()
+            try:
+                st = control.request(cfg.control_socket, {"cmd": "status"})["status"]
+            except control.ControlError as exc:
+                _err(str(exc))
+                return exc.exit_code
+            if as_json:
+                text = json.dumps(st)
+            else:
+                stamp = time.strftime("%H:%M:%S")
+                text = f"{_render_status(st)}\n\n{stamp}  every {interval:g}s; Ctrl-C to stop"
+            sys.stdout.write((_CLEAR if tty else "") + text + ("\n" if tty or as_json else "\n\n"))
+            sys.stdout.flush()
+            time.sleep(max(0.0, interval - (time.monotonic() - started)))
+    except KeyboardInterrupt:
+        if tty:
+            sys.stdout.write("\n")
+        return Exit.OK
 
 
 def _render_status(st: dict[str, Any]) -> str:
