@@ -150,8 +150,9 @@ class TrainerService:
                 loop = TrainingLoop(tcfg=self.cfg.trainer, feed=feed, learner=learner, weights=self.weights,
                                     metrics=metrics, checkpointer=setup.checkpointer(learner), progress=p,
                                     envs_alive=self.envs_alive, lock=self._lock,
-                                    # a line per step on a terminal, every 10 steps in log files
-                                    progress_every=1 if sys.stderr.isatty() else PROGRESS_EVERY)
+                                    # every 10 steps (on a terminal, `atroposd run` keeps a live
+                                    # progress line below the log)
+                                    progress_every=PROGRESS_EVERY)
                 self._loop = loop
             if self._setup_scope.cancelled_caught or feed is None or self._loop is None:
                 # stopped before training began: nothing new to checkpoint
