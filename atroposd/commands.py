@@ -166,7 +166,17 @@ def _progress_line(cfg: Config, stream: _Tee) -> Any:
     """On a terminal: one live progress line below the log, redrawn every second."""
     from atroposd.progress import StatusPoller, fit, run_line
 
-    return StatusPoller(cfg.control_socket, lambda st: stream.set_footer(fit(run_line(st)))).start()
+    return StatusPoller(lambda: _status_or_none(cfg), lambda st: stream.set_footer(fit(run_line(st)))).start()
+
+
+def _status_or_none(cfg: Config) -> dict[str, Any] | None:
+    """The daemon's status, or None while it does not answer (for progress lines)."""
+    try:
+        answer = control.request(cfg.control_socket, {"cmd": "status"}, timeout=2.0)
+    except (control.ControlError, OSError, ValueError):
+        return None
+    status = answer.get("status") if answer.get("ok") else None
+    return status if isinstance(status, dict) else None
 
 
 # ----------------------------------------------------------------------------- start
@@ -232,7 +242,7 @@ class _StartProgress:
         if sys.stderr.isatty():
             from atroposd.progress import StatusPoller
 
-            self.poller = StatusPoller(cfg.control_socket, self._show).start()
+            self.poller = StatusPoller(lambda: _status_or_none(cfg), self._show).start()
 
     def _show(self, st: dict[str, Any] | None) -> None:
         from atroposd.progress import ERASE, fit, start_line

@@ -3,8 +3,8 @@
 ``atroposd start`` shows what the daemon is waiting for (the component and the seconds so
 far) until READY; ``atroposd run`` keeps one live line — step / total, steps/s, reward,
 accuracy, time left — at the bottom of the terminal, below the log lines that scroll above
-it. Both read the daemon's ``status`` over the control socket, once a second.
-Nothing heavy is imported here (control commands start in well under a second).
+it. Both read the daemon's ``status`` (the caller's ``fetch``: over the control socket) once a
+second. Nothing heavy is imported here (control commands start in well under a second).
 """
 
 from __future__ import annotations
@@ -12,10 +12,7 @@ from __future__ import annotations
 import shutil
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
-
-from atroposd import control
 
 __all__ = ["ERASE", "StatusPoller", "run_line", "start_line"]
 
@@ -95,11 +92,12 @@ def run_line(st: dict[str, Any] | None) -> str:
 
 
 class StatusPoller:
-    """Calls ``show(status or None)`` every ``interval`` from a thread until :meth:`stop`."""
+    """Calls ``show(fetch())`` every ``interval`` from a thread until :meth:`stop`; ``fetch``
+    answers the daemon's status, or None while there is none (it must not raise)."""
 
-    def __init__(self, socket_path: Path, show: Callable[[dict[str, Any] | None], None], *,
+    def __init__(self, fetch: Callable[[], dict[str, Any] | None], show: Callable[[dict[str, Any] | None], None], *,
                  interval: float = POLL_INTERVAL_S) -> None:
-        self.socket_path = socket_path
+        self.fetch = fetch
         self.show = show
         self.interval = interval
         self._stop = threading.Event()
@@ -116,14 +114,9 @@ class StatusPoller:
     def _poll(self) -> None:
         while not self._stop.is_set():
             try:
-                st = control.request(self.socket_path, {"cmd": "status"}, timeout=max(1.0, self.interval))
-                status = st.get("status") if st.get("ok") else None
-            except (control.ControlError, OSError, ValueError):
-                status = None
-            if self._stop.is_set():
-                break
-            try:
-                self.show(status)
+                status = self.fetch()
+                if not self._stop.is_set():
+                    self.show(status)
             except Exception:  # a progress line must never take anything down
                 pass
             self._stop.wait(self.interval)
