@@ -446,7 +446,20 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<dict>") -> Config:
         cfg.warnings.append("no [[env]]: the job has no environments (they must run elsewhere)")
     if cfg.api.enabled and not is_loopback(cfg.api.host) and not cfg.api.token:
         cfg.warnings.append(f"api.host = {cfg.api.host!r} is not loopback and api.token is empty")
+    if cfg.wandb.enabled and cfg.trainer.enabled and not _installed("wandb"):
+        cfg.warnings.append("wandb.project is set but the wandb package is not installed "
+                            "(pip install 'atroposd[wandb]'); the job runs without it")
     return cfg
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _type_name(value: Any) -> str:
