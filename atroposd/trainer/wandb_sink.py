@@ -18,6 +18,7 @@ them to give environments the group (``{wandb_group}``, ``WANDB_RUN_GROUP``).
 from __future__ import annotations
 
 import json
+import os
 import queue
 import secrets
 import string
@@ -146,6 +147,8 @@ class WandbSink:
             raise RuntimeError("the wandb package is not installed (pip install 'atroposd[wandb]')") from exc
         w = self.cfg.wandb
         (self.state_dir / "wandb").mkdir(parents=True, exist_ok=True)
+        if w.mode == "online":
+            _require_credentials(wandb)
         wanted: dict[str, Any] = {"console": "off", "silent": True, "x_disable_stats": True, "init_timeout": 60.0}
         known = getattr(wandb.Settings, "model_fields", wanted)
         settings = wandb.Settings(**{k: v for k, v in wanted.items() if k in known})
@@ -180,6 +183,17 @@ class WandbSink:
         except BaseException as exc:
             log.warning("wandb finish failed", error=f"{type(exc).__name__}: {exc}")
         _teardown()
+
+
+def _require_credentials(wandb: Any) -> None:
+    """Online: credentials must already exist — W&B never prompts on the daemon's terminal."""
+    import inspect
+
+    if "prompt" in inspect.signature(wandb.login).parameters:
+        if not wandb.login(prompt=False, verify=False):
+            raise RuntimeError("no W&B credentials (set WANDB_API_KEY or run `wandb login`)")
+    elif not os.environ.get("WANDB_API_KEY") and sys.stdin is not None and sys.stdin.isatty():
+        raise RuntimeError("no WANDB_API_KEY, and this wandb version would ask for it on the terminal")
 
 
 def _teardown() -> None:

@@ -4,6 +4,7 @@ and a W&B failure is a warning, never an exception. Also: environments get the r
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -128,3 +129,18 @@ def test_environments_get_the_run_group(tmp_path: Path) -> None:
     env = env_of(off)
     assert "WANDB_RUN_GROUP" not in env and env["argv"] == "run --group "
     assert not (tmp_path / "other").exists()
+
+
+def test_online_without_credentials_never_prompts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("wandb")
+    for name in [k for k in os.environ if k.startswith("WANDB_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("NETRC", str(tmp_path / "home" / ".netrc"))
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens: no network either way
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / "wandb"))
+    cfg = _cfg(tmp_path / "state", mode="online")
+    sink = WandbSink.start(cfg, to_dict(cfg))
+    sink.log({"step": 1})
+    sink.close(timeout=30)
+    assert sink.failed is not None and "credentials" in sink.failed
