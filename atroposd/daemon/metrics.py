@@ -80,9 +80,17 @@ def scrape_targets(d: DaemonView) -> list[Target]:
     out = []
     api = [u.name for u in d.units.values() if u.kind == "api"] if cfg.api.enabled else ["api"]
     out += [Target(name, f"{cfg.api_url}/metrics", api_headers(cfg)) for name in api]
-    inference = [u.name for u in d.units.values() if u.kind == "inference"] if cfg.inference.enabled else ["inference"]
-    out += [Target(name, f"{cfg.inference_url}/metrics", {}) for name in inference]
+    if cfg.inference.enabled:  # each server at the URL its readiness probe uses (replicas included)
+        out += [Target(u.name, f"{_base_url(u, cfg.inference_url)}/metrics", {})
+                for u in d.units.values() if u.kind == "inference"]
+    else:
+        out.append(Target("inference", f"{cfg.inference_url}/metrics", {}))
     return out
+
+
+def _base_url(unit: Any, default: str) -> str:
+    url = getattr(getattr(getattr(unit, "spec", None), "probe", None), "url", None)
+    return url.rstrip("/") if isinstance(url, str) and url.startswith("http") else default
 
 
 # ----------------------------------------------------------------------------- families
