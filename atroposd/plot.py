@@ -19,15 +19,15 @@ from atroposd.exitcodes import Exit
 __all__ = ["Run", "draw", "main", "moving_average", "plot_metrics", "plot_runs"]
 
 
-# (title, metric key, smoothed): smoothed panels draw the moving average over the faint raw
-# values (staleness is 0/1 step to step: its raw line alone is a solid block).
-PANELS: tuple[tuple[str, str, bool], ...] = (
-    ("reward", "reward_mean", True),
-    ("exact-match accuracy", "accuracy", True),
-    ("loss", "loss", False),
-    ("KL to reference (k3)", "mean_kl", False),
-    ("clipped fraction", "clipped_fraction", False),
-    ("staleness (weight versions)", "staleness", True),
+# (title, metric key): each panel draws the moving average over the faint per-step values
+# (staleness is 0/1 step to step: its raw line alone is a solid block; loss and KL are noisy).
+PANELS: tuple[tuple[str, str], ...] = (
+    ("reward", "reward_mean"),
+    ("exact-match accuracy", "accuracy"),
+    ("loss", "loss"),
+    ("KL to reference (k3)", "mean_kl"),
+    ("clipped fraction", "clipped_fraction"),
+    ("staleness (weight versions)", "staleness"),
 )
 TIME_PANEL = "time per step (s, moving average)"
 THROUGHPUT_PANEL = "trained tokens / s (moving average)"
@@ -102,23 +102,27 @@ def draw(runs: Sequence[Run], *, title: str = "") -> Any:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     several = len(runs) > 1
     flat = list(axes.flat)
-    for ax, (name, key, smoothed) in zip(flat, PANELS, strict=False):
+    for ax, (name, key) in zip(flat, PANELS, strict=False):
         ax.set_title(name)
         drawn = False
+        ranges: list[tuple[float, float]] = []
         for i, run in enumerate(runs):
             xs, ys = _series(run.rows, key)
             if not xs:
                 continue
             drawn = True
             color = colors[i % len(colors)]
-            if smoothed:
-                window = window_for(len(run.rows))
-                ax.plot(xs, ys, color=color, alpha=0.2, linewidth=0.8)
-                label = run.label if several else f"moving average ({window} steps)"
-                ax.plot(xs, moving_average(ys, window), color=color, linewidth=1.6, label=label)
-            else:
-                ax.plot(xs, ys, color=color, linewidth=1.0, label=run.label)
-        _finish_panel(ax, drawn, legend=several or smoothed)
+            window = window_for(len(run.rows))
+            ax.plot(xs, ys, color=color, alpha=0.15 if several else 0.25, linewidth=0.8)
+            label = run.label if several else f"moving average ({window} steps)"
+            smooth = moving_average(ys, window)
+            ax.plot(xs, smooth, color=color, linewidth=1.6, label=label)
+            ranges.append(_robust_range(ys, smooth))
+        if ranges:  # a rare spike in the raw values must not flatten the curves
+            low, high = min(r[0] for r in ranges), max(r[1] for r in ranges)
+            pad = (high - low) * 0.05 or 0.05
+            ax.set_ylim(low - pad, high + pad)
+        _finish_panel(ax, drawn, legend=True)
     _time_split(flat[6], runs, colors)
     ax = flat[7]
     ax.set_title(THROUGHPUT_PANEL)
@@ -154,15 +158,38 @@ def _time_split(ax: Any, runs: Sequence[Run], colors: Sequence[str]) -> None:
         if parts and steps:
             drawn = True
             ax.stackplot(steps, *[v for _, v in parts], labels=[label for label, _ in parts], alpha=0.8)
+            totals = [sum(v) for v in zip(*[v for _, v in parts], strict=True)]
+            _clip_start(ax, [totals], window)
     else:
+        shown: list[list[float]] = []
         for i, run in enumerate(runs):
+            window = window_for(len(run.rows))
             for key, label, style in TIME_PARTS:
                 xs, ys = _series(run.rows, key)
                 if xs:
                     drawn = True
-                    ax.plot(xs, moving_average(ys, window_for(len(run.rows))), color=colors[i % len(colors)],
-                            linestyle=style, linewidth=1.2, label=f"{run.label}: {label}")
+                    smooth = moving_average(ys, window)
+                    shown.append(smooth[window:])
+                    ax.plot(xs, smooth, color=colors[i % len(colors)], linestyle=style, linewidth=1.2,
+                            label=f"{run.label}: {label}")
+        _clip_start(ax, shown, 0)
     _finish_panel(ax, drawn, legend=True)
+
+
+def _robust_range(raw: Sequence[float], smooth: Sequence[float]) -> tuple[float, float]:
+    """The y range that shows the moving average and all but the rarest raw values (0.5 %)."""
+    ordered = sorted(raw)
+    cut = len(ordered) // 200
+    kept = ordered[cut:len(ordered) - cut] or ordered
+    return min(kept[0], min(smooth)), max(kept[-1], max(smooth))
+
+
+def _clip_start(ax: Any, series: Sequence[Sequence[float]], skip: int) -> None:
+    """Scale the y axis to the values after the first ``skip`` steps (the start-up steps, a
+    model load or a first compile, would flatten the rest)."""
+    tops = [max(s[skip:]) for s in series if len(s) > skip]
+    if tops and max(tops) > 0:
+        ax.set_ylim(0, max(tops) * 1.15)
 
 
 def _finish_panel(ax: Any, drawn: bool, *, legend: bool) -> None:
