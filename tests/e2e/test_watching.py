@@ -70,7 +70,9 @@ def test_one_metrics_page_for_the_live_job_and_the_dashboard_resolves(short_tmp:
         assert value(families, "atroposd_trainer_step", component="trainer") >= 3
         assert value(families, "atroposd_inference_generated_tokens_total", component="inference") > 0
         assert value(families, "atroposd_api_batches_served_total", component="api") >= 3
-        assert value(families, "atroposd_trainer_step_seconds_total", part="compute") > 0
+        for part in ("data_wait", "compute", "sync"):
+            assert value(families, "atroposd_trainer_step_seconds_total", part=part) > 0, part
+        assert value(families, "atroposd_inference_pauses_total", component="inference") >= 3  # shared: one a step
         assert value(families, "atroposd_api_refused_total", reason="full") == 0  # known reasons from 0
         missing = dashboard_metrics() - names
         assert not missing, f"the dashboard queries metrics the job does not serve: {sorted(missing)}"

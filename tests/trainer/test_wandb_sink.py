@@ -144,3 +144,18 @@ def test_online_without_credentials_never_prompts(tmp_path: Path, monkeypatch: p
     sink.log({"step": 1})
     sink.close(timeout=30)
     assert sink.failed is not None and "credentials" in sink.failed
+
+
+def test_wandb_is_never_imported_without_a_project() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from atroposd.config import parse_config\n"
+            "from atroposd.daemon.specs import placeholder_values\n"
+            "from atroposd.trainer import service, wandb_sink\n"
+            "assert wandb_sink.wandb_group(parse_config({})) == ''\n"
+            "assert 'wandb' not in sys.modules, 'wandb imported'\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert res.returncode == 0, res.stderr
