@@ -169,6 +169,8 @@ class ApiServer:
         get("/reset_data", self.reset_data)
         get("/atroposd/registrations", self.list_registrations)
         get("/metrics", self.metrics_route)
+        for resource in app.router.resources():  # every route's latency series from the start
+            self.metrics.latency.labels(resource.canonical)
         return app
 
     async def _close_inflater(self, app: web.Application) -> None:
