@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait (default: checkpoint_timeout + stop_timeout + 10)")
     p = cmd("status", "components, trainer progress, queue", _status)
     p.add_argument("--json", action="store_true", help="one JSON object")
+    p.add_argument("-w", "--watch", action="store_true", help="redraw every second until Ctrl-C")
     cmd("reload", "re-read the config and apply environment changes live", _reload)
     p = cmd("logs", "show a component's log", _logs)
     p.add_argument("name", nargs="?", default="daemon", help="component (default: daemon)")
@@ -62,8 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
         _add_config(p)
         p.set_defaults(handler=handler)
 
-    p = cmd("plot", "draw metrics.jsonl (reward, accuracy, loss, KL, clipped fraction, staleness) to a PNG", _plot)
-    p.add_argument("-o", "--output", metavar="PNG", help="output file (default: {state_dir}/metrics.png)")
+    p = cmd("plot", "draw metrics.jsonl (reward, accuracy, loss, KL, clipped fraction, staleness, time per step, "
+            "tokens/s) to a PNG; several runs overlay", _plot)
+    p.add_argument("runs", nargs="*", metavar="RUN",
+                   help="state dirs or metrics files to overlay (default: the config's state_dir)")
+    p.add_argument("-o", "--output", metavar="PNG",
+                   help="output file (default: {state_dir}/metrics.png; ./metrics.png with RUN arguments)")
     p.add_argument("--metrics", metavar="JSONL", help="metrics file (default: {state_dir}/metrics.jsonl)")
 
     # Child entry points: each package owns its flags (its cli module imports nothing heavy).

@@ -49,12 +49,44 @@ class _Tee:
         self._stream = stream
         self._file = RotatingFile(path, max_bytes=max_bytes, backups=backups)
         self._lock = threading.Lock()
+        self._footer = ""  # a live line kept below the log on a terminal (stderr only)
+        self._footer_drawn = False  # the cursor is on the footer's line
+        self._line_open = False  # a log line was written without its newline yet
+
+    def set_footer(self, text: str) -> None:
+        """Show ``text`` as the terminal's last line, redrawn below each log line ("" = none)."""
+        from atroposd.progress import ERASE
+
+        with self._lock:
+            if self._stream is None or text == self._footer:
+                return
+            self._footer = text
+            if self._line_open:
+                return  # a log line is being written: the footer follows its newline
+            try:
+                self._stream.write(ERASE + text)
+                self._stream.flush()
+                self._footer_drawn = bool(text)
+            except (OSError, ValueError):
+                self._stream = None
 
     def write(self, text: str) -> int:
         with self._lock:
             if self._stream is not None:
                 try:
-                    self._stream.write(text)
+                    if self._footer or self._footer_drawn:
+                        from atroposd.progress import ERASE
+
+                        # the log line goes where the footer was; the footer follows each newline
+                        self._stream.write((ERASE if self._footer_drawn else "") + text)
+                        self._footer_drawn = False
+                        self._line_open = not text.endswith("\n")
+                        if self._footer and not self._line_open:
+                            self._stream.write(self._footer)
+                            self._footer_drawn = True
+                    else:
+                        self._stream.write(text)
+                        self._line_open = not text.endswith("\n")
                 except (OSError, ValueError):
                     # stderr went away (a closed pipe, a closed terminal): the file keeps the log.
                     self._stream = None
@@ -115,6 +147,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     except (RuntimeDirError, OSError) as exc:
         _err(f"cannot use the runtime directory: {exc}")
         return Exit.RUNTIME
+    poller = _progress_line(cfg, stream) if stream.isatty() else None
     try:
         return run_foreground(cfg, notifier)
     except AlreadyRunning as exc:
@@ -123,6 +156,27 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     except PermissionError as exc:
         _err(f"permission denied: {exc}")
         return Exit.RUNTIME
+    finally:
+        if poller is not None:
+            poller.stop()
+            stream.set_footer("")
+
+
+def _progress_line(cfg: Config, stream: _Tee) -> Any:
+    """On a terminal: one live progress line below the log, redrawn every second."""
+    from atroposd.progress import StatusPoller, fit, run_line
+
+    return StatusPoller(lambda: _status_or_none(cfg), lambda st: stream.set_footer(fit(run_line(st)))).start()
+
+
+def _status_or_none(cfg: Config) -> dict[str, Any] | None:
+    """The daemon's status, or None while it does not answer (for progress lines)."""
+    try:
+        answer = control.request(cfg.control_socket, {"cmd": "status"}, timeout=2.0)
+    except (control.ControlError, OSError, ValueError):
+        return None
+    status = answer.get("status") if answer.get("ok") else None
+    return status if isinstance(status, dict) else None
 
 
 # ----------------------------------------------------------------------------- start
@@ -170,14 +224,61 @@ def start(cfg: Config, args: argparse.Namespace) -> int:
         with open(out_path, "ab") as out:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     env=env, start_new_session=True)
-        return _await_ready(proc, notify, (log_path, offset), (out_path, out_offset), _start_budget(cfg))
+        return _await_ready(proc, notify, (log_path, offset), (out_path, out_offset), _start_budget(cfg), cfg)
     finally:
         notify.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+class _StartProgress:
+    """On a terminal: what the starting daemon waits for, on one line redrawn every second."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.started = time.monotonic()
+        self.poller: Any = None
+        self.shown = False
+        self._lock = threading.Lock()
+        if sys.stderr.isatty():
+            from atroposd.progress import StatusPoller
+
+            self.poller = StatusPoller(lambda: _status_or_none(cfg), self._show).start()
+
+    def _show(self, st: dict[str, Any] | None) -> None:
+        from atroposd.progress import ERASE, fit, start_line
+
+        with self._lock:
+            if self.poller is None:
+                return
+            sys.stderr.write(ERASE + fit(start_line(st, time.monotonic() - self.started)))
+            sys.stderr.flush()
+            self.shown = True
+
+    def done(self) -> None:
+        from atroposd.progress import ERASE
+
+        if self.poller is None:
+            return
+        self.poller.stop()
+        with self._lock:
+            self.poller = None
+            if self.shown:
+                sys.stderr.write(ERASE)
+                sys.stderr.flush()
+
+
 def _await_ready(proc: subprocess.Popen[bytes], notify: socket.socket, log: tuple[Path, int],
-                 out: tuple[Path, int], budget: float) -> int:
+                 out: tuple[Path, int], budget: float, cfg: Config | None = None) -> int:
+    progress = _StartProgress(cfg) if cfg is not None else None
+    try:
+        return _await_ready_quietly(proc, notify, log, out, budget, progress)
+    finally:
+        if progress is not None:
+            progress.done()
+
+
+def _await_ready_quietly(proc: subprocess.Popen[bytes], notify: socket.socket, log: tuple[Path, int],
+                         out: tuple[Path, int], budget: float, progress: _StartProgress | None) -> int:
     log_path = log[0]
     deadline = time.monotonic() + budget
     while time.monotonic() < deadline:
@@ -185,14 +286,20 @@ def _await_ready(proc: subprocess.Popen[bytes], notify: socket.socket, log: tupl
         if ready:
             lines = notify.recv(65536).decode(errors="replace").splitlines()
             if "READY=1" in lines:
+                if progress is not None:
+                    progress.done()
                 print(f"atroposd: ready (pid {proc.pid}); logs: {log_path}")
                 proc.returncode = 0  # the daemon outlives this command; nothing here waits for it
                 return Exit.OK
             continue
         code = proc.poll()
         if code is not None:
+            if progress is not None:
+                progress.done()
             _err(f"the daemon failed to start (exit {code}): {_failure_reason(*log, *out)}")
             return code or Exit.RUNTIME
+    if progress is not None:
+        progress.done()
     _err(f"the daemon is not READY after {budget:g}s; it keeps starting in the background (pid {proc.pid}); "
          f"see {log_path}")
     proc.returncode = 0
@@ -264,6 +371,8 @@ def _wait_gone(pid: int, start_time: int | float, timeout: float) -> bool:
 
 
 def status(cfg: Config, args: argparse.Namespace) -> int:
+    if getattr(args, "watch", False):
+        return _watch_status(cfg, as_json=getattr(args, "json", False))
     try:
         answer = control.request(cfg.control_socket, {"cmd": "status"})
     except control.ControlError as exc:
@@ -275,6 +384,37 @@ def status(cfg: Config, args: argparse.Namespace) -> int:
         return Exit.OK
     print(_render_status(st))
     return Exit.OK
+
+
+WATCH_INTERVAL_S = 1.0
+_CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
+
+
+def _watch_status(cfg: Config, *, as_json: bool, interval: float = WATCH_INTERVAL_S) -> int:
+    """``status --watch``: the status redrawn every ``interval`` until Ctrl-C (0) or the daemon
+    is gone (its exit code). On a terminal each view replaces the last; otherwise (or with
+    ``--json``: one object per line) the views follow each other."""
+    tty = sys.stdout.isatty() and not as_json
+    try:
+        while True:
+            started = time.monotonic()
+            try:
+                st = control.request(cfg.control_socket, {"cmd": "status"})["status"]
+            except control.ControlError as exc:
+                _err(str(exc))
+                return exc.exit_code
+            if as_json:
+                text = json.dumps(st)
+            else:
+                stamp = time.strftime("%H:%M:%S")
+                text = f"{_render_status(st)}\n\n{stamp}  every {interval:g}s; Ctrl-C to stop"
+            sys.stdout.write((_CLEAR if tty else "") + text + ("\n" if tty or as_json else "\n\n"))
+            sys.stdout.flush()
+            time.sleep(max(0.0, interval - (time.monotonic() - started)))
+    except KeyboardInterrupt:
+        if tty:
+            sys.stdout.write("\n")
+        return Exit.OK
 
 
 def _render_status(st: dict[str, Any]) -> str:

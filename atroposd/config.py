@@ -41,6 +41,7 @@ __all__ = [
     "Problem",
     "TrainerConfig",
     "VllmConfig",
+    "WandbConfig",
     "check_fields",
     "discover_config_path",
     "dump_toml",
@@ -64,8 +65,8 @@ MODEL_PATTERN = "^(" + "|".join(re.escape(m) for m in BUILTIN_MODELS) + "|(?!bui
 URL_PATTERN = r"^https?://[^/\s]+(/.*)?$"
 ENV_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 RESERVED_NAMES = ("api", "inference", "trainer", "daemon")
-PLACEHOLDERS = ("api_url", "inference_url", "inference_urls", "openai_url", "model", "tokenizer", "group_size", "max_token_len",
-                "steps", "name", "replica", "seed", "replica_port", "weight")
+PLACEHOLDERS = ("api_url", "inference_url", "inference_urls", "openai_url", "model", "tokenizer", "group_size",
+                "max_token_len", "steps", "name", "replica", "seed", "replica_port", "weight", "wandb_group")
 
 
 def _placeholder_pattern(known: Sequence[str]) -> str:
@@ -247,6 +248,23 @@ class TrainerConfig:
 
 
 @dataclass
+class WandbConfig:
+    project: str = _k("", "Weights & Biases project the trainer logs every metrics row to (needs atroposd[wandb]);\n"
+                      "empty = off.")
+    entity: str = _k("", "W&B entity (user or team); empty = your default.")
+    group: str = _k("", "Run group, also given to environments as {wandb_group} / WANDB_RUN_GROUP so their\n"
+                    "runs group with the trainer's. Empty: atroposd-<run id>.")
+    name: str = _k("", "Display name of the run; empty = W&B's.")
+    mode: str = _k("online", "online | offline (files under {state_dir}/wandb, `wandb sync` later) | disabled",
+                   choices=("online", "offline", "disabled"))
+    tags: list[str] = _k([], "Tags of the run.")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.project) and self.mode != "disabled"
+
+
+@dataclass
 class EnvConfig:
     name: str = _k("", "Required, unique; replicas are named NAME-0, NAME-1, ...",
                    schema={"pattern": ENV_NAME_PATTERN, "not": {"enum": list(RESERVED_NAMES)}})
@@ -283,6 +301,7 @@ class Config:
     api: ApiConfig = field(default_factory=ApiConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
     env: list[EnvConfig] = field(default_factory=list)
     # Where the config came from ("<built-in defaults>" when no file was found); not a key.
     source: str = field(default="<built-in defaults>", compare=False, metadata={"internal": True})
@@ -470,11 +489,11 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<dict>") -> Config:
     problems: list[Problem] = []
     sections: dict[str, Any] = {}
     for name in raw:
-        if name not in ("daemon", "api", "inference", "trainer", "env"):
+        if name not in ("daemon", "api", "inference", "trainer", "wandb", "env"):
             problems.append(Problem(name, "unknown section" + _suggest(name, ("daemon", "api", "inference",
-                                                                                 "trainer", "env"))))
+                                                                                 "trainer", "wandb", "env"))))
     for name, cls in (("daemon", DaemonConfig), ("api", ApiConfig), ("inference", InferenceConfig),
-                      ("trainer", TrainerConfig)):
+                      ("trainer", TrainerConfig), ("wandb", WandbConfig)):
         value = raw.get(name, {})
         if not isinstance(value, Mapping):
             problems.append(Problem(name, f"must be a table, got {_type_name(value)}"))
@@ -491,7 +510,7 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<dict>") -> Config:
             continue
         envs.append(_build(EnvConfig, item, f"env[{i}]", problems))
     cfg = Config(daemon=sections["daemon"], api=sections["api"], inference=sections["inference"],
-                 trainer=sections["trainer"], env=envs, source=source)
+                 trainer=sections["trainer"], wandb=sections["wandb"], env=envs, source=source)
     problems.extend(_cross_checks(cfg, raw))
     if problems:
         raise ConfigError(problems, source)
@@ -499,7 +518,20 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<dict>") -> Config:
         cfg.warnings.append("no [[env]]: the job has no environments (they must run elsewhere)")
     if cfg.api.enabled and not is_loopback(cfg.api.host) and not (cfg.api.token or cfg.api.token_file):
         cfg.warnings.append(f"api.host = {cfg.api.host!r} is not loopback and api.token is empty")
+    if cfg.wandb.enabled and cfg.trainer.enabled and not _installed("wandb"):
+        cfg.warnings.append("wandb.project is set but the wandb package is not installed "
+                            "(pip install 'atroposd[wandb]'); the job runs without it")
     return cfg
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _type_name(value: Any) -> str:
@@ -865,6 +897,7 @@ def _render(cfg: Config, *, comments: bool, resolved: bool) -> str:
         out.append("# " + fields(InferenceConfig)[-1].metadata["doc"])
     section("[inference.vllm]", cfg.inference.vllm, data["inference"]["vllm"])
     section("[trainer]", cfg.trainer, data["trainer"])
+    section("[wandb]", cfg.wandb, data["wandb"])
     for e, ed in zip(cfg.env, data["env"], strict=False):
         section("[[env]]", e, ed)
     return "\n".join(out).rstrip() + "\n"
@@ -976,6 +1009,7 @@ def json_schema() -> dict[str, Any]:
             "api": api,
             "inference": inference,
             "trainer": _section_schema(TrainerConfig),
+            "wandb": _section_schema(WandbConfig),
             "env": {"description": "The environments ([[env]]), each run as supervised children.",
                     "type": "array", "items": env},
         },

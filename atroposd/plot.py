@@ -1,36 +1,54 @@
-"""``atroposd plot``: metrics.jsonl → one PNG (reward with its moving average, accuracy, loss,
-KL, clipped fraction, staleness over the steps). Needs matplotlib (the ``plot`` extra); drawn
-with the Agg backend, so no display is needed."""
+"""``atroposd plot``: metrics.jsonl → one PNG: reward, accuracy and staleness with their moving
+averages, loss, KL, clipped fraction, where each step's time went (waiting for data, compute,
+weight sync) and the trained tokens per second. Several runs (state dirs or metrics files)
+overlay, one colour each, with a legend. Needs matplotlib (the ``plot`` extra); drawn with the
+Agg backend, so no display is needed."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from atroposd.exitcodes import Exit
 
 if TYPE_CHECKING:
     from atroposd.config import Config
 
-__all__ = ["main", "moving_average", "plot_metrics"]
+__all__ = ["Run", "draw", "main", "moving_average", "plot_metrics", "plot_runs"]
 
 
-# (title, metric keys drawn on the panel)
-PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("reward", ("reward_mean",)),
-    ("exact-match accuracy", ("accuracy",)),
-    ("loss", ("loss",)),
-    ("KL to reference (k3)", ("mean_kl",)),
-    ("clipped fraction", ("clipped_fraction",)),
-    ("staleness (steps)", ("staleness",)),
+# (title, metric key): each panel draws the moving average over the faint per-step values
+# (staleness is 0/1 step to step: its raw line alone is a solid block; loss and KL are noisy).
+PANELS: tuple[tuple[str, str], ...] = (
+    ("reward", "reward_mean"),
+    ("exact-match accuracy", "accuracy"),
+    ("loss", "loss"),
+    ("KL to reference (k3)", "mean_kl"),
+    ("clipped fraction", "clipped_fraction"),
+    ("staleness (weight versions)", "staleness"),
 )
+TIME_PANEL = "time per step (s, moving average)"
+THROUGHPUT_PANEL = "trained tokens / s (moving average)"
+# The parts of a step's time: metrics key, legend label, line style when several runs overlay.
+TIME_PARTS = (("batch_wait_s", "waiting for data", "--"), ("compute_s", "compute", "-"),
+              ("sync_s", "weight sync", ":"))
 
 
 class PlotError(Exception):
     pass
+
+
+@dataclass
+class Run:
+    """One run's rows and its label in the legend."""
+
+    label: str
+    rows: list[dict[str, Any]]
 
 
 def moving_average(values: Sequence[float], window: int) -> list[float]:
@@ -44,18 +62,38 @@ def moving_average(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
+def window_for(n: int) -> int:
+    """The moving-average window for ``n`` steps: about a tenth of the run, 5 to 50 steps."""
+    return max(1, min(n, max(5, min(50, n // 10))))
+
+
+def _number(v: Any) -> TypeGuard[float]:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def _series(rows: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     xs, ys = [], []
     for r in rows:
         v = r.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and isinstance(r.get("step"), int):
+        if _number(v) and isinstance(r.get("step"), int):
             xs.append(r["step"])
             ys.append(float(v))
     return xs, ys
 
 
-def plot_metrics(rows: Sequence[dict[str, Any]], output: Path, *, title: str = "") -> Path:
-    """Draw the panels to ``output`` (PNG); raises PlotError on bad input."""
+def _throughput(rows: Sequence[dict[str, Any]]) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in rows:
+        wall = sum(float(r[k]) for k in ("batch_wait_s", "step_s") if _number(r.get(k)))
+        if _number(r.get("tokens")) and wall > 0 and isinstance(r.get("step"), int):
+            xs.append(r["step"])
+            ys.append(float(r["tokens"]) / wall)
+    return xs, ys
+
+
+def draw(runs: Sequence[Run], *, title: str = "") -> Any:
+    """The figure: the learning panels, the per-step time split and the throughput; one colour
+    per run, with a legend when several runs overlay. Raises PlotError without matplotlib."""
     try:
         import matplotlib
     except ImportError as exc:
@@ -63,30 +101,113 @@ def plot_metrics(rows: Sequence[dict[str, Any]], output: Path, *, title: str = "
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(3, 2, figsize=(12, 10), sharex=True)
-    window = max(1, min(50, len(rows) // 20 or 1))
-    for ax, (name, keys) in zip(axes.flat, PANELS, strict=True):
+    fig, axes = plt.subplots(4, 2, figsize=(13, 13), sharex=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    several = len(runs) > 1
+    flat = list(axes.flat)
+    for ax, (name, key) in zip(flat, PANELS, strict=False):
         ax.set_title(name)
-        ax.grid(alpha=0.3)
         drawn = False
-        for key in keys:
-            xs, ys = _series(rows, key)
+        ranges: list[tuple[float, float]] = []
+        for i, run in enumerate(runs):
+            xs, ys = _series(run.rows, key)
             if not xs:
                 continue
             drawn = True
-            if key == "reward_mean":
-                ax.plot(xs, ys, color="tab:blue", alpha=0.3, linewidth=0.8, label="per step")
-                ax.plot(xs, moving_average(ys, window), color="tab:blue", label=f"moving average ({window})")
-                ax.legend(loc="best", fontsize=8)
-            else:
-                ax.plot(xs, ys, linewidth=1.0)
-        if not drawn:
-            ax.text(0.5, 0.5, "not reported", ha="center", va="center", transform=ax.transAxes, color="gray")
+            color = colors[i % len(colors)]
+            window = window_for(len(run.rows))
+            ax.plot(xs, ys, color=color, alpha=0.15 if several else 0.25, linewidth=0.8)
+            label = run.label if several else f"moving average ({window} steps)"
+            smooth = moving_average(ys, window)
+            ax.plot(xs, smooth, color=color, linewidth=1.6, label=label)
+            ranges.append(_robust_range(ys, smooth))
+        if ranges:  # a rare spike in the raw values must not flatten the curves
+            low, high = min(r[0] for r in ranges), max(r[1] for r in ranges)
+            pad = (high - low) * 0.05 or 0.05
+            ax.set_ylim(low - pad, high + pad)
+        _finish_panel(ax, drawn, legend=True)
+    _time_split(flat[6], runs, colors)
+    ax = flat[7]
+    ax.set_title(THROUGHPUT_PANEL)
+    drawn = False
+    for i, run in enumerate(runs):
+        xs, ys = _throughput(run.rows)
+        if xs:
+            drawn = True
+            ax.plot(xs, moving_average(ys, window_for(len(run.rows))), color=colors[i % len(colors)],
+                    linewidth=1.4, label=run.label)
+    _finish_panel(ax, drawn, legend=several)
     for ax in axes[-1]:
         ax.set_xlabel("step")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def _time_split(ax: Any, runs: Sequence[Run], colors: Sequence[str]) -> None:
+    """Where each step's time went. One run: stacked areas; several: a line per part and run."""
+    ax.set_title(TIME_PANEL)
+    drawn = False
+    if len(runs) == 1:
+        rows = runs[0].rows
+        window = window_for(len(rows))
+        steps = [r["step"] for r in rows if isinstance(r.get("step"), int)]
+        parts = []
+        for key, label, _style in TIME_PARTS:
+            values = [float(r[key]) if _number(r.get(key)) else 0.0 for r in rows if isinstance(r.get("step"), int)]
+            if any(values):
+                parts.append((label, moving_average(values, window)))
+        if parts and steps:
+            drawn = True
+            ax.stackplot(steps, *[v for _, v in parts], labels=[label for label, _ in parts], alpha=0.8)
+            totals = [sum(v) for v in zip(*[v for _, v in parts], strict=True)]
+            _clip_start(ax, [totals], window)
+    else:
+        shown: list[list[float]] = []
+        for i, run in enumerate(runs):
+            window = window_for(len(run.rows))
+            for key, label, style in TIME_PARTS:
+                xs, ys = _series(run.rows, key)
+                if xs:
+                    drawn = True
+                    smooth = moving_average(ys, window)
+                    shown.append(smooth[window:])
+                    ax.plot(xs, smooth, color=colors[i % len(colors)], linestyle=style, linewidth=1.2,
+                            label=f"{run.label}: {label}")
+        _clip_start(ax, shown, 0)
+    _finish_panel(ax, drawn, legend=True)
+
+
+def _robust_range(raw: Sequence[float], smooth: Sequence[float]) -> tuple[float, float]:
+    """The y range that shows the moving average and all but the rarest raw values (0.5 %)."""
+    ordered = sorted(raw)
+    cut = len(ordered) // 200
+    kept = ordered[cut:len(ordered) - cut] or ordered
+    return min(kept[0], min(smooth)), max(kept[-1], max(smooth))
+
+
+def _clip_start(ax: Any, series: Sequence[Sequence[float]], skip: int) -> None:
+    """Scale the y axis to the values after the first ``skip`` steps (the start-up steps, a
+    model load or a first compile, would flatten the rest)."""
+    tops = [max(s[skip:]) for s in series if len(s) > skip]
+    if tops and max(tops) > 0:
+        ax.set_ylim(0, max(tops) * 1.15)
+
+
+def _finish_panel(ax: Any, drawn: bool, *, legend: bool) -> None:
+    ax.grid(alpha=0.3)
+    if not drawn:
+        ax.text(0.5, 0.5, "not reported", ha="center", va="center", transform=ax.transAxes, color="gray")
+    elif legend:
+        ax.legend(loc="best", fontsize=7)
+
+
+def plot_runs(runs: Sequence[Run], output: Path, *, title: str = "") -> Path:
+    """Draw ``runs`` to ``output`` (PNG); raises PlotError on bad input."""
+    import matplotlib.pyplot as plt
+
+    fig = draw(runs, title=title)
     output.parent.mkdir(parents=True, exist_ok=True)
     try:
         fig.savefig(output, dpi=100)
@@ -95,6 +216,23 @@ def plot_metrics(rows: Sequence[dict[str, Any]], output: Path, *, title: str = "
     finally:
         plt.close(fig)
     return output
+
+
+def plot_metrics(rows: Sequence[dict[str, Any]], output: Path, *, title: str = "") -> Path:
+    """One run's rows to ``output`` (PNG)."""
+    return plot_runs([Run("", list(rows))], output, title=title)
+
+
+def metrics_path(run: Path) -> Path:
+    """A run given as a state dir or a metrics file."""
+    return run / "metrics.jsonl" if run.is_dir() else run
+
+
+def run_labels(paths: Sequence[Path]) -> list[str]:
+    """Short legend labels: a state dir's name (the parent's, for a metrics.jsonl), the full
+    path where two would read the same."""
+    short = [(p.parent.name if p.name == "metrics.jsonl" else p.stem) or str(p) for p in paths]
+    return [str(p) if short.count(s) > 1 else s for s, p in zip(short, paths, strict=True)]
 
 
 def load_rows(path: Path) -> list[dict[str, Any]]:
@@ -113,15 +251,25 @@ def load_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def main(cfg: Config, args: argparse.Namespace) -> int:
-    """The ``atroposd plot`` command: 0 when the PNG is written, 1 with a clear message if not."""
+    """The ``atroposd plot`` command: 0 when the PNG is written, 1 with a clear message if not.
+
+    ``RUN ...`` (state dirs or metrics files) overlays several runs; without, the config's run."""
     from atroposd.paths import Paths
 
     paths = Paths.of(cfg)
-    metrics = Path(getattr(args, "metrics", None) or paths.metrics_file)
-    output = Path(getattr(args, "output", None) or paths.state_dir / "metrics.png")
+    given = [Path(r) for r in getattr(args, "runs", None) or []]
+    if getattr(args, "metrics", None):
+        given.append(Path(args.metrics))
+    files = [metrics_path(p) for p in given] or [paths.metrics_file]
+    default_out = paths.state_dir / "metrics.png" if not given else Path("metrics.png")
+    output = Path(getattr(args, "output", None) or default_out)
     try:
-        rows = load_rows(metrics)
-        plot_metrics(rows, output, title=f"{metrics} — {len(rows)} steps")
+        runs = [Run(label, load_rows(f)) for label, f in zip(run_labels(files), files, strict=True)]
+        if len(runs) == 1:
+            title = f"{files[0]} — {len(runs[0].rows)} steps"
+        else:
+            title = " vs ".join(f"{r.label} ({len(r.rows)} steps)" for r in runs)
+        plot_runs(runs, output, title=title)
     except PlotError as exc:
         print(f"atroposd plot: {exc}", file=sys.stderr)
         return Exit.RUNTIME

@@ -97,6 +97,12 @@ class ApiSettings:
                    spool_fsync=api.spool_fsync, shm_ack_timeout=api.shm_ack_timeout)
 
 
+# The reasons a submission is refused (503) or a request rejected (4xx), as /metrics labels them.
+REFUSED_REASONS = ("full", "spool")
+REJECTED_REASONS = ("invalid", "invalid_json", "invalid_gzip", "too_large", "too_long", "length_mismatch",
+                    "score_count", "non_finite_score", "unknown_env", "unauthorized")
+
+
 class ApiMetrics:
     """Prometheus metrics of one API process (its own registry)."""
 
@@ -138,6 +144,10 @@ class ApiMetrics:
                                             "was not looked up (another lookup running)", registry=r)
         self.batch_write_failures = Counter("atroposd_api_batch_write_failures",
                                             "Batches whose response could not be written (served again)", registry=r)
+        for reason in REFUSED_REASONS:  # every known label value from the start (dashboards resolve)
+            self.refused.labels(reason)
+        for reason in REJECTED_REASONS:
+            self.rejected.labels(reason)
         self.latency = Histogram("atroposd_api_request_seconds", "Request latency", ["route"], registry=r,
                                  buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30,
                                           60))
@@ -195,6 +205,8 @@ class ApiServer:
         get("/reset_data", self.reset_data)
         get("/atroposd/registrations", self.list_registrations)
         get("/metrics", self.metrics_route)
+        for resource in app.router.resources():  # every route's latency series from the start
+            self.metrics.latency.labels(resource.canonical)
         return app
 
     async def _close_inflater(self, app: web.Application) -> None:

@@ -179,7 +179,9 @@ class Daemon:
         self._events.close()
 
     async def _serve_metrics(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        await status_mod.serve_metrics(self, self.cfg.daemon.metrics_port, task_status=task_status)
+        from atroposd.daemon.metrics import serve_metrics
+
+        await serve_metrics(self, self.cfg.daemon.metrics_port, task_status=task_status)
 
     async def _lifecycle(self) -> Exit:
         code = Exit.RUNTIME

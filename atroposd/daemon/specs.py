@@ -30,6 +30,7 @@ from atroposd.process.liveness import (
 from atroposd.process.probes import HttpProbe, InferenceProbe, Probe, RegisteredProbe, StartedProbe
 from atroposd.process.unit import UnitSpec
 from atroposd.pyexec import python_module
+from atroposd.trainer.wandb_sink import wandb_group
 
 API_READY_TIMEOUT = 60.0
 # systemd's variables are for the daemon alone: no child inherits them.
@@ -85,6 +86,9 @@ def placeholder_values(ins: SpecInputs, *, name: str = "", replica: int = 0,
         "seed": str(c.trainer.seed + replica),
         "replica_port": str(env.port_base + replica) if env and env.port_base else "",
     }
+    group = wandb_group(c)
+    if group:  # {wandb_group} / ATROPOSD_WANDB_GROUP: only when there is one
+        values["wandb_group"] = group
     if env is not None:
         values["weight"] = str(env.weight)  # {weight} / ATROPOSD_WEIGHT: environments only
     return values
@@ -109,7 +113,7 @@ def api_spec(ins: SpecInputs) -> UnitSpec:
     c = ins.cfg
     values = placeholder_values(ins, name="api")
     if c.api.command:
-        argv = fill_placeholders(c.api.command, {**values, "port": str(c.api.port)})
+        argv = fill_placeholders(c.api.command, {"wandb_group": "", **values, "port": str(c.api.port)})
     else:
         argv = _atroposd(ins, "api", "-c", ins.child_config)
     values.pop("group_size")
@@ -191,7 +195,7 @@ def env_specs(ins: SpecInputs, e: EnvConfig) -> list[UnitSpec]:
     for i, name in enumerate(e.replica_names()):
         values = placeholder_values(ins, name=name, replica=i, env=e)
         if e.command:
-            argv = fill_placeholders(e.command, values)
+            argv = fill_placeholders(e.command, {"wandb_group": "", **values})
         else:
             argv = _atroposd(ins, "env", e.builtin, "-c", ins.child_config, "--name", name, "--replica", str(i))
         probe: Probe = StartedProbe(e.start_seconds)
@@ -199,7 +203,7 @@ def env_specs(ins: SpecInputs, e: EnvConfig) -> list[UnitSpec]:
             names = (name, e.name) if e.replicas == 1 else (name,)
             probe = RegisteredProbe(ins.cfg.api_url, names, fallback=StartedProbe(e.start_seconds),
                                     headers=api_headers(ins.cfg))
-        env = child_env(ins, values)
+        env = _wandb_env(ins, child_env(ins, values))
         live, check = env_liveness(ins, e)
         if ins.board is not None:
             env[heartbeat.ENV_SOCKET] = str(ins.heartbeat_socket)
@@ -221,6 +225,16 @@ def env_liveness(ins: SpecInputs, e: EnvConfig) -> tuple[LiveSettings, LiveCheck
     else:
         check = HeartbeatLiveCheck(ins.board, e.live_timeout)
     return live, check
+
+
+def _wandb_env(ins: SpecInputs, env: dict[str, str]) -> dict[str, str]:
+    """An environment's own W&B runs group with the trainer's (and stay offline when it is)."""
+    w = ins.cfg.wandb
+    if env.get("ATROPOSD_WANDB_GROUP"):
+        env["WANDB_RUN_GROUP"] = env["ATROPOSD_WANDB_GROUP"]
+    if w.enabled and w.mode == "offline":
+        env.setdefault("WANDB_MODE", "offline")
+    return env
 
 
 def all_specs(ins: SpecInputs) -> list[UnitSpec]:

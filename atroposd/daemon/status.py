@@ -6,7 +6,7 @@ so these are assembled the same way from the live daemon or from a test's stand-
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
@@ -20,7 +20,6 @@ from atroposd.process.unit import State, Unit
 
 if TYPE_CHECKING:
     import aiohttp
-    from prometheus_client.metrics_core import Metric
 
     from atroposd.daemon.watchdog import StallWatchdog
 
@@ -150,87 +149,3 @@ def status_line(d: DaemonView) -> str:
         if st.get("state") == "stalled":
             text += f" for {st.get('stalled_for_s')}s at {st.get('stage')}"
     return text
-
-
-# ----------------------------------------------------------------------------- metrics
-
-_TRAINER_GAUGES = (("step", "Optimizer steps done"), ("weight_version", "Weights served"),
-                   ("reward_mean", "Mean reward of the last batch"),
-                   ("accuracy", "Exact-match accuracy of the last batch"),
-                   ("loss", "Loss of the last step"), ("steps_per_s", "Optimizer steps per second"))
-
-
-class DaemonCollector:
-    """Component states, restarts and trainer progress as Prometheus gauges."""
-
-    def __init__(self, daemon: DaemonView) -> None:
-        self.daemon = daemon
-
-    def collect(self) -> Iterator[Metric]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        d = self.daemon
-        up = GaugeMetricFamily("atroposd_uptime_seconds", "Seconds since the daemon started")
-        up.add_metric([], d.uptime())
-        yield up
-        state = GaugeMetricFamily("atroposd_component_state", "1 for the state each component is in",
-                                  labels=["component", "kind", "state"])
-        restarts = CounterMetricFamily("atroposd_component_restarts", "Restarts of each component",
-                                       labels=["component", "kind"])
-        dropped = CounterMetricFamily("atroposd_component_log_dropped_bytes",
-                                      "Output a component wrote faster than its log could take",
-                                      labels=["component", "kind"])
-        for u in list(d.units.values()):
-            for st in State:
-                state.add_metric([u.name, u.kind, st.value], 1.0 if u.state == st else 0.0)
-            restarts.add_metric([u.name, u.kind], u.restarts)
-            dropped.add_metric([u.name, u.kind], u.status()["log_dropped_bytes"])
-        yield state
-        yield restarts
-        yield dropped
-        hung = CounterMetricFamily("atroposd_component_hung", "Times each component was stopped as hung",
-                                   labels=["component", "kind"])
-        for u in list(d.units.values()):
-            hung.add_metric([u.name, u.kind], u.hung_count)
-        yield hung
-        t = trainer_status(d)
-        if t is not None:
-            for key, help_text in _TRAINER_GAUGES:
-                if isinstance(t.get(key), (int, float)):
-                    g = GaugeMetricFamily(f"atroposd_trainer_{key}", help_text)
-                    g.add_metric([], float(t[key]))
-                    yield g
-            from atroposd.daemon.watchdog import STAGES
-
-            stalled = GaugeMetricFamily("atroposd_trainer_stalled_seconds",
-                                        "Seconds the trainer has made no step, by the stage that is stuck "
-                                        "(0 while it advances)", labels=["stage"])
-            for stage in STAGES:
-                stalled.add_metric([stage], float(t.get("stalled_for_s") or 0.0) if t.get("stage") == stage else 0.0)
-            yield stalled
-
-
-async def serve_metrics(d: DaemonView, port: int, *,
-                        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-    """Prometheus text on 127.0.0.1:``port``, read from the live state at each scrape."""
-    from aiohttp import web
-    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(DaemonCollector(d))
-
-    async def metrics(_request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", port)
-        await site.start()
-        task_status.started()
-        await anyio.sleep_forever()
-    finally:
-        with anyio.CancelScope(shield=True):
-            await runner.cleanup()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -48,6 +49,9 @@ class WeightGate:
         self._idle = asyncio.Event()
         self._idle.set()
         self._closing = False
+        self.pauses = 0  # pauses for weight updates since start
+        self.paused_seconds = 0.0  # time generation spent paused by them (the pause at start excluded)
+        self._paused_at: float | None = None
 
     @property
     def paused(self) -> bool:
@@ -77,6 +81,9 @@ class WeightGate:
 
     async def pause(self) -> dict[str, Any]:
         """Admit nothing new; return once every admitted generation has been answered."""
+        if not self._paused:
+            self.pauses += 1
+            self._paused_at = time.monotonic()
         self._paused = True
         self._resumed.clear()
         await self._idle.wait()
@@ -88,6 +95,9 @@ class WeightGate:
         if self.awaiting_weights and not self.updates:
             log.warning("resumed before any weights arrived; serving the weights loaded at start")
         self.awaiting_weights = False
+        if self._paused_at is not None:
+            self.paused_seconds += time.monotonic() - self._paused_at
+            self._paused_at = None
         self._paused = False
         self._resumed.set()
         return {"paused": False, "weight_version": self.weight_version}

@@ -87,6 +87,7 @@ class _Front:
     info: dict[str, Any] = field(default_factory=dict)
     #: requests answered on /generate and the OpenAI routes (``/health``: load per replica)
     generations: int = 0
+    metrics: Any = None  # InferenceMetrics, made by build_tcp_app
 
 
 def make_engine(cfg: Config, name: str, *, await_weights: bool, threads: int | None = None) -> Any:
@@ -168,8 +169,26 @@ def _route(front: _Front, fn: Callable[[web.Request], Awaitable[Any]], *, openai
 # ---------------------------------------------------------------------------- TCP routes
 
 
+def _counted(front: _Front, route: str, handler: Handler) -> Handler:
+    """A generation route, counted in the server's metrics (latency, in flight, tokens)."""
+    async def counted(request: web.Request) -> web.StreamResponse:
+        start = front.metrics.begin()
+        response: web.StreamResponse | None = None
+        try:
+            response = await handler(request)
+            return response
+        finally:
+            front.metrics.end(route, start, ok=response is not None and response.status < 400)
+
+    return counted
+
+
 def build_tcp_app(front: _Front) -> web.Application:
+    from atroposd.inference.metrics import InferenceMetrics
+
     app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+    if front.metrics is None:
+        front.metrics = InferenceMetrics(lambda: front.engine)
 
     async def health(_: web.Request) -> web.Response:
         if front.engine is None:
@@ -182,17 +201,17 @@ def build_tcp_app(front: _Front) -> web.Application:
                       "generations": front.generations})
 
     async def generate(request: web.Request) -> Any:
-        out = await front.engine.generate(await _read_json(request))
+        out = front.metrics.served(await front.engine.generate(await _read_json(request)))
         front.generations += 1
         return out
 
     async def completions(request: web.Request) -> Any:
-        out = await _openai_completions(front, await _read_json(request))
+        out = front.metrics.served(await _openai_completions(front, await _read_json(request)))
         front.generations += 1
         return out
 
     async def chat(request: web.Request) -> Any:
-        out = await _openai_chat(front, await _read_json(request))
+        out = front.metrics.served(await _openai_chat(front, await _read_json(request)))
         front.generations += 1
         return out
 
@@ -210,10 +229,16 @@ def build_tcp_app(front: _Front) -> web.Application:
         return {**front.info, "weight_version": weights.get("weight_version"),
                 "awaiting_weights": bool(weights.get("awaiting_weights", False)), "ready": True}
 
+    async def metrics(_: web.Request) -> web.Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return web.Response(body=front.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     app.router.add_get("/health", health)
-    app.router.add_post("/generate", _route(front, generate))
-    app.router.add_post("/v1/completions", _route(front, completions, openai=True))
-    app.router.add_post("/v1/chat/completions", _route(front, chat, openai=True))
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/generate", _counted(front, "generate", _route(front, generate)))
+    app.router.add_post("/v1/completions", _counted(front, "completions", _route(front, completions, openai=True)))
+    app.router.add_post("/v1/chat/completions", _counted(front, "chat", _route(front, chat, openai=True)))
     app.router.add_get("/v1/models", _route(front, models, openai=True, needs_engine=False))
     app.router.add_get("/info", _route(front, info, needs_engine=False))
     return app

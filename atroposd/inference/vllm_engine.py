@@ -230,7 +230,9 @@ class VllmEngine(WeightGate):
         args.logprobs_mode = "processed_logprobs"
         args.worker_extension_cls = WORKER_EXTENSION
         args.seed = self.seed
-        args.disable_log_stats = True
+        # vLLM's own statistics on: its Prometheus metrics (vllm:*) join the server's /metrics
+        # (atroposd.inference.metrics); its periodic throughput line goes to this server's log.
+        args.disable_log_stats = False
         if self.lora_rank is not None:
             ranks = (1, 8, 16, 32, 64, 128, 256, 320, 512)
             args.enable_lora = True

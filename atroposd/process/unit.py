@@ -143,6 +143,7 @@ class Unit:
         self.last_error: str | None = None
         self.ever_ready = False
         self.since = time.monotonic()
+        self._backoff_done_s = 0.0  # seconds spent in finished backoffs
         self.launched_at = time.time()  # wall clock: compared with file times
         self.tracked: dict[int, psutil.Process] = {}
         self.settled = anyio.Event()  # the first attempt is over: ready, or it failed
@@ -232,6 +233,12 @@ class Unit:
         """Run ``fn`` beside the liveness loop of the current attempt (cancelled with it)."""
         if self._live_tg is not None:
             self._live_tg.start_soon(fn)
+
+    @property
+    def backoff_s(self) -> float:
+        """Seconds this component has spent waiting to be restarted (the current wait included)."""
+        current = time.monotonic() - self.since if self.state == State.BACKOFF else 0.0
+        return self._backoff_done_s + current
 
     def tree_pids(self) -> set[int]:
         """The child and its known descendants (for crediting API registrations)."""
@@ -551,7 +558,10 @@ class Unit:
         if new not in _LEGAL[old]:
             raise IllegalTransition(f"{self.name}: {old.value} → {new.value} ({reason})")
         self.state = new
-        self.since = time.monotonic()
+        now = time.monotonic()
+        if old == State.BACKOFF:
+            self._backoff_done_s += now - self.since
+        self.since = now
         level = "error" if new == State.FAILED else "warning" if new == State.BACKOFF else "info"
         getattr(log, level)("state", unit=self.name, kind=self.kind, old=old.value, new=new.value, pid=self.pid,
                             reason=reason)

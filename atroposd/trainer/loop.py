@@ -63,6 +63,9 @@ class Progress:
     rejected_groups: dict[str, int] = field(default_factory=dict)
     error: str | None = None
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=50))
+    # seconds spent since this process started, per part of a step (the per-step split summed)
+    seconds: dict[str, float] = field(default_factory=lambda: {"data_wait": 0.0, "compute": 0.0, "sync": 0.0})
+    tokens_total: int = 0  # tokens trained on since this process started
 
     @property
     def steps_per_s(self) -> float | None:
@@ -143,16 +146,18 @@ class TrainingLoop:
                     continue
                 consecutive_skips = 0
                 # step + sync: shared mode pauses generation only around optimizer.step
+                sync_start = time.perf_counter()
                 async with self.lock:
                     async with self.weights.paused(p.weight_version + 1):
                         await anyio.to_thread.run_sync(self.learner.apply)
                     p.weight_version += 1
                     p.step += 1
                     await self.weights.after_step(self.learner.policy.model, p.weight_version)
+                sync_s = time.perf_counter() - sync_start
             finally:
                 self.feed.release()
             # log
-            self._record(batch, result, batch_wait, time.perf_counter() - step_start)
+            self._record(batch, result, batch_wait, time.perf_counter() - step_start, sync_s)
             # checkpoint: every checkpoint_every and at the last step
             if p.step % t.checkpoint_every == 0 or p.step == p.total_steps:
                 await self.checkpoint()
@@ -198,8 +203,13 @@ class TrainingLoop:
             p.state = previous
         return path
 
-    def _record(self, batch: RolloutBatch, r: StepResult, batch_wait: float, step_s: float) -> None:
+    def _record(self, batch: RolloutBatch, r: StepResult, batch_wait: float, step_s: float,
+                sync_s: float = 0.0) -> None:
         p = self.progress
+        p.seconds["data_wait"] += batch_wait
+        p.seconds["compute"] += r.compute_s
+        p.seconds["sync"] += sync_s
+        p.tokens_total += int(r.tokens)
         versions = batch.weight_versions
         record: dict[str, Any] = {
             "step": p.step, "time": time.time(), "loss": r.loss, "reward_mean": batch.reward_mean,
@@ -209,6 +219,7 @@ class TrainingLoop:
             "mean_ratio": r.mean_ratio, "clipped_fraction": r.clipped_fraction, "mean_kl": r.mean_kl,
             "grad_norm": r.grad_norm, "lr": self.learner.lr, "tokens": r.tokens, "sequences": batch.sequences,
             "batch_wait_s": batch_wait, "step_s": step_s, "compute_s": r.compute_s,
+            "sync_s": sync_s,
             "skipped_steps": p.skipped_steps, "rejected_groups": dict(p.rejected_groups),
             "missing_logprobs": batch.missing_logprobs, "logprob_diff_abs_mean": r.logprob_diff_abs_mean,
         }

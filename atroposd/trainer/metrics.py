@@ -10,11 +10,13 @@ rollouts were generated with (null when the environments do not report it).
 reason (``{"token_out_of_range": 2, ...}``; SPEC §13), skipped batches' groups included.
 
 A write that fails (disk full, unwritable) is dropped and counted, never fatal (SPEC §4).
+Each row also goes to the writer's ``sinks`` (W&B: :mod:`atroposd.trainer.wandb_sink`).
 """
 
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ class MetricsWriter:
         self.path = path
         self.dropped = 0
         self._file: io.BufferedWriter | None = None
+        self.sinks: list[Callable[[dict[str, Any]], None]] = []  # each row goes to these too (never raise)
 
     def _open(self) -> io.BufferedWriter:
         if self._file is None:
@@ -60,6 +63,8 @@ class MetricsWriter:
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 100 == 0:
                 log.warning("metrics line dropped", path=str(self.path), error=str(exc), dropped=self.dropped)
+        for sink in self.sinks:
+            sink(record)
 
     def close(self) -> None:
         if self._file is not None:

@@ -100,6 +100,14 @@ class TrainerService:
             "rejected_groups": dict(p.rejected_groups),
         }
 
+    def metrics_view(self) -> dict[str, Any]:
+        """What /metrics reads beyond the status: the last metrics row and the running totals."""
+        from atroposd.trainer.batch import REASONS
+
+        p = self.progress
+        return {"last": dict(p.last), "seconds": dict(p.seconds), "tokens_total": p.tokens_total,
+                "rejected_reasons": list(REASONS)}
+
     async def on_inference_restarted(self, replica: int | None = None) -> None:
         """A restarted inference replica (None: every one) gets the current weights before it
         serves rollouts."""
@@ -115,6 +123,7 @@ class TrainerService:
         started = False
         feed = None
         metrics = None
+        wandb_sink = None
         try:
             from atroposd.trainer.feed import BatchFeed
             from atroposd.trainer.loop import TrainingLoop
@@ -136,6 +145,8 @@ class TrainerService:
                 metrics = self._metrics = MetricsWriter(self.paths.metrics_file)
                 if setup.restored_from is not None:
                     metrics.truncate_after(p.step)
+                if self.cfg.wandb.enabled:
+                    wandb_sink = self._start_wandb(metrics)
                 p.waiting_for = "api"
                 feed = BatchFeed(self.cfg.api_url, self._registration, max_ahead=self.cfg.trainer.max_staleness,
                                  token=self.cfg.api.token, on_wait=self._on_wait)
@@ -144,8 +155,9 @@ class TrainerService:
                 loop = TrainingLoop(tcfg=self.cfg.trainer, feed=feed, learner=learner, weights=self.weights,
                                     metrics=metrics, checkpointer=setup.checkpointer(learner), progress=p,
                                     envs_alive=self.envs_alive, lock=self._lock,
-                                    # a line per step on a terminal, every 10 steps in log files
-                                    progress_every=1 if sys.stderr.isatty() else PROGRESS_EVERY)
+                                    # every 10 steps (on a terminal, `atroposd run` keeps a live
+                                    # progress line below the log)
+                                    progress_every=PROGRESS_EVERY)
                 self._loop = loop
             if self._setup_scope.cancelled_caught or feed is None or self._loop is None:
                 # stopped before training began: nothing new to checkpoint
@@ -184,6 +196,8 @@ class TrainerService:
                     await feed.aclose()
             if metrics is not None:
                 metrics.close()
+            if wandb_sink is not None:
+                await anyio.to_thread.run_sync(wandb_sink.close, abandon_on_cancel=True)
 
     # ------------------------------------------------------------------ helpers
 
@@ -192,9 +206,27 @@ class TrainerService:
         if p.state in ("waiting", "training"):
             p.state, p.waiting_for = ("waiting", reason) if reason else ("training", None)
 
+    def _start_wandb(self, metrics: Any) -> Any:
+        """W&B logging of every metrics row (its own thread; a failure is a warning)."""
+        from atroposd.config import to_dict
+        from atroposd.trainer.wandb_sink import WandbSink
+
+        config = to_dict(self.cfg)
+        if config["api"].get("token"):
+            config["api"]["token"] = "<set>"  # never a secret in the run's config
+        sink = WandbSink.start(self.cfg, config)
+        metrics.sinks.append(sink.log)
+        return sink
+
     def _registration(self) -> dict[str, Any]:
         t = self.cfg.trainer
-        return {"wandb_group": "", "wandb_project": "", "batch_size": t.batch_size,
+        # Atropos environments read the group and project from the API (/wandb_info) to group
+        # their own W&B runs with the trainer's.
+        from atroposd.trainer.wandb_sink import wandb_group
+
+        w = self.cfg.wandb
+        return {"wandb_group": wandb_group(self.cfg), "wandb_project": w.project if w.enabled else "",
+                "batch_size": t.batch_size,
                 "max_token_len": t.max_token_len, "checkpoint_dir": str(self.paths.checkpoints_dir),
                 "save_checkpoint_interval": t.checkpoint_every, "starting_step": self.progress.step,
                 "num_steps": t.steps}

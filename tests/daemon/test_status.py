@@ -8,8 +8,9 @@ from typing import Any
 import anyio
 
 from atroposd.config import Config, parse_config
+from atroposd.daemon.metrics import DaemonCollector
 from atroposd.daemon.state import DaemonState
-from atroposd.daemon.status import DaemonCollector, status, status_line
+from atroposd.daemon.status import status, status_line
 from atroposd.process.unit import Unit
 from tests.support import free_port
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import stat
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from atroposd.models.tiny import BOS_ID
 from tests.inference.conftest import MAX_MODEL_LEN, Server
@@ -284,3 +286,32 @@ def test_sigterm_while_generations_wait_at_a_paused_gate(short_tmp: Path, tiny_d
     assert took < 10, f"stop took {took:.1f} s"
     assert len(answers) == 6
     assert all(status == 503 and "shutting down" in str(body) for status, body in answers), answers
+
+
+def _metrics(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_counts_generations_tokens_outcomes_and_pauses(server: Server) -> None:
+    before = _metrics(server)
+    body = {"prompt": {"prompt_token_ids": [BOS_ID, 5, 6]}, "n": 3, "max_tokens": 4, "ignore_eos": True}
+    assert server.http("POST", "/generate", body)[0] == 200
+    assert server.http("POST", "/generate", {"prompt": {"prompt_token_ids": []}})[0] == 400
+    assert server.control("POST", "/pause")[0] == 200
+    assert server.control("POST", "/resume", {"weight_version": 0})[0] == 200
+    after = _metrics(server)
+
+    def grew(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0.0)
+
+    assert grew("atroposd_inference_generations_total") == 3
+    assert grew("atroposd_inference_generated_tokens_total") == 12
+    assert grew("atroposd_inference_requests_total", route="generate", outcome="ok") == 1
+    assert grew("atroposd_inference_requests_total", route="generate", outcome="error") == 1
+    assert grew("atroposd_inference_request_seconds_count", route="generate") == 2
+    assert grew("atroposd_inference_pauses_total") == 1 and grew("atroposd_inference_paused_seconds_total") > 0
+    assert after[("atroposd_inference_requests_in_flight", ())] == 0
+    assert after[("atroposd_inference_engine_ready", ())] == 1

@@ -225,6 +225,20 @@ def test_generate_response_shape_and_logprobs(server: Server, model_dir: Path) -
     assert max(abs(a - b) for a, b in zip(got, want.tolist(), strict=True)) < 2e-3
 
 
+def test_metrics_hold_ours_and_vllms(server: Server) -> None:
+    """/metrics: the server's own counters after a generation, and vLLM's own (vllm:*) families."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, _ = server.generate({"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 2})
+    assert status == 200
+    text = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
+    names = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert names["atroposd_inference_generations_total"] >= 1
+    assert any(n.startswith("vllm:") for n in names), sorted(names)[:20]
+
+
 def test_bad_requests_are_400(server: Server) -> None:
     for body, msg in (({"prompt": {"prompt_token_ids": PROMPT}, "top_p": 0.9}, "top_p"),
                       ({"prompt": {"prompt_token_ids": PROMPT}, "top_k": 5}, "top_k"),

@@ -1,0 +1,390 @@
+"""One Prometheus ``/metrics`` for the whole job, on ``[daemon] metrics_port``.
+
+At each scrape the daemon gathers, concurrently:
+
+* the supervisor (``component`` = each unit's name, ``"daemon"`` for its own series): component
+  states, restarts, seconds in backoff, the last exit;
+* the in-process trainer (``component="trainer"``): step, reward, accuracy, loss, KL, clipped
+  fraction, staleness, the per-step time split (waiting for data, compute, weight sync),
+  skipped steps, rejected groups by reason;
+* the API's and every inference server's own ``/metrics`` (supervised or external), each
+  within :data:`SCRAPE_TIMEOUT`. A child that does not answer in time shows as
+  ``atroposd_component_up{component=...} 0``; the scrape itself never fails or waits longer.
+
+Families from all of them are merged into one exposition (one ``# TYPE`` per family; every
+sample gets a ``component`` label, every name the ``atroposd_`` prefix). Labelled series start
+at 0 for every known label value, so a dashboard's queries resolve before the first event.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+
+from atroposd.daemon.specs import api_headers
+from atroposd.daemon.status import DaemonView, trainer_status
+from atroposd.logs import get_logger
+from atroposd.process.unit import State
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
+__all__ = ["SCRAPE_TIMEOUT", "Target", "exposition", "scrape_targets", "serve_metrics"]
+
+log = get_logger(__name__)
+
+SCRAPE_TIMEOUT = 2.0  # per child, all children at once
+PREFIX = "atroposd_"
+
+# The trainer's states (SPEC §2) and its parts of a step, as label values.
+TRAINER_STATES = ("waiting", "training", "stalled", "checkpointing", "finished", "failed", "stopped")
+STEP_PARTS = ("data_wait", "compute", "sync")
+# Gauges of the last step: metric suffix, metrics.jsonl key, help.
+_LAST_STEP = (
+    ("reward_std", "reward_std", "Standard deviation of the rewards of the last batch"),
+    ("kl", "mean_kl", "Mean k3 KL to the reference of the last step"),
+    ("clipped_fraction", "clipped_fraction", "Fraction of tokens whose ratio was clipped in the last step"),
+    ("staleness", "staleness", "Weight versions between the trained policy and the oldest rollout of the last batch"),
+    ("grad_norm", "grad_norm", "Gradient norm of the last step (before clipping)"),
+    ("mean_ratio", "mean_ratio", "Mean policy ratio of the last step"),
+    ("learning_rate", "lr", "Learning rate of the last step"),
+    ("batch_tokens", "tokens", "Tokens in the last batch"),
+    ("batch_sequences", "sequences", "Sequences in the last batch"),
+)
+_STATUS_GAUGES = (
+    ("step", "step", "Optimizer steps done"), ("total_steps", "total_steps", "Optimizer steps the run trains"),
+    ("weight_version", "weight_version", "Weights served"),
+    ("reward_mean", "reward_mean", "Mean reward of the last batch"),
+    ("accuracy", "accuracy", "Exact-match accuracy of the last batch"),
+    ("loss", "loss", "Loss of the last step"), ("steps_per_s", "steps_per_s", "Optimizer steps per second"),
+)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A child's ``/metrics``: ``component`` is the label its series get."""
+
+    component: str
+    url: str
+    headers: dict[str, str]
+
+
+def scrape_targets(d: DaemonView) -> list[Target]:
+    """The API and every inference server, supervised or external."""
+    cfg = d.cfg
+    out = []
+    api = [u.name for u in d.units.values() if u.kind == "api"] if cfg.api.enabled else ["api"]
+    out += [Target(name, f"{cfg.api_url}/metrics", api_headers(cfg)) for name in api]
+    if cfg.inference.enabled:  # each server at the URL its readiness probe uses (replicas included)
+        out += [Target(u.name, f"{_base_url(u, cfg.inference_url)}/metrics", {})
+                for u in d.units.values() if u.kind == "inference"]
+    else:
+        out.append(Target("inference", f"{cfg.inference_url}/metrics", {}))
+    return out
+
+
+def _base_url(unit: Any, default: str) -> str:
+    url = getattr(getattr(getattr(unit, "spec", None), "probe", None), "url", None)
+    return url.rstrip("/") if isinstance(url, str) and url.startswith("http") else default
+
+
+# ----------------------------------------------------------------------------- families
+
+
+def _gauge(name: str, doc: str, labels: Iterable[str] = ()) -> Any:
+    from prometheus_client.core import GaugeMetricFamily
+
+    return GaugeMetricFamily(name, doc, labels=list(labels))
+
+
+def _counter(name: str, doc: str, labels: Iterable[str] = ()) -> Any:
+    from prometheus_client.core import CounterMetricFamily
+
+    return CounterMetricFamily(name, doc, labels=list(labels))
+
+
+def _num(x: Any) -> float:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else math.nan
+
+
+def supervisor_families(d: DaemonView) -> Iterator[Metric]:
+    """What the supervisor knows of each unit, beyond :class:`DaemonCollector`'s families."""
+    state = _gauge("atroposd_daemon_state", "1 for the state the daemon is in", ["component", "state"])
+    for value in ("starting", "running", "degraded", "stopping"):
+        state.add_metric(["daemon", value], 1.0 if d.state.value == value else 0.0)
+    yield state
+    backoff = _counter("atroposd_component_backoff_seconds", "Seconds each component waited to be restarted",
+                       ["component", "kind"])
+    code = _gauge("atroposd_component_last_exit_code", "Exit status of the last exit (negative: the signal); "
+                  "NaN before the first", ["component", "kind"])
+    at = _gauge("atroposd_component_last_exit_timestamp_seconds", "When the last exit happened (Unix time); "
+                "NaN before the first", ["component", "kind"])
+    for u in list(d.units.values()):
+        labels = [u.name, u.kind]
+        backoff.add_metric(labels, float(getattr(u, "backoff_s", 0.0)))
+        code.add_metric(labels, float(u.last_exit.code) if u.last_exit else math.nan)
+        at.add_metric(labels, float(u.last_exit.at) if u.last_exit else math.nan)
+    yield backoff
+    yield code
+    yield at
+
+
+def trainer_families(trainer: Any) -> Iterator[Metric]:
+    """The in-process trainer's status and its last metrics row."""
+    st = trainer.status()
+    view = trainer.metrics_view() if hasattr(trainer, "metrics_view") else {}
+    last = view.get("last") or {}
+    labels = ["component"]
+    comp = ["trainer"]
+    for suffix, key, doc in _STATUS_GAUGES:
+        g = _gauge(f"atroposd_trainer_{suffix}", doc, labels)
+        g.add_metric(comp, _num(st.get(key)))
+        yield g
+    for suffix, key, doc in _LAST_STEP:
+        g = _gauge(f"atroposd_trainer_{suffix}", doc, labels)
+        g.add_metric(comp, _num(last.get(key)))
+        yield g
+    state = _gauge("atroposd_trainer_state", "1 for the state the trainer is in", ["component", "state"])
+    for value in TRAINER_STATES:
+        state.add_metric(["trainer", value], 1.0 if st.get("state") == value else 0.0)
+    yield state
+    keys = {"data_wait": "batch_wait_s", "compute": "compute_s", "sync": "sync_s"}
+    split = _gauge("atroposd_trainer_last_step_seconds", "The last step's time: waiting for data, compute "
+                   "(loss and backward), weight sync (optimizer step and publishing the weights)",
+                   ["component", "part"])
+    totals = _counter("atroposd_trainer_step_seconds", "Seconds spent per part of a step since the trainer "
+                      "started (data_wait, compute, sync)", ["component", "part"])
+    seconds = view.get("seconds") or {}
+    for part in STEP_PARTS:
+        split.add_metric(["trainer", part], _num(last.get(keys[part])))
+        totals.add_metric(["trainer", part], float(seconds.get(part, 0.0)))
+    yield split
+    yield totals
+    tokens = _counter("atroposd_trainer_tokens", "Tokens trained on since the trainer started", labels)
+    tokens.add_metric(comp, float(view.get("tokens_total", 0)))
+    yield tokens
+    skipped = _counter("atroposd_trainer_skipped_steps", "Steps skipped for a non-finite loss or gradient", labels)
+    skipped.add_metric(comp, float(st.get("skipped_steps") or 0))
+    yield skipped
+    rejected = _counter("atroposd_trainer_rejected_groups", "Groups the trainer refused, by reason",
+                        ["component", "reason"])
+    counts = dict(st.get("rejected_groups") or {})
+    for reason in dict.fromkeys([*view.get("rejected_reasons", ()), *counts]):
+        rejected.add_metric(["trainer", reason], float(counts.get(reason, 0)))
+    yield rejected
+    failures = _counter("atroposd_trainer_checkpoint_failures", "Checkpoint writes that failed", labels)
+    failures.add_metric(comp, float(st.get("checkpoint_failures") or 0))
+    yield failures
+    dropped = _counter("atroposd_trainer_metrics_dropped", "metrics.jsonl lines that could not be written", labels)
+    dropped.add_metric(comp, float(st.get("metrics_dropped") or 0))
+    yield dropped
+
+
+# ----------------------------------------------------------------------------- merging
+
+
+class _Merged:
+    """Families by name, in first-seen order; the first component to give a series keeps it."""
+
+    def __init__(self) -> None:
+        self.families: dict[str, Metric] = {}
+        self._seen: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+
+    def add(self, family: Metric, component: str) -> None:
+        from prometheus_client.metrics_core import Metric as MetricCls
+        from prometheus_client.samples import Sample
+
+        if family.type == "gauge" and family.name.endswith("_created"):
+            return  # a counter's creation time: noise on a merged page
+        name = family.name if family.name.startswith(PREFIX) else PREFIX + family.name
+        have = self.families.get(name)
+        if have is not None and have.type != family.type:
+            log.warning("metrics family dropped: its type differs from another component's",
+                        family=name, component=component, type=family.type, other=have.type)
+            return
+        if have is None:
+            have = self.families[name] = MetricCls(name, family.documentation, family.type, family.unit)
+        for s in family.samples:
+            sample_name = name + s.name[len(family.name):] if s.name.startswith(family.name) else PREFIX + s.name
+            labels = {"component": component, **s.labels} if "component" not in s.labels else dict(s.labels)
+            key = (sample_name, tuple(sorted(labels.items())))
+            if key in self._seen:
+                continue
+            self._seen.add(key)
+            have.samples.append(Sample(sample_name, labels, s.value, s.timestamp, s.exemplar))
+
+    def render(self) -> bytes:
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        families = list(self.families.values())
+
+        class _Fixed:
+            def collect(self) -> Iterator[Metric]:
+                return iter(families)
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Fixed())
+        return generate_latest(registry)
+
+
+def _component_of(family: Metric) -> str:
+    """The component of a family of the daemon's own collector without a ``component`` label."""
+    return "trainer" if family.name.startswith("atroposd_trainer_") else "daemon"
+
+
+async def _scrape(session: Any, target: Target) -> str | None:
+    import aiohttp
+
+    try:
+        async with session.get(target.url, headers=target.headers) as resp:
+            if resp.status != 200:
+                return None
+            return str(await resp.text())
+    except (aiohttp.ClientError, OSError, TimeoutError, UnicodeDecodeError):
+        return None
+
+
+async def exposition(d: DaemonView, *, deadline_s: float = SCRAPE_TIMEOUT) -> bytes:
+    """The whole job's metrics, as Prometheus text."""
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    targets = scrape_targets(d)
+    texts: dict[str, str | None] = {t.component: None for t in targets}
+    took: dict[str, float] = {}
+
+    async def one(session: aiohttp.ClientSession, target: Target) -> None:
+        start = time.monotonic()
+        with anyio.move_on_after(deadline_s):
+            texts[target.component] = await _scrape(session, target)
+        took[target.component] = time.monotonic() - start
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=deadline_s)) as session:
+        async with anyio.create_task_group() as tg:
+            for t in targets:
+                tg.start_soon(one, session, t)
+
+    merged = _Merged()
+    up = _gauge("atroposd_component_up", "1 when the component answered this scrape (the daemon and the "
+                "trainer: always 1)", ["component"])
+    up.add_metric(["daemon"], 1.0)
+    if d.trainer is not None:
+        up.add_metric(["trainer"], 1.0)
+    duration = _gauge("atroposd_component_scrape_seconds", "How long the component's /metrics took to answer "
+                      "(or the deadline)", ["component"])
+    parsed: list[tuple[str, list[Metric]]] = []
+    for t in targets:
+        text = texts[t.component]
+        families: list[Metric] | None = None
+        if text is not None:
+            try:
+                families = list(text_string_to_metric_families(text))
+            except ValueError as exc:
+                log.warning("a component's metrics could not be parsed", component=t.component, error=str(exc))
+        up.add_metric([t.component], 0.0 if families is None else 1.0)
+        duration.add_metric([t.component], took.get(t.component, deadline_s))
+        if families is not None:
+            parsed.append((t.component, families))
+    merged.add(up, "daemon")
+    merged.add(duration, "daemon")
+    for family in DaemonCollector(d).collect():
+        merged.add(family, _component_of(family))
+    for family in supervisor_families(d):
+        merged.add(family, "daemon")
+    if d.trainer is not None:
+        try:
+            for family in trainer_families(d.trainer):
+                merged.add(family, "trainer")
+        except Exception as exc:  # a defect in the trainer's view must not fail the scrape
+            log.warning("trainer metrics failed", error=f"{type(exc).__name__}: {exc}")
+    for component, families in parsed:
+        for family in families:
+            merged.add(family, component)
+    return merged.render()
+
+
+# ----------------------------------------------------------------------------- the supervisor's own
+
+_TRAINER_GAUGES = (("step", "Optimizer steps done"), ("weight_version", "Weights served"),
+                   ("reward_mean", "Mean reward of the last batch"),
+                   ("accuracy", "Exact-match accuracy of the last batch"),
+                   ("loss", "Loss of the last step"), ("steps_per_s", "Optimizer steps per second"))
+
+
+class DaemonCollector:
+    """Component states, restarts and trainer progress as Prometheus gauges."""
+
+    def __init__(self, daemon: DaemonView) -> None:
+        self.daemon = daemon
+
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        d = self.daemon
+        up = GaugeMetricFamily("atroposd_uptime_seconds", "Seconds since the daemon started")
+        up.add_metric([], d.uptime())
+        yield up
+        state = GaugeMetricFamily("atroposd_component_state", "1 for the state each component is in",
+                                  labels=["component", "kind", "state"])
+        restarts = CounterMetricFamily("atroposd_component_restarts", "Restarts of each component",
+                                       labels=["component", "kind"])
+        dropped = CounterMetricFamily("atroposd_component_log_dropped_bytes",
+                                      "Output a component wrote faster than its log could take",
+                                      labels=["component", "kind"])
+        for u in list(d.units.values()):
+            for st in State:
+                state.add_metric([u.name, u.kind, st.value], 1.0 if u.state == st else 0.0)
+            restarts.add_metric([u.name, u.kind], u.restarts)
+            dropped.add_metric([u.name, u.kind], u.status()["log_dropped_bytes"])
+        yield state
+        yield restarts
+        yield dropped
+        hung = CounterMetricFamily("atroposd_component_hung", "Times each component was stopped as hung",
+                                   labels=["component", "kind"])
+        for u in list(d.units.values()):
+            hung.add_metric([u.name, u.kind], u.hung_count)
+        yield hung
+        t = trainer_status(d)
+        if t is not None:
+            for key, help_text in _TRAINER_GAUGES:
+                if isinstance(t.get(key), (int, float)):
+                    g = GaugeMetricFamily(f"atroposd_trainer_{key}", help_text)
+                    g.add_metric([], float(t[key]))
+                    yield g
+            from atroposd.daemon.watchdog import STAGES
+
+            stalled = GaugeMetricFamily("atroposd_trainer_stalled_seconds",
+                                        "Seconds the trainer has made no step, by the stage that is stuck "
+                                        "(0 while it advances)", labels=["stage"])
+            for stage in STAGES:
+                stalled.add_metric([stage], float(t.get("stalled_for_s") or 0.0) if t.get("stage") == stage else 0.0)
+            yield stalled
+
+
+async def serve_metrics(d: DaemonView, port: int, *,
+                        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    """The whole job's metrics on 127.0.0.1:``port``, gathered at each scrape."""
+    from aiohttp import web
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(body=await exposition(d), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", port)
+        await site.start()
+        task_status.started()
+        await anyio.sleep_forever()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await runner.cleanup()
