@@ -144,7 +144,8 @@ def test_unresolved_stall_ends_the_job_and_the_next_start_resumes(short_tmp: Pat
         assert t["stalled_for_s"] >= 3.0, t
         assert t["step"] == 4, t
         scrape = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-        gauge = [line for line in scrape.splitlines() if line.startswith('atroposd_trainer_stalled_seconds{stage="trainer"}')]
+        gauge = [line for line in scrape.splitlines()
+                 if line.startswith("atroposd_trainer_stalled_seconds{") and 'stage="trainer"' in line]
         assert gauge and float(gauge[0].split()[-1]) >= 3.0, scrape[-2000:]
         code = proc.wait(timeout=60)
     finally:

@@ -53,6 +53,7 @@ class View:
     pid: int = 4242
     nonce: str = "abcdef012345"
     start_error: str | None = None
+    watchdog: None = None
 
     def uptime(self) -> float:
         return 12.5
