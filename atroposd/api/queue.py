@@ -40,6 +40,7 @@ __all__ = ["QueueFull", "TrajectoryStore"]
 MIN_ENV_WEIGHT = 0.01  # upstream: an environment's weight never drops below this share
 BYTES_PER_SEQUENCE = 64 << 10  # default byte budget per sequence of the cap (4096 tokens with logprobs)
 MAX_WAITING = 256  # submissions waiting for room; beyond it a 503 at once
+GONE_CHECK_INTERVAL_S = 1.0  # /status-env looks for environments whose process died at most this often
 
 
 log = get_logger("api.queue")
@@ -57,6 +58,7 @@ class QueueFull(Exception):
 class TrajectoryStore:
     def __init__(self, capacity: int, *, spool: Spool | None = None, capacity_bytes: int | None = None,
                  max_waiting: int = MAX_WAITING) -> None:
+        self._gone_checked_at = 0.0
         self.capacity = capacity
         # Groups are held in their compact form; passthrough fields (messages, ...) count too.
         self.capacity_bytes = capacity_bytes if capacity_bytes is not None else capacity * BYTES_PER_SEQUENCE
@@ -103,14 +105,18 @@ class TrajectoryStore:
         self._disconnect_gone_envs()
 
     def _disconnect_gone_envs(self) -> None:
-        """An environment whose registering process no longer runs (the whole daemon restarted,
-        not only the API) will not post again: it no longer counts in /status-env weights or
-        minimum allocations. Its queued groups are still served."""
+        """An environment whose registering process no longer runs (killed and restarted under
+        a new registration, or the whole daemon restarted) will not post again: it no longer
+        counts in /status-env weights or minimum allocations, so the living environments' shares
+        fill a batch again (a dead one's share would hold it back for good). Its queued groups
+        are still served. Checked at a restart, at each registration, and at most once a second
+        from /status-env."""
+        self._gone_checked_at = time.monotonic()
         gone = [e for e in self.envs if e.connected and e.peer_pid is not None and e.peer_start is not None
                 and pids.same_process(e.peer_pid, e.peer_start) is None]
         for e in gone:
             e.connected = False
-            log.info("environment from before the restart is gone; marked disconnected", env_id=e.registered_id,
+            log.info("environment process is gone; marked disconnected", env_id=e.registered_id,
                      name=e.real_name, peer_pid=e.peer_pid)
             self._save_env(e)
 
@@ -133,6 +139,7 @@ class TrajectoryStore:
 
     def register_env(self, req: dict[str, Any], *, peer: tuple[int, int | float] | None = None) -> dict[str, Any]:
         """``POST /register-env``; ``peer`` = (pid, start time) of the registering process."""
+        self._disconnect_gone_envs()
         if not self.started or self.registration is None:
             return {"status": "wait for trainer to start"}
         if req["group_size"] > self.capacity:
@@ -391,6 +398,8 @@ class TrajectoryStore:
         if not 0 <= env_id < len(self.envs):
             raise InvalidRequest(f"unknown env_id {env_id}: {len(self.envs)} environments registered", 404,
                                  "unknown_env")
+        if time.monotonic() - self._gone_checked_at >= GONE_CHECK_INTERVAL_S:
+            self._disconnect_gone_envs()
         me = self.envs[env_id]
         connected = [e for e in self.envs if e.connected]
         total = sum(e.max_context_len * max(0.0, e.weight) for e in connected)

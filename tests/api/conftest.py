@@ -133,6 +133,35 @@ class Server:
         return self.api.url
 
 
+class RegisteredChild:
+    """A separate process that registered an environment and stays alive until ``exit()``."""
+
+    def __init__(self, url: str, body: dict[str, Any]) -> None:
+        import subprocess
+
+        code = ("import json, sys, urllib.request\n"
+                "req = urllib.request.Request(sys.argv[1] + '/register-env', data=sys.argv[2].encode(),\n"
+                "                             headers={'Content-Type': 'application/json'})\n"
+                "print(urllib.request.urlopen(req).read().decode(), flush=True)\n"
+                "sys.stdin.read()\n")
+        self.proc = subprocess.Popen([sys.executable, "-c", code, url, json.dumps(body)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        self.answer: dict[str, Any] = json.loads(self.proc.stdout.readline())
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def exit(self) -> None:
+        """Ends the process (stdin closed) and reaps it."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
 def register_env_from_child(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """POST /register-env from a separate short-lived process: (its pid, the answer)."""
     import subprocess

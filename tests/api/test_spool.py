@@ -15,8 +15,8 @@ import pytest
 
 from atroposd.api.schema import group_from_json
 from atroposd.api.spool import Spool, SpoolError
-from tests.api.conftest import Api, Server, group, register_env_from_child, start_atroposd
-from tests.support import REPO, free_port, spawn, stop_process
+from tests.api.conftest import Api, RegisteredChild, Server, group, start_atroposd
+from tests.support import REPO, free_port, spawn, stop_process, wait_for
 
 
 def kill9(server: Server) -> None:
@@ -213,13 +213,14 @@ def test_restart_marks_environments_whose_process_is_gone_disconnected(tmp_path:
     try:
         api = server.api
         api.start(batch_size=8, max_token_len=64)
-        _, answer = register_env_from_child(
-            api.url, {"max_token_length": 64, "desired_name": "gone", "weight": 1.0, "group_size": 4})
-        gone = int(answer["env_id"])
+        child = RegisteredChild(api.url, {"max_token_length": 64, "desired_name": "gone", "weight": 1.0,
+                                          "group_size": 4})
+        gone = int(child.answer["env_id"])
         live = api.register_env(group_size=4, name="live")["env_id"]
         assert api.ok("POST", "/scored_data", group(4, env_id=gone, tag=1.0)) == {"status": "received"}
         assert api.ok("GET", "/status-env", {"env_id": live})["env_weight"] == 0.5
         kill9(server)
+        child.exit()  # the whole daemon went: its environment too
 
         server = start_atroposd(tmp_path, "--spool-dir", str(spool), port=port)
         api = server.api
@@ -229,5 +230,26 @@ def test_restart_marks_environments_whose_process_is_gone_disconnected(tmp_path:
         # what the gone environment posted is still served, with the live one's
         assert api.ok("POST", "/scored_data", group(4, env_id=live, tag=2.0)) == {"status": "received"}
         assert sorted(served_tags(api.drain())) == [1.0, 2.0]
+    finally:
+        stop_process(server.proc)
+
+
+def test_an_environment_whose_process_dies_stops_counting_while_the_api_runs(tmp_path: Path) -> None:
+    """A killed environment restarted under a new registration: the dead registration's share of
+    /status-env would hold the living one to half the budget for good (a batch never forms), so
+    it is marked disconnected as soon as its process is gone, not only at a restart."""
+    server = start_atroposd(tmp_path)
+    try:
+        api = server.api
+        api.start(batch_size=8, max_token_len=64)
+        child = RegisteredChild(api.url, {"max_token_length": 64, "desired_name": "first", "weight": 1.0,
+                                          "group_size": 4})
+        live = api.register_env(group_size=4, name="second")["env_id"]
+        assert api.ok("GET", "/status-env", {"env_id": live})["env_weight"] == 0.5  # both alive
+        child.exit()
+        wait_for(lambda: api.ok("GET", "/status-env", {"env_id": live})["env_weight"] == 1.0, timeout=10,
+                 what="the dead environment's share to go")
+        envs = {e["env_id"]: e for e in api.ok("GET", "/atroposd/registrations")["envs"]}
+        assert envs[int(child.answer["env_id"])]["connected"] is False and envs[live]["connected"] is True
     finally:
         stop_process(server.proc)
