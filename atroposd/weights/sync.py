@@ -223,32 +223,45 @@ class _ControlMixin:
             raise errors[min(errors)]
         return [results[i] for i in range(len(targets))]
 
-    async def _pause(self, r: Replica, version: int) -> bool:
-        """Pause one replica; False (and a warning) when it is not there."""
+    async def _reached(self, r: Replica, version: int, method: str, *args: Any) -> bool:
+        """One control call to ``r``; False when the replica is not there to take weights (dead,
+        past the deadline, or 503): it is marked not current, with a warning, and gets the
+        weights from ``reattach`` when it is back. Any other refusal is raised."""
         try:
-            await self._call("pause", replica=r)
+            await self._call(method, *args, replica=r)
             return True
         except WeightControlError as exc:
-            if _unreachable(exc):
-                log.warning("inference server unreachable; weights follow when it is back",
-                            replica=r.index, weight_version=version, error=str(exc))
-                r.current = False
-                return False
-            raise
+            if not _unreachable(exc):
+                raise
+            log.warning("inference server unreachable; it gets the weights when it is back", request=method,
+                        replica=r.index, weight_version=version, error=str(exc))
+            r.current = False
+            return False
+
+    async def _pause(self, r: Replica, version: int) -> bool:
+        return await self._reached(r, version, "pause")
 
     async def _resume(self, r: Replica, version: int) -> bool:
-        try:
-            await self._call("resume", version, replica=r)
-        except WeightControlError as exc:
-            if _unreachable(exc):
-                log.warning("inference server unreachable at resume; it gets the weights when it is back",
-                            replica=r.index, weight_version=version, error=str(exc))
-                r.current = False
-                return False
-            raise
+        if not await self._reached(r, version, "resume", version):
+            return False
         r.version = version
         r.current = True
         return True
+
+    async def _update(self, r: Replica, version: int, fallback: int, method: str, *args: Any) -> bool:
+        """Pause ``r``, give it ``version`` (``method``: update_weights or load), resume it. A
+        refused update touched nothing: the replica resumes with what it had (its own version,
+        else ``fallback``) and the refusal is raised."""
+        if not await self._pause(r, version):
+            return False
+        try:
+            if not await self._reached(r, version, method, *args):
+                return False
+        except WeightControlError:
+            with anyio.CancelScope(shield=True):
+                await self._resume(r, r.version if r.version is not None else fallback)
+            raise
+        return await self._resume(r, version)
 
 
 class _ArenaSync(_ControlMixin):
@@ -313,24 +326,14 @@ class _ArenaSync(_ControlMixin):
         return all(done)
 
     async def _send_export(self, arena: ParameterArena, version: int, r: Replica) -> bool:
-        if not await self._pause(r, version):
-            return False
         try:
-            await self._call("update_weights", self.manifest_file, self.update_mode, version, replica=r)
-        except WeightControlError as exc:
-            if _unreachable(exc):
-                r.current = False
-                return False
-            # Refused before anything was touched: let the server go on with what it had.
-            with anyio.CancelScope(shield=True):
-                await self._resume(r, r.version if r.version is not None else self.version)
-            raise
+            return await self._update(r, version, self.version, "update_weights", self.manifest_file,
+                                      self.update_mode, version)
         finally:
             if arena.transport == "cuda_ipc":
                 from atroposd.weights.cuda_ipc import ipc_collect
 
                 ipc_collect()
-        return await self._resume(r, version)
 
     async def reattach(self, model: torch.nn.Module, version: int, replica: int | None = None) -> None:
         """A replica restarted (``replica``; None: every one): export again and let it attach or
@@ -439,25 +442,11 @@ class ReloadSync(_ControlMixin):
 
         async def one(r: Replica) -> bool:
             async with self._connected(r):
-                return await self._send_load(path, version, r)
+                return await self._update(r, version, 0, "load", path, version)
 
         done = await self._each(targets, one)
         await anyio.to_thread.run_sync(prune_sync_dirs, self.sync_dir, path)
         return all(done)
-
-    async def _send_load(self, path: Path, version: int, r: Replica) -> bool:
-        if not await self._pause(r, version):
-            return False
-        try:
-            await self._call("load", path, version, replica=r)
-        except WeightControlError as exc:
-            if _unreachable(exc):
-                r.current = False
-                return False
-            with anyio.CancelScope(shield=True):
-                await self._resume(r, r.version if r.version is not None else 0)
-            raise
-        return await self._resume(r, version)
 
     async def attach(self, model: torch.nn.Module, version: int) -> None:
         await self._publish(model, version, self.replicas)
