@@ -5,17 +5,15 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from atroposd.config import Config, parse_config
+from atroposd.config import parse_config
 from atroposd.daemon.metrics import exposition
-from atroposd.daemon.state import DaemonState
-from atroposd.process.unit import Unit
+from tests.daemon.views import Trainer, View
 from tests.support import free_port
 
 CHILD_TEXT = """# HELP atroposd_api_refused_total Submissions refused
@@ -29,34 +27,6 @@ atroposd_api_queue_sequences 12.0
 # TYPE process_open_fds gauge
 process_open_fds 7.0
 """
-
-
-@dataclass
-class Trainer:
-    values: dict[str, Any]
-    last: dict[str, Any] = field(default_factory=dict)
-
-    def status(self) -> dict[str, Any]:
-        return dict(self.values)
-
-    def metrics_view(self) -> dict[str, Any]:
-        return {"last": self.last, "seconds": {"data_wait": 1.5, "compute": 2.0, "sync": 0.25}, "tokens_total": 99,
-                "rejected_reasons": ["too_long", "token_out_of_range"]}
-
-
-@dataclass
-class View:
-    cfg: Config
-    trainer: Trainer | None = None
-    state: DaemonState = DaemonState.RUNNING
-    units: dict[str, Unit] = field(default_factory=dict)
-    pid: int = 4242
-    nonce: str = "abcdef012345"
-    start_error: str | None = None
-    watchdog: None = None
-
-    def uptime(self) -> float:
-        return 12.5
 
 
 @asynccontextmanager
@@ -84,7 +54,7 @@ def _view(api_port: int, inference_port: int, trainer: Trainer | None = None) ->
     cfg = parse_config({"api": {"enabled": False, "url": f"http://127.0.0.1:{api_port}"},
                         "inference": {"enabled": False, "url": f"http://127.0.0.1:{inference_port}"},
                         "trainer": {"enabled": False}})
-    return View(cfg, trainer=trainer)
+    return View(cfg, trainer=trainer, uptime_s=12.5)
 
 
 def _parse(text: str) -> dict[str, Any]:

@@ -2,40 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import anyio
 
 from atroposd.config import Config, parse_config
 from atroposd.daemon.metrics import DaemonCollector
 from atroposd.daemon.state import DaemonState
 from atroposd.daemon.status import status, status_line
-from atroposd.process.unit import Unit
+from tests.daemon.views import Trainer, View
 from tests.support import free_port
-
-
-@dataclass
-class Trainer:
-    values: dict[str, Any]
-
-    def status(self) -> dict[str, Any]:
-        return dict(self.values)
-
-
-@dataclass
-class View:
-    cfg: Config
-    trainer: Trainer | None = None
-    state: DaemonState = DaemonState.RUNNING
-    units: dict[str, Unit] = field(default_factory=dict)
-    pid: int = 4242
-    nonce: str = "abcdef012345"
-    start_error: str | None = None
-    watchdog: None = None
-
-    def uptime(self) -> float:
-        return 81.23456
 
 
 def _external() -> Config:

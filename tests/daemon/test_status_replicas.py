@@ -12,7 +12,7 @@ from aiohttp import web
 
 from atroposd.config import parse_config
 from atroposd.daemon.status import replica_index, status
-from tests.daemon.test_status import View
+from tests.daemon.views import View
 
 
 @dataclass
