@@ -3,7 +3,6 @@ its ``/health`` says (the weight_version it serves, the generations it answered)
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +12,7 @@ from aiohttp import web
 from atroposd.config import parse_config
 from atroposd.daemon.status import replica_index, status
 from tests.daemon.views import View
+from tests.support import free_port_pair
 
 
 @dataclass
@@ -24,25 +24,12 @@ class StubUnit:
         return {"name": self.name, "kind": self.kind, "external": False, "state": "ready", "pid": 1}
 
 
-def _two_free_ports() -> int:
-    while True:
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = int(a.getsockname()[1])
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-
-
 def test_replica_index() -> None:
     assert [replica_index(n) for n in ("inference", "inference-0", "inference-3")] == [0, 0, 3]
 
 
 def test_every_replica_is_a_component_with_its_health() -> None:
-    port = _two_free_ports()
+    port = free_port_pair()
     cfg = parse_config({"inference": {"replicas": 2, "port": port}, "api": {"port": port + 2},
                         "trainer": {"enabled": False}})
     view = View(cfg, units={n: StubUnit(n) for n in ("inference-0", "inference-1")})  # type: ignore[misc]

@@ -73,3 +73,25 @@ def processes_of_instance(nonce: str) -> list[psutil.Process]:
         except (psutil.Error, OSError):
             continue
     return out
+
+
+# The embedded task, shortened for a learning test: operands 0–4 (25 problems, one-digit sums).
+SHORT_TASK: list[dict[str, Any]] = [{"name": "arithmetic", "builtin": "arithmetic", "options": {"max_operand": 4}}]
+
+
+def run_short_learning_job(cfg: Path, state_dir: Path, *, steps: int = 400) -> list[dict[str, Any]]:
+    """``atroposd run`` to the end, then the learning floor: the mean reward and exact-match
+    accuracy of the last 10 steps are each at least the first 10's + 0.3. Returns the rows."""
+    res = atroposd("run", "-c", str(cfg), env=daemon_env(), timeout=600)
+    assert res.returncode == 0, f"run exited {res.returncode}\n{res.stderr[-3000:]}"
+    rows = metrics(state_dir)
+    assert len(rows) == steps
+
+    def mean(key: str, part: list[dict[str, Any]]) -> float:
+        return float(sum(r[key] for r in part) / len(part))
+    first, last = rows[:10], rows[-10:]
+    assert mean("reward_mean", last) >= mean("reward_mean", first) + 0.3, (mean("reward_mean", first),
+                                                                           mean("reward_mean", last))
+    assert mean("accuracy", last) >= mean("accuracy", first) + 0.3, (mean("accuracy", first),
+                                                                     mean("accuracy", last))
+    return rows

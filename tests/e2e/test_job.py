@@ -11,7 +11,16 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.e2e.jobs import component, daemon_env, job_config, kill9, metrics, status
+from tests.e2e.jobs import (
+    SHORT_TASK,
+    component,
+    daemon_env,
+    job_config,
+    kill9,
+    metrics,
+    run_short_learning_job,
+    status,
+)
 from tests.support import atroposd, wait_for
 
 REQUIRED_METRICS = {"step", "time", "loss", "reward_mean", "reward_std", "accuracy", "weight_version",
@@ -128,16 +137,5 @@ def test_daemon_kill9_then_start_resumes(short_tmp: Path) -> None:
 def test_a_short_job_learns(short_tmp: Path) -> None:
     """The embedded job, shortened to a smaller task (operands 0–4: 25 problems, one-digit sums):
     reward and exact-match accuracy both rise well past a prompt-ignoring policy's."""
-    envs = [{"name": "arithmetic", "builtin": "arithmetic", "options": {"max_operand": 4}}]
-    cfg = job_config(short_tmp, steps=400, envs=envs, trainer={"checkpoint_every": 400})
-    res = atroposd("run", "-c", str(cfg), env=daemon_env(), timeout=600)
-    assert res.returncode == 0, f"run exited {res.returncode}\n{res.stderr[-3000:]}"
-    rows = metrics(short_tmp / "state")
-    assert len(rows) == 400
-
-    def mean(key: str, part: list[dict[str, float]]) -> float:
-        return sum(r[key] for r in part) / len(part)
-    first, last = rows[:10], rows[-10:]
-    assert mean("reward_mean", last) >= mean("reward_mean", first) + 0.3, (mean("reward_mean", first),
-                                                                           mean("reward_mean", last))
-    assert mean("accuracy", last) >= mean("accuracy", first) + 0.3
+    run_short_learning_job(job_config(short_tmp, steps=400, envs=SHORT_TASK, trainer={"checkpoint_every": 400}),
+                           short_tmp / "state")

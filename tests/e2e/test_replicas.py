@@ -6,46 +6,32 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
-import tomllib
 
+from atroposd.config import load_config
 from tests.e2e.jobs import (
+    SHORT_TASK,
     component,
     daemon_env,
     job_config,
     kill9,
     metrics,
     processes_of_instance,
+    run_short_learning_job,
     status,
 )
-from tests.support import atroposd, free_port, wait_for
-
-
-def _two_free_ports() -> int:
-    """A port p with p and p + 1 free (replica i listens on port + i)."""
-    for _ in range(50):
-        port = free_port()
-        if port >= 65535:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise AssertionError("no two consecutive free ports")
+from tests.support import atroposd, free_port, free_port_pair, wait_for
 
 
 def _config(root: Path, **kw: Any) -> Path:
-    port = _two_free_ports()
+    port = free_port_pair()
     cfg = job_config(root, inference={"port": port, "replicas": 2}, **kw)
-    api_port = tomllib.loads(cfg.read_text())["api"]["port"]
+    api_port = load_config(cfg).api.port
     while api_port in (port, port + 1):  # job_config's free API port may be one of ours: move it
         api_port = free_port()
         cfg = job_config(root, inference={"port": port, "replicas": 2}, api={"port": api_port}, **kw)
@@ -53,7 +39,7 @@ def _config(root: Path, **kw: Any) -> Path:
 
 
 def _health(cfg_path: Path, replica: int) -> dict[str, Any]:
-    port = tomllib.loads(cfg_path.read_text())["inference"]["port"] + replica
+    port = load_config(cfg_path).inference.port + replica
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
         body: dict[str, Any] = json.loads(resp.read())
     return body
@@ -121,17 +107,7 @@ def test_two_replicas_serve_survive_a_kill_and_stop_cleanly(short_tmp: Path) -> 
 @pytest.mark.slow
 def test_a_short_job_with_two_replicas_learns(short_tmp: Path) -> None:
     """test_job's shortened learning run, with two inference replicas: the same floor."""
-    envs = [{"name": "arithmetic", "builtin": "arithmetic", "options": {"max_operand": 4}}]
-    cfg = _config(short_tmp, steps=400, envs=envs, trainer={"checkpoint_every": 400})
-    res = atroposd("run", "-c", str(cfg), env=daemon_env(), timeout=600)
-    assert res.returncode == 0, f"run exited {res.returncode}\n{res.stderr[-3000:]}"
-    rows = metrics(short_tmp / "state")
-    assert len(rows) == 400
-
-    def mean(key: str, part: list[dict[str, float]]) -> float:
-        return sum(r[key] for r in part) / len(part)
-    first, last = rows[:10], rows[-10:]
-    assert mean("reward_mean", last) >= mean("reward_mean", first) + 0.3
-    assert mean("accuracy", last) >= mean("accuracy", first) + 0.3
+    run_short_learning_job(_config(short_tmp, steps=400, envs=SHORT_TASK, trainer={"checkpoint_every": 400}),
+                           short_tmp / "state")
     log = (short_tmp / "state" / "logs" / "daemon.log").read_text()
     assert "inference-1" in log
