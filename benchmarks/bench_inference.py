@@ -93,26 +93,45 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def start_server(model_dir: Path, root: Path, index: int) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "atroposd", "inference", "--port", str(port), "--model", str(model_dir),
+           "--max-model-len", "256", "--control-socket", str(root / f"inf-{index}.sock"), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_up(proc: subprocess.Popen[bytes], url: str) -> None:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"inference server exited {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"inference server at {url} not up within 180 s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+
 def bench_http(model_dir: Path, rounds: int) -> dict[str, tuple[float, float]]:
     import aiohttp
 
     root = Path(tempfile.mkdtemp(prefix="atpd-bench-inf-", dir="/tmp"))
-    port = free_port()
-    cmd = [sys.executable, "-m", "atroposd", "inference", "--port", str(port), "--model", str(model_dir),
-           "--max-model-len", "256", "--control-socket", str(root / "inf.sock"), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_server(model_dir, root, 0)
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit(f"inference server exited {proc.returncode}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2):
-                    break
-            except OSError:
-                time.sleep(0.1)
+        wait_up(proc, url)
 
         async def measure() -> dict[str, tuple[float, float]]:
             async with aiohttp.ClientSession() as session:
@@ -145,12 +164,7 @@ def bench_http(model_dir: Path, rounds: int) -> dict[str, tuple[float, float]]:
 
         return asyncio.run(measure())
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc)
         shutil.rmtree(root, ignore_errors=True)
 
 

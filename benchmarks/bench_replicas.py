@@ -20,50 +20,17 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_inference import GROUP, MAX_TOKENS, free_port, prompts  # noqa: E402
-
-
-def start_server(model_dir: Path, root: Path, index: int) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "atroposd", "inference", "--port", str(port), "--model", str(model_dir),
-           "--max-model-len", "256", "--control-socket", str(root / f"inf-{index}.sock"), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def wait_up(proc: subprocess.Popen[bytes], url: str) -> None:
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"inference server exited {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise SystemExit(f"inference server at {url} not up within 180 s")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+from benchmarks.bench_inference import GROUP, MAX_TOKENS, prompts, start_server, stop, wait_up  # noqa: E402
 
 
 async def measure(urls: list[str], seconds: float, concurrency: int) -> dict[str, Any]:
