@@ -16,7 +16,6 @@ from pathlib import Path
 import psutil
 
 from atroposd.daemon.runtime import remove_dead_runtime_files
-from atroposd.fsutil import write_atomic
 from atroposd.logs import get_logger
 from atroposd.paths import Paths
 from atroposd.pids import Start, identity, start_ticks
@@ -101,9 +100,8 @@ class RecoveryRecord:
         if (key, segments) == (self._key, self._segments) and self.path.exists():
             return
         self._key, self._segments = key, segments
-        record = reaper.InstanceRecord(self.nonce, self.pid, self.start_time, list(key), list(segments),
-                                       started_at=self.started_at)
-        write_atomic(self.path, record.to_json())
+        reaper.write_record(self.path, reaper.InstanceRecord(self.nonce, self.pid, self.start_time, list(key),
+                                                             list(segments), started_at=self.started_at))
 
     def remove(self) -> None:
         """At a clean exit (every child gone): nothing is left to recover."""
