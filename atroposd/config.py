@@ -207,10 +207,13 @@ class InferenceConfig:
 @dataclass
 class TrainerConfig:
     enabled: bool = _k(True, "false: API + inference + environments only, for an external trainer.")
-    device: str = _k("auto", "auto | cpu | cuda:N | a GPU UUID", schema={"pattern": DEVICE_PATTERN})
+    device: str | list[str] = _k(
+        "auto", "auto | cpu | cuda:N | a GPU UUID, or a list: one trainer rank per entry (FSDP2;\n"
+        "[\"cuda:0\", \"cuda:1\"], or [\"cpu\", \"cpu\"] for gloo ranks on a CPU). Rank 0 trains in the daemon.",
+        schema={"pattern": DEVICE_PATTERN, "items": {"pattern": DEVICE_PATTERN}, "minItems": 1})
     steps: int = _k(3000, "Optimizer steps; the job stops by itself after the last.", min=1)
     batch_size: int = _k(64, "Sequences per optimizer step.", min=1)
-    micro_batch_size: int = _k(32, "Sequences per forward/backward pass; divides batch_size.", min=1)
+    micro_batch_size: int = _k(32, "Sequences per forward/backward pass (per rank); divides batch_size.", min=1)
     max_token_len: int = _k(512, "Longest sequence (prompt + completion) the trainer accepts, in tokens.", min=2)
     optimizer: str = _k("adamw", "adamw | adafactor | adamw_8bit (needs bitsandbytes; never a silent fallback)",
                         choices=("adamw", "adafactor", "adamw_8bit"))
@@ -233,7 +236,8 @@ class TrainerConfig:
     lora_r: int = _k(16, "LoRA rank.", min=1)
     lora_alpha: int = _k(32, "LoRA alpha.", min=1)
     lora_targets: list[str] = _k(["q_proj", "v_proj"], "Module names that get LoRA adapters.")
-    weight_sync: str = _k("auto", "auto | shared | push | reload; auto = shared for torch, push for vllm",
+    weight_sync: str = _k("auto", "auto | shared | push | reload; auto = shared for torch with one trainer rank,\n"
+                          "push for vllm or several ranks",
                           choices=("auto", "shared", "push", "reload"))
     sync_every: int = _k(1, "Steps between weight syncs (push and reload).", min=1)
     max_staleness: int = _k(2, "Batches fetched ahead of the step being trained.", min=0)
@@ -245,6 +249,26 @@ class TrainerConfig:
     keep_checkpoints: int = _k(3, "Newest complete checkpoints kept.", min=1)
     resume: bool = _k(True, "Continue from the newest complete checkpoint in state_dir.")
     seed: int = _k(0, "Seeds the model's initialisation, sampling and environments (seed + replica).", min=0)
+    checkpoint_dir: str = _k("", "Where checkpoints go. Default: {state_dir}/checkpoints. Several machines: a file\n"
+                             "system every node sees.")
+    activation_checkpointing: bool = _k(False, "Recompute each decoder layer's activations in the backward pass\n"
+                                        "(less memory, more compute; any rank count).")
+    sync_bucket_mb: int = _k(512, "Several ranks, push: weights stream to the inference replicas in buckets of\n"
+                             "this many MiB (rank 0's extra memory for a sync).", min=1)
+    join_timeout: float = _k(300.0, "Seconds every trainer rank may take to join the process group.", gt=0)
+    collective_timeout: float = _k(600.0, "Seconds a collective may run before the trainer group is restarted.",
+                                   gt=0)
+    max_restarts: int = _k(5, "Trainer group restarts (a rank exited, a collective failed or timed out) allowed\n"
+                           "within restart_window seconds; past that the job fails.", min=0)
+    restart_window: float = _k(600.0, "Seconds over which max_restarts counts group restarts.", gt=0)
+
+    def devices(self) -> list[str]:
+        """One device per trainer rank (rank 0 first)."""
+        return list(self.device) if isinstance(self.device, list) else [self.device]
+
+    @property
+    def ranks(self) -> int:
+        return len(self.devices())
 
 
 @dataclass
@@ -362,6 +386,8 @@ class Config:
         if mode == "auto":
             if self.trainer.mode == "lora":
                 return "shared" if self.inference.engine == "torch" else "reload"
+            if self.trainer.ranks > 1:
+                return "push"
             return "shared" if self.inference.engine == "torch" else "push"
         return mode
 
@@ -648,6 +674,31 @@ def _num(v: float) -> str:
 _NAME_RE = re.compile(ENV_NAME_PATTERN)
 
 
+def _trainer_device_problems(device: str | list[str]) -> list[Problem]:
+    """``trainer.device``: one device, or a list of one per rank — all on the CPU or all distinct GPUs."""
+    if isinstance(device, str):
+        if not re.match(DEVICE_PATTERN, device):
+            return [Problem("trainer.device", f"must be auto, cpu, cuda:N or a GPU UUID, got {device!r}")]
+        return []
+    p = [Problem(f"trainer.device[{i}]", f"must be cpu, cuda:N or a GPU UUID, got {d!r}")
+         for i, d in enumerate(device) if d == "auto" or not re.match(DEVICE_PATTERN, d)]
+    if not device:
+        p.append(Problem("trainer.device", "a list needs at least one device (one per trainer rank)"))
+    if p or len(device) < 2:
+        return p
+    kinds = {"cpu" if d == "cpu" else "gpu" for d in device}
+    if len(kinds) > 1:
+        p.append(Problem("trainer.device", f"every trainer rank must be on the CPU or every one on a GPU, got {device}"))
+    elif kinds == {"gpu"}:
+        seen: dict[str, int] = {}
+        for i, d in enumerate(device):
+            key = "cuda:0" if d == "cuda" else d
+            if key in seen:
+                p.append(Problem(f"trainer.device[{i}]", f"{d!r} is already rank {seen[key]}'s device: one GPU per rank"))
+            seen.setdefault(key, i)
+    return p
+
+
 def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
     import signal as _signal
 
@@ -684,9 +735,17 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
                 p.append(Problem("trainer.weight_sync", f"must be {' or '.join(map(repr, allowed))} with "
                                                         f"trainer.mode = \"lora\" and inference.engine = "
                                                         f"\"{inf.engine}\""))
-        if sync == "shared" and inf.enabled and isinstance(t.device, str):
+        if t.ranks > 1 and sync == "shared":
+            p.append(Problem("trainer.weight_sync", f"\"shared\" needs one trainer rank (trainer.device lists "
+                                                    f"{t.ranks}): sharded parameters cannot be mapped by a server; "
+                                                    "use \"push\" or \"reload\""))
+        if t.ranks > 1 and t.mode == "lora":
+            p.append(Problem("trainer.mode", f"\"lora\" is not supported with several trainer ranks (trainer.device "
+                                             f"lists {t.ranks}): a LoRA model's adapters are small enough for one "
+                                             "rank; list one device"))
+        if sync == "shared" and inf.enabled and t.ranks == 1:
             for d in dict.fromkeys(cfg.inference_devices()):
-                if "," in d or same_device(t.device, d) is False:
+                if "," in d or same_device(t.devices()[0], d) is False:
                     p.append(Problem("trainer.weight_sync", f"\"shared\" needs the trainer and every inference "
                                                             f"replica on one device (trainer.device = {t.device!r}, "
                                                             f"inference.device = {d!r}); use \"push\""))
@@ -695,7 +754,8 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
             p.append(Problem("trainer.weight_sync", f"\"{sync}\" needs a local inference server "
                                                     "(inference.enabled = true); use \"reload\""))
     if inf.engine == "vllm" and inf.vllm.gpu_memory_utilization == 0.0 and t.enabled and \
-            _is_cuda(t.device) and any(_is_cuda(d) and t.device in d.split(",") for d in cfg.inference_devices()):
+            any(_is_cuda(td) and any(_is_cuda(d) and td in d.split(",") for d in cfg.inference_devices())
+                for td in t.devices()):
         p.append(Problem("inference.vllm.gpu_memory_utilization",
                          "must be > 0 when vLLM shares a GPU with the trainer"))
     if isinstance(inf.device, list):
@@ -708,8 +768,7 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
                                                            f"GPUs (\"cuda:2,cuda:3\"), got {d!r}"))
     elif not re.match(DEVICE_PATTERN, inf.device):
         p.append(Problem("inference.device", f"must be auto, cpu, cuda:N or a GPU UUID, got {inf.device!r}"))
-    if isinstance(t.device, str) and not re.match(DEVICE_PATTERN, t.device):
-        p.append(Problem("trainer.device", f"must be auto, cpu, cuda:N or a GPU UUID, got {t.device!r}"))
+    p.extend(_trainer_device_problems(t.device))
     if not inf.model:
         p.append(Problem("inference.model", "must not be empty"))
     elif inf.model.startswith("builtin:") and inf.model not in BUILTIN_MODELS:

@@ -268,10 +268,11 @@ class Daemon:
         from atroposd.weights.sync import make_weight_sync
 
         self._set_status("starting the trainer")
-        if self.cfg.trainer.device.startswith("GPU-"):
-            # The trainer runs in this process: its GPU, named by UUID, becomes device 0 here
+        rank0 = self.cfg.trainer.devices()[0]
+        if rank0.startswith("GPU-"):
+            # Rank 0 runs in this process: its GPU, named by UUID, becomes device 0 here
             # (before anything initialises CUDA; the children keep the original list).
-            os.environ["CUDA_VISIBLE_DEVICES"] = self.cfg.trainer.device
+            os.environ["CUDA_VISIBLE_DEVICES"] = rank0
         self.notifier.extend_timeout(self.cfg.inference.ready_timeout + API_READY_TIMEOUT)
         inf = self.cfg.inference
         socks = [self.paths.inference_socket(inf.port + i) for i in range(inf.replicas)] if inf.enabled else []

@@ -89,7 +89,7 @@ def load_for_training(cfg: Config) -> Setup:
     from atroposd.models.resolve import fingerprint_of, resolve_model, resolve_tokenizer
 
     t = cfg.trainer
-    device, dtype = resolve_torch(t.device, cfg.inference.dtype, key="trainer.device")
+    device, dtype = resolve_torch(t.devices()[0], cfg.inference.dtype, key="trainer.device")
     if device.type == "cpu":
         torch.set_num_threads(1)  # small batches gain nothing from more threads; cores are shared
     root = Paths.of(cfg).checkpoints_dir
