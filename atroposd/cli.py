@@ -17,6 +17,7 @@ from atroposd.clargs import load_or_exit
 from atroposd.envs import cli as env_cli
 from atroposd.exitcodes import Exit
 from atroposd.inference import cli as inference_cli
+from atroposd.trainer import cli as trainer_cli
 
 
 class _Parser(argparse.ArgumentParser):
@@ -74,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     # Child entry points: each package owns its flags (its cli module imports nothing heavy).
     for name, mod, helptext in (("api", api_cli, "the trajectory API server (wire-compatible with run-api)"),
                                 ("inference", inference_cli, "the inference server (/generate, OpenAI routes)"),
-                                ("env", env_cli, "a built-in environment")):
+                                ("env", env_cli, "a built-in environment"),
+                                ("trainer-rank", trainer_cli, "a trainer rank 1..N-1 (started by the daemon)")):
         p = sub.add_parser(name, help=helptext, description=helptext)
         _add_config(p)
         mod.add_arguments(p)

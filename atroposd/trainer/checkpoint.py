@@ -44,6 +44,7 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -249,8 +250,13 @@ def _install(tmp: Path, final: Path) -> None:
 
 
 def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, tokenizer: Any, lora: bool,
-                    state: dict[str, Any], keep: int) -> Path:
-    """Write ``root/step-<step>/`` atomically; raises CheckpointError (temp dir removed)."""
+                    state: dict[str, Any], keep: int,
+                    shards: Callable[[Path], dict[str, torch.Tensor]] | None = None) -> Path:
+    """Write ``root/step-<step>/`` atomically; raises CheckpointError (temp dir removed).
+
+    ``shards`` (several trainer ranks): called with the temporary directory once it exists; every
+    rank writes its shards there and the gathered weights come back, written instead of the
+    model's own tensors."""
     final = root / f"step-{step}"
     tmp = root / f"{TMP_PREFIX}{step}-{os.getpid()}"
     try:
@@ -259,7 +265,10 @@ def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, tokenizer:
             prune(root, keep - 1, spare=final)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        _write_model(tmp, model, lora)
+        if shards is not None:
+            _write_model(tmp, model, lora, weights=shards(tmp))
+        else:
+            _write_model(tmp, model, lora)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         torch.save({"format": FORMAT_VERSION, "step": step, **state}, tmp / STATE_FILE)
@@ -282,7 +291,8 @@ def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, tokenizer:
     return final
 
 
-def _write_model(path: Path, model: torch.nn.Module, lora: bool) -> None:
+def _write_model(path: Path, model: torch.nn.Module, lora: bool,
+                 weights: dict[str, torch.Tensor] | None = None) -> None:
     from safetensors.torch import save_file
 
     if lora:
@@ -290,7 +300,8 @@ def _write_model(path: Path, model: torch.nn.Module, lora: bool) -> None:
         # the configured source and is not copied.
         model.save_pretrained(str(path))  # type: ignore[operator]
         return
-    save_file(model_weights(model), str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+    save_file(model_weights(model) if weights is None else weights, str(path / WEIGHTS_FILE),
+              metadata={"format": "pt"})
     config = getattr(model, "config", None)
     if config is not None:
         config.save_pretrained(str(path))

@@ -32,6 +32,7 @@ from atroposd.trainer.loss import (
     normalise_batch_advantages,
 )
 from atroposd.trainer.model import Policy, token_logprobs
+from atroposd.trainer.ranks import OneRank, Ranks, Share, full_tensor
 
 if TYPE_CHECKING:
     from atroposd.config import TrainerConfig
@@ -151,11 +152,16 @@ def make_strategies(tcfg: TrainerConfig) -> tuple[Objective, Reference]:
 
 
 class Learner:
-    """Owns the policy, optimizer and scheduler; ``compute`` then ``apply`` or ``discard``."""
+    """Owns the policy, optimizer and scheduler; ``compute`` then ``apply`` or ``discard``.
+
+    ``ranks``: the trainer's ranks (:mod:`atroposd.trainer.ranks`). On rank 0 ``compute``,
+    ``apply`` and ``discard`` also tell the other ranks to do the same; the other ranks call
+    ``compute_share`` and the ``_apply`` / ``_discard`` halves when told."""
 
     def __init__(self, policy: Policy, optimizer: torch.optim.Optimizer, scheduler: Any, *,
                  objective: Objective, reference: Reference, max_grad_norm: float,
-                 distill_coef: float = 0.0, distill_temperature: float = 1.0) -> None:
+                 distill_coef: float = 0.0, distill_temperature: float = 1.0,
+                 ranks: Ranks | None = None) -> None:
         self.policy = policy
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -165,24 +171,36 @@ class Learner:
         self.distill_coef = distill_coef
         self.distill_temperature = distill_temperature
         self.params = policy.trainable()
+        self.ranks: Ranks = ranks if ranks is not None else OneRank()
 
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def compute(self, batch: RolloutBatch) -> StepResult:
-        """Forward/backward over every micro-batch and clip; gradients are left for apply()."""
+        """Forward/backward over every micro-batch (dealt over the ranks) and clip; gradients are
+        left for apply()."""
         start = time.perf_counter()
+        self.objective.prepare(batch)  # on the whole batch (AWSFT normalises over it)
+        self.ranks.command("compute")
+        share = self.ranks.share(batch.micro, max(batch.completion_tokens, 1), batch.distill_positions)
+        return self.compute_share(share, start=start)
+
+    def compute_share(self, share: Share, *, start: float | None = None) -> StepResult:
+        """This rank's passes; the loss and statistics summed over the ranks."""
+        start = time.perf_counter() if start is None else start
         self.optimizer.zero_grad(set_to_none=True)
-        self.objective.prepare(batch)
-        denom = max(batch.completion_tokens, 1)
+        denom = share.denom
+        # FSDP2 averages gradients over the ranks: scaled by the rank count, the average of the
+        # ranks' sums is the sum one rank computes over the whole batch.
+        scale = float(self.ranks.world)
         total = torch.zeros((), dtype=torch.float64)
         ratio_sum = clipped = kl_sum = 0.0
         d_loss = 0.0
         d_tokens = 0
         diff_sum, diff_n = 0.0, 0
         device = self.policy.device
-        for mb_cpu in batch.micro:
+        for mb_cpu, weight in share.passes_with_weight():
             mb = mb_cpu.to(device)
             distill = self.distill_coef > 0 and mb.distill_ids is not None
             d_mask = (mb.distill_ids >= 0).any(-1) & mb.mask if distill and mb.distill_ids is not None else None
@@ -190,8 +208,6 @@ class Learner:
                                             want_logits=d_mask)  # [N], [M, V]
             old = mb.old_logp[mb.mask]  # [N]
             present = ~torch.isnan(old)  # [N]
-            diff_sum += float((logp.detach() - old)[present].abs().sum())
-            diff_n += int(present.sum())
             old = torch.where(present, old, logp.detach())  # missing → on-policy
             adv = mb.advantages[mb.mask]  # [N]
             ref = self.reference.logprobs(self.policy, mb, old)
@@ -200,21 +216,28 @@ class Learner:
                     and mb.distill_lp is not None:
                 dl, dstats = distill_loss(d_logits, mb.distill_ids[d_mask], mb.distill_lp[d_mask],
                                           temperature=self.distill_temperature,
-                                          denom=max(batch.distill_positions, 1))
+                                          denom=max(share.distill_positions, 1))
                 loss = loss + self.distill_coef * dl
-                d_loss += float(dstats.loss_sum)
-                d_tokens += dstats.tokens
+                if weight:
+                    d_loss += float(dstats.loss_sum)
+                    d_tokens += dstats.tokens
             if loss.requires_grad:
-                loss.backward()
+                (loss * (scale * weight) if scale * weight != 1.0 else loss).backward()
+            if not weight:
+                continue  # a zero-weight pass: its collectives ran, it counts for nothing
+            diff_sum += float((logp.detach() - old)[present].abs().sum())
+            diff_n += int(present.sum())
             total += loss.detach().double().cpu()
             ratio_sum += float(stats.ratio_sum)
             clipped += float(stats.clipped)
             kl_sum += float(stats.kl_sum)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
-        loss_value = float(total)
+        grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)))
+        loss_value, ratio_sum, clipped, kl_sum, d_loss, d_tokens_f, diff_sum, diff_n_f = self.ranks.sum(
+            [float(total), ratio_sum, clipped, kl_sum, d_loss, d_tokens, diff_sum, diff_n])
+        d_tokens, diff_n = int(d_tokens_f), int(diff_n_f)
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
         return StepResult(loss=loss_value, grad_norm=grad_norm, finite=finite, mean_ratio=ratio_sum / denom,
-                          clipped_fraction=clipped / denom, mean_kl=kl_sum / denom, tokens=batch.completion_tokens,
+                          clipped_fraction=clipped / denom, mean_kl=kl_sum / denom, tokens=denom,
                           compute_s=time.perf_counter() - start,
                           distill_loss=(d_loss / max(d_tokens, 1)) if d_tokens else None,
                           distill_token_count=d_tokens,
@@ -222,10 +245,18 @@ class Learner:
 
     def apply(self) -> None:
         """The optimizer step (in shared mode: while the inference server is paused)."""
+        self.ranks.command("apply")
+        self._apply()
+
+    def _apply(self) -> None:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     def discard(self) -> None:
         """Drop this step's gradients: weights, optimizer and scheduler untouched."""
+        self.ranks.command("discard")
+        self._discard()
+
+    def _discard(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -30,7 +30,7 @@ from typing import Any
 import structlog
 import torch
 
-__all__ = ["ModelLoadError", "Policy", "check_loading_info", "check_materialised", "check_rotary",
+__all__ = ["LogprobModule", "ModelLoadError", "Policy", "check_loading_info", "check_materialised", "check_rotary",
            "check_tokenizers", "load_policy", "token_logprobs", "vocab_rows"]
 
 log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
@@ -214,9 +214,44 @@ def _decoder_and_head(model: torch.nn.Module) -> tuple[Callable[..., Any], torch
     return decoder, head
 
 
+class LogprobModule(torch.nn.Module):
+    """:func:`token_logprobs` as one module call. With several ranks it is FSDP2's root unit
+    around the model (the model's own embedding, norm and head are gathered by its hooks around
+    the whole computation); ``token_logprobs`` on the model then goes through it."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, temperature: torch.Tensor,
+                want_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return _token_logprobs(self.model, input_ids, mask, labels, temperature, want_logits=want_logits)
+
+    def install(self) -> None:
+        """Route ``token_logprobs(model, ...)`` through this module (a plain attribute, not a
+        submodule: the model must not contain its own wrapper)."""
+        object.__setattr__(self.model, ROOT_ATTR, self)
+
+
+ROOT_ATTR = "_atroposd_logprob_root"
+
+
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
                    temperature: torch.Tensor, *, want_logits: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits / T)[label] at the N positions where ``mask`` is set (through the
+    model's :class:`LogprobModule` when it has one)."""
+    root = model.__dict__.get(ROOT_ATTR)
+    if root is not None:
+        out: tuple[torch.Tensor, torch.Tensor | None] = root(input_ids, mask, labels, temperature,
+                                                              want_logits=want_logits)
+        return out
+    return _token_logprobs(model, input_ids, mask, labels, temperature, want_logits=want_logits)
+
+
+def _token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
+                    temperature: torch.Tensor, *, want_logits: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / T)[label] at the N positions where ``mask`` is set.
 
     input_ids, labels: [B, T] long; mask: [B, T] bool; temperature: [B].

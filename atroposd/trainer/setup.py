@@ -22,6 +22,7 @@ from atroposd.trainer.checkpoint import (
     CheckpointError,
     Restored,
     clean_partial,
+    load_checkpoint,
     load_latest,
     restore_weights,
     rng_state,
@@ -31,6 +32,7 @@ from atroposd.trainer.checkpoint import (
 from atroposd.trainer.learner import Learner, make_strategies
 from atroposd.trainer.model import Policy, load_policy
 from atroposd.trainer.optim import build_optimizer, build_scheduler
+from atroposd.trainer.ranks import OneRank, Ranks, checkpoint_activations, decoder_layers
 
 __all__ = ["Checkpointer", "ResumeError", "Setup", "build_learner", "load_for_training"]
 
@@ -56,6 +58,8 @@ class Setup:
     skipped_steps: int = 0
     restored: Restored | None = field(default=None, repr=False)
     set_aside: list[Path] = field(default_factory=list)  # damaged checkpoints renamed at this start
+    ranks: Ranks = field(default_factory=OneRank)
+    aliases: set[str] = field(default_factory=set)  # tied names, dropped from gathered weights
 
     @property
     def restored_from(self) -> Path | None:
@@ -63,39 +67,70 @@ class Setup:
 
     def checkpointer(self, learner: Learner) -> Checkpointer:
         return Checkpointer(self.checkpoints_dir, keep=self.keep_checkpoints, learner=learner,
-                            identity=self.identity)
+                            identity=self.identity, aliases=self.aliases)
 
 
 class Checkpointer:
-    """Writes ``checkpoints/step-N`` with everything a resume needs (called in a thread)."""
+    """Writes ``checkpoints/step-N`` with everything a resume needs (on the compute thread).
 
-    def __init__(self, root: Path, *, keep: int, learner: Learner, identity: dict[str, Any]) -> None:
+    With several ranks rank 0 calls ``save`` and tells the others, who call ``write_shards``
+    with the same directory: every rank writes its optimizer shard, the weights are gathered to
+    rank 0, which writes the rest and renames the directory complete (:mod:`.sharded`)."""
+
+    def __init__(self, root: Path, *, keep: int, learner: Learner, identity: dict[str, Any],
+                 aliases: set[str] | None = None) -> None:
         self.root = root
         self.keep = keep
         self.learner = learner
         self.identity = identity  # config, model, mode, tokenizer: what resume checks
+        self.aliases = aliases or set()
 
     def save(self, step: int, weight_version: int, skipped_steps: int) -> Path:
-        policy = self.learner.policy
-        state = {"weight_version": weight_version, "skipped_steps": skipped_steps,
-                 "optimizer": self.learner.optimizer.state_dict(),
-                 "scheduler": self.learner.scheduler.state_dict(), "rng": rng_state(), **self.identity}
+        policy, ranks = self.learner.policy, self.learner.ranks
+        state: dict[str, Any] = {"weight_version": weight_version, "skipped_steps": skipped_steps,
+                                 "scheduler": self.learner.scheduler.state_dict(), "rng": rng_state(),
+                                 "ranks": ranks.world, **self.identity}
+        if ranks.world == 1:
+            state["optimizer"] = self.learner.optimizer.state_dict()
+            return save_checkpoint(self.root, step, model=policy.model, tokenizer=policy.tokenizer,
+                                   lora=policy.lora, state=state, keep=self.keep)
+        from atroposd.trainer.sharded import OPTIMIZER_DIR
+
+        state["optimizer"] = None
+        state["optimizer_dcp"] = OPTIMIZER_DIR
+        gathered: dict[str, Any] = {}
+
+        def shards(tmp: Path) -> dict[str, Any]:
+            ranks.command("checkpoint", str(tmp))
+            gathered.update(self.write_shards(tmp))
+            return gathered
+
         return save_checkpoint(self.root, step, model=policy.model, tokenizer=policy.tokenizer,
-                               lora=policy.lora, state=state, keep=self.keep)
+                               lora=policy.lora, state=state, keep=self.keep, shards=shards)
+
+    def write_shards(self, tmp: Path) -> dict[str, Any]:
+        """Every rank: its optimizer shard under ``tmp``; returns the gathered weights (rank 0)."""
+        from atroposd.trainer.sharded import OPTIMIZER_DIR, gathered_weights, save_optimizer
+
+        save_optimizer(self.learner.policy.model, self.learner.optimizer, tmp / OPTIMIZER_DIR)
+        return gathered_weights(self.learner.policy.model, self.aliases)
 
 
-def load_for_training(cfg: Config) -> Setup:
-    """Load the policy and, with ``resume``, the newest complete checkpoint's weights (thread)."""
+def load_for_training(cfg: Config, ranks: Ranks | None = None) -> Setup:
+    """Load the policy and, with ``resume``, the newest complete checkpoint's weights (compute
+    thread); with several ranks the model is then sharded (FSDP2)."""
     from atroposd.models.resolve import fingerprint_of, resolve_model, resolve_tokenizer
 
     t = cfg.trainer
-    device, dtype = resolve_torch(t.devices()[0], cfg.inference.dtype, key="trainer.device")
+    ranks = ranks if ranks is not None else OneRank()
+    device, dtype = resolve_torch(t.devices()[ranks.rank], cfg.inference.dtype, key="trainer.device")
     if device.type == "cpu":
         torch.set_num_threads(1)  # small batches gain nothing from more threads; cores are shared
     root = Paths.of(cfg).checkpoints_dir
     _check_writable(root)
-    for partial in clean_partial(root):
-        log.warning("removed an incomplete checkpoint", path=str(partial))
+    if ranks.rank == 0:
+        for partial in clean_partial(root):
+            log.warning("removed an incomplete checkpoint", path=str(partial))
     model_dir, tokenizer_dir = resolve_model(cfg), resolve_tokenizer(cfg)
     lora = {"r": t.lora_r, "alpha": t.lora_alpha, "targets": t.lora_targets} if t.mode == "lora" else None
     policy = load_policy(model_dir, tokenizer_dir, device=device, dtype=dtype, lora=lora,
@@ -104,21 +139,52 @@ def load_for_training(cfg: Config) -> Setup:
     identity = {"config": to_dict(cfg), "model": cfg.inference.model, "model_dir": str(model_dir),
                 "mode": t.mode, "tokenizer": fingerprint}
     setup = Setup(policy=policy, tokenizer_fingerprint=fingerprint, identity=identity, checkpoints_dir=root,
-                  keep_checkpoints=t.keep_checkpoints)
-    latest = load_latest(root) if t.resume else None
-    if latest is not None:
-        setup.set_aside = latest.set_aside
-    if latest is not None and latest.restored is not None:
-        restored = latest.restored
+                  keep_checkpoints=t.keep_checkpoints, ranks=ranks)
+    restored = _latest(root, ranks, setup) if t.resume else None
+    if restored is not None:
         _check_identity(restored, identity)
         restore_weights(policy.model, restored, lora=policy.lora)
         setup.restored = restored
         setup.step = int(restored.state["step"])
         setup.weight_version = int(restored.state["weight_version"])
         setup.skipped_steps = int(restored.state.get("skipped_steps", 0))
+        saved_ranks = int(restored.state.get("ranks", 1))
         log.info("resumed from checkpoint", path=str(restored.path), step=setup.step,
-                 weight_version=setup.weight_version)
+                 weight_version=setup.weight_version, saved_ranks=saved_ranks, ranks=ranks.world,
+                 **({"resharded": f"{saved_ranks} → {ranks.world} ranks"} if saved_ranks != ranks.world else {}))
+    _distribute(policy, ranks, t.activation_checkpointing, setup)
     return setup
+
+
+def _latest(root: Path, ranks: Ranks, setup: Setup) -> Restored | None:
+    """The checkpoint to resume from: rank 0 verifies and picks it (setting damaged ones aside);
+    the other ranks read the one it picked."""
+    if ranks.rank == 0:
+        latest = load_latest(root)
+        setup.set_aside = latest.set_aside
+        ranks.broadcast(str(latest.restored.path) if latest.restored is not None else None)
+        return latest.restored
+    picked = ranks.broadcast(None)
+    return load_checkpoint(Path(picked)) if picked is not None else None
+
+
+def _distribute(policy: Policy, ranks: Ranks, activation_checkpointing: bool, setup: Setup) -> None:
+    """Activation checkpointing per decoder layer; with several ranks, FSDP2 sharding of the policy
+    (and of the frozen reference) — after the full weights were loaded."""
+    if activation_checkpointing:
+        layers = decoder_layers(policy.model)
+        if not layers:
+            log.warning("activation_checkpointing: no decoder layers found; off")
+        checkpoint_activations(layers)
+    if ranks.world == 1:
+        return
+    from atroposd.trainer.sharded import tied_aliases
+
+    setup.aliases = tied_aliases(policy.model)
+    mixed = policy.device.type == "cuda"
+    ranks.shard(policy.model, mixed_precision=mixed)
+    if policy.reference is not None:
+        ranks.shard(policy.reference, mixed_precision=mixed)
 
 
 def build_learner(cfg: Config, setup: Setup) -> Learner:
@@ -127,14 +193,16 @@ def build_learner(cfg: Config, setup: Setup) -> Learner:
     optimizer = build_optimizer(setup.policy.trainable(), t)
     scheduler = build_scheduler(optimizer, t.warmup_steps)
     if setup.restored is not None:
+        from atroposd.trainer.sharded import load_optimizer
+
         state = setup.restored.state
-        optimizer.load_state_dict(state["optimizer"])
+        load_optimizer(setup.policy.model, optimizer, state, setup.restored.path, world=setup.ranks.world)
         scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
     objective, reference = make_strategies(t)
     return Learner(setup.policy, optimizer, scheduler, objective=objective, reference=reference,
                    max_grad_norm=t.max_grad_norm, distill_coef=t.distill_coef,
-                   distill_temperature=t.distill_temperature)
+                   distill_temperature=t.distill_temperature, ranks=setup.ranks)
 
 
 def _check_writable(root: Path) -> None:

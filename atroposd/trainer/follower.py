@@ -1,0 +1,98 @@
+"""``atroposd trainer-rank``: trainer ranks 1..N-1 (SPEC §12.1), supervised children of the daemon.
+
+A rank joins the process group through the daemon's store (``ATROPOSD_TRAINER_STORE`` =
+host:port; the group generation and the store prefix come from the store itself, so every
+(re)formed group uses a fresh prefix), loads and shards the same model as rank 0 (and the same
+checkpoint), then does what rank 0 tells it, command by command (:mod:`.ranks`): a step's
+passes, the optimizer step or its discard, a gather of weights for a sync, a checkpoint's
+shards, stop. Any failure of the group (rank 0 gone, a collective failed or timed out) ends the
+process with exit 1: the daemon restarts the whole group from the last complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from atroposd.exitcodes import Exit
+from atroposd.logs import get_logger
+
+if TYPE_CHECKING:
+    from atroposd.config import Config
+
+__all__ = ["STORE_VAR", "SECRET_VAR", "generation_key", "serve"]
+
+log = get_logger("atroposd.trainer.rank")
+
+STORE_VAR = "ATROPOSD_TRAINER_STORE"
+SECRET_VAR = "ATROPOSD_TRAINER_SECRET"
+
+
+def generation_key(secret: str) -> str:
+    """The store key holding the current group generation (set by the daemon before it starts ranks)."""
+    return f"{secret}/generation"
+
+
+def connect_store(address: str, timeout: float) -> Any:
+    import torch.distributed as dist
+
+    host, _, port = address.rpartition(":")
+    return dist.TCPStore(host.strip("[]"), int(port), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout), use_libuv=False)
+
+
+def serve(cfg: Config, rank: int) -> int:
+    """Join, load, then follow rank 0's commands until ``stop``."""
+    import torch
+
+    from atroposd.trainer.ranks import GroupRanks, full_tensor, store_keys
+    from atroposd.trainer.setup import build_learner, load_for_training
+
+    address, secret = os.environ.get(STORE_VAR, ""), os.environ.get(SECRET_VAR, "")
+    if not address or not secret:
+        log.error(f"{STORE_VAR} and {SECRET_VAR} must be set (the daemon starts this process)")
+        return Exit.USAGE
+    t = cfg.trainer
+    devices = t.devices()
+    if not 0 < rank < len(devices):
+        log.error("rank out of range", rank=rank, ranks=len(devices))
+        return Exit.USAGE
+    from atroposd.devices import resolve_torch
+
+    device, _ = resolve_torch(devices[rank], cfg.inference.dtype, key=f"trainer.device[{rank}]")
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    store = connect_store(address, t.join_timeout)
+    generation = int(store.get(generation_key(secret)))
+    ranks = GroupRanks.join(store, prefix=store_keys(secret, generation), rank=rank, world=len(devices),
+                            device=device, join_timeout=t.join_timeout, collective_timeout=t.collective_timeout)
+    try:
+        setup = load_for_training(cfg, ranks)
+        learner = build_learner(cfg, setup)
+        checkpointer = setup.checkpointer(learner)
+        model = setup.policy.model
+        log.info("trainer rank ready", rank=rank, generation=generation, step=setup.step)
+        while True:
+            op, arg = ranks.receive()
+            if op == "compute":
+                learner.compute_share(ranks.receive_share())
+            elif op == "apply":
+                learner._apply()
+            elif op == "discard":
+                learner._discard()
+            elif op == "gather":
+                state = model.state_dict()
+                for name in arg:
+                    full_tensor(state[name])
+            elif op == "checkpoint":
+                checkpointer.write_shards(Path(arg))
+            elif op == "stop":
+                log.info("trainer rank stops", rank=rank)
+                return Exit.OK
+            else:
+                log.error("unknown command from rank 0", op=op)
+                return Exit.RUNTIME
+    finally:
+        ranks.close()

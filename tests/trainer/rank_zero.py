@@ -1,0 +1,100 @@
+"""Rank 0 of a trainer group, outside the daemon, for the rank tests: it hosts the store, starts
+the real ``atroposd trainer-rank`` children, and trains seeded batches exactly as the loop does
+(learner.compute → apply; checkpoints through the Checkpointer), then writes what it saw.
+
+    python -m tests.trainer.rank_zero CONFIG OUT [--steps K] [--checkpoint-at C] [--first-batch B]
+
+OUT (torch.save): {"losses": [...], "grad_norms": [...], "params": {name: full tensor},
+"step": last step, "resumed_from": step or None}. Batch i is ``make_groups(1000 + i, n=4)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from atroposd.clargs import load_or_exit
+from atroposd.trainer.batch import prepare_batch
+from atroposd.trainer.follower import SECRET_VAR, STORE_VAR
+from atroposd.trainer.ranks import GroupRanks, OneRank, Ranks, full_tensor
+from atroposd.trainer.setup import build_learner, load_for_training
+from tests.trainer.conftest import make_groups
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config")
+    ap.add_argument("out")
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--checkpoint-at", type=int, default=0)
+    ap.add_argument("--groups", type=int, default=4)
+    args = ap.parse_args()
+    ns = argparse.Namespace(config=args.config)
+    cfg = load_or_exit(ns)
+    t = cfg.trainer
+    world = t.ranks
+    torch.set_num_threads(1)
+    followers: list[subprocess.Popen[bytes]] = []
+    store = None
+    ranks: Ranks
+    if world > 1:
+        from atroposd.trainer.group import GroupStore
+
+        store = GroupStore(secret="test-secret", world=world)
+        prefix = store.next_generation()
+        env = {**os.environ, STORE_VAR: store.address, SECRET_VAR: "test-secret"}
+        for r in range(1, world):
+            log = open(Path(args.out).with_suffix(f".rank{r}.log"), "ab")
+            followers.append(subprocess.Popen([sys.executable, "-m", "atroposd", "trainer-rank", "-c", args.config,
+                                               "--rank", str(r)], env=env, stdout=log, stderr=subprocess.STDOUT))
+        ranks = GroupRanks.join(store.store, prefix=prefix, rank=0, world=world, device=torch.device("cpu"),
+                                join_timeout=t.join_timeout, collective_timeout=t.collective_timeout)
+    else:
+        ranks = OneRank()
+    try:
+        setup = load_for_training(cfg, ranks)
+        learner = build_learner(cfg, setup)
+        checkpointer = setup.checkpointer(learner)
+        step = setup.step
+        out: dict[str, Any] = {"losses": [], "grad_norms": [], "resumed_from": step if setup.restored else None}
+        for _ in range(args.steps):
+            batch = prepare_batch(make_groups(1000 + step, n=args.groups), micro_batch_size=t.micro_batch_size,
+                                  max_token_len=t.max_token_len, adv_std_floor=t.adv_std_floor,
+                                  vocab_size=learner.policy.vocab_size)
+            result = learner.compute(batch)
+            assert result.finite, result
+            learner.apply()
+            step += 1
+            out["losses"].append(result.loss)
+            out["grad_norms"].append(result.grad_norm)
+            if step == args.checkpoint_at:
+                checkpointer.save(step, step, 0)
+        model = learner.policy.model
+        names = [n for n in model.state_dict()]
+        ranks.command("gather", names)
+        state = model.state_dict()
+        out["params"] = {n: full_tensor(state[n]).detach().clone() for n in names}
+        out["step"] = step
+        ranks.command("stop")
+        torch.save(out, args.out)
+    finally:
+        for p in followers:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        ranks.close()
+        if store is not None:
+            store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
