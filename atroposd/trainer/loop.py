@@ -22,6 +22,7 @@ from atroposd.trainer.checkpoint import CheckpointError
 from atroposd.trainer.feed import BatchFeed
 from atroposd.trainer.learner import Learner, StepResult
 from atroposd.trainer.metrics import MetricsWriter
+from atroposd.trainer.ranks import ComputeThread
 from atroposd.trainer.setup import Checkpointer
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ class Progress:
 class TrainingLoop:
     def __init__(self, *, tcfg: TrainerConfig, feed: BatchFeed, learner: Learner, weights: WeightSync, metrics: MetricsWriter,
                  checkpointer: Checkpointer, progress: Progress, envs_alive: Callable[[], bool],
-                 lock: anyio.Lock, progress_every: int = 10) -> None:
+                 lock: anyio.Lock, progress_every: int = 10, compute: ComputeThread | None = None) -> None:
         self.t = tcfg
         self.feed = feed
         self.learner = learner
@@ -98,6 +99,8 @@ class TrainingLoop:
         self.lock = lock  # held around the step + sync; the inference-restart re-attach takes it too
         self.progress_every = progress_every
         self.stop_requested = False
+        # Every step's work runs here, in order (SPEC §12.1): prepare, compute, apply, checkpoint.
+        self.compute = compute if compute is not None else ComputeThread()
         self.vocab_size = learner.policy.vocab_size  # token ids at or above it are rejected
 
     def request_stop(self) -> None:
@@ -120,7 +123,7 @@ class TrainingLoop:
             try:
                 # prepare: validate groups, advantages per group, pad micro-batches
                 try:
-                    batch = await anyio.to_thread.run_sync(self._prepare, groups)
+                    batch = await self.compute.run(self._prepare, groups)
                 except BatchError as exc:
                     self._count_rejected(exc.rejected)
                     log.warning("batch skipped", reason=str(exc))
@@ -132,10 +135,10 @@ class TrainingLoop:
                     continue
                 self._count_rejected(batch.rejected_by_reason)
                 # loss + backward + clip (worker thread; the event loop stays responsive)
-                result = await anyio.to_thread.run_sync(self.learner.compute, batch)
+                result = await self.compute.run(self.learner.compute, batch)
                 if not result.finite:
                     # never step on NaN/inf: in shared mode the server computes on these weights
-                    self.learner.discard()
+                    await self.compute.run(self.learner.discard)
                     p.skipped_steps += 1
                     consecutive_skips += 1
                     log.warning("step skipped: non-finite loss or gradient norm", step=p.step + 1,
@@ -149,7 +152,7 @@ class TrainingLoop:
                 sync_start = time.perf_counter()
                 async with self.lock:
                     async with self.weights.paused(p.weight_version + 1):
-                        await anyio.to_thread.run_sync(self.learner.apply)
+                        await self.compute.run(self.learner.apply)
                     p.weight_version += 1
                     p.step += 1
                     await self.weights.after_step(self.learner.policy.model, p.weight_version)
@@ -185,8 +188,7 @@ class TrainingLoop:
             with anyio.move_on_after(deadline_s):
                 # abandon_on_cancel: past the deadline the thread's temporary directory is left
                 # behind (and ignored at resume); the previous checkpoint stays the newest.
-                path = await anyio.to_thread.run_sync(self.checkpointer.save, p.step, p.weight_version,
-                                                      p.skipped_steps, abandon_on_cancel=True)
+                path = await self.compute.run(self.checkpointer.save, p.step, p.weight_version, p.skipped_steps)
             if path is None:
                 p.checkpoint_failures += 1
                 p.checkpoint_error = f"checkpoint of step {p.step} not finished within {deadline_s} s"

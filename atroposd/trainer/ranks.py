@@ -36,8 +36,8 @@ import torch
 from atroposd.logs import get_logger
 from atroposd.trainer.batch import MicroBatch
 
-__all__ = ["ComputeThread", "Fenced", "GroupRanks", "JoinTimeout", "OneRank", "Ranks", "Share", "decoder_layers",
-           "full_tensor", "store_keys"]
+__all__ = ["ComputeThread", "Fenced", "GroupRanks", "JoinTimeout", "OneRank", "Ranks", "Share", "ShardedSource",
+           "decoder_layers", "full_tensor", "is_group_error", "store_keys"]
 
 log = get_logger(__name__)
 _T = TypeVar("_T")
@@ -113,7 +113,7 @@ def checkpoint_activations(layers: Sequence[torch.nn.Module]) -> None:
         def wrapped(*args: Any, _forward: Callable[..., Any] = forward, **kwargs: Any) -> Any:
             return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
 
-        layer.forward = wrapped  # type: ignore[method-assign]
+        layer.forward = wrapped
 
 
 class Ranks(Protocol):
@@ -183,6 +183,8 @@ class GroupRanks:
         ``collective_timeout`` bounds every collective after that."""
         import torch.distributed as dist
 
+        if dist.is_initialized():  # the previous generation's group, if its teardown did not finish
+            dist.destroy_process_group()
         scoped = dist.PrefixStore(prefix, store)
         scoped.set(f"arrived/{rank}", str(time.time()))
         if rank == 0:
@@ -341,3 +343,42 @@ class ComputeThread:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def is_group_error(exc: BaseException) -> bool:
+    """A failure of the process group itself (a peer gone, a collective timed out or failed), as
+    torch.distributed reports it — not a failure of the trainer's own code."""
+    import torch.distributed as dist
+
+    if isinstance(exc, (dist.DistError, JoinTimeout, Fenced)):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        marker in text for marker in ("gloo", "Gloo", "NCCL", "Connection reset", "Connection closed",
+                                      "Broken pipe", "timed out", "Timed out"))
+
+
+class ShardedSource:
+    """The weight sync's view of a sharded model (SPEC §12.1): full tensors gathered on rank 0's
+    compute thread, every rank taking part (``gather`` command), one bucket at a time."""
+
+    def __init__(self, model: torch.nn.Module, ranks: Ranks, compute: ComputeThread, aliases: set[str]) -> None:
+        self.model = model
+        self.ranks = ranks
+        self.compute = compute
+        self.aliases = aliases
+        self.lora = None
+
+    def names(self) -> list[str]:
+        return [n for n in self.model.state_dict() if n not in self.aliases]
+
+    def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {n: (tuple(t.shape), t.dtype) for n, t in self.model.state_dict().items() if n not in self.aliases}
+
+    def _gather(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        self.ranks.command("gather", list(names))
+        state = self.model.state_dict()
+        return {n: full_tensor(state[n]).detach() for n in names}
+
+    async def gather(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        return await self.compute.run(self._gather, list(names))

@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import structlog
@@ -26,17 +26,34 @@ from atroposd.config import Config
 from atroposd.paths import Paths
 
 if TYPE_CHECKING:
+    from atroposd.trainer.ranks import Ranks
     from atroposd.weights.sync import WeightSync
 
 if sys.version_info < (3, 11):  # pragma: no cover - exercised only on 3.10
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["TrainerOutcome", "TrainerService"]
+__all__ = ["GroupFault", "RankHost", "TrainerOutcome", "TrainerService"]
 
 log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
 INFO_TIMEOUT_S = 10.0
 PROGRESS_EVERY = 10
+# Backoff before a trainer group restarts (SPEC §4's schedule).
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 60.0
+
+
+class GroupFault(RuntimeError):
+    """The trainer group failed (a rank exited, a collective failed or timed out): restart it."""
+
+
+class RankHost(Protocol):
+    """The daemon's side of the trainer ranks: the store it hosts and the rank processes."""
+
+    store: Any
+
+    async def start_ranks(self) -> None: ...
+    async def stop_ranks(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -54,8 +71,10 @@ class TrainerOutcome:
 
 
 class TrainerService:
-    def __init__(self, cfg: Config, *, instance: str, weights: WeightSync, envs_alive: Callable[[], bool]) -> None:
+    def __init__(self, cfg: Config, *, instance: str, weights: WeightSync, envs_alive: Callable[[], bool],
+                 rank_host: RankHost | None = None) -> None:
         from atroposd.trainer.loop import Progress
+        from atroposd.trainer.ranks import ComputeThread
 
         self.cfg = cfg
         self.instance = instance
@@ -72,6 +91,19 @@ class TrainerService:
         # inference server or the API must not hold up the daemon's stop).
         self._setup_scope = anyio.CancelScope()
         self.outcome: TrainerOutcome | None = None  # set when run() returns
+        # Rank 0's one compute thread: every step's work, in order (SPEC §12.1).
+        self.compute = ComputeThread()
+        self.rank_host = rank_host
+        self._feed: Any = None
+        self._wandb: Any = None
+        self._ranks: Any = None
+        self._ranks_generation = 0
+        self._rank_lost: str | None = None
+        self._attempt_scope: anyio.CancelScope | None = None
+        self._restart_times: list[float] = []
+        self.group_restarts = 0
+        self.last_fault: str | None = None
+        self._started = False  # task_status.started() was called
 
     # ------------------------------------------------------------------ daemon interface
 
@@ -98,6 +130,8 @@ class TrainerService:
             "checkpoint_failures": p.checkpoint_failures,
             # groups the trainer refused since this process started, by reason (SPEC §13)
             "rejected_groups": dict(p.rejected_groups),
+            # trainer ranks (SPEC §12.1): N, and the group's restarts after faults
+            "ranks": self.cfg.trainer.ranks, "group_restarts": self.group_restarts, "last_fault": self.last_fault,
         }
 
     def metrics_view(self) -> dict[str, Any]:
@@ -111,8 +145,8 @@ class TrainerService:
     async def on_inference_restarted(self, replica: int | None = None) -> None:
         """A restarted inference replica (None: every one) gets the current weights before it
         serves rollouts."""
-        if self._policy is None:
-            return
+        if self._policy is None or self.progress.waiting_for == "ranks":
+            return  # a group being re-formed gives every replica its weights when it attaches
         async with self._lock:
             await self.weights.reattach(self._policy.model, self.progress.weight_version, replica)
         log.info("weights re-attached to the restarted inference server", replica=replica,
@@ -120,84 +154,236 @@ class TrainerService:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> TrainerOutcome:
         p = self.progress
-        started = False
-        feed = None
-        metrics = None
-        wandb_sink = None
         try:
-            from atroposd.trainer.feed import BatchFeed
-            from atroposd.trainer.loop import TrainingLoop
-            from atroposd.trainer.metrics import MetricsWriter
-            from atroposd.trainer.setup import build_learner, load_for_training
-
-            p.state, p.waiting_for = "waiting", "model"
-            with self._setup_scope:
-                setup = await anyio.to_thread.run_sync(load_for_training, self.cfg)
-                self._policy = setup.policy
-                p.step, p.weight_version, p.skipped_steps = setup.step, setup.weight_version, setup.skipped_steps
-                p.last_checkpoint = str(setup.restored_from) if setup.restored_from else None
-                p.waiting_for = "inference"
-                await self._check_inference_tokenizer(setup.tokenizer_fingerprint)
-                # The server computes with (shared) or loads (push/reload) the trainer's weights
-                # and version before any rollout — also the restored ones after a resume.
-                await self.weights.attach(setup.policy.model, p.weight_version)
-                learner = await anyio.to_thread.run_sync(build_learner, self.cfg, setup)
-                metrics = self._metrics = MetricsWriter(self.paths.metrics_file)
-                if setup.restored_from is not None:
-                    metrics.truncate_after(p.step)
-                if self.cfg.wandb.enabled:
-                    wandb_sink = self._start_wandb(metrics)
-                p.waiting_for = "api"
-                feed = BatchFeed(self.cfg.api_url, self._registration, max_ahead=self.cfg.trainer.max_staleness,
-                                 token=self.cfg.api.token, on_wait=self._on_wait)
-                await feed.register()
-                await feed.prime()  # the first GET /batch lets environments register
-                loop = TrainingLoop(tcfg=self.cfg.trainer, feed=feed, learner=learner, weights=self.weights,
-                                    metrics=metrics, checkpointer=setup.checkpointer(learner), progress=p,
-                                    envs_alive=self.envs_alive, lock=self._lock,
-                                    # every 10 steps (on a terminal, `atroposd run` keeps a live
-                                    # progress line below the log)
-                                    progress_every=PROGRESS_EVERY)
-                self._loop = loop
-            if self._setup_scope.cancelled_caught or feed is None or self._loop is None:
-                # stopped before training began: nothing new to checkpoint
-                p.state, p.waiting_for = "stopped", None
-                log.info("trainer stopped before training began", step=p.step)
-                if not started:
-                    task_status.started()
-                self.outcome = TrainerOutcome("stopped", p.step, p.weight_version)
-                return self.outcome
-            if self._stop:
-                loop.request_stop()
-            p.state, p.waiting_for = "waiting", "data"
-            started = True
-            task_status.started()
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(feed.run)
-                result = await loop.run()
-                tg.cancel_scope.cancel()
-            if result == "stopped" and p.last_checkpoint != str(self.paths.checkpoints_dir / f"step-{p.step}"):
-                await loop.checkpoint(deadline_s=self.cfg.daemon.checkpoint_timeout)
-            p.state = result
-            log.info("trainer " + result, step=p.step, weight_version=p.weight_version)
-            self.outcome = TrainerOutcome(result, p.step, p.weight_version)
-            return self.outcome
+            while True:
+                try:
+                    outcome = await self._attempt(task_status)
+                    self.outcome = outcome
+                    return outcome
+                except GroupFault as fault:
+                    if not self._started:
+                        raise  # a group that never trained: the start fails
+                    await self._after_fault(fault)
         except Exception as group:  # any failure ends the job: state failed, exit 1 (SPEC §4)
             exc = _root_cause(group)
             p.state, p.error = "failed", f"{type(exc).__name__}: {exc}"
             log.error("trainer failed", step=p.step, error=p.error, exc_info=not _expected(exc))
-            if not started:
+            if not self._started:
+                self._started = True
                 task_status.started()
             self.outcome = TrainerOutcome("failed", p.step, p.weight_version, p.error)
             return self.outcome
         finally:
             with anyio.CancelScope(shield=True):
-                if feed is not None:
-                    await feed.aclose()
-            if metrics is not None:
-                metrics.close()
-            if wandb_sink is not None:
-                await anyio.to_thread.run_sync(wandb_sink.close, abandon_on_cancel=True)
+                if self._feed is not None:
+                    await self._feed.aclose()
+                await self._close_group()
+            if self._metrics is not None:
+                self._metrics.close()
+            if self._wandb is not None:
+                await anyio.to_thread.run_sync(self._wandb.close, abandon_on_cancel=True)
+            self.compute.close()
+
+    async def _attempt(self, task_status: TaskStatus[None]) -> TrainerOutcome:
+        """One trainer group, from its forming (several ranks) to the end of training."""
+        from atroposd.trainer.feed import BatchFeed
+        from atroposd.trainer.loop import TrainingLoop
+        from atroposd.trainer.metrics import MetricsWriter
+        from atroposd.trainer.setup import build_learner, load_for_training
+
+        p = self.progress
+        restart = self.group_restarts > 0
+        self._loop = None
+        self._setup_scope = anyio.CancelScope()
+        if self._stop:
+            self._setup_scope.cancel()
+        with self._setup_scope:
+            ranks = await self._form_group()
+            p.state, p.waiting_for = "waiting", "model"
+            setup = await self.compute.run(load_for_training, self.cfg, ranks)
+            self._policy = setup.policy
+            self._attach_source(setup)
+            p.step, p.skipped_steps = setup.step, setup.skipped_steps
+            p.weight_version = setup.weight_version
+            if restart:
+                # Versions never go backwards: the replicas may hold weights trained after the
+                # checkpoint this group restarted from.
+                held = [v for v in self.weights.replica_versions() if v is not None]
+                p.weight_version = max([setup.weight_version, *held]) + 1
+            p.last_checkpoint = str(setup.restored_from) if setup.restored_from else None
+            if not restart:
+                p.waiting_for = "inference"
+                await self._check_inference_tokenizer(setup.tokenizer_fingerprint)
+            # The server computes with (shared) or loads (push/reload) the trainer's weights
+            # and version before any rollout — also the restored ones after a resume.
+            await self.weights.attach(setup.policy.model, p.weight_version)
+            learner = await self.compute.run(build_learner, self.cfg, setup)
+            if self._metrics is None:
+                self._metrics = MetricsWriter(self.paths.metrics_file)
+                if self.cfg.wandb.enabled:
+                    self._wandb = self._start_wandb(self._metrics)
+            if setup.restored_from is not None:
+                self._metrics.truncate_after(p.step)
+            if self._feed is None:
+                p.waiting_for = "api"
+                feed = BatchFeed(self.cfg.api_url, self._registration, max_ahead=self.cfg.trainer.max_staleness,
+                                 token=self.cfg.api.token, on_wait=self._on_wait)
+                self._feed = feed
+                await feed.register()
+                await feed.prime()  # the first GET /batch lets environments register
+            self._loop = TrainingLoop(tcfg=self.cfg.trainer, feed=self._feed, learner=learner, weights=self.weights,
+                                      metrics=self._metrics, checkpointer=setup.checkpointer(learner), progress=p,
+                                      envs_alive=self.envs_alive, lock=self._lock, compute=self.compute,
+                                      # every 10 steps (on a terminal, `atroposd run` keeps a live
+                                      # progress line below the log)
+                                      progress_every=PROGRESS_EVERY)
+        loop = self._loop
+        if self._setup_scope.cancelled_caught or loop is None:
+            # stopped before training began: nothing new to checkpoint
+            p.state, p.waiting_for = "stopped", None
+            log.info("trainer stopped before training began", step=p.step)
+            if not self._started:
+                self._started = True
+                task_status.started()
+            return TrainerOutcome("stopped", p.step, p.weight_version)
+        if self._stop:
+            loop.request_stop()
+        p.state, p.waiting_for = "waiting", "data"
+        if not self._started:
+            self._started = True
+            task_status.started()
+        elif restart:
+            log.info("trainer group restarted", step=p.step, weight_version=p.weight_version,
+                     restarts=self.group_restarts)
+        try:
+            async with anyio.create_task_group() as tg:
+                self._attempt_scope = tg.cancel_scope
+                assert self._feed is not None
+                tg.start_soon(self._feed.run)
+                result = await loop.run()
+                tg.cancel_scope.cancel()
+            self._raise_if_rank_lost()
+            if result == "stopped" and p.last_checkpoint != str(self.paths.checkpoints_dir / f"step-{p.step}"):
+                await loop.checkpoint(deadline_s=self.cfg.daemon.checkpoint_timeout)
+        except Exception as exc:
+            fault = self._as_fault(exc)
+            if fault is not None:
+                raise fault from exc
+            raise
+        self._raise_if_rank_lost()
+        p.state = result
+        log.info("trainer " + result, step=p.step, weight_version=p.weight_version)
+        return TrainerOutcome(result, p.step, p.weight_version)
+
+    # ------------------------------------------------------------------ trainer ranks (SPEC §12.1)
+
+    async def _form_group(self) -> Ranks:
+        """One rank: the trainer alone. Several: start ranks 1..N-1 and form the process group."""
+        from atroposd.trainer.ranks import GroupRanks, OneRank
+
+        t = self.cfg.trainer
+        if t.ranks == 1 or self.rank_host is None:
+            return OneRank()
+        p = self.progress
+        p.state, p.waiting_for = "waiting", "ranks"
+        host = self.rank_host
+        self._rank_lost = None
+        prefix = host.store.next_generation()
+        await host.start_ranks()
+        generation = self.compute.generation
+        from atroposd.devices import resolve_torch
+
+        device, _ = await anyio.to_thread.run_sync(resolve_torch, t.devices()[0], self.cfg.inference.dtype)
+        try:
+            ranks: GroupRanks = await self.compute.run(
+                GroupRanks.join, host.store.store, prefix=prefix, rank=0, world=t.ranks, device=device,
+                join_timeout=t.join_timeout, collective_timeout=t.collective_timeout,
+                cancelled=lambda: self._stop or self.compute.generation != generation or self._rank_lost is not None)
+        except Exception as exc:
+            if self._rank_lost is not None and not self._stop:
+                raise GroupFault(self._rank_lost) from exc
+            raise
+        self._ranks = ranks
+        self._ranks_generation = generation
+        return ranks
+
+    def _attach_source(self, setup: Any) -> None:
+        """With several ranks the weight sync reads the weights gathered on the compute thread."""
+        if setup.ranks.world == 1:
+            return
+        from atroposd.trainer.ranks import ShardedSource
+
+        source = ShardedSource(setup.policy.model, setup.ranks, self.compute, setup.aliases)
+        inner = getattr(self.weights, "inner", self.weights)
+        if hasattr(inner, "source_for"):
+            inner.source_for = lambda model: source
+
+    def on_rank_exit(self, name: str, how: str) -> None:
+        """The daemon saw trainer rank ``name`` exit: the group restarts (unless the trainer is
+        stopping or done, when ranks leave on purpose)."""
+        if self._stop or self.outcome is not None or self.cfg.trainer.ranks == 1:
+            return
+        if self._rank_lost is None:
+            self._rank_lost = f"{name} {how}"
+            log.error("a trainer rank exited; the group restarts", rank=name, exit=how)
+        if self._attempt_scope is not None:
+            self._attempt_scope.cancel()
+        if self._loop is not None:
+            self._loop.request_stop()
+
+    def _raise_if_rank_lost(self) -> None:
+        if self._rank_lost is not None and not self._stop:
+            raise GroupFault(self._rank_lost)
+
+    def _as_fault(self, exc: BaseException) -> GroupFault | None:
+        """A failure of the group (not of the trainer itself) as a fault to restart from."""
+        if self.cfg.trainer.ranks == 1 or self._stop:
+            return None
+        root = _root_cause(exc)
+        if self._rank_lost is not None:
+            return GroupFault(self._rank_lost)
+        from atroposd.trainer.ranks import Fenced, is_group_error
+
+        if isinstance(root, Fenced) or is_group_error(root):
+            return GroupFault(f"a collective failed: {type(root).__name__}: {str(root)[:300]}")
+        return None
+
+    async def _after_fault(self, fault: GroupFault) -> None:
+        """Stop every rank, fence the compute thread, wait the backoff; raise past max_restarts."""
+        t = self.cfg.trainer
+        p = self.progress
+        p.state, p.waiting_for = "waiting", "ranks"
+        now = time.monotonic()
+        self._restart_times = [x for x in self._restart_times if now - x <= t.restart_window] + [now]
+        self.group_restarts += 1
+        self.last_fault = str(fault)
+        self.compute.fence()
+        await self._close_group()
+        if len(self._restart_times) > t.max_restarts:
+            raise GroupFault(f"{len(self._restart_times)} trainer group restarts within {t.restart_window:g} s "
+                             f"(trainer.max_restarts = {t.max_restarts}); last: {fault}")
+        delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (len(self._restart_times) - 1))
+        log.error("trainer group failed; restarting from the last complete checkpoint", reason=str(fault),
+                  restarts=self.group_restarts, backoff_s=delay)
+        with anyio.move_on_after(delay):
+            while not self._stop:  # noqa: ASYNC110 - a stop request ends the wait early
+                await anyio.sleep(0.1)
+
+    async def _close_group(self) -> None:
+        """Tell the other ranks to stop (a group still intact), stop their processes, close ours."""
+        ranks, self._ranks = self._ranks, None
+        if ranks is not None and self._rank_lost is None and self.compute.generation == self._ranks_generation:
+            with anyio.move_on_after(5):
+                try:
+                    await self.compute.run(ranks.command, "stop")
+                except Exception as exc:
+                    log.warning("trainer ranks not told to stop", error=f"{type(exc).__name__}: {exc}")
+        if self.rank_host is not None and self.cfg.trainer.ranks > 1:
+            await self.rank_host.stop_ranks()
+        if ranks is not None:
+            # A group whose peer died may hang in its teardown: never on the event loop, bounded.
+            with anyio.move_on_after(5):
+                await anyio.to_thread.run_sync(ranks.close, abandon_on_cancel=True)
 
     # ------------------------------------------------------------------ helpers
 

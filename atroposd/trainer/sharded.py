@@ -48,7 +48,7 @@ def gathered_weights(model: torch.nn.Module, aliases: set[str]) -> dict[str, tor
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v.contiguous() for k, v in full.items() if k not in aliases}
+    return {k: v.contiguous() for k, v in full.items() if k not in aliases and isinstance(v, torch.Tensor)}
 
 
 def save_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
