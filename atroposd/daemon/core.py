@@ -84,6 +84,7 @@ class Daemon:
         self.units: dict[str, Unit] = {}
         self.trainer: TrainerService | None = None
         self.weights: WeightSync | None = None
+        self.group_store: Any = None  # trainer ranks' store (several ranks)
         self.model_path: str = cfg.inference.model
         self.tokenizer_path: str = cfg.inference.tokenizer or cfg.inference.model
         self.start_error: str | None = None
@@ -278,13 +279,28 @@ class Daemon:
         socks = [self.paths.inference_socket(inf.port + i) for i in range(inf.replicas)] if inf.enabled else []
         # Watched: the stall watchdog sees a weight sync in flight (the stage "weight_sync").
         self.weights = WatchedSync(make_weight_sync(self.cfg, nonce=self.nonce, control_sockets=socks))
+        host = None
+        if self.cfg.trainer.ranks > 1:
+            host = await self._rank_host()
         self.trainer = TrainerService(self.cfg, instance=self.nonce, weights=self.weights,
-                                      envs_alive=self.envs_alive)
+                                      envs_alive=self.envs_alive, rank_host=host)
         assert self._tg is not None
         await self._tg.start(self._run_trainer, self.trainer)
         status = self.trainer.status()
         if status.get("state") == "failed":
             raise StartFailed(f"trainer: {status.get('error')}")
+
+    async def _rank_host(self) -> RankHost:
+        """Trainer ranks 1..N-1 (SPEC §12.1): the store the group meets through (on a socket bound
+        here, loopback) and the rank processes, started and stopped by the trainer."""
+        from atroposd.trainer.group import GroupStore
+
+        for key, value in specs.TRAINER_GROUP_ENV.items():
+            os.environ.setdefault(key, value)
+        world = self.cfg.trainer.ranks
+        store = await anyio.to_thread.run_sync(lambda: GroupStore(secret=self.nonce, world=world))
+        self.group_store = store
+        return RankHost(self, store)
 
     async def _run_trainer(self, trainer: TrainerService, *,
                            task_status: anyio.abc.TaskStatus[Any] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -339,6 +355,12 @@ class Daemon:
                 log.error("job fails: the trainer's stall was not resolved", reason=event.reason)
                 return Exit.RUNTIME
             unit = event.unit
+            if unit.kind == "trainer":
+                if unit.state in (State.FAILED, State.STOPPED) and self.units.get(unit.name) is unit \
+                        and self.trainer is not None and not unit.stop_requested:
+                    how = unit.last_exit.describe() if unit.last_exit else unit.state.value
+                    self.trainer.on_rank_exit(unit.name, how)
+                continue  # a rank's exit restarts the trainer group: the trainer's state shows it
             if unit.kind in ("api", "inference") and unit.state == State.FAILED and self.units.get(unit.name) is unit:
                 log.error("job fails: a required component failed", unit=unit.name, error=unit.last_error)
                 return Exit.RUNTIME
@@ -347,7 +369,7 @@ class Daemon:
 
     def _update_degraded(self) -> None:
         if self.state.serving:
-            failed = [u.name for u in self.units.values() if u.state == State.FAILED]
+            failed = [u.name for u in self.units.values() if u.state == State.FAILED and u.kind != "trainer"]
             new = DaemonState.DEGRADED if failed else DaemonState.RUNNING
             if new != self.state:
                 self._move(new, f"failed: {', '.join(failed)}" if failed else "no component failed")
@@ -506,8 +528,10 @@ class Daemon:
                 self._trainer_scope.cancel()
                 with anyio.move_on_after(5):
                     await self._trainer_done.wait()
-        for kind in ("env", "inference", "api"):
+        for kind in ("trainer", "env", "inference", "api"):
             await self._stop_units([u for u in self.units.values() if u.kind == kind])
+        if self.group_store is not None:
+            self.group_store.close()
         if self.weights is not None:
             try:
                 self.weights.close()
@@ -527,6 +551,26 @@ class Daemon:
         runtime.remove_child_config(self.paths, self.nonce)
         if all(u.done.is_set() for u in self.units.values()):
             self._record.remove()
+
+
+class RankHost:
+    """The daemon's side of the trainer ranks, as the trainer service sees it (``service.RankHost``)."""
+
+    def __init__(self, daemon: Daemon, store: Any) -> None:
+        self.daemon = daemon
+        self.store = store
+
+    async def start_ranks(self) -> None:
+        """(Re)start every rank 1..N-1 as a fresh process (a new unit per group generation)."""
+        d = self.daemon
+        await self.stop_ranks()
+        for spec in specs.trainer_rank_specs(d._spec_inputs(), store_address=self.store.address,
+                                             secret=self.store.secret, joined=self.store.joined):
+            d._add_unit(spec)
+
+    async def stop_ranks(self) -> None:
+        d = self.daemon
+        await d._stop_units([u for u in d.units.values() if u.kind == "trainer" and not u.done.is_set()])
 
 
 def run_foreground(cfg: Config, notifier: Notifier) -> int:

@@ -9,9 +9,10 @@ given — and :func:`api_spec`, :func:`inference_spec` and :func:`env_specs` tur
 
 from __future__ import annotations
 
+import functools
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from atroposd.process.liveness import (
     LiveCheck,
     LiveSettings,
 )
-from atroposd.process.probes import HttpProbe, InferenceProbe, Probe, RegisteredProbe, StartedProbe
+from atroposd.process.probes import ConditionProbe, HttpProbe, InferenceProbe, Probe, RegisteredProbe, StartedProbe
 from atroposd.process.unit import UnitSpec
 from atroposd.pyexec import python_module
 from atroposd.trainer.wandb_sink import wandb_group
@@ -180,6 +181,38 @@ def inference_spec(ins: SpecInputs, replica: int = 0) -> UnitSpec:
 def inference_specs(ins: SpecInputs) -> list[UnitSpec]:
     """Every inference replica, replica 0 first."""
     return [inference_spec(ins, i) for i in range(ins.cfg.inference.replicas)]
+
+
+# The variables that pin gloo to loopback on one node and keep NCCL from ending the daemon on a
+# failed collective (SPEC §12.1): the daemon sets them for itself and gives them to every rank.
+TRAINER_GROUP_ENV = {"GLOO_SOCKET_IFNAME": "lo", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+                     "TORCH_NCCL_ENABLE_MONITORING": "0"}
+
+
+def trainer_rank_specs(ins: SpecInputs, *, store_address: str, secret: str,
+                       joined: Callable[[int], bool]) -> list[UnitSpec]:
+    """Trainer ranks 1..N-1 (``atroposd trainer-rank``), components ``trainer-1``, ...: ready once
+    joined (``joined(rank)``); never restarted alone — a rank's exit restarts the whole group."""
+    from atroposd.trainer.follower import SECRET_VAR, STORE_VAR
+
+    c = ins.cfg
+    out = []
+    for rank, device in enumerate(c.trainer.devices()):
+        if rank == 0:
+            continue
+        name = f"trainer-{rank}"
+        env = child_env(ins, {})
+        env.update({k: ins.base_env.get(k, v) for k, v in TRAINER_GROUP_ENV.items()})
+        env.update({STORE_VAR: store_address, SECRET_VAR: secret})
+        _, visible = replica_device(device, ins.base_env)
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible
+        argv = _atroposd(ins, "trainer-rank", "-c", ins.child_config, "--rank", str(rank))
+        out.append(UnitSpec(name=name, kind="trainer", argv=argv, env=env,
+                            probe=ConditionProbe("joined the trainer group", functools.partial(joined, rank)),
+                            ready_timeout=c.trainer.join_timeout, stop_timeout=c.daemon.stop_timeout,
+                            restart="never"))
+    return out
 
 
 def stop_signal_of(e: EnvConfig) -> signal.Signals:

@@ -6,6 +6,8 @@ probe only has to poll its condition; it never needs to know whether the child i
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -52,6 +54,22 @@ class StartedProbe:
 
     async def wait(self, unit: Unit) -> None:
         await anyio.sleep(self.seconds)
+
+
+@dataclass
+class ConditionProbe:
+    """Ready once ``check()`` is true (polled; e.g. a trainer rank that joined its process group)."""
+
+    what: str
+    check: Callable[[], bool]
+
+    @property
+    def description(self) -> str:
+        return self.what
+
+    async def wait(self, unit: Unit) -> None:
+        while not self.check():  # noqa: ASYNC110 - polling a condition outside this loop
+            await anyio.sleep(POLL_INTERVAL)
 
 
 def _session(timeout: float = REQUEST_TIMEOUT) -> Any:

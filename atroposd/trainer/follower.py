@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,8 @@ __all__ = ["STORE_VAR", "SECRET_VAR", "generation_key", "serve"]
 log = get_logger("atroposd.trainer.rank")
 
 STORE_VAR = "ATROPOSD_TRAINER_STORE"
+# Test hook (tests/e2e/test_trainer_ranks.py): "join" makes a rank hang before it joins.
+TEST_HANG_VAR = "ATROPOSD_TEST_RANK_HANG"
 SECRET_VAR = "ATROPOSD_TRAINER_SECRET"
 
 
@@ -64,6 +67,9 @@ def serve(cfg: Config, rank: int) -> int:
     device, _ = resolve_torch(devices[rank], cfg.inference.dtype, key=f"trainer.device[{rank}]")
     if device.type == "cpu":
         torch.set_num_threads(1)
+    if os.environ.get(TEST_HANG_VAR) == "join":  # test hook: a rank that never joins
+        log.warning("test hook: this rank never joins", rank=rank)
+        threading.Event().wait()
     store = connect_store(address, t.join_timeout)
     generation = int(store.get(generation_key(secret)))
     ranks = GroupRanks.join(store, prefix=store_keys(secret, generation), rank=rank, world=len(devices),

@@ -359,21 +359,26 @@ def is_group_error(exc: BaseException) -> bool:
 
 
 class ShardedSource:
-    """The weight sync's view of a sharded model (SPEC §12.1): full tensors gathered on rank 0's
-    compute thread, every rank taking part (``gather`` command), one bucket at a time."""
+    """The weight sync's view of a sharded model (SPEC §12.1; a ``weights.source.TensorSource``):
+    full tensors gathered on rank 0's compute thread, every rank taking part (``gather``
+    command), one bucket at a time. ``specs`` and ``tied`` were taken before sharding."""
 
-    def __init__(self, model: torch.nn.Module, ranks: Ranks, compute: ComputeThread, aliases: set[str]) -> None:
+    def __init__(self, model: torch.nn.Module, ranks: Ranks, compute: ComputeThread, specs: dict[str, Any],
+                 tied: dict[str, str]) -> None:
         self.model = model
         self.ranks = ranks
         self.compute = compute
-        self.aliases = aliases
-        self.lora = None
+        self._specs = specs
+        self._tied = tied
 
-    def names(self) -> list[str]:
-        return [n for n in self.model.state_dict() if n not in self.aliases]
+    def specs(self) -> dict[str, Any]:
+        return dict(self._specs)
 
-    def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {n: (tuple(t.shape), t.dtype) for n, t in self.model.state_dict().items() if n not in self.aliases}
+    def tied(self) -> dict[str, str]:
+        return dict(self._tied)
+
+    def lora(self) -> dict[str, Any] | None:
+        return None  # LoRA is refused with several ranks (config check)
 
     def _gather(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         self.ranks.command("gather", list(names))

@@ -313,7 +313,7 @@ class TrainerService:
             return
         from atroposd.trainer.ranks import ShardedSource
 
-        source = ShardedSource(setup.policy.model, setup.ranks, self.compute, setup.aliases)
+        source = ShardedSource(setup.policy.model, setup.ranks, self.compute, setup.tensor_specs, setup.tied)
         inner = getattr(self.weights, "inner", self.weights)
         if hasattr(inner, "source_for"):
             inner.source_for = lambda model: source

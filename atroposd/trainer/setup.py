@@ -60,6 +60,9 @@ class Setup:
     set_aside: list[Path] = field(default_factory=list)  # damaged checkpoints renamed at this start
     ranks: Ranks = field(default_factory=OneRank)
     aliases: set[str] = field(default_factory=set)  # tied names, dropped from gathered weights
+    # several ranks: the full tensors' specs and tied aliases, taken before sharding (weight sync)
+    tensor_specs: dict[str, Any] = field(default_factory=dict)
+    tied: dict[str, str] = field(default_factory=dict)
 
     @property
     def restored_from(self) -> Path | None:
@@ -179,8 +182,11 @@ def _distribute(policy: Policy, ranks: Ranks, activation_checkpointing: bool, se
     if ranks.world == 1:
         return
     from atroposd.trainer.sharded import tied_aliases
+    from atroposd.weights.tensors import model_tensors
 
     setup.aliases = tied_aliases(policy.model)
+    mt = model_tensors(policy.model)
+    setup.tensor_specs, setup.tied = mt.specs(), dict(mt.tied)
     mixed = policy.device.type == "cuda"
     ranks.shard(policy.model, mixed_precision=mixed)
     if policy.reference is not None:

@@ -1,0 +1,124 @@
+"""The embedded job with two trainer ranks (SPEC §12.1), end to end through the command line: rank 1
+is the supervised child ``trainer-1``; a rank killed -9 or stopped with SIGSTOP restarts the whole
+group from the last complete checkpoint and training passes its pre-fault step; a rank that never
+joins fails the start within join_timeout; stop leaves nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from atroposd.config import load_config
+from tests.e2e.jobs import (
+    SHORT_TASK,
+    component,
+    daemon_env,
+    job_config,
+    kill9,
+    processes_of_instance,
+    run_short_learning_job,
+    status,
+)
+from tests.support import atroposd, free_port, free_port_pair, wait_for
+
+RANKS = {"device": ["cpu", "cpu"], "batch_size": 16, "micro_batch_size": 4, "join_timeout": 120.0}
+
+
+def _config(root: Path, *, replicas: int = 1, trainer: dict[str, Any] | None = None, **kw: Any) -> Path:
+    port = free_port_pair()
+    inference = {"port": port, "replicas": replicas}
+    cfg = job_config(root, inference=inference, trainer={**RANKS, **(trainer or {})}, **kw)
+    api_port = load_config(cfg).api.port
+    while api_port in (port, port + 1):
+        api_port = free_port()
+        cfg = job_config(root, inference=inference, api={"port": api_port},
+                         trainer={**RANKS, **(trainer or {})}, **kw)
+    return cfg
+
+
+def _segments(nonce: str) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"atroposd-{nonce}-")]
+
+
+def _stop_and_check(cfg: Path, nonce: str) -> None:
+    res = atroposd("stop", "-c", str(cfg), env=daemon_env(), timeout=120)
+    assert res.returncode == 0, res.stderr
+    if nonce:
+        wait_for(lambda: not processes_of_instance(nonce), timeout=30, what="every process of the job gone")
+        assert not _segments(nonce)
+
+
+def test_two_ranks_train_restart_after_kill_and_sigstop(short_tmp: Path) -> None:
+    cfg = _config(short_tmp, steps=100_000,
+                  trainer={"checkpoint_every": 5, "collective_timeout": 4.0, "restart_window": 600.0},
+                  daemon={"stop_timeout": 5.0})
+    res = atroposd("start", "-c", str(cfg), env=daemon_env(), timeout=300)
+    nonce = ""
+    try:
+        assert res.returncode == 0, f"start exited {res.returncode}: {res.stderr[-3000:]}"
+        st = status(cfg)
+        nonce = st["instance"]
+        assert st["trainer"]["ranks"] == 2
+        rank1 = component(st, "trainer-1")
+        assert rank1["state"] == "ready" and rank1["kind"] == "trainer"
+        assert psutil.Process(rank1["pid"]).environ().get("ATROPOSD_INSTANCE") == nonce
+        wait_for(lambda: status(cfg)["trainer"]["step"] >= 7, timeout=180, interval=0.5, what="training steps")
+
+        # kill -9 of rank 1: the group restarts from the last checkpoint and passes the pre-kill step
+        before = status(cfg)["trainer"]["step"]
+        kill9(rank1["pid"])
+        wait_for(lambda: status(cfg)["trainer"]["group_restarts"] >= 1, timeout=60, interval=0.2,
+                 what="the trainer group to restart")
+        wait_for(lambda: status(cfg)["trainer"]["step"] > before, timeout=180, interval=0.5,
+                 what="training past the pre-kill step")
+        st = status(cfg)
+        new1 = component(st, "trainer-1")
+        assert new1["pid"] != rank1["pid"] and new1["state"] == "ready"
+        assert not psutil.pid_exists(rank1["pid"]) or psutil.Process(rank1["pid"]).status() == psutil.STATUS_ZOMBIE
+        assert "trainer-1" in (st["trainer"]["last_fault"] or "")
+        assert st["state"] == "running"
+
+        # SIGSTOP of rank 1: the next collective outlasts collective_timeout → the group restarts
+        before = st["trainer"]["step"]
+        os.kill(new1["pid"], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        wait_for(lambda: status(cfg)["trainer"]["group_restarts"] >= 2, timeout=90, interval=0.2,
+                 what="the trainer group to restart after a stuck collective")
+        assert time.monotonic() - stopped_at < 60
+        wait_for(lambda: status(cfg)["trainer"]["step"] > before, timeout=180, interval=0.5,
+                 what="training past the pre-stop step")
+        assert not psutil.pid_exists(new1["pid"]) or psutil.Process(new1["pid"]).status() == psutil.STATUS_ZOMBIE
+        st = status(cfg)
+        assert st["trainer"]["weight_version"] >= st["trainer"]["step"]
+    finally:
+        _stop_and_check(cfg, nonce)
+
+
+def test_rank_that_never_joins_fails_the_start(short_tmp: Path) -> None:
+    cfg = _config(short_tmp, steps=10, trainer={"join_timeout": 4.0})
+    started = time.monotonic()
+    res = atroposd("start", "-c", str(cfg), env={**daemon_env(), "ATROPOSD_TEST_RANK_HANG": "join"}, timeout=300)
+    try:
+        assert res.returncode != 0
+        text = res.stdout + res.stderr
+        assert "trainer-1" in text and "join_timeout" in text, text[-3000:]
+        assert time.monotonic() - started < 120
+    finally:
+        if res.returncode == 0:
+            _stop_and_check(cfg, "")
+
+
+@pytest.mark.slow
+def test_two_ranks_two_replicas_learn(short_tmp: Path) -> None:
+    """The whole job with device = ["cpu", "cpu"] and replicas = 2 learns the shortened task."""
+    steps = 400
+    cfg = _config(short_tmp, replicas=2, steps=steps, seed=0, envs=SHORT_TASK,
+                  trainer={"batch_size": 32, "micro_batch_size": 8, "checkpoint_every": 200})
+    rows = run_short_learning_job(cfg, short_tmp / "state", steps=steps)
+    assert all(r["weight_version"] == r["step"] for r in rows)
