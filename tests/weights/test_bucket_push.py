@@ -21,7 +21,14 @@ import torch
 
 from atroposd.models.tiny import ensure_builtin_model
 from atroposd.weights.client import WeightControlError
-from atroposd.weights.manifest import ALIGNMENT, BucketRef, Manifest, TensorSpec, manifest_path, process_start_time
+from atroposd.weights.manifest import (
+    ALIGNMENT,
+    BucketRef,
+    Manifest,
+    TensorSpec,
+    manifest_path,
+    process_start_time,
+)
 from atroposd.weights.protocol import SYNC_INDEX_FILE, WeightUpdateError
 from atroposd.weights.receiver import ReceiverState, apply_update, load_dir
 from atroposd.weights.shm import SHM_DIR, list_segments
@@ -30,7 +37,14 @@ from atroposd.weights.staging import StagingBuffer
 from atroposd.weights.sync import BucketPushSync, ReloadSync, make_weight_sync
 from atroposd.weights.tensors import model_tensors
 from tests.inference.conftest import MAX_MODEL_LEN, Server, env_with_nonce, start_server
-from tests.inference.test_weights import SEQ, close, local_logprobs, served, train_step, trainer_model
+from tests.inference.test_weights import (
+    SEQ,
+    close,
+    local_logprobs,
+    served,
+    train_step,
+    trainer_model,
+)
 from tests.support import stop_process
 
 BUCKET = 200_000  # the tiny model (1.3 MB) takes 8 buckets
@@ -358,18 +372,18 @@ def test_the_receiver_takes_buckets_in_order_and_only_a_complete_set(short_tmp: 
         return apply_update(server, {"manifest": str(path), "mode": "copy", "weight_version": version}, state=state)
 
     try:
-        with pytest.raises(WeightUpdateError, match="bucket 1 of .* out of order: expected bucket 0"):
+        with pytest.raises(WeightUpdateError, match=r"bucket 1 of .* out of order: expected bucket 0"):
             send(1)
         assert state.incomplete() is None  # nothing was touched
         first = send(0)
         assert first["bucket"] == 0 and first["complete"] is False and state.weight_version is None
         assert "1 of the" in (state.incomplete() or "")
-        with pytest.raises(WeightUpdateError, match="out of order: expected bucket 1 of .* of weight_version 3"):
+        with pytest.raises(WeightUpdateError, match=r"out of order: expected bucket 1 of .* of weight_version 3"):
             send(2)
         with pytest.raises(WeightUpdateError, match="out of order"):
             send(1, version=4)
         path = _bucket_manifest(staging, nonce, weights_dir, mt.tensors, plan[1], 3, BucketRef(1, len(plan)), mt.tied)
-        with pytest.raises(WeightUpdateError, match="copied .mode 'copy'., not 'attach'"):
+        with pytest.raises(WeightUpdateError, match=r"copied .mode 'copy'., not 'attach'"):
             apply_update(server, {"manifest": str(path), "mode": "attach"}, state=state)
         for i in range(1, len(plan) - 1):
             send(i)
@@ -402,5 +416,5 @@ def test_make_weight_sync_picks_the_bucketed_strategies(short_tmp: Path) -> None
     reload = make_weight_sync(cfg, nonce="tnonce", control_socket=sock, bucketed=True)
     assert isinstance(reload, ReloadSync) and reload.bucket_bytes == 512 << 20
     cfg.trainer.weight_sync = "shared"
-    with pytest.raises(ValueError, match="shared.*one trainer rank"):
+    with pytest.raises(ValueError, match=r"shared.*one trainer rank"):
         make_weight_sync(cfg, nonce="tnonce", control_socket=sock, bucketed=True)
