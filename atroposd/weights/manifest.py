@@ -12,8 +12,16 @@ temporary name and renamed), describing every exported tensor of one export:
               "stride": [128, 1], "segment": 0, "offset": 0, "nbytes": 11264,
               "checksum": 0.123}],
  "tied": {"lm_head.weight": "model.embed_tokens.weight"},
- "lora": null}
+ "lora": null,
+ "bucket": null}
 ```
+
+A **bucket** manifest (``"bucket": {"index": i, "count": n}``, the bucketed push of several
+trainer ranks) describes part of the model: bucket ``i`` of the ``n`` that together hold every
+tensor once. Its ``tied`` map is the whole model's (an alias's tensor may lie in another
+bucket); the importer checks each tensor the bucket names (known, same dtype and shape) and,
+at the last bucket, that the ``n`` buckets covered every tensor of its model
+(``Manifest.check_bucket``, ``weights/receiver.py``).
 
 The importer checks all of it before it touches memory (``Manifest.load`` + ``check_against``):
 the nonce is the one it was started with, the exporter (pid + start time) is alive, the file
@@ -43,6 +51,7 @@ from atroposd.fsutil import write_atomic
 __all__ = [
     "ALLOWED_DTYPES",
     "FORMAT_VERSION",
+    "BucketRef",
     "CudaIpcHandle",
     "Manifest",
     "ManifestError",
@@ -155,6 +164,14 @@ class TensorEntry:
 
 
 @dataclass(frozen=True)
+class BucketRef:
+    """Bucket ``index`` of the ``count`` buckets of one bucketed push."""
+
+    index: int
+    count: int
+
+
+@dataclass(frozen=True)
 class TensorSpec:
     """What the importer expects of a tensor: its own dtype name and shape."""
 
@@ -206,6 +223,8 @@ class Manifest:
     # LoRA structure the importer must reproduce (r, alpha, targets); None for a full model.
     lora: Mapping[str, Any] | None = None
     created_at: float = 0.0
+    # A bucket of a bucketed push (part of the model); None: the whole model.
+    bucket: BucketRef | None = None
     format: int = FORMAT_VERSION
 
     # ------------------------------------------------------------------ (de)serialisation
@@ -223,6 +242,7 @@ class Manifest:
                         for t in self.tensors],
             "tied": dict(self.tied),
             "lora": dict(self.lora) if self.lora is not None else None,
+            "bucket": {"index": self.bucket.index, "count": self.bucket.count} if self.bucket is not None else None,
         }
         return orjson.dumps(data)
 
@@ -256,12 +276,18 @@ class Manifest:
             if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                      for k, v in tied.items()):
                 raise ManifestError("'tied' must map tensor names to tensor names")
+            raw_bucket = data.get("bucket")
+            bucket = None
+            if raw_bucket is not None:
+                if not isinstance(raw_bucket, dict) or set(raw_bucket) != {"index", "count"}:
+                    raise ManifestError("'bucket' must be an object with exactly the fields index, count")
+                bucket = BucketRef(_int(raw_bucket["index"], "bucket index"), _int(raw_bucket["count"], "bucket count"))
             return cls(nonce=str(data["nonce"]), exporter_pid=_int(data["exporter_pid"], "exporter_pid"),
                        exporter_start_time=_int(data["exporter_start_time"], "exporter_start_time"),
                        export_id=_int(data["export_id"], "export_id"),
                        weight_version=_int(data["weight_version"], "weight_version"),
                        transport=str(data["transport"]), segments=segments, tensors=tensors, tied=tied,
-                       lora=data.get("lora"), created_at=float(data.get("created_at", 0.0)))
+                       lora=data.get("lora"), created_at=float(data.get("created_at", 0.0)), bucket=bucket)
         except (KeyError, TypeError) as exc:
             raise ManifestError(f"manifest is missing or mistypes a field: {exc!r}") from None
 
@@ -358,10 +384,12 @@ class Manifest:
             if t.offset + t.nbytes > seg.size:
                 raise ManifestError(f"tensor {t.name!r}: bytes [{t.offset}, {t.offset + t.nbytes}) lie outside "
                                     f"segment {seg.name!r} of {seg.size} bytes")
+        if self.bucket is not None and not 0 <= self.bucket.index < self.bucket.count:
+            raise ManifestError(f"bucket index {self.bucket.index} is not in [0, {self.bucket.count})")
         for alias, target in self.tied.items():
             if alias in seen:
                 raise ManifestError(f"tied alias {alias!r} is also exported as a tensor")
-            if target not in seen:
+            if self.bucket is None and target not in seen:  # a bucket's alias may point into another bucket
                 raise ManifestError(f"tied alias {alias!r} points at {target!r}, which is not exported")
 
     def check_against(self, expected: Mapping[str, TensorSpec], tied: Mapping[str, str]) -> dict[str, str]:
@@ -371,8 +399,20 @@ class Manifest:
         importer name → exported name (an importer that does not tie what the exporter ties
         re-ties by mapping both names onto the one exported tensor).
         """
+        if self.bucket is not None:
+            raise ManifestError(f"bucket {self.bucket.index} of {self.bucket.count} holds part of the model; "
+                                "it is copied bucket by bucket, never attached or taken as the whole model")
         exported = {t.name: TensorSpec(t.dtype, tuple(t.shape)) for t in self.tensors}
         return match_tensors(exported, self.tied, expected, tied)
+
+    def check_bucket(self, expected: Mapping[str, TensorSpec], tied: Mapping[str, str]) -> dict[str, str]:
+        """A bucket's tensors against the importer's: each one known (not tied by the importer to
+        another one), same dtype and shape. Returns importer name → exported name for the
+        importer's tensors this bucket fills; the rest come in the other buckets."""
+        if self.bucket is None:
+            raise ManifestError("not a bucket manifest")
+        exported = {t.name: TensorSpec(t.dtype, tuple(t.shape)) for t in self.tensors}
+        return match_tensors(exported, self.tied, expected, tied, partial=True)
 
     def entry(self, name: str) -> TensorEntry:
         index: dict[str, TensorEntry] | None = self.__dict__.get("_entries")
@@ -392,12 +432,15 @@ class Manifest:
 
 
 def match_tensors(exported: Mapping[str, TensorSpec], exported_tied: Mapping[str, str],
-                  mine: Mapping[str, TensorSpec], my_tied: Mapping[str, str]) -> dict[str, str]:
+                  mine: Mapping[str, TensorSpec], my_tied: Mapping[str, str], *,
+                  partial: bool = False) -> dict[str, str]:
     """Check an export against the importer's own tensors; return importer name → exported name.
 
     Every canonical tensor of the importer must be exported (directly, or as an alias the
     exporter ties) with the same dtype and shape; the export must hold nothing the importer
     lacks, and nothing the importer ties but the exporter keeps separate.
+    ``partial``: ``exported`` is one bucket of the model: an importer tensor it does not hold
+    is not a problem (another bucket holds it), only what it holds is checked.
     Raises ManifestError listing every problem, each naming its tensor.
     """
     source: dict[str, str] = {}
@@ -405,7 +448,8 @@ def match_tensors(exported: Mapping[str, TensorSpec], exported_tied: Mapping[str
     for name, spec in mine.items():
         src = name if name in exported else exported_tied.get(name)
         if src is None or src not in exported:
-            problems.append(f"tensor {name!r} is missing from the export")
+            if not partial:
+                problems.append(f"tensor {name!r} is missing from the export")
             continue
         got = exported[src]
         if got.dtype != spec.dtype:

@@ -17,6 +17,14 @@ Requests
 * ``attach`` (``shared`` mode): map every segment (read-only) and rebind the model's tensors to
   views of the trainer's memory. The mappings live in ``state`` until the next attach, a
   ``copy``, or :meth:`ReceiverState.release`.
+* a **bucket** (the bucketed ``push`` of several trainer ranks; the manifest's ``bucket`` is
+  ``{"index": i, "count": n}``, mode ``copy``): copy the tensors the bucket names, each checked
+  first (known to the model, same dtype and shape; checksums after the copy). Buckets arrive
+  in order 0..n-1 with one ``weight_version``; the last one must complete the model (every
+  tensor of it in some bucket). Until a complete set arrived the model holds a mix of versions:
+  ``ReceiverState.incomplete()`` says so and the server refuses to resume. The served version
+  is unchanged by a bucket: it changes with ``/resume``. A bucket's staging segment is mapped
+  read-only once and kept in ``state.sources`` (every bucket of every sync uses the same one).
 * ``copy`` (``push`` mode): copy every tensor into the model's own memory. POSIX shm segments
   are mapped read-only once per export and kept in ``state.sources`` while the trainer keeps
   exporting the same segments (the trainer trains in them; each sync is then one memory copy,
@@ -29,7 +37,8 @@ Requests
 
     {"path": "<state_dir>/sync/v17", "weight_version": 17}         # both required
 
-reads ``model.safetensors`` of a directory written by the trainer (``reload`` mode).
+reads ``model.safetensors`` of a directory written by the trainer (``reload`` mode), or the
+shards that ``model.safetensors.index.json`` lists (several trainer ranks).
 
 Every request is validated completely before any model memory is touched: manifest
 provenance (nonce, live exporter pid + start time, owner, mode), dtypes (allow-list, equal
@@ -54,7 +63,12 @@ import torch
 
 from atroposd.logs import get_logger
 from atroposd.weights.manifest import Manifest, ManifestError, TensorSpec
-from atroposd.weights.protocol import SYNC_FORMAT, SYNC_WEIGHTS_FILE, WeightUpdateError
+from atroposd.weights.protocol import (
+    SYNC_FORMAT,
+    SYNC_INDEX_FILE,
+    SYNC_WEIGHTS_FILE,
+    WeightUpdateError,
+)
 from atroposd.weights.shm import ShmError, ShmSegment
 from atroposd.weights.tensors import (
     ModelTensors,
@@ -66,9 +80,22 @@ from atroposd.weights.tensors import (
     torch_dtype,
 )
 
-__all__ = ["ReceiverState", "WeightUpdateError", "apply_update", "inspect_sync_dir", "load_dir", "other_gpu"]
+__all__ = ["BucketProgress", "ReceiverState", "WeightUpdateError", "apply_update", "inspect_sync_dir", "load_dir",
+           "other_gpu", "sync_shards"]
 
 log = get_logger(__name__)
+
+
+@dataclass
+class BucketProgress:
+    """A bucketed push under way: buckets ``0..next-1`` of ``count`` of ``weight_version`` copied,
+    covering the model's tensors ``covered``."""
+
+    weight_version: int
+    count: int
+    next: int = 0
+    covered: set[str] = field(default_factory=set)
+
 
 @dataclass
 class ReceiverState:
@@ -91,6 +118,8 @@ class ReceiverState:
     mirror: dict[str, torch.Tensor] = field(default_factory=dict)
     export_id: int | None = None
     weight_version: int | None = None
+    # a bucketed push that started and has not completed: the model holds a mix of versions
+    buckets: BucketProgress | None = None
 
     @classmethod
     def from_config(cls, cfg: Any, nonce: str | None = None) -> ReceiverState:
@@ -103,6 +132,14 @@ class ReceiverState:
     @property
     def attached(self) -> bool:
         return bool(self.segments)
+
+    def incomplete(self) -> str | None:
+        """Why the model must not serve (a bucketed push stopped halfway), or None."""
+        b = self.buckets
+        if b is None:
+            return None
+        return (f"the weights are incomplete: {b.next} of the {b.count} buckets of weight_version {b.weight_version} "
+                "arrived, so the model holds a mix of versions; every bucket must arrive before generation resumes")
 
     def release(self, model: torch.nn.Module | None = None) -> None:
         """Drop every mapping. With ``model``, first give its tensors private copies."""
@@ -177,6 +214,10 @@ def apply_update(model: torch.nn.Module, request: Mapping[str, Any], *, state: R
         if want != manifest.weight_version:
             raise WeightUpdateError(f"manifest holds weight_version {manifest.weight_version}, the request says "
                                     f"{want}: stale manifest refused")
+    if manifest.bucket is not None:
+        if mode != "copy":
+            raise WeightUpdateError(f"a bucket of a bucketed push is copied (mode 'copy'), not {mode!r}")
+        return _apply_bucket(model, manifest, state)
     try:
         ensure_lora(model, manifest.lora)
         mt = model_tensors(model)
@@ -197,10 +238,82 @@ def apply_update(model: torch.nn.Module, request: Mapping[str, Any], *, state: R
     else:
         moved = _copy(model, manifest, source, state, device, mt)
     state.weight_version = manifest.weight_version
+    state.buckets = None
     log.info("weights updated", mode=mode, weight_version=manifest.weight_version, export_id=manifest.export_id,
              tensors=len(source), bytes=moved)
     return {"weight_version": manifest.weight_version, "mode": mode, "tensors": len(source), "bytes": moved,
             "export_id": manifest.export_id}
+
+
+def _apply_bucket(model: torch.nn.Module, manifest: Manifest, state: ReceiverState) -> dict[str, Any]:
+    """Copy one bucket of a bucketed push (see the module docstring). Everything is checked
+    before any memory is touched; from the first copied bucket on, ``state.buckets`` records
+    the push until its last bucket completed the model."""
+    assert manifest.bucket is not None
+    index, count = manifest.bucket.index, manifest.bucket.count
+    progress = state.buckets
+    if index > 0 and (progress is None or progress.weight_version != manifest.weight_version
+                      or progress.count != count or progress.next != index):
+        expected = ("bucket 0 (no bucketed push is under way)" if progress is None else
+                    f"bucket {progress.next} of {progress.count} of weight_version {progress.weight_version}")
+        raise WeightUpdateError(f"bucket {index} of {count} of weight_version {manifest.weight_version} arrived out of "
+                                f"order: expected {expected}; a push starts again from bucket 0")
+    try:
+        ensure_lora(model, manifest.lora)
+        if state.segments:
+            state.release(model)  # leave shared mode: the model gets its own memory back
+        mt = model_tensors(model)
+        source = manifest.check_bucket(mt.specs(), mt.tied)
+    except ManifestError as exc:
+        raise WeightUpdateError(f"bucket {index} of {count}: {exc}") from None
+    device = next(iter(mt.tensors.values())).device
+    if manifest.transport == "cuda_ipc" and device.type != "cuda":
+        raise WeightUpdateError("a CUDA IPC export needs a model on a GPU")
+    if index == 0:
+        progress = BucketProgress(manifest.weight_version, count)
+    assert progress is not None
+    state.buckets = progress  # from here on the model holds a mix until the last bucket
+    with torch.no_grad():
+        if manifest.transport == "shm":
+            _open_sources(manifest, state)
+            for mine, src in source.items():
+                e = manifest.entry(src)
+                mapped = state.sources[manifest.segment(e.segment).name]
+                v = mapped.view(e.offset, e.nbytes, torch_dtype(e.dtype), tuple(e.shape))
+                mt.tensors[mine].copy_(v)
+                del v
+        else:
+            mapped_cuda = _map_segments(manifest)
+            try:
+                for mine, src in source.items():
+                    e = manifest.entry(src)
+                    mt.tensors[mine].copy_(_view(mapped_cuda[e.segment], e.offset, e.nbytes, torch_dtype(e.dtype),
+                                                 tuple(e.shape)))
+                torch.cuda.synchronize()
+            finally:
+                mapped_cuda.clear()
+                gc.collect()
+    total = sum(manifest.entry(src).nbytes for src in set(source.values()))
+    for mine, src in source.items():
+        e = manifest.entry(src)
+        if not same_checksum(e.checksum, checksum(mt.tensors[mine])):
+            raise WeightUpdateError(f"tensor {mine!r}: checksum after the copy differs from the exporter's "
+                                    "(the export changed during the copy?)")
+    progress.covered.update(source)
+    complete = index + 1 == count
+    if complete:
+        missing = sorted(set(mt.tensors) - progress.covered)
+        if missing:
+            raise WeightUpdateError(f"the {count} buckets of weight_version {manifest.weight_version} did not hold "
+                                    f"every tensor of the model: {', '.join(repr(m) for m in missing)} missing")
+    progress.next = index + 1
+    if complete:
+        state.buckets = None
+        state.weight_version = manifest.weight_version
+    log.debug("bucket copied", bucket=index, buckets=count, weight_version=manifest.weight_version,
+              tensors=len(source), bytes=total)
+    return {"weight_version": manifest.weight_version, "mode": "copy", "tensors": len(source), "bytes": total,
+            "export_id": manifest.export_id, "bucket": index, "buckets": count, "complete": complete}
 
 
 def other_gpu(manifest: Manifest, own_uuid: str) -> str | None:
@@ -425,21 +538,47 @@ def inspect_sync_dir(path: str | os.PathLike[str], weight_version: int | None,
                                                            dict[str, Any] | None]:
     """Check a reload directory without loading tensors.
 
-    Returns (file, weight_version, exported tensor specs, tied aliases, LoRA spec or None).
-    With ``state``, the directory must lie in ``state.sync_dir``; the file's
-    ``weight_version`` must equal ``weight_version`` when that is given.
+    Returns (file, weight_version, exported tensor specs, tied aliases, LoRA spec or None);
+    ``file`` is ``model.safetensors``, or ``model.safetensors.index.json`` for a directory
+    written in shards (:func:`sync_shards` lists them). With ``state``, the directory must lie
+    in ``state.sync_dir``; its ``weight_version`` must equal ``weight_version`` when that is
+    given.
     """
-    from safetensors import safe_open
-
     directory = Path(path)
     if state is not None and state.sync_dir is not None:
         real = Path(os.path.realpath(directory))
         root = Path(os.path.realpath(state.sync_dir))
         if root not in real.parents:
             raise WeightUpdateError(f"{directory} is not inside the sync directory {state.sync_dir}")
-    file = directory / SYNC_WEIGHTS_FILE
+    file, index = directory / SYNC_WEIGHTS_FILE, directory / SYNC_INDEX_FILE
+    if index.is_file():
+        if file.exists():
+            raise WeightUpdateError(f"{directory} holds both {SYNC_WEIGHTS_FILE} and {SYNC_INDEX_FILE}: which one "
+                                    "holds the weights is ambiguous")
+        return _inspect_index(index, weight_version)
     if not file.is_file():
         raise WeightUpdateError(f"{file} does not exist")
+    meta, exported = _inspect_file(file)
+    try:
+        version = int(meta["weight_version"])
+        tied = orjson.loads(meta.get("tied", "{}"))
+        lora = orjson.loads(meta["lora"]) if meta.get("lora") else None
+    except (KeyError, ValueError, orjson.JSONDecodeError) as exc:
+        raise WeightUpdateError(f"{file}: bad metadata ({exc!r})") from None
+    _check_version(file, version, weight_version)
+    return file, version, exported, tied, lora
+
+
+def _check_version(file: Path, version: int, wanted: int | None) -> None:
+    if wanted is not None and version != wanted:
+        raise WeightUpdateError(f"{file} holds weight_version {version}, the request says {wanted}: "
+                                "stale weights refused")
+
+
+def _inspect_file(file: Path) -> tuple[dict[str, str], dict[str, TensorSpec]]:
+    """One safetensors file of a sync directory: its metadata (format checked) and tensor specs."""
+    from safetensors import safe_open
+
     try:
         handle = safe_open(str(file), framework="pt", device="cpu")
     except Exception as exc:  # safetensors raises its own error types for a damaged file
@@ -448,29 +587,79 @@ def inspect_sync_dir(path: str | os.PathLike[str], weight_version: int | None,
         meta = f.metadata() or {}
         if meta.get("format") != SYNC_FORMAT:
             raise WeightUpdateError(f"{file} is not an atroposd sync file (format {meta.get('format')!r})")
-        try:
-            version = int(meta["weight_version"])
-            tied = orjson.loads(meta.get("tied", "{}"))
-            lora = orjson.loads(meta["lora"]) if meta.get("lora") else None
-        except (KeyError, ValueError, orjson.JSONDecodeError) as exc:
-            raise WeightUpdateError(f"{file}: bad metadata ({exc!r})") from None
-        if weight_version is not None and version != weight_version:
-            raise WeightUpdateError(f"{file} holds weight_version {version}, the request says {weight_version}: "
-                                    "stale weights refused")
         exported: dict[str, TensorSpec] = {}
         for key in f.keys():
             sl = f.get_slice(key)
             exported[key] = TensorSpec(_st_dtype(sl.get_dtype(), key), tuple(sl.get_shape()))
-    return file, version, exported, tied, lora
+    return meta, exported
+
+
+def _read_index(index: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """The index's metadata and weight map (tensor → shard file name), checked for shape."""
+    try:
+        data = orjson.loads(index.read_bytes())
+    except (OSError, orjson.JSONDecodeError) as exc:
+        raise WeightUpdateError(f"cannot read {index}: {exc}") from None
+    meta = data.get("metadata") if isinstance(data, dict) else None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(meta, dict) or not isinstance(weight_map, dict):
+        raise WeightUpdateError(f"{index} must be an object with 'metadata' and 'weight_map'")
+    if meta.get("format") != SYNC_FORMAT:
+        raise WeightUpdateError(f"{index} is not an atroposd sync index (format {meta.get('format')!r})")
+    for name, fname in weight_map.items():
+        if not isinstance(fname, str) or "/" in fname or fname in ("", ".", "..") or not fname.endswith(".safetensors"):
+            raise WeightUpdateError(f"{index}: tensor {name!r} maps to {fname!r}, not a shard file of the directory")
+    return meta, weight_map
+
+
+def sync_shards(file: Path) -> dict[Path, list[str]]:
+    """The safetensors files of a sync directory and the tensors each holds: ``file`` itself
+    (every tensor it holds) or, for an index, its shards in order."""
+    if file.name != SYNC_INDEX_FILE:
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            return {file: list(f.keys())}
+    _meta, weight_map = _read_index(file)
+    shards: dict[Path, list[str]] = {}
+    for name, fname in weight_map.items():
+        shards.setdefault(file.parent / fname, []).append(name)
+    return dict(sorted(shards.items()))
+
+
+def _inspect_index(index: Path, weight_version: int | None) -> tuple[Path, int, dict[str, TensorSpec],
+                                                                      dict[str, str], dict[str, Any] | None]:
+    meta, _ = _read_index(index)
+    version, tied, lora = meta.get("weight_version"), meta.get("tied", {}), meta.get("lora")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise WeightUpdateError(f"{index}: weight_version must be an integer, got {version!r}")
+    if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
+        raise WeightUpdateError(f"{index}: 'tied' must map tensor names to tensor names")
+    if lora is not None and not isinstance(lora, dict):
+        raise WeightUpdateError(f"{index}: 'lora' must be an object or null")
+    _check_version(index, version, weight_version)
+    exported: dict[str, TensorSpec] = {}
+    for shard, names in sync_shards(index).items():
+        if not shard.is_file():
+            raise WeightUpdateError(f"{shard}, listed in {index.name}, does not exist")
+        meta_s, specs = _inspect_file(shard)
+        if meta_s.get("weight_version") != str(version):
+            raise WeightUpdateError(f"{shard} holds weight_version {meta_s.get('weight_version')}, its index "
+                                    f"{version}: a shard of another sync")
+        if set(specs) != set(names):
+            raise WeightUpdateError(f"{shard} holds {sorted(specs)}; {index.name} lists {sorted(names)}")
+        exported.update(specs)
+    return index, version, exported, tied, lora
 
 
 def load_dir(model: torch.nn.Module, path: str | os.PathLike[str], *, weight_version: int | None = None,
              state: ReceiverState | None = None) -> dict[str, Any]:
-    """Load a directory the trainer wrote for ``reload`` (``model.safetensors``).
+    """Load a directory the trainer wrote for ``reload`` (``model.safetensors``, or the shards
+    of ``model.safetensors.index.json``).
 
-    The file's metadata carries ``format`` and ``weight_version`` (which must equal
-    ``weight_version`` when given) and ``tied``. With ``state``, the directory must lie in
-    ``state.sync_dir``. Every tensor is checked before any is copied.
+    The metadata carries ``format`` and ``weight_version`` (which must equal ``weight_version``
+    when given) and ``tied``. With ``state``, the directory must lie in ``state.sync_dir``.
+    Every tensor is checked before any is copied; one tensor is read at a time.
     """
     from safetensors import safe_open
 
@@ -483,14 +672,23 @@ def load_dir(model: torch.nn.Module, path: str | os.PathLike[str], *, weight_ver
         source = match_tensors(exported, tied, mt.specs(), mt.tied)
     except ManifestError as exc:
         raise WeightUpdateError(str(exc)) from None
+    into: dict[str, list[str]] = {}
+    for mine, src in source.items():
+        into.setdefault(src, []).append(mine)
     total = 0
-    with safe_open(str(file), framework="pt", device="cpu") as f, torch.no_grad():
-        for mine, src in source.items():
-            t = f.get_tensor(src)
-            mt.tensors[mine].copy_(t)
-            total += t.numel() * t.element_size()
+    for shard, names in sync_shards(file).items():
+        with safe_open(str(shard), framework="pt", device="cpu") as f, torch.no_grad():
+            for src in names:
+                if src not in into:
+                    continue
+                t = f.get_tensor(src)
+                for mine in into[src]:
+                    mt.tensors[mine].copy_(t)
+                total += t.numel() * t.element_size()
+                del t
     if state is not None:
         state.weight_version = version
+        state.buckets = None
     log.info("weights loaded", path=str(file.parent), weight_version=version, tensors=len(source), bytes=total)
     return {"weight_version": version, "mode": "load", "tensors": len(source), "bytes": total, "export_id": None}
 

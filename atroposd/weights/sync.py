@@ -23,6 +23,13 @@ knowing the mode::
   every ``sync_every`` steps the server copies them into its own weights while paused.
 * ``reload``: every ``sync_every`` steps the weights are written to ``{state_dir}/sync/`` and
   the server loads them while paused.
+* bucketed ``push`` (``BucketPushSync``, several trainer ranks: the parameters are shards, so
+  the trainer cannot train in an exported buffer): every replica is paused, then bucket by
+  bucket (``sync_bucket_mb``) the weights are gathered from a :class:`TensorSource`, written
+  into one staging buffer and copied by every replica; then every replica resumes with the new
+  version. The trainer's extra memory is the staging buffer: one bucket, never a second model.
+  A bucketed ``reload`` (``ReloadSync(bucket_bytes=...)``) writes the gathered buckets as
+  sharded safetensors files.
 
 Every call goes to every inference replica (SPEC §12.2), in parallel, one connection per
 replica; a sync waits for each replica it reaches. ``shared``: the replicas all map the same
@@ -36,8 +43,9 @@ replica)`` before it serves again.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -48,18 +56,31 @@ import torch
 from atroposd.logs import get_logger
 from atroposd.weights.arena import DEFAULT_SEGMENT_BYTES, ParameterArena
 from atroposd.weights.client import WeightControlClient, WeightControlError
-from atroposd.weights.manifest import manifest_path
+from atroposd.weights.manifest import BucketRef, Manifest, manifest_path, process_start_time
+from atroposd.weights.source import (
+    ModelSource,
+    TensorSource,
+    bucket_bytes_of,
+    check_gathered,
+    plan_buckets,
+)
 
 if TYPE_CHECKING:
     from atroposd.config import Config
+    from atroposd.weights.staging import StagingBuffer
 
-__all__ = ["PushSync", "ReloadSync", "Replica", "SharedSync", "WeightSync", "make_weight_sync"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "BucketPushSync", "PushSync", "ReloadSync", "Replica", "SharedSync", "WeightSync",
+           "make_weight_sync"]
 
 log = get_logger(__name__)
 _T = TypeVar("_T")
 
 DEFAULT_DEADLINE = 300.0
 MIN_DEADLINE = 30.0
+# ``[trainer] sync_bucket_mb`` = 512
+DEFAULT_BUCKET_BYTES = 512 << 20
+
+SourceFor = Callable[[torch.nn.Module], TensorSource]
 
 
 class WeightSync(Protocol):
@@ -74,11 +95,15 @@ class WeightSync(Protocol):
 
 
 def make_weight_sync(cfg: Config, *, nonce: str, control_socket: Path | None = None,
-                     control_sockets: Sequence[Path] | None = None) -> WeightSync:
+                     control_sockets: Sequence[Path] | None = None, bucketed: bool = False,
+                     bucket_bytes: int | None = None, source_for: SourceFor | None = None) -> WeightSync:
     """The strategy for ``cfg.weight_sync`` (``auto`` already resolved by the config).
 
     ``control_sockets``: one weight-control socket per inference replica (replica 0 first);
-    ``control_socket`` is the one-replica shorthand."""
+    ``control_socket`` is the one-replica shorthand. ``bucketed`` (several trainer ranks):
+    ``push`` is :class:`BucketPushSync` and ``reload`` writes sharded files, both a bucket of
+    ``bucket_bytes`` (default 512 MiB) at a time from ``source_for(model)`` (default
+    :class:`ModelSource`); ``shared`` is refused."""
     from atroposd.paths import Paths
 
     paths = Paths.of(cfg)
@@ -86,8 +111,20 @@ def make_weight_sync(cfg: Config, *, nonce: str, control_socket: Path | None = N
     sync_every = int(cfg.trainer.sync_every)
     sockets = list(control_sockets) if control_sockets is not None else \
         ([control_socket] if control_socket is not None else [])
-    sync: SharedSync | PushSync | ReloadSync
-    if mode == "shared":
+    sync: SharedSync | PushSync | BucketPushSync | ReloadSync
+    buckets = int(bucket_bytes) if bucket_bytes is not None else DEFAULT_BUCKET_BYTES
+    sources = source_for if source_for is not None else ModelSource
+    if bucketed and mode == "shared":
+        raise ValueError("weight_sync = \"shared\" needs one trainer rank (the replicas compute on the trainer's "
+                         "own parameter memory); with several ranks use \"push\" or \"reload\"")
+    if bucketed and mode == "push":
+        assert sockets, "push mode needs the inference control socket"
+        sync = BucketPushSync(nonce=nonce, weights_dir=paths.weights_dir, control_sockets=sockets,
+                              sync_every=sync_every, bucket_bytes=buckets, source_for=sources)
+    elif bucketed and mode == "reload":
+        sync = ReloadSync(sync_dir=paths.sync_dir, control_sockets=sockets if cfg.inference.enabled else [],
+                          sync_every=sync_every, bucket_bytes=buckets, source_for=sources)
+    elif mode == "shared":
         assert sockets, "shared mode needs the inference control socket"
         sync = SharedSync(nonce=nonce, weights_dir=paths.weights_dir, control_sockets=sockets)
     elif mode == "push":
@@ -413,14 +450,200 @@ class PushSync(_ArenaSync):
             self._since = 0
 
 
+class BucketPushSync(_ControlMixin):
+    """``push`` with several trainer ranks: the weights stream to every replica in buckets.
+
+    A sync (``attach``, ``after_step`` every ``sync_every`` steps, ``reattach``): pause every
+    target replica → for each bucket of at most ``bucket_bytes`` (:func:`plan_buckets`):
+    ``await source.gather(names)`` → write it into the one staging buffer
+    (:class:`~atroposd.weights.staging.StagingBuffer`, sized for the largest bucket, reused for
+    every bucket and every sync) → every replica copies that bucket, in parallel (an
+    ``update_weights`` whose manifest names the bucket: the served version does not change) →
+    next bucket → resume every replica with the new version. The trainer's model stays in its
+    own memory (nothing is moved into exported buffers); its extra memory for a sync is the
+    staging buffer plus whatever the source allocates for the bucket it gathered.
+
+    Every bucket is gathered even when no replica is left to take it: with several ranks each
+    gather is a collective the other ranks take part in, so rank 0 never leaves one out.
+
+    A replica that is down is skipped (``_reached``). A replica that dies or refuses a bucket
+    halfway holds a mix of versions: it is marked not current and left paused (its server also
+    refuses to resume before a complete set arrived), and it gets every bucket again from the
+    next sync or from ``reattach`` before it serves. A refusal is raised once the others
+    resumed.
+    """
+
+    mode = "push"
+    update_mode = "copy"
+
+    def __init__(self, *, nonce: str, weights_dir: Path, control_socket: Path | None = None,
+                 control_sockets: Sequence[Path] | None = None, sync_every: int = 1,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, source_for: SourceFor = ModelSource) -> None:
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.nonce = nonce
+        self.weights_dir = weights_dir
+        self._set_sockets(control_sockets if control_sockets is not None else
+                          [control_socket] if control_socket is not None else [])
+        self.sync_every = max(1, sync_every)
+        self.bucket_bytes = bucket_bytes
+        self.source_for = source_for
+        self.manifest_file = manifest_path(weights_dir, nonce)
+        self.staging: StagingBuffer | None = None
+        self.version = 0
+        self.export_id = 0
+        #: the last sync: buckets, bytes, staging_bytes, gather_s (in the source), seconds
+        self.last_sync: dict[str, float] = {}
+        self._since = 0
+        self._source: tuple[torch.nn.Module, TensorSource] | None = None
+        start = process_start_time(os.getpid())
+        assert start is not None
+        self._start_time = start
+
+    def source(self, model: torch.nn.Module) -> TensorSource:
+        """The tensor source of ``model`` (made once per model)."""
+        if self._source is None or self._source[0] is not model:
+            self._source = (model, self.source_for(model))
+        return self._source[1]
+
+    async def attach(self, model: torch.nn.Module, version: int) -> None:
+        await self._push(model, version, self.replicas)
+
+    async def reattach(self, model: torch.nn.Module, version: int, replica: int | None = None) -> None:
+        """Every bucket again, to ``replica`` only (None: every replica)."""
+        await self._push(model, version, self._targets(replica))
+
+    @asynccontextmanager
+    async def paused(self, new_version: int | None = None) -> AsyncIterator[None]:
+        yield
+
+    async def after_step(self, model: torch.nn.Module, version: int) -> None:
+        self._since += 1
+        if self._since < self.sync_every:
+            return
+        if await self._push(model, version, self.replicas):
+            self._since = 0
+
+    def _staging_for(self, size: int, device: torch.device) -> StagingBuffer:
+        from atroposd.weights.staging import StagingBuffer
+
+        if self.staging is not None and self.staging.fits(size, device):
+            return self.staging
+        index = 0
+        if self.staging is not None:
+            index = self.staging.index + 1
+            self.staging.close()
+            self.staging = None
+        self.weights_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.weights_dir, 0o700)
+        self.staging = StagingBuffer.create(self.nonce, size, device, index)
+        return self.staging
+
+    def _write_bucket(self, names: Sequence[str], tensors: dict[str, torch.Tensor], size: int, version: int,
+                      tied: dict[str, str], lora: dict[str, Any] | None, bucket: BucketRef) -> None:
+        """Write one bucket into the staging buffer and its manifest (on a worker thread)."""
+        devices = {t.device for t in tensors.values()}
+        if len(devices) != 1:
+            raise ValueError(f"a bucket's tensors are on several devices ({sorted(map(str, devices))})")
+        staging = self._staging_for(size, devices.pop())
+        entries = staging.fill(names, tensors)
+        self.export_id += 1
+        Manifest(nonce=self.nonce, exporter_pid=os.getpid(), exporter_start_time=self._start_time,
+                 export_id=self.export_id, weight_version=version, transport=staging.transport,
+                 segments=(staging.ref(),), tensors=tuple(entries), tied=tied, lora=lora, created_at=time.time(),
+                 bucket=bucket).write(self.manifest_file)
+
+    async def _push(self, model: torch.nn.Module, version: int, targets: Sequence[Replica]) -> bool:
+        """Every bucket to ``targets``; True when every target took them all and resumed."""
+        start = time.perf_counter()
+        source = self.source(model)
+        specs, tied, lora = source.specs(), source.tied(), source.lora()
+        plan = plan_buckets(specs, self.bucket_bytes)
+        if not plan:
+            raise ValueError("the model has no tensors to push")
+        size = max(bucket_bytes_of(specs, names) for names in plan)
+        refused: list[tuple[Replica, WeightControlError]] = []
+        gather_s = 0.0
+        moved = 0
+        async with AsyncExitStack() as stack:
+            for r in targets:
+                await stack.enter_async_context(self._connected(r))
+            reached = await self._each(targets, lambda r: self._pause(r, version))
+            live = [r for r, ok in zip(targets, reached, strict=True) if ok]
+            for r in live:
+                r.current = False  # from its first bucket to its last it holds a mix
+            for i, names in enumerate(plan):
+                t0 = time.perf_counter()
+                tensors = await source.gather(names)
+                gather_s += time.perf_counter() - t0
+                check_gathered(specs, names, tensors)
+                if live:
+                    await anyio.to_thread.run_sync(self._write_bucket, names, tensors, size, version, tied, lora,
+                                                   BucketRef(i, len(plan)))
+                    moved += sum(t.numel() * t.element_size() for t in tensors.values())
+                del tensors  # a gathered bucket is dropped before the next one is gathered
+                if live:
+                    took = await self._each(live, lambda r: self._copy_bucket(r, version, refused))
+                    live = [r for r, ok in zip(live, took, strict=True) if ok]
+            resumed = await self._each(live, lambda r: self._resume(r, version)) if live else []
+        self.version = version
+        self.last_sync = {"buckets": len(plan), "bytes": moved, "gather_s": gather_s,
+                          "staging_bytes": self.staging.size if self.staging is not None else 0,
+                          "seconds": time.perf_counter() - start}
+        if refused:
+            r, exc = refused[0]
+            raise WeightControlError(f"inference replica {r.index} refused a bucket of weight_version {version}; it "
+                                     f"stays paused until it gets every bucket again: {exc}", exc.status)
+        return len(resumed) == len(targets) and all(resumed)
+
+    async def _copy_bucket(self, r: Replica, version: int, refused: list[tuple[Replica, WeightControlError]]) -> bool:
+        """``r`` copies the bucket in the staging buffer; False when it is gone or refused it
+        (recorded in ``refused``): it stays paused and not current."""
+        try:
+            return await self._reached(r, version, "update_weights", self.manifest_file, self.update_mode, version)
+        except WeightControlError as exc:
+            log.error("inference replica refused a bucket; it stays paused until it gets every bucket again",
+                      replica=r.index, weight_version=version, error=str(exc))
+            r.current = False
+            refused.append((r, exc))
+            return False
+        finally:
+            if self.staging is not None and self.staging.transport == "cuda_ipc":
+                from atroposd.weights.cuda_ipc import ipc_collect
+
+                ipc_collect()
+
+    def close(self) -> None:
+        """Unlink the staging buffer and remove the manifest."""
+        try:
+            if self.staging is not None:
+                self.staging.close()
+        finally:
+            self.staging = None
+            self._source = None
+            try:
+                self.manifest_file.unlink()
+            except FileNotFoundError:
+                pass
+
+
 class ReloadSync(_ControlMixin):
-    """``reload``: weights written to ``state_dir/sync/v<N>/``; every replica loads them."""
+    """``reload``: weights written to ``state_dir/sync/v<N>/``; every replica loads them.
+
+    ``bucket_bytes`` (several trainer ranks): written as shards, one bucket at a time from
+    ``source_for(model)`` (``reload.write_sharded_sync_dir``); None: one ``model.safetensors``."""
 
     mode = "reload"
 
     def __init__(self, *, sync_dir: Path, control_socket: Path | None = None,
-                 control_sockets: Sequence[Path] | None = None, sync_every: int = 1) -> None:
+                 control_sockets: Sequence[Path] | None = None, sync_every: int = 1,
+                 bucket_bytes: int | None = None, source_for: SourceFor = ModelSource) -> None:
+        if bucket_bytes is not None and bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.sync_dir = sync_dir
+        self.bucket_bytes = bucket_bytes
+        self.source_for = source_for
+        self._source: tuple[torch.nn.Module, TensorSource] | None = None
         self._set_sockets(control_sockets if control_sockets is not None else
                           [control_socket] if control_socket is not None else [])
         self.sync_every = max(1, sync_every)
@@ -428,12 +651,21 @@ class ReloadSync(_ControlMixin):
         self._since = 0
         self.current: Path | None = None
 
+    async def _write(self, model: torch.nn.Module, version: int) -> Path:
+        from atroposd.weights.reload import write_sharded_sync_dir, write_sync_dir
+
+        if self.bucket_bytes is None:
+            return await anyio.to_thread.run_sync(write_sync_dir, model, self.sync_dir, version)
+        if self._source is None or self._source[0] is not model:
+            self._source = (model, self.source_for(model))
+        return await write_sharded_sync_dir(self._source[1], self.sync_dir, version, self.bucket_bytes, model=model)
+
     async def _publish(self, model: torch.nn.Module, version: int, targets: Sequence[Replica]) -> bool:
-        from atroposd.weights.reload import prune_sync_dirs, write_sync_dir
+        from atroposd.weights.reload import prune_sync_dirs
 
         if self.current is None or self.version != version or not self.current.is_dir():
             # A replica catching up on the version already written loads that directory.
-            self.current = await anyio.to_thread.run_sync(write_sync_dir, model, self.sync_dir, version)
+            self.current = await self._write(model, version)
         path = self.current
         self.version = version
         if not self.replicas:
@@ -470,3 +702,4 @@ class ReloadSync(_ControlMixin):
 
         prune_sync_dirs(self.sync_dir, None)
         self.current = None
+        self._source = None

@@ -63,3 +63,31 @@ async def test_shared_mode_refuses_a_trainer_on_another_gpu(dirs: dict[str, Path
             await sync.attach(model, 0)
     finally:
         sync.close()
+
+
+async def test_cuda_ipc_bucketed_push(dirs: dict[str, Path], nonce: str, child_factory: ChildFactory) -> None:
+    """The bucketed push on a GPU: one staging CUDA buffer, exported once, every bucket through it."""
+    from atroposd.weights.sync import BucketPushSync
+
+    child = child_factory.start(env={"CHILD_SERVER_DEVICE": "cuda:0"})
+    model = make_model(0).to("cuda:0")  # type: ignore[arg-type]
+    sync = BucketPushSync(nonce=nonce, weights_dir=dirs["weights"], control_socket=child.socket,
+                          bucket_bytes=200_000)
+    try:
+        await sync.attach(model, 0)
+        assert sync.staging is not None and sync.staging.transport == "cuda_ipc"
+        assert sync.last_sync["buckets"] >= 4
+        handle = sync.staging.ref().handle
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        train_step(model, opt)
+        await sync.after_step(model, 1)
+        lp, version = await child.logprobs()
+        assert version == 1
+        torch.testing.assert_close(lp, score(model), atol=1e-4, rtol=0)
+        before = torch.cuda.memory_allocated()
+        for v in range(2, 12):
+            await sync.after_step(model, v)
+        assert torch.cuda.memory_allocated() <= before  # nothing grows across syncs
+        assert sync.staging.ref().handle == handle  # one export for the buffer's life
+    finally:
+        sync.close()

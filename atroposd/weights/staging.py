@@ -1,0 +1,97 @@
+"""The bucketed push's staging buffer: one exported flat buffer that holds one bucket at a time.
+
+With several trainer ranks the parameters are shards, so the trainer cannot train inside an
+exported buffer (what ``push`` does with one rank, :mod:`atroposd.weights.arena`). Instead a
+sync gathers the weights a bucket at a time and writes each bucket into this one buffer, which
+every replica copies from before the next bucket overwrites it. The buffer is the same
+transport as the arena's: a POSIX shm segment (``atroposd-<nonce>-<tag>-<n>``, 0600, never
+tracked by Python's resource tracker) on CPU, a flat CUDA allocation exported through CUDA IPC
+(one handle for the buffer's life) on a GPU. It is sized once for the largest bucket and
+reused for every bucket of every sync; ``close`` unmaps and unlinks it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from atroposd.logs import get_logger
+from atroposd.weights.arena import Segment, plan_layout
+from atroposd.weights.manifest import SegmentRef, TensorEntry, contiguous_stride
+from atroposd.weights.shm import ShmSegment, segment_name, segment_tag
+from atroposd.weights.tensors import checksum, dtype_name
+
+__all__ = ["StagingBuffer"]
+
+log = get_logger(__name__)
+
+
+class StagingBuffer:
+    """One exported buffer of ``size`` bytes on ``device`` (see the module docstring)."""
+
+    def __init__(self, segment: Segment, transport: str, device: torch.device) -> None:
+        self.segment = segment
+        self.transport = transport
+        self.device = device
+        self.size = segment.size
+
+    @classmethod
+    def create(cls, nonce: str, size: int, device: torch.device, index: int = 0) -> StagingBuffer:
+        segment: Segment
+        if device.type == "cpu":
+            segment = ShmSegment.create(segment_name(nonce, index, segment_tag()), size)
+            transport = "shm"
+        else:
+            from atroposd.weights.cuda_ipc import CudaSegment
+
+            segment = CudaSegment.allocate(f"cuda-{nonce}-{index}", size, device)
+            transport = "cuda_ipc"
+        log.info("staging buffer for the bucketed push created", transport=transport, bytes=size,
+                 segment=segment.name)
+        return cls(segment, transport, device)
+
+    @property
+    def index(self) -> int:
+        return int(self.segment.name.rsplit("-", 1)[1])
+
+    def fits(self, size: int, device: torch.device) -> bool:
+        return self.size >= size and self.device == device
+
+    def fill(self, names: Sequence[str], tensors: Mapping[str, torch.Tensor], *,
+             with_checksums: bool = True) -> list[TensorEntry]:
+        """Copy ``tensors`` (in the order of ``names``) into the buffer, each 64-byte aligned;
+        return their manifest entries (checksums taken from the buffer's copy)."""
+        slots, sizes = plan_layout({n: tensors[n].numel() * tensors[n].element_size() for n in names},
+                                   max_segment_bytes=max(self.size, 1))
+        if len(sizes) != 1 or sizes[0] > self.size:
+            raise ValueError(f"a bucket of {sum(s.nbytes for s in slots)} bytes does not fit the {self.size}-byte "
+                             "staging buffer")
+        entries: list[TensorEntry] = []
+        with torch.no_grad():
+            for slot in slots:
+                t = tensors[slot.name]
+                shape = tuple(t.shape)
+                view = self.segment.view(slot.offset, slot.nbytes, t.dtype, shape)
+                view.copy_(t)
+                entries.append(TensorEntry(name=slot.name, dtype=dtype_name(t.dtype), shape=shape,
+                                           stride=contiguous_stride(shape), segment=self.index, offset=slot.offset,
+                                           nbytes=slot.nbytes, checksum=checksum(view) if with_checksums else None))
+                del view
+        return entries
+
+    def ref(self) -> SegmentRef:
+        """The manifest's segment: its name (shm) or its CUDA IPC handle, once the device has
+        finished the copies into it."""
+        handle, uuid = None, None
+        if self.transport == "cuda_ipc":
+            handle, uuid = self.segment.export_handle()  # type: ignore[attr-defined]
+        return SegmentRef(index=self.index, name=self.segment.name, size=self.size, handle=handle,
+                          device_uuid=uuid)
+
+    def close(self) -> None:
+        """Unlink and unmap the buffer (idempotent)."""
+        try:
+            self.segment.unlink()
+        finally:
+            self.segment.close()
