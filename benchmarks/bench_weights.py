@@ -40,6 +40,22 @@ ones the targets are about:
                                           (1.23-1.33)      (10.6-12.5)
     tiny, vLLM engine    0.1     -        13.4             16.3             (--engine vllm)
 
+The bucketed push (two runs on 2026-11-25, machine loaded: load average 2.2-3.2; 64 MiB
+buckets for the ~100M model, a quarter of the model for the tiny one; ms, x the floor timed
+between its own syncs):
+
+    model   buckets  bucketed          push (same run)   staging MB   peak MB: push  bucketed
+    tiny    5        11.2-15.2         13.1-13.9         0.3          1.4-1.5        0.4-0.5
+    100M    7        127-129           31-116            98.3         340            98.3-98.4
+                     (3.2-3.8)         (1.1-1.3)
+
+The staging segment is max(bucket, largest tensor): the ~100M model's embedding (98.3 MB)
+is larger than a 64 MiB bucket. The first sync's peak RSS rise is the staging segment and
+nothing else (the one-rank source copies nothing), where ``push``'s first sync moves the model
+into exported buffers. A bucketed sync copies the weights twice (into the staging segment,
+then out of it on the server) and pays a manifest and a round trip per bucket; ``push`` copies
+once because the trainer trains inside the exported buffers, which FSDP2 shards cannot do.
+
 Push = the copy (one memcpy per segment into the server's mirror of the export) plus about
 8-10 ms of fixed cost: the manifest with checksums (about 2 ms) and its atomic write, the
 pause / update / resume round trips on one connection, the server's manifest checks and
