@@ -278,7 +278,10 @@ class Daemon:
         inf = self.cfg.inference
         socks = [self.paths.inference_socket(inf.port + i) for i in range(inf.replicas)] if inf.enabled else []
         # Watched: the stall watchdog sees a weight sync in flight (the stage "weight_sync").
-        self.weights = WatchedSync(make_weight_sync(self.cfg, nonce=self.nonce, control_sockets=socks))
+        t = self.cfg.trainer
+        # Several ranks: the weights stream bucket by bucket from rank 0's gathers (SPEC §12.1).
+        self.weights = WatchedSync(make_weight_sync(self.cfg, nonce=self.nonce, control_sockets=socks,
+                                                    bucketed=t.ranks > 1, bucket_bytes=t.sync_bucket_mb << 20))
         host = None
         if self.cfg.trainer.ranks > 1:
             host = await self._rank_host()

@@ -84,6 +84,8 @@ async def status(d: DaemonView) -> dict[str, Any]:
             components.append({"name": kind, "kind": kind, "external": True,
                                "state": "ready" if ok else "unreachable", "pid": None, "restarts": 0,
                                "last_exit": None, "since_s": None, "url": url})
+        # trainer ranks 1..N-1 (SPEC §12.1), then the environments
+        components += [u.status() for u in d.units.values() if u.kind == "trainer"]
         components += [u.status() for u in d.units.values() if u.kind == "env"]
         queue = await _queue(cfg, session)
     return {"state": d.state.value, "pid": d.pid, "uptime_s": round(d.uptime(), 3),

@@ -29,14 +29,21 @@ class GroupStore:
         self.secret = secret
         self.world = world
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        self._sock.listen(256)
-        self.host, self.port = host, int(self._sock.getsockname()[1])
-        self.store: Any = dist.TCPStore(host, self.port, is_master=True, master_listen_fd=self._sock.fileno(),
-                                        wait_for_workers=False, use_libuv=False,
-                                        timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(256)
+            self.host, self.port = host, int(sock.getsockname()[1])
+            self.store: Any = dist.TCPStore(host, self.port, is_master=True, master_listen_fd=sock.fileno(),
+                                            wait_for_workers=False, use_libuv=False,
+                                            timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        except BaseException:
+            sock.close()
+            raise
+        # The store's server owns the listening socket now: closing it under the server's poll
+        # would abort the process. It goes with the store (at the latest, with this process).
+        sock.detach()
         self.generation = 0
 
     @property
@@ -52,12 +59,12 @@ class GroupStore:
 
     def joined(self, rank: int) -> bool:
         """Has ``rank`` joined the current generation's process group?"""
-        key = store_keys(self.secret, self.generation) + f"joined/{rank}"
-        return bool(self.store.check([key]))
+        import torch.distributed as dist
+
+        if self.store is None:
+            return False
+        scoped = dist.PrefixStore(store_keys(self.secret, self.generation), self.store)
+        return bool(scoped.check([f"joined/{rank}"]))
 
     def close(self) -> None:
         self.store = None
-        try:
-            self._sock.close()
-        except OSError:
-            pass

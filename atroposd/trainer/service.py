@@ -185,7 +185,19 @@ class TrainerService:
             self.compute.close()
 
     async def _attempt(self, task_status: TaskStatus[None]) -> TrainerOutcome:
-        """One trainer group, from its forming (several ranks) to the end of training."""
+        """One trainer group, from its forming (several ranks) to the end of training; a failure
+        of the group (not of the trainer) is raised as a :class:`GroupFault`."""
+        try:
+            return await self._attempt_once(task_status)
+        except GroupFault:
+            raise
+        except Exception as exc:
+            fault = self._as_fault(exc)
+            if fault is not None:
+                raise fault from exc
+            raise
+
+    async def _attempt_once(self, task_status: TaskStatus[None]) -> TrainerOutcome:
         from atroposd.trainer.feed import BatchFeed
         from atroposd.trainer.loop import TrainingLoop
         from atroposd.trainer.metrics import MetricsWriter
@@ -215,9 +227,14 @@ class TrainerService:
                 p.waiting_for = "inference"
                 await self._check_inference_tokenizer(setup.tokenizer_fingerprint)
             # The server computes with (shared) or loads (push/reload) the trainer's weights
-            # and version before any rollout — also the restored ones after a resume.
+            # and version before any rollout — also the restored ones after a resume. One rank:
+            # the optimizer is built on the attached parameters (shared memory in shared and push
+            # mode). Several: the other ranks build theirs (collectives, when resuming) first.
+            if ranks.world > 1:
+                learner = await self.compute.run(build_learner, self.cfg, setup)
             await self.weights.attach(setup.policy.model, p.weight_version)
-            learner = await self.compute.run(build_learner, self.cfg, setup)
+            if ranks.world == 1:
+                learner = await self.compute.run(build_learner, self.cfg, setup)
             if self._metrics is None:
                 self._metrics = MetricsWriter(self.paths.metrics_file)
                 if self.cfg.wandb.enabled:
@@ -255,21 +272,15 @@ class TrainerService:
         elif restart:
             log.info("trainer group restarted", step=p.step, weight_version=p.weight_version,
                      restarts=self.group_restarts)
-        try:
-            async with anyio.create_task_group() as tg:
-                self._attempt_scope = tg.cancel_scope
-                assert self._feed is not None
-                tg.start_soon(self._feed.run)
-                result = await loop.run()
-                tg.cancel_scope.cancel()
-            self._raise_if_rank_lost()
-            if result == "stopped" and p.last_checkpoint != str(self.paths.checkpoints_dir / f"step-{p.step}"):
-                await loop.checkpoint(deadline_s=self.cfg.daemon.checkpoint_timeout)
-        except Exception as exc:
-            fault = self._as_fault(exc)
-            if fault is not None:
-                raise fault from exc
-            raise
+        async with anyio.create_task_group() as tg:
+            self._attempt_scope = tg.cancel_scope
+            assert self._feed is not None
+            tg.start_soon(self._feed.run)
+            result = await loop.run()
+            tg.cancel_scope.cancel()
+        self._raise_if_rank_lost()
+        if result == "stopped" and p.last_checkpoint != str(self.paths.checkpoints_dir / f"step-{p.step}"):
+            await loop.checkpoint(deadline_s=self.cfg.daemon.checkpoint_timeout)
         self._raise_if_rank_lost()
         p.state = result
         log.info("trainer " + result, step=p.step, weight_version=p.weight_version)
