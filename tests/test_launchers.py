@@ -34,7 +34,7 @@ def test_sbatch_parses_and_asks_for_one_task_per_node() -> None:
     text = SBATCH.read_text()
     assert text.startswith("#!/bin/bash\n")
     assert "#SBATCH --ntasks-per-node=1" in text
-    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in text
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p' in text  # the first host: the head
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         assert f"export {var}=" in text
 
@@ -165,7 +165,8 @@ def test_sbatch_main_runs_one_loop_per_node_with_its_own_directories(tmp_path: P
         (bin_dir / name).write_text("#!/bin/bash\n" + body)
         (bin_dir / name).chmod(0o755)
 
-    tool("scontrol", 'echo node-a17; echo node-a18\n')
+    # a long node list: a reader that stops after the first line would break the pipe (SIGPIPE)
+    tool("scontrol", 'echo node-a17; for i in $(seq 18 20000); do echo node-a$i; done\n')
     # srun NAME... bash -c SCRIPT: run the script once per node, as SLURM would on each
     tool("srun", 'while [ "$1" != bash ]; do shift; done; shift\n'
                  'for id in 0 1; do SLURM_NODEID=$id bash "$@" || exit $?; done\n')
