@@ -82,6 +82,7 @@ class ClusterHead:
         self._handlers: set[asyncio.Task[Any]] = set()
         self._stopped: dict[int, asyncio.Event] = {}
         self._stopping = False
+        self._closing = False
         self._changed_event = asyncio.Event()
         self.membership.join(0, host=self.host, pid=os.getpid(), instance=self.instance, units=units,
                              ready=False)
@@ -114,6 +115,7 @@ class ClusterHead:
 
     async def close(self) -> None:
         """Close the endpoint and every connection (nodes then find their head gone)."""
+        self._closing = True
         if self._watch is not None:
             self._watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -146,14 +148,15 @@ class ClusterHead:
     async def wait_all_ready(self, timeout: float) -> bool:
         """Wait until every node is ``ready`` (node 0 included); False after ``timeout``."""
         deadline = asyncio.get_running_loop().time() + timeout
-        while not self.membership.all_ready():
+        while True:
+            self._changed_event.clear()  # before the check: a change after it wakes the wait
+            if self.membership.all_ready():
+                return True
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
                 return False
-            self._changed_event.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed_event.wait(), left)
-        return True
 
     async def stop_all(self, timeout: float) -> dict[int, str]:
         """Ask every connected node to stop, and wait (up to ``timeout``) until each says its
@@ -174,11 +177,11 @@ class ClusterHead:
             return [r for r in targets if not self._stopped[r].is_set() and
                     self.membership.members[r].state != LOST]
 
-        while pending():
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                break
+        while True:
             self._changed_event.clear()
+            left = deadline - asyncio.get_running_loop().time()
+            if not pending() or left <= 0:
+                break
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed_event.wait(), min(left, self.interval))
         out: dict[int, str] = {}
@@ -203,6 +206,9 @@ class ClusterHead:
     def _lose(self, rank: int, reason: str, ch: Channel | None = None) -> None:
         if ch is not None and self._channels.get(rank) is not ch:
             return  # an older connection of a node that joined again
+        if self._closing:  # the endpoint closes: its connections end, the nodes are not lost for that
+            self._channels.pop(rank, None)
+            return
         self.membership.lose(rank, reason)
         self._changed_event.set()
         old = self._channels.pop(rank, None)
@@ -231,6 +237,8 @@ class ClusterHead:
             self._handlers.discard(task)
             self._open.discard(ch)
             ch.abort()
+            for rank in [r for r, c in self._channels.items() if c is ch]:
+                self._lose(rank, "connection closed", ch)  # it broke on a send: the node went away
 
     async def _refuse(self, ch: Channel, reason: str, *, fatal: bool = True, signed: bool = True) -> None:
         msg = {"t": "refused", "reason": reason, "fatal": fatal}
