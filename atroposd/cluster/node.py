@@ -8,12 +8,13 @@ this node:
 
 - ``"stopped"``: the head asked every node to stop; ``on_stop`` ran (the daemon stops its
   children there) and the head was told once it returned;
-- ``"lost"``: nothing came from the head for ``heartbeat_timeout`` (or it restarted, or it
-  refused a rejoin); ``on_lost_head`` ran first — the daemon stops its children there and
+- ``"lost"``: nothing came from the head for ``give_up_after`` (``heartbeat_timeout`` less one
+  heartbeat interval, so that the daemon's children are stopped within ``heartbeat_timeout``),
+  or it restarted, or it refused a rejoin; ``on_lost_head`` ran first — the daemon stops its children there and
   exits 1, so that its launcher starts it again and it rejoins;
 - ``"left"``: this node stopped on its own (``leave``).
 
-A connection that breaks is re-established within ``heartbeat_timeout`` when the same head
+A connection that breaks is re-established within ``give_up_after`` when the same head
 instance is still there; a head that restarted meanwhile counts as lost (this node's place in
 the old trainer group is gone with it).
 """
@@ -87,6 +88,10 @@ class ClusterNode:
         self.instance = instance or uuid.uuid4().hex
         self.on_lost_head, self.on_stop = on_lost_head, on_stop
         self.interval = heartbeat_interval(cfg.heartbeat_timeout)
+        # The head finds a node lost after heartbeat_timeout; a node gives up on its head one
+        # interval earlier, which leaves that interval to stop its children (SPEC §12.3: a node
+        # cut off from its head is gone within heartbeat_timeout).
+        self.give_up_after = cfg.heartbeat_timeout - self.interval
         self.head_instance = ""
         self._ch: Channel | None = None
         self._components: list[dict[str, Any]] = []
@@ -249,9 +254,9 @@ class ClusterNode:
                 await asyncio.wait_for(self._wake.wait(), self.interval)
             self._wake.clear()
             if self._stop_task is None and not self._leaving and \
-                    self._loop_time() - self._last_heard > self.cfg.heartbeat_timeout:
-                self._lost(f"nothing from the head at {self.head_address} for "
-                           f"{self.cfg.heartbeat_timeout:g} s (cluster.heartbeat_timeout)")
+                    self._loop_time() - self._last_heard > self.give_up_after:
+                self._lost(f"nothing from the head at {self.head_address} for {self.give_up_after:g} s "
+                           f"(cluster.heartbeat_timeout = {self.cfg.heartbeat_timeout:g} s)")
                 return
             ch = self._ch
             if ch is None or self._leaving:
@@ -306,20 +311,20 @@ class ClusterNode:
                 await ch.close()
 
     async def _reconnect(self) -> bool:
-        """Join the same head again before ``heartbeat_timeout`` runs out; False (the reason set)
+        """Join the same head again before ``give_up_after`` runs out; False (the reason set)
         when it cannot, or when the head is another instance now."""
         if self._ch is not None:
             self._ch.abort()
             self._ch = None
-        deadline = self._last_heard + self.cfg.heartbeat_timeout
+        deadline = self._last_heard + self.give_up_after
         log.warning("connection to the head broken; reconnecting", head=self.head_address,
                     within_s=round(max(0.0, deadline - self._loop_time()), 1))
         backoff = 0.05
         while not self._lost_reason:
             left = deadline - self._loop_time()
             if left <= 0:
-                self._lost(f"the head at {self.head_address} has been unreachable for "
-                           f"{self.cfg.heartbeat_timeout:g} s (cluster.heartbeat_timeout)")
+                self._lost(f"the head at {self.head_address} has been unreachable for {self.give_up_after:g} s "
+                           f"(cluster.heartbeat_timeout = {self.cfg.heartbeat_timeout:g} s)")
                 return False
             try:
                 ch = await self._connect(min(left, 2.0))

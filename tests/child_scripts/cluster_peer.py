@@ -17,6 +17,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 
 from atroposd.cluster import ClusterHead, ClusterJoinTimeout, ClusterNode, ClusterRefused
 from atroposd.config import ClusterConfig
@@ -52,7 +53,7 @@ async def node(cfg: ClusterConfig, token: bytes, rank: int, child: subprocess.Po
 
     def on_lost_head(reason: str) -> None:
         stop_children()
-        event("lost", reason=reason)
+        event("lost", reason=reason, at=time.time())
 
     n = ClusterNode(cfg, token=token, node_rank=rank, host=f"node-{rank}", units={"trainer_ranks": 1},
                     on_stop=on_stop, on_lost_head=on_lost_head)

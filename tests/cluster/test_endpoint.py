@@ -155,15 +155,15 @@ async def test_a_head_killed_9_ends_every_node_within_heartbeat_timeout(cfg: Clu
     nodes = [peers("node", cfg, r, child=True) for r in (1, 2)]
     await until(lambda: all(n.event("joined") for n in nodes), 15, "both nodes joined")
     children = [psutil.Process(n.event("child")["pid"]) for n in nodes]  # type: ignore[index]
+    killed_at = time.time()
     head.signal(signal.SIGKILL)
-    t0 = time.monotonic()
     await until(lambda: all(n.proc.poll() is not None for n in nodes), HEARTBEAT_TIMEOUT + 5, "the nodes' exit")
-    took = time.monotonic() - t0
     assert [n.proc.returncode for n in nodes] == [1, 1]
-    assert took <= HEARTBEAT_TIMEOUT + 1.0, took
     for n in nodes:
         lost = n.event("lost")
         assert lost is not None and "unreachable" in lost["reason"], n.events
+        # on_lost_head ran (its children stopped) within heartbeat_timeout of the kill
+        assert lost["at"] - killed_at < HEARTBEAT_TIMEOUT, lost["at"] - killed_at
     for c in children:  # the node's on_lost_head stopped its children
         assert not c.is_running() or c.status() == psutil.STATUS_ZOMBIE
 
