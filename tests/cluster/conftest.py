@@ -19,7 +19,7 @@ from atroposd.config import ClusterConfig
 from tests.support import REPO, free_port_pair, stop_process
 
 PEER = Path(__file__).resolve().parent.parent / "child_scripts" / "cluster_peer.py"
-HEARTBEAT_TIMEOUT = 1.5
+HEARTBEAT_TIMEOUT = 2.0  # short for the tests, long enough for a busy 2-core machine
 
 
 @pytest.fixture
