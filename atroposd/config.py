@@ -33,6 +33,7 @@ else:  # pragma: no cover - exercised only on 3.10
 
 __all__ = [
     "ApiConfig",
+    "ClusterConfig",
     "Config",
     "ConfigError",
     "DaemonConfig",
@@ -248,9 +249,10 @@ class TrainerConfig:
     checkpoint_every: int = _k(500, "Steps between checkpoints; also at the last step and on a requested stop.", min=1)
     keep_checkpoints: int = _k(3, "Newest complete checkpoints kept.", min=1)
     resume: bool = _k(True, "Continue from the newest complete checkpoint in state_dir.")
+    checkpoint_dir: str = _k("", "Where checkpoints are written. Default: {state_dir}/checkpoints. With several\n"
+                             "machines (cluster.nodes > 1) it is required, on a file system every node sees\n"
+                             "(NFS, Lustre, ...).")
     seed: int = _k(0, "Seeds the model's initialisation, sampling and environments (seed + replica).", min=0)
-    checkpoint_dir: str = _k("", "Where checkpoints go. Default: {state_dir}/checkpoints. Several machines: a file\n"
-                             "system every node sees.")
     activation_checkpointing: bool = _k(False, "Recompute each decoder layer's activations in the backward pass\n"
                                         "(less memory, more compute; any rank count).")
     sync_bucket_mb: int = _k(512, "Several ranks, push: weights stream to the inference replicas in buckets of\n"
@@ -286,6 +288,87 @@ class WandbConfig:
     @property
     def enabled(self) -> bool:
         return bool(self.project) and self.mode != "disabled"
+
+
+CLUSTER_NODE_RANK_ENV = "ATROPOSD_NODE_RANK"
+SLURM_NODE_ID_ENV = "SLURM_NODEID"
+_TRAILING_ORDINAL = re.compile(r"-(\d+)$")
+
+
+class ClusterError(ValueError):
+    """A ``[cluster]`` value that cannot be resolved (node rank, token file); the message says why."""
+
+
+@dataclass
+class ClusterConfig:
+    nodes: int = _k(1, "Machines in the job; one atroposd runs on each (SPEC §12.3). 1 = one machine.", min=1,
+                    max=4096)
+    node_rank: int = _k(-1, "This machine's rank, 0 = the head. -1: from ATROPOSD_NODE_RANK, else SLURM_NODEID,\n"
+                        "else the trailing ordinal of the host name (pod-3 → 3, a Kubernetes StatefulSet).",
+                        min=-1, max=4095)
+    head: str = _k("", "Host (name or address) of node 0; required when nodes > 1. A loopback api.host or\n"
+                   "inference.host is valid only with a loopback head (one machine acting as several nodes).",
+                   schema={"pattern": r"^[^\s/@]*$"})
+    port: int = _k(29400, "Node 0's cluster endpoint (membership, status, heartbeats); port + 1 is the\n"
+                   "trainer ranks' c10d store.", min=1, max=65534)
+    token_file: str = _k("", "A file holding the shared secret of the cluster (every message of the cluster\n"
+                         "endpoint is authenticated with it); required when nodes > 1.")
+    heartbeat_timeout: float = _k(30.0, "Seconds without a heartbeat after which a node is lost (and a node cut\n"
+                                  "off from its head this long stops its children and exits 1).", gt=0)
+    join_timeout: float = _k(600.0, "Seconds a starting node waits for the head.", gt=0)
+
+    @property
+    def enabled(self) -> bool:
+        """More than one machine."""
+        return self.nodes > 1
+
+    def resolve_node_rank(self, environ: Mapping[str, str] | None = None, hostname: str | None = None) -> int:
+        """This machine's node rank: ``node_rank`` when ≥ 0, else ``$ATROPOSD_NODE_RANK``, else
+        ``$SLURM_NODEID``, else the trailing ordinal of the host name (``atroposd-3`` → 3); 0 with
+        one node. Raises ClusterError naming the source when it gives no rank below ``nodes``."""
+        if self.node_rank >= 0:
+            rank, source = self.node_rank, "cluster.node_rank"
+        elif self.nodes == 1:
+            return 0
+        else:
+            env = os.environ if environ is None else environ
+            rank = -1
+            source = ""
+            for var in (CLUSTER_NODE_RANK_ENV, SLURM_NODE_ID_ENV):
+                value = env.get(var, "").strip()
+                if value:
+                    if not value.isdigit():
+                        raise ClusterError(f"${var} = {value!r} is not a node rank (a non-negative integer)")
+                    rank, source = int(value), f"${var}"
+                    break
+            if not source:
+                import socket
+
+                host = socket.gethostname() if hostname is None else hostname
+                short = host.split(".", 1)[0]
+                m = _TRAILING_ORDINAL.search(short)
+                if m is None:
+                    raise ClusterError(f"cluster.node_rank = -1 and neither ${CLUSTER_NODE_RANK_ENV} nor "
+                                       f"${SLURM_NODE_ID_ENV} is set, and the host name {host!r} ends in no "
+                                       "ordinal (NAME-N); set one of them")
+                rank, source = int(m.group(1)), f"the host name {host!r}"
+        if rank >= self.nodes:
+            raise ClusterError(f"node rank {rank} (from {source}) must be < cluster.nodes ({self.nodes})")
+        return rank
+
+    def read_token(self) -> bytes:
+        """The shared secret in ``token_file`` (surrounding whitespace stripped). Raises
+        ClusterError for a file that is not named, cannot be read or is empty."""
+        if not self.token_file:
+            raise ClusterError("cluster.token_file: required when cluster.nodes > 1")
+        path = Path(self.token_file).expanduser()
+        try:
+            token = path.read_bytes().strip()
+        except OSError as exc:
+            raise ClusterError(f"cluster.token_file: cannot read {path}: {exc.strerror or exc}") from None
+        if not token:
+            raise ClusterError(f"cluster.token_file: {path} is empty")
+        return token
 
 
 @dataclass
@@ -326,6 +409,7 @@ class Config:
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     env: list[EnvConfig] = field(default_factory=list)
     # Where the config came from ("<built-in defaults>" when no file was found); not a key.
     source: str = field(default="<built-in defaults>", compare=False, metadata={"internal": True})
@@ -344,6 +428,11 @@ class Config:
     @property
     def control_socket(self) -> Path:
         return self.runtime_dir / CONTROL_SOCKET_NAME
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """``[trainer] checkpoint_dir``, else ``{state_dir}/checkpoints``."""
+        return Path(self.trainer.checkpoint_dir) if self.trainer.checkpoint_dir else self.state_dir / "checkpoints"
 
     @property
     def api_url(self) -> str:
@@ -510,16 +599,18 @@ def parse_toml(text: str, *, source: str = "<string>") -> Config:
     return parse_config(raw, source=source)
 
 
+_SECTIONS = ("daemon", "api", "inference", "trainer", "wandb", "cluster", "env")
+
+
 def parse_config(raw: Mapping[str, Any], *, source: str = "<dict>") -> Config:
     """Build a validated :class:`Config` from a parsed TOML mapping; raises ConfigError."""
     problems: list[Problem] = []
     sections: dict[str, Any] = {}
     for name in raw:
-        if name not in ("daemon", "api", "inference", "trainer", "wandb", "env"):
-            problems.append(Problem(name, "unknown section" + _suggest(name, ("daemon", "api", "inference",
-                                                                                 "trainer", "wandb", "env"))))
+        if name not in _SECTIONS:
+            problems.append(Problem(name, "unknown section" + _suggest(name, _SECTIONS)))
     for name, cls in (("daemon", DaemonConfig), ("api", ApiConfig), ("inference", InferenceConfig),
-                      ("trainer", TrainerConfig), ("wandb", WandbConfig)):
+                      ("trainer", TrainerConfig), ("wandb", WandbConfig), ("cluster", ClusterConfig)):
         value = raw.get(name, {})
         if not isinstance(value, Mapping):
             problems.append(Problem(name, f"must be a table, got {_type_name(value)}"))
@@ -536,7 +627,8 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<dict>") -> Config:
             continue
         envs.append(_build(EnvConfig, item, f"env[{i}]", problems))
     cfg = Config(daemon=sections["daemon"], api=sections["api"], inference=sections["inference"],
-                 trainer=sections["trainer"], wandb=sections["wandb"], env=envs, source=source)
+                 trainer=sections["trainer"], wandb=sections["wandb"], cluster=sections["cluster"], env=envs,
+                 source=source)
     problems.extend(_cross_checks(cfg, raw))
     if problems:
         raise ConfigError(problems, source)
@@ -794,6 +886,10 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
             claim(inf.port + r, "inference.port", f"inference replica {r}: port + {r}" if inf.replicas > 1 else "")
     if cfg.daemon.metrics_port:
         claim(cfg.daemon.metrics_port, "daemon.metrics_port")
+    if cfg.cluster.enabled:
+        claim(cfg.cluster.port, "cluster.port")
+        claim(cfg.cluster.port + 1, "cluster.port", "the trainer ranks' c10d store: port + 1")
+    p.extend(_cluster_checks(cfg))
     # environments
     seen: dict[str, int] = {}
     replica_names: set[str] = set()
@@ -863,6 +959,53 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
         except KeyError:
             p.append(Problem("daemon.socket_group", f"no such group {cfg.daemon.socket_group!r}"))
     return p
+
+
+def _cluster_checks(cfg: Config) -> list[Problem]:
+    """The ``[cluster]`` rules of SPEC §12.3 (ports are claimed with the others)."""
+    c = cfg.cluster
+    p: list[Problem] = []
+    if c.node_rank >= 0 or c.enabled:
+        try:
+            c.resolve_node_rank()
+        except ClusterError as exc:
+            p.append(Problem("cluster.node_rank", str(exc)))
+    if c.head and ("://" in c.head or (":" in c.head and not _is_ip(c.head))):
+        p.append(Problem("cluster.head", f"must be a host name or address without a scheme or port (the port is "
+                                         f"cluster.port), got {c.head!r}"))
+    if not c.enabled:
+        return p
+    if not c.head:
+        p.append(Problem("cluster.head", "required when cluster.nodes > 1 (the host of node 0)"))
+    if not c.token_file:
+        p.append(Problem("cluster.token_file", "required when cluster.nodes > 1 (a file holding the shared "
+                                               "secret, the same on every node)"))
+    else:
+        try:
+            c.read_token()
+        except ClusterError as exc:
+            p.append(Problem("cluster.token_file", str(exc).removeprefix("cluster.token_file: ")))
+    if cfg.trainer.enabled and not cfg.trainer.checkpoint_dir:
+        p.append(Problem("trainer.checkpoint_dir", "required when cluster.nodes > 1: a directory every node sees "
+                                                   "(NFS, Lustre, ...), where every trainer rank writes its shard"))
+    if c.head:
+        head_loopback = is_loopback(c.head)
+        for name, sec in (("api", cfg.api), ("inference", cfg.inference)):
+            if sec.enabled and is_loopback(sec.host) and not head_loopback:
+                p.append(Problem(f"{name}.host", f"{sec.host!r} is loopback, which the other nodes cannot reach; "
+                                                 f"a loopback host is valid only when cluster.head is loopback "
+                                                 f"(one machine), and cluster.head = {c.head!r}"))
+    return p
+
+
+def _is_ip(host: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return False
+    return True
 
 
 _PLACEHOLDER_RE = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -957,6 +1100,7 @@ def _render(cfg: Config, *, comments: bool, resolved: bool) -> str:
     section("[inference.vllm]", cfg.inference.vllm, data["inference"]["vllm"])
     section("[trainer]", cfg.trainer, data["trainer"])
     section("[wandb]", cfg.wandb, data["wandb"])
+    section("[cluster]", cfg.cluster, data["cluster"])
     for e, ed in zip(cfg.env, data["env"], strict=False):
         section("[[env]]", e, ed)
     return "\n".join(out).rstrip() + "\n"
@@ -1069,6 +1213,7 @@ def json_schema() -> dict[str, Any]:
             "inference": inference,
             "trainer": _section_schema(TrainerConfig),
             "wandb": _section_schema(WandbConfig),
+            "cluster": _section_schema(ClusterConfig),
             "env": {"description": "The environments ([[env]]), each run as supervised children.",
                     "type": "array", "items": env},
         },

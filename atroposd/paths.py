@@ -23,14 +23,13 @@ class Paths:
     runtime_dir_is_fallback: bool = False
     #: ``daemon.socket_group``: its members may reach the control socket (runtime_dir 0710)
     socket_group: str = ""
-    #: ``trainer.checkpoint_dir`` (None: ``state_dir/checkpoints``)
+    #: ``[trainer] checkpoint_dir`` when set (None: ``{state_dir}/checkpoints``)
     checkpoint_dir: Path | None = None
 
     @classmethod
     def of(cls, cfg: Config) -> Paths:
         return cls(cfg.runtime_dir, cfg.state_dir, cfg.runtime_dir == fallback_runtime_dir(),
-                   cfg.daemon.socket_group,
-                   Path(cfg.trainer.checkpoint_dir) if cfg.trainer.checkpoint_dir else None)
+                   cfg.daemon.socket_group, cfg.checkpoint_dir)
 
     def ensure_runtime_dir(self) -> None:
         """Create or check runtime_dir before anything is put there (see ``ensure_runtime_dir``)."""

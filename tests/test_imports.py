@@ -6,7 +6,7 @@ inside functions, under ``TYPE_CHECKING``. The layers, top to bottom:
 0. ``cli``, ``__main__``
 1. ``commands``, ``plot``, ``client`` (the library for trainers that run elsewhere)
 2. ``daemon`` (module or package)
-3. ``process/``, ``control``, ``systemd``
+3. ``process/``, ``control``, ``systemd``, ``cluster/`` (the endpoint between the nodes of a job)
 4. the child programs and the trainer: ``api/``, ``inference/``, ``envs/``, ``trainer/``
 5. ``weights/``, ``models/``
 6. ``config``, ``paths``, ``pids``, ``logs`` and the other shared leaves at the top level
@@ -37,7 +37,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli", "__main__"),
     ("commands", "plot", "client"),
     ("daemon",),
-    ("process", "control", "systemd"),
+    ("process", "control", "systemd", "cluster"),
     ("api", "inference", "envs", "trainer"),
     ("weights", "models"),
 )

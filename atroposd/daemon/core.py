@@ -221,6 +221,12 @@ class Daemon:
                           tokenizer=self.tokenizer_path, base_env=self._base_env, board=self.board)
 
     async def _start_all(self) -> None:
+        if self.cfg.cluster.nodes > 1:
+            # The membership, launch files and checks of several machines exist (atroposd/cluster);
+            # the daemon does not run a node of a multi-node job yet: refuse rather than run a
+            # whole job of its own on every node.
+            raise StartFailed(f"cluster.nodes = {self.cfg.cluster.nodes}: this atroposd runs one node only; "
+                              "set cluster.nodes = 1 (see docs/CLUSTER.md)")
         if self.cfg.inference.enabled or self.cfg.trainer.enabled:
             await self._resolve_model()
             self._write_child_config()

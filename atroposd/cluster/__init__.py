@@ -1,0 +1,28 @@
+"""Several machines (SPEC §12.3): the head's cluster endpoint and a node's client.
+
+One atroposd runs on each machine. Node 0, the head, opens its endpoint (``ClusterHead``)
+before it starts any child; every other node joins it (``ClusterNode``), heartbeats, reports
+its components, and learns from it when the job stops. Every message is signed with the
+shared cluster token (``wire``); the token also gives the trainer ranks' c10d store prefix
+(``store_secret``).
+"""
+
+from atroposd.cluster.head import ClusterHead, ClusterStartError, heartbeat_interval
+from atroposd.cluster.membership import JOINING, LOST, READY, STATES, replicas_ready
+from atroposd.cluster.node import ClusterJoinTimeout, ClusterNode, ClusterRefused
+from atroposd.cluster.wire import store_secret
+
+__all__ = [
+    "JOINING",
+    "LOST",
+    "READY",
+    "STATES",
+    "ClusterHead",
+    "ClusterJoinTimeout",
+    "ClusterNode",
+    "ClusterRefused",
+    "ClusterStartError",
+    "heartbeat_interval",
+    "replicas_ready",
+    "store_secret",
+]

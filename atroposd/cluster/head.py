@@ -1,0 +1,361 @@
+"""The head's cluster endpoint (node 0): joins, heartbeats, reports, stop (SPEC §12.3).
+
+The head opens it before it starts any child (``start``). A node connects, joins with its
+node rank, host and units, then sends a heartbeat every ``heartbeat_interval`` (each one is
+answered) and a report whenever its components change; the head answers ``stop`` to it when
+the job stops (``stop_all``). Every message is signed with the cluster token (``wire``); a
+peer with another token is refused with a reason it can log, and the head logs it as well.
+
+A node is lost when its heartbeats stop for ``heartbeat_timeout`` (its connection is then
+dropped, so it must join again), when its connection closes, or when it leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from atroposd.cluster.membership import LOST, Member, Membership, replicas_ready
+from atroposd.cluster.wire import (
+    MAX_MESSAGE_BYTES,
+    BadMessage,
+    Channel,
+    WrongToken,
+    auth_key,
+    store_secret,
+)
+from atroposd.logs import get_logger
+from atroposd.net import is_loopback
+
+if TYPE_CHECKING:
+    from atroposd.config import ClusterConfig, Config
+
+__all__ = ["ClusterHead", "ClusterStartError", "JoinCheck", "heartbeat_interval"]
+
+log = get_logger("atroposd.cluster")
+
+# A join the daemon wants to refuse (ranks per node differ, ...): the reason, or None to accept.
+JoinCheck = Callable[[Mapping[str, Any]], "str | None"]
+
+
+def heartbeat_interval(heartbeat_timeout: float) -> float:
+    """Seconds between heartbeats: six fit in ``heartbeat_timeout`` (bounded to 0.05..5 s)."""
+    return min(5.0, max(0.05, heartbeat_timeout / 6))
+
+
+class ClusterStartError(Exception):
+    """The endpoint could not be opened (the port is taken, the address is not ours)."""
+
+
+class ClusterHead:
+    """Node 0's endpoint. ``start`` → (children run) → ``stop_all`` → ``close``."""
+
+    def __init__(self, cfg: ClusterConfig, *, token: bytes, host: str | None = None,
+                 bind_host: str | None = None, units: Mapping[str, Any] | None = None,
+                 instance: str | None = None, check_join: JoinCheck | None = None,
+                 on_change: Callable[[int, str, str, str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if cfg.nodes < 1:
+            raise ValueError("cluster.nodes must be ≥ 1")
+        self.cfg = cfg
+        self._key = auth_key(token)
+        self.store_secret = store_secret(token)
+        self.host = host or socket.gethostname()
+        # A loopback head binds loopback only (one machine as several nodes); else every interface.
+        self.bind_host = bind_host if bind_host is not None else (cfg.head if is_loopback(cfg.head) else None)
+        self.instance = instance or uuid.uuid4().hex
+        self.interval = heartbeat_interval(cfg.heartbeat_timeout)
+        self.check_join = check_join
+        self.membership = Membership(cfg.nodes, cfg.heartbeat_timeout, clock=clock, on_change=self._changed)
+        self._user_on_change = on_change
+        self._server: asyncio.base_events.Server | None = None
+        self._watch: asyncio.Task[None] | None = None
+        self._channels: dict[int, Channel] = {}  # the admitted connection of each node
+        self._open: set[Channel] = set()  # every connection, admitted or not
+        self._handlers: set[asyncio.Task[Any]] = set()
+        self._stopped: dict[int, asyncio.Event] = {}
+        self._stopping = False
+        self._closing = False
+        self._changed_event = asyncio.Event()
+        self.membership.join(0, host=self.host, pid=os.getpid(), instance=self.instance, units=units,
+                             ready=False)
+
+    @classmethod
+    def from_config(cls, cfg: Config, **kwargs: Any) -> ClusterHead:
+        """The head of ``cfg``: its token read from ``[cluster] token_file`` (ClusterError if not)."""
+        return cls(cfg.cluster, token=cfg.cluster.read_token(), **kwargs)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def port(self) -> int:
+        """The port bound (``cluster.port``)."""
+        if self._server is None or not self._server.sockets:
+            return self.cfg.port
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def start(self) -> None:
+        """Open the endpoint; raises ClusterStartError naming the port when it cannot."""
+        where = f"{self.bind_host or '*'}:{self.cfg.port}"
+        try:
+            self._server = await asyncio.start_server(self._serve, self.bind_host, self.cfg.port,
+                                                      limit=MAX_MESSAGE_BYTES, reuse_address=True)
+        except OSError as exc:
+            why = "already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+            raise ClusterStartError(f"cluster.port: cannot open the cluster endpoint on {where}: {why}") from None
+        self._watch = asyncio.create_task(self._watchdog(), name="cluster-watchdog")
+        log.info("cluster endpoint open", address=where, nodes=self.cfg.nodes, instance=self.instance)
+
+    async def close(self) -> None:
+        """Close the endpoint and every connection (nodes then find their head gone)."""
+        self._closing = True
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+            self._watch = None
+        if self._server is not None:
+            self._server.close()
+        for ch in list(self._open):
+            ch.abort()
+        if self._handlers:
+            _, stuck = await asyncio.wait(list(self._handlers), timeout=2.0)
+            for task in stuck:
+                task.cancel()
+            if stuck:
+                await asyncio.wait(stuck)
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+
+    # ------------------------------------------------------------------ what the daemon asks
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """The ``nodes`` of ``status --json``: node_rank, host, state, components, ... per node."""
+        return self.membership.view()
+
+    def report(self, components: Sequence[Mapping[str, Any]], ready: bool | None = None) -> None:
+        """The head's own components (node 0's row); ready by default once its replicas are."""
+        self.membership.report(0, components, replicas_ready(components) if ready is None else ready)
+
+    async def wait_all_ready(self, timeout: float) -> bool:
+        """Wait until every node is ``ready`` (node 0 included); False after ``timeout``."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            self._changed_event.clear()  # before the check: a change after it wakes the wait
+            if self.membership.all_ready():
+                return True
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return False
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed_event.wait(), left)
+
+    async def stop_all(self, timeout: float) -> dict[int, str]:
+        """Ask every connected node to stop, and wait (up to ``timeout``) until each says its
+        processes are gone. Joins are refused from now on. Returns the nodes that did not
+        confirm, each with the reason (empty: every node confirmed, or none was connected)."""
+        self._stopping = True
+        targets = {r: ch for r, ch in self._channels.items() if self.membership.members[r].state != LOST}
+        for r, ch in targets.items():
+            self._stopped.setdefault(r, asyncio.Event())
+            try:
+                await asyncio.wait_for(ch.send({"t": "stop"}), self.interval * 2)
+            except (OSError, asyncio.TimeoutError):
+                pass  # its connection is gone: the wait below sees it lost
+        log.info("asked the nodes to stop", nodes=sorted(targets))
+        deadline = asyncio.get_running_loop().time() + timeout
+
+        def pending() -> list[int]:
+            return [r for r in targets if not self._stopped[r].is_set() and
+                    self.membership.members[r].state != LOST]
+
+        while True:
+            self._changed_event.clear()
+            left = deadline - asyncio.get_running_loop().time()
+            if not pending() or left <= 0:
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed_event.wait(), min(left, self.interval))
+        out: dict[int, str] = {}
+        for r in targets:
+            if self._stopped[r].is_set():
+                continue
+            m = self.membership.members[r]
+            out[r] = (f"lost before it confirmed ({m.reason})" if m.state == LOST else
+                      f"did not confirm within {timeout:g} s")
+        if out:
+            log.warning("nodes did not confirm their stop", nodes=out)
+        return out
+
+    # ------------------------------------------------------------------ internals
+
+    def _changed(self, rank: int, old: str, new: str, reason: str) -> None:
+        log.info("cluster node state", node_rank=rank, state=new, was=old, reason=reason or None)
+        self._changed_event.set()
+        if self._user_on_change is not None:
+            self._user_on_change(rank, old, new, reason)
+
+    def _lose(self, rank: int, reason: str, ch: Channel | None = None) -> None:
+        if ch is not None and self._channels.get(rank) is not ch:
+            return  # an older connection of a node that joined again
+        if self._closing:  # the endpoint closes: its connections end, the nodes are not lost for that
+            self._channels.pop(rank, None)
+            return
+        self.membership.lose(rank, reason)
+        self._changed_event.set()
+        old = self._channels.pop(rank, None)
+        if old is not None:
+            old.abort()
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval / 2)
+            for rank in self.membership.silent():
+                self._lose(rank, f"no heartbeat for {self.cfg.heartbeat_timeout:g} s")
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        ch = Channel(reader, writer, self._key)
+        self._open.add(ch)
+        try:
+            await self._session(ch)
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        except asyncio.CancelledError:
+            pass  # close() ends the handlers; asyncio's server owns this task and must not see it
+        finally:
+            self._handlers.discard(task)
+            self._open.discard(ch)
+            ch.abort()
+            for rank in [r for r, c in self._channels.items() if c is ch]:
+                self._lose(rank, "connection closed", ch)  # it broke on a send: the node went away
+
+    async def _refuse(self, ch: Channel, reason: str, *, fatal: bool = True, signed: bool = True) -> None:
+        msg = {"t": "refused", "reason": reason, "fatal": fatal}
+        with contextlib.suppress(OSError, asyncio.TimeoutError):
+            await asyncio.wait_for(ch.send(msg) if signed else ch.send_unsigned(msg), 2.0)
+
+    async def _session(self, ch: Channel) -> None:
+        try:
+            first = await asyncio.wait_for(ch.recv(), self.cfg.heartbeat_timeout)
+        except asyncio.TimeoutError:
+            return
+        except WrongToken:
+            log.warning("refused a node: its messages are not signed with this cluster's token", peer=ch.peer)
+            await self._refuse(ch, "wrong cluster token: this node's cluster.token_file does not hold the "
+                                   "head's secret", signed=False)
+            return
+        except BadMessage as exc:
+            log.warning("refused a connection that does not speak the cluster protocol", peer=ch.peer,
+                        error=str(exc))
+            await self._refuse(ch, f"not a message of the cluster protocol ({exc})", signed=False)
+            return
+        if first is None:
+            return
+        rank = await self._admit(ch, first)
+        if rank is None:
+            return
+        while True:
+            try:
+                msg = await ch.recv()
+            except BadMessage as exc:
+                log.warning("dropping a node's connection: bad message", node_rank=rank, error=str(exc))
+                self._lose(rank, f"bad message: {exc}", ch)
+                return
+            if msg is None:
+                if self._stopped.get(rank) is not None and self._stopped[rank].is_set():
+                    self._lose(rank, "stopped", ch)
+                else:
+                    self._lose(rank, "connection closed", ch)
+                return
+            if self._channels.get(rank) is not ch:
+                return  # replaced by a newer connection, or lost: this one is done
+            self.membership.seen(rank)
+            kind = msg.get("t")
+            if kind == "beat":
+                await ch.send({"t": "ack", "seq": msg.get("seq")})
+            elif kind == "report":
+                comps = msg.get("components")
+                comps = [c for c in comps if isinstance(c, dict)] if isinstance(comps, list) else []
+                self.membership.report(rank, comps, bool(msg.get("ready")))
+            elif kind == "stopped":
+                self._stopped.setdefault(rank, asyncio.Event()).set()
+                self._changed_event.set()
+                log.info("node stopped", node_rank=rank)
+            elif kind == "leave":
+                self._lose(rank, f"left: {msg.get('reason') or 'stopped on its own'}", ch)
+                return
+
+    async def _admit(self, ch: Channel, msg: Mapping[str, Any]) -> int | None:
+        """Check a join; register the node and answer ``welcome``, or refuse. Its rank or None."""
+        if msg.get("t") != "join":
+            await self._refuse(ch, f"expected a join, got {msg.get('t')!r}")
+            return None
+        rank = msg.get("node_rank")
+        host = str(msg.get("host") or "")
+        instance = str(msg.get("instance") or "")
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank < self.cfg.nodes:
+            reason = (f"node_rank {rank!r} is the head's" if rank == 0 else
+                      f"node_rank {rank!r} is not one of 1..{self.cfg.nodes - 1} (cluster.nodes = {self.cfg.nodes})")
+            log.warning("refused a node", peer=ch.peer, reason=reason)
+            await self._refuse(ch, reason)
+            return None
+        if self._stopping:
+            await self._refuse(ch, "the job is stopping")
+            return None
+        if self.check_join is not None:
+            problem = self.check_join(msg)
+            if problem:
+                log.warning("refused a node", node_rank=rank, host=host, reason=problem)
+                await self._refuse(ch, problem)
+                return None
+        m: Member = self.membership.members[rank]
+        held = self._channels.get(rank)
+        if held is not None and m.state != LOST and m.instance != instance and m.host != host:
+            reason = (f"node_rank {rank} is already held by {m.host} (pid {m.pid}), which is alive; "
+                      "check cluster.node_rank on both")
+            log.warning("refused a node", node_rank=rank, host=host, reason=reason)
+            await self._refuse(ch, reason)
+            return None
+        if msg.get("rejoin") and msg.get("head_instance") != self.instance:
+            await self._refuse(ch, "this head restarted since the node joined (another instance): the node must "
+                                   "restart and join again")
+            return None
+        if msg.get("rejoin") and m.joins and m.instance != instance:
+            reason = f"node_rank {rank} was taken over by a newer start of this node (pid {m.pid})"
+            log.warning("refused a node", node_rank=rank, host=host, reason=reason)
+            await self._refuse(ch, reason)
+            return None
+        if held is not None:
+            # The same node, restarted (a new instance: the old one is told) or reconnected.
+            self._channels.pop(rank, None)
+            if m.instance != instance:
+                with contextlib.suppress(OSError, asyncio.TimeoutError):
+                    await asyncio.wait_for(held.send({"t": "replaced", "by_pid": msg.get("pid")}), 1.0)
+            held.abort()
+        comps = msg.get("components")
+        comps = [c for c in comps if isinstance(c, dict)] if isinstance(comps, list) else []
+        units = msg.get("units") if isinstance(msg.get("units"), dict) else {}
+        pid = msg.get("pid") if isinstance(msg.get("pid"), int) else None
+        peer = ch.writer.get_extra_info("peername")
+        address = peer[0] if isinstance(peer, tuple) else ""
+        again = m.joins > 0 and m.instance == instance
+        self._channels[rank] = ch
+        self.membership.join(rank, host=host, address=address, pid=pid, instance=instance, units=units,
+                             components=comps, ready=bool(msg.get("ready")))
+        self._changed_event.set()
+        await ch.send({"t": "welcome", "head_instance": self.instance, "head_host": self.host,
+                       "nodes": self.cfg.nodes, "interval": self.interval})
+        log.info("node reconnected" if again else "node joined", node_rank=rank, host=host, address=address,
+                 pid=pid, units=units)
+        return rank

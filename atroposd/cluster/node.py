@@ -1,0 +1,356 @@
+"""A node's side of the cluster endpoint (node_rank > 0; SPEC §12.3).
+
+``join`` waits for the head up to ``join_timeout`` (progress logged), then joins with the
+node's rank, host and units; a refusal (wrong token, a rank held by another machine, a job
+that is stopping) raises ClusterRefused with the head's reason. ``run`` then heartbeats, sends
+the node's components whenever ``report`` changes them, and returns when the job is over for
+this node:
+
+- ``"stopped"``: the head asked every node to stop; ``on_stop`` ran (the daemon stops its
+  children there) and the head was told once it returned;
+- ``"lost"``: nothing came from the head for ``give_up_after`` (``heartbeat_timeout`` less one
+  heartbeat interval, so that the daemon's children are stopped within ``heartbeat_timeout``),
+  or it restarted, or it refused a rejoin; ``on_lost_head`` ran first — the daemon stops its children there and
+  exits 1, so that its launcher starts it again and it rejoins;
+- ``"left"``: this node stopped on its own (``leave``).
+
+A connection that breaks is re-established within ``give_up_after`` when the same head
+instance is still there; a head that restarted meanwhile counts as lost (this node's place in
+the old trainer group is gone with it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import os
+import socket
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from atroposd.cluster.head import heartbeat_interval
+from atroposd.cluster.membership import replicas_ready
+from atroposd.cluster.wire import (
+    MAX_MESSAGE_BYTES,
+    BadMessage,
+    Channel,
+    WrongToken,
+    auth_key,
+    store_secret,
+)
+from atroposd.logs import get_logger
+
+if TYPE_CHECKING:
+    from atroposd.config import ClusterConfig, Config
+
+__all__ = ["LEFT", "LOST", "STOPPED", "ClusterJoinTimeout", "ClusterNode", "ClusterRefused"]
+
+log = get_logger("atroposd.cluster")
+
+STOPPED, LOST, LEFT = "stopped", "lost", "left"
+_JOIN_LOG_EVERY = 10.0
+
+Callback = Callable[..., "Awaitable[None] | None"]
+
+
+class ClusterRefused(Exception):
+    """The head turned this node away; the message is its reason."""
+
+
+class ClusterJoinTimeout(Exception):
+    """The head did not answer within ``join_timeout``."""
+
+
+async def _call(cb: Callback | None, *args: Any) -> None:
+    if cb is None:
+        return
+    result = cb(*args)
+    if inspect.isawaitable(result):
+        await result
+
+
+class ClusterNode:
+    def __init__(self, cfg: ClusterConfig, *, token: bytes, node_rank: int, host: str | None = None,
+                 units: Mapping[str, Any] | None = None, instance: str | None = None,
+                 on_lost_head: Callable[[str], Awaitable[None] | None] | None = None,
+                 on_stop: Callable[[], Awaitable[None] | None] | None = None) -> None:
+        if not cfg.head:
+            raise ValueError("cluster.head is required for a node to join")
+        if not 0 < node_rank < cfg.nodes:
+            raise ValueError(f"node_rank {node_rank} is not one of 1..{cfg.nodes - 1}")
+        self.cfg, self.node_rank = cfg, node_rank
+        self._key = auth_key(token)
+        self.store_secret = store_secret(token)
+        self.host = host or socket.gethostname()
+        self.units = dict(units or {})
+        self.instance = instance or uuid.uuid4().hex
+        self.on_lost_head, self.on_stop = on_lost_head, on_stop
+        self.interval = heartbeat_interval(cfg.heartbeat_timeout)
+        # The head finds a node lost after heartbeat_timeout; a node gives up on its head one
+        # interval earlier, which leaves that interval to stop its children (SPEC §12.3: a node
+        # cut off from its head is gone within heartbeat_timeout).
+        self.give_up_after = cfg.heartbeat_timeout - self.interval
+        self.head_instance = ""
+        self._ch: Channel | None = None
+        self._components: list[dict[str, Any]] = []
+        self._ready = False
+        self._dirty = False
+        self._wake = asyncio.Event()
+        self._last_heard = 0.0
+        self._lost_reason = ""
+        self._stop_task: asyncio.Task[None] | None = None
+        self._stop_done = False
+        self._leaving = False
+        self._seq = 0
+
+    @classmethod
+    def from_config(cls, cfg: Config, **kwargs: Any) -> ClusterNode:
+        """The node of ``cfg``: rank resolved (ClusterError if it cannot be), token read."""
+        c = cfg.cluster
+        return cls(c, token=c.read_token(), node_rank=c.resolve_node_rank(), **kwargs)
+
+    @property
+    def head_address(self) -> str:
+        return f"{self.cfg.head}:{self.cfg.port}"
+
+    def _loop_time(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    # ------------------------------------------------------------------ joining
+
+    def _join_msg(self) -> dict[str, Any]:
+        return {"t": "join", "node_rank": self.node_rank, "host": self.host, "pid": os.getpid(),
+                "instance": self.instance, "units": self.units, "components": self._components,
+                "ready": self._ready, "rejoin": bool(self.head_instance), "head_instance": self.head_instance}
+
+    async def _connect(self, timeout: float) -> Channel:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(self.cfg.head, self.cfg.port, limit=MAX_MESSAGE_BYTES), timeout)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return Channel(reader, writer, self._key)
+
+    async def _handshake(self, ch: Channel) -> dict[str, Any] | None:
+        """Send the join; the head's welcome, or None when it closed without one (retry).
+        Raises ClusterRefused on a fatal refusal."""
+        await ch.send(self._join_msg())
+        try:
+            msg = await asyncio.wait_for(ch.recv(allow_unsigned_refusal=True), self.cfg.heartbeat_timeout)
+        except WrongToken:
+            raise ClusterRefused(f"the head at {self.head_address} signs with another cluster token "
+                                 "(cluster.token_file differs between the nodes)") from None
+        if msg is None:
+            return None
+        if msg.get("t") == "refused":
+            reason = str(msg.get("reason") or "no reason given")
+            if msg.get("fatal", True):
+                raise ClusterRefused(f"the head at {self.head_address} refused node {self.node_rank}: {reason}")
+            log.info("the head asked this node to retry its join", head=self.head_address, reason=reason)
+            return None
+        if msg.get("t") != "welcome":
+            raise BadMessage(f"expected welcome, got {msg.get('t')!r}")
+        return msg
+
+    async def join(self) -> dict[str, Any]:
+        """Wait for the head (up to ``join_timeout``) and join; returns the head's welcome.
+        Raises ClusterRefused (logged) or ClusterJoinTimeout."""
+        start = self._loop_time()
+        deadline = start + self.cfg.join_timeout
+        backoff, last_log = 0.1, -float("inf")
+        while True:
+            left = deadline - self._loop_time()
+            if left <= 0:
+                raise ClusterJoinTimeout(f"the head at {self.head_address} did not answer within "
+                                         f"cluster.join_timeout ({self.cfg.join_timeout:g} s)")
+            error = ""
+            try:
+                ch = await self._connect(min(left, 5.0))
+            except (OSError, asyncio.TimeoutError) as exc:
+                error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            else:
+                try:
+                    welcome = await self._handshake(ch)
+                except ClusterRefused as exc:
+                    await ch.close()
+                    log.error("refused by the head", head=self.head_address, node_rank=self.node_rank,
+                              reason=str(exc))
+                    raise
+                except (OSError, BadMessage, asyncio.TimeoutError) as exc:
+                    await ch.close()
+                    error = f"{type(exc).__name__}: {exc}"
+                else:
+                    if welcome is not None:
+                        self._welcomed(ch, welcome)
+                        log.info("joined the cluster", head=self.head_address, node_rank=self.node_rank,
+                                 waited_s=round(self._loop_time() - start, 3))
+                        return welcome
+                    await ch.close()
+                    error = "the head closed the connection"
+            now = self._loop_time()
+            if now - last_log >= _JOIN_LOG_EVERY:
+                last_log = now
+                log.info("waiting for the head", head=self.head_address, node_rank=self.node_rank,
+                         waited_s=round(now - start, 1), join_timeout=self.cfg.join_timeout, error=error)
+            await asyncio.sleep(min(backoff, max(0.0, deadline - now)))
+            backoff = min(backoff * 2, 2.0)
+
+    def _welcomed(self, ch: Channel, welcome: Mapping[str, Any]) -> None:
+        self._ch = ch
+        self.head_instance = str(welcome.get("head_instance") or "")
+        self._last_heard = self._loop_time()
+        self._dirty = False
+
+    # ------------------------------------------------------------------ running
+
+    def report(self, components: Sequence[Mapping[str, Any]], ready: bool | None = None) -> None:
+        """This node's components (as in ``status --json``) for the head's ``nodes`` view; the
+        node is ready once ``ready`` (default: once every inference replica is ``ready``)."""
+        self._components = [dict(c) for c in components]
+        self._ready = replicas_ready(components) if ready is None else bool(ready)
+        self._dirty = True
+        self._wake.set()
+
+    async def run(self) -> str:
+        """Heartbeat until the job ends for this node: ``"stopped"``, ``"lost"`` (after
+        ``on_lost_head`` ran) or ``"left"``. Call after ``join``."""
+        if self._ch is None:
+            raise RuntimeError("join() first")
+        beats = asyncio.create_task(self._beat_loop(), name="cluster-heartbeat")
+        try:
+            outcome = await self._receive_loop()
+        finally:
+            beats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beats
+            if self._ch is not None:
+                await self._ch.close()
+        if outcome == LOST:
+            log.error("lost the head", head=self.head_address, node_rank=self.node_rank, reason=self._lost_reason)
+            await _call(self.on_lost_head, self._lost_reason)
+        return outcome
+
+    async def leave(self, reason: str = "stopped on its own") -> None:
+        """Tell the head this node stops on its own (its ranks leave); ``run`` returns ``"left"``."""
+        self._leaving = True
+        ch = self._ch
+        if ch is not None:
+            with contextlib.suppress(OSError, asyncio.TimeoutError):
+                await asyncio.wait_for(ch.send({"t": "leave", "reason": reason}), self.interval * 2)
+            await ch.close()
+
+    def _lost(self, reason: str) -> None:
+        if not self._lost_reason:
+            self._lost_reason = reason
+        if self._ch is not None:
+            self._ch.abort()
+
+    async def _beat_loop(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval)
+            self._wake.clear()
+            if self._stop_task is None and not self._leaving and \
+                    self._loop_time() - self._last_heard > self.give_up_after:
+                self._lost(f"nothing from the head at {self.head_address} for {self.give_up_after:g} s "
+                           f"(cluster.heartbeat_timeout = {self.cfg.heartbeat_timeout:g} s)")
+                return
+            ch = self._ch
+            if ch is None or self._leaving:
+                continue
+            try:
+                if self._dirty:
+                    self._dirty = False
+                    await asyncio.wait_for(ch.send({"t": "report", "components": self._components,
+                                                    "ready": self._ready}), self.interval)
+                self._seq += 1
+                await asyncio.wait_for(ch.send({"t": "beat", "seq": self._seq}), self.interval)
+            except (OSError, asyncio.TimeoutError):
+                pass  # a broken connection is the receiver's to notice; silence is checked above
+
+    async def _receive_loop(self) -> str:
+        while True:
+            ch = self._ch
+            assert ch is not None
+            try:
+                msg = await ch.recv()
+            except BadMessage as exc:
+                self._lost(f"the head sent a bad message: {exc}")
+                msg = None
+            except OSError:
+                msg = None
+            if msg is not None:
+                self._last_heard = self._loop_time()
+                if msg.get("t") == "replaced":
+                    self._lost(f"a newer start of this node (pid {msg.get('by_pid')}) joined in its place")
+                elif msg.get("t") == "stop" and self._stop_task is None:
+                    log.info("the head asked this node to stop", node_rank=self.node_rank)
+                    self._stop_task = asyncio.create_task(self._stop(), name="cluster-stop")
+                continue
+            # the connection ended
+            if self._stop_task is not None:
+                await self._stop_task
+                return STOPPED
+            if self._leaving:
+                return LEFT
+            if self._lost_reason or not await self._reconnect():
+                return LOST
+
+    async def _stop(self) -> None:
+        try:
+            await _call(self.on_stop)
+        finally:
+            self._stop_done = True
+            ch = self._ch
+            if ch is not None:
+                with contextlib.suppress(OSError, asyncio.TimeoutError):
+                    await asyncio.wait_for(ch.send({"t": "stopped"}), self.interval * 2)
+                await ch.close()
+
+    async def _reconnect(self) -> bool:
+        """Join the same head again before ``give_up_after`` runs out; False (the reason set)
+        when it cannot, or when the head is another instance now."""
+        if self._ch is not None:
+            self._ch.abort()
+            self._ch = None
+        deadline = self._last_heard + self.give_up_after
+        log.warning("connection to the head broken; reconnecting", head=self.head_address,
+                    within_s=round(max(0.0, deadline - self._loop_time()), 1))
+        backoff = 0.05
+        while not self._lost_reason:
+            left = deadline - self._loop_time()
+            if left <= 0:
+                self._lost(f"the head at {self.head_address} has been unreachable for {self.give_up_after:g} s "
+                           f"(cluster.heartbeat_timeout = {self.cfg.heartbeat_timeout:g} s)")
+                return False
+            try:
+                ch = await self._connect(min(left, 2.0))
+            except (OSError, asyncio.TimeoutError):
+                await asyncio.sleep(min(backoff, max(0.0, deadline - self._loop_time())))
+                backoff = min(backoff * 2, 1.0)
+                continue
+            try:
+                welcome = await asyncio.wait_for(self._handshake(ch), max(0.01, deadline - self._loop_time()))
+            except ClusterRefused as exc:
+                await ch.close()
+                self._lost(f"rejoin refused: {exc}")
+                return False
+            except (OSError, BadMessage, asyncio.TimeoutError):
+                await ch.close()
+                continue
+            if welcome is None:
+                await ch.close()
+                continue
+            if str(welcome.get("head_instance") or "") != self.head_instance:
+                await ch.close()
+                self._lost(f"the head at {self.head_address} restarted (another instance): this node must "
+                           "restart and join again")
+                return False
+            self._welcomed(ch, welcome)
+            self._dirty = True
+            log.info("reconnected to the head", head=self.head_address, node_rank=self.node_rank)
+            return True
+        return False

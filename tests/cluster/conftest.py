@@ -1,0 +1,123 @@
+"""Fixtures for the cluster endpoint: a token file, a free port, peers in their own processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from atroposd.config import ClusterConfig
+from tests.support import REPO, free_port_pair, stop_process
+
+PEER = Path(__file__).resolve().parent.parent / "child_scripts" / "cluster_peer.py"
+HEARTBEAT_TIMEOUT = 2.0  # short for the tests, long enough for a busy 2-core machine
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "cluster.token"
+    path.write_text("the-shared-secret-of-this-job\n")
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture
+def cfg(token_file: Path) -> ClusterConfig:
+    return ClusterConfig(nodes=3, head="127.0.0.1", port=free_port_pair(), token_file=str(token_file),
+                         heartbeat_timeout=HEARTBEAT_TIMEOUT, join_timeout=30.0)
+
+
+class Peer:
+    """A ``cluster_peer.py`` process: its events (stdout JSON lines) collected by a thread, its
+    log (stderr) kept."""
+
+    def __init__(self, argv: list[str]) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen([sys.executable, str(PEER), *argv], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, env=env, start_new_session=True)
+        self.events: list[dict[str, Any]] = []
+        self.log: list[str] = []
+        self._threads = [threading.Thread(target=self._read_events, daemon=True),
+                         threading.Thread(target=self._read_log, daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def _read_events(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.events.append(json.loads(line))
+
+    def _read_log(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.log.append(line.decode(errors="replace"))
+
+    def event(self, name: str) -> dict[str, Any] | None:
+        return next((e for e in self.events if e["event"] == name), None)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def signal(self, sig: signal.Signals) -> None:
+        os.kill(self.proc.pid, sig)
+
+    def stop(self) -> int:
+        try:
+            os.kill(self.proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        code = stop_process(self.proc)
+        for t in self._threads:
+            t.join(5)
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        return code
+
+
+@pytest.fixture
+def peers() -> Iterator[Callable[..., Peer]]:
+    started: list[Peer] = []
+
+    def start(role: str, cfg: ClusterConfig, rank: int = 0, *, token_file: str | None = None,
+              child: bool = False, join_timeout: float | None = None) -> Peer:
+        argv = [role, cfg.head, str(cfg.port), token_file or cfg.token_file, str(cfg.nodes), str(rank),
+                str(cfg.heartbeat_timeout), str(join_timeout if join_timeout is not None else cfg.join_timeout)]
+        if child:
+            argv.append("--child")
+        p = Peer(argv)
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        p.stop()
+
+
+async def until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll ``predicate`` on the event loop until it is truthy; AssertionError after ``timeout``."""
+    import anyio
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await anyio.sleep(0.02)

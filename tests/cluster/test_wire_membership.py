@@ -1,0 +1,94 @@
+"""The cluster wire format (signed lines, derived secrets) and the membership bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+
+from atroposd.cluster.membership import JOINING, LOST, READY, Membership, replicas_ready
+from atroposd.cluster.wire import (
+    BadMessage,
+    WrongToken,
+    auth_key,
+    decode,
+    encode,
+    encode_unsigned,
+    store_secret,
+)
+
+
+def test_a_signed_message_verifies_only_under_its_token() -> None:
+    key = auth_key(b"secret-a")
+    line = encode(key, {"t": "beat", "seq": 3})
+    assert decode(key, line) == {"t": "beat", "seq": 3}
+    assert b"secret-a" not in line  # the token never travels
+    with pytest.raises(WrongToken):
+        decode(auth_key(b"secret-b"), line)
+    tampered = line.replace(b'"seq":3', b'"seq":4')
+    with pytest.raises(WrongToken):
+        decode(key, tampered)
+
+
+def test_only_a_refusal_may_be_unsigned_and_only_where_allowed() -> None:
+    key = auth_key(b"k")
+    refusal = encode_unsigned({"t": "refused", "reason": "wrong cluster token"})
+    assert decode(key, refusal, allow_unsigned_refusal=True)["reason"] == "wrong cluster token"
+    with pytest.raises(WrongToken):
+        decode(key, refusal)
+    with pytest.raises(WrongToken):
+        decode(key, encode_unsigned({"t": "stop"}), allow_unsigned_refusal=True)
+
+
+@pytest.mark.parametrize("line", [b"\n", b"nospace\n", b"- [1,2]\n", b"- {not json}\n",
+                                  b"GET / HTTP/1.0\r\n", b"abc {}\n"])
+def test_garbage_is_a_bad_message(line: bytes) -> None:
+    with pytest.raises(BadMessage):
+        decode(auth_key(b"k"), line, allow_unsigned_refusal=True)
+
+
+def test_store_secret_is_derived_from_the_token() -> None:
+    a, b = store_secret(b"token-1"), store_secret(b"token-2")
+    assert a == store_secret(b"token-1") and a != b
+    assert len(a) == 32 and int(a, 16) >= 0
+    assert a not in auth_key(b"token-1").hex() and "token-1" not in a
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_node_states_joining_ready_lost_and_the_view() -> None:
+    clock = Clock()
+    changes: list[tuple[int, str, str, str]] = []
+    m = Membership(3, 5.0, clock=clock, on_change=lambda *c: changes.append(c))
+    view = m.view()
+    assert [(r["node_rank"], r["state"], r["host"]) for r in view] == [(0, JOINING, None), (1, JOINING, None),
+                                                                       (2, JOINING, None)]
+    assert view[1]["reason"] == "not joined yet"
+    m.report(0, [{"name": "inference", "kind": "inference", "state": "ready"}], True)
+    replica = {"name": "inference", "kind": "inference", "state": "starting"}
+    m.join(1, host="n1", address="10.0.0.2", pid=42, instance="x", units={"trainer_ranks": 2},
+           components=[replica], ready=replicas_ready([replica]))
+    assert m.members[1].state == JOINING and m.members[1].reason.startswith("joined; waiting")
+    m.report(1, [{**replica, "state": "ready"}], True)
+    assert m.members[1].state == READY
+    clock.now += 4.0
+    assert m.silent() == []  # node 2 never joined: not silent, just joining
+    clock.now += 2.0
+    assert m.silent() == [1]
+    m.lose(1, "no heartbeat for 5 s")
+    row = m.view()[1]
+    assert (row["state"], row["reason"], row["host"], row["pid"], row["units"]) == \
+        (LOST, "no heartbeat for 5 s", "n1", 42, {"trainer_ranks": 2})
+    assert row["components"] == [{**replica, "state": "ready"}] and row["last_heartbeat_s"] == 6.0
+    assert m.silent() == [] and not m.all_ready()
+    assert changes == [(0, JOINING, READY, ""), (1, JOINING, READY, ""), (1, READY, LOST, "no heartbeat for 5 s")]
+
+
+def test_a_node_is_ready_once_its_replicas_are() -> None:
+    assert replicas_ready([])
+    assert replicas_ready([{"kind": "env", "state": "backoff"}, {"kind": "inference", "state": "ready"}])
+    assert not replicas_ready([{"kind": "inference", "state": "ready"}, {"kind": "inference", "state": "starting"}])
