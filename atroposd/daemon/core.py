@@ -577,6 +577,12 @@ class RankHost:
                                              secret=self.store.secret, joined=self.store.joined):
             d._add_unit(spec)
 
+    def exited(self) -> list[str]:
+        """The ranks that exited without being asked to ("trainer-1 killed by SIGKILL")."""
+        return [f"{u.name} {u.last_exit.describe() if u.last_exit else u.state.value}"
+                for u in self.daemon.units.values()
+                if u.kind == "trainer" and u.state in (State.FAILED, State.STOPPED) and not u.stop_requested]
+
     async def stop_ranks(self) -> None:
         d = self.daemon
         await d._stop_units([u for u in d.units.values() if u.kind == "trainer" and not u.done.is_set()])

@@ -126,6 +126,7 @@ class Ranks(Protocol):
     def sum(self, values: Sequence[float]) -> list[float]: ...
     def shard(self, model: torch.nn.Module, *, mixed_precision: bool) -> None: ...
     def barrier(self) -> None: ...
+    def settle(self) -> None: ...
     def close(self) -> None: ...
 
 
@@ -153,6 +154,9 @@ class OneRank:
     def barrier(self) -> None:
         pass
 
+    def settle(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -171,6 +175,7 @@ class GroupRanks:
         self.device = device
         self.store = store  # this generation's scoped store: the command doorbell
         self._seq = 0
+        self.collective_timeout = 600.0
 
     @classmethod
     def join(cls, store: Any, *, prefix: str, rank: int, world: int, device: torch.device,
@@ -204,12 +209,16 @@ class GroupRanks:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        # Until every rank has loaded its model (``settle``), a collective may wait as long as a
+        # join may take: a rank still loading is not a stuck one.
         dist.init_process_group(backend, store=scoped, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=collective_timeout),
+                                timeout=datetime.timedelta(seconds=max(join_timeout, collective_timeout)),
                                 device_id=device if device.type == "cuda" else None)
         scoped.set(f"joined/{rank}", "1")
         log.info("joined the trainer group", rank=rank, world=world, backend=backend)
-        return cls(rank, world, device, scoped)
+        ranks = cls(rank, world, device, scoped)
+        ranks.collective_timeout = collective_timeout
+        return ranks
 
     # ---------------------------------------------------------------- commands (rank 0 → the others)
     # Through the store, not a collective: a follower may wait for the next command as long as
@@ -296,6 +305,14 @@ class GroupRanks:
         import torch.distributed as dist
 
         dist.barrier()
+
+    def settle(self) -> None:
+        """Every rank has its model and optimizer: from now on a collective that runs longer than
+        ``collective_timeout`` fails (SPEC §12.1)."""
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        self.barrier()
+        _set_pg_timeout(datetime.timedelta(seconds=self.collective_timeout))
 
     def close(self) -> None:
         import torch.distributed as dist

@@ -41,6 +41,8 @@ PROGRESS_EVERY = 10
 # Backoff before a trainer group restarts (SPEC §4's schedule).
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
+# After a failed collective, how long to wait for the daemon to see which rank exited (the reason).
+RANK_EXIT_GRACE_S = 1.0
 
 
 class GroupFault(RuntimeError):
@@ -54,6 +56,7 @@ class RankHost(Protocol):
 
     async def start_ranks(self) -> None: ...
     async def stop_ranks(self) -> None: ...
+    def exited(self) -> list[str]: ...
 
 
 @dataclass(frozen=True)
@@ -367,6 +370,14 @@ class TrainerService:
         now = time.monotonic()
         self._restart_times = [x for x in self._restart_times if now - x <= t.restart_window] + [now]
         self.group_restarts += 1
+        if self._rank_lost is None and self.rank_host is not None:
+            # A collective failed: name the rank whose exit broke it, once its unit has seen it.
+            with anyio.move_on_after(RANK_EXIT_GRACE_S):
+                while not self.rank_host.exited():  # noqa: ASYNC110 - the units notice exits by polling
+                    await anyio.sleep(0.05)
+            exited = self.rank_host.exited()
+            if exited:
+                fault = GroupFault(f"{', '.join(exited)}: {fault}")
         self.last_fault = str(fault)
         self.compute.fence()
         await self._close_group()

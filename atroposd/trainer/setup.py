@@ -206,9 +206,11 @@ def build_learner(cfg: Config, setup: Setup) -> Learner:
         scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
     objective, reference = make_strategies(t)
-    return Learner(setup.policy, optimizer, scheduler, objective=objective, reference=reference,
-                   max_grad_norm=t.max_grad_norm, distill_coef=t.distill_coef,
-                   distill_temperature=t.distill_temperature, ranks=setup.ranks)
+    learner = Learner(setup.policy, optimizer, scheduler, objective=objective, reference=reference,
+                      max_grad_norm=t.max_grad_norm, distill_coef=t.distill_coef,
+                      distill_temperature=t.distill_temperature, ranks=setup.ranks)
+    setup.ranks.settle()  # every rank is set up: collectives are bounded by collective_timeout from here
+    return learner
 
 
 def _check_writable(root: Path) -> None:

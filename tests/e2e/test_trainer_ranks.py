@@ -100,8 +100,32 @@ def test_two_ranks_train_restart_after_kill_and_sigstop(short_tmp: Path) -> None
         assert not psutil.pid_exists(new1["pid"]) or psutil.Process(new1["pid"]).status() == psutil.STATUS_ZOMBIE
         st = status(cfg)
         assert st["trainer"]["weight_version"] >= st["trainer"]["step"]
+
+        # kill -9 of the daemon takes every rank with it; the next start resumes
+        wait_for(lambda: status(cfg)["trainer"]["last_checkpoint"] is not None, timeout=60, what="a checkpoint")
+        kill9(st["pid"])
+        wait_for(lambda: not processes_of_instance(nonce), timeout=30, what="every process of the killed job gone")
+        res = atroposd("start", "-c", str(cfg), env=daemon_env(), timeout=300)
+        assert res.returncode == 0, f"restart exited {res.returncode}: {res.stderr[-3000:]}"
+        st = status(cfg)
+        nonce = st["instance"]
+        assert st["trainer"]["step"] >= 5 and component(st, "trainer-1")["state"] == "ready"
+        assert st["trainer"]["last_checkpoint"] is not None
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n--- daemon log ---\n{_log_tail(short_tmp)}") from exc
     finally:
         _stop_and_check(cfg, nonce)
+
+
+def _log_tail(root: Path, lines: int = 40) -> str:
+    logs = root / "state" / "logs"
+    out = []
+    for name in ("daemon.log", "trainer-1.log"):
+        path = logs / name
+        if path.exists():
+            kept = [line for line in path.read_text(errors="replace").splitlines() if '"event":"step"' not in line]
+            out.append(f"[{name}]\n" + "\n".join(line[:400] for line in kept[-lines:]))
+    return "\n".join(out)
 
 
 def test_rank_that_never_joins_fails_the_start(short_tmp: Path) -> None:

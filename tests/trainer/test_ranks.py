@@ -1,0 +1,102 @@
+"""Trainer ranks (SPEC §12.1) with real processes and a real gloo group: rank 0 is
+``tests/trainer/rank_zero.py`` (the store host and driver, as in the daemon), rank 1 the real
+``atroposd trainer-rank``. Two ranks equal one rank on the same batches; a sharded checkpoint
+resumes bit-identically with two ranks and, resharded, on one rank and back."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.support import write_config
+
+# SPEC §12.1: CPU float32, loss within 1e-5, each parameter tensor within 1e-5 relative by norm.
+LOSS_TOL = 1e-5
+PARAM_TOL = 1e-5
+
+
+def _config(root: Path, name: str, model_dir: Path, devices: str | list[str], **trainer: Any) -> Path:
+    state = root / name
+    t = {"device": devices, "batch_size": 32, "micro_batch_size": 8, "max_token_len": 64, "weight_sync": "reload",
+         "checkpoint_dir": str(root / f"{name}-checkpoints"), **trainer}
+    return write_config(root / f"{name}.toml", {
+        "daemon": {"state_dir": str(state), "runtime_dir": str(state / "run")},
+        "inference": {"model": str(model_dir), "max_model_len": 512},
+        "trainer": t})
+
+
+def _run(cfg: Path, out: Path, *args: str) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", "tests.trainer.rank_zero", str(cfg), str(out), *args],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    logs = "".join(p.read_text(errors="replace")[-2000:] for p in out.parent.glob(f"{out.stem}.rank*.log"))
+    assert proc.returncode == 0, f"rank 0 exited {proc.returncode}\n{proc.stdout[-4000:]}\nrank logs:\n{logs}"
+    result: dict[str, Any] = torch.load(out, weights_only=False)
+    result["log"] = proc.stdout
+    return result
+
+
+def _worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[n] - b[n]).norm() / max(float(a[n].norm()), 1e-12)) for n in a)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One rank and two ranks, three steps each on the same batches, a checkpoint after step 2."""
+    root = tmp_path_factory.mktemp("ranks")
+    one = _config(root, "one", tiny_dir, "cpu")
+    two = _config(root, "two", tiny_dir, ["cpu", "cpu"])
+    return {"root": root, "model": tiny_dir, "one_cfg": one, "two_cfg": two,
+            "one": _run(one, root / "one.pt", "--steps", "3", "--checkpoint-at", "2"),
+            "two": _run(two, root / "two.pt", "--steps", "3", "--checkpoint-at", "2")}
+
+
+def test_two_ranks_equal_one_rank(runs: dict[str, Any]) -> None:
+    one, two = runs["one"], runs["two"]
+    for a, b in zip(one["losses"], two["losses"], strict=True):
+        assert abs(a - b) <= LOSS_TOL, (one["losses"], two["losses"])
+    assert _worst(one["params"], two["params"]) <= PARAM_TOL
+    # the step moved the weights: the comparison is not between two untouched models
+    assert one["losses"][0] != one["losses"][1]
+
+
+def test_sharded_checkpoint_layout(runs: dict[str, Any]) -> None:
+    step = runs["root"] / "two-checkpoints" / "step-2"
+    assert (step / "model.safetensors").is_file() and (step / "checksums.json").is_file()
+    shards = sorted(p.name for p in (step / "optimizer").iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"], shards
+    state = torch.load(step / "trainer_state.pt", weights_only=True)
+    assert state["ranks"] == 2 and state["optimizer"] is None and state["optimizer_dcp"] == "optimizer"
+    assert not list(step.parent.glob(".tmp-*"))
+
+
+def test_resume_with_two_ranks_is_bit_identical(runs: dict[str, Any]) -> None:
+    root = runs["root"]
+    cfg = _config(root, "two-again", runs["model"], ["cpu", "cpu"])
+    shutil.copytree(root / "two-checkpoints" / "step-2", root / "two-again-checkpoints" / "step-2")
+    resumed = _run(cfg, root / "two-again.pt", "--steps", "1")
+    assert resumed["resumed_from"] == 2
+    assert resumed["losses"] == runs["two"]["losses"][2:]
+    for name, t in runs["two"]["params"].items():
+        assert torch.equal(t, resumed["params"][name]), name
+
+
+@pytest.mark.parametrize(("source", "target", "devices"), [("two", "one-from-two", "cpu"),
+                                                           ("one", "two-from-one", ["cpu", "cpu"])])
+def test_resume_with_another_rank_count(runs: dict[str, Any], source: str, target: str,
+                                        devices: str | list[str]) -> None:
+    root = runs["root"]
+    cfg = _config(root, target, runs["model"], devices)
+    shutil.copytree(root / f"{source}-checkpoints" / "step-2", root / f"{target}-checkpoints" / "step-2")
+    resumed = _run(cfg, root / f"{target}.pt", "--steps", "1")
+    assert resumed["resumed_from"] == 2
+    saved, now = (2, 1) if source == "two" else (1, 2)
+    assert f"resharded='{saved} → {now} ranks'" in resumed["log"], resumed["log"][-3000:]
+    assert abs(resumed["losses"][0] - runs[source]["losses"][2]) <= LOSS_TOL
+    assert _worst(runs[source]["params"], resumed["params"]) <= PARAM_TOL
