@@ -28,7 +28,14 @@ from atroposd.process.liveness import (
     LiveCheck,
     LiveSettings,
 )
-from atroposd.process.probes import ConditionProbe, HttpProbe, InferenceProbe, Probe, RegisteredProbe, StartedProbe
+from atroposd.process.probes import (
+    ConditionProbe,
+    HttpProbe,
+    InferenceProbe,
+    Probe,
+    RegisteredProbe,
+    StartedProbe,
+)
 from atroposd.process.unit import UnitSpec
 from atroposd.pyexec import python_module
 from atroposd.trainer.wandb_sink import wandb_group

@@ -7,7 +7,6 @@ probe only has to poll its condition; it never needs to know whether the child i
 from __future__ import annotations
 
 from collections.abc import Callable
-
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol

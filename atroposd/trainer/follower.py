@@ -23,7 +23,7 @@ from atroposd.logs import get_logger
 if TYPE_CHECKING:
     from atroposd.config import Config
 
-__all__ = ["STORE_VAR", "SECRET_VAR", "generation_key", "serve"]
+__all__ = ["SECRET_VAR", "STORE_VAR", "generation_key", "serve"]
 
 log = get_logger("atroposd.trainer.rank")
 

@@ -36,8 +36,20 @@ import torch
 from atroposd.logs import get_logger
 from atroposd.trainer.batch import MicroBatch
 
-__all__ = ["ComputeThread", "Fenced", "GroupRanks", "JoinTimeout", "OneRank", "Ranks", "Share", "ShardedSource",
-           "decoder_layers", "full_tensor", "is_group_error", "store_keys"]
+__all__ = [
+    "ComputeThread",
+    "Fenced",
+    "GroupRanks",
+    "JoinTimeout",
+    "OneRank",
+    "Ranks",
+    "ShardedSource",
+    "Share",
+    "decoder_layers",
+    "full_tensor",
+    "is_group_error",
+    "store_keys",
+]
 
 log = get_logger(__name__)
 _T = TypeVar("_T")
