@@ -14,6 +14,7 @@ stage          meaning                                    restarted
 ``inference``  environments waiting on inference          the inference server
 ``weight_sync`` a weight sync that does not return        the inference server
 ``trainer``    the trainer's own step (compute)           nothing: no child to blame
+``ranks``      the trainer group re-forming after a fault nothing: the trainer restarts its ranks
 ============== ========================================== =====================
 
 A stall not resolved within twice ``stall_timeout`` ends the job (exit 1; the next start
@@ -48,6 +49,7 @@ STAGES = {
     "inference": "environments waiting on inference",
     "weight_sync": "a weight sync that does not return",
     "trainer": "the trainer's own step (compute)",
+    "ranks": "the trainer group re-forming after a fault",
 }
 API_STATUS_TIMEOUT = 3.0
 
@@ -219,6 +221,8 @@ class StallWatchdog:
             return "weight_sync"
         if p.state != "waiting":
             return "trainer"  # training (its own compute) or checkpointing
+        if p.waiting_for == "ranks":
+            return "ranks"
         if p.waiting_for == "api":
             return "api"
         queued = await self._api_queued()
