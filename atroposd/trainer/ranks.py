@@ -379,12 +379,24 @@ def is_group_error(exc: BaseException) -> bool:
     torch.distributed reports it — not a failure of the trainer's own code."""
     import torch.distributed as dist
 
+    if poisons_device(exc):
+        return False  # the daemon's CUDA context is unusable: the job ends, systemd restarts it
     if isinstance(exc, (dist.DistError, JoinTimeout, Fenced)):
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(
         marker in text for marker in ("gloo", "Gloo", "NCCL", "Connection reset", "Connection closed",
                                       "Broken pipe", "timed out", "Timed out"))
+
+
+def poisons_device(exc: BaseException) -> bool:
+    """A CUDA error that leaves this process's context unusable (SPEC §12.1: the daemon then
+    exits 1 after its children stop, and the next start resumes)."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    text = str(exc)
+    return "CUDA error" in text or "cudaError" in text or "CUBLAS_STATUS" in text
 
 
 class ShardedSource:

@@ -100,3 +100,30 @@ def test_resume_with_another_rank_count(runs: dict[str, Any], source: str, targe
     assert f"resharded='{saved} → {now} ranks'" in resumed["log"], resumed["log"][-3000:]
     assert abs(resumed["losses"][0] - runs[source]["losses"][2]) <= LOSS_TOL
     assert _worst(runs[source]["params"], resumed["params"]) <= PARAM_TOL
+
+
+def test_deal_gives_every_rank_the_same_passes() -> None:
+    from atroposd.trainer.batch import prepare_batch
+    from atroposd.trainer.ranks import deal
+    from tests.trainer.conftest import make_groups
+
+    batch = prepare_batch(make_groups(7, n=3), micro_batch_size=8, max_token_len=64, adv_std_floor=0.1)
+    assert len(batch.micro) == 3
+    shares = deal(batch.micro, 2, batch.completion_tokens, 0)
+    assert [len(s.micro) for s in shares] == [2, 1] and {s.passes for s in shares} == {2}
+    weights = [[w for _, w in s.passes_with_weight()] for s in shares]
+    assert weights == [[1.0, 1.0], [1.0, 0.0]]
+    assert all(s.denom == batch.completion_tokens for s in shares)
+    # more ranks than micro-batches: the extra ranks run zero-weight passes only
+    shares = deal(batch.micro[:1], 3, 10, 0)
+    assert [[w for _, w in s.passes_with_weight()] for s in shares] == [[1.0], [0.0], [0.0]]
+
+
+def test_group_errors_restart_the_group_but_a_poisoned_device_ends_the_job() -> None:
+    from atroposd.trainer.ranks import Fenced, JoinTimeout, is_group_error
+
+    assert is_group_error(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
+    assert is_group_error(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 4000ms"))
+    assert is_group_error(JoinTimeout("trainer-1 did not join")) and is_group_error(Fenced("old generation"))
+    assert not is_group_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not is_group_error(ValueError("a bug in the loss"))
