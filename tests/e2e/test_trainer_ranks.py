@@ -5,6 +5,7 @@ joins fails the start within join_timeout; stop leaves nothing."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import time
@@ -21,6 +22,7 @@ from tests.e2e.jobs import (
     daemon_env,
     job_config,
     kill9,
+    metrics,
     processes_of_instance,
     run_short_learning_job,
     status,
@@ -100,6 +102,10 @@ def test_two_ranks_train_restart_after_kill_and_sigstop(short_tmp: Path) -> None
         assert not psutil.pid_exists(new1["pid"]) or psutil.Process(new1["pid"]).status() == psutil.STATUS_ZOMBIE
         st = status(cfg)
         assert st["trainer"]["weight_version"] >= st["trainer"]["step"]
+        # versions never go backwards across the restarts: the metrics rows (trimmed to the
+        # checkpoint a group restarted from) carry strictly increasing weight versions
+        versions = [r["weight_version"] for r in metrics(short_tmp / "state")]
+        assert versions and all(a < b for a, b in itertools.pairwise(versions)), versions
 
         # kill -9 of the daemon takes every rank with it; the next start resumes
         wait_for(lambda: status(cfg)["trainer"]["last_checkpoint"] is not None, timeout=60, what="a checkpoint")
