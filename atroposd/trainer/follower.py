@@ -50,7 +50,7 @@ def serve(cfg: Config, rank: int) -> int:
     """Join, load, then follow rank 0's commands until ``stop``."""
     import torch
 
-    from atroposd.trainer.ranks import GroupRanks, full_tensor, store_keys
+    from atroposd.trainer.ranks import GroupRanks, gather_full, store_keys
     from atroposd.trainer.setup import build_learner, load_for_training
 
     address, secret = os.environ.get(STORE_VAR, ""), os.environ.get(SECRET_VAR, "")
@@ -89,9 +89,7 @@ def serve(cfg: Config, rank: int) -> int:
             elif op == "discard":
                 learner._discard()
             elif op == "gather":
-                state = model.state_dict()
-                for name in arg:
-                    full_tensor(state[name])
+                gather_full(model, arg)
             elif op == "checkpoint":
                 checkpointer.write_shards(Path(arg))
             elif op == "stop":

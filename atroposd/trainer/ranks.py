@@ -47,7 +47,9 @@ __all__ = [
     "Share",
     "decoder_layers",
     "full_tensor",
+    "gather_full",
     "is_group_error",
+    "poisons_device",
     "store_keys",
 ]
 
@@ -100,6 +102,47 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a (possibly sharded) parameter; a collective for a DTensor."""
     full = getattr(t, "full_tensor", None)
     return full() if callable(full) else t
+
+
+def gather_full(model: torch.nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """The full tensors ``names`` of a sharded model, on every rank (collectives, in the same
+    order on every rank). Each FSDP2 unit that holds one of them is unsharded once — one
+    all-gather for the whole unit, not one per tensor — its tensors copied out, then resharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from atroposd.trainer.model import ROOT_ATTR
+
+    units = sorted(((prefix + ".", m) for prefix, m in model.named_modules() if prefix and isinstance(m, FSDPModule)),
+                   key=lambda u: -len(u[0]))
+    root = model.__dict__.get(ROOT_ATTR)
+    by_unit: dict[int, tuple[Any, list[str]]] = {}
+    order: list[int] = []
+    for name in names:
+        unit = next((m for prefix, m in units if name.startswith(prefix)), root)
+        key = id(unit)
+        if key not in by_unit:
+            by_unit[key] = (unit, [])
+            order.append(key)
+        by_unit[key][1].append(name)
+    out: dict[str, torch.Tensor] = {}
+    for key in order:
+        unit, members = by_unit[key]
+        if isinstance(unit, FSDPModule):
+            unit.unshard()
+        try:
+            for name in members:
+                out[name] = full_tensor(_named_tensor(model, name).detach()).clone()
+        finally:
+            if isinstance(unit, FSDPModule):
+                unit.reshard()
+    return out
+
+
+def _named_tensor(model: torch.nn.Module, name: str) -> torch.Tensor:
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        return model.get_buffer(name)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -423,8 +466,7 @@ class ShardedSource:
 
     def _gather(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         self.ranks.command("gather", list(names))
-        state = self.model.state_dict()
-        return {n: full_tensor(state[n]).detach() for n in names}
+        return gather_full(self.model, names)
 
     async def gather(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         return await self.compute.run(self._gather, list(names))

@@ -22,7 +22,7 @@ import torch
 from atroposd.clargs import load_or_exit
 from atroposd.trainer.batch import prepare_batch
 from atroposd.trainer.follower import SECRET_VAR, STORE_VAR
-from atroposd.trainer.ranks import GroupRanks, OneRank, Ranks, full_tensor
+from atroposd.trainer.ranks import GroupRanks, OneRank, Ranks, gather_full
 from atroposd.trainer.setup import build_learner, load_for_training
 from tests.trainer.conftest import make_groups
 
@@ -77,9 +77,11 @@ def main() -> int:
                 checkpointer.save(step, step, 0)
         model = learner.policy.model
         names = [n for n in model.state_dict()]
-        ranks.command("gather", names)
-        state = model.state_dict()
-        out["params"] = {n: full_tensor(state[n]).detach().clone() for n in names}
+        if ranks.world > 1:
+            ranks.command("gather", names)
+            out["params"] = gather_full(model, names)
+        else:
+            out["params"] = {n: t.detach().clone() for n, t in model.state_dict().items()}
         out["step"] = step
         ranks.command("stop")
         torch.save(out, args.out)
