@@ -27,6 +27,8 @@ import orjson
 import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from atroposd.trainer.timeline import rollout_timing
+
 __all__ = ["BatchFeed", "DataTimeout"]
 
 log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
@@ -52,9 +54,13 @@ class BatchFeed:
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.on_wait = on_wait
         self.slots = anyio.Semaphore(max(0, max_ahead) + 1)
-        send, receive = anyio.create_memory_object_stream[list[dict[str, Any]]](math.inf)
-        self._send: MemoryObjectSendStream[list[dict[str, Any]]] = send
-        self._receive: MemoryObjectReceiveStream[list[dict[str, Any]]] = receive
+        # each batch with the rollout side of its timeline (atroposd.trainer.timeline)
+        send, receive = anyio.create_memory_object_stream[_Arrival](math.inf)
+        self._send: MemoryObjectSendStream[_Arrival] = send
+        self._receive: MemoryObjectReceiveStream[_Arrival] = receive
+        #: the rollout side of the timeline of the batch ``next`` returned last
+        self.last_timeline: dict[str, float | None] = {}
+        self._fetch_s = 0.0
         self._session: aiohttp.ClientSession | None = None
         self._wait_scope: anyio.CancelScope | None = None
         self.last_data = time.monotonic()
@@ -100,10 +106,12 @@ class BatchFeed:
     async def fetch_once(self) -> list[dict[str, Any]] | None:
         """One ``GET /batch``: the groups, or None when the API has none (or is unreachable)."""
         try:
+            started = time.perf_counter()
             async with self._http().get(f"{self.api_url}/batch") as resp:
                 body = await resp.read()
                 if resp.status != 200:
                     raise _ApiHttpError(f"/batch answered {resp.status}: {body[:200]!r}")
+            self._fetch_s = time.perf_counter() - started
         except (aiohttp.ClientError, OSError, TimeoutError, _ApiHttpError) as exc:
             self.on_wait("api")
             log.debug("API not reachable for /batch", error=str(exc))
@@ -145,7 +153,8 @@ class BatchFeed:
 
     async def _deliver(self, batch: list[dict[str, Any]]) -> None:
         self.fetched += 1
-        await self._send.send(batch)
+        timeline = {**rollout_timing(batch, time.time()), "fetch_s": self._fetch_s}
+        await self._send.send((batch, timeline))
 
     def release(self) -> None:
         """The step that used a batch is over: one more batch may be fetched."""
@@ -161,7 +170,7 @@ class BatchFeed:
         Raises DataTimeout after ``data_timeout`` without data while no environment is alive.
         """
         try:
-            batch = self._receive.receive_nowait()
+            batch, self.last_timeline = self._receive.receive_nowait()
             self.last_data = time.monotonic()
             return batch
         except anyio.WouldBlock:
@@ -173,7 +182,7 @@ class BatchFeed:
             try:
                 while True:
                     with anyio.move_on_after(min(LOG_EVERY_S, data_timeout)):
-                        batch = await self._receive.receive()
+                        batch, self.last_timeline = await self._receive.receive()
                         self.on_wait(None)
                         self.last_data = time.monotonic()
                         return batch
@@ -188,6 +197,9 @@ class BatchFeed:
             finally:
                 self._wait_scope = None
         return None
+
+
+_Arrival = tuple[list[dict[str, Any]], dict[str, float | None]]
 
 
 class _ApiHttpError(Exception):
