@@ -257,6 +257,7 @@ class EnvRunner:
     async def _one_group(self, item: Any, api: AtroposEnvClient, infer: InferenceClient,
                          gate_s: float = 0.0) -> None:
         settled = False  # accepted by the API, or rejected by it for good
+        accepted = False
         group: ScoredGroup | None = None
         try:
             with anyio.CancelScope() as generation:
@@ -271,12 +272,18 @@ class EnvRunner:
                 return  # abandoned at stop; nothing of it reached the API
             posting = anyio.current_time()
             stamp_timing(group.payload, gate_s=gate_s, generate_s=posting - started)
+            gate = self.gate
+            if gate is not None:
+                gate.posting()
             try:
                 await api.submit(group.payload)
             except GroupRejected:
                 settled = True  # logged with the API's message by the client
                 return
-            settled = True
+            finally:
+                if gate is not None:
+                    gate.posted()
+            settled = accepted = True
             group.timing = (gate_s, posting - started, anyio.current_time() - posting)
             self._window.add(group)
             self.totals.add(group)
@@ -287,6 +294,8 @@ class EnvRunner:
         finally:
             assert self._slots is not None
             self._slots.release()
+            if not accepted and self.gate is not None:
+                self.gate.nudge()  # its room was not taken by a queued group: look again
             if group is not None and not settled and self._stopping:
                 self.dropped_at_stop += 1
                 self.log.warning("scored group dropped at stop: the API did not take it within the grace",

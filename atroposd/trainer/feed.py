@@ -1,7 +1,9 @@
 """The trainer's side of the trajectory API: register, then fetch batches ahead of the step.
 
-``POST /register`` (ATROPOS-PROTOCOL.md §1.2), then ``GET /batch`` polled with a short
-back-off (``{"batch": null}`` means nothing yet). At most ``max_staleness`` batches are held
+``POST /register`` (ATROPOS-PROTOCOL.md §1.2), then ``GET /batch?wait=2``: atroposd's API holds
+the request until a batch can be formed (a long-poll: the batch reaches the trainer as soon as
+its last group is queued); an API that answers ``{"batch": null}`` at once (run-api) is polled
+with a short back-off. At most ``max_staleness`` batches are held
 beyond the one being trained: a slot is taken before each fetch and given back when the loop
 has finished the step that used the batch (``release``), so rollouts are never more than
 ``max_staleness`` steps older than needed.
@@ -35,6 +37,7 @@ log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at fir
 
 POLL_MIN_S = 0.005
 POLL_MAX_S = 0.25
+LONG_POLL_S = 2.0  # GET /batch?wait=: atroposd's API answers as soon as a batch can be formed
 LOG_EVERY_S = 10.0
 REQUEST_TIMEOUT_S = 30.0
 
@@ -103,11 +106,15 @@ class BatchFeed:
             await anyio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    async def fetch_once(self) -> list[dict[str, Any]] | None:
-        """One ``GET /batch``: the groups, or None when the API has none (or is unreachable)."""
+    async def fetch_once(self, wait: float = 0.0) -> list[dict[str, Any]] | None:
+        """One ``GET /batch``: the groups, or None when the API has none (or is unreachable).
+
+        ``wait`` > 0: atroposd's API holds the request until a batch can be formed, for up to
+        ``wait`` s (``?wait=``; another API answers at once)."""
+        url = f"{self.api_url}/batch" + (f"?wait={wait:g}" if wait > 0 else "")
         try:
             started = time.perf_counter()
-            async with self._http().get(f"{self.api_url}/batch") as resp:
+            async with self._http().get(url) as resp:
                 body = await resp.read()
                 if resp.status != 200:
                     raise _ApiHttpError(f"/batch answered {resp.status}: {body[:200]!r}")
@@ -146,8 +153,14 @@ class BatchFeed:
         while True:
             await self.slots.acquire()
             delay = POLL_MIN_S
-            while (batch := await self.fetch_once()) is None:
-                await anyio.sleep(delay)
+            while True:
+                asked = time.monotonic()
+                if (batch := await self.fetch_once(LONG_POLL_S)) is not None:
+                    break
+                if time.monotonic() - asked >= LONG_POLL_S / 2:
+                    delay = POLL_MIN_S  # a long-poll that ran out: ask again at once
+                    continue
+                await anyio.sleep(delay)  # answered at once: an API that does not long-poll
                 delay = min(delay * 2, POLL_MAX_S)
             await self._deliver(batch)
 
