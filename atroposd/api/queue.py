@@ -196,9 +196,8 @@ class TrajectoryStore:
         if self.spool is not None:
             self.spool.reset(self.snapshot())
         self._wake()
-        for env_id in self.dequeued:
-            self.dequeued[env_id] += 1
-        self._envs_changed()
+        self.dequeued = {}
+        self._envs_changed()  # held /status-env answers go out (their environments are gone)
 
     def snapshot(self) -> dict[str, Any]:
         """What the spool keeps besides groups."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import signal
-import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -42,6 +41,7 @@ from atroposd.envs.generate import GenerateError, InferenceClient
 from atroposd.exitcodes import Exit
 from atroposd.heartbeat import HeartbeatSender
 from atroposd.logs import get_logger
+from atroposd.timeline import stamp_timing
 
 DISCONNECT_TIMEOUT = 3.0
 
@@ -60,22 +60,6 @@ class ScoredGroup:
     @property
     def accuracy(self) -> float:
         return sum(self.correct) / len(self.correct)
-
-
-def stamp_timing(payload: dict[str, Any], *, gate_s: float, generate_s: float) -> None:
-    """Put the group's rollout timeline into ``group_overrides.atroposd.timing`` (SPEC §5
-    extensions; clients that do not know it ignore it): seconds it waited at the gate for room,
-    seconds generating and scoring, and the Unix time it is posted at (the trainer measures
-    the rest — posting, the queue, the fetch — against it on arrival)."""
-    overrides = payload.get("group_overrides")
-    if overrides is None:
-        overrides = payload["group_overrides"] = {}
-    if not isinstance(overrides, dict):
-        return
-    ext = overrides.setdefault("atroposd", {})
-    if isinstance(ext, dict):
-        ext["timing"] = {"gate_s": round(gate_s, 6), "generate_s": round(generate_s, 6),
-                         "posted_at": time.time()}
 
 
 class EnvTask(Protocol):

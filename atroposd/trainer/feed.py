@@ -29,7 +29,7 @@ import orjson
 import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from atroposd.trainer.timeline import rollout_timing
+from atroposd.timeline import rollout_timing
 
 __all__ = ["BatchFeed", "DataTimeout"]
 
@@ -57,7 +57,7 @@ class BatchFeed:
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.on_wait = on_wait
         self.slots = anyio.Semaphore(max(0, max_ahead) + 1)
-        # each batch with the rollout side of its timeline (atroposd.trainer.timeline)
+        # each batch with the rollout side of its timeline (atroposd.timeline)
         send, receive = anyio.create_memory_object_stream[_Arrival](math.inf)
         self._send: MemoryObjectSendStream[_Arrival] = send
         self._receive: MemoryObjectReceiveStream[_Arrival] = receive

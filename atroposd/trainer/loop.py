@@ -225,7 +225,7 @@ class TrainingLoop:
             "mean_ratio": r.mean_ratio, "clipped_fraction": r.clipped_fraction, "mean_kl": r.mean_kl,
             "grad_norm": r.grad_norm, "lr": self.learner.lr, "tokens": r.tokens, "sequences": batch.sequences,
             "batch_wait_s": batch_wait, "step_s": step_s, "compute_s": r.compute_s,
-            "sync_s": sync_s, **(timeline or {}),  # the step's timeline (atroposd.trainer.timeline)
+            "sync_s": sync_s, **(timeline or {}),  # the step's timeline (atroposd.timeline)
             "skipped_steps": p.skipped_steps, "rejected_groups": dict(p.rejected_groups),
             "missing_logprobs": batch.missing_logprobs, "logprob_diff_abs_mean": r.logprob_diff_abs_mean,
         }

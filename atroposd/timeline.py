@@ -1,4 +1,5 @@
-"""Where a step's time goes: the rollout side of the per-step timeline (``metrics.jsonl``).
+"""Where a step's time goes: the rollout side of the per-step timeline (``metrics.jsonl``), a
+leaf shared by the writer (the built-in environments) and the reader (the trainer).
 
 The trainer's own parts (``batch_wait_s``, ``prepare_s``, ``compute_s``, ``pause_s``,
 ``optimizer_s``, ``sync_s``) are measured by the loop. The rollout side comes with the groups:
@@ -20,20 +21,34 @@ A group from an environment that sends no timing (any atroposlib environment) ad
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["ROLLOUT_FIELDS", "rollout_timing"]
+__all__ = ["ROLLOUT_FIELDS", "TIMING_KEY", "rollout_timing", "stamp_timing"]
 
 ROLLOUT_FIELDS = ("rollout_gate_s", "rollout_generate_s", "rollout_delivery_s")
+#: where a group carries its timing: ``group_overrides[TIMING_KEY]``
+TIMING_KEY = "atroposd_timing"
+
+
+def stamp_timing(payload: dict[str, Any], *, gate_s: float, generate_s: float) -> None:
+    """Put a group's rollout timeline into its ``group_overrides``: seconds it waited at the gate
+    for room, seconds generating and scoring, and the Unix time it is posted at (the trainer
+    measures the rest — posting, the queue, the fetch — against it on arrival)."""
+    overrides = payload.get("group_overrides")
+    if overrides is None:
+        overrides = payload["group_overrides"] = {}
+    if isinstance(overrides, dict):
+        overrides[TIMING_KEY] = {"gate_s": round(gate_s, 6), "generate_s": round(generate_s, 6),
+                                 "posted_at": time.time()}
 
 
 def _timing(group: Any) -> dict[str, Any] | None:
     if not isinstance(group, dict):
         return None
     overrides = group.get("group_overrides")
-    ext = overrides.get("atroposd") if isinstance(overrides, dict) else None
-    timing = ext.get("timing") if isinstance(ext, dict) else None
+    timing = overrides.get(TIMING_KEY) if isinstance(overrides, dict) else None
     return timing if isinstance(timing, dict) else None
 
 
