@@ -357,8 +357,6 @@ class QueueGate:
         while True:
             status = self._status
             if status is None or anyio.current_time() - status.at > STATUS_MAX_AGE:
-                with anyio.move_on_after(STATUS_MAX_AGE):
-                    await self._posted.wait()  # posts about to be answered: then the count is exact
                 status = await self._fetch(wait_s=LONG_POLL_S)
             queued = status.self_queue_size + self._client.accepted_since_status
             busy = in_flight()
