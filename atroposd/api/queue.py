@@ -83,6 +83,12 @@ class TrajectoryStore:
         self._next_qpos = 0
         self.epoch = 0  # bumped by reset: a batch taken before a reset is neither acked nor put back
         self.acked_batch_ids: list[str] = []  # shared-memory batches acknowledged before a restart
+        # Long-polls (GET /batch?wait=, /status-env with "wait_s") waiting for the queue to change.
+        self._changed: list[asyncio.Future[None]] = []
+        # Per env_id: how many of its groups left the queue (formed into batches, or cleared). An
+        # environment's room opens only when this moves, so its gate long-polls on it.
+        self.dequeued: dict[int, int] = {}
+        self.env_version = 0  # bumped when environments register, disconnect or are reset
 
     # ------------------------------------------------------------------ restore
 
@@ -119,6 +125,8 @@ class TrajectoryStore:
             log.info("environment process is gone; marked disconnected", env_id=e.registered_id,
                      name=e.real_name, peer_pid=e.peer_pid)
             self._save_env(e)
+        if gone:
+            self._envs_changed()
 
     # ------------------------------------------------------------------ registrations
 
@@ -156,6 +164,7 @@ class TrajectoryStore:
                               peer_pid=peer[0] if peer else None, peer_start=peer[1] if peer else None)
         self.envs.append(env)
         self._save_env(env, rollback=lambda: self.envs.pop())
+        self._envs_changed()  # every environment's share changed
         reg = self.registration
         return {"status": "success", "env_id": env.registered_id, "wandb_name": real_name,
                 "checkpoint_dir": reg.checkpoint_dir, "starting_step": self.step,
@@ -170,6 +179,7 @@ class TrajectoryStore:
             return {"status": "failure", "error": "list index out of range"}
         self.envs[env_id].connected = False
         self._save_env(self.envs[env_id])
+        self._envs_changed()
         return {"status": "success"}
 
     def reset(self) -> None:
@@ -186,6 +196,8 @@ class TrajectoryStore:
         if self.spool is not None:
             self.spool.reset(self.snapshot())
         self._wake()
+        self.dequeued = {}
+        self._envs_changed()  # held /status-env answers go out (their environments are gone)
 
     def snapshot(self) -> dict[str, Any]:
         """What the spool keeps besides groups."""
@@ -282,6 +294,40 @@ class TrajectoryStore:
     def waiting(self) -> int:
         return len(self._waiters)
 
+    # ------------------------------------------------------------------ long-polls
+
+    async def wait_changed(self, timeout: float) -> None:
+        """Return once groups entered or left the queue, a batch went back, or the environments
+        changed — or after ``timeout`` s. The caller checks its own condition again."""
+        if timeout <= 0:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._changed.append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            if not fut.done():
+                fut.cancel()
+            try:
+                self._changed.remove(fut)
+            except ValueError:
+                pass
+
+    def _notify(self) -> None:
+        waiters, self._changed = self._changed, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def _envs_changed(self) -> None:
+        self.env_version += 1
+        self._notify()
+
+    def dequeued_of(self, env_id: int) -> int:
+        return self.dequeued.get(env_id, 0)
+
     # ------------------------------------------------------------------ submission
 
     def submit(self, groups: Sequence[Group]) -> list[dict[str, Any]]:
@@ -306,6 +352,8 @@ class TrajectoryStore:
         answers = [self._place(g, entered) for g in groups]
         if entered and self.spool is not None:
             self.spool.write_queued(entered)
+        if entered:
+            self._notify()
         return answers
 
     def _place(self, g: Group, entered: list[Group]) -> dict[str, Any]:
@@ -365,6 +413,12 @@ class TrajectoryStore:
             self.queue = [g for i, g in enumerate(self.queue) if i not in chosen]
         self.step += len(formed)
         self.formed.extend(formed)
+        if formed:
+            for batch in formed:
+                for g in batch:
+                    if g.env_id is not None:
+                        self.dequeued[g.env_id] = self.dequeued.get(g.env_id, 0) + 1
+            self._notify()
 
     def delivered(self, batch: list[Group], epoch: int, batch_id: str | None = None) -> None:
         """The batch's response was fully written (or, ``batch_id``, its shared-memory segment
@@ -382,6 +436,7 @@ class TrajectoryStore:
         """Writing the batch failed: it is served next."""
         if epoch == self.epoch:
             self.formed.append(batch)
+            self._notify()
 
     # ------------------------------------------------------------------ status
 

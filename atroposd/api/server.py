@@ -370,11 +370,19 @@ class ApiServer:
         if fmt == "shm" and not is_loopback(request.remote):
             raise InvalidRequest("shared-memory batches are for trainers on the API's host; use "
                                  "format=safetensors", 400, "shm_remote")
-        epoch = store.epoch
-        try:
-            batch = store.take_batch()
-        except OSError as exc:
-            return self._spool_refusal(exc)
+        wait = _wait_seconds(request.query.get("wait"))
+        deadline = time.monotonic() + wait
+        while True:
+            epoch = store.epoch
+            try:
+                batch = store.take_batch()
+            except OSError as exc:
+                return self._spool_refusal(exc)
+            left = deadline - time.monotonic()
+            if batch is not None or left <= 0 or store.registration is None:
+                break
+            # ?wait=S (an atroposd extension): hold the request until a batch can be formed
+            await store.wait_changed(left)
         if batch is None:
             return await _json(request, {"batch": None})
         if fmt == "shm":
@@ -474,7 +482,26 @@ class ApiServer:
         body = await self._read_json(request, optional=True)
         if (body is None or (isinstance(body, dict) and "env_id" not in body)) and "env_id" in request.query:
             body = {"env_id": request.query["env_id"]}  # the form later atroposlib forks send
-        return await _json(request, self.store.status_env(_env_id(body)))
+        env_id = _env_id(body)
+        answer = self.store.status_env(env_id)
+        if not isinstance(body, dict) or "wait_s" not in body:
+            return await _json(request, answer)  # as run-api answers
+        # An atroposd extension: {"wait_s": S, "dequeued": N} holds the answer until this
+        # environment's groups leave the queue (its "dequeued" count is no longer N), the
+        # environments change, or S seconds pass; the answer adds "dequeued".
+        wait = _wait_seconds(body.get("wait_s"))
+        seen = body.get("dequeued")
+        deadline = time.monotonic() + wait
+        while isinstance(seen, int) and self.store.dequeued_of(env_id) == seen:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            version = self.store.env_version
+            await self.store.wait_changed(left)
+            if self.store.env_version != version:
+                break
+        answer = self.store.status_env(env_id)
+        return await _json(request, {**answer, "dequeued": self.store.dequeued_of(env_id)})
 
     async def reset_data(self, request: web.Request) -> web.StreamResponse:
         self.store.reset()
@@ -628,6 +655,23 @@ def _env_id(body: Any) -> int:
     if isinstance(value, bool) or (isinstance(value, float) and value != env_id):
         raise InvalidRequest("env_id must be an integer")
     return env_id
+
+
+# The longest a long-poll (GET /batch?wait=, /status-env "wait_s") is held.
+MAX_WAIT_S = 30.0
+
+
+def _wait_seconds(value: Any) -> float:
+    """A long-poll's wait: a number of seconds in [0, MAX_WAIT_S]; absent: 0 (answer at once)."""
+    if value is None:
+        return 0.0
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise InvalidRequest(f"wait must be a number of seconds, got {value!r}") from None
+    if isinstance(value, bool) or not 0 <= seconds <= MAX_WAIT_S:
+        raise InvalidRequest(f"wait must be between 0 and {MAX_WAIT_S:g} seconds, got {value!r}")
+    return seconds
 
 
 def _batch_body(batch: list[Group]) -> bytes:

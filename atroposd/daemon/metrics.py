@@ -45,6 +45,12 @@ PREFIX = "atroposd_"
 # The trainer's states (SPEC §2) and its parts of a step, as label values.
 TRAINER_STATES = ("waiting", "training", "stalled", "checkpointing", "finished", "failed", "stopped")
 STEP_PARTS = ("data_wait", "compute", "sync")
+# The last step's timeline (atroposd.timeline): part label, metrics.jsonl key. The trainer's parts
+# overlap the split above (the optimizer step is inside the pause, the pause inside sync); the
+# rollout parts are means over the batch's groups.
+TIMELINE_PARTS = (("prepare", "prepare_s"), ("optimizer", "optimizer_s"), ("pause", "pause_s"),
+                  ("fetch", "fetch_s"), ("rollout_gate", "rollout_gate_s"),
+                  ("rollout_generate", "rollout_generate_s"), ("rollout_delivery", "rollout_delivery_s"))
 # Gauges of the last step: metric suffix, metrics.jsonl key, help.
 _LAST_STEP = (
     ("reward_std", "reward_std", "Standard deviation of the rewards of the last batch"),
@@ -166,6 +172,13 @@ def trainer_families(trainer: Any) -> Iterator[Metric]:
         totals.add_metric(["trainer", part], float(seconds.get(part, 0.0)))
     yield split
     yield totals
+    timeline = _gauge("atroposd_trainer_last_step_timeline_seconds", "The last step's timeline: batch "
+                      "preparation, the optimizer step, the whole pause around it, the GET /batch; and, "
+                      "per group of its batch (mean), the time at the environment's gate, generating, and "
+                      "from posting to the trainer", ["component", "part"])
+    for part, key in TIMELINE_PARTS:
+        timeline.add_metric(["trainer", part], _num(last.get(key)))
+    yield timeline
     tokens = _counter("atroposd_trainer_tokens", "Tokens trained on since the trainer started", labels)
     tokens.add_metric(comp, float(view.get("tokens_total", 0)))
     yield tokens

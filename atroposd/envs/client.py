@@ -33,6 +33,8 @@ from atroposd.logs import get_logger
 GZIP_MIN_BYTES = 1024
 # Status older than this is fetched again before a decision.
 STATUS_MAX_AGE = 0.1
+# A held-back environment's /status-env long-poll lasts at most this long (atroposd's API).
+LONG_POLL_S = 1.0
 # The "wait for trainer to start" gate is asked again this often.
 REGISTER_POLL = 0.5
 
@@ -84,6 +86,9 @@ class EnvStatus:
     self_queue_size: int = 0
     #: this environment's share of each batch by the registered weights (``env_weight``), 0..1
     env_weight: float = 1.0
+    #: how many of this environment's groups left the API's queue so far (an atroposd API's
+    #: answer to a long-poll; None: the API does not long-poll)
+    dequeued: int | None = None
 
 
 @dataclass
@@ -155,9 +160,15 @@ class AtroposEnvClient:
 
     # ------------------------------------------------------------------ status
 
-    async def status(self) -> EnvStatus:
+    async def status(self, *, wait_s: float = 0.0, dequeued: int | None = None) -> EnvStatus:
         """``GET /status-env`` (a GET with a JSON body), retried until it answers; an API that no
-        longer knows this environment gets it registered again first."""
+        longer knows this environment gets it registered again first.
+
+        ``wait_s`` > 0 (atroposd's API): a long-poll, answered once this environment's
+        ``dequeued`` count is no longer ``dequeued`` (its groups left the queue: room opened), the
+        environments changed, or after ``wait_s``. Any API answers the first request (no
+        ``dequeued`` yet) at once; one that does not long-poll answers every request at once
+        and without ``dequeued``."""
         backoff = Backoff(self._log, "status-env")
         while True:
             try:
@@ -166,7 +177,10 @@ class AtroposEnvClient:
                 # Groups accepted while this request is under way may or may not be counted in
                 # its answer: keep counting them (an overestimate only throttles a little early).
                 counted = self.accepted_since_status
-                answer = await self._request("GET", "/status-env", {"env_id": self.registration.env_id})
+                body: dict[str, Any] = {"env_id": self.registration.env_id}
+                if wait_s > 0:
+                    body.update(wait_s=wait_s if dequeued is not None else 0.0, dequeued=dequeued)
+                answer = await self._request("GET", "/status-env", body)
                 break
             except Retry as retry:
                 await backoff.wait(retry)
@@ -174,9 +188,11 @@ class AtroposEnvClient:
         self.accepted_since_status -= counted
         queue_size = int(answer.get("queue_size", 0))
         share = float(answer.get("env_weight", 1.0))
+        taken = answer.get("dequeued")
         return EnvStatus(current_step=int(answer.get("current_step", 0)), queue_size=queue_size,
                          at=anyio.current_time(), self_queue_size=int(answer.get("self_queue_size", queue_size)),
-                         env_weight=min(1.0, share) if math.isfinite(share) and share > 0 else 1.0)
+                         env_weight=min(1.0, share) if math.isfinite(share) and share > 0 else 1.0,
+                         dequeued=taken if isinstance(taken, int) and not isinstance(taken, bool) else None)
 
     # ------------------------------------------------------------------ submission
 
@@ -285,6 +301,14 @@ class QueueGate:
     waiting, so batches are made of the environments' groups in the proportion of their
     weights. Alone, an environment's share is 1: the whole budget. The shares of every
     environment add up to the budget, so the queue can always reach a full batch.
+
+    While held back it learns that room opened without polling: against atroposd's API it
+    long-polls ``/status-env`` (answered when this environment's groups leave the queue), so the
+    next group starts as soon as the trainer took a batch; against any other API it asks again
+    every ``STATUS_MAX_AGE``. The count stays exact: the gate long-polls only on an answer that
+    was asked and received while none of this environment's groups was being posted
+    (``posting``/``posted`` tell it), so the groups it counts as queued are exactly those posted
+    before it; an answer that overlapped a post is asked again once the posts are answered.
     """
 
     def __init__(self, client: AtroposEnvClient, *, limit: int, log: Any = None) -> None:
@@ -295,10 +319,37 @@ class QueueGate:
         self.throttled = False
         self.throttled_s = 0.0
         self._throttled_since = 0.0
+        self._posting = 0
+        self._posts_started = 0
+        self._posted = anyio.Event()  # set when no post is under way
+        self._posted.set()
+        self._long_poll: anyio.CancelScope | None = None
+        self._exact = False  # the status was asked and answered while no post was under way
+        self.long_polls = 0
 
     @property
     def status(self) -> EnvStatus | None:
         return self._status
+
+    def posting(self) -> None:
+        """A group of this environment is about to be posted (a long-poll under way goes on: its
+        answer will not count as exact)."""
+        self._posting += 1
+        self._posts_started += 1
+        if self._posting == 1:
+            self._posted = anyio.Event()
+
+    def posted(self) -> None:
+        """A post ended (accepted, rejected or abandoned)."""
+        self._posting -= 1
+        if self._posting == 0:
+            self._posted.set()
+
+    def nudge(self) -> None:
+        """A group ended without reaching the queue (its room is free again): look again instead
+        of waiting for the API."""
+        if self._long_poll is not None:
+            self._long_poll.cancel()
 
     async def wait_for_room(self, in_flight: Callable[[], int]) -> EnvStatus:
         """Return once one more group fits: queued + accepted since the status + ``in_flight()``
@@ -306,7 +357,7 @@ class QueueGate:
         while True:
             status = self._status
             if status is None or anyio.current_time() - status.at > STATUS_MAX_AGE:
-                status = self._status = await self._client.status()
+                status = await self._fetch(wait_s=LONG_POLL_S)
             queued = status.self_queue_size + self._client.accepted_since_status
             busy = in_flight()
             limit = self.limit_for(status)
@@ -314,7 +365,35 @@ class QueueGate:
                 self._set_throttled(False, queued, busy, limit)
                 return status
             self._set_throttled(True, queued, busy, limit)
-            await anyio.sleep(STATUS_MAX_AGE)
+            if status.dequeued is None:
+                await anyio.sleep(STATUS_MAX_AGE)  # an API that does not long-poll: ask again
+                continue
+            if not self._exact:
+                # Groups accepted while that answer was on its way may be counted twice: wait
+                # for the posts, ask again, and long-poll only on an exact count.
+                with anyio.move_on_after(STATUS_MAX_AGE):
+                    await self._posted.wait()
+                self._status = None
+                continue
+            with anyio.CancelScope() as scope:
+                self._long_poll = scope
+                try:
+                    self.long_polls += 1
+                    await self._fetch(wait_s=LONG_POLL_S, dequeued=status.dequeued)
+                finally:
+                    self._long_poll = None
+            if scope.cancelled_caught:
+                self._status = None  # a group ended without reaching the queue: ask again
+
+    async def _fetch(self, *, wait_s: float, dequeued: int | None = None) -> EnvStatus:
+        """A fresh status; ``_exact`` says whether no post was under way while it was asked and
+        answered."""
+        before = self._posts_started
+        quiet = self._posting == 0
+        self._exact = False
+        status = self._status = await self._client.status(wait_s=wait_s, dequeued=dequeued)
+        self._exact = quiet and self._posting == 0 and self._posts_started == before
+        return status
 
     def limit_for(self, status: EnvStatus) -> int:
         """Groups this environment may have queued or in flight: its share of the limit."""

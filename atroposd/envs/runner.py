@@ -41,6 +41,7 @@ from atroposd.envs.generate import GenerateError, InferenceClient
 from atroposd.exitcodes import Exit
 from atroposd.heartbeat import HeartbeatSender
 from atroposd.logs import get_logger
+from atroposd.timeline import stamp_timing
 
 DISCONNECT_TIMEOUT = 3.0
 
@@ -53,6 +54,8 @@ class ScoredGroup:
     scores: list[float]
     correct: list[bool]
     weight_version: int | None
+    #: seconds at the gate, generating (and scoring), posting; set by the runner once accepted
+    timing: tuple[float, float, float] | None = None
 
     @property
     def accuracy(self) -> float:
@@ -103,6 +106,8 @@ class _Window:
     exact: int = 0
     versions: set[int] = field(default_factory=set)
     started: float = 0.0
+    #: summed seconds at the gate, generating, posting (the groups' timelines)
+    timing: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
 
     def add(self, group: ScoredGroup) -> None:
         self.groups += 1
@@ -111,6 +116,9 @@ class _Window:
         self.exact += sum(group.correct)
         if group.weight_version is not None:
             self.versions.add(group.weight_version)
+        if group.timing is not None:
+            for i, seconds in enumerate(group.timing):
+                self.timing[i] += seconds
 
 
 class EnvRunner:
@@ -222,19 +230,23 @@ class EnvRunner:
             await slots.acquire()
             try:
                 # The groups in flight besides the one about to start.
+                wanted = anyio.current_time()
                 await gate.wait_for_room(lambda: self.settings.concurrency - slots.value - 1)
             except BaseException:
                 slots.release()
                 raise
-            groups.start_soon(self._one_group, self.task.next_item(), api, infer)
+            groups.start_soon(self._one_group, self.task.next_item(), api, infer,
+                              anyio.current_time() - wanted)
 
-    async def _one_group(self, item: Any, api: AtroposEnvClient, infer: InferenceClient) -> None:
+    async def _one_group(self, item: Any, api: AtroposEnvClient, infer: InferenceClient,
+                         gate_s: float = 0.0) -> None:
         settled = False  # accepted by the API, or rejected by it for good
+        accepted = False
         group: ScoredGroup | None = None
         try:
             with anyio.CancelScope() as generation:
                 self._generating.add(generation)
-                self._generation_started[id(generation)] = anyio.current_time()
+                started = self._generation_started[id(generation)] = anyio.current_time()
                 try:
                     group = await self.task.rollout(item, infer, self.settings.group_size)
                 finally:
@@ -242,12 +254,21 @@ class EnvRunner:
                     self._generation_started.pop(id(generation), None)
             if group is None:
                 return  # abandoned at stop; nothing of it reached the API
+            posting = anyio.current_time()
+            stamp_timing(group.payload, gate_s=gate_s, generate_s=posting - started)
+            gate = self.gate
+            if gate is not None:
+                gate.posting()
             try:
                 await api.submit(group.payload)
             except GroupRejected:
                 settled = True  # logged with the API's message by the client
                 return
-            settled = True
+            finally:
+                if gate is not None:
+                    gate.posted()
+            settled = accepted = True
+            group.timing = (gate_s, posting - started, anyio.current_time() - posting)
             self._window.add(group)
             self.totals.add(group)
         except GenerateError as exc:
@@ -257,6 +278,8 @@ class EnvRunner:
         finally:
             assert self._slots is not None
             self._slots.release()
+            if not accepted and self.gate is not None:
+                self.gate.nudge()  # its room was not taken by a queued group: look again
             if group is not None and not settled and self._stopping:
                 self.dropped_at_stop += 1
                 self.log.warning("scored group dropped at stop: the API did not take it within the grace",
@@ -307,6 +330,9 @@ class EnvRunner:
             "throttled": round((throttled - (0.0 if final else self._throttled_at_window)) / elapsed, 3),
             "throttled_now": self.gate.throttled,
         }
+        if w.groups:  # a group's mean timeline: at the gate, generating, posting
+            fields.update({f"{part}_s": round(total / w.groups, 4)
+                           for part, total in zip(("gate", "generate", "post"), w.timing, strict=True)})
         if api is not None:
             fields.update(submit_retries=api.stats.submit_retries, refused_503=api.stats.refused_503,
                           rejected=api.stats.rejected_groups, registrations=api.stats.registrations)

@@ -1,7 +1,9 @@
 """The trainer's side of the trajectory API: register, then fetch batches ahead of the step.
 
-``POST /register`` (ATROPOS-PROTOCOL.md §1.2), then ``GET /batch`` polled with a short
-back-off (``{"batch": null}`` means nothing yet). At most ``max_staleness`` batches are held
+``POST /register`` (ATROPOS-PROTOCOL.md §1.2), then ``GET /batch?wait=2``: atroposd's API holds
+the request until a batch can be formed (a long-poll: the batch reaches the trainer as soon as
+its last group is queued); an API that answers ``{"batch": null}`` at once (run-api) is polled
+with a short back-off. At most ``max_staleness`` batches are held
 beyond the one being trained: a slot is taken before each fetch and given back when the loop
 has finished the step that used the batch (``release``), so rollouts are never more than
 ``max_staleness`` steps older than needed.
@@ -27,12 +29,15 @@ import orjson
 import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from atroposd.timeline import rollout_timing
+
 __all__ = ["BatchFeed", "DataTimeout"]
 
 log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
 POLL_MIN_S = 0.005
 POLL_MAX_S = 0.25
+LONG_POLL_S = 2.0  # GET /batch?wait=: atroposd's API answers as soon as a batch can be formed
 LOG_EVERY_S = 10.0
 REQUEST_TIMEOUT_S = 30.0
 
@@ -52,9 +57,13 @@ class BatchFeed:
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.on_wait = on_wait
         self.slots = anyio.Semaphore(max(0, max_ahead) + 1)
-        send, receive = anyio.create_memory_object_stream[list[dict[str, Any]]](math.inf)
-        self._send: MemoryObjectSendStream[list[dict[str, Any]]] = send
-        self._receive: MemoryObjectReceiveStream[list[dict[str, Any]]] = receive
+        # each batch with the rollout side of its timeline (atroposd.timeline)
+        send, receive = anyio.create_memory_object_stream[_Arrival](math.inf)
+        self._send: MemoryObjectSendStream[_Arrival] = send
+        self._receive: MemoryObjectReceiveStream[_Arrival] = receive
+        #: the rollout side of the timeline of the batch ``next`` returned last
+        self.last_timeline: dict[str, float | None] = {}
+        self._fetch_s = 0.0
         self._session: aiohttp.ClientSession | None = None
         self._wait_scope: anyio.CancelScope | None = None
         self.last_data = time.monotonic()
@@ -97,13 +106,19 @@ class BatchFeed:
             await anyio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    async def fetch_once(self) -> list[dict[str, Any]] | None:
-        """One ``GET /batch``: the groups, or None when the API has none (or is unreachable)."""
+    async def fetch_once(self, wait: float = 0.0) -> list[dict[str, Any]] | None:
+        """One ``GET /batch``: the groups, or None when the API has none (or is unreachable).
+
+        ``wait`` > 0: atroposd's API holds the request until a batch can be formed, for up to
+        ``wait`` s (``?wait=``; another API answers at once)."""
+        url = f"{self.api_url}/batch" + (f"?wait={wait:g}" if wait > 0 else "")
         try:
-            async with self._http().get(f"{self.api_url}/batch") as resp:
+            started = time.perf_counter()
+            async with self._http().get(url) as resp:
                 body = await resp.read()
                 if resp.status != 200:
                     raise _ApiHttpError(f"/batch answered {resp.status}: {body[:200]!r}")
+            self._fetch_s = time.perf_counter() - started
         except (aiohttp.ClientError, OSError, TimeoutError, _ApiHttpError) as exc:
             self.on_wait("api")
             log.debug("API not reachable for /batch", error=str(exc))
@@ -138,14 +153,21 @@ class BatchFeed:
         while True:
             await self.slots.acquire()
             delay = POLL_MIN_S
-            while (batch := await self.fetch_once()) is None:
-                await anyio.sleep(delay)
+            while True:
+                asked = time.monotonic()
+                if (batch := await self.fetch_once(LONG_POLL_S)) is not None:
+                    break
+                if time.monotonic() - asked >= LONG_POLL_S / 2:
+                    delay = POLL_MIN_S  # a long-poll that ran out: ask again at once
+                    continue
+                await anyio.sleep(delay)  # answered at once: an API that does not long-poll
                 delay = min(delay * 2, POLL_MAX_S)
             await self._deliver(batch)
 
     async def _deliver(self, batch: list[dict[str, Any]]) -> None:
         self.fetched += 1
-        await self._send.send(batch)
+        timeline = {**rollout_timing(batch, time.time()), "fetch_s": self._fetch_s}
+        await self._send.send((batch, timeline))
 
     def release(self) -> None:
         """The step that used a batch is over: one more batch may be fetched."""
@@ -161,7 +183,7 @@ class BatchFeed:
         Raises DataTimeout after ``data_timeout`` without data while no environment is alive.
         """
         try:
-            batch = self._receive.receive_nowait()
+            batch, self.last_timeline = self._receive.receive_nowait()
             self.last_data = time.monotonic()
             return batch
         except anyio.WouldBlock:
@@ -173,7 +195,7 @@ class BatchFeed:
             try:
                 while True:
                     with anyio.move_on_after(min(LOG_EVERY_S, data_timeout)):
-                        batch = await self._receive.receive()
+                        batch, self.last_timeline = await self._receive.receive()
                         self.on_wait(None)
                         self.last_data = time.monotonic()
                         return batch
@@ -188,6 +210,9 @@ class BatchFeed:
             finally:
                 self._wait_scope = None
         return None
+
+
+_Arrival = tuple[list[dict[str, Any]], dict[str, float | None]]
 
 
 class _ApiHttpError(Exception):

@@ -134,6 +134,8 @@ class TrainingLoop:
                               groups=len(groups), exc_info=True)
                     continue
                 self._count_rejected(batch.rejected_by_reason)
+                timeline = {"prepare_s": time.perf_counter() - step_start,
+                            **getattr(self.feed, "last_timeline", {})}  # the rollout side
                 # loss + backward + clip (worker thread; the event loop stays responsive)
                 result = await self.compute.run(self.learner.compute, batch)
                 if not result.finite:
@@ -151,8 +153,12 @@ class TrainingLoop:
                 # step + sync: shared mode pauses generation only around optimizer.step
                 sync_start = time.perf_counter()
                 async with self.lock:
+                    pause_start = time.perf_counter()
                     async with self.weights.paused(p.weight_version + 1):
+                        apply_start = time.perf_counter()
                         await self.compute.run(self.learner.apply)
+                        timeline["optimizer_s"] = time.perf_counter() - apply_start
+                    timeline["pause_s"] = time.perf_counter() - pause_start
                     p.weight_version += 1
                     p.step += 1
                     await self.weights.after_step(self.learner.policy.model, p.weight_version)
@@ -160,7 +166,7 @@ class TrainingLoop:
             finally:
                 self.feed.release()
             # log
-            self._record(batch, result, batch_wait, time.perf_counter() - step_start, sync_s)
+            self._record(batch, result, batch_wait, time.perf_counter() - step_start, sync_s, timeline)
             # checkpoint: every checkpoint_every and at the last step
             if p.step % t.checkpoint_every == 0 or p.step == p.total_steps:
                 await self.checkpoint()
@@ -206,7 +212,7 @@ class TrainingLoop:
         return path
 
     def _record(self, batch: RolloutBatch, r: StepResult, batch_wait: float, step_s: float,
-                sync_s: float = 0.0) -> None:
+                sync_s: float = 0.0, timeline: dict[str, float | None] | None = None) -> None:
         p = self.progress
         p.seconds["data_wait"] += batch_wait
         p.seconds["compute"] += r.compute_s
@@ -221,7 +227,7 @@ class TrainingLoop:
             "mean_ratio": r.mean_ratio, "clipped_fraction": r.clipped_fraction, "mean_kl": r.mean_kl,
             "grad_norm": r.grad_norm, "lr": self.learner.lr, "tokens": r.tokens, "sequences": batch.sequences,
             "batch_wait_s": batch_wait, "step_s": step_s, "compute_s": r.compute_s,
-            "sync_s": sync_s,
+            "sync_s": sync_s, **(timeline or {}),  # the step's timeline (atroposd.timeline)
             "skipped_steps": p.skipped_steps, "rejected_groups": dict(p.rejected_groups),
             "missing_logprobs": batch.missing_logprobs, "logprob_diff_abs_mean": r.logprob_diff_abs_mean,
         }
