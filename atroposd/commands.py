@@ -437,7 +437,9 @@ def _render_status(st: dict[str, Any]) -> str:
     t = st.get("trainer")
     if t:
         line = f"trainer: {t.get('state')} step {t.get('step')}/{t.get('total_steps')}"
-        if t.get("waiting_for"):
+        if t.get("waiting_for") == "ranks":
+            line += " (waiting for the trainer ranks to form the group)"
+        elif t.get("waiting_for"):
             line += f" (waiting for {t['waiting_for']})"
         if t.get("state") == "stalled":
             line += f" (no step for {t.get('stalled_for_s')}s; stuck: {t.get('stage_text') or t.get('stage')})"
@@ -445,6 +447,11 @@ def _render_status(st: dict[str, Any]) -> str:
             if t.get(key) is not None:
                 line += f"  {key} {t[key]:.4g}"
         out.append(line)
+        ranks = t.get("ranks") or 1
+        if ranks > 1 or t.get("group_restarts"):
+            restarts = t.get("group_restarts") or 0
+            text = f"trainer: {ranks} ranks, {restarts} group restart{'' if restarts == 1 else 's'}"
+            out.append(text + (f"; last fault: {t['last_fault']}" if t.get("last_fault") else ""))
         rejected = {k: v for k, v in (t.get("rejected_groups") or {}).items() if v}
         if rejected:
             out.append("trainer: rejected groups " + ", ".join(f"{k} {v}" for k, v in sorted(rejected.items())))
