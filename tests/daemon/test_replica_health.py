@@ -97,17 +97,18 @@ def test_run_polls_in_the_background_until_cancelled() -> None:
     port = free_port_pair()
     health = ReplicaHealth.of(_cfg(port), interval=0.05, timeout=0.5)
 
+    async def until(count: int) -> None:
+        with anyio.fail_after(5):
+            while health.generations()[0] != count:  # noqa: ASYNC110 - watching another task's state
+                await anyio.sleep(0.02)
+
     async def main() -> None:
         async with replica(port, {"generations": 2, "weight_version": 1}) as zero:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(health.run)
-                with anyio.fail_after(5):
-                    while health.generations()[0] != 2:
-                        await anyio.sleep(0.02)
+                await until(2)
                 zero["generations"] = 6
-                with anyio.fail_after(5):
-                    while health.generations()[0] != 6:
-                        await anyio.sleep(0.02)
+                await until(6)
                 tg.cancel_scope.cancel()
 
     anyio.run(main)
