@@ -418,6 +418,8 @@ def _watch_status(cfg: Config, *, as_json: bool, interval: float = WATCH_INTERVA
 
 
 def _render_status(st: dict[str, Any]) -> str:
+    from atroposd.progress import waiting_text
+
     out = [f"atroposd {st['state']}  pid {st['pid']}  up {st['uptime_s']:.0f}s  config {st['config']}"]
     out.append(f"{'COMPONENT':<24} {'STATE':<12} {'PID':>8} {'RESTARTS':>8}  LAST EXIT")
     for c in st["components"]:
@@ -437,10 +439,8 @@ def _render_status(st: dict[str, Any]) -> str:
     t = st.get("trainer")
     if t:
         line = f"trainer: {t.get('state')} step {t.get('step')}/{t.get('total_steps')}"
-        if t.get("waiting_for") == "ranks":
-            line += " (waiting for the trainer ranks to form the group)"
-        elif t.get("waiting_for"):
-            line += f" (waiting for {t['waiting_for']})"
+        if t.get("waiting_for"):
+            line += f" (waiting for {waiting_text(t['waiting_for'])})"
         if t.get("state") == "stalled":
             line += f" (no step for {t.get('stalled_for_s')}s; stuck: {t.get('stage_text') or t.get('stage')})"
         for key in ("reward_mean", "accuracy", "loss", "steps_per_s"):
