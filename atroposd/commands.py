@@ -418,6 +418,8 @@ def _watch_status(cfg: Config, *, as_json: bool, interval: float = WATCH_INTERVA
 
 
 def _render_status(st: dict[str, Any]) -> str:
+    from atroposd.progress import waiting_text
+
     out = [f"atroposd {st['state']}  pid {st['pid']}  up {st['uptime_s']:.0f}s  config {st['config']}"]
     out.append(f"{'COMPONENT':<24} {'STATE':<12} {'PID':>8} {'RESTARTS':>8}  LAST EXIT")
     for c in st["components"]:
@@ -438,13 +440,18 @@ def _render_status(st: dict[str, Any]) -> str:
     if t:
         line = f"trainer: {t.get('state')} step {t.get('step')}/{t.get('total_steps')}"
         if t.get("waiting_for"):
-            line += f" (waiting for {t['waiting_for']})"
+            line += f" (waiting for {waiting_text(t['waiting_for'])})"
         if t.get("state") == "stalled":
             line += f" (no step for {t.get('stalled_for_s')}s; stuck: {t.get('stage_text') or t.get('stage')})"
         for key in ("reward_mean", "accuracy", "loss", "steps_per_s"):
             if t.get(key) is not None:
                 line += f"  {key} {t[key]:.4g}"
         out.append(line)
+        ranks = t.get("ranks") or 1
+        if ranks > 1 or t.get("group_restarts"):
+            restarts = t.get("group_restarts") or 0
+            text = f"trainer: {ranks} ranks, {restarts} group restart{'' if restarts == 1 else 's'}"
+            out.append(text + (f"; last fault: {t['last_fault']}" if t.get("last_fault") else ""))
         rejected = {k: v for k, v in (t.get("rejected_groups") or {}).items() if v}
         if rejected:
             out.append("trainer: rejected groups " + ", ".join(f"{k} {v}" for k, v in sorted(rejected.items())))

@@ -45,8 +45,17 @@ def _waiting(st: dict[str, Any]) -> str | None:
             return f"{c.get('name')} ({c.get('state')}{when})"
     t = st.get("trainer") or {}
     if t.get("state") == "waiting" and t.get("waiting_for"):
-        return f"the trainer (waiting for {t['waiting_for']})"
+        return f"the trainer (waiting for {waiting_text(t['waiting_for'])})"
     return None
+
+
+# What the trainer waits for (``waiting_for``), as a person reads it after "waiting for".
+_WAITING_TEXT = {"ranks": "the trainer ranks to form the group"}
+
+
+def waiting_text(reason: str) -> str:
+    """``waiting_for`` of the trainer's status as words (``ranks``: the group forming)."""
+    return _WAITING_TEXT.get(reason, reason)
 
 
 def start_line(st: dict[str, Any] | None, elapsed: float) -> str:
@@ -87,7 +96,7 @@ def run_line(st: dict[str, Any] | None) -> str:
     if t.get("state") not in ("training", "waiting"):
         text += f"  ({t.get('state')})"
     elif t.get("state") == "waiting" and t.get("waiting_for"):
-        text += f"  (waiting for {t['waiting_for']})"
+        text += f"  (waiting for {waiting_text(t['waiting_for'])})"
     return text
 
 

@@ -121,3 +121,8 @@ def test_start_and_run_on_a_terminal(short_tmp: Path) -> None:
     assert re.search(r"step \d+/12 \[[#.]{20}\]", out), out[-3000:]
     # the per-step log lines give way to the live line: step lines only every 10 steps
     assert len(re.findall(r"\bstep\b.*\bof=12\b", out)) <= 3
+
+
+def test_waiting_for_the_trainer_ranks_reads_as_words() -> None:
+    st = _status(state="waiting", step=4, total_steps=100, waiting_for="ranks")
+    assert "(waiting for the trainer ranks to form the group)" in run_line(st)

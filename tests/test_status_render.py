@@ -29,3 +29,15 @@ def test_a_clean_run_shows_neither() -> None:
     text = _render_status(_status())
     assert "rejected" not in text and "checkpoint" not in text
     assert "trainer: training step 7/10" in text and "queue: 4 sequences of 8" in text
+
+
+def test_several_ranks_show_their_count_and_the_group_restarts() -> None:
+    text = _render_status(_status(ranks=2, group_restarts=1, last_fault="trainer-1 killed by SIGKILL"))
+    assert "trainer: 2 ranks, 1 group restart; last fault: trainer-1 killed by SIGKILL" in text
+    waiting = _render_status(_status(state="waiting", waiting_for="ranks", ranks=2, group_restarts=2))
+    assert "trainer: waiting step 7/10 (waiting for the trainer ranks to form the group)" in waiting
+    assert "trainer: 2 ranks, 2 group restarts" in waiting
+
+
+def test_one_rank_shows_no_rank_line() -> None:
+    assert "ranks" not in _render_status(_status(ranks=1, group_restarts=0, last_fault=None))

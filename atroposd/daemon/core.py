@@ -35,6 +35,7 @@ from atroposd.daemon import runtime, specs
 from atroposd.daemon import status as status_mod
 from atroposd.daemon.recovery import RecoveryRecord, recover
 from atroposd.daemon.reload import env_of, plan_reload
+from atroposd.daemon.replicas import ReplicaHealth
 from atroposd.daemon.runtime import StartFailed
 from atroposd.daemon.specs import API_READY_TIMEOUT, SpecInputs
 from atroposd.daemon.state import (
@@ -100,6 +101,9 @@ class Daemon:
         # Liveness (SPEC §4): environments' heartbeats, and the trainer's forward-progress watchdog.
         self.board = HeartbeatBoard()
         self.watchdog: StallWatchdog | None = None
+        # Each inference replica's /health in the background: generations served and weight_version,
+        # read by the trainer's metrics rows and /metrics without waiting on a replica.
+        self.replica_health = ReplicaHealth.of(cfg)
         self._stall_exit: str | None = None
         self._record = RecoveryRecord(self.paths, nonce=self.nonce, pid=self.pid, start_time=self.start_time,
                                       started_at=self.started_at)
@@ -159,6 +163,7 @@ class Daemon:
                 await tg.start(self.board.serve, self.paths.runtime_dir / heartbeat.SOCKET_NAME)
                 tg.start_soon(self._track_loop)
                 tg.start_soon(self._status_loop)
+                tg.start_soon(self.replica_health.run)
                 tg.start_soon(self.notifier.watchdog_loop)
                 if self.cfg.daemon.metrics_port:
                     await tg.start(self._serve_metrics)
@@ -292,7 +297,8 @@ class Daemon:
         if self.cfg.trainer.ranks > 1:
             host = await self._rank_host()
         self.trainer = TrainerService(self.cfg, instance=self.nonce, weights=self.weights,
-                                      envs_alive=self.envs_alive, rank_host=host)
+                                      envs_alive=self.envs_alive, rank_host=host,
+                                      replica_generations=self.replica_health.generations)
         assert self._tg is not None
         await self._tg.start(self._run_trainer, self.trainer)
         status = self.trainer.status()

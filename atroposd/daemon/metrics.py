@@ -5,8 +5,10 @@ At each scrape the daemon gathers, concurrently:
 * the supervisor (``component`` = each unit's name, ``"daemon"`` for its own series): component
   states, restarts, seconds in backoff, the last exit;
 * the in-process trainer (``component="trainer"``): step, reward, accuracy, loss, KL, clipped
-  fraction, staleness, the per-step time split (waiting for data, compute, weight sync),
-  skipped steps, rejected groups by reason;
+  fraction, staleness, the per-step time split (waiting for data, compute, weight sync) and
+  the sync's gathering of sharded weights, skipped steps, rejected groups by reason;
+* each inference replica's generations answered and weight_version (``component`` = the
+  replica), from the daemon's background poll of its ``/health`` (:mod:`.replicas`);
 * the API's and every inference server's own ``/metrics`` (supervised or external), each
   within :data:`SCRAPE_TIMEOUT`. A child that does not answer in time shows as
   ``atroposd_component_up{component=...} 0``; the scrape itself never fails or waits longer.
@@ -34,6 +36,8 @@ from atroposd.process.unit import State
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
+
+    from atroposd.daemon.replicas import ReplicaHealth
 
 __all__ = ["SCRAPE_TIMEOUT", "Target", "exposition", "scrape_targets", "serve_metrics"]
 
@@ -179,6 +183,15 @@ def trainer_families(trainer: Any) -> Iterator[Metric]:
     for part, key in TIMELINE_PARTS:
         timeline.add_metric(["trainer", part], _num(last.get(key)))
     yield timeline
+    # the gathering of sharded weights (several ranks), inside the sync part
+    gather = _gauge("atroposd_trainer_last_gather_seconds", "Seconds the last step's weight sync spent "
+                    "gathering the sharded weights (part of its sync seconds; 0 with one rank)", labels)
+    gather.add_metric(comp, _num(last.get("gather_s")))
+    yield gather
+    gathered = _counter("atroposd_trainer_gather_seconds", "Seconds weight syncs spent gathering the sharded "
+                        "weights since the trainer started (part of the sync seconds)", labels)
+    gathered.add_metric(comp, float(seconds.get("gather", 0.0)))
+    yield gathered
     tokens = _counter("atroposd_trainer_tokens", "Tokens trained on since the trainer started", labels)
     tokens.add_metric(comp, float(view.get("tokens_total", 0)))
     yield tokens
@@ -197,6 +210,20 @@ def trainer_families(trainer: Any) -> Iterator[Metric]:
     dropped = _counter("atroposd_trainer_metrics_dropped", "metrics.jsonl lines that could not be written", labels)
     dropped.add_metric(comp, float(st.get("metrics_dropped") or 0))
     yield dropped
+
+
+def replica_families(health: ReplicaHealth) -> Iterator[Metric]:
+    """Each inference replica's generations and weight_version, as the daemon's poll of its
+    ``/health`` last saw them (also while the replica does not answer)."""
+    gens = _counter("atroposd_replica_generations", "Generation requests each inference replica answered (its "
+                    "/health, polled every 2 s; the last known value while it does not answer)", ["component"])
+    version = _gauge("atroposd_replica_weight_version", "Weight version each inference replica serves (its "
+                     "/health, polled every 2 s; the last known value; NaN before it answered)", ["component"])
+    for r in health.replicas:
+        gens.add_metric([r.name], float(r.generations or 0))
+        version.add_metric([r.name], _num(r.weight_version))
+    yield gens
+    yield version
 
 
 # ----------------------------------------------------------------------------- merging
@@ -316,6 +343,9 @@ async def exposition(d: DaemonView, *, deadline_s: float = SCRAPE_TIMEOUT) -> by
                 merged.add(family, "trainer")
         except Exception as exc:  # a defect in the trainer's view must not fail the scrape
             log.warning("trainer metrics failed", error=f"{type(exc).__name__}: {exc}")
+    if d.replica_health is not None:
+        for family in replica_families(d.replica_health):
+            merged.add(family, "daemon")
     for component, families in parsed:
         for family in families:
             merged.add(family, component)

@@ -13,6 +13,7 @@ import anyio
 import anyio.abc
 
 from atroposd.config import Config
+from atroposd.daemon.replicas import ReplicaHealth, fetch_health
 from atroposd.daemon.specs import api_headers
 from atroposd.daemon.state import DaemonState
 from atroposd.process.probes import get_ok
@@ -49,6 +50,8 @@ class DaemonView(Protocol):
     def start_error(self) -> str | None: ...
     @property
     def watchdog(self) -> StallWatchdog | None: ...
+    @property
+    def replica_health(self) -> ReplicaHealth | None: ...
     def uptime(self) -> float: ...
 
 
@@ -103,20 +106,14 @@ def replica_index(name: str) -> int:
 async def _replica_health(cfg: Config, session: aiohttp.ClientSession, rows: list[dict[str, Any]]) -> None:
     """Each inference replica's URL, the weight_version it serves and the generations it
     answered (its ``/health``; None when it does not answer), asked of all at once."""
-    import aiohttp
-
     urls = cfg.inference_urls
 
     async def one(row: dict[str, Any]) -> None:
         i = replica_index(row["name"])
         url = urls[i] if i < len(urls) else urls[0]
         row.update(url=url, weight_version=None, generations=None)
-        try:
-            async with session.get(f"{url}/health") as resp:
-                data = await resp.json(content_type=None) if resp.status == 200 else None
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
-            return
-        if isinstance(data, dict):
+        data = await fetch_health(session, url)
+        if data is not None:
             row.update(weight_version=data.get("weight_version"), generations=data.get("generations"))
 
     async with anyio.create_task_group() as tg:

@@ -65,7 +65,8 @@ class Progress:
     error: str | None = None
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=50))
     # seconds spent since this process started, per part of a step (the per-step split summed)
-    seconds: dict[str, float] = field(default_factory=lambda: {"data_wait": 0.0, "compute": 0.0, "sync": 0.0})
+    seconds: dict[str, float] = field(default_factory=lambda: {"data_wait": 0.0, "compute": 0.0, "sync": 0.0,
+                                                               "gather": 0.0})  # gather: within sync
     tokens_total: int = 0  # tokens trained on since this process started
 
     @property
@@ -87,7 +88,8 @@ class Progress:
 class TrainingLoop:
     def __init__(self, *, tcfg: TrainerConfig, feed: BatchFeed, learner: Learner, weights: WeightSync, metrics: MetricsWriter,
                  checkpointer: Checkpointer, progress: Progress, envs_alive: Callable[[], bool],
-                 lock: anyio.Lock, progress_every: int = 10, compute: ComputeThread | None = None) -> None:
+                 lock: anyio.Lock, progress_every: int = 10, compute: ComputeThread | None = None,
+                 replica_generations: Callable[[], list[int | None]] | None = None) -> None:
         self.t = tcfg
         self.feed = feed
         self.learner = learner
@@ -102,6 +104,7 @@ class TrainingLoop:
         # Every step's work runs here, in order (SPEC §12.1): prepare, compute, apply, checkpoint.
         self.compute = compute if compute is not None else ComputeThread()
         self.vocab_size = learner.policy.vocab_size  # token ids at or above it are rejected
+        self.replica_generations = replica_generations  # each replica's count, last known (never waits)
 
     def request_stop(self) -> None:
         self.stop_requested = True
@@ -161,12 +164,15 @@ class TrainingLoop:
                     timeline["pause_s"] = time.perf_counter() - pause_start
                     p.weight_version += 1
                     p.step += 1
+                    before = getattr(self.weights, "last_sync", None)
                     await self.weights.after_step(self.learner.policy.model, p.weight_version)
+                    after = getattr(self.weights, "last_sync", None)  # a new dict: this step synced
+                gather_s = float(after.get("gather_s", 0.0)) if isinstance(after, dict) and after is not before else 0.0
                 sync_s = time.perf_counter() - sync_start
             finally:
                 self.feed.release()
             # log
-            self._record(batch, result, batch_wait, time.perf_counter() - step_start, sync_s, timeline)
+            self._record(batch, result, batch_wait, time.perf_counter() - step_start, sync_s, timeline, gather_s)
             # checkpoint: every checkpoint_every and at the last step
             if p.step % t.checkpoint_every == 0 or p.step == p.total_steps:
                 await self.checkpoint()
@@ -212,11 +218,12 @@ class TrainingLoop:
         return path
 
     def _record(self, batch: RolloutBatch, r: StepResult, batch_wait: float, step_s: float,
-                sync_s: float = 0.0, timeline: dict[str, float | None] | None = None) -> None:
+                sync_s: float = 0.0, timeline: dict[str, float | None] | None = None, gather_s: float = 0.0) -> None:
         p = self.progress
         p.seconds["data_wait"] += batch_wait
         p.seconds["compute"] += r.compute_s
         p.seconds["sync"] += sync_s
+        p.seconds["gather"] += gather_s
         p.tokens_total += int(r.tokens)
         versions = batch.weight_versions
         record: dict[str, Any] = {
@@ -227,10 +234,12 @@ class TrainingLoop:
             "mean_ratio": r.mean_ratio, "clipped_fraction": r.clipped_fraction, "mean_kl": r.mean_kl,
             "grad_norm": r.grad_norm, "lr": self.learner.lr, "tokens": r.tokens, "sequences": batch.sequences,
             "batch_wait_s": batch_wait, "step_s": step_s, "compute_s": r.compute_s,
-            "sync_s": sync_s, **(timeline or {}),  # the step's timeline (atroposd.timeline)
+            "sync_s": sync_s, "gather_s": gather_s, **(timeline or {}),  # the step's timeline (atroposd.timeline)
             "skipped_steps": p.skipped_steps, "rejected_groups": dict(p.rejected_groups),
             "missing_logprobs": batch.missing_logprobs, "logprob_diff_abs_mean": r.logprob_diff_abs_mean,
         }
+        if self.replica_generations is not None:
+            record["replica_generations"] = self.replica_generations()
         if r.distill_token_count or self.t.distill_coef > 0:
             record["distill_loss"] = r.distill_loss
             record["distill_token_count"] = r.distill_token_count

@@ -75,7 +75,8 @@ class TrainerOutcome:
 
 class TrainerService:
     def __init__(self, cfg: Config, *, instance: str, weights: WeightSync, envs_alive: Callable[[], bool],
-                 rank_host: RankHost | None = None) -> None:
+                 rank_host: RankHost | None = None,
+                 replica_generations: Callable[[], list[int | None]] | None = None) -> None:
         from atroposd.trainer.loop import Progress
         from atroposd.trainer.ranks import ComputeThread
 
@@ -97,6 +98,7 @@ class TrainerService:
         # Rank 0's one compute thread: every step's work, in order (SPEC §12.1).
         self.compute = ComputeThread()
         self.rank_host = rank_host
+        self.replica_generations = replica_generations  # each replica's generations served, last known
         self._feed: Any = None
         self._wandb: Any = None
         self._ranks: Any = None
@@ -254,6 +256,7 @@ class TrainerService:
             self._loop = TrainingLoop(tcfg=self.cfg.trainer, feed=self._feed, learner=learner, weights=self.weights,
                                       metrics=self._metrics, checkpointer=setup.checkpointer(learner), progress=p,
                                       envs_alive=self.envs_alive, lock=self._lock, compute=self.compute,
+                                      replica_generations=self.replica_generations,
                                       # every 10 steps (on a terminal, `atroposd run` keeps a live
                                       # progress line below the log)
                                       progress_every=PROGRESS_EVERY)

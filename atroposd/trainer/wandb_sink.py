@@ -77,12 +77,15 @@ def wandb_group(cfg: Any) -> str:
 
 
 def flatten(record: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A metrics row as W&B keys: nested objects become ``key/sub`` (``rejected_groups/too_long``)."""
+    """A metrics row as W&B keys: nested objects become ``key/sub`` (``rejected_groups/too_long``),
+    lists ``key/<index>`` (``replica_generations/0``)."""
     out: dict[str, Any] = {}
     for key, value in record.items():
         name = f"{prefix}{key}"
         if isinstance(value, Mapping):
             out.update(flatten(value, name + "/"))
+        elif isinstance(value, (list, tuple)):
+            out.update(flatten({str(i): v for i, v in enumerate(value)}, name + "/"))
         elif value is not None:
             out[name] = value
     return out

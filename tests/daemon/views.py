@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from atroposd.config import Config
+from atroposd.daemon.replicas import ReplicaHealth
 from atroposd.daemon.state import DaemonState
 from atroposd.process.unit import Unit
 
@@ -22,7 +23,8 @@ class Trainer:
         return dict(self.values)
 
     def metrics_view(self) -> dict[str, Any]:
-        return {"last": self.last, "seconds": {"data_wait": 1.5, "compute": 2.0, "sync": 0.25}, "tokens_total": 99,
+        return {"last": self.last, "seconds": {"data_wait": 1.5, "compute": 2.0, "sync": 0.25, "gather": 0.125},
+                "tokens_total": 99,
                 "rejected_reasons": ["too_long", "token_out_of_range"]}
 
 
@@ -38,6 +40,7 @@ class View:
     nonce: str = "abcdef012345"
     start_error: str | None = None
     watchdog: None = None
+    replica_health: ReplicaHealth | None = None
     uptime_s: float = 81.23456
 
     def uptime(self) -> float:

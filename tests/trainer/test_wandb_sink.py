@@ -69,6 +69,7 @@ def _cfg(state_dir: Path, **wandb: Any) -> Config:
 def test_flatten_nests_objects_and_drops_nulls() -> None:
     assert flatten({"step": 3, "staleness": None, "rejected_groups": {"too_long": 2}}) == {
         "step": 3, "rejected_groups/too_long": 2}
+    assert flatten({"replica_generations": [4, None, 6]}) == {"replica_generations/0": 4, "replica_generations/2": 6}
 
 
 def test_offline_run_then_resume_continues_the_same_run(tmp_path: Path) -> None:
