@@ -354,6 +354,9 @@ async def rank_zero(config: Path, out: Path, model_name: str, sync_wanted: bool)
         model_bytes = sum(spec_nbytes(s) for s in specs.values())
         result["bytes"] = model_bytes
         result["parameters"] = sum(math.prod(s.shape) for s in specs.values())
+        learner = None
+        if world > 1:  # as the trainer does: every rank builds its optimizer (and settles) before a gather
+            learner = await compute.run(build_learner, cfg, setup)
         if server_task is not None:
             server = await server_task
             server_task = None
@@ -367,7 +370,8 @@ async def rank_zero(config: Path, out: Path, model_name: str, sync_wanted: bool)
             before = reset_peak_rss()
             await sync.attach(model, 0)
             first_extra = max(0, peak_rss() - before)
-        learner = await compute.run(build_learner, cfg, setup)
+        if learner is None:
+            learner = await compute.run(build_learner, cfg, setup)
         result["rss_learner"] = rss_parts(os.getpid())
         batches = [prepare_batch(make_groups(shape["n"], shape["group"], shape["prompt"], shape["completion"],
                                              setup.policy.vocab_size, seed), micro_batch_size=t.micro_batch_size,
