@@ -22,7 +22,7 @@ from atroposd.trainer.checkpoint import CheckpointError
 from atroposd.trainer.feed import BatchFeed
 from atroposd.trainer.learner import Learner, StepResult
 from atroposd.trainer.metrics import MetricsWriter
-from atroposd.trainer.ranks import ComputeThread
+from atroposd.trainer.ranks import ComputeThread, is_group_error
 from atroposd.trainer.setup import Checkpointer
 
 if TYPE_CHECKING:
@@ -209,6 +209,9 @@ class TrainingLoop:
                 p.last_checkpoint, p.checkpoint_error = str(path), None
                 log.info("checkpoint written", step=p.step, path=str(path))
         except Exception as exc:  # any failure to write (a full disk included) is not the job's end
+            cause = exc.__cause__ if isinstance(exc, CheckpointError) else exc
+            if self.learner.ranks.world > 1 and cause is not None and is_group_error(cause):
+                raise cause from None  # the trainer group broke while it wrote: it restarts
             p.checkpoint_failures += 1
             p.checkpoint_error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
             log.error("checkpoint failed; training goes on", step=p.step, error=p.checkpoint_error,

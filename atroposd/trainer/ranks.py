@@ -456,10 +456,10 @@ def is_group_error(exc: BaseException) -> bool:
         return False  # the daemon's CUDA context is unusable: the job ends, systemd restarts it
     if isinstance(exc, (dist.DistError, JoinTimeout, Fenced)):
         return True
-    text = str(exc)
+    text = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(
-        marker in text for marker in ("gloo", "Gloo", "NCCL", "Connection reset", "Connection closed",
-                                      "Broken pipe", "timed out", "Timed out"))
+        marker in text for marker in ("gloo", "nccl", "connection reset", "connection closed", "broken pipe",
+                                      "timed out", "timeout", "pair closure", "process group"))
 
 
 def poisons_device(exc: BaseException) -> bool:

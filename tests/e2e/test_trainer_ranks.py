@@ -61,6 +61,7 @@ def _stop_and_check(cfg: Path, nonce: str) -> None:
         assert not _segments(nonce)
 
 
+@pytest.mark.slow
 def test_two_ranks_train_restart_after_kill_and_sigstop(short_tmp: Path) -> None:
     cfg = _config(short_tmp, steps=100_000,
                   trainer={"checkpoint_every": 5, "collective_timeout": 4.0, "restart_window": 600.0},

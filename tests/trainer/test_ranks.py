@@ -124,6 +124,7 @@ def test_group_errors_restart_the_group_but_a_poisoned_device_ends_the_job() -> 
 
     assert is_group_error(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
     assert is_group_error(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 4000ms"))
+    assert is_group_error(RuntimeError("Application timeout caused pair closure"))
     assert is_group_error(JoinTimeout("trainer-1 did not join")) and is_group_error(Fenced("old generation"))
     assert not is_group_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert not is_group_error(ValueError("a bug in the loss"))
