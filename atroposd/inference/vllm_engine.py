@@ -9,6 +9,10 @@ where a plain ``load_weights`` after start-up does not. Nothing of vLLM is patch
 ``VLLM_USE_V1`` is set, and only strings cross the RPC (so no insecure serialisation is
 needed); CUDA IPC handles only travel through the 0600 manifest and Unix socket.
 
+* Several trainer ranks: the bucketed push (one manifest per bucket) streams into the same
+  checkpoint-format reload, started at bucket 0 and finished at the last one
+  (:meth:`AtroposdWorkerExtension.atroposd_load_bucket`), with the receiver's order and
+  completeness checks; the sharded reload directory loads like the single file.
 * ``logprobs_mode = "processed_logprobs"``: rollout logprobs are ``log_softmax(logits / T)``
   of the sampled token, what the trainer recomputes. ``top_p < 1`` or ``top_k > 0`` are refused
   (processed logprobs would be renormalised over the truncated support).
