@@ -118,10 +118,11 @@ class AtroposdWorkerExtension:
         weights, total = _read_export(manifest)
         if index == 0:
             self._atroposd_end_stream(abandoned=True)
-            self._atroposd_begin_stream()
         # Until this bucket is in, the push cannot continue (a bucket loaded twice would count
         # twice in vLLM's per-layer tally): only a new push, from bucket 0, replaces it.
         self._atroposd_stream = (*push, -1)
+        if index == 0:
+            self._atroposd_begin_stream()
         self._atroposd_stream_load(weights)
         weights.clear()
         complete = index + 1 == count
