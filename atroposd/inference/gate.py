@@ -1,7 +1,9 @@
 """Admission of generations around weight updates, the same for every engine (SPEC §7).
 
 ``pause`` admits no new generation and returns once every admitted one has been answered;
-``resume(version)`` opens the gate with the new ``weight_version``. A generation is admitted
+``resume(version)`` opens the gate with the new ``weight_version``, unless the engine's weight
+receiver holds an incomplete bucketed push (the model holds a mix of versions, or none: a
+:class:`~atroposd.weights.protocol.WeightUpdateError`, HTTP 400). A generation is admitted
 under the version current at admission and keeps it in its response, so every response
 carries exactly one version. Weight updates are refused (:class:`NotPaused`) unless the gate
 is closed and nothing is in flight.
@@ -21,6 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from atroposd.logs import get_logger
+from atroposd.weights.protocol import WeightUpdateError
 
 __all__ = ["NotPaused", "ShuttingDown", "WeightGate"]
 
@@ -36,6 +39,9 @@ class ShuttingDown(RuntimeError):
 
 
 class WeightGate:
+    #: the engine's :class:`atroposd.weights.receiver.ReceiverState` (None: takes no weights)
+    receiver: Any = None
+
     def __init__(self, *, await_weights: bool) -> None:
         self.weight_version = 0
         self.updates = 0  # weight updates applied since start
@@ -90,6 +96,10 @@ class WeightGate:
         return {"paused": True, "weight_version": self.weight_version}
 
     async def resume(self, weight_version: int | None = None) -> dict[str, Any]:
+        """Open the gate, unless a bucketed push stopped halfway (the model holds a mix of versions)."""
+        problem = self.receiver.incomplete() if self.receiver is not None else None
+        if problem is not None:
+            raise WeightUpdateError(problem)
         if weight_version is not None:
             self.weight_version = int(weight_version)
         if self.awaiting_weights and not self.updates:

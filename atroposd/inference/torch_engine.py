@@ -285,13 +285,6 @@ class TorchEngine(WeightGate):
             pass
         return result
 
-    async def resume(self, weight_version: int | None = None) -> dict[str, Any]:
-        """Open the gate, unless a bucketed push stopped halfway (the model holds a mix of versions)."""
-        problem = self.receiver.incomplete() if self.receiver is not None else None
-        if problem is not None:
-            raise WeightUpdateError(problem)
-        return await super().resume(weight_version)
-
     async def update_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """``{"manifest", "mode": "attach"|"copy", "weight_version"?}`` (shared / push mode; a
         bucket manifest: one bucket of a bucketed push, mode ``copy``)."""

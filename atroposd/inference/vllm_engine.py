@@ -9,6 +9,10 @@ where a plain ``load_weights`` after start-up does not. Nothing of vLLM is patch
 ``VLLM_USE_V1`` is set, and only strings cross the RPC (so no insecure serialisation is
 needed); CUDA IPC handles only travel through the 0600 manifest and Unix socket.
 
+* Several trainer ranks: the bucketed push (one manifest per bucket) streams into the same
+  checkpoint-format reload, started at bucket 0 and finished at the last one
+  (:meth:`AtroposdWorkerExtension.atroposd_load_bucket`), with the receiver's order and
+  completeness checks; the sharded reload directory loads like the single file.
 * ``logprobs_mode = "processed_logprobs"``: rollout logprobs are ``log_softmax(logits / T)``
   of the sampled token, what the trainer recomputes. ``top_p < 1`` or ``top_k > 0`` are refused
   (processed logprobs would be renormalised over the truncated support).
@@ -34,7 +38,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -45,12 +49,17 @@ from atroposd.inference.schema import BadRequest
 from atroposd.logs import get_logger
 from atroposd.weights.protocol import ADAPTER_DIR, WeightUpdateError
 
+if TYPE_CHECKING:
+    from atroposd.weights.manifest import Manifest
+
 __all__ = ["REFUSED", "AtroposdWorkerExtension", "BadRequest", "VllmEngine", "sampling_kwargs"]
 
 log = get_logger(__name__)
 
 WORKER_EXTENSION = "atroposd.inference.vllm_engine.AtroposdWorkerExtension"
 CPU_DEFAULT_MEMORY_FRACTION = 0.2
+# How long a probe generation waits for a bucketed push under way before it fails.
+PROBE_WAIT_S = 60.0
 
 
 # ---------------------------------------------------------------------------- worker side
@@ -63,54 +72,66 @@ class AtroposdWorkerExtension:
     asserts that). Arguments are JSON strings.
     """
 
+    # The bucketed push this worker is streaming in: (weight_version, buckets, next bucket; -1
+    # when only a new push can follow), None when none is under way.
+    _atroposd_stream: tuple[int, int, int] | None = None
+
     def atroposd_reload_from_manifest(self, manifest_json: str) -> str:
         """Read every tensor of an export and reload it in checkpoint format.
 
         Returns a JSON ``{"tensors": n, "bytes": b}``.
         """
-        import torch
-
         from atroposd.weights.manifest import Manifest
-        from atroposd.weights.shm import read_into
-        from atroposd.weights.tensors import checksum, same_checksum, torch_dtype
 
         manifest = Manifest.from_json(manifest_json.encode())
         manifest.check_layout()
-        weights: list[tuple[str, Any]] = []
-        total = 0
-        if manifest.transport == "shm":
-            by_seg: dict[int, list[tuple[int, torch.Tensor]]] = {}
-            for e in manifest.tensors:
-                t = torch.empty(tuple(e.shape), dtype=torch_dtype(e.dtype))
-                by_seg.setdefault(e.segment, []).append((e.offset, t))
-                weights.append((e.name, t))
-            for seg in manifest.segments:
-                total += read_into(seg.name, seg.size, by_seg.get(seg.index, []))
-        else:  # CUDA IPC: rebuild once, copy out, synchronise, drop before acknowledging
-            from atroposd.weights.cuda_ipc import rebuild_segment
-
-            # check_layout guarantees every segment's handle and GPU UUID.
-            buffers = {s.index: rebuild_segment(s.handle, s.device_uuid)  # type: ignore[arg-type]
-                       for s in manifest.segments}
-            # The copy lands on this worker's own device, whichever GPU the trainer exported from.
-            own = torch.device("cuda", torch.cuda.current_device())
-            for e in manifest.tensors:
-                view = buffers[e.segment][e.offset:e.offset + e.nbytes].view(torch_dtype(e.dtype))
-                weights.append((e.name, view.view(tuple(e.shape)).to(own, copy=True)))
-                total += e.nbytes
-            torch.cuda.synchronize()
-            buffers.clear()
-        for e, (name, t) in zip(manifest.tensors, weights, strict=True):
-            if not same_checksum(e.checksum, checksum(t)):
-                raise ValueError(f"tensor {name!r}: checksum differs from the exporter's")
+        weights, total = _read_export(manifest)
         self._atroposd_reload(weights)
         weights.clear()
-        if manifest.transport == "cuda_ipc":
-            import gc
-
-            gc.collect()
-            torch.cuda.synchronize()
+        _release_cuda(manifest)
         return orjson.dumps({"tensors": len(manifest.tensors), "bytes": total}).decode()
+
+    def atroposd_load_bucket(self, manifest_json: str) -> str:
+        """Load one bucket of a bucketed push through vLLM's streamed checkpoint-format reload,
+        the one its own chunked weight transfer uses: bucket 0 starts it
+        (``initialize_layerwise_reload``), each bucket's tensors (copies, read and checked
+        before anything is loaded) go through ``model.load_weights``, and the last bucket
+        finishes it (``finalize_layerwise_reload``). vLLM keeps, per layer, what arrived until the
+        layer has every part, so a fused parameter (``qkv_proj``, ``gate_up_proj``) whose parts
+        lie in different buckets is processed once, whole. Between the first and the last bucket
+        the layers not yet loaded hold no weights: the engine neither serves nor probes then.
+
+        Returns a JSON ``{"tensors": n, "bytes": b, "complete": bool}``.
+        """
+        from atroposd.weights.manifest import Manifest
+
+        manifest = Manifest.from_json(manifest_json.encode())
+        manifest.check_layout()
+        if manifest.bucket is None:
+            raise ValueError("not a bucket manifest")
+        index, count = manifest.bucket.index, manifest.bucket.count
+        push = (manifest.weight_version, count)
+        if index > 0 and self._atroposd_stream != (*push, index):
+            raise ValueError(f"bucket {index} of {count} of weight_version {manifest.weight_version}: this worker "
+                             f"has no push under way that it continues (it has {self._atroposd_stream}: "
+                             "(weight_version, buckets, next bucket)); a push starts again from bucket 0")
+        weights, total = _read_export(manifest)
+        if index == 0:
+            self._atroposd_end_stream(abandoned=True)
+        # Until this bucket is in, the push cannot continue (a bucket loaded twice would count
+        # twice in vLLM's per-layer tally): only a new push, from bucket 0, replaces it.
+        self._atroposd_stream = (*push, -1)
+        if index == 0:
+            self._atroposd_begin_stream()
+        self._atroposd_stream_load(weights)
+        weights.clear()
+        complete = index + 1 == count
+        if complete:
+            self._atroposd_end_stream(abandoned=False)
+        else:
+            self._atroposd_stream = (*push, index + 1)
+        _release_cuda(manifest)
+        return orjson.dumps({"tensors": len(manifest.tensors), "bytes": total, "complete": complete}).decode()
 
     def atroposd_reload_from_file(self, path: str) -> str:
         """Reload from a ``model.safetensors`` written by the trainer (``reload`` mode), or from
@@ -128,12 +149,67 @@ class AtroposdWorkerExtension:
         return orjson.dumps({"tensors": len(weights), "bytes": total}).decode()
 
     def _atroposd_reload(self, weights: list[Any]) -> None:
+        """Every tensor of the model at once: vLLM's checkpoint-format reload."""
+        self._atroposd_end_stream(abandoned=True)
+        runner = self.model_runner  # type: ignore[attr-defined]
+        self._atroposd_record_ties(runner.get_model())
+        runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        self._atroposd_retie(runner.get_model())
+
+    def _atroposd_begin_stream(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        self._atroposd_record_ties(model)
+        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            initialize_layerwise_reload(model)
+
+    def _atroposd_stream_load(self, weights: list[Any]) -> None:
+        import torch
+        from vllm.config import set_current_vllm_config
+
+        try:  # a multi-token-prediction model checks its weights are complete on each load
+            from vllm.model_executor.model_loader.mtp_validation import (
+                disable_mtp_completeness_check,
+            )
+            partial: Any = disable_mtp_completeness_check()
+        except ImportError:
+            partial = contextlib.nullcontext()
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        with set_current_vllm_config(self.vllm_config), partial, torch.no_grad():  # type: ignore[attr-defined]
+            model.load_weights(iter(weights))
+
+    def _atroposd_end_stream(self, *, abandoned: bool) -> None:
+        """Finish the streamed reload under way, if any. ``abandoned``: its push never completed
+        (a new push or a whole reload replaces it); vLLM puts back the layers it did not reach,
+        and the caller loads every tensor anew."""
+        stream = self._atroposd_stream
+        if stream is None:
+            return
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        if abandoned:
+            log.warning("an incomplete bucketed push is abandoned", weight_version=stream[0], buckets=stream[1],
+                        arrived=stream[2])
         runner = self.model_runner  # type: ignore[attr-defined]
         model = runner.get_model()
+        self._atroposd_stream = None
+        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            finalize_layerwise_reload(model, self.vllm_config.model_config)  # type: ignore[attr-defined]
+        self._atroposd_retie(model)
+        # What vLLM's own reload_weights resets after a reload (state derived from the old weights).
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            if hasattr(runner, reset):
+                getattr(runner, reset)()
+
+    def _atroposd_record_ties(self, model: Any) -> None:
         if not hasattr(self, "_atroposd_tied"):
             # Recorded before the first reload, while vLLM's ties (lm_head ↔ embed_tokens) hold.
             self._atroposd_tied = _tied_groups(model)
-        runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+
+    def _atroposd_retie(self, model: Any) -> None:
         # The layerwise reload gives every layer new parameters, which unties an alias such
         # as a tied lm_head (it would keep the old weights): point aliases at the new tensor.
         for owners in self._atroposd_tied:
@@ -149,6 +225,56 @@ class AtroposdWorkerExtension:
 
     def atroposd_ping(self) -> str:
         return str(os.getpid())
+
+
+def _read_export(manifest: Manifest) -> tuple[list[tuple[str, Any]], int]:
+    """Every tensor a manifest names, copied out of the export into the worker's own memory (CPU
+    for shm, this worker's GPU for CUDA IPC) and checked against the exporter's checksums;
+    returns ``([(name, tensor)], bytes)``. Nothing of the model is touched."""
+    import torch
+
+    from atroposd.weights.shm import read_into
+    from atroposd.weights.tensors import checksum, same_checksum, torch_dtype
+
+    weights: list[tuple[str, Any]] = []
+    total = 0
+    if manifest.transport == "shm":
+        by_seg: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for e in manifest.tensors:
+            t = torch.empty(tuple(e.shape), dtype=torch_dtype(e.dtype))
+            by_seg.setdefault(e.segment, []).append((e.offset, t))
+            weights.append((e.name, t))
+        for seg in manifest.segments:
+            total += read_into(seg.name, seg.size, by_seg.get(seg.index, []))
+    else:  # CUDA IPC: rebuild once, copy out, synchronise, drop before acknowledging
+        from atroposd.weights.cuda_ipc import rebuild_segment
+
+        # check_layout guarantees every segment's handle and GPU UUID.
+        buffers = {s.index: rebuild_segment(s.handle, s.device_uuid)  # type: ignore[arg-type]
+                   for s in manifest.segments}
+        # The copy lands on this worker's own device, whichever GPU the trainer exported from.
+        own = torch.device("cuda", torch.cuda.current_device())
+        for e in manifest.tensors:
+            view = buffers[e.segment][e.offset:e.offset + e.nbytes].view(torch_dtype(e.dtype))
+            weights.append((e.name, view.view(tuple(e.shape)).to(own, copy=True)))
+            total += e.nbytes
+        torch.cuda.synchronize()
+        buffers.clear()
+    for e, (name, t) in zip(manifest.tensors, weights, strict=True):
+        if not same_checksum(e.checksum, checksum(t)):
+            raise ValueError(f"tensor {name!r}: checksum differs from the exporter's")
+    return weights, total
+
+
+def _release_cuda(manifest: Manifest) -> None:
+    """After a CUDA IPC export was copied: drop what still refers to it before answering."""
+    if manifest.transport == "cuda_ipc":
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.synchronize()
 
 
 def _tied_groups(model: Any) -> list[list[tuple[Any, str]]]:
@@ -190,6 +316,8 @@ class VllmEngine(WeightGate):
         self._starting: asyncio.Future[Any] | None = None
         self._expected: tuple[dict[str, Any], dict[str, str]] | None = None
         self._update_lock = asyncio.Lock()
+        self._whole = asyncio.Event()  # set: no bucketed push under way (_settle)
+        self._whole.set()
         # LoRA (trainer.mode = "lora"): adapters arrive through reload; generations use the newest.
         self.lora_rank = lora_rank
         self._lora: Any = None  # the current LoRARequest
@@ -295,6 +423,8 @@ class VllmEngine(WeightGate):
 
         parsed, kw = self.validate(request)
         params = SamplingParams(**kw, output_kind=RequestOutputKind.FINAL_ONLY)
+        if bypass_pause:
+            await self._weights_whole()
         async with self._admitted(bypass_pause) as version:
             final = None
             async for out in self.engine.generate({"prompt_token_ids": parsed.prompt_ids}, params,
@@ -312,7 +442,8 @@ class VllmEngine(WeightGate):
     # ------------------------------------------------------------------ weight control
 
     async def update_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
-        """``{"manifest", "mode": "copy", "weight_version"?}``: copy an export in (push)."""
+        """``{"manifest", "mode": "copy", "weight_version"?}``: copy an export in (push), or one
+        bucket of a bucketed push (a manifest with ``bucket``; :meth:`_update_bucket`)."""
         from atroposd.weights.manifest import Manifest, ManifestError
         if self.receiver is None or not self.receiver.nonce:
             raise WeightUpdateError("this server has no launch nonce (ATROPOSD_INSTANCE); it cannot accept weights")
@@ -322,6 +453,7 @@ class VllmEngine(WeightGate):
         if not isinstance(request.get("manifest"), str):
             raise WeightUpdateError("request is missing 'manifest'")
         self._require_paused()
+        expected, tied = self._expected or ({}, {})
         try:
             manifest = Manifest.load(Path(request["manifest"]), expected_nonce=self.receiver.nonce,
                                      weights_dir=self.receiver.weights_dir)
@@ -330,21 +462,83 @@ class VllmEngine(WeightGate):
                                     f"{request['weight_version']}: stale manifest refused")
             if manifest.lora is not None:
                 raise ManifestError("LoRA exports go through reload mode with the vLLM engine")
-            if manifest.bucket is not None:
-                raise ManifestError("the vLLM engine does not take a bucketed push (several trainer ranks) yet; "
-                                    "use weight_sync = \"reload\" with it")
-            expected, tied = self._expected or ({}, {})
-            manifest.check_against(expected, tied)
+            if manifest.bucket is None:
+                manifest.check_against(expected, tied)
         except ManifestError as exc:
             raise WeightUpdateError(str(exc)) from None
+        if manifest.bucket is not None:
+            return await self._update_bucket(manifest, expected, tied)
         async with self._update_lock:
             t0 = time.perf_counter()
-            results = await self._worker_call("atroposd_reload_from_manifest", manifest.to_json().decode())
+            try:
+                results = await self._worker_call("atroposd_reload_from_manifest", manifest.to_json().decode())
+                self.receiver.buckets = None  # a whole model replaces any push that stopped halfway
+                self.receiver.weight_version = manifest.weight_version
+            finally:
+                self._settle()
         self.updates += 1
         stats = orjson.loads(results[0])
         log.info("weights updated", weight_version=manifest.weight_version, seconds=time.perf_counter() - t0,
                  **stats)
         return {"weight_version": manifest.weight_version, "mode": "copy", "export_id": manifest.export_id, **stats}
+
+    async def _update_bucket(self, manifest: Manifest, expected: Mapping[str, Any],
+                             tied: Mapping[str, str]) -> dict[str, Any]:
+        """One bucket of a bucketed push (several trainer ranks), with the receiver's order and
+        completeness checks (:class:`~atroposd.weights.receiver.BucketProgress`): bucket 0
+        starts a push, each next bucket continues it, and the last one must complete the model
+        — checked before the worker loads it. The workers stream the buckets into vLLM's
+        checkpoint-format reload (:meth:`AtroposdWorkerExtension.atroposd_load_bucket`); the
+        served version changes only at ``/resume``, which is refused until the last bucket is in
+        (``ReceiverState.incomplete``)."""
+        from atroposd.weights.manifest import ManifestError
+
+        assert manifest.bucket is not None and self.receiver is not None
+        index, count = manifest.bucket.index, manifest.bucket.count
+        progress = self.receiver.next_bucket(manifest)
+        try:
+            filled = manifest.check_bucket(expected, tied)
+        except ManifestError as exc:
+            raise WeightUpdateError(f"bucket {index} of {count}: {exc}") from None
+        progress.cover(manifest, filled, expected)
+        self.receiver.buckets = progress  # from here until the last bucket the model is mid-reload
+        self._settle()
+        async with self._update_lock:
+            t0 = time.perf_counter()
+            try:
+                results = await self._worker_call("atroposd_load_bucket", manifest.to_json().decode())
+                complete = self.receiver.bucket_applied(manifest, progress)
+            finally:
+                self._settle()
+        self.updates += 1
+        stats = orjson.loads(results[0])
+        seconds = time.perf_counter() - t0
+        log.debug("bucket loaded", bucket=index, buckets=count, weight_version=manifest.weight_version,
+                  seconds=seconds, **stats)
+        if complete:
+            log.info("weights updated", weight_version=manifest.weight_version, buckets=count)
+        return {"weight_version": manifest.weight_version, "mode": "copy", "export_id": manifest.export_id,
+                "tensors": stats["tensors"], "bytes": stats["bytes"], "bucket": index, "buckets": count,
+                "complete": complete, "seconds": round(seconds, 6)}
+
+    def _settle(self) -> None:
+        """Let generations that bypass the pause (the daemon's probes) run only while no
+        bucketed push is under way (:meth:`_weights_whole`)."""
+        if self.receiver is None or self.receiver.buckets is None:
+            self._whole.set()
+        else:
+            self._whole.clear()
+
+    async def _weights_whole(self) -> None:
+        """Wait while a bucketed push is under way: the model is then mid-reload (vLLM's layers not
+        yet loaded hold no weights), so a probe must not run it. A push that does not complete
+        within :data:`PROBE_WAIT_S` fails the probe, naming why."""
+        try:
+            while self.receiver is not None and self.receiver.buckets is not None:
+                await asyncio.wait_for(self._whole.wait(), PROBE_WAIT_S)
+        except asyncio.TimeoutError:  # not yet the builtin TimeoutError on Python 3.10
+            problem = self.receiver.incomplete() if self.receiver is not None else None
+            raise WeightUpdateError(problem or "a bucketed push is under way") from None
 
     async def load_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """``{"path", "weight_version"}``: load a directory the trainer wrote (reload mode)."""
@@ -368,7 +562,13 @@ class VllmEngine(WeightGate):
         except ManifestError as exc:
             raise WeightUpdateError(str(exc)) from None
         async with self._update_lock:
-            results = await self._worker_call("atroposd_reload_from_file", str(file))
+            try:
+                results = await self._worker_call("atroposd_reload_from_file", str(file))
+                if self.receiver is not None:
+                    self.receiver.buckets = None  # a whole model replaces any push that stopped halfway
+                    self.receiver.weight_version = version
+            finally:
+                self._settle()
         self.updates += 1
         return {"weight_version": version, "mode": "load", "export_id": None, **orjson.loads(results[0])}
 

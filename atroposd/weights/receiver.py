@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,12 +89,32 @@ log = get_logger(__name__)
 @dataclass
 class BucketProgress:
     """A bucketed push under way: buckets ``0..next-1`` of ``count`` of ``weight_version`` copied,
-    covering the model's tensors ``covered``."""
+    covering the model's tensors ``covered``.
+
+    Every engine applies a bucket the same way (the order and completeness checks live here,
+    once): ``progress = state.next_bucket(manifest)`` (order) → check the bucket's tensors →
+    ``state.buckets = progress`` before the model is touched → apply → ``progress.cover(...)``
+    (completeness at the last bucket) → ``state.bucket_applied(manifest, progress)``.
+    """
 
     weight_version: int
     count: int
     next: int = 0
     covered: set[str] = field(default_factory=set)
+
+    def cover(self, manifest: Manifest, filled: Iterable[str], model: Collection[str]) -> bool:
+        """Record the model's tensors bucket ``manifest`` fills; True when it is the last bucket,
+        which must complete the model (every name of ``model`` in some bucket, else a
+        :class:`WeightUpdateError` naming the missing ones)."""
+        assert manifest.bucket is not None
+        self.covered.update(filled)
+        if manifest.bucket.index + 1 != manifest.bucket.count:
+            return False
+        missing = sorted(set(model) - self.covered)
+        if missing:
+            raise WeightUpdateError(f"the {self.count} buckets of weight_version {manifest.weight_version} did not "
+                                    f"hold every tensor of the model: {', '.join(repr(m) for m in missing)} missing")
+        return True
 
 
 @dataclass
@@ -140,6 +160,35 @@ class ReceiverState:
             return None
         return (f"the weights are incomplete: {b.next} of the {b.count} buckets of weight_version {b.weight_version} "
                 "arrived, so the model holds a mix of versions; every bucket must arrive before generation resumes")
+
+    def next_bucket(self, manifest: Manifest) -> BucketProgress:
+        """The push bucket ``manifest`` belongs to (not yet recorded in ``buckets``): a new one
+        for bucket 0, else the push under way, of which it must be the next bucket (same
+        ``weight_version`` and count); a :class:`WeightUpdateError` otherwise."""
+        if manifest.bucket is None:
+            raise WeightUpdateError("not a bucket manifest")
+        index, count = manifest.bucket.index, manifest.bucket.count
+        if index == 0:
+            return BucketProgress(manifest.weight_version, count)
+        progress = self.buckets
+        if (progress is None or progress.weight_version != manifest.weight_version or progress.count != count
+                or progress.next != index):
+            expected = ("bucket 0 (no bucketed push is under way)" if progress is None else
+                        f"bucket {progress.next} of {progress.count} of weight_version {progress.weight_version}")
+            raise WeightUpdateError(f"bucket {index} of {count} of weight_version {manifest.weight_version} arrived "
+                                    f"out of order: expected {expected}; a push starts again from bucket 0")
+        return progress
+
+    def bucket_applied(self, manifest: Manifest, progress: BucketProgress) -> bool:
+        """Bucket ``manifest`` is in the model; True when it completed the push (the model then
+        holds ``weight_version`` throughout and may serve again)."""
+        assert manifest.bucket is not None
+        progress.next = manifest.bucket.index + 1
+        if progress.next < progress.count:
+            return False
+        self.buckets = None
+        self.weight_version = manifest.weight_version
+        return True
 
     def release(self, model: torch.nn.Module | None = None) -> None:
         """Drop every mapping. With ``model``, first give its tensors private copies."""
@@ -251,13 +300,7 @@ def _apply_bucket(model: torch.nn.Module, manifest: Manifest, state: ReceiverSta
     the push until its last bucket completed the model."""
     assert manifest.bucket is not None
     index, count = manifest.bucket.index, manifest.bucket.count
-    progress = state.buckets
-    if index > 0 and (progress is None or progress.weight_version != manifest.weight_version
-                      or progress.count != count or progress.next != index):
-        expected = ("bucket 0 (no bucketed push is under way)" if progress is None else
-                    f"bucket {progress.next} of {progress.count} of weight_version {progress.weight_version}")
-        raise WeightUpdateError(f"bucket {index} of {count} of weight_version {manifest.weight_version} arrived out of "
-                                f"order: expected {expected}; a push starts again from bucket 0")
+    progress = state.next_bucket(manifest)
     try:
         ensure_lora(model, manifest.lora)
         if state.segments:
@@ -269,9 +312,6 @@ def _apply_bucket(model: torch.nn.Module, manifest: Manifest, state: ReceiverSta
     device = next(iter(mt.tensors.values())).device
     if manifest.transport == "cuda_ipc" and device.type != "cuda":
         raise WeightUpdateError("a CUDA IPC export needs a model on a GPU")
-    if index == 0:
-        progress = BucketProgress(manifest.weight_version, count)
-    assert progress is not None
     state.buckets = progress  # from here on the model holds a mix until the last bucket
     with torch.no_grad():
         if manifest.transport == "shm":
@@ -299,17 +339,8 @@ def _apply_bucket(model: torch.nn.Module, manifest: Manifest, state: ReceiverSta
         if not same_checksum(e.checksum, checksum(mt.tensors[mine])):
             raise WeightUpdateError(f"tensor {mine!r}: checksum after the copy differs from the exporter's "
                                     "(the export changed during the copy?)")
-    progress.covered.update(source)
-    complete = index + 1 == count
-    if complete:
-        missing = sorted(set(mt.tensors) - progress.covered)
-        if missing:
-            raise WeightUpdateError(f"the {count} buckets of weight_version {manifest.weight_version} did not hold "
-                                    f"every tensor of the model: {', '.join(repr(m) for m in missing)} missing")
-    progress.next = index + 1
-    if complete:
-        state.buckets = None
-        state.weight_version = manifest.weight_version
+    progress.cover(manifest, source, mt.tensors)
+    complete = state.bucket_applied(manifest, progress)
     log.debug("bucket copied", bucket=index, buckets=count, weight_version=manifest.weight_version,
               tensors=len(source), bytes=total)
     return {"weight_version": manifest.weight_version, "mode": "copy", "tensors": len(source), "bytes": total,

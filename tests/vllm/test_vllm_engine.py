@@ -388,3 +388,157 @@ def test_no_engine_core_after_kill_of_the_daemon(model_dir: Path, nonce: str, sh
         assert time.monotonic() - t0 < 30
     finally:
         srv2.stop()
+
+
+# ---------------------------------------------------------------------------- several trainer ranks
+
+# Small enough that the tiny model (about 1.1 MB) takes 15 buckets, and that q_proj, k_proj and
+# v_proj (one fused qkv_proj in vLLM), and gate_proj and up_proj (gate_up_proj), lie in different
+# buckets: vLLM must hold a layer's first parts until its last part arrives.
+BUCKET = 100_000
+
+
+def _split_fused(plan: list[list[str]]) -> None:
+    where = {name: i for i, names in enumerate(plan) for name in names}
+    for layer in (0, 1):
+        p = f"model.layers.{layer}."
+        q, k, v = (where[f"{p}self_attn.{x}_proj.weight"] for x in "qkv")
+        gate, up = where[f"{p}mlp.gate_proj.weight"], where[f"{p}mlp.up_proj.weight"]
+        assert len({q, k, v}) == 3 and gate != up, plan
+
+
+async def _served_logprobs(server: Server) -> tuple[Any, int]:
+    import torch
+
+    status, out = await anyio.to_thread.run_sync(server.generate, {"prompt": {"prompt_token_ids": PROMPT},
+                                                                   "max_tokens": 1, "prompt_logprobs": 0})
+    assert status == 200, out
+    return torch.tensor(prompt_lp(out, PROMPT)), int(out["weight_version"])
+
+
+def _train(model: Any) -> None:
+    import torch
+
+    before = hf_logprobs(model, PROMPT)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model.train()
+    ids = torch.tensor([PROMPT])
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    model.eval()
+    assert (hf_logprobs(model, PROMPT) - before).abs().max() > 0.05
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_bucketed_push_and_sharded_reload(server: Server, model_dir: Path, nonce: str) -> None:
+    """Several trainer ranks: the bucketed push streams into vLLM's checkpoint-format reload bucket
+    by bucket, and the sharded reload directory loads; each serves the pushed weights with the
+    version it was resumed with."""
+    from atroposd.weights.protocol import SYNC_INDEX_FILE
+    from atroposd.weights.source import ModelSource, plan_buckets
+    from atroposd.weights.sync import BucketPushSync, ReloadSync
+
+    model = hf_model(model_dir)
+    plan = plan_buckets(ModelSource(model).specs(), BUCKET)
+    _split_fused(plan)
+    push = BucketPushSync(nonce=nonce, weights_dir=server.weights, control_socket=server.socket,
+                          bucket_bytes=BUCKET)
+    reload = ReloadSync(sync_dir=server.sync, control_socket=server.socket, bucket_bytes=BUCKET)
+    try:
+        base = int((await server.call("GET", "/weight_info"))["weight_version"])
+        updates = int((await server.call("GET", "/weight_info"))["updates"])
+        await push.attach(model, base + 1)
+        assert push.last_sync["buckets"] == len(plan) > 10
+        info = await server.call("GET", "/weight_info")
+        assert info["updates"] == updates + len(plan) and not info["paused"]
+        for step, sync in ((2, push), (3, reload), (4, push)):
+            _train(model)
+            await sync.after_step(model, base + step)
+            got, version = await _served_logprobs(server)
+            assert version == base + step
+            # every logit follows the pushed weights: fused parameters whole, lm_head re-tied
+            assert (got - hf_logprobs(model, PROMPT)).abs().max() < 2e-3, (sync, got, hf_logprobs(model, PROMPT))
+            if sync is reload:
+                assert reload.current is not None
+                shards = sorted(p.name for p in reload.current.glob("model-*-of-*.safetensors"))
+                assert len(shards) == len(plan) and (reload.current / SYNC_INDEX_FILE).is_file()
+                assert not (reload.current / "model.safetensors").exists()
+        # sampled tokens' logprobs, too: log_softmax(logits / T) of the new weights
+        status, out = await anyio.to_thread.run_sync(server.generate, {
+            "prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 4, "temperature": 0.8, "seed": 3})
+        assert status == 200 and out["weight_version"] == base + 4
+        ids = out["token_ids"][0]
+        want = hf_logprobs(model, PROMPT + ids, 0.8)[len(PROMPT) - 1:]
+        got_lps = [next(iter(x[0].values())) for x in out["logprobs"][0]]
+        assert max(abs(a - b) for a, b in zip(got_lps, want.tolist(), strict=True)) < 2e-3
+    finally:
+        push.close()
+        reload.close()
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"atroposd-{nonce}")]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_bucketed_push_refused_halfway_never_serves(server: Server, model_dir: Path, nonce: str) -> None:
+    """A push that stops after some buckets leaves the replica mid-reload: it refuses to resume
+    (400), holds generations and probes, and serves again only once a whole push arrived."""
+    import torch
+
+    from atroposd.weights.client import WeightControlError
+    from atroposd.weights.sync import BucketPushSync
+
+    model = hf_model(model_dir)
+    push = BucketPushSync(nonce=nonce, weights_dir=server.weights, control_socket=server.socket,
+                          bucket_bytes=BUCKET)
+    try:
+        base = int((await server.call("GET", "/weight_info"))["weight_version"])
+        _train(model)
+        # A tensor vLLM's model lacks, in the last bucket: the earlier buckets went into the
+        # model, then the replica refuses, naming it.
+        model.model.norm.register_parameter("extra", torch.nn.Parameter(torch.ones(3)))
+        with pytest.raises(WeightControlError, match=r"refused a bucket.*'model\.norm\.extra' is in the export but not"):
+            await push.attach(model, base + 1)
+        info = await server.call("GET", "/weight_info")
+        assert info["paused"] is True and info["weight_version"] == base
+        with pytest.raises(WeightControlError, match=r"incomplete.*mix of versions") as refused:
+            await server.call("POST", "/resume", {"weight_version": base})
+        assert refused.value.status == 400
+        # A bucket out of order (not the next one of the push under way) is refused by the
+        # receiver's order check, before the worker sees it.
+        import dataclasses
+
+        from atroposd.weights.manifest import BucketRef, Manifest
+
+        last = Manifest.from_json(push.manifest_file.read_bytes())
+        assert last.bucket is not None and last.bucket.index == last.bucket.count - 1
+        dataclasses.replace(last, weight_version=base + 9, bucket=BucketRef(3, last.bucket.count)).write(
+            push.manifest_file)
+        with pytest.raises(WeightControlError, match=r"bucket 3 of \d+ of weight_version \d+ arrived out of order"):
+            await server.call("POST", "/update_weights", {"manifest": str(push.manifest_file), "mode": "copy"})
+        async with anyio.create_task_group() as tg:
+            results: list[Any] = []
+
+            async def ask() -> None:
+                results.append(await anyio.to_thread.run_sync(server.generate, {
+                    "prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 1, "prompt_logprobs": 0}))
+
+            async def probe() -> None:
+                results.append(await server.call("POST", "/probe_generate",
+                                                 {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 1}))
+
+            tg.start_soon(ask)
+            tg.start_soon(probe)
+            await anyio.sleep(3.0)  # a bounded observation window: neither may run the half-loaded model
+            assert not results
+            del model.model.norm.extra
+            await push.reattach(model, base + 2)
+        assert len(results) == 2
+        status, out = next(r for r in results if isinstance(r, tuple))
+        assert status == 200 and out["weight_version"] == base + 2
+        assert (torch.tensor(prompt_lp(out, PROMPT)) - hf_logprobs(model, PROMPT)).abs().max() < 2e-3
+        got, version = await _served_logprobs(server)
+        assert version == base + 2 and (got - hf_logprobs(model, PROMPT)).abs().max() < 2e-3
+    finally:
+        push.close()
