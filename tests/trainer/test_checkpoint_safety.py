@@ -26,6 +26,7 @@ from atroposd.trainer.checkpoint import (
     load_latest,
     save_checkpoint,
 )
+from atroposd.trainer.ranks import OneRank
 
 pytestmark = pytest.mark.anyio
 
@@ -183,7 +184,7 @@ async def test_the_loop_counts_a_failed_checkpoint_and_goes_on(exc: BaseExceptio
     from atroposd.trainer.loop import Progress, TrainingLoop
 
     progress = Progress(total_steps=10, step=4)
-    learner = SimpleNamespace(policy=SimpleNamespace(vocab_size=22))
+    learner = SimpleNamespace(policy=SimpleNamespace(vocab_size=22), ranks=OneRank())
     loop = TrainingLoop(tcfg=None, feed=None, learner=learner, weights=None, metrics=None,  # type: ignore[arg-type]
                         checkpointer=_FailingCheckpointer(exc), progress=progress,  # type: ignore[arg-type]
                         envs_alive=lambda: True, lock=None)  # type: ignore[arg-type]
