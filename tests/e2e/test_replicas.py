@@ -87,9 +87,12 @@ def test_two_replicas_serve_survive_a_kill_and_stop_cleanly(short_tmp: Path) -> 
         assert restarted["weight_version"] is not None and restarted["weight_version"] > version_at_kill, restarted
         wait_for(lambda: _health(cfg, 1)["generations"] >= 2, timeout=120, interval=0.5,
                  what="the restarted replica to serve")
-        wait_for(lambda: _health(cfg, 1)["weight_version"] == _health(cfg, 0)["weight_version"]
-                 == status(cfg)["trainer"]["weight_version"], timeout=60, interval=0.2,
-                 what="both replicas at the trainer's weight_version")
+        def current() -> bool:
+            # The trainer steps every few tens of ms, faster than three reads: each replica must hold
+            # at least the version the trainer had before they were read (one behind while a sync runs).
+            trainer_version = status(cfg)["trainer"]["weight_version"]
+            return all(_health(cfg, i)["weight_version"] >= trainer_version - 1 for i in (0, 1))
+        wait_for(current, timeout=60, interval=0.2, what="both replicas at the trainer's weight_version")
         human = atroposd("status", "-c", str(cfg), timeout=30)
         assert "inference-0" in human.stdout and "inference-1" in human.stdout
         pids = [c["pid"] for c in status(cfg)["components"]]
