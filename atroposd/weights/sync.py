@@ -450,7 +450,45 @@ class PushSync(_ArenaSync):
             self._since = 0
 
 
-class BucketPushSync(_ControlMixin):
+class _PublishSync(_ControlMixin):
+    """A sync that sends the whole model from a :class:`TensorSource` to its targets (``_publish``):
+    at ``attach``, to one replica at ``reattach``, and every ``sync_every`` steps; no pause
+    around the optimizer step (the trainer's memory is never the server's)."""
+
+    sync_every: int = 1
+    _since: int = 0
+    source_for: SourceFor = ModelSource
+    _source: tuple[torch.nn.Module, TensorSource] | None = None
+
+    async def _publish(self, model: torch.nn.Module, version: int, targets: Sequence[Replica]) -> bool:
+        raise NotImplementedError
+
+    def source(self, model: torch.nn.Module) -> TensorSource:
+        """The tensor source of ``model`` (made once per model)."""
+        if self._source is None or self._source[0] is not model:
+            self._source = (model, self.source_for(model))
+        return self._source[1]
+
+    async def attach(self, model: torch.nn.Module, version: int) -> None:
+        await self._publish(model, version, self.replicas)
+
+    async def reattach(self, model: torch.nn.Module, version: int, replica: int | None = None) -> None:
+        """Everything again, to ``replica`` only (None: every replica)."""
+        await self._publish(model, version, self._targets(replica))
+
+    @asynccontextmanager
+    async def paused(self, new_version: int | None = None) -> AsyncIterator[None]:
+        yield
+
+    async def after_step(self, model: torch.nn.Module, version: int) -> None:
+        self._since += 1
+        if self._since < self.sync_every:
+            return
+        if await self._publish(model, version, self.replicas):
+            self._since = 0
+
+
+class BucketPushSync(_PublishSync):
     """``push`` with several trainer ranks: the weights stream to every replica in buckets.
 
     A sync (``attach``, ``after_step`` every ``sync_every`` steps, ``reattach``): pause every
@@ -500,30 +538,6 @@ class BucketPushSync(_ControlMixin):
         assert start is not None
         self._start_time = start
 
-    def source(self, model: torch.nn.Module) -> TensorSource:
-        """The tensor source of ``model`` (made once per model)."""
-        if self._source is None or self._source[0] is not model:
-            self._source = (model, self.source_for(model))
-        return self._source[1]
-
-    async def attach(self, model: torch.nn.Module, version: int) -> None:
-        await self._push(model, version, self.replicas)
-
-    async def reattach(self, model: torch.nn.Module, version: int, replica: int | None = None) -> None:
-        """Every bucket again, to ``replica`` only (None: every replica)."""
-        await self._push(model, version, self._targets(replica))
-
-    @asynccontextmanager
-    async def paused(self, new_version: int | None = None) -> AsyncIterator[None]:
-        yield
-
-    async def after_step(self, model: torch.nn.Module, version: int) -> None:
-        self._since += 1
-        if self._since < self.sync_every:
-            return
-        if await self._push(model, version, self.replicas):
-            self._since = 0
-
     def _staging_for(self, size: int, device: torch.device) -> StagingBuffer:
         from atroposd.weights.staging import StagingBuffer
 
@@ -553,7 +567,7 @@ class BucketPushSync(_ControlMixin):
                  segments=(staging.ref(),), tensors=tuple(entries), tied=tied, lora=lora, created_at=time.time(),
                  bucket=bucket).write(self.manifest_file)
 
-    async def _push(self, model: torch.nn.Module, version: int, targets: Sequence[Replica]) -> bool:
+    async def _publish(self, model: torch.nn.Module, version: int, targets: Sequence[Replica]) -> bool:
         """Every bucket to ``targets``; True when every target took them all and resumed."""
         start = time.perf_counter()
         source = self.source(model)
@@ -627,7 +641,7 @@ class BucketPushSync(_ControlMixin):
                 pass
 
 
-class ReloadSync(_ControlMixin):
+class ReloadSync(_PublishSync):
     """``reload``: weights written to ``state_dir/sync/v<N>/``; every replica loads them.
 
     ``bucket_bytes`` (several trainer ranks): written as shards, one bucket at a time from
@@ -656,9 +670,8 @@ class ReloadSync(_ControlMixin):
 
         if self.bucket_bytes is None:
             return await anyio.to_thread.run_sync(write_sync_dir, model, self.sync_dir, version)
-        if self._source is None or self._source[0] is not model:
-            self._source = (model, self.source_for(model))
-        return await write_sharded_sync_dir(self._source[1], self.sync_dir, version, self.bucket_bytes, model=model)
+        return await write_sharded_sync_dir(self.source(model), self.sync_dir, version, self.bucket_bytes,
+                                            model=model)
 
     async def _publish(self, model: torch.nn.Module, version: int, targets: Sequence[Replica]) -> bool:
         from atroposd.weights.reload import prune_sync_dirs
@@ -679,23 +692,6 @@ class ReloadSync(_ControlMixin):
         done = await self._each(targets, one)
         await anyio.to_thread.run_sync(prune_sync_dirs, self.sync_dir, path)
         return all(done)
-
-    async def attach(self, model: torch.nn.Module, version: int) -> None:
-        await self._publish(model, version, self.replicas)
-
-    async def reattach(self, model: torch.nn.Module, version: int, replica: int | None = None) -> None:
-        await self._publish(model, version, self._targets(replica))
-
-    @asynccontextmanager
-    async def paused(self, new_version: int | None = None) -> AsyncIterator[None]:
-        yield
-
-    async def after_step(self, model: torch.nn.Module, version: int) -> None:
-        self._since += 1
-        if self._since < self.sync_every:
-            return
-        if await self._publish(model, version, self.replicas):
-            self._since = 0
 
     def close(self) -> None:
         from atroposd.weights.reload import prune_sync_dirs
