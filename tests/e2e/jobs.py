@@ -12,7 +12,7 @@ from typing import Any
 
 import psutil
 
-from tests.support import atroposd, free_port, write_config
+from tests.support import atroposd, free_port, free_port_pair, write_config
 
 
 def job_config(root: Path, *, steps: int = 30, seed: int = 0, trainer: Mapping[str, Any] | None = None,
@@ -33,6 +33,43 @@ def job_config(root: Path, *, steps: int = 30, seed: int = 0, trainer: Mapping[s
     for name, body in sections.items():
         cfg[name] = {**cfg.get(name, {}), **body}
     return write_config(root / "atroposd.toml", cfg)
+
+
+def replica_job_config(root: Path, *, replicas: int = 2, metrics_port: bool = False,
+                       api: Mapping[str, Any] | None = None, daemon: Mapping[str, Any] | None = None,
+                       **kw: Any) -> Path:
+    """``job_config`` with ``replicas`` (1 or 2) inference replicas on two free consecutive ports
+    (replica i on port + i), the API (and, with ``metrics_port``, /metrics) on other free ports."""
+    port = free_port_pair()
+    taken = {port, port + 1}
+
+    def other_port() -> int:
+        chosen = free_port()
+        while chosen in taken:
+            chosen = free_port()
+        taken.add(chosen)
+        return chosen
+
+    api = {"port": other_port(), **(api or {})}
+    daemon = {**({"metrics_port": other_port()} if metrics_port else {}), **(daemon or {})}
+    return job_config(root, inference={"port": port, "replicas": replicas}, api=api, daemon=daemon, **kw)
+
+
+def replica_health(cfg: Path, replica: int) -> dict[str, Any]:
+    """Inference replica ``replica``'s ``/health`` (its generations and weight_version)."""
+    import urllib.request
+
+    from atroposd.config import load_config
+
+    port = load_config(cfg).inference.port + replica
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
+        body: dict[str, Any] = json.loads(resp.read())
+    return body
+
+
+def segments_of(nonce: str) -> list[str]:
+    """The shared-memory segments of one launch of a job (its instance nonce)."""
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"atroposd-{nonce}-")]
 
 
 def status(cfg: Path) -> dict[str, Any]:

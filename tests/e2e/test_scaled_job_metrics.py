@@ -6,38 +6,27 @@ dashboard's queries resolve, and stop leaves nothing."""
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from atroposd.config import load_config
-from tests.e2e.jobs import component, daemon_env, job_config, metrics, processes_of_instance, status
+from tests.e2e.jobs import (
+    component,
+    daemon_env,
+    metrics,
+    processes_of_instance,
+    replica_health,
+    replica_job_config,
+    status,
+)
 from tests.e2e.test_watching import dashboard_metrics, samples, scrape, value
-from tests.support import atroposd, free_port, free_port_pair, wait_for
+from tests.support import atroposd, wait_for
 
 
 def _config(root: Path) -> Path:
-    port = free_port_pair()
-    taken = {port, port + 1}
-    metrics_port = free_port()
-    while metrics_port in taken:
-        metrics_port = free_port()
-    taken.add(metrics_port)
-    api_port = free_port()
-    while api_port in taken:
-        api_port = free_port()
-    return job_config(root, steps=100_000, inference={"port": port, "replicas": 2}, api={"port": api_port},
-                      daemon={"metrics_port": metrics_port, "stop_timeout": 5.0},
-                      trainer={"device": ["cpu", "cpu"], "batch_size": 16, "micro_batch_size": 4,
-                               "join_timeout": 120.0, "checkpoint_every": 100_000})
-
-
-def _health(cfg: Path, replica: int) -> dict[str, Any]:
-    port = load_config(cfg).inference.port + replica
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
-        body: dict[str, Any] = json.loads(resp.read())
-    return body
+    return replica_job_config(root, steps=100_000, metrics_port=True, daemon={"stop_timeout": 5.0},
+                              trainer={"device": ["cpu", "cpu"], "batch_size": 16, "micro_batch_size": 4,
+                                       "join_timeout": 120.0, "checkpoint_every": 100_000})
 
 
 def test_two_ranks_two_replicas_status_metrics_and_rows(short_tmp: Path) -> None:
@@ -51,7 +40,7 @@ def test_two_ranks_two_replicas_status_metrics_and_rows(short_tmp: Path) -> None
         st = status(cfg)
         nonce = st["instance"]
         assert st["trainer"]["ranks"] == 2 and component(st, "trainer-1")["kind"] == "trainer"
-        wait_for(lambda: len(metrics(state)) >= 4 and all(_health(cfg, i)["generations"] >= 1 for i in (0, 1)),
+        wait_for(lambda: len(metrics(state)) >= 4 and all(replica_health(cfg, i)["generations"] >= 1 for i in (0, 1)),
                  timeout=180, interval=0.5, what="4 steps and both replicas serving")
 
         # the human status: both ranks and both replicas

@@ -15,37 +15,25 @@ from typing import Any
 import psutil
 import pytest
 
-from atroposd.config import load_config
 from tests.e2e.jobs import (
     SHORT_TASK,
     component,
     daemon_env,
-    job_config,
     kill9,
     metrics,
     processes_of_instance,
+    replica_job_config,
     run_short_learning_job,
+    segments_of,
     status,
 )
-from tests.support import atroposd, free_port, free_port_pair, wait_for
+from tests.support import atroposd, wait_for
 
 RANKS = {"device": ["cpu", "cpu"], "batch_size": 16, "micro_batch_size": 4, "join_timeout": 120.0}
 
 
 def _config(root: Path, *, replicas: int = 1, trainer: dict[str, Any] | None = None, **kw: Any) -> Path:
-    port = free_port_pair()
-    inference = {"port": port, "replicas": replicas}
-    cfg = job_config(root, inference=inference, trainer={**RANKS, **(trainer or {})}, **kw)
-    api_port = load_config(cfg).api.port
-    while api_port in (port, port + 1):
-        api_port = free_port()
-        cfg = job_config(root, inference=inference, api={"port": api_port},
-                         trainer={**RANKS, **(trainer or {})}, **kw)
-    return cfg
-
-
-def _segments(nonce: str) -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if n.startswith(f"atroposd-{nonce}-")]
+    return replica_job_config(root, replicas=replicas, trainer={**RANKS, **(trainer or {})}, **kw)
 
 
 def _rank_ready_again(cfg: Path, old_pid: int) -> bool:
@@ -58,7 +46,7 @@ def _stop_and_check(cfg: Path, nonce: str) -> None:
     assert res.returncode == 0, res.stderr
     if nonce:
         wait_for(lambda: not processes_of_instance(nonce), timeout=30, what="every process of the job gone")
-        assert not _segments(nonce)
+        assert not segments_of(nonce)
 
 
 @pytest.mark.slow
