@@ -200,6 +200,20 @@ class EnvProc:
             time.sleep(0.05)
 
 
+def held_back_env(api: Api, fake_inference: Callable[..., FakeInference],
+                  start_env: Callable[..., EnvProc]) -> tuple[FakeInference, EnvProc]:
+    """A built-in environment held back by a full queue: the limit is max_batches_offpolicy (1) ×
+    batch (8) / group (4) = 2 groups queued or in flight, both queued when this returns."""
+    from tests.support import wait_for
+
+    infer = fake_inference("uniform")
+    api.start_trainer(batch_size=8, max_token_len=64)
+    env = start_env(api.url, infer.url, group_size=4, concurrency=4, max_batches_offpolicy=1)
+    env.wait_event("throttled")
+    wait_for(lambda: api.status()["queue_size"] == 2, timeout=20, what="2 groups queued")
+    return infer, env
+
+
 def env_config(tmp: Path, group_size: int = 4, weight: float = 1.0, **options: Any) -> Path:
     return write_config(tmp / "atroposd.toml", {
         "daemon": {"state_dir": str(tmp / "state"), "runtime_dir": str(tmp / "run"), "log_format": "json",

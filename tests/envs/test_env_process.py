@@ -16,6 +16,7 @@ from tests.envs.conftest import (
     EnvProc,
     FakeInference,
     env_config,
+    held_back_env,
     http_json,
     start_fake_inference,
 )
@@ -85,12 +86,7 @@ def test_prompt_ignoring_policy_scores_a_third(
 
 def test_throttles_when_the_queue_is_full_and_resumes_when_it_drains(
         api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
-    infer = fake_inference("uniform")
-    api.start_trainer(batch_size=8, max_token_len=64)
-    # limit = max_batches_offpolicy (1) × batch (8) / group (4) = 2 groups queued or in flight
-    env = start_env(api.url, infer.url, group_size=4, concurrency=4, max_batches_offpolicy=1)
-    env.wait_event("throttled")
-    wait_for(lambda: api.status()["queue_size"] == 2, timeout=20, what="2 groups queued")
+    infer, env = held_back_env(api, fake_inference, start_env)
     assert infer.stats()["requests"] == 2  # nothing generated beyond the limit
     for drained in (1, 2):
         assert len(api.get_batch() or []) == 2

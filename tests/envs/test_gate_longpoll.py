@@ -10,7 +10,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 
-from tests.envs.conftest import Api, EnvProc, FakeInference
+from tests.envs.conftest import Api, EnvProc, FakeInference, held_back_env
 from tests.support import wait_for
 
 
@@ -25,12 +25,7 @@ def _status_env_requests(api: Api) -> float:
 
 def test_a_held_back_environment_long_polls_and_resumes_when_a_batch_is_taken(
         our_api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
-    infer = fake_inference("uniform")
-    our_api.start_trainer(batch_size=8, max_token_len=64)
-    # limit = 1 batch (8) / group (4) = 2 groups queued or in flight
-    env = start_env(our_api.url, infer.url, group_size=4, concurrency=4, max_batches_offpolicy=1)
-    env.wait_event("throttled")
-    wait_for(lambda: our_api.status()["queue_size"] == 2, timeout=20, what="2 groups queued")
+    infer, _env = held_back_env(our_api, fake_inference, start_env)
     time.sleep(0.3)  # settled into its long-poll
     before = _status_env_requests(our_api)
     time.sleep(2.0)
@@ -53,11 +48,7 @@ def test_a_held_back_environment_long_polls_and_resumes_when_a_batch_is_taken(
 def test_against_run_api_the_gate_polls(
         api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
     """Both APIs: held back, then resumed by a batch taken (run-api: found by polling)."""
-    infer = fake_inference("uniform")
-    api.start_trainer(batch_size=8, max_token_len=64)
-    env = start_env(api.url, infer.url, group_size=4, concurrency=4, max_batches_offpolicy=1)
-    env.wait_event("throttled")
-    wait_for(lambda: api.status()["queue_size"] == 2, timeout=20, what="2 groups queued")
+    infer, _env = held_back_env(api, fake_inference, start_env)
     assert len(api.get_batch() or []) == 2
     wait_for(lambda: infer.stats()["requests"] == 4, timeout=20, what="the next 2 groups generated")
     wait_for(lambda: api.status()["queue_size"] == 2, timeout=20, what="2 groups queued again")
