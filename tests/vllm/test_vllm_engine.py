@@ -249,6 +249,23 @@ def test_bad_requests_are_400(server: Server) -> None:
         assert status == 400 and msg in out["error"], (body, out)
 
 
+def _train(model: Any) -> Any:
+    """One SGD step on PROMPT that moves its logprobs by more than 0.05; returns the new ones."""
+    import torch
+
+    before = hf_logprobs(model, PROMPT)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model.train()
+    ids = torch.tensor([PROMPT])
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    model.eval()
+    after = hf_logprobs(model, PROMPT)
+    assert (after - before).abs().max() > 0.05
+    return after
+
+
 async def _push_roundtrip(server: Server, model_dir: Path, nonce: str, mode: str) -> None:
     import torch
 
@@ -263,15 +280,7 @@ async def _push_roundtrip(server: Server, model_dir: Path, nonce: str, mode: str
     try:
         base = int((await server.call("GET", "/weight_info"))["weight_version"])
         await sync.attach(model, base + 1)
-        before = hf_logprobs(model, PROMPT)
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        model.train()
-        ids = torch.tensor([PROMPT])
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        model.eval()
-        after = hf_logprobs(model, PROMPT)
-        assert (after - before).abs().max() > 0.05
+        after = _train(model)
         await sync.after_step(model, base + 2)
         status, out = await anyio.to_thread.run_sync(server.generate, {"prompt": {"prompt_token_ids": PROMPT},
                                                                        "max_tokens": 1, "prompt_logprobs": 0})
@@ -416,18 +425,6 @@ async def _served_logprobs(server: Server) -> tuple[Any, int]:
     return torch.tensor(prompt_lp(out, PROMPT)), int(out["weight_version"])
 
 
-def _train(model: Any) -> None:
-    import torch
-
-    before = hf_logprobs(model, PROMPT)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    model.train()
-    ids = torch.tensor([PROMPT])
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    opt.zero_grad()
-    model.eval()
-    assert (hf_logprobs(model, PROMPT) - before).abs().max() > 0.05
 
 
 @pytest.mark.anyio
