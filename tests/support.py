@@ -37,6 +37,17 @@ def free_port_pair() -> int:
     raise AssertionError("no two consecutive free ports")
 
 
+def config_problems(text: str) -> list[str]:
+    """Every problem ``config check`` reports for a TOML text (it must be invalid)."""
+    import pytest
+
+    from atroposd.config import ConfigError, parse_toml
+
+    with pytest.raises(ConfigError) as info:
+        parse_toml(text)
+    return [str(p) for p in info.value.problems]
+
+
 def toml_value(v: Any) -> str:
     import json
 

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from atroposd.config import ClusterConfig, ClusterError, ConfigError, dump_toml, parse_toml
+from atroposd.config import ClusterConfig, ClusterError, dump_toml, parse_toml
 from atroposd.paths import Paths
+from tests.support import config_problems
 
 RANK_VARS = ("ATROPOSD_NODE_RANK", "SLURM_NODEID")
 
@@ -30,12 +31,6 @@ def token(tmp_path: Path) -> Path:
 def _two_nodes(token: Path, tmp_path: Path, *, head: str = "127.0.0.1", rank: int = 1, extra: str = "") -> str:
     return (f'[cluster]\nnodes = 2\nnode_rank = {rank}\nhead = "{head}"\ntoken_file = "{token}"\n{extra}'
             f'[trainer]\ncheckpoint_dir = "{tmp_path / "shared-ckpt"}"\n')
-
-
-def _problems(text: str) -> list[str]:
-    with pytest.raises(ConfigError) as info:
-        parse_toml(text)
-    return [str(p) for p in info.value.problems]
 
 
 def test_one_node_is_today() -> None:
@@ -74,7 +69,7 @@ def test_a_valid_two_node_config_loads_and_round_trips(token: Path, tmp_path: Pa
     ('[clusters]\nnodes = 2\n', "clusters: unknown section (did you mean 'cluster'?)"),
 ])
 def test_invalid_cluster_settings_name_their_key(extra: str, fragment: str) -> None:
-    found = _problems(extra)
+    found = config_problems(extra)
     assert any(fragment in p for p in found), found
 
 
@@ -84,11 +79,11 @@ def test_an_ipv6_head_is_an_address_not_a_port() -> None:
 
 def test_token_file_must_be_readable_and_not_empty(tmp_path: Path) -> None:
     missing = tmp_path / "nope"
-    found = _problems(_two_nodes(missing, tmp_path))
+    found = config_problems(_two_nodes(missing, tmp_path))
     assert any(p.startswith("cluster.token_file: cannot read") and str(missing) in p for p in found), found
     empty = tmp_path / "empty"
     empty.write_text("  \n")
-    found = _problems(_two_nodes(empty, tmp_path))
+    found = config_problems(_two_nodes(empty, tmp_path))
     assert any(p == f"cluster.token_file: {empty} is empty" for p in found), found
 
 
@@ -96,7 +91,7 @@ def test_loopback_hosts_are_valid_exactly_with_a_loopback_head(token: Path, tmp_
     # one machine acting as two nodes: loopback everywhere is fine
     parse_toml(_two_nodes(token, tmp_path, head="localhost"))
     # a real head: the default loopback api.host and inference.host cannot be reached
-    found = _problems(_two_nodes(token, tmp_path, head="node-a.cluster"))
+    found = config_problems(_two_nodes(token, tmp_path, head="node-a.cluster"))
     assert any(p.startswith("api.host: '127.0.0.1' is loopback") for p in found), found
     assert any(p.startswith("inference.host: '127.0.0.1' is loopback") for p in found), found
     ok = _two_nodes(token, tmp_path, head="10.0.0.5") + '[api]\nhost = "0.0.0.0"\n[inference]\nhost = "10.0.0.6"\n'
@@ -112,7 +107,7 @@ def test_checkpoint_dir_is_not_needed_without_a_trainer(token: Path) -> None:
 
 
 def test_cluster_ports_are_claimed_with_the_others(token: Path, tmp_path: Path) -> None:
-    found = _problems(_two_nodes(token, tmp_path, extra="port = 7999\n"))
+    found = config_problems(_two_nodes(token, tmp_path, extra="port = 7999\n"))
     assert any(p.startswith("cluster.port: port 8000 (the trainer ranks' c10d store: port + 1) is already used by "
                             "api.port") for p in found), found
     # with one node the port is not used: no clash
@@ -143,7 +138,7 @@ def test_config_check_reads_the_rank_from_the_environment(token: Path, tmp_path:
     monkeypatch.setenv("SLURM_NODEID", "1")
     assert parse_toml(text).cluster.resolve_node_rank() == 1
     monkeypatch.setenv("SLURM_NODEID", "2")
-    found = _problems(text)
+    found = config_problems(text)
     assert found == ["cluster.node_rank: node rank 2 (from $SLURM_NODEID) must be < cluster.nodes (2)"]
 
 

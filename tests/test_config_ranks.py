@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from atroposd.config import ConfigError, dump_toml, parse_toml
+from atroposd.config import dump_toml, parse_toml
 from atroposd.paths import Paths
-
-
-def _problems(text: str) -> list[str]:
-    with pytest.raises(ConfigError) as info:
-        parse_toml(text)
-    return [str(p) for p in info.value.problems]
+from tests.support import config_problems
 
 
 def test_one_device_is_one_rank() -> None:
@@ -52,5 +47,5 @@ def test_checkpoint_dir_moves_the_checkpoints(tmp_path: object) -> None:
     ('[trainer]\ncollective_timeout = -1\n', "trainer.collective_timeout"),
 ])
 def test_invalid_rank_settings_name_the_key(text: str, fragment: str) -> None:
-    problems = _problems(text)
+    problems = config_problems(text)
     assert any(fragment in p for p in problems), problems

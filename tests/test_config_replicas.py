@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from atroposd.config import ConfigError, dump_toml, parse_toml
+from atroposd.config import dump_toml, parse_toml
 from atroposd.daemon.runtime import ports_to_check
-
-
-def _problems(text: str) -> list[str]:
-    with pytest.raises(ConfigError) as info:
-        parse_toml(text)
-    return [str(p) for p in info.value.problems]
+from tests.support import config_problems
 
 
 def test_one_replica_is_today() -> None:
@@ -58,7 +53,7 @@ def test_a_device_list_gives_each_replica_its_entry_and_round_trips() -> None:
      'device = "cuda:0"\n', "inference.vllm.gpu_memory_utilization: must be > 0"),
 ])
 def test_invalid_replica_settings_name_their_key(text: str, fragment: str) -> None:
-    problems = _problems(text)
+    problems = config_problems(text)
     assert any(fragment in p for p in problems), problems
 
 
