@@ -85,9 +85,9 @@ def serve(cfg: Config, rank: int) -> int:
             if op == "compute":
                 learner.compute_share(ranks.receive_share())
             elif op == "apply":
-                learner._apply()
+                learner.apply_local()
             elif op == "discard":
-                learner._discard()
+                learner.discard_local()
             elif op == "gather":
                 gather_full(model, arg)
             elif op == "checkpoint":

@@ -156,7 +156,7 @@ class Learner:
 
     ``ranks``: the trainer's ranks (:mod:`atroposd.trainer.ranks`). On rank 0 ``compute``,
     ``apply`` and ``discard`` also tell the other ranks to do the same; the other ranks call
-    ``compute_share`` and the ``_apply`` / ``_discard`` halves when told."""
+    ``compute_share`` and the ``apply_local`` / ``discard_local`` halves when told."""
 
     def __init__(self, policy: Policy, optimizer: torch.optim.Optimizer, scheduler: Any, *,
                  objective: Objective, reference: Reference, max_grad_norm: float,
@@ -246,9 +246,10 @@ class Learner:
     def apply(self) -> None:
         """The optimizer step (in shared mode: while the inference server is paused)."""
         self.ranks.command("apply")
-        self._apply()
+        self.apply_local()
 
-    def _apply(self) -> None:
+    def apply_local(self) -> None:
+        """This rank's optimizer step (rank 0 told the others in apply)."""
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -256,7 +257,8 @@ class Learner:
     def discard(self) -> None:
         """Drop this step's gradients: weights, optimizer and scheduler untouched."""
         self.ranks.command("discard")
-        self._discard()
+        self.discard_local()
 
-    def _discard(self) -> None:
+    def discard_local(self) -> None:
+        """This rank's gradients dropped (rank 0 told the others in discard)."""
         self.optimizer.zero_grad(set_to_none=True)
