@@ -36,10 +36,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import os
 import secrets
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -118,8 +120,32 @@ def run_case(root: Path, config: Path, model: str, world: int, sync: bool,
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if mmap_threshold is not None:  # every process of the case: rank 0, the ranks, the replica
         env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
+    tmp, shm = Path(tempfile.gettempdir()), Path("/dev/shm")
+    before = {*tmp.glob("apr-inf-*"), *shm.glob("atroposd-r*")}
     with open(log, "ab") as fh:
-        proc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=900, check=False)
+        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        try:
+            proc.wait(timeout=900)
+        except BaseException:
+            # interrupted (Ctrl-C, SIGTERM, the timeout): rank 0 may be inside a collective, so its
+            # whole tree goes — its ranks and its replica included — then what it left: its
+            # replica's directory and its staging segment
+            import psutil
+
+            try:
+                tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+            except psutil.NoSuchProcess:
+                tree = []
+            for p in tree:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+            proc.wait(timeout=60)
+            for leftover in {*tmp.glob("apr-inf-*"), *shm.glob("atroposd-r*")} - before:
+                if leftover.is_dir():
+                    shutil.rmtree(leftover, ignore_errors=True)
+                else:
+                    leftover.unlink(missing_ok=True)
+            raise
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"{model} with {world} rank(s) failed (exit {proc.returncode}):\n"
                            f"{log.read_text(errors='replace')[-4000:]}")
@@ -483,7 +509,13 @@ def rank_zero_main(argv: list[str]) -> int:
     return 0
 
 
+def _exit_on_term(signum: int, frame: Any) -> None:
+    """SIGTERM ends the benchmark through its ``finally`` blocks: no replica or rank is left."""
+    raise SystemExit(128 + signum)
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "rank-zero":
         sys.exit(rank_zero_main(sys.argv[2:]))
+    signal.signal(signal.SIGTERM, _exit_on_term)
     sys.exit(main())
