@@ -264,13 +264,27 @@ class TrainerConfig:
                            "within restart_window seconds; past that the job fails.", min=0)
     restart_window: float = _k(600.0, "Seconds over which max_restarts counts group restarts.", gt=0)
 
+    # ``[cluster] nodes``, copied here by Config (not a key): the trainer group spans every node.
+    nodes: int = field(default=1, compare=False, metadata={"internal": True})
+
     def devices(self) -> list[str]:
-        """One device per trainer rank (rank 0 first)."""
+        """One device per trainer rank of one node (local rank 0 first)."""
         return list(self.device) if isinstance(self.device, list) else [self.device]
 
     @property
-    def ranks(self) -> int:
+    def local_ranks(self) -> int:
+        """Trainer ranks on each node (the length of ``device``)."""
         return len(self.devices())
+
+    @property
+    def ranks(self) -> int:
+        """Trainer ranks in the whole job: ranks per node × nodes (global rank =
+        node_rank × local_ranks + local rank, SPEC §12.3)."""
+        return len(self.devices()) * max(1, self.nodes)
+
+    def device_of(self, rank: int) -> str:
+        """The device of global trainer rank ``rank`` (on its own node)."""
+        return self.devices()[rank % self.local_ranks]
 
 
 @dataclass
@@ -398,8 +412,15 @@ class EnvConfig:
     live_timeout: float = _k(5.0, "Seconds without a heartbeat (built-in) that count as one failed check.", gt=0)
     live_failures: int = _k(3, "Consecutive failed checks before the environment is declared hung; 0 = off.", min=0)
 
-    def replica_names(self) -> list[str]:
-        return [f"{self.name}-{i}" for i in range(self.replicas)]
+    def replica_names(self, node_rank: int = 0) -> list[str]:
+        """This node's replicas: numbered across the nodes (node_rank × replicas + i)."""
+        first = node_rank * self.replicas
+        return [f"{self.name}-{i}" for i in range(first, first + self.replicas)]
+
+    def is_replica(self, unit_name: str) -> bool:
+        """``unit_name`` is a replica of this environment on some node (``NAME-<index>``)."""
+        head, sep, tail = unit_name.rpartition("-")
+        return bool(sep) and head == self.name and tail.isdigit()
 
 
 @dataclass
@@ -414,6 +435,20 @@ class Config:
     # Where the config came from ("<built-in defaults>" when no file was found); not a key.
     source: str = field(default="<built-in defaults>", compare=False, metadata={"internal": True})
     warnings: list[str] = field(default_factory=list, compare=False, metadata={"internal": True})
+
+    def __post_init__(self) -> None:
+        self.trainer.nodes = self.cluster.nodes
+
+    @property
+    def node_rank(self) -> int:
+        """This machine's node rank as set (the daemon resolves ``-1`` into the config it hands
+        its children); 0 with one node or while unresolved."""
+        return max(0, self.cluster.node_rank) if self.cluster.enabled else 0
+
+    @property
+    def is_head(self) -> bool:
+        """Node 0: the node that runs the API and trainer rank 0 (every one-node job)."""
+        return self.node_rank == 0
 
     # --------------------------------------------------------------- derived values
 
@@ -438,6 +473,9 @@ class Config:
     def api_url(self) -> str:
         if not self.api.enabled:
             return self.api.url.rstrip("/")
+        if not self.is_head and (self.api.host in ("0.0.0.0", "::", "") or is_loopback(self.api.host)):
+            # another node: the API runs on the head (a wildcard or loopback host is the head's)
+            return f"http://{_url_host(self.cluster.head)}:{self.api.port}"
         return f"http://{_url_host(self.api.host)}:{self.api.port}"
 
     @property

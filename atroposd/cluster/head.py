@@ -61,6 +61,7 @@ class ClusterHead:
                  bind_host: str | None = None, units: Mapping[str, Any] | None = None,
                  instance: str | None = None, check_join: JoinCheck | None = None,
                  on_change: Callable[[int, str, str, str], None] | None = None,
+                 on_message: Callable[[int, dict[str, Any]], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if cfg.nodes < 1:
             raise ValueError("cluster.nodes must be ≥ 1")
@@ -75,6 +76,7 @@ class ClusterHead:
         self.check_join = check_join
         self.membership = Membership(cfg.nodes, cfg.heartbeat_timeout, clock=clock, on_change=self._changed)
         self._user_on_change = on_change
+        self._on_message = on_message
         self._server: asyncio.base_events.Server | None = None
         self._watch: asyncio.Task[None] | None = None
         self._channels: dict[int, Channel] = {}  # the admitted connection of each node
@@ -157,6 +159,27 @@ class ClusterHead:
                 return False
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed_event.wait(), left)
+
+    def connected(self) -> list[int]:
+        """The nodes (other than the head) with an admitted connection that is not lost."""
+        return sorted(r for r in self._channels if self.membership.members[r].state != LOST)
+
+    async def send(self, rank: int, msg: Mapping[str, Any]) -> bool:
+        """One message to node ``rank``; False when it has no connection or the send failed."""
+        ch = self._channels.get(rank)
+        if ch is None or self.membership.members[rank].state == LOST:
+            return False
+        try:
+            await asyncio.wait_for(ch.send(msg), self.interval * 2)
+        except (OSError, asyncio.TimeoutError):
+            return False
+        return True
+
+    async def broadcast(self, msg: Mapping[str, Any]) -> list[int]:
+        """``msg`` to every connected node; the nodes it reached."""
+        targets = self.connected()
+        sent = await asyncio.gather(*(self.send(r, msg) for r in targets))
+        return [r for r, ok in zip(targets, sent, strict=True) if ok]
 
     async def stop_all(self, timeout: float) -> dict[int, str]:
         """Ask every connected node to stop, and wait (up to ``timeout``) until each says its
@@ -295,6 +318,8 @@ class ClusterHead:
             elif kind == "leave":
                 self._lose(rank, f"left: {msg.get('reason') or 'stopped on its own'}", ch)
                 return
+            elif self._on_message is not None:
+                self._on_message(rank, msg)  # the daemon's own messages (trainer ranks, resyncs)
 
     async def _admit(self, ch: Channel, msg: Mapping[str, Any]) -> int | None:
         """Check a join; register the node and answer ``welcome``, or refuse. Its rank or None."""

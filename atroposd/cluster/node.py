@@ -75,7 +75,8 @@ class ClusterNode:
     def __init__(self, cfg: ClusterConfig, *, token: bytes, node_rank: int, host: str | None = None,
                  units: Mapping[str, Any] | None = None, instance: str | None = None,
                  on_lost_head: Callable[[str], Awaitable[None] | None] | None = None,
-                 on_stop: Callable[[], Awaitable[None] | None] | None = None) -> None:
+                 on_stop: Callable[[], Awaitable[None] | None] | None = None,
+                 on_message: Callable[[dict[str, Any]], None] | None = None) -> None:
         if not cfg.head:
             raise ValueError("cluster.head is required for a node to join")
         if not 0 < node_rank < cfg.nodes:
@@ -87,6 +88,7 @@ class ClusterNode:
         self.units = dict(units or {})
         self.instance = instance or uuid.uuid4().hex
         self.on_lost_head, self.on_stop = on_lost_head, on_stop
+        self.on_message = on_message
         self.interval = heartbeat_interval(cfg.heartbeat_timeout)
         # The head finds a node lost after heartbeat_timeout; a node gives up on its head one
         # interval earlier, which leaves that interval to stop its children (SPEC §12.3: a node
@@ -233,6 +235,17 @@ class ClusterNode:
             await _call(self.on_lost_head, self._lost_reason)
         return outcome
 
+    async def send(self, msg: Mapping[str, Any]) -> bool:
+        """One message to the head; False when there is no connection or the send failed."""
+        ch = self._ch
+        if ch is None or self._leaving:
+            return False
+        try:
+            await asyncio.wait_for(ch.send(msg), self.interval * 2)
+        except (OSError, asyncio.TimeoutError):
+            return False
+        return True
+
     async def leave(self, reason: str = "stopped on its own") -> None:
         """Tell the head this node stops on its own (its ranks leave); ``run`` returns ``"left"``."""
         self._leaving = True
@@ -289,6 +302,8 @@ class ClusterNode:
                 elif msg.get("t") == "stop" and self._stop_task is None:
                     log.info("the head asked this node to stop", node_rank=self.node_rank)
                     self._stop_task = asyncio.create_task(self._stop(), name="cluster-stop")
+                elif msg.get("t") not in ("ack", "stop") and self.on_message is not None:
+                    self.on_message(msg)  # the daemon's own messages (trainer ranks)
                 continue
             # the connection ended
             if self._stop_task is not None:

@@ -60,6 +60,7 @@ from atroposd.process.unit import State, Unit, UnitSpec
 from atroposd.systemd import Notifier
 
 if TYPE_CHECKING:
+    from atroposd.daemon.cluster import HeadLink, NodeLink
     from atroposd.trainer.service import TrainerOutcome, TrainerService
     from atroposd.weights.sync import WeightSync
 
@@ -91,6 +92,10 @@ class Daemon:
         self.start_error: str | None = None
         self._events_send, self._events = anyio.create_memory_object_stream[Event](math.inf)
         self._stop_requested = False
+        self._stop_code = Exit.OK  # the exit code of a requested stop (1: a node lost its head)
+        # Several machines (SPEC §12.3): the head's link to the other nodes, or a node's to its head.
+        self.cluster: HeadLink | NodeLink | None = None
+        self.stopped = anyio.Event()  # every child of this node is gone (set by _stop_all)
         self._start_scope: anyio.CancelScope | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._hub: LogHub | None = None
@@ -133,8 +138,35 @@ class Daemon:
         except TokenError as exc:
             raise StartFailed(str(exc)) from None
 
+    def _resolve_node_rank(self) -> None:
+        """Several machines: this node's rank (``-1`` resolved from the environment or the host
+        name) into the config, so that every child sees the same."""
+        from atroposd.config import ClusterError
+
+        if not self.cfg.cluster.enabled:
+            return
+        try:
+            self.cfg.cluster.node_rank = self.cfg.cluster.resolve_node_rank()
+        except ClusterError as exc:
+            raise StartFailed(str(exc)) from None
+        log.info("cluster node", node_rank=self.cfg.node_rank, nodes=self.cfg.cluster.nodes,
+                 head=self.cfg.cluster.head, role="head" if self.cfg.is_head else "node")
+
     def uptime(self) -> float:
         return time.monotonic() - self._t0
+
+    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Run ``fn(*args)`` in the daemon's task group (a failure is logged, never raised)."""
+        async def guarded() -> None:
+            try:
+                await fn(*args)
+            except Exception:
+                log.exception("background task failed", task=getattr(fn, "__qualname__", str(fn)))
+        if self._tg is not None:
+            self._tg.start_soon(guarded)
+
+    def wake_tracking(self) -> None:
+        """Something the cluster view shows changed (it is reported on the next tracking pass)."""
 
     # ------------------------------------------------------------------ entry
 
@@ -151,6 +183,7 @@ class Daemon:
             try:
                 runtime.check_ports(self.cfg)  # before anything binds (the metrics server included)
                 self._resolve_api_token()
+                self._resolve_node_rank()
             except StartFailed as exc:
                 log.error("start failed", reason=str(exc))
                 return Exit.RUNTIME
@@ -198,7 +231,7 @@ class Daemon:
             self._start_scope = None
             if scope.cancelled_caught:
                 log.info("start abandoned: stop requested")
-                code = Exit.OK
+                code = self._stop_code
             else:
                 self._move(DaemonState.RUNNING, "every component started")
                 self.notifier.ready(status_mod.status_line(self))
@@ -221,43 +254,60 @@ class Daemon:
 
     # ------------------------------------------------------------------ start
 
-    def _spec_inputs(self) -> SpecInputs:
+    def spec_inputs(self) -> SpecInputs:
         return SpecInputs(cfg=self.cfg, paths=self.paths, nonce=self.nonce, model=self.model_path,
                           tokenizer=self.tokenizer_path, base_env=self._base_env, board=self.board)
 
     async def _start_all(self) -> None:
-        if self.cfg.cluster.nodes > 1:
-            # The membership, launch files and checks of several machines exist (atroposd/cluster);
-            # the daemon does not run a node of a multi-node job yet: refuse rather than run a
-            # whole job of its own on every node.
-            raise StartFailed(f"cluster.nodes = {self.cfg.cluster.nodes}: this atroposd runs one node only; "
-                              "set cluster.nodes = 1 (see docs/CLUSTER.md)")
+        head = self.cfg.is_head
+        if self.cfg.cluster.enabled:
+            await self._open_cluster()
         if self.cfg.inference.enabled or self.cfg.trainer.enabled:
             await self._resolve_model()
             self._write_child_config()
-        ins = self._spec_inputs()
-        if self.cfg.api.enabled:
+        ins = self.spec_inputs()
+        if self.cfg.api.enabled and head:  # the other nodes' environments post to the head's API
             self.notifier.extend_timeout(API_READY_TIMEOUT + 10)
-            await self._until_ready(self._add_unit(specs.api_spec(ins)))
+            await self._until_ready(self.add_unit(specs.api_spec(ins)))
         if self.cfg.inference.enabled:
             # Every replica starts at once; READY waits for each (its health and one generation).
             self.notifier.extend_timeout(self.cfg.inference.ready_timeout + 10)
-            replicas = [self._add_unit(spec, on_ready=self._inference_ready(i))
+            replicas = [self.add_unit(spec, on_ready=self._inference_ready(i))
                         for i, spec in enumerate(specs.inference_specs(ins))]
             for unit in replicas:
                 await self._until_ready(unit)
-        if self.cfg.trainer.enabled:
+        if self.cfg.trainer.enabled and head:
             await self._start_trainer()
-        envs = [self._add_unit(spec) for e in self.cfg.env for spec in specs.env_specs(ins, e)]
+        # (another node's trainer ranks start when the head forms its group: NodeLink)
+        envs = [self.add_unit(spec) for e in self.cfg.env for spec in specs.env_specs(ins, e)]
         if envs:
             self.notifier.extend_timeout(max(u.spec.ready_timeout for u in envs) + 10)
         for unit in envs:
             await unit.settled.wait()
 
+    async def _open_cluster(self) -> None:
+        """Head: open the cluster endpoint before any child. Another node: wait for the head and
+        join it, then heartbeat for as long as the node runs (SPEC §12.3)."""
+        from atroposd.daemon.cluster import HeadLink, NodeLink
+
+        assert self._tg is not None
+        if self.cfg.is_head:
+            link = HeadLink(self)
+            self.cluster = link
+            await link.open()
+            link.report()
+            return
+        node = NodeLink(self)
+        self.cluster = node
+        self.notifier.extend_timeout(self.cfg.cluster.join_timeout + 10)
+        await node.join()
+        node.report()
+        self._tg.start_soon(node.run, name="cluster node")
+
     async def _resolve_model(self) -> None:
         from atroposd.models.resolve import resolve_model, resolve_tokenizer
 
-        self._set_status("resolving the model")
+        self.set_status("resolving the model")
         self.notifier.extend_timeout(MODEL_RESOLVE_TIMEOUT)
         try:
             model = await anyio.to_thread.run_sync(resolve_model, self.cfg)
@@ -270,7 +320,7 @@ class Daemon:
         self.model_path, self.tokenizer_path = str(model), str(tokenizer)
 
     async def _until_ready(self, unit: Unit) -> None:
-        self._set_status(f"starting {unit.name}")
+        self.set_status(f"starting {unit.name}")
         await unit.wait_until(lambda u: u.state in (State.READY, State.FAILED, State.STOPPED) and u.settled.is_set())
         if unit.state != State.READY:
             raise StartFailed(f"{unit.name} did not become ready: {unit.last_error or unit.state.value}")
@@ -279,7 +329,7 @@ class Daemon:
         from atroposd.trainer.service import TrainerService
         from atroposd.weights.sync import make_weight_sync
 
-        self._set_status("starting the trainer")
+        self.set_status("starting the trainer")
         rank0 = self.cfg.trainer.devices()[0]
         if rank0.startswith("GPU-"):
             # Rank 0 runs in this process: its GPU, named by UUID, becomes device 0 here
@@ -310,10 +360,21 @@ class Daemon:
         here, loopback) and the rank processes, started and stopped by the trainer."""
         from atroposd.trainer.group import GroupStore
 
-        for key, value in specs.TRAINER_GROUP_ENV.items():
+        for key, value in specs.trainer_group_env(self.cfg).items():
             os.environ.setdefault(key, value)
         world = self.cfg.trainer.ranks
-        store = await anyio.to_thread.run_sync(lambda: GroupStore(secret=self.nonce, world=world))
+        link = self.cluster
+        if link is not None:
+            # Several machines: on the head's cluster.port + 1, every node's ranks connect to it.
+            c = self.cfg.cluster
+            from atroposd.net import is_loopback
+
+            bind = c.head if is_loopback(c.head) else ""
+            secret = link.store_secret
+            store = await anyio.to_thread.run_sync(
+                lambda: GroupStore(secret=secret, world=world, host=bind, port=c.port + 1, advertise=c.head))
+        else:
+            store = await anyio.to_thread.run_sync(lambda: GroupStore(secret=self.nonce, world=world))
         self.group_store = store
         return RankHost(self, store)
 
@@ -330,17 +391,21 @@ class Daemon:
 
     def _inference_ready(self, replica: int) -> Callable[[Unit, bool], Awaitable[None]]:
         """The ready hook of inference replica ``replica``."""
+        from atroposd.daemon.cluster import NodeLink
+
         async def hook(unit: Unit, restarted: bool) -> None:
             # A restarted replica (--await-weights) gets the trainer's current weights before it serves.
             if restarted and self.trainer is not None:
                 await self.trainer.on_inference_restarted(replica)
+            elif restarted and isinstance(self.cluster, NodeLink):
+                self.cluster.replica_restarted(replica)  # the head pushes through this node's first rank
         return hook
 
     def envs_alive(self) -> bool:
         """Any environment alive or still restartable (the trainer's data_timeout rule)."""
         return any(u.kind == "env" and u.state not in (State.FAILED, State.STOPPED) for u in self.units.values())
 
-    def _add_unit(self, spec: UnitSpec, **kw: Any) -> Unit:
+    def add_unit(self, spec: UnitSpec, **kw: Any) -> Unit:
         assert self._hub is not None and self._tg is not None
         unit = Unit(spec, logs=self._hub, on_change=self._unit_changed, **kw)
         self.units[spec.name] = unit
@@ -357,7 +422,7 @@ class Daemon:
         async for event in self._events:
             if isinstance(event, StopRequested):
                 log.info("stopping", reason=event.reason)
-                return Exit.OK
+                return self._stop_code
             if isinstance(event, TrainerEnded):
                 code = Exit(event.outcome.exit_code)
                 log.info("trainer ended", state=event.outcome.state, code=int(code))
@@ -372,9 +437,12 @@ class Daemon:
             unit = event.unit
             if unit.kind == "trainer":
                 if unit.state in (State.FAILED, State.STOPPED) and self.units.get(unit.name) is unit \
-                        and self.trainer is not None and not unit.stop_requested:
+                        and not unit.stop_requested:
                     how = unit.last_exit.describe() if unit.last_exit else unit.state.value
-                    self.trainer.on_rank_exit(unit.name, how)
+                    if self.trainer is not None:
+                        self.trainer.on_rank_exit(unit.name, how)
+                    elif self.cluster is not None and not self.cfg.is_head:
+                        self.cluster.rank_exited(unit)  # type: ignore[union-attr]  # the head restarts the group
                 continue  # a rank's exit restarts the trainer group: the trainer's state shows it
             if unit.kind in ("api", "inference") and unit.state == State.FAILED and self.units.get(unit.name) is unit:
                 log.error("job fails: a required component failed", unit=unit.name, error=unit.last_error)
@@ -390,10 +458,12 @@ class Daemon:
                 self._move(new, f"failed: {', '.join(failed)}" if failed else "no component failed")
             self.notifier.status(status_mod.status_line(self))
 
-    def request_stop(self, reason: str) -> None:
-        """Desired state: stopped.  SIGTERM, SIGINT and ``atroposd stop`` all come here."""
+    def request_stop(self, reason: str, code: Exit = Exit.OK) -> None:
+        """Desired state: stopped.  SIGTERM, SIGINT and ``atroposd stop`` all come here; a node
+        that lost its head stops with ``code`` 1."""
         if not self._stop_requested:
             self._stop_requested = True
+            self._stop_code = code
             if self._start_scope is not None:
                 self._start_scope.cancel()
         self._events_send.send_nowait(StopRequested(reason))
@@ -420,6 +490,8 @@ class Daemon:
             for pid, status in self._reaper.reap(own=own, adopted=adopted):
                 log.debug("reaped an adopted orphan", pid=pid, status=status)
             self._record.update(self.units.values())
+            if self.cluster is not None:
+                self.cluster.report()
             await anyio.sleep(TRACK_INTERVAL)
 
     async def _status_loop(self) -> None:
@@ -457,7 +529,7 @@ class Daemon:
         os.close(pid_fd)
         os._exit(int(code))
 
-    def _set_status(self, text: str) -> None:
+    def set_status(self, text: str) -> None:
         log.info(text)
         self.notifier.status(text)
 
@@ -486,15 +558,15 @@ class Daemon:
         self.cfg = new
         self._write_child_config()
         gone = [u for u in self.units.values() if u.kind == "env" and env_of(u.name, old_envs) in plan.stop]
-        await self._stop_units(gone)
+        await self.stop_units(gone)
         for u in gone:
             if self.units.get(u.name) is u:
                 del self.units[u.name]
-        ins = self._spec_inputs()
+        ins = self.spec_inputs()
         new_envs = {e.name: e for e in new.env}
         for name in plan.start:
             for spec in specs.env_specs(ins, new_envs[name]):
-                self._add_unit(spec)
+                self.add_unit(spec)
         added, removed, changed = list(plan.added), list(plan.removed), list(plan.changed)
         log.info("reloaded", added=added, removed=removed, changed=changed)
         self._update_degraded()
@@ -543,8 +615,18 @@ class Daemon:
                 self._trainer_scope.cancel()
                 with anyio.move_on_after(5):
                     await self._trainer_done.wait()
+        from atroposd.daemon.cluster import HeadLink, NodeLink
+
+        if isinstance(self.cluster, HeadLink):
+            # Every other node stops (its ranks, environments, replicas) and confirms.
+            await self.cluster.stop_nodes()
         for kind in ("trainer", "env", "inference", "api"):
-            await self._stop_units([u for u in self.units.values() if u.kind == kind])
+            await self.stop_units([u for u in self.units.values() if u.kind == kind])
+        self.stopped.set()
+        if isinstance(self.cluster, NodeLink):
+            await self.cluster.finish()
+        elif isinstance(self.cluster, HeadLink):
+            await self.cluster.close()
         if self.group_store is not None:
             self.group_store.close()
         if self.weights is not None:
@@ -553,7 +635,7 @@ class Daemon:
             except Exception:
                 log.exception("weight sync close failed")
 
-    async def _stop_units(self, units: list[Unit]) -> None:
+    async def stop_units(self, units: list[Unit]) -> None:
         for u in units:
             u.request_stop()
         for u in units:
@@ -575,23 +657,50 @@ class RankHost:
         self.daemon = daemon
         self.store = store
 
+    def _link(self) -> HeadLink | None:
+        from atroposd.daemon.cluster import HeadLink
+
+        link = self.daemon.cluster
+        return link if isinstance(link, HeadLink) else None
+
     async def start_ranks(self) -> None:
-        """(Re)start every rank 1..N-1 as a fresh process (a new unit per group generation)."""
+        """(Re)start every rank 1..N-1 as a fresh process (a new unit per group generation); with
+        several machines, once every node is ready, each node starts its own ranks."""
         d = self.daemon
         await self.stop_ranks()
-        for spec in specs.trainer_rank_specs(d._spec_inputs(), store_address=self.store.address,
+        for spec in specs.trainer_rank_specs(d.spec_inputs(), store_address=self.store.address,
                                              secret=self.store.secret, joined=self.store.joined):
-            d._add_unit(spec)
+            d.add_unit(spec)
+        link = self._link()
+        if link is not None:
+            await link.start_ranks(self.store.generation)
+
+    async def wait_nodes(self, on_wait: Callable[[list[int]], None]) -> None:
+        """Several machines: until every node is ready (the group forms with all its ranks)."""
+        link = self._link()
+        if link is not None:
+            await link.wait_nodes(on_wait)
 
     def exited(self) -> list[str]:
-        """The ranks that exited without being asked to ("trainer-1 killed by SIGKILL")."""
+        """The ranks that exited without being asked to ("trainer-1 killed by SIGKILL"), and the
+        rank-holding nodes lost."""
+        link = self._link()
         return [f"{u.name} {u.last_exit.describe() if u.last_exit else u.state.value}"
                 for u in self.daemon.units.values()
-                if u.kind == "trainer" and u.state in (State.FAILED, State.STOPPED) and not u.stop_requested]
+                if u.kind == "trainer" and u.state in (State.FAILED, State.STOPPED) and not u.stop_requested] + \
+            (link.exited() if link is not None else [])
+
+    def nodes_missing(self) -> list[int]:
+        """Rank-holding nodes not ready (lost or joining): a restart for them is not counted."""
+        link = self._link()
+        return link.missing() if link is not None else []
 
     async def stop_ranks(self) -> None:
         d = self.daemon
-        await d._stop_units([u for u in d.units.values() if u.kind == "trainer" and not u.done.is_set()])
+        await d.stop_units([u for u in d.units.values() if u.kind == "trainer" and not u.done.is_set()])
+        link = self._link()
+        if link is not None:
+            await link.stop_ranks()
 
 
 def run_foreground(cfg: Config, notifier: Notifier) -> int:

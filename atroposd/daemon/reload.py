@@ -74,6 +74,6 @@ def plan_reload(old: Config, new: Config) -> ReloadPlan:
 def env_of(unit_name: str, envs: Iterable[EnvConfig]) -> str | None:
     """The ``[[env]]`` whose replica ``unit_name`` is, if any."""
     for e in envs:
-        if unit_name in e.replica_names():
+        if e.is_replica(unit_name):
             return e.name
     return None

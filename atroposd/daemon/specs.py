@@ -18,6 +18,7 @@ from pathlib import Path
 
 from atroposd import heartbeat
 from atroposd.config import Config, EnvConfig, fill_placeholders
+from atroposd.net import is_loopback
 from atroposd.paths import Paths
 from atroposd.process.liveness import (
     ActivityLiveCheck,
@@ -196,21 +197,38 @@ TRAINER_GROUP_ENV = {"GLOO_SOCKET_IFNAME": "lo", "TORCH_NCCL_ASYNC_ERROR_HANDLIN
                      "TORCH_NCCL_ENABLE_MONITORING": "0"}
 
 
+def trainer_group_env(cfg: Config) -> dict[str, str]:
+    """TRAINER_GROUP_ENV for this job: gloo stays on loopback unless the nodes are separate
+    machines (then the launcher's GLOO_SOCKET_IFNAME, if any, names the interface)."""
+    env = dict(TRAINER_GROUP_ENV)
+    if cfg.cluster.enabled and not is_loopback(cfg.cluster.head):
+        del env["GLOO_SOCKET_IFNAME"]
+    return env
+
+
 def trainer_rank_specs(ins: SpecInputs, *, store_address: str, secret: str,
                        joined: Callable[[int], bool]) -> list[UnitSpec]:
-    """Trainer ranks 1..N-1 (``atroposd trainer-rank``), components ``trainer-1``, ...: ready once
-    joined (``joined(rank)``); never restarted alone — a rank's exit restarts the whole group."""
+    """This node's trainer ranks other than 0 (``atroposd trainer-rank``), components
+    ``trainer-<global rank>``: ready once joined (``joined(rank)``); never restarted alone — a
+    rank's exit restarts the whole group. On a node other than the head, its first rank feeds
+    the node's inference replicas (SPEC §12.3)."""
     from atroposd.trainer.follower import SECRET_VAR, STORE_VAR
+    from atroposd.weights.node_feed import NODE_REPLICAS_VAR
 
     c = ins.cfg
     out = []
-    for rank, device in enumerate(c.trainer.devices()):
+    first = c.node_rank * c.trainer.local_ranks
+    for local, device in enumerate(c.trainer.devices()):
+        rank = first + local
         if rank == 0:
             continue
         name = f"trainer-{rank}"
         env = child_env(ins, {})
-        env.update({k: ins.base_env.get(k, v) for k, v in TRAINER_GROUP_ENV.items()})
+        env.update({k: ins.base_env.get(k, v) for k, v in trainer_group_env(c).items()})
         env.update({STORE_VAR: store_address, SECRET_VAR: secret})
+        if local == 0 and c.inference.enabled and c.weight_sync == "push":
+            env[NODE_REPLICAS_VAR] = ",".join(str(ins.paths.inference_socket(c.inference.port + i))
+                                              for i in range(c.inference.replicas))
         _, visible = replica_device(device, ins.base_env)
         if visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible
@@ -232,7 +250,11 @@ def env_specs(ins: SpecInputs, e: EnvConfig) -> list[UnitSpec]:
     """One spec per replica of an ``[[env]]``: ``command`` with its placeholders, or a built-in."""
     specs = []
     stop_signal = stop_signal_of(e)
-    for i, name in enumerate(e.replica_names()):
+    # Several machines: replicas are numbered across the nodes (SPEC §12.3), so no two nodes run
+    # the same one (names, {replica}, {seed}).
+    first = ins.cfg.node_rank * e.replicas
+    for i in range(first, first + e.replicas):
+        name = f"{e.name}-{i}"
         values = placeholder_values(ins, name=name, replica=i, env=e)
         if e.command:
             argv = fill_placeholders(e.command, {"wandb_group": "", **values})

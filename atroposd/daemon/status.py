@@ -74,7 +74,8 @@ async def status(d: DaemonView) -> dict[str, Any]:
     cfg = d.cfg
     components: list[dict[str, Any]] = []
     async with _session(PROBE_TIMEOUT) as session:
-        for kind, enabled, url in (("api", cfg.api.enabled, f"{cfg.api_url}/info"),
+        # another node's API is the head's: probed there, not supervised here
+        for kind, enabled, url in (("api", cfg.api.enabled and cfg.is_head, f"{cfg.api_url}/info"),
                                    ("inference", cfg.inference.enabled, f"{cfg.inference_url}/health")):
             if enabled:
                 rows = [u.status() for u in d.units.values() if u.kind == kind]
@@ -91,10 +92,29 @@ async def status(d: DaemonView) -> dict[str, Any]:
         components += [u.status() for u in d.units.values() if u.kind == "trainer"]
         components += [u.status() for u in d.units.values() if u.kind == "env"]
         queue = await _queue(cfg, session)
-    return {"state": d.state.value, "pid": d.pid, "uptime_s": round(d.uptime(), 3),
-            "config": cfg.source, "instance": d.nonce, "components": components,
-            "trainer": trainer_status(d), "queue": queue,
-            "start_error": d.start_error}
+    out = {"state": d.state.value, "pid": d.pid, "uptime_s": round(d.uptime(), 3),
+           "config": cfg.source, "instance": d.nonce, "components": components,
+           "trainer": trainer_status(d), "queue": queue,
+           "start_error": d.start_error}
+    out.update(cluster_status(d))
+    return out
+
+
+def cluster_status(d: DaemonView) -> dict[str, Any]:
+    """Several machines (SPEC §12.3): ``node_rank``; on the head ``nodes`` (every node, its state
+    and components), on another node ``cluster`` (its head and its link's state)."""
+    cfg = d.cfg
+    if not cfg.cluster.enabled:
+        return {}
+    link = getattr(d, "cluster", None)
+    out: dict[str, Any] = {"node_rank": cfg.node_rank}
+    if link is None:
+        return out
+    if cfg.is_head:
+        out["nodes"] = link.nodes()
+    else:
+        out["cluster"] = link.view()
+    return out
 
 
 def replica_index(name: str) -> int:

@@ -129,7 +129,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
 def _find_env(envs: list[Any], name: str, builtin: str) -> Any:
     """The [[env]] whose replica (or own) name is ``name``; without a name, the first of this builtin."""
     for e in envs:
-        if name and (name == e.name or name in e.replica_names()):
+        if name and (name == e.name or e.is_replica(name)):
             return e
     if not name:
         return next((e for e in envs if e.builtin == builtin), None)

@@ -58,13 +58,13 @@ def serve(cfg: Config, rank: int) -> int:
         log.error(f"{STORE_VAR} and {SECRET_VAR} must be set (the daemon starts this process)")
         return Exit.USAGE
     t = cfg.trainer
-    devices = t.devices()
-    if not 0 < rank < len(devices):
-        log.error("rank out of range", rank=rank, ranks=len(devices))
+    if not 0 < rank < t.ranks:
+        log.error("rank out of range", rank=rank, ranks=t.ranks)
         return Exit.USAGE
     from atroposd.devices import resolve_torch
 
-    device, _ = resolve_torch(devices[rank], cfg.inference.dtype, key=f"trainer.device[{rank}]")
+    local = rank % t.local_ranks
+    device, _ = resolve_torch(t.device_of(rank), cfg.inference.dtype, key=f"trainer.device[{local}]")
     if device.type == "cpu":
         torch.set_num_threads(1)
     if os.environ.get(TEST_HANG_VAR) == "join":  # test hook: a rank that never joins
@@ -72,14 +72,22 @@ def serve(cfg: Config, rank: int) -> int:
         threading.Event().wait()
     store = connect_store(address, t.join_timeout)
     generation = int(store.get(generation_key(secret)))
-    ranks = GroupRanks.join(store, prefix=store_keys(secret, generation), rank=rank, world=len(devices),
+    ranks = GroupRanks.join(store, prefix=store_keys(secret, generation), rank=rank, world=t.ranks,
                             device=device, join_timeout=t.join_timeout, collective_timeout=t.collective_timeout)
+    feed = None
     try:
         setup = load_for_training(cfg, ranks)
         learner = build_learner(cfg, setup)
         checkpointer = setup.checkpointer(learner)
         model = setup.policy.model
-        log.info("trainer rank ready", rank=rank, generation=generation, step=setup.step)
+        from atroposd.paths import Paths
+        from atroposd.weights.node_feed import NodeFeed
+
+        # The first rank of a node other than the head feeds that node's replicas (SPEC §12.3).
+        feed = NodeFeed.from_environ(Paths.of(cfg).weights_dir, setup.tensor_specs, setup.tied,
+                                     t.sync_bucket_mb << 20)
+        log.info("trainer rank ready", rank=rank, generation=generation, step=setup.step,
+                 feeds_replicas=len(feed.sync.replicas) if feed is not None else 0)
         while True:
             op, arg = ranks.receive()
             if op == "compute":
@@ -89,7 +97,11 @@ def serve(cfg: Config, rank: int) -> int:
             elif op == "discard":
                 learner.discard_local()
             elif op == "gather":
-                gather_full(model, arg)
+                names, push = (arg["names"], arg.get("push")) if isinstance(arg, dict) else (arg, None)
+                tensors = gather_full(model, names)
+                if feed is not None and push is not None:
+                    feed.bucket(names, tensors, index=push["index"], count=push["count"], version=push["version"])
+                del tensors
             elif op == "checkpoint":
                 checkpointer.write_shards(Path(arg))
             elif op == "stop":
@@ -99,4 +111,6 @@ def serve(cfg: Config, rank: int) -> int:
                 log.error("unknown command from rank 0", op=op)
                 return Exit.RUNTIME
     finally:
+        if feed is not None:
+            feed.close()
         ranks.close()

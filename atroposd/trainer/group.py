@@ -23,19 +23,22 @@ STORE_TIMEOUT_S = 600.0
 
 
 class GroupStore:
-    def __init__(self, *, secret: str, world: int, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, *, secret: str, world: int, host: str = "127.0.0.1", port: int = 0,
+                 advertise: str | None = None) -> None:
         import torch.distributed as dist
 
         self.secret = secret
         self.world = world
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        host = host if host != "0.0.0.0" else ""
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
             sock.listen(256)
-            self.host, self.port = host, int(sock.getsockname()[1])
-            self.store: Any = dist.TCPStore(host, self.port, is_master=True, master_listen_fd=sock.fileno(),
+            # the address the ranks connect to: the bound host, or (a wildcard bind) ``advertise``
+            self.host, self.port = advertise or host or "127.0.0.1", int(sock.getsockname()[1])
+            self.store: Any = dist.TCPStore(self.host, self.port, is_master=True, master_listen_fd=sock.fileno(),
                                             wait_for_workers=False, use_libuv=False,
                                             timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
         except BaseException:

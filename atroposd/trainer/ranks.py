@@ -484,9 +484,15 @@ class ShardedSource:
         self.compute = compute
         self._specs = specs
         self._tied = tied
+        self._next: dict[str, int] | None = None
 
     def specs(self) -> dict[str, Any]:
         return dict(self._specs)
+
+    def announce(self, index: int, count: int, version: int) -> None:
+        """The next gather is bucket ``index`` of ``count`` of a push of ``version``: the other
+        nodes' first ranks feed their own replicas from it (SPEC §12.3, Weights)."""
+        self._next = {"index": index, "count": count, "version": version}
 
     def tied(self) -> dict[str, str]:
         return dict(self._tied)
@@ -494,9 +500,10 @@ class ShardedSource:
     def lora(self) -> dict[str, Any] | None:
         return None  # LoRA is refused with several ranks (config check)
 
-    def _gather(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        self.ranks.command("gather", list(names))
+    def _gather(self, names: Sequence[str], push: dict[str, int] | None) -> dict[str, torch.Tensor]:
+        self.ranks.command("gather", {"names": list(names), "push": push})
         return gather_full(self.model, names)
 
     async def gather(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        return await self.compute.run(self._gather, list(names))
+        push, self._next = self._next, None
+        return await self.compute.run(self._gather, list(names), push)

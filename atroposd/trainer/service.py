@@ -108,6 +108,7 @@ class TrainerService:
         self._restart_times: list[float] = []
         self.group_restarts = 0
         self.last_fault: str | None = None
+        self.waiting_nodes: list[int] = []  # several machines: the nodes a re-forming group waits for
         self._started = False  # task_status.started() was called
 
     # ------------------------------------------------------------------ daemon interface
@@ -137,6 +138,7 @@ class TrainerService:
             "rejected_groups": dict(p.rejected_groups),
             # trainer ranks (SPEC §12.1): N, and the group's restarts after faults
             "ranks": self.cfg.trainer.ranks, "group_restarts": self.group_restarts, "last_fault": self.last_fault,
+            "waiting_for_nodes": list(self.waiting_nodes) if p.waiting_for == "ranks" else [],
         }
 
     def metrics_view(self) -> dict[str, Any]:
@@ -155,6 +157,18 @@ class TrainerService:
         async with self._lock:
             await self.weights.reattach(self._policy.model, self.progress.weight_version, replica)
         log.info("weights re-attached to the restarted inference server", replica=replica,
+                 weight_version=self.progress.weight_version)
+
+    async def on_remote_replica_restarted(self, what: str) -> None:
+        """Several machines: a replica of another node restarted. A push with no replica of this
+        node as a target still gathers every bucket, and that node's first rank feeds its own."""
+        from atroposd.weights.sync import REMOTE_ONLY
+
+        if self._policy is None or self.progress.waiting_for == "ranks":
+            return  # a group being formed pushes to every node when it attaches
+        async with self._lock:
+            await self.weights.reattach(self._policy.model, self.progress.weight_version, REMOTE_ONLY)
+        log.info("weights pushed for a restarted replica of another node", replica=what,
                  weight_version=self.progress.weight_version)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> TrainerOutcome:
@@ -304,6 +318,10 @@ class TrainerService:
         p = self.progress
         p.state, p.waiting_for = "waiting", "ranks"
         host = self.rank_host
+        wait_nodes = getattr(host, "wait_nodes", None)
+        if wait_nodes is not None:
+            # Several machines: the group forms once every node is ready (a lost node is back).
+            await wait_nodes(self._waiting_for_nodes)
         self._rank_lost = None
         prefix = host.store.next_generation()
         await host.start_ranks()
@@ -323,6 +341,11 @@ class TrainerService:
         self._ranks = ranks
         self._ranks_generation = generation
         return ranks
+
+    def _waiting_for_nodes(self, nodes: list[int]) -> None:
+        p = self.progress
+        p.state, p.waiting_for = "waiting", "ranks"
+        self.waiting_nodes = list(nodes)
 
     def _attach_source(self, setup: Any) -> None:
         """With several ranks the weight sync reads the weights gathered on the compute thread."""
@@ -371,7 +394,11 @@ class TrainerService:
         p = self.progress
         p.state, p.waiting_for = "waiting", "ranks"
         now = time.monotonic()
-        self._restart_times = [x for x in self._restart_times if now - x <= t.restart_window] + [now]
+        missing: list[int] = getattr(self.rank_host, "nodes_missing", list)()
+        # A restart while a rank-holding node is lost or joining is not counted (SPEC §12.3):
+        # the group waits for the node instead.
+        self._restart_times = [x for x in self._restart_times if now - x <= t.restart_window] + \
+            ([] if missing else [now])
         self.group_restarts += 1
         if self._rank_lost is None and self.rank_host is not None:
             # A collective failed: name the rank whose exit broke it, once its unit has seen it.
@@ -387,7 +414,7 @@ class TrainerService:
         if len(self._restart_times) > t.max_restarts:
             raise GroupFault(f"{len(self._restart_times)} trainer group restarts within {t.restart_window:g} s "
                              f"(trainer.max_restarts = {t.max_restarts}); last: {fault}")
-        delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (len(self._restart_times) - 1))
+        delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** max(0, len(self._restart_times) - 1))
         log.error("trainer group failed; restarting from the last complete checkpoint", reason=str(fault),
                   restarts=self.group_restarts, backoff_s=delay)
         with anyio.move_on_after(delay):

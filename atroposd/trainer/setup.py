@@ -106,6 +106,11 @@ class Checkpointer:
         def shards(tmp: Path) -> dict[str, Any]:
             ranks.command("checkpoint", str(tmp))
             gathered.update(self.write_shards(tmp))
+            from atroposd.trainer.sharded import check_shards
+
+            # Across machines every rank writes into the shared checkpoint_dir: complete only
+            # when every rank's shard is there (SPEC §12.3).
+            check_shards(tmp / OPTIMIZER_DIR, ranks.world)
             return gathered
 
         return save_checkpoint(self.root, step, model=policy.model, tokenizer=policy.tokenizer,
@@ -126,7 +131,7 @@ def load_for_training(cfg: Config, ranks: Ranks | None = None) -> Setup:
 
     t = cfg.trainer
     ranks = ranks if ranks is not None else OneRank()
-    device, dtype = resolve_torch(t.devices()[ranks.rank], cfg.inference.dtype, key="trainer.device")
+    device, dtype = resolve_torch(t.device_of(ranks.rank), cfg.inference.dtype, key="trainer.device")
     if device.type == "cpu":
         torch.set_num_threads(1)  # small batches gain nothing from more threads; cores are shared
     root = Paths.of(cfg).checkpoints_dir

@@ -23,7 +23,7 @@ import torch
 
 from atroposd.logs import get_logger
 
-__all__ = ["OPTIMIZER_DIR", "gathered_weights", "load_optimizer", "save_optimizer", "tied_aliases"]
+__all__ = ["OPTIMIZER_DIR", "check_shards", "gathered_weights", "load_optimizer", "save_optimizer", "tied_aliases"]
 
 log = get_logger(__name__)
 
@@ -58,6 +58,20 @@ def save_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, pat
 
     osd = get_optimizer_state_dict(model, optimizer)
     dcp.save({"optimizer": osd}, checkpoint_id=str(path))
+
+
+def check_shards(path: Path, world: int) -> None:
+    """Raise CheckpointError unless ``path`` holds DCP's metadata and one shard file of every
+    rank (``__<rank>_0.distcp``): with several machines a ``checkpoint_dir`` that is not shared
+    leaves the other nodes' shards on their own disks."""
+    from atroposd.trainer.checkpoint import CheckpointError
+
+    expected = [".metadata", *(f"__{r}_0.distcp" for r in range(world))]
+    missing = [name for name in expected if not (path / name).is_file()]
+    if missing:
+        shown = ", ".join(str(path / name) for name in missing[:4]) + (" ..." if len(missing) > 4 else "")
+        raise CheckpointError(f"the checkpoint misses {len(missing)} of its {world} ranks' files: {shown}; "
+                              "trainer.checkpoint_dir must be a directory every node sees (a shared file system)")
 
 
 def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],

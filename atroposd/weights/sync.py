@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     from atroposd.config import Config
     from atroposd.weights.staging import StagingBuffer
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "BucketPushSync", "PushSync", "ReloadSync", "Replica", "SharedSync", "WeightSync",
+__all__ = ["DEFAULT_BUCKET_BYTES", "REMOTE_ONLY", "BucketPushSync", "PushSync", "ReloadSync", "Replica", "SharedSync", "WeightSync",
            "make_weight_sync"]
 
 log = get_logger(__name__)
@@ -81,6 +81,9 @@ MIN_DEADLINE = 30.0
 DEFAULT_BUCKET_BYTES = 512 << 20
 
 SourceFor = Callable[[torch.nn.Module], TensorSource]
+# ``reattach(..., REMOTE_ONLY)``: no replica of this node; every bucket is still gathered, so the
+# other nodes' first ranks feed theirs (SPEC §12.3).
+REMOTE_ONLY = -1
 
 
 class WeightSync(Protocol):
@@ -586,8 +589,11 @@ class BucketPushSync(_PublishSync):
             live = [r for r, ok in zip(targets, reached, strict=True) if ok]
             for r in live:
                 r.current = False  # from its first bucket to its last it holds a mix
+            announce = getattr(source, "announce", None)
             for i, names in enumerate(plan):
                 t0 = time.perf_counter()
+                if announce is not None:  # several nodes: their first ranks feed their replicas too
+                    announce(i, len(plan), version)
                 tensors = await source.gather(names)
                 gather_s += time.perf_counter() - t0
                 check_gathered(specs, names, tensors)

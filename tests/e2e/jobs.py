@@ -116,11 +116,18 @@ def processes_of_instance(nonce: str) -> list[psutil.Process]:
 SHORT_TASK: list[dict[str, Any]] = [{"name": "arithmetic", "builtin": "arithmetic", "options": {"max_operand": 4}}]
 
 
+def problem_lines(log_text: str, limit: int = 30) -> str:
+    """The warning and error lines of a JSON log (what went wrong, not the orderly stop after it)."""
+    kept = [line[:1500] for line in log_text.splitlines()
+            if '"level":"error"' in line or '"level":"warning"' in line or "Traceback" in line]
+    return "--- warnings and errors ---\n" + "\n".join(kept[-limit:])
+
+
 def run_short_learning_job(cfg: Path, state_dir: Path, *, steps: int = 400) -> list[dict[str, Any]]:
     """``atroposd run`` to the end, then the learning floor: the mean reward and exact-match
     accuracy of the last 10 steps are each at least the first 10's + 0.3. Returns the rows."""
     res = atroposd("run", "-c", str(cfg), env=daemon_env(), timeout=600)
-    assert res.returncode == 0, f"run exited {res.returncode}\n{res.stderr[-3000:]}"
+    assert res.returncode == 0, f"run exited {res.returncode}\n{problem_lines(res.stderr)}\n{res.stderr[-3000:]}"
     rows = metrics(state_dir)
     assert len(rows) == steps
 
@@ -132,3 +139,39 @@ def run_short_learning_job(cfg: Path, state_dir: Path, *, steps: int = 400) -> l
     assert mean("accuracy", last) >= mean("accuracy", first) + 0.3, (mean("accuracy", first),
                                                                      mean("accuracy", last))
     return rows
+
+
+def cluster_configs(root: Path, *, nodes: int = 2, steps: int = 30, seed: int = 0,
+                    trainer: Mapping[str, Any] | None = None, cluster: Mapping[str, Any] | None = None,
+                    envs: list[dict[str, Any]] | None = None, daemon: Mapping[str, Any] | None = None,
+                    token: str | None = None) -> list[Path]:
+    """One config per node of a job across ``nodes`` "machines" on loopback (SPEC §12.3): the
+    same job, each node with its own runtime and state directories and inference ports (its
+    own ``node_rank``), one API port and cluster port, a shared ``checkpoint_dir``, one token."""
+    import secrets
+
+    token_file = root / "cluster.token"
+    token_file.write_text(token or secrets.token_hex(16))
+    token_file.chmod(0o600)
+    cluster_port = free_port_pair()
+    api_port = free_port()
+    while api_port in (cluster_port, cluster_port + 1):
+        api_port = free_port()
+    taken = {cluster_port, cluster_port + 1, api_port}
+    out = []
+    for rank in range(nodes):
+        inf = free_port_pair()
+        while {inf, inf + 1} & taken:
+            inf = free_port_pair()
+        taken |= {inf, inf + 1}
+        (root / f"node{rank}").mkdir(exist_ok=True)
+        out.append(job_config(
+            root / f"node{rank}", steps=steps, seed=seed, envs=envs,
+            trainer={"device": "cpu", "checkpoint_dir": str(root / "checkpoints"), "batch_size": 16,
+                     "micro_batch_size": 4, "join_timeout": 120.0, **(trainer or {})},
+            api={"port": api_port}, inference={"port": inf},
+            daemon={"stop_timeout": 10.0, **(daemon or {})},
+            cluster={"nodes": nodes, "node_rank": rank, "head": "127.0.0.1", "port": cluster_port,
+                     "token_file": str(token_file), "heartbeat_timeout": 6.0, "join_timeout": 120.0,
+                     **(cluster or {})}))
+    return out

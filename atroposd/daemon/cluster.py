@@ -1,0 +1,306 @@
+"""The daemon's side of several machines (SPEC §12.3): the head's link to the other nodes, and a
+node's link to its head.
+
+Head (node 0): :class:`HeadLink` opens the cluster endpoint before any child starts, reports
+the head's own components, hosts the trainer ranks' store on ``cluster.port + 1`` (in
+:mod:`.core`), and drives the other nodes' trainer ranks: every (re)formed group waits until
+every node is ``ready`` (``waiting_for = "ranks"``; bounded by ``data_timeout``), then tells each
+node to start its ranks for the new generation. A node's rank that exits, and a node that is
+lost, are faults of the trainer group; a node's restarted inference replica asks for a push.
+
+Node i > 0: :class:`NodeLink` waits for the head (``join_timeout``), joins, heartbeats, reports
+its components, starts and stops its trainer ranks when the head says so, and stops the node
+when the head asks (``stop``) or when the head is lost (exit 1, so that its launcher starts it
+again and it rejoins).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from atroposd.cluster import (
+    LOST,
+    READY,
+    ClusterHead,
+    ClusterJoinTimeout,
+    ClusterNode,
+    ClusterRefused,
+    ClusterStartError,
+    store_secret,
+)
+from atroposd.config import ClusterError
+from atroposd.daemon.runtime import StartFailed
+from atroposd.exitcodes import Exit
+from atroposd.logs import get_logger
+from atroposd.process.unit import State, Unit
+
+if TYPE_CHECKING:
+    from atroposd.daemon.core import Daemon
+
+__all__ = ["HeadLink", "NodeLink", "store_address"]
+
+log = get_logger("atroposd.daemon")
+
+RANKS_STOP_GRACE_S = 10.0
+# How often a waiting head logs which nodes its trainer group waits for.
+WAIT_LOG_EVERY_S = 10.0
+
+
+def _token(daemon: Daemon) -> bytes:
+    try:
+        return daemon.cfg.cluster.read_token()
+    except ClusterError as exc:
+        raise StartFailed(str(exc)) from None
+
+
+def store_address(daemon: Daemon) -> str:
+    """Where every node's trainer ranks meet: the head's ``cluster.port + 1``."""
+    c = daemon.cfg.cluster
+    host = f"[{c.head}]" if ":" in c.head else c.head
+    return f"{host}:{c.port + 1}"
+
+
+def _units(daemon: Daemon) -> dict[str, Any]:
+    cfg = daemon.cfg
+    return {"trainer_ranks": cfg.trainer.local_ranks if cfg.trainer.enabled else 0,
+            "replicas": cfg.inference.replicas if cfg.inference.enabled else 0}
+
+
+def _rows(units: list[Unit]) -> list[dict[str, Any]]:
+    return [u.status() for u in units]
+
+
+class HeadLink:
+    """Node 0's link to the others."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        cfg = daemon.cfg
+        token = _token(daemon)
+        self.store_secret = store_secret(token)
+        self.head = ClusterHead(cfg.cluster, token=token, instance=daemon.nonce, units=_units(daemon),
+                                check_join=self._check_join, on_change=self._on_change,
+                                on_message=self._on_message)
+        self._rank_exits: list[str] = []
+        self._ranks_stopped: dict[int, anyio.Event] = {}
+        self.holds_ranks = cfg.trainer.enabled and cfg.trainer.local_ranks > 0
+
+    async def open(self) -> None:
+        try:
+            await self.head.start()
+        except ClusterStartError as exc:
+            raise StartFailed(str(exc)) from None
+
+    def report(self) -> None:
+        self.head.report(_rows(list(self.daemon.units.values())))
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return self.head.nodes()
+
+    def _check_join(self, msg: Any) -> str | None:
+        ours = _units(self.daemon)
+        theirs = msg.get("units") if isinstance(msg.get("units"), dict) else {}
+        if theirs.get("trainer_ranks") != ours["trainer_ranks"]:
+            return (f"this node runs {theirs.get('trainer_ranks')} trainer rank(s) and the head "
+                    f"{ours['trainer_ranks']}: trainer.device must list as many devices on every node")
+        return None
+
+    def missing(self) -> list[int]:
+        """The nodes (other than the head) that are not ``ready``."""
+        return [r for r, m in self.head.membership.members.items() if r and m.state != READY]
+
+    def _on_change(self, rank: int, old: str, new: str, reason: str) -> None:
+        trainer = self.daemon.trainer
+        if new == LOST and rank and self.holds_ranks and trainer is not None:
+            # Its ranks are gone with it: the group restarts once the node is back.
+            trainer.on_rank_exit(f"node {rank}", f"lost ({reason})")
+        self.daemon.wake_tracking()
+
+    def _on_message(self, rank: int, msg: dict[str, Any]) -> None:
+        kind = msg.get("t")
+        trainer = self.daemon.trainer
+        if kind == "rank_exit":
+            what = f"{msg.get('name')} on node {rank} {msg.get('how')}"
+            self._rank_exits.append(what)
+            if trainer is not None:
+                trainer.on_rank_exit(f"{msg.get('name')} on node {rank}", str(msg.get("how")))
+        elif kind == "ranks_stopped":
+            self._ranks_stopped.setdefault(rank, anyio.Event()).set()
+        elif kind == "resync" and trainer is not None:
+            # A replica of that node restarted: a full push reaches it through its node's first rank.
+            self.daemon.spawn(trainer.on_remote_replica_restarted, f"node {rank} replica {msg.get('replica')}")
+
+    def exited(self) -> list[str]:
+        """The other nodes' trainer ranks that exited, and the rank-holding nodes lost."""
+        lost = [f"node {r} {m.state} ({m.reason})" for r, m in self.head.membership.members.items()
+                if r and m.state == LOST and self.holds_ranks]
+        return [*self._rank_exits, *lost]
+
+    async def wait_nodes(self, on_wait: Callable[[list[int]], None]) -> None:
+        """Wait until every node is ready (bounded by ``data_timeout``): a trainer group forms
+        only with all of its ranks."""
+        t = self.daemon.cfg.trainer
+        deadline = time.monotonic() + t.data_timeout
+        last_log = 0.0
+        while True:
+            missing = self.missing()
+            if not missing:
+                break
+            on_wait(missing)
+            now = time.monotonic()
+            if now > deadline:
+                raise RuntimeError(f"node(s) {', '.join(map(str, missing))} not ready within trainer.data_timeout "
+                                   f"({t.data_timeout:g} s): the trainer group cannot form")
+            if now - last_log >= WAIT_LOG_EVERY_S:
+                last_log = now
+                log.info("the trainer group waits for nodes", nodes=missing, waited_for="ready")
+            await anyio.sleep(0.1)
+
+    async def start_ranks(self, generation: int) -> None:
+        """Tell every node to start its trainer ranks for ``generation``."""
+        self._rank_exits = []
+        self._ranks_stopped = {}
+        reached = await self.head.broadcast({"t": "ranks", "op": "start", "generation": generation})
+        log.info("nodes asked to start their trainer ranks", nodes=reached, generation=generation)
+
+    async def stop_ranks(self) -> None:
+        """Every node stops its trainer ranks; returns once each confirmed (or is gone)."""
+        targets = self.head.connected()
+        for r in targets:
+            self._ranks_stopped[r] = anyio.Event()
+        await self.head.broadcast({"t": "ranks", "op": "stop"})
+        with anyio.move_on_after(self.daemon.cfg.daemon.stop_timeout + RANKS_STOP_GRACE_S):
+            for r in targets:
+                event = self._ranks_stopped[r]
+                while not event.is_set() and r in self.head.connected():
+                    with anyio.move_on_after(0.2):
+                        await event.wait()
+
+    async def stop_nodes(self) -> None:
+        c = self.daemon.cfg.daemon
+        await self.head.stop_all(3 * c.stop_timeout + 15)
+
+    async def close(self) -> None:
+        await self.head.close()
+
+
+class NodeLink:
+    """A node's link to its head (node_rank > 0)."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        cfg = daemon.cfg
+        token = _token(daemon)
+        self.store_secret = store_secret(token)
+        self.node = ClusterNode(cfg.cluster, token=token, node_rank=cfg.node_rank, instance=daemon.nonce,
+                                units=_units(daemon), on_lost_head=self._lost_head, on_stop=self._stop,
+                                on_message=self._on_message)
+        self._store: Any = None
+        self._generation = 0
+        self._ranks_lock = anyio.Lock()
+        self.state = "joining"
+        self.outcome: str | None = None
+        self._asked_to_stop = False
+        self._done = anyio.Event()
+
+    async def join(self) -> None:
+        self.daemon.set_status(f"waiting for the head at {self.node.head_address}")
+        try:
+            await self.node.join()
+        except (ClusterRefused, ClusterJoinTimeout) as exc:
+            raise StartFailed(str(exc)) from None
+        self.state = "joined"
+
+    async def run(self) -> None:
+        try:
+            self.outcome = await self.node.run()
+            self.state = self.outcome
+        finally:
+            self._done.set()
+
+    def report(self) -> None:
+        self.node.report(_rows(list(self.daemon.units.values())))
+
+    def view(self) -> dict[str, Any]:
+        return {"node_rank": self.daemon.cfg.node_rank, "head": self.node.head_address, "state": self.state}
+
+    def _lost_head(self, reason: str) -> None:
+        self.daemon.request_stop(f"lost the head: {reason}", code=Exit.RUNTIME)
+
+    async def _stop(self) -> None:
+        self._asked_to_stop = True
+        self.daemon.request_stop("the head stops the job")
+        await self.daemon.stopped.wait()
+
+    def _on_message(self, msg: dict[str, Any]) -> None:
+        if msg.get("t") != "ranks":
+            return
+        if msg.get("op") == "start":
+            self.daemon.spawn(self._start_ranks, int(msg.get("generation") or 0))
+        elif msg.get("op") == "stop":
+            self.daemon.spawn(self._stop_ranks)
+
+    def rank_exited(self, unit: Unit) -> None:
+        """A trainer rank of this node exited on its own: the head restarts the group."""
+        how = unit.last_exit.describe() if unit.last_exit else unit.state.value
+        self.daemon.spawn(self.node.send, {"t": "rank_exit", "name": unit.name, "how": how})
+
+    def replica_restarted(self, replica: int) -> None:
+        self.daemon.spawn(self.node.send, {"t": "resync", "replica": replica})
+
+    def _joined(self, rank: int) -> bool:
+        import torch.distributed as dist
+
+        from atroposd.trainer.ranks import store_keys
+
+        if self._store is None:
+            return False
+        try:
+            scoped = dist.PrefixStore(store_keys(self.store_secret, self._generation), self._store)
+            return bool(scoped.check([f"joined/{rank}"]))
+        except Exception:
+            return False
+
+    async def _start_ranks(self, generation: int) -> None:
+        from atroposd.daemon import specs
+        from atroposd.trainer.follower import connect_store
+
+        async with self._ranks_lock:
+            await self._stop_rank_units()
+            if self._store is None:
+                address = store_address(self.daemon)
+                timeout = self.daemon.cfg.trainer.join_timeout
+                self._store = await anyio.to_thread.run_sync(connect_store, address, timeout)
+                self._store.set_timeout(datetime.timedelta(seconds=5))
+            self._generation = generation
+            d = self.daemon
+            for spec in specs.trainer_rank_specs(d.spec_inputs(), store_address=store_address(d),
+                                                 secret=self.store_secret, joined=self._joined):
+                d.add_unit(spec)
+            log.info("trainer ranks started for the head", generation=generation)
+
+    async def _stop_rank_units(self) -> None:
+        d = self.daemon
+        await d.stop_units([u for u in d.units.values() if u.kind == "trainer" and not u.done.is_set()])
+
+    async def _stop_ranks(self) -> None:
+        async with self._ranks_lock:
+            await self._stop_rank_units()
+        await self.node.send({"t": "ranks_stopped"})
+
+    async def finish(self) -> None:
+        """After this node's children stopped: leave (a stop of this node alone: its ranks leave,
+        the trainer waits), or let the head hear that its stop is done; bounded."""
+        if self.outcome is None and not self._asked_to_stop and self.state != "joining":
+            await self.node.leave("stopped on its own")
+        if self.state != "joining":
+            with anyio.move_on_after(5):
+                await self._done.wait()
+
+    def alive_units(self) -> list[Unit]:
+        return [u for u in self.daemon.units.values() if u.state not in (State.STOPPED, State.FAILED)]
