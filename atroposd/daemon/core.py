@@ -181,9 +181,9 @@ class Daemon:
             self._hub = LogHub(self.paths.logs_dir, max_bytes=self.cfg.daemon.log_max_bytes,
                                backups=self.cfg.daemon.log_backups)
             try:
+                self._resolve_node_rank()
                 runtime.check_ports(self.cfg)  # before anything binds (the metrics server included)
                 self._resolve_api_token()
-                self._resolve_node_rank()
             except StartFailed as exc:
                 log.error("start failed", reason=str(exc))
                 return Exit.RUNTIME

@@ -17,6 +17,7 @@ import psutil
 
 from atroposd.config import Config, dump_toml
 from atroposd.fsutil import write_atomic
+from atroposd.net import is_loopback
 from atroposd.paths import Paths, open_nofollow
 
 
@@ -110,8 +111,12 @@ def check_port(host: str, port: int, what: str) -> None:
 def ports_to_check(cfg: Config) -> list[tuple[str, int, str]]:
     """``(host, port, config key)`` of every port the job binds."""
     out: list[tuple[str, int, str]] = []
-    if cfg.api.enabled:
+    if cfg.api.enabled and cfg.is_head:  # another node's environments use the head's API
         out.append((cfg.api.host, cfg.api.port, "api.port"))
+    if cfg.cluster.enabled and cfg.is_head:
+        bind = cfg.cluster.head if is_loopback(cfg.cluster.head) else "0.0.0.0"
+        out += [(bind, cfg.cluster.port, "cluster.port"),
+                (bind, cfg.cluster.port + 1, "cluster.port (+ 1: the trainer ranks' store)")]
     if cfg.inference.enabled:
         inf = cfg.inference
         out += [(inf.host, inf.port + r, "inference.port" if inf.replicas == 1 else f"inference.port (replica {r})")
@@ -120,7 +125,8 @@ def ports_to_check(cfg: Config) -> list[tuple[str, int, str]]:
         out.append(("127.0.0.1", cfg.daemon.metrics_port, "daemon.metrics_port"))
     for i, e in enumerate(cfg.env):
         if e.port_base:
-            out += [("127.0.0.1", e.port_base + r, f"env[{i}].port_base") for r in range(e.replicas)]
+            first = cfg.node_rank * e.replicas
+            out += [("127.0.0.1", e.port_base + r, f"env[{i}].port_base") for r in range(first, first + e.replicas)]
     return out
 
 

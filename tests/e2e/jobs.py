@@ -144,7 +144,7 @@ def run_short_learning_job(cfg: Path, state_dir: Path, *, steps: int = 400) -> l
 def cluster_configs(root: Path, *, nodes: int = 2, steps: int = 30, seed: int = 0,
                     trainer: Mapping[str, Any] | None = None, cluster: Mapping[str, Any] | None = None,
                     envs: list[dict[str, Any]] | None = None, daemon: Mapping[str, Any] | None = None,
-                    token: str | None = None) -> list[Path]:
+                    inference: Mapping[str, Any] | None = None, token: str | None = None) -> list[Path]:
     """One config per node of a job across ``nodes`` "machines" on loopback (SPEC §12.3): the
     same job, each node with its own runtime and state directories and inference ports (its
     own ``node_rank``), one API port and cluster port, a shared ``checkpoint_dir``, one token."""
@@ -169,7 +169,7 @@ def cluster_configs(root: Path, *, nodes: int = 2, steps: int = 30, seed: int = 
             root / f"node{rank}", steps=steps, seed=seed, envs=envs,
             trainer={"device": "cpu", "checkpoint_dir": str(root / "checkpoints"), "batch_size": 16,
                      "micro_batch_size": 4, "join_timeout": 120.0, **(trainer or {})},
-            api={"port": api_port}, inference={"port": inf},
+            api={"port": api_port}, inference={"port": inf, **(inference or {})},
             daemon={"stop_timeout": 10.0, **(daemon or {})},
             cluster={"nodes": nodes, "node_rank": rank, "head": "127.0.0.1", "port": cluster_port,
                      "token_file": str(token_file), "heartbeat_timeout": 6.0, "join_timeout": 120.0,

@@ -1,0 +1,268 @@
+"""Several machines (SPEC §12.3), as two daemons on one machine: each "node" has its own
+runtime and state directories and inference ports, both share the cluster port, the API port,
+a token and a ``checkpoint_dir``, on loopback.
+
+The default suite has the cheap ones (a wrong token, a head that never comes); the whole jobs
+(learning across two nodes, a node killed -9 and started again, a node stopped with SIGSTOP,
+the head killed -9) are ``slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.e2e.jobs import (
+    SHORT_TASK,
+    cluster_configs,
+    component,
+    daemon_env,
+    kill9,
+    metrics,
+    processes_of_instance,
+    replica_health,
+    segments_of,
+    status,
+)
+from tests.support import atroposd, wait_for
+
+def _popen_run(cfg: Path, log: Path) -> subprocess.Popen[bytes]:
+    """``atroposd run`` in the background (a node of the job), its output in ``log``."""
+    env = {**os.environ, **daemon_env()}
+    env.pop("ATROPOSD_CONFIG", None)
+    with log.open("wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "atroposd", "run", "-c", str(cfg)], stdout=out,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _events(log: Path) -> list[dict[str, Any]]:
+    out = []
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
+def _has_event(log: Path, text: str) -> bool:
+    return any(text in str(e.get("event", "")) or text in str(e.get("reason", "")) for e in _events(log))
+
+
+def _stop_proc(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _lightweight(root: Path, **kw: Any) -> list[Path]:
+    """Two nodes with no trainer, no inference server and no environment: the API on the head,
+    the cluster link on both (what joining and refusing need)."""
+    return cluster_configs(root, envs=[], trainer={"enabled": False},
+                           inference={"enabled": False, "url": "http://127.0.0.1:9"}, **kw)
+
+
+def test_wrong_token_is_refused_and_a_lonely_node_gives_up(short_tmp: Path) -> None:
+    head_cfg, node_cfg = _lightweight(short_tmp, cluster={"join_timeout": 4.0})
+    # a node started before its head waits for it, then gives up after join_timeout, clearly
+    started = time.monotonic()
+    res = atroposd("run", "-c", str(node_cfg), env=daemon_env(), timeout=120)
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "waiting for the head" in res.stderr
+    assert "cluster.join_timeout" in res.stderr, res.stderr[-2000:]
+    assert time.monotonic() - started < 60
+
+    head = _popen_run(head_cfg, short_tmp / "head.log")
+    try:
+        wait_for(lambda: status(head_cfg)["state"] == "running", timeout=60, what="the head running")
+        # a node holding another token is refused, and both sides say why
+        other = short_tmp / "other.token"
+        other.write_text("not-the-cluster-secret")
+        text = node_cfg.read_text().replace(str(short_tmp / "cluster.token"), str(other))
+        wrong_cfg = node_cfg.with_name("wrong.toml")
+        wrong_cfg.write_text(text)
+        res = atroposd("run", "-c", str(wrong_cfg), env=daemon_env(), timeout=120)
+        assert res.returncode == 1
+        assert "wrong cluster token" in res.stderr, res.stderr[-2000:]
+        wait_for(lambda: _has_event(short_tmp / "head.log", "refused a node"), timeout=10,
+                 what="the head's log naming the refusal")
+        nodes = status(head_cfg)["nodes"]
+        assert [n["node_rank"] for n in nodes] == [0, 1]
+        assert nodes[1]["state"] == "joining" and nodes[1]["host"] is None
+    finally:
+        _stop_proc(head)
+
+
+def _start_job(cfgs: list[Path], root: Path) -> list[subprocess.Popen[bytes]]:
+    """Node 1 first (it waits for its head), then the head; both ``atroposd run``."""
+    node = _popen_run(cfgs[1], root / "node1.log")
+    wait_for(lambda: _has_event(root / "node1.log", "waiting for the head"), timeout=60,
+             what="node 1 waiting for its head")
+    head = _popen_run(cfgs[0], root / "head.log")
+    return [head, node]
+
+
+def _nodes(cfg: Path) -> list[dict[str, Any]]:
+    return list(status(cfg)["nodes"])
+
+
+def _node_ready(cfg: Path, rank: int) -> bool:
+    return bool(_nodes(cfg)[rank]["state"] == "ready")
+
+
+def _instances(cfgs: list[Path]) -> list[str]:
+    return [status(c)["instance"] for c in cfgs]
+
+
+def _nothing_left(nonces: list[str]) -> None:
+    wait_for(lambda: not any(processes_of_instance(n) for n in nonces), timeout=60, what="every process gone")
+    for n in nonces:
+        assert not segments_of(n), segments_of(n)
+
+
+@pytest.mark.slow
+def test_two_nodes_learn_and_node1_replicas_follow(short_tmp: Path) -> None:
+    steps = 300
+    cfgs = cluster_configs(short_tmp, steps=steps, envs=SHORT_TASK,
+                           trainer={"batch_size": 32, "micro_batch_size": 8, "checkpoint_every": 100})
+    procs = _start_job(cfgs, short_tmp)
+    nonces: list[str] = []
+    try:
+        wait_for(lambda: status(cfgs[0])["state"] == "running", timeout=240, interval=0.5, what="the head READY")
+        nonces = _instances(cfgs)
+        st = status(cfgs[0])
+        nodes = st["nodes"]
+        assert [n["state"] for n in nodes] == ["ready", "ready"], nodes
+        names = {c["name"] for c in nodes[1]["components"]}
+        assert {"inference", "trainer-1", "arithmetic-1"} <= names, names
+        assert st["trainer"]["ranks"] == 2
+        assert component(status(cfgs[1]), "trainer-1")["state"] == "ready"
+        # node 1's replica serves the trainer's weights: its version follows the head's steps
+        wait_for(lambda: status(cfgs[0])["trainer"]["step"] >= 20, timeout=180, interval=0.5, what="training")
+        v1 = replica_health(cfgs[1], 0)["weight_version"]
+        step = status(cfgs[0])["trainer"]["step"]
+        assert v1 is not None and v1 >= 20 and abs(step - v1) <= 3, (step, v1)
+        assert procs[0].wait(600) == 0
+        assert procs[1].wait(120) == 0
+    finally:
+        for p in procs:
+            _stop_proc(p)
+    _nothing_left(nonces)
+    rows = metrics(short_tmp / "node0" / "state")
+    assert len(rows) == steps
+
+    def mean(key: str, part: list[dict[str, Any]]) -> float:
+        return float(sum(r[key] for r in part) / len(part))
+    first, last = rows[:10], rows[-10:]
+    assert mean("reward_mean", last) >= mean("reward_mean", first) + 0.3
+    assert mean("accuracy", last) >= mean("accuracy", first) + 0.3
+    # every rank's shard is in the shared checkpoint directory
+    assert {p.name for p in (short_tmp / "checkpoints" / f"step-{steps}" / "optimizer").iterdir()} >= \
+        {"__0_0.distcp", "__1_0.distcp"}
+
+
+@pytest.mark.slow
+def test_node_killed_rejoins_sigstop_is_lost_and_head_stop_ends_all(short_tmp: Path) -> None:
+    cfgs = cluster_configs(short_tmp, steps=100_000, envs=SHORT_TASK, trainer={"checkpoint_every": 5})
+    procs = _start_job(cfgs, short_tmp)
+    nonces: list[str] = []
+    try:
+        wait_for(lambda: status(cfgs[0])["state"] == "running", timeout=240, interval=0.5, what="the head READY")
+        head_nonce, node_nonce = _instances(cfgs)
+        nonces = [head_nonce, node_nonce]
+        wait_for(lambda: status(cfgs[0])["trainer"]["last_checkpoint"] is not None, timeout=180, interval=0.5,
+                 what="a checkpoint")
+
+        # kill -9 of node 1's daemon: its processes go with it, the head finds it lost, the trainer waits
+        before = status(cfgs[0])["trainer"]["step"]
+        kill9(procs[1].pid)
+        procs[1].wait(10)
+        wait_for(lambda: not processes_of_instance(node_nonce), timeout=10, what="node 1's processes gone")
+        wait_for(lambda: _nodes(cfgs[0])[1]["state"] == "lost", timeout=30, what="the head marking node 1 lost")
+        wait_for(lambda: status(cfgs[0])["trainer"]["waiting_for"] == "ranks", timeout=30,
+                 what="the trainer waiting for its ranks")
+        restarts = status(cfgs[0])["trainer"]["group_restarts"]
+
+        # node 1 again: it rejoins, and training passes its pre-kill step
+        procs[1] = _popen_run(cfgs[1], short_tmp / "node1-again.log")
+        wait_for(lambda: _node_ready(cfgs[0], 1) and status(cfgs[0])["trainer"]["step"] > before + 2,
+                 timeout=240, interval=0.5, what="node 1 ready again and training past the pre-kill step")
+        node_nonce2 = status(cfgs[1])["instance"]
+        assert node_nonce2 != node_nonce and not segments_of(node_nonce)
+        nonces.append(node_nonce2)
+        st = status(cfgs[0])
+        assert st["trainer"]["group_restarts"] >= restarts and st["state"] == "running"
+
+        # SIGSTOP of node 1's daemon: its connection stays open; silence finds it lost
+        stopped = psutil.Process(procs[1].pid)
+        stopped.suspend()
+        try:
+            t0 = time.monotonic()
+            wait_for(lambda: _nodes(cfgs[0])[1]["state"] == "lost", timeout=30, interval=0.2,
+                     what="the head finding the stopped node lost")
+            assert "no heartbeat" in (_nodes(cfgs[0])[1]["reason"] or "")
+            assert time.monotonic() - t0 < 15
+        finally:
+            stopped.kill()  # its children follow it (parent-death signal)
+        procs[1].wait(10)
+        wait_for(lambda: not processes_of_instance(node_nonce2), timeout=15, what="node 1's processes gone")
+
+        # node 1 once more, then the head's stop ends every node
+        procs[1] = _popen_run(cfgs[1], short_tmp / "node1-third.log")
+        wait_for(lambda: _node_ready(cfgs[0], 1) and status(cfgs[1])["state"] == "running", timeout=240,
+                 interval=0.5, what="node 1 ready a third time")
+        nonces.append(status(cfgs[1])["instance"])
+        res = atroposd("stop", "-c", str(cfgs[0]), env=daemon_env(), timeout=180)
+        assert res.returncode == 0, res.stderr
+        # the head's stop returns once every node's processes are gone
+        assert not processes_of_instance(nonces[-1])
+        assert procs[1].wait(10) == 0
+        assert procs[0].wait(10) == 0
+    finally:
+        for p in procs:
+            _stop_proc(p)
+    _nothing_left(nonces)
+
+
+@pytest.mark.slow
+def test_head_killed_takes_every_node_down(short_tmp: Path) -> None:
+    cfgs = cluster_configs(short_tmp, steps=100_000, envs=SHORT_TASK, cluster={"heartbeat_timeout": 5.0})
+    procs = _start_job(cfgs, short_tmp)
+    nonces: list[str] = []
+    try:
+        wait_for(lambda: status(cfgs[0])["state"] == "running", timeout=240, interval=0.5, what="the head READY")
+        nonces = _instances(cfgs)
+        wait_for(lambda: status(cfgs[0])["trainer"]["step"] >= 3, timeout=120, interval=0.5, what="training")
+        kill9(procs[0].pid)
+        t0 = time.monotonic()
+        code = procs[1].wait(60)
+        assert code == 1
+        assert time.monotonic() - t0 <= 5.0 + 3.0  # heartbeat_timeout, plus the stop of its children
+        assert _has_event(short_tmp / "node1.log", "lost the head")
+        wait_for(lambda: not any(processes_of_instance(n) for n in nonces), timeout=30, what="every process gone")
+        assert not segments_of(nonces[1])  # node 1 left nothing
+        # the head's own exported buffer outlived its kill -9: its next start removes it
+        from atroposd.config import load_config
+        from atroposd.daemon.recovery import recover
+        from atroposd.paths import Paths
+
+        assert segments_of(nonces[0])
+        recover(Paths.of(load_config(cfgs[0])))
+    finally:
+        for p in procs:
+            _stop_proc(p)
+    _nothing_left(nonces)
