@@ -25,11 +25,13 @@ class Paths:
     socket_group: str = ""
     #: ``[trainer] checkpoint_dir`` when set (None: ``{state_dir}/checkpoints``)
     checkpoint_dir: Path | None = None
+    #: several machines: ``reload`` writes where every node sees it (under checkpoint_dir)
+    shared_sync: bool = False
 
     @classmethod
     def of(cls, cfg: Config) -> Paths:
         return cls(cfg.runtime_dir, cfg.state_dir, cfg.runtime_dir == fallback_runtime_dir(),
-                   cfg.daemon.socket_group, cfg.checkpoint_dir)
+                   cfg.daemon.socket_group, cfg.checkpoint_dir, cfg.cluster.enabled)
 
     def ensure_runtime_dir(self) -> None:
         """Create or check runtime_dir before anything is put there (see ``ensure_runtime_dir``)."""
@@ -84,6 +86,10 @@ class Paths:
 
     @property
     def sync_dir(self) -> Path:
+        """``reload``'s weights: ``{state_dir}/sync``; with several machines, on the shared file
+        system of ``checkpoint_dir`` (``{checkpoint_dir}/sync``), where every node's replicas load."""
+        if self.shared_sync:
+            return (self.checkpoint_dir or self.checkpoints_dir) / "sync"
         return self.state_dir / "sync"
 
 

@@ -226,7 +226,7 @@ def trainer_rank_specs(ins: SpecInputs, *, store_address: str, secret: str,
         env = child_env(ins, {})
         env.update({k: ins.base_env.get(k, v) for k, v in trainer_group_env(c).items()})
         env.update({STORE_VAR: store_address, SECRET_VAR: secret})
-        if local == 0 and c.inference.enabled and c.weight_sync == "push":
+        if local == 0 and c.inference.enabled and c.weight_sync in ("push", "reload"):
             env[NODE_REPLICAS_VAR] = ",".join(str(ins.paths.inference_socket(c.inference.port + i))
                                               for i in range(c.inference.replicas))
         _, visible = replica_device(device, ins.base_env)

@@ -47,6 +47,9 @@ class WeightGate:
         self.updates = 0  # weight updates applied since start
         self.awaiting_weights = await_weights
         self._paused = await_weights
+        # Paused by the trainer for a weight update (``pause`` until ``resume``): the daemon's
+        # generation probes do not generate then (an update refuses any generation in flight).
+        self.held_for_update = False
         self._resumed = asyncio.Event()
         if not await_weights:
             self._resumed.set()
@@ -91,6 +94,7 @@ class WeightGate:
             self.pauses += 1
             self._paused_at = time.monotonic()
         self._paused = True
+        self.held_for_update = True
         self._resumed.clear()
         await self._idle.wait()
         return {"paused": True, "weight_version": self.weight_version}
@@ -109,6 +113,7 @@ class WeightGate:
             self.paused_seconds += time.monotonic() - self._paused_at
             self._paused_at = None
         self._paused = False
+        self.held_for_update = False
         self._resumed.set()
         return {"paused": False, "weight_version": self.weight_version}
 

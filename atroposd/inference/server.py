@@ -5,8 +5,10 @@ TCP (``host:port``): ``GET /health``, ``POST /generate`` (SPEC §7), ``POST /v1/
 
 Weight control, only on a Unix socket (0600; it carries shared-memory handles): ``POST
 /pause``, ``POST /resume``, ``POST /update_weights``, ``POST /load``, ``GET /weight_info``,
-``POST /probe_generate`` (one short generation that bypasses the pause; the daemon's
-readiness probe).
+``POST /probe_generate`` (one short generation that bypasses the pause a server started
+with ``--await-weights`` is in: the daemon's readiness and liveness probes; while the trainer
+holds generation paused for a weight update it answers ``skipped`` without generating, since
+an update refuses to run beside a generation in flight).
 
 The TCP port is bound before the model loads, so a port in use fails at once; ``/health``
 answers 503 until the engine is up. An engine is any object with the methods of
@@ -365,6 +367,12 @@ def build_control_app(front: _Front, *, send_timeout: float = CONTROL_SEND_TIMEO
 
     async def probe(request: web.Request) -> Any:
         body = await _read_json(request, empty_ok=True)
+        if getattr(front.engine, "held_for_update", False):
+            # The trainer paused generation to change the weights: a probe's generation now
+            # would be in flight when the update arrives, which refuses it (409). The control
+            # socket answering is the sign of life until the trainer resumes.
+            return {"skipped": "generation is paused for a weight update", "paused": True,
+                    "weight_version": front.engine.weight_version}
         if not body:
             first = front.info.get("tokenizer", {}).get("special_ids", {}).get("bos")
             body = {"prompt": {"prompt_token_ids": [first if first is not None else 0]}, "max_tokens": 1}

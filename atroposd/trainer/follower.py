@@ -102,6 +102,9 @@ def serve(cfg: Config, rank: int) -> int:
                 if feed is not None and push is not None:
                     feed.bucket(names, tensors, index=push["index"], count=push["count"], version=push["version"])
                 del tensors
+            elif op == "reload":
+                if feed is not None:
+                    feed.load(Path(arg["path"]), int(arg["version"]))
             elif op == "checkpoint":
                 checkpointer.write_shards(Path(arg))
             elif op == "stop":

@@ -500,6 +500,11 @@ class ShardedSource:
     def lora(self) -> dict[str, Any] | None:
         return None  # LoRA is refused with several ranks (config check)
 
+    async def announce_reload(self, path: Any, version: int) -> None:
+        """A ``reload`` wrote ``version`` at ``path`` (on the shared file system): the other nodes'
+        first ranks have their own replicas load it."""
+        await self.compute.run(self.ranks.command, "reload", {"path": str(path), "version": version})
+
     def _gather(self, names: Sequence[str], push: dict[str, int] | None) -> dict[str, torch.Tensor]:
         self.ranks.command("gather", {"names": list(names), "push": push})
         return gather_full(self.model, names)

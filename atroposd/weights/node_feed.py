@@ -112,6 +112,19 @@ class NodeFeed:
                          replicas=[r.index for r in self._live])
             self._live, self._version = [], None
 
+    def load(self, path: Path, version: int) -> None:
+        """``reload``: every replica of this node loads ``version`` from ``path`` (a directory
+        on the shared file system). Never raises."""
+        try:
+            self.portal.call(self._load, path, version)
+        except Exception as exc:
+            log.error("this node's inference replicas did not load the weights; they get them from the next sync",
+                      weight_version=version, path=str(path), error=f"{type(exc).__name__}: {exc}")
+
+    async def _load(self, path: Path, version: int) -> None:
+        s = self.sync
+        await s._each(s.replicas, lambda r: s._update(r, version, 0, "load", path, version))
+
     def close(self) -> None:
         """Unlink the staging buffer and the manifest; stop the event loop thread."""
         try:

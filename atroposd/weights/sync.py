@@ -687,6 +687,9 @@ class ReloadSync(_PublishSync):
             self.current = await self._write(model, version)
         path = self.current
         self.version = version
+        announce = getattr(self.source(model), "announce_reload", None)
+        if announce is not None:  # several nodes: their first ranks have their replicas load it too
+            await announce(path, version)
         if not self.replicas:
             await anyio.to_thread.run_sync(prune_sync_dirs, self.sync_dir, path)
             return True

@@ -266,3 +266,26 @@ def test_head_killed_takes_every_node_down(short_tmp: Path) -> None:
         for p in procs:
             _stop_proc(p)
     _nothing_left(nonces)
+
+
+@pytest.mark.slow
+def test_reload_across_nodes_through_the_shared_directory(short_tmp: Path) -> None:
+    """``weight_sync = "reload"``: the head writes each version under the shared checkpoint_dir,
+    node 1's first rank has its replica load it."""
+    cfgs = cluster_configs(short_tmp, steps=100_000, envs=SHORT_TASK, trainer={"weight_sync": "reload"})
+    procs = _start_job(cfgs, short_tmp)
+    nonces: list[str] = []
+    try:
+        wait_for(lambda: status(cfgs[0])["state"] == "running", timeout=240, interval=0.5, what="the head READY")
+        nonces = _instances(cfgs)
+        wait_for(lambda: status(cfgs[0])["trainer"]["step"] >= 8, timeout=180, interval=0.5, what="training")
+        v1 = replica_health(cfgs[1], 0)["weight_version"]
+        step = status(cfgs[0])["trainer"]["step"]
+        assert v1 is not None and v1 >= 6 and abs(step - v1) <= 3, (step, v1)
+        assert (short_tmp / "checkpoints" / "sync").is_dir()
+        res = atroposd("stop", "-c", str(cfgs[0]), env=daemon_env(), timeout=180)
+        assert res.returncode == 0, res.stderr
+    finally:
+        for p in procs:
+            _stop_proc(p)
+    _nothing_left(nonces)

@@ -106,6 +106,23 @@ def test_control_routes_only_on_the_unix_socket(server: Server) -> None:
     assert status == 200 and resumed == {"paused": False, "weight_version": 0}
 
 
+def test_probe_does_not_generate_while_the_trainer_holds_the_pause(server: Server) -> None:
+    """The daemon's liveness probe generates beside the rollouts, bypassing the pause; while the
+    trainer holds generation paused for a weight update it must not (an update refuses to run
+    beside a generation in flight: the job failed on that race under load)."""
+    assert server.control("POST", "/pause")[1]["paused"] is True
+    try:
+        status, probe = server.control("POST", "/probe_generate")
+        assert status == 200 and probe["skipped"] and "token_ids" not in probe
+        status, info = server.control("GET", "/weight_info")
+        assert status == 200 and info["paused"] is True
+    finally:
+        status, resumed = server.control("POST", "/resume", {"weight_version": 0})
+    assert status == 200 and resumed["paused"] is False
+    status, probe = server.control("POST", "/probe_generate")
+    assert status == 200 and len(probe["token_ids"][0]) == 1
+
+
 def test_concurrent_requests_all_answered(server: Server) -> None:
     import aiohttp
 
