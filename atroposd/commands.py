@@ -461,7 +461,26 @@ def _render_status(st: dict[str, Any]) -> str:
     q = st.get("queue")
     if q:
         out.append(f"queue: {q.get('sequences')} sequences" + (f" of {q['capacity']}" if q.get("capacity") else ""))
+    out += _render_nodes(st)
     return "\n".join(out)
+
+
+def _render_nodes(st: dict[str, Any]) -> list[str]:
+    """Several machines: the head lists every node and its components; another node its head."""
+    nodes = st.get("nodes")
+    if nodes:
+        out = [f"{'NODE':<6} {'HOST':<20} {'STATE':<9} {'HEARTBEAT':>9}  COMPONENTS"]
+        for n in nodes:
+            beat = n.get("last_heartbeat_s")
+            comps = ", ".join(f"{c.get('name')} {c.get('state')}" for c in n.get("components") or [])
+            reason = f" ({n['reason']})" if n.get("reason") and n.get("state") != "ready" else ""
+            out.append(f"{n['node_rank']:<6} {n.get('host') or '-'!s:<20} {n['state']:<9} "
+                       f"{'-' if beat is None else f'{beat:.1f}s':>9}  {comps or '-'}{reason}")
+        return out
+    link = st.get("cluster")
+    if link:
+        return [f"node {link.get('node_rank')} of a cluster; head {link.get('head')} ({link.get('state')})"]
+    return []
 
 
 def reload(cfg: Config, args: argparse.Namespace) -> int:

@@ -140,18 +140,3 @@ def test_config_check_reads_the_rank_from_the_environment(token: Path, tmp_path:
     monkeypatch.setenv("SLURM_NODEID", "2")
     found = config_problems(text)
     assert found == ["cluster.node_rank: node rank 2 (from $SLURM_NODEID) must be < cluster.nodes (2)"]
-
-
-def test_the_daemon_refuses_to_run_a_node_of_several(token: Path, short_tmp: Path) -> None:
-    """Until the daemon runs a node of a multi-node job, nodes > 1 is a clear start error (exit 1),
-    never a whole job of its own on every node."""
-    from tests.e2e.jobs import daemon_env
-    from tests.support import atroposd
-
-    cfg = short_tmp / "atroposd.toml"
-    cfg.write_text(f'[daemon]\nstate_dir = "{short_tmp / "state"}"\nruntime_dir = "{short_tmp / "run"}"\n'
-                   + _two_nodes(token, short_tmp, rank=0))
-    res = atroposd("run", "-c", str(cfg), env=daemon_env(), timeout=120)
-    assert res.returncode == 1, (res.returncode, res.stderr[-2000:])
-    assert "cluster.nodes = 2" in res.stderr + res.stdout and "one node only" in res.stderr + res.stdout
-    assert not (short_tmp / "state" / "logs" / "api.log").exists()  # nothing was started

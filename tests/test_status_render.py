@@ -41,3 +41,19 @@ def test_several_ranks_show_their_count_and_the_group_restarts() -> None:
 
 def test_one_rank_shows_no_rank_line() -> None:
     assert "ranks" not in _render_status(_status(ranks=1, group_restarts=0, last_fault=None))
+
+
+def test_the_head_lists_every_node_and_another_node_its_head() -> None:
+    st = _status(ranks=2)
+    st["nodes"] = [
+        {"node_rank": 0, "host": "n0", "state": "ready", "reason": None, "last_heartbeat_s": None,
+         "components": [{"name": "api", "state": "ready"}, {"name": "inference", "state": "ready"}]},
+        {"node_rank": 1, "host": "n1", "state": "lost", "reason": "no heartbeat for 30 s", "last_heartbeat_s": 31.2,
+         "components": [{"name": "trainer-1", "state": "ready"}]},
+    ]
+    text = _render_status(st)
+    assert "0      n0                   ready" in text and "api ready, inference ready" in text
+    assert "lost" in text and "31.2s" in text and "trainer-1 ready (no heartbeat for 30 s)" in text
+    node = _status()
+    node["cluster"] = {"node_rank": 1, "head": "n0:29400", "state": "joined"}
+    assert "node 1 of a cluster; head n0:29400 (joined)" in _render_status(node)

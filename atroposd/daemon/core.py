@@ -419,6 +419,8 @@ class Daemon:
 
     async def _serve(self) -> Exit:
         """The reconciler: apply events until the job ends; returns the exit code."""
+        from atroposd.daemon.cluster import NodeLink
+
         async for event in self._events:
             if isinstance(event, StopRequested):
                 log.info("stopping", reason=event.reason)
@@ -441,8 +443,8 @@ class Daemon:
                     how = unit.last_exit.describe() if unit.last_exit else unit.state.value
                     if self.trainer is not None:
                         self.trainer.on_rank_exit(unit.name, how)
-                    elif self.cluster is not None and not self.cfg.is_head:
-                        self.cluster.rank_exited(unit)  # type: ignore[union-attr]  # the head restarts the group
+                    elif isinstance(self.cluster, NodeLink):
+                        self.cluster.rank_exited(unit)  # the head restarts the whole group
                 continue  # a rank's exit restarts the trainer group: the trainer's state shows it
             if unit.kind in ("api", "inference") and unit.state == State.FAILED and self.units.get(unit.name) is unit:
                 log.error("job fails: a required component failed", unit=unit.name, error=unit.last_error)

@@ -19,6 +19,8 @@ a replica restarts.
 from __future__ import annotations
 
 import os
+import statistics
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -56,6 +58,9 @@ class NodeFeed:
         self._portal_cm = start_blocking_portal()
         self.portal: BlockingPortal = self._portal_cm.__enter__()
         self.pushes = 0
+        #: seconds each complete push spent here (pause, write, copies, resume; the gathers excluded)
+        self.feed_seconds: list[float] = []
+        self._spent = 0.0
 
     @classmethod
     def from_environ(cls, weights_dir: Path, specs: Mapping[str, TensorSpec], tied: Mapping[str, str],
@@ -75,8 +80,14 @@ class NodeFeed:
                version: int) -> None:
         """Bucket ``index`` of ``count`` of the push of ``version`` to every replica of this node.
         Never raises: a replica that misses a bucket stays paused until the next full push."""
+        t0 = time.perf_counter()
+        if index == 0:
+            self._spent = 0.0
         try:
             self.portal.call(self._bucket, list(names), dict(tensors), index, count, version)
+            self._spent += time.perf_counter() - t0
+            if index == count - 1:
+                self.feed_seconds.append(self._spent)
         except Exception as exc:
             log.error("feeding this node's inference replicas failed; they get the weights again from the next "
                       "push", weight_version=version, bucket=index, error=f"{type(exc).__name__}: {exc}")
@@ -127,6 +138,11 @@ class NodeFeed:
 
     def close(self) -> None:
         """Unlink the staging buffer and the manifest; stop the event loop thread."""
+        if self.feed_seconds:
+            f = self.feed_seconds
+            log.info("this node's replicas were fed", pushes=len(f), mean_s=round(statistics.fmean(f), 5),
+                     median_s=round(statistics.median(f), 5), max_s=round(max(f), 5),
+                     staging_bytes=self.sync.staging.size if self.sync.staging is not None else 0)
         try:
             self.sync.close()
         finally:

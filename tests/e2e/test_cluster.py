@@ -35,6 +35,7 @@ from tests.e2e.jobs import (
 )
 from tests.support import atroposd, wait_for
 
+
 def _popen_run(cfg: Path, log: Path) -> subprocess.Popen[bytes]:
     """``atroposd run`` in the background (a node of the job), its output in ``log``."""
     env = {**os.environ, **daemon_env()}
