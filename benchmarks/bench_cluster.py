@@ -18,7 +18,7 @@ On two shared cores the eight processes of a job compete for the same CPUs: the 
 upper bound of what loopback costs, not a network's. Prints a table and one JSON line
 (``{"benchmark": "cluster", ...}``).
 
-    .venv/bin/python benchmarks/bench_cluster.py [--steps 40] [--quick]
+    .venv/bin/python benchmarks/bench_cluster.py [--steps 100] [--quick]
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def recovery_case(root: Path) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=40, help="steps of the tiny sync case (default 40)")
+    ap.add_argument("--steps", type=int, default=100, help="steps of the tiny sync case (default 100)")
     ap.add_argument("--steps-85m", type=int, default=8, help="steps of the ~85M sync case (default 8)")
     ap.add_argument("--quick", action="store_true", help="the tiny cases only")
     args = ap.parse_args()

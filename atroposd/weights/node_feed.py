@@ -41,6 +41,7 @@ log = get_logger(__name__)
 # The node's replicas' weight-control sockets, comma-separated (set by the node's daemon on its
 # first local trainer rank only).
 NODE_REPLICAS_VAR = "ATROPOSD_NODE_REPLICAS"
+SUMMARY_EVERY = 100  # pushes between two summary lines in the log
 
 
 class NodeFeed:
@@ -88,6 +89,8 @@ class NodeFeed:
             self._spent += time.perf_counter() - t0
             if index == count - 1:
                 self.feed_seconds.append(self._spent)
+                if len(self.feed_seconds) % SUMMARY_EVERY == 0:
+                    self._summary()
         except Exception as exc:
             log.error("feeding this node's inference replicas failed; they get the weights again from the next "
                       "push", weight_version=version, bucket=index, error=f"{type(exc).__name__}: {exc}")
@@ -136,13 +139,16 @@ class NodeFeed:
         s = self.sync
         await s._each(s.replicas, lambda r: s._update(r, version, 0, "load", path, version))
 
-    def close(self) -> None:
-        """Unlink the staging buffer and the manifest; stop the event loop thread."""
-        if self.feed_seconds:
-            f = self.feed_seconds
+    def _summary(self) -> None:
+        f = self.feed_seconds
+        if f:
             log.info("this node's replicas were fed", pushes=len(f), mean_s=round(statistics.fmean(f), 5),
                      median_s=round(statistics.median(f), 5), max_s=round(max(f), 5),
                      staging_bytes=self.sync.staging.size if self.sync.staging is not None else 0)
+
+    def close(self) -> None:
+        """Unlink the staging buffer and the manifest; stop the event loop thread."""
+        self._summary()
         try:
             self.sync.close()
         finally:
