@@ -417,11 +417,6 @@ class EnvConfig:
         first = node_rank * self.replicas
         return [f"{self.name}-{i}" for i in range(first, first + self.replicas)]
 
-    def is_replica(self, unit_name: str) -> bool:
-        """``unit_name`` is a replica of this environment on some node (``NAME-<index>``)."""
-        head, sep, tail = unit_name.rpartition("-")
-        return bool(sep) and head == self.name and tail.isdigit()
-
 
 @dataclass
 class Config:

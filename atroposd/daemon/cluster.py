@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
@@ -40,7 +40,29 @@ from atroposd.logs import get_logger
 from atroposd.process.unit import State, Unit
 
 if TYPE_CHECKING:
-    from atroposd.daemon.core import Daemon
+    from atroposd.config import Config
+    from atroposd.daemon.specs import SpecInputs
+    from atroposd.process.unit import UnitSpec
+    from atroposd.trainer.service import TrainerService
+
+
+class Daemon(Protocol):
+    """What the links use of the daemon (:class:`atroposd.daemon.core.Daemon`)."""
+
+    cfg: Config
+    nonce: str
+    trainer: TrainerService | None
+    stopped: anyio.Event
+
+    @property
+    def units(self) -> Mapping[str, Unit]: ...
+    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None: ...
+    def set_status(self, text: str) -> None: ...
+    def spec_inputs(self) -> SpecInputs: ...
+    def add_unit(self, spec: UnitSpec, **kw: Any) -> Unit: ...
+    async def stop_units(self, units: list[Unit]) -> None: ...
+    def request_stop(self, reason: str, code: Exit = Exit.OK) -> None: ...
+    def wake_tracking(self) -> None: ...
 
 __all__ = ["HeadLink", "NodeLink", "store_address"]
 

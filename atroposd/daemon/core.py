@@ -559,7 +559,8 @@ class Daemon:
         old_envs = self.cfg.env
         self.cfg = new
         self._write_child_config()
-        gone = [u for u in self.units.values() if u.kind == "env" and env_of(u.name, old_envs) in plan.stop]
+        rank = self.cfg.node_rank
+        gone = [u for u in self.units.values() if u.kind == "env" and env_of(u.name, old_envs, rank) in plan.stop]
         await self.stop_units(gone)
         for u in gone:
             if self.units.get(u.name) is u:

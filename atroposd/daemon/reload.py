@@ -71,9 +71,9 @@ def plan_reload(old: Config, new: Config) -> ReloadPlan:
     )
 
 
-def env_of(unit_name: str, envs: Iterable[EnvConfig]) -> str | None:
-    """The ``[[env]]`` whose replica ``unit_name`` is, if any."""
+def env_of(unit_name: str, envs: Iterable[EnvConfig], node_rank: int = 0) -> str | None:
+    """The ``[[env]]`` whose replica ``unit_name`` is on node ``node_rank``, if any."""
     for e in envs:
-        if e.is_replica(unit_name):
+        if unit_name in e.replica_names(node_rank):
             return e.name
     return None

@@ -87,7 +87,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
     cfg = load_or_exit(args)
     replica = _pick(args.replica, "ATROPOSD_REPLICA", int, 0)
     name = _pick(args.name, "ATROPOSD_NAME", str, "")
-    env_cfg = _find_env(cfg.env, name, args.builtin) or EnvConfig(name=args.builtin, builtin=args.builtin)
+    env_cfg = _find_env(cfg.env, name, args.builtin, cfg.node_rank) or EnvConfig(name=args.builtin, builtin=args.builtin)
     if env_cfg.builtin != args.builtin:
         raise _Usage(f"[[env]] {env_cfg.name!r} is not the built-in {args.builtin!r}")
     name = name or f"{env_cfg.name}-{replica}"
@@ -126,10 +126,10 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
             "log_level": cfg.daemon.log_level, "log_format": cfg.daemon.log_format}
 
 
-def _find_env(envs: list[Any], name: str, builtin: str) -> Any:
+def _find_env(envs: list[Any], name: str, builtin: str, node_rank: int = 0) -> Any:
     """The [[env]] whose replica (or own) name is ``name``; without a name, the first of this builtin."""
     for e in envs:
-        if name and (name == e.name or e.is_replica(name)):
+        if name and (name == e.name or name in e.replica_names(node_rank)):
             return e
     if not name:
         return next((e for e in envs if e.builtin == builtin), None)
