@@ -10,6 +10,8 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from atroposd.client import InferenceControl
 from tests.e2e.jobs import daemon_env, job_config
 from tests.support import REPO, atroposd
@@ -29,6 +31,7 @@ def test_documented_example_is_short() -> None:
     assert len(example_source().strip().splitlines()) < 40
 
 
+@pytest.mark.slow  # a whole job or a long search: run by .ci/run, not in the default run
 def test_documented_trainer_trains_against_a_job(short_tmp: Path) -> None:
     cfg = job_config(short_tmp, trainer={"enabled": False, "batch_size": 16, "micro_batch_size": 16})
     script = short_tmp / "trainer.py"

@@ -112,6 +112,7 @@ def test_sigstop_of_each_child_while_training(short_tmp: Path) -> None:
         assert atroposd("stop", "-c", str(cfg), timeout=120).returncode == 0
 
 
+@pytest.mark.slow  # a whole job or a long search: run by .ci/run, not in the default run
 def test_sigstop_of_inference_while_training(short_tmp: Path) -> None:
     cfg = _live_job(short_tmp)
     res = atroposd("start", "-c", str(cfg), env=daemon_env(), timeout=240)
@@ -125,6 +126,7 @@ def test_sigstop_of_inference_while_training(short_tmp: Path) -> None:
         assert atroposd("stop", "-c", str(cfg), timeout=120).returncode == 0
 
 
+@pytest.mark.slow  # a whole job or a long search: run by .ci/run, not in the default run
 def test_unresolved_stall_ends_the_job_and_the_next_start_resumes(short_tmp: Path) -> None:
     """A trainer step blocked in a test hook: status shows ``stalled`` at the trainer's own stage;
     past twice stall_timeout the job exits 1; the next start resumes from the last checkpoint."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from atroposd.config import load_config
 from tests.e2e.jobs import (
     component,
@@ -29,6 +31,7 @@ def _config(root: Path) -> Path:
                                        "join_timeout": 120.0, "checkpoint_every": 100_000})
 
 
+@pytest.mark.slow  # a whole job or a long search: run by .ci/run, not in the default run
 def test_two_ranks_two_replicas_status_metrics_and_rows(short_tmp: Path) -> None:
     cfg = _config(short_tmp)
     metrics_port = load_config(cfg).daemon.metrics_port
