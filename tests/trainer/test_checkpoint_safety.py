@@ -306,3 +306,20 @@ def test_a_failed_rename_aside_puts_the_previous_copy_back(tmp_path: Path, monke
     with pytest.raises(CheckpointError, match="Input/output error"):
         _save(tmp_path, 5, keep=1)
     assert sorted(os.listdir(tmp_path)) == ["step-5"] and ckpt.verify_checksums(tmp_path / "step-5")
+
+
+def test_a_checkpoint_missing_another_nodes_shard_names_the_missing_file(tmp_path: Path) -> None:
+    """Several machines: a checkpoint_dir that is not shared leaves rank 1's optimizer shard on
+    its own node's disk: the checkpoint is not complete, and the error names what is missing."""
+    from atroposd.trainer.checkpoint import CheckpointError
+    from atroposd.trainer.sharded import check_shards
+
+    opt = tmp_path / "optimizer"
+    opt.mkdir()
+    (opt / ".metadata").write_bytes(b"m")
+    (opt / "__0_0.distcp").write_bytes(b"0")
+    with pytest.raises(CheckpointError) as err:
+        check_shards(opt, 2)
+    assert str(opt / "__1_0.distcp") in str(err.value) and "every node sees" in str(err.value)
+    (opt / "__1_0.distcp").write_bytes(b"1")
+    check_shards(opt, 2)  # complete: no error
