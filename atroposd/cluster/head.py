@@ -261,7 +261,13 @@ class ClusterHead:
             self._open.discard(ch)
             ch.abort()
             for rank in [r for r, c in self._channels.items() if c is ch]:
-                self._lose(rank, "connection closed", ch)  # it broke on a send: the node went away
+                # it broke on a send: the node went away (after its confirmed stop, or not)
+                self._lose(rank, "stopped" if self._confirmed(rank) else "connection closed", ch)
+
+    def _confirmed(self, rank: int) -> bool:
+        """Node ``rank`` said its processes are gone (after the head's stop)."""
+        event = self._stopped.get(rank)
+        return event is not None and event.is_set()
 
     async def _refuse(self, ch: Channel, reason: str, *, fatal: bool = True, signed: bool = True) -> None:
         msg = {"t": "refused", "reason": reason, "fatal": fatal}
@@ -296,7 +302,7 @@ class ClusterHead:
                 self._lose(rank, f"bad message: {exc}", ch)
                 return
             if msg is None:
-                if self._stopped.get(rank) is not None and self._stopped[rank].is_set():
+                if self._confirmed(rank):
                     self._lose(rank, "stopped", ch)
                 else:
                     self._lose(rank, "connection closed", ch)

@@ -296,7 +296,15 @@ class ClusterNode:
             except OSError:
                 msg = None
             if msg is not None:
-                self._last_heard = self._loop_time()
+                now = self._loop_time()
+                if self._stop_task is None and not self._leaving and now - self._last_heard > self.give_up_after:
+                    # Arrived after a silence longer than the head allows (this process was
+                    # frozen: these lines waited in the socket): the head has found this node
+                    # lost meanwhile, whatever the buffered lines say.
+                    self._lost(f"nothing from the head at {self.head_address} for {now - self._last_heard:.1f} s "
+                               f"(cluster.heartbeat_timeout = {self.cfg.heartbeat_timeout:g} s)")
+                    continue
+                self._last_heard = now
                 if msg.get("t") == "replaced":
                     self._lost(f"a newer start of this node (pid {msg.get('by_pid')}) joined in its place")
                 elif msg.get("t") == "stop" and self._stop_task is None:
