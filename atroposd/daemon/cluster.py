@@ -37,7 +37,7 @@ from atroposd.config import ClusterError
 from atroposd.daemon.runtime import StartFailed
 from atroposd.exitcodes import Exit
 from atroposd.logs import get_logger
-from atroposd.process.unit import State, Unit
+from atroposd.process.unit import Unit
 
 if TYPE_CHECKING:
     from atroposd.config import Config
@@ -62,7 +62,6 @@ class Daemon(Protocol):
     def add_unit(self, spec: UnitSpec, **kw: Any) -> Unit: ...
     async def stop_units(self, units: list[Unit]) -> None: ...
     def request_stop(self, reason: str, code: Exit = Exit.OK) -> None: ...
-    def wake_tracking(self) -> None: ...
 
 __all__ = ["HeadLink", "NodeLink", "store_address"]
 
@@ -141,7 +140,6 @@ class HeadLink:
         if new == LOST and rank and self.holds_ranks and trainer is not None:
             # Its ranks are gone with it: the group restarts once the node is back.
             trainer.on_rank_exit(f"node {rank}", f"lost ({reason})")
-        self.daemon.wake_tracking()
 
     def _on_message(self, rank: int, msg: dict[str, Any]) -> None:
         kind = msg.get("t")
@@ -323,6 +321,3 @@ class NodeLink:
         if self.state != "joining":
             with anyio.move_on_after(5):
                 await self._done.wait()
-
-    def alive_units(self) -> list[Unit]:
-        return [u for u in self.daemon.units.values() if u.state not in (State.STOPPED, State.FAILED)]

@@ -165,9 +165,6 @@ class Daemon:
         if self._tg is not None:
             self._tg.start_soon(guarded)
 
-    def wake_tracking(self) -> None:
-        """Something the cluster view shows changed (it is reported on the next tracking pass)."""
-
     # ------------------------------------------------------------------ entry
 
     async def main(self) -> int:
