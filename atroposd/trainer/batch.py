@@ -15,7 +15,7 @@ Per-token ``advantages`` sent by the environment replace the computed ones;
 **A bad group is rejected, never the job failed** (SPEC §13): each group is checked before it
 is used, and a group that fails a check is dropped and counted by reason (``REASONS``) —
 token ids outside ``[0, vocab_size)``, distillation ids outside ``[-1, vocab_size)`` or more
-than ``MAX_DISTILL_K`` of them at a position, non-finite teacher logprobs, non-finite or
+than ``MAX_DISTILL_K`` of them at a position, non-finite, positive or absurd teacher logprobs, non-finite or
 absurd scores (|s| > 1e15) and advantages (|A| > 1e4), rollout logprobs below −1e4, fields
 of the wrong type or of disagreeing lengths, sequences longer than ``max_token_len``. Any
 other exception from one group's preparation is a rejection too (reason ``error``). What
@@ -44,6 +44,8 @@ MAX_ABS_ADVANTAGE = 1e4  # SPEC §13: a larger advantage is absurd
 MAX_ABS_SCORE = 1e15  # beyond this, float64 sums of scores lose unit precision (and squares overflow)
 MAX_DISTILL_K = 256  # teacher top-k per position: more would let one group allocate [B, T, K] at will
 MIN_LOGPROB = -1e4  # a sampled token is never this unlikely: a lower rollout logprob is garbage
+# A teacher's top-k logprob: at most 0 (a little above for rounding), and within float32's range.
+MIN_TEACHER_LOGPROB, MAX_TEACHER_LOGPROB = -1e30, 1e-3
 # A temperature outside [MIN, MAX] is treated like an invalid one (≤ 0, non-finite): 1.0. Below
 # MIN a sampler is greedy (vLLM's epsilon); above MAX the distribution is uniform in float32.
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-5, 1e4
@@ -293,8 +295,12 @@ def _distill_rows(ids_i: Any, lps_i: Any, length: int, vocab_size: int | None, i
         if len(ids) > MAX_DISTILL_K:
             raise GroupRejected("distill_invalid", f"{what}: {len(ids)} teacher ids at one position > {MAX_DISTILL_K}")
         lps = [_number(x, "distill_invalid", what) for x in _list(e_lps, len(ids), what)]
-        if not all(math.isfinite(x) for x, k in zip(lps, ids, strict=True) if k >= 0):
-            raise GroupRejected("distill_invalid", f"{what}: non-finite teacher logprob")
+        # A log-probability is never positive, and one beyond float32's range (3.5e38) would
+        # become infinite in the tensor: both are garbage, not a teacher's output.
+        if not all(math.isfinite(x) and MIN_TEACHER_LOGPROB <= x <= MAX_TEACHER_LOGPROB
+                   for x, k in zip(lps, ids, strict=True) if k >= 0):
+            raise GroupRejected("distill_invalid", f"{what}: non-finite, positive or absurd (< {MIN_TEACHER_LOGPROB:g}) "
+                                                   "teacher logprob")
         out_ids.append(ids)
         out_lps.append([x if k >= 0 else -1e9 for x, k in zip(lps, ids, strict=True)])
     return out_ids, out_lps

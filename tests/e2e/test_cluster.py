@@ -156,7 +156,7 @@ def test_two_nodes_learn_and_node1_replicas_follow(short_tmp: Path) -> None:
         wait_for(lambda: status(cfgs[0])["trainer"]["step"] >= 20, timeout=180, interval=0.5, what="training")
         v1 = replica_health(cfgs[1], 0)["weight_version"]
         step = status(cfgs[0])["trainer"]["step"]
-        assert v1 is not None and v1 >= 20 and abs(step - v1) <= 3, (step, v1)
+        assert v1 is not None and v1 >= 17 and abs(step - v1) <= 3, (step, v1)  # a push may be under way
         assert procs[0].wait(600) == 0
         assert procs[1].wait(120) == 0
     finally:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from atroposd.trainer.batch import BatchError, group_advantages, prepare_batch
 from tests.trainer.conftest import make_groups
@@ -157,6 +158,22 @@ def test_each_defect_is_rejected_under_its_reason() -> None:
     # without a vocabulary size, ids still must be ≥ 0
     assert prepare_batch([vocab, negative], micro_batch_size=8, max_token_len=32,
                          adv_std_floor=0.1).rejected_by_reason == {"token_out_of_range": 1}
+
+
+def test_a_positive_or_out_of_float32_teacher_logprob_is_rejected() -> None:
+    """Found by the batch fuzz: 3.4028235677973366e+38 is finite as a Python float but infinite
+    in the float32 tensor; a log-probability is never positive anyway."""
+    def group(lps: list[float]) -> dict[str, Any]:
+        g = make_groups(5, n=1, size=2)[0]
+        g.update(distill_token_ids=[[None] + [[5, 6]] * 6] * 2, distill_logprobs=[[None] + [lps] * 6] * 2)
+        return g
+
+    for bad in ([0.0, 3.4028235677973366e+38], [-0.5, 0.7], [-1e300, -0.1]):
+        assert _reasons([group(bad)], use_distill=True) == {"distill_invalid": 1}, bad
+    batch = prepare_batch([group([-0.5, 0.0]), group([-2.0, -1e20])], micro_batch_size=8, max_token_len=32,
+                          adv_std_floor=0.1, vocab_size=22, use_distill=True)
+    assert batch.rejected == 0 and batch.micro[0].distill_lp is not None
+    assert bool(torch.isfinite(batch.micro[0].distill_lp).all())
 
 
 def test_any_other_exception_of_one_group_is_a_rejection() -> None:
