@@ -254,14 +254,15 @@ def test_reload_across_nodes_then_the_head_killed_takes_every_node_down(short_tm
         wait_for(lambda: status(cfgs[0])["trainer"]["step"] >= 8, timeout=180, interval=0.5, what="training")
         v1 = replica_health(cfgs[1], 0)["weight_version"]
         step = status(cfgs[0])["trainer"]["step"]
-        assert v1 is not None and v1 >= 6 and abs(step - v1) <= 3, (step, v1)
+        # node 1 loads each version between the trainer's steps: at most a few behind
+        assert v1 is not None and v1 >= 4 and abs(step - v1) <= 5, (step, v1)
         assert any((short_tmp / "checkpoints" / "sync").glob("v*"))
 
         kill9(procs[0].pid)
         t0 = time.monotonic()
         code = procs[1].wait(60)
         assert code == 1
-        assert time.monotonic() - t0 <= 5.0 + 3.0  # heartbeat_timeout, plus the stop of its children
+        assert time.monotonic() - t0 <= 5.0 + 5.0  # heartbeat_timeout, plus the stop of its children
         assert _has_event(short_tmp / "node1.log", "lost the head")
         wait_for(lambda: not any(processes_of_instance(n) for n in nonces), timeout=30, what="every process gone")
         assert not segments_of(nonces[1])  # node 1 left nothing
