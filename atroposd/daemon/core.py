@@ -634,6 +634,21 @@ class Daemon:
                 self.weights.close()
             except Exception:
                 log.exception("weight sync close failed")
+        self._remove_own_segments()
+
+    def _remove_own_segments(self) -> None:
+        """What a child killed before its own clean-up left of this launch (another node's first
+        trainer rank, stopped with SIGTERM, owns its staging buffer): every child is gone now,
+        and a segment something still maps is kept."""
+        from atroposd.weights.shm import cleanup_stale
+
+        try:
+            removed = cleanup_stale(self.paths.runtime_dir, lambda nonce: nonce != self.nonce)
+        except Exception:
+            log.exception("removing this launch's left-over weight segments failed")
+            return
+        if removed:
+            log.info("removed weight segments and manifests this launch's children left", removed=removed)
 
     async def stop_units(self, units: list[Unit]) -> None:
         for u in units:

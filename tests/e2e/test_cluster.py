@@ -276,3 +276,25 @@ def test_reload_across_nodes_then_the_head_killed_takes_every_node_down(short_tm
         for p in procs:
             _stop_proc(p)
     _nothing_left(nonces)
+
+
+@pytest.mark.slow
+def test_every_node_sigtermed_at_once_leaves_nothing(short_tmp: Path) -> None:
+    """As a cluster's launcher stops a job (``scancel``): SIGTERM to every node's daemon at once.
+    Node 1's first rank, which owns its staging buffer, is stopped by its daemon before its own
+    clean-up: its daemon removes what it left."""
+    cfgs = cluster_configs(short_tmp, steps=100_000, envs=SHORT_TASK)
+    procs = _start_job(cfgs, short_tmp)
+    nonces: list[str] = []
+    try:
+        wait_for(lambda: status(cfgs[0])["state"] == "running", timeout=240, interval=0.5, what="the head READY")
+        nonces = _instances(cfgs)
+        wait_for(lambda: status(cfgs[0])["trainer"]["step"] >= 5, timeout=180, interval=0.5, what="training")
+        assert segments_of(nonces[1]), "node 1's first rank has its staging buffer"
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        assert [p.wait(120) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            _stop_proc(p)
+    _nothing_left(nonces)
