@@ -169,11 +169,7 @@ class ClusterHead:
         ch = self._channels.get(rank)
         if ch is None or self.membership.members[rank].state == LOST:
             return False
-        try:
-            await asyncio.wait_for(ch.send(msg), self.interval * 2)
-        except (OSError, asyncio.TimeoutError):
-            return False
-        return True
+        return await ch.try_send(msg, self.interval * 2)
 
     async def broadcast(self, msg: Mapping[str, Any]) -> list[int]:
         """``msg`` to every connected node; the nodes it reached."""

@@ -240,11 +240,7 @@ class ClusterNode:
         ch = self._ch
         if ch is None or self._leaving:
             return False
-        try:
-            await asyncio.wait_for(ch.send(msg), self.interval * 2)
-        except (OSError, asyncio.TimeoutError):
-            return False
-        return True
+        return await ch.try_send(msg, self.interval * 2)
 
     async def leave(self, reason: str = "stopped on its own") -> None:
         """Tell the head this node stops on its own (its ranks leave); ``run`` returns ``"left"``."""

@@ -118,6 +118,14 @@ class Channel:
             self.writer.write(encode(self.key, msg))
             await self.writer.drain()
 
+    async def try_send(self, msg: Mapping[str, Any], timeout: float) -> bool:
+        """``send`` within ``timeout``; False when the connection failed or the peer did not read."""
+        try:
+            await asyncio.wait_for(self.send(msg), timeout)
+        except (OSError, asyncio.TimeoutError):
+            return False
+        return True
+
     async def send_unsigned(self, msg: Mapping[str, Any]) -> None:
         async with self._lock:
             self.writer.write(encode_unsigned(msg))
