@@ -47,21 +47,9 @@ SIZE_85M = dict(vocab_size=512, hidden_size=768, intermediate_size=2048, num_hid
 
 
 def build_85m(root: Path) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from benchmarks.bench_ranks import build_llama
 
-    from atroposd.models.tiny import build_tokenizer
-
-    path = root / "model-85M"
-    path.mkdir(parents=True)
-    build_tokenizer(512).save_pretrained(str(path))
-    cfg = LlamaConfig(**SIZE_85M, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1,
-                      eos_token_id=2, pad_token_id=0)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(cfg).float()
-    model.save_pretrained(str(path), safe_serialization=True)
-    return path
+    return build_llama(root / "model-85M", SIZE_85M)
 
 
 def _status(cfg: Path) -> dict[str, Any] | None:

@@ -78,14 +78,19 @@ GOAL = 0.55  # the 2-rank shard bytes per rank against the 1-rank bytes (issue: 
 
 def build_100m(root: Path) -> Path:
     """A ~100M-parameter Llama directory (random init, seeded) with builtin:tiny's tokenizer."""
+    return build_llama(root / "model-100M", SIZE_100M)
+
+
+def build_llama(path: Path, size: dict[str, Any]) -> Path:
+    """A Llama directory of ``size`` (random init, seed 0, float32, tied embeddings) with
+    builtin:tiny's tokenizer, at ``path``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from atroposd.models.tiny import build_tokenizer
 
-    path = root / "model-100M"
     path.mkdir(parents=True)
     build_tokenizer(512).save_pretrained(str(path))
-    cfg = LlamaConfig(**SIZE_100M, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1,
+    cfg = LlamaConfig(**size, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1,
                       eos_token_id=2, pad_token_id=0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
