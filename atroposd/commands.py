@@ -557,7 +557,16 @@ def _follow(cfg: Config, path: Path) -> int:
                 pos += _drain(fh)
             if time.monotonic() - last_ping > 1.0:
                 last_ping = time.monotonic()
-                if _ping(cfg) is None:
+                try:
+                    gone = _ping(cfg) is None
+                except control.PermissionDenied as exc:
+                    _err(str(exc))
+                    return exc.exit_code
+                except control.ControlError:
+                    # a daemon on its way out resets the connection, a busy one answers late:
+                    # neither is gone yet, so ask again next time
+                    gone = False
+                if gone:
                     if fh is not None:
                         _drain(fh)
                     return Exit.OK

@@ -1,4 +1,4 @@
-"""``atroposd status --watch`` against a real control socket served by a stand-in daemon."""
+"""``atroposd status --watch`` and ``logs -f`` against a real control socket served by a stand-in daemon."""
 
 from __future__ import annotations
 
@@ -19,15 +19,18 @@ STATUS: dict[str, Any] = {"state": "running", "pid": 4242, "uptime_s": 3.0, "con
 
 
 class StandIn:
-    """Answers ``status`` on a Unix socket ``answers`` times, then stops listening."""
+    """Answers any request (with a status) on a Unix socket ``answers`` times, then closes the next
+    ``resets`` connections without reading them (as a daemon on its way out does), then stops listening."""
 
-    def __init__(self, path: Path, answers: int) -> None:
+    def __init__(self, path: Path, answers: int, resets: int = 0) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(str(path))
         self.sock.listen(8)
         self.path = path
         self.answers = answers
+        self.resets = resets
         self.served = 0
+        self.reset = 0
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -42,12 +45,27 @@ class StandIn:
                 conn.recv(decode_length(header), socket.MSG_WAITALL)
                 self.served += 1
                 conn.sendall(encode({"ok": True, "status": {**STATUS, "uptime_s": float(self.served)}}))
+        while self.reset < self.resets:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            wait_for(lambda c=conn: _pending(c), timeout=5, what="a request")
+            conn.close()  # unread: the client's read fails with ECONNRESET
+            self.reset += 1
         self.close()
 
     def close(self) -> None:
         self.sock.close()
         if self.path.exists():
             self.path.unlink()
+
+
+def _pending(conn: socket.socket) -> bool:
+    try:
+        return len(conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)) > 0
+    except BlockingIOError:
+        return False
 
 
 def _config(tmp_path: Path) -> tuple[Path, Path]:
@@ -91,3 +109,28 @@ def test_watch_ends_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     assert proc.returncode == 0, err
     assert out.count("atroposd running") >= 2 and "Ctrl-C to stop" in out
     assert "Traceback" not in err
+
+
+def test_logs_follow_outlasts_a_daemon_resetting_its_connections_while_it_stops(tmp_path: Path) -> None:
+    cfg, sock = _config(tmp_path)
+    log = tmp_path / "state" / "logs" / "ticker-0.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("tick 1\n")
+    standin = StandIn(sock, answers=2, resets=2)  # the first check, one ping, then two resets, then gone
+    proc = subprocess.Popen(_cli("logs", "ticker-0", "-f", "-n", "5", "-c", str(cfg)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "tick 1\n"
+        with log.open("a") as fh:
+            fh.write("tick 2\n")
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        standin.answers = standin.resets = 0
+        standin.close()
+    assert standin.reset == 2  # both resets were met, and following went on past them
+    assert proc.returncode == 0, err
+    assert out == "tick 2\n" and "Traceback" not in err
