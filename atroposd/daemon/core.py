@@ -23,6 +23,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -100,6 +101,7 @@ class Daemon:
         self._tg: anyio.abc.TaskGroup | None = None
         self._hub: LogHub | None = None
         self._trainer_done = anyio.Event()
+        self._preloaded = anyio.Event()  # the trainer's imports are done (or were never started)
         self._trainer_scope: anyio.CancelScope | None = None
         self._trainer_outcome: TrainerOutcome | None = None
         self._reaper = reaper.OrphanReaper()
@@ -262,6 +264,18 @@ class Daemon:
         if self.cfg.inference.enabled or self.cfg.trainer.enabled:
             await self._resolve_model()
             self._write_child_config()
+        if self.cfg.trainer.enabled and head:
+            # Seconds of imports (torch, transformers, the model's module) while the API and the
+            # inference server start in their own processes, instead of after them.
+            rank0 = self.cfg.trainer.devices()[0]
+            if rank0.startswith("GPU-"):
+                # Rank 0 runs in this process: its GPU, named by UUID, becomes device 0 here
+                # (before anything, an import included, initialises CUDA; the children keep the
+                # original list).
+                os.environ["CUDA_VISIBLE_DEVICES"] = rank0
+            self.spawn(self._preload_trainer)
+        else:
+            self._preloaded.set()
         ins = self.spec_inputs()
         if self.cfg.api.enabled and head:  # the other nodes' environments post to the head's API
             self.notifier.extend_timeout(API_READY_TIMEOUT + 10)
@@ -322,16 +336,18 @@ class Daemon:
         if unit.state != State.READY:
             raise StartFailed(f"{unit.name} did not become ready: {unit.last_error or unit.state.value}")
 
+    async def _preload_trainer(self) -> None:
+        try:
+            await anyio.to_thread.run_sync(_preload_trainer, self.model_path, abandon_on_cancel=True)
+        finally:
+            self._preloaded.set()
+
     async def _start_trainer(self) -> None:
+        await self._preloaded.wait()
         from atroposd.trainer.service import TrainerService
         from atroposd.weights.sync import make_weight_sync
 
         self.set_status("starting the trainer")
-        rank0 = self.cfg.trainer.devices()[0]
-        if rank0.startswith("GPU-"):
-            # Rank 0 runs in this process: its GPU, named by UUID, becomes device 0 here
-            # (before anything initialises CUDA; the children keep the original list).
-            os.environ["CUDA_VISIBLE_DEVICES"] = rank0
         self.notifier.extend_timeout(self.cfg.inference.ready_timeout + API_READY_TIMEOUT)
         inf = self.cfg.inference
         socks = [self.paths.inference_socket(inf.port + i) for i in range(inf.replicas)] if inf.enabled else []
@@ -722,3 +738,15 @@ def run_foreground(cfg: Config, notifier: Notifier) -> int:
     """``atroposd run``: the daemon in this process until the job ends."""
     daemon = Daemon(cfg, notifier=notifier)
     return int(anyio.run(daemon.main))
+
+
+def _preload_trainer(model_path: str | None) -> None:
+    """Import what the trainer's start needs (in a worker thread); nothing is loaded or checked."""
+    import atroposd.trainer.loop
+    import atroposd.trainer.service
+    import atroposd.weights.sync  # noqa: F401
+
+    if model_path:
+        from atroposd.trainer.model import preload
+
+        preload(Path(model_path))

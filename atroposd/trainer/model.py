@@ -81,6 +81,19 @@ class Policy:
         return [p for p in self.model.parameters() if p.requires_grad]
 
 
+def preload(model_dir: Path) -> None:
+    """Import what :func:`load_policy` will need for the model at ``model_dir`` (transformers, the
+    model's own modeling module), reading no weights: seconds of imports that a caller can overlap
+    with other work. Errors are left to :func:`load_policy`, which reports them."""
+    try:
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(str(model_dir)))]
+    except Exception:  # an unreadable or unknown model: load_policy names the problem
+        return
+
+
 def load_policy(model_dir: Path, tokenizer_dir: Path, *, device: torch.device, dtype: torch.dtype,
                 lora: Mapping[str, Any] | None = None, need_reference: bool = False,
                 seed: int = 0) -> Policy:
