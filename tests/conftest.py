@@ -51,6 +51,16 @@ def _unmapped(names: set[str]) -> set[str]:
     return {n for n in names if n not in in_use}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def builtin_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Jobs' configs copy builtin:tiny from here, built once (tests/e2e/jobs.job_config)."""
+    from tests.e2e import jobs
+
+    jobs.MODEL_CACHE = tmp_path_factory.mktemp("builtin-models")
+    yield
+    jobs.MODEL_CACHE = None
+
+
 @pytest.fixture(autouse=True)
 def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fail a test that leaves a process or a shared-memory segment behind."""

@@ -99,6 +99,8 @@ def test_sigstop_of_each_child_while_training(short_tmp: Path) -> None:
         assert res.returncode == 0, res.stderr[-3000:]
         times = {name: _sigstop_and_recover(cfg, name) for name in ("inference", "api", "arithmetic-0")}
         print("SIGSTOP → hung / ready / training again (s):", json.dumps(times))
+        # within live_interval × live_failures + stop_timeout (+ a probe's timeout), with slack
+        assert times["inference"]["hung"] <= 0.5 * 3 + 1.0 + 5.0 + 5.0, times
         log = (short_tmp / "state" / "logs" / "daemon.log").read_text()
         for name in ("inference", "api", "arithmetic-0"):
             assert f'"unit": "{name}"' in log or f'"unit":"{name}"' in log
@@ -108,20 +110,6 @@ def test_sigstop_of_each_child_while_training(short_tmp: Path) -> None:
         assert st["trainer"]["state"] in ("training", "waiting"), st["trainer"]
         steps = [r["step"] for r in metrics(short_tmp / "state")]
         assert steps == sorted(set(steps)), "a step was trained twice or out of order"
-    finally:
-        assert atroposd("stop", "-c", str(cfg), timeout=120).returncode == 0
-
-
-@pytest.mark.slow  # a whole job or a long search: run by .ci/run, not in the default run
-def test_sigstop_of_inference_while_training(short_tmp: Path) -> None:
-    cfg = _live_job(short_tmp)
-    res = atroposd("start", "-c", str(cfg), env=daemon_env(), timeout=240)
-    try:
-        assert res.returncode == 0, res.stderr[-3000:]
-        marks = _sigstop_and_recover(cfg, "inference")
-        print("inference: SIGSTOP → hung / ready / training again (s):", json.dumps(marks))
-        # within live_interval × live_failures + stop_timeout (+ a probe's timeout), with slack
-        assert marks["hung"] <= 0.5 * 3 + 1.0 + 5.0 + 5.0, marks
     finally:
         assert atroposd("stop", "-c", str(cfg), timeout=120).returncode == 0
 

@@ -14,10 +14,20 @@ import psutil
 
 from tests.support import atroposd, free_port, free_port_pair, write_config
 
+# Where the built-in model is built once per test session (set by a session fixture in
+# tests/conftest.py) and copied from into each job's state directory.
+MODEL_CACHE: Path | None = None
+
 
 def job_config(root: Path, *, steps: int = 30, seed: int = 0, trainer: Mapping[str, Any] | None = None,
-               envs: list[dict[str, Any]] | None = None, **sections: Mapping[str, Any]) -> Path:
-    """The embedded job, shortened, with its directories under ``root`` and free ports."""
+               envs: list[dict[str, Any]] | None = None, prebuilt_model: bool = True,
+               **sections: Mapping[str, Any]) -> Path:
+    """The embedded job, shortened, with its directories under ``root`` and free ports.
+
+    ``prebuilt_model``: the state directory already holds ``builtin:tiny``, as the daemon would
+    build it (the same files, built once per test session), so its start does not build it again;
+    False leaves the build to the daemon.
+    """
     api_port, inf_port = free_port(), free_port()
     while inf_port == api_port:
         inf_port = free_port()
@@ -32,7 +42,25 @@ def job_config(root: Path, *, steps: int = 30, seed: int = 0, trainer: Mapping[s
     }
     for name, body in sections.items():
         cfg[name] = {**cfg.get(name, {}), **body}
+    if prebuilt_model and cfg["inference"].get("model", "builtin:tiny") == "builtin:tiny":
+        place_builtin_model(Path(cfg["daemon"]["state_dir"]), int(cfg["trainer"]["seed"]),
+                            int(cfg["inference"]["max_model_len"]))
     return write_config(root / "atroposd.toml", cfg)
+
+
+def place_builtin_model(state_dir: Path, seed: int, max_model_len: int) -> None:
+    """Copy ``builtin:tiny`` (built once into MODEL_CACHE) to where a daemon on ``state_dir`` looks."""
+    import shutil
+
+    from atroposd.models.tiny import ensure_builtin_model
+
+    if MODEL_CACHE is None:
+        return
+    built = ensure_builtin_model(MODEL_CACHE, seed, max_model_len)
+    dest = state_dir / "models" / built.name
+    if not dest.exists():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(built, dest)
 
 
 def replica_job_config(root: Path, *, replicas: int = 2, metrics_port: bool = False,

@@ -28,7 +28,8 @@ def tiny_disk(short_tmp: Path) -> Iterator[Path]:
 
 
 def test_full_disk_is_a_clear_start_error(short_tmp: Path, tiny_disk: Path) -> None:
-    cfg = job_config(short_tmp, daemon={"state_dir": str(tiny_disk / "state"), "log_format": "console"})
+    cfg = job_config(short_tmp, daemon={"state_dir": str(tiny_disk / "state"), "log_format": "console"},
+                     prebuilt_model=False)
     res = atroposd("run", "-c", str(cfg), env=daemon_env(), timeout=180)
     out = res.stdout + res.stderr
     assert res.returncode == 1, out[-3000:]

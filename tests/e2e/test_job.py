@@ -136,6 +136,8 @@ def test_daemon_kill9_then_start_resumes(short_tmp: Path) -> None:
 @pytest.mark.slow
 def test_a_short_job_learns(short_tmp: Path) -> None:
     """The embedded job, shortened to a smaller task (operands 0–4: 25 problems, one-digit sums):
-    reward and exact-match accuracy both rise well past a prompt-ignoring policy's."""
-    run_short_learning_job(job_config(short_tmp, steps=400, envs=SHORT_TASK, trainer={"checkpoint_every": 400}),
-                           short_tmp / "state")
+    reward and exact-match accuracy both rise well past a prompt-ignoring policy's. The daemon
+    builds builtin:tiny itself, as on a user's first start."""
+    run_short_learning_job(job_config(short_tmp, steps=400, envs=SHORT_TASK, trainer={"checkpoint_every": 400},
+                                      prebuilt_model=False), short_tmp / "state")
+    assert "builtin model built" in (short_tmp / "state" / "logs" / "daemon.log").read_text()
