@@ -8,6 +8,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.e2e.jobs import daemon_env, job_config, status
 from tests.support import atroposd, wait_for
 
@@ -19,6 +21,7 @@ def _http(url: str, body: Any = None) -> Any:
         return json.loads(resp.read())
 
 
+@pytest.mark.slow  # a whole job or a long search: run by .ci/run, not in the default run
 def test_external_trainer_pulls_batches(short_tmp: Path) -> None:
     cfg = job_config(short_tmp, trainer={"enabled": False, "batch_size": 16, "micro_batch_size": 16})
     res = atroposd("start", "-c", str(cfg), env=daemon_env(), timeout=240)

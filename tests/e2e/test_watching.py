@@ -48,6 +48,7 @@ def dashboard_metrics() -> set[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # overlaps what CI runs; outside its budget: scripts/test -m extended
 def test_one_metrics_page_for_the_live_job_and_the_dashboard_resolves(short_tmp: Path) -> None:
     pytest.importorskip("wandb")
     port = free_port()

@@ -87,8 +87,9 @@ async def test_generation_during_a_step_carries_one_version(dirs: dict[str, Path
         sync.close()
 
 
-@pytest.mark.parametrize("mode", ["shared", pytest.param("push", marks=pytest.mark.slow),
-                                  pytest.param("reload", marks=pytest.mark.slow)])
+@pytest.mark.slow  # a whole job or a long search: run by .ci/run, not in the default run
+@pytest.mark.parametrize("mode", ["shared", "push",
+                                  pytest.param("reload", marks=pytest.mark.extended)])
 async def test_killed_server_keeps_trainer_segments_and_restart_reattaches(
         dirs: dict[str, Path], nonce: str, child_factory: ChildFactory, mode: str) -> None:
     """kill -9 of the inference server with a generation in flight, mid-training."""
@@ -139,6 +140,7 @@ async def test_killed_server_keeps_trainer_segments_and_restart_reattaches(
     assert not list_segments(f"atroposd-{nonce}-")
 
 
+@pytest.mark.slow  # a whole job or a long search: run by .ci/run, not in the default run
 async def test_segments_removed_behind_the_trainer_are_exported_anew(
         dirs: dict[str, Path], nonce: str, child_factory: ChildFactory) -> None:
     """Someone removes the trainer's segments from /dev/shm (its mapping still works); after an
