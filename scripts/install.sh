@@ -16,7 +16,9 @@ venv_install() {
       for link in $links; do
         args+=(--find-links "$link")
       done
-      if "$venv/bin/uv" pip install -q --python "$venv/bin/python" "${args[@]}" "$@"; then
+      # --compile-bytecode: as pip does; with PYTHONDONTWRITEBYTECODE set, nothing would write
+      # the .pyc files later, and every process would compile torch again (seconds each)
+      if "$venv/bin/uv" pip install -q --compile-bytecode --python "$venv/bin/python" "${args[@]}" "$@"; then
         return 0
       fi
       echo "setup: uv could not install $*; trying pip" >&2
