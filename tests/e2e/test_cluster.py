@@ -129,6 +129,16 @@ def _instances(cfgs: list[Path]) -> list[str]:
     return [status(c)["instance"] for c in cfgs]
 
 
+def _head_running(cfgs: list[Path]) -> list[str]:
+    """Wait for the head's READY; then every node's instance id."""
+    wait_for(lambda: status(cfgs[0])["state"] == "running", timeout=240, interval=0.5, what="the head READY")
+    return _instances(cfgs)
+
+
+def _until_step(cfg: Path, step: int) -> None:
+    wait_for(lambda: status(cfg)["trainer"]["step"] >= step, timeout=180, interval=0.5, what="training")
+
+
 def _nothing_left(nonces: list[str]) -> None:
     wait_for(lambda: not any(processes_of_instance(n) for n in nonces), timeout=60, what="every process gone")
     for n in nonces:
@@ -143,8 +153,7 @@ def test_two_nodes_learn_and_node1_replicas_follow(short_tmp: Path) -> None:
     procs = _start_job(cfgs, short_tmp)
     nonces: list[str] = []
     try:
-        wait_for(lambda: status(cfgs[0])["state"] == "running", timeout=240, interval=0.5, what="the head READY")
-        nonces = _instances(cfgs)
+        nonces = _head_running(cfgs)
         st = status(cfgs[0])
         nodes = st["nodes"]
         assert [n["state"] for n in nodes] == ["ready", "ready"], nodes
@@ -153,7 +162,7 @@ def test_two_nodes_learn_and_node1_replicas_follow(short_tmp: Path) -> None:
         assert st["trainer"]["ranks"] == 2
         assert component(status(cfgs[1]), "trainer-1")["state"] == "ready"
         # node 1's replica serves the trainer's weights: its version follows the head's steps
-        wait_for(lambda: status(cfgs[0])["trainer"]["step"] >= 20, timeout=180, interval=0.5, what="training")
+        _until_step(cfgs[0], 20)
         v1 = replica_health(cfgs[1], 0)["weight_version"]
         step = status(cfgs[0])["trainer"]["step"]
         assert v1 is not None and v1 >= 17 and abs(step - v1) <= 3, (step, v1)  # a push may be under way
@@ -182,8 +191,7 @@ def test_node_killed_rejoins_sigstop_is_lost_and_head_stop_ends_all(short_tmp: P
     procs = _start_job(cfgs, short_tmp)
     nonces: list[str] = []
     try:
-        wait_for(lambda: status(cfgs[0])["state"] == "running", timeout=240, interval=0.5, what="the head READY")
-        head_nonce, node_nonce = _instances(cfgs)
+        head_nonce, node_nonce = _head_running(cfgs)
         nonces = [head_nonce, node_nonce]
         wait_for(lambda: status(cfgs[0])["trainer"]["last_checkpoint"] is not None, timeout=180, interval=0.5,
                  what="a checkpoint")
@@ -249,9 +257,8 @@ def test_reload_across_nodes_then_the_head_killed_takes_every_node_down(short_tm
     procs = _start_job(cfgs, short_tmp)
     nonces: list[str] = []
     try:
-        wait_for(lambda: status(cfgs[0])["state"] == "running", timeout=240, interval=0.5, what="the head READY")
-        nonces = _instances(cfgs)
-        wait_for(lambda: status(cfgs[0])["trainer"]["step"] >= 8, timeout=180, interval=0.5, what="training")
+        nonces = _head_running(cfgs)
+        _until_step(cfgs[0], 8)
         v1 = replica_health(cfgs[1], 0)["weight_version"]
         step = status(cfgs[0])["trainer"]["step"]
         # node 1 loads each version between the trainer's steps: at most a few behind
@@ -288,9 +295,8 @@ def test_every_node_sigtermed_at_once_leaves_nothing(short_tmp: Path) -> None:
     procs = _start_job(cfgs, short_tmp)
     nonces: list[str] = []
     try:
-        wait_for(lambda: status(cfgs[0])["state"] == "running", timeout=240, interval=0.5, what="the head READY")
-        nonces = _instances(cfgs)
-        wait_for(lambda: status(cfgs[0])["trainer"]["step"] >= 5, timeout=180, interval=0.5, what="training")
+        nonces = _head_running(cfgs)
+        _until_step(cfgs[0], 5)
         assert segments_of(nonces[1]), "node 1's first rank has its staging buffer"
         for p in procs:
             p.send_signal(signal.SIGTERM)
