@@ -13,6 +13,31 @@ from pathlib import Path
 import psutil
 import pytest
 
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fuzz-seed", default=None,
+                     help="replay the fuzz suites with this seed (printed in the report header of every run)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    seed = config.getoption("--fuzz-seed")
+    if seed is not None:
+        os.environ["ATROPOSD_FUZZ_SEED"] = str(seed)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    from tests import fuzzseed
+
+    return fuzzseed.replay_hint()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    from tests import fuzzseed
+
+    if terminalreporter.stats.get("failed"):
+        terminalreporter.write_line(fuzzseed.replay_hint())
+
+
 # Every process a test starts inherits this marker, so escaped grandchildren are found too.
 RUN_MARKER = "ATROPOSD_TEST_RUN"
 os.environ.setdefault(RUN_MARKER, uuid.uuid4().hex)

@@ -8,7 +8,7 @@ reason; groups are judged independently of their neighbours; what is accepted pa
 in-range, finite tensors; and on the tiny model it gives a finite loss and gradient.
 
 Case counts: ``CASES`` batches (about 5,000 groups, each also prepared alone) and
-``LOSS_CASES`` batches through the model, derandomized (the same cases in every CI run). The
+``LOSS_CASES`` batches through the model, drawn from the run's fuzz seed (fresh each run, printed; ``--fuzz-seed N`` replays it). The
 module takes about 15 s on an idle 2-core machine, 20-30 s on a loaded one.
 """
 
@@ -21,17 +21,18 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, given, seed, settings
 from hypothesis import strategies as st
 
 from atroposd.trainer.batch import REASONS, BatchError, RolloutBatch, prepare_batch
+from tests import fuzzseed
 
 VOCAB = 22  # builtin:tiny
 MAX_TOKEN_LEN = 16
 CASES = 2000  # batches of 1-4 groups: about 5,000 groups per run
 LOSS_CASES = 250  # batches also run through the tiny model's loss and backward
 
-FUZZ = settings(max_examples=CASES, deadline=None, database=None, derandomize=True,
+FUZZ = settings(max_examples=CASES, deadline=None, database=None, derandomize=False,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 # Values of the wrong type, or of the right type and absurd.
@@ -143,6 +144,7 @@ def _check_batch(batch: RolloutBatch) -> None:
 @pytest.mark.slow  # a whole job or a long search: run by .ci/run, not in the default run
 @pytest.mark.extended  # overlaps what CI runs; outside its budget: scripts/test -m extended
 @FUZZ
+@seed(fuzzseed.SEED)
 @given(batch_groups=st.lists(groups(), min_size=1, max_size=4), use_distill=st.booleans())
 def test_generated_groups_are_trained_on_or_rejected_by_reason(batch_groups: list[Any], use_distill: bool) -> None:
     result = _prepare(batch_groups, use_distill)
@@ -187,6 +189,7 @@ def fuzz_learner(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> An
 
 
 @settings(FUZZ, max_examples=LOSS_CASES)
+@seed(fuzzseed.SEED)
 @given(batch_groups=st.lists(groups(), min_size=1, max_size=3))
 def test_accepted_groups_give_a_finite_loss_and_gradient(fuzz_learner: Any, batch_groups: list[Any]) -> None:
     result = _prepare(batch_groups, True)
