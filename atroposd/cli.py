@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = cmd("status", "components, trainer progress, queue", _status)
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.add_argument("-w", "--watch", action="store_true", help="redraw every second until Ctrl-C")
+    p.add_argument("--node", type=int, metavar="N", help="several machines: only node N's row, with all its "
+                   "components (a large head's status leaves the nodes' component rows out)")
     cmd("reload", "re-read the config and apply environment changes live", _reload)
     p = cmd("logs", "show a component's log", _logs)
     p.add_argument("name", nargs="?", default="daemon", help="component (default: daemon)")

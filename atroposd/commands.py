@@ -373,11 +373,15 @@ def _wait_gone(pid: int, start_time: int | float, timeout: float) -> bool:
 def status(cfg: Config, args: argparse.Namespace) -> int:
     if getattr(args, "watch", False):
         return _watch_status(cfg, as_json=getattr(args, "json", False))
+    node = getattr(args, "node", None)
     try:
-        answer = control.request(cfg.control_socket, {"cmd": "status"})
+        answer = control.request(cfg.control_socket, {"cmd": "status", **({} if node is None else {"node": node})})
     except control.ControlError as exc:
         _err(str(exc))
         return exc.exit_code
+    if not answer.get("ok") or not isinstance(answer.get("status"), dict):
+        _err(f"the daemon answered with an error: {answer.get('error')}")
+        return Exit.RUNTIME
     st = answer["status"]
     if getattr(args, "json", False):
         print(json.dumps(st))
@@ -422,7 +426,7 @@ def _render_status(st: dict[str, Any]) -> str:
 
     out = [f"atroposd {st['state']}  pid {st['pid']}  up {st['uptime_s']:.0f}s  config {st['config']}"]
     out.append(f"{'COMPONENT':<24} {'STATE':<12} {'PID':>8} {'RESTARTS':>8}  LAST EXIT")
-    for c in st["components"]:
+    for c in st.get("components") or []:
         last = c.get("last_exit")
         last_text = "" if not last else (last["signal"] or f"code {last['code']}") + f" at {last['at']}"
         if last and last.get("reason"):
@@ -432,7 +436,7 @@ def _render_status(st: dict[str, Any]) -> str:
         live = c.get("live") or {}
         if live.get("state") in ("failing", "hung"):
             out.append(f"  {live['state']}: {live.get('error') or (live.get('last_hung') or {}).get('reason')}")
-    replicas = [c for c in st["components"] if c.get("kind") == "inference" and "generations" in c]
+    replicas = [c for c in st.get("components") or [] if c.get("kind") == "inference" and "generations" in c]
     if len(replicas) > 1:
         out.append("replicas: " + ", ".join(f"{c['name']} weights v{c.get('weight_version')}, "
                                             f"{c.get('generations')} generations" for c in replicas))
@@ -462,6 +466,8 @@ def _render_status(st: dict[str, Any]) -> str:
     if q:
         out.append(f"queue: {q.get('sequences')} sequences" + (f" of {q['capacity']}" if q.get("capacity") else ""))
     out += _render_nodes(st)
+    if st.get("truncated"):
+        out.append(f"(cut to fit: {st['truncated']})")
     return "\n".join(out)
 
 

@@ -26,7 +26,9 @@ import orjson
 from atroposd.exitcodes import Exit
 
 MAX_FRAME = 1 << 20
+ANSWER_LIMIT = MAX_FRAME - 4096  # what a handler's answer may take (the envelope has the rest)
 READ_TIMEOUT = 10.0
+ACCEPT_RETRY_S = 0.1
 SEND_TIMEOUT = 10.0  # an answer the client does not read within this is dropped
 _LEN = struct.Struct(">I")
 
@@ -128,46 +130,92 @@ class ControlServer:
         if task_status is not None:
             task_status.started()
         try:
-            async with listener:
-                await listener.serve(self._connection)
+            async with listener, anyio.create_task_group() as tg:
+                while True:
+                    try:
+                        stream = await listener.accept()
+                    except OSError as exc:  # EMFILE, ENOBUFS: wait a little, never end the daemon
+                        from atroposd.logs import get_logger
+
+                        get_logger("atroposd.control", component="daemon").warning(
+                            "control socket cannot accept", error=str(exc))
+                        await anyio.sleep(ACCEPT_RETRY_S)
+                        continue
+                    tg.start_soon(self._connection, stream)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
 
     async def _connection(self, stream: Any) -> None:
+        """One client: every error stays in its connection (the client gets ``{"ok": false,
+        "error": ...}`` when it can still be told); nothing but cancellation leaves this task,
+        which runs in the daemon's main task group."""
         import anyio
-        from anyio.abc import SocketAttribute
-        from anyio.streams.buffered import BufferedByteReceiveStream
 
         from atroposd.logs import get_logger
 
         log = get_logger("atroposd.control", component="daemon")
         async with stream:
-            pid, uid, gid = peer_credentials(stream.extra(SocketAttribute.raw_socket))
-            if not peer_allowed(pid, uid, gid, self.group_id):
-                log.warning("control client refused", peer_pid=pid, peer_uid=uid)
-                await _send(stream, {"ok": False, "error": "permission denied", "errno": "EACCES"},
-                            self.send_timeout)
-                return
-            buffered = BufferedByteReceiveStream(stream)
             try:
-                with anyio.fail_after(self.read_timeout):
-                    length = decode_length(await buffered.receive_exactly(_LEN.size))
-                    request = decode_body(await buffered.receive_exactly(length))
-            except (TimeoutError, anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError) as exc:
-                log.debug("control client gave up", peer_pid=pid, error=type(exc).__name__)
-                return
-            except ProtocolError as exc:
-                await _send(stream, {"ok": False, "error": str(exc)}, self.send_timeout)
-                return
-            try:
-                answer = await self.handler(request)
+                await self._serve_one(stream, log)
+            except anyio.get_cancelled_exc_class():
+                raise
             except Exception as exc:
-                log.exception("control request failed", cmd=request.get("cmd"))
-                answer = {"ok": False, "error": f"internal error: {exc}"}
-            if not await _send(stream, answer, self.send_timeout):
-                log.warning("control client did not take its answer; dropped", peer_pid=pid,
-                            cmd=request.get("cmd"), deadline_s=self.send_timeout)
+                log.exception("control connection failed")
+                with contextlib.suppress(Exception):
+                    await _send(stream, {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}"},
+                                self.send_timeout)
+
+    async def _serve_one(self, stream: Any, log: Any) -> None:
+        import anyio
+        from anyio.abc import SocketAttribute
+        from anyio.streams.buffered import BufferedByteReceiveStream
+
+        pid, uid, gid = peer_credentials(stream.extra(SocketAttribute.raw_socket))
+        if not peer_allowed(pid, uid, gid, self.group_id):
+            log.warning("control client refused", peer_pid=pid, peer_uid=uid)
+            await _send(stream, {"ok": False, "error": "permission denied", "errno": "EACCES"},
+                        self.send_timeout)
+            return
+        buffered = BufferedByteReceiveStream(stream)
+        try:
+            with anyio.fail_after(self.read_timeout):
+                length = decode_length(await buffered.receive_exactly(_LEN.size))
+                request = decode_body(await buffered.receive_exactly(length))
+        except (TimeoutError, anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError,
+                anyio.ClosedResourceError, OSError) as exc:
+            log.debug("control client gave up", peer_pid=pid, error=type(exc).__name__)
+            return
+        except ProtocolError as exc:
+            await _send(stream, {"ok": False, "error": str(exc)}, self.send_timeout)
+            return
+        try:
+            answer = await self.handler(request)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as exc:
+            log.exception("control request failed", cmd=_cmd_of(request))
+            answer = {"ok": False, "error": f"internal error: {exc}"}
+        if not await _send(stream, answer, self.send_timeout):
+            log.warning("control client did not take its answer; dropped", peer_pid=pid,
+                        cmd=_cmd_of(request), deadline_s=self.send_timeout)
+
+
+def _cmd_of(request: dict[str, Any]) -> str:
+    """The request's command for a log line: a short string whatever the client sent."""
+    return repr(request.get("cmd"))[:64]
+
+
+def encode_answer(answer: dict[str, Any]) -> bytes:
+    """An answer as a frame; one too large for the frame becomes an error that says so (a
+    handler cuts what it can to :data:`ANSWER_LIMIT` first: ``status`` does)."""
+    try:
+        return encode(answer)
+    except ProtocolError as exc:
+        return encode({"ok": False, "error": f"the answer does not fit the control frame: {exc}",
+                       "cmd_ok": bool(answer.get("ok", False))})
+    except TypeError as exc:  # a value JSON cannot carry
+        return encode({"ok": False, "error": f"the answer cannot be encoded: {exc}"})
 
 
 async def _send(stream: Any, answer: dict[str, Any], timeout: float) -> bool:
@@ -175,11 +223,12 @@ async def _send(stream: Any, answer: dict[str, Any], timeout: float) -> bool:
     False when it was not delivered."""
     import anyio
 
+    frame = encode_answer(answer)
     try:
         with anyio.fail_after(timeout):
-            await stream.send(encode(answer))
+            await stream.send(frame)
         return True
-    except (TimeoutError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+    except (TimeoutError, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
         return False
 
 

@@ -31,7 +31,7 @@ import anyio.abc
 
 from atroposd import heartbeat
 from atroposd.config import Config, ConfigError, TokenError, load_config
-from atroposd.control import ControlServer
+from atroposd.control import ANSWER_LIMIT, ControlServer
 from atroposd.daemon import runtime, specs
 from atroposd.daemon import status as status_mod
 from atroposd.daemon.recovery import RecoveryRecord, recover
@@ -593,7 +593,11 @@ class Daemon:
     async def _control(self, request: dict[str, Any]) -> dict[str, Any]:
         cmd = request.get("cmd")
         if cmd == "status":
-            return {"ok": True, "status": await self.status()}
+            node = request.get("node")
+            if node is not None and (not isinstance(node, int) or isinstance(node, bool) or node < 0):
+                return {"ok": False, "error": f"node must be a node rank (an integer >= 0), got {node!r}"}
+            # cut to what the control frame carries, with a note (SPEC §13)
+            return {"ok": True, "status": status_mod.fit_status(await self.status(), ANSWER_LIMIT, node=node)}
         if cmd == "stop":
             self.request_stop("stop command")
             return {"ok": True, "pid": self.pid, "start_time": self.start_time}

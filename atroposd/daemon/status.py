@@ -117,6 +117,71 @@ def cluster_status(d: DaemonView) -> dict[str, Any]:
     return out
 
 
+def _size(obj: Any) -> int:
+    import orjson
+
+    return len(orjson.dumps(obj, default=str))
+
+
+def _tally(rows: list[Any]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for row in rows:
+        state = str(row.get("state")) if isinstance(row, dict) else "?"
+        counts[state] = counts.get(state, 0) + 1
+    return counts
+
+
+def fit_status(st: dict[str, Any], limit: int, *, node: int | None = None) -> dict[str, Any]:
+    """``st`` cut to at most ``limit`` bytes of JSON (the control frame), with a note in
+    ``truncated`` saying what was left out; ``node``: only that node's row (the head's ``nodes``).
+
+    In order, as far as needed: every node's component rows (each node keeps its counts by
+    state, ``components_by_state``), then this node's component rows from the end, then node
+    rows from the end. Nothing is cut from a status that fits."""
+    if node is not None and isinstance(st.get("nodes"), list):
+        st = {**st, "nodes": [n for n in st["nodes"] if isinstance(n, dict) and n.get("node_rank") == node]}
+    size = _size(st)
+    if size <= limit:
+        return st
+    out = dict(st)
+    notes = [f"the status of {size} bytes exceeds the control frame ({limit} bytes)"]
+    nodes = out.get("nodes")
+    if isinstance(nodes, list) and node is None:
+        out["nodes"] = [{**n, "components": None, "components_by_state": _tally(n.get("components") or [])}
+                        if isinstance(n, dict) else n for n in nodes]
+        notes.append("nodes' component rows left out (components_by_state counts them); "
+                     "ask for one node's with `atroposd status --node N`")
+    budget = limit - 1024  # the note and the counts below
+    comps = out.get("components")
+    if _size(out) > budget and isinstance(comps, list):
+        total = len(comps)
+        kept = list(comps)
+        room = budget - _size({**out, "components": []})
+        while kept and _size(kept) > room:
+            kept = kept[: max(0, min(len(kept) - 1, len(kept) * room // max(1, _size(kept))))]
+        out["components"] = kept
+        out["components_total"] = total
+        out["components_by_state"] = _tally(comps)
+        notes.append(f"{total - len(kept)} of {total} component rows left out (components_by_state counts them)")
+    nodes = out.get("nodes")
+    if _size(out) > budget and isinstance(nodes, list):
+        total = len(nodes)
+        kept = list(nodes)
+        room = budget - _size({**out, "nodes": []})
+        while kept and _size(kept) > room:
+            kept = kept[: max(0, min(len(kept) - 1, len(kept) * room // max(1, _size(kept))))]
+        out["nodes"] = kept
+        out["nodes_total"] = total
+        notes.append(f"{total - len(kept)} of {total} node rows left out")
+    if _size(out) > budget:  # what remains is not the rows: the scalars only
+        out = {k: v for k, v in out.items()
+               if v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 4096)}
+        out["components"] = []
+        notes.append("only the daemon's own fields kept")
+    out["truncated"] = "; ".join(notes)
+    return out
+
+
 def replica_index(name: str) -> int:
     """The replica index of an inference component: ``inference`` is 0, ``inference-<i>`` is i."""
     _, _, tail = name.partition("-")

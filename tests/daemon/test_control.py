@@ -118,3 +118,108 @@ def test_client_errors_name_the_problem(short_tmp: Path) -> None:
     with pytest.raises(control.NotRunning):
         control.request(stale, {"cmd": "ping"})
     assert control.NotRunning.exit_code == 3 and control.PermissionDenied.exit_code == 1
+
+
+# ---------------------------------------------------------------------------- answers that do not fit
+
+
+def test_an_answer_too_large_for_the_frame_leaves_the_server_serving(short_tmp: Path) -> None:
+    """A 2 MiB answer, a handler that raises and one that returns what JSON cannot carry: each
+    client gets ``{"ok": false, "error": ...}`` and the server (run in its owner's task group, as
+    the daemon runs it) goes on answering; before, the first raised out of the task group."""
+    path = short_tmp / "control.sock"
+    answers: list[dict[str, Any]] = []
+
+    async def handler(req: dict[str, Any]) -> dict[str, Any]:
+        if req["cmd"] == "big":
+            return {"ok": True, "pad": "x" * (2 << 20)}
+        if req["cmd"] == "raise":
+            raise RuntimeError("boom")
+        if req["cmd"] == "unencodable":
+            return {"ok": True, "value": {1, 2}}
+        return {"ok": True, "cmd": req["cmd"]}
+
+    def body() -> None:
+        for cmd in ("big", "ping", "raise", "unencodable", "big", "ping"):
+            answers.append(control.request(path, {"cmd": cmd}, timeout=10))
+
+    async def main() -> None:
+        server = control.ControlServer(path, handler)
+        async with anyio.create_task_group() as tg:
+            await tg.start(server.serve)
+            try:
+                await anyio.to_thread.run_sync(body)
+            finally:
+                tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    big, ping, raised, unencodable, big2, ping2 = answers
+    for a in (big, big2):
+        assert a["ok"] is False and "does not fit the control frame" in a["error"], a
+    assert raised["ok"] is False and "boom" in raised["error"]
+    assert unencodable["ok"] is False and "cannot be encoded" in unencodable["error"]
+    assert ping == ping2 == {"ok": True, "cmd": "ping"}
+
+
+def _row(name: str, state: str = "ready") -> dict[str, Any]:
+    return {"name": name, "kind": "env", "external": False, "state": state, "pid": 1234, "restarts": 0,
+            "last_exit": None, "since_s": 1.0, "log": "/var/lib/atroposd/logs/" + "x" * 300 + ".log"}
+
+
+def _big_head_status(nodes: int = 64, per_node: int = 40, own: int = 40) -> dict[str, Any]:
+    return {"state": "running", "pid": 4242, "uptime_s": 1.0, "config": "/etc/atroposd/atroposd.toml",
+            "instance": "abc", "trainer": None, "queue": None, "start_error": None, "node_rank": 0,
+            "components": [_row(f"own-{i}", "backoff" if i % 10 == 0 else "ready") for i in range(own)],
+            "nodes": [{"node_rank": r, "host": f"node{r}", "state": "ready", "units": {},
+                       "components": [_row(f"env-{r}-{i}") for i in range(per_node)]} for r in range(nodes)]}
+
+
+def test_a_large_head_status_is_cut_to_the_frame_with_a_note() -> None:
+    """64 nodes × 40 rows (about 1.2 MB): the nodes' rows go, counted by state; one node's
+    rows come whole on request; a head whose own rows alone overflow keeps what fits."""
+    import orjson
+
+    from atroposd.daemon.status import fit_status
+
+    st = _big_head_status()
+    assert len(orjson.dumps(st)) > control.MAX_FRAME
+    cut = fit_status(st, control.ANSWER_LIMIT)
+    assert len(orjson.dumps(cut)) <= control.ANSWER_LIMIT
+    assert "exceeds the control frame" in cut["truncated"] and "--node" in cut["truncated"]
+    assert len(cut["nodes"]) == 64 and all(n["components"] is None for n in cut["nodes"])
+    assert cut["nodes"][5]["components_by_state"] == {"ready": 40}
+    assert len(cut["components"]) == 40  # the head's own rows fit: kept whole
+
+    one = fit_status(st, control.ANSWER_LIMIT, node=5)
+    assert "truncated" not in one and [n["node_rank"] for n in one["nodes"]] == [5]
+    assert len(one["nodes"][0]["components"]) == 40
+
+    huge = _big_head_status(nodes=2, own=6000)  # about 2.3 MB of the head's own rows
+    cut = fit_status(huge, control.ANSWER_LIMIT)
+    size = len(orjson.dumps(cut))
+    assert control.ANSWER_LIMIT * 0.8 < size <= control.ANSWER_LIMIT, size
+    assert cut["components_total"] == 6000 and cut["components_by_state"] == {"ready": 5400, "backoff": 600}
+    assert f"{6000 - len(cut['components'])} of 6000 component rows left out" in cut["truncated"]
+    small = _big_head_status(nodes=2, per_node=2, own=2)
+    assert fit_status(small, control.ANSWER_LIMIT) is small  # nothing cut from what fits
+
+
+def test_the_daemons_status_command_answers_within_the_frame() -> None:
+    """The daemon's own handler cuts ``status`` (a large head's) to the frame and checks ``node``."""
+    from types import SimpleNamespace
+
+    from atroposd.daemon.core import Daemon
+
+    async def status() -> dict[str, Any]:
+        return _big_head_status()
+
+    stand_in = SimpleNamespace(status=status)
+
+    async def main() -> list[dict[str, Any]]:
+        return [await Daemon._control(stand_in, req)  # type: ignore[arg-type]
+                for req in ({"cmd": "status"}, {"cmd": "status", "node": 3}, {"cmd": "status", "node": "x"})]
+
+    whole, one, bad = anyio.run(main)
+    assert whole["ok"] and len(control.encode(whole)) <= control.MAX_FRAME and whole["status"]["truncated"]
+    assert one["ok"] and [n["node_rank"] for n in one["status"]["nodes"]] == [3]
+    assert bad["ok"] is False and "node must be" in bad["error"]
