@@ -13,9 +13,11 @@ Checks that the predecessor lacked (LESSONS.md §3.1, §3.2, §3.8):
 * the trainer's and the inference server's tokenizers have the same fingerprint (vocabulary
   and special ids) before any rollout — :func:`check_tokenizers`.
 
-``token_logprobs`` computes log π(label) only at the trained positions: the decoder runs on
-the padded batch, but the vocabulary projection runs on the N completion positions alone, so
-the full ``[B, T, V]`` logits are never materialised.
+``token_scores`` computes log π(label) (and the entropy, the distillation term) only at the
+trained positions: the decoder runs on the padded or packed batch, the vocabulary projection on
+the N completion positions alone, at most ``logprob_chunk`` of them at a time
+(:mod:`atroposd.trainer.logprobs`), so neither the ``[B, T, V]`` nor the ``[N, V]`` logits are
+ever materialised, in the forward or the backward.
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ from typing import Any
 import structlog
 import torch
 
-__all__ = ["LogprobModule", "ModelLoadError", "Policy", "check_loading_info", "check_materialised", "check_rotary",
-           "check_tokenizers", "load_policy", "token_logprobs", "vocab_rows"]
+from atroposd.trainer.logprobs import TokenScores, head_scores
+
+__all__ = ["DEFAULT_CHUNK", "LogprobModule", "ModelLoadError", "Policy", "TokenScores", "check_loading_info",
+           "check_materialised", "check_rotary", "check_tokenizers", "load_policy", "packed_inputs", "token_logprobs",
+           "token_scores", "vocab_rows"]
 
 log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
@@ -227,21 +232,28 @@ def _decoder_and_head(model: torch.nn.Module) -> tuple[Callable[..., Any], torch
     return decoder, head
 
 
+DEFAULT_CHUNK = 1024  # [trainer] logprob_chunk's default
+
+
 class LogprobModule(torch.nn.Module):
-    """:func:`token_logprobs` as one module call. With several ranks it is FSDP2's root unit
+    """:func:`token_scores` as one module call. With several ranks it is FSDP2's root unit
     around the model (the model's own embedding, norm and head are gathered by its hooks around
-    the whole computation); ``token_logprobs`` on the model then goes through it."""
+    the whole computation); ``token_scores`` on the model then goes through it."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, temperature: torch.Tensor,
-                want_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return _token_logprobs(self.model, input_ids, mask, labels, temperature, want_logits=want_logits)
+                seq_lens: torch.Tensor | None = None, teacher_ids: torch.Tensor | None = None,
+                teacher_probs: torch.Tensor | None = None, *, chunk: int = DEFAULT_CHUNK, tau: float = 1.0,
+                entropy: bool = False) -> TokenScores:
+        return _token_scores(self.model, input_ids, mask, labels, temperature, seq_lens=seq_lens,
+                             teacher=(teacher_ids, teacher_probs) if teacher_ids is not None
+                             and teacher_probs is not None else None, chunk=chunk, tau=tau, entropy=entropy)
 
     def install(self) -> None:
-        """Route ``token_logprobs(model, ...)`` through this module (a plain attribute, not a
+        """Route ``token_scores(model, ...)`` through this module (a plain attribute, not a
         submodule: the model must not contain its own wrapper)."""
         object.__setattr__(self.model, ROOT_ATTR, self)
 
@@ -249,41 +261,81 @@ class LogprobModule(torch.nn.Module):
 ROOT_ATTR = "_atroposd_logprob_root"
 
 
-def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
-                   temperature: torch.Tensor, *, want_logits: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(logits / T)[label] at the N positions where ``mask`` is set (through the
-    model's :class:`LogprobModule` when it has one)."""
+def token_scores(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
+                 temperature: torch.Tensor, *, seq_lens: torch.Tensor | None = None,
+                 teacher: tuple[torch.Tensor, torch.Tensor] | None = None, chunk: int = DEFAULT_CHUNK,
+                 tau: float = 1.0, entropy: bool = False) -> TokenScores:
+    """The policy's scores at the N positions where ``mask`` is set, the LM head applied
+    ``chunk`` positions at a time (:mod:`atroposd.trainer.logprobs`; through the model's
+    :class:`LogprobModule` when it has one).
+
+    input_ids, labels: [B, T] long; mask: [B, T] bool; temperature: one per sequence — [B] for
+    padded rows, [S] for one packed row of S sequences of ``seq_lens`` [S] tokens (attention
+    never crosses them, positions restart at 0 in each). teacher: (ids [N, K], probabilities
+    [N, K]) at the masked positions, for the distillation term at temperature ``tau``.
+    """
     root = model.__dict__.get(ROOT_ATTR)
     if root is not None:
-        out: tuple[torch.Tensor, torch.Tensor | None] = root(input_ids, mask, labels, temperature,
-                                                              want_logits=want_logits)
+        t_ids, t_probs = teacher if teacher is not None else (None, None)
+        out: TokenScores = root(input_ids, mask, labels, temperature, seq_lens, t_ids, t_probs, chunk=chunk,
+                                tau=tau, entropy=entropy)
         return out
-    return _token_logprobs(model, input_ids, mask, labels, temperature, want_logits=want_logits)
+    return _token_scores(model, input_ids, mask, labels, temperature, seq_lens=seq_lens, teacher=teacher,
+                         chunk=chunk, tau=tau, entropy=entropy)
 
 
-def _token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
-                    temperature: torch.Tensor, *, want_logits: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(logits / T)[label] at the N positions where ``mask`` is set.
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
+                   temperature: torch.Tensor, *, seq_lens: torch.Tensor | None = None, chunk: int = DEFAULT_CHUNK,
+                   entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits / T)[label] at the N positions where ``mask`` is set, and the entropy
+    there when asked (:func:`token_scores`). Returns (logp [N] float32, entropy [N] or None)."""
+    scores = token_scores(model, input_ids, mask, labels, temperature, seq_lens=seq_lens, chunk=chunk,
+                          entropy=entropy)
+    return scores.logp, scores.entropy
 
-    input_ids, labels: [B, T] long; mask: [B, T] bool; temperature: [B].
-    want_logits: optional [B, T] bool — also return the raw logits [M, V] at those positions
-    (the distillation positions, a subset of ``mask``'s).
-    Returns (logp [N] float32, logits [M, V] float32 or None).
-    """
+
+def packed_inputs(model: torch.nn.Module, seq_lens: torch.Tensor, length: int) -> dict[str, torch.Tensor]:
+    """The decoder's keyword arguments for one row of packed sequences (``seq_lens`` [S] summing to
+    ``length``): positions restarting at 0 in each sequence and, where the attention
+    implementation takes a mask, a block-diagonal causal one, so that no token attends across
+    sequences. Flash attention (GPU) takes the packing from the position ids alone (its varlen
+    kernel); SDPA a boolean ``[1, 1, T, T]`` mask; eager attention an additive one."""
+    device = seq_lens.device
+    starts = torch.cumsum(seq_lens, 0) - seq_lens  # [S]
+    seq = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), seq_lens)  # [T]
+    positions = torch.arange(length, device=device) - starts[seq]  # [T]
+    out = {"position_ids": positions[None, :]}
+    impl = str(getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa")
+    if impl.startswith("flash_attention"):  # GPU only; not run here: the varlen kernel reads the positions
+        return out
+    idx = torch.arange(length, device=device)
+    allowed = (seq[:, None] == seq[None, :]) & (idx[None, :] <= idx[:, None])  # [T, T] same sequence, causal
+    if impl == "eager":
+        dtype = next(model.parameters()).dtype
+        out["attention_mask"] = torch.full((length, length), torch.finfo(dtype).min, dtype=dtype,
+                                           device=device).masked_fill(allowed, 0.0)[None, None]
+    else:
+        out["attention_mask"] = allowed[None, None]
+    return out
+
+
+def _token_scores(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
+                  temperature: torch.Tensor, *, seq_lens: torch.Tensor | None,
+                  teacher: tuple[torch.Tensor, torch.Tensor] | None, chunk: int, tau: float,
+                  entropy: bool) -> TokenScores:
+    if seq_lens is None:
+        temps = temperature[:, None].expand_as(mask)[mask]  # [N]
+        extra: dict[str, torch.Tensor] = {}
+    else:
+        temps = torch.repeat_interleave(temperature, seq_lens)[None, :].expand_as(mask)[mask]  # [N]
+        extra = packed_inputs(model, seq_lens, int(mask.shape[1]))
     parts = _decoder_and_head(model)
     if parts is not None:
         decoder, head = parts
-        hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, T, H]
-        h = hidden[mask]  # [N, H]
-        logits = head(h).float()  # [N, V]
-    else:  # a model without a separable head: the full logits, then select
-        logits = model(input_ids=input_ids, use_cache=False).logits[mask].float()  # [N, V]
-    temps = temperature[:, None].expand_as(mask)[mask].to(logits.dtype)  # [N]
-    scaled = logits / temps[:, None]  # [N, V]
-    logp = scaled.gather(1, labels[mask][:, None])[:, 0] - torch.logsumexp(scaled, dim=-1)  # [N]
-    extra = None
-    if want_logits is not None:
-        extra = logits[want_logits[mask]]  # [M, V]
-    return logp, extra
+        hidden = decoder(input_ids=input_ids, use_cache=False, **extra).last_hidden_state  # [B, T, H]
+        return head_scores(hidden[mask], head, labels[mask], temps, chunk=chunk, teacher=teacher, tau=tau,
+                           entropy=entropy)
+    # A model without a separable head: its full logits, then the same scores from them.
+    logits = model(input_ids=input_ids, use_cache=False, **extra).logits[mask].float()  # [N, V]
+    return head_scores(logits, torch.nn.Identity(), labels[mask], temps, chunk=chunk, teacher=teacher, tau=tau,
+                       entropy=entropy)
