@@ -6,11 +6,14 @@ with ``tokens`` with the sentinel 1.0 at masked positions (and sometimes, as pad
 unmasked ones). Position t of the model's input predicts token t+1, so labels, rollout
 logprobs, per-token advantages and teacher top-k are all shifted by one.
 
-Advantages, per group (SPEC §3): ``(score − mean) / max(std, adv_std_floor)``, population
-std; equal scores give exactly 0. A **group of one sequence has no baseline**: its advantage
-is 0 (it still contributes its KL term) — unlike the predecessor, which used the raw reward.
-Per-token ``advantages`` sent by the environment replace the computed ones;
-``overrides[i].set_advantage_to_zero`` forces 0.
+Advantages, per group (SPEC §3, §14 ``advantage``): ``group-std`` ``(score − mean) /
+max(std, adv_std_floor)``, population std; ``group-mean`` ``score − mean`` (Dr.GRPO);
+``rloo`` ``score − mean of the others`` (RLOO). Equal scores give exactly 0. A **group of one
+sequence has no baseline**: its advantage is 0 (it still contributes its KL term) — unlike the
+predecessor, which used the raw reward. Per-token ``advantages`` sent by the environment
+replace the computed ones, whatever ``advantage`` says; ``overrides[i].set_advantage_to_zero``
+forces 0. With ``overlong = "mask"`` a completion the group reports as truncated
+(``finish_reason = "length"`` in ``overrides[i]`` or ``group_overrides``) trains no token.
 
 **A bad group is rejected, never the job failed** (SPEC §13): each group is checked before it
 is used, and a group that fails a check is dropped and counted by reason (``REASONS``) —
@@ -36,8 +39,10 @@ from typing import Any
 import structlog
 import torch
 
-__all__ = ["REASONS", "BatchError", "GroupRejected", "MicroBatch", "RolloutBatch", "SequenceRow",
-           "group_advantages", "prepare_batch"]
+__all__ = ["ADVANTAGES", "REASONS", "BatchError", "GroupRejected", "MicroBatch", "RolloutBatch", "SequenceRow",
+           "group_advantages", "is_truncated", "pack_rows", "prepare_batch"]
+
+ADVANTAGES = ("group-std", "group-mean", "rloo")
 
 IGNORE = -100
 MAX_ABS_ADVANTAGE = 1e4  # SPEC §13: a larger advantage is absurd
@@ -91,16 +96,21 @@ class SequenceRow:
 
 @dataclass
 class MicroBatch:
-    """One forward/backward pass, right-padded to its own longest row.
+    """One forward/backward pass, right-padded to its own longest row (or one packed row).
 
     input_ids:   [B, T] long, pad 0 (right padding needs no attention mask in a causal LM)
     labels:      [B, T] long, the next token (0 where not trained)
     mask:        [B, T] bool, completion positions (trained)
     old_logp:    [B, T] float32, rollout logprobs (NaN = missing)
     advantages:  [B, T] float32
-    temperature: [B] float32
+    temperature: [B] float32 (one per sequence)
     distill_ids: [B, T, K] long (-1 = none) or None
     distill_lp:  [B, T, K] float32 or None
+    loss_weight: [B, T] float32, ``loss_agg``'s weight of each trained token (set by the
+                 objective over the whole batch), or None: Σ loss / the batch's token count
+    seq_lens:    None for padded rows (one sequence per row); for a packed micro-batch
+                 (``micro_batch_tokens``) [S] long, the lengths of the S sequences laid end to end
+                 in its one row (B = 1, T = Σ seq_lens, no padding); ``temperature`` is then [S]
     """
 
     input_ids: torch.Tensor
@@ -111,6 +121,22 @@ class MicroBatch:
     temperature: torch.Tensor
     distill_ids: torch.Tensor | None = None
     distill_lp: torch.Tensor | None = None
+    loss_weight: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences in this micro-batch: its rows, or the packed row's sequences."""
+        return int(self.mask.shape[0]) if self.seq_lens is None else int(self.seq_lens.numel())
+
+    def sequence_ids(self) -> torch.Tensor:
+        """[B, T] long: each position's sequence in [0, num_sequences) — its row when padded, its
+        place in the packed row when packed."""
+        b, t = self.mask.shape
+        if self.seq_lens is None:
+            return torch.arange(b, device=self.mask.device)[:, None].expand(b, t)
+        ids = torch.arange(len(self.seq_lens), device=self.mask.device)
+        return torch.repeat_interleave(ids, self.seq_lens.to(self.mask.device))[None, :]
 
     def to(self, device: torch.device | str) -> MicroBatch:
         def mv(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -118,7 +144,7 @@ class MicroBatch:
 
         return MicroBatch(*(mv(getattr(self, f)) for f in  # type: ignore[arg-type]
                             ("input_ids", "labels", "mask", "old_logp", "advantages", "temperature",
-                             "distill_ids", "distill_lp")))
+                             "distill_ids", "distill_lp", "loss_weight", "seq_lens")))
 
 
 @dataclass
@@ -135,20 +161,45 @@ class RolloutBatch:
     weight_versions: list[int] = field(default_factory=list)  # per group that reported one
     rejected_by_reason: dict[str, int] = field(default_factory=dict)  # groups dropped, by reason
     missing_logprobs: int = 0  # completion tokens without a rollout logprob
+    trained_sequences: int = 0  # sequences with at least one trained token
+    reward_mean_trained: float | None = None  # over the trained groups (reward_mean: every received)
+    filtered_groups: int = 0  # groups received for this step and dropped by filter_groups
+    truncated: int = 0  # sequences reported truncated (finish_reason = "length")
 
     @property
     def rejected(self) -> int:
         return sum(self.rejected_by_reason.values())
 
 
-def group_advantages(scores: Sequence[float], std_floor: float) -> list[float]:
-    """(s − mean) / max(std, std_floor) per sequence; 0 for equal scores and for groups of one."""
+def group_advantages(scores: Sequence[float], std_floor: float, mode: str = "group-std") -> list[float]:
+    """One advantage per sequence of a group; 0 for equal scores and for groups of one.
+
+    * ``group-std``: (s − mean) / max(std, std_floor), population std (GRPO; today's);
+    * ``group-mean``: s − mean (Dr.GRPO: no std, no difficulty bias);
+    * ``rloo``: s − mean of the other n − 1 scores (RLOO, Ahmadian et al. 2024; TRL, verl).
+    """
     n = len(scores)
     if n < 2 or max(scores) == min(scores):
         return [0.0] * n
-    mean = math.fsum(scores) / n
+    total = math.fsum(scores)
+    mean = total / n
+    if mode == "group-mean":
+        return [s - mean for s in scores]
+    if mode == "rloo":
+        return [s - (total - s) / (n - 1) for s in scores]
+    if mode != "group-std":
+        raise ValueError(f"unknown advantage {mode!r}")
     std = math.sqrt(math.fsum((s - mean) ** 2 for s in scores) / n)
     return [(s - mean) / max(std, std_floor) for s in scores]
+
+
+def is_truncated(group: Mapping[str, Any], i: int) -> bool:
+    """Whether sequence ``i`` is reported truncated: ``finish_reason = "length"`` in
+    ``overrides[i]``, else in ``group_overrides``."""
+    for source in (_index(group.get("overrides"), i), group.get("group_overrides")):
+        if isinstance(source, Mapping) and source.get("finish_reason") is not None:
+            return source.get("finish_reason") == "length"
+    return False
 
 
 def _temperature(group: Mapping[str, Any], i: int) -> float:
@@ -202,7 +253,8 @@ def _list(x: Any, n: int, what: str) -> list[Any]:
 
 
 def _rows_of_group(group: Any, *, std_floor: float, max_token_len: int, use_distill: bool,
-                   vocab_size: int | None = None) -> list[SequenceRow]:
+                   vocab_size: int | None = None, advantage: str = "group-std",
+                   mask_truncated: bool = False) -> list[SequenceRow]:
     """The group's sequences as shifted rows; raises GroupRejected when the group is unusable."""
     if not isinstance(group, Mapping):
         raise GroupRejected("malformed", f"a group is an object, not {type(group).__name__}")
@@ -216,7 +268,7 @@ def _rows_of_group(group: Any, *, std_floor: float, max_token_len: int, use_dist
     if not all(math.isfinite(s) and abs(s) <= MAX_ABS_SCORE for s in score_values):
         raise GroupRejected("score_invalid", f"non-finite or absurd (|s| > {MAX_ABS_SCORE:g}) score in "
                                              f"{score_values[:8]}")
-    advs = group_advantages(score_values, std_floor)
+    advs = group_advantages(score_values, std_floor, advantage)
     logprobs = group.get("inference_logprobs")
     env_advantages = group.get("advantages")
     overrides = group.get("overrides")
@@ -245,6 +297,8 @@ def _rows_of_group(group: Any, *, std_floor: float, max_token_len: int, use_dist
         if lp is not None:
             lp = _list(lp, len(tok), f"sequence {i}: inference_logprobs")
         mask = [m != IGNORE for m in msk[1:]]
+        if mask_truncated and is_truncated(group, i):
+            mask = [False] * n  # a truncated completion carries no loss (DAPO's overlong masking)
         old = _rollout_logprobs(lp[1:], i) if lp is not None else [math.nan] * n
         over = _index(overrides, i)
         zero = isinstance(over, Mapping) and bool(over.get("set_advantage_to_zero"))
@@ -334,11 +388,53 @@ def _pad(rows: Sequence[SequenceRow]) -> MicroBatch:
     return MicroBatch(input_ids, labels, mask, old, adv, temp, d_ids, d_lp)
 
 
+def _pack(rows: Sequence[SequenceRow]) -> MicroBatch:
+    """The rows laid end to end in one row (``MicroBatch.seq_lens``): no padding at all."""
+    merged = SequenceRow(input_ids=[x for r in rows for x in r.input_ids], labels=[x for r in rows for x in r.labels],
+                         mask=[x for r in rows for x in r.mask], old_logp=[x for r in rows for x in r.old_logp],
+                         advantages=[x for r in rows for x in r.advantages], temperature=1.0)
+    if any(r.distill_ids for r in rows):
+        merged.distill_ids = [x for r in rows for x in (r.distill_ids or [[]] * len(r.input_ids))]
+        merged.distill_lp = [x for r in rows for x in (r.distill_lp or [[]] * len(r.input_ids))]
+    mb = _pad([merged])
+    mb.temperature = torch.tensor([r.temperature for r in rows], dtype=torch.float32)  # [S]
+    mb.seq_lens = torch.tensor([len(r.input_ids) for r in rows], dtype=torch.long)  # [S]
+    return mb
+
+
+def pack_rows(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """First-fit decreasing: the indices of ``lengths`` in bins of at most ``budget`` tokens, longest
+    first (a length above the budget gets a bin of its own)."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
+        n = lengths[i]
+        for b, left in enumerate(room):
+            if n <= left:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(budget - n)
+    return bins
+
+
 def prepare_batch(groups: Sequence[Any], *, micro_batch_size: int, max_token_len: int,
-                  adv_std_floor: float, use_distill: bool = False, vocab_size: int | None = None) -> RolloutBatch:
+                  adv_std_floor: float, use_distill: bool = False, vocab_size: int | None = None,
+                  micro_batch_tokens: int = 0,
+                  advantage: str = "group-std", overlong: str = "keep",
+                  filtered: Sequence[Any] = ()) -> RolloutBatch:
     """Validate the groups, compute advantages and pad into micro-batches of ≤ micro_batch_size.
 
     vocab_size: the model's vocabulary (token ids must be below it); None checks only ≥ 0.
+    micro_batch_tokens: > 0 packs the sequences first-fit (longest first) into micro-batches of
+    at most this many tokens, one row each (:func:`pack_rows`), instead of ``micro_batch_size``
+    padded rows.
+    advantage: ``group-std`` | ``group-mean`` | ``rloo`` (:func:`group_advantages`).
+    overlong: ``keep`` | ``mask`` (a sequence reported truncated trains no token).
+    filtered: groups received for this step but dropped by ``filter_groups`` (all scores equal):
+    never trained, but their scores and accuracy count in ``reward_mean`` and ``accuracy``.
     Raises BatchError (with the rejections by reason) when no group is usable.
     """
 
@@ -347,10 +443,12 @@ def prepare_batch(groups: Sequence[Any], *, micro_batch_size: int, max_token_len
     accuracies: list[float] = []
     versions: list[int] = []
     rejected: dict[str, int] = {}
+    truncated = 0
     for gi, group in enumerate(groups):
         try:
             group_rows = _rows_of_group(group, std_floor=adv_std_floor, max_token_len=max_token_len,
-                                        use_distill=use_distill, vocab_size=vocab_size)
+                                        use_distill=use_distill, vocab_size=vocab_size, advantage=advantage,
+                                        mask_truncated=overlong == "mask")
             ext = _extension(group)
             acc, version = ext.get("accuracy"), ext.get("weight_version")
         except GroupRejected as exc:
@@ -366,16 +464,30 @@ def prepare_batch(groups: Sequence[Any], *, micro_batch_size: int, max_token_len
             continue
         rows.extend(group_rows)
         scores.extend(float(s) for s in group["scores"])
+        truncated += sum(is_truncated(group, i) for i in range(len(group_rows)))
         if isinstance(acc, (int, float)) and not isinstance(acc, bool) and 0 <= acc <= 1:
             accuracies.append(float(acc))  # an accuracy: anything else is ignored
         if type(version) is int and 0 <= version < 2**53:
             versions.append(version)
     if sum(rejected.values()) > LOGGED_PER_BATCH:
         log.warning("groups rejected in this batch", by_reason=rejected, logged=LOGGED_PER_BATCH)
+    trained_scores = list(scores)
+    for group in filtered:  # dropped for all-equal scores: counted in reward_mean, never trained
+        ext = _extension(group)
+        scores.extend(float(s) for s in group["scores"])
+        acc = ext.get("accuracy")
+        if isinstance(acc, (int, float)) and not isinstance(acc, bool) and 0 <= acc <= 1:
+            accuracies.append(float(acc))
     if not rows:
         total = sum(rejected.values())
         raise BatchError(f"no usable sequence in the batch ({total} group(s) rejected: {rejected})", rejected)
-    micro = [_pad(rows[i:i + micro_batch_size]) for i in range(0, len(rows), micro_batch_size)]
+    if overlong == "mask" and truncated and not any(any(r.mask) for r in rows):
+        raise BatchError(f"every completion of the batch is truncated ({truncated} with finish_reason = \"length\") "
+                         "and trainer.overlong = \"mask\": no token to train", rejected)
+    if micro_batch_tokens > 0:
+        micro = [_pack([rows[i] for i in b]) for b in pack_rows([len(r.input_ids) for r in rows], micro_batch_tokens)]
+    else:
+        micro = [_pad(rows[i:i + micro_batch_size]) for i in range(0, len(rows), micro_batch_size)]
     completion = int(sum(int(m.mask.sum()) for m in micro))
     missing = int(sum(int((m.mask & m.old_logp.isnan()).sum()) for m in micro))
     distill_positions = sum(int((m.distill_ids >= 0).any(-1).sum()) for m in micro if m.distill_ids is not None)
@@ -384,4 +496,7 @@ def prepare_batch(groups: Sequence[Any], *, micro_batch_size: int, max_token_len
     return RolloutBatch(micro=micro, sequences=len(rows), completion_tokens=completion,
                         distill_positions=distill_positions, reward_mean=mean, reward_std=std,
                         accuracy=(math.fsum(accuracies) / len(accuracies)) if accuracies else None,
-                        weight_versions=versions, rejected_by_reason=rejected, missing_logprobs=missing)
+                        weight_versions=versions, rejected_by_reason=rejected, missing_logprobs=missing,
+                        trained_sequences=sum(any(r.mask) for r in rows),
+                        reward_mean_trained=math.fsum(trained_scores) / len(trained_scores),
+                        filtered_groups=len(filtered), truncated=truncated)

@@ -3,7 +3,8 @@ gradient clip, and — only when everything is finite — the optimizer step.
 
 Strategies, chosen once from the config and passed in (the loop never tests modes):
 
-* ``Objective``: ``GrpoObjective`` (clipped ratio + k3 KL) or ``AwsftObjective``;
+* ``Objective``: ``GrpoObjective`` (clipped ratio + k3 KL; with SPEC §14's menu: GSPO's
+  sequence ratio, clip-higher, ``loss_agg``, a rollout correction) or ``AwsftObjective``;
 * ``Reference``: where the KL term's reference logprobs come from — ``InitialReference``
   (the frozen starting weights), ``RolloutReference`` (the sampling policy's logprobs) or
   ``NoReference`` (``kl_coef = 0``).
@@ -24,21 +25,23 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from atroposd.trainer.batch import MicroBatch, RolloutBatch
+from atroposd.trainer.logprobs import teacher_probs
 from atroposd.trainer.loss import (
     LossStats,
+    aggregation_weights,
     awsft_loss,
-    distill_loss,
     grpo_loss,
     normalise_batch_advantages,
 )
-from atroposd.trainer.model import Policy, token_logprobs
+from atroposd.trainer.model import DEFAULT_CHUNK, Policy, token_logprobs, token_scores
 from atroposd.trainer.ranks import OneRank, Ranks, Share, full_tensor
 
 if TYPE_CHECKING:
     from atroposd.config import TrainerConfig
 
 __all__ = ["AwsftObjective", "GrpoObjective", "InitialReference", "Learner", "NoReference", "Objective",
-           "Reference", "RolloutReference", "StepResult", "make_strategies"]
+           "Reference", "RolloutReference", "StepResult", "Tokens", "make_strategies", "set_aggregation",
+           "trained_tokens"]
 
 
 @dataclass
@@ -58,6 +61,10 @@ class StepResult:
     # mean |log π_trainer − log π_rollout| over tokens that carry a rollout logprob: ~0 for
     # on-policy data; a large value with staleness 0 means the two sides score tokens differently
     logprob_diff_abs_mean: float | None = None
+    # share of the batch's tokens a rollout correction truncated or masked (None: no correction)
+    rollout_corrected: float | None = None
+    # the policy's mean entropy per completion token, at the rollout temperature (SPEC §14)
+    entropy: float | None = None
 
 
 class Reference(Protocol):
@@ -77,43 +84,92 @@ class RolloutReference:
 
 
 class InitialReference:
-    """KL toward the frozen starting weights (GRPO's reference model, EMBEDDED-TASK.md)."""
+    """KL toward the frozen starting weights (GRPO's reference model, EMBEDDED-TASK.md); its LM
+    head, too, over ``chunk`` positions at a time."""
+
+    def __init__(self, chunk: int = DEFAULT_CHUNK) -> None:
+        self.chunk = chunk
 
     def logprobs(self, policy: Policy, mb: MicroBatch, old_logp: torch.Tensor) -> torch.Tensor | None:
         ref = policy.reference_model
         assert ref is not None, "kl_reference = initial needs Policy.reference"
         with torch.no_grad(), policy.reference_context():
-            logp, _ = token_logprobs(ref, mb.input_ids, mb.mask, mb.labels, mb.temperature)
+            logp, _ = token_logprobs(ref, mb.input_ids, mb.mask, mb.labels, mb.temperature, seq_lens=mb.seq_lens,
+                                     chunk=self.chunk)
         return logp
+
+
+@dataclass
+class Tokens:
+    """Where one micro-batch's N trained tokens come from: ``seq`` [N] long, each token's
+    sequence in [0, num_seqs); ``weight`` [N], ``loss_agg``'s weight per token, or None."""
+
+    seq: torch.Tensor
+    num_seqs: int
+    weight: torch.Tensor | None = None
+
+
+def trained_tokens(mb: MicroBatch) -> Tokens:
+    """The sequence of each trained token of ``mb`` (padded rows or one packed row), in
+    ``mb.mask`` order."""
+    seq = mb.sequence_ids()[mb.mask]  # [N]
+    weight = mb.loss_weight[mb.mask] if mb.loss_weight is not None else None
+    return Tokens(seq=seq, num_seqs=mb.num_sequences, weight=weight)
+
+
+def set_aggregation(batch: RolloutBatch, loss_agg: str, max_token_len: int) -> None:
+    """Each micro-batch's ``loss_weight`` for ``loss_agg``, from the whole batch's counts (so a
+    split over micro-batches or ranks changes nothing)."""
+    for mb in batch.micro:
+        mb.loss_weight = aggregation_weights(mb.mask, loss_agg, sequences=batch.sequences,
+                                             trained_sequences=batch.trained_sequences,
+                                             max_token_len=max_token_len, seq_ids=mb.sequence_ids())
 
 
 class Objective(Protocol):
     def prepare(self, batch: RolloutBatch) -> None: ...
     def loss(self, logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, ref: torch.Tensor | None,
-             denom: int) -> tuple[torch.Tensor, LossStats]: ...
+             denom: int, tokens: Tokens | None = None) -> tuple[torch.Tensor, LossStats]: ...
 
 
 class GrpoObjective:
-    def __init__(self, *, clip_eps: float, kl_coef: float) -> None:
+    """``loss = "grpo"`` or ``"gspo"`` (``sequence_level``) with the rest of SPEC §14's menu;
+    the defaults are today's token-level clipped GRPO loss."""
+
+    def __init__(self, *, clip_eps: float, kl_coef: float, clip_eps_high: float = 0.0,
+                 sequence_level: bool = False, loss_agg: str = "token-mean", max_token_len: int = 0,
+                 correction: str = "none", threshold: float = 2.0) -> None:
         self.clip_eps = clip_eps
         self.kl_coef = kl_coef
+        self.clip_eps_high = clip_eps_high
+        self.sequence_level = sequence_level
+        self.loss_agg = loss_agg
+        self.max_token_len = max_token_len
+        self.correction = correction
+        self.threshold = threshold
 
     def prepare(self, batch: RolloutBatch) -> None:
-        pass
+        set_aggregation(batch, self.loss_agg, self.max_token_len)
 
     def loss(self, logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, ref: torch.Tensor | None,
-             denom: int) -> tuple[torch.Tensor, LossStats]:
+             denom: int, tokens: Tokens | None = None) -> tuple[torch.Tensor, LossStats]:
+        seq, num_seqs, weight = (tokens.seq, tokens.num_seqs, tokens.weight) if tokens is not None else (None, 0, None)
         return grpo_loss(logp, old_logp, adv, clip_eps=self.clip_eps, denom=denom, ref_logp=ref,
-                         kl_coef=self.kl_coef)
+                         kl_coef=self.kl_coef, clip_eps_high=self.clip_eps_high,
+                         sequence_level=self.sequence_level, seq=seq, num_seqs=num_seqs, weight=weight,
+                         correction=self.correction, threshold=self.threshold)
 
 
 class AwsftObjective:
     """Advantage-weighted SFT; advantages re-normalised over the batch's sequences first."""
 
-    def __init__(self, *, kl_coef: float) -> None:
+    def __init__(self, *, kl_coef: float, loss_agg: str = "token-mean", max_token_len: int = 0) -> None:
         self.kl_coef = kl_coef
+        self.loss_agg = loss_agg
+        self.max_token_len = max_token_len
 
     def prepare(self, batch: RolloutBatch) -> None:
+        set_aggregation(batch, self.loss_agg, self.max_token_len)
         # One advantage per sequence (its first trained position) → normalised over the batch.
         firsts = [mb.advantages[torch.arange(mb.mask.shape[0]), mb.mask.float().argmax(1)] for mb in batch.micro]
         weights = normalise_batch_advantages(torch.cat(firsts))
@@ -124,13 +180,14 @@ class AwsftObjective:
             offset += n
 
     def loss(self, logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, ref: torch.Tensor | None,
-             denom: int) -> tuple[torch.Tensor, LossStats]:
+             denom: int, tokens: Tokens | None = None) -> tuple[torch.Tensor, LossStats]:
         from atroposd.trainer.loss import k3_kl
 
-        loss = awsft_loss(logp, adv, denom=denom)
+        weight = tokens.weight if tokens is not None else None
+        loss = awsft_loss(logp, adv, denom=denom, weight=weight)
         kl = k3_kl(logp, ref.detach()) if ref is not None else torch.zeros_like(logp)
         if ref is not None and self.kl_coef:
-            loss = loss + self.kl_coef * kl.sum() / max(denom, 1)
+            loss = loss + self.kl_coef * (kl.sum() / max(denom, 1) if weight is None else (kl * weight).sum())
         zero = torch.zeros((), dtype=logp.dtype)
         return loss, LossStats(ratio_sum=torch.ones_like(logp).sum(), clipped=zero, kl_sum=kl.detach().sum())
 
@@ -138,14 +195,17 @@ class AwsftObjective:
 def make_strategies(tcfg: TrainerConfig) -> tuple[Objective, Reference]:
     objective: Objective
     if tcfg.loss == "awsft":
-        objective = AwsftObjective(kl_coef=tcfg.kl_coef)
+        objective = AwsftObjective(kl_coef=tcfg.kl_coef, loss_agg=tcfg.loss_agg, max_token_len=tcfg.max_token_len)
     else:
-        objective = GrpoObjective(clip_eps=tcfg.clip_eps, kl_coef=tcfg.kl_coef)
+        objective = GrpoObjective(clip_eps=tcfg.clip_eps, kl_coef=tcfg.kl_coef, clip_eps_high=tcfg.clip_eps_high,
+                                  sequence_level=tcfg.loss == "gspo", loss_agg=tcfg.loss_agg,
+                                  max_token_len=tcfg.max_token_len, correction=tcfg.rollout_correction,
+                                  threshold=tcfg.rollout_correction_threshold)
     reference: Reference
     if tcfg.kl_coef <= 0:
         reference = NoReference()
     elif tcfg.kl_reference == "initial":
-        reference = InitialReference()
+        reference = InitialReference(chunk=tcfg.logprob_chunk)
     else:
         reference = RolloutReference()
     return objective, reference
@@ -161,7 +221,7 @@ class Learner:
     def __init__(self, policy: Policy, optimizer: torch.optim.Optimizer, scheduler: Any, *,
                  objective: Objective, reference: Reference, max_grad_norm: float,
                  distill_coef: float = 0.0, distill_temperature: float = 1.0,
-                 ranks: Ranks | None = None) -> None:
+                 ranks: Ranks | None = None, logprob_chunk: int = DEFAULT_CHUNK) -> None:
         self.policy = policy
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -170,6 +230,7 @@ class Learner:
         self.max_grad_norm = max_grad_norm
         self.distill_coef = distill_coef
         self.distill_temperature = distill_temperature
+        self.logprob_chunk = logprob_chunk  # completion positions per chunk of the LM head (SPEC §14)
         self.params = policy.trainable()
         self.ranks: Ranks = ranks if ranks is not None else OneRank()
 
@@ -195,32 +256,36 @@ class Learner:
         # ranks' sums is the sum one rank computes over the whole batch.
         scale = float(self.ranks.world)
         total = torch.zeros((), dtype=torch.float64)
-        ratio_sum = clipped = kl_sum = 0.0
+        ratio_sum = clipped = kl_sum = corrected = 0.0
+        corrects = getattr(self.objective, "correction", "none") != "none"
         d_loss = 0.0
         d_tokens = 0
         diff_sum, diff_n = 0.0, 0
+        entropy_sum = 0.0
         device = self.policy.device
         for mb_cpu, weight in share.passes_with_weight():
             mb = mb_cpu.to(device)
-            distill = self.distill_coef > 0 and mb.distill_ids is not None
-            d_mask = (mb.distill_ids >= 0).any(-1) & mb.mask if distill and mb.distill_ids is not None else None
-            logp, d_logits = token_logprobs(self.policy.model, mb.input_ids, mb.mask, mb.labels, mb.temperature,
-                                            want_logits=d_mask)  # [N], [M, V]
+            teacher = None
+            if self.distill_coef > 0 and mb.distill_ids is not None and mb.distill_lp is not None:
+                t_ids = mb.distill_ids[mb.mask]  # [N, K]
+                teacher = (t_ids, teacher_probs(t_ids, mb.distill_lp[mb.mask], self.distill_temperature))
+            # the LM head over logprob_chunk positions at a time: logp [N], entropy [N], distill [N]
+            scores = token_scores(self.policy.model, mb.input_ids, mb.mask, mb.labels, mb.temperature,
+                                  seq_lens=mb.seq_lens, teacher=teacher, chunk=self.logprob_chunk,
+                                  tau=self.distill_temperature, entropy=True)
+            logp = scores.logp
             old = mb.old_logp[mb.mask]  # [N]
             present = ~torch.isnan(old)  # [N]
             old = torch.where(present, old, logp.detach())  # missing → on-policy
             adv = mb.advantages[mb.mask]  # [N]
             ref = self.reference.logprobs(self.policy, mb, old)
-            loss, stats = self.objective.loss(logp, old, adv, ref, denom)
-            if d_mask is not None and d_logits is not None and mb.distill_ids is not None \
-                    and mb.distill_lp is not None:
-                dl, dstats = distill_loss(d_logits, mb.distill_ids[d_mask], mb.distill_lp[d_mask],
-                                          temperature=self.distill_temperature,
-                                          denom=max(share.distill_positions, 1))
-                loss = loss + self.distill_coef * dl
+            loss, stats = self.objective.loss(logp, old, adv, ref, denom, trained_tokens(mb))
+            if teacher is not None and scores.distill is not None:
+                # Σ over the positions with a teacher of −Σ_k p_T·log q_S (0 elsewhere) / the batch's count
+                loss = loss + self.distill_coef * scores.distill.sum() / max(share.distill_positions, 1)
                 if weight:
-                    d_loss += float(dstats.loss_sum)
-                    d_tokens += dstats.tokens
+                    d_loss += float(scores.distill.detach().sum())
+                    d_tokens += int((teacher[0] >= 0).any(-1).sum())
             if loss.requires_grad:
                 (loss * (scale * weight) if scale * weight != 1.0 else loss).backward()
             if not weight:
@@ -231,9 +296,14 @@ class Learner:
             ratio_sum += float(stats.ratio_sum)
             clipped += float(stats.clipped)
             kl_sum += float(stats.kl_sum)
+            if scores.entropy is not None:
+                entropy_sum += float(scores.entropy.sum())
+            if stats.corrected is not None:
+                corrected += float(stats.corrected)
         grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)))
-        loss_value, ratio_sum, clipped, kl_sum, d_loss, d_tokens_f, diff_sum, diff_n_f = self.ranks.sum(
-            [float(total), ratio_sum, clipped, kl_sum, d_loss, d_tokens, diff_sum, diff_n])
+        loss_value, ratio_sum, clipped, kl_sum, d_loss, d_tokens_f, diff_sum, diff_n_f, corrected, entropy_sum = \
+            self.ranks.sum([float(total), ratio_sum, clipped, kl_sum, d_loss, d_tokens, diff_sum, diff_n, corrected,
+                            entropy_sum])
         d_tokens, diff_n = int(d_tokens_f), int(diff_n_f)
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
         return StepResult(loss=loss_value, grad_norm=grad_norm, finite=finite, mean_ratio=ratio_sum / denom,
@@ -241,7 +311,9 @@ class Learner:
                           compute_s=time.perf_counter() - start,
                           distill_loss=(d_loss / max(d_tokens, 1)) if d_tokens else None,
                           distill_token_count=d_tokens,
-                          logprob_diff_abs_mean=diff_sum / diff_n if diff_n else None)
+                          logprob_diff_abs_mean=diff_sum / diff_n if diff_n else None,
+                          rollout_corrected=corrected / denom if corrects else None,
+                          entropy=entropy_sum / denom)
 
     def apply(self) -> None:
         """The optimizer step (in shared mode: while the inference server is paused)."""

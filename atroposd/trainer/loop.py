@@ -62,6 +62,8 @@ class Progress:
     checkpoint_failures: int = 0  # failed or abandoned checkpoint writes (training went on)
     # groups rejected by batch preparation since this process started, by reason (SPEC §13)
     rejected_groups: dict[str, int] = field(default_factory=dict)
+    # groups filter_groups dropped (all scores equal) since this process started (SPEC §14)
+    filtered_groups: int = 0
     error: str | None = None
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=50))
     # seconds spent since this process started, per part of a step (the per-step split summed)
@@ -120,13 +122,15 @@ class TrainingLoop:
             groups = await self.feed.next(data_timeout=t.data_timeout, envs_alive=self.envs_alive)
             if groups is None:
                 break  # stop requested while waiting
+            filtered = list(getattr(self.feed, "last_filtered", None) or [])  # dropped by filter_groups
+            p.filtered_groups += len(filtered)
             batch_wait = time.perf_counter() - wait_start
             p.state, p.waiting_for = "training", None
             step_start = time.perf_counter()
             try:
                 # prepare: validate groups, advantages per group, pad micro-batches
                 try:
-                    batch = await self.compute.run(self._prepare, groups)
+                    batch = await self.compute.run(self._prepare, groups, filtered)
                 except BatchError as exc:
                     self._count_rejected(exc.rejected)
                     log.warning("batch skipped", reason=str(exc))
@@ -178,12 +182,14 @@ class TrainingLoop:
                 await self.checkpoint()
         return "finished" if p.step >= p.total_steps else "stopped"
 
-    def _prepare(self, groups: list[dict[str, Any]]) -> RolloutBatch:
+    def _prepare(self, groups: list[dict[str, Any]], filtered: list[dict[str, Any]] | None = None) -> RolloutBatch:
         _test_stall(self.progress.step + 1)
         t = self.t
-        return prepare_batch(groups, micro_batch_size=t.micro_batch_size, max_token_len=t.max_token_len,
+        return prepare_batch(groups, micro_batch_size=t.micro_batch_size, micro_batch_tokens=t.micro_batch_tokens,
+                             max_token_len=t.max_token_len,
                              adv_std_floor=t.adv_std_floor, use_distill=t.distill_coef > 0,
-                             vocab_size=self.vocab_size)
+                             vocab_size=self.vocab_size, advantage=t.advantage, overlong=t.overlong,
+                             filtered=filtered or ())
 
     def _count_rejected(self, by_reason: dict[str, int]) -> None:
         counts = self.progress.rejected_groups
@@ -240,6 +246,11 @@ class TrainingLoop:
             "sync_s": sync_s, "gather_s": gather_s, **(timeline or {}),  # the step's timeline (atroposd.timeline)
             "skipped_steps": p.skipped_steps, "rejected_groups": dict(p.rejected_groups),
             "missing_logprobs": batch.missing_logprobs, "logprob_diff_abs_mean": r.logprob_diff_abs_mean,
+            # SPEC §14: reward over the trained groups only; groups filter_groups dropped for this
+            # step; the share of tokens a rollout correction truncated or masked
+            "reward_mean_trained": batch.reward_mean_trained, "filtered_groups": batch.filtered_groups,
+            "rollout_corrected": r.rollout_corrected,
+            "entropy": r.entropy,  # the policy's mean entropy per completion token (SPEC §14)
         }
         if self.replica_generations is not None:
             record["replica_generations"] = self.replica_generations()

@@ -202,7 +202,7 @@ def build_learner(cfg: Config, setup: Setup) -> Learner:
     """Optimizer (on the attached parameters), scheduler, strategies; restores their state."""
     t = cfg.trainer
     optimizer = build_optimizer(setup.policy.trainable(), t)
-    scheduler = build_scheduler(optimizer, t.warmup_steps)
+    scheduler = build_scheduler(optimizer, t.warmup_steps, t.lr_schedule, t.steps)
     if setup.restored is not None:
         from atroposd.trainer.sharded import load_optimizer
 
@@ -213,7 +213,8 @@ def build_learner(cfg: Config, setup: Setup) -> Learner:
     objective, reference = make_strategies(t)
     learner = Learner(setup.policy, optimizer, scheduler, objective=objective, reference=reference,
                       max_grad_norm=t.max_grad_norm, distill_coef=t.distill_coef,
-                      distill_temperature=t.distill_temperature, ranks=setup.ranks)
+                      distill_temperature=t.distill_temperature, ranks=setup.ranks,
+                      logprob_chunk=t.logprob_chunk)
     setup.ranks.settle()  # every rank is set up: collectives are bounded by collective_timeout from here
     return learner
 
