@@ -223,11 +223,38 @@ class TrainerConfig:
                                  schema={"minItems": 2, "maxItems": 2,
                                          "items": {"type": "number", "minimum": 0, "exclusiveMaximum": 1}})
     weight_decay: float = _k(0.0, "Decoupled weight decay.", min=0)
-    warmup_steps: int = _k(0, "Linear warm-up steps, then constant.", min=0)
+    warmup_steps: int = _k(0, "Linear warm-up steps, then lr_schedule.", min=0)
+    lr_schedule: str = _k("constant", "After warmup_steps: constant | linear | cosine (linear and cosine decay to 0 at\n"
+                          "`steps`).", choices=("constant", "linear", "cosine"))
     max_grad_norm: float = _k(1.0, "Gradient-norm clip.", gt=0)
-    loss: str = _k("grpo", "grpo | awsft (advantage-weighted SFT)", choices=("grpo", "awsft"))
-    clip_eps: float = _k(0.2, "Importance-ratio clip: [1 - clip_eps, 1 + clip_eps].", gt=0, max=1)
+    loss: str = _k("grpo", "grpo (token-level ratio) | gspo (one ratio per sequence: the mean log-ratio over its\n"
+                   "completion tokens) | awsft (advantage-weighted SFT)", choices=("grpo", "gspo", "awsft"))
+    clip_eps: float = _k(0.2, "Importance-ratio clip: [1 - clip_eps, 1 + clip_eps] ...", gt=0, max=1)
+    clip_eps_high: float = _k(0.0, "... unless > 0: the upper bound is 1 + clip_eps_high (DAPO's clip-higher;\n"
+                              "at least clip_eps).", min=0, max=10)
+    loss_agg: str = _k("token-mean", "token-mean (every completion token of the batch weighs the same) |\n"
+                       "seq-mean-token-mean (each sequence weighs the same) | seq-mean-token-sum-norm\n"
+                       "(Dr.GRPO: token sums over max_token_len x sequences)",
+                       choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
+    advantage: str = _k("group-std", "group-std: (score - mean) / max(std, adv_std_floor) | group-mean: score - mean\n"
+                        "(Dr.GRPO) | rloo: score - mean of the others. Advantages an environment sends\n"
+                        "replace these.", choices=("group-std", "group-mean", "rloo"))
     adv_std_floor: float = _k(0.1, "advantage = (score - group mean) / max(group std, adv_std_floor)", gt=0)
+    filter_groups: bool = _k(False, "DAPO's dynamic sampling: a group whose scores are all equal is dropped (counted\n"
+                             "as filtered_groups) and the batch fills from the queue; not groups with their\n"
+                             "own advantages or distillation fields.")
+    overlong: str = _k("keep", "keep | mask: a completion reported truncated (finish_reason = \"length\") carries\n"
+                       "no loss.", choices=("keep", "mask"))
+    rollout_correction: str = _k("none", "Sampler-trainer mismatch: none | token-tis | seq-tis (weight min(rho, C)) |\n"
+                                 "token-mis | seq-mis (mask rho outside [1/C, C]; token-mis = IcePop); the\n"
+                                 "share corrected is rollout_corrected in metrics.jsonl.",
+                                 choices=("none", "token-tis", "seq-tis", "token-mis", "seq-mis"))
+    rollout_correction_threshold: float = _k(2.0, "C of rollout_correction (> 1).", gt=1)
+    logprob_chunk: int = _k(1024, "Completion positions per chunk of the LM head and loss: the full logits never\n"
+                            "exist at once (forward or backward). Same loss and gradients for any value.", min=1)
+    micro_batch_tokens: int = _k(0, "> 0: pack sequences (longest first, first fit) into micro-batches of at most\n"
+                                 "this many tokens, attention never crossing sequences, instead of\n"
+                                 "micro_batch_size padded rows; at least max_token_len. 0 = off.", min=0)
     kl_coef: float = _k(0.04, "k3 KL penalty toward kl_reference; logged as mean_kl. 0 = off.", min=0)
     kl_reference: str = _k("initial", "initial: a frozen copy of the starting weights | rollout: the sampling policy",
                            choices=("initial", "rollout"))
@@ -838,6 +865,14 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
                                             f"{name}.host:{name}.port)"))
         if sec.url and not re.match(URL_PATTERN, sec.url):
             p.append(Problem(f"{name}.url", f"must be an http:// or https:// URL, got {sec.url!r}"))
+    if 0 < t.clip_eps_high < t.clip_eps:
+        p.append(Problem("trainer.clip_eps_high", f"must be ≥ trainer.clip_eps ({t.clip_eps:g}) or 0 (off): "
+                                                  "clip-higher widens the upper bound"))
+    if t.loss == "awsft":
+        for key, default in (("clip_eps_high", 0.0), ("rollout_correction", "none")):
+            if getattr(t, key) != default:
+                p.append(Problem(f"trainer.{key}", "has no effect with trainer.loss = \"awsft\" (no importance "
+                                                   "ratio)"))
     if t.micro_batch_size > t.batch_size:
         p.append(Problem("trainer.micro_batch_size", f"must be ≤ trainer.batch_size ({t.batch_size})"))
     elif t.batch_size % t.micro_batch_size:
@@ -846,6 +881,9 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
         p.append(Problem("trainer.adam_betas", "must be two numbers in [0, 1)"))
     if t.max_token_len > inf.max_model_len:
         p.append(Problem("trainer.max_token_len", f"must be ≤ inference.max_model_len ({inf.max_model_len})"))
+    if 0 < t.micro_batch_tokens < t.max_token_len:
+        p.append(Problem("trainer.micro_batch_tokens", f"must be 0 (off) or ≥ trainer.max_token_len ({t.max_token_len}): "
+                                                       "every sequence must fit in one micro-batch"))
     if t.mode == "lora" and not t.lora_targets:
         p.append(Problem("trainer.lora_targets", "must name at least one module when trainer.mode = \"lora\""))
     # engine × sync × mode (SPEC §7)

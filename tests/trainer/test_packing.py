@@ -1,0 +1,150 @@
+"""Packed micro-batches (SPEC §14 ``micro_batch_tokens``): first-fit packing, attention that never
+crosses sequences, and the loss and gradients of the padded computation."""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from atroposd.trainer.batch import RolloutBatch, pack_rows, prepare_batch
+from atroposd.trainer.learner import (
+    GrpoObjective,
+    InitialReference,
+    Learner,
+    NoReference,
+    Objective,
+    Reference,
+)
+from atroposd.trainer.model import Policy, load_policy, token_scores
+from atroposd.trainer.ranks import deal
+from tests.trainer.test_chunked import TOL, rel, varied_groups
+
+
+def test_pack_rows_is_first_fit_decreasing_within_the_budget() -> None:
+    rng = random.Random(7)
+    lengths = [rng.randint(1, 40) for _ in range(60)]
+    bins = pack_rows(lengths, 64)
+    assert sorted(i for b in bins for i in b) == list(range(60))  # every row exactly once
+    assert all(sum(lengths[i] for i in b) <= 64 for b in bins)
+    # first fit, longest first: no later bin holds a row that fitted in an earlier one when placed
+    assert pack_rows([5, 60, 3, 30, 34, 1], 64) == [[1, 2, 5], [4, 3], [0]]
+    assert pack_rows([64, 64], 64) == [[0], [1]]
+    assert pack_rows([], 64) == []
+
+
+def test_prepare_batch_packs_into_rows_of_at_most_micro_batch_tokens() -> None:
+    groups = varied_groups(11, n_groups=4, distill=True)
+    padded = prepare_batch(groups, micro_batch_size=4, max_token_len=64, adv_std_floor=0.1, use_distill=True)
+    packed = prepare_batch(groups, micro_batch_size=4, max_token_len=64, adv_std_floor=0.1, use_distill=True,
+                           micro_batch_tokens=64)
+    assert packed.completion_tokens == padded.completion_tokens
+    assert packed.distill_positions == padded.distill_positions
+    assert packed.sequences == padded.sequences == sum(mb.num_sequences for mb in packed.micro)
+    for mb in packed.micro:
+        assert mb.seq_lens is not None and mb.input_ids.shape == (1, int(mb.seq_lens.sum()))
+        assert mb.input_ids.shape[1] <= 64 and mb.temperature.shape == mb.seq_lens.shape
+        assert mb.distill_ids is not None and mb.distill_ids.shape[:2] == mb.input_ids.shape
+    padding = sum(int((~mb.mask).sum()) for mb in padded.micro) - sum(int((~mb.mask).sum()) for mb in packed.micro)
+    assert padding > 0  # packing drops the padding
+    ids = packed.micro[0].sequence_ids()
+    assert ids.shape == packed.micro[0].mask.shape and int(ids.max()) == packed.micro[0].num_sequences - 1
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tiny_dir: Path) -> Policy:
+    return load_policy(tiny_dir, tiny_dir, device=torch.device("cpu"), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_packed_row_gives_each_sequence_the_logprobs_it_gets_alone(tiny_policy: Policy, attention: str) -> None:
+    """No attention across sequences: every sequence of a packed row scores as when it is alone
+    (and positions restart in each); the same row without the block mask does not."""
+    model = copy.deepcopy(tiny_policy.model)
+    model.set_attn_implementation(attention)  # type: ignore[operator]
+    batch = prepare_batch(varied_groups(5), micro_batch_size=1, max_token_len=64, adv_std_floor=0.1,
+                          micro_batch_tokens=64)
+    mb = max(batch.micro, key=lambda m: m.num_sequences)
+    assert mb.seq_lens is not None and mb.num_sequences >= 3
+    with torch.no_grad():
+        packed = token_scores(model, mb.input_ids, mb.mask, mb.labels, mb.temperature, seq_lens=mb.seq_lens,
+                              chunk=4, entropy=True)
+        alone, alone_entropy = [], []
+        start = 0
+        for i, n in enumerate(mb.seq_lens.tolist()):
+            sl = slice(start, start + n)
+            s = token_scores(model, mb.input_ids[:, sl], mb.mask[:, sl], mb.labels[:, sl], mb.temperature[i:i + 1],
+                             chunk=4, entropy=True)
+            alone.append(s.logp)
+            alone_entropy.append(s.entropy)
+            start += n
+        # the same row as one causal sequence attends across: its scores differ after the first
+        whole = torch.repeat_interleave(mb.temperature, mb.seq_lens)[None, :]  # [1, T]
+        crossing = token_scores(model, mb.input_ids, mb.mask, mb.labels, torch.ones(1), chunk=4).logp
+        plain = token_scores(model, mb.input_ids, mb.mask, mb.labels, torch.ones(mb.num_sequences),
+                             seq_lens=mb.seq_lens, chunk=4).logp
+        first = int(mb.mask[0, :int(mb.seq_lens[0])].sum())  # the first sequence sees no other
+    torch.testing.assert_close(packed.logp, torch.cat(alone), atol=1e-5, rtol=1e-5)
+    assert packed.entropy is not None
+    torch.testing.assert_close(packed.entropy, torch.cat([e for e in alone_entropy if e is not None]),
+                               atol=1e-5, rtol=1e-5)
+    assert len(set(whole[0].tolist())) > 1  # the sequences' own temperatures, per position
+    torch.testing.assert_close(crossing[:first], plain[:first], atol=1e-5, rtol=1e-5)
+    assert (crossing[first:] - plain[first:]).abs().max() > 1e-3
+
+
+def learner_for(policy: Policy, objective: Objective, reference: Reference, distill: float = 0.0) -> Learner:
+    opt = torch.optim.SGD(policy.trainable(), lr=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _s: 1.0)
+    return Learner(policy, opt, sched, objective=objective, reference=reference, max_grad_norm=1e9,
+                   distill_coef=distill, distill_temperature=1.5, logprob_chunk=5)
+
+
+def step(learner: Learner, batch: RolloutBatch) -> tuple[float, torch.Tensor, float | None, float]:
+    r = learner.compute(batch)
+    grads = torch.cat([p.grad.reshape(-1) for p in learner.params if p.grad is not None])
+    return r.loss, grads, r.entropy, r.mean_kl
+
+
+@pytest.mark.parametrize("case", ["grpo-kl-initial", "distill", "one-row"])
+def test_packed_step_equals_the_padded_step(tiny_dir: Path, case: str) -> None:
+    """Same loss and every gradient (1e-5 relative by norm) as the padded micro-batches; the
+    frozen reference's logprobs are packed the same way (mean_kl equal)."""
+    distill = case == "distill"
+    kl = 0.1 if case == "grpo-kl-initial" else 0.0
+    policy = load_policy(tiny_dir, tiny_dir, device=torch.device("cpu"), dtype=torch.float32,
+                         need_reference=kl > 0)
+    with torch.no_grad():  # the policy moved away from its reference: the KL term is not zero
+        for p in policy.model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    groups = varied_groups(21, n_groups=4, distill=distill)
+    micro = 1 if case == "one-row" else 5
+    reference: Reference = InitialReference(chunk=5) if kl else NoReference()
+    out = []
+    for tokens in (0, 64 if case != "one-row" else 30):
+        batch = prepare_batch(groups, micro_batch_size=micro, max_token_len=30 if case == "one-row" else 64,
+                              adv_std_floor=0.1, use_distill=distill, micro_batch_tokens=tokens)
+        if tokens:
+            assert all(mb.seq_lens is not None for mb in batch.micro)
+        learner = learner_for(policy, GrpoObjective(clip_eps=0.2, kl_coef=kl), reference, 0.5 if distill else 0.0)
+        out.append(step(learner, batch))
+    (loss_a, g_a, ent_a, kl_a), (loss_b, g_b, ent_b, kl_b) = out
+    assert loss_b == pytest.approx(loss_a, rel=TOL)
+    assert rel(g_b, g_a) < TOL
+    assert ent_a is not None and ent_b == pytest.approx(ent_a, rel=TOL)
+    assert kl_b == pytest.approx(kl_a, rel=TOL, abs=1e-9)
+    if kl:
+        assert kl_a > 0
+
+
+def test_every_rank_runs_the_same_number_of_packed_passes() -> None:
+    batch = prepare_batch(varied_groups(2, n_groups=5), micro_batch_size=4, max_token_len=64, adv_std_floor=0.1,
+                          micro_batch_tokens=64)
+    for world in (2, 3, len(batch.micro) + 1):
+        shares = deal(batch.micro, world, batch.completion_tokens, batch.distill_positions)
+        assert len({len(s.passes_with_weight()) for s in shares}) == 1
+        real = [mb for s in shares for mb, w in s.passes_with_weight() if w]
+        assert sum(int(mb.mask.sum()) for mb in real) == batch.completion_tokens
