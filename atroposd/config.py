@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import os
 import re
 import sys
@@ -67,7 +68,8 @@ URL_PATTERN = r"^https?://[^/\s]+(/.*)?$"
 ENV_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 RESERVED_NAMES = ("api", "inference", "trainer", "daemon")
 PLACEHOLDERS = ("api_url", "inference_url", "inference_urls", "openai_url", "model", "tokenizer", "group_size",
-                "max_token_len", "steps", "name", "replica", "seed", "replica_port", "weight", "wandb_group")
+                "max_token_len", "steps", "name", "replica", "seed", "replica_port", "weight", "wandb_group",
+                "inference_token")
 
 
 def _placeholder_pattern(known: Sequence[str]) -> str:
@@ -146,22 +148,52 @@ class ApiConfig:
         if self.token:
             return self.token
         if self.token_file:
-            path = Path(self.token_file).expanduser()
+            raw = read_token_file(self.token_file, "api.token_file", TokenError)
             try:
-                token = path.read_text(encoding="utf-8").strip()
-            except (OSError, UnicodeError) as exc:
-                raise TokenError(f"api.token_file: cannot read {path}: {exc}") from None
-            if not token:
-                raise TokenError(f"api.token_file: {path} is empty")
-            return token
+                return raw.decode("utf-8")
+            except UnicodeError as exc:
+                raise TokenError(f"api.token_file: {self.token_file} is not UTF-8 text: {exc}") from None
         return os.environ.get(API_TOKEN_ENV, "").strip()
 
 
 class TokenError(ValueError):
-    """``[api] token_file`` names a file that cannot give a token; the message says why."""
+    """``[api] token_file`` or ``[inference] token_file`` names a file that cannot give a
+    token; the message says why."""
 
 
 API_TOKEN_ENV = "ATROPOSD_API_TOKEN"
+INFERENCE_TOKEN_ENV = "ATROPOSD_INFERENCE_TOKEN"
+# The shortest secret a token file may hold (SPEC §12.3): anything shorter is guessable.
+MIN_TOKEN_BYTES = 16
+
+
+def read_token_file(name: str, key: str, error: type[ValueError]) -> bytes:
+    """The secret in the file ``name`` (surrounding whitespace stripped); ``error`` naming
+    ``key`` for a file that cannot be read, is empty, or holds fewer than MIN_TOKEN_BYTES."""
+    path = Path(name).expanduser()
+    try:
+        token = path.read_bytes().strip()
+    except OSError as exc:
+        raise error(f"{key}: cannot read {path}: {exc.strerror or exc}") from None
+    if not token:
+        raise error(f"{key}: {path} is empty")
+    if len(token) < MIN_TOKEN_BYTES:
+        raise error(f"{key}: {path} holds {len(token)} bytes; a token must have at least {MIN_TOKEN_BYTES} "
+                    "(make one with: openssl rand -hex 32)")
+    return token
+
+
+def token_file_warning(name: str, key: str) -> str | None:
+    """A warning when the token file ``name`` may be read by users other than its owner."""
+    path = Path(name).expanduser()
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None  # reading it is what fails, and says so
+    if mode & 0o044:
+        return (f"{key}: {path} is readable by other users (mode {mode & 0o777:04o}); "
+                f"make it private: chmod 600 {path}")
+    return None
 
 
 @dataclass
@@ -181,8 +213,12 @@ class InferenceConfig:
     model: str = _k("builtin:tiny", "builtin:tiny (built locally, no download) or a local Hugging Face model directory.",
                     schema={"pattern": MODEL_PATTERN})
     tokenizer: str = _k("", "Default: the model's. The one source of truth for every component.")
-    host: str = _k("127.0.0.1", "Address the inference server binds.")
+    host: str = _k("127.0.0.1", "Address the inference server binds (with cluster.nodes > 1, a wildcard\n"
+                   "0.0.0.0 or :: binds cluster.bind instead).")
     port: int = _k(9001, "Port the inference server binds.", min=1, max=65535)
+    token_file: str = _k("", "A file holding the bearer token the inference servers require on their TCP routes\n"
+                         "(environments get it as {inference_token}). Empty: with cluster.nodes > 1, one derived\n"
+                         "from the cluster token; else none (the servers listen on loopback).")
     dtype: str = _k("auto", "auto: float32 on CPU, bfloat16 on GPU | float32 | bfloat16 | float16",
                     choices=("auto", "float32", "bfloat16", "float16"))
     device: str | list[str] = _k(
@@ -202,6 +238,14 @@ class InferenceConfig:
                             min=0)
     live_generate_every: int = _k(6, "Every this many liveness probes, one tiny real generation; 0 = never.",
                                   min=0)
+    tool_parser: str = _k("auto", "How a chat completion's tool calls are read from the model's output (OpenAI\n"
+                          "tool_calls, finish_reason \"tool_calls\"): auto (the model's format, from its chat\n"
+                          "template and config.json) | a parser name, e.g. hermes (always available; with vLLM\n"
+                          "installed, any of vLLM's tool parsers) | \"\" (off: tools reach the template, the\n"
+                          "output stays text).")
+    # The bearer token in force (``Config.inference_token``), resolved by the daemon at start and
+    # at reload (not a key: never written to the children's config).
+    token: str = field(default="", compare=False, repr=False, metadata={"internal": True})
     vllm: VllmConfig = field(default_factory=VllmConfig, metadata={"doc": "Only read when engine = \"vllm\"."})
 
 
@@ -355,8 +399,12 @@ class ClusterConfig:
     token_file: str = _k("", "A file holding the shared secret of the cluster (every message of the cluster\n"
                          "endpoint is authenticated with it); required when nodes > 1.")
     heartbeat_timeout: float = _k(30.0, "Seconds without a heartbeat after which a node is lost (and a node cut\n"
-                                  "off from its head this long stops its children and exits 1).", gt=0)
+                                  "off from its head this long stops its children and exits 1).", min=1)
     join_timeout: float = _k(600.0, "Seconds a starting node waits for the head.", gt=0)
+    bind: str = _k("", "The address every listening port of this node binds: the cluster endpoint, the trainer\n"
+                   "ranks' store, and an API or inference server whose host is a wildcard. Empty: the address\n"
+                   "of this host that head is reached through (on the head: the address head resolves to).",
+                   schema={"pattern": r"^[^\s/@]*$"})
 
     @property
     def enabled(self) -> bool:
@@ -399,17 +447,11 @@ class ClusterConfig:
 
     def read_token(self) -> bytes:
         """The shared secret in ``token_file`` (surrounding whitespace stripped). Raises
-        ClusterError for a file that is not named, cannot be read or is empty."""
+        ClusterError for a file that is not named, cannot be read, is empty or holds fewer than
+        MIN_TOKEN_BYTES."""
         if not self.token_file:
             raise ClusterError("cluster.token_file: required when cluster.nodes > 1")
-        path = Path(self.token_file).expanduser()
-        try:
-            token = path.read_bytes().strip()
-        except OSError as exc:
-            raise ClusterError(f"cluster.token_file: cannot read {path}: {exc.strerror or exc}") from None
-        if not token:
-            raise ClusterError(f"cluster.token_file: {path} is empty")
-        return token
+        return read_token_file(self.token_file, "cluster.token_file", ClusterError)
 
 
 @dataclass
@@ -498,21 +540,42 @@ class Config:
         if not self.is_head and (self.api.host in ("0.0.0.0", "::", "") or is_loopback(self.api.host)):
             # another node: the API runs on the head (a wildcard or loopback host is the head's)
             return f"http://{_url_host(self.cluster.head)}:{self.api.port}"
-        return f"http://{_url_host(self.api.host)}:{self.api.port}"
+        return f"http://{_url_host(self.listen_host(self.api.host))}:{self.api.port}"
+
+    def listen_host(self, host: str) -> str:
+        """The address a server of this node whose key says ``host`` binds: with several machines a
+        wildcard (0.0.0.0, ::, "") means ``[cluster] bind`` (SPEC §12.3); else ``host`` itself."""
+        if self.cluster.enabled and host in ("0.0.0.0", "::", ""):
+            c = self.cluster
+            return _bind_address(c.bind, c.head, c.port) or host
+        return host
+
+    def inference_token(self) -> str:
+        """The bearer token the inference servers require on their TCP routes (SPEC §12.3):
+        ``[inference] token_file``; else, with several machines, one derived from the cluster
+        token; else "" (none). Raises TokenError or ClusterError for a file that cannot give one."""
+        if self.inference.token_file:
+            raw = read_token_file(self.inference.token_file, "inference.token_file", TokenError)
+            return raw.decode("utf-8", errors="replace")
+        if self.cluster.enabled:
+            from atroposd.cluster.wire import inference_secret
+
+            return str(inference_secret(self.cluster.read_token()))
+        return ""
 
     @property
     def inference_url(self) -> str:
         if not self.inference.enabled:
             url = self.inference.url.rstrip("/")
             return url[: -len("/v1")] if url.endswith("/v1") else url
-        return f"http://{_url_host(self.inference.host)}:{self.inference.port}"
+        return f"http://{_url_host(self.listen_host(self.inference.host))}:{self.inference.port}"
 
     @property
     def inference_urls(self) -> list[str]:
         """Every inference replica's URL (no ``/v1``), replica 0 first; one URL when external."""
         if not self.inference.enabled:
             return [self.inference_url]
-        host = _url_host(self.inference.host)
+        host = _url_host(self.listen_host(self.inference.host))
         return [f"http://{host}:{self.inference.port + i}" for i in range(self.inference.replicas)]
 
     def inference_devices(self) -> list[str]:
@@ -539,6 +602,18 @@ class Config:
                 return "push"
             return "shared" if self.inference.engine == "torch" else "push"
         return mode
+
+
+@functools.lru_cache(maxsize=8)
+def _bind_address(bind: str, head: str, port: int) -> str:
+    """``cluster.bind_address`` for these keys, "" when it cannot be found (the cluster endpoint
+    then fails to open, naming why)."""
+    from atroposd.cluster.head import ClusterStartError, bind_address
+
+    try:
+        return bind_address(ClusterConfig(nodes=2, head=head, port=port, bind=bind))
+    except ClusterStartError:
+        return ""
 
 
 def _url_host(host: str) -> str:
@@ -696,6 +771,10 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<dict>") -> Config:
         cfg.warnings.append("no [[env]]: the job has no environments (they must run elsewhere)")
     if cfg.api.enabled and not is_loopback(cfg.api.host) and not (cfg.api.token or cfg.api.token_file):
         cfg.warnings.append(f"api.host = {cfg.api.host!r} is not loopback and api.token is empty")
+    for key, name in (("api.token_file", cfg.api.token_file), ("inference.token_file", cfg.inference.token_file),
+                      ("cluster.token_file", cfg.cluster.token_file)):
+        if name and (warning := token_file_warning(name, key)) is not None:
+            cfg.warnings.append(warning)
     if cfg.wandb.enabled and cfg.trainer.enabled and not _installed("wandb"):
         cfg.warnings.append("wandb.project is set but the wandb package is not installed "
                             "(pip install 'atroposd[wandb]'); the job runs without it")
@@ -932,6 +1011,12 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
     elif not re.match(DEVICE_PATTERN, inf.device):
         p.append(Problem("inference.device", f"must be auto, cpu, cuda:N or a GPU UUID, got {inf.device!r}"))
     p.extend(_trainer_device_problems(t.device))
+    if inf.enabled and inf.tool_parser:
+        from atroposd.inference.tools import parser_problem  # light: reads vLLM's parser names, imports nothing
+
+        why = parser_problem(inf.tool_parser)
+        if why:
+            p.append(Problem("inference.tool_parser", why))
     if not inf.model:
         p.append(Problem("inference.model", "must not be empty"))
     elif inf.model.startswith("builtin:") and inf.model not in BUILTIN_MODELS:
@@ -961,6 +1046,7 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
         claim(cfg.cluster.port, "cluster.port")
         claim(cfg.cluster.port + 1, "cluster.port", "the trainer ranks' c10d store: port + 1")
     p.extend(_cluster_checks(cfg))
+    p.extend(_token_checks(cfg))
     # environments
     seen: dict[str, int] = {}
     replica_names: set[str] = set()
@@ -1032,6 +1118,19 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
     return p
 
 
+def _token_checks(cfg: Config) -> list[Problem]:
+    """The inference servers' token file: readable, at least MIN_TOKEN_BYTES (the API's is
+    read where it is used, at start: ``ApiConfig.bearer_token``)."""
+    p: list[Problem] = []
+    for key, name in (("inference.token_file", cfg.inference.token_file),):
+        if name:
+            try:
+                read_token_file(name, key, TokenError)
+            except TokenError as exc:
+                p.append(Problem(key, str(exc).removeprefix(f"{key}: ")))
+    return p
+
+
 def _cluster_checks(cfg: Config) -> list[Problem]:
     """The ``[cluster]`` rules of SPEC §12.3 (ports are claimed with the others)."""
     c = cfg.cluster
@@ -1041,6 +1140,8 @@ def _cluster_checks(cfg: Config) -> list[Problem]:
             c.resolve_node_rank()
         except ClusterError as exc:
             p.append(Problem("cluster.node_rank", str(exc)))
+    if c.bind and ("://" in c.bind or (":" in c.bind and not _is_ip(c.bind))):
+        p.append(Problem("cluster.bind", f"must be a host name or address without a scheme or port, got {c.bind!r}"))
     if c.head and ("://" in c.head or (":" in c.head and not _is_ip(c.head))):
         p.append(Problem("cluster.head", f"must be a host name or address without a scheme or port (the port is "
                                          f"cluster.port), got {c.head!r}"))

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from atroposd.config import ClusterConfig, ClusterError, dump_toml, parse_toml
+from atroposd.cluster.head import bind_address
+from atroposd.cluster.wire import inference_secret
+from atroposd.config import ApiConfig, ClusterConfig, ClusterError, TokenError, dump_toml, parse_toml
 from atroposd.paths import Paths
 from tests.support import config_problems
 
@@ -61,7 +63,10 @@ def test_a_valid_two_node_config_loads_and_round_trips(token: Path, tmp_path: Pa
     ('[cluster]\nnode_rank = -2\n', "cluster.node_rank: must be ≥ -1, got -2"),
     ('[cluster]\nnode_rank = 1\n', "cluster.node_rank: node rank 1 (from cluster.node_rank) must be < cluster.nodes (1)"),
     ('[cluster]\nport = 65535\n', "cluster.port: must be ≤ 65534"),
-    ('[cluster]\nheartbeat_timeout = 0\n', "cluster.heartbeat_timeout: must be > 0"),
+    # below 1 s a node's give-up time (heartbeat_timeout less one interval) would be ~0 or less
+    ('[cluster]\nheartbeat_timeout = 0.5\n', "cluster.heartbeat_timeout: must be ≥ 1, got 0.5"),
+    ('[cluster]\nbind = "http://n0"\n', "cluster.bind: must be a host name or address without a scheme or port"),
+    ('[cluster]\nbind = "n0:29400"\n', "cluster.bind: must be a host name or address without a scheme or port"),
     ('[cluster]\njoin_timeout = -1.0\n', "cluster.join_timeout: must be > 0"),
     ('[cluster]\nhead = "http://n0"\n', "cluster.head: must be a host name or address without a scheme or port"),
     ('[cluster]\nhead = "n0:29400"\n', "cluster.head: must be a host name or address without a scheme or port"),
@@ -85,6 +90,58 @@ def test_token_file_must_be_readable_and_not_empty(tmp_path: Path) -> None:
     empty.write_text("  \n")
     found = config_problems(_two_nodes(empty, tmp_path))
     assert any(p == f"cluster.token_file: {empty} is empty" for p in found), found
+
+
+def test_a_token_file_under_16_bytes_is_refused_and_one_others_can_read_warns(tmp_path: Path) -> None:
+    short = tmp_path / "short"
+    short.write_text("fifteen-bytes!!\n")  # 15 bytes once the newline is stripped
+    short.chmod(0o600)
+    found = config_problems(_two_nodes(short, tmp_path))
+    assert any(p.startswith(f"cluster.token_file: {short} holds 15 bytes; a token must have at least 16")
+               for p in found), found
+    found = config_problems(f'[inference]\ntoken_file = "{short}"\n')
+    assert any(p.startswith("inference.token_file:") and "holds 15 bytes" in p for p in found), found
+    with pytest.raises(TokenError, match="api.token_file: .* holds 15 bytes"):
+        ApiConfig(token_file=str(short)).bearer_token()
+    ok = tmp_path / "ok"
+    ok.write_text("sixteen-bytes!!!\n")
+    ok.chmod(0o600)
+    cfg = parse_toml(_two_nodes(ok, tmp_path) + f'[api]\nhost = "127.0.0.1"\ntoken_file = "{ok}"\n')
+    assert cfg.cluster.read_token() == b"sixteen-bytes!!!" and cfg.api.bearer_token() == "sixteen-bytes!!!"
+    assert not [w for w in cfg.warnings if "token_file" in w], cfg.warnings
+    ok.chmod(0o644)
+    cfg = parse_toml(_two_nodes(ok, tmp_path) + f'[api]\nhost = "127.0.0.1"\ntoken_file = "{ok}"\n')
+    for key in ("cluster.token_file", "api.token_file"):
+        assert any(w.startswith(f"{key}: {ok} is readable by other users (mode 0644)") for w in cfg.warnings), \
+            cfg.warnings
+
+
+def test_the_inference_token_comes_from_its_file_or_the_cluster_token(token: Path, tmp_path: Path) -> None:
+    assert parse_toml("").inference_token() == ""  # one machine, no file: none
+    two = parse_toml(_two_nodes(token, tmp_path))
+    derived = two.inference_token()
+    assert len(derived) == 64 and derived.encode() != two.cluster.read_token()
+    assert derived == inference_secret(b"s3cret-of-the-job") != inference_secret(b"another-secret-of-a-job")
+    own = tmp_path / "inference.token"
+    own.write_text("an-inference-token-of-its-own\n")
+    own.chmod(0o600)
+    assert parse_toml(_two_nodes(token, tmp_path) + f'[inference]\ntoken_file = "{own}"\n').inference_token() == \
+        "an-inference-token-of-its-own"
+
+
+def test_bind_defaults_to_the_address_head_resolves_to(token: Path, tmp_path: Path) -> None:
+    cfg = parse_toml(_two_nodes(token, tmp_path, head="127.0.0.1"))
+    assert bind_address(cfg.cluster) == "127.0.0.1"
+    assert bind_address(parse_toml(_two_nodes(token, tmp_path, head="localhost")).cluster) == "127.0.0.1"
+    cfg = parse_toml(_two_nodes(token, tmp_path, head="127.0.0.1", extra='bind = "127.0.0.2"\n'))
+    assert bind_address(cfg.cluster) == "127.0.0.2"
+    # a wildcard API or inference host binds the cluster's address with several machines, and
+    # the URLs the children use follow it
+    cfg = parse_toml(_two_nodes(token, tmp_path, head="127.0.0.1", rank=0, extra='bind = "127.0.0.2"\n') +
+                     '[inference]\nhost = "0.0.0.0"\n[api]\nhost = "0.0.0.0"\n')
+    assert cfg.listen_host(cfg.inference.host) == "127.0.0.2" and cfg.inference_urls == ["http://127.0.0.2:9001"]
+    assert cfg.api_url == "http://127.0.0.2:8000"
+    assert parse_toml('[inference]\nhost = "0.0.0.0"\n').listen_host("0.0.0.0") == "0.0.0.0"  # one machine
 
 
 def test_loopback_hosts_are_valid_exactly_with_a_loopback_head(token: Path, tmp_path: Path) -> None:

@@ -64,7 +64,7 @@ def test_sbatch_fills_in_this_allocation(tmp_path: Path, config_text: str, clust
     # what a node of the allocation then checks (its rank from SLURM_NODEID, as under srun)
     monkeypatch.setenv("SLURM_NODEID", "3")
     token = tmp_path / "token"
-    token.write_text("x")
+    token.write_text("x" * 32)
     cfg = parse_toml(rendered.replace('"node-a17"', '"127.0.0.1"').replace("/shared/cluster.token", str(token)) +
                      f'[trainer]\ncheckpoint_dir = "{tmp_path}"\n')
     assert cfg.cluster.resolve_node_rank() == 3
@@ -125,7 +125,7 @@ def test_k8s_statefulset_behind_a_headless_service_with_node_0_the_head(tmp_path
     # the config in the ConfigMap is valid for this StatefulSet
     monkeypatch.setenv("ATROPOSD_NODE_RANK", "1")
     token = tmp_path / "token"
-    token.write_text("x")
+    token.write_text("x" * 32)
     text = cm["data"]["atroposd.toml"]
     cfg = parse_toml(text.replace("/etc/atroposd/token/token", str(token))
                      .replace("/shared/checkpoints", str(tmp_path / "ckpt")))

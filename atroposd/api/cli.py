@@ -65,6 +65,8 @@ def settings_from(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
         api.token = ""  # --token-file overrides a token from the file
     problems = apply_flags(api, "api", args, _FLAGS)
     s = ApiSettings.from_config(api, spool)
+    if getattr(args, "config", None):
+        s.host = cfg.listen_host(s.host)  # several machines: a wildcard host binds [cluster] bind
     for flag in ("spool_dir", "body_timeout", "max_queued_bytes"):
         value = getattr(args, flag, None)
         if value is not None:

@@ -8,6 +8,13 @@ peer with another token is refused with a reason it can log, and the head logs i
 
 A node is lost when its heartbeats stop for ``heartbeat_timeout`` (its connection is then
 dropped, so it must join again), when its connection closes, or when it leaves.
+
+Strangers (SPEC §12.3, §13): a connection that has not joined yet may buffer at most
+``MAX_JOIN_BYTES`` and must join within ``join_deadline`` seconds; at most ``max_pending``
+(twice the node count, at least 4) such connections are held at once, and one past that is
+closed at once. Refusals of strangers are logged at most once per ``REFUSAL_LOG_EVERY_S``
+(with the count of those not logged). What a node sends is cleaned where it arrives
+(``membership.clean_*``).
 """
 
 from __future__ import annotations
@@ -22,8 +29,17 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from atroposd.cluster.membership import LOST, Member, Membership, replicas_ready
+from atroposd.cluster.membership import (
+    LOST,
+    Member,
+    Membership,
+    clean_rows,
+    clean_text,
+    clean_value,
+    replicas_ready,
+)
 from atroposd.cluster.wire import (
+    MAX_JOIN_BYTES,
     MAX_MESSAGE_BYTES,
     BadMessage,
     Channel,
@@ -37,9 +53,67 @@ from atroposd.net import is_loopback
 if TYPE_CHECKING:
     from atroposd.config import ClusterConfig, Config
 
-__all__ = ["ClusterHead", "ClusterStartError", "JoinCheck", "heartbeat_interval"]
+__all__ = ["JOIN_DEADLINE_S", "ClusterHead", "ClusterStartError", "JoinCheck", "bind_address",
+           "heartbeat_interval", "max_pending"]
 
 log = get_logger("atroposd.cluster")
+
+# Seconds a new connection has to send its join (a node sends it at once).
+JOIN_DEADLINE_S = 5.0
+# At most one log line per kind of refused stranger in this many seconds.
+REFUSAL_LOG_EVERY_S = 10.0
+
+
+def max_pending(nodes: int) -> int:
+    """Connections that have not joined held at once: twice the node count, at least 4."""
+    return max(4, 2 * nodes)
+
+
+def bind_address(cfg: ClusterConfig) -> str:
+    """The address every listening port of a node binds (SPEC §12.3): ``[cluster] bind``, else
+    the address of this host that ``head`` is reached through — on the head, the address
+    ``head`` resolves to; on a loopback head, that loopback address."""
+    if cfg.bind:
+        return cfg.bind
+    if not cfg.head:
+        return "127.0.0.1"
+    if is_loopback(cfg.head):
+        return cfg.head if cfg.head[:1].isdigit() or ":" in cfg.head else "127.0.0.1"
+    try:
+        infos = socket.getaddrinfo(cfg.head, cfg.port, type=socket.SOCK_DGRAM)
+    except OSError as exc:
+        raise ClusterStartError(f"cluster.head: cannot resolve {cfg.head!r} ({exc.strerror or exc}); "
+                                "set cluster.bind") from None
+    family, _, _, _, addr = infos[0]
+    # Connecting a datagram socket sends nothing: it only picks the local address of the route.
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(addr)
+            return str(probe.getsockname()[0])
+        except OSError as exc:
+            raise ClusterStartError(f"cluster.head: no route from this host to {cfg.head!r} "
+                                    f"({exc.strerror or exc}); set cluster.bind") from None
+
+
+class _RefusalLog:
+    """Warnings about refused strangers, at most one per kind every ``every`` seconds."""
+
+    def __init__(self, every: float = REFUSAL_LOG_EVERY_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every, self.clock = every, clock
+        self.refused = 0  # every refusal, logged or not
+        self._last: dict[str, float] = {}
+        self._quiet: dict[str, int] = {}
+
+    def __call__(self, kind: str, message: str, **fields: Any) -> None:
+        self.refused += 1
+        now = self.clock()
+        last = self._last.get(kind)
+        if last is not None and now - last < self.every:
+            self._quiet[kind] = self._quiet.get(kind, 0) + 1
+            return
+        self._last[kind] = now
+        quiet = self._quiet.pop(kind, 0)
+        log.warning(message, **fields, **({"not_logged_since_last": quiet} if quiet else {}))
 
 # A join the daemon wants to refuse (ranks per node differ, ...): the reason, or None to accept.
 JoinCheck = Callable[[Mapping[str, Any]], "str | None"]
@@ -62,15 +136,20 @@ class ClusterHead:
                  instance: str | None = None, check_join: JoinCheck | None = None,
                  on_change: Callable[[int, str, str, str], None] | None = None,
                  on_message: Callable[[int, dict[str, Any]], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, join_deadline: float = JOIN_DEADLINE_S) -> None:
         if cfg.nodes < 1:
             raise ValueError("cluster.nodes must be ≥ 1")
         self.cfg = cfg
         self._key = auth_key(token)
         self.store_secret = store_secret(token)
         self.host = host or socket.gethostname()
-        # A loopback head binds loopback only (one machine as several nodes); else every interface.
-        self.bind_host = bind_host if bind_host is not None else (cfg.head if is_loopback(cfg.head) else None)
+        # [cluster] bind, else the address head resolves to here (never every interface): found
+        # in start, where a head that does not resolve is a ClusterStartError.
+        self.bind_host = bind_host
+        self.join_deadline = join_deadline
+        self.max_pending = max_pending(cfg.nodes)
+        self._pending: set[Channel] = set()  # connections that have not joined yet
+        self._refusals = _RefusalLog()
         self.instance = instance or uuid.uuid4().hex
         self.interval = heartbeat_interval(cfg.heartbeat_timeout)
         self.check_join = check_join
@@ -105,10 +184,12 @@ class ClusterHead:
 
     async def start(self) -> None:
         """Open the endpoint; raises ClusterStartError naming the port when it cannot."""
-        where = f"{self.bind_host or '*'}:{self.cfg.port}"
+        if self.bind_host is None:
+            self.bind_host = bind_address(self.cfg)
+        where = f"{self.bind_host}:{self.cfg.port}"
         try:
             self._server = await asyncio.start_server(self._serve, self.bind_host, self.cfg.port,
-                                                      limit=MAX_MESSAGE_BYTES, reuse_address=True)
+                                                      limit=MAX_JOIN_BYTES, reuse_address=True)
         except OSError as exc:
             why = "already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
             raise ClusterStartError(f"cluster.port: cannot open the cluster endpoint on {where}: {why}") from None
@@ -160,6 +241,11 @@ class ClusterHead:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed_event.wait(), left)
 
+    @property
+    def refused(self) -> int:
+        """Connections of strangers refused so far (over the cap, silent, wrong token, garbage)."""
+        return self._refusals.refused
+
     def connected(self) -> list[int]:
         """The nodes (other than the head) with an admitted connection that is not lost."""
         return sorted(r for r in self._channels if self.membership.members[r].state != LOST)
@@ -183,12 +269,11 @@ class ClusterHead:
         confirm, each with the reason (empty: every node confirmed, or none was connected)."""
         self._stopping = True
         targets = {r: ch for r, ch in self._channels.items() if self.membership.members[r].state != LOST}
-        for r, ch in targets.items():
+        for r in targets:
             self._stopped.setdefault(r, asyncio.Event())
-            try:
-                await asyncio.wait_for(ch.send({"t": "stop"}), self.interval * 2)
-            except (OSError, asyncio.TimeoutError):
-                pass  # its connection is gone: the wait below sees it lost
+        # All at once: a node that does not read never delays another's stop. A failed send
+        # means its connection is gone: the wait below sees it lost.
+        await asyncio.gather(*(ch.try_send({"t": "stop"}, self.interval * 2) for ch in targets.values()))
         log.info("asked the nodes to stop", nodes=sorted(targets))
         deadline = asyncio.get_running_loop().time() + timeout
 
@@ -241,11 +326,17 @@ class ClusterHead:
                 self._lose(rank, f"no heartbeat for {self.cfg.heartbeat_timeout:g} s")
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        ch = Channel(reader, writer, self._key, limit=MAX_JOIN_BYTES)
+        if len(self._pending) >= self.max_pending:
+            self._refusals("refused-full", "refused a connection: too many connections have not joined yet",
+                           peer=ch.peer, pending=len(self._pending), max_pending=self.max_pending)
+            ch.abort()
+            return
         task = asyncio.current_task()
         assert task is not None
         self._handlers.add(task)
-        ch = Channel(reader, writer, self._key)
         self._open.add(ch)
+        self._pending.add(ch)
         try:
             await self._session(ch)
         except (OSError, asyncio.IncompleteReadError):
@@ -255,6 +346,7 @@ class ClusterHead:
         finally:
             self._handlers.discard(task)
             self._open.discard(ch)
+            self._pending.discard(ch)
             ch.abort()
             for rank in [r for r, c in self._channels.items() if c is ch]:
                 # it broke on a send: the node went away (after its confirmed stop, or not)
@@ -272,24 +364,29 @@ class ClusterHead:
 
     async def _session(self, ch: Channel) -> None:
         try:
-            first = await asyncio.wait_for(ch.recv(), self.cfg.heartbeat_timeout)
+            first = await asyncio.wait_for(ch.recv(), self.join_deadline)
         except asyncio.TimeoutError:
+            self._refusals("refused-silent", "closed a connection that did not join in time", peer=ch.peer,
+                           join_deadline_s=self.join_deadline)
             return
         except WrongToken:
-            log.warning("refused a node: its messages are not signed with this cluster's token", peer=ch.peer)
+            self._refusals("refused-token", "refused a node: its messages are not signed with this cluster's token",
+                           peer=ch.peer)
             await self._refuse(ch, "wrong cluster token: this node's cluster.token_file does not hold the "
                                    "head's secret", signed=False)
             return
         except BadMessage as exc:
-            log.warning("refused a connection that does not speak the cluster protocol", peer=ch.peer,
-                        error=str(exc))
-            await self._refuse(ch, f"not a message of the cluster protocol ({exc})", signed=False)
+            self._refusals("refused-garbage", "refused a connection that does not speak the cluster protocol",
+                           peer=ch.peer, error=clean_text(exc, 200))
+            await self._refuse(ch, f"not a message of the cluster protocol ({clean_text(exc, 200)})", signed=False)
             return
         if first is None:
             return
         rank = await self._admit(ch, first)
         if rank is None:
             return
+        self._pending.discard(ch)
+        ch.limit = MAX_MESSAGE_BYTES
         while True:
             try:
                 msg = await ch.recv()
@@ -310,15 +407,13 @@ class ClusterHead:
             if kind == "beat":
                 await ch.send({"t": "ack", "seq": msg.get("seq")})
             elif kind == "report":
-                comps = msg.get("components")
-                comps = [c for c in comps if isinstance(c, dict)] if isinstance(comps, list) else []
-                self.membership.report(rank, comps, bool(msg.get("ready")))
+                self.membership.report(rank, clean_rows(msg.get("components")), bool(msg.get("ready")))
             elif kind == "stopped":
                 self._stopped.setdefault(rank, asyncio.Event()).set()
                 self._changed_event.set()
                 log.info("node stopped", node_rank=rank)
             elif kind == "leave":
-                self._lose(rank, f"left: {msg.get('reason') or 'stopped on its own'}", ch)
+                self._lose(rank, f"left: {clean_text(msg.get('reason') or 'stopped on its own')}", ch)
                 return
             elif self._on_message is not None:
                 self._on_message(rank, msg)  # the daemon's own messages (trainer ranks, resyncs)
@@ -326,14 +421,15 @@ class ClusterHead:
     async def _admit(self, ch: Channel, msg: Mapping[str, Any]) -> int | None:
         """Check a join; register the node and answer ``welcome``, or refuse. Its rank or None."""
         if msg.get("t") != "join":
-            await self._refuse(ch, f"expected a join, got {msg.get('t')!r}")
+            await self._refuse(ch, f"expected a join, got {clean_text(msg.get('t'), 64)!r}")
             return None
         rank = msg.get("node_rank")
-        host = str(msg.get("host") or "")
-        instance = str(msg.get("instance") or "")
+        host = clean_text(msg.get("host") or "", 255)
+        instance = clean_text(msg.get("instance") or "", 64)
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank < self.cfg.nodes:
-            reason = (f"node_rank {rank!r} is the head's" if rank == 0 else
-                      f"node_rank {rank!r} is not one of 1..{self.cfg.nodes - 1} (cluster.nodes = {self.cfg.nodes})")
+            shown = clean_text(repr(rank), 64)
+            reason = (f"node_rank {shown} is the head's" if rank == 0 else
+                      f"node_rank {shown} is not one of 1..{self.cfg.nodes - 1} (cluster.nodes = {self.cfg.nodes})")
             log.warning("refused a node", peer=ch.peer, reason=reason)
             await self._refuse(ch, reason)
             return None
@@ -370,10 +466,9 @@ class ClusterHead:
                 with contextlib.suppress(OSError, asyncio.TimeoutError):
                     await asyncio.wait_for(held.send({"t": "replaced", "by_pid": msg.get("pid")}), 1.0)
             held.abort()
-        comps = msg.get("components")
-        comps = [c for c in comps if isinstance(c, dict)] if isinstance(comps, list) else []
-        units = msg.get("units") if isinstance(msg.get("units"), dict) else {}
-        pid = msg.get("pid") if isinstance(msg.get("pid"), int) else None
+        comps = clean_rows(msg.get("components"))
+        units = clean_value(msg.get("units")) if isinstance(msg.get("units"), dict) else {}
+        pid = msg.get("pid") if isinstance(msg.get("pid"), int) and not isinstance(msg.get("pid"), bool) else None
         peer = ch.writer.get_extra_info("peername")
         address = peer[0] if isinstance(peer, tuple) else ""
         again = m.joins > 0 and m.instance == instance

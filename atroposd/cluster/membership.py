@@ -7,20 +7,71 @@ its connection closes, or when it leaves. A node that has not joined yet is list
 ``joining`` with no host. Node 0 is the head itself; its row comes from the head's own
 reports.
 
-Pure bookkeeping with an injectable clock: the head's endpoint drives it.
+Pure bookkeeping with an injectable clock: the head's endpoint drives it. What a node sends
+(its host, units, components, reasons) is cleaned where it arrives (``clean_text``,
+``clean_value``, ``clean_rows``): bounded in rows, keys, depth and string length, with terminal
+escapes and other control characters taken out, so that ``status`` prints nothing a node chose.
 """
 
 from __future__ import annotations
 
+import itertools
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["JOINING", "LOST", "READY", "STATES", "Member", "Membership", "replicas_ready"]
+__all__ = ["JOINING", "LOST", "MAX_REPORT_ROWS", "MAX_TEXT", "READY", "STATES", "Member", "Membership",
+           "clean_rows", "clean_text", "clean_value", "replicas_ready"]
 
 JOINING, READY, LOST = "joining", "ready", "lost"
 STATES = (JOINING, READY, LOST)
+
+# Bounds on what a node's messages put in the head's memory and in ``status``.
+MAX_REPORT_ROWS = 256  # component rows of one node
+MAX_TEXT = 512  # characters of one string (longer: cut, with an ellipsis)
+MAX_ITEMS = 64  # keys of a mapping, items of a list, below a row
+MAX_DEPTH = 4  # nesting below a row
+
+# ESC sequences (CSI, OSC up to BEL or ST, and two-character ones), then every other C0/C1
+# control character (tab and newline too: a node's string is one line in ``status``).
+_ESCAPES = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]?|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_]?)"
+                      r"|\x9b[0-?]*[ -/]*[@-~]?")
+_CONTROLS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def clean_text(value: Any, limit: int = MAX_TEXT) -> str:
+    """``value`` as a string a terminal shows as it is: escapes and control characters taken
+    out, at most ``limit`` characters."""
+    text = value if isinstance(value, str) else str(value)
+    if len(text) > 4 * limit:  # never run the patterns over more than the bound asks for
+        text = text[: 4 * limit]
+    text = _CONTROLS.sub("", _ESCAPES.sub("", text))
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def clean_value(value: Any, depth: int = 0) -> Any:
+    """A JSON value from a node, bounded: strings cleaned (``clean_text``), at most
+    ``MAX_ITEMS`` keys or items per level and ``MAX_DEPTH`` levels (deeper: None)."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, str):
+        return clean_text(value)
+    if depth >= MAX_DEPTH:
+        return None
+    if isinstance(value, dict):
+        return {clean_text(k, 64): clean_value(v, depth + 1) for k, v in list(value.items())[:MAX_ITEMS]}
+    if isinstance(value, list):
+        return [clean_value(v, depth + 1) for v in value[:MAX_ITEMS]]
+    return clean_text(value)
+
+
+def clean_rows(rows: Any) -> list[dict[str, Any]]:
+    """A node's component rows: the objects of a list, at most ``MAX_REPORT_ROWS``, each cleaned."""
+    if not isinstance(rows, list):
+        return []
+    return [clean_value(r) for r in itertools.islice((r for r in rows if isinstance(r, dict)), MAX_REPORT_ROWS)]
 
 
 def replicas_ready(components: Sequence[Mapping[str, Any]]) -> bool:

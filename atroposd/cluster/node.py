@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 from atroposd.cluster.head import heartbeat_interval
 from atroposd.cluster.membership import replicas_ready
 from atroposd.cluster.wire import (
-    MAX_MESSAGE_BYTES,
     BadMessage,
     Channel,
     WrongToken,
@@ -129,7 +128,7 @@ class ClusterNode:
 
     async def _connect(self, timeout: float) -> Channel:
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(self.cfg.head, self.cfg.port, limit=MAX_MESSAGE_BYTES), timeout)
+            asyncio.open_connection(self.cfg.head, self.cfg.port), timeout)
         sock = writer.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
@@ -138,11 +137,19 @@ class ClusterNode:
 
     async def _handshake(self, ch: Channel) -> dict[str, Any] | None:
         """Send the join; the head's welcome, or None when it closed without one (retry).
-        Raises ClusterRefused on a fatal refusal."""
+        Raises ClusterRefused on a fatal refusal.
+
+        Before its first welcome a node takes an unsigned refusal (the head's answer to a
+        wrong token: nothing signed could reach it). Once welcomed, it knows its head signs
+        with its token: an unsigned or foreign answer is not its head's, and only a signed
+        refusal ends it (anything else is a failed attempt, retried)."""
+        welcomed = bool(self.head_instance)
         await ch.send(self._join_msg())
         try:
-            msg = await asyncio.wait_for(ch.recv(allow_unsigned_refusal=True), self.cfg.heartbeat_timeout)
+            msg = await asyncio.wait_for(ch.recv(allow_unsigned_refusal=not welcomed), self.cfg.heartbeat_timeout)
         except WrongToken:
+            if welcomed:
+                raise BadMessage(f"an answer from {self.head_address} not signed with this cluster's token") from None
             raise ClusterRefused(f"the head at {self.head_address} signs with another cluster token "
                                  "(cluster.token_file differs between the nodes)") from None
         if msg is None:

@@ -5,9 +5,11 @@ JSON bytes under a key derived from the token (``auth_key``). Every message in b
 directions is signed and checked (constant-time compare) before its JSON is parsed; the
 token itself never travels. The one unsigned message is a refusal a head sends to a peer
 whose messages it cannot verify (its mac is ``-``): the peer has another token, so nothing
-signed could reach it, and it must still learn why it was turned away.
+signed could reach it, and it must still learn why it was turned away. A node takes it only
+before its first welcome; once welcomed, only a signed refusal ends it.
 
-The token also gives the trainer ranks' c10d store prefix (``store_secret``): the store has
+The token also gives the inference servers' bearer token when ``[inference] token_file`` is
+not set (``inference_secret``), and the trainer ranks' c10d store prefix (``store_secret``): the store has
 no authentication of its own, so keys only a holder of the token can name keep a stray
 client from reading or writing the group's keys by accident (SPEC §12.3, Trust).
 
@@ -25,6 +27,7 @@ from typing import Any
 import orjson
 
 __all__ = [
+    "MAX_JOIN_BYTES",
     "MAX_MESSAGE_BYTES",
     "BadMessage",
     "Channel",
@@ -33,12 +36,18 @@ __all__ = [
     "decode",
     "encode",
     "encode_unsigned",
+    "inference_secret",
     "store_secret",
 ]
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+# The longest line a connection may send before it has joined (a join is a few hundred bytes):
+# a stranger never makes the head buffer more than this.
+MAX_JOIN_BYTES = 64 * 1024
+_READ_CHUNK = 64 * 1024
 _AUTH_LABEL = b"atroposd cluster endpoint v1"
 _STORE_LABEL = b"atroposd c10d store prefix v1"
+_INFERENCE_LABEL = b"atroposd inference bearer token v1"
 UNSIGNED = b"-"
 _MAC_LEN = 64  # hex SHA-256
 
@@ -52,6 +61,13 @@ def store_secret(token: bytes) -> str:
     """A secret for the trainer ranks' c10d store prefix: 32 hex characters, the same on every
     node that holds the token, unrelated to the endpoint's signing key."""
     return hmac.new(token, _STORE_LABEL, hashlib.sha256).hexdigest()[:32]
+
+
+def inference_secret(token: bytes) -> str:
+    """The inference servers' bearer token derived from the cluster token (when ``[inference]
+    token_file`` is not set): 64 hex characters, the same on every node, unrelated to the
+    endpoint's signing key and the store's prefix."""
+    return hmac.new(token, _INFERENCE_LABEL, hashlib.sha256).hexdigest()
 
 
 class BadMessage(ValueError):
@@ -105,13 +121,20 @@ def _parse(body: bytes) -> dict[str, Any]:
 
 
 class Channel:
-    """One connection: signed messages out, checked messages in."""
+    """One connection: signed messages out, checked messages in.
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes) -> None:
+    Lines are read into a buffer of this channel's own, bounded by ``limit`` (a line longer is
+    a BadMessage): the head gives a connection ``MAX_JOIN_BYTES`` until it has joined, and
+    ``MAX_MESSAGE_BYTES`` after."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes, *,
+                 limit: int = MAX_MESSAGE_BYTES) -> None:
         self.reader, self.writer, self.key = reader, writer, key
+        self.limit = limit
         peer = writer.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self._lock = asyncio.Lock()
+        self._buf = bytearray()
 
     async def send(self, msg: Mapping[str, Any]) -> None:
         async with self._lock:
@@ -131,16 +154,32 @@ class Channel:
             self.writer.write(encode_unsigned(msg))
             await self.writer.drain()
 
+    async def _readline(self) -> bytes:
+        """The next line with its newline; b"" at the end of the stream (a line cut off by the
+        end of the stream counts as the end). BadMessage past ``limit``."""
+        searched = 0
+        while True:
+            end = self._buf.find(b"\n", searched)
+            if end >= 0:
+                if end >= self.limit:
+                    raise BadMessage(f"a message longer than {self.limit} bytes")
+                line = bytes(self._buf[: end + 1])
+                del self._buf[: end + 1]
+                return line
+            if len(self._buf) >= self.limit:
+                raise BadMessage(f"a message longer than {self.limit} bytes")
+            searched = len(self._buf)
+            chunk = await self.reader.read(min(_READ_CHUNK, self.limit + 1 - len(self._buf)))
+            if not chunk:
+                self._buf.clear()
+                return b""
+            self._buf += chunk
+
     async def recv(self, *, allow_unsigned_refusal: bool = False) -> dict[str, Any] | None:
         """The next message; None at the end of the stream (the peer closed or went away)."""
-        try:
-            line = await self.reader.readline()
-        except ValueError:  # longer than the reader's limit
-            raise BadMessage(f"a message longer than {MAX_MESSAGE_BYTES} bytes") from None
+        line = await self._readline()
         if not line:
             return None
-        if not line.endswith(b"\n"):
-            return None  # cut off by the end of the stream
         return decode(self.key, line, allow_unsigned_refusal=allow_unsigned_refusal)
 
     def abort(self) -> None:

@@ -30,7 +30,7 @@ import anyio
 import anyio.abc
 
 from atroposd import heartbeat
-from atroposd.config import Config, ConfigError, TokenError, load_config
+from atroposd.config import ClusterError, Config, ConfigError, TokenError, load_config
 from atroposd.control import ANSWER_LIMIT, ControlServer
 from atroposd.daemon import runtime, specs
 from atroposd.daemon import status as status_mod
@@ -137,14 +137,13 @@ class Daemon:
         trainer) and the built-in environments send it — never on a command line."""
         try:
             self.cfg.api.token = self.cfg.api.bearer_token()
-        except TokenError as exc:
+            self.cfg.inference.token = self.cfg.inference_token()  # SPEC §12.3: sent, never on a command line
+        except (TokenError, ClusterError) as exc:
             raise StartFailed(str(exc)) from None
 
     def _resolve_node_rank(self) -> None:
         """Several machines: this node's rank (``-1`` resolved from the environment or the host
         name) into the config, so that every child sees the same."""
-        from atroposd.config import ClusterError
-
         if not self.cfg.cluster.enabled:
             return
         try:
@@ -563,7 +562,8 @@ class Daemon:
             return {"ok": False, "code": int(Exit.USAGE), "error": f"{exc}\nthe running configuration is kept"}
         try:
             new.api.token = new.api.bearer_token()  # compared as in force, like the running one
-        except TokenError as exc:
+            new.inference.token = new.inference_token()
+        except (TokenError, ClusterError) as exc:
             return {"ok": False, "code": int(Exit.USAGE), "error": f"{exc}\nthe running configuration is kept"}
         plan = plan_reload(self.cfg, new)
         if not plan.ok:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.abc
 
-from atroposd.daemon.specs import api_headers
+from atroposd.daemon.specs import api_headers, inference_headers
 from atroposd.daemon.status import DaemonView, trainer_status
 from atroposd.logs import get_logger
 from atroposd.process.unit import State
@@ -92,10 +92,10 @@ def scrape_targets(d: DaemonView) -> list[Target]:
     api = [u.name for u in d.units.values() if u.kind == "api"] if cfg.api.enabled else ["api"]
     out += [Target(name, f"{cfg.api_url}/metrics", api_headers(cfg)) for name in api]
     if cfg.inference.enabled:  # each server at the URL its readiness probe uses (replicas included)
-        out += [Target(u.name, f"{_base_url(u, cfg.inference_url)}/metrics", {})
+        out += [Target(u.name, f"{_base_url(u, cfg.inference_url)}/metrics", inference_headers(cfg))
                 for u in d.units.values() if u.kind == "inference"]
     else:
-        out.append(Target("inference", f"{cfg.inference_url}/metrics", {}))
+        out.append(Target("inference", f"{cfg.inference_url}/metrics", inference_headers(cfg)))
     return out
 
 

@@ -29,13 +29,14 @@ POLL_INTERVAL = 2.0
 POLL_TIMEOUT = 1.5
 
 
-async def fetch_health(session: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
+async def fetch_health(session: aiohttp.ClientSession, url: str,
+                       headers: dict[str, str] | None = None) -> dict[str, Any] | None:
     """A replica's ``/health`` body (``url`` without the path); None when it does not answer 200
-    with a JSON object in the session's timeout."""
+    with a JSON object in the session's timeout. ``headers``: the inference token, if any."""
     import aiohttp
 
     try:
-        async with session.get(f"{url}/health") as resp:
+        async with session.get(f"{url}/health", headers=headers or {}) as resp:
             data = await resp.json(content_type=None) if resp.status == 200 else None
     except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
         return None
@@ -62,7 +63,7 @@ class ReplicaHealth:
     """The latest ``/health`` of each inference replica, replica 0 first."""
 
     def __init__(self, names: Sequence[str], urls: Sequence[str], *, interval: float = POLL_INTERVAL,
-                 timeout: float = POLL_TIMEOUT) -> None:
+                 timeout: float = POLL_TIMEOUT, headers: dict[str, str] | None = None) -> None:
         if len(names) != len(urls):
             raise ValueError(f"{len(names)} replica names for {len(urls)} URLs")
         if interval <= 0 or timeout <= 0:
@@ -70,13 +71,16 @@ class ReplicaHealth:
         self.replicas = [ReplicaSeen(n, u.rstrip("/")) for n, u in zip(names, urls, strict=True)]
         self.interval = interval
         self.timeout = timeout
+        self.headers = dict(headers or {})
         self.polls = 0  # rounds finished
 
     @classmethod
     def of(cls, cfg: Config, **kw: Any) -> ReplicaHealth:
         """Every replica of ``cfg`` (supervised or the one external server), by component name."""
+        from atroposd.daemon.specs import inference_headers
+
         urls = cfg.inference_urls
-        return cls([inference_name(cfg, i) for i in range(len(urls))], urls, **kw)
+        return cls([inference_name(cfg, i) for i in range(len(urls))], urls, headers=inference_headers(cfg), **kw)
 
     def generations(self) -> list[int | None]:
         """Generations each replica answered, last known; replica 0 first."""
@@ -87,7 +91,7 @@ class ReplicaHealth:
         async def one(r: ReplicaSeen) -> None:
             data = None
             with anyio.move_on_after(self.timeout):
-                data = await fetch_health(session, r.url)
+                data = await fetch_health(session, r.url, self.headers)
             r.up = data is not None
             if data is None:
                 return

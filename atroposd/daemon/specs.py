@@ -80,6 +80,12 @@ def api_headers(cfg: Config) -> dict[str, str]:
     return {"Authorization": f"Bearer {cfg.api.token}"} if cfg.api.token else {}
 
 
+def inference_headers(cfg: Config) -> dict[str, str]:
+    """The Authorization header for the inference servers' TCP routes, if they require a token
+    (``cfg.inference.token``, resolved by the daemon at start; SPEC §12.3)."""
+    return {"Authorization": f"Bearer {cfg.inference.token}"} if cfg.inference.token else {}
+
+
 def placeholder_values(ins: SpecInputs, *, name: str = "", replica: int = 0,
                        env: EnvConfig | None = None) -> dict[str, str]:
     """The values of SPEC §3's placeholders for one child (``{port}`` excepted)."""
@@ -94,6 +100,8 @@ def placeholder_values(ins: SpecInputs, *, name: str = "", replica: int = 0,
         "steps": str(c.trainer.steps), "name": name, "replica": str(replica),
         "seed": str(c.trainer.seed + replica),
         "replica_port": str(env.port_base + replica) if env and env.port_base else "",
+        # {inference_token} / ATROPOSD_INFERENCE_TOKEN: "" when the servers require none
+        "inference_token": c.inference.token,
     }
     group = wandb_group(c)
     if group:  # {wandb_group} / ATROPOSD_WANDB_GROUP: only when there is one
@@ -180,9 +188,11 @@ def inference_spec(ins: SpecInputs, replica: int = 0) -> UnitSpec:
     i = c.inference
     live = LiveSettings(i.live_interval, i.live_timeout, i.live_failures)
     check = InferenceLiveCheck(c.inference_urls[replica], sock, timeout=i.live_timeout,
-                               generate_every=i.live_generate_every, failures=i.live_failures)
+                               generate_every=i.live_generate_every, failures=i.live_failures,
+                               headers=inference_headers(c))
     return UnitSpec(name=name, kind="inference", argv=argv, env=env,
-                    probe=InferenceProbe(c.inference_urls[replica], sock), ready_timeout=c.inference.ready_timeout,
+                    probe=InferenceProbe(c.inference_urls[replica], sock, inference_headers(c)),
+                    ready_timeout=c.inference.ready_timeout,
                     stop_timeout=c.daemon.stop_timeout, death_signal=signal.SIGTERM, live=live, live_check=check)
 
 

@@ -14,7 +14,7 @@ import anyio.abc
 
 from atroposd.config import Config
 from atroposd.daemon.replicas import ReplicaHealth, fetch_health
-from atroposd.daemon.specs import api_headers
+from atroposd.daemon.specs import api_headers, inference_headers
 from atroposd.daemon.state import DaemonState
 from atroposd.process.probes import get_ok
 from atroposd.process.unit import State, Unit
@@ -84,7 +84,7 @@ async def status(d: DaemonView) -> dict[str, Any]:
                 components += rows
                 continue
             # External components are probed, not supervised.
-            ok = await get_ok(session, url, api_headers(cfg) if kind == "api" else None)
+            ok = await get_ok(session, url, api_headers(cfg) if kind == "api" else inference_headers(cfg))
             components.append({"name": kind, "kind": kind, "external": True,
                                "state": "ready" if ok else "unreachable", "pid": None, "restarts": 0,
                                "last_exit": None, "since_s": None, "url": url})
@@ -197,7 +197,7 @@ async def _replica_health(cfg: Config, session: aiohttp.ClientSession, rows: lis
         i = replica_index(row["name"])
         url = urls[i] if i < len(urls) else urls[0]
         row.update(url=url, weight_version=None, generations=None)
-        data = await fetch_health(session, url)
+        data = await fetch_health(session, url, inference_headers(cfg))
         if data is not None:
             row.update(weight_version=data.get("weight_version"), generations=data.get("generations"))
 

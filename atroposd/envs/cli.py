@@ -121,9 +121,20 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         group_size=group_size,
         max_token_length=_pick(None, "ATROPOSD_MAX_TOKEN_LEN", int, cfg.trainer.max_token_len),
         concurrency=parsed.concurrency, max_batches_offpolicy=parsed.max_batches_offpolicy,
-        weight=env_cfg.weight, api_token=cfg.api.token)
+        weight=env_cfg.weight, api_token=cfg.api.token, inference_token=_inference_token(cfg))
     return {"task": task, "settings": settings, "options": parsed, "vocab": task.vocab,
             "log_level": cfg.daemon.log_level, "log_format": cfg.daemon.log_format}
+
+
+def _inference_token(cfg: Any) -> str:
+    """The inference servers' bearer token: ``$ATROPOSD_INFERENCE_TOKEN`` (from the daemon), else
+    the config's (``[inference] token_file``, or derived from the cluster token)."""
+    from atroposd.config import INFERENCE_TOKEN_ENV
+
+    try:
+        return os.environ.get(INFERENCE_TOKEN_ENV, "").strip() or str(cfg.inference_token())
+    except ValueError as exc:  # TokenError, ClusterError
+        raise _Usage(str(exc)) from None
 
 
 def _find_env(envs: list[Any], name: str, builtin: str, node_rank: int = 0) -> Any:
@@ -197,7 +208,8 @@ async def _evaluate(setup: dict[str, Any]) -> int:
 
     options = setup["options"]
     async with aiohttp.ClientSession() as session:
-        infer = InferenceClient(session, setup["settings"].inference_urls or setup["settings"].inference_url)
+        infer = InferenceClient(session, setup["settings"].inference_urls or setup["settings"].inference_url,
+                                token=setup["settings"].inference_token)
         try:
             result = await evaluate_via_server(infer, setup["vocab"], all_problems(options),
                                                max_tokens=options.max_tokens)

@@ -70,8 +70,11 @@ class InferenceClient:
     answers ready again (``GET /info``: loaded and not awaiting weights; checked at most every
     ``RECHECK_S``). With every replica down the client waits with a visible backoff, as with one."""
 
-    def __init__(self, session: aiohttp.ClientSession, url: str | Sequence[str], *, log: Any = None) -> None:
+    def __init__(self, session: aiohttp.ClientSession, url: str | Sequence[str], *, log: Any = None,
+                 token: str = "") -> None:
         self._session = session
+        # The inference servers' bearer token (SPEC §12.3), on every request when there is one.
+        self._auth = {"Authorization": f"Bearer {token}"} if token else {}
         urls = [url] if isinstance(url, str) else list(url)
         if not urls:
             raise ValueError("InferenceClient needs at least one URL")
@@ -146,9 +149,9 @@ class InferenceClient:
 
     async def _ready(self, url: str) -> bool:
         try:
-            async with self._session.get(url + "/info") as resp:
+            async with self._session.get(url + "/info", headers=self._auth) as resp:
                 if resp.status == 404:
-                    async with self._session.get(url + "/health") as health:
+                    async with self._session.get(url + "/health", headers=self._auth) as health:
                         return health.status == 200
                 if resp.status != 200:
                     return False
@@ -160,7 +163,7 @@ class InferenceClient:
     async def _post(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
             async with self._session.post(url + "/generate", data=orjson.dumps(body),
-                                          headers={"Content-Type": "application/json"}) as resp:
+                                          headers={"Content-Type": "application/json", **self._auth}) as resp:
                 text = await resp.text()
                 status, retry_header = resp.status, resp.headers.get("Retry-After")
         except CONNECTION_ERRORS as exc:

@@ -90,6 +90,7 @@ class RunnerSettings:
     max_batches_offpolicy: int
     weight: float = 1.0
     api_token: str = ""
+    inference_token: str = ""  # the inference servers' bearer token ("" = none)
     stop_grace: float = 5.0
     report_every: float = 10.0
     #: every inference replica (generations go to the least busy ready one); empty: inference_url alone
@@ -158,7 +159,8 @@ class EnvRunner:
             registration = EnvRegistration(desired_name=s.name, group_size=s.group_size,
                                            max_token_length=s.max_token_length, weight=s.weight)
             self.api = AtroposEnvClient(session, s.api_url, registration, token=s.api_token, log=self.log)
-            infer = InferenceClient(session, s.inference_urls or s.inference_url, log=self.log)
+            infer = InferenceClient(session, s.inference_urls or s.inference_url, log=self.log,
+                                    token=s.inference_token)
             self.infer = infer
             self.log.info("environment starting", api=s.api_url, inference=",".join(s.inference_urls or
                                                                                     (s.inference_url,)),

@@ -88,8 +88,13 @@ def main(args: argparse.Namespace) -> int:
     except ModelError as exc:
         print(f"atroposd inference: {exc}", file=sys.stderr)
         return Exit.USAGE
-    opts = ServerOptions(host=inf.host, port=inf.port, control_socket=sock, engine=inf.engine,
-                         await_weights=args.await_weights, threads=args.threads)
+    try:
+        token = inference_token(cfg)
+    except ValueError as exc:  # TokenError, ClusterError: a token file that cannot give one
+        print(f"atroposd inference: {exc}", file=sys.stderr)
+        return Exit.USAGE
+    opts = ServerOptions(host=cfg.listen_host(inf.host), port=inf.port, control_socket=sock, engine=inf.engine,
+                         await_weights=args.await_weights, threads=args.threads, token=token)
     try:
         code = asyncio.run(serve(cfg, opts))
     except (ModelError, DeviceError) as exc:
@@ -101,6 +106,16 @@ def main(args: argparse.Namespace) -> int:
         return Exit.RUNTIME
     _exit_now(code)
     return code
+
+
+def inference_token(cfg: Config) -> str:
+    """The bearer token this server requires: ``$ATROPOSD_INFERENCE_TOKEN`` (the daemon's, SPEC §3's
+    ``{inference_token}``), else the config's (``Config.inference_token``)."""
+    import os
+
+    from atroposd.config import INFERENCE_TOKEN_ENV
+
+    return os.environ.get(INFERENCE_TOKEN_ENV, "").strip() or cfg.inference_token()
 
 
 def _exit_now(code: int) -> None:

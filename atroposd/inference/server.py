@@ -75,6 +75,7 @@ class ServerOptions:
     engine: str = "torch"
     await_weights: bool = False
     threads: int | None = None
+    token: str = ""  # the bearer token every TCP route requires ("" = none)
 
 
 @dataclass
@@ -90,6 +91,8 @@ class _Front:
     #: requests answered on /generate and the OpenAI routes (``/health``: load per replica)
     generations: int = 0
     metrics: Any = None  # InferenceMetrics, made by build_tcp_app
+    #: the bearer token every TCP route requires ("" = none; SPEC §12.3)
+    token: str = ""
 
 
 def make_engine(cfg: Config, name: str, *, await_weights: bool, threads: int | None = None) -> Any:
@@ -188,7 +191,7 @@ def _counted(front: _Front, route: str, handler: Handler) -> Handler:
 def build_tcp_app(front: _Front) -> web.Application:
     from atroposd.inference.metrics import InferenceMetrics
 
-    app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+    app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[_bearer_guard(front)])
     if front.metrics is None:
         front.metrics = InferenceMetrics(lambda: front.engine)
 
@@ -400,7 +403,7 @@ class PortInUse(RuntimeError):
 async def serve(cfg: Any, opts: ServerOptions, *, ready: Callable[[], None] | None = None) -> int:
     """Run the server until SIGTERM/SIGINT; 0 on a requested stop."""
     front = _Front(model_name=cfg.inference.model, max_model_len=cfg.inference.max_model_len,
-                   await_weights=opts.await_weights)
+                   await_weights=opts.await_weights, token=opts.token)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -523,6 +526,36 @@ def peer_uid(request: web.Request) -> int | None:
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     _pid, uid, _gid = struct.unpack("3i", creds)
     return int(uid)
+
+
+def _bearer_guard(front: _Front) -> Any:
+    """The TCP routes' middleware: with a token configured, every route (whatever it is) answers
+    401 to a request without ``Authorization: Bearer <token>`` (compared in constant time),
+    before its body is read. Refusals are logged at most once every 10 s."""
+    import hmac
+    import time
+
+    last_log = [-float("inf"), 0]  # when the last refusal was logged, refusals since
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if front.token:
+            given = request.headers.get("Authorization", "")
+            scheme, _, value = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), front.token.encode()):
+                last_log[1] += 1
+                now = time.monotonic()
+                if now - last_log[0] >= 10.0:
+                    log.warning("request without the inference token refused", path=request.path,
+                                peer=request.remote, refused_since_last_log=last_log[1])
+                    last_log[0], last_log[1] = now, 0
+                openai = request.path.startswith("/v1/")
+                resp = _error(401, "missing or wrong bearer token (inference.token_file)", openai=openai)
+                resp.headers["WWW-Authenticate"] = "Bearer"
+                return resp
+        return await handler(request)
+
+    return guard
 
 
 def _control_guard(allowed_uids: frozenset[int], send_timeout: float) -> Any:

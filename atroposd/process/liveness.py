@@ -138,6 +138,7 @@ class InferenceLiveCheck:
     generation_failures: int = 0
     last_generation_error: str | None = None
     _generating: bool = False
+    headers: dict[str, str] = field(default_factory=dict)  # the inference token, if any
 
     @property
     def description(self) -> str:
@@ -154,7 +155,7 @@ class InferenceLiveCheck:
             unit.live_task(self._generate)
         if self.generation_failures >= self.failures:
             return f"{self.last_generation_error} ({self.generation_failures} generation probes in a row)"
-        return await _get(f"{self.url}/health", {}, self.timeout)
+        return await _get(f"{self.url}/health", self.headers, self.timeout)
 
     async def _generate(self) -> None:
         from atroposd.weights.client import WeightControlClient, WeightControlError
@@ -183,6 +184,15 @@ class InferenceLiveCheck:
         self.generation_failures, self.last_generation_error, self._generating = 0, None, False
 
 
+MAX_BOARD = 4096  # beats kept per map of the HeartbeatBoard
+
+
+def _trim(board: dict[Any, Beat]) -> None:
+    if len(board) > MAX_BOARD:
+        for key, _ in sorted(board.items(), key=lambda kv: kv[1].at)[: len(board) // 2]:
+            del board[key]
+
+
 class HeartbeatBoard:
     """The daemon's end of the heartbeat socket: the newest beat per component name and pid."""
 
@@ -196,10 +206,10 @@ class HeartbeatBoard:
         self.received += 1
         self.by_name[beat.name] = beat
         self.by_pid[beat.pid] = beat
-        if len(self.by_pid) > 4096:  # pids of children long gone
-            oldest = sorted(self.by_pid.items(), key=lambda kv: kv[1].at)[: len(self.by_pid) // 2]
-            for pid, _ in oldest:
-                del self.by_pid[pid]
+        # Any local process may send beats under any name or pid: both maps are bounded, the
+        # oldest half dropped past MAX_BOARD (children long gone, or names no child has).
+        _trim(self.by_pid)
+        _trim(self.by_name)
 
     def latest(self, unit: Unit) -> Beat | None:
         """The newest beat from this unit's current process tree or carrying its name."""

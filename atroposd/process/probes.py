@@ -115,6 +115,7 @@ class InferenceProbe:
 
     url: str
     control_socket: Path
+    headers: dict[str, str] = field(default_factory=dict)  # the inference token, if any
 
     @property
     def description(self) -> str:
@@ -124,7 +125,7 @@ class InferenceProbe:
         from atroposd.weights.client import WeightControlClient, WeightControlError
 
         async with _session() as session:
-            while not await get_ok(session, f"{self.url}/health"):  # noqa: ASYNC110 - polling a remote
+            while not await get_ok(session, f"{self.url}/health", self.headers):  # noqa: ASYNC110 - polling a remote
                 await anyio.sleep(POLL_INTERVAL)
         client = WeightControlClient(self.control_socket, timeout=60.0)
         try:

@@ -477,12 +477,14 @@ class TrainerService:
         from atroposd.trainer.model import check_tokenizers
 
         url = f"{self.cfg.inference_url}/info"
+        token = self.cfg.inference.token  # the inference servers' bearer token, if any (SPEC §12.3)
+        auth = {"Authorization": f"Bearer {token}"} if token else {}
         deadline = time.monotonic() + max(INFO_TIMEOUT_S, self.cfg.inference.ready_timeout)
         delay = 0.05
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=INFO_TIMEOUT_S)) as session:
             while True:
                 try:
-                    async with session.get(url) as resp:
+                    async with session.get(url, headers=auth) as resp:
                         body = await resp.read()
                         status = resp.status
                     break

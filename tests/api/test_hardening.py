@@ -337,10 +337,10 @@ def test_non_ascii_authorization_is_a_401(tmp_path: Path) -> None:
 
 def test_token_from_a_file_or_the_environment(tmp_path: Path) -> None:
     token_file = tmp_path / "token"
-    token_file.write_text("from-file\n")
+    token_file.write_text("token-from-a-file\n")
     token_file.chmod(0o600)
     cases: list[tuple[tuple[str, ...], dict[str, str], str]] = [
-        (("--token-file", str(token_file)), {}, "from-file"),
+        (("--token-file", str(token_file)), {}, "token-from-a-file"),
         ((), {"ATROPOSD_API_TOKEN": "from-env"}, "from-env"),
     ]
     for args, env, token in cases:
@@ -356,7 +356,7 @@ def test_token_from_a_file_or_the_environment(tmp_path: Path) -> None:
 
 def test_token_file_from_the_config(tmp_path: Path) -> None:
     token_file = tmp_path / "token"
-    token_file.write_text("cfg-token\n")
+    token_file.write_text("cfg-token-of-the-api\n")
     port = free_port()
     cfg = write_config(tmp_path / "atroposd.toml", {
         "daemon": {"state_dir": str(tmp_path / "state"), "runtime_dir": str(tmp_path / "run")},
@@ -364,7 +364,7 @@ def test_token_file_from_the_config(tmp_path: Path) -> None:
     server = start_atroposd(tmp_path, "-c", str(cfg), port=port)
     try:
         assert Api(server.url).get("/info").status == 401
-        assert Api(server.url, "cfg-token").get("/info").status == 200
+        assert Api(server.url, "cfg-token-of-the-api").get("/info").status == 200
     finally:
         stop_process(server.proc)
     token_file.write_text("")

@@ -95,7 +95,7 @@ async def test_nodes_join_report_and_show_in_the_nodes_view(cfg: ClusterConfig) 
 async def test_a_node_with_a_wrong_token_is_refused_and_says_so(cfg: ClusterConfig, tmp_path: Path,
                                                                 peers: Callable[..., Peer]) -> None:
     wrong = tmp_path / "wrong.token"
-    wrong.write_text("another-secret\n")
+    wrong.write_text("another-secret-of-another-job\n")
     async with running_head(cfg) as head:
         p = peers("node", cfg, 1, token_file=str(wrong))
         await until(lambda: p.proc.poll() is not None, 15, "the refused node to exit")
@@ -105,7 +105,7 @@ async def test_a_node_with_a_wrong_token_is_refused_and_says_so(cfg: ClusterConf
         assert any("refused by the head" in line and "wrong cluster token" in line for line in p.log), p.log
         assert row(head, 1)["state"] == "joining" and row(head, 1)["host"] is None  # never admitted
         # in-process, the same refusal is an exception naming the cause
-        node = ClusterNode(cfg, token=b"another-secret", node_rank=1)
+        node = ClusterNode(cfg, token=b"another-secret-of-another-job", node_rank=1)
         with pytest.raises(ClusterRefused, match=r"refused node 1: wrong cluster token"):
             await node.join()
 

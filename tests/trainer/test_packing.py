@@ -148,3 +148,17 @@ def test_every_rank_runs_the_same_number_of_packed_passes() -> None:
         assert len({len(s.passes_with_weight()) for s in shares}) == 1
         real = [mb for s in shares for mb, w in s.passes_with_weight() if w]
         assert sum(int(mb.mask.sum()) for mb in real) == batch.completion_tokens
+
+
+def test_config_check_names_a_micro_batch_tokens_below_max_token_len(tmp_path: Path) -> None:
+    from atroposd.config import ConfigError
+    from tests.trainer.conftest import make_cfg
+
+    with pytest.raises(ConfigError, match=r"trainer\.micro_batch_tokens: must be 0 \(off\) or ≥ trainer\.max_token_len"):
+        make_cfg(tmp_path, tmp_path, micro_batch_tokens=63, max_token_len=64)
+    with pytest.raises(ConfigError, match=r"trainer\.logprob_chunk: must be ≥ 1"):
+        make_cfg(tmp_path, tmp_path, logprob_chunk=0)
+    t = make_cfg(tmp_path, tmp_path, micro_batch_tokens=64, max_token_len=64, logprob_chunk=7).trainer
+    assert (t.micro_batch_tokens, t.logprob_chunk) == (64, 7)
+    t = make_cfg(tmp_path, tmp_path).trainer
+    assert (t.micro_batch_tokens, t.logprob_chunk) == (0, 1024)  # SPEC §14's defaults
