@@ -81,7 +81,7 @@ def test_every_key_has_type_default_and_description() -> None:
     props = dict(keys)
     assert props["api.port"]["minimum"] == 1 and props["api.port"]["maximum"] == 65535
     assert props["trainer.lr"]["exclusiveMinimum"] == 0
-    assert props["trainer.loss"]["enum"] == ["grpo", "awsft"]
+    assert props["trainer.loss"]["enum"] == ["grpo", "gspo", "awsft"]
     assert props["daemon"]["additionalProperties"] is False
     assert props["env"]["items"]["additionalProperties"] is False
 

@@ -204,6 +204,10 @@ def trainer_families(trainer: Any) -> Iterator[Metric]:
     for reason in dict.fromkeys([*view.get("rejected_reasons", ()), *counts]):
         rejected.add_metric(["trainer", reason], float(counts.get(reason, 0)))
     yield rejected
+    filtered = _counter("atroposd_trainer_filtered_groups", "Groups filter_groups dropped (all scores equal) "
+                        "since the trainer started", labels)
+    filtered.add_metric(comp, float(st.get("filtered_groups") or 0))
+    yield filtered
     failures = _counter("atroposd_trainer_checkpoint_failures", "Checkpoint writes that failed", labels)
     failures.add_metric(comp, float(st.get("checkpoint_failures") or 0))
     yield failures

@@ -13,6 +13,14 @@ The feed survives the API going away (connection refused while it restarts: it w
 ``{"status": "error"}``: it registers again). Waiting for data is visible — a log line every
 ``LOG_EVERY_S`` — and bounded by ``data_timeout`` only when no environment is alive
 (SPEC §4).
+
+With ``filter_groups`` (SPEC §14, DAPO's dynamic sampling) a :class:`GroupFilter` sits between
+the API and the step: a group whose scores are all equal (it would train nothing) is dropped
+as it arrives, unless it carries its own ``advantages`` or distillation fields, and batches are
+fetched until ``batch_size`` sequences are kept; groups beyond that wait for the next batch.
+The dropped groups go with the batch they were dropped for (``last_filtered``), so the step's
+``reward_mean`` and ``accuracy`` still cover every group received. While every group received
+is dropped, the trainer waits with ``waiting_for = "filtered"``.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -31,7 +39,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from atroposd.timeline import rollout_timing
 
-__all__ = ["BatchFeed", "DataTimeout"]
+__all__ = ["BatchFeed", "DataTimeout", "GroupFilter", "trains_nothing"]
 
 log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
@@ -46,12 +54,78 @@ class DataTimeout(RuntimeError):
     pass
 
 
+def trains_nothing(group: Any) -> bool:
+    """Whether ``filter_groups`` drops ``group``: its scores are all equal (finite numbers), and
+    it carries neither its own ``advantages`` nor distillation fields. A malformed group is not
+    dropped here: batch preparation rejects it by reason."""
+    if not isinstance(group, Mapping):
+        return False
+    scores = group.get("scores")
+    if not isinstance(scores, list) or not scores:
+        return False
+    if not all(type(s) in (int, float) and math.isfinite(s) for s in scores):
+        return False
+    if any(group.get(k) is not None for k in ("advantages", "distill_token_ids", "distill_logprobs")):
+        return False
+    return bool(max(scores) == min(scores))
+
+
+def _sequences(group: Any) -> int:
+    tokens = group.get("tokens") if isinstance(group, Mapping) else None
+    return len(tokens) if isinstance(tokens, list) else 1
+
+
+class GroupFilter:
+    """Drops the groups that train nothing and fills batches of ``batch_size`` sequences from
+    the rest (whole groups, in arrival order)."""
+
+    def __init__(self, batch_size: int) -> None:
+        self.batch_size = batch_size
+        self.pending: list[dict[str, Any]] = []  # kept, not yet in a batch
+        self.dropped: list[dict[str, Any]] = []  # dropped since the last batch was formed
+        self.filtered = 0  # groups dropped since this process started
+
+    def add(self, groups: list[dict[str, Any]]) -> None:
+        for group in groups:
+            if trains_nothing(group):
+                self.dropped.append(group)
+                self.filtered += 1
+            else:
+                self.pending.append(group)
+
+    @property
+    def starved(self) -> bool:
+        """Every group received since the last batch was dropped."""
+        return bool(self.dropped) and not self.pending
+
+    def take(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
+        """(a full batch, the groups dropped while it filled), or None while too few are kept."""
+        if sum(_sequences(g) for g in self.pending) < self.batch_size:
+            return None
+        batch: list[dict[str, Any]] = []
+        rest: list[dict[str, Any]] = []
+        n = 0
+        for group in self.pending:
+            k = _sequences(group)
+            if n + k <= self.batch_size:
+                batch.append(group)
+                n += k
+            else:
+                rest.append(group)
+        if not batch:  # a group larger than a batch: alone, as the API would send it
+            batch, rest = rest[:1], rest[1:]
+        self.pending = rest
+        dropped, self.dropped = self.dropped, []
+        return batch, dropped
+
+
 class BatchFeed:
     """registration() gives the ``/register`` body (its ``starting_step`` is the current step at
     each call). on_wait(reason | None) reports what it waits for."""
 
     def __init__(self, api_url: str, registration: Callable[[], dict[str, Any]], *, max_ahead: int, token: str = "",
-                 on_wait: Callable[[str | None], None] = lambda _r: None) -> None:
+                 on_wait: Callable[[str | None], None] = lambda _r: None,
+                 group_filter: GroupFilter | None = None) -> None:
         self.api_url = api_url.rstrip("/")
         self.registration = registration
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -63,6 +137,10 @@ class BatchFeed:
         self._receive: MemoryObjectReceiveStream[_Arrival] = receive
         #: the rollout side of the timeline of the batch ``next`` returned last
         self.last_timeline: dict[str, float | None] = {}
+        #: the groups filter_groups dropped for the batch ``next`` returned last
+        self.last_filtered: list[dict[str, Any]] = []
+        self.group_filter = group_filter
+        self._waiting = False  # next() is waiting for a batch
         self._fetch_s = 0.0
         self._session: aiohttp.ClientSession | None = None
         self._wait_scope: anyio.CancelScope | None = None
@@ -143,10 +221,11 @@ class BatchFeed:
         """The first ``GET /batch`` (it opens the API to the environments); keeps what it gets."""
         await self.slots.acquire()
         batch = await self.fetch_once()
-        if batch is None:
+        taken = self._filtered(batch) if batch is not None else None
+        if taken is None:
             self.slots.release()
         else:
-            await self._deliver(batch)
+            await self._deliver(*taken)
 
     async def run(self) -> None:
         """Fetch ahead forever (a task): take a slot, poll until a batch comes, hand it over."""
@@ -156,18 +235,32 @@ class BatchFeed:
             while True:
                 asked = time.monotonic()
                 if (batch := await self.fetch_once(LONG_POLL_S)) is not None:
-                    break
+                    if (taken := self._filtered(batch)) is not None:
+                        break
+                    delay = POLL_MIN_S  # groups were dropped: fill the batch from the queue
+                    continue
                 if time.monotonic() - asked >= LONG_POLL_S / 2:
                     delay = POLL_MIN_S  # a long-poll that ran out: ask again at once
                     continue
                 await anyio.sleep(delay)  # answered at once: an API that does not long-poll
                 delay = min(delay * 2, POLL_MAX_S)
-            await self._deliver(batch)
+            await self._deliver(*taken)
 
-    async def _deliver(self, batch: list[dict[str, Any]]) -> None:
+    def _filtered(self, batch: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
+        """The batch to deliver and the groups dropped for it (without a filter: as it came)."""
+        f = self.group_filter
+        if f is None:
+            return batch, []
+        f.add(batch)
+        taken = f.take()
+        if taken is None and f.starved and self._waiting:
+            self.on_wait("filtered")  # every group so far trains nothing: say so, not "data"
+        return taken
+
+    async def _deliver(self, batch: list[dict[str, Any]], dropped: list[dict[str, Any]] | None = None) -> None:
         self.fetched += 1
         timeline = {**rollout_timing(batch, time.time()), "fetch_s": self._fetch_s}
-        await self._send.send((batch, timeline))
+        await self._send.send((batch, timeline, dropped or []))
 
     def release(self) -> None:
         """The step that used a batch is over: one more batch may be fetched."""
@@ -183,36 +276,45 @@ class BatchFeed:
         Raises DataTimeout after ``data_timeout`` without data while no environment is alive.
         """
         try:
-            batch, self.last_timeline = self._receive.receive_nowait()
+            batch, self.last_timeline, self.last_filtered = self._receive.receive_nowait()
             self.last_data = time.monotonic()
             return batch
         except anyio.WouldBlock:
             pass
         started = time.monotonic()
-        self.on_wait("data")
+        self.on_wait(self._wait_reason())
+        self._waiting = True
         with anyio.CancelScope() as scope:
             self._wait_scope = scope
             try:
                 while True:
                     with anyio.move_on_after(min(LOG_EVERY_S, data_timeout)):
-                        batch, self.last_timeline = await self._receive.receive()
+                        batch, self.last_timeline, self.last_filtered = await self._receive.receive()
                         self.on_wait(None)
                         self.last_data = time.monotonic()
                         return batch
-                    self.on_wait("data")
+                    self.on_wait(self._wait_reason())
                     quiet = time.monotonic() - self.last_data
                     alive = envs_alive()
+                    extra = {} if self.group_filter is None else {
+                        "filtered_since_last_batch": len(self.group_filter.dropped),
+                        "kept_sequences": sum(_sequences(g) for g in self.group_filter.pending)}
                     log.info("waiting for data", waited_s=round(time.monotonic() - started, 1),
-                             since_last_batch_s=round(quiet, 1), environments_alive=alive)
+                             since_last_batch_s=round(quiet, 1), environments_alive=alive, **extra)
                     if quiet >= data_timeout and not alive:
                         raise DataTimeout(f"no data for {quiet:.0f} s (trainer.data_timeout = {data_timeout:g}) "
                                           "and no environment is alive or restartable")
             finally:
                 self._wait_scope = None
+                self._waiting = False
         return None
 
+    def _wait_reason(self) -> str:
+        """``filtered`` while every group received since the last batch was dropped, else ``data``."""
+        return "filtered" if self.group_filter is not None and self.group_filter.starved else "data"
 
-_Arrival = tuple[list[dict[str, Any]], dict[str, float | None]]
+
+_Arrival = tuple[list[dict[str, Any]], dict[str, float | None], list[dict[str, Any]]]
 
 
 class _ApiHttpError(Exception):

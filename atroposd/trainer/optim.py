@@ -1,4 +1,4 @@
-"""Optimizers and the learning-rate schedule (linear warm-up, then constant).
+"""Optimizers and the learning-rate schedule (linear warm-up, then constant, linear or cosine).
 
 ``adamw`` (torch), ``adafactor`` (transformers, with the configured lr: no relative step) and
 ``adamw_8bit`` (bitsandbytes). A missing bitsandbytes is an error, never a silent fallback.
@@ -7,6 +7,7 @@ Only parameters that require grad are optimised (LoRA: the adapters).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -15,7 +16,7 @@ import torch
 if TYPE_CHECKING:
     from atroposd.config import TrainerConfig
 
-__all__ = ["OptimizerError", "build_optimizer", "build_scheduler"]
+__all__ = ["OptimizerError", "build_optimizer", "build_scheduler", "lr_factor"]
 
 
 class OptimizerError(RuntimeError):
@@ -51,11 +52,34 @@ def build_optimizer(params: Sequence[torch.nn.Parameter], tcfg: TrainerConfig) -
     raise OptimizerError(f"unknown optimizer {tcfg.optimizer!r}")
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """lr · min(1, (step + 1) / warmup_steps): linear warm-up, then constant."""
+def lr_factor(step: int, *, warmup_steps: int, schedule: str = "constant", steps: int = 0) -> float:
+    """The learning rate's multiplier for the optimizer step ``step`` (0 = the first).
+
+    Warm-up: min(1, (step + 1) / warmup_steps) while step < warmup_steps. After it, with
+    p = (step − warmup_steps) / (steps − warmup_steps) in [0, 1]:
+    ``constant`` 1; ``linear`` 1 − p; ``cosine`` (1 + cos(π·p)) / 2 — both reach 0 at ``steps``
+    (the schedules of transformers' ``get_linear_schedule_with_warmup`` /
+    ``get_cosine_schedule_with_warmup``, verl's and TRL's ``lr_scheduler_type``).
+    """
     warmup = max(0, int(warmup_steps))
+    if warmup and step < warmup:
+        return min(1.0, (step + 1) / warmup)
+    if schedule == "constant":
+        return 1.0
+    p = min(1.0, max(0.0, (step - warmup) / max(1, steps - warmup)))
+    if schedule == "linear":
+        return 1.0 - p
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * p))
+    raise ValueError(f"unknown lr_schedule {schedule!r}")
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, schedule: str = "constant",
+                    steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """lr · :func:`lr_factor`: linear warm-up, then ``schedule`` (to 0 at ``steps``). Its position
+    is the scheduler's ``last_epoch``, saved in the checkpoint and restored at resume."""
 
     def factor(step: int) -> float:
-        return 1.0 if warmup == 0 else min(1.0, (step + 1) / warmup)
+        return lr_factor(step, warmup_steps=warmup_steps, schedule=schedule, steps=steps)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

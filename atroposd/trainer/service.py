@@ -136,6 +136,8 @@ class TrainerService:
             "checkpoint_failures": p.checkpoint_failures,
             # groups the trainer refused since this process started, by reason (SPEC §13)
             "rejected_groups": dict(p.rejected_groups),
+            # groups filter_groups dropped since this process started (SPEC §14)
+            "filtered_groups": p.filtered_groups,
             # trainer ranks (SPEC §12.1): N, and the group's restarts after faults
             "ranks": self.cfg.trainer.ranks, "group_restarts": self.group_restarts, "last_fault": self.last_fault,
             "waiting_for_nodes": list(self.waiting_nodes) if p.waiting_for == "ranks" else [],
@@ -217,7 +219,7 @@ class TrainerService:
             raise
 
     async def _attempt_once(self, task_status: TaskStatus[None]) -> TrainerOutcome:
-        from atroposd.trainer.feed import BatchFeed
+        from atroposd.trainer.feed import BatchFeed, GroupFilter
         from atroposd.trainer.loop import TrainingLoop
         from atroposd.trainer.metrics import MetricsWriter
         from atroposd.trainer.setup import build_learner, load_for_training
@@ -262,8 +264,10 @@ class TrainerService:
                 self._metrics.truncate_after(p.step)
             if self._feed is None:
                 p.waiting_for = "api"
-                feed = BatchFeed(self.cfg.api_url, self._registration, max_ahead=self.cfg.trainer.max_staleness,
-                                 token=self.cfg.api.token, on_wait=self._on_wait)
+                t = self.cfg.trainer
+                feed = BatchFeed(self.cfg.api_url, self._registration, max_ahead=t.max_staleness,
+                                 token=self.cfg.api.token, on_wait=self._on_wait,
+                                 group_filter=GroupFilter(t.batch_size) if t.filter_groups else None)
                 self._feed = feed
                 await feed.register()
                 await feed.prime()  # the first GET /batch lets environments register
