@@ -65,7 +65,7 @@ def main() -> int:
         out: dict[str, Any] = {"losses": [], "grad_norms": [], "resumed_from": step if setup.restored else None}
         for _ in range(args.steps):
             batch = prepare_batch(make_groups(1000 + step, n=args.groups), micro_batch_size=t.micro_batch_size,
-                                  max_token_len=t.max_token_len, adv_std_floor=t.adv_std_floor,
+                                  micro_batch_tokens=t.micro_batch_tokens, max_token_len=t.max_token_len, adv_std_floor=t.adv_std_floor,
                                   vocab_size=learner.policy.vocab_size)
             result = learner.compute(batch)
             assert result.finite, result

@@ -66,6 +66,20 @@ def test_two_ranks_equal_one_rank(runs: dict[str, Any]) -> None:
     assert one["losses"][0] != one["losses"][1]
 
 
+@pytest.mark.slow
+def test_two_ranks_packed_in_chunks_equal_one_rank_padded(runs: dict[str, Any]) -> None:
+    """SPEC §12.1 and §14 together: two ranks on packed micro-batches, the head in chunks of 3
+    positions, activations checkpointed, give the padded one-rank steps."""
+    root = runs["root"]
+    cfg = _config(root, "two-packed", runs["model"], ["cpu", "cpu"], micro_batch_tokens=64, logprob_chunk=3,
+                  activation_checkpointing=True)
+    packed = _run(cfg, root / "two-packed.pt", "--steps", "3")
+    one = runs["one"]
+    for a, b in zip(one["losses"], packed["losses"], strict=True):
+        assert abs(a - b) <= LOSS_TOL, (one["losses"], packed["losses"])
+    assert _worst(one["params"], packed["params"]) <= PARAM_TOL
+
+
 def test_sharded_checkpoint_layout(runs: dict[str, Any]) -> None:
     step = runs["root"] / "two-checkpoints" / "step-2"
     assert (step / "model.safetensors").is_file() and (step / "checksums.json").is_file()
