@@ -94,6 +94,12 @@ INVALID = [
     ("[trainer]\nmax_token_len = 9000\n", "trainer.max_token_len", "inference.max_model_len"),
     ("[daemon]\nstop_timeout = nan\n", "daemon.stop_timeout", "finite"),
     ("env = 3\n", "env", "array of tables"),
+    ("[trainer]\nclip_eps = 0.2\nclip_eps_high = 0.1\n", "trainer.clip_eps_high", "must be ≥ trainer.clip_eps"),
+    ("[trainer]\nloss = \"awsft\"\nrollout_correction = \"token-tis\"\n", "trainer.rollout_correction",
+     "no effect with trainer.loss = \"awsft\""),
+    ("[trainer]\nrollout_correction_threshold = 1.0\n", "trainer.rollout_correction_threshold", "must be > 1"),
+    ("[trainer]\nloss_agg = \"seq-sum\"\n", "trainer.loss_agg", "must be one of"),
+    ("[trainer]\nlr_schedule = \"step\"\n", "trainer.lr_schedule", "must be one of"),
 ]
 
 

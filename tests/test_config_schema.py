@@ -28,7 +28,8 @@ VALIDATOR = jsonschema.Draft202012Validator(json_schema())
 # names, and a non-finite number (JSON has none).
 NOT_EXPRESSIBLE = {
     "trainer.micro_batch_size", "env[0].group_size", "trainer.weight_sync", "inference.port", "env[1].name",
-    "env[0].stop_signal", "trainer.max_token_len", "daemon.stop_timeout",
+    "env[0].stop_signal", "trainer.max_token_len", "daemon.stop_timeout", "trainer.clip_eps_high",
+    "trainer.rollout_correction",
 }
 
 

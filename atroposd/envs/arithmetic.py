@@ -135,6 +135,8 @@ def build_group(problem: Problem, prompt_ids: Sequence[int], generation: Generat
     accuracy = sum(correct) / len(correct)
     payload = {
         "tokens": tokens, "masks": masks, "scores": scores, "inference_logprobs": logprobs,
+        # per completion: "length" = truncated at max_tokens (trainer.overlong = "mask" trains none of it)
+        "overrides": [{"finish_reason": c.finish_reason} for c in generation.completions],
         "generation_params": {"temperature": temperature, "top_p": 1.0, "max_tokens": max_tokens},
         "group_overrides": {"atroposd": {"weight_version": generation.weight_version, "accuracy": accuracy,
                                          "reward_mean": sum(scores) / len(scores), "env": env_name}},

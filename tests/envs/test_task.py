@@ -148,6 +148,8 @@ def test_group_layout(tokenizer_dir: Path) -> None:
                                                 "env": "arithmetic-0"}
     assert p["generation_params"]["temperature"] == 1.0
     assert "env_id" not in p
+    # each completion's finish reason, for trainer.overlong = "mask"
+    assert p["overrides"] == [{"finish_reason": c.finish_reason} for c in gen.completions]
 
 
 def test_parse_generation_checks_the_protocol() -> None:
