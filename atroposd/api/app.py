@@ -47,7 +47,7 @@ async def serve(settings: ApiSettings, *, ready: asyncio.Event | None = None,
                            shutdown_timeout=SHUTDOWN_GRACE_S, handler_cancellation=True)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, settings.host, settings.port)
+        site = server.site(runner)
         try:
             await site.start()
         except OSError as exc:

@@ -18,10 +18,15 @@ The layout, for a batch of ``S`` sequences padded to ``L`` positions:
   ``groups_json``         uint8   [N]        one JSON list, an object per group: every other
                                              field the group carries (messages, overrides, ...)
 
-``L`` is the longest row of any per-token field (normally the longest sequence). A per-token
-field whose shape does not fit the layout (a row count other than the group's, distillation
-data that is not a [position][k] list of numbers) stays in the group's entry of
-``groups_json`` instead, and its ``has_`` flag is 0: nothing accepted is lost.
+``L`` is the longest token row of the batch and ``K`` the largest teacher top-k, at most
+``MAX_DISTILL_K``: no other field widens a batch (SPEC §13), so a batch file is never larger than
+``S × L × (28 + 5 per optional row field + 12 K)`` bytes plus its header and ``groups_json``, and
+that size is known (:func:`plan_batch`) before anything is allocated. A per-token field whose
+shape does not fit the layout (a row count other than the group's, a row longer than its
+sequence, distillation data that is not a [position][k] list of numbers with at most one entry
+per token and ``MAX_DISTILL_K`` per position) stays in the group's entry of ``groups_json``
+instead, and its ``has_`` flag is 0: nothing accepted is lost. (The API refuses such
+distillation data when a group arrives; a group spooled before it did is laid out this way.)
 
 The file is standard safetensors (8-byte little-endian header length, a JSON header naming
 each tensor's dtype, shape and byte range, the raw little-endian bytes), readable by
@@ -40,7 +45,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from atroposd.api.schema import PASSTHROUGH
+from atroposd.api.schema import DISTILL, MAX_DISTILL_K, PASSTHROUGH
 
 __all__ = [
     "CONTENT_TYPE",
@@ -59,7 +64,6 @@ __all__ = [
 CONTENT_TYPE = "application/vnd.safetensors"
 FORMAT = "atroposd-batch-1"
 OPTIONAL_ROWS = ("advantages", "ref_logprobs")
-DISTILL = ("distill_token_ids", "distill_logprobs")
 SHM_CONTENT_TYPE = "application/vnd.atroposd.shm+json"
 FORMATS = ("json", "safetensors", "shm")
 _HEADER_ALIGN = 8
@@ -98,13 +102,20 @@ class GroupRows:
         return np.diff(self.bounds)
 
 
-def _ragged_from_rows(value: Any, n: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """Rows of numbers as (flat float64, bounds); None when they are not ``n`` flat number rows."""
+def _fits(bounds: np.ndarray, lengths: np.ndarray) -> bool:
+    """Rows (their bounds) that fit the layout: one per sequence, none longer than its tokens."""
+    return bool(bounds.size == lengths.size + 1 and (np.diff(bounds) <= lengths).all())
+
+
+def _ragged_from_rows(value: Any, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Rows of numbers as (flat float64, bounds); None when they are not one flat row of numbers
+    per sequence, each no longer than the sequence's tokens."""
+    n = lengths.size
     if not isinstance(value, list) or len(value) != n:
         return None
     parts = []
-    for row in value:
-        if not isinstance(row, list):
+    for row, length in zip(value, lengths.tolist(), strict=True):
+        if not isinstance(row, list) or len(row) > length:
             return None
         try:
             a = np.asarray(row, dtype=np.float64)
@@ -136,17 +147,23 @@ def _numbers(value: Any, integer: bool) -> np.ndarray | None:
     return a.astype(np.int64 if integer else np.float64)
 
 
-def _distill_rows(value: Any, n: int, integer: bool) -> list[np.ndarray] | None:
-    """Per sequence a [positions, k] array (k may vary by position: padded here with -1 / 0.0);
-    None when ``value`` is not ``n`` lists of lists of numbers."""
-    if not isinstance(value, list) or len(value) != n:
+def _distill_rows(value: Any, lengths: np.ndarray, integer: bool) -> list[np.ndarray] | None:
+    """Per sequence a [positions, k] array (k may vary by position: padded here with -1 / 0.0;
+    a null sequence or position has none); None when ``value`` is not one list per sequence of
+    at most one entry per token, each a list of at most ``MAX_DISTILL_K`` numbers. Checked
+    before anything is allocated."""
+    if not isinstance(value, list) or len(value) != lengths.size:
         return None
     pad = -1 if integer else 0.0
     out = []
-    for seq in value:
-        if not isinstance(seq, list):
+    for seq, length in zip(value, lengths.tolist(), strict=True):
+        if seq is None:
+            seq = []
+        if not isinstance(seq, list) or len(seq) > length:
             return None
-        per_pos = [_numbers(p, integer) for p in seq]
+        if any(p is not None and (not isinstance(p, list) or len(p) > MAX_DISTILL_K) for p in seq):
+            return None
+        per_pos = [_numbers(p if p is not None else [], integer) for p in seq]
         if any(p is None for p in per_pos):
             return None
         k = max((p.size for p in per_pos if p is not None), default=0)
@@ -158,7 +175,7 @@ def _distill_rows(value: Any, n: int, integer: bool) -> list[np.ndarray] | None:
     return out
 
 
-def _split_rest(n: int, passthrough: Mapping[str, Any], loads: Callable[[Any], Any]
+def _split_rest(lengths: np.ndarray, passthrough: Mapping[str, Any], loads: Callable[[Any], Any]
                 ) -> tuple[dict[str, list[np.ndarray]], dict[str, Any]]:
     """Lay out the distillation fields when they fit; everything else stays for groups_json."""
     distill: dict[str, list[np.ndarray]] = {}
@@ -166,7 +183,7 @@ def _split_rest(n: int, passthrough: Mapping[str, Any], loads: Callable[[Any], A
     for name in DISTILL:
         if name not in rest:
             continue
-        rows = _distill_rows(loads(rest[name]), n, integer=name == "distill_token_ids")
+        rows = _distill_rows(loads(rest[name]), lengths, integer=name == "distill_token_ids")
         if rows is not None:
             distill[name] = rows
             del rest[name]
@@ -176,17 +193,19 @@ def _split_rest(n: int, passthrough: Mapping[str, Any], loads: Callable[[Any], A
 def rows_from_group(g: Any) -> GroupRows:
     """The API's in-memory :class:`~atroposd.api.schema.Group` as layout rows."""
     bounds = np.asarray(g.tokens.bounds, dtype=np.int64)
+    lengths = np.diff(bounds)
     rows: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     rest_rows: dict[str, Any] = {}
     for name in OPTIONAL_ROWS:
         r = getattr(g, name)
         if r is None:
             continue
-        if len(r.bounds) - 1 == g.n:
-            rows[name] = (r.flat, np.asarray(r.bounds, dtype=np.int64))
-        else:  # not one row per sequence: kept as JSON
+        r_bounds = np.asarray(r.bounds, dtype=np.int64)
+        if _fits(r_bounds, lengths):
+            rows[name] = (r.flat, r_bounds)
+        else:  # not one row per sequence, or a row wider than its tokens: kept as JSON
             rest_rows[name] = orjson.loads(orjson.dumps(r.rows(), option=orjson.OPT_SERIALIZE_NUMPY))
-    distill, rest = _split_rest(g.n, {k: _parsed(v) for k, v in g.extras.items()}, lambda v: v)
+    distill, rest = _split_rest(lengths, {k: _parsed(v) for k, v in g.extras.items()}, lambda v: v)
     return GroupRows(n=g.n, tokens=g.tokens.flat, masks=g.masks.flat, bounds=bounds, scores=g.scores,
                      env_id=g.env_id, logprobs=g.logprobs.flat if g.logprobs is not None else None,
                      rows=rows, distill=distill, rest={**rest_rows, **rest})
@@ -223,12 +242,12 @@ def rows_from_json(obj: Mapping[str, Any]) -> GroupRows:
         value = obj.get(name)
         if value is None:
             continue
-        r = _ragged_from_rows(value, n)
+        r = _ragged_from_rows(value, np.diff(bounds))
         if r is not None:
             rows[name] = r
         else:
             rest_rows[name] = value
-    distill, rest = _split_rest(n, passthrough, lambda v: v)
+    distill, rest = _split_rest(np.diff(bounds), passthrough, lambda v: v)
     return GroupRows(n=n, tokens=flat_t, masks=flat_m, bounds=bounds,
                      scores=np.asarray(obj["scores"], dtype=np.float64), env_id=obj.get("env_id"),
                      logprobs=flat_lp, rows=rows, distill=distill, rest={**rest_rows, **rest})
@@ -277,18 +296,10 @@ def _count(shape: tuple[int, ...]) -> int:
 
 
 def plan_batch(groups: Sequence[GroupRows], metadata: Mapping[str, str] | None = None) -> BatchLayout:
-    """The layout of a batch of ``groups`` (in batch order)."""
+    """The layout of a batch of ``groups`` (in batch order): names, shapes and the file's size,
+    computed from the token rows and the top-k alone, before anything is allocated."""
     s = sum(g.n for g in groups)
-    width = 0
-    for g in groups:
-        if g.n:
-            width = max(width, int(g.lengths.max()))
-        for _, b in g.rows.values():
-            if b.size > 1:
-                width = max(width, int(np.diff(b).max()))
-        for per_seq in g.distill.values():
-            for a in per_seq:
-                width = max(width, a.shape[0])
+    width = max((int(g.lengths.max()) for g in groups if g.n), default=0)  # the widest token row
     specs: list[tuple[str, np.dtype[Any], tuple[int, ...]]] = [
         ("tokens", _I64, (s, width)), ("masks", _I64, (s, width)), ("inference_logprobs", _F32, (s, width)),
         ("lengths", _I64, (s,)), ("scores", _F32, (s,)), ("group_index", _I64, (s,)), ("env_id", _I64, (s,)),

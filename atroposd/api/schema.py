@@ -23,12 +23,15 @@ import numpy as np
 import orjson
 
 __all__ = [
+    "DISTILL",
+    "MAX_DISTILL_K",
     "EnvRegistration",
     "Group",
     "InvalidRequest",
     "Ragged",
     "TrainerRegistration",
     "assemble_group",
+    "check_distill",
     "check_passthrough",
     "dumps",
     "group_from_json",
@@ -55,6 +58,10 @@ PASSTHROUGH = ("messages", "generation_params", "overrides", "group_overrides", 
 # back verbatim, never re-encoded, but a client's JSON encoder or orjson (254 levels) must
 # still be able to read what a batch serves.
 MAX_PASSTHROUGH_DEPTH = 64
+# Teacher top-k per position in ``distill_token_ids`` / ``distill_logprobs`` (SPEC §13): a binary
+# batch lays them out as [S, L, K], so K is bounded where a group arrives. The trainer's bound.
+MAX_DISTILL_K = 256
+DISTILL = ("distill_token_ids", "distill_logprobs")
 # Registration bounds (SPEC §13).
 MAX_ENVS = 1024
 MAX_NAME_CHARS = 256
@@ -293,6 +300,8 @@ def _assemble(tokens: Ragged, masks: Ragged, scores: Any, floats: Mapping[str, R
     if logprobs is not None and logprobs.bounds != tokens.bounds:
         raise InvalidRequest(_mismatch("inference_logprobs", logprobs, lengths), 400, "length_mismatch")
     score_array = _scores(scores, n)
+    if DISTILL[0] in extras or DISTILL[1] in extras:
+        check_distill(extras, lengths)
     if max_token_len is not None and max_token_len > 0 and lengths and max(lengths) > max_token_len:
         i = max(range(n), key=lengths.__getitem__)
         raise InvalidRequest(f"tokens[{i}] has {lengths[i]} tokens, longer than the registered "
@@ -324,6 +333,73 @@ def _scores(value: Any, n: int) -> np.ndarray:
     if bad.size:
         raise InvalidRequest(f"scores[{int(bad[0])}] is not a finite number", 400, "non_finite_score")
     return scores
+
+
+def check_distill(extras: Mapping[str, bytes], lengths: list[int]) -> None:
+    """The distillation fields against their token rows (SPEC §13), 422 ``distill_invalid``
+    otherwise: one entry per sequence (null: none for it), in it one entry per token (null or
+    []: none at that position), each at most ``MAX_DISTILL_K`` teacher ids (integers) or
+    logprobs (finite numbers), and as many logprobs as ids where both are given."""
+    given: dict[str, Any] = {}
+    for name in DISTILL:
+        if name in extras:
+            try:
+                given[name] = orjson.loads(extras[name])
+            except orjson.JSONDecodeError as exc:
+                raise InvalidRequest(f"{name}: {exc}", 422, "distill_invalid") from None
+    for name, value in given.items():
+        _check_distill_field(name, value, lengths)
+    if len(given) == 2:
+        ids, lps = given[DISTILL[0]], given[DISTILL[1]]
+        for i, (a, b) in enumerate(zip(ids, lps, strict=True)):
+            if a is None or b is None:
+                continue
+            for t, (x, y) in enumerate(zip(a, b, strict=True)):
+                if x is not None and y is not None and len(x) != len(y):
+                    raise InvalidRequest(f"distill_logprobs[{i}][{t}] has {len(y)} entries but "
+                                         f"distill_token_ids[{i}][{t}] has {len(x)}", 422, "distill_invalid")
+
+
+def _check_distill_field(name: str, value: Any, lengths: list[int]) -> None:
+    def bad(message: str) -> InvalidRequest:
+        return InvalidRequest(f"{name}{message}", 422, "distill_invalid")
+
+    if not isinstance(value, list) or len(value) != len(lengths):
+        got = f"{len(value)} entries" if isinstance(value, list) else f"a {type(value).__name__}"
+        raise bad(f" must hold one entry per sequence ({len(lengths)}), got {got}")
+    integer = name == DISTILL[0]
+    flat: list[Any] = []
+    for i, seq in enumerate(value):
+        if seq is None:
+            continue
+        if not isinstance(seq, list) or len(seq) != lengths[i]:
+            got = f"{len(seq)} entries" if isinstance(seq, list) else f"a {type(seq).__name__}"
+            raise bad(f"[{i}] must hold one entry per token of tokens[{i}] ({lengths[i]}), got {got}")
+        for t, top in enumerate(seq):
+            if top is None:
+                continue
+            if not isinstance(top, list):
+                raise bad(f"[{i}][{t}] must be a list of numbers, got a {type(top).__name__}")
+            if len(top) > MAX_DISTILL_K:
+                raise bad(f"[{i}][{t}] has {len(top)} entries, more than {MAX_DISTILL_K} (the top-k bound)")
+            flat.extend(top)
+    if not flat:
+        return
+    kinds = set(map(type, flat))
+    if integer:
+        if kinds != {int}:
+            raise bad(" must hold integers (teacher token ids)")
+        if min(flat) < _I64.min or max(flat) > _I64.max:
+            raise bad(": integer out of range")
+        return
+    if not kinds <= {int, float}:
+        raise bad(" must hold numbers (teacher logprobs)")
+    try:
+        finite = bool(np.isfinite(np.asarray(flat, dtype=np.float64)).all())
+    except OverflowError:
+        finite = False
+    if not finite:
+        raise bad(" must hold finite numbers")
 
 
 def check_passthrough(name: str, value: Any) -> None:

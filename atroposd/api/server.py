@@ -6,7 +6,9 @@ Routes: ``/`` ``/register`` ``/register-env`` ``/disconnect-env`` ``/wandb_info`
 JSON body) ``/reset_data``, plus ``/atroposd/registrations`` and ``/metrics``.
 
 Request bodies may be gzip (decompressed here, bounded by ``max_request_bytes``, so a gzip
-bomb never allocates its expanded size); responses of 1000 bytes and more are gzip'ed when the
+bomb never allocates its expanded size). Every body that a route reads counts against one bound
+of bytes in flight as it arrives (a chunked body chunk by chunk), and connections are capped
+(past ``max_connections`` a new one is answered 503 and closed). Responses of 1000 bytes and more are gzip'ed when the
 client accepts it, as run-api does. The level depends on the peer: to a client on the same host
 the bytes cost nothing and deflating a 64-sequence batch costs six times its serialisation, so
 the gzip stream uses stored blocks (level 0: a CRC pass); to a remote client, level 1.
@@ -23,6 +25,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import orjson
@@ -52,16 +55,23 @@ log = get_logger("api.server")
 
 GZIP_MIN_BYTES = 1000  # upstream's GZipMiddleware minimum_size
 THREAD_MIN_BYTES = 256 << 10  # compress bigger responses off the event loop
-# Request bodies inflate on the event loop (libdeflate: about 0.1 ms for a 44 KB group of
+# Small request bodies inflate on the event loop (libdeflate: about 0.1 ms for a 44 KB group of
 # 8 × 512 tokens); handing each one to a thread cost more than the inflation itself (GIL
-# handovers and wake-ups: +0.15 ms of CPU per group, 15 % fewer groups/s on two cores). Only
-# bodies this large go to the inflater thread, so that one does not stall the loop.
+# handovers and wake-ups: +0.15 ms of CPU per group, 15 % fewer groups/s on two cores). A body
+# goes to the inflater thread when its trailer says it inflates to this much or more, or when
+# it is GUNZIP_THREAD_MIN_COMPRESSED bytes or more as sent, whatever its trailer says (a
+# trailer may lie, or be the last of several members): deflate expands at most 1032 times, so
+# what the loop inflates stays under about 4 MiB.
 GUNZIP_THREAD_MIN_BYTES = 1 << 20
+GUNZIP_THREAD_MIN_COMPRESSED = 4 << 10
 RETRY_AFTER_S = 1
 BODY_TIMEOUT_S = 30.0  # a request body must arrive within this (a slow client holds a reservation)
 INFLIGHT_BODIES = 4  # bytes of bodies in flight (read, inflated, being parsed): this many max_request_bytes
 PARSE_THREAD_MIN_BYTES = 1 << 20  # the loop hands bodies this large to the inflater thread to parse
 PEER_LOOKUP_BUDGET_S = 0.5  # one peer-pid lookup at a time, for at most this long
+MAX_CONNECTIONS = 1024  # connections open at once (each held by a client, idle or not)
+FD_RESERVE = 64  # file descriptors kept for the spool, the helper, segments: the cap stays below the limit
+REFUSED_LINGER_S = 1.0  # a refused connection is closed after this (or when the client closes it)
 EMPTY_EXAMPLE: dict[str, list[Any]] = {"tokens": [], "masks": [], "scores": [], "advantages": [], "ref_logprobs": [],
                  "generation_params": [], "inference_logprobs": [], "messages": [], "images": []}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -82,6 +92,16 @@ class ApiSettings:
     spool_fsync: bool = False
     body_timeout: float = BODY_TIMEOUT_S
     max_queued_bytes: int | None = None  # None: the default of queue_bytes()
+    max_connections: int = MAX_CONNECTIONS
+
+    def connection_cap(self) -> int:
+        """``max_connections``, kept below the process's file descriptor limit."""
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY:
+            return self.max_connections
+        return max(1, min(self.max_connections, soft - FD_RESERVE))
 
     def queue_bytes(self) -> int:
         """The byte budget of groups held: ``max_queued_bytes``, else 64 KiB per sequence of the
@@ -98,9 +118,9 @@ class ApiSettings:
 
 
 # The reasons a submission is refused (503) or a request rejected (4xx), as /metrics labels them.
-REFUSED_REASONS = ("full", "spool")
+REFUSED_REASONS = ("full", "spool", "inflight", "connections")
 REJECTED_REASONS = ("invalid", "invalid_json", "invalid_gzip", "too_large", "too_long", "length_mismatch",
-                    "score_count", "non_finite_score", "unknown_env", "unauthorized")
+                    "score_count", "non_finite_score", "unknown_env", "unauthorized", "distill_invalid")
 
 
 class ApiMetrics:
@@ -174,12 +194,15 @@ class ApiServer:
         self.registrations: deque[dict[str, Any]] = deque(maxlen=4096)
         # One thread inflates large gzip bodies (more would only fight over the GIL on return).
         self._inflater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="api-inflate")
+        # One thread plans and writes binary batches (safetensors, shared memory).
+        self._batcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="api-batch")
         self.inflight_bytes = 0
         self.max_inflight_bytes = INFLIGHT_BODIES * settings.max_request_bytes
         self._peer_lookup: asyncio.Lock = asyncio.Lock()
         self._own_hosts = _own_host_names() if is_loopback(settings.host) else None
+        self._site: CappedSite | None = None
         self.shm = ShmBatches(store, ack_timeout=settings.shm_ack_timeout, spool_dir=settings.spool_dir,
-                              metrics=self.metrics)
+                              metrics=self.metrics, executor=self._batcher)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.settings.max_request_bytes,
@@ -211,6 +234,18 @@ class ApiServer:
 
     async def _close_inflater(self, app: web.Application) -> None:
         self._inflater.shutdown(wait=True, cancel_futures=True)
+        self._batcher.shutdown(wait=True, cancel_futures=True)
+
+    def site(self, runner: web.AppRunner) -> web.TCPSite:
+        """The listening site of ``runner`` on the configured address, its connections capped."""
+        self._site = CappedSite(runner, self.settings.host, self.settings.port, cap=self.settings.connection_cap(),
+                                refused=self.metrics.refused.labels("connections"))
+        return self._site
+
+    def site_connections(self) -> int:
+        """Connections open on the site (0 before it started)."""
+        site = self._site
+        return site.connections.open if site is not None and site.connections is not None else 0
 
     # ------------------------------------------------------------------ middlewares
 
@@ -255,57 +290,90 @@ class ApiServer:
 
     # ------------------------------------------------------------------ bodies
 
-    async def _read_raw(self, request: web.Request) -> tuple[bytes, bool]:
-        """The request body as sent (at most ``max_request_bytes``) and whether it is gzip."""
+    async def _read_raw(self, request: web.Request, charge: _Charge) -> tuple[bytes, bool]:
+        """The request body as sent (at most ``max_request_bytes``) and whether it is gzip; its
+        bytes are charged as they arrive (the declared length at once), the gzip body's inflated
+        size by its trailer once it is read."""
+        limit = self.settings.max_request_bytes
+        declared = request.content_length
+        if declared is not None and declared > limit:
+            raise _too_large(limit)
+        charge.add(declared or 0)
+        parts: list[bytes] = []
+
+        async def read() -> int:
+            got = 0
+            while chunk := await request.content.readany():
+                got += len(chunk)
+                if got > limit:
+                    raise _too_large(limit)
+                charge.add(got - charge.body)  # a chunked body: charged as it arrives
+                charge.body = max(charge.body, got)
+                parts.append(chunk)
+            return got
+
+        charge.body = declared or 0
         try:
-            raw = await asyncio.wait_for(request.read(), self.settings.body_timeout)
-        except web.HTTPRequestEntityTooLarge:
-            raise InvalidRequest(f"request body larger than max_request_bytes ({self.settings.max_request_bytes})",
-                                 413, "too_large") from None
+            await asyncio.wait_for(read(), self.settings.body_timeout)
         except asyncio.TimeoutError:
             raise InvalidRequest(f"request body not received within {self.settings.body_timeout:g} s", 408,
                                  "body_timeout") from None
-        return raw, bool(raw) and "gzip" in request.headers.get("Content-Encoding", "").lower()
+        raw = parts[0] if len(parts) == 1 else b"".join(parts)
+        gz = bool(raw) and "gzip" in request.headers.get("Content-Encoding", "").lower()
+        if gz:
+            charge.add(min(_inflated_size(raw, gz), limit))
+        return raw, gz
 
-    async def _inflate(self, raw: bytes, gz: bool) -> bytes | bytearray:
-        """``raw`` decompressed when it is gzip (at most ``max_request_bytes``)."""
+    def _off_loop(self, raw: bytes) -> bool:
+        """Whether a gzip body inflates on the inflater thread: by its compressed size, or by what
+        its trailer says it inflates to."""
+        return len(raw) >= GUNZIP_THREAD_MIN_COMPRESSED or _inflated_size(raw, True) >= GUNZIP_THREAD_MIN_BYTES
+
+    async def _inflate(self, raw: bytes, gz: bool, charge: _Charge | None = None) -> bytes | bytearray:
+        """``raw`` decompressed when it is gzip (at most ``max_request_bytes``); what it inflated
+        to beyond its trailer's word is charged after the fact."""
         if not gz:
             return raw
-        if _inflated_size(raw, gz) >= GUNZIP_THREAD_MIN_BYTES:  # by what it inflates to, not its size
-            return await asyncio.get_running_loop().run_in_executor(self._inflater, gunzip, raw,
-                                                                    self.settings.max_request_bytes)
-        return gunzip(raw, self.settings.max_request_bytes)
-
-    async def _read_body(self, request: web.Request) -> bytes | bytearray:
-        """The request body, decompressed (at most ``max_request_bytes`` either way)."""
-        return await self._inflate(*await self._read_raw(request))
+        limit = self.settings.max_request_bytes
+        if self._off_loop(raw):
+            body = await asyncio.get_running_loop().run_in_executor(self._inflater, gunzip, raw, limit)
+        else:
+            body = gunzip(raw, limit)
+        if charge is not None:
+            charge.add(len(body) - min(_inflated_size(raw, gz), limit))
+        return body
 
     async def _read_json(self, request: web.Request, *, optional: bool = False) -> Any:
-        return parse_json(await self._read_body(request), optional=optional)
+        """The JSON of a request body, its bytes charged while it is read and parsed."""
+        charge = _Charge(self)
+        try:
+            raw, gz = await self._read_raw(request, charge)
+            return parse_json(await self._inflate(raw, gz, charge), optional=optional)
+        finally:
+            charge.release()
 
     async def _read_groups(self, request: web.Request, *, listed: bool) -> list[Group]:
         """The validated groups of a ``/scored_data`` (one) or ``/scored_data_list`` body: from
         the parse helper when it takes the body (:mod:`atroposd.api.ingest`), else parsed here."""
-        declared = request.content_length or 0
-        self._charge(declared)
-        charged = declared
+        charge = _Charge(self)
         try:
-            raw, gz = await self._read_raw(request)
+            raw, gz = await self._read_raw(request, charge)
             size = len(raw) + (min(_inflated_size(raw, gz), self.settings.max_request_bytes) if gz else 0)
-            self._charge(size - charged)
-            charged = size
             max_token_len = self.store.max_token_len
             if self.helper is not None:
                 groups = await self.helper.groups(raw, gz, listed=listed, max_token_len=max_token_len)
                 if groups is not None:
                     return groups
+            loop = asyncio.get_running_loop()
             if size >= PARSE_THREAD_MIN_BYTES:  # inflate and parse off the event loop
                 limit = self.settings.max_request_bytes
-                return await asyncio.get_running_loop().run_in_executor(
-                    self._inflater, _groups_of, raw, gz, limit, listed, max_token_len)
-            return groups_from_body(await self._inflate(raw, gz), listed=listed, max_token_len=max_token_len)
+                return await loop.run_in_executor(self._inflater, _groups_of, raw, gz, limit, listed, max_token_len)
+            body = await self._inflate(raw, gz, charge)
+            if len(body) >= PARSE_THREAD_MIN_BYTES:  # a trailer that said less than it held
+                return await loop.run_in_executor(self._inflater, _parse_groups, body, listed, max_token_len)
+            return groups_from_body(body, listed=listed, max_token_len=max_token_len)
         finally:
-            self.inflight_bytes -= charged
+            charge.release()
 
     def _charge(self, nbytes: int) -> None:
         """Count ``nbytes`` more of bodies in flight; 503 at once when they would pass the bound."""
@@ -387,7 +455,7 @@ class ApiServer:
             return await _json(request, {"batch": None})
         if fmt == "shm":
             try:
-                offer = self.shm.offer(batch, epoch, store.served_step)
+                offer = await self.shm.offer(batch, epoch, store.served_step)
             except BaseException as exc:
                 store.undeliver(batch, epoch)
                 if not isinstance(exc, OSError):
@@ -401,8 +469,7 @@ class ApiServer:
         resp = web.StreamResponse()
         try:
             if fmt == "safetensors":
-                body, headers = binary.response_body(batch, store.served_step, remote=not is_loopback(request.remote),
-                                                     accepts_gzip=_accepts_gzip(request))
+                body, headers = await self._safetensors(request, batch, store.served_step)
             else:
                 body, headers = await _encode(request, _batch_body(batch))
             resp.headers.update(headers)
@@ -424,6 +491,13 @@ class ApiServer:
         self.metrics.batches_served.inc()
         self.metrics.sequences_served.inc(sum(g.n for g in batch))
         return resp
+
+    async def _safetensors(self, request: web.Request, batch: list[Group], step: int
+                           ) -> tuple[bytes, dict[str, str]]:
+        """A batch's safetensors response, planned and filled on the batch thread."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._batcher, partial(binary.response_body, batch, step, remote=not is_loopback(request.remote),
+                                   accepts_gzip=_accepts_gzip(request)))
 
     async def batch_ack(self, request: web.Request) -> web.StreamResponse:
         """``POST /batch/ack {"batch_id", "release"?}``: a shared-memory batch was received (or,
@@ -586,6 +660,134 @@ def _socket_inode(port: int) -> int | None:
 
 def _groups_of(raw: bytes, gz: bool, limit: int, listed: bool, max_token_len: int | None) -> list[Group]:
     return groups_from_body(gunzip(raw, limit) if gz else raw, listed=listed, max_token_len=max_token_len)
+
+
+def _parse_groups(body: bytes | bytearray, listed: bool, max_token_len: int | None) -> list[Group]:
+    return groups_from_body(body, listed=listed, max_token_len=max_token_len)
+
+
+def _too_large(limit: int) -> InvalidRequest:
+    return InvalidRequest(f"request body larger than max_request_bytes ({limit})", 413, "too_large")
+
+
+class _Charge:
+    """The bytes one request has charged against the in-flight bound; ``release`` gives them back."""
+
+    __slots__ = ("body", "n", "server")
+
+    def __init__(self, server: ApiServer) -> None:
+        self.server = server
+        self.n = 0
+        self.body = 0  # body bytes charged so far (the declared length, or what arrived)
+
+    def add(self, nbytes: int) -> None:
+        if nbytes > 0:
+            self.server._charge(nbytes)
+            self.n += nbytes
+
+    def release(self) -> None:
+        self.server.inflight_bytes -= self.n
+        self.n = 0
+
+
+class _Refusal(asyncio.Protocol):
+    """A connection past the cap: answered 503 at once, its input discarded, closed."""
+
+    RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: %d\r\n"
+                b"Connection: close\r\nContent-Length: %d\r\n\r\n%s")
+
+    def __init__(self) -> None:
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        detail = b'{"detail": "too many connections to the API; try again"}'
+        transport.write(self.RESPONSE % (RETRY_AFTER_S, len(detail), detail))
+        try:
+            transport.write_eof()  # the client reads the answer; a close now could reset it first
+        except OSError:
+            pass
+        self._timer = asyncio.get_running_loop().call_later(REFUSED_LINGER_S, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass  # discarded
+
+    def eof_received(self) -> bool:
+        return False  # closes the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+class _Counted(asyncio.Protocol):
+    """The app's protocol for one connection, counted while it is open."""
+
+    __slots__ = ("cap", "inner")
+
+    def __init__(self, inner: Any, cap: _ConnectionCap) -> None:
+        self.inner = inner
+        self.cap = cap
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()  # type: ignore[no-any-return]
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.cap.open -= 1
+        self.inner.connection_lost(exc)
+
+
+class _ConnectionCap:
+    """A protocol factory: the app's handler for up to ``cap`` connections at once, a 503 past it."""
+
+    def __init__(self, factory: Callable[[], Any], cap: int, refused: Any) -> None:
+        self.factory = factory
+        self.cap = cap
+        self.refused = refused  # a counter
+        self.open = 0
+        self._logged = 0.0
+
+    def __call__(self) -> asyncio.Protocol:
+        if self.open >= self.cap:
+            self.refused.inc()
+            now = time.monotonic()
+            if now - self._logged >= 10.0:  # one line per 10 s, whatever the rate
+                self._logged = now
+                log.warning("connection refused: too many open", cap=self.cap)
+            return _Refusal()
+        self.open += 1
+        return _Counted(self.factory(), self)
+
+
+class CappedSite(web.TCPSite):
+    """``web.TCPSite`` whose connections are capped (SPEC §13)."""
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int, *, cap: int, refused: Any) -> None:
+        super().__init__(runner, host, port)
+        self.cap = cap
+        self.refused = refused
+        self.connections: _ConnectionCap | None = None
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with its runner
+        server = self._runner.server
+        assert server is not None
+        self.connections = _ConnectionCap(server, self.cap, self.refused)
+        self._server = await asyncio.get_running_loop().create_server(
+            self.connections, self._host, self._port, backlog=self._backlog, reuse_address=self._reuse_address,
+            reuse_port=self._reuse_port)
 
 
 def _inflated_size(raw: bytes, gz: bool) -> int:

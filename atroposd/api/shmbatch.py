@@ -12,9 +12,12 @@ the spool (the ack record carries the batch id), so a client whose answer was lo
 restart retries and still gets it right.
 
 Segments follow the weight segments' rules (SPEC §7): named
-``atroposd-batch-<pid>-<launch>-<batch id>`` (the last two parts from ``secrets``), created with ``O_CREAT | O_EXCL`` and mode 0600, sized up front,
-written with ``pwrite`` (the API maps nothing), never through
-``multiprocessing.shared_memory`` (its resource tracker). Every pending segment is unlinked when
+``atroposd-batch-<pid>-<launch>-<random>`` (the last two parts from ``secrets``; the name, which
+any local user can list in /dev/shm, says nothing of the batch id that acknowledges the batch),
+created with ``O_CREAT | O_EXCL`` and mode 0600, sized up front, written with ``pwrite`` (the
+API maps nothing), never through ``multiprocessing.shared_memory`` (its resource tracker). The
+batch is planned, laid out and written on a worker thread, never on the API's event loop; the
+scratch buffer it is laid out in is kept for the next batch only up to ``SCRATCH_KEEP_BYTES``. Every pending segment is unlinked when
 the API stops. With a spool, the launch's prefix is recorded in the spool directory (file
 ``shm-batches``) before the first segment exists, so an API started again after ``kill -9``
 removes what the previous launch left (the spool's lock says no other API uses that directory);
@@ -30,8 +33,10 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,6 +62,9 @@ BATCH_PREFIX = "atroposd-batch-"
 RECORD_NAME = "shm-batches"
 SHM_DIR = Path("/dev/shm")
 RECENT_ACKS = 1024  # acknowledged ids remembered, so that a repeated acknowledgement is answered the same
+# A batch is laid out in a scratch buffer, then written into its segment. The buffer is kept for
+# the next batch up to this size; a larger one is given back once its batch is written.
+SCRATCH_KEEP_BYTES = 64 << 20
 
 
 def _shm_open(name: str, flags: int, mode: int = 0o600) -> int:
@@ -127,6 +135,26 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _write_segment(name: str, data: memoryview) -> None:
+    fd = _shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, len(data))
+        done = 0
+        while done < len(data):  # written, not mapped: tmpfs takes it in one copy
+            done += os.pwrite(fd, data[done:], done)
+    except BaseException:
+        _shm_unlink(name)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _unlink_written(job: asyncio.Future[tuple[str, int]]) -> None:
+    if not job.cancelled() and job.exception() is None:
+        _shm_unlink(job.result()[0])
+
+
 @dataclass
 class _Pending:
     batch: list[Group]
@@ -139,7 +167,7 @@ class ShmBatches:
     """The shared-memory batches of one API launch."""
 
     def __init__(self, store: TrajectoryStore, *, ack_timeout: float, spool_dir: str | None,
-                 metrics: Any = None) -> None:
+                 metrics: Any = None, executor: Executor | None = None) -> None:
         self.store = store
         self.ack_timeout = ack_timeout
         self.record = Path(spool_dir) / RECORD_NAME if spool_dir else None
@@ -148,8 +176,11 @@ class ShmBatches:
         self.pending: dict[str, _Pending] = {}
         self._acked: OrderedDict[str, None] = OrderedDict()
         self._scratch = bytearray()  # the file is laid out here, then written into the segment
+        self._scratch_lock = threading.Lock()
+        self.executor = executor  # where batches are laid out and written (None: the loop's default)
         self.expired = 0
         self._started = False
+        self._closed = False
 
     # ------------------------------------------------------------------ launch
 
@@ -182,6 +213,7 @@ class ShmBatches:
     def close(self) -> None:
         """Unlink every pending segment (their batches were not delivered: the spool replays
         them) and the record."""
+        self._closed = True
         for p in self.pending.values():
             p.timer.cancel()
             _shm_unlink(p.segment)
@@ -202,32 +234,44 @@ class ShmBatches:
 
     # ------------------------------------------------------------------ batches
 
-    def offer(self, batch: list[Group], epoch: int, step: int) -> dict[str, Any]:
-        """Write ``batch`` into a new segment and hold it until acknowledged; raises OSError when
-        the segment cannot be made (the caller puts the batch back)."""
+    async def offer(self, batch: list[Group], epoch: int, step: int) -> dict[str, Any]:
+        """Write ``batch`` into a new segment (on the executor) and hold it until acknowledged;
+        raises OSError when the segment cannot be made (the caller puts the batch back)."""
         self.start()
         batch_id = secrets.token_hex(12)
-        name = f"{self.prefix}{batch_id}"
-        layout = plan_batch([rows_from_group(g) for g in batch], {"batch_id": batch_id, "step": str(step)})
-        if len(self._scratch) < layout.size:
-            self._scratch = bytearray(layout.size)
-        data = memoryview(self._scratch)[:layout.size]
-        layout.fill(data)  # every byte: the header, then the tensors back to back
-        fd = _shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        loop = asyncio.get_running_loop()
+        job = loop.run_in_executor(self.executor, self.write, batch, batch_id, step)
         try:
-            os.fchmod(fd, 0o600)
-            os.ftruncate(fd, layout.size)
-            done = 0
-            while done < layout.size:  # written, not mapped: tmpfs takes it in one copy
-                done += os.pwrite(fd, data[done:], done)
-        except BaseException:
-            _shm_unlink(name)
+            name, size = await asyncio.shield(job)
+        except asyncio.CancelledError:  # the request went away: the segment goes when written
+            job.add_done_callback(_unlink_written)
             raise
-        finally:
-            os.close(fd)
-        timer = asyncio.get_running_loop().call_later(self.ack_timeout, self._expire, batch_id)
+        if self._closed:  # the API stopped meanwhile: close() did not know this segment
+            _shm_unlink(name)
+            raise OSError("the API is stopping")
+        timer = loop.call_later(self.ack_timeout, self._expire, batch_id)
         self.pending[batch_id] = _Pending(batch, epoch, name, timer)
-        return {"name": name, "size": layout.size, "batch_id": batch_id}
+        return {"name": name, "size": size, "batch_id": batch_id}
+
+    def write(self, batch: list[Group], batch_id: str, step: int) -> tuple[str, int]:
+        """Lay ``batch`` out and write it into a new segment: (its name, its size). Any thread."""
+        name = f"{self.prefix}{secrets.token_hex(16)}"  # not the batch id: that acknowledges it
+        layout = plan_batch([rows_from_group(g) for g in batch], {"batch_id": batch_id, "step": str(step)})
+        with self._scratch_lock:
+            if len(self._scratch) < layout.size:
+                self._scratch = bytearray()  # the old one goes first
+                self._scratch = bytearray(layout.size)
+            try:
+                data = memoryview(self._scratch)[:layout.size]
+                try:
+                    layout.fill(data)  # every byte: the header, then the tensors back to back
+                    _write_segment(name, data)
+                finally:
+                    data.release()
+            finally:
+                if len(self._scratch) > SCRATCH_KEEP_BYTES:
+                    self._scratch = bytearray()  # given back: one large batch does not pin it
+        return name, layout.size
 
     def ack(self, batch_id: str, *, release: bool = False) -> dict[str, Any]:
         """Acknowledge (delivered) or release (served again now) a pending batch."""

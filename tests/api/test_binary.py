@@ -56,17 +56,22 @@ def groups(draw: st.DrawFn, n: int | None = None, max_len: int = 12) -> dict[str
         if choice == "aligned":
             g[name] = rows(True)
         elif choice == "ragged":  # row lengths other than the tokens' (not validated upstream)
-            g[name] = rows(False)
+            g[name] = rows(False)  # laid out when no row is longer than its tokens
         elif choice == "misfit":  # not one row per sequence: kept in groups_json
             g[name] = [draw(st.lists(_finite, max_size=3)) for _ in range(n + 1)]
-    if draw(st.booleans()):
+    if draw(st.booleans()):  # one entry per token (null: none there), as ingestion requires
         k = draw(st.integers(0, 3))
-        pos = [draw(st.integers(0, max_len)) for _ in range(n)]
-        g["distill_token_ids"] = [[draw(st.lists(st.integers(0, 1000), min_size=0, max_size=k))
-                                   for _ in range(p)] for p in pos]
-        g["distill_logprobs"] = [[draw(st.lists(_finite, min_size=0, max_size=k)) for _ in range(p)] for p in pos]
-    if draw(st.booleans()):  # distillation data that is not [seq][pos][k] numbers: kept as JSON
-        g["distill_logprobs"] = draw(st.sampled_from([["x"] * n, [[1.0]] * (n + 1), [[["a"]]] * n]))
+        ids: list[Any] = []
+        lps: list[Any] = []
+        for p in lengths:
+            if draw(st.integers(0, 5)) == 0:
+                ids.append(None)
+                lps.append(None)
+                continue
+            ks = [draw(st.integers(0, k)) for _ in range(p)]
+            ids.append([draw(st.lists(st.integers(0, 1000), min_size=j, max_size=j)) for j in ks])
+            lps.append([draw(st.lists(_finite, min_size=j, max_size=j)) for j in ks])
+        g["distill_token_ids"], g["distill_logprobs"] = ids, lps
     if draw(st.booleans()):
         g["overrides"] = [draw(st.dictionaries(st.text(max_size=4), _json_value, max_size=2)) for _ in range(n)]
     if draw(st.booleans()):
@@ -97,7 +102,7 @@ def json_path(batch: list[Any]) -> dict[str, np.ndarray]:
 def shm_path(batch: list[Any]) -> dict[str, np.ndarray]:
     async def offer() -> dict[str, np.ndarray]:
         shm = ShmBatches(TrajectoryStore(1000), ack_timeout=30.0, spool_dir=None)
-        info = shm.offer(batch, 0, 0)
+        info = await shm.offer(batch, 0, 0)
         try:
             arrays, meta = binary.decode(_map_segment(info["name"], info["size"]))
             assert meta["batch_id"] == info["batch_id"]
@@ -144,7 +149,7 @@ def _check_layout(posted: list[dict[str, Any]], a: dict[str, np.ndarray]) -> Non
             assert a["scores"][row] == np.float32(g["scores"][i])
             for name in ("advantages", "ref_logprobs"):
                 value = g.get(name)
-                if value is not None and len(value) == len(g["tokens"]):
+                if _laid_out(g, name):
                     assert a[f"has_{name}"][row] == 1
                     r = value[i]
                     assert np.array_equal(a[name][row, :len(r)], np.float32(r)) and not a[name][row, len(r):].any()
@@ -155,16 +160,24 @@ def _check_layout(posted: list[dict[str, Any]], a: dict[str, np.ndarray]) -> Non
         for name in ("overrides", "group_overrides", "generation_params", "messages"):
             assert kept.get(name) == g.get(name)
         for name in ("advantages", "ref_logprobs"):
-            misfit = g.get(name) is not None and len(g[name]) != len(g["tokens"])
+            misfit = g.get(name) is not None and not _laid_out(g, name)
             assert (name in kept) == misfit
     assert row == a["tokens"].shape[0]
+
+
+def _laid_out(g: dict[str, Any], name: str) -> bool:
+    """Whether a per-token float field fits the layout: one row per sequence, none wider than
+    its tokens."""
+    value = g.get(name)
+    return (value is not None and len(value) == len(g["tokens"])
+            and all(len(r) <= len(t) for r, t in zip(value, g["tokens"], strict=True)))
 
 
 def test_layout_of_a_small_batch() -> None:
     g1 = group(2, length=3, env_id=1, group_overrides={"atroposd": {"weight_version": 3}})
     g1["advantages"] = [[0.5, 0.5, 0.5], [1.0]]
-    g1["distill_token_ids"] = [[[5, 6], [7]], [[8, 9]]]
-    g1["distill_logprobs"] = [[[-0.1, -0.2], [-0.3]], [[-0.4, -0.5]]]
+    g1["distill_token_ids"] = [[[5, 6], [7], []], [[8, 9], None, []]]
+    g1["distill_logprobs"] = [[[-0.1, -0.2], [-0.3], []], [[-0.4, -0.5], None, []]]
     g2 = group(1, length=5, logprobs=False)
     file = binary.encode([group_from_json(g1), group_from_json(g2)], {"batch_id": "b1"})
     (hlen,) = struct.unpack_from("<Q", file)

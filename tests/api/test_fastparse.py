@@ -139,11 +139,12 @@ def test_irregular_bodies_go_to_the_full_path(raw: bytes) -> None:
 
 def test_passthrough_fields_and_unknown_keys_survive() -> None:
     body = plain(messages=[[{"role": "user", "content": "[1, [2]] \u00e9"}]], overrides=[{"a": [1, 2]}],
-                 group_overrides={"k": "v"}, images=None, distill_token_ids=[[1, 2]], extra_key=[[1, [2]]])
+                 group_overrides={"k": "v"}, images=None, distill_token_ids=[[[1, 2]] * 6, None, None, None],
+                 extra_key=[[1, [2]]])
     result = same_on_both_paths(json.dumps(body, ensure_ascii=False).encode(), fast_taken=True)
     served = result[1][0]
     assert served["messages"] == body["messages"] and served["overrides"] == body["overrides"]
-    assert served["group_overrides"] == {"k": "v"} and served["distill_token_ids"] == [[1, 2]]
+    assert served["group_overrides"] == {"k": "v"} and served["distill_token_ids"] == body["distill_token_ids"]
     # with non-ASCII escaped (Python's json default) it still takes the fast path
     same_on_both_paths(json.dumps(body).encode(), fast_taken=True)
 

@@ -1,0 +1,412 @@
+"""Sizes bounded before allocation and bounds that hold for every body (SPEC §13): the
+distillation fields against their token rows, a binary batch never wider than its token rows
+and laid out off the event loop, request bodies charged as they arrive whatever their framing,
+a cap on connections, gzip bodies inflated off the loop whatever their trailer says, segment
+names that do not give a batch away.
+
+The API runs in this process (its objects can be inspected) on a loopback port, without the
+parse helper."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gzip
+import json
+import os
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import numpy as np
+import orjson
+import pytest
+from aiohttp import web
+
+from atroposd.api import binary, shmbatch
+from atroposd.api import server as server_module
+from atroposd.api.fastparse import parse_groups
+from atroposd.api.queue import TrajectoryStore
+from atroposd.api.schema import MAX_DISTILL_K, InvalidRequest, group_from_json
+from atroposd.api.server import ApiServer, ApiSettings
+from atroposd.api.shmbatch import ShmBatches
+from tests.api.conftest import group
+
+# ----------------------------------------------------------------------------- an API in this process
+
+
+def _settings(**over: Any) -> ApiSettings:
+    s = ApiSettings(host="127.0.0.1", port=0, token="", max_queued_sequences=256, max_request_bytes=1 << 20,
+                    full_wait=0.1, spool_dir=None)
+    for k, v in over.items():
+        setattr(s, k, v)
+    return s
+
+
+@contextlib.asynccontextmanager
+async def running(settings: ApiSettings) -> AsyncIterator[tuple[ApiServer, str, int]]:
+    """(server, url, port) of an API served by this event loop."""
+    store = TrajectoryStore(settings.max_queued_sequences, capacity_bytes=settings.queue_bytes())
+    server = ApiServer(store, settings)
+    runner = web.AppRunner(server.app(), auto_decompress=False, access_log=None, handle_signals=False,
+                           handler_cancellation=True, shutdown_timeout=0.5)
+    await runner.setup()
+    try:
+        site = server.site(runner)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        yield server, f"http://127.0.0.1:{port}", port
+    finally:
+        await runner.cleanup()
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: Any, **kw: Any) -> tuple[int, Any]:
+    data = body if isinstance(body, bytes) else orjson.dumps(body)
+    async with session.post(url, data=data, headers={"Content-Type": "application/json", **kw.pop("headers", {})},
+                            **kw) as r:
+        return r.status, await r.read()
+
+
+async def _start(session: aiohttp.ClientSession, url: str, batch_size: int) -> None:
+    status, _ = await _post(session, url + "/register", dict(
+        wandb_group="g", wandb_project="p", batch_size=batch_size, max_token_len=4096, checkpoint_dir="c",
+        save_checkpoint_interval=0, starting_step=0, num_steps=10))
+    assert status == 200
+    async with session.get(url + "/batch") as r:  # opens the gate for environments
+        assert r.status == 200
+
+
+def _segment_exists(name: str) -> bool:
+    return os.path.exists(f"/dev/shm/{name}")
+
+
+# ----------------------------------------------------------------------------- distillation at ingestion
+
+
+def _outcomes(body: dict[str, Any]) -> tuple[str, str]:
+    """(fast path, full path) for one /scored_data body: 'accepted' or 'status reason'."""
+    raw = json.dumps(body).encode()
+    out = []
+    for parse in (lambda: parse_groups(raw, listed=False, max_token_len=None),
+                  lambda: [group_from_json(json.loads(raw))]):
+        try:
+            got = parse()
+            out.append("accepted" if got is not None else "declined")
+        except InvalidRequest as exc:
+            out.append(f"{exc.status} {exc.reason}")
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("change", [
+    {"distill_token_ids": [[[7]] * 10_000] * 2},  # far more positions than tokens
+    {"distill_token_ids": [[[7]] * 4] * 3},  # more sequences than the group has
+    {"distill_token_ids": [[[7]] * 4, [[7]] * 3]},  # a sequence one position short
+    {"distill_token_ids": [[list(range(MAX_DISTILL_K + 1))] * 4] * 2},  # k past the bound
+    {"distill_token_ids": [[[True]] * 4] * 2},  # not integers
+    {"distill_token_ids": [[[1.5]] * 4] * 2},
+    {"distill_token_ids": [[7] * 4] * 2},  # not [position][k]
+    {"distill_logprobs": [[["x"]] * 4] * 2},
+    {"distill_logprobs": [[[1e308 * 10]] * 4] * 2},  # json.dumps writes Infinity: invalid JSON, 400
+    {"distill_token_ids": [[[7, 8]] * 4] * 2, "distill_logprobs": [[[-0.5]] * 4] * 2},  # k differs
+], ids=["positions", "sequences", "short", "k", "bool", "float_id", "flat", "string", "infinite", "k_differs"])
+def test_distillation_fields_are_checked_against_their_token_rows(change: dict[str, Any]) -> None:
+    """One entry per sequence, one per token in it, at most MAX_DISTILL_K numbers each, finite:
+    else a 4xx on both parse paths (a wide group used to be accepted and widen every batch)."""
+    fast, full = _outcomes(group(2, length=4, **change))
+    assert full.startswith("4") and fast in (full, "declined"), (fast, full)
+    if "1e308" not in repr(change) and "inf" not in repr(change):
+        assert full == "422 distill_invalid", full
+
+
+def test_distillation_fields_that_fit_are_accepted_on_both_paths() -> None:
+    ok = group(2, length=4, distill_token_ids=[[[1, 2], [3], [], None], None],
+               distill_logprobs=[[[-0.1, -0.2], [-0.3], [], None], None])
+    assert _outcomes(ok) == ("accepted", "accepted")
+    top = group(1, length=2, distill_token_ids=[[list(range(MAX_DISTILL_K))] * 2],
+                distill_logprobs=[[[-1.0] * MAX_DISTILL_K] * 2])
+    assert _outcomes(top) == ("accepted", "accepted")
+
+
+def test_a_wide_distillation_group_is_a_422_and_counted() -> None:
+    async def run() -> None:
+        async with running(_settings()) as (server, url, _), aiohttp.ClientSession() as s:
+            wide = group(2, length=4, distill_token_ids=[[[7]] * 20_000] * 2,
+                         distill_logprobs=[[[-0.5]] * 20_000] * 2)
+            status, body = await _post(s, url + "/scored_data", wide)
+            assert status == 422 and b"one entry per token" in body, (status, body[:300])
+            assert server.metrics.rejected.labels("distill_invalid")._value.get() == 1
+            assert server.store.held == 0
+
+    asyncio.run(run())
+
+
+# ----------------------------------------------------------------------------- binary batches
+
+
+def _unchecked(body: dict[str, Any], **extras: Any) -> Any:
+    """A group as the API holds it, with passthrough fields no longer checked (a group spooled by
+    an API before the check, replayed)."""
+    g = group_from_json(body)
+    for k, v in extras.items():
+        g.extras[k] = orjson.dumps(v)
+    return g
+
+
+def test_wide_distillation_group_gives_a_bounded_binary_batch() -> None:
+    """A 2 × 4-token group whose distillation fields claim 20,000 positions of up to 4,096 ids: the
+    batch stays 4 wide, K within the bound, and the fields stay in groups_json (this group used
+    to plan a [4, 20000, 4096] batch: 3.7 GiB)."""
+    wide = _unchecked(group(2, length=4), distill_token_ids=[[[7] * 4096] + [[7]] * 19_999] * 2,
+                      distill_logprobs=[[[-0.5]] * 20_000] * 2)
+    fits = group_from_json(group(2, length=6, distill_token_ids=[[[1, 2]] * 6] * 2,
+                                 distill_logprobs=[[[-0.1, -0.2]] * 6] * 2))
+    layout = binary.plan_batch([binary.rows_from_group(g) for g in (wide, fits)])
+    shapes = {name: shape for name, _, shape in layout.specs}
+    assert shapes["tokens"] == (4, 6), "no wider than the widest token row"
+    assert shapes["distill_token_ids"] == (4, 6, 2)
+    # planned before anything is allocated: the tensors are small, groups_json holds the fields
+    assert layout.size - len(layout.groups_json) < 16 << 10, layout.size
+    assert len(layout.groups_json) <= sum(len(v) for v in wide.extras.values()) + 1024
+    arrays, _ = binary.decode(layout.to_bytes())
+    kept = orjson.loads(arrays["groups_json"].tobytes())
+    assert len(kept[0]["distill_token_ids"][0]) == 20_000, "nothing accepted is lost"
+    assert (arrays["distill_token_ids"][:2] == -1).all() and arrays["distill_token_ids"][2, 0].tolist() == [1, 2]
+
+
+def test_rows_wider_than_their_tokens_do_not_widen_a_batch() -> None:
+    """advantages / ref_logprobs are not validated (upstream posts them loosely): a row longer
+    than its sequence keeps the field in groups_json instead of widening the batch."""
+    g = group_from_json(group(2, length=4, advantages=[[0.5] * 100_000, [0.5]]))
+    layout = binary.plan_batch([binary.rows_from_group(g)])
+    assert dict((n, s) for n, _, s in layout.specs)["tokens"] == (2, 4) and "advantages" not in \
+        {n for n, _, _ in layout.specs}
+    assert layout.size - len(layout.groups_json) < 16 << 10
+
+
+def test_batches_are_planned_and_filled_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """safetensors and shared-memory batches are laid out on the batch thread, not the loop."""
+    threads: list[str] = []
+    real_fill, real_plan = binary.BatchLayout.fill, binary.plan_batch
+
+    def fill(self: binary.BatchLayout, buf: Any) -> None:
+        threads.append("fill:" + threading.current_thread().name)
+        real_fill(self, buf)
+
+    def plan(*args: Any, **kw: Any) -> binary.BatchLayout:
+        threads.append("plan:" + threading.current_thread().name)
+        return real_plan(*args, **kw)
+
+    monkeypatch.setattr(binary.BatchLayout, "fill", fill)
+    monkeypatch.setattr(binary, "plan_batch", plan)
+    monkeypatch.setattr(shmbatch, "plan_batch", plan)
+
+    async def run() -> None:
+        async with running(_settings()) as (_, url, _port), aiohttp.ClientSession() as s:
+            await _start(s, url, batch_size=2)
+            for fmt in ("safetensors", "shm"):
+                assert (await _post(s, url + "/scored_data", group(2, length=5)))[0] == 200
+                async with s.get(url + f"/batch?format={fmt}") as r:
+                    assert r.status == 200
+                    body = await r.read()
+                if fmt == "shm":
+                    info = orjson.loads(body)["shm"]
+                    assert (await _post(s, url + "/batch/ack", {"batch_id": info["batch_id"]}))[0] == 200
+                else:
+                    assert binary.decode(body)[0]["tokens"].shape == (2, 5)
+
+    asyncio.run(run())
+    assert len(threads) == 4 and all(t.split(":")[1].startswith("api-batch") for t in threads), threads
+
+
+def test_segment_names_do_not_carry_the_batch_id() -> None:
+    """Any local user can list /dev/shm: a name that held the batch id let them acknowledge
+    another trainer's batch."""
+    async def run() -> None:
+        async with running(_settings()) as (server, url, _), aiohttp.ClientSession() as s:
+            await _start(s, url, batch_size=2)
+            assert (await _post(s, url + "/scored_data", group(2, length=5)))[0] == 200
+            async with s.get(url + "/batch?format=shm") as r:
+                info = orjson.loads(await r.read())["shm"]
+            name = info["name"]
+            assert _segment_exists(name)
+            assert info["batch_id"] not in name and name.startswith(server.shm.prefix)
+            assert len(name) - len(server.shm.prefix) == 32  # its own 128 random bits
+            assert (await _post(s, url + "/batch/ack", {"batch_id": info["batch_id"]}))[0] == 200
+            assert not _segment_exists(name)
+
+    asyncio.run(run())
+
+
+def test_a_large_batchs_scratch_memory_is_given_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One large batch does not pin its scratch buffer; a small one is kept for the next."""
+    monkeypatch.setattr(shmbatch, "SCRATCH_KEEP_BYTES", 4096)
+
+    async def run() -> None:
+        shm = ShmBatches(TrajectoryStore(1000), ack_timeout=30.0, spool_dir=None)
+        try:
+            small = await shm.offer([group_from_json(group(1, length=3))], 0, 0)
+            assert len(shm._scratch) >= small["size"], "a small one is kept for the next batch"
+            big = await shm.offer([group_from_json(group(8, length=300))], 0, 1)
+            assert big["size"] > 4096 and len(shm._scratch) == 0, "given back"
+            assert shm.ack(small["batch_id"])["acknowledged"]
+        finally:
+            shm.close()
+        assert not _segment_exists(big["name"])
+
+    asyncio.run(run())
+
+
+# ----------------------------------------------------------------------------- bodies in flight
+
+
+async def _stall_chunked(port: int, path: str, nbytes: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Send ``nbytes`` of a chunked body to ``path`` and stop there (the body never ends)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 "Transfer-Encoding: chunked\r\n\r\n".encode())
+    chunk = 16 << 10
+    for start in range(0, nbytes, chunk):
+        size = min(chunk, nbytes - start)
+        writer.write(b"%x\r\n%s\r\n" % (size, b" " * size))
+    await writer.drain()
+    return reader, writer
+
+
+async def _until(predicate: Any, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_chunked_bodies_and_every_route_count_against_the_in_flight_bound() -> None:
+    """A chunked body is charged as it arrives (it used to be charged only once complete, so
+    any number of them could be read at once), and so is every other body a route reads."""
+    async def run() -> None:
+        async with running(_settings(max_request_bytes=512 << 10)) as (server, url, port), \
+                aiohttp.ClientSession() as s:
+            server.max_inflight_bytes = 400 << 10
+            _, writer = await _stall_chunked(port, "/scored_data", 300 << 10)
+            await _until(lambda: server.inflight_bytes >= 250 << 10)
+            # a second chunked body: refused once what arrived passes the bound
+            r2, w2 = await _stall_chunked(port, "/scored_data_list", 200 << 10)
+            head = await asyncio.wait_for(r2.readuntil(b"\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 503"), head
+            w2.close()
+            # the other routes' bodies count as well
+            pad = {"batch_id": "x" * (200 << 10)}
+            status, body = await _post(s, url + "/batch/ack", pad)
+            assert status == 503 and b"in flight" in body, (status, body[:200])
+            status, _ = await _post(s, url + "/register-env", {"desired_name": "x" * (200 << 10)})
+            assert status == 503
+            assert server.metrics.refused.labels("inflight")._value.get() >= 3
+            writer.close()
+            await _until(lambda: server.inflight_bytes == 0)
+            assert (await _post(s, url + "/batch/ack", {"batch_id": "y"}))[0] == 200, "room again"
+
+    asyncio.run(run())
+
+
+def test_a_chunked_body_past_max_request_bytes_is_413_as_it_arrives() -> None:
+    async def run() -> None:
+        async with running(_settings(max_request_bytes=64 << 10)) as (server, _, port):
+            reader, writer = await _stall_chunked(port, "/scored_data", 100 << 10)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 413"), head
+            writer.close()
+            await _until(lambda: server.inflight_bytes == 0)
+
+    asyncio.run(run())
+
+
+def test_connections_past_the_cap_get_503() -> None:
+    async def run() -> None:
+        async with running(_settings(max_connections=3)) as (server, url, port):
+            idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /info HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            answer = await asyncio.wait_for(reader.read(), 5)  # then closed
+            assert answer.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in answer, answer
+            writer.close()
+            assert server.metrics.refused.labels("connections")._value.get() == 1
+            idle[0][1].close()
+            await _until(lambda: server.site_connections() < 3)
+            async with aiohttp.ClientSession() as s, s.get(url + "/info") as r:
+                assert r.status == 200, "room again once one is closed"
+            for _, w in idle[1:]:
+                w.close()
+
+    asyncio.run(run())
+
+
+def test_connection_cap_stays_below_the_descriptor_limit() -> None:
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert _settings(max_connections=1 << 30).connection_cap() <= max(1, soft - server_module.FD_RESERVE)
+    assert _settings(max_connections=5).connection_cap() == 5
+
+
+# ----------------------------------------------------------------------------- gzip off the loop
+
+
+def _lying_bodies() -> dict[str, bytes]:
+    """gzip bodies of a valid group whose last four bytes understate what they inflate to."""
+    payload = orjson.dumps(group(2, generation_params={"pad": os.urandom(40 << 10).hex()}))
+    tiny = gzip.compress(b" ")
+    members = gzip.compress(payload) + tiny  # valid: the trailer is the last member's
+    forged = bytearray(gzip.compress(payload))
+    forged[-4:] = (10).to_bytes(4, "little")  # one member whose size field lies: invalid
+    return {"members": members, "forged": bytes(forged)}
+
+
+@pytest.mark.parametrize("name", ["members", "forged"])
+def test_gzip_bodies_with_a_lying_trailer_inflate_off_the_event_loop(name: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the body is inflated is decided by its compressed size too: a trailer that
+    understates the inflated size no longer keeps the inflation on the loop."""
+    raw = _lying_bodies()[name]
+    assert server_module._inflated_size(raw, True) < server_module.GUNZIP_THREAD_MIN_BYTES
+    threads: list[str] = []
+    real = server_module.gunzip
+
+    def spy(data: bytes, limit: int) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(data, limit)
+
+    monkeypatch.setattr(server_module, "gunzip", spy)
+
+    async def run() -> None:
+        async with running(_settings()) as (server, url, _), aiohttp.ClientSession() as s:
+            status, body = await _post(s, url + "/scored_data", raw, headers={"Content-Encoding": "gzip"})
+            assert status == (200 if name == "members" else 400), (status, body[:200])
+            await _until(lambda: server.inflight_bytes == 0)
+
+    asyncio.run(run())
+    assert threads and all(t.startswith("api-inflate") for t in threads), threads
+    assert len(raw) >= server_module.GUNZIP_THREAD_MIN_COMPRESSED
+
+
+def test_small_gzip_bodies_still_inflate_on_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    raw = gzip.compress(orjson.dumps(group(2)))
+    assert len(raw) < server_module.GUNZIP_THREAD_MIN_COMPRESSED
+    threads: list[str] = []
+    real = server_module.gunzip
+
+    def spy(data: bytes, limit: int) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(data, limit)
+
+    monkeypatch.setattr(server_module, "gunzip", spy)
+
+    async def run() -> None:
+        server = ApiServer(TrajectoryStore(64), _settings())
+        try:
+            assert np.frombuffer(await server._inflate(raw, True), dtype=np.uint8).size > len(raw)
+        finally:
+            server._inflater.shutdown(wait=True)
+            server._batcher.shutdown(wait=True)
+
+    asyncio.run(run())
+    assert threads == [threading.main_thread().name]
