@@ -160,6 +160,17 @@ class GrpoObjective:
                          correction=self.correction, threshold=self.threshold)
 
 
+def _first_positions(mb: MicroBatch) -> torch.Tensor:
+    """[S] the flat index of each sequence's first trained position (its first position when it
+    has none), for padded rows and packed sequences alike."""
+    seq = mb.sequence_ids().reshape(-1)  # [B*T]
+    size = seq.numel()
+    idx = torch.arange(size, device=seq.device)
+    key = torch.where(mb.mask.reshape(-1), idx, idx + size)  # trained positions first
+    first = torch.full((mb.num_sequences,), 2 * size, dtype=torch.long, device=seq.device)
+    return first.scatter_reduce(0, seq, key, "amin") % size
+
+
 class AwsftObjective:
     """Advantage-weighted SFT; advantages re-normalised over the batch's sequences first."""
 
@@ -171,12 +182,12 @@ class AwsftObjective:
     def prepare(self, batch: RolloutBatch) -> None:
         set_aggregation(batch, self.loss_agg, self.max_token_len)
         # One advantage per sequence (its first trained position) → normalised over the batch.
-        firsts = [mb.advantages[torch.arange(mb.mask.shape[0]), mb.mask.float().argmax(1)] for mb in batch.micro]
+        firsts = [mb.advantages.reshape(-1)[_first_positions(mb)] for mb in batch.micro]
         weights = normalise_batch_advantages(torch.cat(firsts))
         offset = 0
         for mb in batch.micro:
-            n = mb.mask.shape[0]
-            mb.advantages = weights[offset:offset + n, None].expand_as(mb.advantages).contiguous()
+            n = mb.num_sequences
+            mb.advantages = weights[offset:offset + n][mb.sequence_ids()].contiguous()  # [B, T]
             offset += n
 
     def loss(self, logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, ref: torch.Tensor | None,

@@ -12,6 +12,7 @@ import torch
 
 from atroposd.trainer.batch import RolloutBatch, pack_rows, prepare_batch
 from atroposd.trainer.learner import (
+    AwsftObjective,
     GrpoObjective,
     InitialReference,
     Learner,
@@ -109,12 +110,24 @@ def step(learner: Learner, batch: RolloutBatch) -> tuple[float, torch.Tensor, fl
     return r.loss, grads, r.entropy, r.mean_kl
 
 
-@pytest.mark.parametrize("case", ["grpo-kl-initial", "distill", "one-row"])
+def objective_for(case: str, kl: float) -> Objective:
+    if case == "awsft":
+        return AwsftObjective(kl_coef=kl, loss_agg="seq-mean-token-sum-norm", max_token_len=64)
+    if case == "gspo-seq-mean":
+        return GrpoObjective(clip_eps=0.2, kl_coef=kl, sequence_level=True, loss_agg="seq-mean-token-mean")
+    if case == "seq-tis":
+        return GrpoObjective(clip_eps=0.2, kl_coef=kl, correction="seq-tis", threshold=1.5)
+    return GrpoObjective(clip_eps=0.2, kl_coef=kl)
+
+
+@pytest.mark.parametrize("case", ["grpo-kl-initial", "distill", "one-row", "awsft", "gspo-seq-mean", "seq-tis"])
 def test_packed_step_equals_the_padded_step(tiny_dir: Path, case: str) -> None:
-    """Same loss and every gradient (1e-5 relative by norm) as the padded micro-batches; the
-    frozen reference's logprobs are packed the same way (mean_kl equal)."""
+    """Same loss and every gradient (1e-5 relative by norm) as the padded micro-batches, for the
+    objectives that look at whole sequences too (GSPO, per-sequence aggregation, a sequence-level
+    correction, awsft's per-sequence weights); the frozen reference's logprobs are packed the
+    same way (mean_kl equal)."""
     distill = case == "distill"
-    kl = 0.1 if case == "grpo-kl-initial" else 0.0
+    kl = 0.1 if case in ("grpo-kl-initial", "awsft") else 0.0
     policy = load_policy(tiny_dir, tiny_dir, device=torch.device("cpu"), dtype=torch.float32,
                          need_reference=kl > 0)
     with torch.no_grad():  # the policy moved away from its reference: the KL term is not zero
@@ -129,7 +142,7 @@ def test_packed_step_equals_the_padded_step(tiny_dir: Path, case: str) -> None:
                               adv_std_floor=0.1, use_distill=distill, micro_batch_tokens=tokens)
         if tokens:
             assert all(mb.seq_lens is not None for mb in batch.micro)
-        learner = learner_for(policy, GrpoObjective(clip_eps=0.2, kl_coef=kl), reference, 0.5 if distill else 0.0)
+        learner = learner_for(policy, objective_for(case, kl), reference, 0.5 if distill else 0.0)
         out.append(step(learner, batch))
     (loss_a, g_a, ent_a, kl_a), (loss_b, g_b, ent_b, kl_b) = out
     assert loss_b == pytest.approx(loss_a, rel=TOL)
