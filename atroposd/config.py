@@ -125,6 +125,8 @@ class ApiConfig:
                          "The ATROPOSD_API_TOKEN environment variable is read when neither is set.")
     max_queued_sequences: int = _k(8192, "Hard cap on sequences held (queue + buffers + formed batches).", min=1)
     max_request_bytes: int = _k(67108864, "Per request, after gzip decompression.", min=1024)
+    max_connections: int = _k(1024, "Connections open at once; a new one past it is answered 503 and closed\n"
+                              "(kept below the process's file descriptor limit).", min=1)
     full_wait: float = _k(30.0, "Seconds a submission may wait for room when the queue is full, then 503.", min=0)
     spool: bool = _k(True, "Accepted groups and registrations survive an API restart.")
     spool_dir: str = _k("", "Default: {state_dir}/spool/api-{port}.")
@@ -308,10 +310,11 @@ class TrainerConfig:
     lora_r: int = _k(16, "LoRA rank.", min=1)
     lora_alpha: int = _k(32, "LoRA alpha.", min=1)
     lora_targets: list[str] = _k(["q_proj", "v_proj"], "Module names that get LoRA adapters.")
-    weight_sync: str = _k("auto", "auto | shared | push | reload; auto = shared for torch with one trainer rank,\n"
-                          "push for vllm or several ranks",
-                          choices=("auto", "shared", "push", "reload"))
-    sync_every: int = _k(1, "Steps between weight syncs (push and reload).", min=1)
+    weight_sync: str = _k("auto", "auto | shared | push | reload | broadcast; auto = shared for torch with one\n"
+                          "trainer rank, push for vllm or several ranks; broadcast (a torch.distributed\n"
+                          "group per replica: gloo on CPU, NCCL on GPU) is never picked by auto",
+                          choices=("auto", "shared", "push", "reload", "broadcast"))
+    sync_every: int = _k(1, "Steps between weight syncs (push, reload and broadcast).", min=1)
     max_staleness: int = _k(2, "Batches fetched ahead of the step being trained.", min=0)
     data_timeout: float = _k(600.0, "No data and no live or restartable environment this long: the job fails.", gt=0)
     stall_timeout: float = _k(300.0, "No step for this long: the trainer is stalled; the stuck stage is named and the\n"
@@ -992,7 +995,10 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
                                                             f"replica on one device (trainer.device = {t.device!r}, "
                                                             f"inference.device = {d!r}); use \"push\""))
                     break
-        if not inf.enabled and sync in ("shared", "push"):
+        if sync == "broadcast" and t.nodes > 1:
+            p.append(Problem("trainer.weight_sync", "\"broadcast\" runs on one node (cluster.nodes = 1); "
+                                                    "with several machines use \"push\" or \"reload\""))
+        if not inf.enabled and sync in ("shared", "push", "broadcast"):
             p.append(Problem("trainer.weight_sync", f"\"{sync}\" needs a local inference server "
                                                     "(inference.enabled = true); use \"reload\""))
     if inf.engine == "vllm" and inf.vllm.gpu_memory_utilization == 0.0 and t.enabled and \
@@ -1012,7 +1018,8 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
         p.append(Problem("inference.device", f"must be auto, cpu, cuda:N or a GPU UUID, got {inf.device!r}"))
     p.extend(_trainer_device_problems(t.device))
     if inf.enabled and inf.tool_parser:
-        from atroposd.inference.tools import parser_problem  # light: reads vLLM's parser names, imports nothing
+        # light: reads vLLM's parser names from its source, imports nothing heavy
+        from atroposd.inference.tools import parser_problem
 
         why = parser_problem(inf.tool_parser)
         if why:

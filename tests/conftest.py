@@ -86,6 +86,15 @@ def builtin_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[No
     jobs.MODEL_CACHE = None
 
 
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The small model that speaks tools (tests/models/toolmodel.py: byte-level BPE, a Hermes-style
+    chat template, fine-tuned for a few seconds), built once per test run."""
+    from tests.models.toolmodel import ensure_tool_model
+
+    return ensure_tool_model(tmp_path_factory.getbasetemp() / "tool-model")
+
+
 @pytest.fixture(autouse=True)
 def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fail a test that leaves a process or a shared-memory segment behind."""

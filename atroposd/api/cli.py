@@ -33,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                           "(default: [api] token_file)")
     parser.add_argument("--body-timeout", type=float, metavar="S", help=argparse.SUPPRESS)
     parser.add_argument("--max-queued-bytes", type=int, metavar="B", help=argparse.SUPPRESS)
+    parser.add_argument("--max-connections", type=int, metavar="N",
+                        help="connections open at once; past it a new one is answered 503")
     parser.add_argument("--shm-ack-timeout", type=float, metavar="S",
                         help="seconds a shared-memory batch waits for its acknowledgement before it is served again")
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
@@ -41,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # Flags that set an [api] key: (argparse attribute, key); checked by the key's schema rules.
 _FLAGS = {"host": "host", "port": "port", "max_queued_sequences": "max_queued_sequences", "full_wait": "full_wait",
           "max_request_bytes": "max_request_bytes", "token": "token", "token_file": "token_file",
-          "shm_ack_timeout": "shm_ack_timeout"}
+          "shm_ack_timeout": "shm_ack_timeout", "max_connections": "max_connections"}
 
 
 def settings_from(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:

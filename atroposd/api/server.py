@@ -114,7 +114,8 @@ class ApiSettings:
     def from_config(cls, api: ApiConfig, spool_dir: str | None) -> ApiSettings:
         return cls(host=api.host, port=api.port, token=api.token, max_queued_sequences=api.max_queued_sequences,
                    max_request_bytes=api.max_request_bytes, full_wait=api.full_wait, spool_dir=spool_dir,
-                   spool_fsync=api.spool_fsync, shm_ack_timeout=api.shm_ack_timeout)
+                   spool_fsync=api.spool_fsync, shm_ack_timeout=api.shm_ack_timeout,
+                   max_connections=api.max_connections)
 
 
 # The reasons a submission is refused (503) or a request rejected (4xx), as /metrics labels them.

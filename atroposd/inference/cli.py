@@ -69,6 +69,7 @@ def main(args: argparse.Namespace) -> int:
     from atroposd.config import SOCKET_PATH_MAX
     from atroposd.devices import DeviceError
     from atroposd.inference.server import ControlSocketInUse, PortInUse, ServerOptions, serve
+    from atroposd.inference.tools import ToolParserUnavailable
     from atroposd.logs import configure_logging, get_logger
     from atroposd.models.resolve import BUILTIN_TINY, ModelError, resolve_model, resolve_tokenizer
     from atroposd.paths import Paths
@@ -97,7 +98,7 @@ def main(args: argparse.Namespace) -> int:
                          await_weights=args.await_weights, threads=args.threads, token=token)
     try:
         code = asyncio.run(serve(cfg, opts))
-    except (ModelError, DeviceError) as exc:
+    except (ModelError, DeviceError, ToolParserUnavailable) as exc:
         print(f"atroposd inference: {exc}", file=sys.stderr)
         return Exit.USAGE
     except (PortInUse, ControlSocketInUse) as exc:

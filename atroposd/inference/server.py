@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 from aiohttp import web
 
-from atroposd.inference import schema
+from atroposd.inference import schema, tools
 from atroposd.inference.gate import NotPaused, ShuttingDown
 from atroposd.logs import get_logger
 from atroposd.weights.protocol import WeightUpdateError
@@ -90,6 +90,8 @@ class _Front:
     info: dict[str, Any] = field(default_factory=dict)
     #: requests answered on /generate and the OpenAI routes (``/health``: load per replica)
     generations: int = 0
+    #: ``[inference] tool_parser``'s parser (atroposd.inference.tools), None when off
+    tool_parser: Any = None
     metrics: Any = None  # InferenceMetrics, made by build_tcp_app
     #: the bearer token every TCP route requires ("" = none; SPEC §12.3)
     token: str = ""
@@ -291,9 +293,11 @@ async def _openai_completions(front: _Front, body: Any) -> dict[str, Any]:
                                                                        logprobs=k or 0)) for ids in prompts))
     for gen, ids in zip(gens, prompts, strict=True):
         gen.setdefault("prompt_token_ids", ids)  # for usage; not every engine echoes the prompt
-    out = schema.completion_response(front.model_name, gens[0], want_logprobs=k is not None, decode=_decoder(front))
+    out = tools.with_token_ids(schema.completion_response(front.model_name, gens[0], want_logprobs=k is not None,
+                                                          decode=_decoder(front)), gens[0], body)
     for gen in gens[1:]:  # several prompts: their choices follow in order
-        more = schema.completion_response(front.model_name, gen, want_logprobs=k is not None, decode=_decoder(front))
+        more = tools.with_token_ids(schema.completion_response(front.model_name, gen, want_logprobs=k is not None,
+                                                               decode=_decoder(front)), gen, body)
         for choice in more["choices"]:
             choice["index"] = len(out["choices"])
             out["choices"].append(choice)
@@ -309,9 +313,13 @@ async def _openai_chat(front: _Front, body: Any) -> dict[str, Any]:
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, Mapping) and isinstance(m.get("role"), str) for m in messages):
         raise schema.BadRequest("messages must be a non-empty list of {role, content} objects")
+    tool_req = tools.parse_tool_request(body)
+    extra = {"tools": tool_req.tools} if tool_req is not None and tool_req.tools else {}
     try:
-        ids = front.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False)
+        ids = front.tokenizer.apply_chat_template(tools.template_messages(messages), add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False, **extra)
+    except schema.BadRequest:
+        raise
     except Exception as exc:  # jinja and tokenizer errors: the client's messages did not fit the template
         raise schema.BadRequest(f"cannot apply the chat template: {exc}") from None
     ids = list(ids)
@@ -322,10 +330,17 @@ async def _openai_chat(front: _Front, body: Any) -> dict[str, Any]:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is None:
         max_tokens = max(1, front.max_model_len - len(ids))
-    gen = await front.engine.generate(_generate_body(front, body, ids, max_tokens=max_tokens,
-                                                     logprobs=top if want else 0))
+    parse = front.tool_parser is not None and tool_req is not None and tool_req.parse_calls
+    request = _generate_body(front, body, ids, max_tokens=max_tokens, logprobs=top if want else 0)
+    if parse and body.get("skip_special_tokens") is None:
+        request["skip_special_tokens"] = False  # a model may mark its tool-call tags special (as vLLM does)
+    gen = await front.engine.generate(request)
     gen.setdefault("prompt_token_ids", ids)
-    return schema.chat_response(front.model_name, gen, want_logprobs=want, decode=_decoder(front))
+    out = schema.chat_response(front.model_name, gen, want_logprobs=want, decode=_decoder(front))
+    if parse and tool_req is not None:
+        tools.apply_tool_calls(out, gen, front.tool_parser, tool_req, front.tokenizer)
+    return tools.with_token_ids(out, gen, body)
+
 
 
 def _decoder(front: _Front) -> Callable[[int], str]:
@@ -429,6 +444,7 @@ async def serve(cfg: Any, opts: ServerOptions, *, ready: Callable[[], None] | No
         # torch is imported from here on (after the port is ours, so a port in use fails fast).
         # The tokenizer's fingerprint is known before the model loads: /info answers early.
         front.info, tokenizer = await asyncio.to_thread(_info, cfg, opts)
+        front.tool_parser = await asyncio.to_thread(_tool_parser, cfg, tokenizer)
         engine = await asyncio.to_thread(make_engine, cfg, opts.engine, await_weights=opts.await_weights,
                                          threads=opts.threads)
         await _wait_or_stop(engine.start(), stop)
@@ -599,3 +615,14 @@ def _info(cfg: Any, opts: ServerOptions) -> tuple[dict[str, Any], Any]:
     info = {"model": cfg.inference.model, "engine": opts.engine, "max_model_len": cfg.inference.max_model_len,
             "tokenizer": fingerprint_of(tokenizer), "pid": os.getpid()}
     return info, tokenizer
+
+
+def _tool_parser(cfg: Any, tokenizer: Any) -> Any:
+    """``[inference] tool_parser``'s parser for the chat route (None: off, or ``auto`` found no
+    format); raises :class:`tools.ToolParserUnavailable` (a usage error)."""
+    from atroposd.models.resolve import resolve_model
+
+    parser = tools.make_parser(cfg.inference.tool_parser, tokenizer, resolve_model(cfg))
+    log.info("tool calls", tool_parser=cfg.inference.tool_parser,
+             parser=None if parser is None else f"{parser.name} ({type(parser).__name__})")
+    return parser

@@ -410,3 +410,17 @@ def test_small_gzip_bodies_still_inflate_on_the_loop(monkeypatch: pytest.MonkeyP
 
     asyncio.run(run())
     assert threads == [threading.main_thread().name]
+
+
+def test_max_connections_from_the_flag_and_its_bound() -> None:
+    import argparse
+
+    from atroposd.api import cli
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-c", dest="config")
+    cli.add_arguments(ap)
+    settings, _, _, problems = cli.settings_from(ap.parse_args(["--max-connections", "7"]))
+    assert settings.max_connections == 7 and not problems
+    _, _, _, problems = cli.settings_from(ap.parse_args(["--max-connections", "0"]))
+    assert problems and "--max-connections" in " ".join(problems), problems

@@ -1,0 +1,273 @@
+"""OpenAI chat with ``tools`` (SPEC §7): the tools reach the chat template, the model's calls come
+back as OpenAI ``tool_calls`` through ``[inference] tool_parser``; and the exact sampled tokens
+across the turns of a conversation, as the trainer receives them from the API.
+
+The server is the real ``atroposd inference`` on loopback, serving the small model that speaks
+tools (tests/models/toolmodel.py), whose byte-level BPE tokenizer can re-tokenize a sampled
+sequence differently."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from atroposd.config import parse_toml
+from atroposd.inference import tools
+from atroposd.inference.schema import BadRequest
+from tests.inference.conftest import Server, start_server
+from tests.models.toolmodel import FINAL_ANSWER, PROMPT, SYSTEM, TOOL_CALL, TOOL_RESULT, TOOLS
+from tests.support import config_problems, stop_process
+
+# ---------------------------------------------------------------------------- requests and parsers
+
+WEATHER = TOOLS[0]
+
+
+@pytest.mark.parametrize(("body", "names"), [
+    ({"tools": "get_weather"}, "tools must be a list"),
+    ({"tools": [42]}, "tools[0] must be an object"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "x"}}]}, "tools[0].type"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function must be an object"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name 'get_weather' is given twice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice must be"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+     "'get_time', which is not among tools"),
+    ({"tools": [WEATHER], "tool_choice": 3}, "tool_choice must be a string or an object"),
+    ({"tool_choice": "auto"}, "tool_choice needs tools"),
+    ({"tools": [], "tool_choice": "required"}, "needs at least one tool"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+])
+def test_a_malformed_tool_request_is_refused_naming_the_field(body: dict[str, Any], names: str) -> None:
+    with pytest.raises(BadRequest, match=None) as err:
+        tools.parse_tool_request(body)
+    assert names in str(err.value)
+
+
+def test_tool_request_defaults_and_named_choice() -> None:
+    req = tools.parse_tool_request({"tools": [WEATHER]})
+    assert req is not None and req.choice == "auto" and req.parse_calls
+    none = tools.parse_tool_request({"tools": [WEATHER], "tool_choice": "none"})
+    assert none is not None and not none.parse_calls
+    named = tools.parse_tool_request({"tools": [WEATHER], "tool_choice": {"type": "function",
+                                                                          "function": {"name": "get_weather"}}})
+    assert named is not None and named.choice == {"type": "function", "function": {"name": "get_weather"}}
+    assert tools.parse_tool_request({"messages": []}) is None
+
+
+def test_hermes_parser_reads_calls_and_leaves_other_text_as_content() -> None:
+    req = tools.parse_tool_request({"tools": [WEATHER]})
+    assert req is not None
+    p = tools.HermesParser()
+    out = p.parse('Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+                  '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}', req)
+    assert out.content == "Let me look."
+    assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [("get_weather", {"city": "Oslo"}),
+                                                                       ("get_weather", {"city": "Rome"})]
+    assert len({c.id for c in out.calls}) == 2
+    assert p.parse("no call here", req) == tools.ParsedOutput(content="no call here", calls=[])
+    broken = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
+    assert p.parse(broken, req) == tools.ParsedOutput(content=broken, calls=[])
+
+
+def test_template_messages_read_arguments_and_text_parts() -> None:
+    msgs = tools.template_messages([
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}])
+    assert msgs[0]["content"] == "ab"
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
+    with pytest.raises(BadRequest, match=r"messages\[0\].tool_calls\[0\].function.arguments is not valid JSON"):
+        tools.template_messages([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}])
+    with pytest.raises(BadRequest, match=r"messages\[0\].content\[0\]"):
+        tools.template_messages([{"role": "user", "content": [{"type": "image_url"}]}])
+
+
+def test_auto_detects_the_format_from_the_template_and_the_model_type(tmp_path: Path) -> None:
+    assert tools.detect_parser(None, "...<tool_call>...") == "hermes"
+    assert tools.detect_parser(None, "{{ '<|python_tag|>' }}") == "llama3_json"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    assert tools.detect_parser(tmp_path, "{{ messages }}") == "hermes"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert tools.detect_parser(tmp_path, "{{ messages }}") is None
+
+
+def test_tool_parser_key_is_checked_by_config_check() -> None:
+    assert parse_toml('[inference]\ntool_parser = "hermes"\n').inference.tool_parser == "hermes"
+    assert parse_toml('[inference]\ntool_parser = ""\n').inference.tool_parser == ""
+    if tools.have_vllm():
+        problems = config_problems('[inference]\ntool_parser = "hermez"\n')
+        assert any("inference.tool_parser" in p and "did you mean 'hermes'" in p for p in problems), problems
+    else:
+        problems = config_problems('[inference]\ntool_parser = "llama3_json"\n')
+        assert any("inference.tool_parser" in p and "vLLM is not installed" in p for p in problems), problems
+
+
+# ---------------------------------------------------------------------------- through the server
+
+
+@pytest.fixture(scope="module")
+def tool_server(tool_model: Path) -> Iterator[Server]:
+    root = Path(tempfile.mkdtemp(prefix="atpd-tools-", dir="/tmp"))
+    srv = start_server(root, tool_model)
+    try:
+        yield srv
+    finally:
+        code = stop_process(srv.proc)
+        shutil.rmtree(root, ignore_errors=True)
+        assert code == 0, f"inference server exited {code} on SIGTERM:\n{srv.tail()}"
+
+
+def _question() -> list[dict[str, Any]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPT}]
+
+
+def test_tool_call_round_trip_through_the_openai_client(tool_server: Server, tool_model: Path) -> None:
+    """The tools reach the template, the call comes back as tool_calls (finish_reason
+    tool_calls), the client sends the call and the result back, and the model answers."""
+    openai = pytest.importorskip("openai")
+
+    async def run() -> None:
+        client = openai.AsyncOpenAI(base_url=tool_server.url + "/v1", api_key="x")
+        try:
+            first = await client.chat.completions.create(model=str(tool_model), messages=_question(), tools=TOOLS,
+                                                         temperature=0, logprobs=True)
+            choice = first.choices[0]
+            assert choice.finish_reason == "tool_calls", choice
+            assert choice.message.content is None
+            (call,) = choice.message.tool_calls
+            assert call.type == "function" and call.function.name == TOOL_CALL["name"]
+            assert json.loads(call.function.arguments) == TOOL_CALL["arguments"]
+            # the exact sampled tokens ride along (an extension field), the call's tags included
+            extra = choice.model_extra or {}
+            assert extra["token_ids"] == [c.token_id for c in choice.logprobs.content]  # type: ignore[attr-defined]
+            assert (first.model_extra or {})["prompt_token_ids"]
+            history = [*_question(), choice.message.model_dump(exclude_none=True),
+                       {"role": "tool", "tool_call_id": call.id, "content": TOOL_RESULT}]
+            second = await client.chat.completions.create(model=str(tool_model), messages=history, tools=TOOLS,
+                                                          temperature=0)
+            assert second.choices[0].finish_reason == "stop"
+            assert second.choices[0].message.content == FINAL_ANSWER
+            assert not second.choices[0].message.tool_calls
+            # tool_choice = none: the same output, left as text
+            raw = await client.chat.completions.create(model=str(tool_model), messages=_question(), tools=TOOLS,
+                                                       tool_choice="none", temperature=0)
+            assert raw.choices[0].finish_reason == "stop" and not raw.choices[0].message.tool_calls
+            assert json.dumps(TOOL_CALL) in (raw.choices[0].message.content or "")
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(("extra", "names"), [
+    ({"tools": {"name": "get_weather"}}, "tools must be a list"),
+    ({"tools": [{"type": "function", "function": {"name": 7}}]}, "tools[0].function.name"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
+    ({"tool_choice": "required"}, "tool_choice needs tools"),
+    ({"return_token_ids": "yes"}, "return_token_ids"),
+])
+def test_malformed_tools_bodies_get_400_naming_the_field(tool_server: Server, extra: dict[str, Any],
+                                                          names: str) -> None:
+    status, body = tool_server.http("POST", "/v1/chat/completions",
+                                    {"messages": _question(), "max_tokens": 2, **extra})
+    assert status == 400, body
+    assert names in body["error"]["message"]
+
+
+def test_completion_with_logprobs_returns_the_sampled_ids(tool_server: Server) -> None:
+    status, body = tool_server.http("POST", "/v1/completions", {"prompt": "The sky over", "max_tokens": 5,
+                                                                "logprobs": 0, "temperature": 1.0, "seed": 3})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["token_ids"] == choice["logprobs"]["token_ids"] and len(choice["token_ids"]) >= 1
+    assert choice["prompt_token_ids"] == body["choices"][0]["prompt_token_ids"] and choice["prompt_token_ids"]
+    status, plain = tool_server.http("POST", "/v1/completions", {"prompt": "The sky over", "max_tokens": 2})
+    assert status == 200 and "token_ids" not in plain["choices"][0], "asked for neither: the plain OpenAI shape"
+
+
+@pytest.mark.atroposlib
+@pytest.mark.parametrize("server_type", ["vllm"])
+def test_three_turns_through_managed_server_reach_the_trainer_exactly(
+        tool_server: Server, tool_model: Path, server_type: str, tmp_path: Path) -> None:
+    """A three-turn conversation through atroposlib's ManagedServer, as an environment runs it,
+    posted to the API and taken by a trainer: the tokens the trainer trains on are exactly the
+    ones sampled, each with its sampled logprob, and each in the very context it was sampled in
+    (the server recomputes every one of them from the batch's tokens). Decoding and re-encoding
+    the sampled text would have changed them (checked)."""
+    pytest.importorskip("atroposlib")
+    from atroposlib.envs.server_handling.server_baseline import APIServerConfig
+    from atroposlib.envs.server_handling.server_manager import ServerManager
+    from transformers import AutoTokenizer
+
+    from atroposd.client import BatchClient
+    from tests.api.conftest import start_atroposd
+
+    tok = AutoTokenizer.from_pretrained(str(tool_model))
+    manager = ServerManager(configs=[APIServerConfig(
+        server_type=server_type, base_url=tool_server.url + "/v1", model_name=str(tool_model),
+        tokenizer_name=str(tool_model), api_key="x", health_check=False, timeout=60)])
+    backend = manager.servers[0]
+    sampled: list[tuple[list[int], list[float]]] = []
+    answer = backend._tokens_and_logprobs_completion_wrapper
+
+    async def recording(**kw: Any) -> Any:  # what the inference server answered, as atroposlib read it
+        out = await answer(**kw)
+        sampled.append((list(out[1][0]), list(out[2][0])))
+        return out
+
+    backend._tokens_and_logprobs_completion_wrapper = recording
+    users = ["Tell me about Rome.", "And the sky over Oslo?", "What is the weather in Lisbon?"]
+
+    async def converse() -> Any:
+        messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+        async with manager.managed_server(tokenizer=tok) as managed:
+            for turn, text in enumerate(users):
+                messages.append({"role": "user", "content": text})
+                reply = await managed.chat_completion(messages=messages, n=1, max_tokens=12, temperature=2.0,
+                                                      seed=11 + turn)
+                messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+            return managed.get_state()["nodes"]
+
+    nodes = asyncio.run(converse())
+    assert len(sampled) == 3 and len(nodes) == 1, "each turn extends the one conversation"
+    node = nodes[0]
+    assert any(tok.encode(tok.decode(ids), add_special_tokens=False) != ids for ids, _ in sampled), \
+        "re-encoding the sampled text gives the same tokens: the test could not see a re-tokenization"
+
+    api = start_atroposd(tmp_path)
+    try:
+        with BatchClient(api.url, batch_size=1, max_token_len=256) as trainer:
+            trainer.register()
+            assert api.api.call("POST", "/scored_data", {"tokens": [node.tokens], "masks": [node.masked_tokens],
+                                                         "scores": [1.0],
+                                                         "inference_logprobs": [node.logprobs]}).status == 200
+            batch = trainer.next_batch(timeout=30)
+    finally:
+        stop_process(api.proc)
+    length = int(batch["lengths"][0])
+    tokens, masks = batch.tokens[0, :length].tolist(), batch.masks[0, :length].tolist()
+    logprobs = batch.inference_logprobs[0, :length]
+    trained = [i for i, m in enumerate(masks) if m != -100]
+    assert [tokens[i] for i in trained] == [t for ids, _ in sampled for t in ids], "the sampled tokens, in order"
+    assert [masks[i] for i in trained] == [tokens[i] for i in trained]
+    assert np.array_equal(logprobs[trained], np.array([lp for _, lps in sampled for lp in lps], dtype=np.float32))
+    # Each turn's tokens are one contiguous span, and each was sampled in exactly the context
+    # the batch gives it: the server, recomputing from the batch's tokens, agrees.
+    spans = np.split(np.array(trained), np.where(np.diff(trained) > 1)[0] + 1)
+    assert [len(s) for s in spans] == [len(ids) for ids, _ in sampled]
+    status, again = tool_server.http("POST", "/generate", {"prompt": {"prompt_token_ids": tokens}, "max_tokens": 1,
+                                                           "prompt_logprobs": 0, "temperature": 2.0})
+    assert status == 200, again
+    recomputed = [float(again["prompt_logprobs"][i][str(tokens[i])]) for i in trained]
+    assert np.allclose(recomputed, logprobs[trained], atol=1e-4), (recomputed, logprobs[trained].tolist())
