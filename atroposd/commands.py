@@ -23,7 +23,7 @@ from typing import Any, TextIO, cast
 from atroposd import control
 from atroposd.config import Config
 from atroposd.exitcodes import Exit
-from atroposd.paths import Paths, RuntimeDirError
+from atroposd.paths import Paths, RuntimeDirError, private_umask
 from atroposd.pyexec import python_module
 
 FOLLOW_INTERVAL = 0.25
@@ -133,6 +133,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
     from atroposd.logs import configure_logging
     from atroposd.systemd import Notifier
 
+    private_umask()  # state, logs and checkpoints are this user's only, as under the shipped unit
     notifier = Notifier.from_environment()
     try:
         stream = _daemon_log_stream(cfg)
@@ -208,7 +209,8 @@ def start(cfg: Config, args: argparse.Namespace) -> int:
         return Exit.ALREADY_RUNNING
     paths = Paths.of(cfg)
     log_path, out_path = paths.log_file("daemon"), _daemon_out(paths)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+    private_umask()  # daemon.out, and the daemon it starts (which sets it again)
+    paths.ensure_state_dirs()
     offset = log_path.stat().st_size if log_path.exists() else 0
     out_offset = out_path.stat().st_size if out_path.exists() else 0
     tmp = Path(tempfile.mkdtemp(prefix="atroposd-start-"))

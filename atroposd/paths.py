@@ -33,6 +33,12 @@ class Paths:
         return cls(cfg.runtime_dir, cfg.state_dir, cfg.runtime_dir == fallback_runtime_dir(),
                    cfg.daemon.socket_group, cfg.checkpoint_dir, cfg.cluster.enabled)
 
+    def ensure_state_dirs(self) -> None:
+        """``state_dir`` and its ``logs`` and ``recovery`` directories, each created 0700 (whatever
+        the umask; existing ones are left as they are)."""
+        for d in (self.state_dir, self.logs_dir, self.recovery_dir):
+            make_private_dir(d)
+
     def ensure_runtime_dir(self) -> None:
         """Create or check runtime_dir before anything is put there (see ``ensure_runtime_dir``)."""
         ensure_runtime_dir(self.runtime_dir, fallback=self.runtime_dir_is_fallback, group=self.socket_group)
@@ -141,6 +147,53 @@ def ensure_runtime_dir(path: Path, *, fallback: bool = False, group: str = "") -
             raise RuntimeDirError(f"runtime_dir {path} has mode {mode:04o}, not 0700: someone may have used it; "
                                   "remove it or set daemon.runtime_dir")
         os.chmod(path, want, follow_symlinks=False)
+
+
+# Group and others get nothing of what the job creates (state, logs, checkpoints, sockets):
+# the shipped unit's UMask=0077, and the same outside systemd (``private_umask``).
+PRIVATE_UMASK = 0o077
+
+
+def private_umask() -> int:
+    """Add group and other bits to the process's umask (a stricter one stays); children inherit
+    it. Returns the umask before."""
+    old = os.umask(PRIVATE_UMASK)
+    os.umask(old | PRIVATE_UMASK)
+    return old
+
+
+def make_private_dir(path: Path) -> None:
+    """Create ``path`` (parents as needed) with mode 0700 whatever the umask; one that exists is
+    left as it is."""
+    if not path.is_dir():
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(path, 0o700)
+
+
+class UnsafeDirError(Exception):
+    """A directory whose contents the job would trust is writable by another user."""
+
+
+def check_checkpoint_dir(path: Path, *, key: str = "trainer.checkpoint_dir") -> None:
+    """Create ``path`` 0700 or check the one there (SPEC §12.1): it must be owned by this user
+    (or by root) and writable by no one else — whoever can write there chooses what a resume
+    loads. Raises UnsafeDirError naming ``key``."""
+    try:
+        make_private_dir(path)
+        st = os.stat(path)
+    except OSError as exc:
+        raise UnsafeDirError(f"{key}: cannot create {path}: {exc.strerror or exc}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeDirError(f"{key}: {path} is not a directory")
+    if st.st_uid not in (os.geteuid(), 0):
+        raise UnsafeDirError(f"{key}: {path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): "
+                             "its owner could plant a checkpoint that the next resume loads")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022:
+        who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002)) if mode & bit)
+        raise UnsafeDirError(f"{key}: {path} has mode {mode:04o}, writable by {who}: anyone who can write there "
+                             f"could plant a checkpoint that the next resume loads; `chmod go-w {path}` "
+                             "or choose another directory")
 
 
 def open_nofollow(path: Path, flags: int, mode: int = 0o600) -> int:

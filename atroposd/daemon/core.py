@@ -153,6 +153,16 @@ class Daemon:
         log.info("cluster node", node_rank=self.cfg.node_rank, nodes=self.cfg.cluster.nodes,
                  head=self.cfg.cluster.head, role="head" if self.cfg.is_head else "node")
 
+    def _check_checkpoint_dir(self) -> None:
+        """The trainer resumes from what is in checkpoint_dir: ours and writable by no one else."""
+        from atroposd.paths import UnsafeDirError, check_checkpoint_dir
+
+        if self.cfg.trainer.enabled:
+            try:
+                check_checkpoint_dir(self.paths.checkpoints_dir)
+            except UnsafeDirError as exc:
+                raise StartFailed(str(exc)) from None
+
     def uptime(self) -> float:
         return time.monotonic() - self._t0
 
@@ -180,6 +190,7 @@ class Daemon:
                                backups=self.cfg.daemon.log_backups)
             try:
                 self._resolve_node_rank()
+                self._check_checkpoint_dir()
                 runtime.check_ports(self.cfg)  # before anything binds (the metrics server included)
                 self._resolve_api_token()
             except StartFailed as exc:

@@ -37,8 +37,7 @@ class StartFailed(Exception):
 def prepare_dirs(paths: Paths) -> None:
     """The runtime directory (0700 when it is ours), the state, log and recovery directories."""
     paths.ensure_runtime_dir()  # RuntimeDirError: a link, not a directory, or not ours
-    for d in (paths.state_dir, paths.logs_dir, paths.recovery_dir):
-        d.mkdir(parents=True, exist_ok=True)
+    paths.ensure_state_dirs()  # 0700 when created
 
 
 # ----------------------------------------------------------------------------- pidfile

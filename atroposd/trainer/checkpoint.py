@@ -25,7 +25,10 @@ put back at the next start if the new one never arrived) and only then removes t
 
 Resume (:func:`load_latest`) verifies the checksums of the newest complete checkpoint; one
 that fails (or cannot be read) is set aside as ``step-N.bad-<time>`` — kept for a look,
-never used again — and the next older is tried.
+never used again — and the next older is tried. A checkpoint of several ranks (``optimizer/``)
+is loaded only when its checksums cover every file of it, and its optimizer directory is
+always ``optimizer`` (:mod:`.sharded`): one without checksums, or naming another directory,
+is set aside the same way.
 
 The reference model of ``kl_reference = "initial"`` is not stored: it is the model source
 itself (the configured directory, or builtin:tiny rebuilt from the seed), which resume checks
@@ -332,7 +335,10 @@ def load_latest(root: Path) -> Latest:
     for _step, path in reversed(complete_checkpoints(root)):
         try:
             verified = verify_checksums(path)
+            _check_sharded(path, verified)
             restored = load_checkpoint(path)
+            if restored.state.get("optimizer_dcp") and not verified:
+                raise CheckpointError(f"checkpoint {path}: a sharded checkpoint without {CHECKSUM_FILE} is not loaded")
         except CheckpointError as exc:
             if "has format" in str(exc):
                 raise
@@ -352,6 +358,16 @@ def load_latest(root: Path) -> Latest:
     return result
 
 
+def _check_sharded(path: Path, verified: bool) -> None:
+    """Several ranks' checkpoint: verified in full before DCP reads anything (:mod:`.sharded`)."""
+    from atroposd.trainer.sharded import check_verified
+
+    table = None
+    if verified:
+        table = json.loads((path / CHECKSUM_FILE).read_text())["files"]
+    check_verified(path, table)
+
+
 def load_checkpoint(path: Path) -> Restored:
     from safetensors.torch import load_file
 
@@ -364,6 +380,9 @@ def load_checkpoint(path: Path) -> Restored:
     if state.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format {state.get('format')!r}; this atroposd reads "
                               f"format {FORMAT_VERSION}")
+    from atroposd.trainer.sharded import check_optimizer_path
+
+    check_optimizer_path(path, state)
     return Restored(path=path, state=state, weights=weights)
 
 

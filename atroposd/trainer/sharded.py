@@ -8,6 +8,14 @@ holds ``"optimizer": None``, ``"ranks": N`` and ``"optimizer_dcp": "optimizer"``
 is renamed complete by rank 0 after every rank finished writing (DCP's save ends with a
 collective), so a complete ``step-N`` always holds every shard.
 
+Loading reads nothing unverified (SPEC §12.1): a checkpoint with ``optimizer/`` must carry
+``checksums.json`` covering every file under it (:func:`check_verified`); the optimizer's
+directory is always ``optimizer`` (a checkpoint naming another is refused, never followed);
+DCP's pickled ``.metadata`` goes through an allow-list unpickler (DCP's own metadata classes,
+torch sizes and dtypes, nothing that runs code) and names only shard files of its directory;
+the non-tensor values in the shards (the optimizer's hyper-parameters) load with
+``weights_only``, where DCP's own planner would unpickle anything.
+
 Resume with any rank count: the weights are loaded in full before sharding; the optimizer state
 comes from DCP (resharded by it to the new rank count, or gathered into one process without a
 process group) or, from a one-rank checkpoint, from its index-keyed state dict turned into
@@ -16,6 +24,9 @@ parameter names.
 
 from __future__ import annotations
 
+import io
+import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +34,8 @@ import torch
 
 from atroposd.logs import get_logger
 
-__all__ = ["OPTIMIZER_DIR", "check_shards", "gathered_weights", "load_optimizer", "save_optimizer", "tied_aliases"]
+__all__ = ["OPTIMIZER_DIR", "check_optimizer_path", "check_shards", "check_verified", "gathered_weights",
+           "load_optimizer", "read_metadata", "save_optimizer", "tied_aliases"]
 
 log = get_logger(__name__)
 
@@ -74,6 +86,123 @@ def check_shards(path: Path, world: int) -> None:
                               "trainer.checkpoint_dir must be a directory every node sees (a shared file system)")
 
 
+def check_optimizer_path(path: Path, state: dict[str, Any]) -> None:
+    """The trainer state of a sharded checkpoint names its optimizer's directory: it must be
+    ``optimizer`` (the one place a checkpoint keeps it), never a path read and followed."""
+    from atroposd.trainer.checkpoint import CheckpointError
+
+    named = state.get("optimizer_dcp")
+    if named is not None and named != OPTIMIZER_DIR:
+        raise CheckpointError(f"checkpoint {path}: its trainer state names the optimizer directory {named!r}; "
+                              f"a checkpoint keeps it in {OPTIMIZER_DIR!r} (refused, not followed)")
+
+
+def check_verified(path: Path, table: dict[str, Any] | None) -> None:
+    """A sharded checkpoint (``optimizer/`` present) loads only with checksums that cover every
+    file DCP will read: raises CheckpointError without ``checksums.json`` or with a file under
+    ``optimizer/`` that it does not list."""
+    from atroposd.trainer.checkpoint import CHECKSUM_FILE, CheckpointError
+
+    opt = path / OPTIMIZER_DIR
+    if not opt.exists() and not opt.is_symlink():
+        return
+    if table is None:
+        raise CheckpointError(f"checkpoint {path}: a sharded checkpoint without {CHECKSUM_FILE} is not loaded "
+                              "(its optimizer shards and metadata cannot be verified)")
+    if opt.is_symlink() or not opt.is_dir():
+        raise CheckpointError(f"checkpoint {path}: {OPTIMIZER_DIR} is not a directory of the checkpoint")
+    unlisted = sorted(str(p.relative_to(path)) for p in opt.rglob("*")
+                      if (p.is_file() or p.is_symlink()) and str(p.relative_to(path)) not in table)
+    if unlisted:
+        raise CheckpointError(f"checkpoint {path}: files its {CHECKSUM_FILE} does not cover: "
+                              f"{', '.join(unlisted[:4])}")
+    try:
+        data = (opt / ".metadata").read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {path}: cannot read its optimizer metadata: {exc.strerror or exc}") from exc
+    try:
+        read_metadata(data)
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint {path}: {exc}") from None
+
+
+# DCP's metadata, as torch.distributed.checkpoint pickles it: these globals and no others.
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+     ("collections", "OrderedDict")}
+_SHARD_FILE = re.compile(r"__\d+_\d+\.distcp")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+
+def read_metadata(data: bytes) -> Any:
+    """DCP's ``.metadata`` through the allow-list; its storage entries must name shard files of
+    the same directory (``__<rank>_<n>.distcp``) at non-negative offsets. Raises CheckpointError."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from atroposd.trainer.checkpoint import CheckpointError
+
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:  # UnpicklingError, and whatever a crafted stream raises
+        raise CheckpointError(f"optimizer metadata refused: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"optimizer metadata refused: a {type(metadata).__name__}, not DCP's Metadata")
+    for info in (metadata.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not isinstance(rel, str) or not _SHARD_FILE.fullmatch(rel):
+            raise CheckpointError(f"optimizer metadata refused: it names the file {rel!r}, not a shard of its directory")
+        if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
+            raise CheckpointError(f"optimizer metadata refused: a shard range {offset!r}+{length!r}")
+    return metadata
+
+
+def _reader(path: Path) -> Any:
+    """DCP's file-system reader with :func:`read_metadata` in place of its ``pickle.load``."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class VerifiedReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            rank = kwargs.get("rank")
+            name = ".metadata" if rank is None else f"__{int(rank)}.metadata"
+            metadata = read_metadata((path / name).read_bytes())
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return VerifiedReader(str(path))
+
+
+def _planner() -> Any:
+    """DCP's default load planner, its non-tensor values loaded with ``weights_only``."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class WeightsOnlyPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            loaded = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return WeightsOnlyPlanner()
+
+
 def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
                    checkpoint: Path, *, world: int) -> None:
     """Restore the optimizer of a (sharded or not) model from either checkpoint layout."""
@@ -83,14 +212,23 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sta
         set_optimizer_state_dict,
     )
 
+    from atroposd.trainer.checkpoint import CheckpointError
+
     saved_ranks = int(state.get("ranks", 1))
     if state.get("optimizer_dcp"):
         import torch.distributed.checkpoint as dcp
 
+        check_optimizer_path(checkpoint, state)
+        directory = checkpoint / OPTIMIZER_DIR  # fixed: never a path the checkpoint names
         osd = get_optimizer_state_dict(model, optimizer)
         box = {"optimizer": osd}
-        dcp.load(box, checkpoint_id=str(checkpoint / str(state["optimizer_dcp"])),
-                 no_dist=world == 1)
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            dcp.load(box, storage_reader=_reader(directory), planner=_planner(), no_dist=world == 1)
+        except (Exception, CheckpointException) as exc:  # DCP wraps what its reader and planner raise
+            raise CheckpointError(f"cannot load the optimizer shards of {checkpoint}: {type(exc).__name__}: "
+                                  f"{_first_line(exc)}") from exc
         set_optimizer_state_dict(model, optimizer, optim_state_dict=box["optimizer"])
     elif world == 1:
         optimizer.load_state_dict(state["optimizer"])
@@ -100,6 +238,17 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sta
                                  options=StateDictOptions(full_state_dict=True))
     if saved_ranks != world:
         log.info("optimizer state resharded", checkpoint=str(checkpoint), saved_ranks=saved_ranks, ranks=world)
+
+
+def _first_line(exc: BaseException) -> str:
+    """What DCP's wrapped error says, without its tracebacks: the refusal's own message when one
+    is in it."""
+    text = str(exc)
+    for marker in ("refused", "Weights only load failed", "Unsupported global"):
+        at = text.find(marker)
+        if at >= 0:
+            return text[max(0, text.rfind("\n", 0, at) + 1):].split("\n", 1)[0][:400]
+    return text.strip().splitlines()[-1][:400] if text.strip() else type(exc).__name__
 
 
 def _named_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,

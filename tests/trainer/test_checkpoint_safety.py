@@ -323,3 +323,162 @@ def test_a_checkpoint_missing_another_nodes_shard_names_the_missing_file(tmp_pat
     assert str(opt / "__1_0.distcp") in str(err.value) and "every node sees" in str(err.value)
     (opt / "__1_0.distcp").write_bytes(b"1")
     check_shards(opt, 2)  # complete: no error
+
+
+# ---------------------------------------------------------------------------- sharded: nothing unverified
+
+
+def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = _model(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.8, 0.95))
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _save_sharded(root: Path, step: int) -> tuple[Path, torch.optim.Optimizer]:
+    """A checkpoint in the layout of several ranks (``optimizer/`` by DCP), written here by one
+    process (DCP without a process group) through the same writer the ranks use."""
+    import warnings
+
+    from atroposd.trainer.sharded import OPTIMIZER_DIR, save_optimizer
+
+    model, opt = _trained(step)
+
+    def shards(tmp: Path) -> dict[str, torch.Tensor]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+            save_optimizer(model, opt, tmp / OPTIMIZER_DIR)
+        return ckpt.model_weights(model)
+
+    state = {"weight_version": step, "ranks": 2, "optimizer": None, "optimizer_dcp": OPTIMIZER_DIR}
+    path = save_checkpoint(root, step, model=model, tokenizer=None, lora=False, state=state, keep=3, shards=shards)
+    return path, opt
+
+
+def _rewrite_checksums(path: Path) -> None:
+    """What someone who can write the directory does after changing a file."""
+    (path / CHECKSUM_FILE).unlink()
+    ckpt._write_checksums(path)
+
+
+def _load_optimizer(path: Path, seed: int = 99) -> torch.optim.Optimizer:
+    from atroposd.trainer.sharded import load_optimizer
+
+    model, opt = _trained(seed)
+    state = ckpt.load_checkpoint(path).state
+    load_optimizer(model, opt, state, path, world=1)
+    return opt
+
+
+def test_a_verified_sharded_checkpoint_restores_its_optimizer(tmp_path: Path) -> None:
+    path, saved = _save_sharded(tmp_path, 1)
+    latest = load_latest(tmp_path)
+    assert latest.restored is not None and latest.restored.path == path and not latest.set_aside
+    opt = _load_optimizer(path)
+    assert opt.param_groups[0]["betas"] == (0.8, 0.95)
+    for a, b in zip(saved.state.values(), opt.state.values(), strict=True):
+        assert torch.equal(a["exp_avg"], b["exp_avg"])
+
+
+def test_a_sharded_checkpoint_without_checksums_is_refused(tmp_path: Path) -> None:
+    old, _ = _save_sharded(tmp_path, 1)
+    newest, _ = _save_sharded(tmp_path, 2)
+    (newest / CHECKSUM_FILE).unlink()
+    latest = load_latest(tmp_path)
+    assert latest.restored is not None and latest.restored.path == old
+    assert [p.name.split(".bad-")[0] for p in latest.set_aside] == ["step-2"]
+
+
+def test_a_sharded_checkpoint_with_an_unlisted_optimizer_file_is_refused(tmp_path: Path) -> None:
+    path, _ = _save_sharded(tmp_path, 1)
+    (path / "optimizer" / "__1_0.distcp").write_bytes(b"planted")
+    with pytest.raises(CheckpointError, match=r"does not cover: optimizer/__1_0\.distcp"):
+        ckpt._check_sharded(path, ckpt.verify_checksums(path))
+    assert load_latest(tmp_path).restored is None
+
+
+@pytest.mark.parametrize("named", ["../elsewhere", "/tmp/optimizer", "optimizer/.."])
+def test_a_sharded_checkpoint_naming_a_foreign_optimizer_path_is_refused(tmp_path: Path, named: str) -> None:
+    """The optimizer's directory is fixed: a trainer state naming another (checksums rewritten
+    to match, as whoever wrote it would) is refused at resume and by the loader itself."""
+    from atroposd.trainer.sharded import load_optimizer
+
+    path, _ = _save_sharded(tmp_path, 1)
+    state = torch.load(path / STATE_FILE, weights_only=True)
+    state["optimizer_dcp"] = named
+    torch.save(state, path / STATE_FILE)
+    _rewrite_checksums(path)
+    with pytest.raises(CheckpointError, match="names the optimizer directory"):
+        ckpt.load_checkpoint(path)
+    model, opt = _trained(3)
+    with pytest.raises(CheckpointError, match="refused, not followed"):
+        load_optimizer(model, opt, state, path, world=1)
+    latest = load_latest(tmp_path)
+    assert latest.restored is None and len(latest.set_aside) == 1
+
+
+class _Planted:
+    """Unpickling this runs ``open(marker, "w")``: what a planted pickle would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (str(self.marker), "w"))
+
+
+def test_optimizer_metadata_and_values_load_without_running_code(tmp_path: Path) -> None:
+    """DCP's ``.metadata`` and the shards' non-tensor values are pickles: a planted one (with the
+    checksums rewritten) is refused and runs nothing; metadata naming a file outside its
+    directory is refused."""
+    import io
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from atroposd.trainer.sharded import read_metadata
+
+    path, _ = _save_sharded(tmp_path, 1)
+    meta_file = path / "optimizer" / ".metadata"
+    good = meta_file.read_bytes()
+    marker = tmp_path / "ran"
+
+    meta_file.write_bytes(pickle.dumps(_Planted(marker)))
+    _rewrite_checksums(path)
+    with pytest.raises(CheckpointError, match="not allowed in checkpoint metadata"):
+        _load_optimizer(path)
+    assert not marker.exists()
+    latest = load_latest(tmp_path)  # refused at resume already: set aside
+    assert latest.restored is None and len(latest.set_aside) == 1 and not marker.exists()
+    path = latest.set_aside[0].rename(path)
+
+    metadata = read_metadata(good)
+    key = next(iter(metadata.storage_data))
+    metadata.storage_data[key] = _StorageInfo(relative_path="../../etc/passwd", offset=0, length=10)
+    with pytest.raises(CheckpointError, match="not a shard of its directory"):
+        read_metadata(pickle.dumps(metadata))
+
+    # a byte value (the optimizer's hyper-parameters) planted in the shard, at the place the
+    # metadata names for it
+    meta_file.write_bytes(good)
+    shard = path / "optimizer" / "__0_0.distcp"
+    info = next(i for k, i in metadata.storage_data.items() if "param_groups" in k.fqn and "betas" in k.fqn)
+    payload = io.BytesIO()
+    torch.save(_Planted(marker), payload)
+    data = bytearray(shard.read_bytes())
+    data[info.offset:info.offset + info.length] = payload.getvalue()
+    shard.write_bytes(bytes(data))
+    good_meta = read_metadata(good)
+    for k, i in good_meta.storage_data.items():  # the planted value is longer: move what follows
+        if i.relative_path == info.relative_path and i.offset > info.offset:
+            good_meta.storage_data[k] = _StorageInfo(i.relative_path, i.offset + len(payload.getvalue()) - info.length,
+                                                     i.length, i.transform_descriptors)
+        elif k.fqn == next(kk for kk, ii in metadata.storage_data.items() if ii is info).fqn:
+            good_meta.storage_data[k] = _StorageInfo(i.relative_path, i.offset, len(payload.getvalue()),
+                                                     i.transform_descriptors)
+    meta_file.write_bytes(pickle.dumps(good_meta))
+    _rewrite_checksums(path)
+    with pytest.raises(CheckpointError, match=r"Weights only load failed|Unsupported global"):
+        _load_optimizer(path)
+    assert not marker.exists()
