@@ -66,7 +66,7 @@ def main() -> int:
         for _ in range(args.steps):
             batch = prepare_batch(make_groups(1000 + step, n=args.groups), micro_batch_size=t.micro_batch_size,
                                   micro_batch_tokens=t.micro_batch_tokens, max_token_len=t.max_token_len, adv_std_floor=t.adv_std_floor,
-                                  vocab_size=learner.policy.vocab_size)
+                                  vocab_size=learner.policy.vocab_size, advantage=t.advantage, overlong=t.overlong)
             result = learner.compute(batch)
             assert result.finite, result
             learner.apply()
