@@ -122,3 +122,28 @@ def test_each_choice_changes_the_default_gradient(policy: Any, tiny_dir: Path, t
         learner, t = _learner(policy, tmp_path, tiny_dir, **keys)
         _, g, _ = _run(learner, _skewed(learner, t))
         assert _rel(base, g) > 1e-3, name
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_checkpoint_and_resume_keep_the_schedules_position(schedule: str, tiny_dir: Path, tmp_path: Path) -> None:
+    from atroposd.trainer.optim import lr_factor
+    from atroposd.trainer.setup import build_learner, load_for_training
+
+    cfg = make_cfg(tmp_path / "state", tiny_dir, lr_schedule=schedule, warmup_steps=1, steps=6, lr=1e-3,
+                   kl_coef=0.0)
+    setup = load_for_training(cfg)
+    learner = build_learner(cfg, setup)
+    lrs = []
+    for _ in range(3):
+        assert learner.compute(_batch(cfg.trainer)).finite
+        learner.apply()
+        lrs.append(learner.lr)
+    setup.checkpointer(learner).save(3, 3, 0)
+    assert lrs == pytest.approx([1e-3 * lr_factor(s, warmup_steps=1, steps=6, schedule=schedule) for s in (1, 2, 3)])
+    resumed = build_learner(cfg, load_for_training(cfg))
+    assert resumed.lr == lrs[-1]  # the position, not the start of the schedule
+    assert resumed.compute(_batch(cfg.trainer)).finite
+    resumed.apply()
+    learner.compute(_batch(cfg.trainer))
+    learner.apply()
+    assert resumed.lr == learner.lr == pytest.approx(1e-3 * lr_factor(4, warmup_steps=1, steps=6, schedule=schedule))
