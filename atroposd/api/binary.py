@@ -404,10 +404,14 @@ def encode(groups: Sequence[Any], metadata: Mapping[str, str] | None = None) -> 
     return plan_batch([rows_from_group(g) for g in groups], metadata).to_bytes()
 
 
-def batch_arrays(groups: Sequence[Mapping[str, Any]]) -> dict[str, np.ndarray]:
+def batch_arrays(groups: Sequence[Mapping[str, Any]], max_bytes: int | None = None) -> dict[str, np.ndarray]:
     """The arrays of a JSON batch (the groups of ``{"batch": [...]}``), exactly as :func:`encode`
-    would lay them out."""
-    return plan_batch([rows_from_json(g) for g in groups]).arrays()
+    would lay them out. LayoutError, before they are allocated, when they would take more than
+    ``max_bytes``."""
+    layout = plan_batch([rows_from_json(g) for g in groups])
+    if max_bytes is not None and layout.size > max_bytes:
+        raise LayoutError(f"the batch would take {layout.size} bytes, more than the {max_bytes} allowed")
+    return layout.arrays()
 
 
 def decode(buf: Any) -> tuple[dict[str, np.ndarray], dict[str, str]]:

@@ -11,7 +11,8 @@ orjson), not torch; ``Batch.torch()`` converts when torch is installed. See
 docs/EXTERNAL-TRAINER.md.
 """
 
-from atroposd.client.batches import TRANSPORTS, ApiError, Batch, BatchClient
+from atroposd.client.batches import TRANSPORTS, ApiError, Batch, BatchClient, InsecureTokenWarning
 from atroposd.client.weights import InferenceControl, WeightsError
 
-__all__ = ["TRANSPORTS", "ApiError", "Batch", "BatchClient", "InferenceControl", "WeightsError"]
+__all__ = ["TRANSPORTS", "ApiError", "Batch", "BatchClient", "InferenceControl", "InsecureTokenWarning",
+           "WeightsError"]

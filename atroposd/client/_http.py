@@ -5,8 +5,9 @@ package; a trainer that asks for a batch and acknowledges it makes two requests 
 which on a 64 × 512 batch is half of what receiving it costs. This client sends a request in
 one ``sendall`` and parses the answer's status line and headers itself: Content-Length bodies
 are read straight into one buffer, chunked bodies and bodies ended by a closed connection are
-read too. Anything the socket raises, or an answer that is not HTTP/1.x, is an ``OSError``
-(the caller reconnects).
+read too, none larger than ``max_body`` bytes whatever the server announces (a length, chunk
+sizes) — larger is an error before anything is allocated for it. Anything the socket raises, or
+an answer that is not HTTP/1.x or too large, is an ``OSError`` (the caller reconnects).
 """
 
 from __future__ import annotations
@@ -14,9 +15,14 @@ from __future__ import annotations
 import socket
 import ssl
 
-__all__ = ["HttpConnection", "Response"]
+__all__ = ["BodyTooLarge", "HttpConnection", "Response"]
 
 _MAX_HEADER = 64 << 10
+_MAX_CHUNK_LINE = 4096
+
+
+class BodyTooLarge(ConnectionError):
+    """An answer larger than the connection's ``max_body`` (the connection is closed)."""
 
 
 class Response:
@@ -29,8 +35,10 @@ class Response:
 
 
 class HttpConnection:
-    def __init__(self, host: str, port: int, *, tls: bool = False, timeout: float = 120.0) -> None:
+    def __init__(self, host: str, port: int, *, tls: bool = False, timeout: float = 120.0,
+                 max_body: int = 1 << 40) -> None:
         self.host, self.port, self.tls, self.timeout = host, port, tls, timeout
+        self.max_body = max_body
         self._sock: socket.socket | None = None
         self._buf = bytearray()  # bytes received past the last response
         self._host_header = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
@@ -117,13 +125,21 @@ class HttpConnection:
         elif "chunked" in headers.get("transfer-encoding", "").lower():
             body = self._chunked(sock)
         elif "content-length" in headers:
-            body = self._exactly(sock, int(headers["content-length"]))
+            try:
+                length = int(headers["content-length"])
+            except ValueError:
+                raise ConnectionError(f"bad Content-Length {headers['content-length'][:40]!r}") from None
+            if length < 0:
+                raise ConnectionError(f"bad Content-Length {length}")
+            self._check_size(length)
+            body = self._exactly(sock, length)
         else:  # ends when the server closes
             body = bytearray(self._buf)
             self._buf.clear()
             try:
                 while data := sock.recv(1 << 18):
                     body += data
+                    self._check_size(len(body))
             finally:
                 self.close()
             return Response(status, headers, body)
@@ -144,17 +160,32 @@ class HttpConnection:
             have += got
         return body
 
+    def _check_size(self, n: int) -> None:
+        if n > self.max_body:
+            raise BodyTooLarge(f"the answer is {n} bytes or more, larger than the {self.max_body} this client "
+                               "accepts")
+
     def _chunked(self, sock: socket.socket) -> bytearray:
         body = bytearray()
         while True:
             while (end := self._buf.find(b"\r\n")) < 0:
+                if len(self._buf) > _MAX_CHUNK_LINE:
+                    raise ConnectionError("chunk size line too long")
                 self._buf += self._recv(sock)
-            size = int(bytes(self._buf[:end]).split(b";")[0], 16)
+            try:
+                size = int(bytes(self._buf[:end]).split(b";")[0], 16)
+            except ValueError:
+                raise ConnectionError(f"bad chunk size line {bytes(self._buf[:min(end, 40)])!r}") from None
+            if size < 0:
+                raise ConnectionError(f"bad chunk size {size}")
+            self._check_size(len(body) + size)
             del self._buf[:end + 2]
             if size == 0:
                 while (end := self._buf.find(b"\r\n")) != 0:  # trailers, then the empty line
                     if end > 0:
                         del self._buf[:end + 2]
+                    elif len(self._buf) > _MAX_HEADER:
+                        raise ConnectionError("chunked trailers too large")
                     else:
                         self._buf += self._recv(sock)
                 del self._buf[:2]

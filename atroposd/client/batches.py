@@ -5,14 +5,21 @@ host, else as safetensors over HTTP, else as JSON (any run-api compatible server
 backoff across API restarts, and hands back a :class:`Batch` of numpy arrays whose names, shapes
 and dtypes are those of SPEC §5 "Binary batches" (see :mod:`atroposd.api.binary`), whatever the
 transport. No torch needed; ``Batch.torch()`` gives torch tensors when torch is installed.
+
+What the server announces is not trusted with memory: no answer, inflated gzip stream,
+shared-memory segment or JSON batch's layout larger than ``max_batch_bytes`` is taken (an
+:class:`ApiError` instead, before anything is allocated for it). A token sent over plain HTTP to
+a host other than this one is sent in clear text: the client warns once
+(:class:`InsecureTokenWarning`).
 """
 
 from __future__ import annotations
 
-import gzip
 import mmap
 import os
 import time
+import warnings
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -23,7 +30,8 @@ import numpy as np
 import orjson
 
 from atroposd.api.binary import CONTENT_TYPE, FORMAT, LayoutError, batch_arrays, decode
-from atroposd.client._http import HttpConnection
+from atroposd.api.schema import MAX_DISTILL_K
+from atroposd.client._http import BodyTooLarge, HttpConnection
 from atroposd.net import is_loopback
 from atroposd.shmscan import SegmentCheckError, check_private_segment
 
@@ -32,9 +40,24 @@ try:
 except ImportError:  # pragma: no cover - non-POSIX
     _posixshmem = None
 
-__all__ = ["TRANSPORTS", "ApiError", "Batch", "BatchClient"]
+__all__ = ["TRANSPORTS", "ApiError", "Batch", "BatchClient", "InsecureTokenWarning", "default_max_batch_bytes"]
 
 TRANSPORTS = ("auto", "shm", "safetensors", "json")
+# Bytes per position of a batch at most: tokens, masks (int64), inference_logprobs, advantages,
+# ref_logprobs (float32) and the distillation top-k (int64 + float32 each), plus the per-sequence
+# arrays spread over a position.
+_BYTES_PER_POSITION = 8 + 8 + 4 + 4 + 4 + 2 + 12 * MAX_DISTILL_K
+_REST_BYTES = 1 << 30  # groups_json (messages, overrides, ...) and the header
+
+
+def default_max_batch_bytes(batch_size: int, max_token_len: int) -> int:
+    """The largest batch a registration can be served: every field laid out at ``max_token_len``
+    with the largest teacher top-k, and 1 GiB for the rest (``groups_json``)."""
+    return max(1, batch_size) * max(1, max_token_len) * _BYTES_PER_POSITION + _REST_BYTES
+
+
+class InsecureTokenWarning(UserWarning):
+    """The API's bearer token goes in clear text (plain HTTP) to another host."""
 
 
 class ApiError(RuntimeError):
@@ -154,13 +177,15 @@ class BatchClient:
     ``$ATROPOSD_API_TOKEN``). ``batch_size`` (sequences per batch) and ``max_token_len`` go into
     the registration like the rest of run-api's ``/register`` fields. ``transport``: ``auto``
     (shared memory when the API's host is this one, else safetensors; JSON from a server that
-    speaks only JSON), or one of ``shm``, ``safetensors``, ``json``.
+    speaks only JSON), or one of ``shm``, ``safetensors``, ``json``. ``max_batch_bytes``: the
+    largest answer or batch taken (default: :func:`default_max_batch_bytes` of the registration).
     """
 
     def __init__(self, url: str, token: str | None = None, *, batch_size: int, max_token_len: int,
                  num_steps: int = 0, starting_step: int = 0, transport: str = "auto", poll_interval: float = 0.05,
                  max_backoff: float = 2.0, request_timeout: float = 120.0, wandb_group: str = "",
-                 wandb_project: str = "", checkpoint_dir: str = "", save_checkpoint_interval: int = 0) -> None:
+                 wandb_project: str = "", checkpoint_dir: str = "", save_checkpoint_interval: int = 0,
+                 max_batch_bytes: int | None = None) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
         parts = urlsplit(url if "://" in url else f"http://{url}")
@@ -180,8 +205,12 @@ class BatchClient:
         self.poll_interval = poll_interval
         self.max_backoff = max_backoff
         self.request_timeout = request_timeout
+        self.max_batch_bytes = (max_batch_bytes if max_batch_bytes is not None
+                                else default_max_batch_bytes(batch_size, max_token_len))
         self._conn: HttpConnection | None = None
         self._registered = False
+        self._clear_text = bool(self.token) and self._scheme == "http" and not local
+        self._warned = False
         self.fallbacks: list[str] = []  # why the transport changed, if it did
 
     # ------------------------------------------------------------------ HTTP
@@ -189,13 +218,19 @@ class BatchClient:
     def _connection(self) -> HttpConnection:
         if self._conn is None:
             port = self._port or (443 if self._scheme == "https" else 80)
-            self._conn = HttpConnection(self._host, port, tls=self._scheme == "https", timeout=self.request_timeout)
+            self._conn = HttpConnection(self._host, port, tls=self._scheme == "https", timeout=self.request_timeout,
+                                        max_body=self.max_batch_bytes)
         return self._conn
 
     def _request(self, method: str, path: str, body: Any = None) -> tuple[int, str, bytearray]:
         """(status, content type, body) of one request on the kept-alive connection."""
         headers = {"Accept-Encoding": "gzip" if self._gzip else "identity"}
         if self.token:
+            if self._clear_text and not self._warned:
+                self._warned = True
+                warnings.warn(f"sending the API's bearer token over plain HTTP to {self._host}, another host: "
+                              "anyone on the network path can read it; use https:// or a trusted network",
+                              InsecureTokenWarning, stacklevel=4)
             headers["Authorization"] = f"Bearer {self.token}"
         data = None
         if body is not None:
@@ -203,12 +238,15 @@ class BatchClient:
             headers["Content-Type"] = "application/json"
         try:
             resp = self._connection().request(method, self._base + path, headers, data)
+        except BodyTooLarge as exc:
+            self.close()
+            raise ApiError(f"{method} {self.url}{path}: {exc} (max_batch_bytes)") from exc
         except (OSError, ValueError) as exc:
             self.close()
             raise _Unreachable(f"{method} {self.url}{path}: {exc!r}") from exc
         buf = resp.body
         if resp.headers.get("content-encoding", "").lower() == "gzip":
-            buf = bytearray(gzip.decompress(buf))
+            buf = _gunzip(buf, self.max_batch_bytes, f"{method} {self.url}{path}")
         return resp.status, resp.headers.get("content-type", "").split(";")[0].strip(), buf
 
     def close(self) -> None:
@@ -240,7 +278,7 @@ class BatchClient:
         query = {"shm": "?format=shm", "safetensors": "?format=safetensors", "json": ""}[self.transport]
         status, ctype, body = self._request("GET", "/batch" + query)
         if status == 200 and ctype == CONTENT_TYPE:
-            arrays, meta = decode(body)
+            arrays, meta = decode(body)  # views of the body: nothing allocated
             return Batch(arrays, "safetensors", metadata=meta)
         obj = orjson.loads(body) if body else None
         if status != 200:
@@ -260,7 +298,11 @@ class BatchClient:
         batch = obj.get("batch")
         if batch is None:
             return None
-        return Batch(batch_arrays(batch), "json", metadata={"format": FORMAT})
+        try:
+            arrays = batch_arrays(batch, self.max_batch_bytes)
+        except LayoutError as exc:
+            raise ApiError(f"/batch: {exc} (max_batch_bytes)") from None
+        return Batch(arrays, "json", metadata={"format": FORMAT})
 
     def next_batch(self, timeout: float | None = None) -> Batch:
         """Wait for the next batch: polls while the queue is empty, and across API restarts
@@ -295,8 +337,13 @@ class BatchClient:
 
     def _take_shm(self, info: Mapping[str, Any]) -> Batch | None:
         batch_id = str(info["batch_id"])
+        size = int(info["size"])
+        if not 0 < size <= self.max_batch_bytes:
+            self._ack(batch_id, release=True)
+            raise ApiError(f"/batch: a shared-memory batch of {size} bytes; this client takes at most "
+                           f"{self.max_batch_bytes} (max_batch_bytes)")
         try:
-            arrays, meta = decode(_map_segment(str(info["name"]), int(info["size"])))
+            arrays, meta = decode(_map_segment(str(info["name"]), size))
         except (OSError, LayoutError, ValueError) as exc:
             # Not mappable from here (another host or mount namespace, another user): give the
             # batch back at once, and use HTTP from now on.
@@ -327,6 +374,24 @@ class BatchClient:
             if status != 200:
                 raise ApiError(f"/batch/ack answered {status}: {bytes(body[:300])!r}", status)
             return bool(orjson.loads(body).get("acknowledged"))
+
+
+def _gunzip(data: bytes | bytearray, limit: int, what: str) -> bytearray:
+    """A gzip answer inflated into at most ``limit`` bytes (ApiError past it or when damaged)."""
+    out = bytearray()
+    rest = bytes(data)
+    while rest:
+        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        try:
+            out += d.decompress(rest, limit - len(out) + 1)
+        except zlib.error as exc:
+            raise ApiError(f"{what}: the gzip answer does not inflate: {exc}") from None
+        if len(out) > limit:
+            raise ApiError(f"{what}: the answer inflates past the {limit} bytes this client takes (max_batch_bytes)")
+        if not d.eof:
+            raise ApiError(f"{what}: the gzip answer is cut short")
+        rest = d.unused_data
+    return out
 
 
 def _map_segment(name: str, size: int) -> mmap.mmap:

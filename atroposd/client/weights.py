@@ -29,6 +29,9 @@ SYNC_FORMAT = "atroposd-sync-1"  # atroposd.weights.receiver.SYNC_FORMAT (that m
 SYNC_WEIGHTS_FILE = "model.safetensors"
 
 
+MAX_ANSWER_BYTES = 16 << 20  # the inference server's control answers are small JSON documents
+
+
 class WeightsError(RuntimeError):
     """The inference server refused or failed a weight-control request."""
 
@@ -78,11 +81,13 @@ class InferenceControl:
             conn.request(method, route, body=orjson.dumps(body) if body is not None else None,
                          headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
-            raw = resp.read()
+            raw = resp.read(MAX_ANSWER_BYTES + 1)  # whatever its Content-Length says
         except OSError as exc:
             raise WeightsError(f"{method} {route}: control socket {self.socket_path} is not reachable ({exc})") from exc
         finally:
             conn.close()
+        if len(raw) > MAX_ANSWER_BYTES:
+            raise WeightsError(f"{method} {route}: an answer of more than {MAX_ANSWER_BYTES} bytes")
         try:
             data = orjson.loads(raw) if raw else {}
         except orjson.JSONDecodeError:

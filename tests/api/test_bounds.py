@@ -424,3 +424,25 @@ def test_max_connections_from_the_flag_and_its_bound() -> None:
     assert settings.max_connections == 7 and not problems
     _, _, _, problems = cli.settings_from(ap.parse_args(["--max-connections", "0"]))
     assert problems and "--max-connections" in " ".join(problems), problems
+
+
+def test_aiohttp_floor_has_the_request_smuggling_fixes() -> None:
+    """aiohttp before 3.12.14 parses some chunked bodies and trailers in ways a proxy in front
+    of the API may not (request smuggling); the dependency excludes those versions."""
+    import importlib.metadata
+    import re
+    import sys
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    from tests.support import REPO
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised only on 3.10
+        import tomli as tomllib
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    req = next(Requirement(d) for d in deps if re.match(r"aiohttp\b", d))
+    assert not req.specifier.contains("3.12.13") and req.specifier.contains("3.12.14"), str(req)
+    assert Version(importlib.metadata.version("aiohttp")) >= Version("3.12.14")
