@@ -1,7 +1,10 @@
 """Prometheus metrics of one inference server (``GET /metrics`` on its TCP port).
 
 Generations and tokens served, request latency by route, requests in flight, and the time
-generation spent paused for weight syncs (read from the engine's gate). For the vLLM engine,
+generation spent paused for weight syncs (read from the engine's gate). Probes (generation
+requests with ``max_tokens ≤ 1``: the health checks of atroposlib's server classes) are counted
+apart, in ``atroposd_inference_probes`` and ``atroposd_inference_probe_seconds``, never as
+rollouts. For the vLLM engine,
 vLLM's own metrics (its global registry, when the engine runs in this process) follow.
 """
 
@@ -13,7 +16,7 @@ from typing import Any
 
 __all__ = ["GENERATE_ROUTES", "InferenceMetrics"]
 
-GENERATE_ROUTES = ("generate", "completions", "chat")
+GENERATE_ROUTES = ("generate", "sglang", "trl", "completions", "chat")
 
 
 class InferenceMetrics:
@@ -28,12 +31,18 @@ class InferenceMetrics:
         self.tokens = Counter("atroposd_inference_generated_tokens", "Tokens generated", registry=r)
         self.latency = Histogram("atroposd_inference_request_seconds", "Generation request latency", ["route"],
                                  registry=r, buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120))
+        self.probes = Counter("atroposd_inference_probes", "Probes answered (generation requests with "
+                              "max_tokens <= 1: health checks), by route and outcome; not in the rollout "
+                              "counts", ["route", "outcome"], registry=r)
+        self.probe_latency = Histogram("atroposd_inference_probe_seconds", "Probe latency", registry=r,
+                                       buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
         self.inflight = Gauge("atroposd_inference_requests_in_flight", "Generation requests being answered",
                               registry=r)
         for route in GENERATE_ROUTES:  # every known label value from the start
             self.latency.labels(route)
             for outcome in ("ok", "error"):
                 self.requests.labels(route, outcome)
+                self.probes.labels(route, outcome)
 
         def gate(attr: str) -> Callable[[], float]:
             return lambda: float(getattr(engine(), attr, 0) or 0)
@@ -52,8 +61,12 @@ class InferenceMetrics:
         self.inflight.inc()
         return time.perf_counter()
 
-    def end(self, route: str, start: float, *, ok: bool) -> None:
+    def end(self, route: str, start: float, *, ok: bool, probe: bool = False) -> None:
         self.inflight.dec()
+        if probe:
+            self.probe_latency.observe(time.perf_counter() - start)
+            self.probes.labels(route, "ok" if ok else "error").inc()
+            return
         self.latency.labels(route).observe(time.perf_counter() - start)
         self.requests.labels(route, "ok" if ok else "error").inc()
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["MAX_LOGPROBS", "MAX_N", "MAX_REQUEST_TOKENS", "BadRequest", "Completion", "GenerateParams",
-           "chat_response", "completion_response", "generate_response", "parse_generate"]
+__all__ = ["MAX_LOGPROBS", "MAX_N", "MAX_REQUEST_TOKENS", "PROBE_MAX_TOKENS", "BadRequest", "Completion",
+           "GenerateParams", "SglangRequest", "chat_response", "completion_response", "generate_response", "is_probe",
+           "is_sglang", "parse_generate", "parse_sglang", "parse_trl", "sglang_response", "trl_response"]
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default, which /generate inherits
 
@@ -105,14 +106,15 @@ def sampling_params(body: Mapping[str, Any], ids: list[int], *, max_model_len: i
     n = _int(body, "n", 1, lo=1, hi=MAX_N)
     if body.get("best_of") not in (None, n):
         raise BadRequest("best_of is not supported")
-    raw_max = next((body[k] for k in ("max_tokens", "max_new_tokens", "max_completion_tokens")
-                    if body.get(k) is not None), None)
+    max_key = next((k for k in ("max_tokens", "max_new_tokens", "max_completion_tokens")
+                    if body.get(k) is not None), "max_tokens")
+    raw_max = body.get(max_key)
     room = max_model_len - len(ids)
     if raw_max is None and default_max_tokens is None:
         raw_max = room  # OpenAI routes: "as many as fit"
-    max_tokens = _int({"max_tokens": raw_max}, "max_tokens", DEFAULT_MAX_TOKENS, lo=1)
+    max_tokens = _int({max_key: raw_max}, max_key, DEFAULT_MAX_TOKENS, lo=1)
     if max_tokens > room:
-        raise BadRequest(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
+        raise BadRequest(f"prompt ({len(ids)} tokens) + {max_key} ({max_tokens}) exceeds max_model_len "
                          f"({max_model_len}); nothing is truncated")
     if n * max_tokens > MAX_REQUEST_TOKENS:
         raise BadRequest(f"n × max_tokens = {n} × {max_tokens} exceeds {MAX_REQUEST_TOKENS} generated tokens per "
@@ -258,4 +260,227 @@ def chat_response(model: str, gen: Mapping[str, Any], *, want_logprobs: bool, de
                     for i, (text, reason) in enumerate(zip(gen["text"], gen["finish_reasons"], strict=True))],
         "usage": _usage(gen),
         "weight_version": gen["weight_version"],
+    }
+
+
+# ---------------------------------------------------------------------------- probes
+
+PROBE_MAX_TOKENS = 1  # a generation request asking for at most this many tokens is a probe
+_MAX_KEYS = ("max_tokens", "max_new_tokens", "max_completion_tokens")
+
+
+def is_probe(body: Any) -> bool:
+    """Whether a generation body of any served shape (vLLM's or SGLang's ``/generate``, TRL's
+    ``/generate/``, the OpenAI routes) asks for at most :data:`PROBE_MAX_TOKENS` tokens: the
+    health checks of atroposlib's server classes, answered ahead of queued rollouts and counted
+    apart from them (SPEC §7). A body whose limit is missing or malformed is no probe."""
+    if not isinstance(body, Mapping):
+        return False
+    nested = body.get("sampling_params")
+    where: Mapping[str, Any] = nested if isinstance(nested, Mapping) else body
+    limit = next((where[k] for k in _MAX_KEYS if where.get(k) is not None), None)
+    return isinstance(limit, int) and not isinstance(limit, bool) and limit <= PROBE_MAX_TOKENS
+
+
+# ---------------------------------------------------------------------------- SGLang's /generate
+
+# SGLang's sampling_params → this server's names (the rest keep theirs).
+_SGLANG_RENAMED = {"max_new_tokens": "max_new_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed",
+                   "no_stop_trim": "include_stop_str_in_output"}
+_SGLANG_SAMPLING = {"n", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed", "ignore_eos",
+                    "skip_special_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                    *_SGLANG_RENAMED}
+# Fields SGLang accepts that change nothing here at these values.
+_SGLANG_NEUTRAL = {"spaces_between_special_tokens": True}
+_SGLANG_FIELDS = {"input_ids", "text", "sampling_params", "return_logprob", "return_text_in_logprobs",
+                  "logprob_start_len", "top_logprobs_num", "rid", "stream", "model"}
+SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's own default
+
+
+def is_sglang(body: Any) -> bool:
+    """Whether a ``/generate`` body is SGLang's (``input_ids`` or ``text``, ``sampling_params``)
+    rather than vLLM's (``prompt``): the two share the route and are told apart by the body."""
+    return isinstance(body, Mapping) and "prompt" not in body and any(
+        k in body for k in ("input_ids", "text", "sampling_params"))
+
+
+@dataclass(frozen=True)
+class SglangRequest:
+    """One validated SGLang ``/generate`` request."""
+
+    params: GenerateParams
+    return_logprob: bool = False
+    text_in_logprobs: bool = False
+    logprob_start_len: int = -1  # -1: logprobs of the output only
+    top_logprobs_num: int = 0
+    rid: str | None = None
+
+
+def parse_sglang(body: Any, *, max_model_len: int, vocab_size: int,
+                 encode: Callable[[str], list[int]]) -> SglangRequest:
+    """Validate an SGLang ``/generate`` body (SPEC §7); ``encode`` tokenizes ``text`` as
+    SGLang does (special tokens added). Errors name the SGLang field."""
+    if not isinstance(body, Mapping):
+        raise BadRequest("request must be a JSON object")
+    unknown = sorted(set(body) - _SGLANG_FIELDS)
+    if unknown:
+        raise BadRequest(f"unknown field(s): {', '.join(unknown)}")
+    if body.get("stream"):
+        raise BadRequest("stream = true is not supported; ask for the whole response")
+    if body.get("input_ids") is not None and body.get("text") is not None:
+        raise BadRequest("give input_ids or text, not both")
+    if body.get("input_ids") is not None:
+        ids = body["input_ids"]
+        if not isinstance(ids, list) or not ids or not all(_is_int(i) for i in ids):
+            raise BadRequest("input_ids must be a non-empty list of token ids (one prompt; batches are not served)")
+    elif body.get("text") is not None:
+        if not isinstance(body["text"], str) or not body["text"]:
+            raise BadRequest("text must be a non-empty string (one prompt; batches are not served)")
+        ids = list(encode(body["text"]))
+    else:
+        raise BadRequest("input_ids or text is required")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise BadRequest(f"input_ids: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+    sp = body.get("sampling_params")
+    if sp is None:
+        sp = {}
+    if not isinstance(sp, Mapping):
+        raise BadRequest("sampling_params must be an object")
+    unknown = sorted(set(sp) - _SGLANG_SAMPLING - set(_SGLANG_NEUTRAL))
+    if unknown:
+        raise BadRequest(f"sampling_params: unknown or unsupported field(s): {', '.join(unknown)}")
+    for key, neutral in _SGLANG_NEUTRAL.items():
+        if sp.get(key) is not None and sp[key] != neutral:
+            raise BadRequest(f"sampling_params.{key} = {sp[key]!r} is not supported; leave it at {neutral}")
+    if sp.get("seed") is not None and sp.get("sampling_seed") is not None:
+        raise BadRequest("sampling_params: give seed or sampling_seed, not both")
+    canonical: dict[str, Any] = {_SGLANG_RENAMED.get(str(k), str(k)): v for k, v in sp.items()
+                                 if k not in _SGLANG_NEUTRAL}
+    canonical.setdefault("max_new_tokens", min(SGLANG_DEFAULT_MAX_NEW_TOKENS, max(1, max_model_len - len(ids))))
+    try:
+        params = sampling_params(canonical, ids, max_model_len=max_model_len, vocab_size=vocab_size)
+    except BadRequest as exc:
+        message = str(exc)
+        for theirs, ours in _SGLANG_RENAMED.items():  # name the field as the client sent it
+            if theirs in sp and message.startswith(f"{ours} "):
+                message = theirs + message[len(ours):]
+        raise BadRequest(f"sampling_params: {message}") from None
+    top = _int(body, "top_logprobs_num", 0, lo=0, hi=min(vocab_size, MAX_LOGPROBS))
+    start = _int(body, "logprob_start_len", -1, lo=-1, hi=len(ids) - 1)
+    rid = body.get("rid")
+    if rid is not None and not isinstance(rid, str):
+        raise BadRequest(f"rid must be a string, got {rid!r}")
+    want = _bool(body, "return_logprob", False)
+    params = replace(params, logprobs=top if want else 0,
+                     prompt_logprobs=(top if want and start >= 0 else None))
+    return SglangRequest(params=params, return_logprob=want,
+                         text_in_logprobs=_bool(body, "return_text_in_logprobs", False),
+                         logprob_start_len=start, top_logprobs_num=top if want else 0, rid=rid)
+
+
+def sglang_response(req: SglangRequest, gen: Mapping[str, Any], *,
+                    decode: Callable[[list[int], bool], str]) -> dict[str, Any] | list[dict[str, Any]]:
+    """SGLang's answer from a ``/generate`` response: one object per sample, a list when n > 1.
+    ``meta_info`` carries ``output_token_logprobs`` as ``[logprob, token_id, text | null]``,
+    ``finish_reason`` as SGLang's object (``{"type": "stop", "matched": token id | stop string}``
+    or ``{"type": "length", "length": max_new_tokens}``), the token counts and the
+    ``weight_version``. ``decode(ids, skip_special_tokens)`` is the tokenizer's decode."""
+    p = req.params
+
+    def text_of(tid: int) -> str | None:
+        return decode([tid], False) if req.text_in_logprobs else None
+
+    def finish(tokens: list[int], reason: str) -> dict[str, Any]:
+        if reason != "stop":
+            return {"type": reason, "length": p.max_tokens} if reason == "length" else {"type": reason}
+        if p.stop:
+            text = decode(tokens, p.skip_special_tokens)
+            hits = sorted((text.find(s), s) for s in p.stop if s in text)
+            if hits:
+                return {"type": "stop", "matched": hits[0][1]}
+        return {"type": "stop", "matched": tokens[-1] if tokens else None}
+
+    out: list[dict[str, Any]] = []
+    prompt = p.prompt_ids
+    for i, (text, reason) in enumerate(zip(gen["text"], gen["finish_reasons"], strict=True)):
+        toks = _choice_tokens(gen, i)
+        ids = [t for t, _, _ in toks]
+        meta: dict[str, Any] = {
+            "id": (f"{req.rid}-{i}" if p.n > 1 else req.rid) if req.rid else uuid.uuid4().hex,
+            "finish_reason": finish(ids, reason),
+            "prompt_tokens": len(prompt), "completion_tokens": len(ids), "cached_tokens": 0,
+            "weight_version": gen["weight_version"],
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, text_of(t)] for t, lp, _ in toks]
+            if req.top_logprobs_num:
+                meta["output_top_logprobs"] = [[[b, a, text_of(a)] for a, b in alts] for _, _, alts in toks]
+            if req.logprob_start_len >= 0:
+                entries = gen.get("prompt_logprobs") or [None] * len(prompt)
+                span = range(req.logprob_start_len, len(prompt))
+                meta["input_token_logprobs"] = [
+                    [entries[j][str(prompt[j])] if entries[j] else None, prompt[j], text_of(prompt[j])] for j in span]
+                if req.top_logprobs_num:
+                    meta["input_top_logprobs"] = [
+                        None if not entries[j] else
+                        [[lp, int(t), text_of(int(t))] for t, lp in sorted(entries[j].items(), key=lambda e: -e[1])
+                         ][:req.top_logprobs_num] for j in span]
+        out.append({"text": text, "output_ids": ids, "meta_info": meta})
+    return out if p.n > 1 else out[0]
+
+
+# ---------------------------------------------------------------------------- TRL's /generate/
+
+_TRL_FIELDS = {"prompts", "images", "n", "repetition_penalty", "temperature", "top_p", "top_k", "min_p",
+               "max_tokens", "guided_decoding_regex", "generation_kwargs"}
+
+
+def parse_trl(body: Any, *, max_model_len: int, vocab_size: int,
+              encode: Callable[[str], list[int]]) -> list[GenerateParams]:
+    """Validate TRL ``vllm-serve``'s ``/generate/`` body (SPEC §7): one request per prompt, each
+    with ``n`` samples; ``encode`` tokenizes a prompt as vLLM does (special tokens added)."""
+    if not isinstance(body, Mapping):
+        raise BadRequest("request must be a JSON object")
+    unknown = sorted(set(body) - _TRL_FIELDS)
+    if unknown:
+        raise BadRequest(f"unknown field(s): {', '.join(unknown)}")
+    prompts = body.get("prompts")
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p for p in prompts):
+        raise BadRequest("prompts must be a non-empty list of non-empty strings")
+    for key in ("images", "guided_decoding_regex"):
+        if body.get(key) is not None:
+            raise BadRequest(f"{key} is not supported")
+    extra = body.get("generation_kwargs") or {}
+    if not isinstance(extra, Mapping):
+        raise BadRequest("generation_kwargs must be an object")
+    clash = sorted(set(extra) & set(body))
+    if clash:
+        raise BadRequest(f"generation_kwargs repeats field(s): {', '.join(clash)}")
+    fields = {k: v for k, v in body.items() if k not in ("prompts", "generation_kwargs")}
+    fields.update(extra)
+    known = _KNOWN - {"prompt", "max_new_tokens", "max_completion_tokens", "model"}
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise BadRequest(f"generation_kwargs: unknown field(s): {', '.join(unknown)}")
+    out = []
+    for prompt in prompts:
+        ids = list(encode(prompt))
+        if not ids:
+            raise BadRequest(f"prompt {prompt!r} encodes to no tokens")
+        out.append(sampling_params(fields, ids, max_model_len=max_model_len, vocab_size=vocab_size))
+    if len(out) * out[0].n * out[0].max_tokens > MAX_REQUEST_TOKENS:
+        raise BadRequest(f"prompts × n × max_tokens exceeds {MAX_REQUEST_TOKENS} generated tokens per request")
+    return out
+
+
+def trl_response(gens: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """TRL's answer: ``completion_ids`` (every prompt's n completions in order), with
+    ``prompt_ids`` and the sampled tokens' ``logprobs`` as newer TRL servers give them, and the
+    ``weight_version``."""
+    return {
+        "prompt_ids": [list(g["prompt_token_ids"]) for g in gens for _ in g["token_ids"]],
+        "completion_ids": [list(ids) for g in gens for ids in g["token_ids"]],
+        "logprobs": [[lp for _, lp, _ in _choice_tokens(g, i)] for g in gens for i in range(len(g["token_ids"]))],
+        "weight_version": min(int(g["weight_version"]) for g in gens),
     }

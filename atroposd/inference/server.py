@@ -1,7 +1,10 @@
 """The inference server's HTTP front, shared by every engine.
 
-TCP (``host:port``): ``GET /health``, ``POST /generate`` (SPEC §7), ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /info``.
+TCP (``host:port``): ``GET /health``, ``POST /generate`` (SPEC §7: vLLM's body, or SGLang's, told
+apart by the body), ``POST /generate/`` (TRL's ``vllm-serve``), ``POST /v1/completions``,
+``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /info``. A generation request with
+``max_tokens ≤ 1`` is a probe (the health checks of atroposlib's server classes): the engines
+answer it ahead of queued rollouts, and ``/metrics`` counts it apart from them.
 
 Weight control, only on a Unix socket (0600; it carries shared-memory handles): ``POST
 /pause``, ``POST /resume``, ``POST /update_weights``, ``POST /load``, ``GET /weight_info``,
@@ -59,7 +62,8 @@ class Engine(Protocol):
     async def start(self) -> None: ...
     async def close(self) -> None: ...
     async def check_health(self) -> None: ...
-    async def generate(self, request: Mapping[str, Any], *, bypass_pause: bool = False) -> dict[str, Any]: ...
+    async def generate(self, request: Mapping[str, Any] | schema.GenerateParams, *,
+                       bypass_pause: bool = False) -> dict[str, Any]: ...
     async def pause(self) -> dict[str, Any]: ...
     async def resume(self, weight_version: int | None = None) -> dict[str, Any]: ...
     async def update_weights(self, request: Mapping[str, Any]) -> dict[str, Any]: ...
@@ -177,7 +181,8 @@ def _route(front: _Front, fn: Callable[[web.Request], Awaitable[Any]], *, openai
 
 
 def _counted(front: _Front, route: str, handler: Handler) -> Handler:
-    """A generation route, counted in the server's metrics (latency, in flight, tokens)."""
+    """A generation route, counted in the server's metrics (latency, in flight, tokens); a probe
+    (``max_tokens ≤ 1``, marked by the handler) apart from the rollouts."""
     async def counted(request: web.Request) -> web.StreamResponse:
         start = front.metrics.begin()
         response: web.StreamResponse | None = None
@@ -185,7 +190,8 @@ def _counted(front: _Front, route: str, handler: Handler) -> Handler:
             response = await handler(request)
             return response
         finally:
-            front.metrics.end(route, start, ok=response is not None and response.status < 400)
+            front.metrics.end(request.get("route", route), start, ok=response is not None and response.status < 400,
+                              probe=bool(request.get("probe")))
 
     return counted
 
@@ -207,19 +213,43 @@ def build_tcp_app(front: _Front) -> web.Application:
         return _json({"status": "ok", "weight_version": front.engine.weight_version,
                       "generations": front.generations})
 
+    def served(request: web.Request, answer: Any) -> None:
+        """Count a rollout's samples and tokens; a probe is counted apart (``_counted``)."""
+        if not request.get("probe"):
+            front.metrics.served(answer)
+            front.generations += 1
+
     async def generate(request: web.Request) -> Any:
-        out = front.metrics.served(await front.engine.generate(await _read_json(request)))
-        front.generations += 1
+        body = await _read_json(request)
+        request["probe"] = schema.is_probe(body)
+        if schema.is_sglang(body):  # SGLang's /generate shares the route, told apart by the body
+            request["route"] = "sglang"
+            gen, out = await _sglang_generate(front, body)
+        else:
+            gen = out = await front.engine.generate(body)
+        served(request, gen)
         return out
 
+    async def trl_generate(request: web.Request) -> Any:
+        body = await _read_json(request)
+        request["probe"] = schema.is_probe(body)
+        gens = await _trl_generate(front, body)
+        for gen in gens:
+            served(request, gen)
+        return schema.trl_response(gens)
+
     async def completions(request: web.Request) -> Any:
-        out = front.metrics.served(await _openai_completions(front, await _read_json(request)))
-        front.generations += 1
+        body = await _read_json(request)
+        request["probe"] = schema.is_probe(body)
+        out = await _openai_completions(front, body)
+        served(request, out)
         return out
 
     async def chat(request: web.Request) -> Any:
-        out = front.metrics.served(await _openai_chat(front, await _read_json(request)))
-        front.generations += 1
+        body = await _read_json(request)
+        request["probe"] = schema.is_probe(body)
+        out = await _openai_chat(front, body)
+        served(request, out)
         return out
 
     async def models(_: web.Request) -> Any:
@@ -244,6 +274,7 @@ def build_tcp_app(front: _Front) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/generate", _counted(front, "generate", _route(front, generate)))
+    app.router.add_post("/generate/", _counted(front, "trl", _route(front, trl_generate)))
     app.router.add_post("/v1/completions", _counted(front, "completions", _route(front, completions, openai=True)))
     app.router.add_post("/v1/chat/completions", _counted(front, "chat", _route(front, chat, openai=True)))
     app.router.add_get("/v1/models", _route(front, models, openai=True, needs_engine=False))
@@ -342,6 +373,32 @@ async def _openai_chat(front: _Front, body: Any) -> dict[str, Any]:
     return tools.with_token_ids(out, gen, body)
 
 
+async def _sglang_generate(front: _Front, body: Any) -> tuple[dict[str, Any], Any]:
+    """SGLang's ``/generate``: parsed by the one SGLang parser, generated by the engine, answered
+    as SGLang answers (``schema.sglang_response``). Returns (the engine's response, the answer)."""
+    engine = front.engine
+    req = schema.parse_sglang(body, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
+                              encode=front.tokenizer.encode)
+    gen = await engine.generate(req.params)
+    gen.setdefault("prompt_token_ids", req.params.prompt_ids)
+    tok = front.tokenizer
+
+    def decode(ids: list[int], skip_special_tokens: bool) -> str:
+        return str(tok.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    return gen, schema.sglang_response(req, gen, decode=decode)
+
+
+async def _trl_generate(front: _Front, body: Any) -> list[dict[str, Any]]:
+    """TRL ``vllm-serve``'s ``/generate/``: one engine request per prompt, in order."""
+    engine = front.engine
+    requests = schema.parse_trl(body, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
+                                encode=front.tokenizer.encode)
+    gens = await asyncio.gather(*(engine.generate(params) for params in requests))
+    for gen, params in zip(gens, requests, strict=True):
+        gen.setdefault("prompt_token_ids", params.prompt_ids)
+    return list(gens)
+
 
 def _decoder(front: _Front) -> Callable[[int], str]:
     tok = front.tokenizer
@@ -383,6 +440,12 @@ def build_control_app(front: _Front, *, send_timeout: float = CONTROL_SEND_TIMEO
     async def weight_info(_: web.Request) -> Any:
         return await front.engine.weight_info()
 
+    async def broadcast(request: web.Request) -> Any:
+        engine = front.engine
+        if not hasattr(engine, "broadcast_weights"):
+            raise schema.BadRequest(f"the {engine.name} engine does not take weights by broadcast")
+        return await engine.broadcast_weights(await _read_json(request))
+
     async def probe(request: web.Request) -> Any:
         body = await _read_json(request, empty_ok=True)
         if getattr(front.engine, "held_for_update", False):
@@ -401,6 +464,7 @@ def build_control_app(front: _Front, *, send_timeout: float = CONTROL_SEND_TIMEO
     app.router.add_post("/update_weights", _route(front, update))
     app.router.add_post("/load", _route(front, load))
     app.router.add_get("/weight_info", _route(front, weight_info))
+    app.router.add_post("/broadcast", _route(front, broadcast))
     app.router.add_post("/probe_generate", _route(front, probe))
     return app
 

@@ -4,7 +4,9 @@
 * **Batching.** Requests wait in a queue; one scheduler task takes everything queued when the
   model is free and decodes it as one batch (a request with ``n = 8`` is 8 rows), prompts
   left-padded, with the model's KV cache. Requests arriving while a batch runs form the next
-  one, so concurrent environments share forward passes.
+  one, so concurrent environments share forward passes. A probe (``max_tokens ≤ 1``: the health
+  checks of atroposlib's server classes, SPEC §7) is answered ahead of queued rollouts: queued
+  probes form the next batch by themselves, one prefill, before any rollout waiting with them.
 * **Sampling.** Temperature, top-p, top-k, per-request seeds. The reported logprob of a sampled
   token is ``log_softmax(logits / temperature)`` over the full vocabulary, untruncated by
   top-p/top-k (SPEC §7) — exactly what the trainer recomputes. Greedy (temperature 0) reports
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from atroposd.devices import resolve_torch
 from atroposd.inference.gate import NotPaused, ShuttingDown, WeightGate
 from atroposd.inference.schema import (
+    PROBE_MAX_TOKENS,
     BadRequest,
     Completion,
     GenerateParams,
@@ -60,9 +63,11 @@ class _Job:
     future: asyncio.Future[dict[str, Any]]
     version: int
     rows: int = field(init=False)
+    probe: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.rows = self.params.n
+        self.probe = self.params.max_tokens <= PROBE_MAX_TOKENS
 
 
 class TorchEngine(WeightGate):
@@ -174,9 +179,10 @@ class TorchEngine(WeightGate):
 
     # ------------------------------------------------------------------ generation
 
-    async def generate(self, request: Mapping[str, Any], *, bypass_pause: bool = False) -> dict[str, Any]:
-        """One Atropos ``/generate`` request → its response (SPEC §7)."""
-        params = self.validate(request)
+    async def generate(self, request: Mapping[str, Any] | GenerateParams, *,
+                       bypass_pause: bool = False) -> dict[str, Any]:
+        """One Atropos ``/generate`` request (or one the front parsed already) → its response (SPEC §7)."""
+        params = request if isinstance(request, GenerateParams) else self.validate(request)
         async with self._admitted(bypass_pause) as version:
             job = _Job(params, asyncio.get_running_loop().create_future(), version)
             self._queue.append(job)
@@ -232,7 +238,7 @@ class TorchEngine(WeightGate):
         await asyncio.sleep(0)  # handlers that are already runnable enqueue first
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.batch_window
-        while self._queued_rows() < self._last_rows:
+        while self._queued_rows() < self._last_rows and not self._probes_queued():
             left = deadline - loop.time()
             if left <= 0:
                 return
@@ -241,21 +247,28 @@ class TorchEngine(WeightGate):
                 await asyncio.wait_for(self._wake.wait(), left)
 
     def _queued_rows(self) -> int:
-        return sum(j.rows for j in self._queue if not j.future.done())
+        return sum(j.rows for j in self._queue if not j.future.done() and not j.probe)
+
+    def _probes_queued(self) -> bool:
+        return any(j.probe and not j.future.done() for j in self._queue)
 
     def _take_batch(self) -> list[_Job]:
+        """The next batch, in arrival order: the queued probes alone when there are any (one
+        prefill, answered before the rollouts queued with them), else the rollouts."""
+        self._queue = [j for j in self._queue if not j.future.done()]
+        probes = self._probes_queued()
         jobs: list[_Job] = []
         rows = 0
-        while self._queue:
-            job = self._queue[0]
-            if job.future.done():
-                self._queue.pop(0)
+        for job in self._queue:
+            if job.probe != probes:
                 continue
             if jobs and rows + job.rows > self.max_batch_rows:
                 break
-            jobs.append(self._queue.pop(0))
+            jobs.append(job)
             rows += job.rows
-        if jobs:
+        taken = {id(j) for j in jobs}
+        self._queue = [j for j in self._queue if id(j) not in taken]
+        if jobs and not probes:  # the size a rollout batch waits for (_gather)
             self._last_rows = rows
         return jobs
 
@@ -313,6 +326,22 @@ class TorchEngine(WeightGate):
             result = await asyncio.to_thread(load_dir, self.model, request["path"], weight_version=version,
                                              state=self.receiver)
         self.updates += 1
+        return result
+
+    async def broadcast_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """``POST /broadcast`` (``weight_sync = "broadcast"``): join the trainer's group, receive
+        a sync's buckets into the model, finish (``atroposd.weights.broadcast``)."""
+        from atroposd.weights.broadcast import BroadcastEndpoint
+
+        if self.receiver is None or not self.receiver.nonce:
+            raise WeightUpdateError("this server has no weight receiver (no launch nonce)")
+        endpoint = getattr(self, "_broadcast", None)
+        if endpoint is None:
+            endpoint = self._broadcast = BroadcastEndpoint(self.receiver.nonce)
+        result = await endpoint.handle(request, model=self.model, state=self.receiver,
+                                       require_paused=self._require_paused, compute=self._compute)
+        if isinstance(request, Mapping) and request.get("op") == "finish":
+            self.updates += 1
         return result
 
     async def weight_info(self) -> dict[str, Any]:

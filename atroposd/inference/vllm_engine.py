@@ -60,6 +60,8 @@ WORKER_EXTENSION = "atroposd.inference.vllm_engine.AtroposdWorkerExtension"
 CPU_DEFAULT_MEMORY_FRACTION = 0.2
 # How long a probe generation waits for a bucketed push under way before it fails.
 PROBE_WAIT_S = 60.0
+# vLLM's priority of a probe (max_tokens ≤ 1) under scheduling_policy = "priority"; rollouts have 0.
+PROBE_PRIORITY = -1
 
 
 # ---------------------------------------------------------------------------- worker side
@@ -361,6 +363,8 @@ class VllmEngine(WeightGate):
         args.gpu_memory_utilization = fraction
         args.enforce_eager = self.enforce_eager or on_cpu
         args.logprobs_mode = "processed_logprobs"
+        # Probes (max_tokens ≤ 1: health checks) go ahead of queued rollouts (lower = sooner).
+        args.scheduling_policy = "priority"
         args.worker_extension_cls = WORKER_EXTENSION
         args.seed = self.seed
         # vLLM's own statistics on: its Prometheus metrics (vllm:*) join the server's /metrics
@@ -417,18 +421,26 @@ class VllmEngine(WeightGate):
 
     # ------------------------------------------------------------------ generation
 
-    async def generate(self, request: Mapping[str, Any], *, bypass_pause: bool = False) -> dict[str, Any]:
-        """One Atropos ``/generate`` request → its response (SPEC §7)."""
+    async def generate(self, request: Mapping[str, Any] | schema.GenerateParams, *,
+                       bypass_pause: bool = False) -> dict[str, Any]:
+        """One Atropos ``/generate`` request (or one the front parsed already) → its response
+        (SPEC §7). A probe (``max_tokens ≤ 1``) is scheduled ahead of queued rollouts (vLLM's
+        priority scheduling, :data:`PROBE_PRIORITY`)."""
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-        parsed, kw = self.validate(request)
+        if isinstance(request, schema.GenerateParams):
+            parsed, kw = request, sampling_kwargs(request)
+        else:
+            parsed, kw = self.validate(request)
         params = SamplingParams(**kw, output_kind=RequestOutputKind.FINAL_ONLY)
+        priority = PROBE_PRIORITY if parsed.max_tokens <= schema.PROBE_MAX_TOKENS else 0
         if bypass_pause:
             await self._weights_whole()
         async with self._admitted(bypass_pause) as version:
             final = None
             async for out in self.engine.generate({"prompt_token_ids": parsed.prompt_ids}, params,
-                                                  request_id=f"gen-{uuid.uuid4().hex}", lora_request=self._lora):
+                                                  request_id=f"gen-{uuid.uuid4().hex}", lora_request=self._lora,
+                                                  priority=priority):
                 final = out
         assert final is not None
         return _response(final, version, want_prompt_logprobs=parsed.prompt_logprobs is not None)
