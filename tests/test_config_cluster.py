@@ -8,7 +8,14 @@ import pytest
 
 from atroposd.cluster.head import bind_address
 from atroposd.cluster.wire import inference_secret
-from atroposd.config import ApiConfig, ClusterConfig, ClusterError, TokenError, dump_toml, parse_toml
+from atroposd.config import (
+    ApiConfig,
+    ClusterConfig,
+    ClusterError,
+    TokenError,
+    dump_toml,
+    parse_toml,
+)
 from atroposd.paths import Paths
 from tests.support import config_problems
 
@@ -101,7 +108,7 @@ def test_a_token_file_under_16_bytes_is_refused_and_one_others_can_read_warns(tm
                for p in found), found
     found = config_problems(f'[inference]\ntoken_file = "{short}"\n')
     assert any(p.startswith("inference.token_file:") and "holds 15 bytes" in p for p in found), found
-    with pytest.raises(TokenError, match="api.token_file: .* holds 15 bytes"):
+    with pytest.raises(TokenError, match=r"api\.token_file: .* holds 15 bytes"):
         ApiConfig(token_file=str(short)).bearer_token()
     ok = tmp_path / "ok"
     ok.write_text("sixteen-bytes!!!\n")

@@ -30,9 +30,12 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from atroposd.cluster.head import heartbeat_interval
 from atroposd.cluster.membership import replicas_ready
 from atroposd.cluster.wire import (
+    MAX_JOIN_BYTES,
     BadMessage,
     Channel,
     WrongToken,
@@ -122,8 +125,11 @@ class ClusterNode:
     # ------------------------------------------------------------------ joining
 
     def _join_msg(self) -> dict[str, Any]:
+        # The head reads at most MAX_JOIN_BYTES before a join: components that would not fit
+        # follow in the report sent right after the welcome.
+        comps = self._components if len(orjson.dumps(self._components)) <= MAX_JOIN_BYTES // 2 else []
         return {"t": "join", "node_rank": self.node_rank, "host": self.host, "pid": os.getpid(),
-                "instance": self.instance, "units": self.units, "components": self._components,
+                "instance": self.instance, "units": self.units, "components": comps,
                 "ready": self._ready, "rejoin": bool(self.head_instance), "head_instance": self.head_instance}
 
     async def _connect(self, timeout: float) -> Channel:
@@ -211,7 +217,8 @@ class ClusterNode:
         self._ch = ch
         self.head_instance = str(welcome.get("head_instance") or "")
         self._last_heard = self._loop_time()
-        self._dirty = False
+        self._dirty = True  # a report at once: the join may not have carried the components
+        self._wake.set()
 
     # ------------------------------------------------------------------ running
 

@@ -33,6 +33,7 @@ from atroposd.cluster import (
     ClusterStartError,
     store_secret,
 )
+from atroposd.cluster.membership import clean_text
 from atroposd.config import ClusterError
 from atroposd.daemon.runtime import StartFailed
 from atroposd.exitcodes import Exit
@@ -68,6 +69,8 @@ __all__ = ["HeadLink", "NodeLink", "store_address"]
 log = get_logger("atroposd.daemon")
 
 RANKS_STOP_GRACE_S = 10.0
+# Rank exits of the other nodes kept between two group starts (each restarts the group anyway).
+MAX_RANK_EXITS = 64
 # How often a waiting head logs which nodes its trainer group waits for.
 WAIT_LOG_EVERY_S = 10.0
 
@@ -127,7 +130,7 @@ class HeadLink:
         ours = _units(self.daemon)
         theirs = msg.get("units") if isinstance(msg.get("units"), dict) else {}
         if theirs.get("trainer_ranks") != ours["trainer_ranks"]:
-            return (f"this node runs {theirs.get('trainer_ranks')} trainer rank(s) and the head "
+            return (f"this node runs {clean_text(theirs.get('trainer_ranks'), 32)} trainer rank(s) and the head "
                     f"{ours['trainer_ranks']}: trainer.device must list as many devices on every node")
         return None
 
@@ -145,15 +148,17 @@ class HeadLink:
         kind = msg.get("t")
         trainer = self.daemon.trainer
         if kind == "rank_exit":
-            what = f"{msg.get('name')} on node {rank} {msg.get('how')}"
-            self._rank_exits.append(what)
+            # a node's strings, cleaned where they arrive (SPEC §13): bounded, no terminal escapes
+            name, how = clean_text(msg.get("name"), 128), clean_text(msg.get("how"), 256)
+            self._rank_exits = [*self._rank_exits[-(MAX_RANK_EXITS - 1):], f"{name} on node {rank} {how}"]
             if trainer is not None:
-                trainer.on_rank_exit(f"{msg.get('name')} on node {rank}", str(msg.get("how")))
+                trainer.on_rank_exit(f"{name} on node {rank}", how)
         elif kind == "ranks_stopped":
             self._ranks_stopped.setdefault(rank, anyio.Event()).set()
         elif kind == "resync" and trainer is not None:
             # A replica of that node restarted: a full push reaches it through its node's first rank.
-            self.daemon.spawn(trainer.on_remote_replica_restarted, f"node {rank} replica {msg.get('replica')}")
+            self.daemon.spawn(trainer.on_remote_replica_restarted,
+                              f"node {rank} replica {clean_text(msg.get('replica'), 32)}")
 
     def exited(self) -> list[str]:
         """The other nodes' trainer ranks that exited, and the rank-holding nodes lost."""

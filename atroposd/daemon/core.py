@@ -390,9 +390,10 @@ class Daemon:
         if link is not None:
             # Several machines: on the head's cluster.port + 1, every node's ranks connect to it.
             c = self.cfg.cluster
-            from atroposd.net import is_loopback
+            from atroposd.cluster.head import bind_address
 
-            bind = c.head if is_loopback(c.head) else ""
+            # [cluster] bind, as the endpoint: never every interface
+            bind = bind_address(c)
             secret = link.store_secret
             store = await anyio.to_thread.run_sync(
                 lambda: GroupStore(secret=secret, world=world, host=bind, port=c.port + 1, advertise=c.head))
