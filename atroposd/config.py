@@ -110,6 +110,9 @@ class DaemonConfig:
     stop_timeout: float = _k(30.0, "Seconds for the children's termination, escalation to SIGKILL included.", gt=0)
     checkpoint_timeout: float = _k(120.0, "Seconds a requested stop may spend writing the final checkpoint.", min=0)
     metrics_port: int = _k(0, "Prometheus text format on 127.0.0.1; 0 = off.", min=0, max=65535)
+    metrics_token: str = _k("", "Bearer token a scrape of metrics_port presents to get the series of the\n"
+                            "components that require a token (the API with a token, the inference servers with\n"
+                            "one); empty, or a scrape without it: those series are left out.")
     socket_group: str = _k("", "Optional group allowed to use the control socket (mode 0660).")
 
 

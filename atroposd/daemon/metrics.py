@@ -16,10 +16,25 @@ At each scrape the daemon gathers, concurrently:
 Families from all of them are merged into one exposition (one ``# TYPE`` per family; every
 sample gets a ``component`` label, every name the ``atroposd_`` prefix). Labelled series start
 at 0 for every known label value, so a dashboard's queries resolve before the first event.
+
+What a scrape costs the daemon is bounded (:class:`Scrapes`): one gathering is in flight at a
+time, and its page is kept :data:`CACHE_S` for the scrapes that follow, so a storm of scrapes
+makes one fetch of each child; a child's text is read up to :data:`MAX_CHILD_BYTES` (past it
+the child counts as down for that scrape); parsing, merging and rendering run in a worker
+thread, off the event loop that supervises the job.
+
+Who may read it: the server binds 127.0.0.1 and answers only a Host header that names this
+machine (localhost, a loopback address, its own names; 421 otherwise), as the API does, so a
+web page cannot reach it through DNS rebinding. A child that requires a bearer token (the API
+with ``[api] token``, the inference servers with theirs) has its series re-served only to a
+scrape that presents ``[daemon] metrics_token``; other scrapes get them left out
+(``atroposd_component_withheld{component=...} 1``), and a wrong token is refused (401).
 """
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import math
 import time
 from collections.abc import Iterable, Iterator
@@ -39,11 +54,14 @@ if TYPE_CHECKING:
 
     from atroposd.daemon.replicas import ReplicaHealth
 
-__all__ = ["SCRAPE_TIMEOUT", "Target", "exposition", "scrape_targets", "serve_metrics"]
+__all__ = ["CACHE_S", "MAX_CHILD_BYTES", "SCRAPE_TIMEOUT", "Scrapes", "Target", "exposition", "scrape_targets",
+           "serve_metrics"]
 
 log = get_logger(__name__)
 
 SCRAPE_TIMEOUT = 2.0  # per child, all children at once
+CACHE_S = 1.0  # a gathered page serves the scrapes of the next second
+MAX_CHILD_BYTES = 8 << 20  # of one child's text; past it the child counts as down
 PREFIX = "atroposd_"
 
 # The trainer's states (SPEC §2) and its parts of a step, as label values.
@@ -83,6 +101,11 @@ class Target:
     component: str
     url: str
     headers: dict[str, str]
+
+    @property
+    def protected(self) -> bool:
+        """Its series need a token: re-served only to a scrape with ``[daemon] metrics_token``."""
+        return "Authorization" in self.headers
 
 
 def scrape_targets(d: DaemonView) -> list[Target]:
@@ -282,25 +305,101 @@ def _component_of(family: Metric) -> str:
     return "trainer" if family.name.startswith("atroposd_trainer_") else "daemon"
 
 
-async def _scrape(session: Any, target: Target) -> str | None:
+async def _scrape(session: Any, target: Target, limit: int | None = None) -> bytes | None:
+    """A child's text, at most ``limit`` bytes (default :data:`MAX_CHILD_BYTES`; None: no
+    answer, an error, or more than that)."""
     import aiohttp
+
+    limit = MAX_CHILD_BYTES if limit is None else limit
 
     try:
         async with session.get(target.url, headers=target.headers) as resp:
-            if resp.status != 200:
+            if resp.status != 200 or (resp.content_length or 0) > limit:
                 return None
-            return str(await resp.text())
-    except (aiohttp.ClientError, OSError, TimeoutError, UnicodeDecodeError):
+            chunks: list[bytes] = []
+            size = 0
+            async for chunk in resp.content.iter_chunked(1 << 16):
+                size += len(chunk)
+                if size > limit:
+                    log.warning("a component's metrics exceed the size cap; left out", component=target.component,
+                                limit_bytes=limit)
+                    return None
+                chunks.append(chunk)
+            return b"".join(chunks)
+    except (aiohttp.ClientError, OSError, TimeoutError):
         return None
 
 
-async def exposition(d: DaemonView, *, deadline_s: float = SCRAPE_TIMEOUT) -> bytes:
-    """The whole job's metrics, as Prometheus text."""
-    import aiohttp
+def _parse_child(component: str, text: bytes | None) -> list[Metric] | None:
+    """A child's families (worker thread); None when it sent nothing usable."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    targets = scrape_targets(d)
-    texts: dict[str, str | None] = {t.component: None for t in targets}
+    if text is None:
+        return None
+    try:
+        return list(text_string_to_metric_families(text.decode("utf-8")))
+    except (ValueError, UnicodeDecodeError, IndexError, KeyError, TypeError) as exc:
+        log.warning("a component's metrics could not be parsed", component=component, error=str(exc)[:200])
+        return None
+
+
+def _own_families(d: DaemonView) -> list[tuple[Metric, str]]:
+    """The daemon's own families with their component (on the loop: they read live state)."""
+    out: list[tuple[Metric, str]] = [(f, _component_of(f)) for f in DaemonCollector(d).collect()]
+    out += [(f, "daemon") for f in supervisor_families(d)]
+    if d.trainer is not None:
+        try:
+            out += [(f, "trainer") for f in trainer_families(d.trainer)]
+        except Exception as exc:  # a defect in the trainer's view must not fail the scrape
+            log.warning("trainer metrics failed", error=f"{type(exc).__name__}: {exc}")
+    if d.replica_health is not None:
+        out += [(f, "daemon") for f in replica_families(d.replica_health)]
+    return out
+
+
+def _assemble(targets: list[Target], texts: dict[str, bytes | None], took: dict[str, float], deadline_s: float,
+              own: list[tuple[Metric, str]], trainer: bool, withheld: list[str]) -> bytes:
+    """Parse the children's texts and merge everything into one page (worker thread)."""
+    merged = _Merged()
+    up = _gauge("atroposd_component_up", "1 when the component answered this scrape (the daemon and the "
+                "trainer: always 1)", ["component"])
+    up.add_metric(["daemon"], 1.0)
+    if trainer:
+        up.add_metric(["trainer"], 1.0)
+    duration = _gauge("atroposd_component_scrape_seconds", "How long the component's /metrics took to answer "
+                      "(or the deadline)", ["component"])
+    hidden = _gauge("atroposd_component_withheld", "1 when the component's series need a token and this scrape "
+                    "did not present [daemon] metrics_token: they are left out", ["component"])
+    parsed: list[tuple[str, list[Metric]]] = []
+    for t in targets:
+        families = _parse_child(t.component, texts[t.component])
+        up.add_metric([t.component], 0.0 if families is None else 1.0)
+        duration.add_metric([t.component], took.get(t.component, deadline_s))
+        if families is not None:
+            parsed.append((t.component, families))
+    for component in withheld:
+        hidden.add_metric([component], 1.0)
+    merged.add(up, "daemon")
+    merged.add(duration, "daemon")
+    if withheld:
+        merged.add(hidden, "daemon")
+    for family, component in own:
+        merged.add(family, component)
+    for component, families in parsed:
+        for family in families:
+            merged.add(family, component)
+    return merged.render()
+
+
+async def exposition(d: DaemonView, *, deadline_s: float = SCRAPE_TIMEOUT, protected: bool = True) -> bytes:
+    """The whole job's metrics, as Prometheus text; ``protected`` False leaves out the children
+    whose series need a token (not even fetched)."""
+    import aiohttp
+
+    every = scrape_targets(d)
+    targets = [t for t in every if protected or not t.protected]
+    withheld = [t.component for t in every if t not in targets]
+    texts: dict[str, bytes | None] = {t.component: None for t in targets}
     took: dict[str, float] = {}
 
     async def one(session: aiohttp.ClientSession, target: Target) -> None:
@@ -309,51 +408,76 @@ async def exposition(d: DaemonView, *, deadline_s: float = SCRAPE_TIMEOUT) -> by
             texts[target.component] = await _scrape(session, target)
         took[target.component] = time.monotonic() - start
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=deadline_s)) as session:
-        async with anyio.create_task_group() as tg:
-            for t in targets:
-                tg.start_soon(one, session, t)
+    if targets:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=deadline_s)) as session:
+            async with anyio.create_task_group() as tg:
+                for t in targets:
+                    tg.start_soon(one, session, t)
+    own = _own_families(d)
+    return await anyio.to_thread.run_sync(_assemble, targets, texts, took, deadline_s, own, d.trainer is not None,
+                                          withheld)
 
-    merged = _Merged()
-    up = _gauge("atroposd_component_up", "1 when the component answered this scrape (the daemon and the "
-                "trainer: always 1)", ["component"])
-    up.add_metric(["daemon"], 1.0)
-    if d.trainer is not None:
-        up.add_metric(["trainer"], 1.0)
-    duration = _gauge("atroposd_component_scrape_seconds", "How long the component's /metrics took to answer "
-                      "(or the deadline)", ["component"])
-    parsed: list[tuple[str, list[Metric]]] = []
-    for t in targets:
-        text = texts[t.component]
-        families: list[Metric] | None = None
-        if text is not None:
-            try:
-                families = list(text_string_to_metric_families(text))
-            except ValueError as exc:
-                log.warning("a component's metrics could not be parsed", component=t.component, error=str(exc))
-        up.add_metric([t.component], 0.0 if families is None else 1.0)
-        duration.add_metric([t.component], took.get(t.component, deadline_s))
-        if families is not None:
-            parsed.append((t.component, families))
-    merged.add(up, "daemon")
-    merged.add(duration, "daemon")
-    for family in DaemonCollector(d).collect():
-        merged.add(family, _component_of(family))
-    for family in supervisor_families(d):
-        merged.add(family, "daemon")
-    if d.trainer is not None:
+
+class Scrapes:
+    """One gathering in flight at a time, its page kept ``cache_s`` (per kind of page: with or
+    without the token-protected series); a scraper that goes away does not cancel it."""
+
+    def __init__(self, d: DaemonView, *, cache_s: float = CACHE_S, deadline_s: float = SCRAPE_TIMEOUT) -> None:
+        self.d = d
+        self.cache_s = cache_s
+        self.deadline_s = deadline_s
+        self.gathered = 0  # gatherings made (each one fetch of every child)
+        self._pages: dict[bool, tuple[float, bytes]] = {}
+        self._inflight: dict[bool, asyncio.Future[bytes]] = {}
+
+    async def page(self, *, protected: bool) -> bytes:
+        cached = self._pages.get(protected)
+        if cached is not None and time.monotonic() - cached[0] < self.cache_s:
+            return cached[1]
+        fut = self._inflight.get(protected)
+        if fut is None:
+            fut = self._inflight[protected] = asyncio.ensure_future(self._gather(protected))
+        return await asyncio.shield(fut)
+
+    async def _gather(self, protected: bool) -> bytes:
         try:
-            for family in trainer_families(d.trainer):
-                merged.add(family, "trainer")
-        except Exception as exc:  # a defect in the trainer's view must not fail the scrape
-            log.warning("trainer metrics failed", error=f"{type(exc).__name__}: {exc}")
-    if d.replica_health is not None:
-        for family in replica_families(d.replica_health):
-            merged.add(family, "daemon")
-    for component, families in parsed:
-        for family in families:
-            merged.add(family, component)
-    return merged.render()
+            self.gathered += 1
+            body = await exposition(self.d, deadline_s=self.deadline_s, protected=protected)
+            self._pages[protected] = (time.monotonic(), body)
+            return body
+        finally:
+            self._inflight.pop(protected, None)
+
+
+def own_host_names() -> frozenset[str]:
+    import socket
+
+    name = socket.gethostname().lower()
+    return frozenset(n for n in (name, name.split(".")[0]) if n)
+
+
+def host_allowed(host: str | None, own: frozenset[str]) -> bool:
+    """The Host check of a loopback server (as the API's): localhost, a loopback address, or this
+    machine's names; no Host header (HTTP/1.0) passes."""
+    from atroposd.net import is_loopback
+
+    if host is None:
+        return True
+    h = host.strip().lower()
+    if h.startswith("["):
+        h = h[1:h.find("]")] if "]" in h else h
+    elif h.count(":") == 1:
+        h = h.split(":", 1)[0]
+    h = h.rstrip(".")
+    return is_loopback(h) or h in own
+
+
+def _bearer_ok(header: str, token: str) -> bool:
+    try:
+        given = header.encode("utf-8")
+    except UnicodeError:
+        return False
+    return hmac.compare_digest(given, f"Bearer {token}".encode())
 
 
 # ----------------------------------------------------------------------------- the supervisor's own
@@ -416,12 +540,25 @@ class DaemonCollector:
 
 async def serve_metrics(d: DaemonView, port: int, *,
                         task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-    """The whole job's metrics on 127.0.0.1:``port``, gathered at each scrape."""
+    """The whole job's metrics on 127.0.0.1:``port`` (:class:`Scrapes`: one gathering at a time,
+    cached :data:`CACHE_S`)."""
     from aiohttp import web
     from prometheus_client import CONTENT_TYPE_LATEST
 
-    async def metrics(_request: web.Request) -> web.Response:
-        return web.Response(body=await exposition(d), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    scrapes = Scrapes(d)
+    own = own_host_names()
+    token = d.cfg.daemon.metrics_token
+
+    async def metrics(request: web.Request) -> web.Response:
+        if not host_allowed(request.headers.get("Host"), own):
+            return web.Response(status=421, text="Host header names another host; these metrics answer only to "
+                                                 "localhost, loopback addresses and this machine's names\n")
+        auth = request.headers.get("Authorization")
+        if auth is not None and not (token and _bearer_ok(auth, token)):
+            return web.Response(status=401, text="wrong bearer token ([daemon] metrics_token)\n",
+                                headers={"WWW-Authenticate": "Bearer"})
+        body = await scrapes.page(protected=auth is not None)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
