@@ -23,6 +23,7 @@ ever materialised, in the forward or the backward.
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -34,9 +35,9 @@ import torch
 
 from atroposd.trainer.logprobs import TokenScores, head_scores
 
-__all__ = ["DEFAULT_CHUNK", "LogprobModule", "ModelLoadError", "Policy", "TokenScores", "check_loading_info",
-           "check_materialised", "check_rotary", "check_tokenizers", "load_policy", "packed_inputs", "token_logprobs",
-           "token_scores", "vocab_rows"]
+__all__ = ["DEFAULT_CHUNK", "SEGMENT_SDPA", "LogprobModule", "ModelLoadError", "Policy", "TokenScores",
+           "check_loading_info", "check_materialised", "check_rotary", "check_tokenizers", "load_policy", "packed_inputs",
+           "token_logprobs", "token_scores", "use_segment_attention", "vocab_rows"]
 
 log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
@@ -122,6 +123,7 @@ def load_policy(model_dir: Path, tokenizer_dir: Path, *, device: torch.device, d
         raise ModelLoadError(f"cannot load the model from {model_dir}: {type(exc).__name__}: {exc}") from exc
     check_loading_info(info, model_dir)
     check_materialised(model)  # before .to(): a meta tensor cannot be copied anywhere
+    use_segment_attention(model)  # packed micro-batches attend per sequence (the reference copy too)
     model.to(device)
     model.eval()  # no dropout: the trainer must score tokens exactly as the sampler did
     check_rotary(model)
@@ -294,20 +296,67 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.
     return scores.logp, scores.entropy
 
 
-def packed_inputs(model: torch.nn.Module, seq_lens: torch.Tensor, length: int) -> dict[str, torch.Tensor]:
+SEGMENT_SDPA = "atroposd_segment_sdpa"  # the trainer's attention on CPU and GPU without flash attention
+
+
+def _segment_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                  is_causal: bool | None = None, cu_seq_lens_q: torch.Tensor | None = None,
+                  **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """SDPA, and for one packed row (``cu_seq_lens_q``: the sequences' bounds) causal SDPA over each
+    sequence alone — what flash attention's varlen kernel does, without the ``[T, T]`` block mask
+    whose fully masked blocks SDPA would compute anyway."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if cu_seq_lens_q is None:
+        out: tuple[torch.Tensor, None] = sdpa_attention_forward(module, query, key, value, attention_mask,
+                                                                 dropout=dropout, scaling=scaling,
+                                                                 is_causal=is_causal, **kwargs)
+        return out
+    bounds = [int(b) for b in cu_seq_lens_q.tolist()]
+    parts = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, dropout=dropout,
+                                    scaling=scaling, is_causal=True, **kwargs)[0]  # [1, L, heads, D]
+             for a, b in itertools.pairwise(bounds) if b > a]
+    return torch.cat(parts, dim=1), None
+
+
+def use_segment_attention(model: torch.nn.Module) -> bool:
+    """Give an SDPA model :func:`_segment_sdpa` (the same attention for padded rows, per sequence for
+    packed ones). Models with sliding-window layers keep theirs (packed, they take the block mask)."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) not in ("sdpa", SEGMENT_SDPA):
+        return False
+    windowed = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    if windowed or any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+        return False
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(SEGMENT_SDPA, _segment_sdpa)
+    AttentionMaskInterface.register(SEGMENT_SDPA, sdpa_mask)
+    model.set_attn_implementation(SEGMENT_SDPA)  # type: ignore[operator]
+    return True
+
+
+def packed_inputs(model: torch.nn.Module, seq_lens: torch.Tensor, length: int) -> dict[str, Any]:
     """The decoder's keyword arguments for one row of packed sequences (``seq_lens`` [S] summing to
-    ``length``): positions restarting at 0 in each sequence and, where the attention
-    implementation takes a mask, a block-diagonal causal one, so that no token attends across
-    sequences. Flash attention (GPU) takes the packing from the position ids alone (its varlen
-    kernel); SDPA a boolean ``[1, 1, T, T]`` mask; eager attention an additive one."""
+    ``length``): positions restarting at 0 in each sequence, and attention that never crosses
+    them — by the sequences' bounds for flash attention's varlen kernel (GPU) and for
+    :func:`_segment_sdpa`; by a block-diagonal causal mask otherwise (SDPA: a boolean
+    ``[1, 1, T, T]`` one; eager attention: an additive one)."""
     device = seq_lens.device
     starts = torch.cumsum(seq_lens, 0) - seq_lens  # [S]
     seq = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), seq_lens)  # [T]
     positions = torch.arange(length, device=device) - starts[seq]  # [T]
-    out = {"position_ids": positions[None, :]}
+    out: dict[str, Any] = {"position_ids": positions[None, :]}
     impl = str(getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa")
-    if impl.startswith("flash_attention"):  # GPU only; not run here: the varlen kernel reads the positions
-        return out
+    if impl.startswith("flash_attention") or impl == SEGMENT_SDPA:
+        bounds = torch.cat([starts, starts[-1:] + seq_lens[-1:]]).to(torch.int32)  # [S + 1]
+        longest = int(seq_lens.max())
+        out.update(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=longest, max_length_k=longest)
+        if impl == SEGMENT_SDPA:  # a padding mask of ones: no causal mask is built, none detected from positions
+            out["attention_mask"] = torch.ones(1, length, dtype=torch.long, device=device)
+        return out  # flash attention (GPU; not run here): the varlen kernel takes the bounds
     idx = torch.arange(length, device=device)
     allowed = (seq[:, None] == seq[None, :]) & (idx[None, :] <= idx[:, None])  # [T, T] same sequence, causal
     if impl == "eager":
@@ -325,7 +374,7 @@ def _token_scores(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.T
                   entropy: bool) -> TokenScores:
     if seq_lens is None:
         temps = temperature[:, None].expand_as(mask)[mask]  # [N]
-        extra: dict[str, torch.Tensor] = {}
+        extra: dict[str, Any] = {}
     else:
         temps = torch.repeat_interleave(temperature, seq_lens)[None, :].expand_as(mask)[mask]  # [N]
         extra = packed_inputs(model, seq_lens, int(mask.shape[1]))

@@ -20,7 +20,7 @@ from atroposd.trainer.learner import (
     Objective,
     Reference,
 )
-from atroposd.trainer.model import Policy, load_policy, token_scores
+from atroposd.trainer.model import SEGMENT_SDPA, Policy, load_policy, token_scores
 from atroposd.trainer.ranks import deal
 from tests.trainer.test_chunked import TOL, rel, varied_groups
 
@@ -60,10 +60,11 @@ def tiny_policy(tiny_dir: Path) -> Policy:
     return load_policy(tiny_dir, tiny_dir, device=torch.device("cpu"), dtype=torch.float32)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("attention", [SEGMENT_SDPA, "sdpa", "eager"])
 def test_a_packed_row_gives_each_sequence_the_logprobs_it_gets_alone(tiny_policy: Policy, attention: str) -> None:
     """No attention across sequences: every sequence of a packed row scores as when it is alone
-    (and positions restart in each); the same row without the block mask does not."""
+    (and positions restart in each) — with the trainer's per-sequence SDPA, with SDPA and a block
+    mask, with eager attention and an additive one; the same row as one sequence does not."""
     model = copy.deepcopy(tiny_policy.model)
     model.set_attn_implementation(attention)  # type: ignore[operator]
     batch = prepare_batch(varied_groups(5), micro_batch_size=1, max_token_len=64, adv_std_floor=0.1,
@@ -130,6 +131,7 @@ def test_packed_step_equals_the_padded_step(tiny_dir: Path, case: str) -> None:
     kl = 0.1 if case in ("grpo-kl-initial", "awsft") else 0.0
     policy = load_policy(tiny_dir, tiny_dir, device=torch.device("cpu"), dtype=torch.float32,
                          need_reference=kl > 0)
+    assert getattr(policy.model.config, "_attn_implementation", None) == SEGMENT_SDPA  # attention per sequence
     with torch.no_grad():  # the policy moved away from its reference: the KL term is not zero
         for p in policy.model.parameters():
             p.add_(torch.randn_like(p) * 0.01)
