@@ -3,7 +3,8 @@
 Fields: step, time, loss, reward_mean, reward_std, accuracy, weight_version, staleness,
 mean_ratio, clipped_fraction, mean_kl, grad_norm, lr, tokens, batch_wait_s, step_s,
 skipped_steps, sequences, rejected_groups, missing_logprobs, logprob_diff_abs_mean (trainer vs
-rollout logprob of the same tokens) (+ distill_loss, distill_token_count when distillation is on),
+rollout logprob of the same tokens), entropy (the policy's mean entropy per completion token, at
+the rollout temperature, computed chunk by chunk with the logprobs) (+ distill_loss, distill_token_count when distillation is on),
 and the step's timeline: compute_s, sync_s, prepare_s, optimizer_s, pause_s, fetch_s,
 rollout_gate_s, rollout_generate_s, rollout_delivery_s (:mod:`atroposd.timeline`, README
 "Where a step's time goes").
