@@ -147,17 +147,19 @@ class ApiConfig:
                             min=0)
 
     def bearer_token(self) -> str:
-        """The token in force: ``token``, else the content of ``token_file``, else
-        ``$ATROPOSD_API_TOKEN``, else "" (no token). Raises TokenError for a token file that
-        cannot be read or is empty."""
+        """The token in force: ``token``, else the content of ``token_file``, else the systemd
+        credential ``atroposd-api.token`` (``LoadCredential=``), else ``$ATROPOSD_API_TOKEN``,
+        else "" (no token). Raises TokenError for a token file that cannot be read, is empty or
+        holds fewer than MIN_TOKEN_BYTES."""
         if self.token:
             return self.token
-        if self.token_file:
-            raw = read_token_file(self.token_file, "api.token_file", TokenError)
+        path = self.token_file or credential_file(API_CREDENTIAL)
+        if path:
+            raw = read_token_file(path, "api.token_file", TokenError)
             try:
                 return raw.decode("utf-8")
             except UnicodeError as exc:
-                raise TokenError(f"api.token_file: {self.token_file} is not UTF-8 text: {exc}") from None
+                raise TokenError(f"api.token_file: {path} is not UTF-8 text: {exc}") from None
         return os.environ.get(API_TOKEN_ENV, "").strip()
 
 
@@ -168,6 +170,20 @@ class TokenError(ValueError):
 
 API_TOKEN_ENV = "ATROPOSD_API_TOKEN"
 INFERENCE_TOKEN_ENV = "ATROPOSD_INFERENCE_TOKEN"
+# systemd credentials (the shipped unit's LoadCredential=, from /etc/credstore/): used when the
+# token_file key is empty.
+CREDENTIALS_ENV = "CREDENTIALS_DIRECTORY"
+CLUSTER_CREDENTIAL = "atroposd-cluster.token"
+API_CREDENTIAL = "atroposd-api.token"
+
+
+def credential_file(name: str) -> str:
+    """``$CREDENTIALS_DIRECTORY/name`` when systemd passed that credential to the daemon, else ""."""
+    directory = os.environ.get(CREDENTIALS_ENV, "")
+    if not directory:
+        return ""
+    path = Path(directory) / name
+    return str(path) if path.is_file() else ""
 # The shortest secret a token file may hold (SPEC §12.3): anything shorter is guessable.
 MIN_TOKEN_BYTES = 16
 
@@ -451,13 +467,19 @@ class ClusterConfig:
             raise ClusterError(f"node rank {rank} (from {source}) must be < cluster.nodes ({self.nodes})")
         return rank
 
+    def token_path(self) -> str:
+        """``token_file``, else the systemd credential ``atroposd-cluster.token``, else ""."""
+        return self.token_file or credential_file(CLUSTER_CREDENTIAL)
+
     def read_token(self) -> bytes:
-        """The shared secret in ``token_file`` (surrounding whitespace stripped). Raises
+        """The shared secret in ``token_path()`` (surrounding whitespace stripped). Raises
         ClusterError for a file that is not named, cannot be read, is empty or holds fewer than
         MIN_TOKEN_BYTES."""
-        if not self.token_file:
-            raise ClusterError("cluster.token_file: required when cluster.nodes > 1")
-        return read_token_file(self.token_file, "cluster.token_file", ClusterError)
+        path = self.token_path()
+        if not path:
+            raise ClusterError("cluster.token_file: required when cluster.nodes > 1 (or, under systemd, the "
+                               f"credential {CLUSTER_CREDENTIAL})")
+        return read_token_file(path, "cluster.token_file", ClusterError)
 
 
 @dataclass
@@ -775,7 +797,8 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<dict>") -> Config:
         raise ConfigError(problems, source)
     if not cfg.env:
         cfg.warnings.append("no [[env]]: the job has no environments (they must run elsewhere)")
-    if cfg.api.enabled and not is_loopback(cfg.api.host) and not (cfg.api.token or cfg.api.token_file):
+    if cfg.api.enabled and not is_loopback(cfg.api.host) and not (cfg.api.token or cfg.api.token_file or
+                                                                   credential_file(API_CREDENTIAL)):
         cfg.warnings.append(f"api.host = {cfg.api.host!r} is not loopback and api.token is empty")
     for key, name in (("api.token_file", cfg.api.token_file), ("inference.token_file", cfg.inference.token_file),
                       ("cluster.token_file", cfg.cluster.token_file)):
@@ -1159,9 +1182,10 @@ def _cluster_checks(cfg: Config) -> list[Problem]:
         return p
     if not c.head:
         p.append(Problem("cluster.head", "required when cluster.nodes > 1 (the host of node 0)"))
-    if not c.token_file:
+    if not c.token_path():
         p.append(Problem("cluster.token_file", "required when cluster.nodes > 1 (a file holding the shared "
-                                               "secret, the same on every node)"))
+                                               "secret, the same on every node; under systemd, the "
+                                               f"credential {CLUSTER_CREDENTIAL} may give it)"))
     else:
         try:
             c.read_token()

@@ -64,3 +64,30 @@ def test_systemd_analyze_rates_the_unit_at_most_4_5() -> None:
     m = re.search(r"Overall exposure level for \S+: (\d+(?:\.\d+)?)", r.stdout + r.stderr)
     assert m, f"no exposure level in the output (exit {r.returncode}):\n{r.stdout}\n{r.stderr}"
     assert float(m.group(1)) <= MAX_EXPOSURE, r.stdout
+
+
+def test_the_tokens_come_as_credentials_of_the_dynamic_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LoadCredential= by name (a missing credential is not fatal to the unit), and the daemon
+    reads each from $CREDENTIALS_DIRECTORY when its token_file key is empty."""
+    from atroposd.config import (
+        API_CREDENTIAL,
+        CLUSTER_CREDENTIAL,
+        ApiConfig,
+        ClusterConfig,
+        TokenError,
+    )
+
+    assert _service()["LoadCredential"] == [CLUSTER_CREDENTIAL, API_CREDENTIAL]
+    creds = tmp_path / "credentials"
+    creds.mkdir()
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
+    cluster = ClusterConfig(nodes=2, head="127.0.0.1")
+    assert cluster.token_path() == "" and ApiConfig().bearer_token() == ""  # none passed: none used
+    (creds / CLUSTER_CREDENTIAL).write_text("the-cluster-secret-of-the-job\n")
+    (creds / API_CREDENTIAL).write_text("the-api-token-of-the-job\n")
+    assert cluster.read_token() == b"the-cluster-secret-of-the-job"
+    assert ApiConfig().bearer_token() == "the-api-token-of-the-job"
+    assert ApiConfig(token_file=str(creds / CLUSTER_CREDENTIAL)).bearer_token() == "the-cluster-secret-of-the-job"
+    (creds / API_CREDENTIAL).write_text("short\n")
+    with pytest.raises(TokenError, match="holds 5 bytes"):
+        ApiConfig().bearer_token()
