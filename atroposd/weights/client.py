@@ -76,6 +76,10 @@ class WeightControlClient:
     async def load(self, path: Path, weight_version: int) -> dict[str, Any]:
         return await self.request("POST", "/load", {"path": str(path), "weight_version": weight_version})
 
+    async def broadcast(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``weight_sync = "broadcast"``: join, receive, finish or leave (``atroposd.weights.broadcast``)."""
+        return await self.request("POST", "/broadcast", body)
+
     async def weight_info(self) -> dict[str, Any]:
         return await self.request("GET", "/weight_info")
 

@@ -1,4 +1,4 @@
-"""Trainer-side weight sync strategies: ``shared``, ``push`` and ``reload`` (SPEC §7).
+"""Trainer-side weight sync strategies: ``shared``, ``push``, ``reload`` and ``broadcast`` (SPEC §7).
 
 ``make_weight_sync(cfg, nonce=..., control_sockets=[...])`` picks the strategy from
 ``cfg.weight_sync``. Every strategy has the same shape, which the training loop uses without
@@ -30,6 +30,9 @@ knowing the mode::
   version. The trainer's extra memory is the staging buffer: one bucket, never a second model.
   A bucketed ``reload`` (``ReloadSync(bucket_bytes=...)``) writes the gathered buckets as
   sharded safetensors files.
+* ``broadcast`` (``BroadcastSync``, any rank count): the same bucket stream, sent over a
+  torch.distributed group the trainer forms with each replica (gloo on the CPU, NCCL on GPUs;
+  ``atroposd.weights.broadcast``) instead of through a staging buffer.
 
 Every call goes to every inference replica (SPEC §12.2), in parallel, one connection per
 replica; a sync waits for each replica it reaches. ``shared``: the replicas all map the same
@@ -69,7 +72,7 @@ if TYPE_CHECKING:
     from atroposd.config import Config
     from atroposd.weights.staging import StagingBuffer
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "REMOTE_ONLY", "BucketPushSync", "PushSync", "ReloadSync", "Replica", "SharedSync", "WeightSync",
+__all__ = ["DEFAULT_BUCKET_BYTES", "REMOTE_ONLY", "BroadcastSync", "BucketPushSync", "PushSync", "ReloadSync", "Replica", "SharedSync", "WeightSync",
            "make_weight_sync"]
 
 log = get_logger(__name__)
@@ -114,7 +117,7 @@ def make_weight_sync(cfg: Config, *, nonce: str, control_socket: Path | None = N
     sync_every = int(cfg.trainer.sync_every)
     sockets = list(control_sockets) if control_sockets is not None else \
         ([control_socket] if control_socket is not None else [])
-    sync: SharedSync | PushSync | BucketPushSync | ReloadSync
+    sync: SharedSync | PushSync | BucketPushSync | ReloadSync | BroadcastSync
     buckets = int(bucket_bytes) if bucket_bytes is not None else DEFAULT_BUCKET_BYTES
     sources = source_for if source_for is not None else ModelSource
     if bucketed and mode == "shared":
@@ -136,6 +139,16 @@ def make_weight_sync(cfg: Config, *, nonce: str, control_socket: Path | None = N
     elif mode == "reload":
         sync = ReloadSync(sync_dir=paths.sync_dir, control_sockets=sockets if cfg.inference.enabled else [],
                           sync_every=sync_every)
+    elif mode == "broadcast":
+        assert sockets, "broadcast mode needs the inference control sockets"
+        from atroposd.devices import resolve_torch
+
+        device, _ = resolve_torch(cfg.trainer.devices()[0], cfg.inference.dtype)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        deadline = sync_deadline(float(getattr(cfg.trainer, "stall_timeout", 0.0)))
+        sync = BroadcastSync(nonce=nonce, control_sockets=sockets, sync_every=sync_every, bucket_bytes=buckets,
+                             source_for=sources, backend=backend, device=device,
+                             form_timeout=min(float(cfg.trainer.join_timeout), deadline))
     else:
         raise ValueError(f"unknown weight_sync mode {mode!r}")
     sync.deadline = sync_deadline(float(getattr(cfg.trainer, "stall_timeout", 0.0)))
@@ -707,4 +720,253 @@ class ReloadSync(_PublishSync):
 
         prune_sync_dirs(self.sync_dir, None)
         self.current = None
+        self._source = None
+
+
+class BroadcastSync(_PublishSync):
+    """``broadcast``: every replica gets the weights over a torch.distributed group of its own
+    (gloo on the CPU, NCCL on GPUs), bucket by bucket (SPEC §7; ``atroposd.weights.broadcast``).
+
+    A sync (``attach``, ``after_step`` every ``sync_every`` steps, ``reattach``): pause every
+    target → form the group of each target that has none (fresh store prefix, bounded by
+    ``form_timeout``; a group that does not form fails that replica's sync — logged, counted in
+    ``form_failures`` — and it resumes with what it had) → each replica checks the whole plan
+    (``receive``) → for each bucket: ``await source.gather(names)`` → pack it into one flat
+    buffer → broadcast it on every live group, in parallel → next bucket → ``finish`` → resume
+    every replica with the new version. The trainer's extra memory: the gathered bucket and its
+    packed copy (two buckets), never a second model.
+
+    Every bucket is gathered even when no replica is left (with several ranks each gather is a
+    collective). A replica that dies or fails mid-broadcast is dropped from the sync, its group
+    closed; it stays paused and not current (its server refuses to resume a mix) and gets every
+    bucket again from the next sync or ``reattach``. A failure of the trainer itself (a rank lost
+    during a gather) closes every group in flight and is raised; ``attach`` (a (re)formed trainer
+    group) forms every replica's group afresh, ``reattach`` the restarted replica's.
+    """
+
+    mode = "broadcast"
+
+    def __init__(self, *, nonce: str, control_socket: Path | None = None,
+                 control_sockets: Sequence[Path] | None = None, sync_every: int = 1,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, source_for: SourceFor = ModelSource,
+                 backend: str = "gloo", device: torch.device | None = None, form_timeout: float = 60.0,
+                 digest: bool = False) -> None:
+        from atroposd.weights.broadcast import BroadcastHub
+
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self._set_sockets(control_sockets if control_sockets is not None else
+                          [control_socket] if control_socket is not None else [])
+        self.hub = BroadcastHub(secret=nonce, backend=backend, device=device)
+        self.sync_every = max(1, sync_every)
+        self.bucket_bytes = bucket_bytes
+        self.source_for = source_for
+        self.form_timeout = form_timeout
+        self.digest = digest  # ask the replicas for each tensor's sha256 (tests, benchmarks)
+        self.groups: dict[int, Any] = {}
+        self.version = 0
+        self.form_failures = 0
+        self.send_failures = 0
+        self.formations = 0
+        #: the last sync: buckets, bytes, gather_s, pack_s, send_s, pause_s, seconds
+        self.last_sync: dict[str, float] = {}
+        #: the last sync's answer of each replica (``finish``), by replica index
+        self.last_results: dict[int, dict[str, Any]] = {}
+        self._since = 0
+        self._source: tuple[torch.nn.Module, TensorSource] | None = None
+
+    def drop(self, replica: int) -> None:
+        """Close ``replica``'s group (it is formed again at its next sync)."""
+        group = self.groups.pop(replica, None)
+        if group is not None:
+            group.close()
+
+    async def attach(self, model: torch.nn.Module, version: int) -> None:
+        for i in list(self.groups):  # a (re)formed trainer group: every broadcast group afresh
+            self.drop(i)
+        await self._publish(model, version, self.replicas)
+
+    async def reattach(self, model: torch.nn.Module, version: int, replica: int | None = None) -> None:
+        for r in self._targets(replica):  # a restarted replica: its old group and weights are gone
+            self.drop(r.index)
+            r.version = None
+        await self._publish(model, version, self._targets(replica))
+
+    async def _form(self, r: Replica, version: int) -> bool:
+        """``r``'s group, formed now unless it has one; False (logged, counted) when it does not
+        form within ``form_timeout`` or the replica refuses to join."""
+        if r.index in self.groups:
+            return True
+        prefix = self.hub.next_prefix(r.index)
+        request = await anyio.to_thread.run_sync(
+            lambda: self.hub.join_request(prefix, deadline_s=self.form_timeout, timeout_s=self.deadline))
+        formed: dict[str, Any] = {}
+        joined: dict[str, Any] = {}
+        gave_up = False
+
+        async def form() -> None:
+            try:
+                formed["group"] = await anyio.to_thread.run_sync(
+                    lambda: self.hub.form(prefix, deadline_s=self.form_timeout, timeout_s=self.deadline,
+                                          cancelled=lambda: gave_up))
+            except Exception as exc:
+                formed["error"] = exc
+                tg.cancel_scope.cancel()  # the join request is abandoned with it
+
+        async def join() -> None:
+            try:
+                joined["answer"] = await self._call("broadcast", request, replica=r)
+            except WeightControlError as exc:
+                joined["error"] = exc
+                tg.cancel_scope.cancel()  # it will not join: the formation is given up
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(form)
+                tg.start_soon(join)
+        finally:
+            gave_up = True
+        group = formed.get("group")
+        if group is not None and "error" not in joined:
+            self.groups[r.index] = group
+            self.formations += 1
+            log.info("broadcast group formed", replica=r.index, formation=prefix, backend=self.hub.backend)
+            return True
+        if group is not None:
+            group.close()
+        self.form_failures += 1
+        error = joined.get("error") or formed.get("error") or "cancelled"
+        log.error("broadcast group did not form; this replica's sync failed, training goes on", replica=r.index,
+                  weight_version=version, deadline_s=self.form_timeout, failures=self.form_failures,
+                  error=str(error))
+        r.current = False
+        return False
+
+    async def _publish(self, model: torch.nn.Module, version: int, targets: Sequence[Replica]) -> bool:
+        """Every bucket to ``targets``; True when every target took them all and resumed."""
+        from atroposd.weights.broadcast import layout, pack, plan_body
+
+        start = time.perf_counter()
+        source = self.source(model)
+        specs = source.specs()
+        plan = plan_buckets(specs, self.bucket_bytes)
+        if not plan:
+            raise ValueError("the model has no tensors to broadcast")
+        layouts = [layout([(n, specs[n]) for n in names]) for names in plan]
+        gather_s = pack_s = send_s = 0.0
+        moved = 0
+        self.last_results = {}
+        failed: list[Replica] = []
+        async with AsyncExitStack() as stack:
+            for r in targets:
+                await stack.enter_async_context(self._connected(r))
+            reached = await self._each(targets, lambda r: self._pause(r, version))
+            paused = [r for r, ok in zip(targets, reached, strict=True) if ok]
+            pause_s = time.perf_counter() - start
+            formed = await self._each(paused, lambda r: self._form(r, version))
+            for r, ok in zip(paused, formed, strict=True):
+                if not ok:
+                    await self._keep(r)
+            live = [r for r, ok in zip(paused, formed, strict=True) if ok]
+            body = {"op": "receive", "weight_version": version, "buckets": plan_body(specs, plan),
+                    "digest": self.digest}
+            started = await self._each(live, lambda r: self._start_receive(r, version, body, failed))
+            live = [r for r, ok in zip(live, started, strict=True) if ok]
+            for r in live:
+                r.current = False  # from its first bucket to its last it holds a mix
+            buf: torch.Tensor | None = None
+            try:
+                for names, lay in zip(plan, layouts, strict=True):
+                    t0 = time.perf_counter()
+                    tensors = await source.gather(names)
+                    gather_s += time.perf_counter() - t0
+                    check_gathered(specs, names, tensors)
+                    if live:
+                        t0 = time.perf_counter()
+                        buf = await anyio.to_thread.run_sync(pack, lay, tensors, buf)
+                        pack_s += time.perf_counter() - t0
+                        t0 = time.perf_counter()
+                        sent = await self._send_all(live, buf[:lay.size], version, failed)
+                        send_s += time.perf_counter() - t0
+                        live = [r for r, ok in zip(live, sent, strict=True) if ok]
+                        moved += lay.size
+                    del tensors  # a gathered bucket is dropped before the next one is gathered
+            except BaseException:
+                # The trainer failed mid-stream (a rank lost in a gather): every group in flight
+                # holds a half-sent sync; closing them frees the replicas' receivers at once.
+                for r in live:
+                    self.drop(r.index)
+                    r.current = False
+                raise
+            finally:
+                buf = None
+            finished = await self._each(live, lambda r: self._finish(r, version, failed))
+            live = [r for r, ok in zip(live, finished, strict=True) if ok]
+            resumed = await self._each(live, lambda r: self._resume(r, version)) if live else []
+        self.version = version
+        self.last_sync = {"buckets": len(plan), "bytes": moved, "gather_s": gather_s, "pack_s": pack_s,
+                          "send_s": send_s, "pause_s": pause_s, "seconds": time.perf_counter() - start,
+                          "staging_bytes": max(lay.size for lay in layouts)}
+        return len(resumed) == len(targets) and all(resumed)
+
+    async def _start_receive(self, r: Replica, version: int, body: dict[str, Any], failed: list[Replica]) -> bool:
+        try:
+            return await self._reached(r, version, "broadcast", {**body, "formation": self.groups[r.index].formation})
+        except WeightControlError as exc:
+            log.error("inference replica refused a broadcast; it keeps what it had", replica=r.index,
+                      weight_version=version, error=str(exc))
+            self.drop(r.index)
+            failed.append(r)
+            with anyio.CancelScope(shield=True):
+                await self._keep(r)
+            return False
+
+    async def _keep(self, r: Replica) -> None:
+        """``r``'s sync failed before any byte moved: it serves what it had, or (it never got
+        the trainer's weights: a fresh or restarted server) stays paused until a sync reaches it."""
+        if r.version is not None:
+            await self._resume(r, r.version)
+        r.current = False
+
+    async def _send_all(self, live: Sequence[Replica], chunk: torch.Tensor, version: int,
+                        failed: list[Replica]) -> list[bool]:
+        return await self._each(live, lambda r: self._send(r, chunk, version, failed))
+
+    async def _send(self, r: Replica, buf: torch.Tensor, version: int, failed: list[Replica]) -> bool:
+        group = self.groups.get(r.index)
+        if group is None:
+            return False
+        try:
+            await anyio.to_thread.run_sync(group.broadcast, buf)
+            return True
+        except Exception as exc:
+            self.send_failures += 1
+            log.warning("broadcast to an inference replica failed; it is skipped and gets the weights when it is "
+                        "back", replica=r.index, weight_version=version, error=f"{type(exc).__name__}: {exc}")
+            self.drop(r.index)
+            r.current = False
+            failed.append(r)
+            return False
+
+    async def _finish(self, r: Replica, version: int, failed: list[Replica]) -> bool:
+        group = self.groups.get(r.index)
+        if group is None:
+            return False
+        try:
+            answer = await self._call("broadcast", {"op": "finish", "formation": group.formation,
+                                                    "weight_version": version}, replica=r)
+        except WeightControlError as exc:
+            log.error("inference replica did not complete a broadcast; it stays paused until it gets every "
+                      "bucket again", replica=r.index, weight_version=version, error=str(exc))
+            self.drop(r.index)
+            r.current = False
+            failed.append(r)
+            return False
+        self.last_results[r.index] = answer
+        return True
+
+    def close(self) -> None:
+        for i in list(self.groups):
+            self.drop(i)
+        self.hub.close()
         self._source = None

@@ -1,0 +1,291 @@
+"""``weight_sync = "broadcast"`` (SPEC §7) on gloo, into real `atroposd inference` servers (torch
+engine, the builtin tiny model): the trainer forms a process group with each replica and streams
+the weights bucket by bucket; after a sync every replica's tensors equal the trainer's bit for bit
+(float32, by sha256); a replica killed mid-broadcast is skipped and catches up; a trainer that
+fails mid-stream leaves no replica serving a mix and re-forms every group; a group whose peer
+never joins fails that replica's sync within its deadline and the next sync goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from atroposd.weights.broadcast import (
+    BroadcastReceiver,
+    layout,
+    pack,
+    parse_plan,
+    plan_body,
+    tensor_digest,
+)
+from atroposd.weights.manifest import TensorSpec
+from atroposd.weights.protocol import WeightUpdateError
+from atroposd.weights.source import plan_buckets
+from atroposd.weights.sync import BroadcastSync
+from atroposd.weights.tensors import model_tensors
+from tests.inference.conftest import Server
+from tests.inference.test_weights import close, local_logprobs, served, train_step, trainer_model
+from tests.weights.test_bucket_push import BUCKET, Replicas, Watched, tiny_dir
+
+__all__ = ["tiny_dir"]  # the module's fixture: the builtin tiny model, built once
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_dir: Path) -> Iterator[Replicas]:
+    """Two replicas for the module's tests that kill nothing."""
+    replicas = Replicas(tiny_dir)
+    try:
+        replicas.start()
+        replicas.start()
+        yield replicas
+    finally:
+        replicas.close()
+
+
+def bcast(launch: Replicas, servers: Sequence[Server], **kw: Any) -> BroadcastSync:
+    kw.setdefault("form_timeout", 30.0)
+    sync = BroadcastSync(nonce=launch.nonce, control_sockets=[s.socket for s in servers], bucket_bytes=BUCKET,
+                         digest=True, **kw)
+    sync.deadline = 60.0
+    return sync
+
+
+def digests(model: torch.nn.Module) -> dict[str, str]:
+    return {n: tensor_digest(t) for n, t in model_tensors(model).tensors.items()}
+
+
+def assert_bit_for_bit(sync: BroadcastSync, model: torch.nn.Module, replicas: Sequence[int]) -> None:
+    want = digests(model)
+    assert sorted(sync.last_results) == sorted(replicas)
+    for i in replicas:
+        got = sync.last_results[i]["digests"]
+        assert got == want, f"replica {i}: {sorted(n for n in want if got.get(n) != want[n])} differ"
+
+
+def assert_serves(srv: Server, model: torch.nn.Module, version: int) -> None:
+    lps, v = served(srv)
+    assert v == version
+    assert close(lps, local_logprobs(model), 1e-5), "the replica does not serve the trainer's weights"
+
+
+def test_plan_round_trips_and_bad_plans_are_refused() -> None:
+    specs = {"a": TensorSpec("float32", (3, 5)), "b": TensorSpec("bfloat16", (7,)), "c": TensorSpec("float16", ())}
+    plan = plan_buckets(specs, 80)
+    body = {"buckets": plan_body(specs, plan)}
+    parsed = parse_plan(body)
+    assert [[n for n, _ in b] for b in parsed] == plan and dict(x for b in parsed for x in b) == specs
+    lay = layout(parsed[0])
+    assert all(s.offset % 64 == 0 for s in lay.slots)
+    tensors = {"a": torch.arange(15, dtype=torch.float32).reshape(3, 5)}
+    assert pack(layout([("a", specs["a"])]), tensors)[:60].view(torch.float32).tolist() == list(range(15))
+    for bad in ([], [[]], [[["a", "int64", [2]]]], [[["a", "float32", [-1]]]], [[["a", "float32", [True]]]],
+                [["a"]], "x"):
+        with pytest.raises(WeightUpdateError):
+            parse_plan({"buckets": bad})
+    rx = BroadcastReceiver("nonce1")
+    with pytest.raises(WeightUpdateError, match="not this launch"):
+        rx.join({"op": "join", "store": "127.0.0.1:1", "prefix": "other/bcast/r0/f1/", "backend": "gloo",
+                 "deadline_s": 1.0, "timeout_s": 1.0}, torch.device("cpu"))
+    with pytest.raises(WeightUpdateError, match="backend"):
+        rx.join({"op": "join", "store": "127.0.0.1:1", "prefix": "nonce1/bcast/r0/f1/", "backend": "mpi",
+                 "deadline_s": 1.0, "timeout_s": 1.0}, torch.device("cpu"))
+    with pytest.raises(WeightUpdateError, match="HOST:PORT"):
+        rx.join({"op": "join", "store": "nowhere", "prefix": "nonce1/bcast/r0/f1/", "backend": "gloo",
+                 "deadline_s": 1.0, "timeout_s": 1.0}, torch.device("cpu"))
+
+
+async def test_broadcast_reaches_every_replica_bit_for_bit(pair: Replicas) -> None:
+    first, second = pair.servers
+    model = trainer_model(pair.tiny_dir, seed=7)
+    source = Watched(model, pair.nonce)
+    sync = bcast(pair, pair.servers, source_for=lambda m: source)
+    plan = plan_buckets(source.specs(), BUCKET)
+    model_bytes = sum(t.numel() * t.element_size() for t in model_tensors(model).tensors.values())
+    try:
+        await sync.attach(model, 3)
+        assert len(plan) >= 4 and source.gathered == plan and source.copies == 0
+        assert_bit_for_bit(sync, model, [0, 1])
+        for srv in (first, second):
+            await asyncio.to_thread(assert_serves, srv, model, 3)
+        assert sync.replica_versions() == [3, 3] and sync.server_current and sync.formations == 2
+
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        before = local_logprobs(model)
+        async with sync.paused(4):
+            train_step(model, opt)
+        await sync.after_step(model, 4)
+        assert not close(before, local_logprobs(model), 1e-3)  # the step changed what is served
+        assert_bit_for_bit(sync, model, [0, 1])
+        for srv in (first, second):
+            await asyncio.to_thread(assert_serves, srv, model, 4)
+            status, info = await asyncio.to_thread(srv.control, "GET", "/weight_info")
+            assert status == 200 and info["weight_version"] == 4 and info["paused"] is False
+        assert sync.formations == 2  # the groups are formed once per replica start, not per sync
+        last = sync.last_sync
+        assert last["buckets"] == len(plan) and last["bytes"] >= model_bytes
+        assert last["staging_bytes"] <= BUCKET < model_bytes / 4
+        assert all(last[k] >= 0 for k in ("pause_s", "gather_s", "pack_s", "send_s"))
+    finally:
+        sync.close()
+
+
+async def test_a_replica_refuses_a_plan_that_does_not_fit_its_model(pair: Replicas) -> None:
+    """The whole plan is checked before any byte moves: the replica keeps serving what it had."""
+    first = pair.servers[0]
+    model = trainer_model(pair.tiny_dir, seed=8)
+    sync = bcast(pair, [first])
+    try:
+        await sync.attach(model, 10)
+        group = sync.groups[0]
+        specs = {n: TensorSpec("float32", tuple(t.shape)) for n, t in model_tensors(model).tensors.items()}
+        wrong = dict(specs)
+        name = next(iter(wrong))
+        wrong[name] = TensorSpec("float32", (1, *wrong[name].shape))
+        body = {"op": "receive", "formation": group.formation, "weight_version": 11,
+                "buckets": plan_body(wrong, [list(wrong)])}
+        status, answer = await asyncio.to_thread(first.control, "POST", "/pause")
+        assert status == 200
+        status, answer = await asyncio.to_thread(first.control, "POST", "/broadcast", body)
+        assert status == 400 and name in answer["error"], answer
+        del body["buckets"][0][0]
+        status, answer = await asyncio.to_thread(first.control, "POST", "/broadcast", body)
+        assert status == 400 and "missing" in answer["error"], answer
+        status, answer = await asyncio.to_thread(first.control, "POST", "/broadcast",
+                                                 {**body, "formation": pair.nonce + "/bcast/r0/f999/"})
+        assert status == 400 and "join again" in answer["error"], answer
+        status, answer = await asyncio.to_thread(first.control, "POST", "/resume", {"weight_version": 10})
+        assert status == 200
+        await asyncio.to_thread(assert_serves, first, model, 10)
+    finally:
+        sync.close()
+
+
+async def test_a_peer_that_never_joins_fails_that_replica_within_the_deadline(pair: Replicas) -> None:
+    """Replica 1 is pointed at a store address where no store listens: its group cannot form. Its
+    sync fails within form_timeout (logged, counted), replica 0 gets the weights, and the next
+    sync (a reachable store) brings replica 1 current."""
+    model = trainer_model(pair.tiny_dir, seed=9)
+    sync = bcast(pair, pair.servers, form_timeout=3.0)
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    dead_port = dead.getsockname()[1]
+    real = sync.hub.join_request
+
+    def misdirected(prefix: str, **kw: Any) -> dict[str, Any]:
+        req = real(prefix, **kw)
+        return {**req, "store": f"127.0.0.1:{dead_port}"} if "/r1/" in prefix else req
+
+    try:
+        sync.hub.join_request = misdirected  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        await sync.attach(model, 20)
+        took = time.monotonic() - t0
+        assert took < 3.0 + 10.0, took
+        assert sync.form_failures == 1 and 1 not in sync.groups
+        assert sync.replicas[0].current and not sync.replicas[1].current
+        await asyncio.to_thread(assert_serves, pair.servers[0], model, 20)
+        assert_bit_for_bit(sync, model, [0])
+
+        sync.hub.join_request = real  # type: ignore[method-assign]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        train_step(model, opt)
+        await sync.after_step(model, 21)
+        assert sync.server_current and sync.replica_versions() == [21, 21]
+        assert_bit_for_bit(sync, model, [0, 1])
+    finally:
+        dead.close()
+        sync.close()
+
+
+async def test_a_trainer_failing_mid_stream_leaves_no_mix_and_reforms_every_group(pair: Replicas) -> None:
+    """A gather that fails halfway (a trainer rank lost): the error reaches the trainer, every
+    group in flight is closed, no replica resumes with a mix, and the next attach (the trainer
+    group formed again) forms every group afresh and brings every replica current."""
+    model = trainer_model(pair.tiny_dir, seed=10)
+    source = Watched(model, pair.nonce)
+    sync = bcast(pair, pair.servers, source_for=lambda m: source)
+    try:
+        await sync.attach(model, 30)
+        formations = sync.formations
+
+        async def fail_in_the_middle(i: int) -> None:
+            if i == len(source.gathered) and i % len(plan_buckets(source.specs(), BUCKET)) == 3:
+                raise RuntimeError("Connection closed by peer [gloo]: a trainer rank is gone")
+
+        source.on_gather = fail_in_the_middle
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        train_step(model, opt)
+        with pytest.raises(RuntimeError, match="trainer rank is gone"):
+            await sync.after_step(model, 31)
+        assert not sync.groups and not any(r.current for r in sync.replicas)
+        for srv in pair.servers:  # half a sync arrived: the server refuses to serve it
+            status, answer = await asyncio.to_thread(srv.control, "POST", "/resume", {"weight_version": 31})
+            assert status == 400 and "incomplete" in answer["error"], answer
+
+        source.on_gather = None
+        await sync.attach(model, 32)
+        assert sync.formations == formations + 2 and sync.server_current
+        assert_bit_for_bit(sync, model, [0, 1])
+        for srv in pair.servers:
+            await asyncio.to_thread(assert_serves, srv, model, 32)
+    finally:
+        sync.close()
+
+
+@pytest.mark.slow  # starts and kills a replica of its own
+async def test_a_replica_killed_mid_broadcast_is_skipped_and_catches_up(tiny_dir: Path) -> None:
+    replicas = Replicas(tiny_dir)
+    try:
+        first, victim = replicas.start(), replicas.start()
+        model = trainer_model(tiny_dir, seed=11)
+        source = Watched(model, replicas.nonce)
+        sync = bcast(replicas, [first, victim], source_for=lambda m: source)
+        try:
+            await sync.attach(model, 4)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            train_step(model, opt)
+            start = len(source.gathered)
+
+            async def kill_in_the_middle(i: int) -> None:
+                if i == start + 3:
+                    os.kill(victim.proc.pid, signal.SIGKILL)
+                    await asyncio.to_thread(victim.proc.wait, 10)
+
+            source.on_gather = kill_in_the_middle
+            t0 = time.monotonic()
+            await sync.after_step(model, 5)  # the dead replica is skipped; the sync goes on
+            assert time.monotonic() - t0 < 30
+            assert len(source.gathered) == start + len(plan_buckets(source.specs(), BUCKET))
+            assert sync.send_failures == 1 and 1 not in sync.groups
+            assert_bit_for_bit(sync, model, [0])
+            await asyncio.to_thread(assert_serves, first, model, 5)
+            assert sync.replica_versions() == [5, 4] and not sync.replicas[1].current
+            replicas.stop(victim)
+
+            source.on_gather = None
+            back = replicas.start()  # the restarted replica (the daemon keeps its socket path)
+            sync.replicas[1].socket = back.socket
+            await sync.reattach(model, 5, 1)
+            assert_bit_for_bit(sync, model, [1])
+            await asyncio.to_thread(assert_serves, back, model, 5)
+            assert sync.replica_versions() == [5, 5] and sync.server_current
+        finally:
+            sync.close()
+    finally:
+        replicas.close()
