@@ -8,18 +8,41 @@ in use) and the vLLM engine (the message-queue segments its EngineCore leaves).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 
 from atroposd.logs import get_logger
 
-__all__ = ["OWN_SEGMENT_PREFIX", "SHM_DIR", "mapped_shm", "unlink_orphaned_segments"]
+__all__ = ["OWN_SEGMENT_PREFIX", "SHM_DIR", "boot_id", "boot_seconds", "mapped_shm", "unlink_orphaned_segments",
+           "wall_of_boot"]
 
 log = get_logger("atroposd.shmscan")
 
 SHM_DIR = "/dev/shm"
 OWN_SEGMENT_PREFIX = "atroposd-"  # the weight segments: their owner unlinks them (atroposd.weights.shm)
-# A segment's ctime against a process's start (both wall-clock): two reads agree far better.
+# A segment's ctime against a process's start: two reads agree far better.
 CTIME_SLACK = 0.05
+
+
+def boot_seconds() -> float:
+    """Seconds since this machine booted (CLOCK_BOOTTIME, the clock of ``/proc/<pid>/stat``'s
+    start times): no clock step moves it."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def boot_id() -> str | None:
+    """This boot's id (``/proc/sys/kernel/random/boot_id``): times since boot compare only within one."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip() or None
+    except OSError:  # pragma: no cover - no procfs
+        return None
+
+
+def wall_of_boot(seconds: float) -> float:
+    """A moment given in seconds since boot, on the wall clock as it reads now: a clock step
+    between that moment and now does not move it against file times taken now."""
+    return time.time() - (boot_seconds() - seconds)
 
 
 def mapped_shm(prefix: str = "", pids: Iterable[int] | None = None) -> dict[str, set[int]]:
@@ -46,15 +69,23 @@ def mapped_shm(prefix: str = "", pids: Iterable[int] | None = None) -> dict[str,
     return found
 
 
-def unlink_orphaned_segments(names: Iterable[str], *, since: float, ignore_pids: Iterable[int] = ()) -> list[str]:
+def unlink_orphaned_segments(names: Iterable[str], *, since: float | None = None, since_boot: float | None = None,
+                             ignore_pids: Iterable[int] = ()) -> list[str]:
     """Unlink the ``/dev/shm`` segments among ``names`` that no live process maps any more
     (processes in ``ignore_pids`` aside: a process about to exit may clean up what it still
-    maps) and that were created at or after ``since`` (epoch seconds, compared with the
-    segment's ctime); ``atroposd-*`` weight segments are left to their owner. Returns the
-    names removed."""
+    maps) and that were created at or after a start; ``atroposd-*`` weight segments are left to
+    their owner. Returns the names removed.
+
+    The start: ``since_boot`` (seconds since boot; put on the wall clock at the check, so a
+    clock step since that start does not matter) or ``since`` (epoch seconds, read just before
+    by the caller), compared with each segment's ctime."""
     candidates = {n for n in names if n and "/" not in n and not n.startswith(OWN_SEGMENT_PREFIX)}
     if not candidates:
         return []
+    if since_boot is not None:
+        since = wall_of_boot(since_boot)
+    if since is None:
+        raise TypeError("unlink_orphaned_segments needs since or since_boot")
     ignored = set(ignore_pids)
     in_use = {name for name, pids in mapped_shm().items() if pids - ignored}
     removed = []

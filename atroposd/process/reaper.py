@@ -23,6 +23,7 @@ processes a dead daemon left.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import signal
 import time
@@ -38,11 +39,12 @@ from atroposd.fsutil import write_atomic
 from atroposd.logs import get_logger
 from atroposd.pids import TIME_SLACK, Start, is_alive, same_process, start_ticks
 from atroposd.shmscan import OWN_SEGMENT_PREFIX as OWN_SEGMENT_PREFIX  # re-exported for the daemon
-from atroposd.shmscan import mapped_shm, unlink_orphaned_segments
+from atroposd.shmscan import boot_id, mapped_shm, unlink_orphaned_segments, wall_of_boot
 
 log = get_logger("atroposd.reaper")
 
 PR_SET_CHILD_SUBREAPER = 36
+_CLK_TCK = os.sysconf("SC_CLK_TCK")  # the unit of /proc/<pid>/stat's start times
 INSTANCE_VAR = "ATROPOSD_INSTANCE"
 
 
@@ -167,7 +169,8 @@ class InstanceRecord:
 
     ``start_time`` and each descendant's start are process identities (:mod:`atroposd.pids`):
     clock ticks since boot, compared exactly; a float is the older wall-clock form.
-    ``started_at`` is the daemon's start on the wall clock, for comparing with file times.
+    ``boot_id`` is the boot those ticks count from. ``started_at`` is the daemon's start on the
+    wall clock, used only for a record without ticks or boot id (written by an older atroposd).
     """
 
     nonce: str
@@ -178,24 +181,36 @@ class InstanceRecord:
     # they leave if they all die with the daemon before their cleanup.
     segments: list[str] = field(default_factory=list)
     started_at: float | None = None
+    boot_id: str | None = field(default_factory=boot_id)
 
     def to_json(self) -> bytes:
         return orjson.dumps({"nonce": self.nonce, "pid": self.pid, "start_time": self.start_time,
-                             "started_at": self.started_at,
+                             "started_at": self.started_at, "boot_id": self.boot_id,
                              "descendants": [[p, t] for p, t in self.descendants], "segments": self.segments})
 
     @classmethod
     def from_json(cls, data: bytes) -> InstanceRecord:
         raw = orjson.loads(data)
         started_at = raw.get("started_at")
+        boot = raw.get("boot_id")
         return cls(nonce=str(raw["nonce"]), pid=int(raw["pid"]), start_time=_start(raw["start_time"]),
                    descendants=[(int(p), _start(t)) for p, t in raw.get("descendants", [])],
                    segments=[str(n) for n in raw.get("segments", [])],
-                   started_at=float(started_at) if started_at is not None else None)
+                   started_at=float(started_at) if started_at is not None else None,
+                   boot_id=str(boot) if boot is not None else None)
 
     @property
     def wall_start(self) -> float:
-        """The daemon's start on the wall clock (file times are compared with it)."""
+        """The daemon's start on the wall clock as it reads now (file times are compared with it).
+
+        From its start in ticks since boot when the record is of this boot, so a clock step
+        since then does not matter; a record of an earlier boot: +inf (nothing that exists now
+        was created by its processes); only an older record without ticks or boot id falls
+        back to the wall-clock time it wrote."""
+        if isinstance(self.start_time, int) and self.boot_id is not None:
+            if self.boot_id != boot_id():
+                return math.inf
+            return wall_of_boot(self.start_time / _CLK_TCK)
         if self.started_at is not None:
             return self.started_at
         if isinstance(self.start_time, float):

@@ -39,6 +39,7 @@ from atroposd.process import reaper
 from atroposd.process.liveness import LiveCheck, LiveSettings
 from atroposd.process.logfiles import LogHub, tail
 from atroposd.process.probes import Probe, ProbeError
+from atroposd.shmscan import boot_seconds
 
 log = get_logger("atroposd.unit")
 
@@ -144,7 +145,8 @@ class Unit:
         self.ever_ready = False
         self.since = time.monotonic()
         self._backoff_done_s = 0.0  # seconds spent in finished backoffs
-        self.launched_at = time.time()  # wall clock: compared with file times
+        self.launched_at = time.time()  # wall clock
+        self.launched_boot = boot_seconds()  # seconds since boot: compared with file times at the check
         self.tracked: dict[int, psutil.Process] = {}
         self.settled = anyio.Event()  # the first attempt is over: ready, or it failed
         self.done = anyio.Event()  # supervise() returned
@@ -349,6 +351,7 @@ class Unit:
         self._sink.write(f"=== atroposd: starting {self.name}: {' '.join(self.spec.argv)}\n".encode())
         # start_new_session: own session and process group; the launcher adds the death signal.
         self.launched_at = time.time()
+        self.launched_boot = boot_seconds()  # left-over segments are those created since (clock steps aside)
         proc = await anyio.open_process(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, env=self.spec.env, cwd=self.spec.cwd,
                                         start_new_session=True)
@@ -509,7 +512,7 @@ class Unit:
                 log.info("terminated", unit=self.name, pid=proc.pid, seconds=elapsed)
             if mapped:
                 removed = await anyio.to_thread.run_sync(
-                    functools.partial(reaper.unlink_orphaned_segments, mapped, since=self.launched_at))
+                    functools.partial(reaper.unlink_orphaned_segments, mapped, since_boot=self.launched_boot))
                 if removed:
                     log.info("removed shared-memory segments the component's processes left", unit=self.name,
                              segments=removed)
