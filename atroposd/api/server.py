@@ -683,7 +683,11 @@ class _Charge:
 
     def add(self, nbytes: int) -> None:
         if nbytes > 0:
-            self.server._charge(nbytes)
+            try:
+                self.server._charge(nbytes)
+            except QueueFull:
+                self.release()  # at once: other bodies read before this request unwinds find the room
+                raise
             self.n += nbytes
 
     def release(self) -> None:

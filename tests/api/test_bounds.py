@@ -308,6 +308,29 @@ def test_chunked_bodies_and_every_route_count_against_the_in_flight_bound() -> N
     asyncio.run(run())
 
 
+def test_a_refused_body_gives_its_room_back_at_once() -> None:
+    """Four chunked uploads arrive together and pass the bound: one is refused and its bytes are
+    given back before the others are read on, so the three that fit go on (refusals used to
+    cascade: each body read in the same turn of the loop was refused before any gave room back)."""
+    async def run() -> None:
+        async with running(_settings(max_request_bytes=512 << 10)) as (server, _, port):
+            server.max_inflight_bytes = 300 << 10
+            conns = [await _stall_chunked(port, "/scored_data", 70 << 10) for _ in range(4)]
+            await _until(lambda: server.inflight_bytes == 4 * (70 << 10))
+            for _, w in conns:  # 20 KiB more on each, all there before the API reads on
+                w.write(b"%x\r\n%s\r\n" % (20 << 10, b" " * (20 << 10)))
+            await asyncio.gather(*(w.drain() for _, w in conns))
+            await _until(lambda: server.metrics.refused.labels("inflight")._value.get() >= 1)
+            await asyncio.sleep(0.2)
+            assert server.metrics.refused.labels("inflight")._value.get() == 1
+            assert server.inflight_bytes == 3 * (90 << 10)
+            for _, w in conns:
+                w.close()
+            await _until(lambda: server.inflight_bytes == 0)
+
+    asyncio.run(run())
+
+
 def test_a_chunked_body_past_max_request_bytes_is_413_as_it_arrives() -> None:
     async def run() -> None:
         async with running(_settings(max_request_bytes=64 << 10)) as (server, _, port):
