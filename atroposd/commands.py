@@ -405,10 +405,14 @@ def _watch_status(cfg: Config, *, as_json: bool, interval: float = WATCH_INTERVA
         while True:
             started = time.monotonic()
             try:
-                st = control.request(cfg.control_socket, {"cmd": "status"})["status"]
+                answer = control.request(cfg.control_socket, {"cmd": "status"})
             except control.ControlError as exc:
                 _err(str(exc))
                 return exc.exit_code
+            st = answer.get("status")
+            if not answer.get("ok") or not isinstance(st, dict):
+                _err(f"the daemon answered with an error: {answer.get('error')}")
+                return Exit.RUNTIME
             if as_json:
                 text = json.dumps(st)
             else:
