@@ -354,7 +354,46 @@ def _own_families(d: DaemonView) -> list[tuple[Metric, str]]:
             log.warning("trainer metrics failed", error=f"{type(exc).__name__}: {exc}")
     if d.replica_health is not None:
         out += [(f, "daemon") for f in replica_families(d.replica_health)]
+    weights = getattr(d, "weights", None)
+    if weights is not None and d.cfg.inference.enabled:
+        out += [(f, "daemon") for f in weight_sync_families(d.cfg, weights)]
     return out
+
+
+def weight_sync_families(cfg: Any, weights: Any) -> Iterator[Metric]:
+    """Each replica's weight-sync mode, and for ``broadcast`` its group: formations, failures,
+    the last transfer's seconds."""
+    from atroposd.daemon.specs import inference_name
+    from atroposd.weights.sync import replica_sync_status
+
+    rows = [(inference_name(cfg, i), replica_sync_status(weights, i)) for i in range(cfg.inference.replicas)]
+    mode = _gauge("atroposd_replica_weight_sync", "The weight-sync mode each inference replica got (1)",
+                  ["component", "mode"])
+    for name, row in rows:
+        mode.add_metric([name, str(row.get("mode"))], 1.0)
+    yield mode
+    if not any(row.get("mode") == "broadcast" for _, row in rows):
+        return
+    formed = _gauge("atroposd_replica_broadcast_group", "1 while the replica's broadcast group is formed",
+                    ["component"])
+    formations = _counter("atroposd_replica_broadcast_formations", "Broadcast groups formed with the replica",
+                          ["component"])
+    failures = _counter("atroposd_replica_broadcast_failures", "Broadcast syncs of the replica that failed: "
+                        "a group that did not form within its deadline (form), a stream that broke (send)",
+                        ["component", "kind"])
+    transfer = _gauge("atroposd_replica_broadcast_last_transfer_seconds", "Seconds the replica's last "
+                      "broadcast sync took from the plan's check to its last bucket (NaN before one)",
+                      ["component"])
+    for name, row in rows:
+        formed.add_metric([name], 1.0 if row.get("group") == "formed" else 0.0)
+        formations.add_metric([name], float(row.get("formations") or 0))
+        failures.add_metric([name, "form"], float(row.get("form_failures") or 0))
+        failures.add_metric([name, "send"], float(row.get("send_failures") or 0))
+        transfer.add_metric([name], _num(row.get("last_transfer_s")))
+    yield formed
+    yield formations
+    yield failures
+    yield transfer
 
 
 def _assemble(targets: list[Target], texts: dict[str, bytes | None], took: dict[str, float], deadline_s: float,

@@ -81,6 +81,7 @@ async def status(d: DaemonView) -> dict[str, Any]:
                 rows = [u.status() for u in d.units.values() if u.kind == kind]
                 if kind == "inference":
                     await _replica_health(cfg, session, rows)
+                    _replica_sync(d, rows)
                 components += rows
                 continue
             # External components are probed, not supervised.
@@ -204,6 +205,17 @@ async def _replica_health(cfg: Config, session: aiohttp.ClientSession, rows: lis
     async with anyio.create_task_group() as tg:
         for row in rows:
             tg.start_soon(one, row)
+
+
+def _replica_sync(d: DaemonView, rows: list[dict[str, Any]]) -> None:
+    """The weight-sync mode each replica got (SPEC §7), with the broadcast group's state."""
+    weights = getattr(d, "weights", None)
+    if weights is None:
+        return
+    from atroposd.weights.sync import replica_sync_status
+
+    for row in rows:
+        row["weight_sync"] = replica_sync_status(weights, replica_index(row["name"]))
 
 
 async def _queue(cfg: Config, session: aiohttp.ClientSession) -> dict[str, Any] | None:

@@ -172,6 +172,11 @@ class TrainingLoop:
                     await self.weights.after_step(self.learner.policy.model, p.weight_version)
                     after = getattr(self.weights, "last_sync", None)  # a new dict: this step synced
                 gather_s = float(after.get("gather_s", 0.0)) if isinstance(after, dict) and after is not before else 0.0
+                if isinstance(after, dict) and after is not before:
+                    # broadcast: the replicas' pause before the first byte and the transfer, apart
+                    for key in ("sync_pause_s", "sync_transfer_s"):
+                        if key in after:
+                            timeline[key] = float(after[key])
                 sync_s = time.perf_counter() - sync_start
             finally:
                 self.feed.release()

@@ -155,6 +155,17 @@ def make_weight_sync(cfg: Config, *, nonce: str, control_socket: Path | None = N
     return sync
 
 
+def replica_sync_status(sync: Any, replica: int) -> dict[str, Any]:
+    """Replica ``replica``'s weight sync as ``status --json`` shows it: the mode it got, and for
+    ``broadcast`` its group (formed or not, formations and failures, the last transfer)."""
+    inner = getattr(sync, "inner", sync)
+    describe = getattr(inner, "replica_status", None)
+    if describe is not None:
+        out: dict[str, Any] = describe(replica)
+        return out
+    return {"mode": str(getattr(inner, "mode", "?"))}
+
+
 def sync_deadline(stall_timeout: float) -> float:
     """A weight-control request's deadline: half the trainer's stall_timeout (the daemon then
     still has time to restart the server within the stall), at least ``MIN_DEADLINE``; without
@@ -768,12 +779,30 @@ class BroadcastSync(_PublishSync):
         self.form_failures = 0
         self.send_failures = 0
         self.formations = 0
+        #: per replica: formations, form_failures, send_failures, last_transfer_s, last_bytes
+        self.per_replica: dict[int, dict[str, float]] = {}
         #: the last sync: buckets, bytes, gather_s, pack_s, send_s, pause_s, seconds
         self.last_sync: dict[str, float] = {}
         #: the last sync's answer of each replica (``finish``), by replica index
         self.last_results: dict[int, dict[str, Any]] = {}
         self._since = 0
         self._source: tuple[torch.nn.Module, TensorSource] | None = None
+
+    def _count(self, replica: int, key: str, add: float = 1.0, *, set_to: float | None = None) -> None:
+        row = self.per_replica.setdefault(replica, {"formations": 0, "form_failures": 0, "send_failures": 0,
+                                                    "last_transfer_s": float("nan"), "last_bytes": 0})
+        row[key] = set_to if set_to is not None else row[key] + add
+
+    def replica_status(self, replica: int) -> dict[str, Any]:
+        """What ``status --json`` shows of ``replica``'s weight sync."""
+        row = self.per_replica.get(replica, {})
+        group = self.groups.get(replica)
+        transfer = row.get("last_transfer_s", float("nan"))
+        return {"mode": self.mode, "backend": self.hub.backend, "group": "formed" if group is not None else "none",
+                "formation": group.formation if group is not None else None,
+                "formations": int(row.get("formations", 0)), "form_failures": int(row.get("form_failures", 0)),
+                "send_failures": int(row.get("send_failures", 0)),
+                "last_transfer_s": None if transfer != transfer else round(transfer, 6)}
 
     def drop(self, replica: int) -> None:
         """Close ``replica``'s group (it is formed again at its next sync)."""
@@ -830,11 +859,13 @@ class BroadcastSync(_PublishSync):
         if group is not None and "error" not in joined:
             self.groups[r.index] = group
             self.formations += 1
+            self._count(r.index, "formations")
             log.info("broadcast group formed", replica=r.index, formation=prefix, backend=self.hub.backend)
             return True
         if group is not None:
             group.close()
         self.form_failures += 1
+        self._count(r.index, "form_failures")
         error = joined.get("error") or formed.get("error") or "cancelled"
         log.error("broadcast group did not form; this replica's sync failed, training goes on", replica=r.index,
                   weight_version=version, deadline_s=self.form_timeout, failures=self.form_failures,
@@ -870,6 +901,8 @@ class BroadcastSync(_PublishSync):
             live = [r for r, ok in zip(paused, formed, strict=True) if ok]
             body = {"op": "receive", "weight_version": version, "buckets": plan_body(specs, plan),
                     "digest": self.digest}
+            form_s = time.perf_counter() - start - pause_s
+            transfer_start = time.perf_counter()
             started = await self._each(live, lambda r: self._start_receive(r, version, body, failed))
             live = [r for r, ok in zip(live, started, strict=True) if ok]
             for r in live:
@@ -902,11 +935,18 @@ class BroadcastSync(_PublishSync):
                 buf = None
             finished = await self._each(live, lambda r: self._finish(r, version, failed))
             live = [r for r, ok in zip(live, finished, strict=True) if ok]
+            transfer_s = time.perf_counter() - transfer_start
+            for r in live:
+                self._count(r.index, "last_transfer_s", set_to=transfer_s)
+                self._count(r.index, "last_bytes", set_to=moved)
             resumed = await self._each(live, lambda r: self._resume(r, version)) if live else []
         self.version = version
+        # sync_pause_s / sync_transfer_s: metrics.jsonl's split of the sync (the replicas' pause
+        # before the first byte; the stream from the plan's check to the last replica's finish)
         self.last_sync = {"buckets": len(plan), "bytes": moved, "gather_s": gather_s, "pack_s": pack_s,
-                          "send_s": send_s, "pause_s": pause_s, "seconds": time.perf_counter() - start,
-                          "staging_bytes": max(lay.size for lay in layouts)}
+                          "send_s": send_s, "pause_s": pause_s, "form_s": form_s, "transfer_s": transfer_s,
+                          "sync_pause_s": pause_s, "sync_transfer_s": transfer_s,
+                          "seconds": time.perf_counter() - start, "staging_bytes": max(lay.size for lay in layouts)}
         return len(resumed) == len(targets) and all(resumed)
 
     async def _start_receive(self, r: Replica, version: int, body: dict[str, Any], failed: list[Replica]) -> bool:
@@ -941,6 +981,7 @@ class BroadcastSync(_PublishSync):
             return True
         except Exception as exc:
             self.send_failures += 1
+            self._count(r.index, "send_failures")
             log.warning("broadcast to an inference replica failed; it is skipped and gets the weights when it is "
                         "back", replica=r.index, weight_version=version, error=f"{type(exc).__name__}: {exc}")
             self.drop(r.index)
