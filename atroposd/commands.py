@@ -465,6 +465,8 @@ def _render_status(st: dict[str, Any]) -> str:
         rejected = {k: v for k, v in (t.get("rejected_groups") or {}).items() if v}
         if rejected:
             out.append("trainer: rejected groups " + ", ".join(f"{k} {v}" for k, v in sorted(rejected.items())))
+        if t.get("filtered_groups"):
+            out.append(f"trainer: {t['filtered_groups']} groups filtered (all scores equal; filter_groups)")
         if t.get("checkpoint_failures"):
             out.append(f"trainer: {t['checkpoint_failures']} checkpoint write(s) failed; last: "
                        f"{t.get('checkpoint_error') or '?'}")

@@ -12,6 +12,11 @@ rollout_gate_s, rollout_generate_s, rollout_delivery_s (:mod:`atroposd.timeline`
 rollouts were generated with (null when the environments do not report it).
 ``rejected_groups`` = the groups batch preparation refused since the trainer started, by
 reason (``{"token_out_of_range": 2, ...}``; SPEC §13), skipped batches' groups included.
+The objective menu (SPEC §14): ``reward_mean_trained`` (the mean score of the trained groups;
+``reward_mean`` and ``accuracy`` cover every group received for the step, the ones
+``filter_groups`` dropped included), ``filtered_groups`` (groups dropped for this step) and
+``rollout_corrected`` (the share of the batch's tokens a rollout correction truncated or masked;
+null without one).
 
 A write that fails (disk full, unwritable) is dropped and counted, never fatal (SPEC §4).
 Each row also goes to the writer's ``sinks`` (W&B: :mod:`atroposd.trainer.wandb_sink`).
