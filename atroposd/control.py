@@ -155,16 +155,21 @@ class ControlServer:
         from atroposd.logs import get_logger
 
         log = get_logger("atroposd.control", component="daemon")
-        async with stream:
-            try:
-                await self._serve_one(stream, log)
-            except anyio.get_cancelled_exc_class():
-                raise
-            except Exception as exc:
-                log.exception("control connection failed")
-                with contextlib.suppress(Exception):
-                    await _send(stream, {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}"},
-                                self.send_timeout)
+        try:
+            async with stream:
+                try:
+                    await self._serve_one(stream, log)
+                except anyio.get_cancelled_exc_class():
+                    raise
+                except Exception as exc:
+                    log.exception("control connection failed")
+                    with contextlib.suppress(Exception):
+                        await _send(stream, {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}"},
+                                    self.send_timeout)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as exc:  # closing a connection the peer broke
+            log.debug("control connection close failed", error=f"{type(exc).__name__}: {exc}")
 
     async def _serve_one(self, stream: Any, log: Any) -> None:
         import anyio
