@@ -4,7 +4,6 @@ crosses sequences, and the loss and gradients of the padded computation."""
 from __future__ import annotations
 
 import copy
-import random
 from pathlib import Path
 
 import pytest
@@ -22,15 +21,24 @@ from atroposd.trainer.learner import (
 )
 from atroposd.trainer.model import SEGMENT_SDPA, Policy, load_policy, token_scores
 from atroposd.trainer.ranks import deal
+from tests import fuzzseed
 from tests.trainer.test_chunked import TOL, rel, varied_groups
 
 
 def test_pack_rows_is_first_fit_decreasing_within_the_budget() -> None:
-    rng = random.Random(7)
-    lengths = [rng.randint(1, 40) for _ in range(60)]
-    bins = pack_rows(lengths, 64)
-    assert sorted(i for b in bins for i in b) == list(range(60))  # every row exactly once
-    assert all(sum(lengths[i] for i in b) <= 64 for b in bins)
+    rng = fuzzseed.rng("pack_rows")
+    for _ in range(300):
+        budget = rng.randint(1, 200)
+        lengths = [rng.randint(1, budget) for _ in range(rng.randint(0, 80))]
+        bins = pack_rows(lengths, budget)
+        assert sorted(i for b in bins for i in b) == list(range(len(lengths)))  # every row exactly once
+        assert all(sum(lengths[i] for i in b) <= budget for b in bins)
+        firsts = [lengths[b[0]] for b in bins]  # each bin opened by the longest row left
+        assert firsts == sorted(firsts, reverse=True)
+        room = [budget - sum(lengths[i] for i in b) for b in bins]
+        # first fit: the row that opened a bin fitted in no earlier bin (whose room only shrank since)
+        for j, b in enumerate(bins):
+            assert all(lengths[b[0]] > room[k] for k in range(j))
     # first fit, longest first: no later bin holds a row that fitted in an earlier one when placed
     assert pack_rows([5, 60, 3, 30, 34, 1], 64) == [[1, 2, 5], [4, 3], [0]]
     assert pack_rows([64, 64], 64) == [[0], [1]]
