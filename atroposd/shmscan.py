@@ -47,9 +47,15 @@ def wall_of_boot(seconds: float) -> float:
 
 def mapped_shm(prefix: str = "", pids: Iterable[int] | None = None) -> dict[str, set[int]]:
     """Segment name → pids that map it, from ``/proc/<pid>/maps`` (every readable process when
-    ``pids`` is None). Deleted segments (unlinked while still mapped) are not listed."""
-    marker = f"{SHM_DIR}/{prefix}"
+    ``pids`` is None). Deleted segments (unlinked while still mapped) are not listed.
+
+    A POSIX named semaphore (multiprocessing's ``sem.mp-*``) is mapped under another name:
+    glibc's ``sem_open`` maps a temporary file, links it to the semaphore's name and unlinks
+    the temporary, so the mapping reads ``/dev/shm/sem.XXXXXX (deleted)``. Such a mapping
+    counts for the file that has its inode, when one is there."""
+    marker = f"{SHM_DIR}/"
     found: dict[str, set[int]] = {}
+    by_inode: dict[tuple[str, int], set[int]] = {}  # (device "major:minor", inode) → pids
     if pids is None:
         try:
             pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
@@ -60,13 +66,39 @@ def mapped_shm(prefix: str = "", pids: Iterable[int] | None = None) -> dict[str,
             with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
                 for line in f:
                     at = line.find(marker)
-                    if at < 0 or line.rstrip().endswith("(deleted)"):
+                    if at < 0:
+                        continue
+                    if line.rstrip().endswith("(deleted)"):
+                        fields = line.split()
+                        if len(fields) >= 5 and fields[4].isdigit():
+                            by_inode.setdefault((fields[3], int(fields[4])), set()).add(pid)
                         continue
                     name = line[at + len(SHM_DIR) + 1:].split()[0]
-                    found.setdefault(name, set()).add(pid)
+                    if name.startswith(prefix):
+                        found.setdefault(name, set()).add(pid)
         except OSError:  # gone, or another user's
             continue
+    if by_inode:
+        for name, key in _shm_inodes(prefix).items():
+            if key in by_inode:
+                found.setdefault(name, set()).update(by_inode[key])
     return found
+
+
+def _shm_inodes(prefix: str) -> dict[str, tuple[str, int]]:
+    """Name → (device as ``/proc/<pid>/maps`` writes it, inode) of each file in /dev/shm."""
+    out: dict[str, tuple[str, int]] = {}
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+    except OSError:  # pragma: no cover - no /dev/shm
+        return out
+    for name in names:
+        try:
+            st = os.stat(os.path.join(SHM_DIR, name), follow_symlinks=False)
+        except OSError:
+            continue
+        out[name] = (f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}", st.st_ino)
+    return out
 
 
 def unlink_orphaned_segments(names: Iterable[str], *, since: float | None = None, since_boot: float | None = None,

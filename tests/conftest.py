@@ -86,6 +86,36 @@ def builtin_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[No
     jobs.MODEL_CACHE = None
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_leaks_at_the_end() -> Iterator[None]:
+    """What no test's own check sees: the segments that module- and session-scoped servers
+    leave when they stop, after the last test's check (a vLLM engine's ``psm_*`` queues and
+    multiprocessing's ``sem.mp-*`` semaphores, say). Fails the run's last test."""
+    before = _shm_segments()
+    start = time.time()
+    yield
+    left: set[str] = set()
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:  # a stopping child's own clean-up may still be running
+        left = {n for n in _unmapped(_shm_segments() - before) if _created_since(n, start)}
+        if not left:
+            return
+        time.sleep(0.1)
+    for name in left:
+        try:
+            os.unlink(f"/dev/shm/{name}")
+        except OSError:
+            pass
+    pytest.fail(f"shared-memory segments left behind by the run: {sorted(left)}", pytrace=False)
+
+
+def _created_since(name: str, start: float) -> bool:
+    try:
+        return os.stat(f"/dev/shm/{name}").st_ctime >= start - 0.05
+    except OSError:
+        return False
+
+
 @pytest.fixture(scope="session")
 def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The small model that speaks tools (tests/models/toolmodel.py: byte-level BPE, a Hermes-style

@@ -23,7 +23,7 @@ from atroposd.config import parse_toml
 from atroposd.inference import tools
 from atroposd.inference.schema import BadRequest
 from tests.inference.conftest import Server, start_server
-from tests.models.toolmodel import FINAL_ANSWER, PROMPT, SYSTEM, TOOL_CALL, TOOL_RESULT, TOOLS
+from tests.models.toolmodel import PROMPT, SYSTEM, TOOLS, check_round_trip
 from tests.support import config_problems, stop_process
 
 # ---------------------------------------------------------------------------- requests and parsers
@@ -135,39 +135,9 @@ def _question() -> list[dict[str, Any]]:
 def test_tool_call_round_trip_through_the_openai_client(tool_server: Server, tool_model: Path) -> None:
     """The tools reach the template, the call comes back as tool_calls (finish_reason
     tool_calls), the client sends the call and the result back, and the model answers."""
-    openai = pytest.importorskip("openai")
-
-    async def run() -> None:
-        client = openai.AsyncOpenAI(base_url=tool_server.url + "/v1", api_key="x")
-        try:
-            first = await client.chat.completions.create(model=str(tool_model), messages=_question(), tools=TOOLS,
-                                                         temperature=0, logprobs=True)
-            choice = first.choices[0]
-            assert choice.finish_reason == "tool_calls", choice
-            assert choice.message.content is None
-            (call,) = choice.message.tool_calls
-            assert call.type == "function" and call.function.name == TOOL_CALL["name"]
-            assert json.loads(call.function.arguments) == TOOL_CALL["arguments"]
-            # the exact sampled tokens ride along (an extension field), the call's tags included
-            extra = choice.model_extra or {}
-            assert extra["token_ids"] == [c.token_id for c in choice.logprobs.content]  # type: ignore[attr-defined]
-            assert (first.model_extra or {})["prompt_token_ids"]
-            history = [*_question(), choice.message.model_dump(exclude_none=True),
-                       {"role": "tool", "tool_call_id": call.id, "content": TOOL_RESULT}]
-            second = await client.chat.completions.create(model=str(tool_model), messages=history, tools=TOOLS,
-                                                          temperature=0)
-            assert second.choices[0].finish_reason == "stop"
-            assert second.choices[0].message.content == FINAL_ANSWER
-            assert not second.choices[0].message.tool_calls
-            # tool_choice = none: the same output, left as text
-            raw = await client.chat.completions.create(model=str(tool_model), messages=_question(), tools=TOOLS,
-                                                       tool_choice="none", temperature=0)
-            assert raw.choices[0].finish_reason == "stop" and not raw.choices[0].message.tool_calls
-            assert json.dumps(TOOL_CALL) in (raw.choices[0].message.content or "")
-        finally:
-            await client.close()
-
-    asyncio.run(run())
+    pytest.importorskip("openai")
+    asyncio.run(check_round_trip(tool_server.url + "/v1", str(tool_model)))
+    assert "hermes (HermesParser)" in tool_server.log.read_text(), "tool_parser = auto: the template's format"
 
 
 @pytest.mark.parametrize(("extra", "names"), [

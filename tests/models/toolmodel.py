@@ -203,3 +203,42 @@ def _fine_tune(model: Any, tok: Any) -> int:
         opt.step()
     raise RuntimeError(f"the tool model did not learn its answers in {MAX_TRAIN_STEPS} steps "
                        f"(loss {out.loss.item():.4f})")
+
+
+async def check_round_trip(base_url: str, model: str) -> None:
+    """The tool-call round trip through a real server's OpenAI chat route (``base_url`` ends in
+    ``/v1``): the tools reach the template, the call comes back as ``tool_calls``
+    (``finish_reason = "tool_calls"``, the sampled token ids beside it), the client sends the
+    call and its result back and the model answers; with ``tool_choice = "none"`` the same
+    output stays text."""
+    import openai
+
+    question = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPT}]
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="x")
+    try:
+        first = await client.chat.completions.create(model=model, messages=question, tools=TOOLS,  # type: ignore[arg-type]
+                                                     temperature=0, logprobs=True)
+        choice = first.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.content is None, choice.message
+        assert choice.message.tool_calls is not None and len(choice.message.tool_calls) == 1, choice.message
+        call = choice.message.tool_calls[0]
+        assert call.type == "function" and call.function.name == TOOL_CALL["name"]
+        assert json.loads(call.function.arguments) == TOOL_CALL["arguments"]
+        # the exact sampled tokens ride along (an extension field), the call's tags included
+        assert choice.logprobs is not None and choice.logprobs.content
+        assert (choice.model_extra or {})["token_ids"] == [c.token_id for c in choice.logprobs.content]  # type: ignore[attr-defined]
+        assert (first.model_extra or {})["prompt_token_ids"]
+        history = [*question, choice.message.model_dump(exclude_none=True),
+                   {"role": "tool", "tool_call_id": call.id, "content": TOOL_RESULT}]
+        second = await client.chat.completions.create(model=model, messages=history, tools=TOOLS,  # type: ignore[arg-type]
+                                                      temperature=0)
+        assert second.choices[0].finish_reason == "stop", second.choices[0]
+        assert second.choices[0].message.content == FINAL_ANSWER
+        assert not second.choices[0].message.tool_calls
+        raw = await client.chat.completions.create(model=model, messages=question, tools=TOOLS,  # type: ignore[arg-type]
+                                                   tool_choice="none", temperature=0)
+        assert raw.choices[0].finish_reason == "stop" and not raw.choices[0].message.tool_calls
+        assert json.dumps(TOOL_CALL) in (raw.choices[0].message.content or "")
+    finally:
+        await client.close()

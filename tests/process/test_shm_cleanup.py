@@ -102,3 +102,40 @@ def test_a_stopped_component_leaves_no_segments(hub: LogHub, tmp_path: Path) -> 
         assert _exists(old)
     finally:
         _unlink(old, a, b)
+
+
+SEMAPHORE_HOLDER = """
+import multiprocessing, os, sys, time
+lock = multiprocessing.get_context("spawn").Lock()  # a named semaphore, /dev/shm/sem.mp-*
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(lock._semlock.name)
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(120)
+"""
+
+
+def test_a_semaphore_counts_as_mapped_and_is_removed_once_its_holders_are_gone(tmp_path: Path) -> None:
+    """multiprocessing's named semaphores (``sem.mp-*``) are mapped under a deleted temporary
+    name (glibc's sem_open): they count as mapped by the processes that hold them, and one
+    whose holders were killed — its resource tracker with them, as a group kill does — is
+    removed."""
+    import sys
+
+    since = time.time()
+    out = tmp_path / "name"
+    holder = spawn([sys.executable, "-c", SEMAPHORE_HOLDER, str(out)])
+    name = ""
+    try:
+        wait_for(out.exists, what="semaphore created")
+        name = "sem." + out.read_text().lstrip("/")
+        assert _exists(name)
+        mapped = reaper.mapped_shm(pids=[holder.pid])
+        assert mapped.get(name) == {holder.pid}, mapped
+        assert reaper.unlink_orphaned_segments([name], since=since) == [], "its holder lives"
+        _kill(holder)
+        assert reaper.unlink_orphaned_segments(mapped, since=since) == [name]
+        assert not _exists(name)
+    finally:
+        _kill(holder)
+        if name:
+            _unlink(name)
