@@ -111,20 +111,19 @@ def run_one(choice: str, seed: int, out_dir: Path, max_s: float) -> dict[str, An
         with open(out_dir / f"{choice}-seed{seed}.log", "wb") as log:
             proc = subprocess.Popen([sys.executable, "-m", "atroposd", "run", "-c", str(cfg)], stdout=log,
                                     stderr=subprocess.STDOUT, cwd=REPO)
-            hit = None
-            rows: list[dict[str, Any]] = []
-            while proc.poll() is None:
-                time.sleep(1.0)
-                rows = _rows(metrics)
-                hit = reached_at(rows)
-                if hit is not None or time.time() - launched > max_s:
-                    proc.send_signal(signal.SIGINT)  # the orderly stop
-                    break
             try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                while proc.poll() is None:
+                    time.sleep(1.0)
+                    if reached_at(_rows(metrics)) is not None or time.time() - launched > max_s:
+                        break
+            finally:  # reached, out of time, or the benchmark interrupted: the orderly stop
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
         rows = _rows(metrics)
         hit = reached_at(rows)
         if metrics.is_file():

@@ -53,3 +53,69 @@ async def test_nan_literals_reach_batch_preparation() -> None:
 @pytest.mark.parametrize("body", [b"<html>502 Bad Gateway</html>", b'{"batch": [' * 100_000])
 async def test_a_body_that_is_not_json_is_no_batch(body: bytes) -> None:
     assert await _fetch(body) is None
+
+
+def _g(scores: list[float]) -> dict[str, object]:
+    return {"tokens": [[1, 5, 2]] * len(scores), "masks": [[-100, 5, 2]] * len(scores), "scores": scores}
+
+
+@asynccontextmanager
+async def batches_server(batches: list[list[dict[str, object]]], then: list[dict[str, object]] | None
+                         ) -> AsyncIterator[str]:
+    """/batch answers each of ``batches`` once, then ``then`` forever (None: no batch)."""
+    import json
+
+    async def batch(_request: web.Request) -> web.Response:
+        body = batches.pop(0) if batches else then
+        return web.Response(text=json.dumps({"batch": body}), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/batch", batch)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_filter_groups_fills_the_batch_from_further_fetches_and_passes_the_dropped_on() -> None:
+    import anyio
+
+    from atroposd.trainer.feed import GroupFilter
+
+    eq, a, b, c = _g([1.0, 1.0]), _g([1.0, 0.0]), _g([0.5, 0.0]), _g([0.2, 0.3])
+    reasons: list[str | None] = []
+    async with batches_server([[eq, a], [eq, eq], [b, c]], None) as url:
+        feed = BatchFeed(url, dict, max_ahead=0, group_filter=GroupFilter(4), on_wait=reasons.append)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(feed.run)
+                got = await feed.next(data_timeout=30, envs_alive=lambda: True)
+                tg.cancel_scope.cancel()
+        finally:
+            await feed.aclose()
+    assert got == [a, b] and feed.last_filtered == [eq, eq, eq]
+    assert feed.group_filter is not None and feed.group_filter.pending == [c]
+
+
+async def test_only_equal_groups_make_the_trainer_wait_for_filtered() -> None:
+    import anyio
+
+    from atroposd.trainer.feed import GroupFilter
+
+    reasons: list[str | None] = []
+    async with batches_server([], [_g([0.0, 0.0])]) as url:
+        feed = BatchFeed(url, dict, max_ahead=0, group_filter=GroupFilter(4), on_wait=reasons.append)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(feed.run)
+                with anyio.move_on_after(1.5):
+                    await feed.next(data_timeout=30, envs_alive=lambda: True)
+                    raise AssertionError("a batch of groups that train nothing was delivered")
+                tg.cancel_scope.cancel()
+        finally:
+            await feed.aclose()
+    assert "filtered" in reasons and feed.group_filter is not None and feed.group_filter.filtered > 3
