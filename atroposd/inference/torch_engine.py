@@ -6,7 +6,9 @@
   left-padded, with the model's KV cache. Requests arriving while a batch runs form the next
   one, so concurrent environments share forward passes. A probe (``max_tokens ≤ 1``: the health
   checks of atroposlib's server classes, SPEC §7) is answered ahead of queued rollouts: queued
-  probes form the next batch by themselves, one prefill, before any rollout waiting with them.
+  probes go first into the next batch, ride on its prefill (one more prompt row, no forward pass
+  of their own) and are answered right after its first step, before the rollouts decode on;
+  probes with no rollout queued form a batch by themselves.
 * **Sampling.** Temperature, top-p, top-k, per-request seeds. The reported logprob of a sampled
   token is ``log_softmax(logits / temperature)`` over the full vocabulary, untruncated by
   top-p/top-k (SPEC §7) — exactly what the trainer recomputes. Greedy (temperature 0) reports
@@ -28,7 +30,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -208,7 +210,8 @@ class TorchEngine(WeightGate):
             async with self._compute:
                 # A cancelled scheduler (shutdown) must not abandon a forward pass that still
                 # reads the weights: the batch runs on, and close() waits for it.
-                self._running = asyncio.ensure_future(asyncio.to_thread(self._run_batch, jobs))
+                self._running = asyncio.ensure_future(asyncio.to_thread(self._run_batch, jobs,
+                                                                        asyncio.get_running_loop()))
                 self._running_jobs = jobs
                 await asyncio.wait({self._running})  # neither raises nor cancels the batch
                 self._answer(jobs, self._running)
@@ -253,39 +256,43 @@ class TorchEngine(WeightGate):
         return any(j.probe and not j.future.done() for j in self._queue)
 
     def _take_batch(self) -> list[_Job]:
-        """The next batch, in arrival order: the queued probes alone when there are any (one
-        prefill, answered before the rollouts queued with them), else the rollouts."""
-        self._queue = [j for j in self._queue if not j.future.done()]
-        probes = self._probes_queued()
+        """The next batch: the queued probes first (answered after its first step, ahead of every
+        rollout), then the rollouts in arrival order."""
+        queue = [j for j in self._queue if not j.future.done()]
         jobs: list[_Job] = []
-        rows = 0
-        for job in self._queue:
-            if job.probe != probes:
-                continue
+        rows = probe_rows = 0
+        for job in sorted(queue, key=lambda j: not j.probe):  # stable: arrival order within each kind
             if jobs and rows + job.rows > self.max_batch_rows:
                 break
             jobs.append(job)
             rows += job.rows
+            probe_rows += job.rows if job.probe else 0
         taken = {id(j) for j in jobs}
-        self._queue = [j for j in self._queue if id(j) not in taken]
-        if jobs and not probes:  # the size a rollout batch waits for (_gather)
-            self._last_rows = rows
+        self._queue = [j for j in queue if id(j) not in taken]
+        if rows > probe_rows:  # the size a rollout batch waits for (_gather)
+            self._last_rows = rows - probe_rows
         return jobs
 
-    def _run_batch(self, jobs: list[_Job]) -> list[dict[str, Any]]:
+    def _run_batch(self, jobs: list[_Job], loop: asyncio.AbstractEventLoop | None = None) -> list[dict[str, Any]]:
         import torch
+
+        def response(j: int, comps: list[Completion], plp: list[dict[str, float] | None] | None) -> dict[str, Any]:
+            job = jobs[j]
+            return generate_response(job.params, comps, weight_version=job.version,
+                                     prompt_text=self.tokenizer.decode(job.params.prompt_ids), prompt_logprobs=plp)
+
+        def early(j: int, comps: list[Completion], plp: list[dict[str, float] | None] | None) -> None:
+            # A probe is done after the first step: answer it now, not after the rollouts.
+            if loop is not None and jobs[j].probe:
+                loop.call_soon_threadsafe(_deliver, jobs[j].future, response(j, comps, plp))
 
         with torch.inference_mode():
             completions, prompt_lps = decode_batch(self.model, [j.params for j in jobs], tokenizer=self.tokenizer,
-                                                   eos_ids=self.eos_ids, generator=self._generator, fast=self.fast)
+                                                   eos_ids=self.eos_ids, generator=self._generator, fast=self.fast,
+                                                   early=early)
         self.batches += 1
         self.batched_rows += sum(j.rows for j in jobs)
-        out = []
-        for job, comps, plp in zip(jobs, completions, prompt_lps, strict=True):
-            prompt_text = self.tokenizer.decode(job.params.prompt_ids)
-            out.append(generate_response(job.params, comps, weight_version=job.version, prompt_text=prompt_text,
-                                         prompt_logprobs=plp))
-        return out
+        return [response(j, comps, plp) for j, (comps, plp) in enumerate(zip(completions, prompt_lps, strict=True))]
 
     # ------------------------------------------------------------------ weight control
 
@@ -371,14 +378,16 @@ class _Row:
 
 
 def decode_batch(model: Any, requests: list[GenerateParams], *, tokenizer: Any, eos_ids: frozenset[int],
-                 generator: Any, fast: bool = True
+                 generator: Any, fast: bool = True, early: Callable[..., None] | None = None,
                  ) -> tuple[list[list[Completion]], list[list[dict[str, float] | None] | None]]:
     """Generate every request's ``n`` completions in one batch with a KV cache.
 
     The prompt of a request is run once and its cache fanned out to its ``n`` rows; rows that
     finish leave the batch. ``fast``: use the flat Llama forward where it applies
     (:mod:`atroposd.inference.steppers`). Returns, per request, its completions and its prompt
-    logprobs (None when not asked).
+    logprobs (None when not asked). ``early(j, completions, prompt_logprobs)`` is called after the
+    first step for each request ``j`` that is done by then (a probe's one token), and its rows
+    leave the batch.
     """
     import torch
 
@@ -421,10 +430,18 @@ def decode_batch(model: Any, requests: list[GenerateParams], *, tokenizer: Any, 
                 _advance(rows[i], token_list[i], lp_list[i], alternatives[i] if alternatives else None, eos_ids,
                          tokenizer)
         keep = [k for k, i in enumerate(active) if rows[i].finish is None]  # positions in the cache
+        first_done = _step == 0 and early is not None and len(keep) < len(active)
+        if first_done:
+            assert early is not None
+            for j in sorted({rows[i].job for i in active if rows[i].finish is not None}):
+                mine = [r for r in rows if r.job == j]
+                if all(r.finish is not None for r in mine):
+                    early(j, _collect(mine, requests, tokenizer)[j], prompt_lps[j])
         if not keep:
             break
-        # Shrinking the cache copies it: worth it only once a good share of the rows is done.
-        if len(active) - len(keep) >= max(1, len(active) // 4):
+        # Shrinking the cache copies it: worth it only once a good share of the rows is done (or
+        # at the first step, the prompt's cache alone, when probes are done).
+        if first_done or len(active) - len(keep) >= max(1, len(active) // 4):
             index = torch.tensor(keep, device=device)
             stepper.select(index)
             next_pos = next_pos[index]
@@ -586,6 +603,12 @@ def _prompt_logprobs(logits: Any, requests: list[GenerateParams],
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+def _deliver(future: asyncio.Future[dict[str, Any]], result: dict[str, Any]) -> None:
+    """Answer a request on the event loop (a probe answered before its batch ends)."""
+    if not future.done():  # a client that went away cancelled it
+        future.set_result(result)
 
 
 def _eos_ids(tokenizer: Any, model: Any) -> set[int]:

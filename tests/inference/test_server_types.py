@@ -216,9 +216,10 @@ async def engine(tiny_dir: Path) -> AsyncIterator[TorchEngine]:
 @pytest.mark.anyio
 async def test_torch_engine_answers_a_probe_ahead_of_queued_rollouts(engine: TorchEngine) -> None:
     order: list[str] = []
+    answers: dict[str, dict[str, Any]] = {}
 
     async def run(name: str, **kw: Any) -> None:
-        await engine.generate({"prompt": {"prompt_token_ids": PROMPT}, "ignore_eos": True, **kw})
+        answers[name] = await engine.generate({"prompt": {"prompt_token_ids": PROMPT}, "ignore_eos": True, **kw})
         order.append(name)
 
     async with engine._compute:  # the model is busy: what arrives now queues
@@ -235,6 +236,17 @@ async def test_torch_engine_answers_a_probe_ahead_of_queued_rollouts(engine: Tor
             await asyncio.sleep(0.001)
     await asyncio.wait_for(asyncio.gather(first, *rollouts, probe), 60)
     assert order[:2] == ["first", "probe"], order
+    assert engine.batches == 2  # the probe had no forward pass of its own
+    assert len(answers["probe"]["token_ids"][0]) == 1 and answers["probe"]["finish_reasons"] == ["length"]
+    # The probe rode on the rollouts' batch (its rows left after the first step): their tokens
+    # and logprobs are still exactly the model's.
+    from tests.inference.test_torch_engine import reference_logprobs
+
+    for i in range(3):
+        for ids, lps in zip(answers[f"rollout{i}"]["token_ids"], answers[f"rollout{i}"]["logprobs"], strict=True):
+            ref = reference_logprobs(engine.model, PROMPT + ids, len(PROMPT), 1.0)
+            got = [next(iter(entry[0].values())) for entry in lps]
+            assert len(ids) == 4 and max(abs(a - b) for a, b in zip(got, ref, strict=True)) < 2e-3
 
 
 # ---------------------------------------------------------------------------- atroposlib's classes
