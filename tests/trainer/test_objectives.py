@@ -380,3 +380,28 @@ def test_make_groups_helper_still_builds_batches() -> None:
     # the shared helpers used above give batches every objective can train on
     batch = prepare_batch(make_groups(0, n=2), micro_batch_size=8, max_token_len=64, adv_std_floor=0.1)
     assert batch.sequences == 16 and batch.trained_sequences == 16
+
+
+# --------------------------------------------------------------------------- zero-length completions
+
+
+@pytest.mark.parametrize("keys", [{}, {"sequence_level": True}, {"correction": "seq-tis"}, {"correction": "token-mis"}])
+def test_no_trained_token_gives_a_zero_finite_loss(keys: dict[str, Any]) -> None:
+    logp = torch.zeros(0, dtype=F64, requires_grad=True)
+    loss, stats = grpo_loss(logp, torch.zeros(0, dtype=F64), torch.zeros(0, dtype=F64), clip_eps=0.2, denom=0,
+                            seq=torch.zeros(0, dtype=torch.long), num_seqs=2, **keys)
+    assert float(loss.detach()) == 0.0 and float(stats.ratio_sum) == 0.0
+
+
+def test_a_completion_without_trained_tokens_weighs_nothing() -> None:
+    group = make_group(random.Random(6), size=3, scores=[1.0, 0.0, 0.5])
+    group["masks"][2] = [-100] * len(group["masks"][2])  # a zero-length completion
+    batch = prepare_batch([group], micro_batch_size=4, max_token_len=64, adv_std_floor=0.1)
+    assert batch.sequences == 3 and batch.trained_sequences == 2
+    mb = batch.micro[0]
+    w = aggregation_weights(mb.mask, "seq-mean-token-mean", sequences=batch.sequences,
+                            trained_sequences=batch.trained_sequences, max_token_len=64)
+    assert w is not None and float(w[2].sum()) == 0.0 and float(w.sum()) == pytest.approx(1.0)
+    # GSPO's mean over a sequence that has no token: the others' are unaffected
+    seq = torch.tensor([0, 0, 2])
+    torch.testing.assert_close(sequence_mean(_t([0.2, 0.4, -1.0]), seq, 3), _t([0.3, 0.3, -1.0]))
