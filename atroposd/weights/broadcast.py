@@ -384,6 +384,23 @@ def parse_plan(body: Mapping[str, Any]) -> list[list[tuple[str, TensorSpec]]]:
     return plan
 
 
+def check_plan(plan: Sequence[Sequence[tuple[str, TensorSpec]]], mine: Mapping[str, TensorSpec],
+               tied: Mapping[str, str]) -> list[dict[str, str]]:
+    """Every tensor of the importer's (``mine``, aliases ``tied``) arrives exactly once, with its
+    dtype and shape, nothing extra; per bucket, importer name → sent name."""
+    sent: dict[str, TensorSpec] = {}
+    for bucket in plan:
+        for name, spec in bucket:
+            if name in sent:
+                raise WeightUpdateError(f"tensor {name!r} appears twice in the broadcast plan")
+            sent[name] = spec
+    try:
+        match_tensors(sent, {}, mine, tied)  # the whole model, nothing extra
+        return [match_tensors(dict(b), {}, mine, tied, partial=True) for b in plan]
+    except ManifestError as exc:
+        raise WeightUpdateError(str(exc)) from None
+
+
 def plan_body(specs: Mapping[str, TensorSpec], plan: Sequence[Sequence[str]]) -> list[list[list[Any]]]:
     """The ``buckets`` field of a receive request for ``plan`` (lists of names)."""
     return [[[n, specs[n].dtype, list(specs[n].shape)] for n in names] for names in plan]
@@ -402,25 +419,28 @@ class BroadcastReceiver:
         self.joins = 0
         self.received = 0
 
-    def join(self, body: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
-        """Join the formation ``body`` names (blocking; up to its deadline)."""
+    def join(self, body: Mapping[str, Any], device: torch.device, *, rank: int = 1, world: int = 2) -> dict[str, Any]:
+        """Join the formation ``body`` names as ``rank`` of ``world`` (blocking; up to its
+        deadline). Rank 1 tells the trainer the world's size. gloo receives into host memory
+        (copied to the model's device), NCCL into ``device``."""
         import torch.distributed as dist
 
         req = JoinRequest.parse(body, secret=self.secret)
-        if req.backend == "gloo" and device.type != "cpu":
-            pass  # gloo sends from host memory; the buffer is staged on the CPU below
+        if not 1 <= rank < world:
+            raise WeightUpdateError(f"broadcast rank {rank} is outside 1..{world - 1}")
         self.leave()
         store = dist.TCPStore(req.host, req.port, is_master=False, timeout=_timeout(req.deadline_s),
                               use_libuv=False)
         scoped = dist.PrefixStore(req.prefix, store)
-        scoped.set("world", "2")
-        scoped.set("arrived/1", str(time.time()))
-        self.group = BroadcastGroup.build(scoped, rank=1, world=2, backend=req.backend,
+        if rank == 1:
+            scoped.set("world", str(world))
+        scoped.set(f"arrived/{rank}", str(time.time()))
+        self.group = BroadcastGroup.build(scoped, rank=rank, world=world, backend=req.backend,
                                           device=device if req.backend == "nccl" else torch.device("cpu"),
                                           host=req.host, timeout_s=req.timeout_s, formation=req.prefix)
         self.joins += 1
-        log.info("joined the broadcast group", formation=req.prefix, backend=req.backend)
-        return {"formation": req.prefix, "world": 2}
+        log.info("joined the broadcast group", formation=req.prefix, backend=req.backend, rank=rank, world=world)
+        return {"formation": req.prefix, "world": world}
 
     def leave(self) -> None:
         group, self.group = self.group, None
@@ -444,22 +464,12 @@ class BroadcastReceiver:
         digest = bool(body.get("digest", False))
         plan = parse_plan(body)
         mt = model_tensors(model)
-        mine, tied = mt.specs(), dict(mt.tied)
-        sent: dict[str, TensorSpec] = {}
-        for bucket in plan:
-            for name, spec in bucket:
-                if name in sent:
-                    raise WeightUpdateError(f"tensor {name!r} appears twice in the broadcast plan")
-                sent[name] = spec
-        try:
-            match_tensors(sent, {}, mine, tied)  # the whole model, nothing extra
-            sources = [match_tensors(dict(b), {}, mine, tied, partial=True) for b in plan]
-        except ManifestError as exc:
-            raise WeightUpdateError(str(exc)) from None
+        sources = check_plan(plan, mt.specs(), dict(mt.tied))
         return formation, version, [layout(b) for b in plan], sources, digest
 
-    def receive(self, lay: Layout, targets: Mapping[str, torch.Tensor], source: Mapping[str, str]) -> int:
-        """One bucket: receive it whole, then copy each tensor into ``targets`` (importer names)."""
+    def receive_views(self, lay: Layout) -> dict[str, torch.Tensor]:
+        """One bucket received whole; its tensors as views of the receive buffer (valid until
+        the next bucket)."""
         from atroposd.weights.tensors import torch_dtype
 
         group = self.group
@@ -469,13 +479,16 @@ class BroadcastReceiver:
             self._buf = torch.empty(max(lay.size, 1), dtype=torch.uint8, device=group.device)
         buf = self._buf[:lay.size]
         group.broadcast(buf)
-        slots = {s.name: s for s in lay.slots}
+        self.received += 1
+        return {s.name: buf[s.offset:s.offset + s.nbytes].view(torch_dtype(s.dtype)).view(s.shape)
+                for s in lay.slots}
+
+    def receive(self, lay: Layout, targets: Mapping[str, torch.Tensor], source: Mapping[str, str]) -> int:
+        """One bucket: receive it whole, then copy each tensor into ``targets`` (importer names)."""
+        views = self.receive_views(lay)
         with torch.no_grad():
             for mine, src in source.items():
-                s = slots[src]
-                view = buf[s.offset:s.offset + s.nbytes].view(torch_dtype(s.dtype)).view(s.shape)
-                targets[mine].copy_(view)
-        self.received += 1
+                targets[mine].copy_(views[src])
         return lay.size
 
 

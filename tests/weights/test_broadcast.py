@@ -14,11 +14,13 @@ import socket
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from atroposd.daemon.metrics import weight_sync_families
 from atroposd.weights.broadcast import (
     BroadcastReceiver,
     layout,
@@ -30,7 +32,7 @@ from atroposd.weights.broadcast import (
 from atroposd.weights.manifest import TensorSpec
 from atroposd.weights.protocol import WeightUpdateError
 from atroposd.weights.source import plan_buckets
-from atroposd.weights.sync import BroadcastSync
+from atroposd.weights.sync import BroadcastSync, replica_sync_status
 from atroposd.weights.tensors import model_tensors
 from tests.inference.conftest import Server
 from tests.inference.test_weights import close, local_logprobs, served, train_step, trainer_model
@@ -141,6 +143,21 @@ async def test_broadcast_reaches_every_replica_bit_for_bit(pair: Replicas) -> No
         assert last["buckets"] == len(plan) and last["bytes"] >= model_bytes
         assert last["staging_bytes"] <= BUCKET < model_bytes / 4
         assert all(last[k] >= 0 for k in ("pause_s", "gather_s", "pack_s", "send_s"))
+        assert last["sync_pause_s"] == last["pause_s"] and last["sync_transfer_s"] > 0
+
+        # what status --json and /metrics show of each replica
+        for i in (0, 1):
+            row = replica_sync_status(sync, i)
+            assert row["mode"] == "broadcast" and row["backend"] == "gloo" and row["group"] == "formed"
+            assert row["formations"] == 1 and row["form_failures"] == row["send_failures"] == 0
+            assert row["last_transfer_s"] > 0 and row["formation"].startswith(f"{pair.nonce}/bcast/r{i}/")
+        cfg = SimpleNamespace(inference=SimpleNamespace(replicas=2))
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in weight_sync_families(cfg, sync) for s in f.samples}
+        assert samples[("atroposd_replica_weight_sync", (("component", "inference-1"), ("mode", "broadcast")))] == 1
+        assert samples[("atroposd_replica_broadcast_group", (("component", "inference-0"),))] == 1.0
+        assert samples[("atroposd_replica_broadcast_formations_total", (("component", "inference-1"),))] == 1.0
+        assert samples[("atroposd_replica_broadcast_failures_total", (("component", "inference-0"), ("kind", "send")))] == 0
     finally:
         sync.close()
 

@@ -6,7 +6,6 @@ replica; stop leaves nothing."""
 
 from __future__ import annotations
 
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -50,6 +49,9 @@ def _log_tail(root: Path, lines: int = 40) -> str:
     return "\n".join(line[:400] for line in kept[-lines:])
 
 
+# overlaps what CI runs (tests/weights/test_broadcast.py pins each fault mid-stream, status and
+# /metrics); outside its budget: scripts/test -m extended
+@pytest.mark.extended
 def test_two_ranks_broadcast_to_two_replicas_survive_a_rank_and_a_replica_killed(short_tmp: Path) -> None:
     cfg = replica_job_config(short_tmp, replicas=2, metrics_port=True, steps=100_000,
                              trainer={**RANKS, "weight_sync": "broadcast", "checkpoint_every": 4,
@@ -115,7 +117,6 @@ def test_two_ranks_broadcast_to_two_replicas_survive_a_rank_and_a_replica_killed
 
 def test_a_job_with_two_replicas_in_broadcast_mode_learns(short_tmp: Path) -> None:
     """test_job's shortened learning run with two replicas, weights by broadcast: the same floor."""
-    t0 = time.monotonic()
     rows = run_short_learning_job(
         replica_job_config(short_tmp, steps=400, envs=SHORT_TASK,
                            trainer={"checkpoint_every": 400, "weight_sync": "broadcast"}),
@@ -124,4 +125,3 @@ def test_a_job_with_two_replicas_in_broadcast_mode_learns(short_tmp: Path) -> No
     assert all(r["sync_transfer_s"] > 0 for r in rows)
     log = (short_tmp / "state" / "logs" / "daemon.log").read_text()
     assert log.count("broadcast group formed") == 2, "one formation per replica start"
-    assert time.monotonic() - t0 > 0
