@@ -17,7 +17,7 @@ busy helper), and gets the same load in the same invocation:
 Prints a table and one JSON line (``{"benchmark": "api_bounds", ...}``).
 
     .venv/bin/python benchmarks/bench_api_bounds.py [--before REV] [--posts 20] [--inflate 60]
-                                                    [--uploads 6] [--upload 60]
+                                                    [--uploads 6] [--upload 60] [--max-request-mib 64]
 """
 
 from __future__ import annotations
@@ -51,10 +51,11 @@ def lying_body(inflate_mib: int) -> bytes:
     return gzip.compress(b" " * (inflate_mib << 20) + group, 9) + gzip.compress(b" ")
 
 
-def start(src: Path, tmp: Path, port: int) -> subprocess.Popen[bytes]:
+def start(src: Path, tmp: Path, port: int, max_request_mib: int) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(src), "ATROPOSD_API_PARSE_HELPER": "0"}
     log = open(tmp / f"api-{port}.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "atroposd", "api", "--port", str(port), "--no-spool"],
+    proc = subprocess.Popen([sys.executable, "-m", "atroposd", "api", "--port", str(port), "--no-spool",
+                             "--max-request-bytes", str(max_request_mib << 20)],
                             cwd=src, env=env, stdout=log, stderr=subprocess.STDOUT)
     import urllib.request
 
@@ -132,8 +133,12 @@ async def uploads(port: int, proc: psutil.Process, n: int, mib: int) -> dict[str
                 writer.close()
         await asyncio.sleep(0.01)
         peak = max(peak, proc.memory_info().rss)
-    await asyncio.sleep(0.5)
-    peak = max(peak, proc.memory_info().rss)
+    for _ in range(20):  # what the API still had to read
+        await asyncio.sleep(0.1)
+        peak = max(peak, proc.memory_info().rss)
+    for reader, _ in open_conns:
+        if reader.at_eof() or len(reader._buffer):  # type: ignore[attr-defined]
+            refused += 1
     for _, writer in conns:
         writer.close()
     return {"refused": refused, "rss_growth_mb": round((peak - idle) / 1e6, 1)}
@@ -146,6 +151,8 @@ def main() -> int:
     ap.add_argument("--inflate", type=int, default=60, help="MiB each lying body inflates to (default 60)")
     ap.add_argument("--uploads", type=int, default=6)
     ap.add_argument("--upload", type=int, default=60, help="MiB each chunked upload sends (default 60)")
+    ap.add_argument("--max-request-mib", type=int, default=64, help="the API's max_request_bytes in MiB "
+                                                                     "(default 64: bodies in flight ≤ 256 MiB)")
     args = ap.parse_args()
     body = lying_body(args.inflate)
     rows = []
@@ -157,7 +164,7 @@ def main() -> int:
             row: dict[str, Any] = {"source": label, "body_kib": round(len(body) / 1024, 1)}
             for phase in ("stall", "uploads"):  # each on a fresh API: no memory left by the other
                 port = free_port()
-                proc = start(src, root, port)
+                proc = start(src, root, port, args.max_request_mib)
                 try:
                     row[phase] = asyncio.run(stall(port, args.posts, body) if phase == "stall" else
                                              uploads(port, psutil.Process(proc.pid), args.uploads, args.upload))
@@ -171,7 +178,8 @@ def main() -> int:
         s, u = r["stall"], r["uploads"]
         print(f"{r['source']:<10} {s['p50_ms']:>12.2f} {s['p99_ms']:>8.2f} {s['max_ms']:>8.2f} "
               f"{','.join(map(str, s['statuses'])):>12} {u['refused']:>7}/{args.uploads:<8} {u['rss_growth_mb']:>14.1f}")
-    print(json.dumps({"benchmark": "api_bounds", "before": args.before, "posts": args.posts,
+    print(json.dumps({"benchmark": "api_bounds", "before": args.before, "max_request_mib": args.max_request_mib,
+                      "posts": args.posts,
                       "inflate_mib": args.inflate, "uploads": args.uploads, "upload_mib": args.upload, "rows": rows}))
     return 0
 

@@ -28,7 +28,7 @@ from atroposd.api.schema import Group, InvalidRequest, group_from_json
 __all__ = ["groups_from_body", "gunzip", "parse_json"]
 
 
-def gunzip(raw: bytes, limit: int) -> bytes | bytearray:
+def gunzip(raw: bytes | bytearray, limit: int) -> bytes | bytearray:
     """Decompress gzip members into at most ``limit`` bytes; 413 past it, 400 if invalid.
     A gzip bomb never allocates more than ``limit`` + 1 bytes."""
     one = _one_member(raw, limit)
@@ -38,7 +38,7 @@ def gunzip(raw: bytes, limit: int) -> bytes | bytearray:
 _GZIP_MAGIC = b"\x1f\x8b\x08"  # ID1 ID2 CM=deflate
 
 
-def _one_member(raw: bytes, limit: int) -> bytearray | None:
+def _one_member(raw: bytes | bytearray, limit: int) -> bytearray | None:
     """``raw`` inflated by libdeflate when it is exactly one valid gzip member whose content
     fits in ``limit``; None for anything else.
 
@@ -63,7 +63,7 @@ def _one_member(raw: bytes, limit: int) -> bytearray | None:
     return out
 
 
-def _gunzip_stream(raw: bytes, limit: int) -> bytes:
+def _gunzip_stream(raw: bytes | bytearray, limit: int) -> bytes:
     out: list[bytes] = []
     total = 0
     data = raw

@@ -145,7 +145,8 @@ class ParseHelper:
             return False
         return True
 
-    async def groups(self, raw: bytes, gzip: bool, *, listed: bool, max_token_len: int | None) -> list[Group] | None:
+    async def groups(self, raw: bytes | bytearray, gzip: bool, *, listed: bool, max_token_len: int | None
+                     ) -> list[Group] | None:
         """The validated groups of a posted body from the helper, or None when the body is the
         loop's to parse (small, the helper busy, down or failing). Raises ``InvalidRequest`` as
         :func:`groups_from_body` does."""
@@ -162,7 +163,8 @@ class ParseHelper:
         self.on_loop += 1
         return None
 
-    async def _hand_over(self, raw: bytes, gzip: bool, listed: bool, max_token_len: int | None) -> list[Group]:
+    async def _hand_over(self, raw: bytes | bytearray, gzip: bool, listed: bool, max_token_len: int | None
+                         ) -> list[Group]:
         writer = self._writer
         assert writer is not None
         fut: asyncio.Future[list[Group]] = asyncio.get_running_loop().create_future()

@@ -291,7 +291,7 @@ class ApiServer:
 
     # ------------------------------------------------------------------ bodies
 
-    async def _read_raw(self, request: web.Request, charge: _Charge) -> tuple[bytes, bool]:
+    async def _read_raw(self, request: web.Request, charge: _Charge) -> tuple[bytes | bytearray, bool]:
         """The request body as sent (at most ``max_request_bytes``) and whether it is gzip; its
         bytes are charged as they arrive (the declared length at once), the gzip body's inflated
         size by its trailer once it is read."""
@@ -300,9 +300,11 @@ class ApiServer:
         if declared is not None and declared > limit:
             raise _too_large(limit)
         charge.add(declared or 0)
-        parts: list[bytes] = []
+        # One chunk stays as it came (no copy); more are gathered in one buffer that grows in
+        # place and goes back to the system whole when the request ends.
+        parts: list[bytes | bytearray] = []
 
-        async def read() -> int:
+        async def read() -> None:
             got = 0
             while chunk := await request.content.readany():
                 got += len(chunk)
@@ -310,27 +312,36 @@ class ApiServer:
                     raise _too_large(limit)
                 charge.add(got - charge.body)  # a chunked body: charged as it arrives
                 charge.body = max(charge.body, got)
-                parts.append(chunk)
-            return got
+                if not parts:
+                    parts.append(chunk)
+                elif isinstance(parts[0], bytearray):
+                    parts[0] += chunk
+                else:
+                    parts[0] = bytearray(parts[0]) + chunk
 
         charge.body = declared or 0
         try:
             await asyncio.wait_for(read(), self.settings.body_timeout)
-        except asyncio.TimeoutError:
-            raise InvalidRequest(f"request body not received within {self.settings.body_timeout:g} s", 408,
-                                 "body_timeout") from None
-        raw = parts[0] if len(parts) == 1 else b"".join(parts)
+        except BaseException as exc:
+            # What arrived goes now: the exception's traceback holds read()'s frame in a cycle
+            # (through wait_for's task), which only the cyclic collector would break.
+            parts.clear()
+            if isinstance(exc, asyncio.TimeoutError):
+                raise InvalidRequest(f"request body not received within {self.settings.body_timeout:g} s", 408,
+                                     "body_timeout") from None
+            raise
+        raw = parts[0] if parts else b""
         gz = bool(raw) and "gzip" in request.headers.get("Content-Encoding", "").lower()
         if gz:
             charge.add(min(_inflated_size(raw, gz), limit))
         return raw, gz
 
-    def _off_loop(self, raw: bytes) -> bool:
+    def _off_loop(self, raw: bytes | bytearray) -> bool:
         """Whether a gzip body inflates on the inflater thread: by its compressed size, or by what
         its trailer says it inflates to."""
         return len(raw) >= GUNZIP_THREAD_MIN_COMPRESSED or _inflated_size(raw, True) >= GUNZIP_THREAD_MIN_BYTES
 
-    async def _inflate(self, raw: bytes, gz: bool, charge: _Charge | None = None) -> bytes | bytearray:
+    async def _inflate(self, raw: bytes | bytearray, gz: bool, charge: _Charge | None = None) -> bytes | bytearray:
         """``raw`` decompressed when it is gzip (at most ``max_request_bytes``); what it inflated
         to beyond its trailer's word is charged after the fact."""
         if not gz:
@@ -659,7 +670,8 @@ def _socket_inode(port: int) -> int | None:
     return None
 
 
-def _groups_of(raw: bytes, gz: bool, limit: int, listed: bool, max_token_len: int | None) -> list[Group]:
+def _groups_of(raw: bytes | bytearray, gz: bool, limit: int, listed: bool, max_token_len: int | None
+               ) -> list[Group]:
     return groups_from_body(gunzip(raw, limit) if gz else raw, listed=listed, max_token_len=max_token_len)
 
 
@@ -795,7 +807,7 @@ class CappedSite(web.TCPSite):
             reuse_port=self._reuse_port)
 
 
-def _inflated_size(raw: bytes, gz: bool) -> int:
+def _inflated_size(raw: bytes | bytearray, gz: bool) -> int:
     """What a body inflates to by its gzip trailer (ISIZE, modulo 4 GiB): where to inflate it is
     decided by this, not by its compressed size; a lying trailer only moves work to the thread."""
     if not gz:
