@@ -228,6 +228,64 @@ class AtroposdWorkerExtension:
     def atroposd_ping(self) -> str:
         return str(os.getpid())
 
+    # ``weight_sync = "broadcast"`` (atroposd.weights.broadcast): each worker joins the trainer's
+    # group (rank 1 + its own rank) and loads the buckets it receives through the same streamed
+    # checkpoint-format reload as a bucketed push.
+
+    def atroposd_broadcast_join(self, request_json: str) -> str:
+        import torch
+
+        from atroposd.weights.broadcast import BroadcastReceiver
+
+        req = orjson.loads(request_json)
+        receiver = getattr(self, "_atroposd_bcast", None)
+        if receiver is None:
+            receiver = self._atroposd_bcast = BroadcastReceiver(req["secret"])
+        rank = 1 + int(getattr(self, "rank", 0))
+        device = getattr(self, "device", None)
+        out = receiver.join(req["join"], device if isinstance(device, torch.device) else torch.device("cpu"),
+                            rank=rank, world=int(req["world"]))
+        return orjson.dumps(out).decode()
+
+    def atroposd_broadcast_leave(self) -> str:
+        receiver = getattr(self, "_atroposd_bcast", None)
+        if receiver is not None:
+            receiver.leave()
+        return "{}"
+
+    def atroposd_broadcast_receive(self, plan_json: str) -> str:
+        """Every bucket of one sync (the plan was checked by the engine): received, copied out
+        of the receive buffer, streamed into the reload; the last one finishes it."""
+        from atroposd.weights.broadcast import layout
+        from atroposd.weights.manifest import TensorSpec
+
+        req = orjson.loads(plan_json)
+        receiver = getattr(self, "_atroposd_bcast", None)
+        if receiver is None or receiver.group is None or receiver.group.formation != req["formation"]:
+            raise ValueError(f"this worker is not in broadcast formation {req['formation']!r}")
+        plan = [[(n, TensorSpec(d, tuple(shape))) for n, d, shape in bucket] for bucket in req["buckets"]]
+        version, count = int(req["weight_version"]), len(plan)
+        total = 0
+        try:
+            self._atroposd_end_stream(abandoned=True)
+            for index, bucket in enumerate(plan):
+                lay = layout(bucket)
+                views = receiver.receive_views(lay)
+                weights = [(name, t.clone()) for name, t in views.items()]  # vLLM may hold them until a layer is whole
+                del views
+                self._atroposd_stream = (version, count, -1)
+                if index == 0:
+                    self._atroposd_begin_stream()
+                self._atroposd_stream_load(weights)
+                weights.clear()
+                total += lay.size
+                self._atroposd_stream = (version, count, index + 1)
+            self._atroposd_end_stream(abandoned=False)
+        except BaseException:
+            receiver.leave()  # the trainer's end fails at once instead of waiting
+            raise
+        return orjson.dumps({"tensors": sum(len(b) for b in plan), "bytes": total, "buckets": count}).decode()
+
 
 def _read_export(manifest: Manifest) -> tuple[list[tuple[str, Any]], int]:
     """Every tensor a manifest names, copied out of the export into the worker's own memory (CPU
@@ -408,6 +466,10 @@ class VllmEngine(WeightGate):
                 with contextlib.suppress(Exception):
                     engine = await starting
             if engine is not None:
+                if self.__dict__.get("_bcast", {}).get("formation"):
+                    # a worker still in a broadcast group leaves it first (else it lingers at shutdown)
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(engine.collective_rpc("atroposd_broadcast_leave"), 5.0)
                 await asyncio.to_thread(engine.shutdown, timeout)
         finally:
             _kill_leftovers()
@@ -625,6 +687,85 @@ class VllmEngine(WeightGate):
             raise WeightUpdateError(f"the vLLM worker refused the update: {exc}") from exc
         await self.engine.reset_prefix_cache()
         return results
+
+    async def broadcast_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """``POST /broadcast`` (``weight_sync = "broadcast"``, atroposd.weights.broadcast): every
+        worker joins the trainer's group; a receive is checked whole against the model's
+        checkpoint-format tensors, then streamed by the workers in the background; finish waits."""
+        from atroposd.weights.broadcast import JoinRequest, check_plan, parse_plan
+        from atroposd.weights.receiver import BucketProgress
+
+        if self.receiver is None or not self.receiver.nonce:
+            raise WeightUpdateError("this server has no launch nonce (ATROPOSD_INSTANCE); it cannot accept weights")
+        if not isinstance(request, Mapping) or not isinstance(request.get("op"), str):
+            raise WeightUpdateError("broadcast request must be a JSON object with an 'op'")
+        op = request["op"]
+        state: dict[str, Any] = self.__dict__.setdefault("_bcast", {"task": None, "key": None, "formation": None})
+        if op in ("join", "leave"):
+            task, state["task"], state["key"] = state["task"], None, None
+            if task is not None and not task.done():
+                await self.engine.collective_rpc("atroposd_broadcast_leave")
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(task), 30.0)
+            state["formation"] = None
+            if op == "leave":
+                await self.engine.collective_rpc("atroposd_broadcast_leave")
+                return {"left": True}
+            JoinRequest.parse(request, secret=self.receiver.nonce)
+            workers = len(await self.engine.collective_rpc("atroposd_ping"))
+            body = orjson.dumps({"join": dict(request), "secret": self.receiver.nonce, "world": 1 + workers}).decode()
+            try:
+                await self.engine.collective_rpc("atroposd_broadcast_join", args=(body,))
+            except Exception as exc:  # vLLM wraps the worker's exception in its own types
+                raise WeightUpdateError(f"the vLLM workers did not join the broadcast group: {exc}") from exc
+            state["formation"] = request["prefix"]
+            return {"formation": request["prefix"], "world": 1 + workers}
+        if op == "receive":
+            self._require_paused()
+            if state["task"] is not None and not state["task"].done():
+                raise WeightUpdateError("a broadcast is already being received")
+            formation, version = request.get("formation"), request.get("weight_version")
+            if formation is None or formation != state["formation"]:
+                raise WeightUpdateError(f"broadcast formation {formation!r} is not the group this replica joined "
+                                        f"({state['formation']}); join again")
+            if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+                raise WeightUpdateError("'weight_version' must be a non-negative integer")
+            plan = parse_plan(request)
+            expected, tied = self._expected or ({}, {})
+            check_plan(plan, expected, tied)
+            progress = BucketProgress(version, len(plan))
+            self.receiver.buckets = progress  # the model is mid-reload until the last bucket
+            self._settle()
+            body = orjson.dumps({"formation": formation, "weight_version": version,
+                                 "buckets": [[[n, sp.dtype, list(sp.shape)] for n, sp in b] for b in plan]}).decode()
+
+            async def run() -> dict[str, Any]:
+                t0 = time.perf_counter()
+                async with self._update_lock:
+                    try:
+                        results = await self._worker_call("atroposd_broadcast_receive", body)
+                        assert self.receiver is not None
+                        self.receiver.buckets = None
+                        self.receiver.weight_version = version
+                    finally:
+                        self._settle()
+                self.updates += 1
+                stats: dict[str, Any] = orjson.loads(results[0])
+                return {"weight_version": version, **stats, "seconds": round(time.perf_counter() - t0, 6)}
+
+            state["task"] = asyncio.get_running_loop().create_task(run())
+            state["key"] = (formation, version)
+            return {"accepted": True, "formation": formation, "weight_version": version, "buckets": len(plan)}
+        if op == "finish":
+            key = (request.get("formation"), request.get("weight_version"))
+            if state["task"] is None or state["key"] != key:
+                raise WeightUpdateError(f"no broadcast of weight_version {key[1]} under way in {key[0]!r}")
+            task, state["task"], state["key"] = state["task"], None, None
+            result: dict[str, Any] = await asyncio.shield(task)
+            log.info("weights received by broadcast", **{k: result[k] for k in ("weight_version", "buckets", "bytes",
+                                                                              "seconds")})
+            return result
+        raise WeightUpdateError(f"unknown broadcast op {op!r} (join, receive, finish, leave)")
 
     async def weight_info(self) -> dict[str, Any]:
         return {"weight_version": self.weight_version, "paused": self._paused, "attached": False,
