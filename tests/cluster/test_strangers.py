@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from atroposd.cluster import ClusterNode
+from atroposd.cluster.head import bind_address
 from atroposd.cluster.membership import MAX_REPORT_ROWS, MAX_TEXT
 from atroposd.cluster.wire import MAX_JOIN_BYTES, auth_key, encode, encode_unsigned
 from atroposd.config import ClusterConfig
@@ -189,3 +190,18 @@ async def test_a_nodes_strings_are_bounded_and_cleaned_where_they_arrive(cfg: Cl
         assert comps[3]["name"] == "env-3" and comps[3]["state"] == "ready"
         assert len(comps[3]["note"]) == MAX_TEXT and comps[3]["note"].endswith("…")
         assert comps[3]["deep"] == {"a": {"b": {"c": None}}}  # four levels under the row
+
+
+async def test_the_endpoint_binds_cluster_bind_never_every_interface(cfg: ClusterConfig) -> None:
+    """[cluster] bind, else the address head resolves to on this host (before: a head given by
+    name listened on every interface)."""
+    async with running_head(dataclasses.replace(cfg, bind="127.0.0.3")) as head:
+        assert head.bind_host == "127.0.0.3"
+        with pytest.raises(OSError):  # not on another address of the host
+            await asyncio.open_connection("127.0.0.1", head.port)
+    name = socket.gethostname()
+    async with running_head(dataclasses.replace(cfg, head=name)) as head:
+        assert head._server is not None
+        bound = {s.getsockname()[0] for s in head._server.sockets}
+        assert bound == {bind_address(dataclasses.replace(cfg, head=name))}, bound
+        assert not bound & {"0.0.0.0", "::"}

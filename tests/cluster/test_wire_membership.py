@@ -92,3 +92,17 @@ def test_a_node_is_ready_once_its_replicas_are() -> None:
     assert replicas_ready([])
     assert replicas_ready([{"kind": "env", "state": "backoff"}, {"kind": "inference", "state": "ready"}])
     assert not replicas_ready([{"kind": "inference", "state": "ready"}, {"kind": "inference", "state": "starting"}])
+
+
+def test_the_heartbeat_board_stays_bounded_whatever_names_and_pids_arrive() -> None:
+    """Any local process may send beats under any name and pid: the board keeps at most
+    MAX_BOARD of each (the oldest half dropped), and the newest beats stay."""
+    from atroposd.heartbeat import Beat
+    from atroposd.process.liveness import MAX_BOARD, HeartbeatBoard
+
+    board = HeartbeatBoard()
+    for i in range(3 * MAX_BOARD):
+        board.record(Beat(name=f"stranger-{i}", pid=100_000 + i, at=float(i)))
+    assert len(board.by_name) <= MAX_BOARD and len(board.by_pid) <= MAX_BOARD
+    last = 3 * MAX_BOARD - 1
+    assert board.by_name[f"stranger-{last}"].at == last and board.by_pid[100_000 + last].at == last

@@ -124,3 +124,22 @@ async def test_the_daemons_probes_and_the_builtin_environments_send_it(tmp_path:
         assert not await anonymous._ready(url)
         with pytest.raises(GenerateError, match="401"):
             await anonymous.generate([1, 2], n=1, max_tokens=1, temperature=1.0)
+
+
+def test_the_daemon_hands_the_token_to_its_probes_and_children_never_on_a_command_line(tmp_path: Path) -> None:
+    from atroposd.config import parse_config
+    from atroposd.daemon.specs import SpecInputs, env_specs, inference_spec
+    from atroposd.paths import Paths
+    from atroposd.process.liveness import InferenceLiveCheck
+    from atroposd.process.probes import InferenceProbe
+
+    cfg = parse_config({"daemon": {"runtime_dir": str(tmp_path / "run"), "state_dir": str(tmp_path / "state")},
+                        "env": [{"name": "ext", "command": ["serve", "--openai.api_key", "{inference_token}"]}]})
+    cfg.inference.token = TOKEN
+    ins = SpecInputs(cfg=cfg, paths=Paths.of(cfg), nonce="n0", model="/m", tokenizer="/t", base_env={}, python="py")
+    spec = inference_spec(ins)
+    assert isinstance(spec.probe, InferenceProbe) and isinstance(spec.live_check, InferenceLiveCheck)
+    assert spec.probe.headers == spec.live_check.headers == {"Authorization": f"Bearer {TOKEN}"}
+    assert spec.env["ATROPOSD_INFERENCE_TOKEN"] == TOKEN and TOKEN not in " ".join(spec.argv)
+    (env,) = env_specs(ins, cfg.env[0])
+    assert env.argv[-1] == TOKEN and env.env["ATROPOSD_INFERENCE_TOKEN"] == TOKEN  # {inference_token}
