@@ -167,7 +167,7 @@ def test_completion_with_logprobs_returns_the_sampled_ids(tool_server: Server) -
 
 
 @pytest.mark.atroposlib
-@pytest.mark.parametrize("server_type", ["vllm"])
+@pytest.mark.parametrize("server_type", ["vllm", "sglang"])
 def test_three_turns_through_managed_server_reach_the_trainer_exactly(
         tool_server: Server, tool_model: Path, server_type: str, tmp_path: Path) -> None:
     """A three-turn conversation through atroposlib's ManagedServer, as an environment runs it,

