@@ -223,3 +223,44 @@ def test_the_daemons_status_command_answers_within_the_frame() -> None:
     assert whole["ok"] and len(control.encode(whole)) <= control.MAX_FRAME and whole["status"]["truncated"]
     assert one["ok"] and [n["node_rank"] for n in one["status"]["nodes"]] == [3]
     assert bad["ok"] is False and "node must be" in bad["error"]
+
+
+def test_status_cli_asks_for_one_node_and_reports_an_error_answer(short_tmp: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """``atroposd status --node N`` sends the node; a cut status says so; an error answer is
+    exit 1 with the daemon's error, not a traceback."""
+    import argparse
+
+    from atroposd import commands
+    from atroposd.config import parse_config
+
+    cfg = parse_config({"daemon": {"runtime_dir": str(short_tmp), "state_dir": str(short_tmp / "state")}})
+    seen: list[dict[str, Any]] = []
+
+    async def handler(req: dict[str, Any]) -> dict[str, Any]:
+        seen.append(req)
+        if req.get("node") == 9:
+            return {"ok": False, "error": "node must be a node rank"}
+        st = _big_head_status(nodes=1, per_node=1, own=1)
+        return {"ok": True, "status": {**st, "truncated": "the status of 2 bytes exceeds the control frame"}}
+
+    codes: list[int] = []
+
+    def body() -> None:
+        codes.append(commands.status(cfg, argparse.Namespace(node=3, json=False, watch=False)))
+        codes.append(commands.status(cfg, argparse.Namespace(node=9, json=True, watch=False)))
+
+    async def main() -> None:
+        server = control.ControlServer(cfg.control_socket, handler)
+        async with anyio.create_task_group() as tg:
+            await tg.start(server.serve)
+            try:
+                await anyio.to_thread.run_sync(body)
+            finally:
+                tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    out = capsys.readouterr()
+    assert [r.get("node") for r in seen] == [3, 9] and codes == [0, 1]
+    assert "(cut to fit: the status of 2 bytes exceeds the control frame)" in out.out
+    assert "node must be a node rank" in out.err and "Traceback" not in out.err
