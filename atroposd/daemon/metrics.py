@@ -1,6 +1,6 @@
 """One Prometheus ``/metrics`` for the whole job, on ``[daemon] metrics_port``.
 
-At each scrape the daemon gathers, concurrently:
+At a scrape (see below for how often) the daemon gathers, concurrently:
 
 * the supervisor (``component`` = each unit's name, ``"daemon"`` for its own series): component
   states, restarts, seconds in backoff, the last exit;
