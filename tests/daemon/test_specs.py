@@ -79,7 +79,7 @@ def test_built_in_job_with_two_env_replicas() -> None:
             "ATROPOSD_TOKENIZER": "/models/tok", "ATROPOSD_GROUP_SIZE": "4", "ATROPOSD_MAX_TOKEN_LEN": "256",
             "ATROPOSD_STEPS": "40", "ATROPOSD_NAME": name, "ATROPOSD_REPLICA": str(i),
             "ATROPOSD_SEED": str(10 + i), "ATROPOSD_REPLICA_PORT": str(7100 + i), "ATROPOSD_INSTANCE": NONCE,
-            "ATROPOSD_WEIGHT": "1.0",
+            "ATROPOSD_WEIGHT": "1.0", "ATROPOSD_INFERENCE_TOKEN": "",  # the servers require none here
         }
         assert spec.env["PYTHONUNBUFFERED"] == "1" and spec.env["PATH"] == "/usr/bin"
         # two replicas: each is credited by its own name only, not by the environment's
