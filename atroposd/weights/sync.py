@@ -831,13 +831,13 @@ class BroadcastSync(_PublishSync):
             lambda: self.hub.join_request(prefix, deadline_s=self.form_timeout, timeout_s=self.deadline))
         formed: dict[str, Any] = {}
         joined: dict[str, Any] = {}
-        gave_up = False
+        gave_up: list[bool] = []  # the formation's thread stops waiting once this is not empty
 
         async def form() -> None:
             try:
                 formed["group"] = await anyio.to_thread.run_sync(
                     lambda: self.hub.form(prefix, deadline_s=self.form_timeout, timeout_s=self.deadline,
-                                          cancelled=lambda: gave_up))
+                                          cancelled=lambda: bool(gave_up)))
             except Exception as exc:
                 formed["error"] = exc
                 tg.cancel_scope.cancel()  # the join request is abandoned with it
@@ -847,14 +847,14 @@ class BroadcastSync(_PublishSync):
                 joined["answer"] = await self._call("broadcast", request, replica=r)
             except WeightControlError as exc:
                 joined["error"] = exc
-                tg.cancel_scope.cancel()  # it will not join: the formation is given up
+                gave_up.append(True)  # it will not join: the formation is given up
 
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(form)
                 tg.start_soon(join)
         finally:
-            gave_up = True
+            gave_up.append(True)
         group = formed.get("group")
         if group is not None and "error" not in joined:
             self.groups[r.index] = group

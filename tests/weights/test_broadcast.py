@@ -112,6 +112,26 @@ def test_plan_round_trips_and_bad_plans_are_refused() -> None:
                  "deadline_s": 1.0, "timeout_s": 1.0}, torch.device("cpu"))
 
 
+def test_config_takes_broadcast_explicitly_and_auto_never_picks_it() -> None:
+    from atroposd.config import ConfigError, parse_toml
+
+    assert parse_toml('[trainer]\nweight_sync = "broadcast"\n').weight_sync == "broadcast"
+    assert parse_toml('[inference]\nengine = "vllm"\n[trainer]\nweight_sync = "broadcast"\n').weight_sync == "broadcast"
+    assert parse_toml('[trainer]\ndevice = ["cpu", "cpu"]\nweight_sync = "broadcast"\n').weight_sync == "broadcast"
+    for text in ("", '[inference]\nengine = "vllm"\n', '[trainer]\ndevice = ["cpu", "cpu"]\n',
+                 '[inference]\nreplicas = 2\n'):
+        assert parse_toml(text).weight_sync != "broadcast"
+    with pytest.raises(ConfigError) as info:
+        parse_toml('[inference]\nenabled = false\n[trainer]\nweight_sync = "broadcast"\n')
+    assert any("trainer.weight_sync" in str(p) and "local inference server" in str(p) for p in info.value.problems)
+    with pytest.raises(ConfigError) as info:
+        parse_toml('[trainer]\nmode = "lora"\nweight_sync = "broadcast"\n')
+    assert any("trainer.weight_sync" in str(p) for p in info.value.problems)
+    with pytest.raises(ConfigError) as info:
+        parse_toml('[trainer]\nweight_sync = "broadcastt"\n')
+    assert any("trainer.weight_sync" in str(p) for p in info.value.problems)
+
+
 async def test_broadcast_reaches_every_replica_bit_for_bit(pair: Replicas) -> None:
     first, second = pair.servers
     model = trainer_model(pair.tiny_dir, seed=7)
@@ -302,6 +322,31 @@ async def test_a_replica_killed_mid_broadcast_is_skipped_and_catches_up(tiny_dir
             assert_bit_for_bit(sync, model, [1])
             await asyncio.to_thread(assert_serves, back, model, 5)
             assert sync.replica_versions() == [5, 5] and sync.server_current
+        finally:
+            sync.close()
+    finally:
+        replicas.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="NCCL needs two GPUs (it refuses two ranks on one)")
+async def test_nccl_broadcast_between_two_gpus_bit_for_bit(tiny_dir: Path) -> None:
+    """The NCCL twin of the gloo test: the trainer's model on cuda:0, a replica on cuda:1."""
+    from tests.inference.conftest import env_with_nonce, start_server
+
+    replicas = Replicas(tiny_dir)
+    try:
+        env = {**env_with_nonce(replicas.nonce), "CUDA_VISIBLE_DEVICES": "1"}
+        srv = start_server(replicas.root, tiny_dir, extra=["--await-weights", "--device", "cuda:0"], env=env)
+        replicas.servers.append(srv)
+        # the replica's dtype on a GPU (auto): bfloat16, so the trainer's copy here is bfloat16 too
+        model = trainer_model(tiny_dir, seed=12).to("cuda:0", torch.bfloat16)
+        sync = bcast(replicas, [srv], backend="nccl", device=torch.device("cuda:0"))
+        try:
+            await sync.attach(model, 1)
+            assert sync.groups[0].backend == "nccl"
+            assert_bit_for_bit(sync, model, [0])
         finally:
             sync.close()
     finally:
