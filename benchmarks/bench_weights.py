@@ -23,6 +23,13 @@ a trainer-side model in this process and times, in the same run:
   far this process's peak RSS rose above its RSS during the first sync of ``push`` (which moves
   the model into exported buffers) and of ``bucketed`` (kernel ``VmHWM``, reset before each).
 
+* ``broadcast`` — ``BroadcastSync.after_step`` (``weight_sync = "broadcast"``, gloo over
+  loopback, the group formed at ``attach``): ``/pause`` → per bucket of ``--bucket-mb``: gathered,
+  packed into one flat buffer, broadcast to the server, which copies it into its weights →
+  ``/resume``. ``pause ms`` (the replica's pause before the first byte) and ``transfer ms``
+  (from the plan's check to the server's last bucket; ``send ms`` of it in the broadcasts) are
+  medians of the timed syncs; ``first ms`` is the ``attach`` that formed the group.
+
 Prints a table and one JSON line (``{"benchmark": "weights", ...}``). Targets: shared ≈ the
 pause overhead only; push ≤ 1.5× the floor (for the ~100M model).
 
@@ -56,6 +63,18 @@ into exported buffers. A bucketed sync copies the weights twice (into the stagin
 then out of it on the server) and pays a manifest and a round trip per bucket; ``push`` copies
 once because the trainer trains inside the exported buffers, which FSDP2 shards cannot do.
 
+Broadcast (one run on 2026-11-27, machine heavily loaded: load average 14-16 on the 2 cores,
+so every figure is several times its quiet value — the floor of the ~100M model was 267-349 ms
+instead of about 30; ms, × the floor timed between its own syncs; 64 MiB buckets):
+
+    model   buckets  floor   push (x floor)   broadcast (x floor)   pause   transfer (send)   first
+    tiny    5        0.17    66.2             40.6                  5.7     30.7 (12.6)       176
+    100M    7        349     302 (1.23)       3785 (10.8)           21.2    3749 (2951)       5292
+
+On one CPU machine a broadcast sends the bytes through gloo's loopback TCP (about 150 MB/s
+here, loaded) where ``push`` shares memory and copies once: it is not the CPU's mode, it is
+the GPU-to-GPU one (NCCL), which has not run here.
+
 Push = the copy (one memcpy per segment into the server's mirror of the export) plus about
 8-10 ms of fixed cost: the manifest with checksums (about 2 ms) and its atomic write, the
 pause / update / resume round trips on one connection, the server's manifest checks and
@@ -86,7 +105,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from atroposd.weights.shm import list_segments  # noqa: E402
-from atroposd.weights.sync import BucketPushSync, PushSync, ReloadSync, SharedSync  # noqa: E402
+from atroposd.weights.sync import (  # noqa: E402
+    BroadcastSync,
+    BucketPushSync,
+    PushSync,
+    ReloadSync,
+    SharedSync,
+)
 
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=22, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
@@ -251,8 +276,10 @@ def peak_rss() -> int:
 async def run_mode(mode: str, model: torch.nn.Module, child: Child, nonce: str, reps: int, floor: Floor,
                    bucket_bytes: int, extra: dict[str, Any]) -> tuple[list[float], list[float]]:
     version = [0]
-    sync: SharedSync | PushSync | ReloadSync | BucketPushSync
-    if mode == "shared":
+    sync: SharedSync | PushSync | ReloadSync | BucketPushSync | BroadcastSync
+    if mode == "broadcast":
+        sync = BroadcastSync(nonce=nonce, control_socket=child.socket, bucket_bytes=bucket_bytes, form_timeout=120.0)
+    elif mode == "shared":
         sync = SharedSync(nonce=nonce, weights_dir=child.weights, control_socket=child.socket)
     elif mode == "push":
         sync = PushSync(nonce=nonce, weights_dir=child.weights, control_socket=child.socket)
@@ -266,6 +293,10 @@ async def run_mode(mode: str, model: torch.nn.Module, child: Child, nonce: str, 
         await sync.attach(model, 0)
         extra[f"{mode}_peak_extra_bytes"] = max(0, peak_rss() - before)
 
+        if isinstance(sync, BroadcastSync):
+            extra["broadcast_first_ms"] = sync.last_sync["seconds"] * 1000  # the group formed in it
+        splits: list[dict[str, float]] = []
+
         async def one() -> None:
             version[0] += 1
             if mode == "shared":
@@ -273,8 +304,15 @@ async def run_mode(mode: str, model: torch.nn.Module, child: Child, nonce: str, 
                     pass
             else:
                 await sync.after_step(model, version[0])
+            if isinstance(sync, BroadcastSync):
+                splits.append(dict(sync.last_sync))
 
         out = await timed(one, reps, floor)
+        if isinstance(sync, BroadcastSync):
+            # the last ``reps`` syncs (after the warm-up): the replicas' pause and the transfer apart
+            for key in ("pause_s", "transfer_s", "gather_s", "pack_s", "send_s"):
+                extra[f"broadcast_{key[:-2]}_ms"] = ms([x[key] for x in splits[-reps:]])
+            extra["broadcast_buckets"] = sync.last_sync["buckets"]
         if isinstance(sync, BucketPushSync):
             extra["staging_bytes"] = sync.last_sync["staging_bytes"]
             extra["buckets"] = sync.last_sync["buckets"]
@@ -328,7 +366,8 @@ def main() -> int:
             floors: list[float] = []
             result = {"model": size, "params": params, "bytes": nbytes, "engine": args.engine,
                       "shared_ms": float("nan"), "shared_x_floor": float("nan")}
-            modes = ("shared", "push", "bucketed", "reload") if args.engine != "vllm" else ("push", "reload")
+            modes = ("shared", "push", "bucketed", "broadcast", "reload") if args.engine != "vllm" else \
+                ("push", "reload")
             for mode in modes:
                 r = reps if mode != "reload" or size == "tiny" else 5
                 # tiny: a quarter of the model per bucket (several buckets, as with the ~100M model)
@@ -361,6 +400,13 @@ def main() -> int:
             print(f"{r['model']:>6} {r['buckets']:>8} {r['bucketed_ms']:>12.2f} {r['bucketed_x_floor']:>10.2f} "
                   f"{r['staging_bytes'] / 1e6:>11.1f} {r['push_peak_extra_bytes'] / 1e6:>13.1f} "
                   f"{r['bucketed_peak_extra_bytes'] / 1e6:>12.1f}")
+        print(f"\n{'model':>6} {'buckets':>8} {'floor ms':>9} {'push ms':>8} {'bcast ms':>9} {'bcast/floor':>11} "
+              f"{'pause ms':>9} {'transfer ms':>12} {'(send ms)':>10} {'first ms':>9}")
+        for r in rows:
+            print(f"{r['model']:>6} {r['broadcast_buckets']:>8} {r['broadcast_floor_ms']:>9.2f} {r['push_ms']:>8.2f} "
+                  f"{r['broadcast_ms']:>9.2f} {r['broadcast_x_floor']:>11.2f} {r['broadcast_pause_ms']:>9.2f} "
+                  f"{r['broadcast_transfer_ms']:>12.2f} {r['broadcast_send_ms']:>10.2f} "
+                  f"{r['broadcast_first_ms']:>9.1f}")
     print(orjson.dumps({"benchmark": "weights", "median_ms": True, "rows": rows}).decode())
     return 0
 

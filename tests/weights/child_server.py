@@ -95,6 +95,25 @@ class Server:
         self.updates += 1
         return web.json_response(result)
 
+    async def broadcast(self, request: web.Request) -> web.Response:
+        """``weight_sync = "broadcast"``, as the torch engine takes it (BroadcastEndpoint)."""
+        from atroposd.weights.broadcast import BroadcastEndpoint
+
+        if not hasattr(self, "bcast"):
+            self.bcast = BroadcastEndpoint(self.state.nonce)
+            self.compute = asyncio.Lock()
+
+        def require_paused() -> None:
+            if not self.paused or self.inflight:
+                raise WeightUpdateError("pause first")
+
+        try:
+            result = await self.bcast.handle(await request.json(), model=self.model, state=self.state,
+                                             require_paused=require_paused, compute=self.compute)
+        except WeightUpdateError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        return web.json_response(result)
+
     async def reset(self, request: web.Request) -> web.Response:
         """Start over as a freshly started server for another launch (the tests reuse one process)."""
         body = await request.json()
@@ -162,6 +181,7 @@ async def main(model_dir: str, socket_path: str, weights_dir: str, sync_dir: str
     app.router.add_post("/load", server.load)
     app.router.add_get("/weight_info", server.info)
     app.router.add_post("/reset", server.reset)
+    app.router.add_post("/broadcast", server.broadcast)
     app.router.add_get("/resources", server.resources)
     app.router.add_post("/logprobs", server.logprobs)
     runner = web.AppRunner(app, access_log=None)
