@@ -89,10 +89,16 @@ def bind_address(cfg: ClusterConfig) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         try:
             probe.connect(addr)
-            return str(probe.getsockname()[0])
+            local = str(probe.getsockname()[0])
         except OSError as exc:
             raise ClusterStartError(f"cluster.head: no route from this host to {cfg.head!r} "
                                     f"({exc.strerror or exc}); set cluster.bind") from None
+    if is_loopback(local):
+        # e.g. /etc/hosts mapping this host's name to 127.0.1.1: bound there, no other node could connect
+        raise ClusterStartError(f"cluster.head = {cfg.head!r} resolves to the loopback address {local} on this "
+                                "host, which the other nodes cannot reach: set cluster.bind to this host's "
+                                "address on the network between the nodes")
+    return local
 
 
 class _RefusalLog:

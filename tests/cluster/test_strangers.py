@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 import pytest
 
-from atroposd.cluster import ClusterNode
+from atroposd.cluster import ClusterNode, ClusterStartError
 from atroposd.cluster.head import bind_address
 from atroposd.cluster.membership import MAX_REPORT_ROWS, MAX_TEXT
 from atroposd.cluster.wire import MAX_JOIN_BYTES, auth_key, encode, encode_unsigned
@@ -194,14 +194,24 @@ async def test_a_nodes_strings_are_bounded_and_cleaned_where_they_arrive(cfg: Cl
 
 async def test_the_endpoint_binds_cluster_bind_never_every_interface(cfg: ClusterConfig) -> None:
     """[cluster] bind, else the address head resolves to on this host (before: a head given by
-    name listened on every interface)."""
+    name or by a non-loopback address listened on every interface)."""
     async with running_head(dataclasses.replace(cfg, bind="127.0.0.3")) as head:
         assert head.bind_host == "127.0.0.3"
         with pytest.raises(OSError):  # not on another address of the host
             await asyncio.open_connection("127.0.0.1", head.port)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.1", 9))  # sends nothing: the address of this host's default route
+        own = probe.getsockname()[0]
+    if not own.startswith("127."):
+        async with running_head(dataclasses.replace(cfg, head=own)) as head:
+            assert head._server is not None
+            assert {s.getsockname()[0] for s in head._server.sockets} == {own}
+    # this host's name: its address, unless it resolves to loopback here (/etc/hosts' 127.0.1.1),
+    # where the other nodes could not connect: then an error naming cluster.bind
     name = socket.gethostname()
-    async with running_head(dataclasses.replace(cfg, head=name)) as head:
-        assert head._server is not None
-        bound = {s.getsockname()[0] for s in head._server.sockets}
-        assert bound == {bind_address(dataclasses.replace(cfg, head=name))}, bound
-        assert not bound & {"0.0.0.0", "::"}
+    resolved = socket.getaddrinfo(name, cfg.port, type=socket.SOCK_DGRAM)[0][4][0]
+    if resolved.startswith("127.") or resolved == "::1":
+        with pytest.raises(ClusterStartError, match=r"resolves to the loopback address .* set cluster.bind"):
+            bind_address(dataclasses.replace(cfg, head=name))
+    else:
+        assert bind_address(dataclasses.replace(cfg, head=name)) == resolved

@@ -89,8 +89,12 @@ def replica_health(cfg: Path, replica: int) -> dict[str, Any]:
 
     from atroposd.config import load_config
 
-    port = load_config(cfg).inference.port + replica
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
+    config = load_config(cfg)
+    port = config.inference.port + replica
+    token = config.inference_token()  # with several nodes the servers require one (SPEC §12.3)
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/health",
+                                     headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(request, timeout=5) as resp:
         body: dict[str, Any] = json.loads(resp.read())
     return body
 
