@@ -39,6 +39,7 @@ __all__ = [
     "ConfigError",
     "DaemonConfig",
     "EnvConfig",
+    "HealthConfig",
     "InferenceConfig",
     "Problem",
     "TrainerConfig",
@@ -397,6 +398,18 @@ class WandbConfig:
         return bool(self.project) and self.mode != "disabled"
 
 
+@dataclass
+class HealthConfig:
+    rollback: bool = _k(True, "A collapse rolls the trainer back to the newest known-good checkpoint (weights,\n"
+                        "optimizer, schedule) and goes on with the learning rate halved; false: only logged.")
+    known_good_after: int = _k(50, "Healthy steps after a checkpoint before it is known-good (kept by pruning).",
+                               min=1)
+    max_nonfinite_steps: int = _k(3, "Non-finite steps (loss or gradient norm) in a row that count as a collapse.",
+                                  min=1)
+    max_rollbacks: int = _k(3, "Rollbacks within the job (kept across restarts); one more collapse ends it\n"
+                            "with exit 6.", min=0)
+
+
 CLUSTER_NODE_RANK_ENV = "ATROPOSD_NODE_RANK"
 SLURM_NODE_ID_ENV = "SLURM_NODEID"
 _TRAILING_ORDINAL = re.compile(r"-(\d+)$")
@@ -523,6 +536,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     env: list[EnvConfig] = field(default_factory=list)
     # Where the config came from ("<built-in defaults>" when no file was found); not a key.
     source: str = field(default="<built-in defaults>", compare=False, metadata={"internal": True})
@@ -762,7 +776,7 @@ def parse_toml(text: str, *, source: str = "<string>") -> Config:
     return parse_config(raw, source=source)
 
 
-_SECTIONS = ("daemon", "api", "inference", "trainer", "wandb", "cluster", "env")
+_SECTIONS = ("daemon", "api", "inference", "trainer", "wandb", "cluster", "health", "env")
 
 
 def parse_config(raw: Mapping[str, Any], *, source: str = "<dict>") -> Config:
@@ -773,7 +787,8 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<dict>") -> Config:
         if name not in _SECTIONS:
             problems.append(Problem(name, "unknown section" + _suggest(name, _SECTIONS)))
     for name, cls in (("daemon", DaemonConfig), ("api", ApiConfig), ("inference", InferenceConfig),
-                      ("trainer", TrainerConfig), ("wandb", WandbConfig), ("cluster", ClusterConfig)):
+                      ("trainer", TrainerConfig), ("wandb", WandbConfig), ("cluster", ClusterConfig),
+                      ("health", HealthConfig)):
         value = raw.get(name, {})
         if not isinstance(value, Mapping):
             problems.append(Problem(name, f"must be a table, got {_type_name(value)}"))
@@ -790,7 +805,8 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<dict>") -> Config:
             continue
         envs.append(_build(EnvConfig, item, f"env[{i}]", problems))
     cfg = Config(daemon=sections["daemon"], api=sections["api"], inference=sections["inference"],
-                 trainer=sections["trainer"], wandb=sections["wandb"], cluster=sections["cluster"], env=envs,
+                 trainer=sections["trainer"], wandb=sections["wandb"], cluster=sections["cluster"],
+                 health=sections["health"], env=envs,
                  source=source)
     problems.extend(_cross_checks(cfg, raw))
     if problems:
@@ -1307,6 +1323,7 @@ def _render(cfg: Config, *, comments: bool, resolved: bool) -> str:
     section("[trainer]", cfg.trainer, data["trainer"])
     section("[wandb]", cfg.wandb, data["wandb"])
     section("[cluster]", cfg.cluster, data["cluster"])
+    section("[health]", cfg.health, data["health"])
     for e, ed in zip(cfg.env, data["env"], strict=False):
         section("[[env]]", e, ed)
     return "\n".join(out).rstrip() + "\n"
@@ -1420,6 +1437,7 @@ def json_schema() -> dict[str, Any]:
             "trainer": _section_schema(TrainerConfig),
             "wandb": _section_schema(WandbConfig),
             "cluster": _section_schema(ClusterConfig),
+            "health": _section_schema(HealthConfig),
             "env": {"description": "The environments ([[env]]), each run as supervised children.",
                     "type": "array", "items": env},
         },
