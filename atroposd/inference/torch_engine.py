@@ -241,7 +241,7 @@ class TorchEngine(WeightGate):
         await asyncio.sleep(0)  # handlers that are already runnable enqueue first
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.batch_window
-        while self._queued_rows() < self._last_rows and not self._probes_queued():
+        while self._queued_rows() < self._last_rows:
             left = deadline - loop.time()
             if left <= 0:
                 return
@@ -251,9 +251,6 @@ class TorchEngine(WeightGate):
 
     def _queued_rows(self) -> int:
         return sum(j.rows for j in self._queue if not j.future.done() and not j.probe)
-
-    def _probes_queued(self) -> bool:
-        return any(j.probe and not j.future.done() for j in self._queue)
 
     def _take_batch(self) -> list[_Job]:
         """The next batch: the queued probes first (answered after its first step, ahead of every

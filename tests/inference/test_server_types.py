@@ -8,6 +8,7 @@ server through ServerManager, as an environment's `--openai.*` flags set them up
 from __future__ import annotations
 
 import asyncio
+import random
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -18,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from atroposd.inference.torch_engine import TorchEngine
 from atroposd.models.tiny import BOS_ID, EOS_ID
+from tests import fuzzseed
 from tests.inference.conftest import MAX_MODEL_LEN, Server
 
 PROMPT = [BOS_ID, 5, 14, 7, 17]  # "[BOS]1+3="
@@ -161,6 +163,43 @@ def test_malformed_sglang_and_trl_bodies_get_400_naming_the_field(server: Server
     status, answer = server.http("POST", path, body)
     assert status == 400, (status, answer)
     assert field in answer["error"], answer
+
+
+def _junk(rng: random.Random, depth: int = 0) -> Any:
+    """A JSON value of any kind, small."""
+    kinds = ["int", "neg", "big", "float", "str", "bool", "null"] + (["list", "dict"] if depth < 2 else [])
+    kind = rng.choice(kinds)
+    return {"int": lambda: rng.randint(0, 30), "neg": lambda: -rng.randint(1, 5), "big": lambda: 10 ** rng.randint(6, 30),
+            "float": lambda: rng.choice([0.0, 0.5, 1.0, 2.5, float("inf")]), "str": lambda: rng.choice(["", "x", "1+3="]),
+            "bool": lambda: rng.random() < 0.5, "null": lambda: None,
+            "list": lambda: [_junk(rng, depth + 1) for _ in range(rng.randint(0, 3))],
+            "dict": lambda: {rng.choice(["n", "a", "max_new_tokens"]): _junk(rng, depth + 1)}}[kind]()
+
+
+def test_random_sglang_and_trl_bodies_are_never_a_500(server: Server) -> None:
+    """Fields of SGLang's and TRL's bodies set to values of any JSON kind: each answer is a 200
+    or a 400 with a message, never a 500 (fuzzseed: --fuzz-seed N replays a run)."""
+    rng = fuzzseed.rng("inference-server-types")
+    sglang_top = ["input_ids", "text", "return_logprob", "return_text_in_logprobs", "logprob_start_len",
+                  "top_logprobs_num", "rid", "stream"]
+    sglang_sp = ["max_new_tokens", "n", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "sampling_seed",
+                 "ignore_eos", "skip_special_tokens", "no_stop_trim", "min_p"]
+    trl = ["prompts", "n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "repetition_penalty",
+           "generation_kwargs", "images"]
+    for _ in range(40):
+        body: dict[str, Any] = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+        for key in rng.sample(sglang_top, rng.randint(1, 3)):
+            body[key] = _junk(rng)
+        for key in rng.sample(sglang_sp, rng.randint(0, 3)):
+            body["sampling_params"][key] = _junk(rng)
+        status, answer = server.http("POST", "/generate", body)
+        assert status in (200, 400), (fuzzseed.replay_hint(), body, status, answer)
+        assert status == 200 or answer["error"], body
+        tbody: dict[str, Any] = {"prompts": ["1+3="], "max_tokens": 2}
+        for key in rng.sample(trl, rng.randint(1, 3)):
+            tbody[key] = _junk(rng)
+        status, answer = server.http("POST", "/generate/", tbody)
+        assert status in (200, 400), (fuzzseed.replay_hint(), tbody, status, answer)
 
 
 def test_invalid_json_on_the_trl_route_is_a_400(server: Server) -> None:
