@@ -132,6 +132,18 @@ def test_config_takes_broadcast_explicitly_and_auto_never_picks_it() -> None:
     assert any("trainer.weight_sync" in str(p) for p in info.value.problems)
 
 
+def test_config_refuses_broadcast_across_nodes(tmp_path: Path) -> None:
+    from tests.support import config_problems
+
+    token = tmp_path / "token"
+    token.write_text("s3cret-token-0123456789\n")
+    text = (f'[cluster]\nnodes = 2\nnode_rank = 0\nhead = "127.0.0.1"\ntoken_file = "{token}"\n'
+            f'[trainer]\ncheckpoint_dir = "{tmp_path / "ckpt"}"\nweight_sync = "broadcast"\n')
+    found = config_problems(text)
+    assert any(p.startswith("trainer.weight_sync") and "one node" in p for p in found), found
+    assert not any(p.startswith("trainer.weight_sync") for p in config_problems(text.replace("broadcast", "push")))
+
+
 async def test_broadcast_reaches_every_replica_bit_for_bit(pair: Replicas) -> None:
     first, second = pair.servers
     model = trainer_model(pair.tiny_dir, seed=7)
