@@ -213,10 +213,9 @@ class HermesParser:
                 obj = json.loads(closed or open_)
             except json.JSONDecodeError:
                 return ParsedOutput(content=text, calls=[])
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "arguments" not in obj:
                 return ParsedOutput(content=text, calls=[])
-            args = obj.get("arguments", {})
-            calls.append(ToolCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False)))
+            calls.append(ToolCall(name=obj["name"], arguments=json.dumps(obj["arguments"], ensure_ascii=False)))
         content = text[:text.find(self.START)]
         return ParsedOutput(content=content or None, calls=calls)
 

@@ -24,7 +24,7 @@ from atroposd.inference import tools
 from atroposd.inference.schema import BadRequest
 from tests.inference.conftest import Server, start_server
 from tests.models.toolmodel import PROMPT, SYSTEM, TOOLS, check_round_trip
-from tests.support import config_problems, stop_process
+from tests.support import atroposd, config_problems, stop_process, write_config
 
 # ---------------------------------------------------------------------------- requests and parsers
 
@@ -76,8 +76,9 @@ def test_hermes_parser_reads_calls_and_leaves_other_text_as_content() -> None:
                                                                        ("get_weather", {"city": "Rome"})]
     assert len({c.id for c in out.calls}) == 2
     assert p.parse("no call here", req) == tools.ParsedOutput(content="no call here", calls=[])
-    broken = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
-    assert p.parse(broken, req) == tools.ParsedOutput(content=broken, calls=[])
+    for broken in ('<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',
+                   '<tool_call>{"name": "get_weather"}</tool_call>', '<tool_call>["get_weather"]</tool_call>'):
+        assert p.parse(broken, req) == tools.ParsedOutput(content=broken, calls=[]), broken
 
 
 def test_template_messages_read_arguments_and_text_parts() -> None:
@@ -241,3 +242,12 @@ def test_three_turns_through_managed_server_reach_the_trainer_exactly(
     assert status == 200, again
     recomputed = [float(again["prompt_logprobs"][i][str(tokens[i])]) for i in trained]
     assert np.allclose(recomputed, logprobs[trained], atol=1e-4), (recomputed, logprobs[trained].tolist())
+
+
+def test_an_unavailable_parser_stops_the_server_with_a_usage_error(short_tmp: Path) -> None:
+    """A named parser that cannot be had: the server exits 2 before it binds, naming the key."""
+    name = "hermez" if tools.have_vllm() else "llama3_json"
+    cfg = write_config(short_tmp / "atroposd.toml", {"inference": {"tool_parser": name}})
+    result = atroposd("inference", "-c", str(cfg), timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "inference.tool_parser" in result.stderr and name in result.stderr, result.stderr

@@ -15,7 +15,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.models.toolmodel import check_round_trip
+from atroposd.inference import tools
+from tests.models.toolmodel import TOOLS, check_round_trip
 from tests.vllm.test_vllm_engine import Server, assert_removed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -37,3 +38,20 @@ def test_tool_round_trip_on_the_vllm_engine(tool_model: Path, short_tmp: Path) -
     assert rc == 0, f"the vLLM front exited {rc} on SIGTERM:\n{srv.log.read_text()[-3000:]}"
     assert not srv.group(), "EngineCore/Worker left behind"
     assert_removed(mapped)
+
+
+def test_our_hermes_parser_answers_as_vllms_does() -> None:
+    """The Hermes parser used where vLLM is absent gives, for the same text, the content and
+    calls vLLM's gives."""
+    from atroposd.models.tiny import build_tokenizer
+
+    req = tools.parse_tool_request({"tools": TOOLS})
+    assert req is not None
+    ours, theirs = tools.HermesParser(), tools.VllmParser("hermes", build_tokenizer())
+    for text in ('Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+                 '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call><tool_call>{"name": "f", '
+                 '"arguments": {"a": [1, "\u00e9"]}}', "plain text", '<tool_call>{"name": "get_weather"}</tool_call>',
+                 '<tool_call>{"name": </tool_call>'):
+        a, b = ours.parse(text, req), theirs.parse(text, req)
+        assert a.content == b.content, text
+        assert [(c.name, c.arguments) for c in a.calls] == [(c.name, c.arguments) for c in b.calls], text
