@@ -8,8 +8,8 @@ JSON body) ``/reset_data``, plus ``/atroposd/registrations`` and ``/metrics``.
 Request bodies may be gzip (decompressed here, bounded by ``max_request_bytes``, so a gzip
 bomb never allocates its expanded size). Every body that a route reads counts against one bound
 of bytes in flight as it arrives (a chunked body chunk by chunk), and connections are capped
-(past ``max_connections`` a new one is answered 503 and closed). Responses of 1000 bytes and more are gzip'ed when the
-client accepts it, as run-api does. The level depends on the peer: to a client on the same host
+(past ``max_connections`` a new one is answered 503 and closed). Responses of 1000 bytes and
+more are gzip'ed when the client accepts it, as run-api does. The level depends on the peer: to a client on the same host
 the bytes cost nothing and deflating a 64-sequence batch costs six times its serialisation, so
 the gzip stream uses stored blocks (level 0: a CRC pass); to a remote client, level 1.
 """
