@@ -166,7 +166,7 @@ async def test_the_head_stops_every_node_at_once(cfg: ClusterConfig) -> None:
         async with running_node(cfg, 2, on_stop=lambda: stopped_at.append(time.monotonic())) as _:
             await until(lambda: head.connected() == [1, 2], 5, "node 2 to join")
             t0 = time.monotonic()
-            await head.stop_all(timeout=2.5)
+            await head.stop_all(timeout=1.5)
             assert stopped_at and stopped_at[0] - t0 < 0.9, [t - t0 for t in stopped_at]
         blocked.cancel()
         with contextlib.suppress(asyncio.CancelledError):
