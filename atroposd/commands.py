@@ -467,6 +467,13 @@ def _render_status(st: dict[str, Any]) -> str:
             out.append("trainer: rejected groups " + ", ".join(f"{k} {v}" for k, v in sorted(rejected.items())))
         if t.get("filtered_groups"):
             out.append(f"trainer: {t['filtered_groups']} groups filtered (all scores equal; filter_groups)")
+        if t.get("health") not in (None, "ok"):
+            out.append(f"trainer: health: {t['health']} tripped at the last step")
+        last = t.get("last_rollback")
+        if t.get("rollbacks") and isinstance(last, dict):
+            out.append(f"trainer: {t['rollbacks']} rollback(s) of at most {t.get('max_rollbacks')}; last at step "
+                       f"{last.get('step')}: {last.get('reason')} → back to {last.get('to')}, lr now "
+                       f"{last.get('lr')}, {t.get('dropped_groups') or 0} groups dropped")
         if t.get("checkpoint_failures"):
             out.append(f"trainer: {t['checkpoint_failures']} checkpoint write(s) failed; last: "
                        f"{t.get('checkpoint_error') or '?'}")

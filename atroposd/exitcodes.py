@@ -23,5 +23,7 @@ class Exit(IntEnum):
     """A daemon is already running for this config."""
     STOP_TIMEOUT = 5
     """`stop --timeout` passed before every process was gone."""
+    COLLAPSED = 6
+    """The run collapsed past ``[health] max_rollbacks`` (SPEC §15); the shipped unit does not restart."""
     EXEC_FAILED = 127
     """A child's program could not be executed (the shell's convention)."""

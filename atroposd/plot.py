@@ -1,6 +1,7 @@
 """``atroposd plot``: metrics.jsonl → one PNG: reward, accuracy and staleness with their moving
 averages, loss, KL, clipped fraction, where each step's time went (waiting for data, compute,
-weight sync) and the trained tokens per second. Several runs (state dirs or metrics files)
+weight sync) and the trained tokens per second; a rollback after a collapse (SPEC §15) is a
+dashed red line at its step in every panel. Several runs (state dirs or metrics files)
 overlay, one colour each, with a legend. Needs matplotlib (the ``plot`` extra); drawn with the
 Agg backend, so no display is needed."""
 
@@ -19,7 +20,7 @@ from atroposd.exitcodes import Exit
 if TYPE_CHECKING:
     from atroposd.config import Config
 
-__all__ = ["Run", "draw", "main", "moving_average", "plot_metrics", "plot_runs"]
+__all__ = ["Run", "draw", "main", "moving_average", "plot_metrics", "plot_runs", "rollback_steps"]
 
 
 # (title, metric key): each panel draws the moving average over the faint per-step values
@@ -81,6 +82,20 @@ def _series(rows: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[f
     return xs, ys
 
 
+def rollback_steps(rows: Sequence[dict[str, Any]]) -> list[int]:
+    """The first step after each rollback: where ``rollbacks`` grows (counts kept across
+    restarts, so a run resumed after one is not marked again)."""
+    out, before = [], None
+    for r in rows:
+        n, step = r.get("rollbacks"), r.get("step")
+        if not isinstance(n, int) or isinstance(n, bool) or not isinstance(step, int):
+            continue
+        if before is not None and n > before:
+            out.append(step)
+        before = n
+    return out
+
+
 def _throughput(rows: Sequence[dict[str, Any]]) -> tuple[list[int], list[float]]:
     xs, ys = [], []
     for r in rows:
@@ -137,6 +152,13 @@ def draw(runs: Sequence[Run], *, title: str = "") -> Any:
             ax.plot(xs, moving_average(ys, window_for(len(run.rows))), color=colors[i % len(colors)],
                     linewidth=1.4, label=run.label)
     _finish_panel(ax, drawn, legend=several)
+    for i, run in enumerate(runs):  # rollbacks: a dashed line at the first step after each
+        for n, step in enumerate(rollback_steps(run.rows)):
+            for panel in flat:
+                panel.axvline(step, color="tab:red" if not several else colors[i % len(colors)], linestyle="--",
+                              linewidth=1.0, alpha=0.8, label="rollback" if n == 0 and panel is flat[0] else None)
+        if rollback_steps(run.rows) and not several:
+            flat[0].legend(loc="best", fontsize="small")
     for ax in axes[-1]:
         ax.set_xlabel("step")
     if title:

@@ -7,6 +7,7 @@ so these are assembled the same way from the live daemon or from a test's stand-
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
@@ -244,4 +245,10 @@ def status_line(d: DaemonView) -> str:
         text += f"; trainer {st.get('state')} step {st.get('step')}/{st.get('total_steps')}"
         if st.get("state") == "stalled":
             text += f" for {st.get('stalled_for_s')}s at {st.get('stage')}"
+        if st.get("health") not in (None, "ok"):  # SPEC §15: a detector tripped at the last step
+            text += f"; health: {st.get('health')}"
+        last = st.get("last_rollback")
+        if st.get("rollbacks") and isinstance(last, dict):
+            text += (f"; {st.get('rollbacks')}/{st.get('max_rollbacks')} rollbacks, last at step {last.get('step')} "
+                     f"({last.get('detector')}) to {Path(str(last.get('to'))).name}, lr {last.get('lr'):.3g}")
     return text

@@ -58,7 +58,8 @@ import torch
 from atroposd.fsutil import fsync_dir
 
 __all__ = ["FORMAT_VERSION", "CheckpointError", "Latest", "Restored", "clean_partial", "complete_checkpoints",
-           "latest_checkpoint", "load_checkpoint", "load_latest", "prune", "rng_state", "save_checkpoint",
+           "is_known_good", "latest_checkpoint", "load_checkpoint", "load_latest", "mark_known_good",
+           "newest_known_good", "prune", "rng_state", "save_checkpoint",
            "set_rng_state", "verify_checksums"]
 
 log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
@@ -124,9 +125,35 @@ def clean_partial(root: Path) -> list[Path]:
     return removed
 
 
+KNOWN_GOOD_FILE = "known_good.json"  # written into a checkpoint once it proved healthy (SPEC §15)
+
+
+def mark_known_good(path: Path, info: dict[str, Any]) -> None:
+    """Mark the checkpoint ``path`` known-good: ``known_good.json`` (written atomically, after the
+    checkpoint's checksums, which do not cover it: a small JSON file, never unpickled)."""
+    tmp = path / f".{KNOWN_GOOD_FILE}.tmp"
+    tmp.write_text(json.dumps(info, sort_keys=True) + "\n")
+    os.replace(tmp, path / KNOWN_GOOD_FILE)
+    fsync_dir(path)
+
+
+def is_known_good(path: Path) -> bool:
+    return (path / KNOWN_GOOD_FILE).is_file()
+
+
+def newest_known_good(root: Path) -> Path | None:
+    """The newest complete checkpoint marked known-good (None: only the starting weights are)."""
+    for _step, path in reversed(complete_checkpoints(root)):
+        if is_known_good(path):
+            return path
+    return None
+
+
 def prune(root: Path, keep: int, *, spare: Path | None = None) -> None:
-    """Keep the ``keep`` newest complete checkpoints (``keep`` may be 0), and ``spare`` always."""
-    found = [(s, p) for s, p in complete_checkpoints(root) if p != spare]
+    """Keep the ``keep`` newest complete checkpoints (``keep`` may be 0), and ``spare`` always;
+    the newest known-good one is never removed (beside the ``keep``: SPEC §15)."""
+    good = newest_known_good(root)
+    found = [(s, p) for s, p in complete_checkpoints(root) if p != spare and p != good]
     if spare is not None and spare.is_dir():
         keep -= 1
     for _, path in found[: max(0, len(found) - keep)]:

@@ -20,13 +20,14 @@ import structlog
 from atroposd.trainer.batch import BatchError, RolloutBatch, prepare_batch
 from atroposd.trainer.checkpoint import CheckpointError
 from atroposd.trainer.feed import BatchFeed
+from atroposd.trainer.health import Collapse, DropRule, HealthMonitor, Trip
 from atroposd.trainer.learner import Learner, StepResult
 from atroposd.trainer.metrics import MetricsWriter
 from atroposd.trainer.ranks import ComputeThread, is_group_error
 from atroposd.trainer.setup import Checkpointer
 
 if TYPE_CHECKING:
-    from atroposd.config import TrainerConfig
+    from atroposd.config import HealthConfig, TrainerConfig
     from atroposd.weights.sync import WeightSync
 
 __all__ = ["Progress", "TrainerError", "TrainingLoop"]
@@ -40,6 +41,9 @@ STEPS_WINDOW_S = 30.0
 # Test hook (tests/daemon/test_liveness.py): "STEP:FILE" blocks the compute thread at STEP for
 # good, once — unless FILE exists (it is created first), so the resumed job goes past it.
 TEST_STALL_ENV = "ATROPOSD_TEST_STALL_STEP"
+# Test hook (tests/e2e/test_rollback.py): "STEP,STEP,...:FACTOR" multiplies the learning rate by
+# FACTOR for the optimizer step of each STEP — a collapse made on purpose.
+TEST_LR_BURST_ENV = "ATROPOSD_TEST_LR_BURST"
 
 
 class TrainerError(RuntimeError):
@@ -70,6 +74,24 @@ class Progress:
     seconds: dict[str, float] = field(default_factory=lambda: {"data_wait": 0.0, "compute": 0.0, "sync": 0.0,
                                                                "gather": 0.0})  # gather: within sync
     tokens_total: int = 0  # tokens trained on since this process started
+    # SPEC §15: rollbacks within the job (kept in the checkpoints), the last step's health ("ok" or
+    # the detector that tripped), the last rollback, the newest known-good checkpoint ("start":
+    # the starting weights), groups dropped after rollbacks, the learning rate's scale
+    rollbacks: int = 0
+    health: str = "ok"
+    last_rollback: dict[str, Any] | None = None
+    known_good: str | None = "start"
+    dropped_groups: int = 0
+    lr_scale: float = 1.0
+    drop: DropRule | None = None  # the last rollback's: queued groups it still drops
+
+    def health_record(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the run's health (restored at the next start)."""
+        d = self.drop
+        return {"rollbacks": self.rollbacks, "lr_scale": self.lr_scale, "last_rollback": self.last_rollback,
+                "dropped_groups": self.dropped_groups,
+                "drop": None if d is None else {"good_version": d.good_version, "resync_version": d.resync_version,
+                                                "resync_time": d.resync_time}}
 
     @property
     def steps_per_s(self) -> float | None:
@@ -91,7 +113,8 @@ class TrainingLoop:
     def __init__(self, *, tcfg: TrainerConfig, feed: BatchFeed, learner: Learner, weights: WeightSync, metrics: MetricsWriter,
                  checkpointer: Checkpointer, progress: Progress, envs_alive: Callable[[], bool],
                  lock: anyio.Lock, progress_every: int = 10, compute: ComputeThread | None = None,
-                 replica_generations: Callable[[], list[int | None]] | None = None) -> None:
+                 replica_generations: Callable[[], list[int | None]] | None = None,
+                 health: HealthConfig | None = None, drop: DropRule | None = None) -> None:
         self.t = tcfg
         self.feed = feed
         self.learner = learner
@@ -107,6 +130,12 @@ class TrainingLoop:
         self.compute = compute if compute is not None else ComputeThread()
         self.vocab_size = learner.policy.vocab_size  # token ids at or above it are rejected
         self.replica_generations = replica_generations  # each replica's count, last known (never waits)
+        # SPEC §15: the collapse detectors, the checkpoints waiting to become known-good, and
+        # the rule that drops groups sampled between a collapse and its rollback
+        self.hcfg = health
+        self.monitor = HealthMonitor(max_nonfinite_steps=health.max_nonfinite_steps if health else 3)
+        self.pending_good: list[tuple[int, Path]] = []
+        self.drop = drop
 
     def request_stop(self) -> None:
         self.stop_requested = True
@@ -123,6 +152,11 @@ class TrainingLoop:
             if groups is None:
                 break  # stop requested while waiting
             filtered = list(getattr(self.feed, "last_filtered", None) or [])  # dropped by filter_groups
+            if self.drop is not None:
+                groups = self._drop_sampled_before_rollback(groups)
+                if not groups:  # every group came from the weights that collapsed: the next batch
+                    self.feed.release()
+                    continue
             p.filtered_groups += len(filtered)
             batch_wait = time.perf_counter() - wait_start
             p.state, p.waiting_for = "training", None
@@ -152,6 +186,7 @@ class TrainingLoop:
                     consecutive_skips += 1
                     log.warning("step skipped: non-finite loss or gradient norm", step=p.step + 1,
                                 loss=result.loss, grad_norm=result.grad_norm, skipped_steps=p.skipped_steps)
+                    self._on_trip(self.monitor.skipped())
                     if consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
                         raise TrainerError(f"{consecutive_skips} consecutive steps had a non-finite loss or "
                                            "gradient norm")
@@ -163,7 +198,7 @@ class TrainingLoop:
                     pause_start = time.perf_counter()
                     async with self.weights.paused(p.weight_version + 1):
                         apply_start = time.perf_counter()
-                        await self.compute.run(self.learner.apply)
+                        await self.compute.run(self._apply, _test_lr_burst(p.step + 1))
                         timeline["optimizer_s"] = time.perf_counter() - apply_start
                     timeline["pause_s"] = time.perf_counter() - pause_start
                     p.weight_version += 1
@@ -180,12 +215,34 @@ class TrainingLoop:
                 sync_s = time.perf_counter() - sync_start
             finally:
                 self.feed.release()
-            # log
-            self._record(batch, result, batch_wait, time.perf_counter() - step_start, sync_s, timeline, gather_s)
+            # log (the collapse detectors see the row first: its "health" says what they found)
+            trip = self._record(batch, result, batch_wait, time.perf_counter() - step_start, sync_s, timeline,
+                                gather_s)
+            self._on_trip(trip)
+            self._mark_known_good()
             # checkpoint: every checkpoint_every and at the last step
             if p.step % t.checkpoint_every == 0 or p.step == p.total_steps:
-                await self.checkpoint()
+                path = await self.checkpoint()
+                if path is not None:
+                    self.pending_good.append((p.step, path))
+                    self._mark_known_good()
         return "finished" if p.step >= p.total_steps else "stopped"
+
+    def _apply(self, burst: float | None) -> None:
+        if burst is None:
+            self.learner.apply()
+            return
+        groups = self.learner.optimizer.param_groups
+        saved = [g["lr"] for g in groups]
+        log.warning("test hook: the learning rate is multiplied for this step", step=self.progress.step + 1,
+                    factor=burst)
+        for g in groups:
+            g["lr"] *= burst
+        try:
+            self.learner.apply()
+        finally:
+            for g, lr in zip(groups, saved, strict=True):
+                g["lr"] = lr
 
     def _prepare(self, groups: list[dict[str, Any]], filtered: list[dict[str, Any]] | None = None) -> RolloutBatch:
         _test_stall(self.progress.step + 1)
@@ -195,6 +252,54 @@ class TrainingLoop:
                              adv_std_floor=t.adv_std_floor, use_distill=t.distill_coef > 0,
                              vocab_size=self.vocab_size, advantage=t.advantage, overlong=t.overlong,
                              filtered=filtered or ())
+
+    def _drop_sampled_before_rollback(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """After a rollback: the groups sampled by the weights that collapsed go (counted)."""
+        assert self.drop is not None
+        kept = [g for g in groups if not self.drop.drops(g)]
+        if len(kept) < len(groups):
+            self.progress.dropped_groups += len(groups) - len(kept)
+            log.info("groups sampled before the rollback dropped", dropped=len(groups) - len(kept),
+                     dropped_total=self.progress.dropped_groups)
+        return kept
+
+    def _on_trip(self, trip: Trip | None) -> None:
+        """A collapse: shown, and with ``[health] rollback`` raised for the service to roll back."""
+        p = self.progress
+        if trip is None:
+            if p.health != "ok" and self.monitor.healthy_steps > 0:
+                p.health = "ok"
+            return
+        p.health = trip.detector
+        self.pending_good.clear()  # checkpoints written since the last trip never become known-good
+        if self.hcfg is None or not self.hcfg.rollback:
+            log.error("collapse detected (health.rollback = false: training goes on)", step=p.step,
+                      detector=trip.detector, reason=trip.reason)
+            return
+        raise Collapse(trip, p.step)
+
+    def _mark_known_good(self) -> None:
+        """A checkpoint followed by ``known_good_after`` healthy steps is known-good (SPEC §15)."""
+        if self.hcfg is None or not self.pending_good:
+            return
+        from atroposd.trainer.checkpoint import mark_known_good
+
+        p = self.progress
+        while self.pending_good:
+            step, path = self.pending_good[0]
+            if p.step - step < self.hcfg.known_good_after or self.monitor.healthy_steps < p.step - step:
+                return
+            self.pending_good.pop(0)
+            if not path.is_dir():
+                continue  # pruned meanwhile
+            try:
+                mark_known_good(path, {"step": step, "healthy_steps": p.step - step, "marked_at_step": p.step,
+                                       "time": time.time()})
+            except OSError as exc:
+                log.error("checkpoint not marked known-good", path=str(path), error=str(exc))
+                continue
+            p.known_good = str(path)
+            log.info("checkpoint is known-good", path=str(path), healthy_steps=p.step - step)
 
     def _count_rejected(self, by_reason: dict[str, int]) -> None:
         counts = self.progress.rejected_groups
@@ -232,7 +337,8 @@ class TrainingLoop:
         return path
 
     def _record(self, batch: RolloutBatch, r: StepResult, batch_wait: float, step_s: float,
-                sync_s: float = 0.0, timeline: dict[str, float | None] | None = None, gather_s: float = 0.0) -> None:
+                sync_s: float = 0.0, timeline: dict[str, float | None] | None = None,
+                gather_s: float = 0.0) -> Trip | None:
         p = self.progress
         p.seconds["data_wait"] += batch_wait
         p.seconds["compute"] += r.compute_s
@@ -262,6 +368,11 @@ class TrainingLoop:
         if r.distill_token_count or self.t.distill_coef > 0:
             record["distill_loss"] = r.distill_loss
             record["distill_token_count"] = r.distill_token_count
+        trip = self.monitor.step(record)
+        # SPEC §15: "ok" or the detector that tripped at this step; rollbacks within the job
+        record["health"] = "ok" if trip is None else trip.detector
+        record["rollbacks"] = p.rollbacks
+        record["dropped_groups"] = p.dropped_groups
         self.metrics.write(record)
         p.last = record
         p.step_times.append(time.monotonic())
@@ -270,6 +381,7 @@ class TrainingLoop:
                      accuracy=None if batch.accuracy is None else round(batch.accuracy, 3),
                      loss=round(r.loss, 4), kl=round(r.mean_kl, 4), clipped=round(r.clipped_fraction, 3),
                      staleness=record["staleness"], steps_per_s=_round(p.steps_per_s), wait_s=round(batch_wait, 3))
+        return trip
 
 
 def _test_stall(step: int) -> None:
@@ -283,6 +395,15 @@ def _test_stall(step: int) -> None:
     Path(marker).touch()
     log.warning("test hook: the compute thread blocks for good", step=step)
     threading.Event().wait()
+
+
+def _test_lr_burst(step: int) -> float | None:
+    """The hook of ``TEST_LR_BURST_ENV`` (never set outside tests): the factor for ``step``."""
+    spec = os.environ.get(TEST_LR_BURST_ENV)
+    if not spec:
+        return None
+    steps, _, factor = spec.partition(":")
+    return float(factor) if str(step) in steps.split(",") else None
 
 
 def _round(x: float | None) -> float | None:

@@ -26,6 +26,9 @@ from atroposd.config import Config
 from atroposd.paths import Paths
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from atroposd.trainer.health import Collapse
     from atroposd.trainer.ranks import Ranks
     from atroposd.weights.sync import WeightSync
 
@@ -43,6 +46,19 @@ BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
 # After a failed collective, how long to wait for the daemon to see which rank exited (the reason).
 RANK_EXIT_GRACE_S = 1.0
+
+
+@dataclass(frozen=True)
+class _Rollback:
+    """A collapse to roll back from (SPEC §15): where to (a known-good checkpoint, or the starting
+    weights), the step and version to go on from, and whether the job then ends (exit 6)."""
+
+    target: Path | str
+    step: int
+    weight_version: int
+    skipped_steps: int
+    give_up: bool
+    reason: str
 
 
 class GroupFault(RuntimeError):
@@ -70,6 +86,10 @@ class TrainerOutcome:
 
     @property
     def exit_code(self) -> int:
+        from atroposd.exitcodes import Exit
+
+        if self.state == "collapsed":  # past [health] max_rollbacks (SPEC §2, §15)
+            return int(Exit.COLLAPSED)
         return 1 if self.state == "failed" else 0
 
 
@@ -110,6 +130,7 @@ class TrainerService:
         self.last_fault: str | None = None
         self.waiting_nodes: list[int] = []  # several machines: the nodes a re-forming group waits for
         self._started = False  # task_status.started() was called
+        self._rollback: _Rollback | None = None  # a collapse the next attempt rolls back from
 
     # ------------------------------------------------------------------ daemon interface
 
@@ -141,6 +162,12 @@ class TrainerService:
             # trainer ranks (SPEC §12.1): N, and the group's restarts after faults
             "ranks": self.cfg.trainer.ranks, "group_restarts": self.group_restarts, "last_fault": self.last_fault,
             "waiting_for_nodes": list(self.waiting_nodes) if p.waiting_for == "ranks" else [],
+            # SPEC §15: the last step's health ("ok" or the detector that tripped), rollbacks within
+            # the job, the last one (what tripped, to where, the learning rate after it), the newest
+            # known-good checkpoint ("start": the starting weights), groups dropped by rollbacks
+            "health": p.health, "rollbacks": p.rollbacks, "max_rollbacks": self.cfg.health.max_rollbacks,
+            "last_rollback": p.last_rollback, "known_good": p.known_good, "dropped_groups": p.dropped_groups,
+            "lr": p.last.get("lr"),
         }
 
     def metrics_view(self) -> dict[str, Any]:
@@ -174,6 +201,8 @@ class TrainerService:
                  weight_version=self.progress.weight_version)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> TrainerOutcome:
+        from atroposd.trainer.health import Collapse
+
         p = self.progress
         try:
             while True:
@@ -185,6 +214,8 @@ class TrainerService:
                     if not self._started:
                         raise  # a group that never trained: the start fails
                     await self._after_fault(fault)
+                except Collapse as collapse:
+                    await self._after_collapse(collapse)
         except Exception as group:  # any failure ends the job: state failed, exit 1 (SPEC §4)
             exc = _root_cause(group)
             p.state, p.error = "failed", f"{type(exc).__name__}: {exc}"
@@ -208,11 +239,16 @@ class TrainerService:
     async def _attempt(self, task_status: TaskStatus[None]) -> TrainerOutcome:
         """One trainer group, from its forming (several ranks) to the end of training; a failure
         of the group (not of the trainer) is raised as a :class:`GroupFault`."""
+        from atroposd.trainer.health import Collapse
+
         try:
             return await self._attempt_once(task_status)
-        except GroupFault:
+        except (GroupFault, Collapse):
             raise
         except Exception as exc:
+            root = _root_cause(exc)
+            if isinstance(root, Collapse):
+                raise root from None
             fault = self._as_fault(exc)
             if fault is not None:
                 raise fault from exc
@@ -225,7 +261,8 @@ class TrainerService:
         from atroposd.trainer.setup import build_learner, load_for_training
 
         p = self.progress
-        restart = self.group_restarts > 0
+        plan = self._rollback
+        restart = self.group_restarts > 0 or plan is not None
         self._loop = None
         self._setup_scope = anyio.CancelScope()
         if self._stop:
@@ -233,11 +270,20 @@ class TrainerService:
         with self._setup_scope:
             ranks = await self._form_group()
             p.state, p.waiting_for = "waiting", "model"
-            setup = await self.compute.run(load_for_training, self.cfg, ranks)
+            setup = await self.compute.run(load_for_training, self.cfg, ranks,
+                                           pick=plan.target if plan is not None else None)
             self._policy = setup.policy
             self._attach_source(setup)
+            good_version = setup.weight_version  # a rollback: the version of the known-good weights
             p.step, p.skipped_steps = setup.step, setup.skipped_steps
             p.weight_version = setup.weight_version
+            if not self._started:
+                self._restore_health(setup)
+            setup.lr_scale = p.lr_scale  # this process's own (halved at each rollback)
+            if plan is not None:
+                # The step counter and weight_version keep increasing (SPEC §15).
+                p.step, p.skipped_steps = plan.step, plan.skipped_steps
+                p.weight_version = max(p.weight_version, plan.weight_version)
             if restart:
                 # Versions never go backwards: the replicas may hold weights trained after the
                 # checkpoint this group restarted from.
@@ -260,7 +306,7 @@ class TrainerService:
                 self._metrics = MetricsWriter(self.paths.metrics_file)
                 if self.cfg.wandb.enabled:
                     self._wandb = self._start_wandb(self._metrics)
-            if setup.restored_from is not None:
+            if setup.restored_from is not None and plan is None:
                 self._metrics.truncate_after(p.step)
             if self._feed is None:
                 p.waiting_for = "api"
@@ -277,7 +323,12 @@ class TrainerService:
                                       replica_generations=self.replica_generations,
                                       # every 10 steps (on a terminal, `atroposd run` keeps a live
                                       # progress line below the log)
-                                      progress_every=PROGRESS_EVERY)
+                                      progress_every=PROGRESS_EVERY, health=self.cfg.health, drop=p.drop)
+            self._loop.checkpointer.health = p.health_record
+            if plan is not None:
+                outcome = await self._finish_rollback(plan, good_version)
+                if outcome is not None:
+                    return outcome
         loop = self._loop
         if self._setup_scope.cancelled_caught or loop is None:
             # stopped before training began: nothing new to checkpoint
@@ -309,6 +360,83 @@ class TrainerService:
         p.state = result
         log.info("trainer " + result, step=p.step, weight_version=p.weight_version)
         return TrainerOutcome(result, p.step, p.weight_version)
+
+    # ------------------------------------------------------------------ rollback (SPEC §15)
+
+    def _restore_health(self, setup: Any) -> None:
+        """At the start: the rollbacks, the learning rate's scale and the known-good marks the
+        checkpoints kept."""
+        from atroposd.trainer.checkpoint import newest_known_good
+
+        p, h = self.progress, setup.health
+        p.rollbacks = int(h.get("rollbacks", 0))
+        p.lr_scale = float(h.get("lr_scale", 1.0))
+        p.dropped_groups = int(h.get("dropped_groups", 0))
+        last = h.get("last_rollback")
+        p.last_rollback = dict(last) if isinstance(last, dict) else None
+        drop = h.get("drop")
+        if isinstance(drop, dict):  # the queue may still hold groups of the weights that collapsed
+            from atroposd.trainer.health import DropRule
+
+            p.drop = DropRule(int(drop["good_version"]), int(drop["resync_version"]), float(drop["resync_time"]))
+        good = newest_known_good(self.paths.checkpoints_dir)
+        p.known_good = str(good) if good is not None else "start"
+        if p.rollbacks:
+            log.info("health restored from the checkpoint", rollbacks=p.rollbacks, lr_scale=p.lr_scale,
+                     known_good=p.known_good)
+
+    async def _after_collapse(self, collapse: Collapse) -> None:
+        """A detector tripped: plan the rollback to the newest known-good weights (the next attempt
+        loads them), with the learning rate halved; past max_rollbacks the job then ends (exit 6)."""
+        from atroposd.trainer.checkpoint import newest_known_good
+        from atroposd.trainer.setup import START
+
+        p, h = self.progress, self.cfg.health
+        good = newest_known_good(self.paths.checkpoints_dir)
+        p.rollbacks += 1
+        p.lr_scale /= 2
+        give_up = p.rollbacks > h.max_rollbacks
+        target = good if good is not None else START
+        p.last_rollback = {"step": collapse.step, "detector": collapse.trip.detector, "reason": collapse.trip.reason,
+                           "to": str(target), "lr": self.cfg.trainer.lr * p.lr_scale, "time": time.time(),
+                           "final": give_up}
+        p.state, p.waiting_for = "waiting", "model"
+        log.error("collapse detected: rolling back to the newest known-good weights", step=collapse.step,
+                  detector=collapse.trip.detector, reason=collapse.trip.reason, to=str(target),
+                  rollbacks=p.rollbacks, max_rollbacks=h.max_rollbacks, lr=self.cfg.trainer.lr * p.lr_scale,
+                  **({"then": "the job ends (exit 6)"} if give_up else {}))
+        self._rollback = _Rollback(target, p.step, p.weight_version, p.skipped_steps, give_up, str(collapse))
+        await self._close_group()  # several ranks: every rank loads the known-good checkpoint afresh
+
+    async def _finish_rollback(self, plan: _Rollback, good_version: int) -> TrainerOutcome | None:
+        """The known-good weights are loaded and every replica has them: write them as a checkpoint
+        of the current step (known-good, carrying the count), drop what the collapsed weights
+        sampled; past max_rollbacks end here (exit 6)."""
+        from atroposd.trainer.checkpoint import mark_known_good
+        from atroposd.trainer.health import DropRule
+
+        p = self.progress
+        assert self._loop is not None
+        self._rollback = None
+        p.drop = self._loop.drop = DropRule(good_version, p.weight_version, time.time())
+        path = await self._loop.checkpoint()
+        if path is not None:
+            mark_known_good(path, {"step": p.step, "rollback": p.rollbacks, "from": str(plan.target),
+                                   "time": time.time()})
+            p.known_good = str(path)
+        if p.last_rollback is not None:
+            p.last_rollback["weight_version"] = p.weight_version
+        p.health = "ok"
+        log.warning("rolled back", step=p.step, weight_version=p.weight_version, to=str(plan.target),
+                    checkpoint=str(path) if path else None, rollbacks=p.rollbacks,
+                    lr=self.cfg.trainer.lr * p.lr_scale)
+        if not plan.give_up:
+            return None
+        p.state = "failed"
+        p.error = (f"the run collapsed past health.max_rollbacks = {self.cfg.health.max_rollbacks} "
+                   f"({p.rollbacks} collapses); last: {plan.reason}")
+        log.error("trainer ends: " + p.error, step=p.step, known_good=p.known_good)
+        return TrainerOutcome("collapsed", p.step, p.weight_version, p.error)
 
     # ------------------------------------------------------------------ trainer ranks (SPEC §12.1)
 

@@ -8,6 +8,7 @@ on the parameters after that (ARCHITECTURE.md, "Weight sync").
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,10 @@ class Setup:
     # several ranks: the full tensors' specs and tied aliases, taken before sharding (weight sync)
     tensor_specs: dict[str, Any] = field(default_factory=dict)
     tied: dict[str, str] = field(default_factory=dict)
+    # SPEC §15: the checkpoint's health record (rollbacks, learning-rate scale), and the scale the
+    # learner applies to trainer.lr (halved at each rollback; rank 0's reaches every rank)
+    health: dict[str, Any] = field(default_factory=dict)
+    lr_scale: float = 1.0
 
     @property
     def restored_from(self) -> Path | None:
@@ -87,12 +92,15 @@ class Checkpointer:
         self.learner = learner
         self.identity = identity  # config, model, mode, tokenizer: what resume checks
         self.aliases = aliases or set()
+        self.health: Callable[[], dict[str, Any]] | None = None  # the run's health record (SPEC §15)
 
     def save(self, step: int, weight_version: int, skipped_steps: int) -> Path:
         policy, ranks = self.learner.policy, self.learner.ranks
         state: dict[str, Any] = {"weight_version": weight_version, "skipped_steps": skipped_steps,
                                  "scheduler": self.learner.scheduler.state_dict(), "rng": rng_state(),
                                  "ranks": ranks.world, **self.identity}
+        if self.health is not None:
+            state["health"] = self.health()
         if ranks.world == 1:
             state["optimizer"] = self.learner.optimizer.state_dict()
             return save_checkpoint(self.root, step, model=policy.model, tokenizer=policy.tokenizer,
@@ -124,9 +132,14 @@ class Checkpointer:
         return gathered_weights(self.learner.policy.model, self.aliases)
 
 
-def load_for_training(cfg: Config, ranks: Ranks | None = None) -> Setup:
+# ``pick`` of load_for_training: the starting weights, no checkpoint (a rollback to the start)
+START = "start"
+
+
+def load_for_training(cfg: Config, ranks: Ranks | None = None, *, pick: Path | str | None = None) -> Setup:
     """Load the policy and, with ``resume``, the newest complete checkpoint's weights (compute
-    thread); with several ranks the model is then sharded (FSDP2)."""
+    thread); with several ranks the model is then sharded (FSDP2). ``pick`` (rank 0, a rollback):
+    that checkpoint instead, or ``START`` for none."""
     from atroposd.models.resolve import fingerprint_of, resolve_model, resolve_tokenizer
 
     t = cfg.trainer
@@ -148,7 +161,8 @@ def load_for_training(cfg: Config, ranks: Ranks | None = None) -> Setup:
                 "mode": t.mode, "tokenizer": fingerprint}
     setup = Setup(policy=policy, tokenizer_fingerprint=fingerprint, identity=identity, checkpoints_dir=root,
                   keep_checkpoints=t.keep_checkpoints, ranks=ranks)
-    restored = _latest(root, ranks, setup) if t.resume else None
+    restored = _latest(root, ranks, setup, pick if pick is not None else (None if t.resume else START)) \
+        if t.resume or pick is not None or ranks.world > 1 else None
     if restored is not None:
         _check_identity(restored, identity)
         restore_weights(policy.model, restored, lora=policy.lora)
@@ -156,6 +170,9 @@ def load_for_training(cfg: Config, ranks: Ranks | None = None) -> Setup:
         setup.step = int(restored.state["step"])
         setup.weight_version = int(restored.state["weight_version"])
         setup.skipped_steps = int(restored.state.get("skipped_steps", 0))
+        health = restored.state.get("health")
+        setup.health = dict(health) if isinstance(health, dict) else {}
+        setup.lr_scale = float(setup.health.get("lr_scale", 1.0))
         saved_ranks = int(restored.state.get("ranks", 1))
         log.info("resumed from checkpoint", path=str(restored.path), step=setup.step,
                  weight_version=setup.weight_version, saved_ranks=saved_ranks, ranks=ranks.world,
@@ -164,9 +181,13 @@ def load_for_training(cfg: Config, ranks: Ranks | None = None) -> Setup:
     return setup
 
 
-def _latest(root: Path, ranks: Ranks, setup: Setup) -> Restored | None:
+def _latest(root: Path, ranks: Ranks, setup: Setup, pick: Path | str | None = None) -> Restored | None:
     """The checkpoint to resume from: rank 0 verifies and picks it (setting damaged ones aside);
     the other ranks read the one it picked."""
+    if ranks.rank == 0 and pick is not None:
+        chosen = None if pick == START else load_checkpoint(Path(pick))
+        ranks.broadcast(str(chosen.path) if chosen is not None else None)
+        return chosen
     if ranks.rank == 0:
         latest = load_latest(root)
         setup.set_aside = latest.set_aside
@@ -210,6 +231,10 @@ def build_learner(cfg: Config, setup: Setup) -> Learner:
         load_optimizer(setup.policy.model, optimizer, state, setup.restored.path, world=setup.ranks.world)
         scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
+    # The learning rate's scale (SPEC §15: halved at each rollback), rank 0's on every rank
+    scale = float(setup.ranks.broadcast(setup.lr_scale)) if setup.ranks.world > 1 else setup.lr_scale
+    setup.lr_scale = scale
+    scale_lr(optimizer, scheduler, t.lr * scale)
     objective, reference = make_strategies(t)
     learner = Learner(setup.policy, optimizer, scheduler, objective=objective, reference=reference,
                       max_grad_norm=t.max_grad_norm, distill_coef=t.distill_coef,
@@ -217,6 +242,15 @@ def build_learner(cfg: Config, setup: Setup) -> Learner:
                       logprob_chunk=t.logprob_chunk)
     setup.ranks.settle()  # every rank is set up: collectives are bounded by collective_timeout from here
     return learner
+
+
+def scale_lr(optimizer: torch.optim.Optimizer, scheduler: Any, base_lr: float) -> None:
+    """Set the schedule's base learning rate to ``base_lr`` at its current position (a restored
+    scheduler carries the base it was saved with)."""
+    scheduler.base_lrs = [base_lr for _ in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["initial_lr"] = base_lr
+        group["lr"] = base_lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
 
 
 def _check_writable(root: Path) -> None:

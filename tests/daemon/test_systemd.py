@@ -105,7 +105,7 @@ def test_unit_file_has_the_required_settings() -> None:
     svc, unit = parser["Service"], parser["Unit"]
     assert svc["Type"] == "notify" and svc["NotifyAccess"] == "main" and svc["KillMode"] == "mixed"
     assert svc["Restart"] == "on-failure" and svc["RestartSec"] == "5"
-    assert set(svc["RestartPreventExitStatus"].split()) == {"2", "4"}
+    assert set(svc["RestartPreventExitStatus"].split()) == {"2", "4", "6"}  # 6: collapsed past max_rollbacks
     assert svc["RuntimeDirectoryPreserve"] == "restart" and svc["RuntimeDirectory"] and svc["StateDirectory"]
     assert int(svc["WatchdogSec"].rstrip("s")) > 0
     # TimeoutStopSec above checkpoint_timeout + stop_timeout (defaults 120 + 30)

@@ -1,0 +1,160 @@
+"""The collapse detectors on recorded metric series, known-good marks and pruning, the rollback's
+group-drop rule and learning-rate scale (SPEC §15).
+
+``data/healthy_metrics.jsonl``: the embedded job's own run (the shipped example config, 800 steps,
+``atroposd run``), its detector inputs kept.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from atroposd.trainer.checkpoint import (
+    KNOWN_GOOD_FILE,
+    STATE_FILE,
+    complete_checkpoints,
+    is_known_good,
+    mark_known_good,
+    newest_known_good,
+    prune,
+)
+from atroposd.trainer.health import DropRule, HealthMonitor, replay
+
+HEALTHY = Path(__file__).parent / "data" / "healthy_metrics.jsonl"
+
+
+@pytest.fixture(scope="module")
+def healthy() -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in HEALTHY.read_text().splitlines() if line.strip()]
+    assert len(rows) == 800
+    return rows
+
+
+def test_a_healthy_run_never_trips(healthy: list[dict[str, Any]]) -> None:
+    assert replay(healthy) == []
+    # nor with the strictest non-finite setting, nor from any starting point (a resumed run)
+    assert replay(healthy, max_nonfinite_steps=1) == []
+    assert replay(healthy[400:]) == []
+
+
+def _broken(rows: list[dict[str, Any]], at: int, n: int, **values: float) -> list[dict[str, Any]]:
+    out = copy.deepcopy(rows)
+    for row in out[at:at + n]:
+        row.update(values)
+    return out
+
+
+def test_gradient_norm_spike_trips_at_once(healthy: list[dict[str, Any]]) -> None:
+    median = sorted(r["grad_norm"] for r in healthy[250:300])[25]
+    trips = replay(_broken(healthy, 300, 1, grad_norm=median * 50))
+    assert [(s, t.detector) for s, t in trips] == [(301, "grad_norm")]
+    assert "running median" in trips[0][1].reason
+    # a step at 5x the median is not a spike
+    assert replay(_broken(healthy, 300, 1, grad_norm=median * 5)) == []
+
+
+def test_clipped_fraction_running_away(healthy: list[dict[str, Any]]) -> None:
+    trips = replay(_broken(healthy, 500, 5, clipped_fraction=0.9))
+    assert (trips[0][0], trips[0][1].detector) == (503, "clipped_fraction")
+    # two steps are noise, not a runaway
+    assert replay(_broken(healthy, 500, 2, clipped_fraction=0.9)) == []
+
+
+def test_entropy_collapse(healthy: list[dict[str, Any]]) -> None:
+    trips = replay(_broken(healthy, 600, 4, entropy=0.001))
+    assert trips[0][0] == 603 and trips[0][1].detector == "entropy"
+    assert replay(_broken(healthy, 600, 4, entropy=math.nan))[0][1].detector == "entropy"
+
+
+def test_reward_spread_vanishing_without_a_rising_reward(healthy: list[dict[str, Any]]) -> None:
+    trips = replay(_broken(healthy, 400, 3, reward_std=0.0, reward_mean=0.0))
+    assert [(s, t.detector) for s, t in trips] == [(403, "reward_spread")]
+    # mastery: every answer right, no spread left, the reward at its best: not a collapse
+    assert replay(_broken(healthy, 400, 20, reward_std=0.0, reward_mean=1.0)) == []
+
+
+def test_nonfinite_steps_in_a_row() -> None:
+    m = HealthMonitor(max_nonfinite_steps=3)
+    assert m.skipped() is None and m.skipped() is None
+    m.step({"step": 1, "grad_norm": 1.0})  # a finite step ends the row
+    assert m.skipped() is None and m.skipped() is None
+    trip = m.skipped()
+    assert trip is not None and trip.detector == "nonfinite" and "3 non-finite steps" in trip.reason
+
+
+def test_healthy_steps_count_and_reset(healthy: list[dict[str, Any]]) -> None:
+    m = HealthMonitor()
+    for row in healthy[:60]:
+        assert m.step(row) is None
+    assert m.healthy_steps == 60
+    m.skipped()
+    assert m.healthy_steps == 0
+
+
+def _checkpoint(root: Path, step: int) -> Path:
+    path = root / f"step-{step}"
+    path.mkdir(parents=True)
+    (path / STATE_FILE).write_bytes(b"x")
+    return path
+
+
+def test_pruning_keeps_the_newest_known_good(tmp_path: Path) -> None:
+    for step in (10, 20, 30):
+        _checkpoint(tmp_path, step)
+    assert newest_known_good(tmp_path) is None
+    mark_known_good(tmp_path / "step-10", {"step": 10})
+    mark_known_good(tmp_path / "step-20", {"step": 20})
+    assert is_known_good(tmp_path / "step-20") and newest_known_good(tmp_path) == tmp_path / "step-20"
+    assert json.loads((tmp_path / "step-20" / KNOWN_GOOD_FILE).read_text()) == {"step": 20}
+    _checkpoint(tmp_path, 40)
+    prune(tmp_path, 1)
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [20, 40]  # 10: known-good, not the newest
+    prune(tmp_path, 0)
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [20]
+
+
+def _group(version: int | None, posted: float | None) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    if version is not None:
+        overrides["atroposd"] = {"weight_version": version}
+    if posted is not None:
+        overrides["atroposd_timing"] = {"posted_at": posted}
+    return {"tokens": [[1]], "group_overrides": overrides}
+
+
+def test_drop_rule_by_version_else_by_time() -> None:
+    rule = DropRule(good_version=20, resync_version=45, resync_time=1000.0)
+    assert not rule.drops(_group(20, 2000.0))  # sampled by the known-good weights
+    assert rule.drops(_group(21, 2000.0)) and rule.drops(_group(44, None))  # by the collapsed ones
+    assert not rule.drops(_group(45, 0.0))  # by the rolled-back weights: the version decides
+    assert rule.drops(_group(None, 999.0)) and not rule.drops(_group(None, 1001.0))
+    assert not rule.drops({"tokens": [[1]]})  # nothing to tell by: kept
+
+
+def test_lr_scale_applies_to_a_restored_schedule() -> None:
+    from atroposd.trainer.optim import build_scheduler
+    from atroposd.trainer.setup import scale_lr
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([param], lr=1e-3)
+    sched = build_scheduler(opt, warmup_steps=10)
+    for _ in range(4):
+        opt.step()
+        sched.step()
+    saved = sched.state_dict()
+    opt2 = torch.optim.AdamW([param], lr=1e-3)
+    sched2 = build_scheduler(opt2, warmup_steps=10)
+    sched2.load_state_dict(saved)
+    scale_lr(opt2, sched2, 1e-3 * 0.5)
+    assert opt2.param_groups[0]["lr"] == pytest.approx(0.5 * 1e-3 * 5 / 10)  # warm-up position kept
+    opt2.step()
+    sched2.step()
+    assert opt2.param_groups[0]["lr"] == pytest.approx(0.5 * 1e-3 * 6 / 10)
+
