@@ -400,6 +400,11 @@ class WandbConfig:
 
 @dataclass
 class HealthConfig:
+    canary_every: int = _k(10, "Syncs between canary checks of each replica (greedy generation on fixed prompts,\n"
+                           "scored by the trainer); 0 = off.", min=0)
+    canary_prompts: int = _k(8, "Fixed canary prompts, chosen once for the whole job.", min=1, max=64)
+    drift_limit: float = _k(0.05, "Mean |trainer logprob - replica logprob| per canary token above which a\n"
+                            "replica is quarantined, synced again and checked again (then restarted).", gt=0)
     rollback: bool = _k(True, "A collapse rolls the trainer back to the newest known-good checkpoint (weights,\n"
                         "optimizer, schedule) and goes on with the learning rate halved; false: only logged.")
     known_good_after: int = _k(50, "Healthy steps after a checkpoint before it is known-good (kept by pruning).",
