@@ -14,6 +14,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import hashlib
+import hmac
 import os
 import re
 import sys
@@ -25,7 +27,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 from atroposd.devices import same_device
 from atroposd.envoptions import BUILTIN_ENVS, options_schema, validate_options
-from atroposd.net import is_loopback
+from atroposd.net import BindError, address_towards, is_loopback
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -187,6 +189,16 @@ def credential_file(name: str) -> str:
     return str(path) if path.is_file() else ""
 # The shortest secret a token file may hold (SPEC §12.3): anything shorter is guessable.
 MIN_TOKEN_BYTES = 16
+
+
+_INFERENCE_LABEL = b"atroposd inference bearer token v1"
+
+
+def inference_secret(cluster_token: bytes) -> str:
+    """The inference servers' bearer token derived from the cluster token (when ``[inference]
+    token_file`` is not set): 64 hex characters, the same on every node, unrelated to the cluster
+    endpoint's signing key and the store's prefix (each an HMAC of the token under its own label)."""
+    return hmac.new(cluster_token, _INFERENCE_LABEL, hashlib.sha256).hexdigest()
 
 
 def read_token_file(name: str, key: str, error: type[ValueError]) -> bytes:
@@ -605,9 +617,7 @@ class Config:
             raw = read_token_file(self.inference.token_file, "inference.token_file", TokenError)
             return raw.decode("utf-8", errors="replace")
         if self.cluster.enabled:
-            from atroposd.cluster.wire import inference_secret
-
-            return str(inference_secret(self.cluster.read_token()))
+            return inference_secret(self.cluster.read_token())
         return ""
 
     @property
@@ -653,13 +663,13 @@ class Config:
 
 @functools.lru_cache(maxsize=8)
 def _bind_address(bind: str, head: str, port: int) -> str:
-    """``cluster.bind_address`` for these keys, "" when it cannot be found (the cluster endpoint
-    then fails to open, naming why)."""
-    from atroposd.cluster.head import ClusterStartError, bind_address
-
+    """The address ``[cluster] bind`` names for these keys (``cluster.head.bind_address``), ""
+    when there is none (the cluster endpoint then fails to open, naming why)."""
+    if bind:
+        return bind
     try:
-        return bind_address(ClusterConfig(nodes=2, head=head, port=port, bind=bind))
-    except ClusterStartError:
+        return address_towards(head, port) if head else "127.0.0.1"
+    except BindError:
         return ""
 
 

@@ -1,4 +1,5 @@
-"""Address facts shared by every layer: which hosts are loopback.
+"""Address facts shared by every layer: which hosts are loopback, which address of this host
+another host is reached through.
 
 A leaf module (standard library only).
 """
@@ -6,6 +7,7 @@ A leaf module (standard library only).
 from __future__ import annotations
 
 import ipaddress
+import socket
 
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
 
@@ -27,3 +29,33 @@ def is_loopback(host: str | None) -> bool:
         return ipaddress.ip_address(h.split("%", 1)[0]).is_loopback
     except ValueError:
         return False
+
+
+class BindError(ValueError):
+    """No address of this host can serve a given head; the message says why."""
+
+
+def address_towards(head: str, port: int) -> str:
+    """The address of this host that ``head`` is reached through — on the head itself, the
+    address its name resolves to; a loopback ``head``: that loopback address. Raises BindError
+    when ``head`` does not resolve, has no route, or resolves to a loopback address here while it
+    is not a loopback name (``/etc/hosts`` mapping this host's name to 127.0.1.1: bound there, no
+    other machine could connect)."""
+    if is_loopback(head):
+        return head.strip("[]") if head[:1].isdigit() or ":" in head else "127.0.0.1"
+    try:
+        infos = socket.getaddrinfo(head, port, type=socket.SOCK_DGRAM)
+    except OSError as exc:
+        raise BindError(f"cannot resolve {head!r} ({exc.strerror or exc})") from None
+    family, _, _, _, addr = infos[0]
+    # Connecting a datagram socket sends nothing: it only picks the local address of the route.
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(addr)
+            local = str(probe.getsockname()[0])
+        except OSError as exc:
+            raise BindError(f"no route from this host to {head!r} ({exc.strerror or exc})") from None
+    if is_loopback(local):
+        raise BindError(f"{head!r} resolves to the loopback address {local} on this host, which the other "
+                        "machines cannot reach")
+    return local

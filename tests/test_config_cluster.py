@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 
 from atroposd.cluster.head import bind_address
-from atroposd.cluster.wire import inference_secret
 from atroposd.config import (
     ApiConfig,
     ClusterConfig,
     ClusterError,
     TokenError,
     dump_toml,
+    inference_secret,
     parse_toml,
 )
 from atroposd.paths import Paths

@@ -48,7 +48,7 @@ from atroposd.cluster.wire import (
     store_secret,
 )
 from atroposd.logs import get_logger
-from atroposd.net import is_loopback
+from atroposd.net import BindError, address_towards
 
 if TYPE_CHECKING:
     from atroposd.config import ClusterConfig, Config
@@ -72,33 +72,17 @@ def max_pending(nodes: int) -> int:
 def bind_address(cfg: ClusterConfig) -> str:
     """The address every listening port of a node binds (SPEC §12.3): ``[cluster] bind``, else
     the address of this host that ``head`` is reached through — on the head, the address
-    ``head`` resolves to; on a loopback head, that loopback address."""
+    ``head`` resolves to; on a loopback head, that loopback address (``net.address_towards``).
+    ClusterStartError naming cluster.bind when there is none."""
     if cfg.bind:
         return cfg.bind
     if not cfg.head:
         return "127.0.0.1"
-    if is_loopback(cfg.head):
-        return cfg.head if cfg.head[:1].isdigit() or ":" in cfg.head else "127.0.0.1"
     try:
-        infos = socket.getaddrinfo(cfg.head, cfg.port, type=socket.SOCK_DGRAM)
-    except OSError as exc:
-        raise ClusterStartError(f"cluster.head: cannot resolve {cfg.head!r} ({exc.strerror or exc}); "
-                                "set cluster.bind") from None
-    family, _, _, _, addr = infos[0]
-    # Connecting a datagram socket sends nothing: it only picks the local address of the route.
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(addr)
-            local = str(probe.getsockname()[0])
-        except OSError as exc:
-            raise ClusterStartError(f"cluster.head: no route from this host to {cfg.head!r} "
-                                    f"({exc.strerror or exc}); set cluster.bind") from None
-    if is_loopback(local):
-        # e.g. /etc/hosts mapping this host's name to 127.0.1.1: bound there, no other node could connect
-        raise ClusterStartError(f"cluster.head = {cfg.head!r} resolves to the loopback address {local} on this "
-                                "host, which the other nodes cannot reach: set cluster.bind to this host's "
-                                "address on the network between the nodes")
-    return local
+        return address_towards(cfg.head, cfg.port)
+    except BindError as exc:
+        raise ClusterStartError(f"cluster.head: {exc}: set cluster.bind to this host's address on the network "
+                                "between the nodes") from None
 
 
 class _RefusalLog:

@@ -8,8 +8,8 @@ whose messages it cannot verify (its mac is ``-``): the peer has another token, 
 signed could reach it, and it must still learn why it was turned away. A node takes it only
 before its first welcome; once welcomed, only a signed refusal ends it.
 
-The token also gives the inference servers' bearer token when ``[inference] token_file`` is
-not set (``inference_secret``), and the trainer ranks' c10d store prefix (``store_secret``): the store has
+The token also gives the trainer ranks' c10d store prefix (``store_secret``; the inference
+servers' token, ``config.inference_secret``, is derived the same way under its own label): the store has
 no authentication of its own, so keys only a holder of the token can name keep a stray
 client from reading or writing the group's keys by accident (SPEC §12.3, Trust).
 
@@ -36,7 +36,6 @@ __all__ = [
     "decode",
     "encode",
     "encode_unsigned",
-    "inference_secret",
     "store_secret",
 ]
 
@@ -47,7 +46,6 @@ MAX_JOIN_BYTES = 64 * 1024
 _READ_CHUNK = 64 * 1024
 _AUTH_LABEL = b"atroposd cluster endpoint v1"
 _STORE_LABEL = b"atroposd c10d store prefix v1"
-_INFERENCE_LABEL = b"atroposd inference bearer token v1"
 UNSIGNED = b"-"
 _MAC_LEN = 64  # hex SHA-256
 
@@ -61,13 +59,6 @@ def store_secret(token: bytes) -> str:
     """A secret for the trainer ranks' c10d store prefix: 32 hex characters, the same on every
     node that holds the token, unrelated to the endpoint's signing key."""
     return hmac.new(token, _STORE_LABEL, hashlib.sha256).hexdigest()[:32]
-
-
-def inference_secret(token: bytes) -> str:
-    """The inference servers' bearer token derived from the cluster token (when ``[inference]
-    token_file`` is not set): 64 hex characters, the same on every node, unrelated to the
-    endpoint's signing key and the store's prefix."""
-    return hmac.new(token, _INFERENCE_LABEL, hashlib.sha256).hexdigest()
 
 
 class BadMessage(ValueError):
