@@ -25,7 +25,9 @@ except ImportError:  # Python 3.10 has no wheel of it: zlib inflates every body
 from atroposd.api.fastparse import parse_groups
 from atroposd.api.schema import Group, InvalidRequest, group_from_json
 
-__all__ = ["groups_from_body", "gunzip", "parse_json"]
+__all__ = ["HAS_LIBDEFLATE", "groups_from_body", "gunzip", "gunzip_if_small", "parse_json"]
+
+HAS_LIBDEFLATE = deflate is not None
 
 
 def gunzip(raw: bytes | bytearray, limit: int) -> bytes | bytearray:
@@ -33,6 +35,14 @@ def gunzip(raw: bytes | bytearray, limit: int) -> bytes | bytearray:
     A gzip bomb never allocates more than ``limit`` + 1 bytes."""
     one = _one_member(raw, limit)
     return one if one is not None else _gunzip_stream(raw, limit)
+
+
+def gunzip_if_small(raw: bytes | bytearray, limit: int) -> bytearray | None:
+    """``raw`` inflated when it is one gzip member whose trailer says at most ``limit`` bytes
+    and whose content is exactly that; else None, having inflated at most ``limit`` bytes
+    (libdeflate writes into a buffer of the trailer's size and stops where it is full): the
+    bounded work an event loop may do whatever the trailer says."""
+    return _one_member(raw, limit)
 
 
 _GZIP_MAGIC = b"\x1f\x8b\x08"  # ID1 ID2 CM=deflate

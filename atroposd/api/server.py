@@ -33,7 +33,13 @@ from aiohttp import web
 
 from atroposd import pids
 from atroposd.api import binary
-from atroposd.api.bodies import groups_from_body, gunzip, parse_json
+from atroposd.api.bodies import (
+    HAS_LIBDEFLATE,
+    groups_from_body,
+    gunzip,
+    gunzip_if_small,
+    parse_json,
+)
 from atroposd.api.ingest import ParseHelper
 from atroposd.api.queue import BYTES_PER_SEQUENCE, QueueFull, TrajectoryStore
 from atroposd.api.schema import (
@@ -57,11 +63,13 @@ GZIP_MIN_BYTES = 1000  # upstream's GZipMiddleware minimum_size
 THREAD_MIN_BYTES = 256 << 10  # compress bigger responses off the event loop
 # Small request bodies inflate on the event loop (libdeflate: about 0.1 ms for a 44 KB group of
 # 8 × 512 tokens); handing each one to a thread cost more than the inflation itself (GIL
-# handovers and wake-ups: +0.15 ms of CPU per group, 15 % fewer groups/s on two cores). A body
-# goes to the inflater thread when its trailer says it inflates to this much or more, or when
-# it is GUNZIP_THREAD_MIN_COMPRESSED bytes or more as sent, whatever its trailer says (a
-# trailer may lie, or be the last of several members): deflate expands at most 1032 times, so
-# what the loop inflates stays under about 4 MiB.
+# handovers and wake-ups: +0.15 ms of CPU per group, 15 % fewer groups/s on two cores). The loop
+# tries a body whose trailer says less than GUNZIP_THREAD_MIN_BYTES, with libdeflate into a
+# buffer of exactly that size: a trailer that lies (or is the last of several members) stops it
+# there, and the body goes to the inflater thread. So the loop never inflates more than
+# GUNZIP_THREAD_MIN_BYTES of a body, whatever its trailer says. Without libdeflate (Python
+# 3.10), bodies of GUNZIP_THREAD_MIN_COMPRESSED bytes or more as sent go to the thread
+# (deflate expands at most 1032 times: the loop inflates under about 4 MiB).
 GUNZIP_THREAD_MIN_BYTES = 1 << 20
 GUNZIP_THREAD_MIN_COMPRESSED = 4 << 10
 RETRY_AFTER_S = 1
@@ -336,10 +344,15 @@ class ApiServer:
             charge.add(min(_inflated_size(raw, gz), limit))
         return raw, gz
 
-    def _off_loop(self, raw: bytes | bytearray) -> bool:
-        """Whether a gzip body inflates on the inflater thread: by its compressed size, or by what
-        its trailer says it inflates to."""
-        return len(raw) >= GUNZIP_THREAD_MIN_COMPRESSED or _inflated_size(raw, True) >= GUNZIP_THREAD_MIN_BYTES
+    def _on_loop(self, raw: bytes | bytearray) -> bytes | bytearray | None:
+        """A gzip body inflated on the event loop when that is cheap whatever its trailer says
+        (see GUNZIP_THREAD_MIN_BYTES); None: the inflater thread's to inflate."""
+        limit = min(self.settings.max_request_bytes, GUNZIP_THREAD_MIN_BYTES - 1)
+        if _inflated_size(raw, True) > limit:
+            return None
+        if HAS_LIBDEFLATE:
+            return gunzip_if_small(raw, limit)
+        return gunzip(raw, limit) if len(raw) < GUNZIP_THREAD_MIN_COMPRESSED else None
 
     async def _inflate(self, raw: bytes | bytearray, gz: bool, charge: _Charge | None = None) -> bytes | bytearray:
         """``raw`` decompressed when it is gzip (at most ``max_request_bytes``); what it inflated
@@ -347,10 +360,9 @@ class ApiServer:
         if not gz:
             return raw
         limit = self.settings.max_request_bytes
-        if self._off_loop(raw):
+        body = self._on_loop(raw)
+        if body is None:
             body = await asyncio.get_running_loop().run_in_executor(self._inflater, gunzip, raw, limit)
-        else:
-            body = gunzip(raw, limit)
         if charge is not None:
             charge.add(len(body) - min(_inflated_size(raw, gz), limit))
         return body
