@@ -4,7 +4,8 @@ atroposlib's SGLang and OpenAI server classes check their server's health with a
 of one user message and ``max_tokens = 1``, once a second per environment (SPEC §7). This runs
 the embedded job (``atroposd run`` on the built-in defaults, shortened to ``--steps``) without
 probes and with ``--probes`` such probe loops (default 16: sixteen environments' worth) against
-its inference server, side by side in one run (interleaved, ``--repeat`` times), and reports
+its inference server, side by side in one run (interleaved in ABBA order, ``--repeat`` times of
+each), and reports
 end-to-end steps/s, training steps/s, the probes answered and their latency.
 
     .venv/bin/python benchmarks/bench_probes.py [--steps 300] [--probes 16] [--repeat 2]
@@ -114,7 +115,9 @@ def main() -> int:
     os.environ.pop("ATROPOSD_CONFIG", None)
     results = []
     for rep in range(args.repeat):
-        for probes in (0, args.probes):
+        # ABBA order (without, with, with, without, ...): a load that drifts during the run
+        # weighs on both configurations alike.
+        for probes in ((0, args.probes) if rep % 2 == 0 else (args.probes, 0)):
             res = run_once(args.steps, probes, args.out, f"probes{probes}-run{rep}")
             results.append(res)
             print(json.dumps(res), flush=True)
