@@ -63,13 +63,14 @@ into exported buffers. A bucketed sync copies the weights twice (into the stagin
 then out of it on the server) and pays a manifest and a round trip per bucket; ``push`` copies
 once because the trainer trains inside the exported buffers, which FSDP2 shards cannot do.
 
-Broadcast (one run on 2026-11-27, machine heavily loaded: load average 14-16 on the 2 cores,
-so every figure is several times its quiet value — the floor of the ~100M model was 267-349 ms
-instead of about 30; ms, × the floor timed between its own syncs; 64 MiB buckets):
+Broadcast (two runs on 2026-11-27, machine heavily loaded: load average 14-16, then 8-12, on
+the 2 cores, so every figure is several times its quiet value — the floor of the ~100M model
+was 159-349 ms instead of about 30; ms, × the floor timed between its own syncs; 64 MiB
+buckets; run 1 / run 2):
 
-    model   buckets  floor   push (x floor)   broadcast (x floor)   pause   transfer (send)   first
-    tiny    5        0.17    66.2             40.6                  5.7     30.7 (12.6)       176
-    100M    7        349     302 (1.23)       3785 (10.8)           21.2    3749 (2951)       5292
+    model   buckets  floor        push (x floor)            broadcast (x floor)         pause      transfer (send)           first
+    tiny    5        0.17 / 0.23  66.2 / 56.6               40.6 / 13.2                 5.7 / 1.4  30.7 / 10.6 (12.6 / 4.0)  176 / 110
+    100M    7        349 / 159    302 / 310 (1.23 / 1.49)   3785 / 1885 (10.8 / 11.9)   21 / 8.5   3749 / 1857 (2951 / 1510) 5292 / 2794
 
 On one CPU machine a broadcast sends the bytes through gloo's loopback TCP (about 150 MB/s
 here, loaded) where ``push`` shares memory and copies once: it is not the CPU's mode, it is
