@@ -72,7 +72,7 @@ buckets; run 1 / run 2):
     tiny    5        0.17 / 0.23  66.2 / 56.6               40.6 / 13.2                 5.7 / 1.4  30.7 / 10.6 (12.6 / 4.0)  176 / 110
     100M    7        349 / 159    302 / 310 (1.23 / 1.49)   3785 / 1885 (10.8 / 11.9)   21 / 8.5   3749 / 1857 (2951 / 1510) 5292 / 2794
 
-On one CPU machine a broadcast sends the bytes through gloo's loopback TCP (about 150 MB/s
+On one CPU machine a broadcast sends the bytes through gloo's loopback TCP (150-290 MB/s
 here, loaded) where ``push`` shares memory and copies once: it is not the CPU's mode, it is
 the GPU-to-GPU one (NCCL), which has not run here.
 
