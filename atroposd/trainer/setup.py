@@ -235,6 +235,8 @@ def build_learner(cfg: Config, setup: Setup) -> Learner:
     scale = float(setup.ranks.broadcast(setup.lr_scale)) if setup.ranks.world > 1 else setup.lr_scale
     setup.lr_scale = scale
     scale_lr(optimizer, scheduler, t.lr * scale)
+    if scale != 1.0:
+        log.info("learning rate scaled after rollbacks", rank=setup.ranks.rank, scale=scale, lr=t.lr * scale)
     objective, reference = make_strategies(t)
     learner = Learner(setup.policy, optimizer, scheduler, objective=objective, reference=reference,
                       max_grad_norm=t.max_grad_norm, distill_coef=t.distill_coef,
