@@ -158,7 +158,9 @@ class InferenceClient:
                 info = orjson.loads(await resp.read())
         except (*CONNECTION_ERRORS, orjson.JSONDecodeError):
             return False
-        return isinstance(info, dict) and info.get("ready", True) is not False and not info.get("awaiting_weights")
+        # a replica the trainer's sentinel quarantined (SPEC §15) answers 503 until it is let back
+        return (isinstance(info, dict) and info.get("ready", True) is not False and not info.get("awaiting_weights")
+                and not info.get("quarantined"))
 
     async def _post(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
         try:

@@ -99,6 +99,9 @@ class _Front:
     metrics: Any = None  # InferenceMetrics, made by build_tcp_app
     #: the bearer token every TCP route requires ("" = none; SPEC §12.3)
     token: str = ""
+    #: SPEC §15: why the trainer's sentinel quarantined this replica (None: serving); while
+    #: set, every generation route answers 503 and only the control socket's canary generates
+    quarantined: str | None = None
 
 
 def make_engine(cfg: Config, name: str, *, await_weights: bool, threads: int | None = None) -> Any:
@@ -184,6 +187,9 @@ def _counted(front: _Front, route: str, handler: Handler) -> Handler:
     """A generation route, counted in the server's metrics (latency, in flight, tokens); a probe
     (``max_tokens ≤ 1``, marked by the handler) apart from the rollouts."""
     async def counted(request: web.Request) -> web.StreamResponse:
+        if front.quarantined is not None:  # the clients route around it (or retry)
+            return _error(503, f"this replica is quarantined: {front.quarantined}",
+                          openai=route in ("completions", "chat"))
         start = front.metrics.begin()
         response: web.StreamResponse | None = None
         try:
@@ -211,7 +217,7 @@ def build_tcp_app(front: _Front) -> web.Application:
         except Exception as exc:  # the engine's own error types: report them, keep the front up
             return _error(503, f"engine unhealthy: {exc}")
         return _json({"status": "ok", "weight_version": front.engine.weight_version,
-                      "generations": front.generations})
+                      "generations": front.generations, "quarantined": front.quarantined is not None})
 
     def served(request: web.Request, answer: Any) -> None:
         """Count a rollout's samples and tokens; a probe is counted apart (``_counted``)."""
@@ -264,7 +270,8 @@ def build_tcp_app(front: _Front) -> web.Application:
                     "ready": False}
         weights = await front.engine.weight_info()
         return {**front.info, "weight_version": weights.get("weight_version"),
-                "awaiting_weights": bool(weights.get("awaiting_weights", False)), "ready": True}
+                "awaiting_weights": bool(weights.get("awaiting_weights", False)), "ready": True,
+                "quarantined": front.quarantined is not None}
 
     async def metrics(_: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST
@@ -465,7 +472,27 @@ def build_control_app(front: _Front, *, send_timeout: float = CONTROL_SEND_TIMEO
     app.router.add_post("/load", _route(front, load))
     app.router.add_get("/weight_info", _route(front, weight_info))
     app.router.add_post("/broadcast", _route(front, broadcast))
+    async def quarantine(request: web.Request) -> Any:
+        body = await _read_json(request)
+        if not isinstance(body, Mapping) or not isinstance(body.get("quarantine"), bool):
+            raise schema.BadRequest("quarantine must be true or false")
+        reason = body.get("reason")
+        front.quarantined = (str(reason) if reason else "drift over the limit") if body["quarantine"] else None
+        log.warning("quarantined: generation requests get 503" if body["quarantine"] else "back in rotation",
+                    reason=front.quarantined)
+        return {"quarantined": front.quarantined is not None, "weight_version": front.engine.weight_version}
+
+    async def canary(request: web.Request) -> Any:
+        # SPEC §15: the sentinel's greedy generation; served while quarantined, waits at a
+        # paused gate like any generation (so it carries exactly one weight_version)
+        body = await _read_json(request)
+        if not isinstance(body, Mapping):
+            raise schema.BadRequest("the canary body must be a /generate body")
+        return await front.engine.generate({**body, "temperature": 0.0})
+
     app.router.add_post("/probe_generate", _route(front, probe))
+    app.router.add_post("/quarantine", _route(front, quarantine))
+    app.router.add_post("/canary", _route(front, canary))
     return app
 
 

@@ -1,0 +1,255 @@
+"""The replica sentinel (SPEC §15): is every inference replica computing with the trainer's weights?
+
+Every ``canary_every``-th sync, each replica generates greedily from the job's canary prompts
+(``POST /canary`` on its weight-control socket: served while quarantined, admitted under exactly
+one ``weight_version``), and the trainer scores the same tokens with its own weights (on the
+compute thread, between steps, in its compute dtype; nothing else of the trainer is touched). The
+mean absolute difference of the two logprobs per generated token is the replica's drift.
+
+A replica over ``drift_limit`` is quarantined (its generation routes answer 503, so the clients
+route around it), synced again and checked again: drift that falls after a resync says that the
+last sync's weights had not arrived. Still over: it is restarted when a restart is available
+(``restart``: the restarted replica awaits the current weights before it serves) and checked once
+more; still over after that, the job goes on with the replicas that pass, this one kept in
+quarantine, and the log says so (drift that stays while the weights are the trainer's: the
+replica computes differently — kernels, dtype, tokenizer or chat template).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from atroposd.logs import get_logger
+from atroposd.weights.client import WeightControlClient, WeightControlError
+
+__all__ = ["CanaryResult", "Sentinel", "builtin_prompts", "score_completion"]
+
+log = get_logger(__name__)
+
+CANARY_MAX_TOKENS = 16  # greedy tokens per canary prompt
+CANARY_PROMPT_LEN = 12  # tokens of a built-in canary prompt
+CANARY_TIMEOUT_S = 60.0
+
+#: runs ``fn(*args)`` on the trainer's compute thread and returns its result
+RunOnCompute = Callable[..., Awaitable[Any]]
+
+
+def builtin_prompts(count: int, vocab_size: int, *, length: int = CANARY_PROMPT_LEN,
+                    first_id: int = 3) -> list[list[int]]:
+    """``count`` fixed token prompts (the same for a given vocabulary): ids spread over
+    ``[first_id, vocab_size)``, past the usual pad/bos/eos ids."""
+    span = max(1, vocab_size - first_id)
+    return [[first_id + (7919 * (p + 1) + 104729 * j * (p + 3)) % span for j in range(length)]
+            for p in range(count)]
+
+
+def score_completion(model: torch.nn.Module, prompt: Sequence[int], completion: Sequence[int]) -> list[float]:
+    """The model's log p of each completion token given everything before it (no grad)."""
+    from atroposd.trainer.model import token_logprobs
+
+    tokens = list(prompt) + list(completion)
+    device = next(model.parameters()).device
+    ids = torch.tensor([tokens[:-1]], device=device)
+    labels = torch.tensor([tokens[1:]], device=device)
+    mask = torch.zeros_like(labels, dtype=torch.bool)
+    mask[0, len(prompt) - 1:] = True
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logp, _ = token_logprobs(model, ids, mask, labels, torch.ones(1, device=device))
+    finally:
+        model.train(was_training)
+    return [float(x) for x in logp.float().cpu().tolist()]
+
+
+class CanaryResult:
+    """One replica's canary: the drift (None: no token generated) and the version it ran at."""
+
+    def __init__(self, drift: float | None, version: int | None, tokens: int, seconds: float) -> None:
+        self.drift = drift
+        self.version = version
+        self.tokens = tokens
+        self.seconds = seconds
+
+
+class Sentinel:
+    """The canary checks of every replica after a sync, and what follows a drift over the limit."""
+
+    def __init__(self, *, every: int, limit: float, prompts: Sequence[Sequence[int]],
+                 sockets: Callable[[], Sequence[Path | None]], run: RunOnCompute,
+                 restart: Callable[[int], Awaitable[bool]] | None = None,
+                 max_tokens: int = CANARY_MAX_TOKENS, timeout: float = CANARY_TIMEOUT_S) -> None:
+        self.every = every
+        self.limit = limit
+        self.prompts = [list(p) for p in prompts]
+        self.sockets = sockets
+        self.run = run
+        self.restart = restart
+        self.max_tokens = max_tokens
+        self.timeout = timeout
+        self.syncs = 0
+        self.drift: list[float | None] = []  # per replica, the last check's
+        self.quarantined: dict[int, str] = {}  # replica → why
+        self.resyncs = 0
+        self.restarts = 0
+        self.checks = 0  # canary checks of one replica
+        self.check_seconds = 0.0  # their total time (generation + scoring)
+        self.last_check_s: float | None = None  # the last round's time, every replica
+
+    # ------------------------------------------------------------------ reporting
+
+    def replica_drift(self) -> list[float | None]:
+        """Each replica's last drift (None: not checked yet), like ``replica_generations``."""
+        n = len(self.sockets())
+        return [self.drift[i] if i < len(self.drift) else None for i in range(n)]
+
+    def status(self) -> dict[str, Any]:
+        return {"replica_drift": self.replica_drift(), "drift_limit": self.limit, "canary_every": self.every,
+                "quarantined": {str(k): v for k, v in sorted(self.quarantined.items())},
+                "resyncs": self.resyncs, "restarts": self.restarts, "checks": self.checks,
+                "check_s": None if not self.checks else round(self.check_seconds / self.checks, 4),
+                "last_round_s": None if self.last_check_s is None else round(self.last_check_s, 4)}
+
+    # ------------------------------------------------------------------ the checks
+
+    def due(self) -> bool:
+        """Count one sync; True when this one is checked."""
+        self.syncs += 1
+        return self.every > 0 and self.syncs % self.every == 0
+
+    async def after_sync(self, sync: Any, model: torch.nn.Module, version: int) -> None:
+        """After a sync that reached the replicas: every ``every``-th one, check each replica."""
+        if not self.due():
+            return
+        await self.check_all(sync, model, version)
+
+    async def check_all(self, sync: Any, model: torch.nn.Module, version: int) -> list[float | None]:
+        start = time.perf_counter()
+        sockets = list(self.sockets())
+        while len(self.drift) < len(sockets):
+            self.drift.append(None)
+        for i, sock in enumerate(sockets):
+            if sock is None:
+                continue
+            result = await self.measure(sock, model, version)
+            if result is None:
+                continue  # unreachable (restarting): the next round checks it
+            self.drift[i] = result.drift
+            if result.drift is not None and result.drift > self.limit:
+                await self._heal(i, sync, model, version, result.drift)
+            elif i in self.quarantined:
+                await self._release(i, sock, drift=result.drift)
+        self.last_check_s = time.perf_counter() - start
+        return list(self.drift)
+
+    async def measure(self, sock: Path, model: torch.nn.Module, version: int) -> CanaryResult | None:
+        """Generate greedily from every canary prompt on the replica behind ``sock`` and score the
+        same tokens here; None when the replica does not answer."""
+        start = time.perf_counter()
+        client = WeightControlClient(sock, timeout=self.timeout)
+        answers: list[tuple[list[int], list[int], list[float]]] = []
+        seen: int | None = None
+        try:
+            for prompt in self.prompts:
+                body = {"prompt": {"prompt_token_ids": prompt}, "max_tokens": self.max_tokens, "n": 1,
+                        "temperature": 0.0, "logprobs": 0}
+                ans = await client.request("POST", "/canary", body)
+                tokens, lps = _completion(ans)
+                seen = ans.get("weight_version") if isinstance(ans.get("weight_version"), int) else seen
+                if tokens:
+                    answers.append((prompt, tokens, lps))
+        except WeightControlError as exc:
+            log.warning("canary not answered; the replica is checked at the next round", socket=str(sock),
+                        error=str(exc))
+            return None
+        finally:
+            await client.close()
+        if seen is not None and seen != version:
+            log.warning("canary answered at another weight_version", expected=version, got=seen, socket=str(sock))
+        ours = await self.run(_score_all, model, [(p, t) for p, t, _ in answers])
+        diffs = [abs(a - b) for (_, _, theirs), mine in zip(answers, ours, strict=True)
+                 for a, b in zip(theirs, mine, strict=True)]
+        seconds = time.perf_counter() - start
+        self.checks += 1
+        self.check_seconds += seconds
+        drift = sum(diffs) / len(diffs) if diffs else None
+        return CanaryResult(drift, seen, len(diffs), seconds)
+
+    # ------------------------------------------------------------------ over the limit
+
+    async def _quarantine(self, sock: Path, on: bool, reason: str = "") -> None:
+        client = WeightControlClient(sock, timeout=self.timeout)
+        try:
+            await client.request("POST", "/quarantine", {"quarantine": on, "reason": reason})
+        except WeightControlError as exc:
+            log.warning("quarantine not reached", socket=str(sock), on=on, error=str(exc))
+        finally:
+            await client.close()
+
+    async def _release(self, i: int, sock: Path, *, drift: float | None) -> None:
+        self.quarantined.pop(i, None)
+        await self._quarantine(sock, False)
+        log.info("replica back in rotation", replica=i, drift=_r(drift), drift_limit=self.limit)
+
+    async def _heal(self, i: int, sync: Any, model: torch.nn.Module, version: int, drift: float) -> None:
+        sock = self.sockets()[i]
+        assert sock is not None
+        reason = f"canary drift {drift:.4g} over drift_limit {self.limit:g} at weight_version {version}"
+        self.quarantined[i] = reason
+        await self._quarantine(sock, True, reason)
+        log.warning("replica drift over the limit: quarantined, syncing it again", replica=i, drift=_r(drift),
+                    drift_limit=self.limit, weight_version=version)
+        self.resyncs += 1
+        await sync.reattach(model, version, replica=i)
+        again = await self.measure(sock, model, version)
+        after = None if again is None else again.drift
+        self.drift[i] = after
+        if after is not None and after <= self.limit:
+            log.warning("replica drift fell after a resync: the weights of the sync had not arrived",
+                        replica=i, drift_before=_r(drift), drift_after=_r(after), weight_version=version,
+                        cause="weights not arrived")
+            await self._release(i, sock, drift=after)
+            return
+        if self.restart is not None:
+            log.warning("replica still drifts after a resync: restarting it", replica=i, drift_before=_r(drift),
+                        drift_after=_r(after))
+            self.restarts += 1
+            if await self.restart(i):
+                sock = self.sockets()[i] or sock
+                again = await self.measure(sock, model, version)
+                after = None if again is None else again.drift
+                self.drift[i] = after
+                if after is not None and after <= self.limit:
+                    log.warning("replica drift fell after a restart", replica=i, drift_after=_r(after))
+                    await self._release(i, sock, drift=after)
+                    return
+        log.error("replica still drifts with the trainer's weights: the job goes on without it "
+                  "(quarantined); it computes differently (kernels, dtype, tokenizer or chat template)",
+                  replica=i, drift_before=_r(drift), drift_after=_r(after), drift_limit=self.limit,
+                  cause="drift with the same weights")
+
+
+def _score_all(model: torch.nn.Module, items: Sequence[tuple[list[int], list[int]]]) -> list[list[float]]:
+    return [score_completion(model, p, t) for p, t in items]
+
+
+def _completion(ans: dict[str, Any]) -> tuple[list[int], list[float]]:
+    """The first completion's token ids and their logprobs from a /generate answer."""
+    per_token = (ans.get("logprobs") or [[]])[0]
+    tokens: list[int] = []
+    lps: list[float] = []
+    for entry in per_token:
+        (tid, lp), = list(entry[0].items())
+        tokens.append(int(tid))
+        lps.append(float(lp))
+    return tokens, lps
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 5)

@@ -1,0 +1,124 @@
+"""The replica sentinel (SPEC §15) against a real `atroposd inference` server: the canary's drift
+between the server's logprobs and the trainer's own, a replica whose weights were corrupted through
+the weight-control socket quarantined (503), synced again and let back, and the log's cause."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from structlog.testing import capture_logs
+from transformers import AutoModelForCausalLM
+
+from atroposd.weights.client import WeightControlClient
+from atroposd.weights.reload import write_sync_dir
+from atroposd.weights.sentinel import Sentinel, builtin_prompts, score_completion
+from atroposd.weights.sync import ReloadSync
+from tests.inference.conftest import start_server
+from tests.support import stop_process
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from atroposd.models.tiny import ensure_builtin_model
+
+    return ensure_builtin_model(tmp_path_factory.mktemp("tiny-state"), seed=0, max_model_len=256)
+
+
+async def _on_thread(fn: Any, *args: Any) -> Any:
+    return await anyio.to_thread.run_sync(lambda: fn(*args))
+
+
+def _generate(url: str) -> int:
+    body = json.dumps({"prompt": {"prompt_token_ids": [3, 4, 5]}, "max_tokens": 2}).encode()
+    req = urllib.request.Request(url + "/generate", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+def _info(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url + "/info", timeout=30) as resp:
+        out: dict[str, Any] = json.loads(resp.read())
+        return out
+
+
+def test_builtin_prompts_are_fixed_and_inside_the_vocabulary() -> None:
+    a, b = builtin_prompts(8, 300), builtin_prompts(8, 300)
+    assert a == b and len(a) == 8 and len({tuple(p) for p in a}) == 8
+    assert all(3 <= t < 300 for p in a for t in p)
+
+
+@pytest.mark.slow  # a real inference server: about 25 s on 2 cores
+async def test_corrupted_replica_is_quarantined_resynced_and_let_back(short_tmp: Path, tiny_dir: Path) -> None:
+    server = start_server(short_tmp, tiny_dir)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+        model.eval()
+        sync = ReloadSync(sync_dir=short_tmp / "state" / "sync", control_socket=server.socket)
+        await sync.attach(model, 1)
+        sentinel = Sentinel(every=2, limit=0.05, prompts=builtin_prompts(4, model.config.vocab_size),
+                            sockets=lambda: [server.socket], run=_on_thread, max_tokens=8)
+
+        # a healthy replica: only every second sync is checked, and its drift is near 0 (float32)
+        await sentinel.after_sync(sync, model, 1)
+        assert sentinel.checks == 0
+        await sentinel.after_sync(sync, model, 1)
+        assert sentinel.checks == 1
+        healthy = sentinel.replica_drift()[0]
+        assert healthy is not None and healthy < 1e-3, healthy
+
+        # the same tokens scored by the trainer agree with what the replica reported
+        client = WeightControlClient(server.socket)
+        try:
+            prompt = builtin_prompts(1, model.config.vocab_size)[0]
+            ans = await client.request("POST", "/canary", {"prompt": {"prompt_token_ids": prompt}, "max_tokens": 4})
+            ids = ans["token_ids"][0]
+            theirs = [float(next(iter(e[0].values()))) for e in ans["logprobs"][0]]
+            assert ans["weight_version"] == 1
+            assert max(abs(a - b) for a, b in zip(theirs, score_completion(model, prompt, ids), strict=True)) < 1e-3
+
+            # corrupt the replica's weights after the sync, through the weight-control socket
+            bad = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+            with torch.no_grad():
+                for p in bad.parameters():
+                    p.add_(torch.randn_like(p) * 0.5)
+            path = await anyio.to_thread.run_sync(write_sync_dir, bad, short_tmp / "state" / "sync", 999)
+            await client.pause()
+            await client.load(path, 999)
+            await client.resume(1)
+
+            # quarantined: generation routes answer 503, the canary still generates
+            await sentinel._quarantine(server.socket, True, "test")
+            assert await anyio.to_thread.run_sync(_generate, server.url) == 503
+            assert (await anyio.to_thread.run_sync(_info, server.url))["quarantined"] is True
+            await sentinel._quarantine(server.socket, False)
+            assert await anyio.to_thread.run_sync(_generate, server.url) == 200
+        finally:
+            await client.close()
+
+        with capture_logs() as logs:
+            await sentinel.check_all(sync, model, 1)
+        events = [e["event"] for e in logs]
+        over = [e for e in logs if e["event"].startswith("replica drift over the limit")]
+        assert over and over[0]["drift"] > 0.05, events
+        assert sentinel.resyncs == 1
+        fell = [e for e in logs if "had not arrived" in e["event"]]
+        assert fell and fell[0]["drift_after"] < 1e-3, events
+        assert sentinel.replica_drift()[0] is not None and sentinel.replica_drift()[0] < 1e-3  # type: ignore[operator]
+        assert not sentinel.quarantined
+        assert await anyio.to_thread.run_sync(_generate, server.url) == 200  # back in rotation
+        sync.close()
+    finally:
+        assert stop_process(server.proc) == 0, server.tail()
