@@ -158,3 +158,35 @@ def test_lr_scale_applies_to_a_restored_schedule() -> None:
     sched2.step()
     assert opt2.param_groups[0]["lr"] == pytest.approx(0.5 * 1e-3 * 6 / 10)
 
+
+
+def test_status_json_text_and_systemd_line_show_a_rollback() -> None:
+    from types import SimpleNamespace
+
+    import anyio
+
+    from atroposd.commands import _render_status
+    from atroposd.config import Config
+    from atroposd.daemon.state import DaemonState
+    from atroposd.daemon.status import status_line
+    from atroposd.trainer.service import TrainerService
+
+    async def make() -> TrainerService:  # its lock belongs to an event loop
+        return TrainerService(Config(), instance="t", weights=None, envs_alive=lambda: True)  # type: ignore[arg-type]
+
+    svc = anyio.run(make)
+    clean = svc.status()
+    assert clean["health"] == "ok" and clean["rollbacks"] == 0 and clean["known_good"] == "start"
+    p = svc.progress
+    p.health, p.rollbacks, p.dropped_groups = "entropy", 1, 12
+    p.last_rollback = {"step": 57, "detector": "entropy", "reason": "entropy 0.01 below 0.1× its running median",
+                       "to": "/var/lib/atroposd/checkpoints/step-40", "lr": 1.5e-4, "final": False}
+    st = svc.status()
+    assert st["rollbacks"] == 1 and st["max_rollbacks"] == 3 and st["last_rollback"]["to"].endswith("step-40")
+    text = _render_status({"state": "running", "pid": 1, "uptime_s": 1.0, "config": "/x.toml", "components": [],
+                           "trainer": st, "queue": None})
+    assert "trainer: health: entropy tripped at the last step" in text
+    assert "1 rollback(s) of at most 3; last at step 57: entropy 0.01" in text and "12 groups dropped" in text
+    view = SimpleNamespace(units={}, state=DaemonState.RUNNING, trainer=svc, watchdog=None)
+    line = status_line(view)
+    assert line.endswith("; health: entropy; 1/3 rollbacks, last at step 57 (entropy) to step-40, lr 0.00015"), line
