@@ -1058,11 +1058,12 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
         if not inf.enabled and sync in ("shared", "push", "broadcast"):
             p.append(Problem("trainer.weight_sync", f"\"{sync}\" needs a local inference server "
                                                     "(inference.enabled = true); use \"reload\""))
-    if inf.engine == "vllm" and inf.vllm.gpu_memory_utilization == 0.0 and t.enabled and \
-            any(_is_cuda(td) and any(_is_cuda(d) and td in d.split(",") for d in cfg.inference_devices())
-                for td in t.devices()):
-        p.append(Problem("inference.vllm.gpu_memory_utilization",
-                         "must be > 0 when vLLM shares a GPU with the trainer"))
+    if inf.engine == "vllm" and inf.vllm.gpu_memory_utilization == 0.0 and t.enabled:
+        shared_gpu = _trainer_gpu_overlap(cfg)
+        if shared_gpu is not None:
+            p.append(Problem("inference.vllm.gpu_memory_utilization",
+                             f"must be > 0 when vLLM shares a GPU with the trainer ({shared_gpu}): it says how "
+                             "much of the GPU's memory the replica may take"))
     if isinstance(inf.device, list):
         if len(inf.device) != inf.replicas:
             p.append(Problem("inference.device", f"a list must have exactly inference.replicas ({inf.replicas}) "
@@ -1076,7 +1077,7 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
     p.extend(_trainer_device_problems(t.device))
     if inf.enabled and inf.tool_parser:
         # light: reads vLLM's parser names from its source, imports nothing heavy
-        from atroposd.inference.tools import parser_problem
+        from atroposd.toolparsers import parser_problem
 
         why = parser_problem(inf.tool_parser)
         if why:
@@ -1259,7 +1260,19 @@ def fill_placeholders(command: Sequence[str], values: Mapping[str, str]) -> list
 
 
 def _is_cuda(device: str) -> bool:
-    return device.startswith("cuda") or device.startswith("GPU-")
+    return device.startswith("cuda") or device.startswith(("GPU-", "MIG-"))
+
+
+def _trainer_gpu_overlap(cfg: Config) -> str | None:
+    """The first inference replica GPU that is also a trainer rank's, described for an error,
+    or None. ``cuda`` is ``cuda:0``; a UUID beside an index is compared through ``nvidia-smi``
+    where it can be asked."""
+    for i, entry in enumerate(cfg.inference_devices()):
+        for gpu in (g.strip() for g in entry.split(",")):
+            for rank, td in enumerate(cfg.trainer.devices()):
+                if _is_cuda(td) and _is_cuda(gpu) and same_device(td, gpu):
+                    return f"replica {i} on {gpu!r}, trainer rank {rank} on {td!r}"
+    return None
 
 
 # ---------------------------------------------------------------------------- rendering

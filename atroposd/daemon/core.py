@@ -383,8 +383,8 @@ class Daemon:
         here, loopback) and the rank processes, started and stopped by the trainer."""
         from atroposd.trainer.group import GroupStore
 
-        for key, value in specs.trainer_group_env(self.cfg).items():
-            os.environ.setdefault(key, value)
+        # NCCL's variables set, overriding the environment; gloo's interface only defaulted.
+        os.environ.update(specs.trainer_group_env(self.cfg, os.environ))
         world = self.cfg.trainer.ranks
         link = self.cluster
         if link is not None:

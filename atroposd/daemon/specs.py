@@ -146,19 +146,29 @@ def inference_name(cfg: Config, replica: int) -> str:
     return "inference" if cfg.inference.replicas == 1 else f"inference-{replica}"
 
 
-def replica_device(entry: str, base_env: Mapping[str, str]) -> tuple[str, str | None]:
-    """``(--device for the child, CUDA_VISIBLE_DEVICES for it or None)`` for one replica's device.
+def gpu_entries(entry: str) -> list[str]:
+    """The GPUs one device entry names (``cuda``, ``cuda:N``, a UUID, a comma-separated list of
+    them), or ``[]`` for ``cpu`` and ``auto``."""
+    gpus = [g.strip() for g in entry.split(",") if g.strip()]
+    if not gpus or any(g in ("cpu", "auto") for g in gpus):
+        return []
+    return ["cuda:0" if g == "cuda" else g for g in gpus]
 
-    A GPU UUID becomes the child's only visible GPU (its device 0); several GPUs
-    (``"cuda:2,cuda:3"``, a tensor-parallel vLLM replica) become its visible GPUs, numbered as
-    the daemon numbers them (through the daemon's own CUDA_VISIBLE_DEVICES when it has one),
-    and the child computes on ``cuda:0``; ``cuda:N`` keeps the daemon's numbering.
+
+def replica_device(entry: str, base_env: Mapping[str, str]) -> tuple[str, str | None]:
+    """``(--device for the child, CUDA_VISIBLE_DEVICES for it or None)`` for one device entry.
+
+    Every GPU entry — ``cuda:N``, a GPU UUID, several (``"cuda:2,cuda:3"``, a tensor-parallel
+    vLLM replica) — becomes the child's visible GPUs, numbered as the daemon numbers them
+    (through the daemon's own CUDA_VISIBLE_DEVICES when it has one), and the child computes on
+    its ``cuda:0`` (SPEC §12.2). ``cpu`` and ``auto`` leave the daemon's list alone.
     """
-    if "," not in entry:
-        return entry, entry if entry.startswith(("GPU-", "MIG-")) else None
+    gpus = gpu_entries(entry)
+    if not gpus:
+        return entry, None
     parent = [d.strip() for d in base_env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     visible = []
-    for gpu in entry.split(","):
+    for gpu in gpus:
         if gpu.startswith("cuda:"):
             index = int(gpu.removeprefix("cuda:"))
             visible.append(parent[index] if parent and index < len(parent) else str(index))
@@ -167,14 +177,22 @@ def replica_device(entry: str, base_env: Mapping[str, str]) -> tuple[str, str | 
     return "cuda:0", ",".join(visible)
 
 
+# The number of GPUs a vLLM replica was given (SPEC §12.2): its --tensor-parallel-size unless
+# inference.vllm.extra_args sets one.
+GPUS_VAR = "ATROPOSD_GPUS"
+# The device a trainer rank computes on when the daemon narrowed its visible GPUs (its cuda:0).
+DEVICE_VAR = "ATROPOSD_DEVICE"
+
+
 def inference_spec(ins: SpecInputs, replica: int = 0) -> UnitSpec:
     """One inference replica (replica i on ``port + i``), with its weight-control socket."""
     c = ins.cfg
     port = c.inference.port + replica
     sock = ins.paths.inference_socket(port)
     argv = _atroposd(ins, "inference", "-c", ins.child_config, "--control-socket", str(sock))
-    device, visible = replica_device(c.inference_devices()[replica], ins.base_env)
-    if c.inference.replicas > 1 or isinstance(c.inference.device, list):
+    entry = c.inference_devices()[replica]
+    device, visible = replica_device(entry, ins.base_env)
+    if c.inference.replicas > 1 or isinstance(c.inference.device, list) or visible is not None:
         argv += ["--port", str(port), "--device", device]
     if c.trainer.enabled:
         # Every mode: a (re)started server waits for the trainer's current weights before it
@@ -184,6 +202,7 @@ def inference_spec(ins: SpecInputs, replica: int = 0) -> UnitSpec:
     env = child_env(ins, placeholder_values(ins, name=name, replica=replica))
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
+        env[GPUS_VAR] = str(len(gpu_entries(entry)))
     # SIGTERM on the daemon's death: the server shuts its engine (and its process group) down.
     i = c.inference
     live = LiveSettings(i.live_interval, i.live_timeout, i.live_failures)
@@ -203,16 +222,22 @@ def inference_specs(ins: SpecInputs) -> list[UnitSpec]:
 
 # The variables that pin gloo to loopback on one node and keep NCCL from ending the daemon on a
 # failed collective (SPEC §12.1): the daemon sets them for itself and gives them to every rank.
+# The NCCL ones are set, overriding the environment (its defaults end the process on a failed
+# collective, which would pre-empt the group restart); gloo's interface is only a default.
 TRAINER_GROUP_ENV = {"GLOO_SOCKET_IFNAME": "lo", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
                      "TORCH_NCCL_ENABLE_MONITORING": "0"}
+TRAINER_GROUP_DEFAULTS = ("GLOO_SOCKET_IFNAME",)
 
 
-def trainer_group_env(cfg: Config) -> dict[str, str]:
+def trainer_group_env(cfg: Config, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """TRAINER_GROUP_ENV for this job: gloo stays on loopback unless the nodes are separate
-    machines (then the launcher's GLOO_SOCKET_IFNAME, if any, names the interface)."""
+    machines (then the launcher's GLOO_SOCKET_IFNAME, if any, names the interface). With
+    ``environ``, a GLOO_SOCKET_IFNAME already there is kept; the NCCL variables never are."""
     env = dict(TRAINER_GROUP_ENV)
     if cfg.cluster.enabled and not is_loopback(cfg.cluster.head):
         del env["GLOO_SOCKET_IFNAME"]
+    if environ is not None:
+        env.update({k: environ[k] for k in TRAINER_GROUP_DEFAULTS if k in env and k in environ})
     return env
 
 
@@ -234,14 +259,15 @@ def trainer_rank_specs(ins: SpecInputs, *, store_address: str, secret: str,
             continue
         name = f"trainer-{rank}"
         env = child_env(ins, {})
-        env.update({k: ins.base_env.get(k, v) for k, v in trainer_group_env(c).items()})
+        env.update(trainer_group_env(c, ins.base_env))
         env.update({STORE_VAR: store_address, SECRET_VAR: secret})
         if local == 0 and c.inference.enabled and c.weight_sync in ("push", "reload"):
             env[NODE_REPLICAS_VAR] = ",".join(str(ins.paths.inference_socket(c.inference.port + i))
                                               for i in range(c.inference.replicas))
-        _, visible = replica_device(device, ins.base_env)
+        own, visible = replica_device(device, ins.base_env)
         if visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible
+            env[DEVICE_VAR] = own
         argv = _atroposd(ins, "trainer-rank", "-c", ins.child_config, "--rank", str(rank))
         out.append(UnitSpec(name=name, kind="trainer", argv=argv, env=env,
                             probe=ConditionProbe("joined the trainer group", functools.partial(joined, rank)),

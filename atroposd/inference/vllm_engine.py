@@ -350,6 +350,15 @@ def _tied_groups(model: Any) -> list[list[tuple[Any, str]]]:
 # ---------------------------------------------------------------------------- engine
 
 
+def tensor_parallel_args(extra_args: list[str], gpus: int) -> list[str]:
+    """``extra_args`` with ``--tensor-parallel-size GPUS`` for a replica on several GPUs, unless
+    they set it already (SPEC §12.2)."""
+    if gpus <= 1 or any(a in ("-tp", "--tensor-parallel-size") or a.startswith(("-tp=", "--tensor-parallel-size="))
+                        for a in extra_args):
+        return list(extra_args)
+    return [*extra_args, "--tensor-parallel-size", str(gpus)]
+
+
 class VllmEngine(WeightGate):
     """AsyncLLM behind the inference-engine methods: generate, pause/resume, weights, close."""
 
@@ -358,8 +367,9 @@ class VllmEngine(WeightGate):
     def __init__(self, *, model: str, tokenizer: str | None = None, dtype: str = "auto", device: str = "cpu",
                  max_model_len: int = 4096, gpu_memory_utilization: float = 0.0, enforce_eager: bool = False,
                  extra_args: list[str] | None = None, receiver: Any = None, seed: int = 0,
-                 await_weights: bool = False, lora_rank: int | None = None) -> None:
+                 await_weights: bool = False, lora_rank: int | None = None, gpus: int = 1) -> None:
         self.model = model
+        self.gpus = gpus  # the GPUs this replica was given: its tensor-parallel size (SPEC §12.2)
         # A path, not a tokenizer object: the front loads its own tokenizer from the config.
         self.tokenizer_path = tokenizer or model
         self.dtype = dtype
@@ -402,7 +412,8 @@ class VllmEngine(WeightGate):
                    enforce_eager=inf.vllm.enforce_eager, extra_args=list(inf.vllm.extra_args),
                    receiver=receiver if receiver is not None else ReceiverState.from_config(cfg),
                    seed=cfg.trainer.seed, await_weights=await_weights,
-                   lora_rank=cfg.trainer.lora_r if cfg.trainer.enabled and cfg.trainer.mode == "lora" else None)
+                   lora_rank=cfg.trainer.lora_r if cfg.trainer.enabled and cfg.trainer.mode == "lora" else None,
+                   gpus=int(os.environ.get("ATROPOSD_GPUS") or 1))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -411,7 +422,7 @@ class VllmEngine(WeightGate):
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
         parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
-        ns = parser.parse_args(["--model", self.model, *self.extra_args])
+        ns = parser.parse_args(["--model", self.model, *tensor_parallel_args(self.extra_args, self.gpus)])
         args = AsyncEngineArgs.from_cli_args(ns)
         args.tokenizer = self.tokenizer_path
         args.dtype = resolve(self.device, self.dtype, key="inference.device")[1]

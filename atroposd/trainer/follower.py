@@ -64,7 +64,9 @@ def serve(cfg: Config, rank: int) -> int:
     from atroposd.devices import resolve_torch
 
     local = rank % t.local_ranks
-    device, _ = resolve_torch(t.device_of(rank), cfg.inference.dtype, key=f"trainer.device[{local}]")
+    # The daemon narrowed this rank's visible GPUs to its own and named its device (cuda:0).
+    own = os.environ.get("ATROPOSD_DEVICE") or t.device_of(rank)
+    device, _ = resolve_torch(own, cfg.inference.dtype, key=f"trainer.device[{local}]")
     if device.type == "cpu":
         torch.set_num_threads(1)
     if os.environ.get(TEST_HANG_VAR) == "join":  # test hook: a rank that never joins

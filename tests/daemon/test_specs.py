@@ -8,9 +8,12 @@ from typing import Any
 
 import pytest
 
-from atroposd.config import Config, parse_config
+from atroposd.config import Config, ConfigError, parse_config, parse_toml
 from atroposd.daemon.specs import (
     API_READY_TIMEOUT,
+    DEVICE_VAR,
+    GPUS_VAR,
+    TRAINER_GROUP_ENV,
     SpecInputs,
     all_specs,
     api_spec,
@@ -19,7 +22,10 @@ from atroposd.daemon.specs import (
     inference_spec,
     inference_specs,
     replica_device,
+    trainer_group_env,
+    trainer_rank_specs,
 )
+from atroposd.inference.vllm_engine import tensor_parallel_args
 from atroposd.paths import Paths
 from atroposd.process.probes import HttpProbe, InferenceProbe, RegisteredProbe, StartedProbe
 from atroposd.process.unit import UnitSpec
@@ -137,7 +143,7 @@ def test_inference_on_a_gpu_by_uuid_without_a_trainer() -> None:
     spec = inference_spec(_inputs(cfg))
     assert "--await-weights" not in spec.argv  # nobody will send weights
     assert spec.env["CUDA_VISIBLE_DEVICES"] == "GPU-6f1e"  # device 0 in the child
-    assert spec.argv[-1] == "/run/job/inference-9100.sock"
+    assert spec.argv[-4:] == ["--port", "9100", "--device", "cuda:0"]
 
 
 @pytest.mark.parametrize(("configured", "expected"), [("SIGTERM", signal.SIGTERM), ("int", signal.SIGINT),
@@ -221,19 +227,122 @@ def test_replica_devices_several_gpus_and_uuids() -> None:
     cfg = _config(inference={"replicas": 3, "engine": "vllm", "device": ["cuda:1", "cuda:2,cuda:3", "GPU-6f1e"]},
                   trainer={"device": "cuda:0"}, env=[])
     r0, r1, r2 = inference_specs(_inputs(cfg, {"PATH": "/usr/bin"}))
-    assert r0.argv[r0.argv.index("--device") + 1] == "cuda:1" and "CUDA_VISIBLE_DEVICES" not in r0.env
-    # several GPUs: the child sees exactly them and computes on its device 0 (tensor parallel via extra_args)
+    # every GPU entry becomes the child's visible GPUs, and the child computes on its cuda:0
+    assert r0.argv[r0.argv.index("--device") + 1] == "cuda:0" and r0.env["CUDA_VISIBLE_DEVICES"] == "1"
     assert r1.argv[r1.argv.index("--device") + 1] == "cuda:0" and r1.env["CUDA_VISIBLE_DEVICES"] == "2,3"
-    assert r2.argv[r2.argv.index("--device") + 1] == "GPU-6f1e" and r2.env["CUDA_VISIBLE_DEVICES"] == "GPU-6f1e"
+    assert r2.argv[r2.argv.index("--device") + 1] == "cuda:0" and r2.env["CUDA_VISIBLE_DEVICES"] == "GPU-6f1e"
+    # the number of GPUs travels to the engine: its tensor-parallel size
+    assert [r.env[GPUS_VAR] for r in (r0, r1, r2)] == ["1", "2", "1"]
 
 
+def test_a_daemon_with_its_own_visible_gpus_translates_every_entry() -> None:
+    cfg = _config(inference={"replicas": 2, "device": ["cuda:1", "cuda:2,cuda:3"]},
+                  trainer={"device": ["cuda:0", "cuda:1"], "weight_sync": "push"}, env=[])
+    ins = _inputs(cfg, {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+    r0, r1 = inference_specs(ins)
+    assert r0.env["CUDA_VISIBLE_DEVICES"] == "5" and r1.env["CUDA_VISIBLE_DEVICES"] == "6,7"
+    (rank1,) = trainer_rank_specs(ins, store_address="127.0.0.1:1", secret="s", joined=lambda r: True)
+    assert rank1.env["CUDA_VISIBLE_DEVICES"] == "5" and rank1.env[DEVICE_VAR] == "cuda:0"
+
+
+def test_cpu_and_auto_keep_the_daemons_visible_gpus() -> None:
+    for device in ("cpu", "auto"):
+        cfg = _config(inference={"device": device}, trainer={"device": device})
+        spec = inference_spec(_inputs(cfg))
+        assert spec.env["CUDA_VISIBLE_DEVICES"] == "0,1" and "--device" not in spec.argv
+        assert GPUS_VAR not in spec.env
+
+
+def test_nccl_variables_are_set_over_the_environment_gloos_interface_only_defaulted() -> None:
+    cfg = _config(trainer={"device": ["cpu", "cpu"], "weight_sync": "push"}, env=[])
+    hostile = {"PATH": "/usr/bin", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_ENABLE_MONITORING": "1",
+               "GLOO_SOCKET_IFNAME": "eth7"}
+    (rank1,) = trainer_rank_specs(_inputs(cfg, hostile), store_address="127.0.0.1:1", secret="s",
+                                  joined=lambda r: True)
+    assert rank1.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert rank1.env["TORCH_NCCL_ENABLE_MONITORING"] == "0"
+    assert rank1.env["GLOO_SOCKET_IFNAME"] == "eth7"
+    assert DEVICE_VAR not in rank1.env  # a CPU rank: nothing narrowed
+    assert trainer_group_env(cfg, hostile) == {**TRAINER_GROUP_ENV, "GLOO_SOCKET_IFNAME": "eth7"}
+    assert trainer_group_env(cfg, {"PATH": "/usr/bin"}) == TRAINER_GROUP_ENV
+
+
+@pytest.mark.parametrize(("extra", "gpus", "expected"), [
+    ([], 1, []),
+    ([], 2, ["--tensor-parallel-size", "2"]),
+    (["--enable-prefix-caching"], 4, ["--enable-prefix-caching", "--tensor-parallel-size", "4"]),
+    (["--tensor-parallel-size", "1"], 2, ["--tensor-parallel-size", "1"]),  # extra_args win
+    (["-tp", "1"], 2, ["-tp", "1"]),
+    (["--tensor-parallel-size=1"], 2, ["--tensor-parallel-size=1"]),
+])
+def test_vllm_tensor_parallel_size_follows_the_replicas_gpus(extra: list[str], gpus: int,
+                                                            expected: list[str]) -> None:
+    assert tensor_parallel_args(extra, gpus) == expected
+
+
+def _problems(raw: dict[str, Any] | str) -> list[str]:
+    """What ``config check`` says of a config (none: [])."""
+    try:
+        parse_toml(raw) if isinstance(raw, str) else parse_config(raw)
+    except ConfigError as exc:
+        return [str(p) for p in exc.problems]
+    return []
+
+
+def _readme_several_gpu_example() -> str:
+    text = (Path(__file__).parents[2] / "README.md").read_text()
+    section = text[text.index("One node with 8 GPUs, 4 trainer ranks and 4 vLLM replicas"):]
+    return section.split("```toml\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readmes_several_gpu_example_places_every_process_on_its_own_gpu() -> None:
+    import tomllib
+
+    raw = tomllib.loads(_readme_several_gpu_example())
+    assert _problems(_readme_several_gpu_example()) == []
+    cfg = parse_config({**raw, "daemon": {"runtime_dir": "/run/job", "state_dir": "/var/job"}})
+    ins = _inputs(cfg, {"PATH": "/usr/bin"})
+    replicas = inference_specs(ins)
+    assert [r.env["CUDA_VISIBLE_DEVICES"] for r in replicas] == ["4", "5", "6", "7"]
+    assert all(r.argv[r.argv.index("--device") + 1] == "cuda:0" for r in replicas)
+    ranks = trainer_rank_specs(ins, store_address="127.0.0.1:1", secret="s", joined=lambda r: True)
+    assert [r.env["CUDA_VISIBLE_DEVICES"] for r in ranks] == ["1", "2", "3"]
+    assert all(r.env[DEVICE_VAR] == "cuda:0" for r in ranks)
+    # without gpu_memory_utilization it is still valid: no replica shares a trainer rank's GPU
+    raw["inference"]["vllm"].pop("gpu_memory_utilization")
+    assert _problems(raw) == []
+    # a replica moved onto a trainer rank's GPU must say how much memory it may take
+    raw["inference"]["device"] = ["cuda:3", "cuda:5", "cuda:6", "cuda:7"]
+    problems = _problems(raw)
+    assert any(p.startswith("inference.vllm.gpu_memory_utilization: must be > 0") and
+               "replica 0 on 'cuda:3', trainer rank 3 on 'cuda:3'" in p for p in problems), problems
+
+
+@pytest.mark.parametrize(("inference", "trainer", "refused"), [
+    (["cuda", "cuda:1"], ["cuda:0"], True),  # cuda is cuda:0
+    (["cuda:1,cuda:2", "cuda:3"], ["cuda:0", "cuda:2"], True),  # one GPU of a tensor-parallel entry
+    (["cuda:1,cuda:2", "cuda:3"], ["cuda:0", "cuda:4"], False),
+    (["cpu", "cpu"], ["cuda:0"], False),
+])
+def test_vllm_replica_overlapping_a_trainer_rank_is_refused(inference: list[str], trainer: list[str],
+                                                            refused: bool) -> None:
+    raw: dict[str, Any] = {"inference": {"engine": "vllm", "replicas": 2, "device": inference},
+                           "trainer": {"device": trainer, "weight_sync": "push"}}
+    problems = _problems(raw)
+    assert any(p.startswith("inference.vllm.gpu_memory_utilization") for p in problems) is refused, problems
+    raw["inference"]["vllm"] = {"gpu_memory_utilization": 0.4}
+    fixed = _problems(raw)
+    assert not any(p.startswith("inference.vllm.gpu_memory_utilization") for p in fixed), fixed
 @pytest.mark.parametrize(("entry", "parent", "expected"), [
     ("cpu", "", ("cpu", None)),
-    ("cuda:3", "4,5,6,7", ("cuda:3", None)),
+    ("cuda:3", "4,5,6,7", ("cuda:0", "7")),
+    ("cuda:3", "", ("cuda:0", "3")),
+    ("cuda", "", ("cuda:0", "0")),
+    ("auto", "4,5", ("auto", None)),
     ("cuda:2,cuda:3", "", ("cuda:0", "2,3")),
     ("cuda:2,cuda:3", "4,5,6,7", ("cuda:0", "6,7")),  # the daemon's own numbering
     ("cuda:0,GPU-ab12", "3", ("cuda:0", "3,GPU-ab12")),
-    ("GPU-ab12", "", ("GPU-ab12", "GPU-ab12")),
+    ("GPU-ab12", "", ("cuda:0", "GPU-ab12")),
 ])
 def test_replica_device(entry: str, parent: str, expected: tuple[str, str | None]) -> None:
     env = {"CUDA_VISIBLE_DEVICES": parent} if parent else {}
