@@ -206,6 +206,7 @@ def trainer_families(trainer: Any) -> Iterator[Metric]:
     for part, key in TIMELINE_PARTS:
         timeline.add_metric(["trainer", part], _num(last.get(key)))
     yield timeline
+    yield from sentinel_families(st.get("sentinel"))
     # the gathering of sharded weights (several ranks), inside the sync part
     gather = _gauge("atroposd_trainer_last_gather_seconds", "Seconds the last step's weight sync spent "
                     "gathering the sharded weights (part of its sync seconds; 0 with one rank)", labels)
@@ -237,6 +238,33 @@ def trainer_families(trainer: Any) -> Iterator[Metric]:
     dropped = _counter("atroposd_trainer_metrics_dropped", "metrics.jsonl lines that could not be written", labels)
     dropped.add_metric(comp, float(st.get("metrics_dropped") or 0))
     yield dropped
+
+
+def sentinel_families(sentinel: Any) -> Iterator[Metric]:
+    """SPEC §15: each replica's last canary drift, whether it is quarantined, and the sentinel's
+    resyncs and time per check (the trainer's status; nothing while the sentinel is off)."""
+    if not isinstance(sentinel, dict):
+        return
+    drift = _gauge("atroposd_replica_drift", "Each inference replica's last canary drift: mean |trainer logprob "
+                   "- replica logprob| per greedy canary token (NaN before its first check)", ["replica"])
+    quarantined = _gauge("atroposd_replica_quarantined", "1 while the sentinel keeps the replica out of rotation "
+                         "(its generation routes answer 503)", ["replica"])
+    held = sentinel.get("quarantined") or {}
+    for i, value in enumerate(sentinel.get("replica_drift") or []):
+        drift.add_metric([str(i)], _num(value))
+        quarantined.add_metric([str(i)], 1.0 if str(i) in held else 0.0)
+    yield drift
+    yield quarantined
+    for name, key, doc in (("resyncs", "resyncs", "Replicas synced again after a drift over drift_limit"),
+                           ("restarts", "restarts", "Replicas restarted after a resync did not bring the drift back"),
+                           ("checks", "checks", "Canary checks of one replica")):
+        c = _counter(f"atroposd_sentinel_{name}", doc, [])
+        c.add_metric([], float(sentinel.get(key) or 0))
+        yield c
+    per = _gauge("atroposd_sentinel_check_seconds", "Mean seconds of one replica's canary check (generation "
+                 "and the trainer's scoring)", [])
+    per.add_metric([], _num(sentinel.get("check_s")))
+    yield per
 
 
 def replica_families(health: ReplicaHealth) -> Iterator[Metric]:

@@ -94,9 +94,11 @@ async def status(d: DaemonView) -> dict[str, Any]:
         components += [u.status() for u in d.units.values() if u.kind == "trainer"]
         components += [u.status() for u in d.units.values() if u.kind == "env"]
         queue = await _queue(cfg, session)
+    trainer = trainer_status(d)
+    _replica_drift(trainer, components)
     out = {"state": d.state.value, "pid": d.pid, "uptime_s": round(d.uptime(), 3),
            "config": cfg.source, "instance": d.nonce, "components": components,
-           "trainer": trainer_status(d), "queue": queue,
+           "trainer": trainer, "queue": queue,
            "start_error": d.start_error}
     out.update(cluster_status(d))
     return out
@@ -201,7 +203,8 @@ async def _replica_health(cfg: Config, session: aiohttp.ClientSession, rows: lis
         row.update(url=url, weight_version=None, generations=None)
         data = await fetch_health(session, url, inference_headers(cfg))
         if data is not None:
-            row.update(weight_version=data.get("weight_version"), generations=data.get("generations"))
+            row.update(weight_version=data.get("weight_version"), generations=data.get("generations"),
+                       quarantined=bool(data.get("quarantined", False)))
 
     async with anyio.create_task_group() as tg:
         for row in rows:
@@ -217,6 +220,18 @@ def _replica_sync(d: DaemonView, rows: list[dict[str, Any]]) -> None:
 
     for row in rows:
         row["weight_sync"] = replica_sync_status(weights, replica_index(row["name"]))
+
+
+def _replica_drift(trainer: dict[str, Any] | None, rows: list[dict[str, Any]]) -> None:
+    """Each local inference replica's last canary drift (SPEC §15; None: not checked yet)."""
+    sentinel = (trainer or {}).get("sentinel")
+    if not isinstance(sentinel, dict):
+        return
+    drift = sentinel.get("replica_drift") or []
+    for row in rows:
+        if row.get("kind") == "inference" and not row.get("external"):
+            i = replica_index(row["name"])
+            row["drift"] = drift[i] if i < len(drift) else None
 
 
 async def _queue(cfg: Config, session: aiohttp.ClientSession) -> dict[str, Any] | None:

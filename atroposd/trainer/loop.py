@@ -136,6 +136,8 @@ class TrainingLoop:
         self.monitor = HealthMonitor(max_nonfinite_steps=health.max_nonfinite_steps if health else 3)
         self.pending_good: list[tuple[int, Path]] = []
         self.drop = drop
+        # SPEC §15: the replica sentinel (atroposd.weights.sentinel; None: canary_every = 0)
+        self.sentinel: Any = None
 
     def request_stop(self) -> None:
         self.stop_requested = True
@@ -205,6 +207,9 @@ class TrainingLoop:
                     p.step += 1
                     before = getattr(self.weights, "last_sync", None)
                     await self.weights.after_step(self.learner.policy.model, p.weight_version)
+                    if self.sentinel is not None and p.weight_version in self.weights.replica_versions():
+                        # the canary checks of this sync, between steps (SPEC §15)
+                        await self.sentinel.after_sync(self.weights, self.learner.policy.model, p.weight_version)
                     after = getattr(self.weights, "last_sync", None)  # a new dict: this step synced
                 gather_s = float(after.get("gather_s", 0.0)) if isinstance(after, dict) and after is not before else 0.0
                 if isinstance(after, dict) and after is not before:
@@ -365,6 +370,8 @@ class TrainingLoop:
         }
         if self.replica_generations is not None:
             record["replica_generations"] = self.replica_generations()
+        if self.sentinel is not None:  # each replica's last canary drift (SPEC §15)
+            record["replica_drift"] = self.sentinel.replica_drift()
         if r.distill_token_count or self.t.distill_coef > 0:
             record["distill_loss"] = r.distill_loss
             record["distill_token_count"] = r.distill_token_count

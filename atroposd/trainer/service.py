@@ -131,6 +131,7 @@ class TrainerService:
         self.waiting_nodes: list[int] = []  # several machines: the nodes a re-forming group waits for
         self._started = False  # task_status.started() was called
         self._rollback: _Rollback | None = None  # a collapse the next attempt rolls back from
+        self._sentinel: Any = None  # SPEC §15: the replica sentinel, made once per job
 
     # ------------------------------------------------------------------ daemon interface
 
@@ -168,6 +169,8 @@ class TrainerService:
             "health": p.health, "rollbacks": p.rollbacks, "max_rollbacks": self.cfg.health.max_rollbacks,
             "last_rollback": p.last_rollback, "known_good": p.known_good, "dropped_groups": p.dropped_groups,
             "lr": p.last.get("lr"),
+            # SPEC §15: each replica's canary drift, quarantines, resyncs, the time per check
+            "sentinel": self._sentinel.status() if self._sentinel is not None else None,
         }
 
     def metrics_view(self) -> dict[str, Any]:
@@ -325,6 +328,11 @@ class TrainerService:
                                       # progress line below the log)
                                       progress_every=PROGRESS_EVERY, health=self.cfg.health, drop=p.drop)
             self._loop.checkpointer.health = p.health_record
+            if self._sentinel is None:
+                from atroposd.weights.sentinel import make_sentinel
+
+                self._sentinel = make_sentinel(self.cfg, self.weights, self.compute.run, learner.policy.vocab_size)
+            self._loop.sentinel = self._sentinel
             if plan is not None:
                 outcome = await self._finish_rollback(plan, good_version)
                 if outcome is not None:

@@ -27,7 +27,7 @@ import torch
 from atroposd.logs import get_logger
 from atroposd.weights.client import WeightControlClient, WeightControlError
 
-__all__ = ["CanaryResult", "Sentinel", "builtin_prompts", "score_completion"]
+__all__ = ["CanaryResult", "Sentinel", "builtin_prompts", "make_sentinel", "score_completion"]
 
 log = get_logger(__name__)
 
@@ -146,6 +146,8 @@ class Sentinel:
             elif i in self.quarantined:
                 await self._release(i, sock, drift=result.drift)
         self.last_check_s = time.perf_counter() - start
+        log.info("canary check", weight_version=version, replica_drift=[_r(d) for d in self.drift],
+                 seconds=round(self.last_check_s, 4), drift_limit=self.limit)
         return list(self.drift)
 
     async def measure(self, sock: Path, model: torch.nn.Module, version: int) -> CanaryResult | None:
@@ -253,3 +255,21 @@ def _completion(ans: dict[str, Any]) -> tuple[list[int], list[float]]:
 
 def _r(x: float | None) -> float | None:
     return None if x is None else round(x, 5)
+
+
+def make_sentinel(cfg: Any, weights: Any, run: RunOnCompute, vocab_size: int) -> Sentinel | None:
+    """The job's sentinel (``[health] canary_every``; None when 0 or without local replicas): the
+    built-in canary prompts, and the control socket of every replica the weight sync reaches."""
+    h = cfg.health
+    inner = getattr(weights, "inner", weights)
+    if h.canary_every <= 0 or not getattr(inner, "replicas", None):
+        return None
+    if cfg.trainer.ranks > 1:  # rank 0 holds a shard: the canary is scored by one rank only
+        log.info("the replica sentinel is off with several trainer ranks", ranks=cfg.trainer.ranks)
+        return None
+
+    def sockets() -> list[Path | None]:
+        return [r.socket for r in getattr(inner, "replicas", [])]
+
+    return Sentinel(every=h.canary_every, limit=h.drift_limit, prompts=builtin_prompts(h.canary_prompts, vocab_size),
+                    sockets=sockets, run=run)
