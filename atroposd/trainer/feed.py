@@ -231,20 +231,28 @@ class BatchFeed:
         """Fetch ahead forever (a task): take a slot, poll until a batch comes, hand it over."""
         while True:
             await self.slots.acquire()
-            delay = POLL_MIN_S
-            while True:
-                asked = time.monotonic()
-                if (batch := await self.fetch_once(LONG_POLL_S)) is not None:
-                    if (taken := self._filtered(batch)) is not None:
-                        break
-                    delay = POLL_MIN_S  # groups were dropped: fill the batch from the queue
-                    continue
-                if time.monotonic() - asked >= LONG_POLL_S / 2:
-                    delay = POLL_MIN_S  # a long-poll that ran out: ask again at once
-                    continue
-                await anyio.sleep(delay)  # answered at once: an API that does not long-poll
-                delay = min(delay * 2, POLL_MAX_S)
-            await self._deliver(*taken)
+            delivered = False
+            try:
+                delay = POLL_MIN_S
+                while True:
+                    asked = time.monotonic()
+                    if (batch := await self.fetch_once(LONG_POLL_S)) is not None:
+                        if (taken := self._filtered(batch)) is not None:
+                            break
+                        delay = POLL_MIN_S  # groups were dropped: fill the batch from the queue
+                        continue
+                    if time.monotonic() - asked >= LONG_POLL_S / 2:
+                        delay = POLL_MIN_S  # a long-poll that ran out: ask again at once
+                        continue
+                    await anyio.sleep(delay)  # answered at once: an API that does not long-poll
+                    delay = min(delay * 2, POLL_MAX_S)
+                await self._deliver(*taken)
+                delivered = True
+            finally:
+                # Cancelled while polling (the trainer group restarts and starts a new run):
+                # the slot goes back, or each restart would leave one fewer until none is left.
+                if not delivered:
+                    self.slots.release()
 
     def _filtered(self, batch: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
         """The batch to deliver and the groups dropped for it (without a filter: as it came)."""

@@ -119,3 +119,28 @@ async def test_only_equal_groups_make_the_trainer_wait_for_filtered() -> None:
         finally:
             await feed.aclose()
     assert "filtered" in reasons and feed.group_filter is not None and feed.group_filter.filtered > 3
+
+
+async def test_a_run_cancelled_while_polling_gives_its_slot_back() -> None:
+    """The trainer group's restart cancels the feed's run and starts another: three restarts
+    while no batch came must not use up the slots (max_staleness 2: three of them)."""
+    import anyio
+
+    batches: list[list[dict[str, object]]] = []
+    async with batches_server(batches, None) as url:
+        feed = BatchFeed(url, dict, max_ahead=2)
+        try:
+            for _ in range(3):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(feed.run)
+                    await anyio.sleep(0.2)  # polling an API that has no batch
+                    tg.cancel_scope.cancel()
+            batches.append([_g([1.0, 0.0])])
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(feed.run)
+                with anyio.fail_after(10):
+                    got = await feed.next(data_timeout=30, envs_alive=lambda: True)
+                tg.cancel_scope.cancel()
+        finally:
+            await feed.aclose()
+    assert got == [_g([1.0, 0.0])]
