@@ -18,7 +18,11 @@ stage          meaning                                    restarted
 ============== ========================================== =====================
 
 A stall not resolved within twice ``stall_timeout`` ends the job (exit 1; the next start
-resumes from the last checkpoint).  Independently of any stall, a weight-control request
+resumes from the last checkpoint). The clock stops while the trainer group forms or re-forms
+(``waiting_for = "ranks"``: bounded by ``join_timeout`` and ``max_restarts``) and, with several
+ranks, while the trainer's step is inside ``collective_timeout``: a stuck collective is the
+group's to end (it restarts from the last checkpoint), never pre-empted by this watchdog
+(SPEC §12.1). Past ``collective_timeout`` in one step the clock runs again.  Independently of any stall, a weight-control request
 that passed its own deadline (``sync_timeouts`` of the weight sync) restarts the inference
 server, which gets the current weights from ``reattach`` before it serves again.
 
@@ -145,6 +149,11 @@ class StallWatchdog:
         self.stalls = 0  # stall episodes so far
         self._last_step: int | None = None
         self._last_progress = time.monotonic()
+        # The stopped clock (SPEC §12.1): seconds since the last step that do not count, the
+        # last tick, and since when the trainer has computed in this step (several ranks).
+        self._stopped = 0.0
+        self._last_tick: float | None = None
+        self._compute_since: float | None = None
         self._sync_timeouts = 0  # one that timed out before the watchdog started counts too
         self._ended = False
         self._scope: anyio.CancelScope | None = None
@@ -155,6 +164,7 @@ class StallWatchdog:
 
     async def run(self) -> None:
         self._last_progress = time.monotonic()
+        self._stopped, self._last_tick = 0.0, None
         with anyio.CancelScope() as self._scope:
             if self._ended:
                 return
@@ -181,7 +191,9 @@ class StallWatchdog:
         if p.step != self._last_step:
             self._last_step = p.step
             self._last_progress = now
-        quiet = now - self._last_progress
+            self._stopped, self._compute_since = 0.0, None
+        self._run_clock(p, now)
+        quiet = now - self._last_progress - self._stopped
         if quiet < self.stall_timeout:
             self._resolved(now)
             return
@@ -189,12 +201,13 @@ class StallWatchdog:
         blamed = self._blame(stage)
         if self.stall is None or self.stall.stage != stage:
             first = self.stall is None
-            self.stall = Stall(since=self._last_progress, stage=stage, blamed=blamed,
+            self.stall = Stall(since=now - quiet, stage=stage, blamed=blamed,
                                acted=self.stall.acted if self.stall else frozenset())
             if first:
                 self.stalls += 1
             log.error("trainer stalled", step=p.step, stalled_for_s=round(quiet, 1), stage=stage,
                       stage_text=STAGES[stage], restarting=list(blamed) or None)
+        self.stall.since = now - quiet  # the stopped clock's seconds left out
         self._act(self.stall, quiet)
         if quiet >= 2 * self.stall_timeout:
             self._ended = True
@@ -202,6 +215,26 @@ class StallWatchdog:
                       f"stuck stage: {STAGES[stage]}")
             log.error("stall not resolved: the job ends", reason=reason)
             self.on_unresolved(reason)
+
+    def clock_stopped(self, p: Any, now: float) -> bool:
+        """Whether the stall clock stands still now: the group forms or re-forms, or (several
+        ranks) the step computes within ``collective_timeout``, which bounds its collectives."""
+        if p.state == "waiting" and p.waiting_for == "ranks":
+            self._compute_since = None
+            return True
+        t = self.cfg.trainer
+        if t.ranks > 1 and p.state == "training":
+            if self._compute_since is None:
+                self._compute_since = now
+            return now - self._compute_since <= t.collective_timeout
+        self._compute_since = None
+        return False
+
+    def _run_clock(self, p: Any, now: float) -> None:
+        """Count the time since the last tick as stopped when the clock stood still."""
+        last, self._last_tick = self._last_tick, now
+        if self.clock_stopped(p, now) and last is not None:
+            self._stopped += max(0.0, now - max(last, self._last_progress))
 
     def annotate(self, status: dict[str, Any]) -> dict[str, Any]:
         """Turn the trainer's status into SPEC §2's ``stalled`` one while a stall lasts."""

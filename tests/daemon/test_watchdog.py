@@ -259,3 +259,65 @@ def test_steps_per_s_is_measured_over_a_recent_window() -> None:
     q = Progress(total_steps=100)
     q.step_times.extend([now - 2.0, now - 1.5, now - 1.0])
     assert q.steps_per_s == pytest.approx(2 / 2.0, rel=0.05)  # from its first step to now
+
+
+def _ranks_cfg(ranks: int, stall: float) -> Config:
+    # the defaults' ratio: collective_timeout = 2 × stall_timeout (600 s and 300 s)
+    return parse_config({"trainer": {"stall_timeout": stall, "collective_timeout": 2 * stall,
+                                     "device": ["cpu"] * ranks, "weight_sync": "push", "batch_size": 8,
+                                     "micro_batch_size": 4}})
+
+
+async def _hold(w: StallWatchdog, seconds: float) -> None:
+    """Tick the watchdog at its own period for ``seconds``."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        await anyio.sleep(w.period)
+        await w.tick()
+
+
+def test_the_clock_stops_across_a_group_restart(hub: LogHub) -> None:
+    """A stuck collective runs to collective_timeout, the group re-forms for longer than twice
+    stall_timeout, and training goes on: the watchdog never ends the job; with one rank (no group
+    timeout to wait for) the same silence ends it."""
+    stall = 0.2
+
+    async def restart_sequence(w: StallWatchdog, trainer: _Trainer) -> None:
+        p = trainer.progress
+        await w.tick()
+        await _hold(w, 2 * stall * 0.95)  # a collective stuck until the group's timeout fires
+        p.state, p.waiting_for = "waiting", "ranks"  # the group restarts
+        await _hold(w, 3 * stall)
+        p.state, p.waiting_for = "training", None  # re-formed: the step from the checkpoint
+        await _hold(w, stall / 3)
+        p.step += 1
+        await w.tick()
+
+    ended: list[str] = []
+    trainer = _Trainer()
+    w = _watchdog(_ranks_cfg(2, stall), trainer, _units(hub), HeartbeatBoard(), ended)
+    anyio.run(restart_sequence, w, trainer)
+    assert ended == [] and w.stall is None and w.stalls == 0
+    assert w.annotate({"state": "training"})["state"] == "training"
+
+    one: list[str] = []
+    trainer = _Trainer()
+    w = _watchdog(_ranks_cfg(1, stall), trainer, _units(hub), HeartbeatBoard(), one)
+    anyio.run(restart_sequence, w, trainer)
+    assert len(one) == 1 and "twice stall_timeout" in one[0]
+
+
+def test_past_collective_timeout_the_clock_runs_again(hub: LogHub) -> None:
+    stall = 0.2
+    ended: list[str] = []
+    trainer = _Trainer()
+    w = _watchdog(_ranks_cfg(2, stall), trainer, _units(hub), HeartbeatBoard(), ended)
+
+    async def main() -> None:
+        await w.tick()
+        await _hold(w, 2 * stall * 0.9)  # inside collective_timeout: not a stall
+        assert w.stall is None and ended == []
+        await _hold(w, 2 * stall + 1.5 * stall)  # past it: stalled in the trainer, then the end
+        assert w.stalls == 1 and len(ended) == 1 and "the trainer's own step" in ended[0]
+
+    anyio.run(main)
