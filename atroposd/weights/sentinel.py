@@ -17,6 +17,7 @@ replica computes differently — kernels, dtype, tokenizer or chat template).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -158,10 +159,11 @@ class Sentinel:
         answers: list[tuple[list[int], list[int], list[float]]] = []
         seen: int | None = None
         try:
-            for prompt in self.prompts:
-                body = {"prompt": {"prompt_token_ids": prompt}, "max_tokens": self.max_tokens, "n": 1,
-                        "temperature": 0.0, "logprobs": 0}
-                ans = await client.request("POST", "/canary", body)
+            # every prompt at once: the engine batches them as it batches rollouts
+            bodies = [{"prompt": {"prompt_token_ids": prompt}, "max_tokens": self.max_tokens, "n": 1,
+                       "temperature": 0.0, "logprobs": 0} for prompt in self.prompts]
+            replies = await asyncio.gather(*(client.request("POST", "/canary", b) for b in bodies))
+            for prompt, ans in zip(self.prompts, replies, strict=True):
                 tokens, lps = _completion(ans)
                 seen = ans.get("weight_version") if isinstance(ans.get("weight_version"), int) else seen
                 if tokens:
@@ -238,7 +240,36 @@ class Sentinel:
 
 
 def _score_all(model: torch.nn.Module, items: Sequence[tuple[list[int], list[int]]]) -> list[list[float]]:
-    return [score_completion(model, p, t) for p, t in items]
+    """:func:`score_completion` of every (prompt, completion) in one padded batch (right padding:
+    a causal model's positions before the padding do not see it)."""
+    from atroposd.trainer.model import token_logprobs
+
+    if not items:
+        return []
+    seqs = [list(p) + list(t) for p, t in items]
+    width = max(len(x) for x in seqs) - 1
+    device = next(model.parameters()).device
+    ids = torch.zeros((len(seqs), width), dtype=torch.long)
+    labels = torch.zeros((len(seqs), width), dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for row, ((prompt, _), seq) in enumerate(zip(items, seqs, strict=True)):
+        ids[row, :len(seq) - 1] = torch.tensor(seq[:-1])
+        labels[row, :len(seq) - 1] = torch.tensor(seq[1:])
+        mask[row, len(prompt) - 1:len(seq) - 1] = True
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logp, _ = token_logprobs(model, ids.to(device), mask.to(device), labels.to(device),
+                                     torch.ones(len(seqs), device=device))
+    finally:
+        model.train(was_training)
+    flat = [float(x) for x in logp.float().cpu().tolist()]  # row by row, the masked positions in order
+    out, at = [], 0
+    for _, completion in items:
+        out.append(flat[at:at + len(completion)])
+        at += len(completion)
+    return out
 
 
 def _completion(ans: dict[str, Any]) -> tuple[list[int], list[float]]:

@@ -122,3 +122,15 @@ async def test_corrupted_replica_is_quarantined_resynced_and_let_back(short_tmp:
         sync.close()
     finally:
         assert stop_process(server.proc) == 0, server.tail()
+
+
+def test_batched_scoring_equals_one_sequence_at_a_time(tiny_dir: Path) -> None:
+    from atroposd.weights.sentinel import _score_all
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    items = [([3, 4, 5, 6], [7, 8]), ([9, 10], [11, 12, 13, 14, 15]), ([16, 17, 18], [19])]
+    batched = _score_all(model, items)
+    for (prompt, completion), got in zip(items, batched, strict=True):
+        want = score_completion(model, prompt, completion)
+        assert len(got) == len(completion)
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
