@@ -296,6 +296,13 @@ class TrainerConfig:
     max_token_len: int = _k(512, "Longest sequence (prompt + completion) the trainer accepts, in tokens.", min=2)
     optimizer: str = _k("adamw", "adamw | adafactor | adamw_8bit (needs bitsandbytes; never a silent fallback)",
                         choices=("adamw", "adafactor", "adamw_8bit"))
+    dtype: str = _k("auto", "Master weights and optimizer state: auto (float32; shared on a GPU: the\n"
+                    "inference dtype, with a compensated optimizer) | float32 | bfloat16 (the same\n"
+                    "Kahan-compensated optimizer in any mode: a large model on a small GPU).",
+                    choices=("auto", "float32", "bfloat16"))
+    compute_dtype: str = _k("auto", "The forward and backward: auto (the inference dtype: bf16 on a GPU, float32 on\n"
+                            "a CPU) | float32 | bfloat16 | float16. Another dtype than the inference one needs\n"
+                            "weight_sync = \"reload\".", choices=("auto", "float32", "bfloat16", "float16"))
     lr: float = _k(3e-4, "Peak learning rate.", gt=0)
     adam_betas: list[float] = _k([0.9, 0.99], "AdamW betas.",
                                  schema={"minItems": 2, "maxItems": 2,
@@ -363,6 +370,11 @@ class TrainerConfig:
                                         "(less memory, more compute; any rank count).")
     sync_bucket_mb: int = _k(512, "Several ranks, push: weights stream to the inference replicas in buckets of\n"
                              "this many MiB (rank 0's extra memory for a sync).", min=1)
+    push_path: str = _k("auto", "push: how each replica copies the weights. auto = through CUDA IPC where the\n"
+                        "replica computes on the trainer's GPU (shared memory on the CPU), else through one\n"
+                        "pinned host shared-memory staging buffer filled per bucket (sync_bucket_mb) for\n"
+                        "all of them; host_staging = through the staging buffer for every replica.",
+                        choices=("auto", "host_staging"))
     join_timeout: float = _k(300.0, "Seconds every trainer rank may take to join the process group.", gt=0)
     collective_timeout: float = _k(600.0, "Seconds a collective may run before the trainer group is restarted.",
                                    gt=0)
@@ -650,15 +662,24 @@ class Config:
 
     @property
     def weight_sync(self) -> str:
-        """The resolved weight-sync mode (``auto`` → shared for torch, push for vllm)."""
+        """The resolved weight-sync mode (``auto`` → shared for torch when every replica computes
+        on the trainer's device, push otherwise (reload for LoRA); SPEC §7)."""
         mode = self.trainer.weight_sync
         if mode == "auto":
+            shareable = self.inference.engine == "torch" and self._replicas_on_trainer_device()
             if self.trainer.mode == "lora":
-                return "shared" if self.inference.engine == "torch" else "reload"
+                return "shared" if shareable else "reload"
             if self.trainer.ranks > 1:
                 return "push"
-            return "shared" if self.inference.engine == "torch" else "push"
+            return "shared" if shareable else "push"
         return mode
+
+    def _replicas_on_trainer_device(self) -> bool:
+        """Every inference replica may compute on the trainer's own memory: one device entry
+        each, none known to be another device than trainer rank 0's."""
+        own = self.trainer.devices()[0]
+        return all("," not in d and same_device(own, d) is not False
+                   for d in dict.fromkeys(self.inference_devices()))
 
 
 @functools.lru_cache(maxsize=8)
@@ -1052,6 +1073,15 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
                                                             f"replica on one device (trainer.device = {t.device!r}, "
                                                             f"inference.device = {d!r}); use \"push\""))
                     break
+        if t.compute_dtype != "auto" and inf.dtype != "auto" and t.compute_dtype != inf.dtype and \
+                sync in ("shared", "push", "broadcast"):
+            p.append(Problem("trainer.compute_dtype", f"{t.compute_dtype!r} differs from inference.dtype = "
+                                                      f"{inf.dtype!r}: replicas receive the trainer's working "
+                                                      f"copy as it is with weight_sync = {sync!r}; use the "
+                                                      "inference dtype or \"reload\""))
+        if t.dtype == "bfloat16" and t.optimizer != "adamw":
+            p.append(Problem("trainer.dtype", f"\"bfloat16\" needs the compensated AdamW (trainer.optimizer = "
+                                              f"\"adamw\"), not {t.optimizer!r}"))
         if sync == "broadcast" and t.nodes > 1:
             p.append(Problem("trainer.weight_sync", "\"broadcast\" runs on one node (cluster.nodes = 1); "
                                                     "with several machines use \"push\" or \"reload\""))

@@ -30,9 +30,11 @@ from atroposd.trainer.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from atroposd.trainer.group import Checkpoint
 from atroposd.trainer.learner import Learner, make_strategies
-from atroposd.trainer.model import Policy, load_policy
+from atroposd.trainer.model import ModelLoadError, Policy, load_policy
 from atroposd.trainer.optim import build_optimizer, build_scheduler
+from atroposd.trainer.precision import Precision, resolve_precision
 from atroposd.trainer.ranks import OneRank, Ranks, checkpoint_activations, decoder_layers
 
 __all__ = ["Checkpointer", "ResumeError", "Setup", "build_learner", "load_for_training"]
@@ -68,6 +70,8 @@ class Setup:
     # learner applies to trainer.lr (halved at each rollback; rank 0's reaches every rank)
     health: dict[str, Any] = field(default_factory=dict)
     lr_scale: float = 1.0
+    # SPEC §12.1: the working copy's dtype, the master weights' and the optimizer's compensation
+    precision: Precision | None = None
 
     @property
     def restored_from(self) -> Path | None:
@@ -112,7 +116,7 @@ class Checkpointer:
         gathered: dict[str, Any] = {}
 
         def shards(tmp: Path) -> dict[str, Any]:
-            ranks.command("checkpoint", str(tmp))
+            ranks.command(Checkpoint(str(tmp)))
             gathered.update(self.write_shards(tmp))
             from atroposd.trainer.sharded import check_shards
 
@@ -144,7 +148,17 @@ def load_for_training(cfg: Config, ranks: Ranks | None = None, *, pick: Path | s
 
     t = cfg.trainer
     ranks = ranks if ranks is not None else OneRank()
-    device, dtype = resolve_torch(t.device_of(ranks.rank), cfg.inference.dtype, key="trainer.device")
+    device, inference_dtype = resolve_torch(t.device_of(ranks.rank), cfg.inference.dtype, key="trainer.device")
+    precision = resolve_precision(device_type=device.type, dtype=t.dtype, compute_dtype=t.compute_dtype,
+                                  inference_dtype=str(inference_dtype).removeprefix("torch."),
+                                  weight_sync=cfg.weight_sync)
+    dtype = getattr(torch, precision.compute)
+    if dtype != inference_dtype and cfg.weight_sync in ("shared", "push", "broadcast"):
+        raise ModelLoadError(f"trainer.compute_dtype = {t.compute_dtype!r} ({precision.compute}) differs from the "
+                             f"inference dtype ({inference_dtype}); replicas receive the trainer's working copy with "
+                             f"weight_sync = {cfg.weight_sync!r}: use the inference dtype or \"reload\"")
+    log.info("trainer precision", inference_dtype=str(inference_dtype).removeprefix("torch."),
+             **precision.describe())
     if device.type == "cpu":
         torch.set_num_threads(1)  # small batches gain nothing from more threads; cores are shared
     root = Paths.of(cfg).checkpoints_dir
@@ -160,7 +174,7 @@ def load_for_training(cfg: Config, ranks: Ranks | None = None, *, pick: Path | s
     identity = {"config": to_dict(cfg), "model": cfg.inference.model, "model_dir": str(model_dir),
                 "mode": t.mode, "tokenizer": fingerprint}
     setup = Setup(policy=policy, tokenizer_fingerprint=fingerprint, identity=identity, checkpoints_dir=root,
-                  keep_checkpoints=t.keep_checkpoints, ranks=ranks)
+                  keep_checkpoints=t.keep_checkpoints, ranks=ranks, precision=precision)
     restored = _latest(root, ranks, setup, pick if pick is not None else (None if t.resume else START)) \
         if t.resume or pick is not None or ranks.world > 1 else None
     if restored is not None:
@@ -222,7 +236,7 @@ def _distribute(policy: Policy, ranks: Ranks, activation_checkpointing: bool, se
 def build_learner(cfg: Config, setup: Setup) -> Learner:
     """Optimizer (on the attached parameters), scheduler, strategies; restores their state."""
     t = cfg.trainer
-    optimizer = build_optimizer(setup.policy.trainable(), t)
+    optimizer = build_optimizer(setup.policy.trainable(), t, precision=setup.precision)
     scheduler = build_scheduler(optimizer, t.warmup_steps, t.lr_schedule, t.steps)
     if setup.restored is not None:
         from atroposd.trainer.sharded import load_optimizer
