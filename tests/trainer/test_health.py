@@ -190,3 +190,78 @@ def test_status_json_text_and_systemd_line_show_a_rollback() -> None:
     view = SimpleNamespace(units={}, state=DaemonState.RUNNING, trainer=svc, watchdog=None)
     line = status_line(view)
     assert line.endswith("; health: entropy; 1/3 rollbacks, last at step 57 (entropy) to step-40, lr 0.00015"), line
+
+
+def _health_loop(tiny_dir: Path, state_dir: Path, *, steps: int, checkpoint_every: int, **health: Any) -> Any:
+    import anyio
+
+    from atroposd.config import HealthConfig
+    from atroposd.trainer.loop import Progress, TrainingLoop
+    from atroposd.trainer.metrics import MetricsWriter
+    from atroposd.trainer.setup import build_learner, load_for_training
+    from tests.trainer.conftest import make_cfg
+    from tests.trainer.test_loop import ListFeed, RecordingSync
+
+    cfg = make_cfg(state_dir, tiny_dir, steps=steps, checkpoint_every=checkpoint_every, keep_checkpoints=1)
+    setup = load_for_training(cfg)
+    learner = build_learner(cfg, setup)
+    progress = Progress(total_steps=steps)
+    loop = TrainingLoop(tcfg=cfg.trainer, feed=ListFeed([]), learner=learner, weights=RecordingSync(),  # type: ignore[arg-type]
+                        metrics=MetricsWriter(state_dir / "metrics.jsonl"), checkpointer=setup.checkpointer(learner),
+                        progress=progress, envs_alive=lambda: True, lock=anyio.Lock(),
+                        health=HealthConfig(**health))
+    loop.checkpointer.health = progress.health_record
+    return loop
+
+
+@pytest.mark.anyio
+async def test_the_loop_raises_a_collapse_after_max_nonfinite_steps(tiny_dir: Path, state_dir: Path) -> None:
+    from atroposd.trainer.health import Collapse
+    from tests.trainer.test_loop import _poison
+
+    loop = _health_loop(tiny_dir, state_dir, steps=5, checkpoint_every=100, max_nonfinite_steps=2)
+    _poison(loop.learner.policy.model, 10**6)
+    try:
+        with pytest.raises(Collapse, match="2 non-finite steps in a row") as caught:
+            await loop.run()
+    finally:
+        loop.metrics.close()
+    assert caught.value.trip.detector == "nonfinite" and loop.progress.health == "nonfinite"
+    assert loop.progress.skipped_steps == 2 and loop.progress.step == 0
+
+
+@pytest.mark.anyio
+async def test_without_rollback_a_collapse_is_only_shown(tiny_dir: Path, state_dir: Path) -> None:
+    from tests.trainer.test_loop import _poison
+
+    loop = _health_loop(tiny_dir, state_dir, steps=2, checkpoint_every=100, max_nonfinite_steps=1, rollback=False)
+    _poison(loop.learner.policy.model, 1)
+    try:
+        assert await loop.run() == "finished"
+    finally:
+        loop.metrics.close()
+    assert loop.progress.skipped_steps == 1 and loop.progress.health == "ok"  # healthy steps followed
+
+
+@pytest.mark.anyio
+async def test_checkpoints_become_known_good_and_carry_the_health_record(tiny_dir: Path, state_dir: Path) -> None:
+    from atroposd.trainer.checkpoint import load_checkpoint
+    from atroposd.trainer.metrics import read_metrics
+
+    loop = _health_loop(tiny_dir, state_dir, steps=5, checkpoint_every=2, known_good_after=2)
+    loop.progress.rollbacks, loop.progress.lr_scale = 1, 0.5  # as restored after a rollback
+    try:
+        assert await loop.run() == "finished"
+    finally:
+        loop.metrics.close()
+    root = state_dir / "checkpoints"
+    # step-2 became known-good at step 4 (step-4 would at step 6); keep = 1 keeps the newest
+    # (step-5) and the newest known-good (step-2); step-4 went
+    assert [s for s, _ in complete_checkpoints(root)] == [2, 5]
+    assert is_known_good(root / "step-2") and not is_known_good(root / "step-5")
+    assert json.loads((root / "step-2" / KNOWN_GOOD_FILE).read_text())["healthy_steps"] == 2
+    assert loop.progress.known_good == str(root / "step-2")
+    state = load_checkpoint(root / "step-5").state
+    assert state["health"]["rollbacks"] == 1 and state["health"]["lr_scale"] == 0.5
+    rows = read_metrics(state_dir / "metrics.jsonl")
+    assert [(r["health"], r["rollbacks"]) for r in rows] == [("ok", 1)] * 5
