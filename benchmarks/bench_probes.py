@@ -96,7 +96,7 @@ def run_once(steps: int, probes: int, out_dir: Path, tag: str) -> dict[str, Any]
         "probes": probes, "exit_code": rc, "steps": len(rows), "wall_s": round(wall, 1),
         "steps_per_s": round(len(rows) / wall, 3) if rows else 0.0,
         "train_steps_per_s": round((len(rows) - 1) / train_s, 3) if train_s > 0 else 0.0,
-        "probes_answered": len(lat),
+        "probes_answered": len(lat), "probes_failed": prober.failures,  # failed: also before the server was up
         "probe_p50_ms": round(1000 * statistics.median(lat), 1) if lat else None,
         "probe_p99_ms": round(1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 1) if lat else None,
         "cpu_util": cpu["cpu_util"],
