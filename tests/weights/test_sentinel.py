@@ -134,3 +134,21 @@ def test_batched_scoring_equals_one_sequence_at_a_time(tiny_dir: Path) -> None:
         want = score_completion(model, prompt, completion)
         assert len(got) == len(completion)
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
+
+
+def test_drift_in_metrics_and_status_rows() -> None:
+    from atroposd.daemon.metrics import sentinel_families
+    from atroposd.daemon.status import _replica_drift
+
+    st = {"replica_drift": [0.0, 0.31], "quarantined": {"1": "drift"}, "resyncs": 1, "restarts": 0, "checks": 5,
+          "check_s": 0.05}
+    fams = {f.name: f for f in sentinel_families(st)}
+    drift = {s.labels["replica"]: s.value for s in fams["atroposd_replica_drift"].samples}
+    held = {s.labels["replica"]: s.value for s in fams["atroposd_replica_quarantined"].samples}
+    assert drift == {"0": 0.0, "1": 0.31} and held == {"0": 0.0, "1": 1.0}
+    assert fams["atroposd_sentinel_resyncs"].samples[0].value == 1.0
+    assert list(sentinel_families(None)) == []  # the sentinel off: no family
+    rows = [{"name": "inference-0", "kind": "inference"}, {"name": "inference-1", "kind": "inference"},
+            {"name": "api", "kind": "api"}]
+    _replica_drift({"sentinel": st}, rows)
+    assert [r.get("drift") for r in rows] == [0.0, 0.31, None]
