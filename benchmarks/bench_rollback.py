@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _run(root: Path, steps: int, seed: int, env_extra: dict[str, str]) -> tuple[int, float, Path]:
+    root.mkdir(parents=True)
     cfg = _config(root, seed, steps)
     text = cfg.read_text().replace('log_format = "console"', 'log_format = "json"')
     text += "\n[health]\nknown_good_after = 20\n"
