@@ -19,7 +19,8 @@ stage          meaning                                    restarted
 
 A stall not resolved within twice ``stall_timeout`` ends the job (exit 1; the next start
 resumes from the last checkpoint). The clock stops while the trainer group forms or re-forms
-(``waiting_for = "ranks"``: bounded by ``join_timeout`` and ``max_restarts``) and, with several
+(``waiting_for = "ranks"``, and ``"model"`` with several ranks: bounded by ``join_timeout`` and
+``max_restarts``) and, with several
 ranks, while the trainer's step is inside ``collective_timeout``: a stuck collective is the
 group's to end (it restarts from the last checkpoint), never pre-empted by this watchdog
 (SPEC §12.1). Past ``collective_timeout`` in one step the clock runs again.  Independently of any stall, a weight-control request
@@ -219,10 +220,11 @@ class StallWatchdog:
     def clock_stopped(self, p: Any, now: float) -> bool:
         """Whether the stall clock stands still now: the group forms or re-forms, or (several
         ranks) the step computes within ``collective_timeout``, which bounds its collectives."""
-        if p.state == "waiting" and p.waiting_for == "ranks":
+        t = self.cfg.trainer
+        if p.state == "waiting" and (p.waiting_for == "ranks" or (t.ranks > 1 and p.waiting_for == "model")):
+            # forming, or (several ranks) every rank loading its checkpoint as the group re-forms
             self._compute_since = None
             return True
-        t = self.cfg.trainer
         if t.ranks > 1 and p.state == "training":
             if self._compute_since is None:
                 self._compute_since = now

@@ -321,3 +321,40 @@ def test_past_collective_timeout_the_clock_runs_again(hub: LogHub) -> None:
         assert w.stalls == 1 and len(ended) == 1 and "the trainer's own step" in ended[0]
 
     anyio.run(main)
+
+
+@pytest.mark.slow
+def test_a_stuck_collective_restarts_the_group_under_the_watchdog(short_tmp: Path) -> None:
+    """A real job with two gloo ranks and stall_timeout : collective_timeout in the defaults'
+    ratio (1 : 2): rank 1 stopped with SIGSTOP holds a collective past collective_timeout; the
+    group restarts from its checkpoint and training goes on — the watchdog, whose 2 × stall_timeout
+    equals collective_timeout, does not end the job meanwhile."""
+    import signal
+
+    from tests.e2e.jobs import component, daemon_env, replica_job_config, status
+    from tests.support import atroposd
+
+    stall = 8.0
+    cfg = replica_job_config(short_tmp, replicas=1, steps=100_000, daemon={"stop_timeout": 5.0},
+                             trainer={"device": ["cpu", "cpu"], "batch_size": 16, "micro_batch_size": 4,
+                                      "join_timeout": 120.0, "checkpoint_every": 3, "restart_window": 600.0,
+                                      "stall_timeout": stall, "collective_timeout": 2 * stall})
+    res = atroposd("start", "-c", str(cfg), env=daemon_env(), timeout=300)
+    try:
+        assert res.returncode == 0, f"start exited {res.returncode}: {res.stderr[-3000:]}"
+        wait_for(lambda: status(cfg)["trainer"]["last_checkpoint"] is not None, timeout=180, interval=0.5,
+                 what="a checkpoint")
+        st = status(cfg)
+        rank1, before = component(st, "trainer-1"), st["trainer"]["step"]
+        os.kill(rank1["pid"], signal.SIGSTOP)
+        wait_for(lambda: status(cfg)["trainer"]["group_restarts"] >= 1, timeout=120, interval=0.5,
+                 what="the trainer group to restart after a stuck collective")
+        wait_for(lambda: status(cfg)["trainer"]["step"] > before + 1, timeout=180, interval=0.5,
+                 what="training past the pre-stop step")
+        st = status(cfg)
+        assert st["state"] == "running", st["trainer"]
+        log = (short_tmp / "state" / "logs" / "daemon.log").read_text(errors="replace")
+        assert "stall not resolved" not in log
+        assert not [line for line in log.splitlines() if "trainer stalled" in line and '"stage":"trainer"' in line]
+    finally:
+        atroposd("stop", "-c", str(cfg), env=daemon_env(), timeout=120)
