@@ -81,7 +81,7 @@ async def heal_time() -> dict[str, Any]:
     from atroposd.models.tiny import ensure_builtin_model
     from atroposd.weights.client import WeightControlClient
     from atroposd.weights.reload import write_sync_dir
-    from atroposd.weights.sentinel import Sentinel, builtin_prompts
+    from atroposd.trainer.sentinel import Sentinel, builtin_prompts
     from atroposd.weights.sync import ReloadSync
     from tests.inference.conftest import start_server
     from tests.support import stop_process

@@ -136,7 +136,7 @@ class TrainingLoop:
         self.monitor = HealthMonitor(max_nonfinite_steps=health.max_nonfinite_steps if health else 3)
         self.pending_good: list[tuple[int, Path]] = []
         self.drop = drop
-        # SPEC §15: the replica sentinel (atroposd.weights.sentinel; None: canary_every = 0)
+        # SPEC §15: the replica sentinel (atroposd.trainer.sentinel; None: canary_every = 0)
         self.sentinel: Any = None
 
     def request_stop(self) -> None:

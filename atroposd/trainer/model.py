@@ -102,7 +102,7 @@ def preload(model_dir: Path) -> None:
 
 def load_policy(model_dir: Path, tokenizer_dir: Path, *, device: torch.device, dtype: torch.dtype,
                 lora: Mapping[str, Any] | None = None, need_reference: bool = False,
-                seed: int = 0) -> Policy:
+                seed: int = 0, precision: Mapping[str, str] | None = None) -> Policy:
     """Load the model and tokenizer from local directories, checked, ready to train.
 
     lora: ``{"r", "alpha", "targets"}`` to wrap the model in PEFT LoRA adapters (only the
@@ -144,7 +144,7 @@ def load_policy(model_dir: Path, tokenizer_dir: Path, *, device: torch.device, d
                     use_adapter_off_reference=need_reference and lora is not None)
     log.info("model loaded", source=str(model_dir), device=str(device), dtype=str(dtype).removeprefix("torch."),
              parameters=sum(p.numel() for p in model.parameters()),
-             trainable=sum(p.numel() for p in policy.trainable()), lora=policy.lora)
+             trainable=sum(p.numel() for p in policy.trainable()), lora=policy.lora, **(precision or {}))
     return policy
 
 

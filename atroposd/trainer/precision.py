@@ -11,10 +11,11 @@ the rest:
   the master weights; it reaches the working copy once the master has moved far enough.
 * ``dtype = "bfloat16"`` (a large model on a small GPU), and ``shared`` weights on a GPU (one
   bf16 copy for the trainer and every replica): no master copy; the update is Kahan-compensated
-  — what rounding to bf16 dropped is kept in a float32 buffer and added to the next update —
-  so small updates accumulate instead of vanishing.
+  — what rounding to bf16 dropped is kept in a buffer of the parameter's dtype and added to the
+  next update — so small updates accumulate instead of vanishing.
 
-Either way the moments are float32. Float32 parameters take plain AdamW steps. The state
+Either way the moments are float32 (per bf16 parameter: 2 bytes of working copy plus 12 of
+state with a master copy, 10 with compensation). Float32 parameters take plain AdamW steps. The state
 is ordinary optimizer state (tensors), saved and restored with the checkpoint.
 """
 
@@ -118,7 +119,8 @@ class PrecisionAdamW(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
                     if low and compensated:
-                        state["compensation"] = torch.zeros_like(p, dtype=torch.float32)
+                        # in the parameter's dtype: it holds what rounding dropped, below p's resolution
+                        state["compensation"] = torch.zeros_like(p)
                     elif low:
                         state["master"] = p.detach().to(torch.float32, copy=True)
                 state["step"] += 1
@@ -141,7 +143,7 @@ class PrecisionAdamW(torch.optim.Optimizer):
                 # precision; what this rounding drops is kept for the next step.
                 comp = state["compensation"]
                 old = p.to(torch.float32)
-                update = (m / denom).mul_(-step_size).sub_(old * (lr * wd)).add_(comp)
+                update = (m / denom).mul_(-step_size).sub_(old * (lr * wd)).add_(comp.to(torch.float32))
                 p.copy_(old + update)
                 comp.copy_(update.sub_(p.to(torch.float32) - old))
         return loss

@@ -329,7 +329,7 @@ class TrainerService:
                                       progress_every=PROGRESS_EVERY, health=self.cfg.health, drop=p.drop)
             self._loop.checkpointer.health = p.health_record
             if self._sentinel is None:
-                from atroposd.weights.sentinel import make_sentinel
+                from atroposd.trainer.sentinel import make_sentinel
 
                 self._sentinel = make_sentinel(self.cfg, self.weights, self.compute.run, learner.policy.vocab_size)
             self._loop.sentinel = self._sentinel

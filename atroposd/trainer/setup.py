@@ -157,8 +157,6 @@ def load_for_training(cfg: Config, ranks: Ranks | None = None, *, pick: Path | s
         raise ModelLoadError(f"trainer.compute_dtype = {t.compute_dtype!r} ({precision.compute}) differs from the "
                              f"inference dtype ({inference_dtype}); replicas receive the trainer's working copy with "
                              f"weight_sync = {cfg.weight_sync!r}: use the inference dtype or \"reload\"")
-    log.info("trainer precision", inference_dtype=str(inference_dtype).removeprefix("torch."),
-             **precision.describe())
     if device.type == "cpu":
         torch.set_num_threads(1)  # small batches gain nothing from more threads; cores are shared
     root = Paths.of(cfg).checkpoints_dir
@@ -169,7 +167,9 @@ def load_for_training(cfg: Config, ranks: Ranks | None = None, *, pick: Path | s
     model_dir, tokenizer_dir = resolve_model(cfg), resolve_tokenizer(cfg)
     lora = {"r": t.lora_r, "alpha": t.lora_alpha, "targets": t.lora_targets} if t.mode == "lora" else None
     policy = load_policy(model_dir, tokenizer_dir, device=device, dtype=dtype, lora=lora,
-                         need_reference=t.kl_coef > 0 and t.kl_reference == "initial", seed=t.seed)
+                         need_reference=t.kl_coef > 0 and t.kl_reference == "initial", seed=t.seed,
+                         precision={"inference_dtype": str(inference_dtype).removeprefix("torch."),
+                                    **precision.describe()})
     fingerprint = fingerprint_of(policy.tokenizer)
     identity = {"config": to_dict(cfg), "model": cfg.inference.model, "model_dir": str(model_dir),
                 "mode": t.mode, "tokenizer": fingerprint}

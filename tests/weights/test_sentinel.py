@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from atroposd.weights.client import WeightControlClient
 from atroposd.weights.reload import write_sync_dir
-from atroposd.weights.sentinel import Sentinel, builtin_prompts, score_completion
+from atroposd.trainer.sentinel import Sentinel, builtin_prompts, score_completion
 from atroposd.weights.sync import ReloadSync
 from tests.inference.conftest import start_server
 from tests.support import stop_process
@@ -125,7 +125,7 @@ async def test_corrupted_replica_is_quarantined_resynced_and_let_back(short_tmp:
 
 
 def test_batched_scoring_equals_one_sequence_at_a_time(tiny_dir: Path) -> None:
-    from atroposd.weights.sentinel import _score_all
+    from atroposd.trainer.sentinel import _score_all
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
     items = [([3, 4, 5, 6], [7, 8]), ([9, 10], [11, 12, 13, 14, 15]), ([16, 17, 18], [19])]
