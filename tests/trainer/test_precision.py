@@ -143,3 +143,24 @@ def test_config_check_names_the_precision_key(trainer: dict[str, Any], inference
     with pytest.raises(ConfigError) as info:
         parse_config({"trainer": trainer, "inference": inference})
     assert any(str(p).startswith(key + ":") for p in info.value.problems), info.value.problems
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compensated", [False, True])
+def test_precision_adamw_on_a_gpu_takes_the_cpus_steps(compensated: bool) -> None:
+    """The same bf16 parameter and gradients on cuda:0 and on the CPU: the same master weights
+    (or compensation) and the same bf16 weights after each step, to float32 rounding."""
+    start = torch.linspace(-1.0, 1.0, 4096).to(torch.bfloat16)
+    params = [start.clone().requires_grad_(), start.to("cuda:0").requires_grad_()]
+    opts = [PrecisionAdamW([p], lr=1e-5, weight_decay=0.01, compensated=compensated) for p in params]
+    for i in range(20):
+        g = torch.randn(4096, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        for p, opt in zip(params, opts, strict=True):
+            p.grad = g.to(p.device)
+            opt.step()
+    cpu, gpu = params[0].detach(), params[1].detach().cpu()
+    assert float((cpu.float() - gpu.float()).abs().max()) <= 2.0 ** -7
+    # the value the optimizer tracks: the master weights, or the bf16 weights plus what rounding dropped
+    tracked = [opt.state[p]["compensation"].float().cpu() + p.detach().float().cpu() if compensated
+               else opt.state[p]["master"].cpu() for p, opt in zip(params, opts, strict=True)]
+    torch.testing.assert_close(tracked[0], tracked[1], rtol=0, atol=1e-5)
