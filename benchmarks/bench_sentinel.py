@@ -79,9 +79,9 @@ async def heal_time() -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from atroposd.models.tiny import ensure_builtin_model
+    from atroposd.trainer.sentinel import Sentinel, builtin_prompts
     from atroposd.weights.client import WeightControlClient
     from atroposd.weights.reload import write_sync_dir
-    from atroposd.trainer.sentinel import Sentinel, builtin_prompts
     from atroposd.weights.sync import ReloadSync
     from tests.inference.conftest import start_server
     from tests.support import stop_process

@@ -233,6 +233,15 @@ class Sentinel:
                     log.warning("replica drift fell after a restart", replica=i, drift_after=_r(after))
                     await self._release(i, sock, drift=after)
                     return
+        if len(self.quarantined) >= len(self.sockets()):
+            # no replica would be left to generate: the job keeps this one serving, and says so
+            log.error("replica still drifts with the trainer's weights, and no other replica passes: it "
+                      "keeps serving; it computes differently (kernels, dtype, tokenizer or chat template)",
+                      replica=i, drift_before=_r(drift), drift_after=_r(after), drift_limit=self.limit,
+                      cause="drift with the same weights")
+            self.quarantined.pop(i, None)
+            await self._quarantine(sock, False)
+            return
         log.error("replica still drifts with the trainer's weights: the job goes on without it "
                   "(quarantined); it computes differently (kernels, dtype, tokenizer or chat template)",
                   replica=i, drift_before=_r(drift), drift_after=_r(after), drift_limit=self.limit,

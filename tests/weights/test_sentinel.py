@@ -16,9 +16,9 @@ import torch
 from structlog.testing import capture_logs
 from transformers import AutoModelForCausalLM
 
+from atroposd.trainer.sentinel import Sentinel, builtin_prompts, score_completion
 from atroposd.weights.client import WeightControlClient
 from atroposd.weights.reload import write_sync_dir
-from atroposd.trainer.sentinel import Sentinel, builtin_prompts, score_completion
 from atroposd.weights.sync import ReloadSync
 from tests.inference.conftest import start_server
 from tests.support import stop_process
@@ -119,6 +119,20 @@ async def test_corrupted_replica_is_quarantined_resynced_and_let_back(short_tmp:
         assert sentinel.replica_drift()[0] is not None and sentinel.replica_drift()[0] < 1e-3  # type: ignore[operator]
         assert not sentinel.quarantined
         assert await anyio.to_thread.run_sync(_generate, server.url) == 200  # back in rotation
+
+        # drift that stays with the same weights (here the scoring side computes differently):
+        # resynced, still over; with no other replica passing, it keeps serving and the log says so
+        async def differs(fn: Any, _model: Any, *args: Any) -> Any:
+            return await anyio.to_thread.run_sync(lambda: fn(bad, *args))
+
+        stubborn = Sentinel(every=1, limit=0.05, prompts=builtin_prompts(4, model.config.vocab_size),
+                            sockets=lambda: [server.socket], run=differs, max_tokens=8)
+        with capture_logs() as logs:
+            await stubborn.check_all(sync, model, 1)
+        still = [e for e in logs if e["event"].startswith("replica still drifts")]
+        assert still and still[0]["cause"] == "drift with the same weights" and still[0]["drift_after"] > 0.05, logs
+        assert stubborn.resyncs == 1 and not stubborn.quarantined
+        assert await anyio.to_thread.run_sync(_generate, server.url) == 200
         sync.close()
     finally:
         assert stop_process(server.proc) == 0, server.tail()
