@@ -677,7 +677,10 @@ class Config:
     def _replicas_on_trainer_device(self) -> bool:
         """Every inference replica may compute on the trainer's own memory: one device entry
         each, none known to be another device than trainer rank 0's."""
-        own = self.trainer.devices()[0]
+        devices = self.trainer.devices()
+        if not devices:
+            return False  # an empty trainer.device, which config check refuses
+        own = devices[0]
         return all("," not in d and same_device(own, d) is not False
                    for d in dict.fromkeys(self.inference_devices()))
 
