@@ -175,6 +175,7 @@ def main() -> int:
     seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.pop("ATROPOSD_CONFIG", None)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM too stops the running job first
     results = []
     for i, seed in enumerate(seeds):
         order = choices[i % len(choices):] + choices[:i % len(choices)]  # rotated per seed
