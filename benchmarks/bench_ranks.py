@@ -334,7 +334,8 @@ async def rank_zero(config: Path, out: Path, model_name: str, sync_wanted: bool)
     from atroposd.config import load_config
     from atroposd.logs import configure_logging
     from atroposd.trainer.batch import prepare_batch
-    from atroposd.trainer.follower import SECRET_VAR, STORE_VAR
+    from atroposd.trainer.follower import KEY_VAR, SECRET_VAR, STORE_VAR
+    from atroposd.trainer.group import Stop
     from atroposd.trainer.ranks import ComputeThread, GroupRanks, OneRank, Ranks, ShardedSource
     from atroposd.trainer.setup import build_learner, load_for_training
     from atroposd.weights.shm import list_segments
@@ -368,11 +369,11 @@ async def rank_zero(config: Path, out: Path, model_name: str, sync_wanted: bool)
 
             store = GroupStore(secret=nonce, world=world)
             prefix = store.next_generation()
-            env = {STORE_VAR: store.address, SECRET_VAR: nonce, "PYTHONPATH": str(REPO)}
+            env = {STORE_VAR: store.address, SECRET_VAR: nonce, KEY_VAR: store.key.hex(), "PYTHONPATH": str(REPO)}
             for r in range(1, world):
                 followers.append(spawn([sys.executable, "-m", "atroposd", "trainer-rank", "-c", str(config),
                                         "--rank", str(r)], env=env, log=out.with_suffix(f".rank{r}.log")))
-            ranks = await compute.run(GroupRanks.join, store.store, prefix=prefix, rank=0, world=world,
+            ranks = await compute.run(GroupRanks.join, store.store, prefix=prefix, key=store.key, rank=0, world=world,
                                       device=torch.device("cpu"), join_timeout=t.join_timeout,
                                       collective_timeout=t.collective_timeout)
         result["rss_start"] = rss_parts(os.getpid())
@@ -474,7 +475,7 @@ async def rank_zero(config: Path, out: Path, model_name: str, sync_wanted: bool)
             if status != 200 or body.get("weight_version") != SYNC_REPS + 1:
                 raise RuntimeError(f"the replica answered {status} {body!r} after the syncs")
         if world > 1:
-            await compute.run(ranks.command, "stop")
+            await compute.run(ranks.command, Stop())
         return result
     finally:
         if server_task is not None:  # the trainer failed while the replica started

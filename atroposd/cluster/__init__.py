@@ -4,13 +4,13 @@ One atroposd runs on each machine. Node 0, the head, opens its endpoint (``Clust
 before it starts any child; every other node joins it (``ClusterNode``), heartbeats, reports
 its components, and learns from it when the job stops. Every message is signed with the
 shared cluster token (``wire``); the token also gives the trainer ranks' c10d store prefix
-(``store_secret``).
+(``store_secret``) and their command key (``ranks_key``).
 """
 
 from atroposd.cluster.head import ClusterHead, ClusterStartError, heartbeat_interval
 from atroposd.cluster.membership import JOINING, LOST, READY, STATES, replicas_ready
 from atroposd.cluster.node import ClusterJoinTimeout, ClusterNode, ClusterRefused
-from atroposd.cluster.wire import store_secret
+from atroposd.cluster.wire import ranks_key, store_secret
 
 __all__ = [
     "JOINING",
@@ -23,6 +23,7 @@ __all__ = [
     "ClusterRefused",
     "ClusterStartError",
     "heartbeat_interval",
+    "ranks_key",
     "replicas_ready",
     "store_secret",
 ]

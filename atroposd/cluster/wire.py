@@ -46,6 +46,7 @@ MAX_JOIN_BYTES = 64 * 1024
 _READ_CHUNK = 64 * 1024
 _AUTH_LABEL = b"atroposd cluster endpoint v1"
 _STORE_LABEL = b"atroposd c10d store prefix v1"
+_RANKS_LABEL = b"atroposd trainer rank commands v1"
 UNSIGNED = b"-"
 _MAC_LEN = 64  # hex SHA-256
 
@@ -59,6 +60,12 @@ def store_secret(token: bytes) -> str:
     """A secret for the trainer ranks' c10d store prefix: 32 hex characters, the same on every
     node that holds the token, unrelated to the endpoint's signing key."""
     return hmac.new(token, _STORE_LABEL, hashlib.sha256).hexdigest()[:32]
+
+
+def ranks_key(token: bytes) -> bytes:
+    """The trainer ranks' command key (SPEC §12.1): the same on every node that holds the token,
+    given to each rank in its environment, never written to the store."""
+    return hmac.new(token, _RANKS_LABEL, hashlib.sha256).digest()
 
 
 class BadMessage(ValueError):

@@ -31,6 +31,7 @@ from atroposd.cluster import (
     ClusterNode,
     ClusterRefused,
     ClusterStartError,
+    ranks_key,
     store_secret,
 )
 from atroposd.cluster.membership import clean_text
@@ -107,6 +108,7 @@ class HeadLink:
         cfg = daemon.cfg
         token = _token(daemon)
         self.store_secret = store_secret(token)
+        self.store_key = ranks_key(token)
         self.head = ClusterHead(cfg.cluster, token=token, instance=daemon.nonce, units=_units(daemon),
                                 check_join=self._check_join, on_change=self._on_change,
                                 on_message=self._on_message)
@@ -222,6 +224,7 @@ class NodeLink:
         cfg = daemon.cfg
         token = _token(daemon)
         self.store_secret = store_secret(token)
+        self.store_key = ranks_key(token)
         self.node = ClusterNode(cfg.cluster, token=token, node_rank=cfg.node_rank, instance=daemon.nonce,
                                 units=_units(daemon), on_lost_head=self._lost_head, on_stop=self._stop,
                                 on_message=self._on_message)
@@ -281,7 +284,7 @@ class NodeLink:
     def _joined(self, rank: int) -> bool:
         import torch.distributed as dist
 
-        from atroposd.trainer.ranks import store_keys
+        from atroposd.trainer.group import store_keys
 
         if self._store is None:
             return False
@@ -305,7 +308,8 @@ class NodeLink:
             self._generation = generation
             d = self.daemon
             for spec in specs.trainer_rank_specs(d.spec_inputs(), store_address=store_address(d),
-                                                 secret=self.store_secret, joined=self._joined):
+                                                 secret=self.store_secret, key=self.store_key,
+                                                 joined=self._joined):
                 d.add_unit(spec)
             log.info("trainer ranks started for the head", generation=generation)
 

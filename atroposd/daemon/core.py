@@ -394,9 +394,10 @@ class Daemon:
 
             # [cluster] bind, as the endpoint: never every interface
             bind = bind_address(c)
-            secret = link.store_secret
+            secret, key = link.store_secret, link.store_key
             store = await anyio.to_thread.run_sync(
-                lambda: GroupStore(secret=secret, world=world, host=bind, port=c.port + 1, advertise=c.head))
+                lambda: GroupStore(secret=secret, world=world, host=bind, port=c.port + 1, advertise=c.head,
+                                   key=key))
         else:
             store = await anyio.to_thread.run_sync(lambda: GroupStore(secret=self.nonce, world=world))
         self.group_store = store
@@ -716,7 +717,8 @@ class RankHost:
         d = self.daemon
         await self.stop_ranks()
         for spec in specs.trainer_rank_specs(d.spec_inputs(), store_address=self.store.address,
-                                             secret=self.store.secret, joined=self.store.joined):
+                                             secret=self.store.secret, key=self.store.key,
+                                             joined=self.store.joined):
             d.add_unit(spec)
         link = self._link()
         if link is not None:

@@ -241,13 +241,14 @@ def trainer_group_env(cfg: Config, environ: Mapping[str, str] | None = None) -> 
     return env
 
 
-def trainer_rank_specs(ins: SpecInputs, *, store_address: str, secret: str,
+def trainer_rank_specs(ins: SpecInputs, *, store_address: str, secret: str, key: bytes,
                        joined: Callable[[int], bool]) -> list[UnitSpec]:
     """This node's trainer ranks other than 0 (``atroposd trainer-rank``), components
     ``trainer-<global rank>``: ready once joined (``joined(rank)``); never restarted alone — a
     rank's exit restarts the whole group. On a node other than the head, its first rank feeds
-    the node's inference replicas (SPEC §12.3)."""
-    from atroposd.trainer.follower import SECRET_VAR, STORE_VAR
+    the node's inference replicas (SPEC §12.3). ``key`` (the group's command key) reaches each
+    rank through its environment only, never argv or the store."""
+    from atroposd.trainer.follower import KEY_VAR, SECRET_VAR, STORE_VAR
     from atroposd.weights.node_feed import NODE_REPLICAS_VAR
 
     c = ins.cfg
@@ -260,7 +261,7 @@ def trainer_rank_specs(ins: SpecInputs, *, store_address: str, secret: str,
         name = f"trainer-{rank}"
         env = child_env(ins, {})
         env.update(trainer_group_env(c, ins.base_env))
-        env.update({STORE_VAR: store_address, SECRET_VAR: secret})
+        env.update({STORE_VAR: store_address, SECRET_VAR: secret, KEY_VAR: key.hex()})
         if local == 0 and c.inference.enabled and c.weight_sync in ("push", "reload"):
             env[NODE_REPLICAS_VAR] = ",".join(str(ins.paths.inference_socket(c.inference.port + i))
                                               for i in range(c.inference.replicas))

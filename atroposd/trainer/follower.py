@@ -3,9 +3,11 @@
 A rank joins the process group through the daemon's store (``ATROPOSD_TRAINER_STORE`` =
 host:port; the group generation and the store prefix come from the store itself, so every
 (re)formed group uses a fresh prefix), loads and shards the same model as rank 0 (and the same
-checkpoint), then does what rank 0 tells it, command by command (:mod:`.ranks`): a step's
-passes, the optimizer step or its discard, a gather of weights for a sync, a checkpoint's
-shards, stop. Any failure of the group (rank 0 gone, a collective failed or timed out) ends the
+checkpoint), then does what rank 0 tells it, command by command: typed, MACed commands
+(:mod:`.group`) looked up in one dispatch table (``Follower``): a step's passes, the optimizer
+step or its discard, a gather of weights for a sync, a checkpoint's shards, stop. The group's
+key comes from the daemon in this process's environment (``ATROPOSD_TRAINER_KEY``); a store
+value that is not rank 0's is never run (the rank ends; the daemon restarts the group). Any failure of the group (rank 0 gone, a collective failed or timed out) ends the
 process with exit 1: the daemon restarts the whole group from the last complete checkpoint.
 """
 
@@ -14,16 +16,33 @@ from __future__ import annotations
 import datetime
 import os
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from atroposd.exitcodes import Exit
 from atroposd.logs import get_logger
+from atroposd.trainer.group import (
+    KEY_VAR,
+    Apply,
+    BadCommand,
+    Checkpoint,
+    Command,
+    Compute,
+    Discard,
+    Gather,
+    Reload,
+    Stop,
+    generation_key,
+    key_from_env,
+    store_keys,
+)
 
 if TYPE_CHECKING:
     from atroposd.config import Config
 
-__all__ = ["SECRET_VAR", "STORE_VAR", "generation_key", "serve"]
+__all__ = ["KEY_VAR", "SECRET_VAR", "STORE_VAR", "Follower", "generation_key", "serve"]
 
 log = get_logger("atroposd.trainer.rank")
 
@@ -31,11 +50,6 @@ STORE_VAR = "ATROPOSD_TRAINER_STORE"
 # Test hook (tests/e2e/test_trainer_ranks.py): "join" makes a rank hang before it joins.
 TEST_HANG_VAR = "ATROPOSD_TEST_RANK_HANG"
 SECRET_VAR = "ATROPOSD_TRAINER_SECRET"
-
-
-def generation_key(secret: str) -> str:
-    """The store key holding the current group generation (set by the daemon before it starts ranks)."""
-    return f"{secret}/generation"
 
 
 def connect_store(address: str, timeout: float) -> Any:
@@ -46,16 +60,82 @@ def connect_store(address: str, timeout: float) -> Any:
                          timeout=datetime.timedelta(seconds=timeout), use_libuv=False)
 
 
+@dataclass
+class Follower:
+    """What a follower rank does for each of rank 0's commands: one handler per command type
+    (``HANDLERS``); a handler returns an exit code to end the rank, or None to go on."""
+
+    ranks: Any  # GroupRanks
+    learner: Any
+    checkpointer: Any
+    model: Any
+    feed: Any = None  # NodeFeed: this node's replicas, fed by its first rank
+
+    def compute(self, cmd: Compute) -> int | None:
+        self.learner.compute_share(self.ranks.receive_share())
+        return None
+
+    def apply(self, cmd: Apply) -> int | None:
+        self.learner.apply_local()
+        return None
+
+    def discard(self, cmd: Discard) -> int | None:
+        self.learner.discard_local()
+        return None
+
+    def gather(self, cmd: Gather) -> int | None:
+        from atroposd.trainer.ranks import gather_full
+
+        tensors = gather_full(self.model, list(cmd.names))
+        if self.feed is not None and cmd.push is not None:
+            p = cmd.push
+            self.feed.bucket(list(cmd.names), tensors, index=p.index, count=p.count, version=p.version)
+        del tensors
+        return None
+
+    def reload(self, cmd: Reload) -> int | None:
+        if self.feed is not None:
+            self.feed.load(Path(cmd.path), cmd.version)
+        return None
+
+    def checkpoint(self, cmd: Checkpoint) -> int | None:
+        self.checkpointer.write_shards(Path(cmd.path))
+        return None
+
+    def stop(self, cmd: Stop) -> int | None:
+        log.info("trainer rank stops", rank=self.ranks.rank)
+        return int(Exit.OK)
+
+    HANDLERS: ClassVar[dict[type[Any], Callable[[Follower, Any], int | None]]] = {
+        Compute: compute, Apply: apply, Discard: discard, Gather: gather, Reload: reload,
+        Checkpoint: checkpoint, Stop: stop}
+
+    def run(self, cmd: Command) -> int | None:
+        return self.HANDLERS[type(cmd)](self, cmd)
+
+    def follow(self) -> int:
+        """Receive and run commands until one ends the rank (``stop``: 0)."""
+        while True:
+            code = self.run(self.ranks.receive())
+            if code is not None:
+                return code
+
+
 def serve(cfg: Config, rank: int) -> int:
     """Join, load, then follow rank 0's commands until ``stop``."""
     import torch
 
-    from atroposd.trainer.ranks import GroupRanks, gather_full, store_keys
+    from atroposd.trainer.ranks import GroupRanks
     from atroposd.trainer.setup import build_learner, load_for_training
 
     address, secret = os.environ.get(STORE_VAR, ""), os.environ.get(SECRET_VAR, "")
     if not address or not secret:
         log.error(f"{STORE_VAR} and {SECRET_VAR} must be set (the daemon starts this process)")
+        return Exit.USAGE
+    try:
+        key = key_from_env(os.environ)
+    except ValueError as exc:
+        log.error(f"{exc} (the daemon starts this process)")
         return Exit.USAGE
     t = cfg.trainer
     if not 0 < rank < t.ranks:
@@ -74,14 +154,13 @@ def serve(cfg: Config, rank: int) -> int:
         threading.Event().wait()
     store = connect_store(address, t.join_timeout)
     generation = int(store.get(generation_key(secret)))
-    ranks = GroupRanks.join(store, prefix=store_keys(secret, generation), rank=rank, world=t.ranks,
+    ranks = GroupRanks.join(store, prefix=store_keys(secret, generation), key=key, rank=rank, world=t.ranks,
                             device=device, join_timeout=t.join_timeout, collective_timeout=t.collective_timeout)
     feed = None
     try:
         setup = load_for_training(cfg, ranks)
         learner = build_learner(cfg, setup)
         checkpointer = setup.checkpointer(learner)
-        model = setup.policy.model
         from atroposd.paths import Paths
         from atroposd.weights.node_feed import NodeFeed
 
@@ -90,31 +169,12 @@ def serve(cfg: Config, rank: int) -> int:
                                      t.sync_bucket_mb << 20)
         log.info("trainer rank ready", rank=rank, generation=generation, step=setup.step,
                  feeds_replicas=len(feed.sync.replicas) if feed is not None else 0)
-        while True:
-            op, arg = ranks.receive()
-            if op == "compute":
-                learner.compute_share(ranks.receive_share())
-            elif op == "apply":
-                learner.apply_local()
-            elif op == "discard":
-                learner.discard_local()
-            elif op == "gather":
-                names, push = (arg["names"], arg.get("push")) if isinstance(arg, dict) else (arg, None)
-                tensors = gather_full(model, names)
-                if feed is not None and push is not None:
-                    feed.bucket(names, tensors, index=push["index"], count=push["count"], version=push["version"])
-                del tensors
-            elif op == "reload":
-                if feed is not None:
-                    feed.load(Path(arg["path"]), int(arg["version"]))
-            elif op == "checkpoint":
-                checkpointer.write_shards(Path(arg))
-            elif op == "stop":
-                log.info("trainer rank stops", rank=rank)
-                return Exit.OK
-            else:
-                log.error("unknown command from rank 0", op=op)
-                return Exit.RUNTIME
+        try:
+            return Follower(ranks, learner, checkpointer, setup.policy.model, feed).follow()
+        except BadCommand as exc:
+            log.error("refused rank 0's next command: not a command of this group; this rank ends "
+                      "(the daemon restarts the group)", rank=rank, error=str(exc), refused=ranks.refused)
+            return Exit.RUNTIME
     finally:
         if feed is not None:
             feed.close()

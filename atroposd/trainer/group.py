@@ -1,53 +1,332 @@
-"""The trainer group's meeting point, hosted by the daemon (SPEC §12.1).
+"""The trainer group's meeting point and its commands, hosted by the daemon (SPEC §12.1).
+
+Store layout (every key under a secret; one prefix per group generation):
+
+* ``<secret>/generation``: the current generation, set by the daemon before it starts ranks;
+* ``<secret>/g<generation>/``: that generation's prefix (``store_keys``), under which the ranks
+  meet: ``arrived/<rank>``, ``joined/<rank>`` (the join check, ``joined``), torch's own
+  rendezvous keys, and ``cmd/<seq>``: rank 0's commands, one per key (``COMMANDS_KEPT`` kept).
+
+The store itself has no authentication, and its keys are readable by anyone who reaches it
+(``list_keys``): nothing read from it is trusted. A command is typed data (:class:`Command`),
+encoded as JSON and signed with an HMAC under a key each rank gets from the daemon privately
+(``ATROPOSD_TRAINER_KEY`` in its environment, never a store key, never argv); the MAC binds the
+generation's prefix and the command's sequence number, so a value written by anyone else, or
+replayed from another generation or another position, is refused (:class:`BadCommand`). Nothing
+a rank receives is unpickled.
 
 ``GroupStore`` binds a socket itself (loopback on one node) and hands it to a c10d TCPStore
 (``master_listen_fd``): a TCPStore given 127.0.0.1 would otherwise listen on every interface.
-Each (re)formed group gets a new generation; its ranks meet under a fresh prefix
-(``ranks.store_keys``), so a rank of an abandoned group can never answer for the new one.
-Store keys start with a secret (the daemon's launch nonce on one node).
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
+import json
+import secrets
 import socket
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
-from atroposd.trainer.follower import generation_key
-from atroposd.trainer.ranks import store_keys
-
-__all__ = ["GroupStore"]
+__all__ = [
+    "COMMANDS_KEPT",
+    "KEY_VAR",
+    "Apply",
+    "BadCommand",
+    "Checkpoint",
+    "Command",
+    "Compute",
+    "Discard",
+    "Gather",
+    "GroupStore",
+    "Push",
+    "Reload",
+    "Stop",
+    "command_key",
+    "decode_command",
+    "encode_command",
+    "generation_key",
+    "key_from_env",
+    "store_keys",
+]
 
 # The store's own timeout for a get or wait by the daemon's side (joins have their own deadline).
 STORE_TIMEOUT_S = 600.0
+# Command keys left in the store (older ones are deleted: a long run does not fill it).
+COMMANDS_KEPT = 8
+# The rank's command key (hex), in its environment.
+KEY_VAR = "ATROPOSD_TRAINER_KEY"
+_MAC_LEN = 64  # hex SHA-256
+_MAX_COMMAND_BYTES = 1 << 24
 
 
+def generation_key(secret: str) -> str:
+    """The store key holding the current group generation (set by the daemon before it starts ranks)."""
+    return f"{secret}/generation"
+
+
+def store_keys(secret: str, generation: int) -> str:
+    """The store prefix of one group generation (every (re)formed group has a fresh one)."""
+    return f"{secret}/g{generation}/"
+
+
+def command_key(seq: int) -> str:
+    """The key (under a generation's prefix) of rank 0's ``seq``-th command."""
+    return f"cmd/{seq}"
+
+
+def key_from_env(environ: dict[str, str] | Any) -> bytes:
+    """The rank's command key from its environment (``KEY_VAR``, hex); ValueError when absent."""
+    text = str(environ.get(KEY_VAR, ""))
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        key = b""
+    if len(key) < 16:
+        raise ValueError(f"{KEY_VAR} must hold the trainer group's key (hex, at least 16 bytes)")
+    return key
+
+
+class BadCommand(ValueError):
+    """A store value that is not a command of rank 0 for this position (forged, replayed, malformed)."""
+
+
+# ---------------------------------------------------------------------------- commands
+
+
+def _str(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise BadCommand(f"{what} must be a string")
+    return value
+
+
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadCommand(f"{what} must be an integer")
+    return value
+
+
+def _only(args: dict[str, Any], names: set[str], op: str) -> None:
+    extra = set(args) - names
+    if extra:
+        raise BadCommand(f"{op}: unknown argument(s) {sorted(extra)}")
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Run this rank's share of a step (the share follows on the process group)."""
+
+    op: ClassVar[str] = "compute"
+
+    def args(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def parse(cls, args: dict[str, Any]) -> Compute:
+        _only(args, set(), cls.op)
+        return cls()
+
+
+@dataclass(frozen=True)
+class Apply:
+    """Take the optimizer step."""
+
+    op: ClassVar[str] = "apply"
+
+    def args(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def parse(cls, args: dict[str, Any]) -> Apply:
+        _only(args, set(), cls.op)
+        return cls()
+
+
+@dataclass(frozen=True)
+class Discard:
+    """Discard the step's gradients."""
+
+    op: ClassVar[str] = "discard"
+
+    def args(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def parse(cls, args: dict[str, Any]) -> Discard:
+        _only(args, set(), cls.op)
+        return cls()
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Leave the group and exit 0."""
+
+    op: ClassVar[str] = "stop"
+
+    def args(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def parse(cls, args: dict[str, Any]) -> Stop:
+        _only(args, set(), cls.op)
+        return cls()
+
+
+@dataclass(frozen=True)
+class Push:
+    """The gather is bucket ``index`` of ``count`` of a push of ``version`` (SPEC §12.3)."""
+
+    index: int
+    count: int
+    version: int
+
+    @classmethod
+    def parse(cls, value: Any) -> Push:
+        if not isinstance(value, dict) or set(value) != {"index", "count", "version"}:
+            raise BadCommand("gather: push must be {index, count, version}")
+        push = cls(_int(value["index"], "push.index"), _int(value["count"], "push.count"),
+                   _int(value["version"], "push.version"))
+        if not 0 <= push.index < push.count or push.version < 0:
+            raise BadCommand("gather: push out of range")
+        return push
+
+
+@dataclass(frozen=True)
+class Gather:
+    """Gather the full tensors ``names`` (collectives); a node's first rank feeds its replicas."""
+
+    op: ClassVar[str] = "gather"
+    names: tuple[str, ...]
+    push: Push | None = None
+
+    def args(self) -> dict[str, Any]:
+        push = None if self.push is None else {"index": self.push.index, "count": self.push.count,
+                                               "version": self.push.version}
+        return {"names": list(self.names), "push": push}
+
+    @classmethod
+    def parse(cls, args: dict[str, Any]) -> Gather:
+        _only(args, {"names", "push"}, cls.op)
+        names = args.get("names")
+        if not isinstance(names, list):
+            raise BadCommand("gather: names must be a list")
+        push = args.get("push")
+        return cls(tuple(_str(n, "gather: a name") for n in names), None if push is None else Push.parse(push))
+
+
+@dataclass(frozen=True)
+class Reload:
+    """A node's first rank has its replicas load ``version`` from ``path`` (shared file system)."""
+
+    op: ClassVar[str] = "reload"
+    path: str
+    version: int
+
+    def args(self) -> dict[str, Any]:
+        return {"path": self.path, "version": self.version}
+
+    @classmethod
+    def parse(cls, args: dict[str, Any]) -> Reload:
+        _only(args, {"path", "version"}, cls.op)
+        return cls(_str(args.get("path"), "reload: path"), _int(args.get("version"), "reload: version"))
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Write this rank's shards of a checkpoint into ``path``."""
+
+    op: ClassVar[str] = "checkpoint"
+    path: str
+
+    def args(self) -> dict[str, Any]:
+        return {"path": self.path}
+
+    @classmethod
+    def parse(cls, args: dict[str, Any]) -> Checkpoint:
+        _only(args, {"path"}, cls.op)
+        return cls(_str(args.get("path"), "checkpoint: path"))
+
+
+Command = Compute | Apply | Discard | Stop | Gather | Reload | Checkpoint
+_PARSERS: dict[str, Any] = {c.op: c.parse for c in (Compute, Apply, Discard, Stop, Gather, Reload, Checkpoint)}
+
+
+def _mac(key: bytes, prefix: str, seq: int, body: bytes) -> str:
+    return hmac.new(key, f"{prefix}\n{seq}\n".encode() + body, hashlib.sha256).hexdigest()
+
+
+def encode_command(command: Command, *, key: bytes, prefix: str, seq: int) -> bytes:
+    """The store value of rank 0's ``seq``-th command of the generation at ``prefix``:
+    ``<hex HMAC>.<JSON>``, the MAC over the prefix, the sequence number and the JSON."""
+    body = json.dumps({"seq": seq, "op": command.op, "args": command.args()}, separators=(",", ":")).encode()
+    return _mac(key, prefix, seq, body).encode() + b"." + body
+
+
+def decode_command(value: bytes, *, key: bytes, prefix: str, seq: int) -> Command:
+    """The command in a store value, checked: its MAC (under ``key``, for this ``prefix`` and
+    ``seq``), then its JSON, op and arguments. :class:`BadCommand` otherwise."""
+    if not isinstance(value, bytes | bytearray) or len(value) > _MAX_COMMAND_BYTES:
+        raise BadCommand("not a command (type or size)")
+    mac, dot, body = bytes(value).partition(b".")
+    if not dot or len(mac) != _MAC_LEN:
+        raise BadCommand("not a command (no MAC)")
+    if not hmac.compare_digest(mac, _mac(key, prefix, seq, body).encode()):
+        raise BadCommand(f"command {seq}: bad MAC (not written by rank 0 of this generation)")
+    try:
+        data = json.loads(body)
+    except ValueError as exc:
+        raise BadCommand(f"command {seq}: not JSON") from exc
+    if not isinstance(data, dict) or set(data) != {"seq", "op", "args"} or data["seq"] != seq:
+        raise BadCommand(f"command {seq}: malformed")
+    parse = _PARSERS.get(data["op"]) if isinstance(data["op"], str) else None
+    if parse is None:
+        raise BadCommand(f"command {seq}: unknown op {data['op']!r}")
+    if not isinstance(data["args"], dict):
+        raise BadCommand(f"command {seq}: args must be an object")
+    command: Command = parse(data["args"])
+    return command
+
+
+# ---------------------------------------------------------------------------- the store
+
+
+@dataclass
 class GroupStore:
-    def __init__(self, *, secret: str, world: int, host: str = "127.0.0.1", port: int = 0,
-                 advertise: str | None = None) -> None:
+    """The daemon's side of the store: generations, the join check, and the group's key."""
+
+    secret: str
+    world: int
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise: str | None = None
+    # the ranks' command key: given (several machines: derived from the cluster token) or fresh
+    key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
+    store: Any = field(init=False, default=None, repr=False)
+    generation: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
         import torch.distributed as dist
 
-        self.secret = secret
-        self.world = world
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        host = host if host != "0.0.0.0" else ""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        host = self.host if self.host != "0.0.0.0" else ""
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
+            sock.bind((host, self.port))
             sock.listen(256)
             # the address the ranks connect to: the bound host, or (a wildcard bind) ``advertise``
-            self.host, self.port = advertise or host or "127.0.0.1", int(sock.getsockname()[1])
-            self.store: Any = dist.TCPStore(self.host, self.port, is_master=True, master_listen_fd=sock.fileno(),
-                                            wait_for_workers=False, use_libuv=False,
-                                            timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+            self.host, self.port = self.advertise or host or "127.0.0.1", int(sock.getsockname()[1])
+            self.store = dist.TCPStore(self.host, self.port, is_master=True, master_listen_fd=sock.fileno(),
+                                       wait_for_workers=False, use_libuv=False,
+                                       timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
         except BaseException:
             sock.close()
             raise
         # The store's server owns the listening socket now: closing it under the server's poll
         # would abort the process. It goes with the store (at the latest, with this process).
         sock.detach()
-        self.generation = 0
 
     @property
     def address(self) -> str:
@@ -62,12 +341,18 @@ class GroupStore:
 
     def joined(self, rank: int) -> bool:
         """Has ``rank`` joined the current generation's process group?"""
-        import torch.distributed as dist
-
-        if self.store is None:
-            return False
-        scoped = dist.PrefixStore(store_keys(self.secret, self.generation), self.store)
-        return bool(scoped.check([f"joined/{rank}"]))
+        return joined(self.store, self.secret, self.generation, rank)
 
     def close(self) -> None:
         self.store = None
+
+
+def joined(store: Any, secret: str, generation: int, rank: int) -> bool:
+    """The join check: ``rank`` marked itself joined under ``generation``'s prefix (a readiness
+    signal only: it starts nothing)."""
+    import torch.distributed as dist
+
+    if store is None:
+        return False
+    scoped = dist.PrefixStore(store_keys(secret, generation), store)
+    return bool(scoped.check([f"joined/{rank}"]))

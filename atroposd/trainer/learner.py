@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from atroposd.trainer.batch import MicroBatch, RolloutBatch
+from atroposd.trainer.group import Apply, Compute, Discard
 from atroposd.trainer.logprobs import teacher_probs
 from atroposd.trainer.loss import (
     LossStats,
@@ -254,7 +255,7 @@ class Learner:
         left for apply()."""
         start = time.perf_counter()
         self.objective.prepare(batch)  # on the whole batch (AWSFT normalises over it)
-        self.ranks.command("compute")
+        self.ranks.command(Compute())
         share = self.ranks.share(batch.micro, max(batch.completion_tokens, 1), batch.distill_positions)
         return self.compute_share(share, start=start)
 
@@ -328,7 +329,7 @@ class Learner:
 
     def apply(self) -> None:
         """The optimizer step (in shared mode: while the inference server is paused)."""
-        self.ranks.command("apply")
+        self.ranks.command(Apply())
         self.apply_local()
 
     def apply_local(self) -> None:
@@ -339,7 +340,7 @@ class Learner:
 
     def discard(self) -> None:
         """Drop this step's gradients: weights, optimizer and scheduler untouched."""
-        self.ranks.command("discard")
+        self.ranks.command(Discard())
         self.discard_local()
 
     def discard_local(self) -> None:

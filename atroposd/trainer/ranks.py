@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import datetime
 import functools
 import itertools
-import pickle
+import json
+import math
 import queue
 import threading
 import time
@@ -37,6 +39,18 @@ import torch
 
 from atroposd.logs import get_logger
 from atroposd.trainer.batch import MicroBatch
+from atroposd.trainer.group import (
+    COMMANDS_KEPT,
+    BadCommand,
+    Command,
+    Gather,
+    Push,
+    Reload,
+    command_key,
+    decode_command,
+    encode_command,
+    store_keys,
+)
 
 __all__ = [
     "ComputeThread",
@@ -47,7 +61,9 @@ __all__ = [
     "Ranks",
     "ShardedSource",
     "Share",
+    "decode_share",
     "decoder_layers",
+    "encode_share",
     "full_tensor",
     "gather_full",
     "is_group_error",
@@ -62,8 +78,10 @@ _T = TypeVar("_T")
 JOIN_POLL_S = 0.05
 # A follower waits for the next command in waits of this length (rank 0 may wait long for data).
 COMMAND_WAIT_S = 30.0
-# Command keys left in the store (older ones are deleted: a long run does not fill it).
-COMMANDS_KEPT = 8
+# A value at the next command's key that is not rank 0's (forged, replayed) is read again for
+# this long, in case rank 0's own write replaces it; then the rank gives up (the group restarts).
+BAD_COMMAND_GRACE_S = 5.0
+BAD_COMMAND_POLL_S = 0.05
 
 
 class JoinTimeout(RuntimeError):
@@ -177,7 +195,7 @@ class Ranks(Protocol):
     rank: int
     world: int
 
-    def command(self, op: str, arg: Any = None) -> None: ...
+    def command(self, command: Command) -> None: ...
     def broadcast(self, value: Any) -> Any: ...
     def share(self, micro: Sequence[MicroBatch], denom: int, distill_positions: int) -> Share: ...
     def sum(self, values: Sequence[float]) -> list[float]: ...
@@ -193,7 +211,7 @@ class OneRank:
     rank = 0
     world = 1
 
-    def command(self, op: str, arg: Any = None) -> None:
+    def command(self, command: Command) -> None:
         pass
 
     def broadcast(self, value: Any) -> Any:
@@ -218,24 +236,23 @@ class OneRank:
         pass
 
 
-def store_keys(secret: str, generation: int) -> str:
-    """The store prefix of one group generation (every (re)formed group has a fresh one)."""
-    return f"{secret}/g{generation}/"
-
-
 class GroupRanks:
     """One member of the trainer's process group (``rank`` of ``world``)."""
 
-    def __init__(self, rank: int, world: int, device: torch.device, store: Any = None) -> None:
+    def __init__(self, rank: int, world: int, device: torch.device, store: Any = None, *, key: bytes = b"",
+                 prefix: str = "") -> None:
         self.rank = rank
         self.world = world
         self.device = device
         self.store = store  # this generation's scoped store: the command doorbell
+        self._key = key  # the group's command key (from the daemon, never from the store)
+        self._prefix = prefix
         self._seq = 0
+        self.refused = 0  # store values at a command's key that were not rank 0's
         self.collective_timeout = 600.0
 
     @classmethod
-    def join(cls, store: Any, *, prefix: str, rank: int, world: int, device: torch.device,
+    def join(cls, store: Any, *, prefix: str, key: bytes, rank: int, world: int, device: torch.device,
              join_timeout: float, collective_timeout: float,
              cancelled: Callable[[], bool] = lambda: False) -> GroupRanks:
         """Join the group through ``store`` under ``prefix``.
@@ -273,7 +290,7 @@ class GroupRanks:
                                 device_id=device if device.type == "cuda" else None)
         scoped.set(f"joined/{rank}", "1")
         log.info("joined the trainer group", rank=rank, world=world, backend=backend)
-        ranks = cls(rank, world, device, scoped)
+        ranks = cls(rank, world, device, scoped, key=key, prefix=prefix)
         ranks.collective_timeout = collective_timeout
         return ranks
 
@@ -282,17 +299,21 @@ class GroupRanks:
     # rank 0 waits for data (longer than collective_timeout); the collectives that follow a
     # command start together.
 
-    def command(self, op: str, arg: Any = None) -> None:
+    def command(self, command: Command) -> None:
         assert self.rank == 0, "only rank 0 drives the group"
         self._seq += 1
-        self.store.set(f"cmd/{self._seq}", pickle.dumps((op, arg)))
+        self.store.set(command_key(self._seq), encode_command(command, key=self._key, prefix=self._prefix, seq=self._seq))
         if self._seq > COMMANDS_KEPT:
-            self.store.delete_key(f"cmd/{self._seq - COMMANDS_KEPT}")
+            self.store.delete_key(command_key(self._seq - COMMANDS_KEPT))
 
-    def receive(self) -> tuple[str, Any]:
-        """A follower: the next command of rank 0 (waits for it; raises when the store is gone)."""
+    def receive(self) -> Command:
+        """A follower: the next command of rank 0 (waits for it; raises when the store is gone).
+
+        The value is checked (:func:`~atroposd.trainer.group.decode_command`): one that is not
+        rank 0's is counted and read again for ``BAD_COMMAND_GRACE_S`` (rank 0's own write
+        replaces it), then :class:`BadCommand` ends this rank — never is it run."""
         self._seq += 1
-        key = f"cmd/{self._seq}"
+        key = command_key(self._seq)
         while True:
             try:
                 self.store.wait([key], datetime.timedelta(seconds=COMMAND_WAIT_S))
@@ -300,36 +321,81 @@ class GroupRanks:
             except Exception as exc:  # the store says "timeout" for a wait that ran out
                 if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
                     raise
-        op, arg = pickle.loads(self.store.get(key))
-        return str(op), arg
+        deadline = time.monotonic() + BAD_COMMAND_GRACE_S
+        last = None
+        while True:
+            value = self.store.get(key)
+            try:
+                return decode_command(value, key=self._key, prefix=self._prefix, seq=self._seq)
+            except BadCommand as exc:
+                if value != last:  # each value once
+                    self.refused += 1
+                    log.warning("refused a store value at a command key", rank=self.rank, seq=self._seq,
+                                error=str(exc), refused=self.refused)
+                last = value
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(BAD_COMMAND_POLL_S)
 
     # ---------------------------------------------------------------- a step's collectives
 
+    def _wire_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
     def share(self, micro: Sequence[MicroBatch], denom: int, distill_positions: int) -> Share:
-        """Rank 0: deal the batch and send every rank its share; returns rank 0's own."""
+        """Rank 0: deal the batch and send every rank its share as tensors (a JSON header of
+        dtypes and shapes, then the bytes); returns rank 0's own."""
         import torch.distributed as dist
 
         shares = deal(micro, self.world, denom, distill_positions)
-        out: list[Any] = [None]
-        dist.scatter_object_list(out, shares, src=0)
-        share: Share = out[0]
-        return share
+        dev = self._wire_device()
+        for r in range(1, self.world):
+            header, data = encode_share(shares[r])
+            sizes = torch.tensor([len(header), data.numel()], dtype=torch.int64, device=dev)
+            dist.send(sizes, dst=r)
+            dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(dev), dst=r)
+            if data.numel():
+                dist.send(data.to(dev), dst=r)
+        return shares[0]
 
     def receive_share(self) -> Share:
+        """A follower: its share from rank 0, checked (:func:`decode_share`); nothing unpickled."""
         import torch.distributed as dist
 
-        out: list[Any] = [None]
-        dist.scatter_object_list(out, None, src=0)
-        share: Share = out[0]
-        return share
+        dev = self._wire_device()
+        sizes = torch.zeros(2, dtype=torch.int64, device=dev)
+        dist.recv(sizes, src=0)
+        n_header, n_data = (int(v) for v in sizes.cpu().tolist())
+        if not 0 < n_header <= MAX_HEADER_BYTES or n_data < 0:
+            raise BadCommand(f"a share's sizes out of range ({n_header}, {n_data})")
+        header = torch.empty(n_header, dtype=torch.uint8, device=dev)
+        dist.recv(header, src=0)
+        data = torch.empty(n_data, dtype=torch.uint8, device=dev)
+        if n_data:
+            dist.recv(data, src=0)
+        return decode_share(bytes(header.cpu().numpy().tobytes()), data.cpu())
 
     def broadcast(self, value: Any) -> Any:
-        """Rank 0's ``value`` on every rank (every rank calls it at the same point)."""
+        """Rank 0's ``value`` (JSON data: None, numbers, strings, lists, objects) on every rank
+        (every rank calls it at the same point); sent as the JSON's bytes, never pickled."""
         import torch.distributed as dist
 
-        box = [value if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
-        return box[0]
+        dev = self._wire_device()
+        body = json.dumps(value).encode() if self.rank == 0 else b""
+        size = torch.tensor([len(body)], dtype=torch.int64, device=dev)
+        dist.broadcast(size, src=0)
+        n = int(size.item())
+        if not 0 < n <= MAX_HEADER_BYTES:
+            raise BadCommand(f"a broadcast value's size out of range ({n})")
+        buf = (torch.frombuffer(bytearray(body), dtype=torch.uint8).to(dev) if self.rank == 0
+               else torch.empty(n, dtype=torch.uint8, device=dev))
+        dist.broadcast(buf, src=0)
+        if self.rank == 0:
+            return value
+        try:
+            return json.loads(buf.cpu().numpy().tobytes())
+        except ValueError as exc:
+            raise BadCommand("a broadcast value is not JSON") from exc
 
     def sum(self, values: Sequence[float]) -> list[float]:
         import torch.distributed as dist
@@ -379,6 +445,94 @@ class GroupRanks:
                 dist.destroy_process_group()
             except Exception as exc:  # a group whose peer died: nothing more to release here
                 log.warning("the trainer group did not close cleanly", error=f"{type(exc).__name__}: {exc}")
+
+
+# The largest JSON header (a share's, a broadcast value) a rank accepts.
+MAX_HEADER_BYTES = 1 << 24
+# The dtypes a share's tensors may have.
+_SHARE_DTYPES = {str(d): d for d in (torch.int64, torch.int32, torch.float32, torch.float16, torch.bfloat16,
+                                     torch.float64, torch.bool, torch.uint8)}
+
+
+def _micro_fields() -> list[str]:
+    return [f.name for f in dataclasses.fields(MicroBatch)]
+
+
+def encode_share(share: Share) -> tuple[bytes, torch.Tensor]:
+    """A share as a JSON header (its numbers; each micro-batch's tensors as dtype and shape, in
+    field order) and one flat uint8 tensor of the tensors' bytes (on the CPU)."""
+    parts: list[torch.Tensor] = []
+
+    def micro(mb: MicroBatch) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in _micro_fields():
+            t = getattr(mb, name)
+            if t is None:
+                out[name] = None
+                continue
+            t = t.detach().cpu().contiguous()
+            out[name] = [str(t.dtype), list(t.shape)]
+            parts.append(t.reshape(-1).view(torch.uint8))
+        return out
+
+    header = {"passes": share.passes, "denom": share.denom, "distill_positions": share.distill_positions,
+              "micro": [micro(mb) for mb in share.micro], "pad": None if share.pad is None else micro(share.pad)}
+    data = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    return json.dumps(header, separators=(",", ":")).encode(), data
+
+
+def _count(v: Any, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise BadCommand(f"a share's {what} must be a count")
+    return v
+
+
+def decode_share(header: bytes, data: torch.Tensor) -> Share:
+    """The share in a header and its bytes, checked: the fields a micro-batch has, known dtypes,
+    shapes of counts, and exactly as many bytes as they take. :class:`BadCommand` otherwise."""
+    try:
+        h = json.loads(header)
+    except ValueError as exc:
+        raise BadCommand("a share's header is not JSON") from exc
+    if not isinstance(h, dict) or set(h) != {"passes", "denom", "distill_positions", "micro", "pad"}:
+        raise BadCommand("a share's header is malformed")
+    if not isinstance(h["micro"], list):
+        raise BadCommand("a share's micro-batches must be a list")
+    names = _micro_fields()
+    offset = 0
+    flat = data.reshape(-1)
+
+    def micro(spec: Any) -> MicroBatch:
+        nonlocal offset
+        if not isinstance(spec, dict) or set(spec) != set(names):
+            raise BadCommand("a share's micro-batch has other fields than a micro-batch")
+        values: dict[str, torch.Tensor | None] = {}
+        for name in names:
+            item = spec[name]
+            if item is None:
+                values[name] = None
+                continue
+            if not (isinstance(item, list) and len(item) == 2 and item[0] in _SHARE_DTYPES
+                    and isinstance(item[1], list)):
+                raise BadCommand(f"a share's tensor {name}: bad dtype or shape")
+            dtype, shape = _SHARE_DTYPES[item[0]], [_count(d, "shape") for d in item[1]]
+            n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            if offset + n > flat.numel():
+                raise BadCommand("a share has fewer bytes than its tensors take")
+            values[name] = flat[offset:offset + n].clone().view(dtype).reshape(shape)
+            offset += n
+        if any(values[n] is None for n in names[:6]):
+            raise BadCommand("a share's micro-batch lacks a required tensor")
+        return MicroBatch(**values)  # type: ignore[arg-type]
+
+    micros = [micro(m) for m in h["micro"]]
+    pad = None if h["pad"] is None else micro(h["pad"])
+    if offset != flat.numel():
+        raise BadCommand("a share has more bytes than its tensors take")
+    passes = _count(h["passes"], "passes")
+    if passes < len(micros) or (passes > len(micros) and pad is None):
+        raise BadCommand("a share's passes do not match its micro-batches")
+    return Share(micros, passes, pad, _count(h["denom"], "denom"), _count(h["distill_positions"], "distill_positions"))
 
 
 class ComputeThread:
@@ -503,10 +657,10 @@ class ShardedSource:
     async def announce_reload(self, path: Any, version: int) -> None:
         """A ``reload`` wrote ``version`` at ``path`` (on the shared file system): the other nodes'
         first ranks have their own replicas load it."""
-        await self.compute.run(self.ranks.command, "reload", {"path": str(path), "version": version})
+        await self.compute.run(self.ranks.command, Reload(str(path), version))
 
     def _gather(self, names: Sequence[str], push: dict[str, int] | None) -> dict[str, torch.Tensor]:
-        self.ranks.command("gather", {"names": list(names), "push": push})
+        self.ranks.command(Gather(tuple(names), None if push is None else Push(**push)))
         return gather_full(self.model, names)
 
     async def gather(self, names: Sequence[str]) -> dict[str, torch.Tensor]:

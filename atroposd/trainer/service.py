@@ -471,7 +471,7 @@ class TrainerService:
         device, _ = await anyio.to_thread.run_sync(resolve_torch, t.devices()[0], self.cfg.inference.dtype)
         try:
             ranks: GroupRanks = await self.compute.run(
-                GroupRanks.join, host.store.store, prefix=prefix, rank=0, world=t.ranks, device=device,
+                GroupRanks.join, host.store.store, prefix=prefix, key=host.store.key, rank=0, world=t.ranks, device=device,
                 join_timeout=t.join_timeout, collective_timeout=t.collective_timeout,
                 cancelled=lambda: self._stop or self.compute.generation != generation or self._rank_lost is not None)
         except Exception as exc:
@@ -563,11 +563,13 @@ class TrainerService:
 
     async def _close_group(self) -> None:
         """Tell the other ranks to stop (a group still intact), stop their processes, close ours."""
+        from atroposd.trainer.group import Stop
+
         ranks, self._ranks = self._ranks, None
         if ranks is not None and self._rank_lost is None and self.compute.generation == self._ranks_generation:
             with anyio.move_on_after(5):
                 try:
-                    await self.compute.run(ranks.command, "stop")
+                    await self.compute.run(ranks.command, Stop())
                 except Exception as exc:
                     log.warning("trainer ranks not told to stop", error=f"{type(exc).__name__}: {exc}")
         if self.rank_host is not None and self.cfg.trainer.ranks > 1:

@@ -241,7 +241,7 @@ def test_a_daemon_with_its_own_visible_gpus_translates_every_entry() -> None:
     ins = _inputs(cfg, {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "4,5,6,7"})
     r0, r1 = inference_specs(ins)
     assert r0.env["CUDA_VISIBLE_DEVICES"] == "5" and r1.env["CUDA_VISIBLE_DEVICES"] == "6,7"
-    (rank1,) = trainer_rank_specs(ins, store_address="127.0.0.1:1", secret="s", joined=lambda r: True)
+    (rank1,) = trainer_rank_specs(ins, store_address="127.0.0.1:1", secret="s", key=b"k" * 32, joined=lambda r: True)
     assert rank1.env["CUDA_VISIBLE_DEVICES"] == "5" and rank1.env[DEVICE_VAR] == "cuda:0"
 
 
@@ -257,7 +257,7 @@ def test_nccl_variables_are_set_over_the_environment_gloos_interface_only_defaul
     cfg = _config(trainer={"device": ["cpu", "cpu"], "weight_sync": "push"}, env=[])
     hostile = {"PATH": "/usr/bin", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_ENABLE_MONITORING": "1",
                "GLOO_SOCKET_IFNAME": "eth7"}
-    (rank1,) = trainer_rank_specs(_inputs(cfg, hostile), store_address="127.0.0.1:1", secret="s",
+    (rank1,) = trainer_rank_specs(_inputs(cfg, hostile), store_address="127.0.0.1:1", secret="s", key=b"k" * 32,
                                   joined=lambda r: True)
     assert rank1.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
     assert rank1.env["TORCH_NCCL_ENABLE_MONITORING"] == "0"
@@ -305,7 +305,7 @@ def test_the_readmes_several_gpu_example_places_every_process_on_its_own_gpu() -
     replicas = inference_specs(ins)
     assert [r.env["CUDA_VISIBLE_DEVICES"] for r in replicas] == ["4", "5", "6", "7"]
     assert all(r.argv[r.argv.index("--device") + 1] == "cuda:0" for r in replicas)
-    ranks = trainer_rank_specs(ins, store_address="127.0.0.1:1", secret="s", joined=lambda r: True)
+    ranks = trainer_rank_specs(ins, store_address="127.0.0.1:1", secret="s", key=b"k" * 32, joined=lambda r: True)
     assert [r.env["CUDA_VISIBLE_DEVICES"] for r in ranks] == ["1", "2", "3"]
     assert all(r.env[DEVICE_VAR] == "cuda:0" for r in ranks)
     # without gpu_memory_utilization it is still valid: no replica shares a trainer rank's GPU

@@ -3,9 +3,14 @@ the real ``atroposd trainer-rank`` children, and trains seeded batches exactly a
 (learner.compute → apply; checkpoints through the Checkpointer), then writes what it saw.
 
     python -m tests.trainer.rank_zero CONFIG OUT [--steps K] [--checkpoint-at C] [--first-batch B]
+        [--attack MARKER]
+
+With ``--attack``, before it tells the other ranks to stop, a separate client that holds only
+the store's address (``tests.trainer.store_client``) writes what it likes at the next command's
+key: a pickle that would create MARKER, a JSON command without the key, a replayed command.
 
 OUT (torch.save): {"losses": [...], "grad_norms": [...], "params": {name: full tensor},
-"step": last step, "resumed_from": step or None}. Batch i is ``make_groups(1000 + i, n=4)``.
+"step": last step, "resumed_from": step or None, "follower_codes": [exit code of each rank]}. Batch i is ``make_groups(1000 + i, n=4)``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import torch
 
 from atroposd.clargs import load_or_exit
 from atroposd.trainer.batch import prepare_batch
-from atroposd.trainer.follower import SECRET_VAR, STORE_VAR
+from atroposd.trainer.follower import KEY_VAR, SECRET_VAR, STORE_VAR
+from atroposd.trainer.group import Gather, Stop
 from atroposd.trainer.ranks import GroupRanks, OneRank, Ranks, gather_full
 from atroposd.trainer.setup import build_learner, load_for_training
 from tests.trainer.conftest import make_groups
@@ -34,6 +40,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--checkpoint-at", type=int, default=0)
     ap.add_argument("--groups", type=int, default=4)
+    ap.add_argument("--attack", default="")
     args = ap.parse_args()
     ns = argparse.Namespace(config=args.config)
     cfg = load_or_exit(ns)
@@ -48,12 +55,12 @@ def main() -> int:
 
         store = GroupStore(secret="test-secret", world=world)
         prefix = store.next_generation()
-        env = {**os.environ, STORE_VAR: store.address, SECRET_VAR: "test-secret"}
+        env = {**os.environ, STORE_VAR: store.address, SECRET_VAR: "test-secret", KEY_VAR: store.key.hex()}
         for r in range(1, world):
             log = open(Path(args.out).with_suffix(f".rank{r}.log"), "ab")
             followers.append(subprocess.Popen([sys.executable, "-m", "atroposd", "trainer-rank", "-c", args.config,
                                                "--rank", str(r)], env=env, stdout=log, stderr=subprocess.STDOUT))
-        ranks = GroupRanks.join(store.store, prefix=prefix, rank=0, world=world, device=torch.device("cpu"),
+        ranks = GroupRanks.join(store.store, prefix=prefix, key=store.key, rank=0, world=world, device=torch.device("cpu"),
                                 join_timeout=t.join_timeout, collective_timeout=t.collective_timeout)
     else:
         ranks = OneRank()
@@ -78,13 +85,15 @@ def main() -> int:
         model = learner.policy.model
         names = [n for n in model.state_dict()]
         if ranks.world > 1:
-            ranks.command("gather", names)
+            ranks.command(Gather(tuple(names)))
             out["params"] = gather_full(model, names)
         else:
             out["params"] = {n: t.detach().clone() for n, t in model.state_dict().items()}
         out["step"] = step
-        ranks.command("stop")
-        torch.save(out, args.out)
+        if args.attack and store is not None:
+            subprocess.run([sys.executable, "-m", "tests.trainer.store_client", store.address, args.attack],
+                           env={k: v for k, v in os.environ.items() if k != KEY_VAR}, check=True, timeout=60)
+        ranks.command(Stop())
     finally:
         for p in followers:
             try:
@@ -95,6 +104,8 @@ def main() -> int:
         ranks.close()
         if store is not None:
             store.close()
+    out["follower_codes"] = [p.returncode for p in followers]
+    torch.save(out, args.out)
     return 0
 
 

@@ -1,7 +1,8 @@
 """Trainer ranks (SPEC §12.1) with real processes and a real gloo group: rank 0 is
 ``tests/trainer/rank_zero.py`` (the store host and driver, as in the daemon), rank 1 the real
 ``atroposd trainer-rank``. Two ranks equal one rank on the same batches; a sharded checkpoint
-resumes bit-identically with two ranks and, resharded, on one rank and back."""
+resumes bit-identically with two ranks and, resharded, on one rank and back. A client holding
+only the store's address cannot make a rank run code."""
 
 from __future__ import annotations
 
@@ -54,7 +55,9 @@ def runs(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     two = _config(root, "two", tiny_dir, ["cpu", "cpu"])
     return {"root": root, "model": tiny_dir, "one_cfg": one, "two_cfg": two,
             "one": _run(one, root / "one.pt", "--steps", "3", "--checkpoint-at", "2"),
-            "two": _run(two, root / "two.pt", "--steps", "3", "--checkpoint-at", "2")}
+            "marker": root / "pwned",
+            "two": _run(two, root / "two.pt", "--steps", "3", "--checkpoint-at", "2",
+                        "--attack", str(root / "pwned"))}
 
 
 def test_two_ranks_equal_one_rank(runs: dict[str, Any]) -> None:
@@ -78,6 +81,18 @@ def test_two_ranks_packed_in_chunks_equal_one_rank_padded(runs: dict[str, Any]) 
     for a, b in zip(one["losses"], packed["losses"], strict=True):
         assert abs(a - b) <= LOSS_TOL, (one["losses"], packed["losses"])
     assert _worst(one["params"], packed["params"]) <= PARAM_TOL
+
+
+def test_a_store_client_cannot_make_a_rank_run_code(runs: dict[str, Any]) -> None:
+    """SPEC §12.1: a client with only the store's address wrote a pickle that creates a file
+    when unpickled, a command without the key and a replayed command at the key rank 1 waited
+    on: rank 1 ran none of them (no file), refused each, then took rank 0's own stop (exit 0)."""
+    assert not runs["marker"].exists(), "a rank unpickled a value a store client wrote"
+    assert runs["two"]["follower_codes"] == [0]
+    log = (runs["root"] / "two.rank1.log").read_text(errors="replace")
+    assert "refused a store value at a command key" in log, log[-3000:]
+    assert "bad MAC" in log, log[-3000:]
+    assert "trainer rank stops" in log
 
 
 def test_sharded_checkpoint_layout(runs: dict[str, Any]) -> None:
