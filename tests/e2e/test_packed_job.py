@@ -15,8 +15,8 @@ from tests.e2e.jobs import SHORT_TASK, job_config, run_short_learning_job
 def test_a_packed_job_in_chunks_learns_and_reports_entropy(short_tmp: Path) -> None:
     """Packed into micro-batches of at most 512 tokens (a few dozen sequences each), the head
     over 16 completion positions at a time (a pass holds many more): reward and accuracy rise as
-    in the padded job, and every step's ``entropy`` is a mean entropy per token (between 0 and log of the vocabulary),
-    falling as the policy learns the answers."""
+    in the padded job, and every step's ``entropy`` is a mean entropy per token (between 0 and
+    log of the vocabulary), falling as the policy learns the answers."""
     cfg = job_config(short_tmp, steps=400, envs=SHORT_TASK,
                      trainer={"checkpoint_every": 400, "micro_batch_tokens": 512, "logprob_chunk": 16})
     rows = run_short_learning_job(cfg, short_tmp / "state")
