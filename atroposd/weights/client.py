@@ -69,9 +69,12 @@ class WeightControlClient:
     async def resume(self, weight_version: int) -> dict[str, Any]:
         return await self.request("POST", "/resume", {"weight_version": weight_version})
 
-    async def update_weights(self, manifest: Path, mode: str, weight_version: int) -> dict[str, Any]:
-        return await self.request("POST", "/update_weights", {"manifest": str(manifest), "mode": mode,
-                                                              "weight_version": weight_version})
+    async def update_weights(self, manifest: Path, mode: str, weight_version: int, digest: bool = False) -> dict[str, Any]:
+        """``digest``: a bucket's answer carries the sha256 of each tensor it copied (tests' bit-for-bit check)."""
+        body: dict[str, Any] = {"manifest": str(manifest), "mode": mode, "weight_version": weight_version}
+        if digest:
+            body["digest"] = True
+        return await self.request("POST", "/update_weights", body)
 
     async def load(self, path: Path, weight_version: int) -> dict[str, Any]:
         return await self.request("POST", "/load", {"path": str(path), "weight_version": weight_version})

@@ -61,6 +61,7 @@ __all__ = [
     "manifest_path",
     "match_tensors",
     "process_start_time",
+    "staging_manifest_path",
 ]
 
 FORMAT_VERSION = 1
@@ -196,6 +197,12 @@ def manifest_path(weights_dir: Path, nonce: str) -> Path:
     return weights_dir / f"manifest-{nonce}.json"
 
 
+def staging_manifest_path(weights_dir: Path, nonce: str) -> Path:
+    """The host-staging buffer's manifest of a push (SPEC §7), written while the exported
+    buffers' own manifest serves the replicas that copy from them directly."""
+    return manifest_path(weights_dir, nonce).with_name(f"manifest-{nonce}-staging.json")
+
+
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride: list[int] = []
     acc = 1
@@ -300,11 +307,13 @@ class Manifest:
              exporter_alive: Callable[[int, int], bool] = exporter_alive) -> Manifest:
         """Read and check a manifest's provenance: location, owner, mode, nonce, live exporter.
 
-        ``path`` must be exactly ``weights_dir/manifest-<expected_nonce>.json``: an importer
-        never searches for a manifest and never accepts one of another launch.
+        ``path`` must be exactly ``weights_dir/manifest-<expected_nonce>.json`` (or the push's
+        host-staging manifest, ``manifest-<expected_nonce>-staging.json``): an importer never
+        searches for a manifest and never accepts one of another launch.
         """
         expected = manifest_path(weights_dir, expected_nonce)
-        if Path(os.path.abspath(path)) != Path(os.path.abspath(expected)):
+        staged = staging_manifest_path(weights_dir, expected_nonce)
+        if Path(os.path.abspath(path)) not in (Path(os.path.abspath(expected)), Path(os.path.abspath(staged))):
             raise ManifestError(f"manifest path {path} is not this launch's manifest ({expected})")
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)

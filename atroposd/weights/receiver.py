@@ -132,6 +132,8 @@ class ReceiverState:
     segments: list[Any] = field(default_factory=list)
     # push mode: read-only mappings of the trainer's export, kept across syncs of one export
     sources: dict[str, ShmSegment] = field(default_factory=dict)
+    # host staging on a GPU: the sources whose pages are registered with CUDA
+    pinned: set[str] = field(default_factory=set)
     # push mode on CPU: the model's own tensors laid out like the export (one flat private
     # buffer per segment), so that a sync is one contiguous copy per segment
     mirror_key: Any = None
@@ -213,8 +215,29 @@ class ReceiverState:
         self.mirror_key = None  # the model keeps its mirror buffers as its own memory
         self.mirror = {}
         sources, self.sources = self.sources, {}
-        for seg in sources.values():
+        pinned, self.pinned = self.pinned, set()
+        for name, seg in sources.items():
+            if name in pinned:
+                from atroposd.weights.staging import unpin_host
+
+                unpin_host(seg)
             seg.close()
+
+    def pin_sources(self) -> None:
+        """A replica on a GPU fed through host staging: page-lock the mapped sources once, so
+        that its host-to-device copies run as DMA. A platform that refuses it copies unpinned."""
+        from atroposd.weights.staging import pin_host
+
+        for name, seg in self.sources.items():
+            if name in self.pinned or not isinstance(seg, ShmSegment):
+                continue
+            try:
+                pin_host(seg, read_only=True)
+            except RuntimeError as exc:
+                log.warning("host staging: the source's pages could not be pinned; copying unpinned",
+                            segment=name, error=str(exc))
+            else:
+                self.pinned.add(name)
 
 
 def _privatize(model: torch.nn.Module, segments: list[Any]) -> None:
@@ -266,7 +289,15 @@ def apply_update(model: torch.nn.Module, request: Mapping[str, Any], *, state: R
     if manifest.bucket is not None:
         if mode != "copy":
             raise WeightUpdateError(f"a bucket of a bucketed push is copied (mode 'copy'), not {mode!r}")
-        return _apply_bucket(model, manifest, state)
+        out = _apply_bucket(model, manifest, state)
+        if request.get("digest") is True:  # the sha256 of each tensor the bucket filled, as the model holds it
+            from atroposd.weights.broadcast import tensor_digest
+
+            mt = model_tensors(model)
+            out["digests"] = {n: tensor_digest(mt.tensors[n]) for n in out.pop("filled")}
+        else:
+            out.pop("filled")
+        return out
     try:
         ensure_lora(model, manifest.lora)
         mt = model_tensors(model)
@@ -316,6 +347,8 @@ def _apply_bucket(model: torch.nn.Module, manifest: Manifest, state: ReceiverSta
     with torch.no_grad():
         if manifest.transport == "shm":
             _open_sources(manifest, state)
+            if device.type == "cuda":
+                state.pin_sources()
             for mine, src in source.items():
                 e = manifest.entry(src)
                 mapped = state.sources[manifest.segment(e.segment).name]
@@ -344,7 +377,8 @@ def _apply_bucket(model: torch.nn.Module, manifest: Manifest, state: ReceiverSta
     log.debug("bucket copied", bucket=index, buckets=count, weight_version=manifest.weight_version,
               tensors=len(source), bytes=total)
     return {"weight_version": manifest.weight_version, "mode": "copy", "tensors": len(source), "bytes": total,
-            "export_id": manifest.export_id, "bucket": index, "buckets": count, "complete": complete}
+            "export_id": manifest.export_id, "bucket": index, "buckets": count, "complete": complete,
+            "filled": list(source)}
 
 
 def other_gpu(manifest: Manifest, own_uuid: str) -> str | None:

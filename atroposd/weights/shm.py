@@ -153,6 +153,11 @@ class ShmSegment:
     def closed(self) -> bool:
         return self._mmap is None
 
+    @property
+    def address(self) -> int:
+        """The mapping's first byte (for ``cudaHostRegister``)."""
+        return self._base
+
     def view(self, offset: int, nbytes: int, dtype: torch.dtype, shape: Iterable[int]) -> torch.Tensor:
         """A tensor of ``shape`` over bytes ``[offset, offset + nbytes)`` of the mapping.
 

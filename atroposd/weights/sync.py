@@ -59,7 +59,13 @@ import torch
 from atroposd.logs import get_logger
 from atroposd.weights.arena import DEFAULT_SEGMENT_BYTES, ParameterArena
 from atroposd.weights.client import WeightControlClient, WeightControlError
-from atroposd.weights.manifest import BucketRef, Manifest, manifest_path, process_start_time
+from atroposd.weights.manifest import (
+    BucketRef,
+    Manifest,
+    manifest_path,
+    process_start_time,
+    staging_manifest_path,
+)
 from atroposd.weights.source import (
     ModelSource,
     TensorSource,
@@ -84,6 +90,9 @@ MIN_DEADLINE = 30.0
 DEFAULT_BUCKET_BYTES = 512 << 20
 
 SourceFor = Callable[[torch.nn.Module], TensorSource]
+# A push replica's path (SPEC §7): ``direct`` from the exported buffers (shm; CUDA IPC on the
+# trainer's GPU), or ``host_staging`` from one pinned host shared-memory staging buffer.
+PUSH_PATHS = ("direct", "host_staging")
 # ``reattach(..., REMOTE_ONLY)``: no replica of this node; every bucket is still gathered, so the
 # other nodes' first ranks feed theirs (SPEC §12.3).
 REMOTE_ONLY = -1
@@ -125,8 +134,10 @@ def make_weight_sync(cfg: Config, *, nonce: str, control_socket: Path | None = N
                          "own parameter memory); with several ranks use \"push\" or \"reload\"")
     if bucketed and mode == "push":
         assert sockets, "push mode needs the inference control socket"
+        # one staging buffer for all: on the trainer's GPU (CUDA IPC) only when every replica sees it
         sync = BucketPushSync(nonce=nonce, weights_dir=paths.weights_dir, control_sockets=sockets,
-                              sync_every=sync_every, bucket_bytes=buckets, source_for=sources)
+                              sync_every=sync_every, bucket_bytes=buckets, source_for=sources,
+                              host_staging="host_staging" in push_paths(cfg))
     elif bucketed and mode == "reload":
         sync = ReloadSync(sync_dir=paths.sync_dir, control_sockets=sockets if cfg.inference.enabled else [],
                           sync_every=sync_every, bucket_bytes=buckets, source_for=sources)
@@ -135,7 +146,8 @@ def make_weight_sync(cfg: Config, *, nonce: str, control_socket: Path | None = N
         sync = SharedSync(nonce=nonce, weights_dir=paths.weights_dir, control_sockets=sockets)
     elif mode == "push":
         assert sockets, "push mode needs the inference control socket"
-        sync = PushSync(nonce=nonce, weights_dir=paths.weights_dir, control_sockets=sockets, sync_every=sync_every)
+        sync = PushSync(nonce=nonce, weights_dir=paths.weights_dir, control_sockets=sockets, sync_every=sync_every,
+                        paths=push_paths(cfg)[:len(sockets)], bucket_bytes=buckets)
     elif mode == "reload":
         sync = ReloadSync(sync_dir=paths.sync_dir, control_sockets=sockets if cfg.inference.enabled else [],
                           sync_every=sync_every)
@@ -155,9 +167,45 @@ def make_weight_sync(cfg: Config, *, nonce: str, control_socket: Path | None = N
     return sync
 
 
+def push_paths(cfg: Config) -> list[str]:
+    """Each replica's ``push`` path (SPEC §7): ``direct`` (the exported buffers: shared memory on
+    the CPU, CUDA IPC where the replica computes on exactly the trainer's GPU) or
+    ``host_staging`` (another GPU, several GPUs, or ``[trainer] push_path = "host_staging"``).
+    GPUs are compared as the daemon numbers them (``cuda`` = ``cuda:0``, ``auto`` = the first)."""
+    from atroposd.devices import resolve, same_device
+
+    replicas = cfg.inference_devices()
+    if str(getattr(cfg.trainer, "push_path", "auto")) == "host_staging":
+        return ["host_staging"] * len(replicas)
+    trainer = _gpus(cfg.trainer.devices()[0], cfg.inference.dtype, resolve)
+    if not trainer:
+        return ["direct"] * len(replicas)
+
+    def direct(entry: str) -> bool:
+        gpus = _gpus(entry, cfg.inference.dtype, resolve)
+        return len(gpus) == 1 and same_device(trainer[0], gpus[0]) is True
+
+    return ["direct" if direct(entry) else "host_staging" for entry in replicas]
+
+
+def _gpus(entry: str, dtype: str, resolve: Callable[..., tuple[str, str]]) -> list[str]:
+    """The GPUs a device entry names, normalised (``[]``: the CPU)."""
+    out = []
+    for part in (p.strip() for p in entry.split(",") if p.strip()):
+        if part.startswith(("GPU-", "MIG-")):
+            out.append(part)
+            continue
+        name = resolve(part, dtype)[0] if part == "auto" else part
+        if name == "cpu":
+            continue
+        out.append("cuda:0" if name == "cuda" else name)
+    return out
+
+
 def replica_sync_status(sync: Any, replica: int) -> dict[str, Any]:
     """Replica ``replica``'s weight sync as ``status --json`` shows it: the mode it got, and for
-    ``broadcast`` its group (formed or not, formations and failures, the last transfer)."""
+    ``push`` its path, for ``broadcast`` its group (formed or not, formations and failures, the
+    last transfer)."""
     inner = getattr(sync, "inner", sync)
     describe = getattr(inner, "replica_status", None)
     if describe is not None:
@@ -287,12 +335,16 @@ class _ControlMixin:
             raise errors[min(errors)]
         return [results[i] for i in range(len(targets))]
 
-    async def _reached(self, r: Replica, version: int, method: str, *args: Any) -> bool:
+    async def _reached(self, r: Replica, version: int, method: str, *args: Any,
+                       answers: list[dict[str, Any]] | None = None) -> bool:
         """One control call to ``r``; False when the replica is not there to take weights (dead,
         past the deadline, or 503): it is marked not current, with a warning, and gets the
-        weights from ``reattach`` when it is back. Any other refusal is raised."""
+        weights from ``reattach`` when it is back. Any other refusal is raised. ``answers``
+        collects the replica's answer."""
         try:
-            await self._call(method, *args, replica=r)
+            answer = await self._call(method, *args, replica=r)
+            if answers is not None:
+                answers.append(answer)
             return True
         except WeightControlError as exc:
             if not _unreachable(exc):
@@ -432,6 +484,11 @@ class SharedSync(_ArenaSync):
     mode = "shared"
     update_mode = "attach"
 
+    def replica_status(self, replica: int) -> dict[str, Any]:
+        """What ``status --json`` shows of ``replica``'s weight sync: the mode and the memory it
+        computes on (``shm`` or ``cuda_ipc``)."""
+        return {"mode": self.mode, "path": self.arena.transport if self.arena is not None else "direct"}
+
     @asynccontextmanager
     async def paused(self, new_version: int | None = None) -> AsyncIterator[None]:
         """Pause generation on every replica around the optimizer step; resume with ``new_version``.
@@ -457,15 +514,117 @@ class SharedSync(_ArenaSync):
 
 
 class PushSync(_ArenaSync):
-    """``push``: every ``sync_every`` steps every replica copies the exported buffers in, in parallel."""
+    """``push``: every ``sync_every`` steps every replica copies the exported buffers in, in parallel.
+
+    Each replica has a path (``paths``, one per replica; SPEC §7): ``direct`` copies from the
+    exported buffers themselves (POSIX shm on the CPU, CUDA IPC where the replica sees the
+    trainer's GPU); ``host_staging`` (a replica on another GPU, a tensor-parallel one) copies
+    from one staging buffer in pinned host shared memory, which the trainer fills bucket by
+    bucket (``bucket_bytes``) once for all such replicas (:class:`BucketPushSync` with
+    ``host_staging``). Both kinds are fed in parallel. ``last_sync`` splits a sync into the
+    replicas' pause and the transfer (the longest of each over the replicas).
+    """
 
     mode = "push"
     update_mode = "copy"
 
-    def __init__(self, *, sync_every: int = 1, **kw: Any) -> None:
+    def __init__(self, *, sync_every: int = 1, paths: Sequence[str] | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, digest: bool = False, **kw: Any) -> None:
         super().__init__(**kw)
         self.sync_every = max(1, sync_every)
         self._since = 0
+        paths = list(paths) if paths is not None else ["direct"] * len(self.replicas)
+        if len(paths) != len(self.replicas) or any(p not in PUSH_PATHS for p in paths):
+            raise ValueError(f"paths must name one of {PUSH_PATHS} per replica ({len(self.replicas)}), got {paths}")
+        self.paths = paths
+        self.stager: BucketPushSync | None = None
+        if "host_staging" in paths:
+            self.stager = BucketPushSync(nonce=self.nonce, weights_dir=self.weights_dir, control_sockets=[],
+                                         bucket_bytes=bucket_bytes, host_staging=True, digest=digest,
+                                         manifest_file=staging_manifest_path(self.weights_dir, self.nonce))
+        #: the last sync: sync_pause_s, sync_transfer_s, seconds (a new dict per sync)
+        self.last_sync: dict[str, float] = {}
+        self._pauses: list[float] = []
+        self._transfers: list[float] = []
+
+    def path_of(self, replica: int) -> str:
+        """``direct`` → the arena's transport (``shm`` or ``cuda_ipc``); else ``host_staging``."""
+        if self.paths[replica] == "host_staging":
+            return "host_staging"
+        if self.arena is not None:
+            return self.arena.transport
+        return "direct"
+
+    def replica_status(self, replica: int) -> dict[str, Any]:
+        """What ``status --json`` shows of ``replica``'s weight sync: the mode and its path."""
+        return {"mode": self.mode, "path": self.path_of(replica)}
+
+    async def _export(self, version: int, targets: Sequence[Replica]) -> bool:
+        staged = [r for r in targets if self.paths[r.index] == "host_staging"]
+        direct = [r for r in targets if self.paths[r.index] != "host_staging"]
+        start = time.perf_counter()
+        self._pauses, self._transfers = [], []
+        staged_sync: dict[str, float] = {}
+
+        async def direct_part() -> bool:
+            return await super(PushSync, self)._export(version, direct) if direct else True
+
+        async def staged_part() -> bool:
+            if not staged:
+                return True
+            assert self.stager is not None and self.arena is not None
+            self.stager.deadline = self.deadline
+            try:
+                return await self.stager._publish(self.arena.model, version, staged)
+            finally:
+                staged_sync.update(self.stager.last_sync)
+
+        # both kinds in parallel; a failure is raised once both ended (never an exception group)
+        done = [True, True]
+        errors: list[Exception] = []
+
+        async def run(i: int, part: Callable[[], Awaitable[bool]]) -> None:
+            try:
+                done[i] = await part()
+            except Exception as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, 0, direct_part)
+            tg.start_soon(run, 1, staged_part)
+        if errors:
+            raise errors[0]
+        self.version = version
+        pauses = self._pauses + ([staged_sync["sync_pause_s"]] if "sync_pause_s" in staged_sync else [])
+        transfers = self._transfers + ([staged_sync["sync_transfer_s"]] if "sync_transfer_s" in staged_sync else [])
+        self.last_sync = {"sync_pause_s": max(pauses, default=0.0), "sync_transfer_s": max(transfers, default=0.0),
+                          "seconds": time.perf_counter() - start}
+        return all(done)
+
+    async def _update(self, r: Replica, version: int, fallback: int, method: str, *args: Any) -> bool:
+        """:meth:`_ControlMixin._update`, timing the pause and the copy apart."""
+        t0 = time.perf_counter()
+        if not await self._pause(r, version):
+            return False
+        t1 = time.perf_counter()
+        self._pauses.append(t1 - t0)
+        try:
+            if not await self._reached(r, version, method, *args):
+                return False
+        except WeightControlError:
+            with anyio.CancelScope(shield=True):
+                await self._resume(r, r.version if r.version is not None else fallback)
+            raise
+        finally:
+            self._transfers.append(time.perf_counter() - t1)
+        return await self._resume(r, version)
+
+    def close(self) -> None:
+        try:
+            if self.stager is not None:
+                self.stager.close()
+        finally:
+            super().close()
 
     async def after_step(self, model: torch.nn.Module, version: int) -> None:
         self._since += 1
@@ -543,7 +702,8 @@ class BucketPushSync(_PublishSync):
 
     def __init__(self, *, nonce: str, weights_dir: Path, control_socket: Path | None = None,
                  control_sockets: Sequence[Path] | None = None, sync_every: int = 1,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, source_for: SourceFor = ModelSource) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, source_for: SourceFor = ModelSource,
+                 host_staging: bool = False, manifest_file: Path | None = None, digest: bool = False) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.nonce = nonce
@@ -553,7 +713,14 @@ class BucketPushSync(_PublishSync):
         self.sync_every = max(1, sync_every)
         self.bucket_bytes = bucket_bytes
         self.source_for = source_for
-        self.manifest_file = manifest_path(weights_dir, nonce)
+        self.manifest_file = manifest_file if manifest_file is not None else manifest_path(weights_dir, nonce)
+        #: stage in pinned host shared memory even when the tensors are on a GPU (replicas that
+        #: cannot map the trainer's GPU memory, SPEC §7)
+        self.host_staging = host_staging
+        #: ask every replica for the sha256 of each tensor it copied (``last_results``; tests)
+        self.digest = digest
+        #: the last sync's digests of each replica (``digest``), by replica index
+        self.last_results: dict[int, dict[str, str]] = {}
         self.staging: StagingBuffer | None = None
         self.version = 0
         self.export_id = 0
@@ -565,10 +732,19 @@ class BucketPushSync(_PublishSync):
         assert start is not None
         self._start_time = start
 
+    def replica_status(self, replica: int) -> dict[str, Any]:
+        """What ``status --json`` shows of ``replica``'s weight sync: the mode and the staging
+        buffer's path (``host_staging``, or the trainer's ``cuda_ipc`` / ``shm`` buffer)."""
+        if self.host_staging:
+            path = "host_staging"
+        else:
+            path = self.staging.transport if self.staging is not None else "staging"
+        return {"mode": self.mode, "path": path}
+
     def _staging_for(self, size: int, device: torch.device) -> StagingBuffer:
         from atroposd.weights.staging import StagingBuffer
 
-        if self.staging is not None and self.staging.fits(size, device):
+        if self.staging is not None and self.staging.fits(size, device, host=self.host_staging):
             return self.staging
         index = 0
         if self.staging is not None:
@@ -577,7 +753,7 @@ class BucketPushSync(_PublishSync):
             self.staging = None
         self.weights_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.weights_dir, 0o700)
-        self.staging = StagingBuffer.create(self.nonce, size, device, index)
+        self.staging = StagingBuffer.create(self.nonce, size, device, index, host=self.host_staging)
         return self.staging
 
     def _write_bucket(self, names: Sequence[str], tensors: dict[str, torch.Tensor], size: int, version: int,
@@ -609,7 +785,10 @@ class BucketPushSync(_PublishSync):
         async with AsyncExitStack() as stack:
             for r in targets:
                 await stack.enter_async_context(self._connected(r))
+                self.last_results.pop(r.index, None)
+            pause_start = time.perf_counter()
             reached = await self._each(targets, lambda r: self._pause(r, version))
+            transfer_start = time.perf_counter()
             live = [r for r, ok in zip(targets, reached, strict=True) if ok]
             for r in live:
                 r.current = False  # from its first bucket to its last it holds a mix
@@ -629,10 +808,14 @@ class BucketPushSync(_PublishSync):
                 if live:
                     took = await self._each(live, lambda r: self._copy_bucket(r, version, refused))
                     live = [r for r, ok in zip(live, took, strict=True) if ok]
+            transfer_s = time.perf_counter() - transfer_start
             resumed = await self._each(live, lambda r: self._resume(r, version)) if live else []
         self.version = version
+        # sync_pause_s / sync_transfer_s: metrics.jsonl's split of the sync (the replicas' pause;
+        # every bucket gathered, staged and copied by every replica)
         self.last_sync = {"buckets": len(plan), "bytes": moved, "gather_s": gather_s,
                           "staging_bytes": self.staging.size if self.staging is not None else 0,
+                          "sync_pause_s": transfer_start - pause_start, "sync_transfer_s": transfer_s,
                           "seconds": time.perf_counter() - start}
         if refused:
             r, exc = refused[0]
@@ -644,7 +827,14 @@ class BucketPushSync(_PublishSync):
         """``r`` copies the bucket in the staging buffer; False when it is gone or refused it
         (recorded in ``refused``): it stays paused and not current."""
         try:
-            return await self._reached(r, version, "update_weights", self.manifest_file, self.update_mode, version)
+            if not self.digest:
+                return await self._reached(r, version, "update_weights", self.manifest_file, self.update_mode, version)
+            answers: list[dict[str, Any]] = []
+            ok = await self._reached(r, version, "update_weights", self.manifest_file, self.update_mode, version, True,
+                                     answers=answers)
+            for answer in answers:
+                self.last_results.setdefault(r.index, {}).update(answer.get("digests", {}))
+            return ok
         except WeightControlError as exc:
             log.error("inference replica refused a bucket; it stays paused until it gets every bucket again",
                       replica=r.index, weight_version=version, error=str(exc))
