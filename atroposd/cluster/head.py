@@ -45,6 +45,7 @@ from atroposd.cluster.wire import (
     Channel,
     WrongToken,
     auth_key,
+    ranks_key,
     store_secret,
 )
 from atroposd.logs import get_logger
@@ -132,6 +133,7 @@ class ClusterHead:
         self.cfg = cfg
         self._key = auth_key(token)
         self.store_secret = store_secret(token)
+        self.store_key = ranks_key(token)  # the trainer ranks' command key
         self.host = host or socket.gethostname()
         # [cluster] bind, else the address head resolves to here (never every interface): found
         # in start, where a head that does not resolve is a ClusterStartError.

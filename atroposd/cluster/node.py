@@ -40,6 +40,7 @@ from atroposd.cluster.wire import (
     Channel,
     WrongToken,
     auth_key,
+    ranks_key,
     store_secret,
 )
 from atroposd.logs import get_logger
@@ -86,6 +87,7 @@ class ClusterNode:
         self.cfg, self.node_rank = cfg, node_rank
         self._key = auth_key(token)
         self.store_secret = store_secret(token)
+        self.store_key = ranks_key(token)  # the trainer ranks' command key
         self.host = host or socket.gethostname()
         self.units = dict(units or {})
         self.instance = instance or uuid.uuid4().hex

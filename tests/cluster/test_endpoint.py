@@ -85,6 +85,7 @@ async def test_nodes_join_report_and_show_in_the_nodes_view(cfg: ClusterConfig) 
             assert nodes[0]["components"] == [READY_REPLICA]
             assert nodes[1]["last_heartbeat_s"] < HEARTBEAT_TIMEOUT
             assert n1.store_secret == n2.store_secret == head.store_secret
+            assert n1.store_key == n2.store_key == head.store_key
         await until(lambda: row(head, 2)["state"] == LOST, 5, "node 2 gone")
         assert row(head, 2)["reason"] == "left: test over"
         # heartbeats keep a quiet node in: nothing reported for several timeouts, still ready

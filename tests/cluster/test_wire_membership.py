@@ -12,6 +12,7 @@ from atroposd.cluster.wire import (
     decode,
     encode,
     encode_unsigned,
+    ranks_key,
     store_secret,
 )
 
@@ -50,6 +51,10 @@ def test_store_secret_is_derived_from_the_token() -> None:
     assert a == store_secret(b"token-1") and a != b
     assert len(a) == 32 and int(a, 16) >= 0
     assert a not in auth_key(b"token-1").hex() and "token-1" not in a
+    # the trainer ranks' command key: per token, unrelated to the prefix and the endpoint's key
+    k = ranks_key(b"token-1")
+    assert k == ranks_key(b"token-1") != ranks_key(b"token-2") and len(k) == 32
+    assert k != auth_key(b"token-1") and a not in k.hex()
 
 
 class Clock:
