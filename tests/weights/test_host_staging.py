@@ -197,3 +197,33 @@ def test_host_staging_on_a_gpu_is_pinned_and_copies_to_the_device(short_tmp: Pat
     finally:
         buf.close()
     assert not buf.pinned
+
+
+@pytest.mark.slow  # a whole job
+@pytest.mark.timeout(900)
+def test_a_job_pushes_through_host_staging_to_two_replicas(short_tmp: Path) -> None:
+    """``[trainer] push_path = "host_staging"``: a whole job's replicas copy every sync from the
+    staging buffer; metrics.jsonl splits each sync into pause and transfer; nothing is left."""
+    import re
+
+    from tests.e2e.jobs import daemon_env, metrics, replica_job_config
+    from tests.support import atroposd
+
+    cfg = replica_job_config(short_tmp, replicas=2, steps=4, trainer={"weight_sync": "push", "sync_every": 2,
+                                                                     "push_path": "host_staging"})
+    res = atroposd("run", "-c", str(cfg), env=daemon_env(), timeout=840)
+    assert res.returncode == 0, f"run exited {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    state = short_tmp / "state"
+    rows = metrics(state)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        synced = r["step"] % 2 == 0
+        assert ("sync_pause_s" in r) == synced and ("sync_transfer_s" in r) == synced, r
+        if synced:
+            assert r["sync_pause_s"] >= 0 and r["sync_transfer_s"] > 0
+    log = "".join(f.read_text() for f in (state / "logs").glob("*.log"))
+    created = [line for line in log.splitlines() if "staging buffer for the push created" in line]
+    assert created and all(re.search(r'host_staging"?\s*[:=]\s*[Tt]rue', line) for line in created), \
+        [line for line in log.splitlines() if "staging" in line][:5]
+    nonces = set(re.findall(r"config-([0-9a-f]+)\.toml", log))
+    assert nonces and not any(list_segments(f"atroposd-{n}-") for n in nonces)
