@@ -56,6 +56,7 @@ import structlog
 import torch
 
 from atroposd.fsutil import fsync_dir
+from atroposd.trainer.ckptfiles import CHECKSUM_FILE, CheckpointError
 
 __all__ = ["FORMAT_VERSION", "CheckpointError", "Latest", "Restored", "clean_partial", "complete_checkpoints",
            "is_known_good", "latest_checkpoint", "load_checkpoint", "load_latest", "mark_known_good",
@@ -67,15 +68,10 @@ log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at fir
 FORMAT_VERSION = 1
 STATE_FILE = "trainer_state.pt"
 WEIGHTS_FILE = "model.safetensors"
-CHECKSUM_FILE = "checksums.json"
 _STEP_RE = re.compile(r"^step-(\d+)$")
 TMP_PREFIX = ".tmp-step-"
 OLD_PREFIX = ".old-step-"  # the previous copy of a step being written again (fallback path only)
 _OLD_RE = re.compile(r"^\.old-step-(\d+)-\d+$")
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 @dataclass

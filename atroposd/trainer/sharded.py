@@ -76,7 +76,7 @@ def check_shards(path: Path, world: int) -> None:
     """Raise CheckpointError unless ``path`` holds DCP's metadata and one shard file of every
     rank (``__<rank>_0.distcp``): with several machines a ``checkpoint_dir`` that is not shared
     leaves the other nodes' shards on their own disks."""
-    from atroposd.trainer.checkpoint import CheckpointError
+    from atroposd.trainer.ckptfiles import CheckpointError
 
     expected = [".metadata", *(f"__{r}_0.distcp" for r in range(world))]
     missing = [name for name in expected if not (path / name).is_file()]
@@ -89,7 +89,7 @@ def check_shards(path: Path, world: int) -> None:
 def check_optimizer_path(path: Path, state: dict[str, Any]) -> None:
     """The trainer state of a sharded checkpoint names its optimizer's directory: it must be
     ``optimizer`` (the one place a checkpoint keeps it), never a path read and followed."""
-    from atroposd.trainer.checkpoint import CheckpointError
+    from atroposd.trainer.ckptfiles import CheckpointError
 
     named = state.get("optimizer_dcp")
     if named is not None and named != OPTIMIZER_DIR:
@@ -101,7 +101,7 @@ def check_verified(path: Path, table: dict[str, Any] | None) -> None:
     """A sharded checkpoint (``optimizer/`` present) loads only with checksums that cover every
     file DCP will read: raises CheckpointError without ``checksums.json`` or with a file under
     ``optimizer/`` that it does not list."""
-    from atroposd.trainer.checkpoint import CHECKSUM_FILE, CheckpointError
+    from atroposd.trainer.ckptfiles import CHECKSUM_FILE, CheckpointError
 
     opt = path / OPTIMIZER_DIR
     if not opt.exists() and not opt.is_symlink():
@@ -151,7 +151,7 @@ def read_metadata(data: bytes) -> Any:
     the same directory (``__<rank>_<n>.distcp``) at non-negative offsets. Raises CheckpointError."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from atroposd.trainer.checkpoint import CheckpointError
+    from atroposd.trainer.ckptfiles import CheckpointError
 
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
@@ -212,7 +212,7 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sta
         set_optimizer_state_dict,
     )
 
-    from atroposd.trainer.checkpoint import CheckpointError
+    from atroposd.trainer.ckptfiles import CheckpointError
 
     saved_ranks = int(state.get("ranks", 1))
     if state.get("optimizer_dcp"):

@@ -41,7 +41,6 @@ the server refuses to resume until a complete set arrived.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import ipaddress
 import socket
 import threading
@@ -62,6 +61,7 @@ from atroposd.weights.manifest import (
     match_tensors,
 )
 from atroposd.weights.protocol import WeightUpdateError
+from atroposd.weights.tensors import tensor_digest
 
 __all__ = ["BACKENDS", "BroadcastFormTimeout", "BroadcastGroup", "BroadcastHub", "BroadcastReceiver", "Layout",
            "layout", "pack", "tensor_digest"]
@@ -128,12 +128,6 @@ def pack(lay: Layout, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | N
             t = tensors[s.name].detach().contiguous()
             out[s.offset:s.offset + s.nbytes].copy_(t.reshape(-1).view(torch.uint8))
     return out
-
-
-def tensor_digest(t: torch.Tensor) -> str:
-    """sha256 of a tensor's bytes (contiguous, on the CPU): equal digests, equal bits."""
-    data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return hashlib.sha256(data).hexdigest()
 
 
 # ---------------------------------------------------------------------------- process groups

@@ -291,7 +291,7 @@ def apply_update(model: torch.nn.Module, request: Mapping[str, Any], *, state: R
             raise WeightUpdateError(f"a bucket of a bucketed push is copied (mode 'copy'), not {mode!r}")
         out = _apply_bucket(model, manifest, state)
         if request.get("digest") is True:  # the sha256 of each tensor the bucket filled, as the model holds it
-            from atroposd.weights.broadcast import tensor_digest
+            from atroposd.weights.tensors import tensor_digest
 
             mt = model_tensors(model)
             out["digests"] = {n: tensor_digest(mt.tensors[n]) for n in out.pop("filled")}

@@ -10,6 +10,7 @@ Non-persistent buffers (rotary ``inv_freq``) are never exported: each side compu
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 from atroposd.weights.manifest import ALLOWED_DTYPES, ManifestError, TensorSpec, match_tensors
 
 __all__ = ["CHECKSUM_ELEMENTS", "ModelTensors", "checksum", "dtype_name", "lora_spec", "match_tensors",
-           "model_tensors", "torch_dtype"]
+           "model_tensors", "tensor_digest", "torch_dtype"]
 
 CHECKSUM_ELEMENTS = 4096
 PEFT_PREFIX = "base_model.model."
@@ -156,3 +157,9 @@ def ensure_lora(model: torch.nn.Module, spec: Mapping[str, Any] | None) -> None:
     cfg = LoraConfig(r=int(spec["r"]), lora_alpha=int(spec["alpha"]), target_modules=spec["targets"],
                      lora_dropout=float(spec.get("dropout", 0.0)))
     inject_adapter_in_model(cfg, model)
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes (contiguous, on the CPU): equal digests, equal bits."""
+    data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()
