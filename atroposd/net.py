@@ -31,6 +31,27 @@ def is_loopback(host: str | None) -> bool:
         return False
 
 
+def own_host_names() -> frozenset[str]:
+    """This machine's name, lower case, with and without its domain."""
+    name = socket.gethostname().lower()
+    return frozenset(n for n in (name, name.split(".")[0]) if n)
+
+
+def host_allowed(host: str | None, own: frozenset[str]) -> bool:
+    """The Host check of a server bound to loopback (against DNS rebinding): localhost, a
+    loopback address, or one of ``own`` (:func:`own_host_names`); no Host header (HTTP/1.0)
+    passes."""
+    if host is None:
+        return True
+    h = host.strip().lower()
+    if h.startswith("["):
+        h = h[1:h.find("]")] if "]" in h else h
+    elif h.count(":") == 1:
+        h = h.split(":", 1)[0]
+    h = h.rstrip(".")
+    return is_loopback(h) or h in own
+
+
 class BindError(ValueError):
     """No address of this host can serve a given head; the message says why."""
 

@@ -53,7 +53,7 @@ from atroposd.api.schema import (
 from atroposd.api.shmbatch import ShmBatches
 from atroposd.config import ApiConfig
 from atroposd.logs import get_logger
-from atroposd.net import is_loopback
+from atroposd.net import host_allowed, is_loopback, own_host_names
 
 __all__ = ["ApiMetrics", "ApiServer", "ApiSettings"]
 
@@ -208,7 +208,7 @@ class ApiServer:
         self.inflight_bytes = 0
         self.max_inflight_bytes = INFLIGHT_BODIES * settings.max_request_bytes
         self._peer_lookup: asyncio.Lock = asyncio.Lock()
-        self._own_hosts = _own_host_names() if is_loopback(settings.host) else None
+        self._own_hosts = own_host_names() if is_loopback(settings.host) else None
         self._site: CappedSite | None = None
         self.shm = ShmBatches(store, ack_timeout=settings.shm_ack_timeout, spool_dir=settings.spool_dir,
                               metrics=self.metrics, executor=self._batcher)
@@ -264,7 +264,7 @@ class ApiServer:
         layer rather than three: every posted group passes through it."""
         start = time.perf_counter()
         try:
-            if self._own_hosts is not None and not _host_allowed(request.headers.get("Host"), self._own_hosts):
+            if self._own_hosts is not None and not host_allowed(request.headers.get("Host"), self._own_hosts):
                 # A page in a browser on this host must not reach a loopback API through DNS rebinding.
                 self.metrics.rejected.labels("misdirected").inc()
                 return _json_plain({"detail": "Host header names another host; this API answers only to "
@@ -851,28 +851,6 @@ def _from_a_web_page(request: web.Request) -> bool:
         return origin == "null"
     host = origin.split("://", 1)[-1].split("/", 1)[0]
     return host.lower() != (request.headers.get("Host") or "").lower()
-
-
-def _own_host_names() -> frozenset[str]:
-    import socket
-
-    names = {socket.gethostname().lower()}
-    names.add(next(iter(names)).split(".")[0])
-    return frozenset(n for n in names if n)
-
-
-def _host_allowed(host: str | None, own: frozenset[str]) -> bool:
-    """Host header check of a loopback bind: localhost, a loopback address, or this machine's
-    names; no Host header (HTTP/1.0) passes."""
-    if host is None:
-        return True
-    h = host.strip().lower()
-    if h.startswith("["):
-        h = h[1:h.find("]")] if "]" in h else h
-    elif h.count(":") == 1:
-        h = h.split(":", 1)[0]
-    h = h.rstrip(".")
-    return is_loopback(h) or h in own
 
 
 def _env_id(body: Any) -> int:

@@ -47,6 +47,7 @@ import anyio.abc
 from atroposd.daemon.specs import api_headers, inference_headers
 from atroposd.daemon.status import DaemonView, trainer_status
 from atroposd.logs import get_logger
+from atroposd.net import host_allowed, own_host_names
 from atroposd.process.unit import State
 
 if TYPE_CHECKING:
@@ -514,29 +515,6 @@ class Scrapes:
             return body
         finally:
             self._inflight.pop(protected, None)
-
-
-def own_host_names() -> frozenset[str]:
-    import socket
-
-    name = socket.gethostname().lower()
-    return frozenset(n for n in (name, name.split(".")[0]) if n)
-
-
-def host_allowed(host: str | None, own: frozenset[str]) -> bool:
-    """The Host check of a loopback server (as the API's): localhost, a loopback address, or this
-    machine's names; no Host header (HTTP/1.0) passes."""
-    from atroposd.net import is_loopback
-
-    if host is None:
-        return True
-    h = host.strip().lower()
-    if h.startswith("["):
-        h = h[1:h.find("]")] if "]" in h else h
-    elif h.count(":") == 1:
-        h = h.split(":", 1)[0]
-    h = h.rstrip(".")
-    return is_loopback(h) or h in own
 
 
 def _bearer_ok(header: str, token: str) -> bool:

@@ -368,8 +368,10 @@ class _ControlMixin:
         """Pause ``r``, give it ``version`` (``method``: update_weights or load), resume it. A
         refused update touched nothing: the replica resumes with what it had (its own version,
         else ``fallback``) and the refusal is raised."""
+        t0 = time.perf_counter()
         if not await self._pause(r, version):
             return False
+        t1 = time.perf_counter()
         try:
             if not await self._reached(r, version, method, *args):
                 return False
@@ -377,7 +379,13 @@ class _ControlMixin:
             with anyio.CancelScope(shield=True):
                 await self._resume(r, r.version if r.version is not None else fallback)
             raise
+        finally:
+            self._timed(t1 - t0, time.perf_counter() - t1)
         return await self._resume(r, version)
+
+    def _timed(self, pause_s: float, transfer_s: float) -> None:
+        """One replica's update timed: its pause and its copy apart (kept by the modes that
+        report them in metrics.jsonl)."""
 
 
 class _ArenaSync(_ControlMixin):
@@ -601,23 +609,9 @@ class PushSync(_ArenaSync):
                           "seconds": time.perf_counter() - start}
         return all(done)
 
-    async def _update(self, r: Replica, version: int, fallback: int, method: str, *args: Any) -> bool:
-        """:meth:`_ControlMixin._update`, timing the pause and the copy apart."""
-        t0 = time.perf_counter()
-        if not await self._pause(r, version):
-            return False
-        t1 = time.perf_counter()
-        self._pauses.append(t1 - t0)
-        try:
-            if not await self._reached(r, version, method, *args):
-                return False
-        except WeightControlError:
-            with anyio.CancelScope(shield=True):
-                await self._resume(r, r.version if r.version is not None else fallback)
-            raise
-        finally:
-            self._transfers.append(time.perf_counter() - t1)
-        return await self._resume(r, version)
+    def _timed(self, pause_s: float, transfer_s: float) -> None:
+        self._pauses.append(pause_s)
+        self._transfers.append(transfer_s)
 
     def close(self) -> None:
         try:
