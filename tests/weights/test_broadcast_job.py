@@ -49,9 +49,7 @@ def _log_tail(root: Path, lines: int = 40) -> str:
     return "\n".join(line[:400] for line in kept[-lines:])
 
 
-# overlaps what CI runs (tests/weights/test_broadcast.py pins each fault mid-stream, status and
-# /metrics); outside its budget: scripts/test -m extended
-@pytest.mark.extended
+# the only whole job in which a trainer rank dies under broadcast: both groups form again
 def test_two_ranks_broadcast_to_two_replicas_survive_a_rank_and_a_replica_killed(short_tmp: Path) -> None:
     cfg = replica_job_config(short_tmp, replicas=2, metrics_port=True, steps=100_000,
                              trainer={**RANKS, "weight_sync": "broadcast", "checkpoint_every": 4,
