@@ -101,7 +101,6 @@ def _on_a_pty(argv: list[str], env: dict[str, str], timeout: float) -> tuple[int
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # overlaps what CI runs; outside its budget: scripts/test -m extended
 def test_start_and_run_on_a_terminal(short_tmp: Path) -> None:
     from tests.e2e.jobs import daemon_env, job_config
     from tests.support import atroposd

@@ -32,7 +32,6 @@ def test_documented_example_is_short() -> None:
 
 
 @pytest.mark.slow  # a whole job or a long search: run by .ci/run, not in the default run
-@pytest.mark.extended  # overlaps what CI runs; outside its budget: scripts/test -m extended
 def test_documented_trainer_trains_against_a_job(short_tmp: Path) -> None:
     cfg = job_config(short_tmp, trainer={"enabled": False, "batch_size": 16, "micro_batch_size": 16})
     script = short_tmp / "trainer.py"

@@ -115,7 +115,6 @@ def test_sigstop_of_each_child_while_training(short_tmp: Path) -> None:
 
 
 @pytest.mark.slow  # a whole job or a long search: run by .ci/run, not in the default run
-@pytest.mark.extended  # overlaps what CI runs; outside its budget: scripts/test -m extended
 def test_unresolved_stall_ends_the_job_and_the_next_start_resumes(short_tmp: Path) -> None:
     """A trainer step blocked in a test hook: status shows ``stalled`` at the trainer's own stage;
     past twice stall_timeout the job exits 1; the next start resumes from the last checkpoint."""

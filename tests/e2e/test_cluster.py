@@ -286,7 +286,6 @@ def test_reload_across_nodes_then_the_head_killed_takes_every_node_down(short_tm
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # overlaps what CI runs; outside its budget: scripts/test -m extended
 def test_every_node_sigtermed_at_once_leaves_nothing(short_tmp: Path) -> None:
     """As a cluster's launcher stops a job (``scancel``): SIGTERM to every node's daemon at once.
     Node 1's first rank, which owns its staging buffer, is stopped by its daemon before its own

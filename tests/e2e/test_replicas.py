@@ -26,7 +26,6 @@ from tests.support import atroposd, wait_for
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # overlaps what CI runs; outside its budget: scripts/test -m extended
 def test_two_replicas_serve_survive_a_kill_and_stop_cleanly(short_tmp: Path) -> None:
     cfg = replica_job_config(short_tmp, steps=100_000)
     res = atroposd("start", "-c", str(cfg), env=daemon_env(), timeout=300)
@@ -85,7 +84,6 @@ def test_two_replicas_serve_survive_a_kill_and_stop_cleanly(short_tmp: Path) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # overlaps what CI runs; outside its budget: scripts/test -m extended
 def test_a_short_job_with_two_replicas_learns(short_tmp: Path) -> None:
     """test_job's shortened learning run, with two inference replicas: the same floor."""
     run_short_learning_job(replica_job_config(short_tmp, steps=400, envs=SHORT_TASK, trainer={"checkpoint_every": 400}),

@@ -138,7 +138,6 @@ def test_rank_that_never_joins_fails_the_start(short_tmp: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # overlaps what CI runs; outside its budget: scripts/test -m extended
 def test_two_ranks_two_replicas_learn(short_tmp: Path) -> None:
     """The whole job with device = ["cpu", "cpu"] and replicas = 2 learns the shortened task."""
     steps = 400

@@ -142,7 +142,6 @@ def _check_batch(batch: RolloutBatch) -> None:
 
 
 @pytest.mark.slow  # a whole job or a long search: run by .ci/run, not in the default run
-@pytest.mark.extended  # overlaps what CI runs; outside its budget: scripts/test -m extended
 @FUZZ
 @seed(fuzzseed.SEED)
 @given(batch_groups=st.lists(groups(), min_size=1, max_size=4), use_distill=st.booleans())

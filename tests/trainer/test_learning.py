@@ -92,7 +92,6 @@ async def environment(api_url: str, service: TrainerService, seed: int) -> None:
 
 
 @pytest.mark.timeout(1500)
-@pytest.mark.extended  # overlaps what CI runs; outside its budget: scripts/test -m extended
 async def test_the_trainer_learns_the_next_digit(tiny_dir: Path, state_dir: Path, tmp_path: Path) -> None:
     steps = 300
     inf_port = free_port()

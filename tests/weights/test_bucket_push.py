@@ -206,7 +206,6 @@ async def test_bucketed_push_reaches_every_replica_with_one_bucket_of_staging(la
 
 
 @pytest.mark.slow  # a whole job or a long search: run by .ci/run, not in the default run
-@pytest.mark.extended  # overlaps what CI runs; outside its budget: scripts/test -m extended
 @pytest.mark.anyio
 async def test_a_replica_killed_mid_sync_is_skipped_and_reattach_brings_it_current(tiny_dir: Path) -> None:
     replicas = Replicas(tiny_dir)

@@ -17,7 +17,6 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.extended  # overlaps what CI runs; outside its budget: scripts/test -m extended
 @pytest.mark.parametrize("mode", ["push", "reload"])
 def test_embedded_job_in_mode(short_tmp: Path, mode: str) -> None:
     cfg = job_config(short_tmp, steps=4, trainer={"weight_sync": mode, "sync_every": 2})

@@ -36,7 +36,7 @@ async def _step(sync: WeightSync, model: torch.nn.Module, opt: torch.optim.Optim
 
 @pytest.mark.slow  # a whole job or a long search: run by .ci/run, not in the default run
 @pytest.mark.parametrize("mode", ["shared", "push",
-                                  pytest.param("reload", marks=pytest.mark.extended)])
+                                  pytest.param("reload")])
 async def test_every_replica_follows_and_a_killed_one_catches_up(mode: str, dirs: dict[str, Path], nonce: str,
                                                                  child_factory: ChildFactory) -> None:
     first, second = child_factory.reuse(), child_factory.start()

@@ -89,7 +89,7 @@ async def test_generation_during_a_step_carries_one_version(dirs: dict[str, Path
 
 @pytest.mark.slow  # a whole job or a long search: run by .ci/run, not in the default run
 @pytest.mark.parametrize("mode", ["shared", "push",
-                                  pytest.param("reload", marks=pytest.mark.extended)])
+                                  pytest.param("reload")])
 async def test_killed_server_keeps_trainer_segments_and_restart_reattaches(
         dirs: dict[str, Path], nonce: str, child_factory: ChildFactory, mode: str) -> None:
     """kill -9 of the inference server with a generation in flight, mid-training."""
