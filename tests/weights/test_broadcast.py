@@ -27,7 +27,6 @@ from atroposd.weights.broadcast import (
     pack,
     parse_plan,
     plan_body,
-    tensor_digest,
 )
 from atroposd.weights.manifest import TensorSpec
 from atroposd.weights.protocol import WeightUpdateError
@@ -36,7 +35,14 @@ from atroposd.weights.sync import BroadcastSync, replica_sync_status
 from atroposd.weights.tensors import model_tensors
 from tests.inference.conftest import Server
 from tests.inference.test_weights import close, local_logprobs, served, train_step, trainer_model
-from tests.weights.test_bucket_push import BUCKET, Replicas, Watched, tiny_dir
+from tests.weights.test_bucket_push import (
+    BUCKET,
+    Replicas,
+    Watched,
+    digests,
+    tiny_dir,
+    two_replicas,
+)
 
 __all__ = ["tiny_dir"]  # the module's fixture: the builtin tiny model, built once
 
@@ -51,13 +57,8 @@ def anyio_backend() -> str:
 @pytest.fixture(scope="module")
 def pair(tiny_dir: Path) -> Iterator[Replicas]:
     """Two replicas for the module's tests that kill nothing."""
-    replicas = Replicas(tiny_dir)
-    try:
-        replicas.start()
-        replicas.start()
+    with two_replicas(tiny_dir) as replicas:
         yield replicas
-    finally:
-        replicas.close()
 
 
 def bcast(launch: Replicas, servers: Sequence[Server], **kw: Any) -> BroadcastSync:
@@ -66,10 +67,6 @@ def bcast(launch: Replicas, servers: Sequence[Server], **kw: Any) -> BroadcastSy
                          digest=True, **kw)
     sync.deadline = 60.0
     return sync
-
-
-def digests(model: torch.nn.Module) -> dict[str, str]:
-    return {n: tensor_digest(t) for n, t in model_tensors(model).tensors.items()}
 
 
 def assert_bit_for_bit(sync: BroadcastSync, model: torch.nn.Module, replicas: Sequence[int]) -> None:

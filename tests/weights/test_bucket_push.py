@@ -7,6 +7,7 @@ resumed with, a replica that dies or refuses halfway never serves a mix, and not
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import shutil
@@ -35,7 +36,7 @@ from atroposd.weights.shm import SHM_DIR, list_segments
 from atroposd.weights.source import ModelSource, TensorSource, bucket_bytes_of, plan_buckets
 from atroposd.weights.staging import StagingBuffer
 from atroposd.weights.sync import BucketPushSync, ReloadSync, make_weight_sync
-from atroposd.weights.tensors import model_tensors
+from atroposd.weights.tensors import model_tensors, tensor_digest
 from tests.inference.conftest import MAX_MODEL_LEN, Server, env_with_nonce, start_server
 from tests.inference.test_weights import (
     SEQ,
@@ -93,9 +94,9 @@ class Replicas:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def launch(tiny_dir: Path) -> Iterator[Replicas]:
-    """Two replicas for the module's tests that kill nothing."""
+@contextlib.contextmanager
+def two_replicas(tiny_dir: Path) -> Iterator[Replicas]:
+    """Two running replicas, stopped and removed at the end (the weight tests' module fixtures)."""
     replicas = Replicas(tiny_dir)
     try:
         replicas.start()
@@ -103,6 +104,18 @@ def launch(tiny_dir: Path) -> Iterator[Replicas]:
         yield replicas
     finally:
         replicas.close()
+
+
+def digests(model: torch.nn.Module) -> dict[str, str]:
+    """sha256 of each exchangeable tensor's bytes: equal digests, equal bits."""
+    return {n: tensor_digest(t) for n, t in model_tensors(model).tensors.items()}
+
+
+@pytest.fixture(scope="module")
+def launch(tiny_dir: Path) -> Iterator[Replicas]:
+    """Two replicas for the module's tests that kill nothing."""
+    with two_replicas(tiny_dir) as replicas:
+        yield replicas
 
 
 def push_sync(launch: Replicas, servers: Sequence[Server], **kw: Any) -> BucketPushSync:

@@ -9,7 +9,6 @@ replicas' pause and the transfer, and nothing is left in /dev/shm after ``close`
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +24,14 @@ from atroposd.weights.source import bucket_bytes_of, plan_buckets
 from atroposd.weights.sync import PushSync, make_weight_sync, push_paths, replica_sync_status
 from atroposd.weights.tensors import model_tensors
 from tests.inference.test_weights import local_logprobs, served, train_step, trainer_model
-from tests.weights.test_bucket_push import BUCKET, Replicas, assert_serves, tiny_dir
+from tests.weights.test_bucket_push import (
+    BUCKET,
+    Replicas,
+    assert_serves,
+    digests,
+    tiny_dir,
+    two_replicas,
+)
 
 __all__ = ["tiny_dir"]
 
@@ -37,22 +43,9 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 def pair(tiny_dir: Path) -> Iterator[Replicas]:
-    replicas = Replicas(tiny_dir)
-    try:
-        replicas.start()
-        replicas.start()
+    """Two replicas for the module's tests that kill nothing."""
+    with two_replicas(tiny_dir) as replicas:
         yield replicas
-    finally:
-        replicas.close()
-
-
-def digests(model: torch.nn.Module) -> dict[str, str]:
-    """sha256 of each exchangeable tensor's bytes."""
-    out = {}
-    for name, t in model_tensors(model).tensors.items():
-        data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-        out[name] = hashlib.sha256(data).hexdigest()
-    return out
 
 
 def staging_segments(nonce: str, exported: set[str]) -> dict[str, int]:
