@@ -14,16 +14,12 @@ import pytest
 from atroposd import control
 
 
-def _serve(path: Path, body: Any, *, read_timeout: float = 5.0) -> list[dict[str, Any]]:
-    """Run a ControlServer while ``body()`` (sync, in a thread) talks to it; returns requests seen."""
-    seen: list[dict[str, Any]] = []
-
-    async def handler(req: dict[str, Any]) -> dict[str, Any]:
-        seen.append(req)
-        return {"ok": True, "echo": req}
+def serve_control(path: Path, handler: Any, *, body: Any, **kw: Any) -> None:
+    """Run a real ControlServer on ``path`` with ``handler`` while ``body()`` (sync, in a thread)
+    talks to it; ``kw`` go to the server."""
 
     async def main() -> None:
-        server = control.ControlServer(path, handler, read_timeout=read_timeout)
+        server = control.ControlServer(path, handler, **kw)
         async with anyio.create_task_group() as tg:
             await tg.start(server.serve)
             try:
@@ -32,6 +28,17 @@ def _serve(path: Path, body: Any, *, read_timeout: float = 5.0) -> list[dict[str
                 tg.cancel_scope.cancel()
 
     anyio.run(main)
+
+
+def _serve(path: Path, body: Any, *, read_timeout: float = 5.0) -> list[dict[str, Any]]:
+    """Run a ControlServer while ``body()`` (sync, in a thread) talks to it; returns requests seen."""
+    seen: list[dict[str, Any]] = []
+
+    async def handler(req: dict[str, Any]) -> dict[str, Any]:
+        seen.append(req)
+        return {"ok": True, "echo": req}
+
+    serve_control(path, handler, read_timeout=read_timeout, body=body)
     return seen
 
 
@@ -143,16 +150,7 @@ def test_an_answer_too_large_for_the_frame_leaves_the_server_serving(short_tmp: 
         for cmd in ("big", "ping", "raise", "unencodable", "big", "ping"):
             answers.append(control.request(path, {"cmd": cmd}, timeout=10))
 
-    async def main() -> None:
-        server = control.ControlServer(path, handler)
-        async with anyio.create_task_group() as tg:
-            await tg.start(server.serve)
-            try:
-                await anyio.to_thread.run_sync(body)
-            finally:
-                tg.cancel_scope.cancel()
-
-    anyio.run(main)
+    serve_control(path, handler, body=body)
     big, ping, raised, unencodable, big2, ping2 = answers
     for a in (big, big2):
         assert a["ok"] is False and "does not fit the control frame" in a["error"], a
@@ -250,16 +248,7 @@ def test_status_cli_asks_for_one_node_and_reports_an_error_answer(short_tmp: Pat
         codes.append(commands.status(cfg, argparse.Namespace(node=3, json=False, watch=False)))
         codes.append(commands.status(cfg, argparse.Namespace(node=9, json=True, watch=False)))
 
-    async def main() -> None:
-        server = control.ControlServer(cfg.control_socket, handler)
-        async with anyio.create_task_group() as tg:
-            await tg.start(server.serve)
-            try:
-                await anyio.to_thread.run_sync(body)
-            finally:
-                tg.cancel_scope.cancel()
-
-    anyio.run(main)
+    serve_control(cfg.control_socket, handler, body=body)
     out = capsys.readouterr()
     assert [r.get("node") for r in seen] == [3, 9] and codes == [0, 1]
     assert "(cut to fit: the status of 2 bytes exceeds the control frame)" in out.out

@@ -19,7 +19,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import anyio
 import orjson
 import pytest
 
@@ -27,6 +26,7 @@ from atroposd import control
 from atroposd.daemon.core import Daemon
 from atroposd.daemon.state import DaemonState
 from tests import fuzzseed
+from tests.daemon.test_control import serve_control
 
 CASES = max(1, int(10_000 * float(os.environ.get("ATROPOSD_FUZZ_SCALE", "1"))))
 _LEN = struct.Struct(">I")
@@ -185,16 +185,7 @@ def test_control_frames_fuzz(short_tmp: Path) -> None:
         stand_in.asked = 0  # the next is the large head's
         assert control.request(path, {"cmd": "status"})["status"]["truncated"]
 
-    async def main() -> None:
-        server = control.ControlServer(path, handler, read_timeout=5.0)
-        async with anyio.create_task_group() as tg:
-            await tg.start(server.serve)
-            try:
-                await anyio.to_thread.run_sync(body)
-            finally:
-                tg.cancel_scope.cancel()
-
-    anyio.run(main)
+    serve_control(path, handler, read_timeout=5.0, body=body)
     print(f"\ncontrol frames fuzz: {CASES} cases, {fuzzseed.replay_hint()}; kinds {dict(kinds)}; "
           f"outcomes {dict(outcomes)}; stops asked {stand_in.stops}")
     assert sum(outcomes.values()) == CASES and outcomes["ok"] and outcomes["refused"]
