@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -78,13 +78,18 @@ MAX_LOGPROBS = 20
 MAX_REQUEST_TOKENS = 1 << 20
 
 
-def parse_generate(body: Any, *, max_model_len: int, vocab_size: int) -> GenerateParams:
-    """Validate an Atropos ``/generate`` body (see the module docstring)."""
+def _check_fields(body: Any, known: Collection[str]) -> None:
+    """A request body is a JSON object of known fields only (each route's first check)."""
     if not isinstance(body, Mapping):
         raise BadRequest("request must be a JSON object")
-    unknown = sorted(set(body) - _KNOWN)
+    unknown = sorted(set(body) - set(known))
     if unknown:
         raise BadRequest(f"unknown field(s): {', '.join(unknown)}")
+
+
+def parse_generate(body: Any, *, max_model_len: int, vocab_size: int) -> GenerateParams:
+    """Validate an Atropos ``/generate`` body (see the module docstring)."""
+    _check_fields(body, _KNOWN)
     prompt = body.get("prompt")
     ids = prompt.get("prompt_token_ids") if isinstance(prompt, Mapping) else None
     if not isinstance(ids, list) or not ids or not all(_is_int(i) for i in ids):
@@ -320,11 +325,7 @@ def parse_sglang(body: Any, *, max_model_len: int, vocab_size: int,
                  encode: Callable[[str], list[int]]) -> SglangRequest:
     """Validate an SGLang ``/generate`` body (SPEC §7); ``encode`` tokenizes ``text`` as
     SGLang does (special tokens added). Errors name the SGLang field."""
-    if not isinstance(body, Mapping):
-        raise BadRequest("request must be a JSON object")
-    unknown = sorted(set(body) - _SGLANG_FIELDS)
-    if unknown:
-        raise BadRequest(f"unknown field(s): {', '.join(unknown)}")
+    _check_fields(body, _SGLANG_FIELDS)
     if body.get("stream"):
         raise BadRequest("stream = true is not supported; ask for the whole response")
     if body.get("input_ids") is not None and body.get("text") is not None:
@@ -440,11 +441,7 @@ def parse_trl(body: Any, *, max_model_len: int, vocab_size: int,
               encode: Callable[[str], list[int]]) -> list[GenerateParams]:
     """Validate TRL ``vllm-serve``'s ``/generate/`` body (SPEC §7): one request per prompt, each
     with ``n`` samples; ``encode`` tokenizes a prompt as vLLM does (special tokens added)."""
-    if not isinstance(body, Mapping):
-        raise BadRequest("request must be a JSON object")
-    unknown = sorted(set(body) - _TRL_FIELDS)
-    if unknown:
-        raise BadRequest(f"unknown field(s): {', '.join(unknown)}")
+    _check_fields(body, _TRL_FIELDS)
     prompts = body.get("prompts")
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p for p in prompts):
         raise BadRequest("prompts must be a non-empty list of non-empty strings")
