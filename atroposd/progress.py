@@ -51,7 +51,7 @@ def _waiting(st: dict[str, Any]) -> str | None:
 
 # What the trainer waits for (``waiting_for``), as a person reads it after "waiting for".
 _WAITING_TEXT = {"ranks": "the trainer ranks to form the group",
-                 "filtered": "data: every group received had equal scores (dropped by filter_groups)"}
+                 "filtered": "data: the groups received lately had equal scores (dropped by filter_groups)"}
 
 
 def waiting_text(reason: str) -> str:

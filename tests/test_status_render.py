@@ -62,5 +62,5 @@ def test_the_head_lists_every_node_and_another_node_its_head() -> None:
 def test_filtered_groups_and_the_filtered_wait_are_shown() -> None:
     text = _render_status(_status(state="waiting", waiting_for="filtered", filtered_groups=12))
     assert "12 groups filtered (all scores equal; filter_groups)" in text
-    assert "waiting for data: every group received had equal scores" in text
+    assert "waiting for data: the groups received lately had equal scores" in text
     assert "filtered" not in _render_status(_status(filtered_groups=0))

@@ -19,8 +19,9 @@ the API and the step: a group whose scores are all equal (it would train nothing
 as it arrives, unless it carries its own ``advantages`` or distillation fields, and batches are
 fetched until ``batch_size`` sequences are kept; groups beyond that wait for the next batch.
 The dropped groups go with the batch they were dropped for (``last_filtered``), so the step's
-``reward_mean`` and ``accuracy`` still cover every group received. While every group received
-is dropped, the trainer waits with ``waiting_for = "filtered"``.
+``reward_mean`` and ``accuracy`` still cover every group received. While the groups coming are
+dropped (every one since the last batch, or a batch's worth in a row behind kept groups too few
+for a batch), the trainer waits with ``waiting_for = "filtered"``.
 """
 
 from __future__ import annotations
@@ -84,19 +85,26 @@ class GroupFilter:
         self.pending: list[dict[str, Any]] = []  # kept, not yet in a batch
         self.dropped: list[dict[str, Any]] = []  # dropped since the last batch was formed
         self.filtered = 0  # groups dropped since this process started
+        self._dropped_run = 0  # sequences in the groups dropped since the last one kept
 
     def add(self, groups: list[dict[str, Any]]) -> None:
         for group in groups:
             if trains_nothing(group):
                 self.dropped.append(group)
                 self.filtered += 1
+                self._dropped_run += _sequences(group)
             else:
                 self.pending.append(group)
+                self._dropped_run = 0
 
     @property
     def starved(self) -> bool:
-        """Every group received since the last batch was dropped."""
-        return bool(self.dropped) and not self.pending
+        """The filter is why the trainer waits: every group received since the last batch was
+        dropped, or the last batch's worth of groups in a row was (the groups kept before them,
+        too few for a batch, wait for more that may not come)."""
+        if not self.dropped:
+            return False
+        return not self.pending or self._dropped_run >= self.batch_size
 
     def take(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
         """(a full batch, the groups dropped while it filled), or None while too few are kept."""

@@ -366,6 +366,21 @@ def test_group_filter_fills_full_batches_and_carries_the_rest() -> None:
     assert f.starved and f.take() is None and f.filtered == 4
 
 
+def test_group_filter_is_starved_behind_kept_groups_too_few_for_a_batch() -> None:
+    # one kept group waits for a batch; then only equal groups come: once a batch's worth of
+    # them in a row was dropped, the filter (not the data) is why the trainer waits
+    rng = random.Random(6)
+    f = GroupFilter(batch_size=4)
+    f.add([_group(rng, [1.0, 0.0]), _group(rng, [0.5, 0.5])])
+    assert f.take() is None and not f.starved  # two of four sequences dropped in a row
+    f.add([_group(rng, [0.0, 0.0])])
+    assert f.take() is None and f.starved and len(f.pending) == 1
+    f.add([_group(rng, [0.2, 0.4])])  # a kept group ends the run
+    assert not f.starved
+    taken = f.take()
+    assert taken is not None and len(taken[0]) == 2 and len(taken[1]) == 2 and not f.starved
+
+
 def test_dropped_groups_count_in_reward_mean_and_accuracy_not_in_training() -> None:
     rng = random.Random(5)
     kept = make_group(rng, size=2, scores=[1.0, 0.0], accuracy=0.5)
