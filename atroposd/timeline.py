@@ -22,34 +22,31 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["ROLLOUT_FIELDS", "TIMING_KEY", "rollout_timing", "stamp_timing"]
+from atroposd.groupext import extension, extension_for_write
+
+__all__ = ["ROLLOUT_FIELDS", "TIMING_KEY", "group_timing", "rollout_timing", "stamp_timing"]
 
 ROLLOUT_FIELDS = ("rollout_gate_s", "rollout_generate_s", "rollout_delivery_s")
-#: where a group carries its timing: ``group_overrides[TIMING_KEY]``
-TIMING_KEY = "atroposd_timing"
+#: where a group carries its timing: ``group_overrides.atroposd[TIMING_KEY]``
+TIMING_KEY = "timing"
 
 
 def stamp_timing(payload: dict[str, Any], *, gate_s: float, generate_s: float) -> None:
-    """Put a group's rollout timeline into its ``group_overrides``: seconds it waited at the gate
-    for room, seconds generating and scoring, and the Unix time it is posted at (the trainer
+    """Put a group's rollout timeline into ``group_overrides.atroposd``: seconds it waited at the
+    gate for room, seconds generating and scoring, and the Unix time it is posted at (the trainer
     measures the rest — posting, the queue, the fetch — against it on arrival)."""
-    overrides = payload.get("group_overrides")
-    if overrides is None:
-        overrides = payload["group_overrides"] = {}
-    if isinstance(overrides, dict):
-        overrides[TIMING_KEY] = {"gate_s": round(gate_s, 6), "generate_s": round(generate_s, 6),
-                                 "posted_at": time.time()}
+    ext = extension_for_write(payload)
+    if ext is not None:
+        ext[TIMING_KEY] = {"gate_s": round(gate_s, 6), "generate_s": round(generate_s, 6), "posted_at": time.time()}
 
 
-def _timing(group: Any) -> dict[str, Any] | None:
-    if not isinstance(group, dict):
-        return None
-    overrides = group.get("group_overrides")
-    timing = overrides.get(TIMING_KEY) if isinstance(overrides, dict) else None
-    return timing if isinstance(timing, dict) else None
+def group_timing(group: Any) -> Mapping[str, Any] | None:
+    """The timing :func:`stamp_timing` put into a group (None when it has none)."""
+    timing = extension(group).get(TIMING_KEY)
+    return timing if isinstance(timing, Mapping) else None
 
 
 def _seconds(value: Any) -> float | None:
@@ -69,7 +66,7 @@ def rollout_timing(groups: Iterable[Any], received_at: float) -> dict[str, float
     generate: list[float] = []
     delivery: list[float] = []
     for group in groups:
-        timing = _timing(group)
+        timing = group_timing(group)
         if timing is None:
             continue
         for key, into in (("gate_s", gate), ("generate_s", generate)):

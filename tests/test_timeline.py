@@ -13,20 +13,24 @@ from atroposd.timeline import TIMING_KEY, rollout_timing, stamp_timing
 
 
 def _group(**timing: Any) -> dict[str, Any]:
-    return {"tokens": [[1, 2]], "group_overrides": {"atroposd": {"weight_version": 3}, TIMING_KEY: timing}}
+    return {"tokens": [[1, 2]], "group_overrides": {"atroposd": {"weight_version": 3, TIMING_KEY: timing}}}
 
 
 def test_stamp_keeps_the_extension_and_adds_the_timing() -> None:
-    payload: dict[str, Any] = {"group_overrides": {"atroposd": {"weight_version": 1}}}
+    payload: dict[str, Any] = {"group_overrides": {"atroposd": {"weight_version": 1}, "theirs": 2}}
     before = time.time()
     stamp_timing(payload, gate_s=0.25, generate_s=0.0123456789)
-    timing = payload["group_overrides"][TIMING_KEY]
-    assert payload["group_overrides"]["atroposd"] == {"weight_version": 1}  # untouched
+    timing = payload["group_overrides"]["atroposd"][TIMING_KEY]
+    assert payload["group_overrides"]["atroposd"]["weight_version"] == 1  # kept beside it
+    assert payload["group_overrides"]["theirs"] == 2 and len(payload["group_overrides"]) == 2  # one key of ours
     assert timing["gate_s"] == 0.25 and timing["generate_s"] == 0.012346
     assert before <= timing["posted_at"] <= time.time()
     bare: dict[str, Any] = {}
     stamp_timing(bare, gate_s=0.0, generate_s=0.0)
-    assert set(bare["group_overrides"][TIMING_KEY]) == {"gate_s", "generate_s", "posted_at"}
+    assert set(bare["group_overrides"]["atroposd"][TIMING_KEY]) == {"gate_s", "generate_s", "posted_at"}
+    odd: dict[str, Any] = {"group_overrides": {"atroposd": "not a mapping"}}
+    stamp_timing(odd, gate_s=0.0, generate_s=0.0)  # someone else's shape: left as it is
+    assert odd == {"group_overrides": {"atroposd": "not a mapping"}}
 
 
 def test_means_over_the_groups_that_carry_timing() -> None:

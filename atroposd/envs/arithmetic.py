@@ -45,6 +45,7 @@ from atroposd.envoptions import ArithmeticOptions
 from atroposd.envs.generate import Generation, InferenceClient
 from atroposd.envs.runner import ScoredGroup
 from atroposd.envs.vocab import Vocab
+from atroposd.groupext import EXT_KEY
 
 OPERATIONS: dict[str, Callable[[int, int], int]] = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
@@ -138,7 +139,7 @@ def build_group(problem: Problem, prompt_ids: Sequence[int], generation: Generat
         # per completion: "length" = truncated at max_tokens (trainer.overlong = "mask" trains none of it)
         "overrides": [{"finish_reason": c.finish_reason} for c in generation.completions],
         "generation_params": {"temperature": temperature, "top_p": 1.0, "max_tokens": max_tokens},
-        "group_overrides": {"atroposd": {"weight_version": generation.weight_version, "accuracy": accuracy,
+        "group_overrides": {EXT_KEY: {"weight_version": generation.weight_version, "accuracy": accuracy,
                                          "reward_mean": sum(scores) / len(scores), "env": env_name}},
     }
     return ScoredGroup(payload=payload, scores=scores, correct=correct, weight_version=generation.weight_version)

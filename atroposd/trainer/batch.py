@@ -39,6 +39,8 @@ from typing import Any
 import structlog
 import torch
 
+from atroposd.groupext import extension
+
 __all__ = ["ADVANTAGES", "REASONS", "BatchError", "GroupRejected", "MicroBatch", "RolloutBatch", "SequenceRow",
            "group_advantages", "is_truncated", "pack_rows", "prepare_batch"]
 
@@ -214,12 +216,6 @@ def _temperature(group: Mapping[str, Any], i: int) -> float:
 
 def _index(seq: Any, i: int) -> Any:
     return seq[i] if isinstance(seq, list) and i < len(seq) else None
-
-
-def _extension(group: Mapping[str, Any]) -> Mapping[str, Any]:
-    ext = (group.get("group_overrides") or {}).get("atroposd") if isinstance(group.get("group_overrides"),
-                                                                            Mapping) else None
-    return ext if isinstance(ext, Mapping) else {}
 
 
 def _number(x: Any, reason: str, what: str) -> float:
@@ -449,7 +445,7 @@ def prepare_batch(groups: Sequence[Any], *, micro_batch_size: int, max_token_len
             group_rows = _rows_of_group(group, std_floor=adv_std_floor, max_token_len=max_token_len,
                                         use_distill=use_distill, vocab_size=vocab_size, advantage=advantage,
                                         mask_truncated=overlong == "mask")
-            ext = _extension(group)
+            ext = extension(group)
             acc, version = ext.get("accuracy"), ext.get("weight_version")
         except GroupRejected as exc:
             rejected[exc.reason] = rejected.get(exc.reason, 0) + 1
@@ -473,7 +469,7 @@ def prepare_batch(groups: Sequence[Any], *, micro_batch_size: int, max_token_len
         log.warning("groups rejected in this batch", by_reason=rejected, logged=LOGGED_PER_BATCH)
     trained_scores = list(scores)
     for group in filtered:  # dropped for all-equal scores: counted in reward_mean, never trained
-        ext = _extension(group)
+        ext = extension(group)
         scores.extend(float(s) for s in group["scores"])
         acc = ext.get("accuracy")
         if isinstance(acc, (int, float)) and not isinstance(acc, bool) and 0 <= acc <= 1:

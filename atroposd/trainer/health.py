@@ -31,6 +31,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from atroposd.groupext import extension
+from atroposd.timeline import group_timing
+
 __all__ = ["CLIPPED_LIMIT", "ENTROPY_DROP", "GRAD_SPIKE", "PATIENCE", "SPREAD_HAD", "WARMUP", "WINDOW",
            "ClippedRunaway", "Collapse", "DropRule", "EntropyCollapse", "GradSpike", "HealthMonitor", "NonFinite", "SpreadVanish",
            "Trip", "replay"]
@@ -270,13 +273,11 @@ class DropRule:
     resync_time: float
 
     def drops(self, group: Mapping[str, Any]) -> bool:
-        overrides = group.get("group_overrides")
-        ext = overrides.get("atroposd") if isinstance(overrides, Mapping) else None
-        version = ext.get("weight_version") if isinstance(ext, Mapping) else None
+        version = extension(group).get("weight_version")
         if isinstance(version, int) and not isinstance(version, bool):
             return self.good_version < version < self.resync_version
-        timing = overrides.get("atroposd_timing") if isinstance(overrides, Mapping) else None
-        posted = timing.get("posted_at") if isinstance(timing, Mapping) else None
+        timing = group_timing(group)
+        posted = timing.get("posted_at") if timing is not None else None
         if isinstance(posted, (int, float)) and not isinstance(posted, bool):
             return float(posted) < self.resync_time
         return False

@@ -115,7 +115,7 @@ def test_two_ranks_train_restart_after_kill_and_sigstop(short_tmp: Path) -> None
 def _log_tail(root: Path, lines: int = 40) -> str:
     logs = root / "state" / "logs"
     out = []
-    for name in ("daemon.log", "trainer-1.log"):
+    for name in ("trainer-1.log", "daemon.log"):  # the daemon's last: a cut output keeps its end
         path = logs / name
         if path.exists():
             kept = [line for line in path.read_text(errors="replace").splitlines() if '"event":"step"' not in line]

@@ -59,8 +59,10 @@ def test_env_registers_after_the_gate_and_posts_well_formed_groups(
         check_group(group, 8)
         assert group["env_id"] == 0
         assert group["scores"] == [1.0] * 8  # the oracle is always exactly right
-        ext = group["group_overrides"]["atroposd"]
+        ext = dict(group["group_overrides"]["atroposd"])
+        assert set(ext.pop("timing")) == {"gate_s", "generate_s", "posted_at"}  # one key holds all of ours
         assert ext == {"weight_version": 0, "accuracy": 1.0, "reward_mean": 1.0, "env": "arithmetic-0"}
+        assert list(group["group_overrides"]) == ["atroposd"]
     body = infer.stats()["bodies"][0]
     assert body["n"] == 8 and body["max_tokens"] == 3 and body["temperature"] == 1.0
     assert body["logprobs"] == 0 and isinstance(body["seed"], int)

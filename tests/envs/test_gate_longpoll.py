@@ -2,7 +2,7 @@
 ``atroposd api`` it long-polls ``/status-env`` (answered when its groups leave the queue), so
 it asks about once a second while the queue stays full and starts the next group as soon as a
 batch is taken; against run-api (no long-poll) it polls as before. Every group carries its
-rollout timing in ``group_overrides.atroposd_timing``."""
+rollout timing in ``group_overrides.atroposd.timing``."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_a_held_back_environment_long_polls_and_resumes_when_a_batch_is_taken(
     wait_for(lambda: our_api.status()["queue_size"] == 2, timeout=20, what="2 groups queued again")
     assert infer.stats()["requests"] == 4
     for group in batch:
-        timing = group["group_overrides"]["atroposd_timing"]
+        timing = group["group_overrides"]["atroposd"]["timing"]
         assert timing["gate_s"] >= 0 and timing["generate_s"] >= 0
         assert abs(timing["posted_at"] - time.time()) < 60
 

@@ -121,12 +121,12 @@ def test_pruning_keeps_the_newest_known_good(tmp_path: Path) -> None:
 
 
 def _group(version: int | None, posted: float | None) -> dict[str, Any]:
-    overrides: dict[str, Any] = {}
+    ext: dict[str, Any] = {}
     if version is not None:
-        overrides["atroposd"] = {"weight_version": version}
+        ext["weight_version"] = version
     if posted is not None:
-        overrides["atroposd_timing"] = {"posted_at": posted}
-    return {"tokens": [[1]], "group_overrides": overrides}
+        ext["timing"] = {"posted_at": posted}
+    return {"tokens": [[1]], "group_overrides": {"atroposd": ext}}
 
 
 def test_drop_rule_by_version_else_by_time() -> None:
