@@ -474,6 +474,14 @@ def _render_status(st: dict[str, Any]) -> str:
             out.append(f"trainer: {t['rollbacks']} rollback(s) of at most {t.get('max_rollbacks')}; last at step "
                        f"{last.get('step')}: {last.get('reason')} → back to {last.get('to')}, lr now "
                        f"{last.get('lr')}, {t.get('dropped_groups') or 0} groups dropped")
+        sen = t.get("sentinel")
+        if isinstance(sen, dict):
+            drift = ", ".join("-" if d is None else f"{d:.3g}" for d in sen.get("replica_drift") or [])
+            text = (f"sentinel: drift [{drift}] (limit {sen.get('drift_limit')}), canary prompts "
+                    f"{sen.get('canary_prompts')} {sen.get('canary_source')}, {sen.get('resyncs') or 0} resyncs, "
+                    f"{sen.get('restarts') or 0} restarts")
+            held = sen.get("quarantined") or {}
+            out.append(text + (f"; quarantined: {', '.join(sorted(held))}" if held else ""))
         if t.get("checkpoint_failures"):
             out.append(f"trainer: {t['checkpoint_failures']} checkpoint write(s) failed; last: "
                        f"{t.get('checkpoint_error') or '?'}")

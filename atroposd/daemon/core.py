@@ -371,7 +371,8 @@ class Daemon:
             host = await self._rank_host()
         self.trainer = TrainerService(self.cfg, instance=self.nonce, weights=self.weights,
                                       envs_alive=self.envs_alive, rank_host=host,
-                                      replica_generations=self.replica_health.generations)
+                                      replica_generations=self.replica_health.generations,
+                                      restart_replica=self.restart_replica if inf.enabled else None)
         assert self._tg is not None
         await self._tg.start(self._run_trainer, self.trainer)
         status = self.trainer.status()
@@ -425,6 +426,28 @@ class Daemon:
             elif restarted and isinstance(self.cluster, NodeLink):
                 self.cluster.replica_restarted(replica)  # the head pushes through this node's first rank
         return hook
+
+    async def restart_replica(self, replica: int, reason: str) -> bool:
+        """Restart inference replica ``replica`` (the sentinel's, SPEC §15) and return once it is
+        ready again — its ready hook gave it the trainer's current weights first — (True), or
+        once it failed, stopped or took longer than its ready timeout (False)."""
+        unit = self.units.get(specs.inference_name(self.cfg, replica))
+        if unit is None:
+            return False
+        before = unit.restarts
+        if not unit.declare_hung(reason):
+            log.warning("replica not restarted: it is not running and ready", unit=unit.name, state=unit.state.value)
+            return False
+
+        def settled(u: Unit) -> bool:
+            return (u.restarts > before and u.state == State.READY) or u.state in (State.FAILED, State.STOPPED)
+        limit = self.cfg.daemon.stop_timeout + self.cfg.inference.ready_timeout + 60.0
+        with anyio.move_on_after(limit):
+            await unit.wait_until(settled)
+        ready = unit.state == State.READY and unit.restarts > before
+        log.info("replica restarted" if ready else "replica not back after its restart", unit=unit.name,
+                 replica=replica, state=unit.state.value)
+        return ready
 
     def envs_alive(self) -> bool:
         """Any environment alive or still restartable (the trainer's data_timeout rule)."""

@@ -56,6 +56,12 @@ __all__ = ["BadRequest", "NotPaused", "TorchEngine"]
 log = get_logger("inference.torch")
 
 MAX_BATCH_ROWS = 256
+# Test hook (tests/e2e/test_sentinel.py): "NAME:N" makes the replica named NAME (its component
+# name, ATROPOSD_NAME) add noise to its weights right after its N-th weight update request
+# (/update_weights or /load), once; "NAME:N+" after the N-th and every later one — weights that
+# did not arrive as sent, made on purpose. Several entries, comma-separated. Copies only: a
+# replica that computes on the trainer's memory (shared) ignores it.
+TEST_CORRUPT_ENV = "ATROPOSD_TEST_CORRUPT_WEIGHTS"
 BATCH_WINDOW = 0.003  # seconds a partial batch may wait for the rest of its group
 
 
@@ -313,6 +319,7 @@ class TorchEngine(WeightGate):
         async with self._compute:
             t0 = time.perf_counter()
             result = await asyncio.to_thread(apply_update, self.model, request, state=self.receiver)
+            await self._test_corrupt()
         self.updates += 1
         return {**result, "seconds": round(time.perf_counter() - t0, 6)}
 
@@ -329,8 +336,35 @@ class TorchEngine(WeightGate):
         async with self._compute:
             result = await asyncio.to_thread(load_dir, self.model, request["path"], weight_version=version,
                                              state=self.receiver)
+            await self._test_corrupt()
         self.updates += 1
         return result
+
+    async def _test_corrupt(self) -> None:
+        """The test hook ``ATROPOSD_TEST_CORRUPT_WEIGHTS`` (see its definition)."""
+        own = os.environ.get("ATROPOSD_NAME")
+        mine = [w for n, _, w in (e.rpartition(":") for e in os.environ.get(TEST_CORRUPT_ENV, "").split(","))
+                if n and n == own and w.rstrip("+").isdigit()]
+        if not mine:
+            return
+        when = mine[0]
+        self._test_updates = getattr(self, "_test_updates", 0) + 1
+        nth = int(when.rstrip("+"))
+        if self._test_updates != nth and not (when.endswith("+") and self._test_updates > nth):
+            return
+        if self.receiver is not None and self.receiver.attached:
+            return  # the trainer's own memory
+
+        def corrupt() -> None:
+            import torch
+
+            gen = torch.Generator().manual_seed(1234 + self._test_updates)
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+                    p.add_((noise * 0.5).to(device=p.device, dtype=p.dtype))
+        await asyncio.to_thread(corrupt)
+        log.warning("test hook: the weights were corrupted after this update", update=self._test_updates)
 
     async def broadcast_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """``POST /broadcast`` (``weight_sync = "broadcast"``): join the trainer's group, receive

@@ -5,7 +5,8 @@ host:port; the group generation and the store prefix come from the store itself,
 (re)formed group uses a fresh prefix), loads and shards the same model as rank 0 (and the same
 checkpoint), then does what rank 0 tells it, command by command: typed, MACed commands
 (:mod:`.group`) looked up in one dispatch table (``Follower``): a step's passes, the optimizer
-step or its discard, a gather of weights for a sync, a checkpoint's shards, stop. The group's
+step or its discard, a gather of weights for a sync, a checkpoint's shards, the sentinel's
+canary scoring, stop. The group's
 key comes from the daemon in this process's environment (``ATROPOSD_TRAINER_KEY``); a store
 value that is not rank 0's is never run (the rank ends; the daemon restarts the group). Any failure of the group (rank 0 gone, a collective failed or timed out) ends the
 process with exit 1: the daemon restarts the whole group from the last complete checkpoint.
@@ -27,6 +28,7 @@ from atroposd.trainer.group import (
     KEY_VAR,
     Apply,
     BadCommand,
+    Canary,
     Checkpoint,
     Command,
     Compute,
@@ -102,13 +104,19 @@ class Follower:
         self.checkpointer.write_shards(Path(cmd.path))
         return None
 
+    def canary(self, cmd: Canary) -> int | None:
+        from atroposd.trainer.sentinel import follow_canary
+
+        follow_canary(self.ranks, self.model, self.learner.policy.vocab_size)
+        return None
+
     def stop(self, cmd: Stop) -> int | None:
         log.info("trainer rank stops", rank=self.ranks.rank)
         return int(Exit.OK)
 
     HANDLERS: ClassVar[dict[type[Any], Callable[[Follower, Any], int | None]]] = {
         Compute: compute, Apply: apply, Discard: discard, Gather: gather, Reload: reload,
-        Checkpoint: checkpoint, Stop: stop}
+        Checkpoint: checkpoint, Canary: canary, Stop: stop}
 
     def run(self, cmd: Command) -> int | None:
         return self.HANDLERS[type(cmd)](self, cmd)

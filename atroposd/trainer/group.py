@@ -35,6 +35,7 @@ __all__ = [
     "KEY_VAR",
     "Apply",
     "BadCommand",
+    "Canary",
     "Checkpoint",
     "Command",
     "Compute",
@@ -249,8 +250,24 @@ class Checkpoint:
         return cls(_str(args.get("path"), "checkpoint: path"))
 
 
-Command = Compute | Apply | Discard | Stop | Gather | Reload | Checkpoint
-_PARSERS: dict[str, Any] = {c.op: c.parse for c in (Compute, Apply, Discard, Stop, Gather, Reload, Checkpoint)}
+@dataclass(frozen=True)
+class Canary:
+    """Score the sentinel's canary with every rank (the pairs follow as a broadcast; SPEC §15)."""
+
+    op: ClassVar[str] = "canary"
+
+    def args(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def parse(cls, args: dict[str, Any]) -> Canary:
+        _only(args, set(), cls.op)
+        return cls()
+
+
+Command = Compute | Apply | Discard | Stop | Gather | Reload | Checkpoint | Canary
+_PARSERS: dict[str, Any] = {c.op: c.parse for c in (Compute, Apply, Discard, Stop, Gather, Reload, Checkpoint,
+                                                    Canary)}
 
 
 def _mac(key: bytes, prefix: str, seq: int, body: bytes) -> str:

@@ -84,6 +84,7 @@ class Progress:
     dropped_groups: int = 0
     lr_scale: float = 1.0
     drop: DropRule | None = None  # the last rollback's: queued groups it still drops
+    canary_prompts: list[list[int]] | None = None  # the sentinel's, once chosen from the environments
 
     def health_record(self) -> dict[str, Any]:
         """What a checkpoint keeps of the run's health (restored at the next start)."""
@@ -91,7 +92,8 @@ class Progress:
         return {"rollbacks": self.rollbacks, "lr_scale": self.lr_scale, "last_rollback": self.last_rollback,
                 "dropped_groups": self.dropped_groups,
                 "drop": None if d is None else {"good_version": d.good_version, "resync_version": d.resync_version,
-                                                "resync_time": d.resync_time}}
+                                                "resync_time": d.resync_time},
+                **({"canary_prompts": self.canary_prompts} if self.canary_prompts else {})}
 
     @property
     def steps_per_s(self) -> float | None:
@@ -177,6 +179,8 @@ class TrainingLoop:
                               groups=len(groups), exc_info=True)
                     continue
                 self._count_rejected(batch.rejected_by_reason)
+                if self.sentinel is not None and self.sentinel.offer(groups):
+                    p.canary_prompts = [list(x) for x in self.sentinel.prompts]  # kept in the checkpoints
                 timeline = {"prepare_s": time.perf_counter() - step_start,
                             **getattr(self.feed, "last_timeline", {})}  # the rollout side
                 # loss + backward + clip (worker thread; the event loop stays responsive)

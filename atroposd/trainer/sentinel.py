@@ -28,13 +28,15 @@ import torch
 from atroposd.logs import get_logger
 from atroposd.weights.client import WeightControlClient, WeightControlError
 
-__all__ = ["CanaryResult", "Sentinel", "builtin_prompts", "make_sentinel", "score_completion"]
+__all__ = ["CanaryResult", "Sentinel", "builtin_prompts", "canary_items", "follow_canary", "make_sentinel",
+           "score_completion", "score_on_ranks"]
 
 log = get_logger(__name__)
 
 CANARY_MAX_TOKENS = 16  # greedy tokens per canary prompt
 CANARY_PROMPT_LEN = 12  # tokens of a built-in canary prompt
 CANARY_TIMEOUT_S = 60.0
+CANARY_PROMPT_MAX = 48  # tokens of an environment's prompt kept for the canary (its beginning)
 
 #: runs ``fn(*args)`` on the trainer's compute thread and returns its result
 RunOnCompute = Callable[..., Awaitable[Any]]
@@ -85,13 +87,24 @@ class Sentinel:
     def __init__(self, *, every: int, limit: float, prompts: Sequence[Sequence[int]],
                  sockets: Callable[[], Sequence[Path | None]], run: RunOnCompute,
                  restart: Callable[[int], Awaitable[bool]] | None = None,
-                 max_tokens: int = CANARY_MAX_TOKENS, timeout: float = CANARY_TIMEOUT_S) -> None:
+                 max_tokens: int = CANARY_MAX_TOKENS, timeout: float = CANARY_TIMEOUT_S,
+                 ranks: Callable[[], Any] | None = None, source: str = "built-in",
+                 wanted: int = 0, vocab_size: int = 0, max_prompt_len: int = CANARY_PROMPT_MAX) -> None:
         self.every = every
         self.limit = limit
         self.prompts = [list(p) for p in prompts]
+        # where the prompts come from: "built-in" (until ``wanted`` environment prompts arrived,
+        # 0: fixed already) or "environments" (fixed for the rest of the job)
+        self.source = source
+        self.wanted = wanted if source == "built-in" else 0
+        self.vocab_size = vocab_size
+        self.max_prompt_len = max(1, max_prompt_len)
+        self._seen: dict[tuple[int, ...], None] = {}  # environment prompts so far, in arrival order
         self.sockets = sockets
         self.run = run
         self.restart = restart
+        self.ranks = ranks  # the trainer's current ranks (several: every rank scores the canary)
+        self.given_up: set[int] = set()  # replicas still over after their restart: not restarted again
         self.max_tokens = max_tokens
         self.timeout = timeout
         self.syncs = 0
@@ -114,8 +127,30 @@ class Sentinel:
         return {"replica_drift": self.replica_drift(), "drift_limit": self.limit, "canary_every": self.every,
                 "quarantined": {str(k): v for k, v in sorted(self.quarantined.items())},
                 "resyncs": self.resyncs, "restarts": self.restarts, "checks": self.checks,
+                "canary_source": self.source, "canary_prompts": len(self.prompts),
                 "check_s": None if not self.checks else round(self.check_seconds / self.checks, 4),
                 "last_round_s": None if self.last_check_s is None else round(self.last_check_s, 4)}
+
+    # ------------------------------------------------------------------ the prompts
+
+    def offer(self, groups: Sequence[Any]) -> bool:
+        """The groups the trainer received: their prompts (the masked -100 prefix of each group's
+        first sequence, its first ``max_prompt_len`` tokens) until ``wanted`` distinct ones have
+        arrived; then they are the canary's for the rest of the job. True when that happened now."""
+        if not self.wanted:
+            return False
+        for group in groups:
+            prompt = _group_prompt(group, self.vocab_size, self.max_prompt_len)
+            if prompt is not None:
+                self._seen.setdefault(tuple(prompt), None)
+            if len(self._seen) >= self.wanted:
+                self.prompts = [list(p) for p in list(self._seen)[:self.wanted]]
+                self.source, self.wanted = "environments", 0
+                self._seen.clear()
+                log.info("canary prompts chosen from the environments' first prompts", prompts=len(self.prompts),
+                         tokens=[len(p) for p in self.prompts])
+                return True
+        return False
 
     # ------------------------------------------------------------------ the checks
 
@@ -143,8 +178,12 @@ class Sentinel:
                 continue  # unreachable (restarting): the next round checks it
             self.drift[i] = result.drift
             if result.drift is not None and result.drift > self.limit:
-                await self._heal(i, sync, model, version, result.drift)
+                if i in self.given_up:
+                    await self._recheck(i, sync, model, version, result.drift)
+                else:
+                    await self._heal(i, sync, model, version, result.drift)
             elif i in self.quarantined:
+                self.given_up.discard(i)
                 await self._release(i, sock, drift=result.drift)
         self.last_check_s = time.perf_counter() - start
         log.info("canary check", weight_version=version, replica_drift=[_r(d) for d in self.drift],
@@ -176,7 +215,12 @@ class Sentinel:
             await client.close()
         if seen is not None and seen != version:
             log.warning("canary answered at another weight_version", expected=version, got=seen, socket=str(sock))
-        ours = await self.run(_score_all, model, [(p, t) for p, t, _ in answers])
+        ranks = self.ranks() if self.ranks is not None else None
+        items = [(p, t) for p, t, _ in answers]
+        if ranks is not None and getattr(ranks, "world", 1) > 1:
+            ours = await self.run(score_on_ranks, ranks, model, items)
+        else:
+            ours = await self.run(_score_all, model, items)
         diffs = [abs(a - b) for (_, _, theirs), mine in zip(answers, ours, strict=True)
                  for a, b in zip(theirs, mine, strict=True)]
         seconds = time.perf_counter() - start
@@ -222,30 +266,58 @@ class Sentinel:
             return
         if self.restart is not None:
             log.warning("replica still drifts after a resync: restarting it", replica=i, drift_before=_r(drift),
-                        drift_after=_r(after))
+                        drift_after=_r(after), weight_version=version)
             self.restarts += 1
             if await self.restart(i):
+                # the restarted replica got the current weights before it served (reattach)
                 sock = self.sockets()[i] or sock
                 again = await self.measure(sock, model, version)
                 after = None if again is None else again.drift
                 self.drift[i] = after
                 if after is not None and after <= self.limit:
-                    log.warning("replica drift fell after a restart", replica=i, drift_after=_r(after))
+                    log.warning("replica drift fell after a restart", replica=i, drift_before=_r(drift),
+                                drift_after=_r(after), weight_version=version, cause="replica restarted")
                     await self._release(i, sock, drift=after)
                     return
+                await self._quarantine(sock, True, reason)  # a new process starts unquarantined
+            else:
+                log.warning("the replica's restart did not bring it back ready", replica=i)
+        self.given_up.add(i)
         if len(self.quarantined) >= len(self.sockets()):
             # no replica would be left to generate: the job keeps this one serving, and says so
             log.error("replica still drifts with the trainer's weights, and no other replica passes: it "
                       "keeps serving; it computes differently (kernels, dtype, tokenizer or chat template)",
                       replica=i, drift_before=_r(drift), drift_after=_r(after), drift_limit=self.limit,
-                      cause="drift with the same weights")
+                      cause="drift with the same weights", restarted=self.restart is not None)
             self.quarantined.pop(i, None)
             await self._quarantine(sock, False)
             return
         log.error("replica still drifts with the trainer's weights: the job goes on without it "
                   "(quarantined); it computes differently (kernels, dtype, tokenizer or chat template)",
                   replica=i, drift_before=_r(drift), drift_after=_r(after), drift_limit=self.limit,
-                  cause="drift with the same weights")
+                  cause="drift with the same weights", restarted=self.restart is not None,
+                  serving=[j for j in range(len(self.sockets())) if j not in self.quarantined])
+
+    async def _recheck(self, i: int, sync: Any, model: torch.nn.Module, version: int, drift: float) -> None:
+        """A replica given up on (still over after its restart) that is over again: synced again and
+        measured; back in rotation if it passes, else kept out — never restarted again."""
+        sock = self.sockets()[i]
+        assert sock is not None
+        self.resyncs += 1
+        await sync.reattach(model, version, replica=i)
+        again = await self.measure(sock, model, version)
+        after = None if again is None else again.drift
+        self.drift[i] = after
+        if after is not None and after <= self.limit:
+            self.given_up.discard(i)
+            await self._release(i, sock, drift=after)
+            return
+        if i in self.quarantined or len(self.quarantined) + 1 < len(self.sockets()):
+            reason = f"canary drift {drift:.4g} over drift_limit {self.limit:g} at weight_version {version}"
+            self.quarantined[i] = reason
+            await self._quarantine(sock, True, reason)
+        log.info("replica still drifts: kept out of rotation", replica=i, drift=_r(drift), drift_after=_r(after),
+                 quarantined=i in self.quarantined)
 
 
 def _score_all(model: torch.nn.Module, items: Sequence[tuple[list[int], list[int]]]) -> list[list[float]]:
@@ -281,6 +353,68 @@ def _score_all(model: torch.nn.Module, items: Sequence[tuple[list[int], list[int
     return out
 
 
+def score_on_ranks(ranks: Any, model: torch.nn.Module,
+                   items: Sequence[tuple[list[int], list[int]]]) -> list[list[float]]:
+    """Rank 0 of several: tell every rank to score the canary (``Canary``), send them the
+    (prompt, completion) pairs, and score them together (the sharded forward's collectives
+    match); rank 0's logprobs are the result. On rank 0's compute thread."""
+    from atroposd.trainer.group import Canary
+
+    ranks.command(Canary())
+    ranks.broadcast([[list(p), list(t)] for p, t in items])
+    return _score_all(model, items)
+
+
+def follow_canary(ranks: Any, model: torch.nn.Module, vocab_size: int) -> None:
+    """A follower rank's side of :func:`score_on_ranks`: rank 0's pairs, checked, scored."""
+    from atroposd.trainer.group import BadCommand
+
+    value = ranks.broadcast(None)
+    items = canary_items(value, vocab_size)
+    if items is None:
+        raise BadCommand("canary: the pairs must be [[prompt ids], [completion ids]] within the vocabulary")
+    _score_all(model, items)
+
+
+def canary_items(value: Any, vocab_size: int) -> list[tuple[list[int], list[int]]] | None:
+    """Broadcast canary pairs as (prompt, completion) lists of token ids, or None when malformed."""
+    if not isinstance(value, list):
+        return None
+    out = []
+    for pair in value:
+        if not isinstance(pair, list) or len(pair) != 2:
+            return None
+        prompt, completion = pair
+        for ids in (prompt, completion):
+            if not isinstance(ids, list) or not ids or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+                return None
+        out.append((prompt, completion))
+    return out
+
+
+def _group_prompt(group: Any, vocab_size: int, limit: int) -> list[int] | None:
+    """The prompt of a group's first sequence (its masked -100 prefix), at most ``limit`` tokens
+    of it; None when the group has none or is malformed."""
+    if not isinstance(group, dict):
+        return None
+    tokens, masks = group.get("tokens"), group.get("masks")
+    if not isinstance(tokens, list) or not isinstance(masks, list) or not tokens or not masks:
+        return None
+    tok, msk = tokens[0], masks[0]
+    if not isinstance(tok, list) or not isinstance(msk, list) or len(tok) != len(msk):
+        return None
+    n = 0
+    while n < len(msk) and msk[n] == -100:
+        n += 1
+    if n == 0 or n == len(tok):
+        return None
+    prompt = tok[:min(n, limit)]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt):
+        return None
+    return prompt
+
+
 def _completion(ans: dict[str, Any]) -> tuple[list[int], list[float]]:
     """The first completion's token ids and their logprobs from a /generate answer."""
     per_token = (ans.get("logprobs") or [[]])[0]
@@ -297,19 +431,35 @@ def _r(x: float | None) -> float | None:
     return None if x is None else round(x, 5)
 
 
-def make_sentinel(cfg: Any, weights: Any, run: RunOnCompute, vocab_size: int) -> Sentinel | None:
+def make_sentinel(cfg: Any, weights: Any, run: RunOnCompute, vocab_size: int, *,
+                  ranks: Callable[[], Any] | None = None, restart: Callable[[int], Awaitable[bool]] | None = None,
+                  kept: Sequence[Sequence[int]] | None = None) -> Sentinel | None:
     """The job's sentinel (``[health] canary_every``; None when 0 or without local replicas): the
-    built-in canary prompts, and the control socket of every replica the weight sync reaches."""
+    control socket of every replica the weight sync reaches; the canary prompts ``kept`` by a
+    checkpoint, else the built-in ones until the environments' first prompts arrive. ``ranks``:
+    the trainer's current ranks (several: every rank scores the canary); ``restart``: restarts
+    replica i and returns once it serves the current weights again (True) or failed (False)."""
     h = cfg.health
     inner = getattr(weights, "inner", weights)
     if h.canary_every <= 0 or not getattr(inner, "replicas", None):
-        return None
-    if cfg.trainer.ranks > 1:  # rank 0 holds a shard: the canary is scored by one rank only
-        log.info("the replica sentinel is off with several trainer ranks", ranks=cfg.trainer.ranks)
         return None
 
     def sockets() -> list[Path | None]:
         return [r.socket for r in getattr(inner, "replicas", [])]
 
-    return Sentinel(every=h.canary_every, limit=h.drift_limit, prompts=builtin_prompts(h.canary_prompts, vocab_size),
-                    sockets=sockets, run=run)
+    fixed = [list(p) for p in kept or () if p and all(isinstance(t, int) and 0 <= t < vocab_size for t in p)]
+    if fixed:
+        prompts, source, wanted = fixed[:h.canary_prompts], "environments", 0
+    else:
+        prompts, source, wanted = builtin_prompts(h.canary_prompts, vocab_size), "built-in", h.canary_prompts
+    # an environment prompt and its greedy tokens fit the replica's context
+    room = int(getattr(cfg.inference, "max_model_len", 0) or 0) - CANARY_MAX_TOKENS - 1
+    longest = min(CANARY_PROMPT_MAX, room) if room > 0 else CANARY_PROMPT_MAX
+    sentinel = Sentinel(every=h.canary_every, limit=h.drift_limit, prompts=prompts, sockets=sockets, run=run,
+                        restart=restart, ranks=ranks, source=source, wanted=wanted, vocab_size=vocab_size,
+                        max_prompt_len=longest)
+    log.info("replica sentinel", canary_every=h.canary_every, drift_limit=h.drift_limit,
+             canary_source="the checkpoint's (the environments' first prompts)" if fixed else
+             "built-in until the environments' first prompts arrive", canary_prompts=len(prompts),
+             ranks=cfg.trainer.ranks, restart=restart is not None)
+    return sentinel

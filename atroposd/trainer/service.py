@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -96,7 +96,8 @@ class TrainerOutcome:
 class TrainerService:
     def __init__(self, cfg: Config, *, instance: str, weights: WeightSync, envs_alive: Callable[[], bool],
                  rank_host: RankHost | None = None,
-                 replica_generations: Callable[[], list[int | None]] | None = None) -> None:
+                 replica_generations: Callable[[], list[int | None]] | None = None,
+                 restart_replica: Callable[[int, str], Awaitable[bool]] | None = None) -> None:
         from atroposd.trainer.loop import Progress
         from atroposd.trainer.ranks import ComputeThread
 
@@ -132,6 +133,10 @@ class TrainerService:
         self._started = False  # task_status.started() was called
         self._rollback: _Rollback | None = None  # a collapse the next attempt rolls back from
         self._sentinel: Any = None  # SPEC §15: the replica sentinel, made once per job
+        # The daemon's restart of inference replica i (returns once it serves the current weights
+        # again: True, or failed: False); the replicas the sentinel restarts now.
+        self.restart_replica = restart_replica
+        self._sentinel_restarting: set[int] = set()
 
     # ------------------------------------------------------------------ daemon interface
 
@@ -186,8 +191,13 @@ class TrainerService:
         serves rollouts."""
         if self._policy is None or self.progress.waiting_for == "ranks":
             return  # a group being re-formed gives every replica its weights when it attaches
-        async with self._lock:
+        if replica is not None and replica in self._sentinel_restarting:
+            # The sentinel restarted it from within a step's sync, which holds the lock and waits
+            # for this replica to serve again: nothing else touches the weights meanwhile.
             await self.weights.reattach(self._policy.model, self.progress.weight_version, replica)
+        else:
+            async with self._lock:
+                await self.weights.reattach(self._policy.model, self.progress.weight_version, replica)
         log.info("weights re-attached to the restarted inference server", replica=replica,
                  weight_version=self.progress.weight_version)
 
@@ -331,7 +341,10 @@ class TrainerService:
             if self._sentinel is None:
                 from atroposd.trainer.sentinel import make_sentinel
 
-                self._sentinel = make_sentinel(self.cfg, self.weights, self.compute.run, learner.policy.vocab_size)
+                self._sentinel = make_sentinel(self.cfg, self.weights, self.compute.run, learner.policy.vocab_size,
+                                               ranks=self._current_ranks,
+                                               restart=self._sentinel_restart if self.restart_replica else None,
+                                               kept=p.canary_prompts)
             self._loop.sentinel = self._sentinel
             if plan is not None:
                 outcome = await self._finish_rollback(plan, good_version)
@@ -369,6 +382,22 @@ class TrainerService:
         log.info("trainer " + result, step=p.step, weight_version=p.weight_version)
         return TrainerOutcome(result, p.step, p.weight_version)
 
+    # ------------------------------------------------------------------ the sentinel (SPEC §15)
+
+    def _current_ranks(self) -> Any:
+        return self._loop.learner.ranks if self._loop is not None else None
+
+    async def _sentinel_restart(self, replica: int) -> bool:
+        """Restart replica ``replica`` for the sentinel (which holds the step's lock): the ready
+        hook's reattach goes ahead without the lock (:meth:`on_inference_restarted`)."""
+        assert self.restart_replica is not None
+        self._sentinel_restarting.add(replica)
+        try:
+            return await self.restart_replica(replica, "the sentinel: its canary drift stayed over drift_limit "
+                                                       "after a resync")
+        finally:
+            self._sentinel_restarting.discard(replica)
+
     # ------------------------------------------------------------------ rollback (SPEC §15)
 
     def _restore_health(self, setup: Any) -> None:
@@ -380,6 +409,9 @@ class TrainerService:
         p.rollbacks = int(h.get("rollbacks", 0))
         p.lr_scale = float(h.get("lr_scale", 1.0))
         p.dropped_groups = int(h.get("dropped_groups", 0))
+        kept = h.get("canary_prompts")
+        if isinstance(kept, list) and all(isinstance(x, list) for x in kept):
+            p.canary_prompts = [list(x) for x in kept]  # checked against the vocabulary by make_sentinel
         last = h.get("last_rollback")
         p.last_rollback = dict(last) if isinstance(last, dict) else None
         drop = h.get("drop")

@@ -14,6 +14,7 @@ from atroposd.trainer import group
 from atroposd.trainer.group import (
     Apply,
     BadCommand,
+    Canary,
     Checkpoint,
     Compute,
     Discard,
@@ -29,7 +30,7 @@ from atroposd.trainer.group import (
 KEY = bytes(range(32))
 PREFIX = "s3cret/g1/"
 COMMANDS = [Compute(), Apply(), Discard(), Stop(), Gather(("a.weight", "b.bias")),
-            Gather(("x",), Push(1, 3, 7)), Reload("/w/v7", 7), Checkpoint("/c/.tmp-step-2")]
+            Gather(("x",), Push(1, 3, 7)), Reload("/w/v7", 7), Checkpoint("/c/.tmp-step-2"), Canary()]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c.op)
@@ -221,7 +222,7 @@ class _Recorder:
 def test_the_followers_dispatch_table() -> None:
     from atroposd.trainer.follower import Follower
 
-    assert set(Follower.HANDLERS) == {Compute, Apply, Discard, Stop, Gather, Reload, Checkpoint}
+    assert set(Follower.HANDLERS) == {Compute, Apply, Discard, Stop, Gather, Reload, Checkpoint, Canary}
     rec = _Recorder()
     ranks = _Recorder()
     ranks.rank = 1  # type: ignore[attr-defined]

@@ -166,3 +166,32 @@ def test_drift_in_metrics_and_status_rows() -> None:
             {"name": "api", "kind": "api"}]
     _replica_drift({"sentinel": st}, rows)
     assert [r.get("drift") for r in rows] == [0.0, 0.31, None]
+
+
+def _group(prompt: list[int], completion: list[int]) -> dict[str, Any]:
+    return {"tokens": [prompt + completion], "masks": [[-100] * len(prompt) + completion], "scores": [1.0]}
+
+
+def test_canary_prompts_are_the_environments_first_distinct_prompts() -> None:
+    built = builtin_prompts(3, 100)
+    sentinel = Sentinel(every=1, limit=0.05, prompts=built, sockets=lambda: [], run=_on_thread, wanted=3,
+                        vocab_size=100, max_prompt_len=4)
+    assert sentinel.status()["canary_source"] == "built-in"
+    # malformed groups, an id outside the vocabulary, a group without a prompt: not taken
+    assert not sentinel.offer([{"tokens": "x"}, _group([5, 500], [6]), {"tokens": [[5, 6]], "masks": [[5, 6]]},
+                               _group([5, 6], [7]), _group([5, 6], [8])])  # the same prompt twice
+    assert sentinel.prompts == built
+    assert sentinel.offer([_group([9, 10, 11, 12, 13, 14], [15]), _group([20], [21]), _group([30], [31])])
+    assert sentinel.prompts == [[5, 6], [9, 10, 11, 12], [20]]  # at most max_prompt_len tokens each
+    assert sentinel.status()["canary_source"] == "environments"
+    assert not sentinel.offer([_group([40], [41])])  # fixed for the rest of the job
+    assert sentinel.prompts == [[5, 6], [9, 10, 11, 12], [20]]
+
+
+def test_canary_pairs_from_rank_zero_are_checked() -> None:
+    from atroposd.trainer.sentinel import canary_items
+
+    assert canary_items([[[1, 2], [3]], [[4], [5, 6]]], 10) == [([1, 2], [3]), ([4], [5, 6])]
+    assert canary_items([], 10) == []
+    for bad in (None, [[1, 2]], [[[1], [10]]], [[[1], []]], [[[True], [2]]], [[[1], "2"]], {"a": 1}):
+        assert canary_items(bad, 10) is None, bad
