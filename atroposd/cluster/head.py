@@ -3,8 +3,14 @@
 The head opens it before it starts any child (``start``). A node connects, joins with its
 node rank, host and units, then sends a heartbeat every ``heartbeat_interval`` (each one is
 answered) and a report whenever its components change; the head answers ``stop`` to it when
-the job stops (``stop_all``). Every message is signed with the cluster token (``wire``); a
-peer with another token is refused with a reason it can log, and the head logs it as well.
+the job stops (``stop_all``). Each connection is one session (``wire``): the head sends a fresh
+challenge, the join is signed for it, and every later message carries the session id, its
+direction and a rising sequence number under a key of that session and direction. A peer with
+another token is refused with a reason it can log, and the head logs it as well; a join
+recorded on another connection is refused (``challenge``). A message that fails a check (its
+signature, direction, session, sequence number or fields) is dropped, never acted on, and
+counted by reason (``dropped``, in ``status --json`` and ``/metrics``); a connection that has
+sent ``MAX_DROPPED`` of them is closed.
 
 A node is lost when its heartbeats stop for ``heartbeat_timeout`` (its connection is then
 dropped, so it must join again), when its connection closes, or when it leaves.
@@ -38,13 +44,37 @@ from atroposd.cluster.membership import (
     clean_value,
     replicas_ready,
 )
+from atroposd.cluster.messages import (
+    CHALLENGE,
+    FIELDS,
+    FRAMING,
+    MAC,
+    N2H,
+    REASONS,
+    Ack,
+    BadMessage,
+    Beat,
+    Hello,
+    Join,
+    Leave,
+    LineTooLong,
+    Message,
+    Refused,
+    Replaced,
+    Report,
+    Stop,
+    Stopped,
+    Welcome,
+    WrongToken,
+    decode,
+)
 from atroposd.cluster.wire import (
     MAX_JOIN_BYTES,
     MAX_MESSAGE_BYTES,
-    BadMessage,
     Channel,
-    WrongToken,
     auth_key,
+    new_challenge,
+    open_join,
     ranks_key,
     store_secret,
 )
@@ -54,8 +84,8 @@ from atroposd.net import BindError, address_towards
 if TYPE_CHECKING:
     from atroposd.config import ClusterConfig, Config
 
-__all__ = ["JOIN_DEADLINE_S", "ClusterHead", "ClusterStartError", "JoinCheck", "bind_address",
-           "heartbeat_interval", "max_pending"]
+__all__ = ["JOIN_DEADLINE_S", "MAX_DROPPED", "ClusterHead", "ClusterStartError", "Drops", "JoinCheck",
+           "bind_address", "heartbeat_interval", "max_pending"]
 
 log = get_logger("atroposd.cluster")
 
@@ -63,6 +93,9 @@ log = get_logger("atroposd.cluster")
 JOIN_DEADLINE_S = 5.0
 # At most one log line per kind of refused stranger in this many seconds.
 REFUSAL_LOG_EVERY_S = 10.0
+# Messages dropped on one connection before it is closed (a peer that keeps sending them is
+# broken or hostile; one bad line alone never ends a session).
+MAX_DROPPED = 16
 
 
 def max_pending(nodes: int) -> int:
@@ -106,8 +139,26 @@ class _RefusalLog:
         quiet = self._quiet.pop(kind, 0)
         log.warning(message, **fields, **({"not_logged_since_last": quiet} if quiet else {}))
 
+
+class Drops:
+    """Messages dropped (never acted on), by reason (``messages.REASONS``); a warning per reason
+    at most once per ``REFUSAL_LOG_EVERY_S``, with the count of those not logged."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.counts: dict[str, int] = dict.fromkeys(REASONS, 0)
+        self._log = _RefusalLog(clock=clock)
+
+    def __call__(self, reason: str, error: str, **fields: Any) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        self._log(f"dropped-{reason}", "dropped a cluster message", reason=reason, error=clean_text(error, 200),
+                  **fields)
+
+    def view(self) -> dict[str, int]:
+        return dict(self.counts)
+
+
 # A join the daemon wants to refuse (ranks per node differ, ...): the reason, or None to accept.
-JoinCheck = Callable[[Mapping[str, Any]], "str | None"]
+JoinCheck = Callable[[Join], "str | None"]
 
 
 def heartbeat_interval(heartbeat_timeout: float) -> float:
@@ -126,12 +177,12 @@ class ClusterHead:
                  bind_host: str | None = None, units: Mapping[str, Any] | None = None,
                  instance: str | None = None, check_join: JoinCheck | None = None,
                  on_change: Callable[[int, str, str, str], None] | None = None,
-                 on_message: Callable[[int, dict[str, Any]], None] | None = None,
+                 on_message: Callable[[int, Message], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, join_deadline: float = JOIN_DEADLINE_S) -> None:
         if cfg.nodes < 1:
             raise ValueError("cluster.nodes must be ≥ 1")
         self.cfg = cfg
-        self._key = auth_key(token)
+        self._auth = auth_key(token)
         self.store_secret = store_secret(token)
         self.store_key = ranks_key(token)  # the trainer ranks' command key
         self.host = host or socket.gethostname()
@@ -142,6 +193,7 @@ class ClusterHead:
         self.max_pending = max_pending(cfg.nodes)
         self._pending: set[Channel] = set()  # connections that have not joined yet
         self._refusals = _RefusalLog()
+        self._drops = Drops()
         self.instance = instance or uuid.uuid4().hex
         self.interval = heartbeat_interval(cfg.heartbeat_timeout)
         self.check_join = check_join
@@ -238,18 +290,23 @@ class ClusterHead:
         """Connections of strangers refused so far (over the cap, silent, wrong token, garbage)."""
         return self._refusals.refused
 
+    @property
+    def dropped(self) -> dict[str, int]:
+        """Messages dropped so far, by reason (every reason, zeros included)."""
+        return self._drops.view()
+
     def connected(self) -> list[int]:
         """The nodes (other than the head) with an admitted connection that is not lost."""
         return sorted(r for r in self._channels if self.membership.members[r].state != LOST)
 
-    async def send(self, rank: int, msg: Mapping[str, Any]) -> bool:
+    async def send(self, rank: int, msg: Message) -> bool:
         """One message to node ``rank``; False when it has no connection or the send failed."""
         ch = self._channels.get(rank)
         if ch is None or self.membership.members[rank].state == LOST:
             return False
         return await ch.try_send(msg, self.interval * 2)
 
-    async def broadcast(self, msg: Mapping[str, Any]) -> list[int]:
+    async def broadcast(self, msg: Message) -> list[int]:
         """``msg`` to every connected node; the nodes it reached."""
         targets = self.connected()
         sent = await asyncio.gather(*(self.send(r, msg) for r in targets))
@@ -265,7 +322,7 @@ class ClusterHead:
             self._stopped.setdefault(r, asyncio.Event())
         # All at once: a node that does not read never delays another's stop. A failed send
         # means its connection is gone: the wait below sees it lost.
-        await asyncio.gather(*(ch.try_send({"t": "stop"}, self.interval * 2) for ch in targets.values()))
+        await asyncio.gather(*(ch.try_send(Stop(), self.interval * 2) for ch in targets.values()))
         log.info("asked the nodes to stop", nodes=sorted(targets))
         deadline = asyncio.get_running_loop().time() + timeout
 
@@ -318,7 +375,7 @@ class ClusterHead:
                 self._lose(rank, f"no heartbeat for {self.cfg.heartbeat_timeout:g} s")
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        ch = Channel(reader, writer, self._key, limit=MAX_JOIN_BYTES)
+        ch = Channel(reader, writer, limit=MAX_JOIN_BYTES)
         if len(self._pending) >= self.max_pending:
             self._refusals("refused-full", "refused a connection: too many connections have not joined yet",
                            peer=ch.peer, pending=len(self._pending), max_pending=self.max_pending)
@@ -349,32 +406,57 @@ class ClusterHead:
         event = self._stopped.get(rank)
         return event is not None and event.is_set()
 
-    async def _refuse(self, ch: Channel, reason: str, *, fatal: bool = True, signed: bool = True) -> None:
-        msg = {"t": "refused", "reason": reason, "fatal": fatal}
+    async def _refuse(self, ch: Channel, reason: str, *, fatal: bool = True) -> None:
+        """A refusal: signed in the connection's session, unsigned when its join did not verify."""
+        msg = Refused(reason=reason, fatal=fatal)
         with contextlib.suppress(OSError, asyncio.TimeoutError):
-            await asyncio.wait_for(ch.send(msg) if signed else ch.send_unsigned(msg), 2.0)
+            await asyncio.wait_for(ch.send(msg) if ch.session is not None else ch.send_unsigned(msg), 2.0)
 
     async def _session(self, ch: Channel) -> None:
+        challenge = new_challenge()
+        error: LineTooLong | None = None
         try:
-            first = await asyncio.wait_for(ch.recv(), self.join_deadline)
+            await asyncio.wait_for(ch.send_unsigned(Hello(challenge=challenge)), 2.0)
+            line = await asyncio.wait_for(ch.readline(), self.join_deadline)
         except asyncio.TimeoutError:
             self._refusals("refused-silent", "closed a connection that did not join in time", peer=ch.peer,
                            join_deadline_s=self.join_deadline)
             return
+        except LineTooLong as exc:
+            line, error = b"", exc
+        if not line and error is None:
+            return
+        try:
+            if error is not None:
+                raise error
+            ch.session, values = open_join(self._auth, challenge, line)
         except WrongToken:
+            self._drops(MAC, "a join not signed with this cluster's token", peer=ch.peer)
             self._refusals("refused-token", "refused a node: its messages are not signed with this cluster's token",
                            peer=ch.peer)
             await self._refuse(ch, "wrong cluster token: this node's cluster.token_file does not hold the "
-                                   "head's secret", signed=False)
+                                   "head's secret")
             return
         except BadMessage as exc:
+            self._drops(exc.reason, str(exc), peer=ch.peer)
+            if exc.reason == CHALLENGE:
+                self._refusals("refused-replay", "refused a join signed for another connection (a replayed join)",
+                               peer=ch.peer)
+                await self._refuse(ch, f"{exc}: a join is good on the connection it was made for only")
+                return
             self._refusals("refused-garbage", "refused a connection that does not speak the cluster protocol",
                            peer=ch.peer, error=clean_text(exc, 200))
-            await self._refuse(ch, f"not a message of the cluster protocol ({clean_text(exc, 200)})", signed=False)
+            await self._refuse(ch, f"not a message of the cluster protocol ({clean_text(exc, 200)})")
             return
-        if first is None:
+        try:
+            join = decode(Join.TYPE, values, N2H)
+        except BadMessage as exc:
+            self._drops(FIELDS, str(exc), peer=ch.peer)
+            log.warning("refused a node: its join does not check", peer=ch.peer, error=clean_text(exc, 200))
+            await self._refuse(ch, f"a join the head cannot read: {clean_text(exc, 200)}")
             return
-        rank = await self._admit(ch, first)
+        assert isinstance(join, Join)
+        rank = await self._admit(ch, join)
         if rank is None:
             return
         self._pending.discard(ch)
@@ -382,10 +464,20 @@ class ClusterHead:
         while True:
             try:
                 msg = await ch.recv()
-            except BadMessage as exc:
+            except LineTooLong as exc:
+                self._drops(FRAMING, str(exc), node_rank=rank)
                 log.warning("dropping a node's connection: bad message", node_rank=rank, error=str(exc))
                 self._lose(rank, f"bad message: {exc}", ch)
                 return
+            except BadMessage as exc:
+                self._drops(exc.reason, str(exc), node_rank=rank)
+                if ch.dropped >= MAX_DROPPED:
+                    log.warning("dropping a node's connection: too many bad messages", node_rank=rank,
+                                dropped=ch.dropped)
+                    self._lose(rank, f"{ch.dropped} messages dropped on its connection (the last: "
+                                     f"{clean_text(exc, 200)})", ch)
+                    return
+                continue
             if msg is None:
                 if self._confirmed(rank):
                     self._lose(rank, "stopped", ch)
@@ -395,30 +487,27 @@ class ClusterHead:
             if self._channels.get(rank) is not ch:
                 return  # replaced by a newer connection, or lost: this one is done
             self.membership.seen(rank)
-            kind = msg.get("t")
-            if kind == "beat":
-                await ch.send({"t": "ack", "seq": msg.get("seq")})
-            elif kind == "report":
-                self.membership.report(rank, clean_rows(msg.get("components")), bool(msg.get("ready")))
-            elif kind == "stopped":
+            if isinstance(msg, Beat):
+                assert ch.session is not None
+                await ch.send(Ack(beat=ch.session.recv_seq))
+            elif isinstance(msg, Report):
+                self.membership.report(rank, clean_rows(msg.components), msg.ready)
+            elif isinstance(msg, Stopped):
                 self._stopped.setdefault(rank, asyncio.Event()).set()
                 self._changed_event.set()
                 log.info("node stopped", node_rank=rank)
-            elif kind == "leave":
-                self._lose(rank, f"left: {clean_text(msg.get('reason') or 'stopped on its own')}", ch)
+            elif isinstance(msg, Leave):
+                self._lose(rank, f"left: {clean_text(msg.reason or 'stopped on its own')}", ch)
                 return
             elif self._on_message is not None:
                 self._on_message(rank, msg)  # the daemon's own messages (trainer ranks, resyncs)
 
-    async def _admit(self, ch: Channel, msg: Mapping[str, Any]) -> int | None:
+    async def _admit(self, ch: Channel, msg: Join) -> int | None:
         """Check a join; register the node and answer ``welcome``, or refuse. Its rank or None."""
-        if msg.get("t") != "join":
-            await self._refuse(ch, f"expected a join, got {clean_text(msg.get('t'), 64)!r}")
-            return None
-        rank = msg.get("node_rank")
-        host = clean_text(msg.get("host") or "", 255)
-        instance = clean_text(msg.get("instance") or "", 64)
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank < self.cfg.nodes:
+        rank = msg.node_rank
+        host = clean_text(msg.host, 255)
+        instance = clean_text(msg.instance, 64)
+        if not 0 < rank < self.cfg.nodes:
             shown = clean_text(repr(rank), 64)
             reason = (f"node_rank {shown} is the head's" if rank == 0 else
                       f"node_rank {shown} is not one of 1..{self.cfg.nodes - 1} (cluster.nodes = {self.cfg.nodes})")
@@ -442,11 +531,11 @@ class ClusterHead:
             log.warning("refused a node", node_rank=rank, host=host, reason=reason)
             await self._refuse(ch, reason)
             return None
-        if msg.get("rejoin") and msg.get("head_instance") != self.instance:
+        if msg.rejoin and msg.head_instance != self.instance:
             await self._refuse(ch, "this head restarted since the node joined (another instance): the node must "
                                    "restart and join again")
             return None
-        if msg.get("rejoin") and m.joins and m.instance != instance:
+        if msg.rejoin and m.joins and m.instance != instance:
             reason = f"node_rank {rank} was taken over by a newer start of this node (pid {m.pid})"
             log.warning("refused a node", node_rank=rank, host=host, reason=reason)
             await self._refuse(ch, reason)
@@ -456,20 +545,20 @@ class ClusterHead:
             self._channels.pop(rank, None)
             if m.instance != instance:
                 with contextlib.suppress(OSError, asyncio.TimeoutError):
-                    await asyncio.wait_for(held.send({"t": "replaced", "by_pid": msg.get("pid")}), 1.0)
+                    await asyncio.wait_for(held.send(Replaced(by_pid=msg.pid)), 1.0)
             held.abort()
-        comps = clean_rows(msg.get("components"))
-        units = clean_value(msg.get("units")) if isinstance(msg.get("units"), dict) else {}
-        pid = msg.get("pid") if isinstance(msg.get("pid"), int) and not isinstance(msg.get("pid"), bool) else None
+        comps = clean_rows(msg.components)
+        units = clean_value(msg.units)
+        pid = msg.pid
         peer = ch.writer.get_extra_info("peername")
         address = peer[0] if isinstance(peer, tuple) else ""
         again = m.joins > 0 and m.instance == instance
         self._channels[rank] = ch
         self.membership.join(rank, host=host, address=address, pid=pid, instance=instance, units=units,
-                             components=comps, ready=bool(msg.get("ready")))
+                             components=comps, ready=msg.ready)
         self._changed_event.set()
-        await ch.send({"t": "welcome", "head_instance": self.instance, "head_host": self.host,
-                       "nodes": self.cfg.nodes, "interval": self.interval})
+        await ch.send(Welcome(head_instance=self.instance, head_host=self.host, nodes=self.cfg.nodes,
+                              interval=self.interval))
         log.info("node reconnected" if again else "node joined", node_rank=rank, host=host, address=address,
                  pid=pid, units=units)
         return rank

@@ -17,6 +17,11 @@ this node:
 A connection that breaks is re-established within ``give_up_after`` when the same head
 instance is still there; a head that restarted meanwhile counts as lost (this node's place in
 the old trainer group is gone with it).
+
+Each connection is one session (``wire``): the node signs its join for the head's challenge and
+takes only messages of that session, in the head's direction, with rising sequence numbers.
+Anything else is dropped, never acted on, and counted by reason (``dropped``); a connection
+that has delivered ``MAX_DROPPED`` of them is given up and mended like a broken one.
 """
 
 from __future__ import annotations
@@ -32,14 +37,35 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from atroposd.cluster.head import heartbeat_interval
+from atroposd.cluster.head import MAX_DROPPED, Drops, heartbeat_interval
 from atroposd.cluster.membership import replicas_ready
+from atroposd.cluster.messages import (
+    FRAMING,
+    Beat,
+    Hello,
+    Join,
+    Leave,
+    LineTooLong,
+    Message,
+    Ranks,
+    Refused,
+    Replaced,
+    Report,
+    Stop,
+    Stopped,
+    Welcome,
+)
 from atroposd.cluster.wire import (
     MAX_JOIN_BYTES,
+    UNSIGNED,
     BadMessage,
     Channel,
     WrongToken,
     auth_key,
+    join_key,
+    new_challenge,
+    node_session,
+    open_unsigned,
     ranks_key,
     store_secret,
 )
@@ -79,13 +105,14 @@ class ClusterNode:
                  units: Mapping[str, Any] | None = None, instance: str | None = None,
                  on_lost_head: Callable[[str], Awaitable[None] | None] | None = None,
                  on_stop: Callable[[], Awaitable[None] | None] | None = None,
-                 on_message: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_message: Callable[[Message], None] | None = None) -> None:
         if not cfg.head:
             raise ValueError("cluster.head is required for a node to join")
         if not 0 < node_rank < cfg.nodes:
             raise ValueError(f"node_rank {node_rank} is not one of 1..{cfg.nodes - 1}")
         self.cfg, self.node_rank = cfg, node_rank
-        self._key = auth_key(token)
+        self._auth = auth_key(token)
+        self._drops = Drops()
         self.store_secret = store_secret(token)
         self.store_key = ranks_key(token)  # the trainer ranks' command key
         self.host = host or socket.gethostname()
@@ -109,7 +136,6 @@ class ClusterNode:
         self._stop_task: asyncio.Task[None] | None = None
         self._stop_done = False
         self._leaving = False
-        self._seq = 0
 
     @classmethod
     def from_config(cls, cfg: Config, **kwargs: Any) -> ClusterNode:
@@ -126,13 +152,18 @@ class ClusterNode:
 
     # ------------------------------------------------------------------ joining
 
-    def _join_msg(self) -> dict[str, Any]:
+    @property
+    def dropped(self) -> dict[str, int]:
+        """Messages from the head dropped so far, by reason (every reason, zeros included)."""
+        return self._drops.view()
+
+    def _join_msg(self, challenge: str, nonce: str) -> Join:
         # The head reads at most MAX_JOIN_BYTES before a join: components that would not fit
         # follow in the report sent right after the welcome.
         comps = self._components if len(orjson.dumps(self._components)) <= MAX_JOIN_BYTES // 2 else []
-        return {"t": "join", "node_rank": self.node_rank, "host": self.host, "pid": os.getpid(),
-                "instance": self.instance, "units": self.units, "components": comps,
-                "ready": self._ready, "rejoin": bool(self.head_instance), "head_instance": self.head_instance}
+        return Join(challenge=challenge, nonce=nonce, node_rank=self.node_rank, host=self.host, pid=os.getpid(),
+                    instance=self.instance, units=self.units, components=comps, ready=self._ready,
+                    rejoin=bool(self.head_instance), head_instance=self.head_instance)
 
     async def _connect(self, timeout: float) -> Channel:
         reader, writer = await asyncio.wait_for(
@@ -141,38 +172,50 @@ class ClusterNode:
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return Channel(reader, writer, self._key)
+        return Channel(reader, writer)
 
-    async def _handshake(self, ch: Channel) -> dict[str, Any] | None:
-        """Send the join; the head's welcome, or None when it closed without one (retry).
-        Raises ClusterRefused on a fatal refusal.
+    async def _handshake(self, ch: Channel) -> Welcome | None:
+        """Read the head's challenge, send the join signed for it; the head's welcome, or None
+        when it closed without one (retry). Raises ClusterRefused on a fatal refusal.
 
         Before its first welcome a node takes an unsigned refusal (the head's answer to a
         wrong token: nothing signed could reach it). Once welcomed, it knows its head signs
         with its token: an unsigned or foreign answer is not its head's, and only a signed
         refusal ends it (anything else is a failed attempt, retried)."""
         welcomed = bool(self.head_instance)
-        await ch.send(self._join_msg())
+        line = await asyncio.wait_for(ch.readline(), self.cfg.heartbeat_timeout)
+        if not line:
+            return None
+        hello = open_unsigned(line)
+        if not isinstance(hello, Hello):
+            raise BadMessage(f"expected the head's hello, got {hello.TYPE!r}")
+        nonce = new_challenge()
+        ch.session = node_session(self._auth, hello.challenge, nonce)
+        await ch.send(self._join_msg(hello.challenge, nonce), key=join_key(self._auth, hello.challenge))
+        line = await asyncio.wait_for(ch.readline(), self.cfg.heartbeat_timeout)
+        if not line:
+            return None
         try:
-            msg = await asyncio.wait_for(ch.recv(allow_unsigned_refusal=not welcomed), self.cfg.heartbeat_timeout)
+            if line.startswith(UNSIGNED + b" ") and not welcomed:
+                msg: Message = open_unsigned(line)
+            else:
+                msg = ch.session.open(line)
         except WrongToken:
             if welcomed:
                 raise BadMessage(f"an answer from {self.head_address} not signed with this cluster's token") from None
             raise ClusterRefused(f"the head at {self.head_address} signs with another cluster token "
                                  "(cluster.token_file differs between the nodes)") from None
-        if msg is None:
-            return None
-        if msg.get("t") == "refused":
-            reason = str(msg.get("reason") or "no reason given")
-            if msg.get("fatal", True):
+        if isinstance(msg, Refused):
+            reason = msg.reason or "no reason given"
+            if msg.fatal:
                 raise ClusterRefused(f"the head at {self.head_address} refused node {self.node_rank}: {reason}")
             log.info("the head asked this node to retry its join", head=self.head_address, reason=reason)
             return None
-        if msg.get("t") != "welcome":
-            raise BadMessage(f"expected welcome, got {msg.get('t')!r}")
+        if not isinstance(msg, Welcome):
+            raise BadMessage(f"expected welcome, got {msg.TYPE!r}")
         return msg
 
-    async def join(self) -> dict[str, Any]:
+    async def join(self) -> Welcome:
         """Wait for the head (up to ``join_timeout``) and join; returns the head's welcome.
         Raises ClusterRefused (logged) or ClusterJoinTimeout."""
         start = self._loop_time()
@@ -215,9 +258,9 @@ class ClusterNode:
             await asyncio.sleep(min(backoff, max(0.0, deadline - now)))
             backoff = min(backoff * 2, 2.0)
 
-    def _welcomed(self, ch: Channel, welcome: Mapping[str, Any]) -> None:
+    def _welcomed(self, ch: Channel, welcome: Welcome) -> None:
         self._ch = ch
-        self.head_instance = str(welcome.get("head_instance") or "")
+        self.head_instance = welcome.head_instance
         self._last_heard = self._loop_time()
         self._dirty = True  # a report at once: the join may not have carried the components
         self._wake.set()
@@ -251,7 +294,7 @@ class ClusterNode:
             await _call(self.on_lost_head, self._lost_reason)
         return outcome
 
-    async def send(self, msg: Mapping[str, Any]) -> bool:
+    async def send(self, msg: Message) -> bool:
         """One message to the head; False when there is no connection or the send failed."""
         ch = self._ch
         if ch is None or self._leaving:
@@ -264,7 +307,7 @@ class ClusterNode:
         ch = self._ch
         if ch is not None:
             with contextlib.suppress(OSError, asyncio.TimeoutError):
-                await asyncio.wait_for(ch.send({"t": "leave", "reason": reason}), self.interval * 2)
+                await asyncio.wait_for(ch.send(Leave(reason=reason)), self.interval * 2)
             await ch.close()
 
     def _lost(self, reason: str) -> None:
@@ -289,10 +332,9 @@ class ClusterNode:
             try:
                 if self._dirty:
                     self._dirty = False
-                    await asyncio.wait_for(ch.send({"t": "report", "components": self._components,
-                                                    "ready": self._ready}), self.interval)
-                self._seq += 1
-                await asyncio.wait_for(ch.send({"t": "beat", "seq": self._seq}), self.interval)
+                    await asyncio.wait_for(ch.send(Report(components=self._components, ready=self._ready)),
+                                           self.interval)
+                await asyncio.wait_for(ch.send(Beat()), self.interval)
             except (OSError, asyncio.TimeoutError):
                 pass  # a broken connection is the receiver's to notice; silence is checked above
 
@@ -302,8 +344,17 @@ class ClusterNode:
             assert ch is not None
             try:
                 msg = await ch.recv()
-            except BadMessage as exc:
+            except LineTooLong as exc:
+                self._drops(FRAMING, str(exc), head=self.head_address)
                 self._lost(f"the head sent a bad message: {exc}")
+                msg = None
+            except BadMessage as exc:
+                self._drops(exc.reason, str(exc), head=self.head_address)
+                if ch.dropped < MAX_DROPPED:
+                    continue
+                log.warning("giving up a connection to the head: too many bad messages", head=self.head_address,
+                            dropped=ch.dropped)
+                ch.abort()  # mended like a broken connection (a new session)
                 msg = None
             except OSError:
                 msg = None
@@ -317,12 +368,13 @@ class ClusterNode:
                                f"(cluster.heartbeat_timeout = {self.cfg.heartbeat_timeout:g} s)")
                     continue
                 self._last_heard = now
-                if msg.get("t") == "replaced":
-                    self._lost(f"a newer start of this node (pid {msg.get('by_pid')}) joined in its place")
-                elif msg.get("t") == "stop" and self._stop_task is None:
-                    log.info("the head asked this node to stop", node_rank=self.node_rank)
-                    self._stop_task = asyncio.create_task(self._stop(), name="cluster-stop")
-                elif msg.get("t") not in ("ack", "stop") and self.on_message is not None:
+                if isinstance(msg, Replaced):
+                    self._lost(f"a newer start of this node (pid {msg.by_pid}) joined in its place")
+                elif isinstance(msg, Stop):
+                    if self._stop_task is None:
+                        log.info("the head asked this node to stop", node_rank=self.node_rank)
+                        self._stop_task = asyncio.create_task(self._stop(), name="cluster-stop")
+                elif isinstance(msg, Ranks) and self.on_message is not None:
                     self.on_message(msg)  # the daemon's own messages (trainer ranks)
                 continue
             # the connection ended
@@ -342,7 +394,7 @@ class ClusterNode:
             ch = self._ch
             if ch is not None:
                 with contextlib.suppress(OSError, asyncio.TimeoutError):
-                    await asyncio.wait_for(ch.send({"t": "stopped"}), self.interval * 2)
+                    await asyncio.wait_for(ch.send(Stopped()), self.interval * 2)
                 await ch.close()
 
     async def _reconnect(self) -> bool:
@@ -379,7 +431,7 @@ class ClusterNode:
             if welcome is None:
                 await ch.close()
                 continue
-            if str(welcome.get("head_instance") or "") != self.head_instance:
+            if welcome.head_instance != self.head_instance:
                 await ch.close()
                 self._lost(f"the head at {self.head_address} restarted (another instance): this node must "
                            "restart and join again")

@@ -35,6 +35,7 @@ from atroposd.cluster import (
     store_secret,
 )
 from atroposd.cluster.membership import clean_text
+from atroposd.cluster.messages import Join, Message, RankExit, Ranks, RanksStopped, Resync
 from atroposd.config import ClusterError
 from atroposd.daemon.runtime import StartFailed
 from atroposd.exitcodes import Exit
@@ -128,9 +129,17 @@ class HeadLink:
     def nodes(self) -> list[dict[str, Any]]:
         return self.head.nodes()
 
-    def _check_join(self, msg: Any) -> str | None:
+    def view(self) -> dict[str, Any]:
+        """The head's ``cluster`` of ``status --json``: the messages its endpoint dropped, by reason,
+        and the connections of strangers it refused."""
+        return {"node_rank": 0, "role": "head", "dropped": self.head.dropped, "refused_connections": self.head.refused}
+
+    def dropped(self) -> dict[str, int]:
+        return self.head.dropped
+
+    def _check_join(self, msg: Join) -> str | None:
         ours = _units(self.daemon)
-        theirs = msg.get("units") if isinstance(msg.get("units"), dict) else {}
+        theirs = msg.units
         if theirs.get("trainer_ranks") != ours["trainer_ranks"]:
             return (f"this node runs {clean_text(theirs.get('trainer_ranks'), 32)} trainer rank(s) and the head "
                     f"{ours['trainer_ranks']}: trainer.device must list as many devices on every node")
@@ -146,21 +155,19 @@ class HeadLink:
             # Its ranks are gone with it: the group restarts once the node is back.
             trainer.on_rank_exit(f"node {rank}", f"lost ({reason})")
 
-    def _on_message(self, rank: int, msg: dict[str, Any]) -> None:
-        kind = msg.get("t")
+    def _on_message(self, rank: int, msg: Message) -> None:
         trainer = self.daemon.trainer
-        if kind == "rank_exit":
+        if isinstance(msg, RankExit):
             # a node's strings, cleaned where they arrive (SPEC §13): bounded, no terminal escapes
-            name, how = clean_text(msg.get("name"), 128), clean_text(msg.get("how"), 256)
+            name, how = clean_text(msg.name, 128), clean_text(msg.how, 256)
             self._rank_exits = [*self._rank_exits[-(MAX_RANK_EXITS - 1):], f"{name} on node {rank} {how}"]
             if trainer is not None:
                 trainer.on_rank_exit(f"{name} on node {rank}", how)
-        elif kind == "ranks_stopped":
+        elif isinstance(msg, RanksStopped):
             self._ranks_stopped.setdefault(rank, anyio.Event()).set()
-        elif kind == "resync" and trainer is not None:
+        elif isinstance(msg, Resync) and trainer is not None:
             # A replica of that node restarted: a full push reaches it through its node's first rank.
-            self.daemon.spawn(trainer.on_remote_replica_restarted,
-                              f"node {rank} replica {clean_text(msg.get('replica'), 32)}")
+            self.daemon.spawn(trainer.on_remote_replica_restarted, f"node {rank} replica {msg.replica}")
 
     def exited(self) -> list[str]:
         """The other nodes' trainer ranks that exited, and the rank-holding nodes lost."""
@@ -192,7 +199,7 @@ class HeadLink:
         """Tell every node to start its trainer ranks for ``generation``."""
         self._rank_exits = []
         self._ranks_stopped = {}
-        reached = await self.head.broadcast({"t": "ranks", "op": "start", "generation": generation})
+        reached = await self.head.broadcast(Ranks(op="start", generation=generation))
         log.info("nodes asked to start their trainer ranks", nodes=reached, generation=generation)
 
     async def stop_ranks(self) -> None:
@@ -200,7 +207,7 @@ class HeadLink:
         targets = self.head.connected()
         for r in targets:
             self._ranks_stopped[r] = anyio.Event()
-        await self.head.broadcast({"t": "ranks", "op": "stop"})
+        await self.head.broadcast(Ranks(op="stop"))
         with anyio.move_on_after(self.daemon.cfg.daemon.stop_timeout + RANKS_STOP_GRACE_S):
             for r in targets:
                 event = self._ranks_stopped[r]
@@ -255,7 +262,13 @@ class NodeLink:
         self.node.report(_rows(list(self.daemon.units.values())))
 
     def view(self) -> dict[str, Any]:
-        return {"node_rank": self.daemon.cfg.node_rank, "head": self.node.head_address, "state": self.state}
+        """The node's ``cluster`` of ``status --json``: its head, its link's state, and the messages
+        from the head it dropped, by reason."""
+        return {"node_rank": self.daemon.cfg.node_rank, "head": self.node.head_address, "state": self.state,
+                "dropped": self.node.dropped}
+
+    def dropped(self) -> dict[str, int]:
+        return self.node.dropped
 
     def _lost_head(self, reason: str) -> None:
         self.daemon.request_stop(f"lost the head: {reason}", code=Exit.RUNTIME)
@@ -265,21 +278,21 @@ class NodeLink:
         self.daemon.request_stop("the head stops the job")
         await self.daemon.stopped.wait()
 
-    def _on_message(self, msg: dict[str, Any]) -> None:
-        if msg.get("t") != "ranks":
+    def _on_message(self, msg: Message) -> None:
+        if not isinstance(msg, Ranks):
             return
-        if msg.get("op") == "start":
-            self.daemon.spawn(self._start_ranks, int(msg.get("generation") or 0))
-        elif msg.get("op") == "stop":
+        if msg.op == "start":
+            self.daemon.spawn(self._start_ranks, msg.generation)
+        elif msg.op == "stop":
             self.daemon.spawn(self._stop_ranks)
 
     def rank_exited(self, unit: Unit) -> None:
         """A trainer rank of this node exited on its own: the head restarts the group."""
         how = unit.last_exit.describe() if unit.last_exit else unit.state.value
-        self.daemon.spawn(self.node.send, {"t": "rank_exit", "name": unit.name, "how": how})
+        self.daemon.spawn(self.node.send, RankExit(name=unit.name, how=how))
 
     def replica_restarted(self, replica: int) -> None:
-        self.daemon.spawn(self.node.send, {"t": "resync", "replica": replica})
+        self.daemon.spawn(self.node.send, Resync(replica=replica))
 
     def _joined(self, rank: int) -> bool:
         import torch.distributed as dist
@@ -320,7 +333,7 @@ class NodeLink:
     async def _stop_ranks(self) -> None:
         async with self._ranks_lock:
             await self._stop_rank_units()
-        await self.node.send({"t": "ranks_stopped"})
+        await self.node.send(RanksStopped())
 
     async def finish(self) -> None:
         """After this node's children stopped: leave (a stop of this node alone: its ranks leave,

@@ -9,6 +9,8 @@ At a scrape (see below for how often) the daemon gathers, concurrently:
   the sync's gathering of sharded weights, skipped steps, rejected groups by reason;
 * each inference replica's generations answered and weight_version (``component`` = the
   replica), from the daemon's background poll of its ``/health`` (:mod:`.replicas`);
+* with several machines, the cluster messages this node dropped, by reason
+  (``atroposd_cluster_messages_dropped``);
 * the API's and every inference server's own ``/metrics`` (supervised or external), each
   within :data:`SCRAPE_TIMEOUT`. A child that does not answer in time shows as
   ``atroposd_component_up{component=...} 0``; the scrape itself never fails or waits longer.
@@ -383,10 +385,27 @@ def _own_families(d: DaemonView) -> list[tuple[Metric, str]]:
             log.warning("trainer metrics failed", error=f"{type(exc).__name__}: {exc}")
     if d.replica_health is not None:
         out += [(f, "daemon") for f in replica_families(d.replica_health)]
+    link = getattr(d, "cluster", None)
+    if link is not None:
+        out += [(f, "daemon") for f in cluster_families(link)]
     weights = getattr(d, "weights", None)
     if weights is not None and d.cfg.inference.enabled:
         out += [(f, "daemon") for f in weight_sync_families(d.cfg, weights)]
     return out
+
+
+def cluster_families(link: Any) -> Iterator[Metric]:
+    """Several machines (SPEC §12.3): the cluster messages this node dropped, never acted on, by
+    reason (a bad signature, the other direction, another session, a sequence number not above
+    the last, a join for another connection's challenge, fields that do not check, no message)."""
+    from atroposd.cluster.messages import REASONS
+
+    counts = link.dropped()
+    dropped = _counter("atroposd_cluster_messages_dropped", "Cluster endpoint messages dropped (never acted on), "
+                       "by reason", ["reason"])
+    for reason in dict.fromkeys([*REASONS, *counts]):
+        dropped.add_metric([reason], float(counts.get(reason, 0)))
+    yield dropped
 
 
 def weight_sync_families(cfg: Any, weights: Any) -> Iterator[Metric]:

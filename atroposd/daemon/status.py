@@ -106,7 +106,8 @@ async def status(d: DaemonView) -> dict[str, Any]:
 
 def cluster_status(d: DaemonView) -> dict[str, Any]:
     """Several machines (SPEC §12.3): ``node_rank``; on the head ``nodes`` (every node, its state
-    and components), on another node ``cluster`` (its head and its link's state)."""
+    and components), on another node its head and its link's state; on every node ``cluster``
+    with the cluster messages it dropped, by reason (``dropped``)."""
     cfg = d.cfg
     if not cfg.cluster.enabled:
         return {}
@@ -116,8 +117,7 @@ def cluster_status(d: DaemonView) -> dict[str, Any]:
         return out
     if cfg.is_head:
         out["nodes"] = link.nodes()
-    else:
-        out["cluster"] = link.view()
+    out["cluster"] = link.view()
     return out
 
 

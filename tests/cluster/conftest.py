@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -15,6 +16,16 @@ from typing import Any
 
 import pytest
 
+from atroposd.cluster.messages import Hello, Join, Message, Welcome
+from atroposd.cluster.wire import (
+    Session,
+    auth_key,
+    join_key,
+    new_challenge,
+    node_session,
+    open_unsigned,
+    session_keys,
+)
 from atroposd.config import ClusterConfig
 from tests.support import REPO, free_port_pair, stop_process
 
@@ -121,3 +132,58 @@ async def until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         await anyio.sleep(0.02)
+
+
+class RawNode:
+    """A node's side of the protocol by hand, over a raw loopback socket: the handshake, then any
+    line at all (a recorded one, an edited one, one of the other direction)."""
+
+    def __init__(self, reader: Any, writer: Any, token: bytes) -> None:
+        self.reader, self.writer, self.auth = reader, writer, auth_key(token)
+        self.session: Session | None = None
+        self.keys: dict[str, bytes] = {}
+        self.last = b""  # the last line written (a test's to replay)
+
+    @classmethod
+    async def connect(cls, port: int, token: bytes) -> RawNode:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        return cls(reader, writer, token)
+
+    async def hello(self, timeout: float = 5.0) -> str:
+        """The head's challenge on this connection."""
+        msg = open_unsigned(await asyncio.wait_for(self.reader.readline(), timeout))
+        assert isinstance(msg, Hello), msg
+        return msg.challenge
+
+    def join_line(self, challenge: str, rank: int, **fields: Any) -> bytes:
+        """A join for ``challenge`` (this connection's session made for it)."""
+        nonce = new_challenge()
+        self.keys = session_keys(self.auth, challenge, nonce)  # both directions' (to forge with)
+        self.session = node_session(self.auth, challenge, nonce)
+        values: dict[str, Any] = {"node_rank": rank, "host": f"raw-{rank}", "pid": os.getpid(), "instance": f"raw{rank}",
+                                  "units": {}, "components": [], "ready": False, "rejoin": False, "head_instance": "",
+                                  **fields}
+        return self.session.seal(Join(challenge=challenge, nonce=nonce, **values), key=join_key(self.auth, challenge))
+
+    async def join(self, rank: int, **fields: Any) -> Welcome:
+        """The whole handshake: the head's welcome."""
+        self.write(self.join_line(await self.hello(), rank, **fields))
+        msg = await self.read()
+        assert isinstance(msg, Welcome), msg
+        return msg
+
+    def seal(self, msg: Message) -> bytes:
+        assert self.session is not None
+        return self.session.seal(msg)
+
+    def write(self, line: bytes) -> None:
+        self.writer.write(line)
+        self.last = line
+
+    async def read(self, timeout: float = 5.0) -> Message:
+        """The next message of the session (every check passed)."""
+        assert self.session is not None
+        return self.session.open(await asyncio.wait_for(self.reader.readline(), timeout))
+
+    def abort(self) -> None:
+        self.writer.transport.abort()

@@ -232,7 +232,7 @@ async def test_a_rank_held_by_a_live_node_on_another_host_is_refused(cfg: Cluste
 
 async def test_the_daemon_may_refuse_a_join(cfg: ClusterConfig) -> None:
     def check(join: Any) -> str | None:
-        ranks = join["units"].get("trainer_ranks")
+        ranks = join.units.get("trainer_ranks")
         return None if ranks == 2 else f"trainer ranks per node differ: the head has 2, this node {ranks}"
 
     async with running_head(cfg, check_join=check):

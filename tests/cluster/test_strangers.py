@@ -19,9 +19,17 @@ import pytest
 from atroposd.cluster import ClusterNode, ClusterStartError
 from atroposd.cluster.head import bind_address
 from atroposd.cluster.membership import MAX_REPORT_ROWS, MAX_TEXT
-from atroposd.cluster.wire import MAX_JOIN_BYTES, auth_key, encode, encode_unsigned
+from atroposd.cluster.messages import Ack, Beat, Hello, Refused, Welcome
+from atroposd.cluster.wire import (
+    MAX_JOIN_BYTES,
+    Channel,
+    auth_key,
+    encode_unsigned,
+    new_challenge,
+    open_join,
+)
 from atroposd.config import ClusterConfig
-from tests.cluster.conftest import Peer, until
+from tests.cluster.conftest import Peer, RawNode, until
 from tests.cluster.test_endpoint import READY_REPLICA, TOKEN, running_head, running_node
 
 pytestmark = pytest.mark.anyio
@@ -105,24 +113,26 @@ async def test_a_welcomed_node_takes_no_unsigned_refusal(cfg: ClusterConfig) -> 
     could send one): it tries again, and rejoins the same head (before: it gave up, lost)."""
     key = auth_key(TOKEN)
     conns: list[asyncio.StreamWriter] = []
-    welcome = {"t": "welcome", "head_instance": "the-head", "head_host": "h", "nodes": 3, "interval": 0.3}
+    welcome = Welcome(head_instance="the-head", head_host="h", nodes=3, interval=0.3)
 
     async def fake_head(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conns.append(writer)
         n = len(conns)
-        await reader.readline()  # the join
+        ch = Channel(reader, writer)
+        challenge = new_challenge()
+        await ch.send_unsigned(Hello(challenge=challenge))
+        ch.session, _ = open_join(key, challenge, await ch.readline())  # the join
         if n == 2:  # the reconnection: a forged fatal refusal
-            writer.write(encode_unsigned({"t": "refused", "reason": "forged", "fatal": True}))
+            writer.write(encode_unsigned(Refused(reason="forged", fatal=True)))
         else:
-            writer.write(encode(key, welcome))
+            await ch.send(welcome)
         await writer.drain()
         if n <= 2:
             writer.close()  # the first connection breaks: the node reconnects
             return
-        while line := await reader.readline():
-            if b'"beat"' in line:
-                writer.write(encode(key, {"t": "ack"}))
-                await writer.drain()
+        while msg := await ch.recv():
+            if isinstance(msg, Beat):
+                await ch.send(Ack(beat=ch.session.recv_seq))
 
     server = await asyncio.start_server(fake_head, "127.0.0.1", cfg.port)
     try:
@@ -141,15 +151,12 @@ async def test_a_welcomed_node_takes_no_unsigned_refusal(cfg: ClusterConfig) -> 
         await server.wait_closed()
 
 
-async def _stuck_node(port: int, rank: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def _stuck_node(port: int, rank: int) -> RawNode:
     """A node that joins by hand, then never reads (its socket's buffers fill)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    writer.write(encode(auth_key(TOKEN), {"t": "join", "node_rank": rank, "host": "stuck", "instance": "s",
-                                          "units": {}, "components": [], "ready": True}))
-    await writer.drain()
-    await reader.readline()  # the welcome
-    return reader, writer
+    node = await RawNode.connect(port, TOKEN)
+    node.writer.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    await node.join(rank, host="stuck", instance="s", ready=True)
+    return node
 
 
 async def test_the_head_stops_every_node_at_once(cfg: ClusterConfig) -> None:
@@ -157,10 +164,10 @@ async def test_the_head_stops_every_node_at_once(cfg: ClusterConfig) -> None:
     each send waiting up to two heartbeat intervals)."""
     cfg = dataclasses.replace(cfg, heartbeat_timeout=6.0)  # interval 1 s: a serial stop waits 2 s
     async with running_head(cfg) as head:
-        _, stuck = await _stuck_node(head.port, 1)
+        stuck = await _stuck_node(head.port, 1)
         await until(lambda: head.connected() == [1], 5, "the stuck node to join")
         # the head's send to it blocks: its socket is full
-        blocked = asyncio.create_task(head.send(1, {"t": "noise", "pad": "z" * (8 * MiB)}))
+        blocked = asyncio.create_task(head.send(1, Refused(reason="z" * (8 * MiB), fatal=False)))
         await asyncio.sleep(0.2)
         stopped_at: list[float] = []
         async with running_node(cfg, 2, on_stop=lambda: stopped_at.append(time.monotonic())) as _:
@@ -171,7 +178,7 @@ async def test_the_head_stops_every_node_at_once(cfg: ClusterConfig) -> None:
         blocked.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await blocked
-        stuck.transport.abort()
+        stuck.abort()
 
 
 async def test_a_nodes_strings_are_bounded_and_cleaned_where_they_arrive(cfg: ClusterConfig) -> None:

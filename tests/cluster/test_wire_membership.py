@@ -5,45 +5,57 @@ from __future__ import annotations
 import pytest
 
 from atroposd.cluster.membership import JOINING, LOST, READY, Membership, replicas_ready
+from atroposd.cluster.messages import Beat, Hello, Refused, Stop
 from atroposd.cluster.wire import (
     BadMessage,
     WrongToken,
     auth_key,
-    decode,
-    encode,
     encode_unsigned,
+    head_session,
+    new_challenge,
+    node_session,
+    open_unsigned,
     ranks_key,
     store_secret,
 )
 
 
-def test_a_signed_message_verifies_only_under_its_token() -> None:
+def test_a_sealed_message_opens_only_in_its_session() -> None:
     key = auth_key(b"secret-a")
-    line = encode(key, {"t": "beat", "seq": 3})
-    assert decode(key, line) == {"t": "beat", "seq": 3}
+    challenge, nonce = new_challenge(), new_challenge()
+    node, head = node_session(key, challenge, nonce), head_session(key, challenge, nonce, new_challenge())
+    head.recv_seq, node.sid = -1, head.sid  # no join nor welcome in this exchange
+    line = node.seal(Beat())
+    assert head.open(line) == Beat()
     assert b"secret-a" not in line  # the token never travels
+    other = head_session(auth_key(b"secret-b"), challenge, nonce, head.sid or "")
     with pytest.raises(WrongToken):
-        decode(auth_key(b"secret-b"), line)
-    tampered = line.replace(b'"seq":3', b'"seq":4')
+        other.open(line)
+    tampered = line.replace(b'"seq":0', b'"seq":1')
     with pytest.raises(WrongToken):
-        decode(key, tampered)
+        head_session(key, challenge, nonce, head.sid or "").open(tampered)
 
 
-def test_only_a_refusal_may_be_unsigned_and_only_where_allowed() -> None:
-    key = auth_key(b"k")
-    refusal = encode_unsigned({"t": "refused", "reason": "wrong cluster token"})
-    assert decode(key, refusal, allow_unsigned_refusal=True)["reason"] == "wrong cluster token"
+def test_only_a_hello_or_a_refusal_may_be_unsigned() -> None:
+    refusal = encode_unsigned(Refused(reason="wrong cluster token"))
+    msg = open_unsigned(refusal)
+    assert isinstance(msg, Refused) and msg.reason == "wrong cluster token"
+    assert isinstance(open_unsigned(encode_unsigned(Hello(challenge="ab" * 16))), Hello)
+    with pytest.raises(ValueError):
+        encode_unsigned(Stop())
     with pytest.raises(WrongToken):
-        decode(key, refusal)
-    with pytest.raises(WrongToken):
-        decode(key, encode_unsigned({"t": "stop"}), allow_unsigned_refusal=True)
+        open_unsigned(b'- {"t":"stop","m":{}}\n')
+    with pytest.raises(WrongToken):  # inside a session nothing unsigned is taken
+        node_session(auth_key(b"k"), new_challenge(), new_challenge()).open(refusal)
 
 
 @pytest.mark.parametrize("line", [b"\n", b"nospace\n", b"- [1,2]\n", b"- {not json}\n",
                                   b"GET / HTTP/1.0\r\n", b"abc {}\n"])
 def test_garbage_is_a_bad_message(line: bytes) -> None:
     with pytest.raises(BadMessage):
-        decode(auth_key(b"k"), line, allow_unsigned_refusal=True)
+        open_unsigned(line)
+    with pytest.raises(BadMessage):
+        node_session(auth_key(b"k"), new_challenge(), new_challenge()).open(line)
 
 
 def test_store_secret_is_derived_from_the_token() -> None:

@@ -9,6 +9,7 @@ the head killed -9) are ``slow``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ from typing import Any
 
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.jobs import (
     SHORT_TASK,
@@ -33,7 +35,7 @@ from tests.e2e.jobs import (
     segments_of,
     status,
 )
-from tests.support import atroposd, wait_for
+from tests.support import atroposd, free_port, wait_for
 
 
 def _popen_run(cfg: Path, log: Path) -> subprocess.Popen[bytes]:
@@ -77,8 +79,44 @@ def _lightweight(root: Path, **kw: Any) -> list[Path]:
                            inference={"enabled": False, "url": "http://127.0.0.1:9"}, **kw)
 
 
+def _dropped_metrics(port: int) -> dict[str, float]:
+    """``atroposd_cluster_messages_dropped`` on a daemon's /metrics, by reason."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=15).read().decode()
+    return {s.labels["reason"]: s.value for f in text_string_to_metric_families(text)
+            if f.name == "atroposd_cluster_messages_dropped" for s in f.samples if s.name.endswith("_total")}
+
+
+def _replay_a_join(cfg: Path) -> str:
+    """A join signed for another connection's challenge (as a recorded one is), sent to the head:
+    the head's answer."""
+    from atroposd.cluster.messages import Refused
+    from atroposd.cluster.wire import new_challenge, open_unsigned
+    from atroposd.config import load_config
+    from tests.cluster.conftest import RawNode
+
+    c = load_config(cfg).cluster
+
+    async def replay() -> str:
+        raw = await RawNode.connect(c.port, c.read_token())
+        try:
+            await raw.hello()
+            raw.write(raw.join_line(new_challenge(), 1, host="replayer"))
+            answer = open_unsigned(await asyncio.wait_for(raw.reader.readline(), 10))
+            assert isinstance(answer, Refused), answer
+            return answer.reason
+        finally:
+            raw.abort()
+
+    return asyncio.run(replay())
+
+
 def test_wrong_token_is_refused_and_a_lonely_node_gives_up(short_tmp: Path) -> None:
     head_cfg, node_cfg = _lightweight(short_tmp, cluster={"join_timeout": 4.0})
+    metrics_port = free_port()
+    head_cfg.write_text(head_cfg.read_text().replace("stop_timeout = 10.0\n",
+                                                     f"stop_timeout = 10.0\nmetrics_port = {metrics_port}\n", 1))
     # a node started before its head waits for it, then gives up after join_timeout, clearly
     started = time.monotonic()
     res = atroposd("run", "-c", str(node_cfg), env=daemon_env(), timeout=120)
@@ -104,6 +142,14 @@ def test_wrong_token_is_refused_and_a_lonely_node_gives_up(short_tmp: Path) -> N
         nodes = status(head_cfg)["nodes"]
         assert [n["node_rank"] for n in nodes] == [0, 1]
         assert nodes[1]["state"] == "joining" and nodes[1]["host"] is None
+        # a join signed for another connection's challenge (a recorded one) is refused; every
+        # message the head dropped is counted by reason, in status and on /metrics
+        assert "another connection's challenge" in _replay_a_join(head_cfg)
+        dropped = status(head_cfg)["cluster"]["dropped"]
+        assert dropped["mac"] >= 1 and dropped["challenge"] == 1, dropped
+        on_metrics = _dropped_metrics(metrics_port)
+        assert on_metrics["challenge"] == 1 and on_metrics["mac"] == dropped["mac"], on_metrics
+        assert status(head_cfg)["nodes"][1]["host"] is None  # never admitted
     finally:
         _stop_proc(head)
 
