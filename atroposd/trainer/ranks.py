@@ -352,11 +352,18 @@ class GroupRanks:
         for r in range(1, self.world):
             header, data = encode_share(shares[r])
             sizes = torch.tensor([len(header), data.numel()], dtype=torch.int64, device=dev)
-            dist.send(sizes, dst=r)
-            dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(dev), dst=r)
+            self._point(dist.isend(sizes, dst=r))
+            self._point(dist.isend(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(dev), dst=r))
             if data.numel():
-                dist.send(data.to(dev), dst=r)
+                self._point(dist.isend(data.to(dev), dst=r))
         return shares[0]
+
+    def _point(self, work: Any) -> None:
+        """Wait for one send or receive within ``collective_timeout``. A plain ``dist.send`` to a
+        rank that does not receive (stopped, hung) waits for the group's join-time timeout
+        instead: gloo bounds a point-to-point wait by the timeout its connections were made
+        with, not by the one :meth:`settle` sets."""
+        work.wait(timeout=datetime.timedelta(seconds=self.collective_timeout))
 
     def receive_share(self) -> Share:
         """A follower: its share from rank 0, checked (:func:`decode_share`); nothing unpickled."""
@@ -364,15 +371,15 @@ class GroupRanks:
 
         dev = self._wire_device()
         sizes = torch.zeros(2, dtype=torch.int64, device=dev)
-        dist.recv(sizes, src=0)
+        self._point(dist.irecv(sizes, src=0))
         n_header, n_data = (int(v) for v in sizes.cpu().tolist())
         if not 0 < n_header <= MAX_HEADER_BYTES or n_data < 0:
             raise BadCommand(f"a share's sizes out of range ({n_header}, {n_data})")
         header = torch.empty(n_header, dtype=torch.uint8, device=dev)
-        dist.recv(header, src=0)
+        self._point(dist.irecv(header, src=0))
         data = torch.empty(n_data, dtype=torch.uint8, device=dev)
         if n_data:
-            dist.recv(data, src=0)
+            self._point(dist.irecv(data, src=0))
         return decode_share(bytes(header.cpu().numpy().tobytes()), data.cpu())
 
     def broadcast(self, value: Any) -> Any:

@@ -239,3 +239,27 @@ def test_the_followers_dispatch_table() -> None:
     queue = [Apply(), Apply(), Stop(), Apply()]
     ranks.receive = lambda: queue.pop(0)  # type: ignore[attr-defined]
     assert f.follow() == 0 and queue == [Apply()]
+
+
+def test_a_share_to_a_rank_that_does_not_receive_fails_within_collective_timeout() -> None:
+    # gloo bounds a plain send by the timeout the group was formed with (join_timeout here), not
+    # by collective_timeout: a stopped rank held rank 0's step that long, past the watchdog
+    import json
+    import subprocess
+    import sys
+
+    from tests.support import REPO, free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "tests.trainer.share_peer"]
+    args = [str(port), "2", "60"]
+    peer = subprocess.Popen([*cmd, "1", *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        out = subprocess.run([*cmd, "0", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    finally:
+        peer.kill()
+        peer.wait()
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["error"] is not None and result["group_error"], result
+    assert result["seconds"] < 15, result  # collective_timeout (2 s), not join_timeout (60 s)
