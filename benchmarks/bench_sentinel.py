@@ -10,6 +10,13 @@
    resync → canary → back in rotation. Timed from the start of the round to the release, and
    the healthy round alone for comparison. (In a job the round starts at the next checked sync:
    add up to ``canary_every`` steps.)
+3. In a job (two replicas, push, ``canary_every = 2``, the test hook
+   ``ATROPOSD_TEST_CORRUPT_WEIGHTS``): replica 0's weights are corrupted once, after the sync the
+   first round checks (the resync heals it), replica 1's after that sync and every later update
+   of the same process (the resync does not heal it; its restart does: the restarted process
+   gets clean weights). From the daemon log: the seconds from the round's "drift over the
+   limit" to "back in rotation" for each, and the restart itself (declared to ready again, its
+   reattach included).
 
 Prints a table and one JSON line.
 
@@ -126,6 +133,49 @@ async def heal_time() -> dict[str, Any]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def job_heal(steps: int = 8) -> dict[str, Any]:
+    """Part 3: a job whose replica 0 is healed by a resync and replica 1 by a restart."""
+    from datetime import datetime
+
+    with tempfile.TemporaryDirectory(prefix="apd-sent-", dir="/tmp") as tmp:
+        root = Path(tmp)
+        port = _free_port()
+        lines = [
+            "[daemon]", f'runtime_dir = "{root / "run"}"', f'state_dir = "{root / "state"}"', 'log_format = "json"',
+            "[api]", f"port = {_free_port()}",
+            "[inference]", f"port = {port}", "replicas = 2",
+            "[trainer]", f"steps = {steps}", f"checkpoint_every = {steps}", 'weight_sync = "push"',
+            "[health]", "canary_every = 2",
+            "[[env]]", 'name = "arithmetic"', 'builtin = "arithmetic"',
+        ]
+        cfg = root / "atroposd.toml"
+        cfg.write_text("\n".join(lines) + "\n")
+        env = {**os.environ, "ATROPOSD_TEST_CORRUPT_WEIGHTS": "inference-0:3,inference-1:2+"}
+        proc = subprocess.run([sys.executable, "-m", "atroposd", "run", "-c", str(cfg)], cwd=REPO,
+                              capture_output=True, timeout=3600, env=env)
+        if proc.returncode != 0:
+            raise SystemExit(f"run exited {proc.returncode}: {proc.stderr[-2000:]!r}")
+        events = [json.loads(x) for x in (root / "state" / "logs" / "daemon.log").read_text().splitlines()
+                  if x.startswith("{")]
+
+    def at(event: str, **match: Any) -> float | None:
+        for e in events:
+            if str(e.get("event", "")).startswith(event) and all(e.get(k) == v for k, v in match.items()):
+                return datetime.fromisoformat(e["timestamp"]).timestamp()
+        return None
+
+    def span(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else round(b - a, 3)
+
+    out: dict[str, Any] = {}
+    for replica, path in ((0, "resync"), (1, "restart")):
+        over = at("replica drift over the limit", replica=replica)
+        out[f"job_{path}_to_rotation_s"] = span(over, at("replica back in rotation", replica=replica))
+    out["job_restart_s"] = span(at("replica still drifts after a resync", replica=1),
+                                at("replica restarted", replica=1))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=150)
@@ -142,6 +192,8 @@ def main() -> int:
             print(json.dumps(res), flush=True)
     heal = asyncio.run(heal_time())
     print(json.dumps(heal), flush=True)
+    heal.update(job_heal())
+    print(json.dumps(heal), flush=True)
 
     def mean(every: int) -> float:
         xs = [r["steps_per_s"] for r in runs if r["canary_every"] == every]
@@ -157,7 +209,9 @@ def main() -> int:
               f"{', '.join(str(r['canary_rounds']) for r in rs)} | "
               f"{', '.join(str(r['round_s_mean']) for r in rs)} |")
     print(f"\ncanary_every = 10 is {slower:.1f}% slower than off (goal < 5%); corruption → back in rotation: "
-          f"{heal['corrupt_to_rotation_s']} s (a healthy round: {heal['healthy_round_s']} s)")
+          f"{heal['corrupt_to_rotation_s']} s (a healthy round: {heal['healthy_round_s']} s); in a job: "
+          f"{heal['job_resync_to_rotation_s']} s by a resync, {heal['job_restart_to_rotation_s']} s by a restart "
+          f"(the restart itself {heal['job_restart_s']} s)")
     print(json.dumps({"bench": "sentinel", "steps_per_s_off": round(off, 3), "steps_per_s_canary10": round(on, 3),
                       "slower_pct": round(slower, 2), **heal, "runs": runs}))
     return 0
