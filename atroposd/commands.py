@@ -129,7 +129,8 @@ def _daemon_out(paths: Paths) -> Path:
 
 
 def run(cfg: Config, args: argparse.Namespace) -> int:
-    from atroposd.daemon import AlreadyRunning, run_foreground
+    from atroposd.daemon.core import run_foreground
+    from atroposd.daemon.runtime import AlreadyRunning
     from atroposd.logs import configure_logging
     from atroposd.systemd import Notifier
 
@@ -191,7 +192,7 @@ def _ping(cfg: Config) -> dict[str, Any] | None:
 
 
 def _start_budget(cfg: Config) -> float:
-    from atroposd.daemon import API_READY_TIMEOUT
+    from atroposd.daemon.specs import API_READY_TIMEOUT
 
     envs = max((e.ready_timeout for e in cfg.env), default=0.0)
     return API_READY_TIMEOUT + 2 * cfg.inference.ready_timeout + envs + 120

@@ -258,6 +258,21 @@ def test_no_import_cycles() -> None:
     assert not found, "import cycles:\n  " + "\n  ".join(_describe(c) for c in found)
 
 
+# The packages whose __init__ is a facade for code outside them (the library for trainers that
+# run elsewhere; the cluster endpoint the daemon uses); nothing inside them imports through it.
+FACADES = frozenset({"atroposd.client", "atroposd.cluster"})
+
+
+def test_a_package_init_imports_nothing_of_its_package() -> None:
+    # A module of the package importing a sibling runs the package's __init__ first: an __init__
+    # that imported the package's modules back would put every one of them in a circle with it.
+    found = [str(e) for e in EDGES
+             if _is_package(e.src) and e.src != PACKAGE and e.src not in FACADES and e.dst.startswith(e.src + ".")]
+    assert not found, "package __init__ files that import their own modules:\n  " + "\n  ".join(found)
+    inside = [str(e) for e in EDGES if e.dst in FACADES and e.src.startswith(e.dst + ".")]
+    assert not inside, "modules that import their own package's facade:\n  " + "\n  ".join(inside)
+
+
 # ----------------------------------------------------------------------------- the checker itself
 
 

@@ -8,20 +8,11 @@ A package by concern:
 - :mod:`.reload` — reload as a diff of two configs into a plan (a pure function);
 - :mod:`.recovery` — crash recovery and this daemon's recovery record;
 - :mod:`.status` — ``status --json``, the sd_notify line, Prometheus metrics;
-- :mod:`.runtime` — pidfile lock, port checks, the children's config file.
+- :mod:`.runtime` — pidfile lock, port checks, the children's config file;
+- :mod:`.cluster` — the head's and the nodes' side of a job on several machines;
+- :mod:`.watchdog`, :mod:`.metrics`, :mod:`.replicas` — the stall watchdog, ``/metrics``, the
+  replicas' units.
+
+It imports none of them (each importer names its module): a module of the package that
+imports another never goes through this one, so no import circle runs through here.
 """
-
-from __future__ import annotations
-
-from atroposd.daemon.core import Daemon, run_foreground
-from atroposd.daemon.runtime import (
-           AlreadyRunning,
-           StartFailed,
-           check_port,
-           lock_pidfile,
-           read_pidfile,
-)
-from atroposd.daemon.specs import API_READY_TIMEOUT
-
-__all__ = ["API_READY_TIMEOUT", "AlreadyRunning", "Daemon", "StartFailed", "check_port", "lock_pidfile",
-           "read_pidfile", "run_foreground"]

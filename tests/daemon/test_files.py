@@ -66,7 +66,7 @@ def test_run_makes_the_umask_private_before_writing_the_daemon_log(tmp_path: Pat
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """``atroposd run`` outside systemd: what it and its children create is the user's only, as
     under the unit's UMask=0077 (the run itself is replaced: only its start is under test)."""
-    import atroposd.daemon
+    import atroposd.daemon.core
     import atroposd.logs
     from atroposd import commands
 
@@ -79,7 +79,7 @@ def test_run_makes_the_umask_private_before_writing_the_daemon_log(tmp_path: Pat
         seen.append(mask)
         return 0
 
-    monkeypatch.setattr(atroposd.daemon, "run_foreground", run_foreground)
+    monkeypatch.setattr(atroposd.daemon.core, "run_foreground", run_foreground)
     streams: list[Any] = []  # the session's logging stays as it is
     monkeypatch.setattr(atroposd.logs, "configure_logging", lambda *a, stream, **k: streams.append(stream))
     with _umask(0o002):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from atroposd.config import parse_config
-from atroposd.daemon import Daemon
+from atroposd.daemon.core import Daemon
 from atroposd.daemon.state import DaemonState, IllegalMove
 
 S = DaemonState
