@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output file (default: {state_dir}/metrics.png; ./metrics.png with RUN arguments)")
     p.add_argument("--metrics", metavar="JSONL", help="metrics file (default: {state_dir}/metrics.jsonl)")
 
+    p = cmd("export", "a checkpoint (default: the newest complete one) as a Hugging Face model directory "
+            "(config, safetensors weights, tokenizer) that transformers loads", _export)
+    p.add_argument("--step", type=int, metavar="N", help="the checkpoint of step N (default: the newest complete one)")
+    p.add_argument("dir", metavar="DIR", help="the directory to write (must not exist, or be empty)")
+
     # Child entry points: each package owns its flags (its cli module imports nothing heavy).
     for name, mod, helptext in (("api", api_cli, "the trajectory API server (wire-compatible with run-api)"),
                                 ("inference", inference_cli, "the inference server (/generate, OpenAI routes)"),
@@ -160,6 +165,12 @@ def _plot(args: argparse.Namespace) -> int:
     from atroposd import plot
 
     return plot.main(load_or_exit(args), args)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from atroposd.trainer import export
+
+    return export.main(load_or_exit(args), args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,7 +18,9 @@ stage          meaning                                    restarted
 ============== ========================================== =====================
 
 A stall not resolved within twice ``stall_timeout`` ends the job (exit 1; the next start
-resumes from the last checkpoint). The clock stops while the trainer group forms or re-forms
+resumes from the last checkpoint). The clock stops while the trainer checkpoints (SPEC §12.1:
+checkpoint time never counts; periodic ones are written in the background, training goes on),
+and while the trainer group forms or re-forms
 (``waiting_for = "ranks"``, and ``"model"`` with several ranks: bounded by ``join_timeout`` and
 ``max_restarts``) and, with several
 ranks, while the trainer's step is inside ``collective_timeout``: a stuck collective is the
@@ -221,6 +223,11 @@ class StallWatchdog:
         """Whether the stall clock stands still now: the group forms or re-forms, or (several
         ranks) the step computes within ``collective_timeout``, which bounds its collectives."""
         t = self.cfg.trainer
+        if p.state == "checkpointing":
+            # SPEC §12.1: checkpoint time never counts (a periodic one is written in the
+            # background; this is the copy between two steps, or the wait for the previous one)
+            self._compute_since = None
+            return True
         if p.state == "waiting" and (p.waiting_for == "ranks" or (t.ranks > 1 and p.waiting_for == "model")):
             # forming, or (several ranks) every rank loading its checkpoint as the group re-forms
             self._compute_since = None

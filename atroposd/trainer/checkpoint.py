@@ -9,6 +9,10 @@ Layout (a Hugging Face directory plus the trainer's state)::
                                "config", "model", "mode", "tokenizer", "skipped_steps"}
     step-N/checksums.json     {"format", "files": {relative path: sha256}}, written last
 
+``format`` is the layout's version: 2 now; 1 (written before several ranks wrote their own model
+shards) still resumes. With several ranks the weights are shards under ``model/`` instead
+(:mod:`.sharded`), and ``model.safetensors`` is there only at the last step.
+
 Everything is written into ``.tmp-step-N-<pid>/``, the checksums of every file last, each file
 fsync'ed, then the directory is renamed to ``step-N`` and the parent fsync'ed. A ``step-N``
 directory therefore always is a complete checkpoint; a temporary one left by a crash or kill
@@ -22,6 +26,10 @@ the old checkpoint goes only once the new one is in place. Writing a step that a
 a checkpoint exchanges the two directories atomically (``renameat2(RENAME_EXCHANGE)``;
 where the file system lacks it, the old copy is renamed to ``.old-step-N-<pid>`` first and
 put back at the next start if the new one never arrived) and only then removes the old copy.
+
+What a checkpoint holds is taken between two steps; the files may then be written on a background
+thread while training goes on (:class:`atroposd.trainer.setup.Checkpointer`): ``weights`` are a
+private copy then, never the live tensors.
 
 Resume (:func:`load_latest`) verifies the checksums of the newest complete checkpoint; one
 that fails (or cannot be read) is set aside as ``step-N.bad-<time>`` — kept for a look,
@@ -37,6 +45,7 @@ is unchanged (``model`` and ``tokenizer`` fingerprints in the state).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import errno
@@ -46,6 +55,7 @@ import os
 import random
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,14 +68,34 @@ import torch
 from atroposd.fsutil import fsync_dir
 from atroposd.trainer.ckptfiles import CHECKSUM_FILE, CheckpointError
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "Latest", "Restored", "clean_partial", "complete_checkpoints",
-           "is_known_good", "latest_checkpoint", "load_checkpoint", "load_latest", "mark_known_good",
-           "newest_known_good", "prune", "rng_state", "save_checkpoint",
-           "set_rng_state", "verify_checksums"]
+__all__ = [
+    "FORMAT_VERSION",
+    "READABLE_FORMATS",
+    "CheckpointError",
+    "Latest",
+    "Restored",
+    "clean_partial",
+    "complete_checkpoints",
+    "is_known_good",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_latest",
+    "mark_known_good",
+    "newest_known_good",
+    "prepare_checkpoint",
+    "prune",
+    "rng_state",
+    "save_checkpoint",
+    "set_rng_state",
+    "verify_checksums",
+]
 
 log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# The layouts this atroposd reads: 1 (the weights of several ranks gathered into
+# model.safetensors) and 2 (each rank's model shards under model/).
+READABLE_FORMATS = (1, 2)
 STATE_FILE = "trainer_state.pt"
 WEIGHTS_FILE = "model.safetensors"
 _STEP_RE = re.compile(r"^step-(\d+)$")
@@ -206,10 +236,17 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+HASH_THREADS = 4  # files hashed at once (hashlib releases the GIL on large reads)
+
+
 def _write_checksums(path: Path) -> None:
-    """``checksums.json``: the sha256 of every file under ``path`` (written last)."""
+    """``checksums.json``: the sha256 of every file under ``path`` (written last); several files
+    are hashed at once."""
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != CHECKSUM_FILE)
-    table = {str(f.relative_to(path)): _sha256(f) for f in files}
+    workers = max(1, min(HASH_THREADS, len(files), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="atroposd-checksum") as pool:
+        digests = list(pool.map(_sha256, files))
+    table = {str(f.relative_to(path)): d for f, d in zip(files, digests, strict=True)}
     (path / CHECKSUM_FILE).write_text(json.dumps({"format": 1, "files": table}, indent=1) + "\n")
 
 
@@ -275,35 +312,60 @@ def _install(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, tokenizer: Any, lora: bool,
-                    state: dict[str, Any], keep: int,
-                    shards: Callable[[Path], dict[str, torch.Tensor]] | None = None) -> Path:
-    """Write ``root/step-<step>/`` atomically; raises CheckpointError (temp dir removed).
-
-    ``shards`` (several trainer ranks): called with the temporary directory once it exists; every
-    rank writes its shards there and the gathered weights come back, written instead of the
-    model's own tensors."""
+def prepare_checkpoint(root: Path, step: int, keep: int) -> Path:
+    """The empty temporary directory of ``step``'s checkpoint (room made first: with ``keep > 1``
+    the oldest are pruned to ``keep - 1``; with ``keep = 1`` the only checkpoint stays until the
+    new one is in place). Raises CheckpointError."""
     final = root / f"step-{step}"
     tmp = root / f"{TMP_PREFIX}{step}-{os.getpid()}"
     try:
         root.mkdir(parents=True, exist_ok=True)
-        if keep > 1:  # room first; with keep = 1 the only checkpoint stays until the new one is in place
+        if keep > 1:
             prune(root, keep - 1, spare=final)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoint {final}: {exc.strerror or exc}") from exc
+    return tmp
+
+
+def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, tokenizer: Any, lora: bool,
+                    state: dict[str, Any], keep: int,
+                    shards: Callable[[Path], dict[str, torch.Tensor] | None] | None = None,
+                    weights: dict[str, torch.Tensor] | None = None, prepared: Path | None = None,
+                    abandoned: threading.Event | None = None) -> Path:
+    """Write ``root/step-<step>/`` atomically; raises CheckpointError (temp dir removed).
+
+    ``weights``: the full model's tensors to write (a copy taken between two steps), instead of
+    the model's own. ``shards`` (several trainer ranks): called with the temporary directory once
+    it exists; every rank writes its shards there; what it returns (the gathered weights of format
+    1, or None: the shards are the weights) is written as ``model.safetensors``. ``prepared``: the
+    temporary directory, made by :func:`prepare_checkpoint` already. ``abandoned`` set before the
+    rename: the checkpoint is dropped, never installed (the trainer group restarted meanwhile)."""
+    final = root / f"step-{step}"
+    tmp = prepared if prepared is not None else root / f"{TMP_PREFIX}{step}-{os.getpid()}"
+    try:
+        if prepared is None:
+            prepare_checkpoint(root, step, keep)
         if shards is not None:
-            _write_model(tmp, model, lora, weights=shards(tmp))
+            _write_model(tmp, model, lora, weights=shards(tmp), sharded=True)
         else:
-            _write_model(tmp, model, lora)
+            _write_model(tmp, model, lora, weights=weights)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         torch.save({"format": FORMAT_VERSION, "step": step, **state}, tmp / STATE_FILE)
         _write_checksums(tmp)  # last: a checkpoint with checksums was written in full
         _fsync_tree(tmp)
+        if abandoned is not None and abandoned.is_set():
+            raise CheckpointError("abandoned: the trainer group restarted while it was written")
         _install(tmp, final)
         fsync_dir(root)
     except Exception as exc:  # safetensors and torch.save report a full disk as their own errors
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, CheckpointError):
+            if str(exc).startswith("cannot write checkpoint"):
+                raise
+            raise CheckpointError(f"cannot write checkpoint {final}: {exc}") from (exc.__cause__ or exc)
         if isinstance(exc, OSError):
             reason = "no space left on the device" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
         else:
@@ -318,7 +380,9 @@ def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, tokenizer:
 
 
 def _write_model(path: Path, model: torch.nn.Module, lora: bool,
-                 weights: dict[str, torch.Tensor] | None = None) -> None:
+                 weights: dict[str, torch.Tensor] | None = None, *, sharded: bool = False) -> None:
+    """The model's files: its weights (unless ``sharded`` and no ``weights``: the shards are
+    them), config and generation config."""
     from safetensors.torch import save_file
 
     if lora:
@@ -326,8 +390,9 @@ def _write_model(path: Path, model: torch.nn.Module, lora: bool,
         # the configured source and is not copied.
         model.save_pretrained(str(path))  # type: ignore[operator]
         return
-    save_file(model_weights(model) if weights is None else weights, str(path / WEIGHTS_FILE),
-              metadata={"format": "pt"})
+    if weights is not None or not sharded:
+        save_file(model_weights(model) if weights is None else weights, str(path / WEIGHTS_FILE),
+                  metadata={"format": "pt"})
     config = getattr(model, "config", None)
     if config is not None:
         config.save_pretrained(str(path))
@@ -360,7 +425,7 @@ def load_latest(root: Path) -> Latest:
             verified = verify_checksums(path)
             _check_sharded(path, verified)
             restored = load_checkpoint(path)
-            if restored.state.get("optimizer_dcp") and not verified:
+            if (restored.state.get("optimizer_dcp") or restored.state.get("model_dcp")) and not verified:
                 raise CheckpointError(f"checkpoint {path}: a sharded checkpoint without {CHECKSUM_FILE} is not loaded")
         except CheckpointError as exc:
             if "has format" in str(exc):
@@ -392,20 +457,28 @@ def _check_sharded(path: Path, verified: bool) -> None:
 
 
 def load_checkpoint(path: Path) -> Restored:
+    """The trainer state and the full weights of a checkpoint (format 1 or 2, any rank count);
+    the caller verified its checksums."""
     from safetensors.torch import load_file
+
+    from atroposd.trainer.sharded import MODEL_DIR, check_optimizer_path, load_model_shards
 
     try:
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch.load errors of a damaged file are of many kinds
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(state, dict) or state.get("format") not in READABLE_FORMATS:
+        found = state.get("format") if isinstance(state, dict) else None
+        raise CheckpointError(f"checkpoint {path} has format {found!r}; this atroposd reads "
+                              f"formats {', '.join(map(str, READABLE_FORMATS))}")
+    check_optimizer_path(path, state)
+    if state.get("model_dcp"):
+        return Restored(path=path, state=state, weights=load_model_shards(path / MODEL_DIR))
+    try:
         lora = state.get("mode") == "lora"
         weights = load_file(str(path / ("adapter_model.safetensors" if lora else WEIGHTS_FILE)))
-    except Exception as exc:  # torch.load / safetensors errors of a damaged file are of many kinds
+    except Exception as exc:  # safetensors errors of a damaged file are of many kinds
         raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from exc
-    if state.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {path} has format {state.get('format')!r}; this atroposd reads "
-                              f"format {FORMAT_VERSION}")
-    from atroposd.trainer.sharded import check_optimizer_path
-
-    check_optimizer_path(path, state)
     return Restored(path=path, state=state, weights=weights)
 
 

@@ -52,6 +52,8 @@ STORE_VAR = "ATROPOSD_TRAINER_STORE"
 # Test hook (tests/e2e/test_trainer_ranks.py): "join" makes a rank hang before it joins.
 TEST_HANG_VAR = "ATROPOSD_TEST_RANK_HANG"
 SECRET_VAR = "ATROPOSD_TRAINER_SECRET"
+# At its end a rank waits this long for its checkpoint shards still being written.
+SHARDS_FINISH_S = 60.0
 
 
 def connect_store(address: str, timeout: float) -> Any:
@@ -165,6 +167,7 @@ def serve(cfg: Config, rank: int) -> int:
     ranks = GroupRanks.join(store, prefix=store_keys(secret, generation), key=key, rank=rank, world=t.ranks,
                             device=device, join_timeout=t.join_timeout, collective_timeout=t.collective_timeout)
     feed = None
+    checkpointer: Any = None
     try:
         setup = load_for_training(cfg, ranks)
         learner = build_learner(cfg, setup)
@@ -184,6 +187,8 @@ def serve(cfg: Config, rank: int) -> int:
                       "(the daemon restarts the group)", rank=rank, error=str(exc), refused=ranks.refused)
             return Exit.RUNTIME
     finally:
+        if checkpointer is not None:  # this rank's shards still being written finish first
+            checkpointer.wait_previous(timeout=SHARDS_FINISH_S)
         if feed is not None:
             feed.close()
         ranks.close()

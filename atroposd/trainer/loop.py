@@ -5,6 +5,8 @@ the weight-sync object — never flags tested here.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 import threading
 import time
@@ -64,6 +66,7 @@ class Progress:
     last_checkpoint: str | None = None
     checkpoint_error: str | None = None
     checkpoint_failures: int = 0  # failed or abandoned checkpoint writes (training went on)
+    checkpoint_writing: int | None = None  # the step of a checkpoint being written in the background
     # groups rejected by batch preparation since this process started, by reason (SPEC §13)
     rejected_groups: dict[str, int] = field(default_factory=dict)
     # groups filter_groups dropped (all scores equal) since this process started (SPEC §14)
@@ -140,6 +143,8 @@ class TrainingLoop:
         self.drop = drop
         # SPEC §15: the replica sentinel (atroposd.trainer.sentinel; None: canary_every = 0)
         self.sentinel: Any = None
+        # SPEC §12.1: the checkpoint being written in the background (its step and outcome)
+        self._writing: tuple[int, concurrent.futures.Future[Path]] | None = None
 
     def request_stop(self) -> None:
         self.stop_requested = True
@@ -229,12 +234,16 @@ class TrainingLoop:
                                 gather_s)
             self._on_trip(trip)
             self._mark_known_good()
-            # checkpoint: every checkpoint_every and at the last step
-            if p.step % t.checkpoint_every == 0 or p.step == p.total_steps:
-                path = await self.checkpoint()
+            self._collect_checkpoint()  # a background write that completed meanwhile
+            # checkpoint: every checkpoint_every (in the background: training goes on while it is
+            # written) and at the last step (at once, with the Hugging Face layout)
+            if p.step == p.total_steps:
+                path = await self.checkpoint(consolidate=True)
                 if path is not None:
                     self.pending_good.append((p.step, path))
                     self._mark_known_good()
+            elif p.step % t.checkpoint_every == 0:
+                await self.checkpoint(background=True)
         return "finished" if p.step >= p.total_steps else "stopped"
 
     def _apply(self, burst: float | None) -> None:
@@ -315,8 +324,13 @@ class TrainingLoop:
         for reason, n in by_reason.items():
             counts[reason] = counts.get(reason, 0) + n
 
-    async def checkpoint(self, *, deadline_s: float | None = None) -> Path | None:
-        """Write a checkpoint of the current step; a failure is logged and shown, training goes on."""
+    async def checkpoint(self, *, deadline_s: float | None = None, background: bool = False,
+                         consolidate: bool = False) -> Path | None:
+        """Write a checkpoint of the current step; a failure is logged and shown, training goes on.
+
+        A checkpoint still being written is waited for first (logged). ``background``: the files
+        are written while training goes on (``_collect_checkpoint`` takes the outcome); returns
+        None then. Otherwise returns the complete directory (None: failed or abandoned)."""
         p = self.progress
         previous = p.state
         p.state = "checkpointing"
@@ -325,7 +339,22 @@ class TrainingLoop:
             with anyio.move_on_after(deadline_s):
                 # abandon_on_cancel: past the deadline the thread's temporary directory is left
                 # behind (and ignored at resume); the previous checkpoint stays the newest.
-                path = await self.compute.run(self.checkpointer.save, p.step, p.weight_version, p.skipped_steps)
+                if self._writing is not None:
+                    if not self._writing[1].done():
+                        log.info("a checkpoint is still being written: this one waits for it",
+                                 writing=self._writing[0], step=p.step)
+                    await asyncio.wrap_future(self._writing[1])
+                    written = self._collect_checkpoint()
+                    if written is not None and written.name == f"step-{p.step}":
+                        return written  # the one in flight was of this step
+                if background:
+                    future = await self.compute.run(self.checkpointer.start, p.step, p.weight_version,
+                                                    p.skipped_steps, background=True)
+                    self._writing = (p.step, future)
+                    p.checkpoint_writing = p.step
+                    return None
+                path = await self.compute.run(self.checkpointer.save, p.step, p.weight_version, p.skipped_steps,
+                                              consolidate=consolidate)
             if path is None:
                 p.checkpoint_failures += 1
                 p.checkpoint_error = f"checkpoint of step {p.step} not finished within {deadline_s} s"
@@ -334,16 +363,52 @@ class TrainingLoop:
                 p.last_checkpoint, p.checkpoint_error = str(path), None
                 log.info("checkpoint written", step=p.step, path=str(path))
         except Exception as exc:  # any failure to write (a full disk included) is not the job's end
-            cause = exc.__cause__ if isinstance(exc, CheckpointError) else exc
-            if self.learner.ranks.world > 1 and cause is not None and is_group_error(cause):
-                raise cause from None  # the trainer group broke while it wrote: it restarts
-            p.checkpoint_failures += 1
-            p.checkpoint_error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
-            log.error("checkpoint failed; training goes on", step=p.step, error=p.checkpoint_error,
-                      failures=p.checkpoint_failures, exc_info=not isinstance(exc, CheckpointError))
+            self._checkpoint_failed(p.step, exc)
         finally:
             p.state = previous
         return path
+
+    def _checkpoint_failed(self, step: int, exc: BaseException) -> None:
+        p = self.progress
+        cause = exc.__cause__ if isinstance(exc, CheckpointError) else exc
+        if self.learner.ranks.world > 1 and cause is not None and is_group_error(cause):
+            raise cause from None  # the trainer group broke while it wrote: it restarts
+        p.checkpoint_failures += 1
+        p.checkpoint_error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+        log.error("checkpoint failed; training goes on", step=step, error=p.checkpoint_error,
+                  failures=p.checkpoint_failures, exc_info=not isinstance(exc, CheckpointError))
+
+    def _collect_checkpoint(self) -> Path | None:
+        """The outcome of the background write, once it is done (nothing while it is written):
+        its directory (shown, and a candidate for known-good) or its failure (counted)."""
+        if self._writing is None or not self._writing[1].done():
+            return None
+        (step, future), self._writing = self._writing, None
+        p = self.progress
+        p.checkpoint_writing = None
+        try:
+            path: Path = future.result()
+        except Exception as exc:
+            self._checkpoint_failed(step, exc)
+            return None
+        p.last_checkpoint, p.checkpoint_error = str(path), None
+        log.info("checkpoint written", step=step, path=str(path), background=True)
+        self.pending_good.append((step, path))
+        self._mark_known_good()
+        return path
+
+    async def finish_checkpoint(self) -> None:
+        """Wait for the checkpoint being written in the background, and take its outcome."""
+        if self._writing is not None:
+            await asyncio.wrap_future(self._writing[1])
+            self._collect_checkpoint()
+
+    def abandon_checkpoint(self) -> None:
+        """The trainer group restarts: a write still in flight is never installed."""
+        if self._writing is not None:
+            self.checkpointer.abandon()
+            self._writing = None
+            self.progress.checkpoint_writing = None
 
     def _record(self, batch: RolloutBatch, r: StepResult, batch_wait: float, step_s: float,
                 sync_s: float = 0.0, timeline: dict[str, float | None] | None = None,

@@ -82,6 +82,9 @@ COMMAND_WAIT_S = 30.0
 # this long, in case rank 0's own write replaces it; then the rank gives up (the group restarts).
 BAD_COMMAND_GRACE_S = 5.0
 BAD_COMMAND_POLL_S = 0.05
+# The checkpoints' process group waits this long at least in one collective: writing a rank's
+# shards of a large model takes longer than a training collective.
+CHECKPOINT_GROUP_TIMEOUT_S = 3600.0
 
 
 class JoinTimeout(RuntimeError):
@@ -210,6 +213,7 @@ class OneRank:
 
     rank = 0
     world = 1
+    checkpoint_group = None
 
     def command(self, command: Command) -> None:
         pass
@@ -250,6 +254,7 @@ class GroupRanks:
         self._seq = 0
         self.refused = 0  # store values at a command's key that were not rank 0's
         self.collective_timeout = 600.0
+        self.checkpoint_group: Any = None  # the checkpoints' process group (gloo)
 
     @classmethod
     def join(cls, store: Any, *, prefix: str, key: bytes, rank: int, world: int, device: torch.device,
@@ -288,10 +293,15 @@ class GroupRanks:
         dist.init_process_group(backend, store=scoped, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=max(join_timeout, collective_timeout)),
                                 device_id=device if device.type == "cuda" else None)
+        # The checkpoints' own group (gloo, every rank): a checkpoint written in the background
+        # meets the other ranks there, never among the training's collectives.
+        checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(
+            seconds=max(join_timeout, collective_timeout, CHECKPOINT_GROUP_TIMEOUT_S)))
         scoped.set(f"joined/{rank}", "1")
         log.info("joined the trainer group", rank=rank, world=world, backend=backend)
         ranks = cls(rank, world, device, scoped, key=key, prefix=prefix)
         ranks.collective_timeout = collective_timeout
+        ranks.checkpoint_group = checkpoint_group
         return ranks
 
     # ---------------------------------------------------------------- commands (rank 0 → the others)

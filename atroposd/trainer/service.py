@@ -46,6 +46,8 @@ BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
 # After a failed collective, how long to wait for the daemon to see which rank exited (the reason).
 RANK_EXIT_GRACE_S = 1.0
+# Before the trainer group closes, how long a checkpoint still being written may take to finish.
+CHECKPOINT_FINISH_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,7 @@ class TrainerService:
             "last_checkpoint": p.last_checkpoint, "checkpoint_error": p.checkpoint_error, "error": p.error,
             "metrics_dropped": self._metrics.dropped if self._metrics is not None else 0,
             "checkpoint_failures": p.checkpoint_failures,
+            "checkpoint_writing": p.checkpoint_writing,  # the step written in the background, if any
             # groups the trainer refused since this process started, by reason (SPEC §13)
             "rejected_groups": dict(p.rejected_groups),
             # groups filter_groups dropped since this process started (SPEC §14)
@@ -581,6 +584,8 @@ class TrainerService:
             if exited:
                 fault = GroupFault(f"{', '.join(exited)}: {fault}")
         self.last_fault = str(fault)
+        if self._loop is not None:  # a checkpoint still being written is never installed now
+            self._loop.abandon_checkpoint()
         self.compute.fence()
         await self._close_group()
         if len(self._restart_times) > t.max_restarts:
@@ -599,6 +604,12 @@ class TrainerService:
 
         ranks, self._ranks = self._ranks, None
         if ranks is not None and self._rank_lost is None and self.compute.generation == self._ranks_generation:
+            if self._loop is not None:  # the group is intact: a checkpoint being written finishes first
+                with anyio.move_on_after(CHECKPOINT_FINISH_S):
+                    try:
+                        await self._loop.finish_checkpoint()
+                    except Exception as exc:
+                        log.warning("the checkpoint being written did not finish", error=f"{type(exc).__name__}: {exc}")
             with anyio.move_on_after(5):
                 try:
                     await self.compute.run(ranks.command, Stop())

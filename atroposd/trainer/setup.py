@@ -7,7 +7,10 @@ on the parameters after that (ARCHITECTURE.md, "Weight sync").
 
 from __future__ import annotations
 
+import concurrent.futures
+import copy
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,11 +23,14 @@ from atroposd.config import Config, to_dict
 from atroposd.devices import resolve_torch
 from atroposd.paths import Paths
 from atroposd.trainer.checkpoint import (
+    WEIGHTS_FILE,
     CheckpointError,
     Restored,
     clean_partial,
     load_checkpoint,
     load_latest,
+    model_weights,
+    prepare_checkpoint,
     restore_weights,
     rng_state,
     save_checkpoint,
@@ -83,11 +89,19 @@ class Setup:
 
 
 class Checkpointer:
-    """Writes ``checkpoints/step-N`` with everything a resume needs (on the compute thread).
+    """Writes ``checkpoints/step-N`` with everything a resume needs.
 
-    With several ranks rank 0 calls ``save`` and tells the others, who call ``write_shards``
-    with the same directory: every rank writes its optimizer shard, the weights are gathered to
-    rank 0, which writes the rest and renames the directory complete (:mod:`.sharded`)."""
+    A checkpoint is taken in two parts: on the compute thread, between two steps, everything it
+    holds is copied (``start``: the weights or this rank's shards, the optimizer, the scheduler,
+    the RNG, the health record); then the files are written — at once (``save``), or on a
+    background thread while training goes on (``start(background=True)``: its future says when
+    the checkpoint is complete). One write at a time: a checkpoint started while the previous one
+    is still being written waits for it.
+
+    With several ranks rank 0 calls ``start`` and tells the others (``Checkpoint``), who call
+    ``write_shards`` with the same directory: every rank writes its own shards of the model and
+    the optimizer, always on its background thread, through the group's checkpoint process group
+    (:mod:`.sharded`); rank 0 writes the rest and renames the directory complete."""
 
     def __init__(self, root: Path, *, keep: int, learner: Learner, identity: dict[str, Any],
                  aliases: set[str] | None = None) -> None:
@@ -97,43 +111,137 @@ class Checkpointer:
         self.identity = identity  # config, model, mode, tokenizer: what resume checks
         self.aliases = aliases or set()
         self.health: Callable[[], dict[str, Any]] | None = None  # the run's health record (SPEC §15)
+        self._writing: concurrent.futures.Future[Any] | None = None  # this process's write in flight
+        self._abandoned = threading.Event()
 
-    def save(self, step: int, weight_version: int, skipped_steps: int) -> Path:
+    def save(self, step: int, weight_version: int, skipped_steps: int, *, consolidate: bool = False) -> Path:
+        """Write the checkpoint of ``step`` now (compute thread); raises CheckpointError."""
+        path: Path = self.start(step, weight_version, skipped_steps, consolidate=consolidate).result()
+        return path
+
+    def start(self, step: int, weight_version: int, skipped_steps: int, *, background: bool = False,
+              consolidate: bool = False) -> concurrent.futures.Future[Path]:
+        """Take the checkpoint of ``step`` (compute thread) and write it, at once or (``background``)
+        on a thread of its own; the future holds the complete directory or the error.
+        ``consolidate`` (several ranks): also ``model.safetensors`` from the shards (the
+        Hugging Face layout; the one-rank layout always has it)."""
+        self.wait_previous()
         policy, ranks = self.learner.policy, self.learner.ranks
         state: dict[str, Any] = {"weight_version": weight_version, "skipped_steps": skipped_steps,
                                  "scheduler": self.learner.scheduler.state_dict(), "rng": rng_state(),
                                  "ranks": ranks.world, **self.identity}
         if self.health is not None:
             state["health"] = self.health()
+        root, keep = self.root, self.keep
+        abandoned = self._abandoned
         if ranks.world == 1:
-            state["optimizer"] = self.learner.optimizer.state_dict()
-            return save_checkpoint(self.root, step, model=policy.model, tokenizer=policy.tokenizer,
-                                   lora=policy.lora, state=state, keep=self.keep)
-        from atroposd.trainer.sharded import OPTIMIZER_DIR
+            state["optimizer"] = _cpu_copy(self.learner.optimizer.state_dict())
+            weights = None if policy.lora else model_weights(policy.model)
+            if policy.lora:
+                background = False  # PEFT writes the live adapters: small, written at once
 
-        state["optimizer"] = None
-        state["optimizer_dcp"] = OPTIMIZER_DIR
-        gathered: dict[str, Any] = {}
+            def write() -> Path:
+                return save_checkpoint(root, step, model=policy.model, tokenizer=policy.tokenizer, lora=policy.lora,
+                                       state=state, keep=keep, weights=weights, abandoned=abandoned)
+        else:
+            from atroposd.trainer.sharded import MODEL_DIR, OPTIMIZER_DIR, stage
 
-        def shards(tmp: Path) -> dict[str, Any]:
+            state["optimizer"] = None
+            state["optimizer_dcp"] = OPTIMIZER_DIR
+            state["model_dcp"] = MODEL_DIR
+            tmp = prepare_checkpoint(root, step, keep)
+            staged = stage(policy.model, self.learner.optimizer, self.aliases)
             ranks.command(Checkpoint(str(tmp)))
-            gathered.update(self.write_shards(tmp))
-            from atroposd.trainer.sharded import check_shards
+            group = getattr(ranks, "checkpoint_group", None)
 
-            # Across machines every rank writes into the shared checkpoint_dir: complete only
-            # when every rank's shard is there (SPEC §12.3).
-            check_shards(tmp / OPTIMIZER_DIR, ranks.world)
-            return gathered
+            def shards(tmp: Path) -> None:
+                from atroposd.trainer.sharded import check_model_shards, check_shards, write_shards
 
-        return save_checkpoint(self.root, step, model=policy.model, tokenizer=policy.tokenizer,
-                               lora=policy.lora, state=state, keep=self.keep, shards=shards)
+                write_shards(staged, tmp, group)
+                # Across machines every rank writes into the shared checkpoint_dir: complete only
+                # when every rank's shards are there (SPEC §12.3).
+                check_shards(tmp / OPTIMIZER_DIR, ranks.world)
+                check_model_shards(tmp / MODEL_DIR, ranks.world)
+                if consolidate:
+                    from atroposd.trainer.hfshards import consolidate as merge
 
-    def write_shards(self, tmp: Path) -> dict[str, Any]:
-        """Every rank: its optimizer shard under ``tmp``; returns the gathered weights (rank 0)."""
-        from atroposd.trainer.sharded import OPTIMIZER_DIR, gathered_weights, save_optimizer
+                    merge(tmp / MODEL_DIR, tmp / WEIGHTS_FILE, world=ranks.world)
 
-        save_optimizer(self.learner.policy.model, self.learner.optimizer, tmp / OPTIMIZER_DIR)
-        return gathered_weights(self.learner.policy.model, self.aliases)
+            def write() -> Path:
+                return save_checkpoint(root, step, model=policy.model, tokenizer=policy.tokenizer, lora=False,
+                                       state=state, keep=keep, shards=shards, prepared=tmp, abandoned=abandoned)
+        future = _run(write, background, name=f"atroposd-checkpoint-{step}")
+        self._writing = future
+        return future
+
+    def write_shards(self, tmp: Path) -> None:
+        """A follower rank (rank 0's ``Checkpoint``): stage its shards now, write them under
+        ``tmp`` on its background thread (their collectives meet rank 0's)."""
+        from atroposd.trainer.sharded import stage, write_shards
+
+        self.wait_previous()
+        staged = stage(self.learner.policy.model, self.learner.optimizer, self.aliases)
+        group = getattr(self.learner.ranks, "checkpoint_group", None)
+
+        def write() -> None:
+            try:
+                write_shards(staged, tmp, group)
+            except Exception as exc:  # rank 0 says so too (DCP's collectives carry the failure)
+                log.error("this rank's checkpoint shards were not written", path=str(tmp),
+                          error=f"{type(exc).__name__}: {exc}")
+                raise
+
+        self._writing = _run(write, True, name="atroposd-checkpoint-shards")
+
+    @property
+    def writing(self) -> bool:
+        """A background write is in flight."""
+        return self._writing is not None and not self._writing.done()
+
+    def wait_previous(self, timeout: float | None = None) -> None:
+        """Wait for the write in flight, if any (its outcome is its future's)."""
+        future = self._writing
+        if future is None:
+            return
+        if not future.done():
+            log.info("a checkpoint is still being written: the next one waits for it")
+        concurrent.futures.wait([future], timeout=timeout)
+        if future.done():
+            self._writing = None
+
+    def abandon(self) -> None:
+        """The trainer group restarts: a write still in flight is never installed as complete."""
+        self._abandoned.set()
+
+
+def _cpu_copy(value: Any) -> Any:
+    """A private CPU copy of a (nested) state dict: tensors copied, containers rebuilt."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _cpu_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cpu_copy(v) for v in value)
+    return copy.deepcopy(value)
+
+
+def _run(fn: Callable[[], Any], background: bool, *, name: str) -> concurrent.futures.Future[Any]:
+    """``fn()`` now, or on a daemon thread of its own (one stuck in a collective of a broken
+    group must not hold up the process's exit); its outcome in a future."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    future.set_running_or_notify_cancel()
+
+    def target() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # handed to whoever waits on the future
+            future.set_exception(exc)
+
+    if background:
+        threading.Thread(target=target, name=name, daemon=True).start()
+    else:
+        target()
+    return future
 
 
 # ``pick`` of load_for_training: the starting weights, no checkpoint (a rollback to the start)

@@ -1,20 +1,31 @@
-"""Checkpoints of several trainer ranks (SPEC §12.1): the model gathered in Hugging Face layout,
-the optimizer state sharded through torch.distributed.checkpoint (DCP).
+"""Checkpoints of several trainer ranks (SPEC §12.1): every rank writes its own shards of the model
+and of the optimizer through torch.distributed.checkpoint (DCP); nothing is gathered into one
+process.
 
-``step-N/`` keeps the one-rank layout (``model.safetensors``, config, tokenizer,
-``trainer_state.pt``, ``checksums.json``) — the gathered weights are written by rank 0 — plus
-``optimizer/``: every rank's optimizer shard and DCP's metadata. ``trainer_state.pt`` then
-holds ``"optimizer": None``, ``"ranks": N`` and ``"optimizer_dcp": "optimizer"``. The directory
-is renamed complete by rank 0 after every rank finished writing (DCP's save ends with a
-collective), so a complete ``step-N`` always holds every shard.
+``step-N/`` (format 2) holds ``model/`` — one safetensors file per rank, written by DCP's Hugging
+Face storage writer (:mod:`.hfshards` reads them) —, ``optimizer/`` (every rank's optimizer shard
+and DCP's metadata), the model's config, the tokenizer, ``trainer_state.pt`` (``"optimizer":
+None``, ``"ranks": N``, ``"optimizer_dcp": "optimizer"``, ``"model_dcp": "model"``) and
+``checksums.json``; at the last step also ``model.safetensors``, consolidated from the shards one
+tensor at a time, so that the directory is a Hugging Face model (``atroposd export`` writes the
+same for any checkpoint). Format 1 (written before) held the weights gathered into
+``model.safetensors`` instead of ``model/``; it still resumes.
 
-Loading reads nothing unverified (SPEC §12.1): a checkpoint with ``optimizer/`` must carry
-``checksums.json`` covering every file under it (:func:`check_verified`); the optimizer's
-directory is always ``optimizer`` (a checkpoint naming another is refused, never followed);
-DCP's pickled ``.metadata`` goes through an allow-list unpickler (DCP's own metadata classes,
-torch sizes and dtypes, nothing that runs code) and names only shard files of its directory;
-the non-tensor values in the shards (the optimizer's hyper-parameters) load with
-``weights_only``, where DCP's own planner would unpickle anything.
+Writing is in two parts: every rank first *stages* its shards (a private CPU copy, on its compute
+thread, between two steps), then writes them (:func:`write_shards`) — on a background thread when
+the checkpoint is a periodic one, so training goes on meanwhile. The writes' collectives run on
+the group's own checkpoint process group (gloo), never on the one training uses. The directory is
+renamed complete by rank 0 after every rank finished writing (DCP's save ends with a collective),
+so a complete ``step-N`` always holds every shard.
+
+Loading reads nothing unverified (SPEC §12.1): a checkpoint with ``optimizer/`` or ``model/``
+must carry ``checksums.json`` covering every file under them (:func:`check_verified`); those
+directories are always ``optimizer`` and ``model`` (a checkpoint naming another is refused, never
+followed); DCP's pickled ``.metadata`` goes through an allow-list unpickler (DCP's own metadata
+classes, torch sizes and dtypes, nothing that runs code) and names only shard files of its
+directory; the non-tensor values in the shards (the optimizer's hyper-parameters) load with
+``weights_only``, where DCP's own planner would unpickle anything. The model shards are
+safetensors: their headers are JSON.
 
 Resume with any rank count: the weights are loaded in full before sharding; the optimizer state
 comes from DCP (resharded by it to the new rank count, or gathered into one process without a
@@ -27,6 +38,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +46,27 @@ import torch
 
 from atroposd.logs import get_logger
 
-__all__ = ["OPTIMIZER_DIR", "check_optimizer_path", "check_shards", "check_verified", "gathered_weights",
-           "load_optimizer", "read_metadata", "save_optimizer", "tied_aliases"]
+__all__ = [
+    "MODEL_DIR",
+    "OPTIMIZER_DIR",
+    "Staged",
+    "check_model_shards",
+    "check_optimizer_path",
+    "check_shards",
+    "check_verified",
+    "load_model_shards",
+    "load_optimizer",
+    "read_metadata",
+    "save_optimizer",
+    "stage",
+    "tied_aliases",
+    "write_shards",
+]
 
 log = get_logger(__name__)
 
 OPTIMIZER_DIR = "optimizer"
+MODEL_DIR = "model"
 
 
 def tied_aliases(model: torch.nn.Module) -> set[str]:
@@ -55,16 +82,48 @@ def tied_aliases(model: torch.nn.Module) -> set[str]:
     return aliases
 
 
-def gathered_weights(model: torch.nn.Module, aliases: set[str]) -> dict[str, torch.Tensor]:
-    """Every rank calls this (collectives); rank 0 gets the full weights on the CPU, the others {}."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+@dataclass
+class Staged:
+    """One rank's shards of a checkpoint, copied to the CPU: what :func:`write_shards` writes."""
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v.contiguous() for k, v in full.items() if k not in aliases and isinstance(v, torch.Tensor)}
+    model: dict[str, Any]
+    optimizer: dict[str, Any]
+
+
+def _cpu_copy(state: dict[str, Any]) -> dict[str, Any]:
+    """A private CPU copy of a (sharded) state dict: DTensors stay DTensors, their local shard copied."""
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+    return _copy_state_dict(state, _create_cpu_state_dict(state))
+
+
+def stage(model: torch.nn.Module, optimizer: torch.optim.Optimizer, aliases: set[str]) -> Staged:
+    """Every rank, between two steps: its shards of the model (tied aliases left out, as Hugging
+    Face does) and of the optimizer, copied. No collective."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    msd = {k: v for k, v in get_model_state_dict(model).items() if k not in aliases}
+    osd = get_optimizer_state_dict(model, optimizer)
+    return Staged(model=_cpu_copy(msd), optimizer=_cpu_copy(osd))
+
+
+def write_shards(staged: Staged, path: Path, group: Any = None) -> None:
+    """Every rank (collectives on ``group``): the model's shards as safetensors under
+    ``path/model`` (DCP's Hugging Face storage writer, one file per rank) and the optimizer's
+    under ``path/optimizer``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    dcp.save(staged.model, storage_writer=HuggingFaceStorageWriter(str(path / MODEL_DIR), save_distributed=True),
+             process_group=group)
+    dcp.save({"optimizer": staged.optimizer}, checkpoint_id=str(path / OPTIMIZER_DIR), process_group=group)
 
 
 def save_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    """Every rank writes its optimizer shard under ``path`` (a collective)."""
+    """The optimizer's shards under ``path`` (DCP), at once."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -87,35 +146,42 @@ def check_shards(path: Path, world: int) -> None:
 
 
 def check_optimizer_path(path: Path, state: dict[str, Any]) -> None:
-    """The trainer state of a sharded checkpoint names its optimizer's directory: it must be
-    ``optimizer`` (the one place a checkpoint keeps it), never a path read and followed."""
+    """The trainer state of a sharded checkpoint names its optimizer's and its model's directory:
+    they must be ``optimizer`` and ``model`` (the one place a checkpoint keeps each), never a path
+    read and followed."""
     from atroposd.trainer.ckptfiles import CheckpointError
 
-    named = state.get("optimizer_dcp")
-    if named is not None and named != OPTIMIZER_DIR:
-        raise CheckpointError(f"checkpoint {path}: its trainer state names the optimizer directory {named!r}; "
-                              f"a checkpoint keeps it in {OPTIMIZER_DIR!r} (refused, not followed)")
+    for key, fixed, what in (("optimizer_dcp", OPTIMIZER_DIR, "optimizer"), ("model_dcp", MODEL_DIR, "model")):
+        named = state.get(key)
+        if named is not None and named != fixed:
+            raise CheckpointError(f"checkpoint {path}: its trainer state names the {what} directory {named!r}; "
+                                  f"a checkpoint keeps it in {fixed!r} (refused, not followed)")
 
 
 def check_verified(path: Path, table: dict[str, Any] | None) -> None:
-    """A sharded checkpoint (``optimizer/`` present) loads only with checksums that cover every
-    file DCP will read: raises CheckpointError without ``checksums.json`` or with a file under
-    ``optimizer/`` that it does not list."""
+    """A sharded checkpoint (``optimizer/`` or ``model/`` present) loads only with checksums that
+    cover every file that will be read: raises CheckpointError without ``checksums.json`` or with
+    a file under those directories that it does not list."""
     from atroposd.trainer.ckptfiles import CHECKSUM_FILE, CheckpointError
 
-    opt = path / OPTIMIZER_DIR
-    if not opt.exists() and not opt.is_symlink():
+    present = [d for d in (OPTIMIZER_DIR, MODEL_DIR) if (path / d).exists() or (path / d).is_symlink()]
+    if not present:
         return
     if table is None:
         raise CheckpointError(f"checkpoint {path}: a sharded checkpoint without {CHECKSUM_FILE} is not loaded "
-                              "(its optimizer shards and metadata cannot be verified)")
-    if opt.is_symlink() or not opt.is_dir():
-        raise CheckpointError(f"checkpoint {path}: {OPTIMIZER_DIR} is not a directory of the checkpoint")
-    unlisted = sorted(str(p.relative_to(path)) for p in opt.rglob("*")
-                      if (p.is_file() or p.is_symlink()) and str(p.relative_to(path)) not in table)
-    if unlisted:
-        raise CheckpointError(f"checkpoint {path}: files its {CHECKSUM_FILE} does not cover: "
-                              f"{', '.join(unlisted[:4])}")
+                              "(its shards and metadata cannot be verified)")
+    for name in present:
+        d = path / name
+        if d.is_symlink() or not d.is_dir():
+            raise CheckpointError(f"checkpoint {path}: {name} is not a directory of the checkpoint")
+        unlisted = sorted(str(p.relative_to(path)) for p in d.rglob("*")
+                          if (p.is_file() or p.is_symlink()) and str(p.relative_to(path)) not in table)
+        if unlisted:
+            raise CheckpointError(f"checkpoint {path}: files its {CHECKSUM_FILE} does not cover: "
+                                  f"{', '.join(unlisted[:4])}")
+    if OPTIMIZER_DIR not in present:
+        return
+    opt = path / OPTIMIZER_DIR
     try:
         data = (opt / ".metadata").read_bytes()
     except OSError as exc:
@@ -124,6 +190,31 @@ def check_verified(path: Path, table: dict[str, Any] | None) -> None:
         read_metadata(data)
     except CheckpointError as exc:
         raise CheckpointError(f"checkpoint {path}: {exc}") from None
+
+
+def check_model_shards(path: Path, world: int) -> None:
+    """Raise CheckpointError unless ``path`` holds the model shard of every rank and they cover
+    every tensor (with several machines, a ``checkpoint_dir`` that is not shared leaves the other
+    nodes' shards on their own disks)."""
+    from atroposd.trainer.ckptfiles import CheckpointError
+    from atroposd.trainer.hfshards import ShardError, read_layout
+
+    try:
+        read_layout(path, world=world)
+    except ShardError as exc:
+        raise CheckpointError(f"the checkpoint's model shards are incomplete: {exc}; trainer.checkpoint_dir must "
+                              "be a directory every node sees (a shared file system)") from exc
+
+
+def load_model_shards(path: Path) -> dict[str, torch.Tensor]:
+    """The full weights from the model shards under ``path`` (safetensors headers are JSON)."""
+    from atroposd.trainer.ckptfiles import CheckpointError
+    from atroposd.trainer.hfshards import ShardError, load_full
+
+    try:
+        return load_full(path)
+    except ShardError as exc:
+        raise CheckpointError(f"cannot read the model shards of {path.parent}: {exc}") from exc
 
 
 # DCP's metadata, as torch.distributed.checkpoint pickles it: these globals and no others.

@@ -323,6 +323,27 @@ def test_past_collective_timeout_the_clock_runs_again(hub: LogHub) -> None:
     anyio.run(main)
 
 
+def test_checkpoint_time_never_counts_as_a_stall(hub: LogHub) -> None:
+    """SPEC §12.1: a checkpoint that takes three times stall_timeout (one rank: no group timeout
+    stops the clock) is not a stall; the same silence in training is."""
+    stall = 0.2
+    ended: list[str] = []
+    trainer = _Trainer()
+    w = _watchdog(_ranks_cfg(1, stall), trainer, _units(hub), HeartbeatBoard(), ended)
+
+    async def main() -> None:
+        p = trainer.progress
+        p.state = "checkpointing"
+        await w.tick()
+        await _hold(w, 3 * stall)
+        assert w.stall is None and ended == [] and w.stalls == 0
+        p.state = "training"
+        await _hold(w, 2.5 * stall)
+        assert w.stalls == 1 and len(ended) == 1
+
+    anyio.run(main)
+
+
 @pytest.mark.slow
 def test_a_stuck_collective_restarts_the_group_under_the_watchdog(short_tmp: Path) -> None:
     """A real job with two gloo ranks and stall_timeout : collective_timeout in the defaults'

@@ -3,14 +3,19 @@ the real ``atroposd trainer-rank`` children, and trains seeded batches exactly a
 (learner.compute → apply; checkpoints through the Checkpointer), then writes what it saw.
 
     python -m tests.trainer.rank_zero CONFIG OUT [--steps K] [--checkpoint-at C] [--first-batch B]
-        [--attack MARKER]
+        [--attack MARKER] [--background] [--final]
+
+``--background``: the checkpoint at C is written in the background (as the loop writes a periodic
+one) while the next steps train; ``--final``: after the last step, a checkpoint with the Hugging
+Face layout (as the loop writes at the last step).
 
 With ``--attack``, before it tells the other ranks to stop, a separate client that holds only
 the store's address (``tests.trainer.store_client``) writes what it likes at the next command's
 key: a pickle that would create MARKER, a JSON command without the key, a replayed command.
 
 OUT (torch.save): {"losses": [...], "grad_norms": [...], "params": {name: full tensor},
-"step": last step, "resumed_from": step or None, "follower_codes": [exit code of each rank]}. Batch i is ``make_groups(1000 + i, n=4)``.
+"step": last step, "resumed_from": step or None, "follower_codes": [exit code of each rank],
+"checkpoint_params": {name: full tensor} at C, "in_flight": [steps trained while C's write was in flight]}. Batch i is ``make_groups(1000 + i, n=4)``.
 """
 
 from __future__ import annotations
@@ -33,6 +38,14 @@ from atroposd.trainer.setup import build_learner, load_for_training
 from tests.trainer.conftest import make_groups
 
 
+def full_params(model: torch.nn.Module, ranks: Ranks) -> dict[str, torch.Tensor]:
+    names = [n for n in model.state_dict()]
+    if ranks.world > 1:
+        ranks.command(Gather(tuple(names)))
+        return gather_full(model, names)
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("config")
@@ -41,6 +54,8 @@ def main() -> int:
     ap.add_argument("--checkpoint-at", type=int, default=0)
     ap.add_argument("--groups", type=int, default=4)
     ap.add_argument("--attack", default="")
+    ap.add_argument("--background", action="store_true")
+    ap.add_argument("--final", action="store_true")
     args = ap.parse_args()
     ns = argparse.Namespace(config=args.config)
     cfg = load_or_exit(ns)
@@ -69,7 +84,9 @@ def main() -> int:
         learner = build_learner(cfg, setup)
         checkpointer = setup.checkpointer(learner)
         step = setup.step
-        out: dict[str, Any] = {"losses": [], "grad_norms": [], "resumed_from": step if setup.restored else None}
+        out: dict[str, Any] = {"losses": [], "grad_norms": [], "resumed_from": step if setup.restored else None,
+                               "in_flight": []}
+        writing = None
         for _ in range(args.steps):
             batch = prepare_batch(make_groups(1000 + step, n=args.groups), micro_batch_size=t.micro_batch_size,
                                   micro_batch_tokens=t.micro_batch_tokens, max_token_len=t.max_token_len, adv_std_floor=t.adv_std_floor,
@@ -80,15 +97,16 @@ def main() -> int:
             step += 1
             out["losses"].append(result.loss)
             out["grad_norms"].append(result.grad_norm)
+            if writing is not None and not writing.done():
+                out["in_flight"].append(step)
             if step == args.checkpoint_at:
-                checkpointer.save(step, step, 0)
-        model = learner.policy.model
-        names = [n for n in model.state_dict()]
-        if ranks.world > 1:
-            ranks.command(Gather(tuple(names)))
-            out["params"] = gather_full(model, names)
-        else:
-            out["params"] = {n: t.detach().clone() for n, t in model.state_dict().items()}
+                writing = checkpointer.start(step, step, 0, background=args.background)
+                out["checkpoint_params"] = full_params(learner.policy.model, ranks)
+        if writing is not None:
+            writing.result()  # raises what the write raised
+        if args.final:
+            checkpointer.save(step, step, 0, consolidate=True)
+        out["params"] = full_params(learner.policy.model, ranks)
         out["step"] = step
         if args.attack and store is not None:
             subprocess.run([sys.executable, "-m", "tests.trainer.store_client", store.address, args.attack],

@@ -175,8 +175,16 @@ class _FailingCheckpointer:
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
 
-    def save(self, step: int, weight_version: int, skipped_steps: int) -> Path:
+    def save(self, step: int, weight_version: int, skipped_steps: int, *, consolidate: bool = False) -> Path:
         raise self.exc
+
+    def start(self, step: int, weight_version: int, skipped_steps: int, *, background: bool = False,
+              consolidate: bool = False) -> Any:
+        import concurrent.futures
+
+        future: concurrent.futures.Future[Path] = concurrent.futures.Future()
+        future.set_exception(self.exc)  # written in the background, and failed there
+        return future
 
 
 @pytest.mark.parametrize("exc", [RuntimeError("unexpected pos 576 vs 534"), CheckpointError("disk full")])
@@ -192,6 +200,10 @@ async def test_the_loop_counts_a_failed_checkpoint_and_goes_on(exc: BaseExceptio
     assert await loop.checkpoint() is None
     assert progress.checkpoint_failures == 2 and progress.checkpoint_error is not None
     assert str(exc) in progress.checkpoint_error and progress.state == "waiting"
+    # a periodic one, written in the background: its failure is counted once it is known
+    assert await loop.checkpoint(background=True) is None and progress.checkpoint_writing == 4
+    assert loop._collect_checkpoint() is None
+    assert progress.checkpoint_failures == 3 and progress.checkpoint_writing is None
 
 
 @pytest.mark.slow

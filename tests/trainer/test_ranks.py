@@ -1,8 +1,11 @@
 """Trainer ranks (SPEC §12.1) with real processes and a real gloo group: rank 0 is
 ``tests/trainer/rank_zero.py`` (the store host and driver, as in the daemon), rank 1 the real
 ``atroposd trainer-rank``. Two ranks equal one rank on the same batches; a sharded checkpoint
-resumes bit-identically with two ranks and, resharded, on one rank and back. A client holding
-only the store's address cannot make a rank run code."""
+(written in the background while the next step trains) resumes bit-identically with two ranks
+and, resharded, on one rank and back; the last step's checkpoint and ``atroposd export`` are
+Hugging Face directories that transformers loads with exactly the trained weights; checkpoints
+of format 1 (written before the ranks wrote their own model shards) still resume. A client
+holding only the store's address cannot make a rank run code."""
 
 from __future__ import annotations
 
@@ -56,7 +59,7 @@ def runs(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     return {"root": root, "model": tiny_dir, "one_cfg": one, "two_cfg": two,
             "one": _run(one, root / "one.pt", "--steps", "3", "--checkpoint-at", "2"),
             "marker": root / "pwned",
-            "two": _run(two, root / "two.pt", "--steps", "3", "--checkpoint-at", "2",
+            "two": _run(two, root / "two.pt", "--steps", "3", "--checkpoint-at", "2", "--background", "--final",
                         "--attack", str(root / "pwned"))}
 
 
@@ -96,12 +99,24 @@ def test_a_store_client_cannot_make_a_rank_run_code(runs: dict[str, Any]) -> Non
 
 
 def test_sharded_checkpoint_layout(runs: dict[str, Any]) -> None:
+    """SPEC §12.1: every rank wrote its own model shard (safetensors, DCP's Hugging Face writer)
+    and optimizer shard; nothing gathered (no model.safetensors before the last step); every
+    file under a checksum."""
+    import json
+
+    from atroposd.trainer.hfshards import shard_name
+
     step = runs["root"] / "two-checkpoints" / "step-2"
-    assert (step / "model.safetensors").is_file() and (step / "checksums.json").is_file()
+    assert (step / "checksums.json").is_file() and (step / "config.json").is_file()
+    assert not (step / "model.safetensors").exists()
+    assert sorted(p.name for p in (step / "model").iterdir()) == [shard_name(0), shard_name(1)]
     shards = sorted(p.name for p in (step / "optimizer").iterdir())
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"], shards
     state = torch.load(step / "trainer_state.pt", weights_only=True)
-    assert state["ranks"] == 2 and state["optimizer"] is None and state["optimizer_dcp"] == "optimizer"
+    assert state["format"] == 2 and state["ranks"] == 2 and state["optimizer"] is None
+    assert state["optimizer_dcp"] == "optimizer" and state["model_dcp"] == "model"
+    table = json.loads((step / "checksums.json").read_text())["files"]
+    assert {f"model/{shard_name(0)}", f"model/{shard_name(1)}", "optimizer/.metadata"} <= set(table)
     assert not list(step.parent.glob(".tmp-*"))
 
 
@@ -157,3 +172,105 @@ def test_group_errors_restart_the_group_but_a_poisoned_device_ends_the_job() -> 
     assert is_group_error(JoinTimeout("trainer-1 did not join")) and is_group_error(Fenced("old generation"))
     assert not is_group_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert not is_group_error(ValueError("a bug in the loss"))
+
+
+def _hf_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """What transformers loads from ``directory`` (the tied head included)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _assert_exact(loaded: dict[str, torch.Tensor], trained: dict[str, torch.Tensor]) -> None:
+    assert loaded.keys() == trained.keys()
+    for name, t in trained.items():
+        assert torch.equal(loaded[name], t), name
+
+
+def test_the_last_checkpoint_is_a_hugging_face_model(runs: dict[str, Any]) -> None:
+    """SPEC §12.1: at the last step the shards are consolidated into model.safetensors beside
+    them: transformers loads the checkpoint with exactly the trained weights."""
+    step = runs["root"] / "two-checkpoints" / "step-3"
+    assert (step / "model.safetensors").is_file() and (step / "model").is_dir()
+    _assert_exact(_hf_weights(step), runs["two"]["params"])
+
+
+def _export(cfg: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "atroposd", "export", "-c", str(cfg), *args, str(out)],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(("name", "files"), [("two", ["--step", "2"]), ("one", [])])
+def test_export_writes_what_transformers_loads_bit_exact(runs: dict[str, Any], name: str, files: list[str]) -> None:
+    """``atroposd export``: the sharded checkpoint of step 2 (consolidated from the two ranks'
+    shards) and the newest one-rank checkpoint, each a directory transformers loads with exactly
+    the weights trained to step 2; a second export into the same directory is refused (exit 2)."""
+    out = runs["root"] / f"export-{name}"
+    proc = _export(runs[f"{name}_cfg"], out, *files)
+    assert proc.returncode == 0, proc.stderr
+    assert "model.safetensors" in proc.stdout and "config.json" in proc.stdout
+    assert not (out / "trainer_state.pt").exists() and not (out / "optimizer").exists()
+    _assert_exact(_hf_weights(out), runs[name]["checkpoint_params"])
+    again = _export(runs[f"{name}_cfg"], out, *files)
+    assert again.returncode == 2 and "not an empty directory" in again.stderr
+
+
+def test_a_tampered_model_shard_is_refused(runs: dict[str, Any]) -> None:
+    """SPEC §12.1: one byte of rank 1's model shard changed: resume sets the checkpoint aside
+    naming the file, and export refuses it (exit 1) before reading anything."""
+    from atroposd.trainer.checkpoint import load_latest
+    from atroposd.trainer.hfshards import shard_name
+
+    root = runs["root"] / "tampered"
+    shutil.copytree(runs["root"] / "two-checkpoints" / "step-2", root / "step-2")
+    shard = root / "step-2" / "model" / shard_name(1)
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01
+    shard.write_bytes(bytes(data))
+    cfg = _config(runs["root"], "tampered-job", runs["model"], ["cpu", "cpu"], checkpoint_dir=str(root))
+    proc = _export(cfg, runs["root"] / "tampered-export")
+    assert proc.returncode == 1 and f"model/{shard_name(1)} does not match its checksum" in proc.stderr
+    assert not (runs["root"] / "tampered-export").exists()
+    latest = load_latest(root)
+    assert latest.restored is None and [p.name.split(".bad-")[0] for p in latest.set_aside] == ["step-2"]
+
+
+# ---------------------------------------------------------------------------- format 1 still resumes
+
+LEGACY = Path(__file__).resolve().parent.parent / "data" / "checkpoints-format1"
+
+
+@pytest.mark.parametrize(("name", "devices"), [("one", "cpu"), ("two", ["cpu", "cpu"])])
+def test_a_format_1_checkpoint_resumes_bit_identically(tmp_path: Path, name: str, devices: str | list[str]) -> None:
+    """Checkpoints written before the ranks wrote their own model shards (tests/data/
+    checkpoints-format1, made by its make.py with that atroposd): the step after resuming is the
+    very step that atroposd took (its loss and a hash of its weights)."""
+    import hashlib
+    import json
+    import os
+
+    from tests.support import write_config
+
+    shutil.copytree(LEGACY / "model", tmp_path / "model")
+    shutil.copytree(LEGACY / name / "step-2", tmp_path / f"{name}-checkpoints" / "step-2")
+    # the model is named as the checkpoint names it: relative to the job's working directory
+    cfg = write_config(tmp_path / f"{name}.toml", {
+        "daemon": {"state_dir": name, "runtime_dir": f"{name}/run"},
+        "inference": {"model": "model", "max_model_len": 512},
+        "trainer": {"device": devices, "batch_size": 32, "micro_batch_size": 8, "max_token_len": 64,
+                    "weight_sync": "reload", "checkpoint_dir": f"{name}-checkpoints"}})
+    repo = Path(__file__).resolve().parent.parent.parent
+    proc = subprocess.run([sys.executable, "-m", "tests.trainer.rank_zero", str(cfg), str(tmp_path / "out.pt"),
+                           "--steps", "1"], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(repo)},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    out = torch.load(tmp_path / "out.pt", weights_only=False)
+    expected = json.loads((LEGACY / "expected.json").read_text())[name]
+    assert out["resumed_from"] == 2
+    assert out["losses"] == expected["losses"][2:]
+    h = hashlib.sha256()
+    for k in sorted(out["params"]):
+        h.update(k.encode())
+        h.update(out["params"][k].contiguous().numpy().tobytes())
+    assert h.hexdigest() == expected["params_sha256"]

@@ -1,0 +1,90 @@
+"""Periodic checkpoints are written in the background (SPEC §12.1): the training loop, with a real
+learner on the tiny model, goes on stepping while one is written; what the checkpoint holds is
+the state of its own step (copied between two steps), not of the steps that ran meanwhile; the
+next checkpoint waits for it; the last step's is written at once."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from atroposd.trainer import checkpoint as ckpt
+from atroposd.trainer.loop import Progress, TrainingLoop
+from atroposd.trainer.metrics import MetricsWriter
+from atroposd.trainer.setup import build_learner, load_for_training
+from tests.trainer.conftest import make_cfg
+from tests.trainer.test_loop import ListFeed, RecordingSync
+
+pytestmark = pytest.mark.anyio
+
+
+class WatchingFeed(ListFeed):
+    """Records, at each fetch, the step and the checkpoint in flight; at fetch ``release_at``
+    lets the blocked write go on. At the fetch after step 3 it copies the weights and the
+    optimizer state (what step 3's checkpoint must hold)."""
+
+    def __init__(self, loop_box: list[TrainingLoop], release: threading.Event, release_at: int) -> None:
+        super().__init__([])
+        self.loop_box = loop_box
+        self.gate = release
+        self.release_at = release_at
+        self.seen: list[tuple[int, int | None]] = []
+        self.at_three: dict[str, Any] = {}
+
+    async def next(self, *, data_timeout: float, envs_alive: Any) -> list[Any] | None:
+        loop = self.loop_box[0]
+        p = loop.progress
+        self.seen.append((p.step, p.checkpoint_writing))
+        if p.step == 3:
+            model, opt = loop.learner.policy.model, loop.learner.optimizer
+            self.at_three = {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                             "exp_avg": [s["exp_avg"].clone() for s in opt.state.values()]}
+        if self.fetched + 1 == self.release_at:
+            self.gate.set()
+        return await super().next(data_timeout=data_timeout, envs_alive=envs_alive)
+
+
+async def test_steps_go_on_while_a_periodic_checkpoint_is_written(tiny_dir: Path, state_dir: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    release = threading.Event()
+    real = ckpt._write_checksums
+
+    def slow_checksums(path: Path) -> None:  # the background write of step 3 holds here
+        if path.name.startswith(f"{ckpt.TMP_PREFIX}3-"):
+            assert threading.current_thread().name.startswith("atroposd-checkpoint"), "not in the background"
+            assert release.wait(60), "never released"
+        real(path)
+
+    monkeypatch.setattr(ckpt, "_write_checksums", slow_checksums)
+    cfg = make_cfg(state_dir, tiny_dir, steps=7, checkpoint_every=3, keep_checkpoints=5, lr=3e-3)
+    setup = load_for_training(cfg)
+    learner = build_learner(cfg, setup)
+    box: list[TrainingLoop] = []
+    feed = WatchingFeed(box, release, release_at=6)  # released before step 6's batch
+    loop = TrainingLoop(tcfg=cfg.trainer, feed=feed, learner=learner, weights=RecordingSync(),  # type: ignore[arg-type]
+                        metrics=MetricsWriter(state_dir / "metrics.jsonl"), checkpointer=setup.checkpointer(learner),
+                        progress=Progress(total_steps=7), envs_alive=lambda: True, lock=anyio.Lock())
+    box.append(loop)
+    try:
+        assert await loop.run() == "finished"
+    finally:
+        loop.metrics.close()
+    # steps 4 and 5 were taken while step 3's checkpoint was being written
+    assert (4, 3) in feed.seen and (5, 3) in feed.seen, feed.seen
+    root = state_dir / "checkpoints"
+    assert [s for s, _ in ckpt.complete_checkpoints(root)] == [3, 6, 7]
+    p = loop.progress
+    assert p.last_checkpoint == str(root / "step-7") and p.checkpoint_failures == 0 and p.checkpoint_writing is None
+    # step 3's checkpoint holds step 3's state, not that of the steps trained while it was written
+    restored = ckpt.load_checkpoint(root / "step-3")
+    assert restored.state["step"] == 3 and restored.state["weight_version"] == 3
+    for name, t in restored.weights.items():
+        assert torch.equal(t, feed.at_three["weights"][name]), name
+    saved = [s["exp_avg"] for s in restored.state["optimizer"]["state"].values()]
+    assert all(torch.equal(a, b) for a, b in zip(saved, feed.at_three["exp_avg"], strict=True))
+    assert not torch.equal(restored.weights["model.norm.weight"], learner.policy.model.state_dict()["model.norm.weight"])
