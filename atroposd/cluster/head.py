@@ -414,22 +414,16 @@ class ClusterHead:
 
     async def _session(self, ch: Channel) -> None:
         challenge = new_challenge()
-        error: LineTooLong | None = None
         try:
             await asyncio.wait_for(ch.send_unsigned(Hello(challenge=challenge)), 2.0)
             line = await asyncio.wait_for(ch.readline(), self.join_deadline)
+            if not line:
+                return
+            ch.session, values = open_join(self._auth, challenge, line)
         except asyncio.TimeoutError:
             self._refusals("refused-silent", "closed a connection that did not join in time", peer=ch.peer,
                            join_deadline_s=self.join_deadline)
             return
-        except LineTooLong as exc:
-            line, error = b"", exc
-        if not line and error is None:
-            return
-        try:
-            if error is not None:
-                raise error
-            ch.session, values = open_join(self._auth, challenge, line)
         except WrongToken:
             self._drops(MAC, "a join not signed with this cluster's token", peer=ch.peer)
             self._refusals("refused-token", "refused a node: its messages are not signed with this cluster's token",
