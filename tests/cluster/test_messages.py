@@ -29,7 +29,7 @@ from atroposd.cluster.wire import (
 )
 from tests import fuzzseed
 
-CASES = max(100, int(20_000 * float(os.environ.get("ATROPOSD_FUZZ_SCALE", "1"))))
+CASES = max(100, int(10_000 * float(os.environ.get("ATROPOSD_FUZZ_SCALE", "1"))))
 AUTH = auth_key(b"the-shared-secret-of-this-job")
 HEX = "0123456789abcdef" * 2
 
