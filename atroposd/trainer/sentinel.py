@@ -182,9 +182,11 @@ class Sentinel:
                     await self._recheck(i, sync, model, version, result.drift)
                 else:
                     await self._heal(i, sync, model, version, result.drift)
-            elif i in self.quarantined:
-                self.given_up.discard(i)
-                await self._release(i, sock, drift=result.drift)
+            else:
+                if result.drift is not None:
+                    self.given_up.discard(i)  # it passes: a later drift is healed from the start again
+                if i in self.quarantined:
+                    await self._release(i, sock, drift=result.drift)
         self.last_check_s = time.perf_counter() - start
         log.info("canary check", weight_version=version, replica_drift=[_r(d) for d in self.drift],
                  seconds=round(self.last_check_s, 4), drift_limit=self.limit)
@@ -315,9 +317,11 @@ class Sentinel:
         if i in self.quarantined or len(self.quarantined) + 1 < len(self.sockets()):
             reason = f"canary drift {drift:.4g} over drift_limit {self.limit:g} at weight_version {version}"
             self.quarantined[i] = reason
-            await self._quarantine(sock, True, reason)
-        log.info("replica still drifts: kept out of rotation", replica=i, drift=_r(drift), drift_after=_r(after),
-                 quarantined=i in self.quarantined)
+            await self._quarantine(sock, True, reason)  # again: it may have restarted meanwhile
+            log.info("replica still drifts: kept out of rotation", replica=i, drift=_r(drift), drift_after=_r(after))
+        else:
+            log.info("replica still drifts: it keeps serving, no other replica passes", replica=i, drift=_r(drift),
+                     drift_after=_r(after))
 
 
 def _score_all(model: torch.nn.Module, items: Sequence[tuple[list[int], list[int]]]) -> list[list[float]]:

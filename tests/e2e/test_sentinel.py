@@ -83,6 +83,8 @@ def test_corrupted_replicas_resynced_or_restarted_and_the_job_goes_on(short_tmp:
     without = [e for e in events if "the job goes on without it" in str(e.get("event"))]
     assert len(without) == 1 and without[0]["replica"] == 1 and without[0]["serving"] == [0], without
     assert not [e for e in events if e.get("event") == "replica back in rotation" and e.get("replica") == 1]
+    kept_out = [e["replica"] for e in events if e.get("event") == "replica still drifts: kept out of rotation"]
+    assert kept_out == [1, 1, 1], kept_out  # the rounds at steps 4, 6 and 8: resynced, checked, not restarted
     # every later round: replica 0 near 0, replica 1 still over (kept out, never restarted again)
     drift = [r["replica_drift"] for r in rows]
     assert all(d[0] is not None and d[0] < 1e-3 for d in drift[1:]), drift
