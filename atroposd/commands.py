@@ -482,7 +482,7 @@ def _render_status(st: dict[str, Any]) -> str:
                     f"{sen.get('canary_prompts')} {sen.get('canary_source')}, {sen.get('resyncs') or 0} resyncs, "
                     f"{sen.get('restarts') or 0} restarts")
             held = sen.get("quarantined") or {}
-            out.append(text + (f"; quarantined: {', '.join(sorted(held))}" if held else ""))
+            out.append(text + ("; quarantined: " + ", ".join(f"replica {k}" for k in sorted(held)) if held else ""))
         if t.get("checkpoint_failures"):
             out.append(f"trainer: {t['checkpoint_failures']} checkpoint write(s) failed; last: "
                        f"{t.get('checkpoint_error') or '?'}")

@@ -64,3 +64,12 @@ def test_filtered_groups_and_the_filtered_wait_are_shown() -> None:
     assert "12 groups filtered (all scores equal; filter_groups)" in text
     assert "waiting for data: the groups received lately had equal scores" in text
     assert "filtered" not in _render_status(_status(filtered_groups=0))
+
+
+def test_the_sentinel_line_shows_drift_prompts_and_quarantine() -> None:
+    sentinel = {"replica_drift": [0.0, 2.5, None], "drift_limit": 0.05, "canary_source": "environments",
+                "canary_prompts": 8, "resyncs": 2, "restarts": 1, "quarantined": {"1": "canary drift 2.5 over"}}
+    text = _render_status(_status(sentinel=sentinel))
+    assert ("sentinel: drift [0, 2.5, -] (limit 0.05), canary prompts 8 environments, 2 resyncs, 1 restarts; "
+            "quarantined: replica 1") in text
+    assert "sentinel" not in _render_status(_status(sentinel=None))
