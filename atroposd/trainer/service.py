@@ -48,6 +48,8 @@ BACKOFF_MAX_S = 60.0
 RANK_EXIT_GRACE_S = 1.0
 # Before the trainer group closes, how long a checkpoint still being written may take to finish.
 CHECKPOINT_FINISH_S = 300.0
+# How often the sentinel's wait for a replica's restart looks for a stop request.
+STOP_POLL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -394,12 +396,28 @@ class TrainerService:
         """Restart replica ``replica`` for the sentinel (which holds the step's lock): the ready
         hook's reattach goes ahead without the lock (:meth:`on_inference_restarted`)."""
         assert self.restart_replica is not None
+        restart = self.restart_replica
+        ready = False
         self._sentinel_restarting.add(replica)
         try:
-            return await self.restart_replica(replica, "the sentinel: its canary drift stayed over drift_limit "
-                                                       "after a resync")
+            async with anyio.create_task_group() as tg:
+                async def run() -> None:
+                    nonlocal ready
+                    ready = await restart(replica, "the sentinel: its canary drift stayed over drift_limit after "
+                                                   "a resync")
+                    tg.cancel_scope.cancel()
+
+                async def stop_requested() -> None:
+                    # a stop does not wait for the restart: the step ends and the trainer checkpoints
+                    while not self._stop:  # noqa: ASYNC110
+                        await anyio.sleep(STOP_POLL_S)
+                    log.info("stop requested: the step no longer waits for the replica's restart", replica=replica)
+                    tg.cancel_scope.cancel()
+                tg.start_soon(run)
+                tg.start_soon(stop_requested)
         finally:
             self._sentinel_restarting.discard(replica)
+        return ready
 
     # ------------------------------------------------------------------ rollback (SPEC §15)
 

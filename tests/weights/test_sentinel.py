@@ -195,3 +195,33 @@ def test_canary_pairs_from_rank_zero_are_checked() -> None:
     assert canary_items([], 10) == []
     for bad in (None, [[1, 2]], [[[1], [10]]], [[[1], []]], [[[True], [2]]], [[[1], "2"]], {"a": 1}):
         assert canary_items(bad, 10) is None, bad
+
+
+async def test_a_stop_does_not_wait_for_the_sentinels_restart_of_a_replica() -> None:
+    """The sentinel's restart (the step waits for it) gives way to a stop request; a restarted
+    replica's reattach skips the step's lock only while the sentinel waits for it."""
+    from atroposd.config import Config
+    from atroposd.trainer.service import TrainerService
+
+    started = anyio.Event()
+
+    async def never_ready(replica: int, reason: str) -> bool:
+        assert replica == 1 and "sentinel" in reason
+        started.set()
+        await anyio.sleep_forever()
+        return True
+
+    service = TrainerService(Config(), instance="t", weights=None, envs_alive=lambda: True,  # type: ignore[arg-type]
+                             restart_replica=never_ready)
+    result: list[bool] = []
+
+    async def restart() -> None:
+        result.append(await service._sentinel_restart(1))
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(restart)
+            await started.wait()
+            assert service._sentinel_restarting == {1}
+            service.request_stop()
+    assert result == [False] and not service._sentinel_restarting
