@@ -430,7 +430,8 @@ class Daemon:
     async def restart_replica(self, replica: int, reason: str) -> bool:
         """Restart inference replica ``replica`` (the sentinel's, SPEC §15) and return once it is
         ready again — its ready hook gave it the trainer's current weights first — (True), or
-        once it failed, stopped or took longer than its ready timeout (False)."""
+        once it failed, stopped or took longer than its ready timeout or half of stall_timeout
+        (False)."""
         unit = self.units.get(specs.inference_name(self.cfg, replica))
         if unit is None:
             return False
@@ -442,6 +443,10 @@ class Daemon:
         def settled(u: Unit) -> bool:
             return (u.restarts > before and u.state == State.READY) or u.state in (State.FAILED, State.STOPPED)
         limit = self.cfg.daemon.stop_timeout + self.cfg.inference.ready_timeout + 60.0
+        if self.cfg.trainer.stall_timeout > 0:
+            # the step waits for it: never long enough for the stall watchdog to end the job (a
+            # replica ready later gets the weights from its ready hook all the same)
+            limit = min(limit, self.cfg.trainer.stall_timeout / 2)
         with anyio.move_on_after(limit):
             await unit.wait_until(settled)
         ready = unit.state == State.READY and unit.restarts > before

@@ -141,6 +141,7 @@ class TrainerService:
         # again: True, or failed: False); the replicas the sentinel restarts now.
         self.restart_replica = restart_replica
         self._sentinel_restarting: set[int] = set()
+        self._unlocked_reattach: anyio.Event | None = None  # the reattach that goes ahead under its lock
 
     # ------------------------------------------------------------------ daemon interface
 
@@ -198,8 +199,13 @@ class TrainerService:
             return  # a group being re-formed gives every replica its weights when it attaches
         if replica is not None and replica in self._sentinel_restarting:
             # The sentinel restarted it from within a step's sync, which holds the lock and waits
-            # for this replica to serve again: nothing else touches the weights meanwhile.
-            await self.weights.reattach(self._policy.model, self.progress.weight_version, replica)
+            # for this replica to serve again (and for this reattach, should it stop waiting):
+            # nothing else touches the weights meanwhile.
+            done = self._unlocked_reattach = anyio.Event()
+            try:
+                await self.weights.reattach(self._policy.model, self.progress.weight_version, replica)
+            finally:
+                done.set()
         else:
             async with self._lock:
                 await self.weights.reattach(self._policy.model, self.progress.weight_version, replica)
@@ -417,6 +423,10 @@ class TrainerService:
                 tg.start_soon(stop_requested)
         finally:
             self._sentinel_restarting.discard(replica)
+            if self._unlocked_reattach is not None:  # begun under the sentinel's lock: it ends first
+                with anyio.CancelScope(shield=True):
+                    await self._unlocked_reattach.wait()
+                self._unlocked_reattach = None
         return ready
 
     # ------------------------------------------------------------------ rollback (SPEC §15)
