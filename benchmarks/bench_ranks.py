@@ -23,13 +23,27 @@ frozen reference):
    (``VmHWM`` reset before it): the first sync creates the staging segment, later ones reuse it.
 3. step time (compute + optimizer step), 1 against 2 ranks, both models, the same batches.
 
+4. checkpoints of the ~100M model with 2 ranks (``--checkpoints``: this part alone): (a) rank 0's
+   extra memory while it checkpoints (its peak RSS over the checkpoint minus its RSS before,
+   ``VmHWM`` reset first): the sharded checkpoint written at once (every rank its own model and
+   optimizer shards through DCP, from its live shards), the same written in the background (as
+   the loop writes a periodic one; no steps meanwhile here), and the gather path that atroposd
+   used before (every tensor gathered into rank 0 — ``Gather``, as ``get_model_state_dict(
+   full_state_dict=True, cpu_offload=True)`` did —, written as one ``model.safetensors`` and
+   hashed; its optimizer shards, written through DCP then as now, left out: the old path's
+   figure is a floor); goal: sharded at most half the gather path. (b) step time while a
+   periodic checkpoint is written in the background against without one (goal: at most 1.2×),
+   and the steps taken while it was in flight. Every process of this part runs with glibc's
+   ``MALLOC_MMAP_THRESHOLD_`` fixed at 1 MiB (unless ``--mmap-threshold`` says otherwise), so that
+   what one measurement freed does not hide the next one's growth.
+
 Every rank computes with one torch thread, as the daemon sets it on a CPU. On a machine with
 two cores shared with other work, two ranks cannot be faster than the cores they get.
 
-    .venv/bin/python benchmarks/bench_ranks.py [--quick] [--bucket-mb 64] [--json PATH]
+    .venv/bin/python benchmarks/bench_ranks.py [--quick | --checkpoints] [--bucket-mb 64] [--json PATH]
 
-``--quick``: builtin:tiny only (a few seconds of steps, no sync). Prints tables and a one-line
-JSON summary.
+``--quick``: builtin:tiny only (a few seconds of steps, no sync). ``--checkpoints``: part 4 only.
+Prints tables and a one-line JSON summary.
 """
 
 from __future__ import annotations
@@ -71,6 +85,9 @@ SIZE_100M = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_
                  num_attention_heads=12, num_key_value_heads=12, head_dim=64)
 SYNC_REPS = 4
 GOAL = 0.55  # the 2-rank shard bytes per rank against the 1-rank bytes (issue: ≤ 0.55×)
+CKPT_MEMORY_GOAL = 0.5  # rank 0's extra memory while checkpointing: sharded / gather path
+CKPT_STEP_GOAL = 1.2  # step time with a background checkpoint in flight / without
+CKPT_MMAP_THRESHOLD = 1 << 20
 
 
 # --------------------------------------------------------------------------- the driver
@@ -114,13 +131,15 @@ def job_config(root: Path, model_dir: Path, model: str, world: int, bucket_mb: i
 
 
 def run_case(root: Path, config: Path, model: str, world: int, sync: bool,
-             mmap_threshold: int | None = None) -> dict[str, Any]:
+             mmap_threshold: int | None = None, checkpoints: bool = False) -> dict[str, Any]:
     out = root / f"{model}-{world}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "rank-zero", str(config), str(out), "--model", model]
     if sync:
         cmd.append("--sync")
-    print(f"  {model}, {world} rank{'s' if world > 1 else ''}{', sync' if sync else ''} ...", file=sys.stderr,
-          flush=True)
+    if checkpoints:
+        cmd.append("--checkpoints")
+    print(f"  {model}, {world} rank{'s' if world > 1 else ''}{', sync' if sync else ''}"
+          f"{', checkpoints' if checkpoints else ''} ...", file=sys.stderr, flush=True)
     log = root / f"{model}-{world}.log"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if mmap_threshold is not None:  # every process of the case: rank 0, the ranks, the replica
@@ -171,13 +190,14 @@ def report(results: dict[str, dict[int, dict[str, Any]]], machine: dict[str, Any
     print(f"{'model':>6} {'ranks':>5} {'rank':>4} {'params MB':>10} {'grads MB':>9} {'optim MB':>9} {'shard MB':>9} "
           f"{'RSS MB':>8} {'anon MB':>8} {'shm MB':>7} {'peak RSS MB':>12}")
     for model, by_world in results.items():
-        summary["models"][model] = {"parameters": by_world[1]["parameters"], "bytes": by_world[1]["bytes"]}
+        summary["models"][model] = {"parameters": by_world[min(by_world)]["parameters"],
+                                    "bytes": by_world[min(by_world)]["bytes"]}
         for world, r in sorted(by_world.items()):
             for rank in r["memory"]:
                 print(f"{model:>6} {world:>5} {rank['rank']:>4} {mb(rank['params']):>10} {mb(rank['grads']):>9} "
                       f"{mb(rank['optim']):>9} {mb(rank['shard']):>9} {mb(rank['rss']):>8} {mb(rank['anon']):>8} "
                       f"{mb(rank['shmem']):>7} {mb(rank['peak_rss']):>12}")
-        if 2 in by_world:
+        if 2 in by_world and 1 in by_world:
             one = by_world[1]["memory"][0]["shard"]
             two = max(rank["shard"] for rank in by_world[2]["memory"])
             ratio = two / one
@@ -189,7 +209,7 @@ def report(results: dict[str, dict[int, dict[str, Any]]], machine: dict[str, Any
                                                          for w, r in by_world.items()},
                                             rss_bytes={w: [m["rss"] for m in r["memory"]] for w, r in by_world.items()})
 
-    synced = {model: by_world for model, by_world in results.items() if "sync" in by_world[1]}
+    synced = {model: by_world for model, by_world in results.items() if "sync" in by_world.get(1, {})}
     if synced:
         print("\n2. weight sync into one atroposd inference replica (torch engine); ms are medians")
         print(f"{'model':>6} {'ranks':>5} {'how':>9} {'buckets':>7} {'floor ms':>9} {'gather ms':>10} "
@@ -204,9 +224,38 @@ def report(results: dict[str, dict[int, dict[str, Any]]], machine: dict[str, Any
                 rows.append({"ranks": world, **s})
             summary["models"][model]["sync"] = rows
 
+    ckpt = {model: by_world[2]["checkpoints"] for model, by_world in results.items()
+            if 2 in by_world and "checkpoints" in by_world[2]}
+    for model, c in ckpt.items():
+        print(f"\n4. checkpoints, {model}, 2 ranks (model {mb(c['model_bytes'])} MB, rank 0's optimizer shard "
+              f"{mb(c['optimizer_shard_bytes'])} MB)")
+        print(f"{'path':>34} {'rank 0 extra MB':>16} {'seconds':>8} {'x gather':>9}")
+        old_extra = c["gather"]["extra_bytes"]
+        for key, label in (("gather", "gather into rank 0 (before)"), ("sharded", "sharded, written at once"),
+                           ("background", "sharded, in the background")):
+            r = c[key]
+            print(f"{label:>34} {mb(r['extra_bytes']):>16} {r['seconds']:>8.2f} {r['extra_bytes'] / old_extra:>9.3f}")
+        ratio = c["sharded"]["extra_bytes"] / old_extra
+        bg_ratio = c["background"]["extra_bytes"] / old_extra
+        print(f"rank 0's extra memory, sharded / gather: {ratio:.3f} (goal <= {CKPT_MEMORY_GOAL}: "
+              f"{'met' if ratio <= CKPT_MEMORY_GOAL else 'NOT met'}); in the background: {bg_ratio:.3f}")
+        s_ratio = c["step_ms_writing"] / c["step_ms_idle"]
+        print(f"step time: {c['step_ms_idle']:.1f} ms without a checkpoint, {c['step_ms_writing']:.1f} ms while one "
+              f"is written in the background ({c['steps_in_flight']} steps in flight, the write took "
+              f"{c['background']['seconds']:.1f} s): {s_ratio:.3f}x (goal <= {CKPT_STEP_GOAL}: "
+              f"{'met' if s_ratio <= CKPT_STEP_GOAL else 'NOT met'}); the copy before it: {c['stage_s'] * 1000:.0f} ms")
+        summary["models"].setdefault(model, {})["checkpoints"] = {
+            **c, "memory_ratio": round(ratio, 4), "memory_goal_met": ratio <= CKPT_MEMORY_GOAL,
+            "background_memory_ratio": round(bg_ratio, 4), "step_ratio": round(s_ratio, 4),
+            "step_goal_met": s_ratio <= CKPT_STEP_GOAL}
+    if all("step_ms" not in by_world.get(1, {}) for by_world in results.values()):
+        return summary
+
     print("\n3. step time (compute + optimizer step), the same batches; ms are medians")
     print(f"{'model':>6} {'ranks':>5} {'tokens':>7} {'ms/step':>9} {'min ms':>8} {'x 1 rank':>9}  losses")
     for model, by_world in results.items():
+        if 1 not in by_world:
+            continue
         base = by_world[1]["step_ms"]
         rows = []
         for world, r in sorted(by_world.items()):
@@ -237,6 +286,8 @@ def main() -> int:
     ap.add_argument("--mmap-threshold", type=int, metavar="BYTES",
                     help="run every process with glibc's MALLOC_MMAP_THRESHOLD_=BYTES (a fixed threshold: freed "
                          "buffers above it go back to the system instead of staying in the heap)")
+    ap.add_argument("--checkpoints", action="store_true",
+                    help="part 4 only: checkpoints of the ~100M model with 2 ranks (memory, step time)")
     ap.add_argument("--json", type=Path, help="also write the JSON summary to this file")
     args = ap.parse_args()
     from atroposd.models.tiny import ensure_builtin_model
@@ -248,16 +299,20 @@ def main() -> int:
     results: dict[str, dict[int, dict[str, Any]]] = {}
     try:
         models: dict[str, Path] = {}
-        if args.only in (None, "tiny"):
+        if args.only == "tiny" or (args.only is None and not args.checkpoints):
             models["tiny"] = ensure_builtin_model(root / "state", 0, 512)
         if not args.quick and args.only in (None, "100M"):
             models["100M"] = build_100m(root)
         for model, model_dir in models.items():
-            sync = model == "100M"
+            sync = model == "100M" and not args.checkpoints
             results[model] = {}
-            for world in (1, 2):
+            for world in (2,) if args.checkpoints else (1, 2):
                 config = job_config(root, model_dir, model, world, args.bucket_mb)
-                results[model][world] = run_case(root, config, model, world, sync, args.mmap_threshold)
+                threshold = args.mmap_threshold
+                if args.checkpoints and threshold is None:
+                    threshold = machine["malloc_mmap_threshold"] = CKPT_MMAP_THRESHOLD
+                results[model][world] = run_case(root, config, model, world, sync, threshold,
+                                                 checkpoints=args.checkpoints)
         machine["load_after"] = load_average()
         summary = report(results, machine)
     finally:
@@ -330,7 +385,8 @@ def shard_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: 
     return out
 
 
-async def rank_zero(config: Path, out: Path, model_name: str, sync_wanted: bool) -> dict[str, Any]:
+async def rank_zero(config: Path, out: Path, model_name: str, sync_wanted: bool,
+                    checkpoints: bool = False) -> dict[str, Any]:
     from atroposd.config import load_config
     from atroposd.logs import configure_logging
     from atroposd.trainer.batch import prepare_batch
@@ -474,6 +530,8 @@ async def rank_zero(config: Path, out: Path, model_name: str, sync_wanted: bool)
                 "prompt": {"prompt_token_ids": [1, 5, 6, 7]}, "max_tokens": 1, "temperature": 1.0})
             if status != 200 or body.get("weight_version") != SYNC_REPS + 1:
                 raise RuntimeError(f"the replica answered {status} {body!r} after the syncs")
+        if checkpoints:
+            result["checkpoints"] = await checkpoint_case(cfg, setup, learner, ranks, compute, batches, shape)
         if world > 1:
             await compute.run(ranks.command, Stop())
         return result
@@ -503,14 +561,96 @@ async def rank_zero(config: Path, out: Path, model_name: str, sync_wanted: bool)
             raise RuntimeError(f"segments left behind: {left}")
 
 
+async def checkpoint_case(cfg: Any, setup: Any, learner: Any, ranks: Any, compute: Any, batches: list[Any],
+                          shape: dict[str, Any]) -> dict[str, Any]:
+    """Part 4, on rank 0 (every rank takes part): rank 0's extra memory while checkpointing —
+    sharded at once, sharded in the background, and the gather path of before —, then the step
+    time while a background checkpoint is written against without one."""
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    from atroposd.trainer.group import Gather
+    from atroposd.trainer.ranks import gather_full
+
+    checkpointer = setup.checkpointer(learner)
+    root = checkpointer.root
+    model = learner.policy.model
+    names = [n for n in model.state_dict() if n not in setup.aliases]
+    out: dict[str, Any] = {"model_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),
+                           "optimizer_shard_bytes": sum(v.to_local().numel() * v.element_size()
+                                                        for s in learner.optimizer.state.values()
+                                                        for v in s.values() if hasattr(v, "to_local"))}
+
+    def measured(fn: Any) -> dict[str, Any]:
+        import gc
+
+        gc.collect()
+        time.sleep(1.0)  # a background writer's thread has let go of what it held
+        before = reset_peak_rss()
+        t0 = time.perf_counter()
+        fn()
+        return {"seconds": time.perf_counter() - t0, "extra_bytes": max(0, peak_rss() - before)}
+
+    def sharded() -> None:
+        checkpointer.save(1, 1, 0)
+
+    def background() -> None:
+        checkpointer.start(2, 2, 0, background=True).result()
+
+    def gather() -> None:  # what every checkpoint did before: the whole model into rank 0
+        ranks.command(Gather(tuple(names)))
+        full = gather_full(model, names)
+        path = root / "gathered.safetensors"
+        save_file({k: v.contiguous() for k, v in full.items()}, str(path), metadata={"format": "pt"})
+        del full
+        digest = hashlib.sha256()
+        with open(path, "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                digest.update(chunk)
+        path.unlink()
+
+    # the gather path first: what it frees must not make room for the sharded ones' growth
+    out["gather"] = await compute.run(measured, gather)
+    out["sharded"] = await compute.run(measured, sharded)
+    out["background"] = await compute.run(measured, background)
+
+    def step(i: int) -> float:
+        t0 = time.perf_counter()
+        res = learner.compute(batches[i % len(batches)])
+        assert res.finite, res
+        learner.apply()
+        return time.perf_counter() - t0
+
+    idle = [await compute.run(step, i) for i in range(shape["steps"])]
+    t0 = time.perf_counter()
+    future = await compute.run(checkpointer.start, 3, 3, 0, background=True)
+    out["stage_s"] = time.perf_counter() - t0  # the copy between two steps (the part training waits for)
+    writing: list[float] = []
+    i = 0
+    while not future.done() or not writing:
+        took = await compute.run(step, i)
+        i += 1
+        if not future.done():
+            writing.append(took)
+        elif not writing:  # finished within the first step: that step overlapped it all the same
+            writing.append(took)
+    future.result()
+    out.update(step_ms_idle=statistics.median(idle) * 1000, step_ms_writing=statistics.median(writing) * 1000,
+               steps_in_flight=len(writing), step_times_idle_ms=[x * 1000 for x in idle],
+               step_times_writing_ms=[x * 1000 for x in writing])
+    return out
+
+
 def rank_zero_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="bench_ranks.py rank-zero")
     ap.add_argument("config", type=Path)
     ap.add_argument("out", type=Path)
     ap.add_argument("--model", choices=tuple(MODELS), required=True)
     ap.add_argument("--sync", action="store_true")
+    ap.add_argument("--checkpoints", action="store_true")
     args = ap.parse_args(argv)
-    result = asyncio.run(rank_zero(args.config, args.out, args.model, args.sync))
+    result = asyncio.run(rank_zero(args.config, args.out, args.model, args.sync, args.checkpoints))
     args.out.write_bytes(orjson.dumps(result))
     return 0
 

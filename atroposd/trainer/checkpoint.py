@@ -333,7 +333,7 @@ def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, tokenizer:
                     state: dict[str, Any], keep: int,
                     shards: Callable[[Path], dict[str, torch.Tensor] | None] | None = None,
                     weights: dict[str, torch.Tensor] | None = None, prepared: Path | None = None,
-                    abandoned: threading.Event | None = None) -> Path:
+                    abandoned: threading.Event | None = None, read_done: Callable[[], None] | None = None) -> Path:
     """Write ``root/step-<step>/`` atomically; raises CheckpointError (temp dir removed).
 
     ``weights``: the full model's tensors to write (a copy taken between two steps), instead of
@@ -341,7 +341,9 @@ def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, tokenizer:
     it exists; every rank writes its shards there; what it returns (the gathered weights of format
     1, or None: the shards are the weights) is written as ``model.safetensors``. ``prepared``: the
     temporary directory, made by :func:`prepare_checkpoint` already. ``abandoned`` set before the
-    rename: the checkpoint is dropped, never installed (the trainer group restarted meanwhile)."""
+    rename: the checkpoint is dropped, never installed (the trainer group restarted meanwhile).
+    ``read_done``: called once the model's tensors and the state are written (what follows reads
+    only the files)."""
     final = root / f"step-{step}"
     tmp = prepared if prepared is not None else root / f"{TMP_PREFIX}{step}-{os.getpid()}"
     try:
@@ -354,6 +356,8 @@ def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, tokenizer:
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         torch.save({"format": FORMAT_VERSION, "step": step, **state}, tmp / STATE_FILE)
+        if read_done is not None:
+            read_done()
         _write_checksums(tmp)  # last: a checkpoint with checksums was written in full
         _fsync_tree(tmp)
         if abandoned is not None and abandoned.is_set():

@@ -103,7 +103,7 @@ class Follower:
         return None
 
     def checkpoint(self, cmd: Checkpoint) -> int | None:
-        self.checkpointer.write_shards(Path(cmd.path))
+        self.checkpointer.write_shards(Path(cmd.path), background=cmd.background)
         return None
 
     def canary(self, cmd: Canary) -> int | None:

@@ -236,18 +236,23 @@ class Reload:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """Write this rank's shards of a checkpoint into ``path``."""
+    """Write this rank's shards of a checkpoint into ``path``: from a copy, on the rank's
+    background thread (``background``), or at once from its live tensors."""
 
     op: ClassVar[str] = "checkpoint"
     path: str
+    background: bool = True
 
     def args(self) -> dict[str, Any]:
-        return {"path": self.path}
+        return {"path": self.path, "background": self.background}
 
     @classmethod
     def parse(cls, args: dict[str, Any]) -> Checkpoint:
-        _only(args, {"path"}, cls.op)
-        return cls(_str(args.get("path"), "checkpoint: path"))
+        _only(args, {"path", "background"}, cls.op)
+        background = args.get("background", True)
+        if not isinstance(background, bool):
+            raise BadCommand("checkpoint: background must be true or false")
+        return cls(_str(args.get("path"), "checkpoint: path"), background)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The model shards of a checkpoint of several ranks (SPEC §12.1), as torch.distributed.checkpoint's
-Hugging Face storage writer leaves them: one safetensors file per rank
-(``shard-<rank+1>-model-00001-of-00001.safetensors``), each holding that rank's piece of every
-tensor, with the piece's place in the full tensor in the file's own metadata
+Hugging Face storage writer leaves them: safetensors files
+``shard-<rank+1>-model-<k>-of-<n>.safetensors`` — rank r's pieces of the tensors of the model's
+part k of n —, with each piece's place in the full tensor in the file's own metadata
 (``DCP_SHARDING_INFO``: ``{name: {"saved_offsets": [...]}}``).
 
 Read here without DCP and without unpickling anything: a safetensors header is JSON. Every piece is
@@ -31,7 +31,7 @@ import torch
 
 __all__ = ["SHARD_RE", "ShardError", "Tensors", "consolidate", "load_full", "read_layout", "shard_name"]
 
-SHARD_RE = re.compile(r"shard-(\d{5})-model-00001-of-00001\.safetensors")
+SHARD_RE = re.compile(r"shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors")
 SHARDING_KEY = "DCP_SHARDING_INFO"
 MAX_HEADER = 100 << 20  # safetensors' own limit on a header
 _DTYPES: dict[str, torch.dtype] = {
@@ -46,9 +46,10 @@ class ShardError(ValueError):
     """The shards are damaged or not the writer's (a clear message naming the file)."""
 
 
-def shard_name(rank: int) -> str:
-    """The file that rank ``rank`` writes (DCP numbers its plans from 1)."""
-    return f"shard-{rank + 1:05d}-model-00001-of-00001.safetensors"
+def shard_name(rank: int, part: int = 1, parts: int = 1) -> str:
+    """The file of rank ``rank`` for the model's part ``part`` of ``parts`` (DCP numbers its
+    plans from 1)."""
+    return f"shard-{rank + 1:05d}-model-{part:05d}-of-{parts:05d}.safetensors"
 
 
 @dataclass
@@ -114,10 +115,11 @@ def read_layout(directory: Path, *, world: int | None = None) -> Tensors:
     if not names:
         raise ShardError(f"{directory}: no model shards")
     if world is not None:
-        missing = [shard_name(r) for r in range(world) if shard_name(r) not in names]
+        have = {int(m.group(1)) - 1 for m in map(SHARD_RE.fullmatch, names) if m}
+        missing = [r for r in range(world) if r not in have]
         if missing:
             raise ShardError(f"{directory}: misses the model shards of {len(missing)} of {world} ranks: "
-                             f"{', '.join(missing[:4])}")
+                             f"{', '.join(f'shard-{r + 1:05d}-model-*' for r in missing[:4])}")
     out = Tensors()
     ends: dict[str, list[int]] = {}
     for name in names:

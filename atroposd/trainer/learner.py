@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -245,6 +246,9 @@ class Learner:
         self.logprob_chunk = logprob_chunk  # completion positions per chunk of the LM head (SPEC §14)
         self.params = policy.trainable()
         self.ranks: Ranks = ranks if ranks is not None else OneRank()
+        # Called before every optimizer step: a checkpoint being written has read the weights
+        # (the checkpointer's fence; SPEC §12.1, checkpoints in the background)
+        self.fence: Callable[[], None] | None = None
 
     @property
     def lr(self) -> float:
@@ -333,7 +337,10 @@ class Learner:
         self.apply_local()
 
     def apply_local(self) -> None:
-        """This rank's optimizer step (rank 0 told the others in apply)."""
+        """This rank's optimizer step (rank 0 told the others in apply). A checkpoint being written
+        from the live weights has read them first (``fence``, set by the checkpointer)."""
+        if self.fence is not None:
+            self.fence()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

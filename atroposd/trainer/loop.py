@@ -145,6 +145,8 @@ class TrainingLoop:
         self.sentinel: Any = None
         # SPEC §12.1: the checkpoint being written in the background (its step and outcome)
         self._writing: tuple[int, concurrent.futures.Future[Path]] | None = None
+        if hasattr(checkpointer, "on_fence"):  # an optimizer step waiting for a writer is checkpoint time
+            checkpointer.on_fence = self._fencing
 
     def request_stop(self) -> None:
         self.stop_requested = True
@@ -396,6 +398,15 @@ class TrainingLoop:
         self.pending_good.append((step, path))
         self._mark_known_good()
         return path
+
+    def _fencing(self, waiting: bool) -> None:
+        """The compute thread's optimizer step waits (True) or waited (False) for the checkpoint
+        being written to read the weights: shown as checkpointing (the watchdog's clock stops)."""
+        p = self.progress
+        if waiting and p.state == "training":
+            p.state = "checkpointing"
+        elif not waiting and p.state == "checkpointing":
+            p.state = "training"
 
     async def finish_checkpoint(self) -> None:
         """Wait for the checkpoint being written in the background, and take its outcome."""

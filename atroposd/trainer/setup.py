@@ -11,6 +11,7 @@ import concurrent.futures
 import copy
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,6 @@ from atroposd.trainer.checkpoint import (
     clean_partial,
     load_checkpoint,
     load_latest,
-    model_weights,
     prepare_checkpoint,
     restore_weights,
     rng_state,
@@ -91,17 +91,20 @@ class Setup:
 class Checkpointer:
     """Writes ``checkpoints/step-N`` with everything a resume needs.
 
-    A checkpoint is taken in two parts: on the compute thread, between two steps, everything it
-    holds is copied (``start``: the weights or this rank's shards, the optimizer, the scheduler,
-    the RNG, the health record); then the files are written — at once (``save``), or on a
-    background thread while training goes on (``start(background=True)``: its future says when
-    the checkpoint is complete). One write at a time: a checkpoint started while the previous one
-    is still being written waits for it.
+    ``start`` (compute thread, between two steps) takes what a checkpoint holds and writes it —
+    at once (``save``), or on a background thread while training goes on (``start(background=
+    True)``: its future says when the checkpoint is complete). Nothing is copied: the writer reads
+    the live weights and optimizer state, which only an optimizer step changes, and the next
+    optimizer step waits until the writer has read them (``fence``, called by the learner before
+    every optimizer step; it waits only when a step's forward and backward were shorter than the
+    writer's reading). The scheduler, the RNG and the health record are copied at ``start``. One
+    write at a time: a checkpoint started while the previous one is still being written waits
+    for it.
 
     With several ranks rank 0 calls ``start`` and tells the others (``Checkpoint``), who call
     ``write_shards`` with the same directory: every rank writes its own shards of the model and
-    the optimizer, always on its background thread, through the group's checkpoint process group
-    (:mod:`.sharded`); rank 0 writes the rest and renames the directory complete."""
+    the optimizer through the group's checkpoint process group (:mod:`.sharded`); rank 0 writes
+    the rest, hashes every file and renames the directory complete."""
 
     def __init__(self, root: Path, *, keep: int, learner: Learner, identity: dict[str, Any],
                  aliases: set[str] | None = None) -> None:
@@ -113,6 +116,12 @@ class Checkpointer:
         self.health: Callable[[], dict[str, Any]] | None = None  # the run's health record (SPEC §15)
         self._writing: concurrent.futures.Future[Any] | None = None  # this process's write in flight
         self._abandoned = threading.Event()
+        self._read = threading.Event()  # set: no writer is reading the live tensors
+        self._read.set()
+        self.fence_waited_s = 0.0  # optimizer steps' waits for a writer, in total
+        # told True / False around such a wait (the loop shows the trainer checkpointing meanwhile)
+        self.on_fence: Callable[[bool], None] | None = None
+        learner.fence = self.fence
 
     def save(self, step: int, weight_version: int, skipped_steps: int, *, consolidate: bool = False) -> Path:
         """Write the checkpoint of ``step`` now (compute thread); raises CheckpointError."""
@@ -128,21 +137,26 @@ class Checkpointer:
         self.wait_previous()
         policy, ranks = self.learner.policy, self.learner.ranks
         state: dict[str, Any] = {"weight_version": weight_version, "skipped_steps": skipped_steps,
-                                 "scheduler": self.learner.scheduler.state_dict(), "rng": rng_state(),
-                                 "ranks": ranks.world, **self.identity}
+                                 "scheduler": copy.deepcopy(self.learner.scheduler.state_dict()),
+                                 "rng": rng_state(), "ranks": ranks.world, **self.identity}
         if self.health is not None:
-            state["health"] = self.health()
+            state["health"] = copy.deepcopy(self.health())
         root, keep = self.root, self.keep
-        abandoned = self._abandoned
+        abandoned, read = self._abandoned, self._read
         if ranks.world == 1:
-            state["optimizer"] = _cpu_copy(self.learner.optimizer.state_dict())
-            weights = None if policy.lora else model_weights(policy.model)
+            # the live tensors: written before the next optimizer step changes them (fence)
+            state["optimizer"] = self.learner.optimizer.state_dict()
+            weights = None if policy.lora else live_weights(policy.model)
             if policy.lora:
                 background = False  # PEFT writes the live adapters: small, written at once
 
             def write() -> Path:
-                return save_checkpoint(root, step, model=policy.model, tokenizer=policy.tokenizer, lora=policy.lora,
-                                       state=state, keep=keep, weights=weights, abandoned=abandoned)
+                try:
+                    return save_checkpoint(root, step, model=policy.model, tokenizer=policy.tokenizer,
+                                           lora=policy.lora, state=state, keep=keep, weights=weights,
+                                           abandoned=abandoned, read_done=read.set)
+                finally:
+                    read.set()
         else:
             from atroposd.trainer.sharded import MODEL_DIR, OPTIMIZER_DIR, stage
 
@@ -151,13 +165,16 @@ class Checkpointer:
             state["model_dcp"] = MODEL_DIR
             tmp = prepare_checkpoint(root, step, keep)
             staged = stage(policy.model, self.learner.optimizer, self.aliases)
-            ranks.command(Checkpoint(str(tmp)))
+            ranks.command(Checkpoint(str(tmp), background=background))
             group = getattr(ranks, "checkpoint_group", None)
 
             def shards(tmp: Path) -> None:
                 from atroposd.trainer.sharded import check_model_shards, check_shards, write_shards
 
-                write_shards(staged, tmp, group)
+                try:
+                    write_shards(staged, tmp, group)
+                finally:
+                    read.set()
                 # Across machines every rank writes into the shared checkpoint_dir: complete only
                 # when every rank's shards are there (SPEC §12.3).
                 check_shards(tmp / OPTIMIZER_DIR, ranks.world)
@@ -168,20 +185,25 @@ class Checkpointer:
                     merge(tmp / MODEL_DIR, tmp / WEIGHTS_FILE, world=ranks.world)
 
             def write() -> Path:
-                return save_checkpoint(root, step, model=policy.model, tokenizer=policy.tokenizer, lora=False,
-                                       state=state, keep=keep, shards=shards, prepared=tmp, abandoned=abandoned)
+                try:
+                    return save_checkpoint(root, step, model=policy.model, tokenizer=policy.tokenizer, lora=False,
+                                           state=state, keep=keep, shards=shards, prepared=tmp, abandoned=abandoned)
+                finally:
+                    read.set()
+        read.clear()
         future = _run(write, background, name=f"atroposd-checkpoint-{step}")
         self._writing = future
         return future
 
-    def write_shards(self, tmp: Path) -> None:
-        """A follower rank (rank 0's ``Checkpoint``): stage its shards now, write them under
-        ``tmp`` on its background thread (their collectives meet rank 0's)."""
+    def write_shards(self, tmp: Path, *, background: bool = True) -> None:
+        """A follower rank (rank 0's ``Checkpoint``): its shards under ``tmp`` (their collectives
+        meet rank 0's), on its background thread or at once."""
         from atroposd.trainer.sharded import stage, write_shards
 
         self.wait_previous()
         staged = stage(self.learner.policy.model, self.learner.optimizer, self.aliases)
         group = getattr(self.learner.ranks, "checkpoint_group", None)
+        read = self._read
 
         def write() -> None:
             try:
@@ -190,8 +212,27 @@ class Checkpointer:
                 log.error("this rank's checkpoint shards were not written", path=str(tmp),
                           error=f"{type(exc).__name__}: {exc}")
                 raise
+            finally:
+                read.set()
 
-        self._writing = _run(write, True, name="atroposd-checkpoint-shards")
+        read.clear()
+        self._writing = _run(write, background, name="atroposd-checkpoint-shards")
+
+    def fence(self) -> None:
+        """Before an optimizer step: wait until the writer in flight has read the live weights
+        and optimizer state (logged when it has to wait)."""
+        if self._read.is_set():
+            return
+        t0 = time.monotonic()
+        log.info("the optimizer step waits for the checkpoint being written to read the weights")
+        if self.on_fence is not None:
+            self.on_fence(True)
+        try:
+            self._read.wait()
+        finally:
+            if self.on_fence is not None:
+                self.on_fence(False)
+        self.fence_waited_s += time.monotonic() - t0
 
     @property
     def writing(self) -> bool:
@@ -214,15 +255,19 @@ class Checkpointer:
         self._abandoned.set()
 
 
-def _cpu_copy(value: Any) -> Any:
-    """A private CPU copy of a (nested) state dict: tensors copied, containers rebuilt."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _cpu_copy(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cpu_copy(v) for v in value)
-    return copy.deepcopy(value)
+def live_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full model's tensors for safetensors, each storage once (tied aliases dropped as
+    Hugging Face does), detached but not copied (a CPU copy only of what is not on the CPU or
+    not contiguous)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
+    for name, t in model.state_dict().items():
+        key = (t.data_ptr(), tuple(t.shape), t.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = t.detach().to("cpu").contiguous()
+    return out
 
 
 def _run(fn: Callable[[], Any], background: bool, *, name: str) -> concurrent.futures.Future[Any]:

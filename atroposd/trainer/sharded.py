@@ -2,8 +2,8 @@
 and of the optimizer through torch.distributed.checkpoint (DCP); nothing is gathered into one
 process.
 
-``step-N/`` (format 2) holds ``model/`` — one safetensors file per rank, written by DCP's Hugging
-Face storage writer (:mod:`.hfshards` reads them) —, ``optimizer/`` (every rank's optimizer shard
+``step-N/`` (format 2) holds ``model/`` — safetensors files, each rank's own, written by DCP's
+Hugging Face storage writer (:mod:`.hfshards` reads them) —, ``optimizer/`` (every rank's optimizer shard
 and DCP's metadata), the model's config, the tokenizer, ``trainer_state.pt`` (``"optimizer":
 None``, ``"ranks": N``, ``"optimizer_dcp": "optimizer"``, ``"model_dcp": "model"``) and
 ``checksums.json``; at the last step also ``model.safetensors``, consolidated from the shards one
@@ -11,12 +11,14 @@ tensor at a time, so that the directory is a Hugging Face model (``atroposd expo
 same for any checkpoint). Format 1 (written before) held the weights gathered into
 ``model.safetensors`` instead of ``model/``; it still resumes.
 
-Writing is in two parts: every rank first *stages* its shards (a private CPU copy, on its compute
-thread, between two steps), then writes them (:func:`write_shards`) — on a background thread when
-the checkpoint is a periodic one, so training goes on meanwhile. The writes' collectives run on
-the group's own checkpoint process group (gloo), never on the one training uses. The directory is
-renamed complete by rank 0 after every rank finished writing (DCP's save ends with a collective),
-so a complete ``step-N`` always holds every shard.
+Every rank writes from its live shards, not a copy, on a background thread when the checkpoint
+is a periodic one: only an optimizer step changes them, and the next one waits until they are
+written (the checkpointer's fence), so training's forward and backward go on meanwhile. The
+model's tensors are split into files of about ``MODEL_FILE_BYTES`` of full tensors (DCP's writer
+holds one file's bytes at a time). The writes' collectives run on the group's own checkpoint
+process group (gloo), never on the one training uses. The directory is renamed complete by rank 0
+after every rank finished writing (DCP's save ends with a collective), so a complete ``step-N``
+always holds every shard.
 
 Loading reads nothing unverified (SPEC §12.1): a checkpoint with ``optimizer/`` or ``model/``
 must carry ``checksums.json`` covering every file under them (:func:`check_verified`); those
@@ -54,6 +56,7 @@ __all__ = [
     "check_optimizer_path",
     "check_shards",
     "check_verified",
+    "file_index",
     "load_model_shards",
     "load_optimizer",
     "read_metadata",
@@ -84,41 +87,54 @@ def tied_aliases(model: torch.nn.Module) -> set[str]:
 
 @dataclass
 class Staged:
-    """One rank's shards of a checkpoint, copied to the CPU: what :func:`write_shards` writes."""
+    """One rank's shards of a checkpoint (its live tensors): what :func:`write_shards` writes."""
 
     model: dict[str, Any]
     optimizer: dict[str, Any]
 
 
-def _cpu_copy(state: dict[str, Any]) -> dict[str, Any]:
-    """A private CPU copy of a (sharded) state dict: DTensors stay DTensors, their local shard copied."""
-    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-
-    return _copy_state_dict(state, _create_cpu_state_dict(state))
+# The model's tensors go into files of about this many bytes of full tensors (each rank's file
+# holds its shard of them): DCP's safetensors writer holds one file's bytes at a time.
+MODEL_FILE_BYTES = 256 << 20
 
 
 def stage(model: torch.nn.Module, optimizer: torch.optim.Optimizer, aliases: set[str]) -> Staged:
     """Every rank, between two steps: its shards of the model (tied aliases left out, as Hugging
-    Face does) and of the optimizer, copied. No collective."""
+    Face does) and of the optimizer — the live tensors, not a copy (the next optimizer step waits
+    until they are written: the checkpointer's fence). No collective."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
     msd = {k: v for k, v in get_model_state_dict(model).items() if k not in aliases}
-    osd = get_optimizer_state_dict(model, optimizer)
-    return Staged(model=_cpu_copy(msd), optimizer=_cpu_copy(osd))
+    return Staged(model=msd, optimizer=get_optimizer_state_dict(model, optimizer))
+
+
+def file_index(model: dict[str, Any], limit: int = MODEL_FILE_BYTES) -> dict[str, int]:
+    """Each tensor's model file (1, 2, ...): in state-dict order, a new file once the full
+    tensors of the current one reach ``limit`` bytes. The same on every rank (full shapes)."""
+    out: dict[str, int] = {}
+    index, size = 1, 0
+    for name, t in model.items():
+        n = t.numel() * t.element_size()  # a DTensor's numel is the full tensor's
+        if size and size + n > limit:
+            index, size = index + 1, 0
+        out[name] = index
+        size += n
+    return out
 
 
 def write_shards(staged: Staged, path: Path, group: Any = None) -> None:
     """Every rank (collectives on ``group``): the model's shards as safetensors under
-    ``path/model`` (DCP's Hugging Face storage writer, one file per rank) and the optimizer's
-    under ``path/optimizer``."""
+    ``path/model`` (DCP's Hugging Face storage writer, one file per rank and part of the model)
+    and the optimizer's under ``path/optimizer``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-    dcp.save(staged.model, storage_writer=HuggingFaceStorageWriter(str(path / MODEL_DIR), save_distributed=True),
-             process_group=group)
+    writer = HuggingFaceStorageWriter(str(path / MODEL_DIR), fqn_to_index_mapping=file_index(staged.model),
+                                      save_distributed=True)
+    dcp.save(staged.model, storage_writer=writer, process_group=group)
     dcp.save({"optimizer": staged.optimizer}, checkpoint_id=str(path / OPTIMIZER_DIR), process_group=group)
 
 

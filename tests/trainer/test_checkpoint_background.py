@@ -88,3 +88,50 @@ async def test_steps_go_on_while_a_periodic_checkpoint_is_written(tiny_dir: Path
     saved = [s["exp_avg"] for s in restored.state["optimizer"]["state"].values()]
     assert all(torch.equal(a, b) for a, b in zip(saved, feed.at_three["exp_avg"], strict=True))
     assert not torch.equal(restored.weights["model.norm.weight"], learner.policy.model.state_dict()["model.norm.weight"])
+
+
+async def test_the_next_optimizer_step_waits_until_the_writer_has_read_the_weights(
+        tiny_dir: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer reads the live weights and optimizer state (no copy): held while it reads them,
+    step 4's optimizer step waits for it (the trainer shows checkpointing meanwhile) and the
+    checkpoint holds step 3's optimizer state, not step 4's."""
+    gate = threading.Event()
+    real_save = ckpt.torch.save
+
+    def slow_save(obj: Any, path: Any, *a: Any, **kw: Any) -> None:  # the writer reads the optimizer here
+        if Path(path).name == ckpt.STATE_FILE and Path(path).parent.name.startswith(f"{ckpt.TMP_PREFIX}3-"):
+            assert gate.wait(60), "the optimizer step never waited"
+        real_save(obj, path, *a, **kw)
+
+    monkeypatch.setattr(ckpt.torch, "save", slow_save)
+    cfg = make_cfg(state_dir, tiny_dir, steps=5, checkpoint_every=3, keep_checkpoints=5, lr=3e-3)
+    setup = load_for_training(cfg)
+    learner = build_learner(cfg, setup)
+    box: list[TrainingLoop] = []
+    feed = WatchingFeed(box, threading.Event(), release_at=0)
+    checkpointer = setup.checkpointer(learner)
+    loop = TrainingLoop(tcfg=cfg.trainer, feed=feed, learner=learner, weights=RecordingSync(),  # type: ignore[arg-type]
+                        metrics=MetricsWriter(state_dir / "metrics.jsonl"), checkpointer=checkpointer,
+                        progress=Progress(total_steps=5), envs_alive=lambda: True, lock=anyio.Lock())
+    box.append(loop)
+    shown = loop._fencing
+    waits: list[tuple[int, bool, str]] = []
+
+    def spy(waiting: bool) -> None:
+        shown(waiting)
+        waits.append((loop.progress.step, waiting, loop.progress.state))
+        if waiting:
+            gate.set()  # the optimizer step of step 4 waits: let the writer go on
+
+    checkpointer.on_fence = spy
+    try:
+        assert await loop.run() == "finished"
+    finally:
+        loop.metrics.close()
+    assert waits[:2] == [(3, True, "checkpointing"), (3, False, "training")], waits
+    assert checkpointer.fence_waited_s > 0
+    restored = ckpt.load_checkpoint(state_dir / "checkpoints" / "step-3")
+    saved = [s["exp_avg"] for s in restored.state["optimizer"]["state"].values()]
+    assert all(torch.equal(a, b) for a, b in zip(saved, feed.at_three["exp_avg"], strict=True))
+    for name, t in restored.weights.items():
+        assert torch.equal(t, feed.at_three["weights"][name]), name
