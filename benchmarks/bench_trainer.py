@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -312,6 +313,7 @@ def _in_child(spec: dict[str, Any]) -> dict[str, Any]:
     if proc.returncode != 0:
         raise RuntimeError(f"child {spec} exited {proc.returncode}: {proc.stderr[-3000:]}")
     out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["load"] = [round(x, 1) for x in os.getloadavg()]  # the machine's 1/5/15-minute load after the child
     print(f"  {spec}: {out}", file=sys.stderr, flush=True)
     return out
 
@@ -380,7 +382,8 @@ def main() -> None:
               f"{pk['peak_mib']:7.0f} MiB {pk['s']:7.1f} s {pk['tokens'] / pk['s']:8.1f} tokens/s")
         print(f"  padded (micro_batch_size {packing['micro_batch_size']:>2}):    {pd['passes']:3d} passes "
               f"{pd['slots']:7d} slots {pd['peak_mib']:7.0f} MiB {pd['s']:7.1f} s {pk['tokens'] / pd['s']:8.1f} tokens/s")
-        print(f"  packed / padded: {packing['speedup']:.2f}x")
+        print(f"  packed / padded: {packing['speedup']:.2f}x (load average after each step, 1/5/15 min: "
+              f"packed {pk['load']}, padded {pd['load']})")
     print(f"batch preparation (64 x 8 tokens): {prep:.2f} ms")
     print(json.dumps({"bench": "trainer", "threads": 1, "prepare_ms": round(prep, 3),
                       "results": [{"model": r["model"], "parameters": r["parameters"],

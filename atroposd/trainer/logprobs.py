@@ -81,14 +81,19 @@ class ChunkedHead(torch.autograd.Function):
             if distill:
                 assert t_ids is not None and t_probs is not None
                 ce[a:b], lse_t[a:b] = _distill_forward(logits, t_ids[a:b], t_probs[a:b], tau)
+            # One pass of exp over the chunk for the normaliser and the entropy: with m the row's
+            # maximum, u = s − m (in place), z = Σ exp(u): lse = m + log z, logp = u[label] − log z,
+            # entropy = log z − Σ exp(u)·u / z.
             s = logits.div_(temps[a:b, None])  # [C, V], in place: ``logits`` is this chunk's own
-            lse[a:b] = torch.logsumexp(s, dim=-1)
-            logp[a:b] = s.gather(1, labels[a:b, None])[:, 0] - lse[a:b]
+            m = s.amax(dim=-1)  # [C]
+            u = s.sub_(m[:, None])  # [C, V]
+            e = u.exp()  # [C, V]
+            log_z = e.sum(-1).log_()  # [C]
+            lse[a:b] = m + log_z
+            logp[a:b] = u.gather(1, labels[a:b, None])[:, 0] - log_z
             if want_entropy:
-                p = (s - lse[a:b, None]).exp_()  # [C, V]
-                entropy[a:b] = lse[a:b] - torch.bmm(p[:, None, :], s[:, :, None])[:, 0, 0]
-                del p
-            del s, logits
+                entropy[a:b] = log_z - torch.bmm(e[:, None, :], u[:, :, None])[:, 0, 0] / log_z.exp()
+            del s, u, e, logits
         ctx.save_for_backward(hidden, weight, bias, labels, temps, lse, t_ids, t_probs, lse_t)
         ctx.chunk, ctx.tau, ctx.distill, ctx.compute_dtype = chunk, tau, distill, compute_dtype
         ctx.mark_non_differentiable(entropy)
@@ -116,12 +121,11 @@ class ChunkedHead(torch.autograd.Function):
                 g_logits = _distill_backward(logits, t_ids[a:b], t_probs[a:b], lse_t[a:b], ctx.tau, g_ce[a:b])
             if g_logp is not None:
                 # ∂logp/∂s = onehot(label) − softmax(s); ∂s/∂logits = 1/T — all in place in ``logits``
-                g = g_logp[a:b]
+                coef = g_logp[a:b] / temps[a:b]  # [C]: g / T
                 s = logits.div_(temps[a:b, None])
                 p = s.sub_(lse[a:b, None]).exp_()  # softmax(s)
-                p.mul_(-g[:, None])
-                p.scatter_add_(1, labels[a:b, None], g[:, None])
-                p.div_(temps[a:b, None])
+                p.mul_(-coef[:, None])
+                p.scatter_add_(1, labels[a:b, None], coef[:, None])
                 g_logits = p if g_logits is None else g_logits.add_(p)
             assert g_logits is not None
             g_cd = g_logits.to(cd)

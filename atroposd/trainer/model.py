@@ -313,10 +313,14 @@ def _segment_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
                                                                  dropout=dropout, scaling=scaling,
                                                                  is_causal=is_causal, **kwargs)
         return out
-    bounds = [int(b) for b in cu_seq_lens_q.tolist()]
-    parts = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, dropout=dropout,
-                                    scaling=scaling, is_causal=True, **kwargs)[0]  # [1, L, heads, D]
-             for a, b in itertools.pairwise(bounds) if b > a]
+    # One split per tensor, not a slice per sequence: a slice's backward writes its gradient into a
+    # zeroed tensor of the whole row (S sequences: S full-length zero-fills and adds per tensor and
+    # layer, most of the packed row's attention time); a split's backward is one concatenation.
+    sizes = [b - a for a, b in itertools.pairwise(int(x) for x in cu_seq_lens_q.tolist())]
+    parts = [sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True,
+                                    **kwargs)[0]  # [1, L, heads, D]
+             for q, k, v, n in zip(query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2), sizes,
+                                   strict=True) if n > 0]
     return torch.cat(parts, dim=1), None
 
 

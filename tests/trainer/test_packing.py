@@ -4,7 +4,10 @@ crosses sequences, and the loss and gradients of the padded computation."""
 from __future__ import annotations
 
 import copy
+import math
+import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,9 +22,10 @@ from atroposd.trainer.learner import (
     Objective,
     Reference,
 )
-from atroposd.trainer.model import SEGMENT_SDPA, Policy, load_policy, token_scores
+from atroposd.trainer.model import SEGMENT_SDPA, Policy, load_policy, packed_inputs, token_scores
 from atroposd.trainer.ranks import deal
 from tests import fuzzseed
+from tests.trainer.conftest import BOS, DIGITS, EOS
 from tests.trainer.test_chunked import TOL, rel, varied_groups
 
 
@@ -185,3 +189,113 @@ def test_config_check_names_a_micro_batch_tokens_below_max_token_len(tmp_path: P
     assert (t.micro_batch_tokens, t.logprob_chunk) == (64, 7)
     t = make_cfg(tmp_path, tmp_path).trainer
     assert (t.micro_batch_tokens, t.logprob_chunk) == (0, 1024)  # SPEC §14's defaults
+
+
+def arithmetic_groups(seed: int) -> list[dict[str, Any]]:
+    """One batch of the embedded job's shapes: 8 groups of 8, prompts of 6-12 tokens and answers of
+    2-6 (builtin:tiny's 22-token vocabulary), at the rollout temperature 1."""
+    rng = random.Random(seed)
+    groups = []
+    for _ in range(8):
+        p_len = rng.randint(6, 12)
+        prompt = [BOS] + [rng.choice(DIGITS) for _ in range(p_len - 1)]
+        tokens, masks, lps, scores = [], [], [], []
+        for _ in range(8):
+            completion = [rng.choice(DIGITS) for _ in range(rng.randint(1, 5))] + [EOS]
+            tokens.append(prompt + completion)
+            masks.append([-100] * p_len + completion)
+            lps.append([1.0] * p_len + [-rng.uniform(0.5, 3.0) for _ in completion])
+            scores.append(float(rng.random() < 0.4))
+        groups.append({"tokens": tokens, "masks": masks, "scores": scores, "inference_logprobs": lps})
+    return groups
+
+
+def test_the_embedded_job_at_256_tokens_and_chunks_of_5_trains_as_the_padded_one(tiny_dir: Path,
+                                                                                 tmp_path: Path) -> None:
+    """The embedded job's batches (64 sequences, max_token_len 64) packed into micro-batches of at
+    most 256 tokens with the head over 5 completion positions at a time — more passes than at
+    512 / 16, and a chunk that divides few of their counts — against the job's padded default
+    (micro-batches of 32 rows): every sequence is in exactly one pass, whole; positions restart
+    in each; and several optimizer steps of the job's own objective, reference and AdamW leave
+    the same losses and gradient norms (1e-5 relative) and the same weights (1e-4 relative by norm,
+    AdamW's amplified rounding), one optimizer step per batch in both."""
+    from atroposd.trainer.learner import make_strategies
+    from tests.trainer.conftest import make_cfg
+
+    batches = [arithmetic_groups(seed) for seed in range(3)]
+    weights, per_step = [], []
+    for tokens, chunk in ((0, 1024), (256, 5)):
+        t = make_cfg(tmp_path, tiny_dir, batch_size=64, micro_batch_size=32, max_token_len=64,
+                     micro_batch_tokens=tokens, logprob_chunk=chunk).trainer
+        policy = load_policy(tiny_dir, tiny_dir, device=torch.device("cpu"), dtype=torch.float32,
+                             need_reference=t.kl_reference == "initial" and t.kl_coef > 0)
+        objective, reference = make_strategies(t)
+        assert t.kl_coef > 0 and isinstance(reference, InitialReference) and reference.chunk == chunk
+        opt = torch.optim.AdamW(policy.trainable(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _s: 1.0)
+        learner = Learner(policy, opt, sched, objective=objective, reference=reference,
+                          max_grad_norm=t.max_grad_norm, logprob_chunk=chunk)
+        results = []
+        for groups in batches:
+            batch = prepare_batch(groups, micro_batch_size=t.micro_batch_size, max_token_len=t.max_token_len,
+                                  adv_std_floor=t.adv_std_floor, vocab_size=policy.vocab_size,
+                                  micro_batch_tokens=t.micro_batch_tokens)
+            rows = sorted(tuple(r) for g in groups for r in g["tokens"])
+            if tokens:
+                assert len(batch.micro) >= 3  # more passes than the padded job's two
+                packed = []
+                for mb in batch.micro:
+                    assert mb.seq_lens is not None and mb.input_ids.shape[1] <= tokens
+                    pos = packed_inputs(policy.model, mb.seq_lens, mb.input_ids.shape[1])["position_ids"][0]
+                    start = 0
+                    for n in mb.seq_lens.tolist():
+                        assert pos[start:start + n].tolist() == list(range(n))  # positions restart
+                        packed.append((*mb.input_ids[0, start:start + n].tolist(), int(mb.labels[0, start + n - 1])))
+                        start += n
+                assert sorted(packed) == rows  # every sequence once, whole
+                assert sum(int(mb.mask.sum()) % chunk != 0 for mb in batch.micro) >= 2
+            r = learner.compute(batch)
+            assert r.finite
+            learner.apply()
+            results.append((r.loss, r.grad_norm, r.entropy, r.mean_kl))
+        assert sched.last_epoch == len(batches)  # one scheduler step per batch
+        assert all(s["step"] == len(batches) for s in opt.state.values())  # one AdamW step per batch
+        per_step.append(results)
+        weights.append(torch.cat([p.detach().reshape(-1) for p in policy.trainable()]))
+    for (loss_a, norm_a, ent_a, kl_a), (loss_b, norm_b, ent_b, kl_b) in zip(*per_step, strict=True):
+        assert loss_b == pytest.approx(loss_a, rel=TOL, abs=1e-7)
+        assert norm_b == pytest.approx(norm_a, rel=TOL)
+        assert ent_b == pytest.approx(ent_a, rel=TOL)
+        assert kl_b == pytest.approx(kl_a, rel=1e-4, abs=1e-9)
+    assert per_step[0][-1][3] > 0  # the policy moved away from its reference
+    start = torch.cat([p.detach().reshape(-1) for p in load_policy(tiny_dir, tiny_dir, device=torch.device("cpu"),
+                                                                   dtype=torch.float32).trainable()])
+    # the same updates: AdamW divides each gradient by its own running size, so the steps' float32
+    # rounding (1e-5 above) reaches the weights somewhat amplified, still far below any change in learning
+    assert rel(weights[1] - start, weights[0] - start) < 1e-4
+
+
+def test_the_packed_rows_attention_backward_fills_no_whole_row_gradient_per_sequence(tiny_policy: Policy) -> None:
+    """The per-sequence attention of a packed row of S sequences: its backward writes each
+    sequence's gradient into the row once (one concatenation), not into a zeroed gradient of the
+    whole row per sequence (S full-length fills per tensor: the slower part of a packed step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from atroposd.trainer.model import _segment_sdpa
+
+    s, n, heads, dim = 48, 8, 2, 16
+    bounds = torch.arange(0, s * n + 1, n, dtype=torch.int32)
+    q, k, v = (torch.randn(1, heads, s * n, dim, requires_grad=True) for _ in range(3))
+    out, _ = _segment_sdpa(tiny_policy.model.model.layers[0].self_attn, q, k, v, None, scaling=dim ** -0.5,
+                           cu_seq_lens_q=bounds)
+    # the same as each sequence alone
+    alone = torch.nn.functional.scaled_dot_product_attention(q.detach()[0].reshape(heads, s, n, dim).transpose(0, 1),
+                                                             k.detach()[0].reshape(heads, s, n, dim).transpose(0, 1),
+                                                             v.detach()[0].reshape(heads, s, n, dim).transpose(0, 1),
+                                                             is_causal=True)  # [S, heads, n, dim]
+    torch.testing.assert_close(out.detach()[0], alone.permute(0, 2, 1, 3).reshape(s * n, heads, dim))
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        out.sum().backward()
+    filled = sum(math.prod(e.input_shapes[0]) * e.count for e in prof.key_averages(group_by_input_shape=True)
+                 if e.key in ("aten::fill_", "aten::zero_") and e.input_shapes and e.input_shapes[0])
+    assert filled <= 6 * q.numel(), f"{filled / q.numel():.0f} rows' worth of zeros filled in the backward"
