@@ -622,7 +622,7 @@ async def checkpoint_case(cfg: Any, setup: Any, learner: Any, ranks: Any, comput
         learner.apply()
         return time.perf_counter() - t0
 
-    idle = [await compute.run(step, i) for i in range(shape["steps"])]
+    idle = [await compute.run(step, i) for i in range(2)]  # before, and 2 after (the load varies)
     t0 = time.perf_counter()
     future = await compute.run(checkpointer.start, 3, 3, 0, background=True)
     out["stage_s"] = time.perf_counter() - t0  # the copy between two steps (the part training waits for)
@@ -636,6 +636,8 @@ async def checkpoint_case(cfg: Any, setup: Any, learner: Any, ranks: Any, comput
         elif not writing:  # finished within the first step: that step overlapped it all the same
             writing.append(took)
     future.result()
+    await compute.run(checkpointer.wait_previous)
+    idle += [await compute.run(step, i + j) for j in range(2)]
     out.update(step_ms_idle=statistics.median(idle) * 1000, step_ms_writing=statistics.median(writing) * 1000,
                steps_in_flight=len(writing), step_times_idle_ms=[x * 1000 for x in idle],
                step_times_writing_ms=[x * 1000 for x in writing])

@@ -237,14 +237,23 @@ def _sha256(path: Path) -> str:
 
 
 HASH_THREADS = 4  # files hashed at once (hashlib releases the GIL on large reads)
+BACKGROUND_NICE = 10  # the hashing threads of a checkpoint written in the background
 
 
-def _write_checksums(path: Path) -> None:
+def lower_priority() -> None:
+    """This thread yields the CPU to training (Linux: a thread's own nice value)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+
+
+def _write_checksums(path: Path, *, low_priority: bool = False) -> None:
     """``checksums.json``: the sha256 of every file under ``path`` (written last); several files
-    are hashed at once."""
+    are hashed at once — with ``low_priority`` (a checkpoint written in the background, whose
+    weights were read already) by threads that yield the CPU to training."""
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != CHECKSUM_FILE)
     workers = max(1, min(HASH_THREADS, len(files), os.cpu_count() or 1))
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="atroposd-checksum") as pool:
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="atroposd-checksum",
+                                               initializer=lower_priority if low_priority else None) as pool:
         digests = list(pool.map(_sha256, files))
     table = {str(f.relative_to(path)): d for f, d in zip(files, digests, strict=True)}
     (path / CHECKSUM_FILE).write_text(json.dumps({"format": 1, "files": table}, indent=1) + "\n")
@@ -333,7 +342,8 @@ def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, tokenizer:
                     state: dict[str, Any], keep: int,
                     shards: Callable[[Path], dict[str, torch.Tensor] | None] | None = None,
                     weights: dict[str, torch.Tensor] | None = None, prepared: Path | None = None,
-                    abandoned: threading.Event | None = None, read_done: Callable[[], None] | None = None) -> Path:
+                    abandoned: threading.Event | None = None, read_done: Callable[[], None] | None = None,
+                    low_priority: bool = False) -> Path:
     """Write ``root/step-<step>/`` atomically; raises CheckpointError (temp dir removed).
 
     ``weights``: the full model's tensors to write (a copy taken between two steps), instead of
@@ -343,7 +353,8 @@ def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, tokenizer:
     temporary directory, made by :func:`prepare_checkpoint` already. ``abandoned`` set before the
     rename: the checkpoint is dropped, never installed (the trainer group restarted meanwhile).
     ``read_done``: called once the model's tensors and the state are written (what follows reads
-    only the files)."""
+    only the files). ``low_priority`` (written in the background): the files are hashed by
+    threads that yield the CPU to training."""
     final = root / f"step-{step}"
     tmp = prepared if prepared is not None else root / f"{TMP_PREFIX}{step}-{os.getpid()}"
     try:
@@ -358,7 +369,7 @@ def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, tokenizer:
         torch.save({"format": FORMAT_VERSION, "step": step, **state}, tmp / STATE_FILE)
         if read_done is not None:
             read_done()
-        _write_checksums(tmp)  # last: a checkpoint with checksums was written in full
+        _write_checksums(tmp, low_priority=low_priority)  # last: a checkpoint with checksums was written in full
         _fsync_tree(tmp)
         if abandoned is not None and abandoned.is_set():
             raise CheckpointError("abandoned: the trainer group restarted while it was written")

@@ -30,6 +30,7 @@ from atroposd.trainer.checkpoint import (
     clean_partial,
     load_checkpoint,
     load_latest,
+    lower_priority,
     prepare_checkpoint,
     restore_weights,
     rng_state,
@@ -154,7 +155,7 @@ class Checkpointer:
                 try:
                     return save_checkpoint(root, step, model=policy.model, tokenizer=policy.tokenizer,
                                            lora=policy.lora, state=state, keep=keep, weights=weights,
-                                           abandoned=abandoned, read_done=read.set)
+                                           abandoned=abandoned, read_done=read.set, low_priority=background)
                 finally:
                     read.set()
         else:
@@ -187,7 +188,8 @@ class Checkpointer:
             def write() -> Path:
                 try:
                     return save_checkpoint(root, step, model=policy.model, tokenizer=policy.tokenizer, lora=False,
-                                           state=state, keep=keep, shards=shards, prepared=tmp, abandoned=abandoned)
+                                           state=state, keep=keep, shards=shards, prepared=tmp, abandoned=abandoned,
+                                           low_priority=background)
                 finally:
                     read.set()
         read.clear()
@@ -277,6 +279,8 @@ def _run(fn: Callable[[], Any], background: bool, *, name: str) -> concurrent.fu
     future.set_running_or_notify_cancel()
 
     def target() -> None:
+        if background:
+            lower_priority()  # the writer yields the CPU to training
         try:
             future.set_result(fn())
         except BaseException as exc:  # handed to whoever waits on the future

@@ -14,8 +14,8 @@ same for any checkpoint). Format 1 (written before) held the weights gathered in
 Every rank writes from its live shards, not a copy, on a background thread when the checkpoint
 is a periodic one: only an optimizer step changes them, and the next one waits until they are
 written (the checkpointer's fence), so training's forward and backward go on meanwhile. The
-model's tensors are split into files of about ``MODEL_FILE_BYTES`` of full tensors (DCP's writer
-holds one file's bytes at a time). The writes' collectives run on the group's own checkpoint
+model's tensors are split into parts (``file_index``: about 64 of them, each at least 64 MiB of
+full tensors), a file per rank and part: DCP's writer holds about twice one file's bytes. The writes' collectives run on the group's own checkpoint
 process group (gloo), never on the one training uses. The directory is renamed complete by rank 0
 after every rank finished writing (DCP's save ends with a collective), so a complete ``step-N``
 always holds every shard.
@@ -93,9 +93,11 @@ class Staged:
     optimizer: dict[str, Any]
 
 
-# The model's tensors go into files of about this many bytes of full tensors (each rank's file
-# holds its shard of them): DCP's safetensors writer holds one file's bytes at a time.
-MODEL_FILE_BYTES = 256 << 20
+# The model's tensors go into parts of about MODEL_PARTS equal sizes, each at least
+# MODEL_FILE_BYTES of full tensors (a rank's file of a part holds its shard of them): DCP's
+# safetensors writer holds about twice one file's bytes while it writes it.
+MODEL_FILE_BYTES = 64 << 20
+MODEL_PARTS = 64
 
 
 def stage(model: torch.nn.Module, optimizer: torch.optim.Optimizer, aliases: set[str]) -> Staged:
@@ -111,9 +113,13 @@ def stage(model: torch.nn.Module, optimizer: torch.optim.Optimizer, aliases: set
     return Staged(model=msd, optimizer=get_optimizer_state_dict(model, optimizer))
 
 
-def file_index(model: dict[str, Any], limit: int = MODEL_FILE_BYTES) -> dict[str, int]:
+def file_index(model: dict[str, Any], limit: int | None = None) -> dict[str, int]:
     """Each tensor's model file (1, 2, ...): in state-dict order, a new file once the full
-    tensors of the current one reach ``limit`` bytes. The same on every rank (full shapes)."""
+    tensors of the current one reach ``limit`` bytes (default: the larger of MODEL_FILE_BYTES
+    and a MODEL_PARTS-th of the model). The same on every rank (full shapes)."""
+    if limit is None:
+        total = sum(t.numel() * t.element_size() for t in model.values())
+        limit = max(MODEL_FILE_BYTES, total // MODEL_PARTS)
     out: dict[str, int] = {}
     index, size = 1, 0
     for name, t in model.items():

@@ -15,7 +15,7 @@ key: a pickle that would create MARKER, a JSON command without the key, a replay
 
 OUT (torch.save): {"losses": [...], "grad_norms": [...], "params": {name: full tensor},
 "step": last step, "resumed_from": step or None, "follower_codes": [exit code of each rank],
-"checkpoint_params": {name: full tensor} at C, "in_flight": [steps trained while C's write was in flight]}. Batch i is ``make_groups(1000 + i, n=4)``.
+"checkpoint_params": {name: full tensor} at C, "loaded_params": the same as loaded (before the steps), "in_flight": [steps trained while C's write was in flight]}. Batch i is ``make_groups(1000 + i, n=4)``.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def main() -> int:
         checkpointer = setup.checkpointer(learner)
         step = setup.step
         out: dict[str, Any] = {"losses": [], "grad_norms": [], "resumed_from": step if setup.restored else None,
-                               "in_flight": []}
+                               "in_flight": [], "loaded_params": full_params(learner.policy.model, ranks)}
         writing = None
         for _ in range(args.steps):
             batch = prepare_batch(make_groups(1000 + step, n=args.groups), micro_batch_size=t.micro_batch_size,

@@ -54,11 +54,11 @@ async def test_steps_go_on_while_a_periodic_checkpoint_is_written(tiny_dir: Path
     release = threading.Event()
     real = ckpt._write_checksums
 
-    def slow_checksums(path: Path) -> None:  # the background write of step 3 holds here
+    def slow_checksums(path: Path, **kw: Any) -> None:  # the background write of step 3 holds here
         if path.name.startswith(f"{ckpt.TMP_PREFIX}3-"):
             assert threading.current_thread().name.startswith("atroposd-checkpoint"), "not in the background"
             assert release.wait(60), "never released"
-        real(path)
+        real(path, **kw)
 
     monkeypatch.setattr(ckpt, "_write_checksums", slow_checksums)
     cfg = make_cfg(state_dir, tiny_dir, steps=7, checkpoint_every=3, keep_checkpoints=5, lr=3e-3)

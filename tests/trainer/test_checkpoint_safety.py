@@ -66,10 +66,10 @@ def test_checksums_are_written_last_and_cover_every_file(tmp_path: Path, monkeyp
     order: list[str] = []
     real = ckpt._write_checksums
 
-    def spy(path: Path) -> None:
+    def spy(path: Path, **kw: Any) -> None:
         order.append("checksums")
         assert {p.name for p in path.iterdir()} == {WEIGHTS_FILE, STATE_FILE}
-        real(path)
+        real(path, **kw)
 
     monkeypatch.setattr(ckpt, "_write_checksums", spy)
     path = _save(tmp_path, 1)

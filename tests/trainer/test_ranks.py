@@ -242,13 +242,17 @@ LEGACY = Path(__file__).resolve().parent.parent / "data" / "checkpoints-format1"
 
 
 @pytest.mark.parametrize(("name", "devices"), [("one", "cpu"), ("two", ["cpu", "cpu"])])
-def test_a_format_1_checkpoint_resumes_bit_identically(tmp_path: Path, name: str, devices: str | list[str]) -> None:
+def test_a_format_1_checkpoint_still_resumes(tmp_path: Path, name: str, devices: str | list[str]) -> None:
     """Checkpoints written before the ranks wrote their own model shards (tests/data/
-    checkpoints-format1, made by its make.py with that atroposd): the step after resuming is the
-    very step that atroposd took (its loss and a hash of its weights)."""
-    import hashlib
+    checkpoints-format1, made by its make.py with that atroposd): the weights load exactly as
+    saved, and the step after resuming is the step that atroposd took (its loss and weights,
+    recorded then) — bit for bit while the trainer's arithmetic is that atroposd's, within 1e-6
+    (loss) and 1e-5 (each tensor, relative by norm) after a change of it; without the restored
+    optimizer state the step would differ by far more."""
     import json
     import os
+
+    from safetensors.torch import load_file
 
     from tests.support import write_config
 
@@ -266,11 +270,11 @@ def test_a_format_1_checkpoint_resumes_bit_identically(tmp_path: Path, name: str
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:]
     out = torch.load(tmp_path / "out.pt", weights_only=False)
-    expected = json.loads((LEGACY / "expected.json").read_text())[name]
     assert out["resumed_from"] == 2
-    assert out["losses"] == expected["losses"][2:]
-    h = hashlib.sha256()
-    for k in sorted(out["params"]):
-        h.update(k.encode())
-        h.update(out["params"][k].contiguous().numpy().tobytes())
-    assert h.hexdigest() == expected["params_sha256"]
+    saved = load_file(str(LEGACY / name / "step-2" / "model.safetensors"))
+    for k, t in saved.items():
+        assert torch.equal(out["loaded_params"][k], t), k
+    expected = json.loads((LEGACY / "expected.json").read_text())[name]
+    step3 = load_file(str(LEGACY / f"{name}-step3.safetensors"))
+    assert abs(out["losses"][0] - expected["losses"][2]) <= 1e-6, (out["losses"], expected["losses"])
+    assert _worst(step3, {k: out["params"][k] for k in step3}) <= PARAM_TOL

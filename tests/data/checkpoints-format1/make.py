@@ -6,8 +6,8 @@ Run with the atroposd of commit f6c261d (the last one that wrote format 1), from
 
 In WORK_DIR: ``model/`` (a 3,120-parameter Llama with builtin:tiny's tokenizer), then the job of
 ``tests.trainer.rank_zero`` with one rank and with two (three steps, a checkpoint after step 2),
-``one-checkpoints/step-2`` and ``two-checkpoints/step-2``, and ``expected.json``: each job's losses
-and a sha256 of its weights after step 3. The model is named relative to the job's working
+``one-checkpoints/step-2`` and ``two-checkpoints/step-2``, ``expected.json`` (each job's losses and
+a sha256 of its weights after step 3) and ``<job>-step3.safetensors`` (those weights). The model is named relative to the job's working
 directory ("model"), as the checkpoints name it.
 """
 
@@ -54,6 +54,10 @@ def main() -> None:
             h.update(k.encode())
             h.update(out["params"][k].contiguous().numpy().tobytes())
         results[name] = {"losses": out["losses"], "params_sha256": h.hexdigest()}
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in out["params"].items() if k != "lm_head.weight"},
+                  f"{name}-step3.safetensors")
     Path("expected.json").write_text(json.dumps(results, indent=1) + "\n")
 
 
