@@ -577,7 +577,8 @@ async def checkpoint_case(cfg: Any, setup: Any, learner: Any, ranks: Any, comput
     root = checkpointer.root
     model = learner.policy.model
     names = [n for n in model.state_dict() if n not in setup.aliases]
-    out: dict[str, Any] = {"model_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),
+    out: dict[str, Any] = {"model_bytes": sum(t.numel() * t.element_size() for n, t in model.state_dict().items()
+                                              if n not in setup.aliases),
                            "optimizer_shard_bytes": sum(v.to_local().numel() * v.element_size()
                                                         for s in learner.optimizer.state.values()
                                                         for v in s.values() if hasattr(v, "to_local"))}
