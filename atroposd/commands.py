@@ -554,20 +554,22 @@ def logs(cfg: Config, args: argparse.Namespace) -> int:
     from atroposd.process.logfiles import tail
 
     lines = max(0, int(getattr(args, "lines", 50)))
-    if lines and path.exists():
-        text = tail(path, max_lines=lines, max_bytes=max(8192, lines * 400))
+    # Following goes on from exactly where the lines shown end: a line written in between is
+    # shown once, not lost.
+    start = path.stat().st_size if path.exists() else 0
+    if lines and start:
+        text = tail(path, max_lines=lines, max_bytes=max(8192, lines * 400), end=start)
         if text:
             print(text, flush=True)
     if not follow:
         return Exit.OK
-    return _follow(cfg, path)
+    return _follow(cfg, path, start)
 
 
-def _follow(cfg: Config, path: Path) -> int:
-    """Print what is appended to ``path``, across rotation, until the daemon is gone."""
+def _follow(cfg: Config, path: Path, pos: int) -> int:
+    """Print what is appended to ``path`` from byte ``pos``, across rotation, until the daemon is gone."""
     fh = None
     inode = None
-    pos = path.stat().st_size if path.exists() else 0
     last_ping = time.monotonic()
     try:
         while True:

@@ -11,6 +11,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from atroposd.control import decode_length, encode
 from tests.support import wait_for, write_config
 
@@ -134,3 +136,20 @@ def test_logs_follow_outlasts_a_daemon_resetting_its_connections_while_it_stops(
     assert standin.reset == 2  # both resets were met, and following went on past them
     assert proc.returncode == 0, err
     assert out == "tick 2\n" and "Traceback" not in err
+
+
+def test_logs_follow_goes_on_from_where_the_lines_shown_end(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # a line appended between the last lines shown and the following is shown once, not lost
+    from atroposd import commands
+    from atroposd.config import load_config
+    from atroposd.process.logfiles import tail
+
+    cfg_path, _ = _config(tmp_path)
+    log = tmp_path / "ticker.log"
+    log.write_text("tick 1\ntick 2\n")
+    assert tail(log, max_lines=5, end=len("tick 1\n")) == "tick 1"  # only what lies before ``end``
+    assert tail(log, max_lines=5) == "tick 1\ntick 2"
+    monkeypatch.setattr(commands, "_ping", lambda cfg: None)  # the daemon is gone: drain once and end
+    assert commands._follow(load_config(cfg_path), log, len("tick 1\n")) == 0
+    assert capsys.readouterr().out == "tick 2\n"

@@ -188,14 +188,15 @@ class LogHub:
             self.close_sink(sink)
 
 
-def tail(path: Path, max_lines: int = 20, max_bytes: int = 8192) -> str:
-    """The last lines of a log file ('' if it does not exist)."""
+def tail(path: Path, max_lines: int = 20, max_bytes: int = 8192, *, end: int | None = None) -> str:
+    """The last lines of a log file ('' if it does not exist); with ``end``, of its first ``end``
+    bytes (what a follower prints before it reads on from ``end``)."""
     try:
         with open(path, "rb") as fh:
             fh.seek(0, os.SEEK_END)
-            size = fh.tell()
+            size = fh.tell() if end is None else min(end, fh.tell())
             fh.seek(max(0, size - max_bytes))
-            data = fh.read()
+            data = fh.read(size - max(0, size - max_bytes))
     except OSError:
         return ""
     lines = data.decode(errors="replace").splitlines()
