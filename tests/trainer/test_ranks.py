@@ -67,6 +67,10 @@ def test_two_ranks_equal_one_rank(runs: dict[str, Any]) -> None:
     one, two = runs["one"], runs["two"]
     for a, b in zip(one["losses"], two["losses"], strict=True):
         assert abs(a - b) <= LOSS_TOL, (one["losses"], two["losses"])
+    # the gradient norm each step clipped by: over the whole batch on every rank, as with one
+    assert len(one["grad_norms"]) == len(two["grad_norms"]) == len(one["losses"])
+    for a, b in zip(one["grad_norms"], two["grad_norms"], strict=True):
+        assert a > 0 and abs(a - b) <= 1e-5 * max(1.0, a), (one["grad_norms"], two["grad_norms"])
     assert _worst(one["params"], two["params"]) <= PARAM_TOL
     # the step moved the weights: the comparison is not between two untouched models
     assert one["losses"][0] != one["losses"][1]
