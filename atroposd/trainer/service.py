@@ -631,13 +631,17 @@ class TrainerService:
         from atroposd.trainer.group import Stop
 
         ranks, self._ranks = self._ranks, None
-        if ranks is not None and self._rank_lost is None and self.compute.generation == self._ranks_generation:
-            if self._loop is not None:  # the group is intact: a checkpoint being written finishes first
-                with anyio.move_on_after(CHECKPOINT_FINISH_S):
-                    try:
-                        await self._loop.finish_checkpoint()
-                    except Exception as exc:
-                        log.warning("the checkpoint being written did not finish", error=f"{type(exc).__name__}: {exc}")
+        intact = self._rank_lost is None and self.compute.generation == self._ranks_generation
+        if intact and self._loop is not None:
+            # A checkpoint being written finishes first (any rank count): its writer reads the live
+            # weights, which a rollback's re-attach releases, and the next attempt's start removes
+            # incomplete checkpoints.
+            with anyio.move_on_after(CHECKPOINT_FINISH_S):
+                try:
+                    await self._loop.finish_checkpoint()
+                except Exception as exc:
+                    log.warning("the checkpoint being written did not finish", error=f"{type(exc).__name__}: {exc}")
+        if ranks is not None and intact:
             with anyio.move_on_after(5):
                 try:
                     await self.compute.run(ranks.command, Stop())

@@ -12,6 +12,7 @@ import copy
 import os
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -274,17 +275,26 @@ def live_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _run(fn: Callable[[], Any], background: bool, *, name: str) -> concurrent.futures.Future[Any]:
     """``fn()`` now, or on a daemon thread of its own (one stuck in a collective of a broken
-    group must not hold up the process's exit); its outcome in a future."""
+    group must not hold up the process's exit); its outcome in a future. ``fn`` — and what it
+    holds: the live weights — is let go before the future is done (a rollback's re-attach
+    releases the weights' memory once the write is done)."""
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
     future.set_running_or_notify_cancel()
+    box = [fn]
 
     def target() -> None:
         if background:
             lower_priority()  # the writer yields the CPU to training
+        work = box.pop()
         try:
-            future.set_result(fn())
+            result = work()
         except BaseException as exc:  # handed to whoever waits on the future
+            del work
+            traceback.clear_frames(exc.__traceback__)
             future.set_exception(exc)
+            return
+        del work
+        future.set_result(result)
 
     if background:
         threading.Thread(target=target, name=name, daemon=True).start()
