@@ -488,7 +488,9 @@ def load_checkpoint(path: Path) -> Restored:
                               f"formats {', '.join(map(str, READABLE_FORMATS))}")
     check_optimizer_path(path, state)
     if state.get("model_dcp"):
-        return Restored(path=path, state=state, weights=load_model_shards(path / MODEL_DIR))
+        shapes = state.get("model_shapes")
+        return Restored(path=path, state=state,
+                        weights=load_model_shards(path / MODEL_DIR, shapes if isinstance(shapes, dict) else None))
     try:
         lora = state.get("mode") == "lora"
         weights = load_file(str(path / ("adapter_model.safetensors" if lora else WEIGHTS_FILE)))

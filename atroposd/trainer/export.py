@@ -82,7 +82,7 @@ def export_checkpoint(checkpoint: Path, out: Path) -> list[str]:
                 written.append(entry.name)
         if not (tmp / WEIGHTS_FILE).exists() and (checkpoint / MODEL_DIR).is_dir():
             try:
-                consolidate(checkpoint / MODEL_DIR, tmp / WEIGHTS_FILE)
+                consolidate(checkpoint / MODEL_DIR, tmp / WEIGHTS_FILE, shapes=_model_shapes(checkpoint))
             except ShardError as exc:
                 raise CheckpointError(f"checkpoint {checkpoint}: {exc}") from exc
             written.append(WEIGHTS_FILE)
@@ -95,6 +95,18 @@ def export_checkpoint(checkpoint: Path, out: Path) -> list[str]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return sorted(written)
+
+
+def _model_shapes(checkpoint: Path) -> dict[str, list[int]] | None:
+    """The full shapes the trainer state recorded for the model shards (verified already)."""
+    import torch
+
+    try:
+        state = torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch.load errors of a damaged file are of many kinds
+        raise CheckpointError(f"cannot read checkpoint {checkpoint}: {type(exc).__name__}: {exc}") from exc
+    shapes = state.get("model_shapes") if isinstance(state, dict) else None
+    return shapes if isinstance(shapes, dict) else None
 
 
 def main(cfg: Config, args: argparse.Namespace) -> int:

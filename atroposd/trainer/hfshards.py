@@ -100,11 +100,14 @@ def _ints(value: Any, what: str, file: Path) -> list[int]:
     return list(value)
 
 
-def read_layout(directory: Path, *, world: int | None = None) -> Tensors:
+def read_layout(directory: Path, *, world: int | None = None,
+                shapes: dict[str, list[int]] | None = None) -> Tensors:
     """The tensors of every shard file in ``directory``, checked (raises :class:`ShardError`).
 
-    ``world``: the shard file of each of that many ranks must be there. Any other file in the
-    directory is refused: a shard directory holds the writer's files only."""
+    ``world``: the shard file of each of that many ranks must be there. ``shapes``: the full
+    tensors the shards must make, exactly (the writer records them; without them a missing last
+    piece of a tensor would look like a shorter tensor). Any other file in the directory is
+    refused: a shard directory holds the writer's files only."""
     try:
         names = sorted(os.listdir(directory))
     except OSError as exc:
@@ -156,6 +159,13 @@ def read_layout(directory: Path, *, world: int | None = None) -> Tensors:
             ends[tname] = [max(a, o + s) for a, o, s in
                            zip(ends.get(tname, [0] * len(shape)), offsets, shape, strict=True)]
             out.pieces.setdefault(tname, []).append(_Piece(file, data_start + begin, shape, offsets))
+    if shapes is not None:
+        if set(shapes) != set(out.pieces):
+            odd = sorted(set(shapes) ^ set(out.pieces))
+            raise ShardError(f"{directory}: the shards' tensors are not the model's: {', '.join(odd[:4])}")
+        for tname, shape in shapes.items():
+            if list(shape) != ends[tname]:
+                raise ShardError(f"{directory}: the pieces of {tname} make {ends[tname]}, not its shape {list(shape)}")
     for tname, pieces in out.pieces.items():
         out.shape[tname] = ends[tname]
         covered = sum(math.prod(p.shape) for p in pieces)
@@ -188,9 +198,10 @@ def _open_all(layout: Tensors) -> dict[Path, BinaryIO]:
     return {f: open(f, "rb") for f in files}
 
 
-def load_full(directory: Path, *, world: int | None = None) -> dict[str, torch.Tensor]:
+def load_full(directory: Path, *, world: int | None = None,
+              shapes: dict[str, list[int]] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the shards in full (CPU)."""
-    layout = read_layout(directory, world=world)
+    layout = read_layout(directory, world=world, shapes=shapes)
     handles = _open_all(layout)
     try:
         return {name: _assemble(layout, name, handles) for name in sorted(layout.pieces)}
@@ -199,10 +210,11 @@ def load_full(directory: Path, *, world: int | None = None) -> dict[str, torch.T
             fh.close()
 
 
-def consolidate(directory: Path, out: Path, *, world: int | None = None) -> int:
+def consolidate(directory: Path, out: Path, *, world: int | None = None,
+                shapes: dict[str, list[int]] | None = None) -> int:
     """Write the shards as one safetensors file ``out`` (Hugging Face layout, metadata
     ``format = pt``), one tensor in memory at a time; returns the tensors written."""
-    layout = read_layout(directory, world=world)
+    layout = read_layout(directory, world=world, shapes=shapes)
     names = sorted(layout.pieces)
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0

@@ -160,13 +160,14 @@ class Checkpointer:
                 finally:
                     read.set()
         else:
-            from atroposd.trainer.sharded import MODEL_DIR, OPTIMIZER_DIR, stage
+            from atroposd.trainer.sharded import MODEL_DIR, OPTIMIZER_DIR, model_shapes, stage
 
             state["optimizer"] = None
             state["optimizer_dcp"] = OPTIMIZER_DIR
             state["model_dcp"] = MODEL_DIR
             tmp = prepare_checkpoint(root, step, keep)
             staged = stage(policy.model, self.learner.optimizer, self.aliases)
+            shapes = state["model_shapes"] = model_shapes(staged)
             ranks.command(Checkpoint(str(tmp), background=background))
             group = getattr(ranks, "checkpoint_group", None)
 
@@ -180,11 +181,11 @@ class Checkpointer:
                 # Across machines every rank writes into the shared checkpoint_dir: complete only
                 # when every rank's shards are there (SPEC §12.3).
                 check_shards(tmp / OPTIMIZER_DIR, ranks.world)
-                check_model_shards(tmp / MODEL_DIR, ranks.world)
+                check_model_shards(tmp / MODEL_DIR, ranks.world, shapes)
                 if consolidate:
                     from atroposd.trainer.hfshards import consolidate as merge
 
-                    merge(tmp / MODEL_DIR, tmp / WEIGHTS_FILE, world=ranks.world)
+                    merge(tmp / MODEL_DIR, tmp / WEIGHTS_FILE, world=ranks.world, shapes=shapes)
 
             def write() -> Path:
                 try:

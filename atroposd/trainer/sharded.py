@@ -59,6 +59,7 @@ __all__ = [
     "file_index",
     "load_model_shards",
     "load_optimizer",
+    "model_shapes",
     "read_metadata",
     "save_optimizer",
     "stage",
@@ -214,7 +215,12 @@ def check_verified(path: Path, table: dict[str, Any] | None) -> None:
         raise CheckpointError(f"checkpoint {path}: {exc}") from None
 
 
-def check_model_shards(path: Path, world: int) -> None:
+def model_shapes(staged: Staged) -> dict[str, list[int]]:
+    """The full shape of every model tensor a checkpoint's shards hold (kept in its trainer state)."""
+    return {k: list(v.shape) for k, v in staged.model.items()}
+
+
+def check_model_shards(path: Path, world: int, shapes: dict[str, list[int]] | None = None) -> None:
     """Raise CheckpointError unless ``path`` holds the model shard of every rank and they cover
     every tensor (with several machines, a ``checkpoint_dir`` that is not shared leaves the other
     nodes' shards on their own disks)."""
@@ -222,19 +228,20 @@ def check_model_shards(path: Path, world: int) -> None:
     from atroposd.trainer.hfshards import ShardError, read_layout
 
     try:
-        read_layout(path, world=world)
+        read_layout(path, world=world, shapes=shapes)
     except ShardError as exc:
         raise CheckpointError(f"the checkpoint's model shards are incomplete: {exc}; trainer.checkpoint_dir must "
                               "be a directory every node sees (a shared file system)") from exc
 
 
-def load_model_shards(path: Path) -> dict[str, torch.Tensor]:
-    """The full weights from the model shards under ``path`` (safetensors headers are JSON)."""
+def load_model_shards(path: Path, shapes: dict[str, list[int]] | None = None) -> dict[str, torch.Tensor]:
+    """The full weights from the model shards under ``path`` (safetensors headers are JSON),
+    each of its recorded full shape."""
     from atroposd.trainer.ckptfiles import CheckpointError
     from atroposd.trainer.hfshards import ShardError, load_full
 
     try:
-        return load_full(path)
+        return load_full(path, shapes=shapes)
     except ShardError as exc:
         raise CheckpointError(f"cannot read the model shards of {path.parent}: {exc}") from exc
 

@@ -119,6 +119,7 @@ def test_sharded_checkpoint_layout(runs: dict[str, Any]) -> None:
     state = torch.load(step / "trainer_state.pt", weights_only=True)
     assert state["format"] == 2 and state["ranks"] == 2 and state["optimizer"] is None
     assert state["optimizer_dcp"] == "optimizer" and state["model_dcp"] == "model"
+    assert state["model_shapes"]["model.embed_tokens.weight"] == list(runs["two"]["params"]["model.embed_tokens.weight"].shape)
     table = json.loads((step / "checksums.json").read_text())["files"]
     assert {f"model/{shard_name(0)}", f"model/{shard_name(1)}", "optimizer/.metadata"} <= set(table)
     assert not list(step.parent.glob(".tmp-*"))
