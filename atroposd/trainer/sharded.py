@@ -5,7 +5,8 @@ process.
 ``step-N/`` (format 2) holds ``model/`` — safetensors files, each rank's own, written by DCP's
 Hugging Face storage writer (:mod:`.hfshards` reads them) —, ``optimizer/`` (every rank's optimizer shard
 and DCP's metadata), the model's config, the tokenizer, ``trainer_state.pt`` (``"optimizer":
-None``, ``"ranks": N``, ``"optimizer_dcp": "optimizer"``, ``"model_dcp": "model"``) and
+None``, ``"ranks": N``, ``"optimizer_dcp": "optimizer"``, ``"model_dcp": "model"``,
+``"model_shapes"``: each model tensor's full shape, which the shards must make exactly) and
 ``checksums.json``; at the last step also ``model.safetensors``, consolidated from the shards one
 tensor at a time, so that the directory is a Hugging Face model (``atroposd export`` writes the
 same for any checkpoint). Format 1 (written before) held the weights gathered into
