@@ -26,7 +26,8 @@ def test_the_dry_run_prepares_wheels_list_model_and_jobs(tmp_path: Path) -> None
 
     # the wheels: atroposd's own dependencies, pinned, never torch's environment
     names = {r.split("==")[0] for r in summary["requirements"]}
-    assert {"aiohttp", "anyio", "orjson", "structlog", "peft", "nvidia-ml-py", "pytest", "hypothesis"} <= names
+    assert {"aiohttp", "anyio", "orjson", "structlog", "peft", "nvidia-ml-py", "pytest", "hypothesis",
+            "torch-optimi"} <= names
     assert not names & {"torch", "transformers", "tokenizers", "safetensors", "numpy", "triton"}
     assert (out / "requirements.txt").read_text().split() == summary["requirements"]
 

@@ -27,17 +27,18 @@ class OptimizerError(RuntimeError):
 def build_optimizer(params: Sequence[torch.nn.Parameter], tcfg: TrainerConfig, *,
                     precision: Precision | None = None) -> torch.optim.Optimizer:
     """The optimizer named by ``trainer.optimizer`` over ``params``. ``adamw`` over bf16/fp16
-    parameters is :class:`~atroposd.trainer.precision.PrecisionAdamW`: float32 master weights,
-    or Kahan-compensated updates where ``precision`` says so (SPEC §12.1)."""
+    parameters is :class:`~atroposd.trainer.precision.PrecisionAdamW` (float32 master weights),
+    or, where ``precision`` says to compensate, torch-optimi's AdamW with Kahan summation (SPEC §12.1)."""
     params = list(params)
     if not params:
         raise OptimizerError("no trainable parameters")
     betas = (float(tcfg.adam_betas[0]), float(tcfg.adam_betas[1]))
     if tcfg.optimizer == "adamw" and any(p.dtype in (torch.bfloat16, torch.float16) for p in params):
-        from atroposd.trainer.precision import PrecisionAdamW
+        from atroposd.trainer.precision import PrecisionAdamW, compensated_adamw
 
-        return PrecisionAdamW(params, lr=tcfg.lr, betas=betas, weight_decay=tcfg.weight_decay, eps=1e-8,
-                              compensated=precision.compensated if precision is not None else False)
+        if precision is not None and precision.compensated:
+            return compensated_adamw(params, lr=tcfg.lr, betas=betas, weight_decay=tcfg.weight_decay, eps=1e-8)
+        return PrecisionAdamW(params, lr=tcfg.lr, betas=betas, weight_decay=tcfg.weight_decay, eps=1e-8)
     if tcfg.optimizer == "adamw":
         # The fused kernel is one pass over each tensor instead of a dozen small ops (2-3x
         # cheaper for a small model, where the optimizer's Python overhead shows).

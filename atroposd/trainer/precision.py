@@ -10,13 +10,15 @@ the rest:
   result into the working copy after each step. An update below bf16's resolution still moves
   the master weights; it reaches the working copy once the master has moved far enough.
 * ``dtype = "bfloat16"`` (a large model on a small GPU), and ``shared`` weights on a GPU (one
-  bf16 copy for the trainer and every replica): no master copy; the update is Kahan-compensated
-  — what rounding to bf16 dropped is kept in a buffer of the parameter's dtype and added to the
-  next update — so small updates accumulate instead of vanishing.
+  bf16 copy for the trainer and every replica): no master copy; torch-optimi's AdamW with Kahan
+  summation (:func:`compensated_adamw`) keeps what rounding to bf16 dropped in a buffer of the
+  parameter's dtype and adds it to the next update, so small updates accumulate instead of
+  vanishing.
 
-Either way the moments are float32 (per bf16 parameter: 2 bytes of working copy plus 12 of
-state with a master copy, 10 with compensation). Float32 parameters take plain AdamW steps. The state
-is ordinary optimizer state (tensors), saved and restored with the checkpoint.
+With a master copy the moments are float32 (per bf16 parameter: 2 bytes of working copy plus 12
+of state); compensated, everything is in the parameter's dtype (2 + 6). Float32 parameters take
+plain AdamW steps. The state is ordinary optimizer state (tensors), saved and restored with the
+checkpoint.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["COMPUTE_DTYPES", "MASTER_DTYPES", "Precision", "PrecisionAdamW", "resolve_precision"]
+__all__ = ["COMPUTE_DTYPES", "MASTER_DTYPES", "Precision", "PrecisionAdamW", "compensated_adamw",
+           "resolve_precision"]
 
 MASTER_DTYPES = ("auto", "float32", "bfloat16")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -73,24 +76,34 @@ def resolve_precision(*, device_type: str, dtype: str, compute_dtype: str, infer
     return Precision(compute=compute, master=master, compensated=compensated)
 
 
+def compensated_adamw(params: Iterable[torch.nn.Parameter], *, lr: float,
+                      betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                      weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    """AdamW with Kahan summation for low-precision parameters, from torch-optimi (decoupled
+    weight decay scaled by the learning rate, as ``torch.optim.AdamW``)."""
+    from optimi import AdamW
+
+    opt: torch.optim.Optimizer = AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                       decouple_lr=False, kahan_sum=True)
+    return opt
+
+
 class PrecisionAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias-corrected moments, as ``torch.optim.AdamW``) with
-    float32 moments, and for each bf16/fp16 parameter either a float32 master copy
-    (``compensated = False``) or a Kahan compensation buffer (``compensated = True``)."""
+    float32 moments and a float32 master copy of each bf16/fp16 parameter."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, compensated: bool = False) -> None:
+                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"invalid AdamW settings: lr={lr}, betas={betas}, eps={eps}, "
                              f"weight_decay={weight_decay}")
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
-                    "compensated": compensated}
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Every state tensor keeps its own dtype (torch's loading casts floating-point state
-        to the parameter's, which would round the float32 master weights, moments and
-        compensation of a bf16 parameter to bf16)."""
+        to the parameter's, which would round the float32 master weights and moments of a bf16
+        parameter to bf16)."""
         saved = state_dict["state"]
         super().load_state_dict(state_dict)
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
@@ -108,7 +121,7 @@ class PrecisionAdamW(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             lr, (beta1, beta2) = float(group["lr"]), group["betas"]
-            eps, wd, compensated = float(group["eps"]), float(group["weight_decay"]), bool(group["compensated"])
+            eps, wd = float(group["eps"]), float(group["weight_decay"])
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -118,10 +131,7 @@ class PrecisionAdamW(torch.optim.Optimizer):
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-                    if low and compensated:
-                        # in the parameter's dtype: it holds what rounding dropped, below p's resolution
-                        state["compensation"] = torch.zeros_like(p)
-                    elif low:
+                    if low:
                         state["master"] = p.detach().to(torch.float32, copy=True)
                 state["step"] += 1
                 t = float(state["step"])
@@ -136,14 +146,6 @@ class PrecisionAdamW(torch.optim.Optimizer):
                     master.mul_(1 - lr * wd).addcdiv_(m, denom, value=-step_size)
                     p.copy_(master)
                     continue
-                if not low:  # a float32 parameter: plain AdamW
-                    p.mul_(1 - lr * wd).addcdiv_(m, denom, value=-step_size)
-                    continue
-                # Kahan: the update plus what rounding dropped last time, applied in low
-                # precision; what this rounding drops is kept for the next step.
-                comp = state["compensation"]
-                old = p.to(torch.float32)
-                update = (m / denom).mul_(-step_size).sub_(old * (lr * wd)).add_(comp.to(torch.float32))
-                p.copy_(old + update)
-                comp.copy_(update.sub_(p.to(torch.float32) - old))
+                # a float32 parameter: plain AdamW
+                p.mul_(1 - lr * wd).addcdiv_(m, denom, value=-step_size)
         return loss

@@ -11,7 +11,12 @@ import torch
 
 from atroposd.config import ConfigError, parse_config
 from atroposd.trainer.model import token_logprobs
-from atroposd.trainer.precision import Precision, PrecisionAdamW, resolve_precision
+from atroposd.trainer.precision import (
+    Precision,
+    PrecisionAdamW,
+    compensated_adamw,
+    resolve_precision,
+)
 from atroposd.trainer.setup import build_learner, load_for_training
 from tests.trainer.conftest import make_cfg
 
@@ -88,7 +93,7 @@ def test_the_compensated_optimizer_keeps_small_updates_on_bf16_parameters() -> N
     kahan = start.to(torch.bfloat16).requires_grad_()
     ref = start.clone().requires_grad_()
     optimizers = [torch.optim.AdamW([plain], lr=lr, weight_decay=0.0),
-                  PrecisionAdamW([kahan], lr=lr, compensated=True),
+                  compensated_adamw([kahan], lr=lr),
                   torch.optim.AdamW([ref], lr=lr, weight_decay=0.0)]
     for _ in range(steps):
         for p, opt in zip((plain, kahan, ref), optimizers, strict=True):
@@ -96,6 +101,7 @@ def test_the_compensated_optimizer_keeps_small_updates_on_bf16_parameters() -> N
             opt.step()
     assert torch.equal(plain.float(), start)  # every update lost
     assert "master" not in optimizers[1].state[kahan]  # one bf16 copy: no master
+    assert all(t.dtype == torch.bfloat16 for t in optimizers[1].state[kahan].values() if t.dim())
     assert float((start - ref.detach()).mean()) == pytest.approx(steps * lr, rel=0.05)
     ulp = 2.0 ** -7
     assert float((kahan.detach().float() - ref.detach()).abs().max()) <= ulp
@@ -152,7 +158,8 @@ def test_precision_adamw_on_a_gpu_takes_the_cpus_steps(compensated: bool) -> Non
     (or compensation) and the same bf16 weights after each step, to float32 rounding."""
     start = torch.linspace(-1.0, 1.0, 4096).to(torch.bfloat16)
     params = [start.clone().requires_grad_(), start.to("cuda:0").requires_grad_()]
-    opts = [PrecisionAdamW([p], lr=1e-5, weight_decay=0.01, compensated=compensated) for p in params]
+    opts = [compensated_adamw([p], lr=1e-5, weight_decay=0.01) if compensated else
+            PrecisionAdamW([p], lr=1e-5, weight_decay=0.01) for p in params]
     for i in range(20):
         g = torch.randn(4096, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
         for p, opt in zip(params, opts, strict=True):
@@ -161,6 +168,20 @@ def test_precision_adamw_on_a_gpu_takes_the_cpus_steps(compensated: bool) -> Non
     cpu, gpu = params[0].detach(), params[1].detach().cpu()
     assert float((cpu.float() - gpu.float()).abs().max()) <= 2.0 ** -7
     # the value the optimizer tracks: the master weights, or the bf16 weights plus what rounding dropped
-    tracked = [opt.state[p]["compensation"].float().cpu() + p.detach().float().cpu() if compensated
+    tracked = [opt.state[p]["kahan_comp"].float().cpu() + p.detach().float().cpu() if compensated
                else opt.state[p]["master"].cpu() for p, opt in zip(params, opts, strict=True)]
     torch.testing.assert_close(tracked[0], tracked[1], rtol=0, atol=1e-5)
+
+
+def test_the_trainer_builds_the_compensated_optimizer_where_precision_says_so() -> None:
+    from optimi import AdamW as OptimiAdamW
+
+    from atroposd.trainer.optim import build_optimizer
+
+    tcfg = parse_config({}).trainer
+    bf16 = [torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))]
+    compensated = build_optimizer(bf16, tcfg, precision=Precision("bfloat16", "bfloat16", True))
+    assert isinstance(compensated, OptimiAdamW) and compensated.param_groups[0]["kahan_sum"] is True
+    assert compensated.param_groups[0]["lr"] == tcfg.lr
+    master = build_optimizer(bf16, tcfg, precision=Precision("bfloat16", "float32", False))
+    assert isinstance(master, PrecisionAdamW)
