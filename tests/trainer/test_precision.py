@@ -185,3 +185,29 @@ def test_the_trainer_builds_the_compensated_optimizer_where_precision_says_so() 
     assert compensated.param_groups[0]["lr"] == tcfg.lr
     master = build_optimizer(bf16, tcfg, precision=Precision("bfloat16", "float32", False))
     assert isinstance(master, PrecisionAdamW)
+
+
+def test_the_compensated_optimizer_resumes_from_its_state_dict_exactly() -> None:
+    # what a checkpoint holds (the moments and the compensation) continues the same steps
+    import io
+
+    grads = [torch.randn(64, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16) for i in range(6)]
+    a = torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
+    opt_a = compensated_adamw([a], lr=1e-4, weight_decay=0.01)
+    for g in grads[:3]:
+        a.grad = g.clone()
+        opt_a.step()
+    buf = io.BytesIO()
+    torch.save({"p": a.detach().clone(), "opt": opt_a.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    b = torch.nn.Parameter(saved["p"])
+    opt_b = compensated_adamw([b], lr=1e-4, weight_decay=0.01)
+    opt_b.load_state_dict(saved["opt"])
+    assert torch.count_nonzero(opt_b.state[b]["kahan_comp"]) > 0  # the compensation came back
+    for g in grads[3:]:
+        a.grad, b.grad = g.clone(), g.clone()
+        opt_a.step()
+        opt_b.step()
+    assert torch.equal(a.detach(), b.detach())
+    assert torch.equal(opt_a.state[a]["kahan_comp"], opt_b.state[b]["kahan_comp"])
