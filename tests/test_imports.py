@@ -312,3 +312,11 @@ def test_every_kind_of_import_is_seen(tmp_path: Path, monkeypatch: pytest.Monkey
     cyc = cycles()
     assert sorted(map(tuple, cyc)) == [("atroposd.api.app", "atroposd.cli", "atroposd.api.app"),
                                        ("atroposd.config", "atroposd.paths", "atroposd.config")]
+
+
+def test_the_architecture_document_names_every_module() -> None:
+    # docs/ARCHITECTURE.md's package layout is where a reader looks a module up
+    text = (ROOT.parent / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    missing = [str(path.relative_to(ROOT.parent)) for path in MODULES.values()
+               if path.name != "__init__.py" and path.name not in text]
+    assert not missing, "modules docs/ARCHITECTURE.md does not name:\n  " + "\n  ".join(missing)
