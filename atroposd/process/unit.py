@@ -13,11 +13,9 @@ by ``stop_timeout``; the same clean-up runs when a child exits by itself, before
 
 from __future__ import annotations
 
-import collections
 import enum
 import functools
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -39,6 +37,7 @@ from atroposd.process import reaper
 from atroposd.process.liveness import LiveCheck, LiveSettings
 from atroposd.process.logfiles import LogHub, tail
 from atroposd.process.probes import Probe, ProbeError
+from atroposd.restarts import RestartBudget
 from atroposd.shmscan import boot_seconds
 
 log = get_logger("atroposd.unit")
@@ -152,7 +151,8 @@ class Unit:
         self.done = anyio.Event()  # supervise() returned
         self._stop = anyio.Event()
         self._changed = anyio.Event()
-        self._exits: collections.deque[float] = collections.deque()
+        self._budget = RestartBudget(spec.max_restarts, spec.restart_window, first=BACKOFF_FIRST, cap=BACKOFF_MAX,
+                                     jitter=BACKOFF_JITTER)
         self._sink = logs.sink(spec.name)
         self._on_ready = on_ready
         self._on_change = on_change
@@ -526,10 +526,7 @@ class Unit:
 
     def _after_exit(self, exit_info: ExitInfo) -> float | None:
         """Classify an exit (SPEC §4): the backoff before the next start, or None when final."""
-        now = time.monotonic()
-        self._exits.append(now)
-        while self._exits and now - self._exits[0] > self.spec.restart_window:
-            self._exits.popleft()
+        exits = self._budget.record()
         what = exit_info.describe()
         if exit_info.code == Exit.USAGE and not self.ever_ready:
             self.last_error = (f"{what} before it was ever ready: a usage or config error; last log lines:\n"
@@ -543,14 +540,13 @@ class Unit:
             else:
                 self._transition(State.FAILED, f"{what}; restart = never")
             return None
-        if len(self._exits) > self.spec.max_restarts:
-            reason = (f"{what}; {len(self._exits)} exits within {self.spec.restart_window:g}s "
+        if self._budget.exhausted:
+            reason = (f"{what}; {exits} exits within {self.spec.restart_window:g}s "
                       f"(max_restarts = {self.spec.max_restarts})")
             self.last_error = self.last_error or reason
             self._transition(State.FAILED, reason)
             return None
-        delay: float = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (len(self._exits) - 1))
-        delay = min(BACKOFF_MAX, delay * (1 + BACKOFF_JITTER * random.random()))
+        delay = self._budget.backoff()
         self._transition(State.BACKOFF, f"{what}; restarting in {delay:.1f}s")
         return delay
 

@@ -24,6 +24,7 @@ from anyio.abc import TaskStatus
 
 from atroposd.config import Config
 from atroposd.paths import Paths
+from atroposd.restarts import RestartBudget
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -130,7 +131,8 @@ class TrainerService:
         self._ranks_generation = 0
         self._rank_lost: str | None = None
         self._attempt_scope: anyio.CancelScope | None = None
-        self._restart_times: list[float] = []
+        t = cfg.trainer
+        self._restarts = RestartBudget(t.max_restarts, t.restart_window, first=BACKOFF_FIRST_S, cap=BACKOFF_MAX_S)
         self.group_restarts = 0
         self.last_fault: str | None = None
         self.waiting_nodes: list[int] = []  # several machines: the nodes a re-forming group waits for
@@ -600,8 +602,7 @@ class TrainerService:
         missing: list[int] = getattr(self.rank_host, "nodes_missing", list)()
         # A restart while a rank-holding node is lost or joining is not counted (SPEC §12.3):
         # the group waits for the node instead.
-        self._restart_times = [x for x in self._restart_times if now - x <= t.restart_window] + \
-            ([] if missing else [now])
+        self._restarts.record(now, counted=not missing)
         self.group_restarts += 1
         if self._rank_lost is None and self.rank_host is not None:
             # A collective failed: name the rank whose exit broke it, once its unit has seen it.
@@ -616,10 +617,10 @@ class TrainerService:
             self._loop.abandon_checkpoint()
         self.compute.fence()
         await self._close_group()
-        if len(self._restart_times) > t.max_restarts:
-            raise GroupFault(f"{len(self._restart_times)} trainer group restarts within {t.restart_window:g} s "
+        if self._restarts.exhausted:
+            raise GroupFault(f"{self._restarts.count} trainer group restarts within {t.restart_window:g} s "
                              f"(trainer.max_restarts = {t.max_restarts}); last: {fault}")
-        delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** max(0, len(self._restart_times) - 1))
+        delay = self._restarts.backoff()
         log.error("trainer group failed; restarting from the last complete checkpoint", reason=str(fault),
                   restarts=self.group_restarts, backoff_s=delay)
         with anyio.move_on_after(delay):
