@@ -47,7 +47,7 @@ class RestartBudget:
 
     def backoff(self, draw: float | None = None) -> float:
         """Seconds before the next restart; ``draw`` in [0, 1) stands for the random jitter."""
-        delay = min(self.cap, self.first * 2 ** max(0, len(self._times) - 1))
+        delay = min(self.cap, self.first * 2.0 ** max(0, len(self._times) - 1))
         if self.jitter:
             delay = min(self.cap, delay * (1 + self.jitter * (random.random() if draw is None else draw)))
         return delay
