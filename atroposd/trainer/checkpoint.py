@@ -200,11 +200,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full model's state dict for safetensors: private contiguous copies, each storage once.
+def model_weights(model: torch.nn.Module, *, copy: bool = True) -> dict[str, torch.Tensor]:
+    """The full model's state dict for safetensors, each storage once.
 
     Tied aliases (``lm_head.weight`` of a tied-embedding model) are dropped as Hugging Face
-    does; the copy also detaches from shared memory that the inference server computes on.
+    does. With ``copy`` (the default) private contiguous copies, detached from shared memory
+    that the inference server computes on; without, the live tensors detached (a CPU copy only
+    of what is not on the CPU or not contiguous), for a writer the next optimizer step waits on.
     """
     out: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
@@ -213,7 +215,7 @@ def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if key in seen:
             continue
         seen.add(key)
-        out[name] = t.detach().to("cpu", copy=True).contiguous()
+        out[name] = t.detach().to("cpu", copy=copy).contiguous()
     return out
 
 

@@ -247,6 +247,18 @@ class Sentinel:
         await self._quarantine(sock, False)
         log.info("replica back in rotation", replica=i, drift=_r(drift), drift_limit=self.limit)
 
+    async def _remeasure(self, i: int, sock: Path, model: torch.nn.Module, version: int) -> float | None:
+        """Replica ``i``'s canary again: its drift, recorded (None: no answer or no token)."""
+        again = await self.measure(sock, model, version)
+        self.drift[i] = None if again is None else again.drift
+        return self.drift[i]
+
+    async def _resync(self, i: int, sock: Path, sync: Any, model: torch.nn.Module, version: int) -> float | None:
+        """Sync replica ``i`` again with the trainer's weights, then :meth:`_remeasure` it."""
+        self.resyncs += 1
+        await sync.reattach(model, version, replica=i)
+        return await self._remeasure(i, sock, model, version)
+
     async def _heal(self, i: int, sync: Any, model: torch.nn.Module, version: int, drift: float) -> None:
         sock = self.sockets()[i]
         assert sock is not None
@@ -255,11 +267,7 @@ class Sentinel:
         await self._quarantine(sock, True, reason)
         log.warning("replica drift over the limit: quarantined, syncing it again", replica=i, drift=_r(drift),
                     drift_limit=self.limit, weight_version=version)
-        self.resyncs += 1
-        await sync.reattach(model, version, replica=i)
-        again = await self.measure(sock, model, version)
-        after = None if again is None else again.drift
-        self.drift[i] = after
+        after = await self._resync(i, sock, sync, model, version)
         if after is not None and after <= self.limit:
             log.warning("replica drift fell after a resync: the weights of the sync had not arrived",
                         replica=i, drift_before=_r(drift), drift_after=_r(after), weight_version=version,
@@ -273,9 +281,7 @@ class Sentinel:
             if await self.restart(i):
                 # the restarted replica got the current weights before it served (reattach)
                 sock = self.sockets()[i] or sock
-                again = await self.measure(sock, model, version)
-                after = None if again is None else again.drift
-                self.drift[i] = after
+                after = await self._remeasure(i, sock, model, version)
                 if after is not None and after <= self.limit:
                     log.warning("replica drift fell after a restart", replica=i, drift_before=_r(drift),
                                 drift_after=_r(after), weight_version=version, cause="replica restarted")
@@ -305,11 +311,7 @@ class Sentinel:
         measured; back in rotation if it passes, else kept out — never restarted again."""
         sock = self.sockets()[i]
         assert sock is not None
-        self.resyncs += 1
-        await sync.reattach(model, version, replica=i)
-        again = await self.measure(sock, model, version)
-        after = None if again is None else again.drift
-        self.drift[i] = after
+        after = await self._resync(i, sock, sync, model, version)
         if after is not None and after <= self.limit:
             self.given_up.discard(i)
             await self._release(i, sock, drift=after)

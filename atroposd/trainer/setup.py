@@ -32,6 +32,7 @@ from atroposd.trainer.checkpoint import (
     load_checkpoint,
     load_latest,
     lower_priority,
+    model_weights,
     prepare_checkpoint,
     restore_weights,
     rng_state,
@@ -148,7 +149,7 @@ class Checkpointer:
         if ranks.world == 1:
             # the live tensors: written before the next optimizer step changes them (fence)
             state["optimizer"] = self.learner.optimizer.state_dict()
-            weights = None if policy.lora else live_weights(policy.model)
+            weights = None if policy.lora else model_weights(policy.model, copy=False)
             if policy.lora:
                 background = False  # PEFT writes the live adapters: small, written at once
 
@@ -257,21 +258,6 @@ class Checkpointer:
     def abandon(self) -> None:
         """The trainer group restarts: a write still in flight is never installed as complete."""
         self._abandoned.set()
-
-
-def live_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full model's tensors for safetensors, each storage once (tied aliases dropped as
-    Hugging Face does), detached but not copied (a CPU copy only of what is not on the CPU or
-    not contiguous)."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
-    for name, t in model.state_dict().items():
-        key = (t.data_ptr(), tuple(t.shape), t.dtype)
-        if key in seen:
-            continue
-        seen.add(key)
-        out[name] = t.detach().to("cpu").contiguous()
-    return out
 
 
 def _run(fn: Callable[[], Any], background: bool, *, name: str) -> concurrent.futures.Future[Any]:
