@@ -17,9 +17,13 @@ from atroposd.exitcodes import Exit
 
 
 def add_config(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-c", "--config", metavar="FILE",
-                   help="config file (default: $ATROPOSD_CONFIG, ./atroposd.toml, "
-                        "/etc/atroposd/atroposd.toml, else the built-in defaults)")
+    p.add_argument(
+        "-c",
+        "--config",
+        metavar="FILE",
+        help="config file (default: $ATROPOSD_CONFIG, ./atroposd.toml, "
+        "/etc/atroposd/atroposd.toml, else the built-in defaults)",
+    )
 
 
 def load_or_exit(args: argparse.Namespace) -> Config:
@@ -41,5 +45,4 @@ def apply_flags(section: Any, prefix: str, args: argparse.Namespace, flags: Mapp
         if value is not None:
             setattr(section, key, value)
             given[key] = "--" + attr.replace("_", "-")
-    return [f"{given[p.path.rsplit('.', 1)[-1]]} {p.message}"
-            for p in check_fields(section, prefix, list(given))]
+    return [f"{given[p.path.rsplit('.', 1)[-1]]} {p.message}" for p in check_fields(section, prefix, list(given))]

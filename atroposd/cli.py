@@ -25,8 +25,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="atroposd", description="Run an Atropos reinforcement-learning job as one supervised "
-                                                  "service.")
+    parser = _Parser(
+        prog="atroposd", description="Run an Atropos reinforcement-learning job as one supervised service."
+    )
     parser.add_argument("--version", action="version", version=f"atroposd {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -40,13 +41,19 @@ def build_parser() -> argparse.ArgumentParser:
     cmd("run", "run the job in the foreground (what systemd's ExecStart runs)", _run)
     cmd("start", "start the daemon in the background; return once it is READY or has failed", _start)
     p = cmd("stop", "stop the daemon gracefully; return when every process is gone", _stop)
-    p.add_argument("--timeout", type=float, metavar="S",
-                   help="seconds to wait (default: checkpoint_timeout + stop_timeout + 10)")
+    p.add_argument(
+        "--timeout", type=float, metavar="S", help="seconds to wait (default: checkpoint_timeout + stop_timeout + 10)"
+    )
     p = cmd("status", "components, trainer progress, queue", _status)
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.add_argument("-w", "--watch", action="store_true", help="redraw every second until Ctrl-C")
-    p.add_argument("--node", type=int, metavar="N", help="several machines: only node N's row, with all its "
-                   "components (a large head's status leaves the nodes' component rows out)")
+    p.add_argument(
+        "--node",
+        type=int,
+        metavar="N",
+        help="several machines: only node N's row, with all its "
+        "components (a large head's status leaves the nodes' component rows out)",
+    )
     cmd("reload", "re-read the config and apply environment changes live", _reload)
     p = cmd("logs", "show a component's log", _logs)
     p.add_argument("name", nargs="?", default="daemon", help="component (default: daemon)")
@@ -56,34 +63,52 @@ def build_parser() -> argparse.ArgumentParser:
     cfg = sub.add_parser("config", help="check or show the configuration")
     cfg_sub = cfg.add_subparsers(dest="config_command", metavar="ACTION")
     cfg_sub.required = True
-    for name, helptext, handler in (("check", "validate; exit 0, or 2 with every problem listed", _config_check),
-                                    ("show", "the effective config as TOML, defaults filled in", _config_show),
-                                    ("example", "print the commented example (the built-in defaults)",
-                                     _config_example),
-                                    ("schema", "print the config file's JSON Schema (for editors: keys, types, "
-                                               "defaults, bounds)", _config_schema)):
+    for name, helptext, handler in (
+        ("check", "validate; exit 0, or 2 with every problem listed", _config_check),
+        ("show", "the effective config as TOML, defaults filled in", _config_show),
+        ("example", "print the commented example (the built-in defaults)", _config_example),
+        ("schema", "print the config file's JSON Schema (for editors: keys, types, defaults, bounds)", _config_schema),
+    ):
         p = cfg_sub.add_parser(name, help=helptext, description=helptext)
         _add_config(p)
         p.set_defaults(handler=handler)
 
-    p = cmd("plot", "draw metrics.jsonl (reward, accuracy, loss, KL, clipped fraction, staleness, time per step, "
-            "tokens/s) to a PNG; several runs overlay", _plot)
-    p.add_argument("runs", nargs="*", metavar="RUN",
-                   help="state dirs or metrics files to overlay (default: the config's state_dir)")
-    p.add_argument("-o", "--output", metavar="PNG",
-                   help="output file (default: {state_dir}/metrics.png; ./metrics.png with RUN arguments)")
+    p = cmd(
+        "plot",
+        "draw metrics.jsonl (reward, accuracy, loss, KL, clipped fraction, staleness, time per step, "
+        "tokens/s) to a PNG; several runs overlay",
+        _plot,
+    )
+    p.add_argument(
+        "runs",
+        nargs="*",
+        metavar="RUN",
+        help="state dirs or metrics files to overlay (default: the config's state_dir)",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        metavar="PNG",
+        help="output file (default: {state_dir}/metrics.png; ./metrics.png with RUN arguments)",
+    )
     p.add_argument("--metrics", metavar="JSONL", help="metrics file (default: {state_dir}/metrics.jsonl)")
 
-    p = cmd("export", "a checkpoint (default: the newest complete one) as a Hugging Face model directory "
-            "(config, safetensors weights, tokenizer) that transformers loads", _export)
+    p = cmd(
+        "export",
+        "a checkpoint (default: the newest complete one) as a Hugging Face model directory "
+        "(config, safetensors weights, tokenizer) that transformers loads",
+        _export,
+    )
     p.add_argument("--step", type=int, metavar="N", help="the checkpoint of step N (default: the newest complete one)")
     p.add_argument("dir", metavar="DIR", help="the directory to write (must not exist, or be empty)")
 
     # Child entry points: each package owns its flags (its cli module imports nothing heavy).
-    for name, mod, helptext in (("api", api_cli, "the trajectory API server (wire-compatible with run-api)"),
-                                ("inference", inference_cli, "the inference server (/generate, OpenAI routes)"),
-                                ("env", env_cli, "a built-in environment"),
-                                ("trainer-rank", trainer_cli, "a trainer rank 1..N-1 (started by the daemon)")):
+    for name, mod, helptext in (
+        ("api", api_cli, "the trajectory API server (wire-compatible with run-api)"),
+        ("inference", inference_cli, "the inference server (/generate, OpenAI routes)"),
+        ("env", env_cli, "a built-in environment"),
+        ("trainer-rank", trainer_cli, "a trainer rank 1..N-1 (started by the daemon)"),
+    ):
         p = sub.add_parser(name, help=helptext, description=helptext)
         _add_config(p)
         mod.add_arguments(p)

@@ -120,8 +120,9 @@ def _daemon_log_stream(cfg: Config) -> _Tee:
     path = paths.log_file("daemon")
     path.parent.mkdir(parents=True, exist_ok=True)
     detached = _same_file(sys.stderr.fileno(), _daemon_out(paths))  # started by `atroposd start`
-    return _Tee(None if detached else sys.stderr, path, max_bytes=cfg.daemon.log_max_bytes,
-                backups=cfg.daemon.log_backups)
+    return _Tee(
+        None if detached else sys.stderr, path, max_bytes=cfg.daemon.log_max_bytes, backups=cfg.daemon.log_backups
+    )
 
 
 def _daemon_out(paths: Paths) -> Path:
@@ -225,8 +226,9 @@ def start(cfg: Config, args: argparse.Namespace) -> int:
         if not cfg.source.startswith("<"):
             argv += ["-c", cfg.source]
         with open(out_path, "ab") as out:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    env=env, start_new_session=True)
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         return _await_ready(proc, notify, (log_path, offset), (out_path, out_offset), _start_budget(cfg), cfg)
     finally:
         notify.close()
@@ -270,8 +272,14 @@ class _StartProgress:
                 sys.stderr.flush()
 
 
-def _await_ready(proc: subprocess.Popen[bytes], notify: socket.socket, log: tuple[Path, int],
-                 out: tuple[Path, int], budget: float, cfg: Config | None = None) -> int:
+def _await_ready(
+    proc: subprocess.Popen[bytes],
+    notify: socket.socket,
+    log: tuple[Path, int],
+    out: tuple[Path, int],
+    budget: float,
+    cfg: Config | None = None,
+) -> int:
     progress = _StartProgress(cfg) if cfg is not None else None
     try:
         return _await_ready_quietly(proc, notify, log, out, budget, progress)
@@ -280,8 +288,14 @@ def _await_ready(proc: subprocess.Popen[bytes], notify: socket.socket, log: tupl
             progress.done()
 
 
-def _await_ready_quietly(proc: subprocess.Popen[bytes], notify: socket.socket, log: tuple[Path, int],
-                         out: tuple[Path, int], budget: float, progress: _StartProgress | None) -> int:
+def _await_ready_quietly(
+    proc: subprocess.Popen[bytes],
+    notify: socket.socket,
+    log: tuple[Path, int],
+    out: tuple[Path, int],
+    budget: float,
+    progress: _StartProgress | None,
+) -> int:
     log_path = log[0]
     deadline = time.monotonic() + budget
     while time.monotonic() < deadline:
@@ -303,8 +317,10 @@ def _await_ready_quietly(proc: subprocess.Popen[bytes], notify: socket.socket, l
             return code or Exit.RUNTIME
     if progress is not None:
         progress.done()
-    _err(f"the daemon is not READY after {budget:g}s; it keeps starting in the background (pid {proc.pid}); "
-         f"see {log_path}")
+    _err(
+        f"the daemon is not READY after {budget:g}s; it keeps starting in the background (pid {proc.pid}); "
+        f"see {log_path}"
+    )
     proc.returncode = 0
     return Exit.RUNTIME
 
@@ -337,8 +353,11 @@ def _failure_reason(log_path: Path, offset: int, out_path: Path, out_offset: int
 
 def stop(cfg: Config, args: argparse.Namespace) -> int:
     """Ask the daemon to stop; wait until it (and so every child) is gone."""
-    timeout = args.timeout if getattr(args, "timeout", None) is not None else \
-        cfg.daemon.checkpoint_timeout + cfg.daemon.stop_timeout + 10
+    timeout = (
+        args.timeout
+        if getattr(args, "timeout", None) is not None
+        else cfg.daemon.checkpoint_timeout + cfg.daemon.stop_timeout + 10
+    )
     try:
         answer = control.request(cfg.control_socket, {"cmd": "stop"})
     except control.ControlError as exc:
@@ -445,8 +464,12 @@ def _render_status(st: dict[str, Any]) -> str:
             out.append(f"  {live['state']}: {live.get('error') or (live.get('last_hung') or {}).get('reason')}")
     replicas = [c for c in st.get("components") or [] if c.get("kind") == "inference" and "generations" in c]
     if len(replicas) > 1:
-        out.append("replicas: " + ", ".join(f"{c['name']} weights v{c.get('weight_version')}, "
-                                            f"{c.get('generations')} generations" for c in replicas))
+        out.append(
+            "replicas: "
+            + ", ".join(
+                f"{c['name']} weights v{c.get('weight_version')}, {c.get('generations')} generations" for c in replicas
+            )
+        )
     t = st.get("trainer")
     if t:
         line = f"trainer: {t.get('state')} step {t.get('step')}/{t.get('total_steps')}"
@@ -472,20 +495,26 @@ def _render_status(st: dict[str, Any]) -> str:
             out.append(f"trainer: health: {t['health']} tripped at the last step")
         last = t.get("last_rollback")
         if t.get("rollbacks") and isinstance(last, dict):
-            out.append(f"trainer: {t['rollbacks']} rollback(s) of at most {t.get('max_rollbacks')}; last at step "
-                       f"{last.get('step')}: {last.get('reason')} → back to {last.get('to')}, lr now "
-                       f"{last.get('lr')}, {t.get('dropped_groups') or 0} groups dropped")
+            out.append(
+                f"trainer: {t['rollbacks']} rollback(s) of at most {t.get('max_rollbacks')}; last at step "
+                f"{last.get('step')}: {last.get('reason')} → back to {last.get('to')}, lr now "
+                f"{last.get('lr')}, {t.get('dropped_groups') or 0} groups dropped"
+            )
         sen = t.get("sentinel")
         if isinstance(sen, dict):
             drift = ", ".join("-" if d is None else f"{d:.3g}" for d in sen.get("replica_drift") or [])
-            text = (f"sentinel: drift [{drift}] (limit {sen.get('drift_limit')}), canary prompts "
-                    f"{sen.get('canary_prompts')} {sen.get('canary_source')}, {sen.get('resyncs') or 0} resyncs, "
-                    f"{sen.get('restarts') or 0} restarts")
+            text = (
+                f"sentinel: drift [{drift}] (limit {sen.get('drift_limit')}), canary prompts "
+                f"{sen.get('canary_prompts')} {sen.get('canary_source')}, {sen.get('resyncs') or 0} resyncs, "
+                f"{sen.get('restarts') or 0} restarts"
+            )
             held = sen.get("quarantined") or {}
             out.append(text + ("; quarantined: " + ", ".join(f"replica {k}" for k in sorted(held)) if held else ""))
         if t.get("checkpoint_failures"):
-            out.append(f"trainer: {t['checkpoint_failures']} checkpoint write(s) failed; last: "
-                       f"{t.get('checkpoint_error') or '?'}")
+            out.append(
+                f"trainer: {t['checkpoint_failures']} checkpoint write(s) failed; last: "
+                f"{t.get('checkpoint_error') or '?'}"
+            )
     q = st.get("queue")
     if q:
         out.append(f"queue: {q.get('sequences')} sequences" + (f" of {q['capacity']}" if q.get("capacity") else ""))
@@ -504,8 +533,10 @@ def _render_nodes(st: dict[str, Any]) -> list[str]:
             beat = n.get("last_heartbeat_s")
             comps = ", ".join(f"{c.get('name')} {c.get('state')}" for c in n.get("components") or [])
             reason = f" ({n['reason']})" if n.get("reason") and n.get("state") != "ready" else ""
-            out.append(f"{n['node_rank']:<6} {n.get('host') or '-'!s:<20} {n['state']:<9} "
-                       f"{'-' if beat is None else f'{beat:.1f}s':>9}  {comps or '-'}{reason}")
+            out.append(
+                f"{n['node_rank']:<6} {n.get('host') or '-'!s:<20} {n['state']:<9} "
+                f"{'-' if beat is None else f'{beat:.1f}s':>9}  {comps or '-'}{reason}"
+            )
         return out
     link = st.get("cluster")
     if link:

@@ -70,27 +70,58 @@ MODEL_PATTERN = "^(" + "|".join(re.escape(m) for m in BUILTIN_MODELS) + "|(?!bui
 URL_PATTERN = r"^https?://[^/\s]+(/.*)?$"
 ENV_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 RESERVED_NAMES = ("api", "inference", "trainer", "daemon")
-PLACEHOLDERS = ("api_url", "inference_url", "inference_urls", "openai_url", "model", "tokenizer", "group_size",
-                "max_token_len", "steps", "name", "replica", "seed", "replica_port", "weight", "wandb_group",
-                "inference_token")
+PLACEHOLDERS = (
+    "api_url",
+    "inference_url",
+    "inference_urls",
+    "openai_url",
+    "model",
+    "tokenizer",
+    "group_size",
+    "max_token_len",
+    "steps",
+    "name",
+    "replica",
+    "seed",
+    "replica_port",
+    "weight",
+    "wandb_group",
+    "inference_token",
+)
 
 
 def _placeholder_pattern(known: Sequence[str]) -> str:
     """A string whose ``{identifier}`` braces are all known placeholders (other braces are free)."""
     return r"^(?:[^{]|\{(?:" + "|".join(known) + r")\}|\{(?![A-Za-z_][A-Za-z0-9_]*\}))*$"
 
+
 # ---------------------------------------------------------------------------- schema
 
 
-def _k(default: Any, doc: str, *, choices: Sequence[Any] | None = None, min: float | None = None,
-      max: float | None = None, gt: float | None = None, example: bool = True,
-      schema: Mapping[str, Any] | None = None) -> Any:
+def _k(
+    default: Any,
+    doc: str,
+    *,
+    choices: Sequence[Any] | None = None,
+    min: float | None = None,
+    max: float | None = None,
+    gt: float | None = None,
+    example: bool = True,
+    schema: Mapping[str, Any] | None = None,
+) -> Any:
     """A config key: its default, the comment shown above it, and simple value rules.
 
     ``schema``: JSON Schema keywords for rules that ``_cross_checks`` applies to this key alone
     (a pattern, a length), so that ``json_schema`` expresses them too."""
-    meta = {"doc": doc, "choices": choices, "min": min, "max": max, "gt": gt, "example": example,
-            "schema": dict(schema or {})}
+    meta = {
+        "doc": doc,
+        "choices": choices,
+        "min": min,
+        "max": max,
+        "gt": gt,
+        "example": example,
+        "schema": dict(schema or {}),
+    }
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -98,56 +129,85 @@ def _k(default: Any, doc: str, *, choices: Sequence[Any] | None = None, min: flo
 
 @dataclass
 class DaemonConfig:
-    runtime_dir: str = _k("", "Control socket, pidfile, weight manifests (mode 0700). Default: $RUNTIME_DIRECTORY\n"
-                          "(systemd), else /run/atroposd as root, else $XDG_RUNTIME_DIR/atroposd, else\n"
-                          "/tmp/atroposd-$UID (refused unless ours with mode 0700).",
-                          schema={"maxLength": SOCKET_PATH_MAX - len("/" + CONTROL_SOCKET_NAME)})
-    state_dir: str = _k("", "Logs, checkpoints, metrics, spool, crash-recovery records. Default: $STATE_DIRECTORY\n"
-                        "(systemd), else /var/lib/atroposd as root, else $XDG_STATE_HOME/atroposd\n"
-                        "(~/.local/state/atroposd).")
+    runtime_dir: str = _k(
+        "",
+        "Control socket, pidfile, weight manifests (mode 0700). Default: $RUNTIME_DIRECTORY\n"
+        "(systemd), else /run/atroposd as root, else $XDG_RUNTIME_DIR/atroposd, else\n"
+        "/tmp/atroposd-$UID (refused unless ours with mode 0700).",
+        schema={"maxLength": SOCKET_PATH_MAX - len("/" + CONTROL_SOCKET_NAME)},
+    )
+    state_dir: str = _k(
+        "",
+        "Logs, checkpoints, metrics, spool, crash-recovery records. Default: $STATE_DIRECTORY\n"
+        "(systemd), else /var/lib/atroposd as root, else $XDG_STATE_HOME/atroposd\n"
+        "(~/.local/state/atroposd).",
+    )
     log_level: str = _k("info", "debug | info | warning | error", choices=("debug", "info", "warning", "error"))
-    log_format: str = _k("auto", "auto: console on a TTY, JSON otherwise (journald-friendly) | console | json",
-                         choices=("auto", "console", "json"))
+    log_format: str = _k(
+        "auto",
+        "auto: console on a TTY, JSON otherwise (journald-friendly) | console | json",
+        choices=("auto", "console", "json"),
+    )
     log_max_bytes: int = _k(52428800, "Per component log file, then rotated.", min=4096)
     log_backups: int = _k(5, "Rotated log files kept per component.", min=0)
     stop_timeout: float = _k(30.0, "Seconds for the children's termination, escalation to SIGKILL included.", gt=0)
     checkpoint_timeout: float = _k(120.0, "Seconds a requested stop may spend writing the final checkpoint.", min=0)
     metrics_port: int = _k(0, "Prometheus text format on 127.0.0.1; 0 = off.", min=0, max=65535)
-    metrics_token: str = _k("", "Bearer token a scrape of metrics_port presents to get the series of the\n"
-                            "components that require a token (the API with a token, the inference servers with\n"
-                            "one); empty, or a scrape without it: those series are left out.")
+    metrics_token: str = _k(
+        "",
+        "Bearer token a scrape of metrics_port presents to get the series of the\n"
+        "components that require a token (the API with a token, the inference servers with\n"
+        "one); empty, or a scrape without it: those series are left out.",
+    )
     socket_group: str = _k("", "Optional group allowed to use the control socket (mode 0660).")
 
 
 @dataclass
 class ApiConfig:
     enabled: bool = _k(True, "false: use an API that runs elsewhere, at url.")
-    url: str = _k("", "Required when enabled = false, e.g. http://10.0.0.5:8000.",
-                  schema={"pattern": "^$|" + URL_PATTERN})
+    url: str = _k(
+        "", "Required when enabled = false, e.g. http://10.0.0.5:8000.", schema={"pattern": "^$|" + URL_PATTERN}
+    )
     host: str = _k("127.0.0.1", "Address the API binds.")
     port: int = _k(8000, "Port the API binds.", min=1, max=65535)
     token: str = _k("", "Optional bearer token; binding a non-loopback host without one warns.")
-    token_file: str = _k("", "Optional file holding the bearer token (read at start; not visible in ps).\n"
-                         "The ATROPOSD_API_TOKEN environment variable is read when neither is set.")
+    token_file: str = _k(
+        "",
+        "Optional file holding the bearer token (read at start; not visible in ps).\n"
+        "The ATROPOSD_API_TOKEN environment variable is read when neither is set.",
+    )
     max_queued_sequences: int = _k(8192, "Hard cap on sequences held (queue + buffers + formed batches).", min=1)
     max_request_bytes: int = _k(67108864, "Per request, after gzip decompression.", min=1024)
-    max_connections: int = _k(1024, "Connections open at once; a new one past it is answered 503 and closed\n"
-                              "(kept below the process's file descriptor limit).", min=1)
+    max_connections: int = _k(
+        1024,
+        "Connections open at once; a new one past it is answered 503 and closed\n"
+        "(kept below the process's file descriptor limit).",
+        min=1,
+    )
     full_wait: float = _k(30.0, "Seconds a submission may wait for room when the queue is full, then 503.", min=0)
     spool: bool = _k(True, "Accepted groups and registrations survive an API restart.")
     spool_dir: str = _k("", "Default: {state_dir}/spool/api-{port}.")
-    spool_fsync: bool = _k(False, "fsync every spool write (power-loss safe, slower); segment files are\n"
-                           "created and deleted with a directory sync.")
-    shm_ack_timeout: float = _k(30.0, "Seconds a batch taken through shared memory waits for its acknowledgement,\n"
-                                "then it is served again.", gt=0)
-    command: list[str] = _k([], "Optional: run another wire-compatible API instead, e.g.\n"
-                            '["run-api", "--host", "127.0.0.1", "--port", "{port}"]',
-                            schema={"items": {"type": "string", "pattern": _placeholder_pattern((*PLACEHOLDERS,
-                                                                                                 "port"))}})
+    spool_fsync: bool = _k(
+        False,
+        "fsync every spool write (power-loss safe, slower); segment files are\n"
+        "created and deleted with a directory sync.",
+    )
+    shm_ack_timeout: float = _k(
+        30.0,
+        "Seconds a batch taken through shared memory waits for its acknowledgement,\nthen it is served again.",
+        gt=0,
+    )
+    command: list[str] = _k(
+        [],
+        "Optional: run another wire-compatible API instead, e.g.\n"
+        '["run-api", "--host", "127.0.0.1", "--port", "{port}"]',
+        schema={"items": {"type": "string", "pattern": _placeholder_pattern((*PLACEHOLDERS, "port"))}},
+    )
     live_interval: float = _k(5.0, "Seconds between liveness probes of the running API (GET /info); 0 = off.", min=0)
     live_timeout: float = _k(5.0, "Seconds a liveness probe may take before it counts as failed.", gt=0)
-    live_failures: int = _k(3, "Consecutive failed probes before the API is declared hung and restarted; 0 = off.",
-                            min=0)
+    live_failures: int = _k(
+        3, "Consecutive failed probes before the API is declared hung and restarted; 0 = off.", min=0
+    )
 
     def bearer_token(self) -> str:
         """The token in force: ``token``, else the content of ``token_file``, else the systemd
@@ -187,6 +247,8 @@ def credential_file(name: str) -> str:
         return ""
     path = Path(directory) / name
     return str(path) if path.is_file() else ""
+
+
 # The shortest secret a token file may hold (SPEC §12.3): anything shorter is guessable.
 MIN_TOKEN_BYTES = 16
 
@@ -212,8 +274,10 @@ def read_token_file(name: str, key: str, error: type[ValueError]) -> bytes:
     if not token:
         raise error(f"{key}: {path} is empty")
     if len(token) < MIN_TOKEN_BYTES:
-        raise error(f"{key}: {path} holds {len(token)} bytes; a token must have at least {MIN_TOKEN_BYTES} "
-                    "(make one with: openssl rand -hex 32)")
+        raise error(
+            f"{key}: {path} holds {len(token)} bytes; a token must have at least {MIN_TOKEN_BYTES} "
+            "(make one with: openssl rand -hex 32)"
+        )
     return token
 
 
@@ -225,161 +289,267 @@ def token_file_warning(name: str, key: str) -> str | None:
     except OSError:
         return None  # reading it is what fails, and says so
     if mode & 0o044:
-        return (f"{key}: {path} is readable by other users (mode {mode & 0o777:04o}); "
-                f"make it private: chmod 600 {path}")
+        return f"{key}: {path} is readable by other users (mode {mode & 0o777:04o}); make it private: chmod 600 {path}"
     return None
 
 
 @dataclass
 class VllmConfig:
-    gpu_memory_utilization: float = _k(0.0, "Required (> 0) when vLLM shares a GPU with the trainer; on CPU the\n"
-                                       "fraction of host RAM for the KV cache (0 = 0.2 on CPU).", min=0, max=1)
+    gpu_memory_utilization: float = _k(
+        0.0,
+        "Required (> 0) when vLLM shares a GPU with the trainer; on CPU the\n"
+        "fraction of host RAM for the KV cache (0 = 0.2 on CPU).",
+        min=0,
+        max=1,
+    )
     enforce_eager: bool = _k(False, "Disable CUDA graphs (always on for the CPU backend).")
-    extra_args: list[str] = _k([], "Extra engine arguments, e.g. [\"--max-num-seqs\", \"64\"].")
+    extra_args: list[str] = _k([], 'Extra engine arguments, e.g. ["--max-num-seqs", "64"].')
 
 
 @dataclass
 class InferenceConfig:
     enabled: bool = _k(True, "false: use an inference server that runs elsewhere, at url.")
-    url: str = _k("", "Required when enabled = false, e.g. http://10.0.0.6:9001.",
-                  schema={"pattern": "^$|" + URL_PATTERN})
+    url: str = _k(
+        "", "Required when enabled = false, e.g. http://10.0.0.6:9001.", schema={"pattern": "^$|" + URL_PATTERN}
+    )
     engine: str = _k("torch", "torch: built in, CPU or GPU | vllm: needs atroposd[vllm].", choices=("torch", "vllm"))
-    model: str = _k("builtin:tiny", "builtin:tiny (built locally, no download) or a local Hugging Face model directory.",
-                    schema={"pattern": MODEL_PATTERN})
+    model: str = _k(
+        "builtin:tiny",
+        "builtin:tiny (built locally, no download) or a local Hugging Face model directory.",
+        schema={"pattern": MODEL_PATTERN},
+    )
     tokenizer: str = _k("", "Default: the model's. The one source of truth for every component.")
-    host: str = _k("127.0.0.1", "Address the inference server binds (with cluster.nodes > 1, a wildcard\n"
-                   "0.0.0.0 or :: binds cluster.bind instead).")
+    host: str = _k(
+        "127.0.0.1",
+        "Address the inference server binds (with cluster.nodes > 1, a wildcard\n"
+        "0.0.0.0 or :: binds cluster.bind instead).",
+    )
     port: int = _k(9001, "Port the inference server binds.", min=1, max=65535)
-    token_file: str = _k("", "A file holding the bearer token the inference servers require on their TCP routes\n"
-                         "(environments get it as {inference_token}). Empty: with cluster.nodes > 1, one derived\n"
-                         "from the cluster token; else none (the servers listen on loopback).")
-    dtype: str = _k("auto", "auto: float32 on CPU, bfloat16 on GPU | float32 | bfloat16 | float16",
-                    choices=("auto", "float32", "bfloat16", "float16"))
+    token_file: str = _k(
+        "",
+        "A file holding the bearer token the inference servers require on their TCP routes\n"
+        "(environments get it as {inference_token}). Empty: with cluster.nodes > 1, one derived\n"
+        "from the cluster token; else none (the servers listen on loopback).",
+    )
+    dtype: str = _k(
+        "auto",
+        "auto: float32 on CPU, bfloat16 on GPU | float32 | bfloat16 | float16",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
     device: str | list[str] = _k(
-        "auto", "auto | cpu | cuda:N | a GPU UUID; the daemon sets CUDA_VISIBLE_DEVICES for the child. With\n"
+        "auto",
+        "auto | cpu | cuda:N | a GPU UUID; the daemon sets CUDA_VISIBLE_DEVICES for the child. With\n"
         "replicas > 1: one device for every replica, or a list of exactly `replicas` entries; an\n"
-        "entry may name several GPUs (\"cuda:2,cuda:3\") for one tensor-parallel vLLM replica.",
-        schema={"pattern": DEVICE_PATTERN, "items": {"pattern": REPLICA_DEVICE_PATTERN}})
-    replicas: int = _k(1, "Inference servers (replicas); replica i listens on port + i. Components inference-0,\n"
-                       "inference-1, ... (just inference when 1).", min=1, max=MAX_INFERENCE_REPLICAS)
+        'entry may name several GPUs ("cuda:2,cuda:3") for one tensor-parallel vLLM replica.',
+        schema={"pattern": DEVICE_PATTERN, "items": {"pattern": REPLICA_DEVICE_PATTERN}},
+    )
+    replicas: int = _k(
+        1,
+        "Inference servers (replicas); replica i listens on port + i. Components inference-0,\n"
+        "inference-1, ... (just inference when 1).",
+        min=1,
+        max=MAX_INFERENCE_REPLICAS,
+    )
     max_model_len: int = _k(4096, "Longest prompt + completion the server accepts, in tokens.", min=8)
     ready_timeout: float = _k(600.0, "Seconds the server may take to become ready (health + one generation).", gt=0)
-    live_interval: float = _k(5.0, "Seconds between liveness probes of the running server (GET /health; one tiny\n"
-                              "generation every live_generate_every probes); 0 = off.", min=0)
-    live_timeout: float = _k(5.0, "Seconds a /health probe may take (a generation: live_generate_every times this).",
-                             gt=0)
-    live_failures: int = _k(3, "Consecutive failed probes before the server is declared hung and restarted; 0 = off.",
-                            min=0)
-    live_generate_every: int = _k(6, "Every this many liveness probes, one tiny real generation; 0 = never.",
-                                  min=0)
-    tool_parser: str = _k("auto", "How a chat completion's tool calls are read from the model's output (OpenAI\n"
-                          "tool_calls, finish_reason \"tool_calls\"): auto (the model's format, from its chat\n"
-                          "template and config.json) | a parser name, e.g. hermes (always available; with vLLM\n"
-                          "installed, any of vLLM's tool parsers) | \"\" (off: tools reach the template, the\n"
-                          "output stays text).")
+    live_interval: float = _k(
+        5.0,
+        "Seconds between liveness probes of the running server (GET /health; one tiny\n"
+        "generation every live_generate_every probes); 0 = off.",
+        min=0,
+    )
+    live_timeout: float = _k(
+        5.0, "Seconds a /health probe may take (a generation: live_generate_every times this).", gt=0
+    )
+    live_failures: int = _k(
+        3, "Consecutive failed probes before the server is declared hung and restarted; 0 = off.", min=0
+    )
+    live_generate_every: int = _k(6, "Every this many liveness probes, one tiny real generation; 0 = never.", min=0)
+    tool_parser: str = _k(
+        "auto",
+        "How a chat completion's tool calls are read from the model's output (OpenAI\n"
+        'tool_calls, finish_reason "tool_calls"): auto (the model\'s format, from its chat\n'
+        "template and config.json) | a parser name, e.g. hermes (always available; with vLLM\n"
+        'installed, any of vLLM\'s tool parsers) | "" (off: tools reach the template, the\n'
+        "output stays text).",
+    )
     # The bearer token in force (``Config.inference_token``), resolved by the daemon at start and
     # at reload (not a key: never written to the children's config).
     token: str = field(default="", compare=False, repr=False, metadata={"internal": True})
-    vllm: VllmConfig = field(default_factory=VllmConfig, metadata={"doc": "Only read when engine = \"vllm\"."})
+    vllm: VllmConfig = field(default_factory=VllmConfig, metadata={"doc": 'Only read when engine = "vllm".'})
 
 
 @dataclass
 class TrainerConfig:
     enabled: bool = _k(True, "false: API + inference + environments only, for an external trainer.")
     device: str | list[str] = _k(
-        "auto", "auto | cpu | cuda:N | a GPU UUID, or a list: one trainer rank per entry (FSDP2;\n"
-        "[\"cuda:0\", \"cuda:1\"], or [\"cpu\", \"cpu\"] for gloo ranks on a CPU). Rank 0 trains in the daemon.",
-        schema={"pattern": DEVICE_PATTERN, "items": {"pattern": DEVICE_PATTERN}, "minItems": 1})
+        "auto",
+        "auto | cpu | cuda:N | a GPU UUID, or a list: one trainer rank per entry (FSDP2;\n"
+        '["cuda:0", "cuda:1"], or ["cpu", "cpu"] for gloo ranks on a CPU). Rank 0 trains in the daemon.',
+        schema={"pattern": DEVICE_PATTERN, "items": {"pattern": DEVICE_PATTERN}, "minItems": 1},
+    )
     steps: int = _k(3000, "Optimizer steps; the job stops by itself after the last.", min=1)
     batch_size: int = _k(64, "Sequences per optimizer step.", min=1)
     micro_batch_size: int = _k(32, "Sequences per forward/backward pass (per rank); divides batch_size.", min=1)
     max_token_len: int = _k(512, "Longest sequence (prompt + completion) the trainer accepts, in tokens.", min=2)
-    optimizer: str = _k("adamw", "adamw | adafactor | adamw_8bit (needs bitsandbytes; never a silent fallback)",
-                        choices=("adamw", "adafactor", "adamw_8bit"))
-    dtype: str = _k("auto", "Master weights and optimizer state: auto (float32; shared on a GPU: the\n"
-                    "inference dtype, with a compensated optimizer) | float32 | bfloat16 (the same\n"
-                    "Kahan-compensated optimizer in any mode: a large model on a small GPU).",
-                    choices=("auto", "float32", "bfloat16"))
-    compute_dtype: str = _k("auto", "The forward and backward: auto (the inference dtype: bf16 on a GPU, float32 on\n"
-                            "a CPU) | float32 | bfloat16 | float16. Another dtype than the inference one needs\n"
-                            "weight_sync = \"reload\".", choices=("auto", "float32", "bfloat16", "float16"))
+    optimizer: str = _k(
+        "adamw",
+        "adamw | adafactor | adamw_8bit (needs bitsandbytes; never a silent fallback)",
+        choices=("adamw", "adafactor", "adamw_8bit"),
+    )
+    dtype: str = _k(
+        "auto",
+        "Master weights and optimizer state: auto (float32; shared on a GPU: the\n"
+        "inference dtype, with a compensated optimizer) | float32 | bfloat16 (the same\n"
+        "Kahan-compensated optimizer in any mode: a large model on a small GPU).",
+        choices=("auto", "float32", "bfloat16"),
+    )
+    compute_dtype: str = _k(
+        "auto",
+        "The forward and backward: auto (the inference dtype: bf16 on a GPU, float32 on\n"
+        "a CPU) | float32 | bfloat16 | float16. Another dtype than the inference one needs\n"
+        'weight_sync = "reload".',
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
     lr: float = _k(3e-4, "Peak learning rate.", gt=0)
-    adam_betas: list[float] = _k([0.9, 0.99], "AdamW betas.",
-                                 schema={"minItems": 2, "maxItems": 2,
-                                         "items": {"type": "number", "minimum": 0, "exclusiveMaximum": 1}})
+    adam_betas: list[float] = _k(
+        [0.9, 0.99],
+        "AdamW betas.",
+        schema={"minItems": 2, "maxItems": 2, "items": {"type": "number", "minimum": 0, "exclusiveMaximum": 1}},
+    )
     weight_decay: float = _k(0.0, "Decoupled weight decay.", min=0)
     warmup_steps: int = _k(0, "Linear warm-up steps, then lr_schedule.", min=0)
-    lr_schedule: str = _k("constant", "After warmup_steps: constant | linear | cosine (linear and cosine decay to 0 at\n"
-                          "`steps`).", choices=("constant", "linear", "cosine"))
+    lr_schedule: str = _k(
+        "constant",
+        "After warmup_steps: constant | linear | cosine (linear and cosine decay to 0 at\n`steps`).",
+        choices=("constant", "linear", "cosine"),
+    )
     max_grad_norm: float = _k(1.0, "Gradient-norm clip.", gt=0)
-    loss: str = _k("grpo", "grpo (token-level ratio) | gspo (one ratio per sequence: the mean log-ratio over its\n"
-                   "completion tokens) | awsft (advantage-weighted SFT)", choices=("grpo", "gspo", "awsft"))
+    loss: str = _k(
+        "grpo",
+        "grpo (token-level ratio) | gspo (one ratio per sequence: the mean log-ratio over its\n"
+        "completion tokens) | awsft (advantage-weighted SFT)",
+        choices=("grpo", "gspo", "awsft"),
+    )
     clip_eps: float = _k(0.2, "Importance-ratio clip: [1 - clip_eps, 1 + clip_eps] ...", gt=0, max=1)
-    clip_eps_high: float = _k(0.0, "... unless > 0: the upper bound is 1 + clip_eps_high (DAPO's clip-higher;\n"
-                              "at least clip_eps).", min=0, max=10)
-    loss_agg: str = _k("token-mean", "token-mean (every completion token of the batch weighs the same) |\n"
-                       "seq-mean-token-mean (each sequence weighs the same) | seq-mean-token-sum-norm\n"
-                       "(Dr.GRPO: token sums over max_token_len x sequences)",
-                       choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
-    advantage: str = _k("group-std", "group-std: (score - mean) / max(std, adv_std_floor) | group-mean: score - mean\n"
-                        "(Dr.GRPO) | rloo: score - mean of the others. Advantages an environment sends\n"
-                        "replace these.", choices=("group-std", "group-mean", "rloo"))
+    clip_eps_high: float = _k(
+        0.0,
+        "... unless > 0: the upper bound is 1 + clip_eps_high (DAPO's clip-higher;\nat least clip_eps).",
+        min=0,
+        max=10,
+    )
+    loss_agg: str = _k(
+        "token-mean",
+        "token-mean (every completion token of the batch weighs the same) |\n"
+        "seq-mean-token-mean (each sequence weighs the same) | seq-mean-token-sum-norm\n"
+        "(Dr.GRPO: token sums over max_token_len x sequences)",
+        choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    )
+    advantage: str = _k(
+        "group-std",
+        "group-std: (score - mean) / max(std, adv_std_floor) | group-mean: score - mean\n"
+        "(Dr.GRPO) | rloo: score - mean of the others. Advantages an environment sends\n"
+        "replace these.",
+        choices=("group-std", "group-mean", "rloo"),
+    )
     adv_std_floor: float = _k(0.1, "advantage = (score - group mean) / max(group std, adv_std_floor)", gt=0)
-    filter_groups: bool = _k(False, "DAPO's dynamic sampling: a group whose scores are all equal is dropped (counted\n"
-                             "as filtered_groups) and the batch fills from the queue; not groups with their\n"
-                             "own advantages or distillation fields.")
-    overlong: str = _k("keep", "keep | mask: a completion reported truncated (finish_reason = \"length\") carries\n"
-                       "no loss.", choices=("keep", "mask"))
-    rollout_correction: str = _k("none", "Sampler-trainer mismatch: none | token-tis | seq-tis (weight min(rho, C)) |\n"
-                                 "token-mis | seq-mis (mask rho outside [1/C, C]; token-mis = IcePop); the\n"
-                                 "share corrected is rollout_corrected in metrics.jsonl.",
-                                 choices=("none", "token-tis", "seq-tis", "token-mis", "seq-mis"))
+    filter_groups: bool = _k(
+        False,
+        "DAPO's dynamic sampling: a group whose scores are all equal is dropped (counted\n"
+        "as filtered_groups) and the batch fills from the queue; not groups with their\n"
+        "own advantages or distillation fields.",
+    )
+    overlong: str = _k(
+        "keep",
+        'keep | mask: a completion reported truncated (finish_reason = "length") carries\nno loss.',
+        choices=("keep", "mask"),
+    )
+    rollout_correction: str = _k(
+        "none",
+        "Sampler-trainer mismatch: none | token-tis | seq-tis (weight min(rho, C)) |\n"
+        "token-mis | seq-mis (mask rho outside [1/C, C]; token-mis = IcePop); the\n"
+        "share corrected is rollout_corrected in metrics.jsonl.",
+        choices=("none", "token-tis", "seq-tis", "token-mis", "seq-mis"),
+    )
     rollout_correction_threshold: float = _k(2.0, "C of rollout_correction (> 1).", gt=1)
-    logprob_chunk: int = _k(1024, "Completion positions per chunk of the LM head and loss: the full logits never\n"
-                            "exist at once (forward or backward). Same loss and gradients for any value.", min=1)
-    micro_batch_tokens: int = _k(0, "> 0: pack sequences (longest first, first fit) into micro-batches of at most\n"
-                                 "this many tokens, attention never crossing sequences, instead of\n"
-                                 "micro_batch_size padded rows; at least max_token_len. 0 = off.", min=0)
+    logprob_chunk: int = _k(
+        1024,
+        "Completion positions per chunk of the LM head and loss: the full logits never\n"
+        "exist at once (forward or backward). Same loss and gradients for any value.",
+        min=1,
+    )
+    micro_batch_tokens: int = _k(
+        0,
+        "> 0: pack sequences (longest first, first fit) into micro-batches of at most\n"
+        "this many tokens, attention never crossing sequences, instead of\n"
+        "micro_batch_size padded rows; at least max_token_len. 0 = off.",
+        min=0,
+    )
     kl_coef: float = _k(0.04, "k3 KL penalty toward kl_reference; logged as mean_kl. 0 = off.", min=0)
-    kl_reference: str = _k("initial", "initial: a frozen copy of the starting weights | rollout: the sampling policy",
-                           choices=("initial", "rollout"))
+    kl_reference: str = _k(
+        "initial",
+        "initial: a frozen copy of the starting weights | rollout: the sampling policy",
+        choices=("initial", "rollout"),
+    )
     distill_coef: float = _k(0.0, "> 0 uses distill_token_ids/distill_logprobs from teacher environments.", min=0)
     distill_temperature: float = _k(1.0, "Temperature of the teacher distribution.", gt=0)
     mode: str = _k("full", "full | lora", choices=("full", "lora"))
     lora_r: int = _k(16, "LoRA rank.", min=1)
     lora_alpha: int = _k(32, "LoRA alpha.", min=1)
     lora_targets: list[str] = _k(["q_proj", "v_proj"], "Module names that get LoRA adapters.")
-    weight_sync: str = _k("auto", "auto | shared | push | reload | broadcast; auto = shared for torch with one\n"
-                          "trainer rank, push for vllm or several ranks; broadcast (a torch.distributed\n"
-                          "group per replica: gloo on CPU, NCCL on GPU) is never picked by auto",
-                          choices=("auto", "shared", "push", "reload", "broadcast"))
+    weight_sync: str = _k(
+        "auto",
+        "auto | shared | push | reload | broadcast; auto = shared for torch with one\n"
+        "trainer rank, push for vllm or several ranks; broadcast (a torch.distributed\n"
+        "group per replica: gloo on CPU, NCCL on GPU) is never picked by auto",
+        choices=("auto", "shared", "push", "reload", "broadcast"),
+    )
     sync_every: int = _k(1, "Steps between weight syncs (push, reload and broadcast).", min=1)
     max_staleness: int = _k(2, "Batches fetched ahead of the step being trained.", min=0)
     data_timeout: float = _k(600.0, "No data and no live or restartable environment this long: the job fails.", gt=0)
-    stall_timeout: float = _k(300.0, "No step for this long: the trainer is stalled; the stuck stage is named and the\n"
-                              "child to blame restarted. Unresolved for twice this: the job exits 1 (resume\n"
-                              "follows). 0 = off.", min=0)
+    stall_timeout: float = _k(
+        300.0,
+        "No step for this long: the trainer is stalled; the stuck stage is named and the\n"
+        "child to blame restarted. Unresolved for twice this: the job exits 1 (resume\n"
+        "follows). 0 = off.",
+        min=0,
+    )
     checkpoint_every: int = _k(500, "Steps between checkpoints; also at the last step and on a requested stop.", min=1)
     keep_checkpoints: int = _k(3, "Newest complete checkpoints kept.", min=1)
     resume: bool = _k(True, "Continue from the newest complete checkpoint in state_dir.")
-    checkpoint_dir: str = _k("", "Where checkpoints are written. Default: {state_dir}/checkpoints. With several\n"
-                             "machines (cluster.nodes > 1) it is required, on a file system every node sees\n"
-                             "(NFS, Lustre, ...).")
+    checkpoint_dir: str = _k(
+        "",
+        "Where checkpoints are written. Default: {state_dir}/checkpoints. With several\n"
+        "machines (cluster.nodes > 1) it is required, on a file system every node sees\n"
+        "(NFS, Lustre, ...).",
+    )
     seed: int = _k(0, "Seeds the model's initialisation, sampling and environments (seed + replica).", min=0)
-    activation_checkpointing: bool = _k(False, "Recompute each decoder layer's activations in the backward pass\n"
-                                        "(less memory, more compute; any rank count).")
-    sync_bucket_mb: int = _k(512, "Several ranks, push: weights stream to the inference replicas in buckets of\n"
-                             "this many MiB (rank 0's extra memory for a sync).", min=1)
-    push_path: str = _k("auto", "push: how each replica copies the weights. auto = through CUDA IPC where the\n"
-                        "replica computes on the trainer's GPU (shared memory on the CPU), else through one\n"
-                        "pinned host shared-memory staging buffer filled per bucket (sync_bucket_mb) for\n"
-                        "all of them; host_staging = through the staging buffer for every replica.",
-                        choices=("auto", "host_staging"))
+    activation_checkpointing: bool = _k(
+        False,
+        "Recompute each decoder layer's activations in the backward pass\n(less memory, more compute; any rank count).",
+    )
+    sync_bucket_mb: int = _k(
+        512,
+        "Several ranks, push: weights stream to the inference replicas in buckets of\n"
+        "this many MiB (rank 0's extra memory for a sync).",
+        min=1,
+    )
+    push_path: str = _k(
+        "auto",
+        "push: how each replica copies the weights. auto = through CUDA IPC where the\n"
+        "replica computes on the trainer's GPU (shared memory on the CPU), else through one\n"
+        "pinned host shared-memory staging buffer filled per bucket (sync_bucket_mb) for\n"
+        "all of them; host_staging = through the staging buffer for every replica.",
+        choices=("auto", "host_staging"),
+    )
     join_timeout: float = _k(300.0, "Seconds every trainer rank may take to join the process group.", gt=0)
-    collective_timeout: float = _k(600.0, "Seconds a collective may run before the trainer group is restarted.",
-                                   gt=0)
-    max_restarts: int = _k(5, "Trainer group restarts (a rank exited, a collective failed or timed out) allowed\n"
-                           "within restart_window seconds; past that the job fails.", min=0)
+    collective_timeout: float = _k(600.0, "Seconds a collective may run before the trainer group is restarted.", gt=0)
+    max_restarts: int = _k(
+        5,
+        "Trainer group restarts (a rank exited, a collective failed or timed out) allowed\n"
+        "within restart_window seconds; past that the job fails.",
+        min=0,
+    )
     restart_window: float = _k(600.0, "Seconds over which max_restarts counts group restarts.", gt=0)
 
     # ``[cluster] nodes``, copied here by Config (not a key): the trainer group spans every node.
@@ -407,14 +577,21 @@ class TrainerConfig:
 
 @dataclass
 class WandbConfig:
-    project: str = _k("", "Weights & Biases project the trainer logs every metrics row to (needs atroposd[wandb]);\n"
-                      "empty = off.")
+    project: str = _k(
+        "", "Weights & Biases project the trainer logs every metrics row to (needs atroposd[wandb]);\nempty = off."
+    )
     entity: str = _k("", "W&B entity (user or team); empty = your default.")
-    group: str = _k("", "Run group, also given to environments as {wandb_group} / WANDB_RUN_GROUP so their\n"
-                    "runs group with the trainer's. Empty: atroposd-<run id>.")
+    group: str = _k(
+        "",
+        "Run group, also given to environments as {wandb_group} / WANDB_RUN_GROUP so their\n"
+        "runs group with the trainer's. Empty: atroposd-<run id>.",
+    )
     name: str = _k("", "Display name of the run; empty = W&B's.")
-    mode: str = _k("online", "online | offline (files under {state_dir}/wandb, `wandb sync` later) | disabled",
-                   choices=("online", "offline", "disabled"))
+    mode: str = _k(
+        "online",
+        "online | offline (files under {state_dir}/wandb, `wandb sync` later) | disabled",
+        choices=("online", "offline", "disabled"),
+    )
     tags: list[str] = _k([], "Tags of the run.")
 
     @property
@@ -424,19 +601,31 @@ class WandbConfig:
 
 @dataclass
 class HealthConfig:
-    canary_every: int = _k(10, "Syncs between canary checks of each replica (greedy generation on fixed prompts,\n"
-                           "scored by the trainer); 0 = off.", min=0)
+    canary_every: int = _k(
+        10,
+        "Syncs between canary checks of each replica (greedy generation on fixed prompts,\n"
+        "scored by the trainer); 0 = off.",
+        min=0,
+    )
     canary_prompts: int = _k(8, "Fixed canary prompts, chosen once for the whole job.", min=1, max=64)
-    drift_limit: float = _k(0.05, "Mean |trainer logprob - replica logprob| per canary token above which a\n"
-                            "replica is quarantined, synced again and checked again (then restarted).", gt=0)
-    rollback: bool = _k(True, "A collapse rolls the trainer back to the newest known-good checkpoint (weights,\n"
-                        "optimizer, schedule) and goes on with the learning rate halved; false: only logged.")
-    known_good_after: int = _k(50, "Healthy steps after a checkpoint before it is known-good (kept by pruning).",
-                               min=1)
-    max_nonfinite_steps: int = _k(3, "Non-finite steps (loss or gradient norm) in a row that count as a collapse.",
-                                  min=1)
-    max_rollbacks: int = _k(3, "Rollbacks within the job (kept across restarts); one more collapse ends it\n"
-                            "with exit 6.", min=0)
+    drift_limit: float = _k(
+        0.05,
+        "Mean |trainer logprob - replica logprob| per canary token above which a\n"
+        "replica is quarantined, synced again and checked again (then restarted).",
+        gt=0,
+    )
+    rollback: bool = _k(
+        True,
+        "A collapse rolls the trainer back to the newest known-good checkpoint (weights,\n"
+        "optimizer, schedule) and goes on with the learning rate halved; false: only logged.",
+    )
+    known_good_after: int = _k(50, "Healthy steps after a checkpoint before it is known-good (kept by pruning).", min=1)
+    max_nonfinite_steps: int = _k(
+        3, "Non-finite steps (loss or gradient norm) in a row that count as a collapse.", min=1
+    )
+    max_rollbacks: int = _k(
+        3, "Rollbacks within the job (kept across restarts); one more collapse ends it\nwith exit 6.", min=0
+    )
 
 
 CLUSTER_NODE_RANK_ENV = "ATROPOSD_NODE_RANK"
@@ -450,25 +639,45 @@ class ClusterError(ValueError):
 
 @dataclass
 class ClusterConfig:
-    nodes: int = _k(1, "Machines in the job; one atroposd runs on each (SPEC §12.3). 1 = one machine.", min=1,
-                    max=4096)
-    node_rank: int = _k(-1, "This machine's rank, 0 = the head. -1: from ATROPOSD_NODE_RANK, else SLURM_NODEID,\n"
-                        "else the trailing ordinal of the host name (pod-3 → 3, a Kubernetes StatefulSet).",
-                        min=-1, max=4095)
-    head: str = _k("", "Host (name or address) of node 0; required when nodes > 1. A loopback api.host or\n"
-                   "inference.host is valid only with a loopback head (one machine acting as several nodes).",
-                   schema={"pattern": r"^[^\s/@]*$"})
-    port: int = _k(29400, "Node 0's cluster endpoint (membership, status, heartbeats); port + 1 is the\n"
-                   "trainer ranks' c10d store.", min=1, max=65534)
-    token_file: str = _k("", "A file holding the shared secret of the cluster (every message of the cluster\n"
-                         "endpoint is authenticated with it); required when nodes > 1.")
-    heartbeat_timeout: float = _k(30.0, "Seconds without a heartbeat after which a node is lost (and a node cut\n"
-                                  "off from its head this long stops its children and exits 1).", min=1)
+    nodes: int = _k(1, "Machines in the job; one atroposd runs on each (SPEC §12.3). 1 = one machine.", min=1, max=4096)
+    node_rank: int = _k(
+        -1,
+        "This machine's rank, 0 = the head. -1: from ATROPOSD_NODE_RANK, else SLURM_NODEID,\n"
+        "else the trailing ordinal of the host name (pod-3 → 3, a Kubernetes StatefulSet).",
+        min=-1,
+        max=4095,
+    )
+    head: str = _k(
+        "",
+        "Host (name or address) of node 0; required when nodes > 1. A loopback api.host or\n"
+        "inference.host is valid only with a loopback head (one machine acting as several nodes).",
+        schema={"pattern": r"^[^\s/@]*$"},
+    )
+    port: int = _k(
+        29400,
+        "Node 0's cluster endpoint (membership, status, heartbeats); port + 1 is the\ntrainer ranks' c10d store.",
+        min=1,
+        max=65534,
+    )
+    token_file: str = _k(
+        "",
+        "A file holding the shared secret of the cluster (every message of the cluster\n"
+        "endpoint is authenticated with it); required when nodes > 1.",
+    )
+    heartbeat_timeout: float = _k(
+        30.0,
+        "Seconds without a heartbeat after which a node is lost (and a node cut\n"
+        "off from its head this long stops its children and exits 1).",
+        min=1,
+    )
     join_timeout: float = _k(600.0, "Seconds a starting node waits for the head.", gt=0)
-    bind: str = _k("", "The address every listening port of this node binds: the cluster endpoint, the trainer\n"
-                   "ranks' store, and an API or inference server whose host is a wildcard. Empty: the address\n"
-                   "of this host that head is reached through (on the head: the address head resolves to).",
-                   schema={"pattern": r"^[^\s/@]*$"})
+    bind: str = _k(
+        "",
+        "The address every listening port of this node binds: the cluster endpoint, the trainer\n"
+        "ranks' store, and an API or inference server whose host is a wildcard. Empty: the address\n"
+        "of this host that head is reached through (on the head: the address head resolves to).",
+        schema={"pattern": r"^[^\s/@]*$"},
+    )
 
     @property
     def enabled(self) -> bool:
@@ -501,9 +710,11 @@ class ClusterConfig:
                 short = host.split(".", 1)[0]
                 m = _TRAILING_ORDINAL.search(short)
                 if m is None:
-                    raise ClusterError(f"cluster.node_rank = -1 and neither ${CLUSTER_NODE_RANK_ENV} nor "
-                                       f"${SLURM_NODE_ID_ENV} is set, and the host name {host!r} ends in no "
-                                       "ordinal (NAME-N); set one of them")
+                    raise ClusterError(
+                        f"cluster.node_rank = -1 and neither ${CLUSTER_NODE_RANK_ENV} nor "
+                        f"${SLURM_NODE_ID_ENV} is set, and the host name {host!r} ends in no "
+                        "ordinal (NAME-N); set one of them"
+                    )
                 rank, source = int(m.group(1)), f"the host name {host!r}"
         if rank >= self.nodes:
             raise ClusterError(f"node rank {rank} (from {source}) must be < cluster.nodes ({self.nodes})")
@@ -519,35 +730,56 @@ class ClusterConfig:
         MIN_TOKEN_BYTES."""
         path = self.token_path()
         if not path:
-            raise ClusterError("cluster.token_file: required when cluster.nodes > 1 (or, under systemd, the "
-                               f"credential {CLUSTER_CREDENTIAL})")
+            raise ClusterError(
+                "cluster.token_file: required when cluster.nodes > 1 (or, under systemd, the "
+                f"credential {CLUSTER_CREDENTIAL})"
+            )
         return read_token_file(path, "cluster.token_file", ClusterError)
 
 
 @dataclass
 class EnvConfig:
-    name: str = _k("", "Required, unique; replicas are named NAME-0, NAME-1, ...",
-                   schema={"pattern": ENV_NAME_PATTERN, "not": {"enum": list(RESERVED_NAMES)}})
+    name: str = _k(
+        "",
+        "Required, unique; replicas are named NAME-0, NAME-1, ...",
+        schema={"pattern": ENV_NAME_PATTERN, "not": {"enum": list(RESERVED_NAMES)}},
+    )
     builtin: str = _k("", "A built-in environment (arithmetic). Exactly one of builtin and command is required.")
-    command: list[str] = _k([], "An environment's command line, with {placeholders}.", example=False,
-                            schema={"items": {"type": "string", "pattern": _placeholder_pattern(PLACEHOLDERS)}})
+    command: list[str] = _k(
+        [],
+        "An environment's command line, with {placeholders}.",
+        example=False,
+        schema={"items": {"type": "string", "pattern": _placeholder_pattern(PLACEHOLDERS)}},
+    )
     options: dict[str, Any] = _k({}, "Options of a built-in environment.")
     group_size: int = _k(8, "Completions per prompt (one group).", min=1)
-    weight: float = _k(1.0, "Share of each batch relative to the other environments (sent in the registration;\n"
-                       "a command gets it as {weight} / ATROPOSD_WEIGHT).", min=0)
+    weight: float = _k(
+        1.0,
+        "Share of each batch relative to the other environments (sent in the registration;\n"
+        "a command gets it as {weight} / ATROPOSD_WEIGHT).",
+        min=0,
+    )
     replicas: int = _k(1, "Processes of this environment.", min=1, max=256)
-    restart: str = _k("on-failure", "on-failure | always | never (a clean exit 0 is \"finished\" under on-failure)",
-                      choices=("on-failure", "always", "never"))
+    restart: str = _k(
+        "on-failure",
+        'on-failure | always | never (a clean exit 0 is "finished" under on-failure)',
+        choices=("on-failure", "always", "never"),
+    )
     max_restarts: int = _k(5, "Within restart_window seconds, then the component is failed.", min=0)
     restart_window: float = _k(60.0, "Seconds over which max_restarts counts exits.", gt=0)
-    ready: str = _k("registered", "registered (with the API) | started (alive for start_seconds)",
-                    choices=("registered", "started"))
+    ready: str = _k(
+        "registered", "registered (with the API) | started (alive for start_seconds)", choices=("registered", "started")
+    )
     start_seconds: float = _k(1.0, "Seconds alive that count as started.", min=0)
     ready_timeout: float = _k(120.0, "Seconds the environment may take to become ready.", gt=0)
     stop_signal: str = _k("SIGTERM", "Signal that asks the environment to stop.")
     port_base: int = _k(0, "> 0: replica i gets {replica_port} = port_base + i.", min=0, max=65535)
-    live_interval: float = _k(5.0, "Seconds between liveness checks: a built-in environment's heartbeat; a command's\n"
-                              "registrations with the API or its CPU use (README, Troubleshooting); 0 = off.", min=0)
+    live_interval: float = _k(
+        5.0,
+        "Seconds between liveness checks: a built-in environment's heartbeat; a command's\n"
+        "registrations with the API or its CPU use (README, Troubleshooting); 0 = off.",
+        min=0,
+    )
     live_timeout: float = _k(5.0, "Seconds without a heartbeat (built-in) that count as one failed check.", gt=0)
     live_failures: int = _k(3, "Consecutive failed checks before the environment is declared hung; 0 = off.", min=0)
 
@@ -681,8 +913,7 @@ class Config:
         if not devices:
             return False  # an empty trainer.device, which config check refuses
         own = devices[0]
-        return all("," not in d and same_device(own, d) is not False
-                   for d in dict.fromkeys(self.inference_devices()))
+        return all("," not in d and same_device(own, d) is not False for d in dict.fromkeys(self.inference_devices()))
 
 
 @functools.lru_cache(maxsize=8)
@@ -825,9 +1056,15 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<dict>") -> Config:
     for name in raw:
         if name not in _SECTIONS:
             problems.append(Problem(name, "unknown section" + _suggest(name, _SECTIONS)))
-    for name, cls in (("daemon", DaemonConfig), ("api", ApiConfig), ("inference", InferenceConfig),
-                      ("trainer", TrainerConfig), ("wandb", WandbConfig), ("cluster", ClusterConfig),
-                      ("health", HealthConfig)):
+    for name, cls in (
+        ("daemon", DaemonConfig),
+        ("api", ApiConfig),
+        ("inference", InferenceConfig),
+        ("trainer", TrainerConfig),
+        ("wandb", WandbConfig),
+        ("cluster", ClusterConfig),
+        ("health", HealthConfig),
+    ):
         value = raw.get(name, {})
         if not isinstance(value, Mapping):
             problems.append(Problem(name, f"must be a table, got {_type_name(value)}"))
@@ -843,25 +1080,40 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<dict>") -> Config:
             problems.append(Problem(f"env[{i}]", "must be a table"))
             continue
         envs.append(_build(EnvConfig, item, f"env[{i}]", problems))
-    cfg = Config(daemon=sections["daemon"], api=sections["api"], inference=sections["inference"],
-                 trainer=sections["trainer"], wandb=sections["wandb"], cluster=sections["cluster"],
-                 health=sections["health"], env=envs,
-                 source=source)
+    cfg = Config(
+        daemon=sections["daemon"],
+        api=sections["api"],
+        inference=sections["inference"],
+        trainer=sections["trainer"],
+        wandb=sections["wandb"],
+        cluster=sections["cluster"],
+        health=sections["health"],
+        env=envs,
+        source=source,
+    )
     problems.extend(_cross_checks(cfg, raw))
     if problems:
         raise ConfigError(problems, source)
     if not cfg.env:
         cfg.warnings.append("no [[env]]: the job has no environments (they must run elsewhere)")
-    if cfg.api.enabled and not is_loopback(cfg.api.host) and not (cfg.api.token or cfg.api.token_file or
-                                                                   credential_file(API_CREDENTIAL)):
+    if (
+        cfg.api.enabled
+        and not is_loopback(cfg.api.host)
+        and not (cfg.api.token or cfg.api.token_file or credential_file(API_CREDENTIAL))
+    ):
         cfg.warnings.append(f"api.host = {cfg.api.host!r} is not loopback and api.token is empty")
-    for key, name in (("api.token_file", cfg.api.token_file), ("inference.token_file", cfg.inference.token_file),
-                      ("cluster.token_file", cfg.cluster.token_file)):
+    for key, name in (
+        ("api.token_file", cfg.api.token_file),
+        ("inference.token_file", cfg.inference.token_file),
+        ("cluster.token_file", cfg.cluster.token_file),
+    ):
         if name and (warning := token_file_warning(name, key)) is not None:
             cfg.warnings.append(warning)
     if cfg.wandb.enabled and cfg.trainer.enabled and not _installed("wandb"):
-        cfg.warnings.append("wandb.project is set but the wandb package is not installed "
-                            "(pip install 'atroposd[wandb]'); the job runs without it")
+        cfg.warnings.append(
+            "wandb.project is set but the wandb package is not installed "
+            "(pip install 'atroposd[wandb]'); the job runs without it"
+        )
     return cfg
 
 
@@ -876,8 +1128,14 @@ def _installed(module: str) -> bool:
 
 
 def _type_name(value: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
-            dict: "a table"}.get(type(value), type(value).__name__)
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "a table",
+    }.get(type(value), type(value).__name__)
 
 
 def _suggest(name: str, known: Sequence[str]) -> str:
@@ -932,8 +1190,9 @@ def _check_value(typ: Any, value: Any, meta: Mapping[str, Any]) -> tuple[str | N
         arms = get_args(typ)
         arm = next((a for a in arms if isinstance(value, get_origin(a) or a)), None)
         if arm is None:
-            return "must be " + " or ".join(_ARM_NAMES.get(a, str(a)) for a in arms) + \
-                f", got {_type_name(value)}", None
+            return "must be " + " or ".join(
+                _ARM_NAMES.get(a, str(a)) for a in arms
+            ) + f", got {_type_name(value)}", None
         return _check_value(arm, value, meta)
     if typ is bool:
         if not isinstance(value, bool):
@@ -995,21 +1254,28 @@ def _trainer_device_problems(device: str | list[str]) -> list[Problem]:
         if not re.match(DEVICE_PATTERN, device):
             return [Problem("trainer.device", f"must be auto, cpu, cuda:N or a GPU UUID, got {device!r}")]
         return []
-    p = [Problem(f"trainer.device[{i}]", f"must be cpu, cuda:N or a GPU UUID, got {d!r}")
-         for i, d in enumerate(device) if d == "auto" or not re.match(DEVICE_PATTERN, d)]
+    p = [
+        Problem(f"trainer.device[{i}]", f"must be cpu, cuda:N or a GPU UUID, got {d!r}")
+        for i, d in enumerate(device)
+        if d == "auto" or not re.match(DEVICE_PATTERN, d)
+    ]
     if not device:
         p.append(Problem("trainer.device", "a list needs at least one device (one per trainer rank)"))
     if p or len(device) < 2:
         return p
     kinds = {"cpu" if d == "cpu" else "gpu" for d in device}
     if len(kinds) > 1:
-        p.append(Problem("trainer.device", f"every trainer rank must be on the CPU or every one on a GPU, got {device}"))
+        p.append(
+            Problem("trainer.device", f"every trainer rank must be on the CPU or every one on a GPU, got {device}")
+        )
     elif kinds == {"gpu"}:
         seen: dict[str, int] = {}
         for i, d in enumerate(device):
             key = "cuda:0" if d == "cuda" else d
             if key in seen:
-                p.append(Problem(f"trainer.device[{i}]", f"{d!r} is already rank {seen[key]}'s device: one GPU per rank"))
+                p.append(
+                    Problem(f"trainer.device[{i}]", f"{d!r} is already rank {seen[key]}'s device: one GPU per rank")
+                )
             seen.setdefault(key, i)
     return p
 
@@ -1024,18 +1290,25 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
         if not sec.enabled and not sec.url:
             p.append(Problem(f"{name}.url", f"required when {name}.enabled = false"))
         if sec.enabled and sec.url:
-            p.append(Problem(f"{name}.url", f"must be empty when {name}.enabled = true (the daemon runs it at "
-                                            f"{name}.host:{name}.port)"))
+            p.append(
+                Problem(
+                    f"{name}.url",
+                    f"must be empty when {name}.enabled = true (the daemon runs it at {name}.host:{name}.port)",
+                )
+            )
         if sec.url and not re.match(URL_PATTERN, sec.url):
             p.append(Problem(f"{name}.url", f"must be an http:// or https:// URL, got {sec.url!r}"))
     if 0 < t.clip_eps_high < t.clip_eps:
-        p.append(Problem("trainer.clip_eps_high", f"must be ≥ trainer.clip_eps ({t.clip_eps:g}) or 0 (off): "
-                                                  "clip-higher widens the upper bound"))
+        p.append(
+            Problem(
+                "trainer.clip_eps_high",
+                f"must be ≥ trainer.clip_eps ({t.clip_eps:g}) or 0 (off): clip-higher widens the upper bound",
+            )
+        )
     if t.loss == "awsft":
         for key, default in (("clip_eps_high", 0.0), ("rollout_correction", "none")):
             if getattr(t, key) != default:
-                p.append(Problem(f"trainer.{key}", "has no effect with trainer.loss = \"awsft\" (no importance "
-                                                   "ratio)"))
+                p.append(Problem(f"trainer.{key}", 'has no effect with trainer.loss = "awsft" (no importance ratio)'))
     if t.micro_batch_size > t.batch_size:
         p.append(Problem("trainer.micro_batch_size", f"must be ≤ trainer.batch_size ({t.batch_size})"))
     elif t.batch_size % t.micro_batch_size:
@@ -1045,66 +1318,130 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
     if t.max_token_len > inf.max_model_len:
         p.append(Problem("trainer.max_token_len", f"must be ≤ inference.max_model_len ({inf.max_model_len})"))
     if 0 < t.micro_batch_tokens < t.max_token_len:
-        p.append(Problem("trainer.micro_batch_tokens", f"must be 0 (off) or ≥ trainer.max_token_len ({t.max_token_len}): "
-                                                       "every sequence must fit in one micro-batch"))
+        p.append(
+            Problem(
+                "trainer.micro_batch_tokens",
+                f"must be 0 (off) or ≥ trainer.max_token_len ({t.max_token_len}): "
+                "every sequence must fit in one micro-batch",
+            )
+        )
     if t.mode == "lora" and not t.lora_targets:
-        p.append(Problem("trainer.lora_targets", "must name at least one module when trainer.mode = \"lora\""))
+        p.append(Problem("trainer.lora_targets", 'must name at least one module when trainer.mode = "lora"'))
     # engine × sync × mode (SPEC §7)
     if t.enabled:
         sync = cfg.weight_sync
         if inf.engine == "vllm" and sync == "shared":
-            p.append(Problem("trainer.weight_sync", "\"shared\" is not possible with inference.engine = \"vllm\" "
-                                                    "(vLLM fuses and repacks weights); use \"push\" or \"reload\""))
+            p.append(
+                Problem(
+                    "trainer.weight_sync",
+                    '"shared" is not possible with inference.engine = "vllm" '
+                    '(vLLM fuses and repacks weights); use "push" or "reload"',
+                )
+            )
         if t.mode == "lora":
             allowed = ("shared", "reload") if inf.engine == "torch" else ("reload",)
             if sync not in allowed:
-                p.append(Problem("trainer.weight_sync", f"must be {' or '.join(map(repr, allowed))} with "
-                                                        f"trainer.mode = \"lora\" and inference.engine = "
-                                                        f"\"{inf.engine}\""))
+                p.append(
+                    Problem(
+                        "trainer.weight_sync",
+                        f"must be {' or '.join(map(repr, allowed))} with "
+                        f'trainer.mode = "lora" and inference.engine = '
+                        f'"{inf.engine}"',
+                    )
+                )
         if t.ranks > 1 and sync == "shared":
-            p.append(Problem("trainer.weight_sync", f"\"shared\" needs one trainer rank (trainer.device lists "
-                                                    f"{t.ranks}): sharded parameters cannot be mapped by a server; "
-                                                    "use \"push\" or \"reload\""))
+            p.append(
+                Problem(
+                    "trainer.weight_sync",
+                    f'"shared" needs one trainer rank (trainer.device lists '
+                    f"{t.ranks}): sharded parameters cannot be mapped by a server; "
+                    'use "push" or "reload"',
+                )
+            )
         if t.ranks > 1 and t.mode == "lora":
-            p.append(Problem("trainer.mode", f"\"lora\" is not supported with several trainer ranks (trainer.device "
-                                             f"lists {t.ranks}): a LoRA model's adapters are small enough for one "
-                                             "rank; list one device"))
+            p.append(
+                Problem(
+                    "trainer.mode",
+                    f'"lora" is not supported with several trainer ranks (trainer.device '
+                    f"lists {t.ranks}): a LoRA model's adapters are small enough for one "
+                    "rank; list one device",
+                )
+            )
         if sync == "shared" and inf.enabled and t.ranks == 1:
             for d in dict.fromkeys(cfg.inference_devices()):
                 if "," in d or same_device(t.devices()[0], d) is False:
-                    p.append(Problem("trainer.weight_sync", f"\"shared\" needs the trainer and every inference "
-                                                            f"replica on one device (trainer.device = {t.device!r}, "
-                                                            f"inference.device = {d!r}); use \"push\""))
+                    p.append(
+                        Problem(
+                            "trainer.weight_sync",
+                            f'"shared" needs the trainer and every inference '
+                            f"replica on one device (trainer.device = {t.device!r}, "
+                            f'inference.device = {d!r}); use "push"',
+                        )
+                    )
                     break
-        if t.compute_dtype != "auto" and inf.dtype != "auto" and t.compute_dtype != inf.dtype and \
-                sync in ("shared", "push", "broadcast"):
-            p.append(Problem("trainer.compute_dtype", f"{t.compute_dtype!r} differs from inference.dtype = "
-                                                      f"{inf.dtype!r}: replicas receive the trainer's working "
-                                                      f"copy as it is with weight_sync = {sync!r}; use the "
-                                                      "inference dtype or \"reload\""))
+        if (
+            t.compute_dtype != "auto"
+            and inf.dtype != "auto"
+            and t.compute_dtype != inf.dtype
+            and sync in ("shared", "push", "broadcast")
+        ):
+            p.append(
+                Problem(
+                    "trainer.compute_dtype",
+                    f"{t.compute_dtype!r} differs from inference.dtype = "
+                    f"{inf.dtype!r}: replicas receive the trainer's working "
+                    f"copy as it is with weight_sync = {sync!r}; use the "
+                    'inference dtype or "reload"',
+                )
+            )
         if t.dtype == "bfloat16" and t.optimizer != "adamw":
-            p.append(Problem("trainer.dtype", f"\"bfloat16\" needs the compensated AdamW (trainer.optimizer = "
-                                              f"\"adamw\"), not {t.optimizer!r}"))
+            p.append(
+                Problem(
+                    "trainer.dtype",
+                    f'"bfloat16" needs the compensated AdamW (trainer.optimizer = "adamw"), not {t.optimizer!r}',
+                )
+            )
         if sync == "broadcast" and t.nodes > 1:
-            p.append(Problem("trainer.weight_sync", "\"broadcast\" runs on one node (cluster.nodes = 1); "
-                                                    "with several machines use \"push\" or \"reload\""))
+            p.append(
+                Problem(
+                    "trainer.weight_sync",
+                    '"broadcast" runs on one node (cluster.nodes = 1); with several machines use "push" or "reload"',
+                )
+            )
         if not inf.enabled and sync in ("shared", "push", "broadcast"):
-            p.append(Problem("trainer.weight_sync", f"\"{sync}\" needs a local inference server "
-                                                    "(inference.enabled = true); use \"reload\""))
+            p.append(
+                Problem(
+                    "trainer.weight_sync",
+                    f'"{sync}" needs a local inference server (inference.enabled = true); use "reload"',
+                )
+            )
     if inf.engine == "vllm" and inf.vllm.gpu_memory_utilization == 0.0 and t.enabled:
         shared_gpu = _trainer_gpu_overlap(cfg)
         if shared_gpu is not None:
-            p.append(Problem("inference.vllm.gpu_memory_utilization",
-                             f"must be > 0 when vLLM shares a GPU with the trainer ({shared_gpu}): it says how "
-                             "much of the GPU's memory the replica may take"))
+            p.append(
+                Problem(
+                    "inference.vllm.gpu_memory_utilization",
+                    f"must be > 0 when vLLM shares a GPU with the trainer ({shared_gpu}): it says how "
+                    "much of the GPU's memory the replica may take",
+                )
+            )
     if isinstance(inf.device, list):
         if len(inf.device) != inf.replicas:
-            p.append(Problem("inference.device", f"a list must have exactly inference.replicas ({inf.replicas}) "
-                                                 f"entries, one per replica; got {len(inf.device)}"))
+            p.append(
+                Problem(
+                    "inference.device",
+                    f"a list must have exactly inference.replicas ({inf.replicas}) "
+                    f"entries, one per replica; got {len(inf.device)}",
+                )
+            )
         for i, d in enumerate(inf.device):
             if not re.match(REPLICA_DEVICE_PATTERN, d):
-                p.append(Problem(f"inference.device[{i}]", "must be auto, cpu, cuda:N, a GPU UUID or several "
-                                                           f"GPUs (\"cuda:2,cuda:3\"), got {d!r}"))
+                p.append(
+                    Problem(
+                        f"inference.device[{i}]",
+                        f'must be auto, cpu, cuda:N, a GPU UUID or several GPUs ("cuda:2,cuda:3"), got {d!r}',
+                    )
+                )
     elif not re.match(DEVICE_PATTERN, inf.device):
         p.append(Problem("inference.device", f"must be auto, cpu, cuda:N or a GPU UUID, got {inf.device!r}"))
     p.extend(_trainer_device_problems(t.device))
@@ -1118,8 +1455,9 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
     if not inf.model:
         p.append(Problem("inference.model", "must not be empty"))
     elif inf.model.startswith("builtin:") and inf.model not in BUILTIN_MODELS:
-        p.append(Problem("inference.model", f"unknown built-in model {inf.model!r} (known: "
-                                            f"{', '.join(BUILTIN_MODELS)})"))
+        p.append(
+            Problem("inference.model", f"unknown built-in model {inf.model!r} (known: {', '.join(BUILTIN_MODELS)})")
+        )
     # ports distinct
     ports: dict[int, str] = {}
 
@@ -1134,8 +1472,13 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
         claim(api.port, "api.port")
     if inf.enabled:
         if inf.port + inf.replicas - 1 > 65535:
-            p.append(Problem("inference.port", f"inference.port + inference.replicas - 1 must be ≤ 65535 "
-                                               f"(replica i listens on port + i), got {inf.port + inf.replicas - 1}"))
+            p.append(
+                Problem(
+                    "inference.port",
+                    f"inference.port + inference.replicas - 1 must be ≤ 65535 "
+                    f"(replica i listens on port + i), got {inf.port + inf.replicas - 1}",
+                )
+            )
         for r in range(inf.replicas):
             claim(inf.port + r, "inference.port", f"inference replica {r}: port + {r}" if inf.replicas > 1 else "")
     if cfg.daemon.metrics_port:
@@ -1154,8 +1497,13 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
         if "name" not in env_raw or not e.name:
             p.append(Problem(f"{pre}.name", "required"))
         elif not _NAME_RE.match(e.name):
-            p.append(Problem(f"{pre}.name", "must be 1-63 characters of letters, digits, '.', '_' or '-', "
-                                            f"starting with a letter or digit; got {e.name!r}"))
+            p.append(
+                Problem(
+                    f"{pre}.name",
+                    "must be 1-63 characters of letters, digits, '.', '_' or '-', "
+                    f"starting with a letter or digit; got {e.name!r}",
+                )
+            )
         elif e.name in RESERVED_NAMES:
             p.append(Problem(f"{pre}.name", f"{e.name!r} is reserved for a daemon component"))
         elif e.name in seen:
@@ -1168,8 +1516,11 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
         if has_builtin == has_cmd:
             p.append(Problem(pre, "exactly one of builtin and command is required"))
         if has_builtin and e.builtin not in BUILTIN_ENVS:
-            p.append(Problem(f"{pre}.builtin", f"unknown built-in environment {e.builtin!r} "
-                                               f"(known: {', '.join(BUILTIN_ENVS)})"))
+            p.append(
+                Problem(
+                    f"{pre}.builtin", f"unknown built-in environment {e.builtin!r} (known: {', '.join(BUILTIN_ENVS)})"
+                )
+            )
         if e.options and not has_builtin:
             p.append(Problem(f"{pre}.options", "only a builtin environment takes options"))
         if has_builtin and e.builtin in BUILTIN_ENVS:
@@ -1178,8 +1529,9 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
         if t.enabled and e.group_size > t.batch_size:
             p.append(Problem(f"{pre}.group_size", f"must be ≤ trainer.batch_size ({t.batch_size})"))
         if e.group_size > cfg.api.max_queued_sequences:
-            p.append(Problem(f"{pre}.group_size", f"must be ≤ api.max_queued_sequences "
-                                                  f"({cfg.api.max_queued_sequences})"))
+            p.append(
+                Problem(f"{pre}.group_size", f"must be ≤ api.max_queued_sequences ({cfg.api.max_queued_sequences})")
+            )
         sig = e.stop_signal.upper()
         if not sig.startswith("SIG"):
             sig = "SIG" + sig
@@ -1193,8 +1545,7 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
         if e.command:
             unknown = _unknown_placeholders(e.command)
             if unknown:
-                p.append(Problem(f"{pre}.command", "unknown placeholder " + ", ".join("{" + u + "}"
-                                                                                      for u in unknown)))
+                p.append(Problem(f"{pre}.command", "unknown placeholder " + ", ".join("{" + u + "}" for u in unknown)))
             if "{replica_port}" in " ".join(e.command) and not e.port_base:
                 p.append(Problem(f"{pre}.port_base", "must be > 0 when command uses {replica_port}"))
     if api.command:
@@ -1204,8 +1555,12 @@ def _cross_checks(cfg: Config, raw: Mapping[str, Any]) -> list[Problem]:
     # the control socket path must fit in sun_path
     sock = str(cfg.control_socket)
     if len(sock.encode()) > SOCKET_PATH_MAX:
-        p.append(Problem("daemon.runtime_dir", f"control socket path {sock!r} is {len(sock.encode())} bytes; "
-                                               f"it must fit in {SOCKET_PATH_MAX}"))
+        p.append(
+            Problem(
+                "daemon.runtime_dir",
+                f"control socket path {sock!r} is {len(sock.encode())} bytes; it must fit in {SOCKET_PATH_MAX}",
+            )
+        )
     if cfg.daemon.socket_group:
         import grp
 
@@ -1241,31 +1596,50 @@ def _cluster_checks(cfg: Config) -> list[Problem]:
     if c.bind and ("://" in c.bind or (":" in c.bind and not _is_ip(c.bind))):
         p.append(Problem("cluster.bind", f"must be a host name or address without a scheme or port, got {c.bind!r}"))
     if c.head and ("://" in c.head or (":" in c.head and not _is_ip(c.head))):
-        p.append(Problem("cluster.head", f"must be a host name or address without a scheme or port (the port is "
-                                         f"cluster.port), got {c.head!r}"))
+        p.append(
+            Problem(
+                "cluster.head",
+                f"must be a host name or address without a scheme or port (the port is cluster.port), got {c.head!r}",
+            )
+        )
     if not c.enabled:
         return p
     if not c.head:
         p.append(Problem("cluster.head", "required when cluster.nodes > 1 (the host of node 0)"))
     if not c.token_path():
-        p.append(Problem("cluster.token_file", "required when cluster.nodes > 1 (a file holding the shared "
-                                               "secret, the same on every node; under systemd, the "
-                                               f"credential {CLUSTER_CREDENTIAL} may give it)"))
+        p.append(
+            Problem(
+                "cluster.token_file",
+                "required when cluster.nodes > 1 (a file holding the shared "
+                "secret, the same on every node; under systemd, the "
+                f"credential {CLUSTER_CREDENTIAL} may give it)",
+            )
+        )
     else:
         try:
             c.read_token()
         except ClusterError as exc:
             p.append(Problem("cluster.token_file", str(exc).removeprefix("cluster.token_file: ")))
     if cfg.trainer.enabled and not cfg.trainer.checkpoint_dir:
-        p.append(Problem("trainer.checkpoint_dir", "required when cluster.nodes > 1: a directory every node sees "
-                                                   "(NFS, Lustre, ...), where every trainer rank writes its shard"))
+        p.append(
+            Problem(
+                "trainer.checkpoint_dir",
+                "required when cluster.nodes > 1: a directory every node sees "
+                "(NFS, Lustre, ...), where every trainer rank writes its shard",
+            )
+        )
     if c.head:
         head_loopback = is_loopback(c.head)
         for name, sec in (("api", cfg.api), ("inference", cfg.inference)):
             if sec.enabled and is_loopback(sec.host) and not head_loopback:
-                p.append(Problem(f"{name}.host", f"{sec.host!r} is loopback, which the other nodes cannot reach; "
-                                                 f"a loopback host is valid only when cluster.head is loopback "
-                                                 f"(one machine), and cluster.head = {c.head!r}"))
+                p.append(
+                    Problem(
+                        f"{name}.host",
+                        f"{sec.host!r} is loopback, which the other nodes cannot reach; "
+                        f"a loopback host is valid only when cluster.head is loopback "
+                        f"(one machine), and cluster.head = {c.head!r}",
+                    )
+                )
     return p
 
 
@@ -1313,6 +1687,7 @@ def _trainer_gpu_overlap(cfg: Config) -> str | None:
 
 def to_dict(cfg: Config, *, resolved: bool = True) -> dict[str, Any]:
     """The config as plain TOML-able data (internal fields dropped; paths resolved if asked)."""
+
     def conv(obj: Any) -> Any:
         if dataclasses.is_dataclass(obj):
             return {f.name: conv(getattr(obj, f.name)) for f in fields(obj) if not f.metadata.get("internal")}
@@ -1370,7 +1745,7 @@ def _render(cfg: Config, *, comments: bool, resolved: bool) -> str:
                 for line in f.metadata["doc"].splitlines():
                     out.append(f"# {line}")
             if comments and not f.metadata.get("example", True) and not value:
-                out.append(f"# {f.name} = [\"python\", \"environments/gsm8k_server.py\", \"serve\", ...]")
+                out.append(f'# {f.name} = ["python", "environments/gsm8k_server.py", "serve", ...]')
             elif f.metadata.get("example", True) or value:
                 out.append(f"{f.name} = {_toml_value(value)}")
         out.append("")
@@ -1453,8 +1828,11 @@ def _section_schema(cls: type, doc: str = "") -> dict[str, Any]:
         if f.metadata.get("internal"):
             continue
         typ = hints[f.name]
-        props[f.name] = (_section_schema(typ, f.metadata.get("doc", "")) if isinstance(typ, type) and
-                         dataclasses.is_dataclass(typ) else _key_schema(typ, f))
+        props[f.name] = (
+            _section_schema(typ, f.metadata.get("doc", ""))
+            if isinstance(typ, type) and dataclasses.is_dataclass(typ)
+            else _key_schema(typ, f)
+        )
     out: dict[str, Any] = {"type": "object", "properties": props, "additionalProperties": False}
     if doc:
         out = {"description": doc, **out}
@@ -1463,9 +1841,11 @@ def _section_schema(cls: type, doc: str = "") -> dict[str, Any]:
 
 def _external() -> dict[str, Any]:
     """``url`` is required exactly when ``enabled = false``."""
-    return {"if": {"properties": {"enabled": {"const": False}}, "required": ["enabled"]},
-            "then": {"properties": {"url": {"minLength": 1}}, "required": ["url"]},
-            "else": {"properties": {"url": {"maxLength": 0}}}}
+    return {
+        "if": {"properties": {"enabled": {"const": False}}, "required": ["enabled"]},
+        "then": {"properties": {"url": {"minLength": 1}}, "required": ["url"]},
+        "else": {"properties": {"url": {"maxLength": 0}}},
+    }
 
 
 def json_schema() -> dict[str, Any]:
@@ -1483,13 +1863,18 @@ def json_schema() -> dict[str, Any]:
     env["required"] = ["name"]
     env["oneOf"] = [has_builtin, has_command]
     env["allOf"] = [{"if": {"not": has_builtin}, "then": {"properties": {"options": {"maxProperties": 0}}}}]
-    env["allOf"] += [{"if": {"properties": {"builtin": {"const": name}}, "required": ["builtin"]},
-                      "then": {"properties": {"options": options_schema(name)}}} for name in BUILTIN_ENVS]
+    env["allOf"] += [
+        {
+            "if": {"properties": {"builtin": {"const": name}}, "required": ["builtin"]},
+            "then": {"properties": {"options": options_schema(name)}},
+        }
+        for name in BUILTIN_ENVS
+    ]
     return {
         "$schema": JSON_SCHEMA_DIALECT,
         "title": "atroposd configuration",
         "description": "atroposd.toml (SPEC §3). Generated by `atroposd config schema`; `atroposd config check` "
-                       "also applies the rules between keys that a schema cannot express.",
+        "also applies the rules between keys that a schema cannot express.",
         "type": "object",
         "properties": {
             "daemon": _section_schema(DaemonConfig),
@@ -1499,8 +1884,11 @@ def json_schema() -> dict[str, Any]:
             "wandb": _section_schema(WandbConfig),
             "cluster": _section_schema(ClusterConfig),
             "health": _section_schema(HealthConfig),
-            "env": {"description": "The environments ([[env]]), each run as supervised children.",
-                    "type": "array", "items": env},
+            "env": {
+                "description": "The environments ([[env]]), each run as supervised children.",
+                "type": "array",
+                "items": env,
+            },
         },
         "additionalProperties": False,
     }

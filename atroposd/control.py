@@ -106,8 +106,15 @@ def peer_allowed(pid: int, uid: int, gid: int, group_id: int | None) -> bool:
 class ControlServer:
     """Serves ``handler(request) -> answer`` on a Unix socket until cancelled."""
 
-    def __init__(self, path: Path, handler: Handler, *, socket_group: str = "",
-                 read_timeout: float = READ_TIMEOUT, send_timeout: float = SEND_TIMEOUT) -> None:
+    def __init__(
+        self,
+        path: Path,
+        handler: Handler,
+        *,
+        socket_group: str = "",
+        read_timeout: float = READ_TIMEOUT,
+        send_timeout: float = SEND_TIMEOUT,
+    ) -> None:
         self.path = path
         self.handler = handler
         self.read_timeout = read_timeout
@@ -138,7 +145,8 @@ class ControlServer:
                         from atroposd.logs import get_logger
 
                         get_logger("atroposd.control", component="daemon").warning(
-                            "control socket cannot accept", error=str(exc))
+                            "control socket cannot accept", error=str(exc)
+                        )
                         await anyio.sleep(ACCEPT_RETRY_S)
                         continue
                     tg.start_soon(self._connection, stream)
@@ -164,8 +172,11 @@ class ControlServer:
                 except Exception as exc:
                     log.exception("control connection failed")
                     with contextlib.suppress(Exception):
-                        await _send(stream, {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}"},
-                                    self.send_timeout)
+                        await _send(
+                            stream,
+                            {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}"},
+                            self.send_timeout,
+                        )
         except anyio.get_cancelled_exc_class():
             raise
         except Exception as exc:  # closing a connection the peer broke
@@ -179,16 +190,21 @@ class ControlServer:
         pid, uid, gid = peer_credentials(stream.extra(SocketAttribute.raw_socket))
         if not peer_allowed(pid, uid, gid, self.group_id):
             log.warning("control client refused", peer_pid=pid, peer_uid=uid)
-            await _send(stream, {"ok": False, "error": "permission denied", "errno": "EACCES"},
-                        self.send_timeout)
+            await _send(stream, {"ok": False, "error": "permission denied", "errno": "EACCES"}, self.send_timeout)
             return
         buffered = BufferedByteReceiveStream(stream)
         try:
             with anyio.fail_after(self.read_timeout):
                 length = decode_length(await buffered.receive_exactly(_LEN.size))
                 request = decode_body(await buffered.receive_exactly(length))
-        except (TimeoutError, anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError,
-                anyio.ClosedResourceError, OSError) as exc:
+        except (
+            TimeoutError,
+            anyio.IncompleteRead,
+            anyio.EndOfStream,
+            anyio.BrokenResourceError,
+            anyio.ClosedResourceError,
+            OSError,
+        ) as exc:
             log.debug("control client gave up", peer_pid=pid, error=type(exc).__name__)
             return
         except ProtocolError as exc:
@@ -202,8 +218,12 @@ class ControlServer:
             log.exception("control request failed", cmd=_cmd_of(request))
             answer = {"ok": False, "error": f"internal error: {exc}"}
         if not await _send(stream, answer, self.send_timeout):
-            log.warning("control client did not take its answer; dropped", peer_pid=pid,
-                        cmd=_cmd_of(request), deadline_s=self.send_timeout)
+            log.warning(
+                "control client did not take its answer; dropped",
+                peer_pid=pid,
+                cmd=_cmd_of(request),
+                deadline_s=self.send_timeout,
+            )
 
 
 def _cmd_of(request: dict[str, Any]) -> str:
@@ -217,8 +237,13 @@ def encode_answer(answer: dict[str, Any]) -> bytes:
     try:
         return encode(answer)
     except ProtocolError as exc:
-        return encode({"ok": False, "error": f"the answer does not fit the control frame: {exc}",
-                       "cmd_ok": bool(answer.get("ok", False))})
+        return encode(
+            {
+                "ok": False,
+                "error": f"the answer does not fit the control frame: {exc}",
+                "cmd_ok": bool(answer.get("ok", False)),
+            }
+        )
     except TypeError as exc:  # a value JSON cannot carry
         return encode({"ok": False, "error": f"the answer cannot be encoded: {exc}"})
 

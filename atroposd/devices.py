@@ -32,8 +32,9 @@ def _torch_cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def resolve(device: str, dtype: str, *, key: str = "device",
-            cuda_available: Callable[[], bool] = _torch_cuda_available) -> tuple[str, str]:
+def resolve(
+    device: str, dtype: str, *, key: str = "device", cuda_available: Callable[[], bool] = _torch_cuda_available
+) -> tuple[str, str]:
     """``(device, dtype)`` names: ``"cpu"`` / ``"cuda"`` / ``"cuda:N"`` and one of :data:`DTYPES`.
 
     ``key`` names the setting in errors (``"trainer.device"``). Raises :class:`DeviceError`
@@ -77,8 +78,9 @@ def gpu_uuids() -> list[str] | None:
     if exe is None:
         return None
     try:
-        out = subprocess.run([exe, "--query-gpu=uuid", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=10, check=True).stdout
+        out = subprocess.run(
+            [exe, "--query-gpu=uuid", "--format=csv,noheader"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     return [line.strip() for line in out.splitlines() if line.strip()]
@@ -90,6 +92,7 @@ def same_device(a: str, b: str, *, uuids: Callable[[], list[str] | None] = gpu_u
 
     ``auto`` on both sides is the same device (both resolve alike); ``cuda`` is ``cuda:0``.
     """
+
     def norm(d: str) -> str:
         return "cuda:0" if d == "cuda" else d
 

@@ -115,8 +115,12 @@ def _arithmetic_problems(options: Mapping[str, Any]) -> list[tuple[str, str]]:
     longest = max(len(str(v)) for op in operators for v in extremes[op])
     max_tokens = int(options.get("max_tokens", defaults.max_tokens))
     if max_tokens < longest + 1:
-        return [("max_tokens", f"must be ≥ {longest + 1} (the longest answer, {longest} characters, "
-                               f"then EOS), got {max_tokens}")]
+        return [
+            (
+                "max_tokens",
+                f"must be ≥ {longest + 1} (the longest answer, {longest} characters, then EOS), got {max_tokens}",
+            )
+        ]
     return []
 
 

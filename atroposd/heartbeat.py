@@ -83,8 +83,14 @@ def decode(raw: bytes) -> Beat | None:
 class HeartbeatSender:
     """Sends beats to ``path`` (non-blocking; a beat nobody takes is dropped)."""
 
-    def __init__(self, path: str | None, name: str, *, interval: float = DEFAULT_INTERVAL,
-                 state: Callable[[], Mapping[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        path: str | None,
+        name: str,
+        *,
+        interval: float = DEFAULT_INTERVAL,
+        state: Callable[[], Mapping[str, Any]] | None = None,
+    ) -> None:
         self.path = path
         self.name = name
         self.interval = interval if interval > 0 else DEFAULT_INTERVAL
@@ -93,8 +99,13 @@ class HeartbeatSender:
         self._sock: socket.socket | None = None
 
     @classmethod
-    def from_environ(cls, name: str, environ: Mapping[str, str] | None = None, *,
-                     state: Callable[[], Mapping[str, Any]] | None = None) -> HeartbeatSender:
+    def from_environ(
+        cls,
+        name: str,
+        environ: Mapping[str, str] | None = None,
+        *,
+        state: Callable[[], Mapping[str, Any]] | None = None,
+    ) -> HeartbeatSender:
         env = os.environ if environ is None else environ
         try:
             interval = float(env.get(ENV_INTERVAL, DEFAULT_INTERVAL))

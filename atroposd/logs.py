@@ -20,8 +20,9 @@ def _orjson_dumps(obj: Any, default: Any = None) -> str:
     return orjson.dumps(obj, default=default or str).decode()
 
 
-def configure_logging(level: str = "info", fmt: str = "auto", *, stream: TextIO | None = None,
-                      component: str | None = None) -> None:
+def configure_logging(
+    level: str = "info", fmt: str = "auto", *, stream: TextIO | None = None, component: str | None = None
+) -> None:
     """Route structlog and stdlib logging to ``stream`` (stderr) at ``level``.
 
     fmt: ``auto`` (console on a TTY, else JSON), ``console`` or ``json``.
@@ -35,20 +36,24 @@ def configure_logging(level: str = "info", fmt: str = "auto", *, stream: TextIO 
     ]
     if component:
         shared.insert(0, _bind_component(component))
-    renderer: Any = (structlog.processors.JSONRenderer(serializer=_orjson_dumps) if use_json
-                     else structlog.dev.ConsoleRenderer(colors=stream.isatty()))
+    renderer: Any = (
+        structlog.processors.JSONRenderer(serializer=_orjson_dumps)
+        if use_json
+        else structlog.dev.ConsoleRenderer(colors=stream.isatty())
+    )
     structlog.configure(
-        processors=[*shared, structlog.processors.StackInfoRenderer(), structlog.processors.format_exc_info,
-                    renderer],
+        processors=[*shared, structlog.processors.StackInfoRenderer(), structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS.get(level, logging.INFO)),
         logger_factory=structlog.PrintLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
     # Libraries that use the standard logging module (aiohttp, transformers) go to the same stream.
     handler = logging.StreamHandler(stream)
-    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
-        foreign_pre_chain=shared))
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer], foreign_pre_chain=shared
+        )
+    )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(max(_LEVELS.get(level, logging.INFO), logging.INFO))

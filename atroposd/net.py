@@ -45,7 +45,7 @@ def host_allowed(host: str | None, own: frozenset[str]) -> bool:
         return True
     h = host.strip().lower()
     if h.startswith("["):
-        h = h[1:h.find("]")] if "]" in h else h
+        h = h[1 : h.find("]")] if "]" in h else h
     elif h.count(":") == 1:
         h = h.split(":", 1)[0]
     h = h.rstrip(".")
@@ -77,6 +77,7 @@ def address_towards(head: str, port: int) -> str:
         except OSError as exc:
             raise BindError(f"no route from this host to {head!r} ({exc.strerror or exc})") from None
     if is_loopback(local):
-        raise BindError(f"{head!r} resolves to the loopback address {local} on this host, which the other "
-                        "machines cannot reach")
+        raise BindError(
+            f"{head!r} resolves to the loopback address {local} on this host, which the other machines cannot reach"
+        )
     return local

@@ -30,8 +30,14 @@ class Paths:
 
     @classmethod
     def of(cls, cfg: Config) -> Paths:
-        return cls(cfg.runtime_dir, cfg.state_dir, cfg.runtime_dir == fallback_runtime_dir(),
-                   cfg.daemon.socket_group, cfg.checkpoint_dir, cfg.cluster.enabled)
+        return cls(
+            cfg.runtime_dir,
+            cfg.state_dir,
+            cfg.runtime_dir == fallback_runtime_dir(),
+            cfg.daemon.socket_group,
+            cfg.checkpoint_dir,
+            cfg.cluster.enabled,
+        )
 
     def ensure_state_dirs(self) -> None:
         """``state_dir`` and its ``logs`` and ``recovery`` directories, each created 0700 (whatever
@@ -70,8 +76,9 @@ class Paths:
     def log_file(self, component: str) -> Path:
         """``logs/<component>.log``; ValueError for a name that is not a component's (a path, ``..``)."""
         if not COMPONENT_NAME.fullmatch(component):
-            raise ValueError(f"{component!r} is not a component name (letters, digits, '.', '_', '-'; "
-                             "no '/', not starting with '.')")
+            raise ValueError(
+                f"{component!r} is not a component name (letters, digits, '.', '_', '-'; no '/', not starting with '.')"
+            )
         return self.logs_dir / f"{component}.log"
 
     @property
@@ -124,8 +131,10 @@ def ensure_runtime_dir(path: Path, *, fallback: bool = False, group: str = "") -
     if not stat.S_ISDIR(st.st_mode):
         raise RuntimeDirError(f"runtime_dir {path} is not a directory")
     if st.st_uid != os.geteuid():
-        raise RuntimeDirError(f"runtime_dir {path} belongs to uid {st.st_uid}, not to us (uid {os.geteuid()}); "
-                              "remove it or set daemon.runtime_dir")
+        raise RuntimeDirError(
+            f"runtime_dir {path} belongs to uid {st.st_uid}, not to us (uid {os.geteuid()}); "
+            "remove it or set daemon.runtime_dir"
+        )
     mode = stat.S_IMODE(st.st_mode)
     want = 0o700
     if group:
@@ -139,13 +148,16 @@ def ensure_runtime_dir(path: Path, *, fallback: bool = False, group: str = "") -
             try:
                 os.chown(path, -1, gid, follow_symlinks=False)
             except OSError as exc:
-                raise RuntimeDirError(f"runtime_dir {path}: cannot give it to group {group!r} "
-                                      f"(daemon.socket_group): {exc.strerror}") from None
+                raise RuntimeDirError(
+                    f"runtime_dir {path}: cannot give it to group {group!r} (daemon.socket_group): {exc.strerror}"
+                ) from None
         want = 0o710
     if mode != want:
         if fallback and existed and mode != 0o700:
-            raise RuntimeDirError(f"runtime_dir {path} has mode {mode:04o}, not 0700: someone may have used it; "
-                                  "remove it or set daemon.runtime_dir")
+            raise RuntimeDirError(
+                f"runtime_dir {path} has mode {mode:04o}, not 0700: someone may have used it; "
+                "remove it or set daemon.runtime_dir"
+            )
         os.chmod(path, want, follow_symlinks=False)
 
 
@@ -186,14 +198,18 @@ def check_checkpoint_dir(path: Path, *, key: str = "trainer.checkpoint_dir") -> 
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafeDirError(f"{key}: {path} is not a directory")
     if st.st_uid not in (os.geteuid(), 0):
-        raise UnsafeDirError(f"{key}: {path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): "
-                             "its owner could plant a checkpoint that the next resume loads")
+        raise UnsafeDirError(
+            f"{key}: {path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): "
+            "its owner could plant a checkpoint that the next resume loads"
+        )
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o022:
         who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002)) if mode & bit)
-        raise UnsafeDirError(f"{key}: {path} has mode {mode:04o}, writable by {who}: anyone who can write there "
-                             f"could plant a checkpoint that the next resume loads; `chmod go-w {path}` "
-                             "or choose another directory")
+        raise UnsafeDirError(
+            f"{key}: {path} has mode {mode:04o}, writable by {who}: anyone who can write there "
+            f"could plant a checkpoint that the next resume loads; `chmod go-w {path}` "
+            "or choose another directory"
+        )
 
 
 def open_nofollow(path: Path, flags: int, mode: int = 0o600) -> int:

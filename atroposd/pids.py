@@ -36,7 +36,7 @@ def start_ticks(pid: int) -> int | None:
     end = data.rfind(b")")
     if end < 0:  # pragma: no cover - not a procfs stat line
         return None
-    rest = data[end + 1:].split()
+    rest = data[end + 1 :].split()
     try:
         return int(rest[_STARTTIME_FIELD - 3])
     except (IndexError, ValueError):  # pragma: no cover - not a procfs stat line

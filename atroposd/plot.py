@@ -36,8 +36,7 @@ PANELS: tuple[tuple[str, str], ...] = (
 TIME_PANEL = "time per step (s, moving average)"
 THROUGHPUT_PANEL = "trained tokens / s (moving average)"
 # The parts of a step's time: metrics key, legend label, line style when several runs overlay.
-TIME_PARTS = (("batch_wait_s", "waiting for data", "--"), ("compute_s", "compute", "-"),
-              ("sync_s", "weight sync", ":"))
+TIME_PARTS = (("batch_wait_s", "waiting for data", "--"), ("compute_s", "compute", "-"), ("sync_s", "weight sync", ":"))
 
 
 class PlotError(Exception):
@@ -149,14 +148,25 @@ def draw(runs: Sequence[Run], *, title: str = "") -> Any:
         xs, ys = _throughput(run.rows)
         if xs:
             drawn = True
-            ax.plot(xs, moving_average(ys, window_for(len(run.rows))), color=colors[i % len(colors)],
-                    linewidth=1.4, label=run.label)
+            ax.plot(
+                xs,
+                moving_average(ys, window_for(len(run.rows))),
+                color=colors[i % len(colors)],
+                linewidth=1.4,
+                label=run.label,
+            )
     _finish_panel(ax, drawn, legend=several)
     for i, run in enumerate(runs):  # rollbacks: a dashed line at the first step after each
         for n, step in enumerate(rollback_steps(run.rows)):
             for panel in flat:
-                panel.axvline(step, color="tab:red" if not several else colors[i % len(colors)], linestyle="--",
-                              linewidth=1.0, alpha=0.8, label="rollback" if n == 0 and panel is flat[0] else None)
+                panel.axvline(
+                    step,
+                    color="tab:red" if not several else colors[i % len(colors)],
+                    linestyle="--",
+                    linewidth=1.0,
+                    alpha=0.8,
+                    label="rollback" if n == 0 and panel is flat[0] else None,
+                )
         if rollback_steps(run.rows) and not several:
             flat[0].legend(loc="best", fontsize="small")
     for ax in axes[-1]:
@@ -195,8 +205,14 @@ def _time_split(ax: Any, runs: Sequence[Run], colors: Sequence[str]) -> None:
                     drawn = True
                     smooth = moving_average(ys, window)
                     shown.append(smooth[window:])
-                    ax.plot(xs, smooth, color=colors[i % len(colors)], linestyle=style, linewidth=1.2,
-                            label=f"{run.label}: {label}")
+                    ax.plot(
+                        xs,
+                        smooth,
+                        color=colors[i % len(colors)],
+                        linestyle=style,
+                        linewidth=1.2,
+                        label=f"{run.label}: {label}",
+                    )
         _clip_start(ax, shown, 0)
     _finish_panel(ax, drawn, legend=True)
 
@@ -205,7 +221,7 @@ def _robust_range(raw: Sequence[float], smooth: Sequence[float]) -> tuple[float,
     """The y range that shows the moving average and all but the rarest raw values (0.5 %)."""
     ordered = sorted(raw)
     cut = len(ordered) // 200
-    kept = ordered[cut:len(ordered) - cut] or ordered
+    kept = ordered[cut : len(ordered) - cut] or ordered
     return min(kept[0], min(smooth)), max(kept[-1], max(smooth))
 
 

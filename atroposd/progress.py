@@ -50,8 +50,10 @@ def _waiting(st: dict[str, Any]) -> str | None:
 
 
 # What the trainer waits for (``waiting_for``), as a person reads it after "waiting for".
-_WAITING_TEXT = {"ranks": "the trainer ranks to form the group",
-                 "filtered": "data: the groups received lately had equal scores (dropped by filter_groups)"}
+_WAITING_TEXT = {
+    "ranks": "the trainer ranks to form the group",
+    "filtered": "data: the groups received lately had equal scores (dropped by filter_groups)",
+}
 
 
 def waiting_text(reason: str) -> str:
@@ -105,8 +107,13 @@ class StatusPoller:
     """Calls ``show(fetch())`` every ``interval`` from a thread until :meth:`stop`; ``fetch``
     answers the daemon's status, or None while there is none (it must not raise)."""
 
-    def __init__(self, fetch: Callable[[], dict[str, Any] | None], show: Callable[[dict[str, Any] | None], None], *,
-                 interval: float = POLL_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        fetch: Callable[[], dict[str, Any] | None],
+        show: Callable[[dict[str, Any] | None], None],
+        *,
+        interval: float = POLL_INTERVAL_S,
+    ) -> None:
         self.fetch = fetch
         self.show = show
         self.interval = interval

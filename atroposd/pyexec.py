@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import sys
 
-_PROLOGUE = ("import runpy, sys; del sys.path[0]; sys.argv[0] = {module!r}; "
-             "runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+_PROLOGUE = (
+    "import runpy, sys; del sys.path[0]; sys.argv[0] = {module!r}; "
+    "runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
+)
 
 
 def python_module(module: str, *, executable: str | None = None) -> list[str]:

@@ -13,8 +13,15 @@ from collections.abc import Iterable
 
 from atroposd.logs import get_logger
 
-__all__ = ["OWN_SEGMENT_PREFIX", "SHM_DIR", "boot_id", "boot_seconds", "mapped_shm", "unlink_orphaned_segments",
-           "wall_of_boot"]
+__all__ = [
+    "OWN_SEGMENT_PREFIX",
+    "SHM_DIR",
+    "boot_id",
+    "boot_seconds",
+    "mapped_shm",
+    "unlink_orphaned_segments",
+    "wall_of_boot",
+]
 
 log = get_logger("atroposd.shmscan")
 
@@ -73,7 +80,7 @@ def mapped_shm(prefix: str = "", pids: Iterable[int] | None = None) -> dict[str,
                         if len(fields) >= 5 and fields[4].isdigit():
                             by_inode.setdefault((fields[3], int(fields[4])), set()).add(pid)
                         continue
-                    name = line[at + len(SHM_DIR) + 1:].split()[0]
+                    name = line[at + len(SHM_DIR) + 1 :].split()[0]
                     if name.startswith(prefix):
                         found.setdefault(name, set()).add(pid)
         except OSError:  # gone, or another user's
@@ -101,8 +108,13 @@ def _shm_inodes(prefix: str) -> dict[str, tuple[str, int]]:
     return out
 
 
-def unlink_orphaned_segments(names: Iterable[str], *, since: float | None = None, since_boot: float | None = None,
-                             ignore_pids: Iterable[int] = ()) -> list[str]:
+def unlink_orphaned_segments(
+    names: Iterable[str],
+    *,
+    since: float | None = None,
+    since_boot: float | None = None,
+    ignore_pids: Iterable[int] = (),
+) -> list[str]:
     """Unlink the ``/dev/shm`` segments among ``names`` that no live process maps any more
     (processes in ``ignore_pids`` aside: a process about to exit may clean up what it still
     maps) and that were created at or after a start; ``atroposd-*`` weight segments are left to
@@ -152,12 +164,15 @@ def check_private_segment(fd: int, name: str, min_size: int) -> int:
 
     st = os.fstat(fd)
     if st.st_uid != os.geteuid():
-        raise SegmentCheckError(f"shared-memory segment {name!r} is owned by uid {st.st_uid}, not by this user",
-                                permission=True)
+        raise SegmentCheckError(
+            f"shared-memory segment {name!r} is owned by uid {st.st_uid}, not by this user", permission=True
+        )
     if stat.S_IMODE(st.st_mode) & 0o077:
-        raise SegmentCheckError(f"shared-memory segment {name!r} has mode {stat.S_IMODE(st.st_mode):o}; "
-                                "expected 0600", permission=True)
+        raise SegmentCheckError(
+            f"shared-memory segment {name!r} has mode {stat.S_IMODE(st.st_mode):o}; expected 0600", permission=True
+        )
     if st.st_size < min_size:
-        raise SegmentCheckError(f"shared-memory segment {name!r} is {st.st_size} bytes; expected at least "
-                                f"{min_size}", permission=False)
+        raise SegmentCheckError(
+            f"shared-memory segment {name!r} is {st.st_size} bytes; expected at least {min_size}", permission=False
+        )
     return int(st.st_size)

@@ -76,5 +76,4 @@ def rollout_timing(groups: Iterable[Any], received_at: float) -> dict[str, float
         posted = _seconds(timing.get("posted_at"))
         if posted is not None:
             delivery.append(max(0.0, received_at - posted))
-    return {"rollout_gate_s": _mean(gate), "rollout_generate_s": _mean(generate),
-            "rollout_delivery_s": _mean(delivery)}
+    return {"rollout_gate_s": _mean(gate), "rollout_generate_s": _mean(generate), "rollout_delivery_s": _mean(delivery)}

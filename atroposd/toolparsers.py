@@ -8,8 +8,7 @@ import ast
 import importlib.util
 from pathlib import Path
 
-__all__ = ["AUTO", "BUILTIN_PARSERS", "available_parser_names", "have_vllm", "parser_problem",
-           "vllm_parser_names"]
+__all__ = ["AUTO", "BUILTIN_PARSERS", "available_parser_names", "have_vllm", "parser_problem", "vllm_parser_names"]
 
 AUTO = "auto"
 #: Parsers atroposd has itself (atroposd.inference.tools): available with or without vLLM.
@@ -39,10 +38,14 @@ def vllm_parser_names() -> frozenset[str] | None:
     except (OSError, SyntaxError):
         return None
     for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_TOOL_PARSERS_TO_REGISTER"
-                                                for t in node.targets) and isinstance(node.value, ast.Dict):
-            return frozenset(k.value for k in node.value.keys if isinstance(k, ast.Constant)
-                             and isinstance(k.value, str))
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "_TOOL_PARSERS_TO_REGISTER" for t in node.targets)
+            and isinstance(node.value, ast.Dict)
+        ):
+            return frozenset(
+                k.value for k in node.value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)
+            )
     return None
 
 
@@ -63,8 +66,10 @@ def parser_problem(name: str) -> str | None:
     if names is None or name in names:
         return None
     if not have_vllm():
-        return (f"parser {name!r} needs vLLM's tool parsers, and vLLM is not installed (pip install "
-                f"'atroposd[vllm]'); available here: \"hermes\", \"auto\" or \"\" (off)")
+        return (
+            f"parser {name!r} needs vLLM's tool parsers, and vLLM is not installed (pip install "
+            f'\'atroposd[vllm]\'); available here: "hermes", "auto" or "" (off)'
+        )
     import difflib
 
     close = difflib.get_close_matches(name, sorted(names), n=1)

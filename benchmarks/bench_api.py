@@ -71,9 +71,15 @@ def make_group(tag: int, env_id: int) -> bytes:
     tokens = [shared + [rng.randrange(100, 150000) for _ in range(TOKENS - prompt)] for _ in range(SEQS)]
     masks = [[-100] * prompt + row[prompt:] for row in tokens]
     logprobs = [[1.0] * prompt + [-rng.expovariate(2.0) for _ in range(TOKENS - prompt)] for _ in range(SEQS)]
-    body = {"tokens": tokens, "masks": masks, "scores": [float(tag)] + [0.5] * (SEQS - 1),
-            "inference_logprobs": logprobs, "env_id": env_id, "messages": None,
-            "generation_params": {"temperature": 1.0}}
+    body = {
+        "tokens": tokens,
+        "masks": masks,
+        "scores": [float(tag)] + [0.5] * (SEQS - 1),
+        "inference_logprobs": logprobs,
+        "env_id": env_id,
+        "messages": None,
+        "generation_params": {"temperature": 1.0},
+    }
     return gzip.compress(orjson.dumps(body), compresslevel=1)
 
 
@@ -148,8 +154,16 @@ class Result:
 
 
 async def register(session: aiohttp.ClientSession, url: str) -> int:
-    reg = dict(wandb_group="", wandb_project="", batch_size=BATCH, max_token_len=1024, checkpoint_dir="ckpt",
-               save_checkpoint_interval=100, starting_step=0, num_steps=1000)
+    reg = dict(
+        wandb_group="",
+        wandb_project="",
+        batch_size=BATCH,
+        max_token_len=1024,
+        checkpoint_dir="ckpt",
+        save_checkpoint_interval=100,
+        starting_step=0,
+        num_steps=1000,
+    )
     async with session.post(url + "/register", json=reg) as r:
         assert r.status == 200, await r.text()
     async with session.get(url + "/batch") as r:
@@ -161,8 +175,15 @@ async def register(session: aiohttp.ClientSession, url: str) -> int:
     return int(answer["env_id"])
 
 
-async def post_all(url: str, bodies: list[bytes], clients: int, *, retry_503: bool = False,
-                   statuses: dict[int, int] | None = None, waits: list[float] | None = None) -> list[float]:
+async def post_all(
+    url: str,
+    bodies: list[bytes],
+    clients: int,
+    *,
+    retry_503: bool = False,
+    statuses: dict[int, int] | None = None,
+    waits: list[float] | None = None,
+) -> list[float]:
     """Post every body from ``clients`` concurrent clients; returns per-request latencies (s)."""
     latencies: list[float] = []
     queue: asyncio.Queue[bytes] = asyncio.Queue()
@@ -264,8 +285,13 @@ async def bench(server: Server, bodies: list[bytes], clients: int, warmup: list[
     res.lost = len(expected - set(tags))
     res.duplicated = len(tags) - len(set(tags))
     res.exactly_once = res.lost == 0 and res.duplicated == 0
-    res.extra = {"post_wall_s": wall, "drain_wall_s": dwall, "batches": batches, "rss_before_mb": rss0 / 2**20,
-                 "rss_after_warmup_ingest_mb": rss1 / 2**20}
+    res.extra = {
+        "post_wall_s": wall,
+        "drain_wall_s": dwall,
+        "batches": batches,
+        "rss_before_mb": rss0 / 2**20,
+        "rss_after_warmup_ingest_mb": rss1 / 2**20,
+    }
     return res
 
 
@@ -276,12 +302,11 @@ async def flood(server: Server, bodies: list[bytes], clients: int, cap: int, ful
     statuses: dict[int, int] = {}
     waits: list[float] = []
     samples: list[float] = []
-    task = asyncio.ensure_future(post_all(server.url, bodies, clients, retry_503=True, statuses=statuses,
-                                          waits=waits))
+    task = asyncio.ensure_future(post_all(server.url, bodies, clients, retry_503=True, statuses=statuses, waits=waits))
     while statuses.get(503, 0) < 20 * clients and not task.done():
         samples.append(server.rss() / 2**20)
         await asyncio.sleep(0.2)
-    full = samples[len(samples) // 2:] or samples
+    full = samples[len(samples) // 2 :] or samples
     tags: list[int] = []
     while True:  # now drain while the clients finish their retries
         got, *_ = await drain(server.url, server)
@@ -290,25 +315,40 @@ async def flood(server: Server, bodies: list[bytes], clients: int, cap: int, ful
             break
         await asyncio.sleep(0.05)
     await task
-    return {"cap_sequences": cap, "full_wait_s": full_wait, "statuses": statuses,
-            "refusals": statuses.get(503, 0), "min_refusal_wait_s": min(waits) if waits else None,
-            "rss_full_mb_min": min(full) if full else None, "rss_full_mb_max": max(full) if full else None,
-            "lost": len(set(range(len(bodies))) - set(tags)), "duplicated": len(tags) - len(set(tags))}
+    return {
+        "cap_sequences": cap,
+        "full_wait_s": full_wait,
+        "statuses": statuses,
+        "refusals": statuses.get(503, 0),
+        "min_refusal_wait_s": min(waits) if waits else None,
+        "rss_full_mb_min": min(full) if full else None,
+        "rss_full_mb_max": max(full) if full else None,
+        "lost": len(set(range(len(bodies))) - set(tags)),
+        "duplicated": len(tags) - len(set(tags)),
+    }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--groups", type=int, default=512, help="groups of 8 × 512 tokens (default 512)")
-    ap.add_argument("--warmup", type=int, default=256,
-                    help="groups posted and drained before the timed run, on every server; memory per "
-                         "queued group is measured on them (default 256)")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=256,
+        help="groups posted and drained before the timed run, on every server; memory per "
+        "queued group is measured on them (default 256)",
+    )
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--flood", action="store_true", help="also run the flood mode (atroposd only)")
     ap.add_argument("--no-run-api", action="store_true", help="skip atroposlib's run-api")
     ap.add_argument("--spool", action="store_true", help="also measure atroposd with its spool on")
-    ap.add_argument("--repeat", type=int, default=3,
-                    help="rounds (servers interleaved); the best round of each server is reported, which "
-                         "filters out the noise of a shared machine (default 3)")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="rounds (servers interleaved); the best round of each server is reported, which "
+        "filters out the noise of a shared machine (default 3)",
+    )
     args = ap.parse_args()
     groups = args.groups - args.groups % (BATCH // SEQS)
     tmp = Path(tempfile.mkdtemp(prefix="bench-api-"))
@@ -318,11 +358,39 @@ def main() -> int:
     warmup = [make_group(WARMUP_TAG + k, 0) for k in range(warm)]
     flood_out: dict[str, Any] | None = None
     configs: list[tuple[str, list[str]]] = [
-        ("atroposd", [sys.executable, "-m", "atroposd", "api", "--port", str(free_port()), "--no-spool",
-                      "--log-level", "warning"])]
+        (
+            "atroposd",
+            [
+                sys.executable,
+                "-m",
+                "atroposd",
+                "api",
+                "--port",
+                str(free_port()),
+                "--no-spool",
+                "--log-level",
+                "warning",
+            ],
+        )
+    ]
     if args.spool:
-        configs.append(("atroposd+spool", [sys.executable, "-m", "atroposd", "api", "--port", str(free_port()),
-                                           "--spool-dir", str(tmp / "spool"), "--log-level", "warning"]))
+        configs.append(
+            (
+                "atroposd+spool",
+                [
+                    sys.executable,
+                    "-m",
+                    "atroposd",
+                    "api",
+                    "--port",
+                    str(free_port()),
+                    "--spool-dir",
+                    str(tmp / "spool"),
+                    "--log-level",
+                    "warning",
+                ],
+            )
+        )
     if not args.no_run_api:
         if not RUN_API.exists():
             print("run-api not installed (pip install atroposlib==0.4.0); skipping it", file=sys.stderr)
@@ -342,9 +410,25 @@ def main() -> int:
         results = [best(rs) for rs in rounds.values()]
         if args.flood:
             cap, full_wait = 512, 0.5
-            server = start("atroposd-flood", [sys.executable, "-m", "atroposd", "api", "--port", str(free_port()),
-                                              "--no-spool", "--max-queued-sequences", str(cap), "--full-wait",
-                                              str(full_wait), "--log-level", "warning"], tmp)
+            server = start(
+                "atroposd-flood",
+                [
+                    sys.executable,
+                    "-m",
+                    "atroposd",
+                    "api",
+                    "--port",
+                    str(free_port()),
+                    "--no-spool",
+                    "--max-queued-sequences",
+                    str(cap),
+                    "--full-wait",
+                    str(full_wait),
+                    "--log-level",
+                    "warning",
+                ],
+                tmp,
+            )
             try:
                 print("flood mode ...", file=sys.stderr)
                 flood_out = asyncio.run(flood(server, bodies, args.clients, cap, full_wait))
@@ -370,17 +454,40 @@ def best(rounds: list[Result]) -> Result:
     out.lost = max(r.lost for r in rounds)
     out.duplicated = max(r.duplicated for r in rounds)
     out.exactly_once = all(r.exactly_once for r in rounds)
-    out.extra = {"rounds": len(rounds), "post_groups_s_all": [round(r.post_groups_s, 1) for r in rounds],
-                 "drain_groups_s_all": [round(r.drain_groups_s, 1) for r in rounds]}
+    out.extra = {
+        "rounds": len(rounds),
+        "post_groups_s_all": [round(r.post_groups_s, 1) for r in rounds],
+        "drain_groups_s_all": [round(r.drain_groups_s, 1) for r in rounds],
+    }
     return out
 
 
 def report(results: list[Result], flood_out: dict[str, Any] | None, groups: int, clients: int) -> None:
-    cols = ["server", "POST groups/s", "p50 ms", "p99 ms", "POST CPU ms/group", "drain groups/s", "drain CPU ms/batch", "KiB/group",
-            "exactly once"]
-    rows = [[r.name, f"{r.post_groups_s:.0f}", f"{r.post_p50_ms:.1f}", f"{r.post_p99_ms:.1f}",
-             f"{r.post_cpu_ms_per_group:.2f}", f"{r.drain_groups_s:.0f}", f"{r.drain_cpu_ms_per_batch:.1f}", f"{r.mem_per_group_kb:.0f}",
-             "yes" if r.exactly_once else f"NO (lost {r.lost}, dup {r.duplicated})"] for r in results]
+    cols = [
+        "server",
+        "POST groups/s",
+        "p50 ms",
+        "p99 ms",
+        "POST CPU ms/group",
+        "drain groups/s",
+        "drain CPU ms/batch",
+        "KiB/group",
+        "exactly once",
+    ]
+    rows = [
+        [
+            r.name,
+            f"{r.post_groups_s:.0f}",
+            f"{r.post_p50_ms:.1f}",
+            f"{r.post_p99_ms:.1f}",
+            f"{r.post_cpu_ms_per_group:.2f}",
+            f"{r.drain_groups_s:.0f}",
+            f"{r.drain_cpu_ms_per_batch:.1f}",
+            f"{r.mem_per_group_kb:.0f}",
+            "yes" if r.exactly_once else f"NO (lost {r.lost}, dup {r.duplicated})",
+        ]
+        for r in results
+    ]
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
     print(f"\n{groups} groups of {SEQS}×{TOKENS} tokens, {clients} clients, batch {BATCH}")
     print("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
@@ -390,22 +497,39 @@ def report(results: list[Result], flood_out: dict[str, Any] | None, groups: int,
     by = {r.name: r for r in results}
     if "run-api" in by and "atroposd" in by:
         ours, theirs = by["atroposd"], by["run-api"]
-        ratios = {"post": ours.post_groups_s / theirs.post_groups_s,
-                  "post_cpu": theirs.post_cpu_ms_per_group / max(ours.post_cpu_ms_per_group, 1e-9),
-                  "drain_cpu": theirs.drain_cpu_ms_per_batch / max(ours.drain_cpu_ms_per_batch, 1e-9),
-                  "drain": ours.drain_groups_s / theirs.drain_groups_s,
-                  "memory": ours.mem_per_group_kb / theirs.mem_per_group_kb if theirs.mem_per_group_kb else 0.0}
-        print(f"\natroposd / run-api: POST {ratios['post']:.1f}× (target ≥ 5×), drain {ratios['drain']:.1f}× "
-              f"(target ≥ 20×), memory per queued group {ratios['memory']:.2f}× (target ≤ 0.25×)")
-        print(f"server CPU per unit, run-api / atroposd: POST {ratios['post_cpu']:.1f}×, "
-              f"drain {ratios['drain_cpu']:.1f}×")
+        ratios = {
+            "post": ours.post_groups_s / theirs.post_groups_s,
+            "post_cpu": theirs.post_cpu_ms_per_group / max(ours.post_cpu_ms_per_group, 1e-9),
+            "drain_cpu": theirs.drain_cpu_ms_per_batch / max(ours.drain_cpu_ms_per_batch, 1e-9),
+            "drain": ours.drain_groups_s / theirs.drain_groups_s,
+            "memory": ours.mem_per_group_kb / theirs.mem_per_group_kb if theirs.mem_per_group_kb else 0.0,
+        }
+        print(
+            f"\natroposd / run-api: POST {ratios['post']:.1f}× (target ≥ 5×), drain {ratios['drain']:.1f}× "
+            f"(target ≥ 20×), memory per queued group {ratios['memory']:.2f}× (target ≤ 0.25×)"
+        )
+        print(
+            f"server CPU per unit, run-api / atroposd: POST {ratios['post_cpu']:.1f}×, drain {ratios['drain_cpu']:.1f}×"
+        )
     if flood_out:
-        print(f"\nflood (cap {flood_out['cap_sequences']} sequences, full_wait {flood_out['full_wait_s']} s): "
-              f"statuses {flood_out['statuses']}, shortest refusal {flood_out['min_refusal_wait_s']:.2f} s, "
-              f"RSS while full {flood_out['rss_full_mb_min']:.0f}–{flood_out['rss_full_mb_max']:.0f} MiB, "
-              f"lost {flood_out['lost']}, duplicated {flood_out['duplicated']}")
-    print(json.dumps({"benchmark": "api", "groups": groups, "clients": clients,
-                      "results": [r.__dict__ for r in results], "ratios": ratios, "flood": flood_out}))
+        print(
+            f"\nflood (cap {flood_out['cap_sequences']} sequences, full_wait {flood_out['full_wait_s']} s): "
+            f"statuses {flood_out['statuses']}, shortest refusal {flood_out['min_refusal_wait_s']:.2f} s, "
+            f"RSS while full {flood_out['rss_full_mb_min']:.0f}–{flood_out['rss_full_mb_max']:.0f} MiB, "
+            f"lost {flood_out['lost']}, duplicated {flood_out['duplicated']}"
+        )
+    print(
+        json.dumps(
+            {
+                "benchmark": "api",
+                "groups": groups,
+                "clients": clients,
+                "results": [r.__dict__ for r in results],
+                "ratios": ratios,
+                "flood": flood_out,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -54,9 +54,23 @@ def lying_body(inflate_mib: int) -> bytes:
 def start(src: Path, tmp: Path, port: int, max_request_mib: int) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(src), "ATROPOSD_API_PARSE_HELPER": "0"}
     log = open(tmp / f"api-{port}.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "atroposd", "api", "--port", str(port), "--no-spool",
-                             "--max-request-bytes", str(max_request_mib << 20)],
-                            cwd=src, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "atroposd",
+            "api",
+            "--port",
+            str(port),
+            "--no-spool",
+            "--max-request-bytes",
+            str(max_request_mib << 20),
+        ],
+        cwd=src,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     import urllib.request
 
     deadline = time.monotonic() + 60
@@ -82,8 +96,10 @@ async def _request(port: int, head: bytes, body: bytes = b"") -> int:
 
 
 async def stall(port: int, posts: int, body: bytes) -> dict[str, Any]:
-    head = (f"POST /scored_data HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Encoding: gzip\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    head = (
+        f"POST /scored_data HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Encoding: gzip\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
     probe = b"GET /info HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
     latencies: list[float] = []
     done = False
@@ -100,10 +116,13 @@ async def stall(port: int, posts: int, body: bytes) -> dict[str, Any]:
     done = True
     await task
     latencies.sort()
-    return {"statuses": sorted(set(statuses)), "probes": len(latencies),
-            "p50_ms": round(statistics.median(latencies), 2),
-            "p99_ms": round(latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))], 2),
-            "max_ms": round(latencies[-1], 2)}
+    return {
+        "statuses": sorted(set(statuses)),
+        "probes": len(latencies),
+        "p50_ms": round(statistics.median(latencies), 2),
+        "p99_ms": round(latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))], 2),
+        "max_ms": round(latencies[-1], 2),
+    }
 
 
 async def uploads(port: int, proc: psutil.Process, n: int, mib: int) -> dict[str, Any]:
@@ -112,8 +131,10 @@ async def uploads(port: int, proc: psutil.Process, n: int, mib: int) -> dict[str
     conns = []
     for _ in range(n):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"POST /scored_data HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     b"Transfer-Encoding: chunked\r\n\r\n")
+        writer.write(
+            b"POST /scored_data HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
         conns.append((reader, writer))
     refused = 0
     peak = idle
@@ -151,8 +172,12 @@ def main() -> int:
     ap.add_argument("--inflate", type=int, default=60, help="MiB each lying body inflates to (default 60)")
     ap.add_argument("--uploads", type=int, default=6)
     ap.add_argument("--upload", type=int, default=60, help="MiB each chunked upload sends (default 60)")
-    ap.add_argument("--max-request-mib", type=int, default=64, help="the API's max_request_bytes in MiB "
-                                                                     "(default 64: bodies in flight ≤ 256 MiB)")
+    ap.add_argument(
+        "--max-request-mib",
+        type=int,
+        default=64,
+        help="the API's max_request_bytes in MiB (default 64: bodies in flight ≤ 256 MiB)",
+    )
     args = ap.parse_args()
     body = lying_body(args.inflate)
     rows = []
@@ -166,21 +191,39 @@ def main() -> int:
                 port = free_port()
                 proc = start(src, root, port, args.max_request_mib)
                 try:
-                    row[phase] = asyncio.run(stall(port, args.posts, body) if phase == "stall" else
-                                             uploads(port, psutil.Process(proc.pid), args.uploads, args.upload))
+                    row[phase] = asyncio.run(
+                        stall(port, args.posts, body)
+                        if phase == "stall"
+                        else uploads(port, psutil.Process(proc.pid), args.uploads, args.upload)
+                    )
                 finally:
                     proc.terminate()
                     proc.wait(30)
             rows.append(row)
-    print(f"{'source':<10} {'/info p50 ms':>12} {'p99 ms':>8} {'max ms':>8} {'post status':>12} "
-          f"{'uploads refused':>16} {'RSS growth MB':>14}")
+    print(
+        f"{'source':<10} {'/info p50 ms':>12} {'p99 ms':>8} {'max ms':>8} {'post status':>12} "
+        f"{'uploads refused':>16} {'RSS growth MB':>14}"
+    )
     for r in rows:
         s, u = r["stall"], r["uploads"]
-        print(f"{r['source']:<10} {s['p50_ms']:>12.2f} {s['p99_ms']:>8.2f} {s['max_ms']:>8.2f} "
-              f"{','.join(map(str, s['statuses'])):>12} {u['refused']:>7}/{args.uploads:<8} {u['rss_growth_mb']:>14.1f}")
-    print(json.dumps({"benchmark": "api_bounds", "before": args.before, "max_request_mib": args.max_request_mib,
-                      "posts": args.posts,
-                      "inflate_mib": args.inflate, "uploads": args.uploads, "upload_mib": args.upload, "rows": rows}))
+        print(
+            f"{r['source']:<10} {s['p50_ms']:>12.2f} {s['p99_ms']:>8.2f} {s['max_ms']:>8.2f} "
+            f"{','.join(map(str, s['statuses'])):>12} {u['refused']:>7}/{args.uploads:<8} {u['rss_growth_mb']:>14.1f}"
+        )
+    print(
+        json.dumps(
+            {
+                "benchmark": "api_bounds",
+                "before": args.before,
+                "max_request_mib": args.max_request_mib,
+                "posts": args.posts,
+                "inflate_mib": args.inflate,
+                "uploads": args.uploads,
+                "upload_mib": args.upload,
+                "rows": rows,
+            }
+        )
+    )
     return 0
 
 

@@ -68,11 +68,17 @@ def make_groups(first_tag: int, count: int) -> bytes:
         rng = random.Random(tag)
         prompt = [rng.randrange(100, 150000) for _ in range(PROMPT)]
         tokens = [prompt + [rng.randrange(100, 150000) for _ in range(TOKENS - PROMPT)] for _ in range(SEQS)]
-        groups.append({"tokens": tokens, "masks": [[-100] * PROMPT + row[PROMPT:] for row in tokens],
-                       "scores": [float(tag)] + [0.5] * (SEQS - 1),
-                       "inference_logprobs": [[1.0] * PROMPT + [-rng.expovariate(2.0) for _ in range(TOKENS - PROMPT)]
-                                              for _ in range(SEQS)],
-                       "generation_params": {"temperature": 1.0}})
+        groups.append(
+            {
+                "tokens": tokens,
+                "masks": [[-100] * PROMPT + row[PROMPT:] for row in tokens],
+                "scores": [float(tag)] + [0.5] * (SEQS - 1),
+                "inference_logprobs": [
+                    [1.0] * PROMPT + [-rng.expovariate(2.0) for _ in range(TOKENS - PROMPT)] for _ in range(SEQS)
+                ],
+                "generation_params": {"temperature": 1.0},
+            }
+        )
     return gzip.compress(orjson.dumps(groups), compresslevel=1)
 
 
@@ -89,9 +95,14 @@ def start_api(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with open(tmp / "api.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "atroposd", "api", "--port", str(port),
-                                 "--max-queued-sequences", "16384"], cwd=REPO, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "atroposd", "api", "--port", str(port), "--max-queued-sequences", "16384"],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -120,10 +131,22 @@ def main() -> int:
     proc, url = start_api(tmp)
     session = requests.Session()
     try:
-        call(url, "/register", orjson.dumps({"wandb_group": "", "wandb_project": "", "batch_size": BATCH,
-                                             "max_token_len": TOKENS, "checkpoint_dir": "",
-                                             "save_checkpoint_interval": 0, "starting_step": 0,
-                                             "num_steps": 0}))
+        call(
+            url,
+            "/register",
+            orjson.dumps(
+                {
+                    "wandb_group": "",
+                    "wandb_project": "",
+                    "batch_size": BATCH,
+                    "max_token_len": TOKENS,
+                    "checkpoint_dir": "",
+                    "save_checkpoint_interval": 0,
+                    "starting_step": 0,
+                    "num_steps": 0,
+                }
+            ),
+        )
         call(url, "/batch")
         bodies = [make_groups(i * GROUPS_PER_BATCH, GROUPS_PER_BATCH) for i in range(args.batches)]
         st_client = BatchClient(url, batch_size=BATCH, max_token_len=TOKENS, transport="safetensors")
@@ -149,6 +172,7 @@ def main() -> int:
                     for a in b.arrays.values():
                         a.sum()
                 return b
+
             return fetch_and_read
 
         clients: list[tuple[str, Callable[[], Any], Callable[[Any], int]]] = [
@@ -187,8 +211,10 @@ def main() -> int:
 
     base = statistics.median(cpu["requests + json"])
     rows = []
-    print(f"client cost per {BATCH} × {TOKENS}-token batch (median of {args.batches * args.repeat}; "
-          f"{os.cpu_count()} CPUs, loaded machine: read the CPU column)")
+    print(
+        f"client cost per {BATCH} × {TOKENS}-token batch (median of {args.batches * args.repeat}; "
+        f"{os.cpu_count()} CPUs, loaded machine: read the CPU column)"
+    )
     print(f"{'transport':<20} {'client CPU ms':>14} {'wall ms':>9} {'CPU vs requests+json':>22}")
     for name, _, _ in clients:
         c, w = statistics.median(cpu[name]) * 1e3, statistics.median(wall[name]) * 1e3
@@ -197,9 +223,11 @@ def main() -> int:
         print(f"{name:<20} {c:>14.3f} {w:>9.3f} {ratio:>21.1f}×")
     shm_ratio = rows[3]["cpu_ratio"]
     st_ratio = rows[2]["cpu_ratio"]
-    print(f"goals: shared memory ≥ 20× ({'met' if shm_ratio >= 20 else 'NOT met'}: {shm_ratio}×), "
-          f"safetensors ≥ 5× ({'met' if st_ratio >= 5 else 'NOT met'}: {st_ratio}×); "
-          f"segments left: {len(leftovers)}")
+    print(
+        f"goals: shared memory ≥ 20× ({'met' if shm_ratio >= 20 else 'NOT met'}: {shm_ratio}×), "
+        f"safetensors ≥ 5× ({'met' if st_ratio >= 5 else 'NOT met'}: {st_ratio}×); "
+        f"segments left: {len(leftovers)}"
+    )
     print(json.dumps({"benchmark": "client", "batch": [BATCH, TOKENS], "rows": rows, "segments_left": leftovers}))
     return 0 if not leftovers else 1
 

@@ -42,8 +42,15 @@ from tests.e2e.jobs import SHORT_TASK, cluster_configs  # noqa: E402
 
 # An ~85M-parameter Llama with builtin:tiny's tokenizer (vocabulary 512, so the built-in task's
 # text round-trips): hidden 768, 12 layers.
-SIZE_85M = dict(vocab_size=512, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                num_attention_heads=12, num_key_value_heads=12, head_dim=64)
+SIZE_85M = dict(
+    vocab_size=512,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=12,
+    head_dim=64,
+)
 
 
 def build_85m(root: Path) -> Path:
@@ -53,8 +60,12 @@ def build_85m(root: Path) -> Path:
 
 
 def _status(cfg: Path) -> dict[str, Any] | None:
-    res = subprocess.run([sys.executable, "-m", "atroposd", "status", "-c", str(cfg), "--json"],
-                         capture_output=True, text=True, timeout=30)
+    res = subprocess.run(
+        [sys.executable, "-m", "atroposd", "status", "-c", str(cfg), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     if res.returncode != 0:
         return None
     data: dict[str, Any] = json.loads(res.stdout)
@@ -65,8 +76,13 @@ def _run(cfg: Path, log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("ATROPOSD_CONFIG", None)
     with log.open("ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "atroposd", "run", "-c", str(cfg)], stdout=out,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "atroposd", "run", "-c", str(cfg)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
 
 
 def _wait(pred: Any, timeout: float, what: str, interval: float = 0.2) -> Any:
@@ -109,13 +125,19 @@ def _median(xs: list[float]) -> float:
 
 
 def sync_case(root: Path, name: str, steps: int, model: Path | None) -> dict[str, Any]:
-    trainer: dict[str, Any] = {"batch_size": 16, "micro_batch_size": 4, "checkpoint_every": 10_000,
-                               "weight_sync": "push", "sync_bucket_mb": 64}
+    trainer: dict[str, Any] = {
+        "batch_size": 16,
+        "micro_batch_size": 4,
+        "checkpoint_every": 10_000,
+        "weight_sync": "push",
+        "sync_bucket_mb": 64,
+    }
     inference: dict[str, Any] = {}
     if model is not None:
         inference = {"model": str(model), "max_model_len": 64}
-    cfgs = cluster_configs(root, steps=steps, envs=SHORT_TASK, trainer=trainer, inference=inference,
-                           cluster={"heartbeat_timeout": 30.0})
+    cfgs = cluster_configs(
+        root, steps=steps, envs=SHORT_TASK, trainer=trainer, inference=inference, cluster={"heartbeat_timeout": 30.0}
+    )
     print(f"  {name}: {steps} steps across 2 nodes ...", file=sys.stderr, flush=True)
     procs = [_run(cfgs[1], root / "node1.out"), _run(cfgs[0], root / "node0.out")]
     try:
@@ -130,15 +152,27 @@ def sync_case(root: Path, name: str, steps: int, model: Path | None) -> dict[str
     gather = [r["gather_s"] for r in rows]
     node0 = [r["sync_s"] - r["gather_s"] for r in rows]
     fed = _fed_summary(root / "node1" / "state" / "logs" / "trainer-1.log") or {}
-    return {"case": name, "steps": len(rows), "sync_s": _median(sync), "gather_s": _median(gather),
-            "node0_feed_s": _median(node0), "node1_feed_s": fed.get("median_s"), "node1_pushes": fed.get("pushes"),
-            "staging_bytes": fed.get("staging_bytes"), "step_s": _median([r["step_s"] for r in rows])}
+    return {
+        "case": name,
+        "steps": len(rows),
+        "sync_s": _median(sync),
+        "gather_s": _median(gather),
+        "node0_feed_s": _median(node0),
+        "node1_feed_s": fed.get("median_s"),
+        "node1_pushes": fed.get("pushes"),
+        "staging_bytes": fed.get("staging_bytes"),
+        "step_s": _median([r["step_s"] for r in rows]),
+    }
 
 
 def recovery_case(root: Path) -> dict[str, Any]:
-    cfgs = cluster_configs(root, steps=100_000, envs=SHORT_TASK,
-                           trainer={"checkpoint_every": 5, "batch_size": 16, "micro_batch_size": 4},
-                           cluster={"heartbeat_timeout": 10.0})
+    cfgs = cluster_configs(
+        root,
+        steps=100_000,
+        envs=SHORT_TASK,
+        trainer={"checkpoint_every": 5, "batch_size": 16, "micro_batch_size": 4},
+        cluster={"heartbeat_timeout": 10.0},
+    )
     print("  recovery: kill -9 of node 1, started again at once ...", file=sys.stderr, flush=True)
     procs = [_run(cfgs[1], root / "node1.out"), _run(cfgs[0], root / "node0.out")]
     try:
@@ -148,17 +182,28 @@ def recovery_case(root: Path) -> dict[str, Any]:
         os.kill(procs[0].pid, signal.SIGKILL)
         procs[0].wait(30)
         procs[0] = _run(cfgs[1], root / "node1-again.out")
-        lost = _wait(lambda: (_status(cfgs[0]) or {}).get("nodes", [{}, {}])[1].get("state") == "lost"
-                     and time.monotonic(), 60, "node 1 lost")
-        ready = _wait(lambda: (_status(cfgs[0]) or {}).get("nodes", [{}, {}])[1].get("state") == "ready"
-                      and time.monotonic(), 600, "node 1 ready again")
+        lost = _wait(
+            lambda: (_status(cfgs[0]) or {}).get("nodes", [{}, {}])[1].get("state") == "lost" and time.monotonic(),
+            60,
+            "node 1 lost",
+        )
+        ready = _wait(
+            lambda: (_status(cfgs[0]) or {}).get("nodes", [{}, {}])[1].get("state") == "ready" and time.monotonic(),
+            600,
+            "node 1 ready again",
+        )
         trained = _wait(lambda: _step(cfgs[0]) > before and time.monotonic(), 600, "training past the pre-kill step")
         st = _status(cfgs[0]) or {}
     finally:
         _stop(procs)
-    return {"case": "recovery", "pre_kill_step": before, "lost_after_s": round(lost - t0, 2),
-            "ready_again_after_s": round(ready - t0, 2), "training_again_after_s": round(trained - t0, 2),
-            "group_restarts": st.get("trainer", {}).get("group_restarts")}
+    return {
+        "case": "recovery",
+        "pre_kill_step": before,
+        "lost_after_s": round(lost - t0, 2),
+        "ready_again_after_s": round(ready - t0, 2),
+        "training_again_after_s": round(trained - t0, 2),
+        "group_restarts": st.get("trainer", {}).get("group_restarts"),
+    }
 
 
 def main() -> int:
@@ -181,12 +226,16 @@ def main() -> int:
     print(f"{'case':<12} {'steps':>5} {'step s':>8} {'gather s':>9} {'node 0 feed s':>14} {'node 1 feed s':>14}")
     for r in results:
         if r["case"].startswith("sync"):
-            print(f"{r['case']:<12} {r['steps']:>5} {r['step_s']:>8.4f} {r['gather_s']:>9.4f} "
-                  f"{r['node0_feed_s']:>14.4f} {r['node1_feed_s'] or float('nan'):>14.4f}")
+            print(
+                f"{r['case']:<12} {r['steps']:>5} {r['step_s']:>8.4f} {r['gather_s']:>9.4f} "
+                f"{r['node0_feed_s']:>14.4f} {r['node1_feed_s'] or float('nan'):>14.4f}"
+            )
     rec = results[-1]
-    print(f"recovery: node 1 killed -9 at step {rec['pre_kill_step']} and started again at once: lost after "
-          f"{rec['lost_after_s']} s, ready again after {rec['ready_again_after_s']} s, training past its pre-kill "
-          f"step after {rec['training_again_after_s']} s")
+    print(
+        f"recovery: node 1 killed -9 at step {rec['pre_kill_step']} and started again at once: lost after "
+        f"{rec['lost_after_s']} s, ready again after {rec['ready_again_after_s']} s, training past its pre-kill "
+        f"step after {rec['training_again_after_s']} s"
+    )
     print(json.dumps({"benchmark": "cluster", "results": results}))
     return 0
 

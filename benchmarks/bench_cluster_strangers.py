@@ -84,8 +84,13 @@ def _measure(src: Path, strangers: int, mib: float) -> dict[str, Any]:
     """A head of ``src`` in its own process, measured under the strangers."""
     port = free_port_pair()
     env = {**os.environ, "PYTHONPATH": str(src)}
-    head = subprocess.Popen([sys.executable, "-c", HEAD, str(port), TOKEN.decode()], cwd=src, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    head = subprocess.Popen(
+        [sys.executable, "-c", HEAD, str(port), TOKEN.decode()],
+        cwd=src,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         assert head.stdout is not None
         if head.stdout.readline().strip() != b"listening":
@@ -140,8 +145,17 @@ def main() -> int:
     print(f"{'source':<12} {'RSS growth MiB':>15} {'held after 1 s':>15} {'honest join s':>14}")
     for name, r in rows.items():
         print(f"{name:<12} {r['rss_growth_mib']:>15} {r['held_after_1s']:>15} {r['join_s']!s:>14}")
-    print(json.dumps({"benchmark": "cluster_strangers", "strangers": args.strangers, "mib": args.mib,
-                      "before": args.before, **{k.replace(" ", "_"): v for k, v in rows.items()}}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "cluster_strangers",
+                "strangers": args.strangers,
+                "mib": args.mib,
+                "before": args.before,
+                **{k.replace(" ", "_"): v for k, v in rows.items()},
+            }
+        )
+    )
     return 0
 
 

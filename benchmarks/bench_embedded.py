@@ -48,10 +48,16 @@ def _free_port() -> int:
 
 def _config(root: Path, seed: int, steps: int | None) -> Path:
     lines = [
-        "[daemon]", f'runtime_dir = "{root / "run"}"', f'state_dir = "{root / "state"}"', 'log_format = "console"',
-        "[api]", f"port = {_free_port()}",
-        "[inference]", f"port = {_free_port()}",
-        "[trainer]", f"seed = {seed}",
+        "[daemon]",
+        f'runtime_dir = "{root / "run"}"',
+        f'state_dir = "{root / "state"}"',
+        'log_format = "console"',
+        "[api]",
+        f"port = {_free_port()}",
+        "[inference]",
+        f"port = {_free_port()}",
+        "[trainer]",
+        f"seed = {seed}",
     ]
     if steps is not None:
         lines.append(f"steps = {steps}")
@@ -131,8 +137,11 @@ class CpuSampler:
             try:
                 with proc.oneshot():
                     t = proc.cpu_times()
-                    name = self.last[proc.pid][0] if proc.pid in self.last else \
-                        ("daemon+trainer" if proc.pid == self.root.pid else _component(proc.cmdline()))
+                    name = (
+                        self.last[proc.pid][0]
+                        if proc.pid in self.last
+                        else ("daemon+trainer" if proc.pid == self.root.pid else _component(proc.cmdline()))
+                    )
                     self.last[proc.pid] = (name, t.user + t.system)
             except psutil.Error:
                 continue
@@ -156,9 +165,12 @@ class CpuSampler:
         for pid, (name, cpu) in self.last.items():
             per[name] = per.get(name, 0.0) + cpu - base.get(pid, 0.0)
         total = sum(per.values())
-        return {"cpu_s": round(total, 1), "cpu_span_s": round(span, 1),
-                "cpu_util": round(total / span / (os.cpu_count() or 1), 3),
-                "cpu_per_s": {k: round(v / span, 3) for k, v in sorted(per.items())}}
+        return {
+            "cpu_s": round(total, 1),
+            "cpu_span_s": round(span, 1),
+            "cpu_util": round(total / span / (os.cpu_count() or 1), 3),
+            "cpu_per_s": {k: round(v / span, 3) for k, v in sorted(per.items())},
+        }
 
 
 def _run_job(cfg: Path, log: Path, metrics: Path, src: Path) -> tuple[int, float, dict[str, Any]]:
@@ -166,8 +178,13 @@ def _run_job(cfg: Path, log: Path, metrics: Path, src: Path) -> tuple[int, float
     env = {**os.environ, "PYTHONPATH": str(src)}
     t0 = time.monotonic()
     with open(log, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "atroposd", "run", "-c", str(cfg)], stdout=fh,
-                                stderr=subprocess.STDOUT, cwd=src, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "atroposd", "run", "-c", str(cfg)],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            cwd=src,
+            env=env,
+        )
         sampler = CpuSampler(proc.pid)
         while proc.poll() is None:  # the CPU window opens at the first step
             if sampler.marked is None and metrics.is_file() and metrics.stat().st_size > 0:
@@ -187,8 +204,9 @@ def run_seed(seed: int, steps: int | None, out_dir: Path, *, src: Path = REPO, l
         rc, wall, cpu = _run_job(cfg, out_dir / f"{tag}.log", metrics, src)
         rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
         (out_dir / f"{tag}.metrics.jsonl").write_text(metrics.read_text())
-        subprocess.call([sys.executable, "-m", "atroposd", "plot", "-c", str(cfg), "-o",
-                         str(out_dir / f"{tag}.png")], cwd=REPO)
+        subprocess.call(
+            [sys.executable, "-m", "atroposd", "plot", "-c", str(cfg), "-o", str(out_dir / f"{tag}.png")], cwd=REPO
+        )
         ckpts = sorted((root / "state" / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
         exact = greedy_exact_match(ckpts[-1]) if ckpts else float("nan")
     reward = [r["reward_mean"] for r in rows]
@@ -197,19 +215,26 @@ def run_seed(seed: int, steps: int | None, out_dir: Path, *, src: Path = REPO, l
     t_first = rows[0]["time"] if rows else 0.0
     train_s = rows[-1]["time"] - t_first if rows else 0.0
     return {
-        "label": label, "seed": seed, "exit_code": rc, "steps": len(rows), "wall_s": round(wall, 1),
+        "label": label,
+        "seed": seed,
+        "exit_code": rc,
+        "steps": len(rows),
+        "wall_s": round(wall, 1),
         "train_s": round(train_s, 1),
         "steps_per_s": round(len(rows) / wall, 2) if rows else 0.0,
         "train_steps_per_s": round((len(rows) - 1) / train_s, 2) if train_s > 0 else 0.0,
         "wait_fraction": round(sum(r.get("batch_wait_s") or 0.0 for r in rows[1:]) / train_s, 3)
-        if train_s > 0 else None,
+        if train_s > 0
+        else None,
         "cpu_util": cpu["cpu_util"],
-        "reward_first10": round(first, 3), "reward_last10": round(last, 3),
-        "accuracy_first10": round(_mean(acc[:10]), 3), "accuracy_last10": round(_mean(acc[-10:]), 3),
+        "reward_first10": round(first, 3),
+        "reward_last10": round(last, 3),
+        "accuracy_first10": round(_mean(acc[:10]), 3),
+        "accuracy_last10": round(_mean(acc[-10:]), 3),
         "greedy_exact_match": exact,
-        "target_met": bool(rc == 0 and last >= first + 0.3 and last >= 2 * first and last >= 0.6
-                           and wall <= 600),
-        "timeline": timeline(rows), "cpu": cpu,
+        "target_met": bool(rc == 0 and last >= first + 0.3 and last >= 2 * first and last >= 0.6 and wall <= 600),
+        "timeline": timeline(rows),
+        "cpu": cpu,
     }
 
 
@@ -291,17 +316,35 @@ def main() -> int:
                     res = run_seed(seed, args.steps, args.out, src=src, label=label)
                     results.append(res)
                     print(json.dumps(res), flush=True)
-    cols = ["label", "seed", "exit_code", "steps", "wall_s", "steps_per_s", "train_steps_per_s", "wait_fraction",
-            "cpu_util", "reward_first10", "reward_last10", "accuracy_first10", "accuracy_last10",
-            "greedy_exact_match", "target_met"]
+    cols = [
+        "label",
+        "seed",
+        "exit_code",
+        "steps",
+        "wall_s",
+        "steps_per_s",
+        "train_steps_per_s",
+        "wait_fraction",
+        "cpu_util",
+        "reward_first10",
+        "reward_last10",
+        "accuracy_first10",
+        "accuracy_last10",
+        "greedy_exact_match",
+        "target_met",
+    ]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in results:
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")
     if args.timeline:
         print_timeline(results)
-    summary = {"bench": "embedded", "before": args.before, "runs": results,
-               "all_met": all(r["target_met"] for r in results if r["label"] != "before")}
+    summary = {
+        "bench": "embedded",
+        "before": args.before,
+        "runs": results,
+        "all_met": all(r["target_met"] for r in results if r["label"] != "before"),
+    }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))
     return 0 if summary["all_met"] else 1

@@ -82,8 +82,9 @@ def bench_engine(model_dir: Path, rounds: int) -> dict[str, tuple[float, float]]
         "one batch (8 requests × n=8)": timed(lambda: run(group), rounds),
         "one batch, model's own forward": timed(lambda: run(group, fast=False), rounds),
         "8 requests one at a time": timed(lambda: [run([r]) for r in group], rounds),
-        "64 sequences one at a time": timed(lambda: [run([r]) for r in single for _ in range(GROUP)],
-                                            max(3, rounds // 5)),
+        "64 sequences one at a time": timed(
+            lambda: [run([r]) for r in single for _ in range(GROUP)], max(3, rounds // 5)
+        ),
     }
 
 
@@ -95,10 +96,23 @@ def free_port() -> int:
 
 def start_server(model_dir: Path, root: Path, index: int) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "atroposd", "inference", "--port", str(port), "--model", str(model_dir),
-           "--max-model-len", "256", "--control-socket", str(root / f"inf-{index}.sock"), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    cmd = [
+        sys.executable,
+        "-m",
+        "atroposd",
+        "inference",
+        "--port",
+        str(port),
+        "--model",
+        str(model_dir),
+        "--max-model-len",
+        "256",
+        "--control-socket",
+        str(root / f"inf-{index}.sock"),
+        "--log-level",
+        "warning",
+    ]
+    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -124,7 +138,6 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-
 def bench_http(model_dir: Path, rounds: int) -> dict[str, tuple[float, float]]:
     import aiohttp
 
@@ -135,9 +148,16 @@ def bench_http(model_dir: Path, rounds: int) -> dict[str, tuple[float, float]]:
 
         async def measure() -> dict[str, tuple[float, float]]:
             async with aiohttp.ClientSession() as session:
+
                 async def post(p: list[int], n: int) -> None:
-                    body = {"prompt": {"prompt_token_ids": p}, "n": n, "max_tokens": MAX_TOKENS, "logprobs": 0,
-                            "temperature": 1.0, "ignore_eos": True}
+                    body = {
+                        "prompt": {"prompt_token_ids": p},
+                        "n": n,
+                        "max_tokens": MAX_TOKENS,
+                        "logprobs": 0,
+                        "temperature": 1.0,
+                        "ignore_eos": True,
+                    }
                     async with session.post(url + "/generate", json=body) as resp:
                         assert resp.status == 200, await resp.text()
                         await resp.read()
@@ -151,8 +171,10 @@ def bench_http(model_dir: Path, rounds: int) -> dict[str, tuple[float, float]]:
                             await post(p, 1)
 
                 out = {}
-                for name, fn, k in (("8 concurrent requests × n=8", concurrent, rounds),
-                                    ("64 sequential n=1 requests", sequential, max(3, rounds // 5))):
+                for name, fn, k in (
+                    ("8 concurrent requests × n=8", concurrent, rounds),
+                    ("64 sequential n=1 requests", sequential, max(3, rounds // 5)),
+                ):
                     await fn()
                     times = []
                     for _ in range(k):
@@ -184,16 +206,21 @@ def main() -> int:
     finally:
         shutil.rmtree(state, ignore_errors=True)
     tokens = PROMPTS * GROUP * MAX_TOKENS
-    print(f"64 sequences × {MAX_TOKENS} tokens from 5-token prompts; builtin:tiny, CPU, 1 thread; "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(
+        f"64 sequences × {MAX_TOKENS} tokens from 5-token prompts; builtin:tiny, CPU, 1 thread; "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
     print(f"{'path':<6} {'how':<32} {'median ms':>10} {'min ms':>8} {'tokens/s':>10}")
     summary: dict[str, Any] = {"benchmark": "inference", "sequences": PROMPTS * GROUP, "max_tokens": MAX_TOKENS}
     for path, rows in results.items():
         for how, (med, best) in rows.items():
             print(f"{path:<6} {how:<32} {med * 1e3:>10.1f} {best * 1e3:>8.1f} {tokens / med:>10.0f}")
             key = f"{path}: {how}"
-            summary[key] = {"median_ms": round(med * 1e3, 2), "min_ms": round(best * 1e3, 2),
-                            "tokens_per_s": round(tokens / med)}
+            summary[key] = {
+                "median_ms": round(med * 1e3, 2),
+                "min_ms": round(best * 1e3, 2),
+                "tokens_per_s": round(tokens / med),
+            }
     engine = results["engine"]
     batched = engine["one batch (8 requests × n=8)"][0]
     summary["batched_speedup_vs_single_sequences"] = round(engine["64 sequences one at a time"][0] / batched, 1)

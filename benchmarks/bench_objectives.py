@@ -67,11 +67,20 @@ def _toml(value: Any) -> str:
 
 def _config(root: Path, seed: int, keys: dict[str, Any]) -> Path:
     lines = [
-        "[daemon]", f'runtime_dir = "{root / "run"}"', f'state_dir = "{root / "state"}"', 'log_format = "console"',
-        "[api]", f"port = {_free_port()}",
-        "[inference]", f"port = {_free_port()}",
-        "[trainer]", f"seed = {seed}", *(f"{k} = {_toml(v)}" for k, v in keys.items()),
-        "[[env]]", 'name = "arithmetic"', 'builtin = "arithmetic"',
+        "[daemon]",
+        f'runtime_dir = "{root / "run"}"',
+        f'state_dir = "{root / "state"}"',
+        'log_format = "console"',
+        "[api]",
+        f"port = {_free_port()}",
+        "[inference]",
+        f"port = {_free_port()}",
+        "[trainer]",
+        f"seed = {seed}",
+        *(f"{k} = {_toml(v)}" for k, v in keys.items()),
+        "[[env]]",
+        'name = "arithmetic"',
+        'builtin = "arithmetic"',
     ]
     path = root / "atroposd.toml"
     path.write_text("\n".join(lines) + "\n")
@@ -109,8 +118,12 @@ def run_one(choice: str, seed: int, out_dir: Path, max_s: float) -> dict[str, An
         metrics = root / "state" / "metrics.jsonl"
         launched = time.time()
         with open(out_dir / f"{choice}-seed{seed}.log", "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "atroposd", "run", "-c", str(cfg)], stdout=log,
-                                    stderr=subprocess.STDOUT, cwd=REPO)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "atroposd", "run", "-c", str(cfg)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+            )
             try:
                 while proc.poll() is None:
                     time.sleep(1.0)
@@ -129,11 +142,16 @@ def run_one(choice: str, seed: int, out_dir: Path, max_s: float) -> dict[str, An
         if metrics.is_file():
             (out_dir / f"{choice}-seed{seed}.metrics.jsonl").write_text(metrics.read_text())
     first = rows[0]["time"] - launched if rows else None
-    return {"choice": choice, "seed": seed, "keys": CHOICES[choice], "steps_run": len(rows),
-            "first_step_s": None if first is None else round(first, 1),
-            "reached_s": None if hit is None else round(rows[hit]["time"] - launched, 1),
-            "reached_step": None if hit is None else rows[hit]["step"],
-            "steps_per_s": round((len(rows) - 1) / (rows[-1]["time"] - rows[0]["time"]), 2) if len(rows) > 1 else None}
+    return {
+        "choice": choice,
+        "seed": seed,
+        "keys": CHOICES[choice],
+        "steps_run": len(rows),
+        "first_step_s": None if first is None else round(first, 1),
+        "reached_s": None if hit is None else round(rows[hit]["time"] - launched, 1),
+        "reached_step": None if hit is None else rows[hit]["step"],
+        "steps_per_s": round((len(rows) - 1) / (rows[-1]["time"] - rows[0]["time"]), 2) if len(rows) > 1 else None,
+    }
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -143,10 +161,17 @@ def _mean(xs: list[float]) -> float | None:
 def table(results: list[dict[str, Any]], seeds: list[int]) -> list[str]:
     by = {(r["choice"], r["seed"]): r for r in results}
     choices = list(dict.fromkeys(r["choice"] for r in results))
-    base = _mean([by[("default", s)]["reached_s"] for s in seeds
-                  if ("default", s) in by and by[("default", s)]["reached_s"] is not None])
-    lines = ["| choice | " + " | ".join(f"seed {s}: s (step)" for s in seeds) + " | mean s | vs default |",
-             "|---|" + "---|" * (len(seeds) + 2)]
+    base = _mean(
+        [
+            by[("default", s)]["reached_s"]
+            for s in seeds
+            if ("default", s) in by and by[("default", s)]["reached_s"] is not None
+        ]
+    )
+    lines = [
+        "| choice | " + " | ".join(f"seed {s}: s (step)" for s in seeds) + " | mean s | vs default |",
+        "|---|" + "---|" * (len(seeds) + 2),
+    ]
     for c in choices:
         cells, times = [], []
         for s in seeds:
@@ -178,7 +203,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM too stops the running job first
     results = []
     for i, seed in enumerate(seeds):
-        order = choices[i % len(choices):] + choices[:i % len(choices)]  # rotated per seed
+        order = choices[i % len(choices) :] + choices[: i % len(choices)]  # rotated per seed
         for choice in order:
             res = run_one(choice, seed, args.out, args.max_s)
             results.append(res)

@@ -63,8 +63,9 @@ class Prober:
         while not self._stop.is_set():
             t0 = time.perf_counter()
             try:
-                async with session.post(self.url + "/v1/chat/completions", json=body,
-                                        timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                async with session.post(
+                    self.url + "/v1/chat/completions", json=body, timeout=aiohttp.ClientTimeout(total=30)
+                ) as resp:
                     await resp.read()
                     ok = resp.status == 200
             except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -93,10 +94,14 @@ def run_once(steps: int, probes: int, out_dir: Path, tag: str) -> dict[str, Any]
     train_s = rows[-1]["time"] - rows[0]["time"] if len(rows) > 1 else 0.0
     lat = sorted(prober.latencies)
     return {
-        "probes": probes, "exit_code": rc, "steps": len(rows), "wall_s": round(wall, 1),
+        "probes": probes,
+        "exit_code": rc,
+        "steps": len(rows),
+        "wall_s": round(wall, 1),
         "steps_per_s": round(len(rows) / wall, 3) if rows else 0.0,
         "train_steps_per_s": round((len(rows) - 1) / train_s, 3) if train_s > 0 else 0.0,
-        "probes_answered": len(lat), "probes_failed": prober.failures,  # failed: also before the server was up
+        "probes_answered": len(lat),
+        "probes_failed": prober.failures,  # failed: also before the server was up
         "probe_p50_ms": round(1000 * statistics.median(lat), 1) if lat else None,
         "probe_p99_ms": round(1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 1) if lat else None,
         "cpu_util": cpu["cpu_util"],
@@ -117,12 +122,23 @@ def main() -> int:
     for rep in range(args.repeat):
         # ABBA order (without, with, with, without, ...): a load that drifts during the run
         # weighs on both configurations alike.
-        for probes in ((0, args.probes) if rep % 2 == 0 else (args.probes, 0)):
+        for probes in (0, args.probes) if rep % 2 == 0 else (args.probes, 0):
             res = run_once(args.steps, probes, args.out, f"probes{probes}-run{rep}")
             results.append(res)
             print(json.dumps(res), flush=True)
-    cols = ["probes", "exit_code", "steps", "wall_s", "steps_per_s", "train_steps_per_s", "probes_answered",
-            "probe_p50_ms", "probe_p99_ms", "cpu_util", "reward_last10"]
+    cols = [
+        "probes",
+        "exit_code",
+        "steps",
+        "wall_s",
+        "steps_per_s",
+        "train_steps_per_s",
+        "probes_answered",
+        "probe_p50_ms",
+        "probe_p99_ms",
+        "cpu_util",
+        "reward_last10",
+    ]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in results:
@@ -131,11 +147,15 @@ def main() -> int:
     def mean(probes: int, key: str) -> float:
         return round(statistics.fmean(r[key] for r in results if r["probes"] == probes), 3)
 
-    summary = {"bench": "probes", "steps": args.steps, "probe_loops": args.probes, "repeat": args.repeat,
-               "steps_per_s": {"without": mean(0, "steps_per_s"), "with": mean(args.probes, "steps_per_s")},
-               "train_steps_per_s": {"without": mean(0, "train_steps_per_s"),
-                                     "with": mean(args.probes, "train_steps_per_s")},
-               "all_ok": all(r["exit_code"] == 0 for r in results)}
+    summary = {
+        "bench": "probes",
+        "steps": args.steps,
+        "probe_loops": args.probes,
+        "repeat": args.repeat,
+        "steps_per_s": {"without": mean(0, "steps_per_s"), "with": mean(args.probes, "steps_per_s")},
+        "train_steps_per_s": {"without": mean(0, "train_steps_per_s"), "with": mean(args.probes, "train_steps_per_s")},
+        "all_ok": all(r["exit_code"] == 0 for r in results),
+    }
     summary["train_ratio"] = round(summary["train_steps_per_s"]["with"] / summary["train_steps_per_s"]["without"], 3)
     (args.out / "summary.json").write_text(json.dumps({**summary, "runs": results}, indent=1))
     print(json.dumps(summary))

@@ -81,8 +81,15 @@ MODELS: dict[str, dict[str, Any]] = {
     "tiny": dict(n=64, group=8, prompt=4, completion=4, micro=32, steps=20, warmup=2),
     "100M": dict(n=8, group=8, prompt=48, completion=16, micro=4, steps=3, warmup=1),
 }
-SIZE_100M = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                 num_attention_heads=12, num_key_value_heads=12, head_dim=64)
+SIZE_100M = dict(
+    vocab_size=32000,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=12,
+    head_dim=64,
+)
 SYNC_REPS = 4
 GOAL = 0.55  # the 2-rank shard bytes per rank against the 1-rank bytes (issue: ≤ 0.55×)
 CKPT_MEMORY_GOAL = 0.5  # rank 0's extra memory while checkpointing: sharded / gather path
@@ -107,8 +114,9 @@ def build_llama(path: Path, size: dict[str, Any]) -> Path:
 
     path.mkdir(parents=True)
     build_tokenizer(512).save_pretrained(str(path))
-    cfg = LlamaConfig(**size, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1,
-                      eos_token_id=2, pad_token_id=0)
+    cfg = LlamaConfig(
+        **size, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg).float()
@@ -120,26 +128,52 @@ def job_config(root: Path, model_dir: Path, model: str, world: int, bucket_mb: i
     from tests.support import free_port
 
     shape = MODELS[model]
-    return write_config(root / f"{model}-{world}.toml", {
-        "daemon": {"runtime_dir": str(root / f"run-{model}-{world}"), "state_dir": str(root / f"state-{model}-{world}")},
-        "inference": {"model": str(model_dir), "max_model_len": 512, "port": free_port()},
-        "trainer": {"device": ["cpu"] * world if world > 1 else "cpu", "batch_size": shape["n"],
-                    "micro_batch_size": shape["micro"], "max_token_len": 128, "kl_coef": 0.0,
-                    "weight_sync": "push", "sync_bucket_mb": bucket_mb, "checkpoint_every": 1000,
-                    "resume": False, "join_timeout": 300.0, "collective_timeout": 600.0},
-    })
+    return write_config(
+        root / f"{model}-{world}.toml",
+        {
+            "daemon": {
+                "runtime_dir": str(root / f"run-{model}-{world}"),
+                "state_dir": str(root / f"state-{model}-{world}"),
+            },
+            "inference": {"model": str(model_dir), "max_model_len": 512, "port": free_port()},
+            "trainer": {
+                "device": ["cpu"] * world if world > 1 else "cpu",
+                "batch_size": shape["n"],
+                "micro_batch_size": shape["micro"],
+                "max_token_len": 128,
+                "kl_coef": 0.0,
+                "weight_sync": "push",
+                "sync_bucket_mb": bucket_mb,
+                "checkpoint_every": 1000,
+                "resume": False,
+                "join_timeout": 300.0,
+                "collective_timeout": 600.0,
+            },
+        },
+    )
 
 
-def run_case(root: Path, config: Path, model: str, world: int, sync: bool,
-             mmap_threshold: int | None = None, checkpoints: bool = False) -> dict[str, Any]:
+def run_case(
+    root: Path,
+    config: Path,
+    model: str,
+    world: int,
+    sync: bool,
+    mmap_threshold: int | None = None,
+    checkpoints: bool = False,
+) -> dict[str, Any]:
     out = root / f"{model}-{world}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "rank-zero", str(config), str(out), "--model", model]
     if sync:
         cmd.append("--sync")
     if checkpoints:
         cmd.append("--checkpoints")
-    print(f"  {model}, {world} rank{'s' if world > 1 else ''}{', sync' if sync else ''}"
-          f"{', checkpoints' if checkpoints else ''} ...", file=sys.stderr, flush=True)
+    print(
+        f"  {model}, {world} rank{'s' if world > 1 else ''}{', sync' if sync else ''}"
+        f"{', checkpoints' if checkpoints else ''} ...",
+        file=sys.stderr,
+        flush=True,
+    )
     log = root / f"{model}-{world}.log"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if mmap_threshold is not None:  # every process of the case: rank 0, the ranks, the replica
@@ -171,8 +205,9 @@ def run_case(root: Path, config: Path, model: str, world: int, sync: bool,
                     leftover.unlink(missing_ok=True)
             raise
     if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"{model} with {world} rank(s) failed (exit {proc.returncode}):\n"
-                           f"{log.read_text(errors='replace')[-4000:]}")
+        raise RuntimeError(
+            f"{model} with {world} rank(s) failed (exit {proc.returncode}):\n{log.read_text(errors='replace')[-4000:]}"
+        )
     result: dict[str, Any] = orjson.loads(out.read_bytes())
     return result
 
@@ -182,72 +217,104 @@ def mb(n: float) -> str:
 
 
 def report(results: dict[str, dict[int, dict[str, Any]]], machine: dict[str, Any]) -> dict[str, Any]:
-    print(f"machine: {machine['cores']} cores, load average {machine['load_before']} before, "
-          f"{machine['load_after']} after; torch {machine['torch']}, one torch thread per rank")
+    print(
+        f"machine: {machine['cores']} cores, load average {machine['load_before']} before, "
+        f"{machine['load_after']} after; torch {machine['torch']}, one torch thread per rank"
+    )
     summary: dict[str, Any] = {"benchmark": "ranks", "machine": machine, "models": {}}
 
     print("\n1. memory per rank (after backward, before the optimizer step; MB = 10^6 bytes)")
-    print(f"{'model':>6} {'ranks':>5} {'rank':>4} {'params MB':>10} {'grads MB':>9} {'optim MB':>9} {'shard MB':>9} "
-          f"{'RSS MB':>8} {'anon MB':>8} {'shm MB':>7} {'peak RSS MB':>12}")
+    print(
+        f"{'model':>6} {'ranks':>5} {'rank':>4} {'params MB':>10} {'grads MB':>9} {'optim MB':>9} {'shard MB':>9} "
+        f"{'RSS MB':>8} {'anon MB':>8} {'shm MB':>7} {'peak RSS MB':>12}"
+    )
     for model, by_world in results.items():
-        summary["models"][model] = {"parameters": by_world[min(by_world)]["parameters"],
-                                    "bytes": by_world[min(by_world)]["bytes"]}
+        summary["models"][model] = {
+            "parameters": by_world[min(by_world)]["parameters"],
+            "bytes": by_world[min(by_world)]["bytes"],
+        }
         for world, r in sorted(by_world.items()):
             for rank in r["memory"]:
-                print(f"{model:>6} {world:>5} {rank['rank']:>4} {mb(rank['params']):>10} {mb(rank['grads']):>9} "
-                      f"{mb(rank['optim']):>9} {mb(rank['shard']):>9} {mb(rank['rss']):>8} {mb(rank['anon']):>8} "
-                      f"{mb(rank['shmem']):>7} {mb(rank['peak_rss']):>12}")
+                print(
+                    f"{model:>6} {world:>5} {rank['rank']:>4} {mb(rank['params']):>10} {mb(rank['grads']):>9} "
+                    f"{mb(rank['optim']):>9} {mb(rank['shard']):>9} {mb(rank['rss']):>8} {mb(rank['anon']):>8} "
+                    f"{mb(rank['shmem']):>7} {mb(rank['peak_rss']):>12}"
+                )
         if 2 in by_world and 1 in by_world:
             one = by_world[1]["memory"][0]["shard"]
             two = max(rank["shard"] for rank in by_world[2]["memory"])
             ratio = two / one
             met = ratio <= GOAL
-            print(f"{model:>6} shard bytes per rank, 2 ranks / 1 rank: {ratio:.3f} "
-                  f"(goal <= {GOAL}: {'met' if met else 'NOT met'})")
-            summary["models"][model].update(shard_ratio=round(ratio, 4), shard_goal_met=met,
-                                            shard_bytes={w: [m["shard"] for m in r["memory"]]
-                                                         for w, r in by_world.items()},
-                                            rss_bytes={w: [m["rss"] for m in r["memory"]] for w, r in by_world.items()})
+            print(
+                f"{model:>6} shard bytes per rank, 2 ranks / 1 rank: {ratio:.3f} "
+                f"(goal <= {GOAL}: {'met' if met else 'NOT met'})"
+            )
+            summary["models"][model].update(
+                shard_ratio=round(ratio, 4),
+                shard_goal_met=met,
+                shard_bytes={w: [m["shard"] for m in r["memory"]] for w, r in by_world.items()},
+                rss_bytes={w: [m["rss"] for m in r["memory"]] for w, r in by_world.items()},
+            )
 
     synced = {model: by_world for model, by_world in results.items() if "sync" in by_world.get(1, {})}
     if synced:
         print("\n2. weight sync into one atroposd inference replica (torch engine); ms are medians")
-        print(f"{'model':>6} {'ranks':>5} {'how':>9} {'buckets':>7} {'floor ms':>9} {'gather ms':>10} "
-              f"{'sync ms':>8} {'x floor':>8} {'staging MB':>11} {'1st extra MB':>13} {'extra MB':>9}")
+        print(
+            f"{'model':>6} {'ranks':>5} {'how':>9} {'buckets':>7} {'floor ms':>9} {'gather ms':>10} "
+            f"{'sync ms':>8} {'x floor':>8} {'staging MB':>11} {'1st extra MB':>13} {'extra MB':>9}"
+        )
         for model, by_world in synced.items():
             rows = []
             for world, r in sorted(by_world.items()):
                 s = r["sync"]
-                print(f"{model:>6} {world:>5} {s['how']:>9} {s['buckets']:>7} {s['floor_ms']:>9.1f} "
-                      f"{s['gather_ms']:>10.1f} {s['sync_ms']:>8.1f} {s['x_floor']:>8.2f} {mb(s['staging_bytes']):>11} "
-                      f"{mb(s['first_extra_bytes']):>13} {mb(s['extra_bytes']):>9}")
+                print(
+                    f"{model:>6} {world:>5} {s['how']:>9} {s['buckets']:>7} {s['floor_ms']:>9.1f} "
+                    f"{s['gather_ms']:>10.1f} {s['sync_ms']:>8.1f} {s['x_floor']:>8.2f} {mb(s['staging_bytes']):>11} "
+                    f"{mb(s['first_extra_bytes']):>13} {mb(s['extra_bytes']):>9}"
+                )
                 rows.append({"ranks": world, **s})
             summary["models"][model]["sync"] = rows
 
-    ckpt = {model: by_world[2]["checkpoints"] for model, by_world in results.items()
-            if 2 in by_world and "checkpoints" in by_world[2]}
+    ckpt = {
+        model: by_world[2]["checkpoints"]
+        for model, by_world in results.items()
+        if 2 in by_world and "checkpoints" in by_world[2]
+    }
     for model, c in ckpt.items():
-        print(f"\n4. checkpoints, {model}, 2 ranks (model {mb(c['model_bytes'])} MB, rank 0's optimizer shard "
-              f"{mb(c['optimizer_shard_bytes'])} MB)")
+        print(
+            f"\n4. checkpoints, {model}, 2 ranks (model {mb(c['model_bytes'])} MB, rank 0's optimizer shard "
+            f"{mb(c['optimizer_shard_bytes'])} MB)"
+        )
         print(f"{'path':>34} {'rank 0 extra MB':>16} {'seconds':>8} {'x gather':>9}")
         old_extra = c["gather"]["extra_bytes"]
-        for key, label in (("gather", "gather into rank 0 (before)"), ("sharded", "sharded, written at once"),
-                           ("background", "sharded, in the background")):
+        for key, label in (
+            ("gather", "gather into rank 0 (before)"),
+            ("sharded", "sharded, written at once"),
+            ("background", "sharded, in the background"),
+        ):
             r = c[key]
             print(f"{label:>34} {mb(r['extra_bytes']):>16} {r['seconds']:>8.2f} {r['extra_bytes'] / old_extra:>9.3f}")
         ratio = c["sharded"]["extra_bytes"] / old_extra
         bg_ratio = c["background"]["extra_bytes"] / old_extra
-        print(f"rank 0's extra memory, sharded / gather: {ratio:.3f} (goal <= {CKPT_MEMORY_GOAL}: "
-              f"{'met' if ratio <= CKPT_MEMORY_GOAL else 'NOT met'}); in the background: {bg_ratio:.3f}")
+        print(
+            f"rank 0's extra memory, sharded / gather: {ratio:.3f} (goal <= {CKPT_MEMORY_GOAL}: "
+            f"{'met' if ratio <= CKPT_MEMORY_GOAL else 'NOT met'}); in the background: {bg_ratio:.3f}"
+        )
         s_ratio = c["step_ms_writing"] / c["step_ms_idle"]
-        print(f"step time: {c['step_ms_idle']:.1f} ms without a checkpoint, {c['step_ms_writing']:.1f} ms while one "
-              f"is written in the background ({c['steps_in_flight']} steps in flight, the write took "
-              f"{c['background']['seconds']:.1f} s): {s_ratio:.3f}x (goal <= {CKPT_STEP_GOAL}: "
-              f"{'met' if s_ratio <= CKPT_STEP_GOAL else 'NOT met'}); the copy before it: {c['stage_s'] * 1000:.0f} ms")
+        print(
+            f"step time: {c['step_ms_idle']:.1f} ms without a checkpoint, {c['step_ms_writing']:.1f} ms while one "
+            f"is written in the background ({c['steps_in_flight']} steps in flight, the write took "
+            f"{c['background']['seconds']:.1f} s): {s_ratio:.3f}x (goal <= {CKPT_STEP_GOAL}: "
+            f"{'met' if s_ratio <= CKPT_STEP_GOAL else 'NOT met'}); the copy before it: {c['stage_s'] * 1000:.0f} ms"
+        )
         summary["models"].setdefault(model, {})["checkpoints"] = {
-            **c, "memory_ratio": round(ratio, 4), "memory_goal_met": ratio <= CKPT_MEMORY_GOAL,
-            "background_memory_ratio": round(bg_ratio, 4), "step_ratio": round(s_ratio, 4),
-            "step_goal_met": s_ratio <= CKPT_STEP_GOAL}
+            **c,
+            "memory_ratio": round(ratio, 4),
+            "memory_goal_met": ratio <= CKPT_MEMORY_GOAL,
+            "background_memory_ratio": round(bg_ratio, 4),
+            "step_ratio": round(s_ratio, 4),
+            "step_goal_met": s_ratio <= CKPT_STEP_GOAL,
+        }
     if all("step_ms" not in by_world.get(1, {}) for by_world in results.values()):
         return summary
 
@@ -260,10 +327,18 @@ def report(results: dict[str, dict[int, dict[str, Any]]], machine: dict[str, Any
         rows = []
         for world, r in sorted(by_world.items()):
             losses = " ".join(f"{x:.6f}" for x in r["losses"][:3])
-            print(f"{model:>6} {world:>5} {r['tokens']:>7} {r['step_ms']:>9.1f} {min(r['step_times_ms']):>8.1f} "
-                  f"{r['step_ms'] / base:>9.2f}  {losses}")
-            rows.append({"ranks": world, "ms_per_step": round(r["step_ms"], 2), "x_one_rank": round(r["step_ms"] / base, 3),
-                         "losses": r["losses"]})
+            print(
+                f"{model:>6} {world:>5} {r['tokens']:>7} {r['step_ms']:>9.1f} {min(r['step_times_ms']):>8.1f} "
+                f"{r['step_ms'] / base:>9.2f}  {losses}"
+            )
+            rows.append(
+                {
+                    "ranks": world,
+                    "ms_per_step": round(r["step_ms"], 2),
+                    "x_one_rank": round(r["step_ms"] / base, 3),
+                    "losses": r["losses"],
+                }
+            )
         if 2 in by_world:
             diff = max(abs(a - b) for a, b in zip(by_world[1]["losses"], by_world[2]["losses"], strict=True))
             print(f"{model:>6} largest loss difference, 1 vs 2 ranks: {diff:.2e}")
@@ -279,22 +354,38 @@ def load_average() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="builtin:tiny only (steps, memory; no sync)")
-    ap.add_argument("--bucket-mb", type=int, default=64,
-                    help="[trainer] sync_bucket_mb of the 2-rank push (default 64 here, so that the ~100M model "
-                         "takes several buckets; the config's default is 512)")
+    ap.add_argument(
+        "--bucket-mb",
+        type=int,
+        default=64,
+        help="[trainer] sync_bucket_mb of the 2-rank push (default 64 here, so that the ~100M model "
+        "takes several buckets; the config's default is 512)",
+    )
     ap.add_argument("--only", choices=tuple(MODELS), help="one model only")
-    ap.add_argument("--mmap-threshold", type=int, metavar="BYTES",
-                    help="run every process with glibc's MALLOC_MMAP_THRESHOLD_=BYTES (a fixed threshold: freed "
-                         "buffers above it go back to the system instead of staying in the heap)")
-    ap.add_argument("--checkpoints", action="store_true",
-                    help="part 4 only: checkpoints of the ~100M model with 2 ranks (memory, step time)")
+    ap.add_argument(
+        "--mmap-threshold",
+        type=int,
+        metavar="BYTES",
+        help="run every process with glibc's MALLOC_MMAP_THRESHOLD_=BYTES (a fixed threshold: freed "
+        "buffers above it go back to the system instead of staying in the heap)",
+    )
+    ap.add_argument(
+        "--checkpoints",
+        action="store_true",
+        help="part 4 only: checkpoints of the ~100M model with 2 ranks (memory, step time)",
+    )
     ap.add_argument("--json", type=Path, help="also write the JSON summary to this file")
     args = ap.parse_args()
     from atroposd.models.tiny import ensure_builtin_model
 
-    machine = {"cores": os.cpu_count(), "torch": torch.__version__, "load_before": load_average(),
-               "malloc_mmap_threshold": args.mmap_threshold,
-               "date": time.strftime("%Y-%m-%d", time.gmtime()), "gpu": torch.cuda.is_available()}
+    machine = {
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "load_before": load_average(),
+        "malloc_mmap_threshold": args.mmap_threshold,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "gpu": torch.cuda.is_available(),
+    }
     root = Path(tempfile.mkdtemp(prefix="apr-", dir="/tmp"))
     results: dict[str, dict[int, dict[str, Any]]] = {}
     try:
@@ -311,8 +402,9 @@ def main() -> int:
                 threshold = args.mmap_threshold
                 if args.checkpoints and threshold is None:
                     threshold = machine["malloc_mmap_threshold"] = CKPT_MMAP_THRESHOLD
-                results[model][world] = run_case(root, config, model, world, sync, threshold,
-                                                 checkpoints=args.checkpoints)
+                results[model][world] = run_case(
+                    root, config, model, world, sync, threshold, checkpoints=args.checkpoints
+                )
         machine["load_after"] = load_average()
         summary = report(results, machine)
     finally:
@@ -337,9 +429,13 @@ def status_bytes(pid: int | str, field: str) -> int:
 
 def rss_parts(pid: int | str) -> dict[str, int]:
     """RSS now, its peak, and its anonymous / file / shared-memory parts, in bytes."""
-    return {"rss": status_bytes(pid, "VmRSS"), "peak_rss": status_bytes(pid, "VmHWM"),
-            "anon": status_bytes(pid, "RssAnon"), "file": status_bytes(pid, "RssFile"),
-            "shmem": status_bytes(pid, "RssShmem")}
+    return {
+        "rss": status_bytes(pid, "VmRSS"),
+        "peak_rss": status_bytes(pid, "VmHWM"),
+        "anon": status_bytes(pid, "RssAnon"),
+        "file": status_bytes(pid, "RssFile"),
+        "shmem": status_bytes(pid, "RssShmem"),
+    }
 
 
 def local_numel(t: torch.Tensor, rank: int) -> int:
@@ -367,26 +463,31 @@ def shard_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: 
         return local_numel(t, rank) * t.element_size()
 
     params = list(dict.fromkeys(model.parameters()))
-    out = {"params": sum(nbytes(p) for p in params),
-           "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
-           "optim": sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))}
+    out = {
+        "params": sum(nbytes(p) for p in params),
+        "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
+        "optim": sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
+    }
     if rank == 0:  # what rank 0 holds, read from its tensors: the placements must say the same
+
         def local(t: torch.Tensor) -> int:
             inner = t.to_local() if isinstance(t, DTensor) else t
             return inner.numel() * inner.element_size()
 
-        held = {"params": sum(local(p) for p in params),
-                "grads": sum(local(p.grad) for p in params if p.grad is not None),
-                "optim": sum(local(v) for s in optimizer.state.values() for v in s.values()
-                             if isinstance(v, torch.Tensor))}
+        held = {
+            "params": sum(local(p) for p in params),
+            "grads": sum(local(p.grad) for p in params if p.grad is not None),
+            "optim": sum(local(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
+        }
         if held != out:
             raise RuntimeError(f"rank 0 holds {held} but its placements say {out}")
     out["shard"] = out["params"] + out["grads"] + out["optim"]
     return out
 
 
-async def rank_zero(config: Path, out: Path, model_name: str, sync_wanted: bool,
-                    checkpoints: bool = False) -> dict[str, Any]:
+async def rank_zero(
+    config: Path, out: Path, model_name: str, sync_wanted: bool, checkpoints: bool = False
+) -> dict[str, Any]:
     from atroposd.config import load_config
     from atroposd.logs import configure_logging
     from atroposd.trainer.batch import prepare_batch
@@ -417,9 +518,15 @@ async def rank_zero(config: Path, out: Path, model_name: str, sync_wanted: bool,
     server_task: asyncio.Future[Server] | None = None
     try:
         if sync_wanted:  # the replica loads while the trainer does
-            server_task = asyncio.ensure_future(asyncio.to_thread(
-                start_server, server_root, Path(cfg.inference.model), extra=["--await-weights"],
-                env=env_with_nonce(nonce)))
+            server_task = asyncio.ensure_future(
+                asyncio.to_thread(
+                    start_server,
+                    server_root,
+                    Path(cfg.inference.model),
+                    extra=["--await-weights"],
+                    env=env_with_nonce(nonce),
+                )
+            )
         if world > 1:
             from atroposd.trainer.group import GroupStore
 
@@ -427,11 +534,24 @@ async def rank_zero(config: Path, out: Path, model_name: str, sync_wanted: bool,
             prefix = store.next_generation()
             env = {STORE_VAR: store.address, SECRET_VAR: nonce, KEY_VAR: store.key.hex(), "PYTHONPATH": str(REPO)}
             for r in range(1, world):
-                followers.append(spawn([sys.executable, "-m", "atroposd", "trainer-rank", "-c", str(config),
-                                        "--rank", str(r)], env=env, log=out.with_suffix(f".rank{r}.log")))
-            ranks = await compute.run(GroupRanks.join, store.store, prefix=prefix, key=store.key, rank=0, world=world,
-                                      device=torch.device("cpu"), join_timeout=t.join_timeout,
-                                      collective_timeout=t.collective_timeout)
+                followers.append(
+                    spawn(
+                        [sys.executable, "-m", "atroposd", "trainer-rank", "-c", str(config), "--rank", str(r)],
+                        env=env,
+                        log=out.with_suffix(f".rank{r}.log"),
+                    )
+                )
+            ranks = await compute.run(
+                GroupRanks.join,
+                store.store,
+                prefix=prefix,
+                key=store.key,
+                rank=0,
+                world=world,
+                device=torch.device("cpu"),
+                join_timeout=t.join_timeout,
+                collective_timeout=t.collective_timeout,
+            )
         result["rss_start"] = rss_parts(os.getpid())
         setup = await compute.run(load_for_training, cfg, ranks)
         result["rss_loaded"] = rss_parts(os.getpid())
@@ -453,19 +573,31 @@ async def rank_zero(config: Path, out: Path, model_name: str, sync_wanted: bool,
                 sync = PushSync(nonce=nonce, weights_dir=weights_dir, control_socket=server.socket)
             else:
                 source = ShardedSource(model, ranks, compute, setup.tensor_specs, setup.tied)
-                sync = BucketPushSync(nonce=nonce, weights_dir=weights_dir, control_socket=server.socket,
-                                      bucket_bytes=t.sync_bucket_mb << 20, source_for=lambda m: source)
+                sync = BucketPushSync(
+                    nonce=nonce,
+                    weights_dir=weights_dir,
+                    control_socket=server.socket,
+                    bucket_bytes=t.sync_bucket_mb << 20,
+                    source_for=lambda m: source,
+                )
             before = reset_peak_rss()
             await sync.attach(model, 0)
             first_extra = max(0, peak_rss() - before)
         if learner is None:
             learner = await compute.run(build_learner, cfg, setup)
         result["rss_learner"] = rss_parts(os.getpid())
-        batches = [prepare_batch(make_groups(shape["n"], shape["group"], shape["prompt"], shape["completion"],
-                                             setup.policy.vocab_size, seed), micro_batch_size=t.micro_batch_size,
-                                 max_token_len=t.max_token_len, adv_std_floor=t.adv_std_floor,
-                                 vocab_size=setup.policy.vocab_size)
-                   for seed in range(4)]
+        batches = [
+            prepare_batch(
+                make_groups(
+                    shape["n"], shape["group"], shape["prompt"], shape["completion"], setup.policy.vocab_size, seed
+                ),
+                micro_batch_size=t.micro_batch_size,
+                max_token_len=t.max_token_len,
+                adv_std_floor=t.adv_std_floor,
+                vocab_size=setup.policy.vocab_size,
+            )
+            for seed in range(4)
+        ]
 
         def step(i: int) -> float:
             res = learner.compute(batches[i % len(batches)])
@@ -481,8 +613,12 @@ async def rank_zero(config: Path, out: Path, model_name: str, sync_wanted: bool,
             if i >= 0:
                 times.append(time.perf_counter() - t0)
                 losses.append(loss)
-        result.update(step_times_ms=[x * 1000 for x in times], step_ms=statistics.median(times) * 1000,
-                      losses=losses, tokens=batches[0].completion_tokens)
+        result.update(
+            step_times_ms=[x * 1000 for x in times],
+            step_ms=statistics.median(times) * 1000,
+            losses=losses,
+            tokens=batches[0].completion_tokens,
+        )
 
         # 1. memory: one more step, measured after its backward (gradients and optimizer state held)
         def measure() -> list[dict[str, int]]:
@@ -520,14 +656,27 @@ async def rank_zero(config: Path, out: Path, model_name: str, sync_wanted: bool,
             result["sync"] = {
                 "how": "bucketed" if isinstance(sync, BucketPushSync) else "push",
                 "buckets": int(sync.last_sync["buckets"]) if isinstance(sync, BucketPushSync) else 1,
-                "floor_ms": med(floors) * 1000, "sync_ms": med(syncs) * 1000, "gather_ms": med(gathers) * 1000,
-                "x_floor": med(syncs) / med(floors), "sync_times_ms": [x * 1000 for x in syncs],
+                "floor_ms": med(floors) * 1000,
+                "sync_ms": med(syncs) * 1000,
+                "gather_ms": med(gathers) * 1000,
+                "x_floor": med(syncs) / med(floors),
+                "sync_times_ms": [x * 1000 for x in syncs],
                 "staging_bytes": int(sync.last_sync["staging_bytes"]) if isinstance(sync, BucketPushSync) else 0,
-                "first_extra_bytes": first_extra, "extra_bytes": max(extras), "bucket_bytes": t.sync_bucket_mb << 20,
+                "first_extra_bytes": first_extra,
+                "extra_bytes": max(extras),
+                "bucket_bytes": t.sync_bucket_mb << 20,
             }
             # the replica serves what the trainer holds now (one generation, its weight_version)
-            status, body = await asyncio.to_thread(server.http, "POST", "/generate", {  # type: ignore[union-attr]
-                "prompt": {"prompt_token_ids": [1, 5, 6, 7]}, "max_tokens": 1, "temperature": 1.0})
+            status, body = await asyncio.to_thread(
+                server.http,
+                "POST",
+                "/generate",
+                {  # type: ignore[union-attr]
+                    "prompt": {"prompt_token_ids": [1, 5, 6, 7]},
+                    "max_tokens": 1,
+                    "temperature": 1.0,
+                },
+            )
             if status != 200 or body.get("weight_version") != SYNC_REPS + 1:
                 raise RuntimeError(f"the replica answered {status} {body!r} after the syncs")
         if checkpoints:
@@ -561,8 +710,9 @@ async def rank_zero(config: Path, out: Path, model_name: str, sync_wanted: bool,
             raise RuntimeError(f"segments left behind: {left}")
 
 
-async def checkpoint_case(cfg: Any, setup: Any, learner: Any, ranks: Any, compute: Any, batches: list[Any],
-                          shape: dict[str, Any]) -> dict[str, Any]:
+async def checkpoint_case(
+    cfg: Any, setup: Any, learner: Any, ranks: Any, compute: Any, batches: list[Any], shape: dict[str, Any]
+) -> dict[str, Any]:
     """Part 4, on rank 0 (every rank takes part): rank 0's extra memory while checkpointing —
     sharded at once, sharded in the background, and the gather path of before —, then the step
     time while a background checkpoint is written against without one."""
@@ -577,11 +727,17 @@ async def checkpoint_case(cfg: Any, setup: Any, learner: Any, ranks: Any, comput
     root = checkpointer.root
     model = learner.policy.model
     names = [n for n in model.state_dict() if n not in setup.aliases]
-    out: dict[str, Any] = {"model_bytes": sum(t.numel() * t.element_size() for n, t in model.state_dict().items()
-                                              if n not in setup.aliases),
-                           "optimizer_shard_bytes": sum(v.to_local().numel() * v.element_size()
-                                                        for s in learner.optimizer.state.values()
-                                                        for v in s.values() if hasattr(v, "to_local"))}
+    out: dict[str, Any] = {
+        "model_bytes": sum(
+            t.numel() * t.element_size() for n, t in model.state_dict().items() if n not in setup.aliases
+        ),
+        "optimizer_shard_bytes": sum(
+            v.to_local().numel() * v.element_size()
+            for s in learner.optimizer.state.values()
+            for v in s.values()
+            if hasattr(v, "to_local")
+        ),
+    }
 
     def measured(fn: Any) -> dict[str, Any]:
         import gc
@@ -639,9 +795,13 @@ async def checkpoint_case(cfg: Any, setup: Any, learner: Any, ranks: Any, comput
     future.result()
     await compute.run(checkpointer.wait_previous)
     idle += [await compute.run(step, i + j) for j in range(2)]
-    out.update(step_ms_idle=statistics.median(idle) * 1000, step_ms_writing=statistics.median(writing) * 1000,
-               steps_in_flight=len(writing), step_times_idle_ms=[x * 1000 for x in idle],
-               step_times_writing_ms=[x * 1000 for x in writing])
+    out.update(
+        step_ms_idle=statistics.median(idle) * 1000,
+        step_ms_writing=statistics.median(writing) * 1000,
+        steps_in_flight=len(writing),
+        step_times_idle_ms=[x * 1000 for x in idle],
+        step_times_writing_ms=[x * 1000 for x in writing],
+    )
     return out
 
 

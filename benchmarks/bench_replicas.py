@@ -60,8 +60,11 @@ async def measure(urls: list[str], seconds: float, concurrency: int) -> dict[str
         await asyncio.gather(*(worker(k) for k in range(concurrency)))
         elapsed = time.perf_counter() - t0
         split = [a - b for a, b in zip(client.served(), before, strict=True)]
-    return {"requests_per_s": round(done / elapsed, 1), "sequences_per_s": round(done * GROUP / elapsed),
-            "per_replica": split}
+    return {
+        "requests_per_s": round(done / elapsed, 1),
+        "sequences_per_s": round(done * GROUP / elapsed),
+        "per_replica": split,
+    }
 
 
 def main() -> int:
@@ -84,7 +87,8 @@ def main() -> int:
         for k in (1, 2, 1):  # 1 again: the load of the machine may have changed meanwhile
             name = f"{k} replica{'s' if k > 1 else ''}"
             results[name if name not in results else name + " (again)"] = asyncio.run(
-                measure(urls[:k], args.seconds, args.concurrency))
+                measure(urls[:k], args.seconds, args.concurrency)
+            )
         import psutil
 
         rss_mb = [round(psutil.Process(p.pid).memory_info().rss / 2**20) for p in procs]
@@ -92,14 +96,27 @@ def main() -> int:
         for p in procs:
             stop(p)
         shutil.rmtree(root, ignore_errors=True)
-    print(f"builtin:tiny, CPU, 1 torch thread per replica; {args.concurrency} requests in flight (n={GROUP}, "
-          f"{MAX_TOKENS} tokens); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(
+        f"builtin:tiny, CPU, 1 torch thread per replica; {args.concurrency} requests in flight (n={GROUP}, "
+        f"{MAX_TOKENS} tokens); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
     print(f"{'':<20} {'requests/s':>10} {'sequences/s':>12}  per replica")
     for name, r in results.items():
         print(f"{name:<20} {r['requests_per_s']:>10} {r['sequences_per_s']:>12}  {r['per_replica']}")
     print(f"memory (RSS) of each replica process: {rss_mb} MiB")
-    print(json.dumps({"benchmark": "replicas", "concurrency": args.concurrency, "seconds": args.seconds,
-                      "load_average": round(os.getloadavg()[0], 1), "replica_rss_mib": rss_mb, **results}, ensure_ascii=False))
+    print(
+        json.dumps(
+            {
+                "benchmark": "replicas",
+                "concurrency": args.concurrency,
+                "seconds": args.seconds,
+                "load_average": round(os.getloadavg()[0], 1),
+                "replica_rss_mib": rss_mb,
+                **results,
+            },
+            ensure_ascii=False,
+        )
+    )
     return 0
 
 

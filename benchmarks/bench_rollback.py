@@ -44,8 +44,14 @@ def _run(root: Path, steps: int, seed: int, env_extra: dict[str, str]) -> tuple[
     cfg.write_text(text)
     env = {**os.environ, "PYTHONPATH": str(REPO), **env_extra}
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "atroposd", "run", "-c", str(cfg)], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=1800)
+    res = subprocess.run(
+        [sys.executable, "-m", "atroposd", "run", "-c", str(cfg)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     wall = time.monotonic() - t0
     (root / "stderr.log").write_text(res.stderr)
     return res.returncode, wall, root / "state"
@@ -79,8 +85,10 @@ def _avg(rows: list[dict[str, Any]], key: str = "reward_mean") -> float:
 def _detector_cost_us() -> float:
     from atroposd.trainer.health import replay
 
-    rows = [json.loads(line) for line in
-            (REPO / "tests" / "trainer" / "data" / "healthy_metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (REPO / "tests" / "trainer" / "data" / "healthy_metrics.jsonl").read_text().splitlines()
+    ]
     t0 = time.perf_counter()
     for _ in range(5):
         replay(rows)
@@ -98,8 +106,9 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="apd-bench-rb-"))
     try:
         rc_ref, wall_ref, ref_state = _run(work / "ref", args.steps, args.seed, {})
-        rc, wall, state = _run(work / "collapse", args.steps, args.seed,
-                               {"ATROPOSD_TEST_LR_BURST": f"{args.burst}:{args.factor:g}"})
+        rc, wall, state = _run(
+            work / "collapse", args.steps, args.seed, {"ATROPOSD_TEST_LR_BURST": f"{args.burst}:{args.factor:g}"}
+        )
         if rc_ref != 0 or rc != 0:
             print(f"a run failed: reference exit {rc_ref}, collapsed exit {rc} (logs under {work})", file=sys.stderr)
             return 1
@@ -111,36 +120,63 @@ def main() -> int:
         after = [r for r in rows if r["step"] > detected["step"]]
         first_after = after[0] if after else None
         level = _avg([r for r in rows if args.burst - 10 <= r["step"] < args.burst])
-        recovered = next((r["step"] - detected["step"] for i, r in enumerate(after)
-                          if i >= 9 and _avg(after[i - 9:i + 1]) >= level), None)
+        recovered = next(
+            (
+                r["step"] - detected["step"]
+                for i, r in enumerate(after)
+                if i >= 9 and _avg(after[i - 9 : i + 1]) >= level
+            ),
+            None,
+        )
         result = {
-            "steps": args.steps, "burst_step": args.burst, "factor": args.factor,
-            "detector": detected["detector"], "detected_at_step": detected["step"],
+            "steps": args.steps,
+            "burst_step": args.burst,
+            "factor": args.factor,
+            "detector": detected["detector"],
+            "detected_at_step": detected["step"],
             "detection_steps": detected["step"] - args.burst,
             "detection_s": round(detected["_t"] - burst["_t"], 3),
             "rollback_s": round(rolled["_t"] - detected["_t"], 3),
             "first_step_after_s": round(first_after["time"] - rolled["_t"], 3) if first_after else None,
-            "rolled_back_to": Path(detected["to"]).name, "lr_after": first_after["lr"] if first_after else None,
+            "rolled_back_to": Path(detected["to"]).name,
+            "lr_after": first_after["lr"] if first_after else None,
             "dropped_groups": rows[-1].get("dropped_groups"),
-            "reward_before_collapse": round(level, 4), "steps_to_reward_level": recovered,
-            "reward_last10": round(_avg(rows[-10:]), 4), "reward_last10_reference": round(_avg(ref[-10:]), 4),
-            "wall_s": round(wall, 1), "wall_s_reference": round(wall_ref, 1),
-            "steps_per_s": round(_steps_per_s(rows), 2), "steps_per_s_reference": round(_steps_per_s(ref), 2),
+            "reward_before_collapse": round(level, 4),
+            "steps_to_reward_level": recovered,
+            "reward_last10": round(_avg(rows[-10:]), 4),
+            "reward_last10_reference": round(_avg(ref[-10:]), 4),
+            "wall_s": round(wall, 1),
+            "wall_s_reference": round(wall_ref, 1),
+            "steps_per_s": round(_steps_per_s(rows), 2),
+            "steps_per_s_reference": round(_steps_per_s(ref), 2),
             "detectors_us_per_step": round(_detector_cost_us(), 1),
         }
         print(f"{'':32} {'collapsed':>12} {'reference':>12}")
         print(f"{'wall (s)':32} {result['wall_s']:>12} {result['wall_s_reference']:>12}")
         print(f"{'steps/s':32} {result['steps_per_s']:>12} {result['steps_per_s_reference']:>12}")
         print(f"{'reward, last 10 steps':32} {result['reward_last10']:>12} {result['reward_last10_reference']:>12}")
-        for key in ("detector", "detection_steps", "detection_s", "rollback_s", "first_step_after_s",
-                    "rolled_back_to", "lr_after", "dropped_groups", "reward_before_collapse",
-                    "steps_to_reward_level", "detectors_us_per_step"):
+        for key in (
+            "detector",
+            "detection_steps",
+            "detection_s",
+            "rollback_s",
+            "first_step_after_s",
+            "rolled_back_to",
+            "lr_after",
+            "dropped_groups",
+            "reward_before_collapse",
+            "steps_to_reward_level",
+            "detectors_us_per_step",
+        ):
             print(f"{key:32} {result[key]!s:>12}")
         if args.plot is not None:
             from atroposd.plot import Run, plot_runs
 
-            plot_runs([Run(f"collapsed at step {args.burst}", rows), Run("reference", ref)], args.plot,
-                      title=f"embedded job: learning rate x{args.factor:g} at step {args.burst}")
+            plot_runs(
+                [Run(f"collapsed at step {args.burst}", rows), Run("reference", ref)],
+                args.plot,
+                title=f"embedded job: learning rate x{args.factor:g} at step {args.burst}",
+            )
             print(f"plot: {args.plot}")
         print(json.dumps({"bench": "rollback", **result}))
         return 0

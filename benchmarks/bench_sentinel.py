@@ -52,12 +52,22 @@ def _free_port() -> int:
 
 def _config(root: Path, steps: int, canary_every: int) -> Path:
     lines = [
-        "[daemon]", f'runtime_dir = "{root / "run"}"', f'state_dir = "{root / "state"}"', 'log_format = "json"',
-        "[api]", f"port = {_free_port()}",
-        "[inference]", f"port = {_free_port()}",
-        "[trainer]", f"steps = {steps}", f"checkpoint_every = {steps}",
-        "[health]", f"canary_every = {canary_every}",
-        "[[env]]", 'name = "arithmetic"', 'builtin = "arithmetic"',
+        "[daemon]",
+        f'runtime_dir = "{root / "run"}"',
+        f'state_dir = "{root / "state"}"',
+        'log_format = "json"',
+        "[api]",
+        f"port = {_free_port()}",
+        "[inference]",
+        f"port = {_free_port()}",
+        "[trainer]",
+        f"steps = {steps}",
+        f"checkpoint_every = {steps}",
+        "[health]",
+        f"canary_every = {canary_every}",
+        "[[env]]",
+        'name = "arithmetic"',
+        'builtin = "arithmetic"',
     ]
     path = root / "atroposd.toml"
     path.write_text("\n".join(lines) + "\n")
@@ -68,8 +78,9 @@ def run_job(steps: int, canary_every: int, skip: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="apd-sent-", dir="/tmp") as tmp:
         root = Path(tmp)
         cfg = _config(root, steps, canary_every)
-        proc = subprocess.run([sys.executable, "-m", "atroposd", "run", "-c", str(cfg)], cwd=REPO,
-                              capture_output=True, timeout=3600)
+        proc = subprocess.run(
+            [sys.executable, "-m", "atroposd", "run", "-c", str(cfg)], cwd=REPO, capture_output=True, timeout=3600
+        )
         if proc.returncode != 0:
             raise SystemExit(f"run exited {proc.returncode}: {proc.stderr[-2000:]!r}")
         rows = [json.loads(x) for x in (root / "state" / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -77,8 +88,13 @@ def run_job(steps: int, canary_every: int, skip: int) -> dict[str, Any]:
         rounds = [json.loads(x)["seconds"] for x in log if x.startswith("{") and '"canary check"' in x]
     part = rows[skip:]
     sps = (len(part) - 1) / (part[-1]["time"] - part[0]["time"])
-    return {"canary_every": canary_every, "steps": len(rows), "steps_per_s": round(sps, 3),
-            "canary_rounds": len(rounds), "round_s_mean": round(sum(rounds) / len(rounds), 4) if rounds else None}
+    return {
+        "canary_every": canary_every,
+        "steps": len(rows),
+        "steps_per_s": round(sps, 3),
+        "canary_rounds": len(rounds),
+        "round_s_mean": round(sum(rounds) / len(rounds), 4) if rounds else None,
+    }
 
 
 async def heal_time() -> dict[str, Any]:
@@ -105,8 +121,13 @@ async def heal_time() -> dict[str, Any]:
         async def run(fn: Any, *args: Any) -> Any:
             return await asyncio.to_thread(fn, *args)
 
-        sentinel = Sentinel(every=1, limit=0.05, prompts=builtin_prompts(8, model.config.vocab_size),
-                            sockets=lambda: [server.socket], run=run)
+        sentinel = Sentinel(
+            every=1,
+            limit=0.05,
+            prompts=builtin_prompts(8, model.config.vocab_size),
+            sockets=lambda: [server.socket],
+            run=run,
+        )
         t0 = time.perf_counter()
         await sentinel.check_all(sync, model, 1)
         healthy = time.perf_counter() - t0
@@ -125,8 +146,13 @@ async def heal_time() -> dict[str, Any]:
         healed = time.perf_counter() - t0
         back = 0 not in sentinel.quarantined
         sync.close()
-        return {"healthy_round_s": round(healthy, 3), "corrupt_to_rotation_s": round(healed, 3),
-                "resyncs": sentinel.resyncs, "back_in_rotation": back, "drift_after": sentinel.replica_drift()[0]}
+        return {
+            "healthy_round_s": round(healthy, 3),
+            "corrupt_to_rotation_s": round(healed, 3),
+            "resyncs": sentinel.resyncs,
+            "back_in_rotation": back,
+            "drift_after": sentinel.replica_drift()[0],
+        }
     finally:
         if server is not None:
             stop_process(server.proc)
@@ -141,22 +167,42 @@ def job_heal(steps: int = 8) -> dict[str, Any]:
         root = Path(tmp)
         port = _free_port()
         lines = [
-            "[daemon]", f'runtime_dir = "{root / "run"}"', f'state_dir = "{root / "state"}"', 'log_format = "json"',
-            "[api]", f"port = {_free_port()}",
-            "[inference]", f"port = {port}", "replicas = 2",
-            "[trainer]", f"steps = {steps}", f"checkpoint_every = {steps}", 'weight_sync = "push"',
-            "[health]", "canary_every = 2",
-            "[[env]]", 'name = "arithmetic"', 'builtin = "arithmetic"',
+            "[daemon]",
+            f'runtime_dir = "{root / "run"}"',
+            f'state_dir = "{root / "state"}"',
+            'log_format = "json"',
+            "[api]",
+            f"port = {_free_port()}",
+            "[inference]",
+            f"port = {port}",
+            "replicas = 2",
+            "[trainer]",
+            f"steps = {steps}",
+            f"checkpoint_every = {steps}",
+            'weight_sync = "push"',
+            "[health]",
+            "canary_every = 2",
+            "[[env]]",
+            'name = "arithmetic"',
+            'builtin = "arithmetic"',
         ]
         cfg = root / "atroposd.toml"
         cfg.write_text("\n".join(lines) + "\n")
         env = {**os.environ, "ATROPOSD_TEST_CORRUPT_WEIGHTS": "inference-0:3,inference-1:2+"}
-        proc = subprocess.run([sys.executable, "-m", "atroposd", "run", "-c", str(cfg)], cwd=REPO,
-                              capture_output=True, timeout=3600, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-m", "atroposd", "run", "-c", str(cfg)],
+            cwd=REPO,
+            capture_output=True,
+            timeout=3600,
+            env=env,
+        )
         if proc.returncode != 0:
             raise SystemExit(f"run exited {proc.returncode}: {proc.stderr[-2000:]!r}")
-        events = [json.loads(x) for x in (root / "state" / "logs" / "daemon.log").read_text().splitlines()
-                  if x.startswith("{")]
+        events = [
+            json.loads(x)
+            for x in (root / "state" / "logs" / "daemon.log").read_text().splitlines()
+            if x.startswith("{")
+        ]
 
     def at(event: str, **match: Any) -> float | None:
         for e in events:
@@ -171,8 +217,9 @@ def job_heal(steps: int = 8) -> dict[str, Any]:
     for replica, path in ((0, "resync"), (1, "restart")):
         over = at("replica drift over the limit", replica=replica)
         out[f"job_{path}_to_rotation_s"] = span(over, at("replica back in rotation", replica=replica))
-    out["job_restart_s"] = span(at("replica still drifts after a resync", replica=1),
-                                at("replica restarted", replica=1))
+    out["job_restart_s"] = span(
+        at("replica still drifts after a resync", replica=1), at("replica restarted", replica=1)
+    )
     return out
 
 
@@ -186,7 +233,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     runs = []
     for i in range(args.repeats):
-        for every in ((10, 0) if i % 2 == 0 else (0, 10)):
+        for every in (10, 0) if i % 2 == 0 else (0, 10):
             res = run_job(args.steps, every, args.skip)
             runs.append(res)
             print(json.dumps(res), flush=True)
@@ -205,15 +252,29 @@ def main() -> int:
     print("|---|---|---|---|---|")
     for every, m in ((0, off), (10, on)):
         rs = [r for r in runs if r["canary_every"] == every]
-        print(f"| {every} | {m:.3f} | {', '.join(str(r['steps_per_s']) for r in rs)} | "
-              f"{', '.join(str(r['canary_rounds']) for r in rs)} | "
-              f"{', '.join(str(r['round_s_mean']) for r in rs)} |")
-    print(f"\ncanary_every = 10 is {slower:.1f}% slower than off (goal < 5%); corruption → back in rotation: "
-          f"{heal['corrupt_to_rotation_s']} s (a healthy round: {heal['healthy_round_s']} s); in a job: "
-          f"{heal['job_resync_to_rotation_s']} s by a resync, {heal['job_restart_to_rotation_s']} s by a restart "
-          f"(the restart itself {heal['job_restart_s']} s)")
-    print(json.dumps({"bench": "sentinel", "steps_per_s_off": round(off, 3), "steps_per_s_canary10": round(on, 3),
-                      "slower_pct": round(slower, 2), **heal, "runs": runs}))
+        print(
+            f"| {every} | {m:.3f} | {', '.join(str(r['steps_per_s']) for r in rs)} | "
+            f"{', '.join(str(r['canary_rounds']) for r in rs)} | "
+            f"{', '.join(str(r['round_s_mean']) for r in rs)} |"
+        )
+    print(
+        f"\ncanary_every = 10 is {slower:.1f}% slower than off (goal < 5%); corruption → back in rotation: "
+        f"{heal['corrupt_to_rotation_s']} s (a healthy round: {heal['healthy_round_s']} s); in a job: "
+        f"{heal['job_resync_to_rotation_s']} s by a resync, {heal['job_restart_to_rotation_s']} s by a restart "
+        f"(the restart itself {heal['job_restart_s']} s)"
+    )
+    print(
+        json.dumps(
+            {
+                "bench": "sentinel",
+                "steps_per_s_off": round(off, 3),
+                "steps_per_s_canary10": round(on, 3),
+                "slower_pct": round(slower, 2),
+                **heal,
+                "runs": runs,
+            }
+        )
+    )
     return 0
 
 

@@ -36,8 +36,9 @@ REPO = Path(__file__).resolve().parent.parent
 def _cli(src: Path, *args: str, timeout: float = 300) -> tuple[int, float, str]:
     env = {**os.environ, "PYTHONPATH": str(src)}
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "atroposd", *args], cwd=src, env=env, capture_output=True,
-                         text=True, timeout=timeout)
+    res = subprocess.run(
+        [sys.executable, "-m", "atroposd", *args], cwd=src, env=env, capture_output=True, text=True, timeout=timeout
+    )
     return res.returncode, time.monotonic() - t0, res.stderr
 
 
@@ -95,8 +96,17 @@ def main() -> int:
             cfg.write_text(text)
             log = cfg.parent / "state" / "logs" / "daemon.log"
             first, first_marks = one_start(src, cfg, log)  # builds builtin:tiny
-            results.append({"label": label, "case": "fresh state (builds the model)", "start_s": [round(first, 2)],
-                            "marks": first_marks, "cfg": cfg, "log": log, "src": src})
+            results.append(
+                {
+                    "label": label,
+                    "case": "fresh state (builds the model)",
+                    "start_s": [round(first, 2)],
+                    "marks": first_marks,
+                    "cfg": cfg,
+                    "log": log,
+                    "src": src,
+                }
+            )
         built = []
         for r in results:
             built.append({**r, "case": "model already built", "start_s": []})
@@ -110,13 +120,22 @@ def main() -> int:
             shutil.rmtree(r["cfg"].parent, ignore_errors=True)
     print(f"{'source':<10} {'case':<32} {'start→READY s (median)':>22} {'runs':>24}")
     for r in results:
-        print(f"{r['label']:<10} {r['case']:<32} {statistics.median(r['start_s']):>22.2f} "
-              f"{' '.join(f'{x:.2f}' for x in r['start_s']):>24}")
+        print(
+            f"{r['label']:<10} {r['case']:<32} {statistics.median(r['start_s']):>22.2f} "
+            f"{' '.join(f'{x:.2f}' for x in r['start_s']):>24}"
+        )
     print("last run, seconds from the first log line:")
     for r in results:
         print(f"  {r['label']} / {r['case']}: {r['marks']}")
-    print(json.dumps({"benchmark": "start", "before": args.before,
-                      "runs": [{k: r[k] for k in ("label", "case", "start_s", "marks")} for r in results]}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "start",
+                "before": args.before,
+                "runs": [{k: r[k] for k in ("label", "case", "start_s", "marks")} for r in results],
+            }
+        )
+    )
     return 0
 
 

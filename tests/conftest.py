@@ -15,8 +15,11 @@ import pytest
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--fuzz-seed", default=None,
-                     help="replay the fuzz suites with this seed (printed in the report header of every run)")
+    parser.addoption(
+        "--fuzz-seed",
+        default=None,
+        help="replay the fuzz suites with this seed (printed in the report header of every run)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -86,27 +86,36 @@ def write_config(path: Path, sections: Mapping[str, Any]) -> Path:
     return path
 
 
-def atroposd(*args: str, env: Mapping[str, str] | None = None, timeout: float = 60,
-             cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def atroposd(
+    *args: str, env: Mapping[str, str] | None = None, timeout: float = 60, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run ``atroposd ARGS`` to completion; returns the CompletedProcess (text)."""
     full_env = dict(os.environ)
     full_env.pop("ATROPOSD_CONFIG", None)
     if env:
         full_env.update(env)
-    return subprocess.run([sys.executable, "-m", "atroposd", *args], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "atroposd", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=cwd,
+    )
 
 
-def spawn(cmd: Sequence[str], *, env: Mapping[str, str] | None = None, log: Path | None = None,
-          **kw: Any) -> subprocess.Popen[bytes]:
+def spawn(
+    cmd: Sequence[str], *, env: Mapping[str, str] | None = None, log: Path | None = None, **kw: Any
+) -> subprocess.Popen[bytes]:
     """Start a process in its own session (so the test can kill its whole group)."""
     full_env = dict(os.environ)
     if env:
         full_env.update(env)
     out = open(log, "ab") if log else subprocess.DEVNULL
     try:
-        return subprocess.Popen(list(cmd), env=full_env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, **kw)
+        return subprocess.Popen(
+            list(cmd), env=full_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **kw
+        )
     finally:
         if log:
             out.close()  # type: ignore[union-attr]
@@ -142,8 +151,9 @@ def wait_for(predicate: Any, timeout: float = 30.0, interval: float = 0.05, what
         except Exception as exc:  # the predicate may probe something not up yet
             last_exc = exc
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}" +
-                         (f" (last error: {last_exc!r})" if last_exc else ""))
+    raise AssertionError(
+        f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc!r})" if last_exc else "")
+    )
 
 
 def wait_http(url: str, timeout: float = 30.0, proc: subprocess.Popen[Any] | None = None) -> None:

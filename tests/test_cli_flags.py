@@ -22,18 +22,22 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_apply_flags_uses_the_schema_bounds() -> None:
     inf = InferenceConfig()
     ns = argparse.Namespace(port=0, max_model_len=4, dtype=None, engine="vllm")
-    problems = apply_flags(inf, "inference", ns, {"port": "port", "max_model_len": "max_model_len",
-                                                  "dtype": "dtype", "engine": "engine"})
+    problems = apply_flags(
+        inf, "inference", ns, {"port": "port", "max_model_len": "max_model_len", "dtype": "dtype", "engine": "engine"}
+    )
     assert problems == ["--port must be ≥ 1, got 0", "--max-model-len must be ≥ 8, got 4"]
     assert inf.engine == "vllm" and inf.dtype == "auto"  # given flags are applied, absent ones are not
 
 
-@pytest.mark.parametrize(("argv", "flag"), [
-    (("--port", "70000"), "--port must be ≤ 65535"),
-    (("--max-queued-sequences", "0"), "--max-queued-sequences must be ≥ 1"),
-    (("--full-wait", "-1"), "--full-wait must be ≥ 0"),
-    (("--max-request-bytes", "10"), "--max-request-bytes must be ≥ 1024"),
-])
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (("--port", "70000"), "--port must be ≤ 65535"),
+        (("--max-queued-sequences", "0"), "--max-queued-sequences must be ≥ 1"),
+        (("--full-wait", "-1"), "--full-wait must be ≥ 0"),
+        (("--max-request-bytes", "10"), "--max-request-bytes must be ≥ 1024"),
+    ],
+)
 def test_api_flags_out_of_bounds(argv: tuple[str, ...], flag: str) -> None:
     _, _, _, problems = api_cli.settings_from(_args("api", *argv))
     assert len(problems) == 1 and problems[0].startswith(flag)

@@ -65,17 +65,21 @@ INVALID = [
     ("[daemon]\nbogus = 1\n", "daemon.bogus", "unknown key"),
     ("[trainer]\nstepz = 1\n", "trainer.stepz", "did you mean 'steps'"),
     ("[nope]\nx = 1\n", "nope", "unknown section"),
-    ("[trainer]\nsteps = \"ten\"\n", "trainer.steps", "must be an integer"),
+    ('[trainer]\nsteps = "ten"\n', "trainer.steps", "must be an integer"),
     ("[trainer]\nsteps = 0\n", "trainer.steps", "must be ≥ 1"),
     ("[trainer]\nlr = -1.0\n", "trainer.lr", "must be > 0"),
-    ("[trainer]\nloss = \"ppo\"\n", "trainer.loss", "must be one of"),
+    ('[trainer]\nloss = "ppo"\n', "trainer.loss", "must be one of"),
     ("[trainer]\nbatch_size = 64\nmicro_batch_size = 48\n", "trainer.micro_batch_size", "must divide"),
     ("[trainer]\nbatch_size = 16\nmicro_batch_size = 32\n", "trainer.micro_batch_size", "must be ≤"),
-    ("[trainer]\nbatch_size = 4\nmicro_batch_size = 4\n" + ENV, "env[0].group_size", "must be ≤ trainer.batch_size (4)"),
-    ("[inference]\nengine = \"vllm\"\n[trainer]\nweight_sync = \"shared\"\n", "trainer.weight_sync", "not possible"),
-    ("[trainer]\nmode = \"lora\"\nweight_sync = \"push\"\n", "trainer.weight_sync", "lora"),
+    (
+        "[trainer]\nbatch_size = 4\nmicro_batch_size = 4\n" + ENV,
+        "env[0].group_size",
+        "must be ≤ trainer.batch_size (4)",
+    ),
+    ('[inference]\nengine = "vllm"\n[trainer]\nweight_sync = "shared"\n', "trainer.weight_sync", "not possible"),
+    ('[trainer]\nmode = "lora"\nweight_sync = "push"\n', "trainer.weight_sync", "lora"),
     ("[api]\nenabled = false\n", "api.url", "required when api.enabled = false"),
-    ("[api]\nurl = \"http://x:1\"\n", "api.url", "must be empty"),
+    ('[api]\nurl = "http://x:1"\n', "api.url", "must be empty"),
     ("[api]\nport = 9001\n", "inference.port", "port 9001 is already used by api.port"),
     (ENV + ENV, "env[1].name", "duplicate name"),
     ('[[env]]\nname = "a"\n', "env[0]", "exactly one of builtin and command"),
@@ -85,21 +89,28 @@ INVALID = [
     ('[[env]]\nname = "a"\ncommand = ["x", "{nope}"]\n', "env[0].command", "unknown placeholder {nope}"),
     ('[[env]]\nname = "a"\nbuiltin = "arithmetic"\nrestart = "sometimes"\n', "env[0].restart", "must be one of"),
     ('[[env]]\nname = "a"\nbuiltin = "arithmetic"\nstop_signal = "SIGFOO"\n', "env[0].stop_signal", "unknown signal"),
-    ('[[env]]\nname = "a"\nbuiltin = "arithmetic"\noptions = {colour = 1}\n', "env[0].options.colour", "unknown option"),
-    ("[daemon]\nruntime_dir = \"/" + "x" * 120 + "\"\n", "daemon.runtime_dir", "must fit in 107"),
+    (
+        '[[env]]\nname = "a"\nbuiltin = "arithmetic"\noptions = {colour = 1}\n',
+        "env[0].options.colour",
+        "unknown option",
+    ),
+    ('[daemon]\nruntime_dir = "/' + "x" * 120 + '"\n', "daemon.runtime_dir", "must fit in 107"),
     ("[trainer]\nadam_betas = [0.9]\n", "trainer.adam_betas", "two numbers"),
     ("[trainer]\nresume = 1\n", "trainer.resume", "must be true or false"),
-    ("[inference]\ndevice = \"tpu\"\n", "inference.device", "must be auto, cpu"),
-    ("[inference]\nmodel = \"builtin:huge\"\n", "inference.model", "unknown built-in model"),
+    ('[inference]\ndevice = "tpu"\n', "inference.device", "must be auto, cpu"),
+    ('[inference]\nmodel = "builtin:huge"\n', "inference.model", "unknown built-in model"),
     ("[trainer]\nmax_token_len = 9000\n", "trainer.max_token_len", "inference.max_model_len"),
     ("[daemon]\nstop_timeout = nan\n", "daemon.stop_timeout", "finite"),
     ("env = 3\n", "env", "array of tables"),
     ("[trainer]\nclip_eps = 0.2\nclip_eps_high = 0.1\n", "trainer.clip_eps_high", "must be ≥ trainer.clip_eps"),
-    ("[trainer]\nloss = \"awsft\"\nrollout_correction = \"token-tis\"\n", "trainer.rollout_correction",
-     "no effect with trainer.loss = \"awsft\""),
+    (
+        '[trainer]\nloss = "awsft"\nrollout_correction = "token-tis"\n',
+        "trainer.rollout_correction",
+        'no effect with trainer.loss = "awsft"',
+    ),
     ("[trainer]\nrollout_correction_threshold = 1.0\n", "trainer.rollout_correction_threshold", "must be > 1"),
-    ("[trainer]\nloss_agg = \"seq-sum\"\n", "trainer.loss_agg", "must be one of"),
-    ("[trainer]\nlr_schedule = \"step\"\n", "trainer.lr_schedule", "must be one of"),
+    ('[trainer]\nloss_agg = "seq-sum"\n', "trainer.loss_agg", "must be one of"),
+    ('[trainer]\nlr_schedule = "step"\n', "trainer.lr_schedule", "must be one of"),
 ]
 
 
@@ -122,7 +133,7 @@ def test_config_check_exits_2_naming_the_key(tmp_path: Path, case: int) -> None:
 
 
 def test_every_problem_is_reported_at_once() -> None:
-    text = "[trainer]\nsteps = 0\nlr = 0\nloss = \"x\"\n[api]\nport = 0\n" + ENV + ENV
+    text = '[trainer]\nsteps = 0\nlr = 0\nloss = "x"\n[api]\nport = 0\n' + ENV + ENV
     with pytest.raises(ConfigError) as info:
         parse_toml(text)
     paths = {p.path for p in info.value.problems}
@@ -144,5 +155,5 @@ def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_weight_sync_auto_resolution() -> None:
     assert parse_toml("").weight_sync == "shared"
-    assert parse_toml("[inference]\nengine = \"vllm\"\n").weight_sync == "push"
-    assert parse_toml("[inference]\nengine = \"vllm\"\n[trainer]\nmode = \"lora\"\n").weight_sync == "reload"
+    assert parse_toml('[inference]\nengine = "vllm"\n').weight_sync == "push"
+    assert parse_toml('[inference]\nengine = "vllm"\n[trainer]\nmode = "lora"\n').weight_sync == "reload"

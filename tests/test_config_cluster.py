@@ -38,8 +38,10 @@ def token(tmp_path: Path) -> Path:
 
 
 def _two_nodes(token: Path, tmp_path: Path, *, head: str = "127.0.0.1", rank: int = 1, extra: str = "") -> str:
-    return (f'[cluster]\nnodes = 2\nnode_rank = {rank}\nhead = "{head}"\ntoken_file = "{token}"\n{extra}'
-            f'[trainer]\ncheckpoint_dir = "{tmp_path / "shared-ckpt"}"\n')
+    return (
+        f'[cluster]\nnodes = 2\nnode_rank = {rank}\nhead = "{head}"\ntoken_file = "{token}"\n{extra}'
+        f'[trainer]\ncheckpoint_dir = "{tmp_path / "shared-ckpt"}"\n'
+    )
 
 
 def test_one_node_is_today() -> None:
@@ -61,25 +63,31 @@ def test_a_valid_two_node_config_loads_and_round_trips(token: Path, tmp_path: Pa
     assert again.cluster == cfg.cluster and again.trainer == cfg.trainer
 
 
-@pytest.mark.parametrize(("extra", "fragment"), [
-    ('[cluster]\nnodes = 2\n', "cluster.head: required when cluster.nodes > 1"),
-    ('[cluster]\nnodes = 2\n', "cluster.token_file: required when cluster.nodes > 1"),
-    ('[cluster]\nnodes = 2\n', "trainer.checkpoint_dir: required when cluster.nodes > 1"),
-    ('[cluster]\nnodes = 2\n', "cluster.node_rank: cluster.node_rank = -1 and neither $ATROPOSD_NODE_RANK"),
-    ('[cluster]\nnodes = 0\n', "cluster.nodes: must be ≥ 1, got 0"),
-    ('[cluster]\nnode_rank = -2\n', "cluster.node_rank: must be ≥ -1, got -2"),
-    ('[cluster]\nnode_rank = 1\n', "cluster.node_rank: node rank 1 (from cluster.node_rank) must be < cluster.nodes (1)"),
-    ('[cluster]\nport = 65535\n', "cluster.port: must be ≤ 65534"),
-    # below 1 s a node's give-up time (heartbeat_timeout less one interval) would be ~0 or less
-    ('[cluster]\nheartbeat_timeout = 0.5\n', "cluster.heartbeat_timeout: must be ≥ 1, got 0.5"),
-    ('[cluster]\nbind = "http://n0"\n', "cluster.bind: must be a host name or address without a scheme or port"),
-    ('[cluster]\nbind = "n0:29400"\n', "cluster.bind: must be a host name or address without a scheme or port"),
-    ('[cluster]\njoin_timeout = -1.0\n', "cluster.join_timeout: must be > 0"),
-    ('[cluster]\nhead = "http://n0"\n', "cluster.head: must be a host name or address without a scheme or port"),
-    ('[cluster]\nhead = "n0:29400"\n', "cluster.head: must be a host name or address without a scheme or port"),
-    ('[cluster]\nnodes = 2\nheartbeat = 3\n', "cluster.heartbeat: unknown key (did you mean 'heartbeat_timeout'?)"),
-    ('[clusters]\nnodes = 2\n', "clusters: unknown section (did you mean 'cluster'?)"),
-])
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        ("[cluster]\nnodes = 2\n", "cluster.head: required when cluster.nodes > 1"),
+        ("[cluster]\nnodes = 2\n", "cluster.token_file: required when cluster.nodes > 1"),
+        ("[cluster]\nnodes = 2\n", "trainer.checkpoint_dir: required when cluster.nodes > 1"),
+        ("[cluster]\nnodes = 2\n", "cluster.node_rank: cluster.node_rank = -1 and neither $ATROPOSD_NODE_RANK"),
+        ("[cluster]\nnodes = 0\n", "cluster.nodes: must be ≥ 1, got 0"),
+        ("[cluster]\nnode_rank = -2\n", "cluster.node_rank: must be ≥ -1, got -2"),
+        (
+            "[cluster]\nnode_rank = 1\n",
+            "cluster.node_rank: node rank 1 (from cluster.node_rank) must be < cluster.nodes (1)",
+        ),
+        ("[cluster]\nport = 65535\n", "cluster.port: must be ≤ 65534"),
+        # below 1 s a node's give-up time (heartbeat_timeout less one interval) would be ~0 or less
+        ("[cluster]\nheartbeat_timeout = 0.5\n", "cluster.heartbeat_timeout: must be ≥ 1, got 0.5"),
+        ('[cluster]\nbind = "http://n0"\n', "cluster.bind: must be a host name or address without a scheme or port"),
+        ('[cluster]\nbind = "n0:29400"\n', "cluster.bind: must be a host name or address without a scheme or port"),
+        ("[cluster]\njoin_timeout = -1.0\n", "cluster.join_timeout: must be > 0"),
+        ('[cluster]\nhead = "http://n0"\n', "cluster.head: must be a host name or address without a scheme or port"),
+        ('[cluster]\nhead = "n0:29400"\n', "cluster.head: must be a host name or address without a scheme or port"),
+        ("[cluster]\nnodes = 2\nheartbeat = 3\n", "cluster.heartbeat: unknown key (did you mean 'heartbeat_timeout'?)"),
+        ("[clusters]\nnodes = 2\n", "clusters: unknown section (did you mean 'cluster'?)"),
+    ],
+)
 def test_invalid_cluster_settings_name_their_key(extra: str, fragment: str) -> None:
     found = config_problems(extra)
     assert any(fragment in p for p in found), found
@@ -104,8 +112,9 @@ def test_a_token_file_under_16_bytes_is_refused_and_one_others_can_read_warns(tm
     short.write_text("fifteen-bytes!!\n")  # 15 bytes once the newline is stripped
     short.chmod(0o600)
     found = config_problems(_two_nodes(short, tmp_path))
-    assert any(p.startswith(f"cluster.token_file: {short} holds 15 bytes; a token must have at least 16")
-               for p in found), found
+    assert any(
+        p.startswith(f"cluster.token_file: {short} holds 15 bytes; a token must have at least 16") for p in found
+    ), found
     found = config_problems(f'[inference]\ntoken_file = "{short}"\n')
     assert any(p.startswith("inference.token_file:") and "holds 15 bytes" in p for p in found), found
     with pytest.raises(TokenError, match=r"api\.token_file: .* holds 15 bytes"):
@@ -119,8 +128,9 @@ def test_a_token_file_under_16_bytes_is_refused_and_one_others_can_read_warns(tm
     ok.chmod(0o644)
     cfg = parse_toml(_two_nodes(ok, tmp_path) + f'[api]\nhost = "127.0.0.1"\ntoken_file = "{ok}"\n')
     for key in ("cluster.token_file", "api.token_file"):
-        assert any(w.startswith(f"{key}: {ok} is readable by other users (mode 0644)") for w in cfg.warnings), \
+        assert any(w.startswith(f"{key}: {ok} is readable by other users (mode 0644)") for w in cfg.warnings), (
             cfg.warnings
+        )
 
 
 def test_the_inference_token_comes_from_its_file_or_the_cluster_token(token: Path, tmp_path: Path) -> None:
@@ -132,8 +142,10 @@ def test_the_inference_token_comes_from_its_file_or_the_cluster_token(token: Pat
     own = tmp_path / "inference.token"
     own.write_text("an-inference-token-of-its-own\n")
     own.chmod(0o600)
-    assert parse_toml(_two_nodes(token, tmp_path) + f'[inference]\ntoken_file = "{own}"\n').inference_token() == \
-        "an-inference-token-of-its-own"
+    assert (
+        parse_toml(_two_nodes(token, tmp_path) + f'[inference]\ntoken_file = "{own}"\n').inference_token()
+        == "an-inference-token-of-its-own"
+    )
 
 
 def test_bind_defaults_to_the_address_head_resolves_to(token: Path, tmp_path: Path) -> None:
@@ -144,8 +156,10 @@ def test_bind_defaults_to_the_address_head_resolves_to(token: Path, tmp_path: Pa
     assert bind_address(cfg.cluster) == "127.0.0.2"
     # a wildcard API or inference host binds the cluster's address with several machines, and
     # the URLs the children use follow it
-    cfg = parse_toml(_two_nodes(token, tmp_path, head="127.0.0.1", rank=0, extra='bind = "127.0.0.2"\n') +
-                     '[inference]\nhost = "0.0.0.0"\n[api]\nhost = "0.0.0.0"\n')
+    cfg = parse_toml(
+        _two_nodes(token, tmp_path, head="127.0.0.1", rank=0, extra='bind = "127.0.0.2"\n')
+        + '[inference]\nhost = "0.0.0.0"\n[api]\nhost = "0.0.0.0"\n'
+    )
     assert cfg.listen_host(cfg.inference.host) == "127.0.0.2" and cfg.inference_urls == ["http://127.0.0.2:9001"]
     assert cfg.api_url == "http://127.0.0.2:8000"
     assert parse_toml('[inference]\nhost = "0.0.0.0"\n').listen_host("0.0.0.0") == "0.0.0.0"  # one machine
@@ -161,19 +175,24 @@ def test_loopback_hosts_are_valid_exactly_with_a_loopback_head(token: Path, tmp_
     ok = _two_nodes(token, tmp_path, head="10.0.0.5") + '[api]\nhost = "0.0.0.0"\n[inference]\nhost = "10.0.0.6"\n'
     parse_toml(ok)
     # an external API is not bound here: its host does not matter
-    parse_toml(_two_nodes(token, tmp_path, head="10.0.0.5") +
-               '[api]\nenabled = false\nurl = "http://10.0.0.5:8000"\n[inference]\nhost = "0.0.0.0"\n')
+    parse_toml(
+        _two_nodes(token, tmp_path, head="10.0.0.5")
+        + '[api]\nenabled = false\nurl = "http://10.0.0.5:8000"\n[inference]\nhost = "0.0.0.0"\n'
+    )
 
 
 def test_checkpoint_dir_is_not_needed_without_a_trainer(token: Path) -> None:
-    parse_toml(f'[cluster]\nnodes = 2\nnode_rank = 0\nhead = "127.0.0.1"\ntoken_file = "{token}"\n'
-               '[trainer]\nenabled = false\n')
+    parse_toml(
+        f'[cluster]\nnodes = 2\nnode_rank = 0\nhead = "127.0.0.1"\ntoken_file = "{token}"\n[trainer]\nenabled = false\n'
+    )
 
 
 def test_cluster_ports_are_claimed_with_the_others(token: Path, tmp_path: Path) -> None:
     found = config_problems(_two_nodes(token, tmp_path, extra="port = 7999\n"))
-    assert any(p.startswith("cluster.port: port 8000 (the trainer ranks' c10d store: port + 1) is already used by "
-                            "api.port") for p in found), found
+    assert any(
+        p.startswith("cluster.port: port 8000 (the trainer ranks' c10d store: port + 1) is already used by api.port")
+        for p in found
+    ), found
     # with one node the port is not used: no clash
     parse_toml("[cluster]\nport = 8000\n")
 
@@ -196,8 +215,9 @@ def test_node_rank_from_the_environment_then_the_host_name() -> None:
     assert ClusterConfig(nodes=4, node_rank=0).resolve_node_rank({"SLURM_NODEID": "3"}, "h-2") == 0
 
 
-def test_config_check_reads_the_rank_from_the_environment(token: Path, tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_config_check_reads_the_rank_from_the_environment(
+    token: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     text = _two_nodes(token, tmp_path).replace("node_rank = 1\n", "")
     monkeypatch.setenv("SLURM_NODEID", "1")
     assert parse_toml(text).cluster.resolve_node_rank() == 1

@@ -27,8 +27,15 @@ VALIDATOR = jsonschema.Draft202012Validator(json_schema())
 # keys (batch sizes, ports, engine × sync, max_token_len), uniqueness of names, signal
 # names, and a non-finite number (JSON has none).
 NOT_EXPRESSIBLE = {
-    "trainer.micro_batch_size", "env[0].group_size", "trainer.weight_sync", "inference.port", "env[1].name",
-    "env[0].stop_signal", "trainer.max_token_len", "daemon.stop_timeout", "trainer.clip_eps_high",
+    "trainer.micro_batch_size",
+    "env[0].group_size",
+    "trainer.weight_sync",
+    "inference.port",
+    "env[1].name",
+    "env[0].stop_signal",
+    "trainer.max_token_len",
+    "daemon.stop_timeout",
+    "trainer.clip_eps_high",
     "trainer.rollout_correction",
 }
 
@@ -42,13 +49,15 @@ def test_schema_is_a_valid_draft_2020_12_schema() -> None:
 
 
 def test_shipped_schema_is_up_to_date() -> None:
-    assert SHIPPED.read_text() == render_json_schema(), \
+    assert SHIPPED.read_text() == render_json_schema(), (
         "regenerate with: atroposd config schema > atroposd/config.schema.json"
+    )
 
 
 def test_config_schema_command_prints_it() -> None:
-    r = subprocess.run([sys.executable, "-m", "atroposd", "config", "schema"], capture_output=True, text=True,
-                       timeout=60, check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "atroposd", "config", "schema"], capture_output=True, text=True, timeout=60, check=False
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == json_schema()
 
@@ -98,15 +107,18 @@ def test_invalid_configs_get_the_same_verdict(text: str, path: str, fragment: st
         assert errors, f"the schema accepts what config check refuses ({path}: {fragment})"
 
 
-@pytest.mark.parametrize("text", [
-    "",
-    ENV,
-    '[api]\nenabled = false\nurl = "http://10.0.0.5:8000"\n',
-    '[inference]\nmodel = "/srv/models/qwen"\ndevice = "cuda:1"\n[trainer]\ndevice = "GPU-0a1b"\n',
-    '[[env]]\nname = "gsm8k"\ncommand = ["python", "gsm.py", "--url", "{api_url}", "--w", "{weight}", "{}"]\n',
-    '[[env]]\nname = "a"\nbuiltin = "arithmetic"\noptions = {operators = ["+", "*"], max_tokens = 4}\n'
-    'weight = 2.5\n',
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        ENV,
+        '[api]\nenabled = false\nurl = "http://10.0.0.5:8000"\n',
+        '[inference]\nmodel = "/srv/models/qwen"\ndevice = "cuda:1"\n[trainer]\ndevice = "GPU-0a1b"\n',
+        '[[env]]\nname = "gsm8k"\ncommand = ["python", "gsm.py", "--url", "{api_url}", "--w", "{weight}", "{}"]\n',
+        '[[env]]\nname = "a"\nbuiltin = "arithmetic"\noptions = {operators = ["+", "*"], max_tokens = 4}\n'
+        "weight = 2.5\n",
+    ],
+)
 def test_valid_configs_pass_both(text: str) -> None:
     parse_toml(text)
     assert _errors(text) == []

@@ -18,16 +18,30 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow  # builds the tiny tokenizer and checks three configs in subprocesses
 def test_the_dry_run_prepares_wheels_list_model_and_jobs(tmp_path: Path) -> None:
     out = tmp_path / "gpu"
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu-check"), "prepare", "--dry-run", str(out)],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu-check"), "prepare", "--dry-run", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["dry_run"] is True and summary["bytes"] < 64 << 20
 
     # the wheels: atroposd's own dependencies, pinned, never torch's environment
     names = {r.split("==")[0] for r in summary["requirements"]}
-    assert {"aiohttp", "anyio", "orjson", "structlog", "peft", "nvidia-ml-py", "pytest", "hypothesis",
-            "torch-optimi"} <= names
+    assert {
+        "aiohttp",
+        "anyio",
+        "orjson",
+        "structlog",
+        "peft",
+        "nvidia-ml-py",
+        "pytest",
+        "hypothesis",
+        "torch-optimi",
+    } <= names
     assert not names & {"torch", "transformers", "tokenizers", "safetensors", "numpy", "triton"}
     assert (out / "requirements.txt").read_text().split() == summary["requirements"]
 

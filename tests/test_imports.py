@@ -48,8 +48,7 @@ SHARED = frozenset({"atroposd.api.schema", "atroposd.inference.schema"})
 
 # A module of one of these groups never imports a module of the named groups.
 FORBIDDEN: tuple[tuple[frozenset[str], frozenset[str]], ...] = (
-    (frozenset({"api", "inference", "envs", "trainer", "weights", "models"}),
-     frozenset({"cli", "commands", "daemon"})),
+    (frozenset({"api", "inference", "envs", "trainer", "weights", "models"}), frozenset({"cli", "commands", "daemon"})),
     (frozenset({"api", "inference", "trainer", "weights"}), frozenset({"process"})),
 )
 
@@ -241,8 +240,11 @@ def _shortest_cycle(graph: dict[str, set[str]], members: set[str], start: str) -
 
 def _describe(cycle: list[str]) -> str:
     lines = {(e.src, e.dst): e.line for e in EDGES}
-    return " -> ".join(cycle) + "\n      " + "\n      ".join(
-        f"{a} -> {b} at {_file(a)}:{lines[(a, b)]}" for a, b in itertools.pairwise(cycle))
+    return (
+        " -> ".join(cycle)
+        + "\n      "
+        + "\n      ".join(f"{a} -> {b} at {_file(a)}:{lines[(a, b)]}" for a, b in itertools.pairwise(cycle))
+    )
 
 
 # ----------------------------------------------------------------------------- the checks
@@ -266,8 +268,11 @@ FACADES = frozenset({"atroposd.client", "atroposd.cluster"})
 def test_a_package_init_imports_nothing_of_its_package() -> None:
     # A module of the package importing a sibling runs the package's __init__ first: an __init__
     # that imported the package's modules back would put every one of them in a circle with it.
-    found = [str(e) for e in EDGES
-             if _is_package(e.src) and e.src != PACKAGE and e.src not in FACADES and e.dst.startswith(e.src + ".")]
+    found = [
+        str(e)
+        for e in EDGES
+        if _is_package(e.src) and e.src != PACKAGE and e.src not in FACADES and e.dst.startswith(e.src + ".")
+    ]
     assert not found, "package __init__ files that import their own modules:\n  " + "\n  ".join(found)
     inside = [str(e) for e in EDGES if e.dst in FACADES and e.src.startswith(e.dst + ".")]
     assert not inside, "modules that import their own package's facade:\n  " + "\n  ".join(inside)
@@ -285,8 +290,9 @@ def test_every_kind_of_import_is_seen(tmp_path: Path, monkeypatch: pytest.Monkey
     (pkg / "api" / "__init__.py").write_text("")
     (pkg / "cli.py").write_text("from atroposd.api import app\n")
     (pkg / "config.py").write_text("def f():\n    import atroposd.paths\n")
-    (pkg / "paths.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                  "    from atroposd import config\n")
+    (pkg / "paths.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from atroposd import config\n"
+    )
     (pkg / "api" / "app.py").write_text("def main():\n    from ..cli import build\n")
     (pkg / "api" / "schema.py").write_text("from . import app\n")
     modules = {}
@@ -310,13 +316,18 @@ def test_every_kind_of_import_is_seen(tmp_path: Path, monkeypatch: pytest.Monkey
     assert any("atroposd.api.app -> atroposd.cli" in v and "api/ must not import cli" in v for v in found)
     assert any("atroposd.api.app -> atroposd.cli" in v and "imports up" in v for v in found)
     cyc = cycles()
-    assert sorted(map(tuple, cyc)) == [("atroposd.api.app", "atroposd.cli", "atroposd.api.app"),
-                                       ("atroposd.config", "atroposd.paths", "atroposd.config")]
+    assert sorted(map(tuple, cyc)) == [
+        ("atroposd.api.app", "atroposd.cli", "atroposd.api.app"),
+        ("atroposd.config", "atroposd.paths", "atroposd.config"),
+    ]
 
 
 def test_the_architecture_document_names_every_module() -> None:
     # docs/ARCHITECTURE.md's package layout is where a reader looks a module up
     text = (ROOT.parent / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
-    missing = [str(path.relative_to(ROOT.parent)) for path in MODULES.values()
-               if path.name != "__init__.py" and path.name not in text]
+    missing = [
+        str(path.relative_to(ROOT.parent))
+        for path in MODULES.values()
+        if path.name != "__init__.py" and path.name not in text
+    ]
     assert not missing, "modules docs/ARCHITECTURE.md does not name:\n  " + "\n  ".join(missing)

@@ -22,10 +22,13 @@ BASH = shutil.which("bash")
 pytestmark = pytest.mark.skipif(BASH is None, reason="needs bash")
 
 
-def _bash(script: str, *, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def _bash(
+    script: str, *, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     assert BASH is not None
-    return subprocess.run([BASH, "-c", script], capture_output=True, text=True, timeout=30, cwd=cwd,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [BASH, "-c", script], capture_output=True, text=True, timeout=30, cwd=cwd, env={**os.environ, **(env or {})}
+    )
 
 
 def test_sbatch_parses_and_asks_for_one_task_per_node() -> None:
@@ -48,15 +51,22 @@ def _job_config(tmp_path: Path, config_text: str) -> str:
     return out.read_text()
 
 
-@pytest.mark.parametrize(("config_text", "cluster"), [
-    # no [cluster] at all: it is added
-    ('[api]\ntoken_file = "/keep/this"\n\n[[env]]\nname = "a"\nbuiltin = "arithmetic"\n', {}),
-    # a [cluster] with the keys set: they are replaced, its other keys kept, other sections untouched
-    ('[cluster]\nnodes = 1\nhead = "old"\nport = 29500 # mine\ntoken_file = "/old"\n\n'
-     '[api]\ntoken_file = "/keep/this"\n[[env]]\nname = "a"\nbuiltin = "arithmetic"\n', {"port": 29500}),
-])
-def test_sbatch_fills_in_this_allocation(tmp_path: Path, config_text: str, cluster: dict[str, Any],
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("config_text", "cluster"),
+    [
+        # no [cluster] at all: it is added
+        ('[api]\ntoken_file = "/keep/this"\n\n[[env]]\nname = "a"\nbuiltin = "arithmetic"\n', {}),
+        # a [cluster] with the keys set: they are replaced, its other keys kept, other sections untouched
+        (
+            '[cluster]\nnodes = 1\nhead = "old"\nport = 29500 # mine\ntoken_file = "/old"\n\n'
+            '[api]\ntoken_file = "/keep/this"\n[[env]]\nname = "a"\nbuiltin = "arithmetic"\n',
+            {"port": 29500},
+        ),
+    ],
+)
+def test_sbatch_fills_in_this_allocation(
+    tmp_path: Path, config_text: str, cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     rendered = _job_config(tmp_path, config_text)
     raw = tomllib.loads(rendered)
     assert raw["cluster"] == {"nodes": 4, "head": "node-a17", "token_file": "/shared/cluster.token", **cluster}
@@ -65,8 +75,10 @@ def test_sbatch_fills_in_this_allocation(tmp_path: Path, config_text: str, clust
     monkeypatch.setenv("SLURM_NODEID", "3")
     token = tmp_path / "token"
     token.write_text("x" * 32)
-    cfg = parse_toml(rendered.replace('"node-a17"', '"127.0.0.1"').replace("/shared/cluster.token", str(token)) +
-                     f'[trainer]\ncheckpoint_dir = "{tmp_path}"\n')
+    cfg = parse_toml(
+        rendered.replace('"node-a17"', '"127.0.0.1"').replace("/shared/cluster.token", str(token))
+        + f'[trainer]\ncheckpoint_dir = "{tmp_path}"\n'
+    )
     assert cfg.cluster.resolve_node_rank() == 3
 
 
@@ -77,9 +89,8 @@ def test_sbatch_restarts_atroposd_on_exit_1_only(tmp_path: Path) -> None:
     codes = tmp_path / "codes"
     starts = tmp_path / "starts"
     (fake / "atroposd").write_text(
-        "#!/bin/bash\n"
-        f'echo "$*" >> "{starts}"\n'
-        f'code=$(head -n 1 "{codes}"); sed -i 1d "{codes}"; exit "$code"\n')
+        f'#!/bin/bash\necho "$*" >> "{starts}"\ncode=$(head -n 1 "{codes}"); sed -i 1d "{codes}"; exit "$code"\n'
+    )
     (fake / "atroposd").chmod(0o755)
     env = {"PATH": f"{fake}:{os.environ['PATH']}", "ATROPOSD_RESTART_DELAY": "0"}
 
@@ -113,8 +124,9 @@ def test_every_k8s_file_loads_and_the_kustomization_lists_them() -> None:
     assert sorted(listed) == sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
 
 
-def test_k8s_statefulset_behind_a_headless_service_with_node_0_the_head(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_k8s_statefulset_behind_a_headless_service_with_node_0_the_head(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     docs = _k8s()
     svc, sts, cm = docs["Service"], docs["StatefulSet"], docs["ConfigMap"]
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
@@ -127,8 +139,9 @@ def test_k8s_statefulset_behind_a_headless_service_with_node_0_the_head(tmp_path
     token = tmp_path / "token"
     token.write_text("x" * 32)
     text = cm["data"]["atroposd.toml"]
-    cfg = parse_toml(text.replace("/etc/atroposd/token/token", str(token))
-                     .replace("/shared/checkpoints", str(tmp_path / "ckpt")))
+    cfg = parse_toml(
+        text.replace("/etc/atroposd/token/token", str(token)).replace("/shared/checkpoints", str(tmp_path / "ckpt"))
+    )
     name = sts["metadata"]["name"]
     assert cfg.cluster.nodes == sts["spec"]["replicas"] == 2
     assert cfg.cluster.head == f"{name}-0.{svc['metadata']['name']}"  # pod 0 through the headless Service
@@ -166,27 +179,48 @@ def test_sbatch_main_runs_one_loop_per_node_with_its_own_directories(tmp_path: P
         (bin_dir / name).chmod(0o755)
 
     # a long node list: a reader that stops after the first line would break the pipe (SIGPIPE)
-    tool("scontrol", 'echo node-a17; for i in $(seq 18 20000); do echo node-a$i; done\n')
+    tool("scontrol", "echo node-a17; for i in $(seq 18 20000); do echo node-a$i; done\n")
     # srun NAME... bash -c SCRIPT: run the script once per node, as SLURM would on each
-    tool("srun", 'while [ "$1" != bash ]; do shift; done; shift\n'
-                 'for id in 0 1; do SLURM_NODEID=$id bash "$@" || exit $?; done\n')
-    tool("atroposd", f'echo "$SLURM_NODEID $* $RUNTIME_DIRECTORY $STATE_DIRECTORY $GLOO_SOCKET_IFNAME '
-                     f'$NCCL_SOCKET_IFNAME" >> "{record}"\n')
+    tool(
+        "srun",
+        'while [ "$1" != bash ]; do shift; done; shift\n'
+        'for id in 0 1; do SLURM_NODEID=$id bash "$@" || exit $?; done\n',
+    )
+    tool(
+        "atroposd",
+        f'echo "$SLURM_NODEID $* $RUNTIME_DIRECTORY $STATE_DIRECTORY $GLOO_SOCKET_IFNAME '
+        f'$NCCL_SOCKET_IFNAME" >> "{record}"\n',
+    )
     config = tmp_path / "atroposd.toml"
     config.write_text('[[env]]\nname = "a"\nbuiltin = "arithmetic"\n')
     token = tmp_path / "secret" / "cluster.token"
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-a[17-18]",
-           "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "4242", "ATROPOSD_TOKEN_FILE": str(token),
-           "ATROPOSD_LOCAL_DIR": str(tmp_path / "local"), "ATROPOSD_IFNAME": "ib0", "USER": "u"}
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "node-a[17-18]",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_JOB_ID": "4242",
+        "ATROPOSD_TOKEN_FILE": str(token),
+        "ATROPOSD_LOCAL_DIR": str(tmp_path / "local"),
+        "ATROPOSD_IFNAME": "ib0",
+        "USER": "u",
+    }
     assert BASH is not None
-    r = subprocess.run([BASH, str(SBATCH), str(config)], capture_output=True, text=True, timeout=30,
-                       env={k: v for k, v in {**os.environ, **env}.items()
-                            if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")})
+    r = subprocess.run(
+        [BASH, str(SBATCH), str(config)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={k: v for k, v in {**os.environ, **env}.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")},
+    )
     assert r.returncode == 0, r.stderr
     assert len(token.read_text()) == 64 and (token.stat().st_mode & 0o077) == 0  # a fresh secret, private
     job_config = tmp_path / ".atroposd-job-4242.toml"
-    assert tomllib.loads(job_config.read_text())["cluster"] == {"nodes": 2, "head": "node-a17",
-                                                                "token_file": str(token)}
+    assert tomllib.loads(job_config.read_text())["cluster"] == {
+        "nodes": 2,
+        "head": "node-a17",
+        "token_file": str(token),
+    }
     local = tmp_path / "local" / "atroposd-u-4242"
     assert record.read_text().splitlines() == [
-        f"{i} run -c {job_config} {local}/run {local}/state ib0 ib0" for i in (0, 1)]
+        f"{i} run -c {job_config} {local}/run {local}/state ib0 ib0" for i in (0, 1)
+    ]

@@ -25,10 +25,15 @@ class Terminal(io.StringIO):
 
 
 def _status(**trainer: Any) -> dict[str, Any]:
-    return {"state": "starting", "uptime_s": 12.0,
-            "components": [{"name": "api", "state": "ready", "since_s": 3.0},
-                           {"name": "inference", "state": "starting", "since_s": 42.5}],
-            "trainer": trainer or None}
+    return {
+        "state": "starting",
+        "uptime_s": 12.0,
+        "components": [
+            {"name": "api", "state": "ready", "since_s": 3.0},
+            {"name": "inference", "state": "starting", "since_s": 42.5},
+        ],
+        "trainer": trainer or None,
+    }
 
 
 def test_start_line_names_what_it_waits_for() -> None:
@@ -42,8 +47,9 @@ def test_run_line() -> None:
     line = run_line(st)
     assert line.startswith("step 30/100 [######..............]")
     assert "2.00 steps/s" in line and "reward 0.457" in line and "accuracy 0.250" in line and "left 35s" in line
-    assert "waiting for inference" in run_line(_status(state="waiting", step=0, total_steps=100,
-                                                       waiting_for="inference"))
+    assert "waiting for inference" in run_line(
+        _status(state="waiting", step=0, total_steps=100, waiting_for="inference")
+    )
     assert fit("x" * 200, 40).endswith("…") and len(fit("x" * 200, 40)) == 39
 
 

@@ -30,12 +30,26 @@ def _env() -> dict[str, str]:
 
 def test_python_module_keeps_the_working_directory_off_the_path(tmp_path: Path) -> None:
     cwd, marker = _poisoned(tmp_path)
-    plain = subprocess.run([sys.executable, "-m", "atroposd", "--version"], cwd=cwd, env=_env(),
-                           capture_output=True, text=True, timeout=60, check=False)
+    plain = subprocess.run(
+        [sys.executable, "-m", "atroposd", "--version"],
+        cwd=cwd,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert plain.returncode == 99 and marker.exists()  # what `python -m` does: the cwd wins
     marker.unlink()
-    r = subprocess.run([*python_module("atroposd"), "--version"], cwd=cwd, env=_env(), capture_output=True,
-                       text=True, timeout=60, check=False)
+    r = subprocess.run(
+        [*python_module("atroposd"), "--version"],
+        cwd=cwd,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert r.returncode == 0 and r.stdout.strip() == f"atroposd {__version__}", r.stderr
     assert not marker.exists()
 
@@ -48,8 +62,15 @@ def test_start_runs_the_daemon_without_the_working_directory(tmp_path: Path) -> 
     (tmp_path / "run").symlink_to(tmp_path / "elsewhere")
     cfg = tmp_path / "a.toml"
     cfg.write_text(f'[daemon]\nruntime_dir = "{tmp_path}/run"\nstate_dir = "{tmp_path}/state"\n')
-    r = subprocess.run([*python_module("atroposd"), "start", "-c", str(cfg)], cwd=cwd, env=_env(),
-                       capture_output=True, text=True, timeout=120, check=False)
+    r = subprocess.run(
+        [*python_module("atroposd"), "start", "-c", str(cfg)],
+        cwd=cwd,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert r.returncode == Exit.RUNTIME, r.stderr
     assert "failed to start (exit 1)" in r.stderr and "symlink" in r.stderr
     assert not marker.exists()

@@ -9,17 +9,38 @@ from atroposd.commands import _render_status
 
 
 def _status(**trainer: Any) -> dict[str, Any]:
-    base = {"state": "training", "step": 7, "total_steps": 10, "waiting_for": None, "reward_mean": 0.5,
-            "accuracy": None, "loss": 0.1, "steps_per_s": 2.0, "rejected_groups": {}, "checkpoint_failures": 0}
+    base = {
+        "state": "training",
+        "step": 7,
+        "total_steps": 10,
+        "waiting_for": None,
+        "reward_mean": 0.5,
+        "accuracy": None,
+        "loss": 0.1,
+        "steps_per_s": 2.0,
+        "rejected_groups": {},
+        "checkpoint_failures": 0,
+    }
     base.update(trainer)
-    return {"state": "running", "pid": 1, "uptime_s": 3.0, "config": "/x.toml",
-            "components": [{"name": "api", "state": "ready", "pid": 2, "restarts": 0, "last_exit": None}],
-            "trainer": base, "queue": {"sequences": 4, "capacity": 8}}
+    return {
+        "state": "running",
+        "pid": 1,
+        "uptime_s": 3.0,
+        "config": "/x.toml",
+        "components": [{"name": "api", "state": "ready", "pid": 2, "restarts": 0, "last_exit": None}],
+        "trainer": base,
+        "queue": {"sequences": 4, "capacity": 8},
+    }
 
 
 def test_rejected_groups_and_checkpoint_failures_are_shown() -> None:
-    text = _render_status(_status(rejected_groups={"token_out_of_range": 3, "score_invalid": 0, "malformed": 1},
-                                  checkpoint_failures=2, checkpoint_error="No space left on device"))
+    text = _render_status(
+        _status(
+            rejected_groups={"token_out_of_range": 3, "score_invalid": 0, "malformed": 1},
+            checkpoint_failures=2,
+            checkpoint_error="No space left on device",
+        )
+    )
     assert "rejected groups malformed 1, token_out_of_range 3" in text
     assert "score_invalid" not in text
     assert "2 checkpoint write(s) failed; last: No space left on device" in text
@@ -46,10 +67,22 @@ def test_one_rank_shows_no_rank_line() -> None:
 def test_the_head_lists_every_node_and_another_node_its_head() -> None:
     st = _status(ranks=2)
     st["nodes"] = [
-        {"node_rank": 0, "host": "n0", "state": "ready", "reason": None, "last_heartbeat_s": None,
-         "components": [{"name": "api", "state": "ready"}, {"name": "inference", "state": "ready"}]},
-        {"node_rank": 1, "host": "n1", "state": "lost", "reason": "no heartbeat for 30 s", "last_heartbeat_s": 31.2,
-         "components": [{"name": "trainer-1", "state": "ready"}]},
+        {
+            "node_rank": 0,
+            "host": "n0",
+            "state": "ready",
+            "reason": None,
+            "last_heartbeat_s": None,
+            "components": [{"name": "api", "state": "ready"}, {"name": "inference", "state": "ready"}],
+        },
+        {
+            "node_rank": 1,
+            "host": "n1",
+            "state": "lost",
+            "reason": "no heartbeat for 30 s",
+            "last_heartbeat_s": 31.2,
+            "components": [{"name": "trainer-1", "state": "ready"}],
+        },
     ]
     text = _render_status(st)
     assert "0      n0                   ready" in text and "api ready, inference ready" in text
@@ -67,9 +100,18 @@ def test_filtered_groups_and_the_filtered_wait_are_shown() -> None:
 
 
 def test_the_sentinel_line_shows_drift_prompts_and_quarantine() -> None:
-    sentinel = {"replica_drift": [0.0, 2.5, None], "drift_limit": 0.05, "canary_source": "environments",
-                "canary_prompts": 8, "resyncs": 2, "restarts": 1, "quarantined": {"1": "canary drift 2.5 over"}}
+    sentinel = {
+        "replica_drift": [0.0, 2.5, None],
+        "drift_limit": 0.05,
+        "canary_source": "environments",
+        "canary_prompts": 8,
+        "resyncs": 2,
+        "restarts": 1,
+        "quarantined": {"1": "canary drift 2.5 over"},
+    }
     text = _render_status(_status(sentinel=sentinel))
-    assert ("sentinel: drift [0, 2.5, -] (limit 0.05), canary prompts 8 environments, 2 resyncs, 1 restarts; "
-            "quarantined: replica 1") in text
+    assert (
+        "sentinel: drift [0, 2.5, -] (limit 0.05), canary prompts 8 environments, 2 resyncs, 1 restarts; "
+        "quarantined: replica 1"
+    ) in text
     assert "sentinel" not in _render_status(_status(sentinel=None))

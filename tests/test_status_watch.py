@@ -16,8 +16,15 @@ import pytest
 from atroposd.control import decode_length, encode
 from tests.support import wait_for, write_config
 
-STATUS: dict[str, Any] = {"state": "running", "pid": 4242, "uptime_s": 3.0, "config": "/x.toml",
-                          "components": [], "trainer": None, "queue": None}
+STATUS: dict[str, Any] = {
+    "state": "running",
+    "pid": 4242,
+    "uptime_s": 3.0,
+    "config": "/x.toml",
+    "components": [],
+    "trainer": None,
+    "queue": None,
+}
 
 
 class StandIn:
@@ -73,8 +80,9 @@ def _pending(conn: socket.socket) -> bool:
 def _config(tmp_path: Path) -> tuple[Path, Path]:
     run = tmp_path / "run"
     run.mkdir(mode=0o700)
-    cfg = write_config(tmp_path / "atroposd.toml", {"daemon": {"runtime_dir": str(run),
-                                                               "state_dir": str(tmp_path / "state")}})
+    cfg = write_config(
+        tmp_path / "atroposd.toml", {"daemon": {"runtime_dir": str(run), "state_dir": str(tmp_path / "state")}}
+    )
     return cfg, run / "control.sock"
 
 
@@ -85,8 +93,13 @@ def _cli(*args: str) -> list[str]:
 def test_watch_redraws_until_the_daemon_is_gone(tmp_path: Path) -> None:
     cfg, sock = _config(tmp_path)
     standin = StandIn(sock, answers=3)
-    res = subprocess.run(_cli("status", "--watch", "--json", "-c", str(cfg)), capture_output=True, text=True,
-                         timeout=30, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    res = subprocess.run(
+        _cli("status", "--watch", "--json", "-c", str(cfg)),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     standin.thread.join(5)
     assert res.returncode == 3, res.stderr  # the daemon went away: "not running"
     lines = [line for line in res.stdout.splitlines() if line]
@@ -96,8 +109,13 @@ def test_watch_redraws_until_the_daemon_is_gone(tmp_path: Path) -> None:
 def test_watch_ends_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     cfg, sock = _config(tmp_path)
     standin = StandIn(sock, answers=1000)
-    proc = subprocess.Popen(_cli("status", "--watch", "-c", str(cfg)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    proc = subprocess.Popen(
+        _cli("status", "--watch", "-c", str(cfg)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     try:
         wait_for(lambda: standin.served >= 2, timeout=20, what="two redraws")
         proc.send_signal(signal.SIGINT)
@@ -119,8 +137,13 @@ def test_logs_follow_outlasts_a_daemon_resetting_its_connections_while_it_stops(
     log.parent.mkdir(parents=True)
     log.write_text("tick 1\n")
     standin = StandIn(sock, answers=2, resets=2)  # the first check, one ping, then two resets, then gone
-    proc = subprocess.Popen(_cli("logs", "ticker-0", "-f", "-n", "5", "-c", str(cfg)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    proc = subprocess.Popen(
+        _cli("logs", "ticker-0", "-f", "-n", "5", "-c", str(cfg)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline() == "tick 1\n"
@@ -138,8 +161,9 @@ def test_logs_follow_outlasts_a_daemon_resetting_its_connections_while_it_stops(
     assert out == "tick 2\n" and "Traceback" not in err
 
 
-def test_logs_follow_goes_on_from_where_the_lines_shown_end(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_logs_follow_goes_on_from_where_the_lines_shown_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     # a line appended between the last lines shown and the following is shown once, not lost
     from atroposd import commands
     from atroposd.config import load_config

@@ -35,9 +35,16 @@ def _service() -> dict[str, list[str]]:
 def test_runs_as_an_unprivileged_sandboxed_user() -> None:
     svc = _service()
     assert svc.get("DynamicUser") == ["yes"] or svc.get("User", ["root"])[-1] not in ("root", "0")
-    for key, value in (("ProtectSystem", "strict"), ("ProtectHome", "yes"), ("PrivateTmp", "yes"),
-                       ("NoNewPrivileges", "yes"), ("CapabilityBoundingSet", ""), ("UMask", "0077"),
-                       ("RuntimeDirectoryMode", "0700"), ("StateDirectoryMode", "0700")):
+    for key, value in (
+        ("ProtectSystem", "strict"),
+        ("ProtectHome", "yes"),
+        ("PrivateTmp", "yes"),
+        ("NoNewPrivileges", "yes"),
+        ("CapabilityBoundingSet", ""),
+        ("UMask", "0077"),
+        ("RuntimeDirectoryMode", "0700"),
+        ("StateDirectoryMode", "0700"),
+    ):
         assert svc.get(key, [None])[-1] == value, key
     # the daemon writes only where systemd made room for it
     assert svc["RuntimeDirectory"] == ["atroposd"] and svc["StateDirectory"] == ["atroposd"]
@@ -59,8 +66,13 @@ def test_unit_parses_as_before() -> None:
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_systemd_analyze_rates_the_unit_at_most_4_5() -> None:
-    r = subprocess.run(["systemd-analyze", "security", "--offline=true", str(UNIT)], capture_output=True,
-                       text=True, timeout=120, check=False)
+    r = subprocess.run(
+        ["systemd-analyze", "security", "--offline=true", str(UNIT)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     m = re.search(r"Overall exposure level for \S+: (\d+(?:\.\d+)?)", r.stdout + r.stderr)
     assert m, f"no exposure level in the output (exit {r.returncode}):\n{r.stdout}\n{r.stderr}"
     assert float(m.group(1)) <= MAX_EXPOSURE, r.stdout

@@ -35,20 +35,28 @@ def test_stamp_keeps_the_extension_and_adds_the_timing() -> None:
 
 def test_means_over_the_groups_that_carry_timing() -> None:
     now = 1000.0
-    groups = [_group(gate_s=0.1, generate_s=0.02, posted_at=999.9), _group(gate_s=0.3, generate_s=0.04, posted_at=999.7),
-              {"tokens": [[1]]}]  # an atroposlib environment's group: no timing
+    groups = [
+        _group(gate_s=0.1, generate_s=0.02, posted_at=999.9),
+        _group(gate_s=0.3, generate_s=0.04, posted_at=999.7),
+        {"tokens": [[1]]},
+    ]  # an atroposlib environment's group: no timing
     out = rollout_timing(groups, now)
     assert out["rollout_gate_s"] == pytest.approx(0.2)
     assert out["rollout_generate_s"] == pytest.approx(0.03)
     assert out["rollout_delivery_s"] == pytest.approx(0.2)
 
 
-@pytest.mark.parametrize("bad", [None, "x", [], {"gate_s": "1"}, {"gate_s": math.nan, "generate_s": True},
-                                 {"gate_s": -1.0, "posted_at": math.inf}])
+@pytest.mark.parametrize(
+    "bad",
+    [None, "x", [], {"gate_s": "1"}, {"gate_s": math.nan, "generate_s": True}, {"gate_s": -1.0, "posted_at": math.inf}],
+)
 def test_bad_timing_adds_nothing(bad: Any) -> None:
     group = {"group_overrides": {TIMING_KEY: bad}}
     assert rollout_timing([group, "not a group", {"group_overrides": 7}], 5.0) == {
-        "rollout_gate_s": None, "rollout_generate_s": None, "rollout_delivery_s": None}
+        "rollout_gate_s": None,
+        "rollout_generate_s": None,
+        "rollout_delivery_s": None,
+    }
 
 
 def test_a_clock_behind_the_trainer_counts_zero_not_negative() -> None:

@@ -26,8 +26,7 @@ def run(settings: ApiSettings) -> int:
     return asyncio.run(serve(settings))
 
 
-async def serve(settings: ApiSettings, *, ready: asyncio.Event | None = None,
-                stop: asyncio.Event | None = None) -> int:
+async def serve(settings: ApiSettings, *, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> int:
     spool = Spool(settings.spool_dir, fsync=settings.spool_fsync) if settings.spool_dir else None
     store = TrajectoryStore(settings.max_queued_sequences, spool=spool, capacity_bytes=settings.queue_bytes())
     if spool is not None:
@@ -43,8 +42,14 @@ async def serve(settings: ApiSettings, *, ready: asyncio.Event | None = None,
     server = ApiServer(store, settings, helper)
     # handler_cancellation: a client that goes away ends its handler, so a submission waiting for
     # room gives its place back at once.
-    runner = web.AppRunner(server.app(), auto_decompress=False, access_log=None, handle_signals=False,
-                           shutdown_timeout=SHUTDOWN_GRACE_S, handler_cancellation=True)
+    runner = web.AppRunner(
+        server.app(),
+        auto_decompress=False,
+        access_log=None,
+        handle_signals=False,
+        shutdown_timeout=SHUTDOWN_GRACE_S,
+        handler_cancellation=True,
+    )
     await runner.setup()
     try:
         site = server.site(runner)
@@ -55,8 +60,10 @@ async def serve(settings: ApiSettings, *, ready: asyncio.Event | None = None,
             log.error("cannot bind the API", host=settings.host, port=settings.port, error=reason)
             return 1
         if not is_loopback(settings.host) and not settings.token:
-            log.warning("binding a non-loopback address without a token: anyone who can reach it can post "
-                        "and drain data", host=settings.host)
+            log.warning(
+                "binding a non-loopback address without a token: anyone who can reach it can post and drain data",
+                host=settings.host,
+            )
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -64,8 +71,13 @@ async def serve(settings: ApiSettings, *, ready: asyncio.Event | None = None,
                 loop.add_signal_handler(sig, stop.set)
             except (RuntimeError, ValueError):  # not the main thread (embedded use)
                 pass
-        log.info("API ready", url=f"http://{settings.host}:{settings.port}", capacity=settings.max_queued_sequences,
-                 spool=settings.spool_dir, queued_sequences=store.held)
+        log.info(
+            "API ready",
+            url=f"http://{settings.host}:{settings.port}",
+            capacity=settings.max_queued_sequences,
+            spool=settings.spool_dir,
+            queued_sequences=store.held,
+        )
         if ready is not None:
             ready.set()
         await stop.wait()

@@ -71,8 +71,9 @@ def grab_exact(sizes: Sequence[int], batch_size: int) -> list[int] | None:
     return None
 
 
-def grab_with_minimums(sizes: Sequence[int], env_ids: Sequence[int | None], batch_size: int,
-                       minimums: Mapping[int, float]) -> list[int] | None:
+def grab_with_minimums(
+    sizes: Sequence[int], env_ids: Sequence[int | None], batch_size: int, minimums: Mapping[int, float]
+) -> list[int] | None:
     """``grab_batch_with_minimum_allocations``: ``minimums`` maps the env_id of every connected
     environment with a ``min_batch_allocation`` to that fraction (in registration order)."""
     if not sizes:

@@ -170,13 +170,14 @@ def _distill_rows(value: Any, lengths: np.ndarray, integer: bool) -> list[np.nda
         a = np.full((len(seq), k), pad, dtype=np.int64 if integer else np.float64)
         for i, p in enumerate(per_pos):
             if p is not None and p.size:
-                a[i, :p.size] = p
+                a[i, : p.size] = p
         out.append(a)
     return out
 
 
-def _split_rest(lengths: np.ndarray, passthrough: Mapping[str, Any], loads: Callable[[Any], Any]
-                ) -> tuple[dict[str, list[np.ndarray]], dict[str, Any]]:
+def _split_rest(
+    lengths: np.ndarray, passthrough: Mapping[str, Any], loads: Callable[[Any], Any]
+) -> tuple[dict[str, list[np.ndarray]], dict[str, Any]]:
     """Lay out the distillation fields when they fit; everything else stays for groups_json."""
     distill: dict[str, list[np.ndarray]] = {}
     rest = dict(passthrough)
@@ -206,9 +207,18 @@ def rows_from_group(g: Any) -> GroupRows:
         else:  # not one row per sequence, or a row wider than its tokens: kept as JSON
             rest_rows[name] = orjson.loads(orjson.dumps(r.rows(), option=orjson.OPT_SERIALIZE_NUMPY))
     distill, rest = _split_rest(lengths, {k: _parsed(v) for k, v in g.extras.items()}, lambda v: v)
-    return GroupRows(n=g.n, tokens=g.tokens.flat, masks=g.masks.flat, bounds=bounds, scores=g.scores,
-                     env_id=g.env_id, logprobs=g.logprobs.flat if g.logprobs is not None else None,
-                     rows=rows, distill=distill, rest={**rest_rows, **rest})
+    return GroupRows(
+        n=g.n,
+        tokens=g.tokens.flat,
+        masks=g.masks.flat,
+        bounds=bounds,
+        scores=g.scores,
+        env_id=g.env_id,
+        logprobs=g.logprobs.flat if g.logprobs is not None else None,
+        rows=rows,
+        distill=distill,
+        rest={**rest_rows, **rest},
+    )
 
 
 def _parsed(text: bytes) -> Any:
@@ -221,8 +231,6 @@ def _parsed(text: bytes) -> Any:
         return orjson.Fragment(text)
 
 
-
-
 def rows_from_json(obj: Mapping[str, Any]) -> GroupRows:
     """A group as ``GET /batch`` returns it in JSON, as layout rows (what a JSON client does)."""
     tokens, masks = obj["tokens"], obj["masks"]
@@ -233,8 +241,9 @@ def rows_from_json(obj: Mapping[str, Any]) -> GroupRows:
     flat_t = np.fromiter((t for r in tokens for t in r), dtype=np.int64, count=int(bounds[-1]))
     flat_m = np.fromiter((t for r in masks for t in r), dtype=np.int64, count=int(bounds[-1]))
     lp = obj.get("inference_logprobs")
-    flat_lp = (np.fromiter((x for r in lp for x in r), dtype=np.float64, count=int(bounds[-1]))
-               if lp is not None else None)
+    flat_lp = (
+        np.fromiter((x for r in lp for x in r), dtype=np.float64, count=int(bounds[-1])) if lp is not None else None
+    )
     rows: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     passthrough: dict[str, Any] = {k: obj[k] for k in PASSTHROUGH if obj.get(k) is not None}
     rest_rows: dict[str, Any] = {}
@@ -248,9 +257,18 @@ def rows_from_json(obj: Mapping[str, Any]) -> GroupRows:
         else:
             rest_rows[name] = value
     distill, rest = _split_rest(np.diff(bounds), passthrough, lambda v: v)
-    return GroupRows(n=n, tokens=flat_t, masks=flat_m, bounds=bounds,
-                     scores=np.asarray(obj["scores"], dtype=np.float64), env_id=obj.get("env_id"),
-                     logprobs=flat_lp, rows=rows, distill=distill, rest={**rest_rows, **rest})
+    return GroupRows(
+        n=n,
+        tokens=flat_t,
+        masks=flat_m,
+        bounds=bounds,
+        scores=np.asarray(obj["scores"], dtype=np.float64),
+        env_id=obj.get("env_id"),
+        logprobs=flat_lp,
+        rows=rows,
+        distill=distill,
+        rest={**rest_rows, **rest},
+    )
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -271,9 +289,11 @@ class BatchLayout:
     def fill(self, buf: Any) -> None:
         """Write the whole file into ``buf`` (a writable buffer of at least ``size`` bytes)."""
         mv = memoryview(buf).cast("B")
-        mv[:len(self.header)] = self.header
-        arrays = {name: np.frombuffer(mv, dtype=dt, count=_count(shape), offset=self.offsets[name]).reshape(shape)
-                  for name, dt, shape in self.specs}
+        mv[: len(self.header)] = self.header
+        arrays = {
+            name: np.frombuffer(mv, dtype=dt, count=_count(shape), offset=self.offsets[name]).reshape(shape)
+            for name, dt, shape in self.specs
+        }
         _fill(self, arrays)
 
     def to_bytes(self) -> bytes:
@@ -301,8 +321,13 @@ def plan_batch(groups: Sequence[GroupRows], metadata: Mapping[str, str] | None =
     s = sum(g.n for g in groups)
     width = max((int(g.lengths.max()) for g in groups if g.n), default=0)  # the widest token row
     specs: list[tuple[str, np.dtype[Any], tuple[int, ...]]] = [
-        ("tokens", _I64, (s, width)), ("masks", _I64, (s, width)), ("inference_logprobs", _F32, (s, width)),
-        ("lengths", _I64, (s,)), ("scores", _F32, (s,)), ("group_index", _I64, (s,)), ("env_id", _I64, (s,)),
+        ("tokens", _I64, (s, width)),
+        ("masks", _I64, (s, width)),
+        ("inference_logprobs", _F32, (s, width)),
+        ("lengths", _I64, (s,)),
+        ("scores", _F32, (s,)),
+        ("group_index", _I64, (s,)),
+        ("env_id", _I64, (s,)),
     ]
     for name in OPTIONAL_ROWS:
         if any(name in g.rows for g in groups):
@@ -313,8 +338,9 @@ def plan_batch(groups: Sequence[GroupRows], metadata: Mapping[str, str] | None =
     groups_json = b"[" + b",".join(_group_json(g.rest) for g in groups) + b"]"
     specs.append(("groups_json", _U8, (len(groups_json),)))
     header, offsets, size = _header(specs, {"format": FORMAT, **(metadata or {})})
-    return BatchLayout(groups=list(groups), specs=specs, groups_json=groups_json, header=header, offsets=offsets,
-                       size=size)
+    return BatchLayout(
+        groups=list(groups), specs=specs, groups_json=groups_json, header=header, offsets=offsets, size=size
+    )
 
 
 def _group_json(rest: Mapping[str, Any]) -> bytes:
@@ -323,8 +349,9 @@ def _group_json(rest: Mapping[str, Any]) -> bytes:
     return orjson.dumps({k: rest[k] for k in _REST_ORDER if k in rest})
 
 
-def _header(specs: Sequence[tuple[str, np.dtype[Any], tuple[int, ...]]], metadata: Mapping[str, str]
-            ) -> tuple[bytes, dict[str, int], int]:
+def _header(
+    specs: Sequence[tuple[str, np.dtype[Any], tuple[int, ...]]], metadata: Mapping[str, str]
+) -> tuple[bytes, dict[str, int], int]:
     entries: dict[str, Any] = {"__metadata__": dict(metadata)}
     pos = 0
     rel: dict[str, int] = {}
@@ -354,14 +381,13 @@ def _fill(layout: BatchLayout, out: dict[str, np.ndarray]) -> None:
     row = 0
     for g in groups:
         if g.logprobs is not None and g.n:
-            block = lp[row:row + g.n]
-            block[inside[row:row + g.n]] = g.logprobs
+            block = lp[row : row + g.n]
+            block[inside[row : row + g.n]] = g.logprobs
         row += g.n
     out["lengths"][:] = lengths
     out["scores"][:] = np.concatenate([g.scores for g in groups]) if groups else []
     out["group_index"][:] = np.repeat(np.arange(len(groups)), [g.n for g in groups])
-    out["env_id"][:] = np.repeat([g.env_id if g.env_id is not None else -1 for g in groups],
-                                 [g.n for g in groups])
+    out["env_id"][:] = np.repeat([g.env_id if g.env_id is not None else -1 for g in groups], [g.n for g in groups])
     for name in OPTIONAL_ROWS:
         if name not in out:
             continue
@@ -374,8 +400,8 @@ def _fill(layout: BatchLayout, out: dict[str, np.ndarray]) -> None:
             if r is not None and g.n:
                 flat, bounds = r
                 mask = np.arange(width) < np.diff(bounds)[:, None]
-                target[row:row + g.n][mask] = flat
-                has[row:row + g.n] = 1
+                target[row : row + g.n][mask] = flat
+                has[row : row + g.n] = 1
             row += g.n
     if "distill_token_ids" in out:
         ids, lps = out["distill_token_ids"], out["distill_logprobs"]
@@ -385,7 +411,7 @@ def _fill(layout: BatchLayout, out: dict[str, np.ndarray]) -> None:
         for g in groups:
             for name, target in (("distill_token_ids", ids), ("distill_logprobs", lps)):
                 for i, a in enumerate(g.distill.get(name, ())):
-                    target[row + i, :a.shape[0], :a.shape[1]] = a
+                    target[row + i, : a.shape[0], : a.shape[1]] = a
             row += g.n
     out["groups_json"][:] = np.frombuffer(layout.groups_json, dtype=np.uint8)
 
@@ -426,7 +452,7 @@ def decode(buf: Any) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     if hlen > len(mv) - 8:
         raise LayoutError(f"header of {hlen} bytes in a file of {len(mv)}")
     try:
-        header = orjson.loads(mv[8:8 + hlen])
+        header = orjson.loads(mv[8 : 8 + hlen])
     except orjson.JSONDecodeError as exc:
         raise LayoutError(f"header is not JSON: {exc}") from None
     if not isinstance(header, dict):
@@ -468,8 +494,9 @@ def requested_format(accept: str, query: str | None) -> str:
     return "json"
 
 
-def response_body(groups: Sequence[Any], step: int, *, remote: bool, accepts_gzip: bool
-                  ) -> tuple[bytes, dict[str, str]]:
+def response_body(
+    groups: Sequence[Any], step: int, *, remote: bool, accepts_gzip: bool
+) -> tuple[bytes, dict[str, str]]:
     """The safetensors response of a batch: gzip (level 1) only to a remote client that accepts
     it; on the same host the bytes cost nothing and deflating them would."""
     import zlib

@@ -67,8 +67,11 @@ def _one_member(raw: bytes | bytearray, limit: int) -> bytearray | None:
         out = deflate.gzip_decompress(raw)
     except deflate.DeflateError:
         return None
-    if (len(out) != size or deflate.crc32(out) != int.from_bytes(tail[:4], "little")
-            or raw.rfind(tail, 0, len(raw) - 1) != -1):
+    if (
+        len(out) != size
+        or deflate.crc32(out) != int.from_bytes(tail[:4], "little")
+        or raw.rfind(tail, 0, len(raw) - 1) != -1
+    ):
         return None
     return out
 
@@ -85,8 +88,9 @@ def _gunzip_stream(raw: bytes | bytearray, limit: int) -> bytes:
             raise InvalidRequest("Invalid gzip payload", 400, "invalid_gzip") from None
         total += len(chunk)
         if total > limit:
-            raise InvalidRequest(f"request body larger than max_request_bytes ({limit}) after decompression", 413,
-                                 "too_large")
+            raise InvalidRequest(
+                f"request body larger than max_request_bytes ({limit}) after decompression", 413, "too_large"
+            )
         if not d.eof:
             raise InvalidRequest("Invalid gzip payload (truncated)", 400, "invalid_gzip")
         out.append(chunk)

@@ -18,32 +18,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add this child's flags to its sub-parser (`-c` is already there)."""
     parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port to bind (default 8000)")
-    parser.add_argument("--max-queued-sequences", type=int, metavar="N",
-                        help="hard cap on sequences held (queue + buffers + formed batches)")
-    parser.add_argument("--full-wait", type=float, metavar="S",
-                        help="seconds a submission may wait for room before a 503")
-    parser.add_argument("--spool-dir", metavar="D", help="keep accepted groups and registrations here "
-                                                         "across restarts (turns the spool on)")
+    parser.add_argument(
+        "--max-queued-sequences",
+        type=int,
+        metavar="N",
+        help="hard cap on sequences held (queue + buffers + formed batches)",
+    )
+    parser.add_argument(
+        "--full-wait", type=float, metavar="S", help="seconds a submission may wait for room before a 503"
+    )
+    parser.add_argument(
+        "--spool-dir",
+        metavar="D",
+        help="keep accepted groups and registrations here across restarts (turns the spool on)",
+    )
     parser.add_argument("--no-spool", action="store_true", help="keep nothing across restarts")
-    parser.add_argument("--max-request-bytes", type=int, metavar="B",
-                        help="largest request body, after gzip decompression")
-    parser.add_argument("--token", help="require 'Authorization: Bearer TOKEN' (default: [api] token); visible "
-                                        "in ps: prefer --token-file or ATROPOSD_API_TOKEN")
-    parser.add_argument("--token-file", metavar="F", help="read the bearer token from this file "
-                                                          "(default: [api] token_file)")
+    parser.add_argument(
+        "--max-request-bytes", type=int, metavar="B", help="largest request body, after gzip decompression"
+    )
+    parser.add_argument(
+        "--token",
+        help="require 'Authorization: Bearer TOKEN' (default: [api] token); visible "
+        "in ps: prefer --token-file or ATROPOSD_API_TOKEN",
+    )
+    parser.add_argument(
+        "--token-file", metavar="F", help="read the bearer token from this file (default: [api] token_file)"
+    )
     parser.add_argument("--body-timeout", type=float, metavar="S", help=argparse.SUPPRESS)
     parser.add_argument("--max-queued-bytes", type=int, metavar="B", help=argparse.SUPPRESS)
-    parser.add_argument("--max-connections", type=int, metavar="N",
-                        help="connections open at once; past it a new one is answered 503")
-    parser.add_argument("--shm-ack-timeout", type=float, metavar="S",
-                        help="seconds a shared-memory batch waits for its acknowledgement before it is served again")
+    parser.add_argument(
+        "--max-connections", type=int, metavar="N", help="connections open at once; past it a new one is answered 503"
+    )
+    parser.add_argument(
+        "--shm-ack-timeout",
+        type=float,
+        metavar="S",
+        help="seconds a shared-memory batch waits for its acknowledgement before it is served again",
+    )
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
 
 
 # Flags that set an [api] key: (argparse attribute, key); checked by the key's schema rules.
-_FLAGS = {"host": "host", "port": "port", "max_queued_sequences": "max_queued_sequences", "full_wait": "full_wait",
-          "max_request_bytes": "max_request_bytes", "token": "token", "token_file": "token_file",
-          "shm_ack_timeout": "shm_ack_timeout", "max_connections": "max_connections"}
+_FLAGS = {
+    "host": "host",
+    "port": "port",
+    "max_queued_sequences": "max_queued_sequences",
+    "full_wait": "full_wait",
+    "max_request_bytes": "max_request_bytes",
+    "token": "token",
+    "token_file": "token_file",
+    "shm_ack_timeout": "shm_ack_timeout",
+    "max_connections": "max_connections",
+}
 
 
 def settings_from(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:

@@ -87,9 +87,19 @@ def parse_groups(raw: bytes | bytearray, *, listed: bool, max_token_len: int | N
         doc = items = None  # type: ignore[assignment]  # drop the proxies (they pin the parser)
     if int(np.count_nonzero(np.frombuffer(raw, dtype=np.uint8) == 0x5B)) != brackets:  # "["
         return None  # nested rows somewhere: the full path names them
-    return [assemble_group(p["tokens"], p["masks"], p["scores"], p["floats"], p["extras"], p["env_id"],
-                           max_token_len=max_token_len, where=f"[{i}]." if listed else "")
-            for i, p in enumerate(parts)]
+    return [
+        assemble_group(
+            p["tokens"],
+            p["masks"],
+            p["scores"],
+            p["floats"],
+            p["extras"],
+            p["env_id"],
+            max_token_len=max_token_len,
+            where=f"[{i}]." if listed else "",
+        )
+        for i, p in enumerate(parts)
+    ]
 
 
 def _parse(raw: bytes | bytearray) -> Any:
@@ -153,8 +163,15 @@ def _extract(item: Any) -> dict[str, Any] | None:
             extras[key] = encode_passthrough(key, value)
     if any(rows.get(k) is None for k in INT_ROWS) or scores is None:
         return None  # a required field is missing: the full path says which
-    return {"tokens": rows["tokens"], "masks": rows["masks"], "scores": scores, "env_id": env_id,
-            "floats": {k: rows.get(k) for k in FLOAT_ROWS}, "extras": extras, "_brackets": brackets}
+    return {
+        "tokens": rows["tokens"],
+        "masks": rows["masks"],
+        "scores": scores,
+        "env_id": env_id,
+        "floats": {k: rows.get(k) for k in FLOAT_ROWS},
+        "extras": extras,
+        "_brackets": brackets,
+    }
 
 
 def _check_kept(key: str, mini: bytes) -> None:

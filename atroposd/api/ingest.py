@@ -98,8 +98,12 @@ class ParseHelper:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                *python_module("atroposd.api.ingest"), str(theirs.fileno()), str(os.getpid()),
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+                *python_module("atroposd.api.ingest"),
+                str(theirs.fileno()),
+                str(os.getpid()),
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+            )
         except OSError:
             ours.close()
             raise
@@ -145,13 +149,18 @@ class ParseHelper:
             return False
         return True
 
-    async def groups(self, raw: bytes | bytearray, gzip: bool, *, listed: bool, max_token_len: int | None
-                     ) -> list[Group] | None:
+    async def groups(
+        self, raw: bytes | bytearray, gzip: bool, *, listed: bool, max_token_len: int | None
+    ) -> list[Group] | None:
         """The validated groups of a posted body from the helper, or None when the body is the
         loop's to parse (small, the helper busy, down or failing). Raises ``InvalidRequest`` as
         :func:`groups_from_body` does."""
-        if not self.up and not self._closing and self._down_since is not None \
-                and time.monotonic() - self._down_since >= RESTART_DELAY_S:
+        if (
+            not self.up
+            and not self._closing
+            and self._down_since is not None
+            and time.monotonic() - self._down_since >= RESTART_DELAY_S
+        ):
             self._down_since = time.monotonic()  # one attempt per delay, even if it fails
             if await self.try_start():
                 self.restarts += 1
@@ -163,8 +172,9 @@ class ParseHelper:
         self.on_loop += 1
         return None
 
-    async def _hand_over(self, raw: bytes | bytearray, gzip: bool, listed: bool, max_token_len: int | None
-                         ) -> list[Group]:
+    async def _hand_over(
+        self, raw: bytes | bytearray, gzip: bool, listed: bool, max_token_len: int | None
+    ) -> list[Group]:
         writer = self._writer
         assert writer is not None
         fut: asyncio.Future[list[Group]] = asyncio.get_running_loop().create_future()
@@ -190,8 +200,10 @@ class ParseHelper:
                     status, reason, message = pickle.loads(payload)
                     answer = InvalidRequest(message, status, reason)
                 else:
-                    log.warning("the parse helper failed on a body; parsing it on the event loop",
-                                error=payload.decode(errors="replace")[-2000:])
+                    log.warning(
+                        "the parse helper failed on a body; parsing it on the event loop",
+                        error=payload.decode(errors="replace")[-2000:],
+                    )
                     answer = HelperGone()
                 self._pending.popleft()
                 if isinstance(answer, BaseException):
@@ -200,11 +212,16 @@ class ParseHelper:
                     fut.set_result(answer)
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             if not self._closing:
-                log.error("the parse helper is gone; parsing on the event loop until it is back",
-                          pid=proc.pid, returncode=proc.returncode, error=repr(exc))
+                log.error(
+                    "the parse helper is gone; parsing on the event loop until it is back",
+                    pid=proc.pid,
+                    returncode=proc.returncode,
+                    error=repr(exc),
+                )
         except Exception as exc:  # an answer that does not decode: this helper is not to be trusted
-            log.error("the parse helper sent an answer that does not decode; replacing it", pid=proc.pid,
-                      error=repr(exc))
+            log.error(
+                "the parse helper sent an answer that does not decode; replacing it", pid=proc.pid, error=repr(exc)
+            )
         finally:
             if self._writer is not None:
                 self._writer.close()
@@ -247,11 +264,11 @@ def decode_groups(payload: bytes) -> list[Group]:
     sizes = struct.unpack_from(f"<{n}Q", payload, 16)
     view = memoryview(payload)
     pos = 16 + 8 * n
-    head = view[pos:pos + head_len]
+    head = view[pos : pos + head_len]
     pos += head_len
     buffers = []
     for size in sizes:
-        buffers.append(view[pos:pos + size])
+        buffers.append(view[pos : pos + size])
         pos += size
     groups: list[Group] = pickle.loads(head, buffers=buffers)  # our own child's output, never a client's bytes
     return groups
@@ -275,8 +292,9 @@ def _answer(kind: int, flags: int, args: bytes, raw: bytes) -> tuple[int, list[A
     limit, max_token_len = JOB_ARGS.unpack(args)
     try:
         body = gunzip(raw, limit) if kind == JOB_GZIP else raw
-        groups = groups_from_body(body, listed=bool(flags & LISTED),
-                                  max_token_len=None if max_token_len < 0 else max_token_len)
+        groups = groups_from_body(
+            body, listed=bool(flags & LISTED), max_token_len=None if max_token_len < 0 else max_token_len
+        )
         return DONE, encode_groups(groups)
     except InvalidRequest as exc:
         return REFUSED, [pickle.dumps((exc.status, exc.reason, str(exc)))]

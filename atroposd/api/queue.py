@@ -56,8 +56,14 @@ class QueueFull(Exception):
 
 
 class TrajectoryStore:
-    def __init__(self, capacity: int, *, spool: Spool | None = None, capacity_bytes: int | None = None,
-                 max_waiting: int = MAX_WAITING) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        spool: Spool | None = None,
+        capacity_bytes: int | None = None,
+        max_waiting: int = MAX_WAITING,
+    ) -> None:
         self._gone_checked_at = 0.0
         self.capacity = capacity
         # Groups are held in their compact form; passthrough fields (messages, ...) count too.
@@ -118,12 +124,22 @@ class TrajectoryStore:
         are still served. Checked at a restart, at each registration, and at most once a second
         from /status-env."""
         self._gone_checked_at = time.monotonic()
-        gone = [e for e in self.envs if e.connected and e.peer_pid is not None and e.peer_start is not None
-                and pids.same_process(e.peer_pid, e.peer_start) is None]
+        gone = [
+            e
+            for e in self.envs
+            if e.connected
+            and e.peer_pid is not None
+            and e.peer_start is not None
+            and pids.same_process(e.peer_pid, e.peer_start) is None
+        ]
         for e in gone:
             e.connected = False
-            log.info("environment process is gone; marked disconnected", env_id=e.registered_id,
-                     name=e.real_name, peer_pid=e.peer_pid)
+            log.info(
+                "environment process is gone; marked disconnected",
+                env_id=e.registered_id,
+                name=e.real_name,
+                peer_pid=e.peer_pid,
+            )
             self._save_env(e)
         if gone:
             self._envs_changed()
@@ -151,24 +167,42 @@ class TrajectoryStore:
         if not self.started or self.registration is None:
             return {"status": "wait for trainer to start"}
         if req["group_size"] > self.capacity:
-            raise InvalidRequest(f"group_size {req['group_size']} can never fit: max_queued_sequences is "
-                                 f"{self.capacity}", 422, "invalid_registration")
+            raise InvalidRequest(
+                f"group_size {req['group_size']} can never fit: max_queued_sequences is {self.capacity}",
+                422,
+                "invalid_registration",
+            )
         if len(self.envs) >= MAX_ENVS:
-            raise InvalidRequest(f"at most {MAX_ENVS} environments may register (reset_data starts again)", 422,
-                                 "too_many_envs")
+            raise InvalidRequest(
+                f"at most {MAX_ENVS} environments may register (reset_data starts again)", 422, "too_many_envs"
+            )
         name = req["desired_name"]
         real_name = f"{name}_{sum(1 for e in self.envs if e.desired_name == name)}"
-        env = EnvRegistration(max_context_len=req["max_token_length"], weight=req["weight"], desired_name=name,
-                              real_name=real_name, registered_id=len(self.envs), group_size=req["group_size"],
-                              min_batch_allocation=req["min_batch_allocation"], last_update=time.time(),
-                              peer_pid=peer[0] if peer else None, peer_start=peer[1] if peer else None)
+        env = EnvRegistration(
+            max_context_len=req["max_token_length"],
+            weight=req["weight"],
+            desired_name=name,
+            real_name=real_name,
+            registered_id=len(self.envs),
+            group_size=req["group_size"],
+            min_batch_allocation=req["min_batch_allocation"],
+            last_update=time.time(),
+            peer_pid=peer[0] if peer else None,
+            peer_start=peer[1] if peer else None,
+        )
         self.envs.append(env)
         self._save_env(env, rollback=lambda: self.envs.pop())
         self._envs_changed()  # every environment's share changed
         reg = self.registration
-        return {"status": "success", "env_id": env.registered_id, "wandb_name": real_name,
-                "checkpoint_dir": reg.checkpoint_dir, "starting_step": self.step,
-                "checkpoint_interval": reg.save_checkpoint_interval, "num_steps": reg.num_steps}
+        return {
+            "status": "success",
+            "env_id": env.registered_id,
+            "wandb_name": real_name,
+            "checkpoint_dir": reg.checkpoint_dir,
+            "starting_step": self.step,
+            "checkpoint_interval": reg.save_checkpoint_interval,
+            "num_steps": reg.num_steps,
+        }
 
     def _forget_registration(self) -> None:
         self.registration = None
@@ -201,9 +235,12 @@ class TrajectoryStore:
 
     def snapshot(self) -> dict[str, Any]:
         """What the spool keeps besides groups."""
-        return {"registration": self.registration.to_json() if self.registration else None,
-                "started": self.started, "step": self.served_step,
-                "envs": [e.to_json() for e in self.envs]}
+        return {
+            "registration": self.registration.to_json() if self.registration else None,
+            "started": self.started,
+            "step": self.served_step,
+            "envs": [e.to_json() for e in self.envs],
+        }
 
     def _save_state(self, rollback: Callable[[], Any] | None = None) -> None:
         if self.spool is None:
@@ -234,18 +271,21 @@ class TrajectoryStore:
         without awaiting in between. A caller cancelled while waiting (its client went away)
         keeps nothing."""
         if n > self.capacity:
-            raise QueueFull(f"{n} sequences can never fit: max_queued_sequences is {self.capacity}",
-                            too_large=True)
+            raise QueueFull(f"{n} sequences can never fit: max_queued_sequences is {self.capacity}", too_large=True)
         if nbytes > self.capacity_bytes:
-            raise QueueFull(f"{nbytes} bytes of groups can never fit: the byte budget is {self.capacity_bytes}",
-                            too_large=True)
+            raise QueueFull(
+                f"{nbytes} bytes of groups can never fit: the byte budget is {self.capacity_bytes}", too_large=True
+            )
         if not self._waiters and self._fits(n, nbytes):
             self._reserved += n
             self._reserved_bytes += nbytes
             return
         if len(self._waiters) >= self.max_waiting:
-            raise QueueFull(f"the queue is full ({self.held} of {self.capacity} sequences held) and "
-                            f"{len(self._waiters)} submissions already wait for room", reason="waiting")
+            raise QueueFull(
+                f"the queue is full ({self.held} of {self.capacity} sequences held) and "
+                f"{len(self._waiters)} submissions already wait for room",
+                reason="waiting",
+            )
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = (n, nbytes, fut)
         self._waiters.append(entry)
@@ -256,8 +296,9 @@ class TrajectoryStore:
                 return  # room was granted as the wait ran out
             self._waiters.remove(entry)
             self._wake()
-            raise QueueFull(f"the queue is full ({self.held} of {self.capacity} sequences held); "
-                            f"no room within {timeout:g} s") from None
+            raise QueueFull(
+                f"the queue is full ({self.held} of {self.capacity} sequences held); no room within {timeout:g} s"
+            ) from None
         except BaseException:
             if fut.done():
                 self._reserved -= n
@@ -268,8 +309,10 @@ class TrajectoryStore:
             raise
 
     def _fits(self, n: int, nbytes: int) -> bool:
-        return (self.held + self._reserved + n <= self.capacity
-                and self.held_bytes + self._reserved_bytes + nbytes <= self.capacity_bytes)
+        return (
+            self.held + self._reserved + n <= self.capacity
+            and self.held_bytes + self._reserved_bytes + nbytes <= self.capacity_bytes
+        )
 
     def release(self, n: int, nbytes: int = 0) -> None:
         """Give back a reservation that was not used."""
@@ -396,8 +439,11 @@ class TrajectoryStore:
     def _form_batches(self) -> None:
         assert self.registration is not None
         size = self.registration.batch_size
-        minimums = {e.registered_id: e.min_batch_allocation for e in self.envs
-                    if e.connected and e.min_batch_allocation is not None}
+        minimums = {
+            e.registered_id: e.min_batch_allocation
+            for e in self.envs
+            if e.connected and e.min_batch_allocation is not None
+        }
         min_mode = any(e.min_batch_allocation is not None for e in self.envs)
         formed: list[list[Group]] = []
         while True:
@@ -441,18 +487,27 @@ class TrajectoryStore:
     # ------------------------------------------------------------------ status
 
     def status(self) -> dict[str, Any]:
-        return {"current_step": self.step, "queue_size": len(self.queue), "queued_sequences": self.held,
-                "capacity": self.capacity, "registered": self.registration is not None, "started": self.started,
-                "buffered_sequences": sum(g.n for b in self.buffers.values() for g in b),
-                "formed_batches": len(self.formed), "waiting_submissions": len(self._waiters),
-                "queued_bytes": self.held_bytes, "capacity_bytes": self.capacity_bytes}
+        return {
+            "current_step": self.step,
+            "queue_size": len(self.queue),
+            "queued_sequences": self.held,
+            "capacity": self.capacity,
+            "registered": self.registration is not None,
+            "started": self.started,
+            "buffered_sequences": sum(g.n for b in self.buffers.values() for g in b),
+            "formed_batches": len(self.formed),
+            "waiting_submissions": len(self._waiters),
+            "queued_bytes": self.held_bytes,
+            "capacity_bytes": self.capacity_bytes,
+        }
 
     def status_env(self, env_id: int) -> dict[str, Any]:
         """``GET /status-env``, computed as upstream; an unknown env_id is a 404 (upstream: 500)
         and a total weight of 0 gives every connected env an equal share (upstream: 500)."""
         if not 0 <= env_id < len(self.envs):
-            raise InvalidRequest(f"unknown env_id {env_id}: {len(self.envs)} environments registered", 404,
-                                 "unknown_env")
+            raise InvalidRequest(
+                f"unknown env_id {env_id}: {len(self.envs)} environments registered", 404, "unknown_env"
+            )
         if time.monotonic() - self._gone_checked_at >= GONE_CHECK_INTERVAL_S:
             self._disconnect_gone_envs()
         me = self.envs[env_id]
@@ -486,7 +541,13 @@ class TrajectoryStore:
                 packed = -(-count // max_group_size) * max_group_size
                 available += max(0, packed - (minimum.get(other, 0) if other is not None else 0))
         group_size = max(group_size, 1)
-        return {"current_step": self.step, "queue_size": (own + available) // group_size,
-                "unallocated_fraction": unallocated, "self_queue_size": own // group_size,
-                "max_group_size": max_group_size, "env_weight": env_weight,
-                "queued_sequences": self.held, "capacity": self.capacity}
+        return {
+            "current_step": self.step,
+            "queue_size": (own + available) // group_size,
+            "unallocated_fraction": unallocated,
+            "self_queue_size": own // group_size,
+            "max_group_size": max_group_size,
+            "env_weight": env_weight,
+            "queued_sequences": self.held,
+            "capacity": self.capacity,
+        }

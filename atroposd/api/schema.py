@@ -46,14 +46,34 @@ _I64 = np.iinfo(np.int64)
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
 
 # Upstream's ScoredData fields in its output order (server.py _scored_data_to_dict).
-OUTPUT_ORDER = ("tokens", "masks", "scores", "advantages", "ref_logprobs", "messages", "generation_params",
-                "inference_logprobs", "overrides", "group_overrides", "images", "env_id", "distill_token_ids",
-                "distill_logprobs")
+OUTPUT_ORDER = (
+    "tokens",
+    "masks",
+    "scores",
+    "advantages",
+    "ref_logprobs",
+    "messages",
+    "generation_params",
+    "inference_logprobs",
+    "overrides",
+    "group_overrides",
+    "images",
+    "env_id",
+    "distill_token_ids",
+    "distill_logprobs",
+)
 # Kept verbatim as JSON fragments: the API never looks inside them.
 # Rows of floats, stored flat like the token ids.
 FLOAT_ROWS = ("inference_logprobs", "advantages", "ref_logprobs")
-PASSTHROUGH = ("messages", "generation_params", "overrides", "group_overrides", "images", "distill_token_ids",
-               "distill_logprobs")
+PASSTHROUGH = (
+    "messages",
+    "generation_params",
+    "overrides",
+    "group_overrides",
+    "images",
+    "distill_token_ids",
+    "distill_logprobs",
+)
 # How deep a passthrough field may nest below its own level (SPEC §13). Kept bytes are written
 # back verbatim, never re-encoded, but a client's JSON encoder or orjson (254 levels) must
 # still be able to read what a batch serves.
@@ -93,7 +113,7 @@ class Ragged:
 
     def rows(self) -> list[np.ndarray]:
         b, f = self.bounds, self.flat
-        return [f[b[i]:b[i + 1]] for i in range(len(b) - 1)]
+        return [f[b[i] : b[i + 1]] for i in range(len(b) - 1)]
 
     def lengths(self) -> list[int]:
         b = self.bounds
@@ -152,8 +172,7 @@ def _int_rows(rows: Any, name: str) -> Ragged:
     if block is not None and _fine(_check_int, block, name):
         return _from_block(block, name, integer=True)
     # ragged, or invalid: row by row, so that an error names the row
-    return _flatten([_check_int(_row_array(row, name, i), name, i) for i, row in enumerate(rows)], name,
-                    integer=True)
+    return _flatten([_check_int(_row_array(row, name, i), name, i) for i, row in enumerate(rows)], name, integer=True)
 
 
 def _float_rows(rows: Any, name: str) -> Ragged:
@@ -161,8 +180,9 @@ def _float_rows(rows: Any, name: str) -> Ragged:
     block = _rectangular(rows)
     if block is not None and _fine(_check_float, block, name):
         return _from_block(block, name, integer=False)
-    return _flatten([_check_float(_row_array(row, name, i), name, i) for i, row in enumerate(rows)], name,
-                    integer=False)
+    return _flatten(
+        [_check_float(_row_array(row, name, i), name, i) for i, row in enumerate(rows)], name, integer=False
+    )
 
 
 def _fine(check: Any, block: np.ndarray, name: str) -> bool:
@@ -238,8 +258,12 @@ class Group:
 def _optional_int(value: Any, name: str) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value != int(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value != int(value)
+    ):
         raise InvalidRequest(f"{name} must be an integer or null")
     if not _I64.min <= int(value) <= _I64.max:
         raise InvalidRequest(f"{name}: integer out of range")
@@ -270,13 +294,20 @@ def _build_group(obj: Mapping[str, Any], max_token_len: int | None) -> Group:
             continue
         check_passthrough(k, value)
         extras[k] = encode_passthrough(k, value)
-    return assemble_group(tokens, masks, obj["scores"], floats, extras, obj.get("env_id"),
-                          max_token_len=max_token_len)
+    return assemble_group(tokens, masks, obj["scores"], floats, extras, obj.get("env_id"), max_token_len=max_token_len)
 
 
-def assemble_group(tokens: Ragged, masks: Ragged, scores: Any, floats: Mapping[str, Ragged | None],
-                   extras: dict[str, bytes], env_id: Any, *, max_token_len: int | None,
-                   where: str = "") -> Group:
+def assemble_group(
+    tokens: Ragged,
+    masks: Ragged,
+    scores: Any,
+    floats: Mapping[str, Ragged | None],
+    extras: dict[str, bytes],
+    env_id: Any,
+    *,
+    max_token_len: int | None,
+    where: str = "",
+) -> Group:
     """The checks of SPEC §5 on already-converted rows, and the group (``floats``: the rows of
     FLOAT_ROWS by field name, None when absent; ``scores`` and ``env_id`` as posted; ``where``
     prefixes error messages)."""
@@ -288,8 +319,15 @@ def assemble_group(tokens: Ragged, masks: Ragged, scores: Any, floats: Mapping[s
         raise InvalidRequest(f"{where}{exc}", exc.status, exc.reason) from None
 
 
-def _assemble(tokens: Ragged, masks: Ragged, scores: Any, floats: Mapping[str, Ragged | None],
-              extras: dict[str, bytes], env_id: Any, max_token_len: int | None) -> Group:
+def _assemble(
+    tokens: Ragged,
+    masks: Ragged,
+    scores: Any,
+    floats: Mapping[str, Ragged | None],
+    extras: dict[str, bytes],
+    env_id: Any,
+    max_token_len: int | None,
+) -> Group:
     n = len(tokens.bounds) - 1
     if n == 0:
         raise InvalidRequest("tokens is empty: a group needs at least one sequence", 422, "empty_group")
@@ -304,11 +342,21 @@ def _assemble(tokens: Ragged, masks: Ragged, scores: Any, floats: Mapping[str, R
         check_distill(extras, lengths)
     if max_token_len is not None and max_token_len > 0 and lengths and max(lengths) > max_token_len:
         i = max(range(n), key=lengths.__getitem__)
-        raise InvalidRequest(f"tokens[{i}] has {lengths[i]} tokens, longer than the registered "
-                             f"max_token_len {max_token_len}", 400, "too_long")
-    return Group(tokens=tokens, masks=masks, scores=score_array, logprobs=logprobs,
-                 advantages=floats.get("advantages"), ref_logprobs=floats.get("ref_logprobs"), extras=extras,
-                 env_id=_optional_int(env_id, "env_id"))
+        raise InvalidRequest(
+            f"tokens[{i}] has {lengths[i]} tokens, longer than the registered max_token_len {max_token_len}",
+            400,
+            "too_long",
+        )
+    return Group(
+        tokens=tokens,
+        masks=masks,
+        scores=score_array,
+        logprobs=logprobs,
+        advantages=floats.get("advantages"),
+        ref_logprobs=floats.get("ref_logprobs"),
+        extras=extras,
+        env_id=_optional_int(env_id, "env_id"),
+    )
 
 
 def _mismatch(name: str, other: Ragged, lengths: list[int]) -> str:
@@ -356,8 +404,11 @@ def check_distill(extras: Mapping[str, bytes], lengths: list[int]) -> None:
                 continue
             for t, (x, y) in enumerate(zip(a, b, strict=True)):
                 if x is not None and y is not None and len(x) != len(y):
-                    raise InvalidRequest(f"distill_logprobs[{i}][{t}] has {len(y)} entries but "
-                                         f"distill_token_ids[{i}][{t}] has {len(x)}", 422, "distill_invalid")
+                    raise InvalidRequest(
+                        f"distill_logprobs[{i}][{t}] has {len(y)} entries but distill_token_ids[{i}][{t}] has {len(x)}",
+                        422,
+                        "distill_invalid",
+                    )
 
 
 def _check_distill_field(name: str, value: Any, lengths: list[int]) -> None:
@@ -460,7 +511,7 @@ def text_depth(data: bytes) -> int | None:
         return None
     a = np.frombuffer(data, dtype=np.uint8)
     outside = (np.cumsum(a == 0x22) & 1) == 0  # '"' toggles; the quote itself counts as inside
-    step = (((a == 0x5B) | (a == 0x7B)).astype(np.int32) - ((a == 0x5D) | (a == 0x7D)).astype(np.int32))
+    step = ((a == 0x5B) | (a == 0x7B)).astype(np.int32) - ((a == 0x5D) | (a == 0x7D)).astype(np.int32)
     step *= outside
     return int(np.cumsum(step).max()) if a.size else 0
 
@@ -535,11 +586,16 @@ class TrainerRegistration:
     @classmethod
     def from_json(cls, obj: Any) -> TrainerRegistration:
         o = _object(obj, "Registration")
-        reg = cls(wandb_group=_field(o, "wandb_group", str), wandb_project=_field(o, "wandb_project", str),
-                  batch_size=_field(o, "batch_size", int), max_token_len=_field(o, "max_token_len", int),
-                  checkpoint_dir=_field(o, "checkpoint_dir", str),
-                  save_checkpoint_interval=_field(o, "save_checkpoint_interval", int),
-                  starting_step=_field(o, "starting_step", int), num_steps=_field(o, "num_steps", int))
+        reg = cls(
+            wandb_group=_field(o, "wandb_group", str),
+            wandb_project=_field(o, "wandb_project", str),
+            batch_size=_field(o, "batch_size", int),
+            max_token_len=_field(o, "max_token_len", int),
+            checkpoint_dir=_field(o, "checkpoint_dir", str),
+            save_checkpoint_interval=_field(o, "save_checkpoint_interval", int),
+            starting_step=_field(o, "starting_step", int),
+            num_steps=_field(o, "num_steps", int),
+        )
         if reg.batch_size < 1:
             raise InvalidRequest("batch_size must be at least 1")
         return reg
@@ -569,11 +625,13 @@ class EnvRegistration:
     def parse_request(obj: Any) -> dict[str, Any]:
         """Validate a ``POST /register-env`` body (RegisterEnv)."""
         o = _object(obj, "RegisterEnv")
-        req = {"max_token_length": _field(o, "max_token_length", int),
-               "desired_name": _field(o, "desired_name", str),
-               "weight": _field(o, "weight", float),
-               "group_size": _field(o, "group_size", int),
-               "min_batch_allocation": _field(o, "min_batch_allocation", float, optional=True)}
+        req = {
+            "max_token_length": _field(o, "max_token_length", int),
+            "desired_name": _field(o, "desired_name", str),
+            "weight": _field(o, "weight", float),
+            "group_size": _field(o, "group_size", int),
+            "min_batch_allocation": _field(o, "min_batch_allocation", float, optional=True),
+        }
         if req["max_token_length"] < 1:
             raise InvalidRequest(f"max_token_length must be at least 1, got {req['max_token_length']}")
         if len(req["desired_name"]) > MAX_NAME_CHARS:
@@ -600,11 +658,16 @@ class EnvRegistration:
         env.weight = float(w) if isinstance(w, (int, float)) and math.isfinite(w) and w >= 0 else 0.0
         env.group_size = min(max(1, _finite_int(env.group_size, 1)), capacity)
         m = env.min_batch_allocation
-        env.min_batch_allocation = (min(1.0, max(0.0, float(m))) if isinstance(m, (int, float)) and math.isfinite(m)
-                                    else None)
+        env.min_batch_allocation = (
+            min(1.0, max(0.0, float(m))) if isinstance(m, (int, float)) and math.isfinite(m) else None
+        )
         env.desired_name = str(env.desired_name)[:MAX_NAME_CHARS]
-        if isinstance(env.peer_start, bool) or not isinstance(env.peer_start, (int, float)) or \
-                not isinstance(env.peer_pid, int) or isinstance(env.peer_pid, bool):
+        if (
+            isinstance(env.peer_start, bool)
+            or not isinstance(env.peer_start, (int, float))
+            or not isinstance(env.peer_pid, int)
+            or isinstance(env.peer_pid, bool)
+        ):
             env.peer_pid, env.peer_start = None, None  # no identity to check: treated as unknown
         return env
 

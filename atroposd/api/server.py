@@ -9,7 +9,8 @@ Request bodies may be gzip (decompressed here, bounded by ``max_request_bytes``,
 bomb never allocates its expanded size). Every body that a route reads counts against one bound
 of bytes in flight as it arrives (a chunked body chunk by chunk), and connections are capped
 (past ``max_connections`` a new one is answered 503 and closed). Responses of 1000 bytes and
-more are gzip'ed when the client accepts it, as run-api does. The level depends on the peer: to a client on the same host
+more are gzip'ed when the client accepts it, as run-api does. The level depends on the peer: to a client on the same
+host
 the bytes cost nothing and deflating a 64-sequence batch costs six times its serialisation, so
 the gzip stream uses stored blocks (level 0: a CRC pass); to a remote client, level 1.
 """
@@ -80,8 +81,17 @@ PEER_LOOKUP_BUDGET_S = 0.5  # one peer-pid lookup at a time, for at most this lo
 MAX_CONNECTIONS = 1024  # connections open at once (each held by a client, idle or not)
 FD_RESERVE = 64  # file descriptors kept for the spool, the helper, segments: the cap stays below the limit
 REFUSED_LINGER_S = 1.0  # a refused connection is closed after this (or when the client closes it)
-EMPTY_EXAMPLE: dict[str, list[Any]] = {"tokens": [], "masks": [], "scores": [], "advantages": [], "ref_logprobs": [],
-                 "generation_params": [], "inference_logprobs": [], "messages": [], "images": []}
+EMPTY_EXAMPLE: dict[str, list[Any]] = {
+    "tokens": [],
+    "masks": [],
+    "scores": [],
+    "advantages": [],
+    "ref_logprobs": [],
+    "generation_params": [],
+    "inference_logprobs": [],
+    "messages": [],
+    "images": [],
+}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -120,16 +130,35 @@ class ApiSettings:
 
     @classmethod
     def from_config(cls, api: ApiConfig, spool_dir: str | None) -> ApiSettings:
-        return cls(host=api.host, port=api.port, token=api.token, max_queued_sequences=api.max_queued_sequences,
-                   max_request_bytes=api.max_request_bytes, full_wait=api.full_wait, spool_dir=spool_dir,
-                   spool_fsync=api.spool_fsync, shm_ack_timeout=api.shm_ack_timeout,
-                   max_connections=api.max_connections)
+        return cls(
+            host=api.host,
+            port=api.port,
+            token=api.token,
+            max_queued_sequences=api.max_queued_sequences,
+            max_request_bytes=api.max_request_bytes,
+            full_wait=api.full_wait,
+            spool_dir=spool_dir,
+            spool_fsync=api.spool_fsync,
+            shm_ack_timeout=api.shm_ack_timeout,
+            max_connections=api.max_connections,
+        )
 
 
 # The reasons a submission is refused (503) or a request rejected (4xx), as /metrics labels them.
 REFUSED_REASONS = ("full", "spool", "inflight", "connections")
-REJECTED_REASONS = ("invalid", "invalid_json", "invalid_gzip", "too_large", "too_long", "length_mismatch",
-                    "score_count", "non_finite_score", "unknown_env", "unauthorized", "distill_invalid")
+REJECTED_REASONS = (
+    "invalid",
+    "invalid_json",
+    "invalid_gzip",
+    "too_large",
+    "too_long",
+    "length_mismatch",
+    "score_count",
+    "non_finite_score",
+    "unknown_env",
+    "unauthorized",
+    "distill_invalid",
+)
 
 
 class ApiMetrics:
@@ -142,44 +171,69 @@ class ApiMetrics:
         for name, doc, fn in (
             ("queue_sequences", "Sequences held (queue + buffers + formed batches)", lambda: store.held),
             ("queue_groups", "Groups in the queue", lambda: len(store.queue)),
-            ("buffered_sequences", "Sequences in mixed-size buffers",
-             lambda: sum(g.n for b in store.buffers.values() for g in b)),
+            (
+                "buffered_sequences",
+                "Sequences in mixed-size buffers",
+                lambda: sum(g.n for b in store.buffers.values() for g in b),
+            ),
             ("formed_batches", "Batches formed and not yet served", lambda: len(store.formed)),
             ("capacity_sequences", "max_queued_sequences", lambda: store.capacity),
             ("waiting_submissions", "Submissions waiting for room", lambda: store.waiting),
             ("current_step", "Batches formed (upstream step)", lambda: store.step),
         ):
             Gauge(f"atroposd_api_{name}", doc, registry=r).set_function(fn)
-        parsed = Gauge("atroposd_api_parsed_bodies", "Posted bodies parsed, by where (helper process or "
-                       "event loop)", ["where"], registry=r)
+        parsed = Gauge(
+            "atroposd_api_parsed_bodies",
+            "Posted bodies parsed, by where (helper process or event loop)",
+            ["where"],
+            registry=r,
+        )
         parsed.labels("helper").set_function(lambda: helper.handed if helper is not None else 0)
         parsed.labels("loop").set_function(lambda: helper.on_loop if helper is not None else 0)
-        Gauge("atroposd_api_parse_helper_restarts", "Times the parse helper was started again",
-              registry=r).set_function(lambda: helper.restarts if helper is not None else 0)
+        Gauge(
+            "atroposd_api_parse_helper_restarts", "Times the parse helper was started again", registry=r
+        ).set_function(lambda: helper.restarts if helper is not None else 0)
         self.accepted_groups = Counter("atroposd_api_accepted_groups", "Groups accepted", registry=r)
         self.accepted_sequences = Counter("atroposd_api_accepted_sequences", "Sequences accepted", registry=r)
-        self.refused = Counter("atroposd_api_refused", "Submissions refused with 503 (queue full or spool "
-                               "write failed)", ["reason"], registry=r)
+        self.refused = Counter(
+            "atroposd_api_refused",
+            "Submissions refused with 503 (queue full or spool write failed)",
+            ["reason"],
+            registry=r,
+        )
         self.rejected = Counter("atroposd_api_rejected", "Requests rejected with a 4xx", ["reason"], registry=r)
         self.batches_served = Counter("atroposd_api_batches_served", "Batches delivered", registry=r)
         self.sequences_served = Counter("atroposd_api_sequences_served", "Sequences delivered", registry=r)
-        Gauge("atroposd_api_queue_bytes", "Bytes of groups held (passthrough fields included)",
-              registry=r).set_function(lambda: store.held_bytes)
-        Gauge("atroposd_api_spool_set_aside", "Spool records or damaged regions set aside at the last start",
-              registry=r).set_function(lambda: store.spool.set_aside if store.spool is not None else 0)
-        Gauge("atroposd_api_spool_ack_failures", "Acknowledgements the spool could not write",
-              registry=r).set_function(lambda: store.spool.ack_failures if store.spool is not None else 0)
-        self.peer_lookups_skipped = Counter("atroposd_api_peer_lookups_skipped", "Registrations whose peer pid "
-                                            "was not looked up (another lookup running)", registry=r)
-        self.batch_write_failures = Counter("atroposd_api_batch_write_failures",
-                                            "Batches whose response could not be written (served again)", registry=r)
+        Gauge(
+            "atroposd_api_queue_bytes", "Bytes of groups held (passthrough fields included)", registry=r
+        ).set_function(lambda: store.held_bytes)
+        Gauge(
+            "atroposd_api_spool_set_aside", "Spool records or damaged regions set aside at the last start", registry=r
+        ).set_function(lambda: store.spool.set_aside if store.spool is not None else 0)
+        Gauge("atroposd_api_spool_ack_failures", "Acknowledgements the spool could not write", registry=r).set_function(
+            lambda: store.spool.ack_failures if store.spool is not None else 0
+        )
+        self.peer_lookups_skipped = Counter(
+            "atroposd_api_peer_lookups_skipped",
+            "Registrations whose peer pid was not looked up (another lookup running)",
+            registry=r,
+        )
+        self.batch_write_failures = Counter(
+            "atroposd_api_batch_write_failures",
+            "Batches whose response could not be written (served again)",
+            registry=r,
+        )
         for reason in REFUSED_REASONS:  # every known label value from the start (dashboards resolve)
             self.refused.labels(reason)
         for reason in REJECTED_REASONS:
             self.rejected.labels(reason)
-        self.latency = Histogram("atroposd_api_request_seconds", "Request latency", ["route"], registry=r,
-                                 buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30,
-                                          60))
+        self.latency = Histogram(
+            "atroposd_api_request_seconds",
+            "Request latency",
+            ["route"],
+            registry=r,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
         self._latency_by_route: dict[str, Any] = {}
 
     def observe(self, route: str, seconds: float) -> None:
@@ -210,12 +264,16 @@ class ApiServer:
         self._peer_lookup: asyncio.Lock = asyncio.Lock()
         self._own_hosts = own_host_names() if is_loopback(settings.host) else None
         self._site: CappedSite | None = None
-        self.shm = ShmBatches(store, ack_timeout=settings.shm_ack_timeout, spool_dir=settings.spool_dir,
-                              metrics=self.metrics, executor=self._batcher)
+        self.shm = ShmBatches(
+            store,
+            ack_timeout=settings.shm_ack_timeout,
+            spool_dir=settings.spool_dir,
+            metrics=self.metrics,
+            executor=self._batcher,
+        )
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.settings.max_request_bytes,
-                              middlewares=[self._guard])
+        app = web.Application(client_max_size=self.settings.max_request_bytes, middlewares=[self._guard])
         app.on_cleanup.append(self._close_inflater)
         app.on_startup.append(self.shm.on_startup)
         app.on_cleanup.append(self.shm.on_cleanup)
@@ -247,8 +305,13 @@ class ApiServer:
 
     def site(self, runner: web.AppRunner) -> web.TCPSite:
         """The listening site of ``runner`` on the configured address, its connections capped."""
-        self._site = CappedSite(runner, self.settings.host, self.settings.port, cap=self.settings.connection_cap(),
-                                refused=self.metrics.refused.labels("connections"))
+        self._site = CappedSite(
+            runner,
+            self.settings.host,
+            self.settings.port,
+            cap=self.settings.connection_cap(),
+            refused=self.metrics.refused.labels("connections"),
+        )
         return self._site
 
     def site_connections(self) -> int:
@@ -267,8 +330,13 @@ class ApiServer:
             if self._own_hosts is not None and not host_allowed(request.headers.get("Host"), self._own_hosts):
                 # A page in a browser on this host must not reach a loopback API through DNS rebinding.
                 self.metrics.rejected.labels("misdirected").inc()
-                return _json_plain({"detail": "Host header names another host; this API answers only to "
-                                              "localhost, loopback addresses and this machine's names"}, status=421)
+                return _json_plain(
+                    {
+                        "detail": "Host header names another host; this API answers only to "
+                        "localhost, loopback addresses and this machine's names"
+                    },
+                    status=421,
+                )
             if _from_a_web_page(request):
                 # A page's GET (an image, a link) passes the Host check: its Host is ours.
                 self.metrics.rejected.labels("cross_site").inc()
@@ -276,12 +344,14 @@ class ApiServer:
             token = self.settings.token
             if token and not _token_ok(request.headers.get("Authorization", ""), token):
                 self.metrics.rejected.labels("unauthorized").inc()
-                return _json_plain({"detail": "missing or wrong bearer token"}, status=401,
-                                   headers={"WWW-Authenticate": "Bearer"})
+                return _json_plain(
+                    {"detail": "missing or wrong bearer token"}, status=401, headers={"WWW-Authenticate": "Bearer"}
+                )
             if request.method == "POST" and "Content-Type" in request.headers and not _is_json(request.content_type):
                 self.metrics.rejected.labels("media_type").inc()
-                return _json_plain({"detail": f"Content-Type {request.content_type!r} is not JSON: send "
-                                              "application/json"}, status=415)
+                return _json_plain(
+                    {"detail": f"Content-Type {request.content_type!r} is not JSON: send application/json"}, status=415
+                )
             return await handler(request)
         except InvalidRequest as exc:
             self.metrics.rejected.labels(exc.reason).inc()
@@ -335,8 +405,9 @@ class ApiServer:
             # (through wait_for's task), which only the cyclic collector would break.
             parts.clear()
             if isinstance(exc, asyncio.TimeoutError):
-                raise InvalidRequest(f"request body not received within {self.settings.body_timeout:g} s", 408,
-                                     "body_timeout") from None
+                raise InvalidRequest(
+                    f"request body not received within {self.settings.body_timeout:g} s", 408, "body_timeout"
+                ) from None
             raise
         raw = parts[0] if parts else b""
         gz = bool(raw) and "gzip" in request.headers.get("Content-Encoding", "").lower()
@@ -416,8 +487,11 @@ class ApiServer:
             uid = self.store.register(reg)
         except OSError as exc:
             return self._spool_refusal(exc)
-        log.info("trainer registered", batch_size=self.store.registration.batch_size if self.store.registration
-                 else None, requesters=self.store.requesters)
+        log.info(
+            "trainer registered",
+            batch_size=self.store.registration.batch_size if self.store.registration else None,
+            requesters=self.store.requesters,
+        )
         # A 128-bit int, as upstream's uuid4().int; orjson stops at 64 bits.
         return await _send(request, b'{"uuid":%d}' % uid)
 
@@ -430,12 +504,23 @@ class ApiServer:
         except OSError as exc:
             return self._spool_refusal(exc)
         success = answer["status"] == "success"
-        self.registrations.append({"env_id": answer.get("env_id"), "desired_name": req["desired_name"],
-                                   "peer_pid": pid, "status": "success" if success else "wait",
-                                   "at": time.time()})
+        self.registrations.append(
+            {
+                "env_id": answer.get("env_id"),
+                "desired_name": req["desired_name"],
+                "peer_pid": pid,
+                "status": "success" if success else "wait",
+                "at": time.time(),
+            }
+        )
         if success:
-            log.info("environment registered", env_id=answer["env_id"], name=answer["wandb_name"],
-                     group_size=req["group_size"], peer_pid=pid)
+            log.info(
+                "environment registered",
+                env_id=answer["env_id"],
+                name=answer["wandb_name"],
+                group_size=req["group_size"],
+                peer_pid=pid,
+            )
         return await _json(request, answer)
 
     async def disconnect_env(self, request: web.Request) -> web.StreamResponse:
@@ -445,23 +530,27 @@ class ApiServer:
 
     async def wandb_info(self, request: web.Request) -> web.StreamResponse:
         reg = self.store.registration
-        return await _json(request, {"group": reg.wandb_group if reg else None,
-                                     "project": reg.wandb_project if reg else None})
+        return await _json(
+            request, {"group": reg.wandb_group if reg else None, "project": reg.wandb_project if reg else None}
+        )
 
     async def info(self, request: web.Request) -> web.StreamResponse:
         reg = self.store.registration
-        return await _json(request, {"batch_size": reg.batch_size if reg else -1,
-                                     "max_token_len": reg.max_token_len if reg else -1})
+        return await _json(
+            request, {"batch_size": reg.batch_size if reg else -1, "max_token_len": reg.max_token_len if reg else -1}
+        )
 
     async def batch(self, request: web.Request) -> web.StreamResponse:
         store = self.store
         if store.registration is None:
-            return await _json(request, {"status": "error", "message": "Trainer not registered. Call /register first.",
-                                         "batch": []})
+            return await _json(
+                request, {"status": "error", "message": "Trainer not registered. Call /register first.", "batch": []}
+            )
         fmt = binary.requested_format(request.headers.get("Accept", ""), request.query.get("format"))
         if fmt == "shm" and not is_loopback(request.remote):
-            raise InvalidRequest("shared-memory batches are for trainers on the API's host; use "
-                                 "format=safetensors", 400, "shm_remote")
+            raise InvalidRequest(
+                "shared-memory batches are for trainers on the API's host; use format=safetensors", 400, "shm_remote"
+            )
         wait = _wait_seconds(request.query.get("wait"))
         deadline = time.monotonic() + wait
         while True:
@@ -487,8 +576,11 @@ class ApiServer:
                 log.error("cannot write a batch into shared memory", error=str(exc))
                 # Like a full spool: the batch went back to the queue, the trainer retries (or asks
                 # for format=safetensors); a 503, never a 500 (SPEC §13).
-                return _json_plain({"detail": f"cannot create a shared-memory segment: {exc}", "shm": False},
-                                   status=503, headers={"Retry-After": "1"})
+                return _json_plain(
+                    {"detail": f"cannot create a shared-memory segment: {exc}", "shm": False},
+                    status=503,
+                    headers={"Retry-After": "1"},
+                )
             return await _json(request, {"shm": offer})
         resp = web.StreamResponse()
         try:
@@ -516,12 +608,18 @@ class ApiServer:
         self.metrics.sequences_served.inc(sum(g.n for g in batch))
         return resp
 
-    async def _safetensors(self, request: web.Request, batch: list[Group], step: int
-                           ) -> tuple[bytes, dict[str, str]]:
+    async def _safetensors(self, request: web.Request, batch: list[Group], step: int) -> tuple[bytes, dict[str, str]]:
         """A batch's safetensors response, planned and filled on the batch thread."""
         return await asyncio.get_running_loop().run_in_executor(
-            self._batcher, partial(binary.response_body, batch, step, remote=not is_loopback(request.remote),
-                                   accepts_gzip=_accepts_gzip(request)))
+            self._batcher,
+            partial(
+                binary.response_body,
+                batch,
+                step,
+                remote=not is_loopback(request.remote),
+                accepts_gzip=_accepts_gzip(request),
+            ),
+        )
 
     async def batch_ack(self, request: web.Request) -> web.StreamResponse:
         """``POST /batch/ack {"batch_id", "release"?}``: a shared-memory batch was received (or,
@@ -610,8 +708,10 @@ class ApiServer:
     # ------------------------------------------------------------------ extras
 
     async def list_registrations(self, request: web.Request) -> web.StreamResponse:
-        envs = [{"env_id": e.registered_id, "name": e.real_name, "connected": e.connected, "peer_pid": e.peer_pid}
-                for e in self.store.envs]
+        envs = [
+            {"env_id": e.registered_id, "name": e.real_name, "connected": e.connected, "peer_pid": e.peer_pid}
+            for e in self.store.envs
+        ]
         return await _json(request, {"registrations": list(self.registrations), "envs": envs})
 
     async def metrics_route(self, request: web.Request) -> web.StreamResponse:
@@ -682,8 +782,7 @@ def _socket_inode(port: int) -> int | None:
     return None
 
 
-def _groups_of(raw: bytes | bytearray, gz: bool, limit: int, listed: bool, max_token_len: int | None
-               ) -> list[Group]:
+def _groups_of(raw: bytes | bytearray, gz: bool, limit: int, listed: bool, max_token_len: int | None) -> list[Group]:
     return groups_from_body(gunzip(raw, limit) if gz else raw, listed=listed, max_token_len=max_token_len)
 
 
@@ -722,8 +821,10 @@ class _Charge:
 class _Refusal(asyncio.Protocol):
     """A connection past the cap: answered 503 at once, its input discarded, closed."""
 
-    RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: %d\r\n"
-                b"Connection: close\r\nContent-Length: %d\r\n\r\n%s")
+    RESPONSE = (
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: %d\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s"
+    )
 
     def __init__(self) -> None:
         self._timer: asyncio.TimerHandle | None = None
@@ -815,8 +916,13 @@ class CappedSite(web.TCPSite):
         assert server is not None
         self.connections = _ConnectionCap(server, self.cap, self.refused)
         self._server = await asyncio.get_running_loop().create_server(
-            self.connections, self._host, self._port, backlog=self._backlog, reuse_address=self._reuse_address,
-            reuse_port=self._reuse_port)
+            self.connections,
+            self._host,
+            self._port,
+            backlog=self._backlog,
+            reuse_address=self._reuse_address,
+            reuse_port=self._reuse_port,
+        )
 
 
 def _inflated_size(raw: bytes | bytearray, gz: bool) -> int:

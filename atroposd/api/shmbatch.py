@@ -17,7 +17,8 @@ any local user can list in /dev/shm, says nothing of the batch id that acknowled
 created with ``O_CREAT | O_EXCL`` and mode 0600, sized up front, written with ``pwrite`` (the
 API maps nothing), never through ``multiprocessing.shared_memory`` (its resource tracker). The
 batch is planned, laid out and written on a worker thread, never on the API's event loop; the
-scratch buffer it is laid out in is kept for the next batch only up to ``SCRATCH_KEEP_BYTES``. Every pending segment is unlinked when
+scratch buffer it is laid out in is kept for the next batch only up to ``SCRATCH_KEEP_BYTES``. Every pending segment
+is unlinked when
 the API stops. With a spool, the launch's prefix is recorded in the spool directory (file
 ``shm-batches``) before the first segment exists, so an API started again after ``kill -9``
 removes what the previous launch left (the spool's lock says no other API uses that directory);
@@ -94,10 +95,11 @@ def remove_orphans() -> list[str]:
     spool removes them). Should a live API's segment go (one in another pid namespace sharing
     /dev/shm), nothing is lost: its client cannot map it and releases the batch, or the batch
     expires, and it is served again."""
+
     def orphaned(name: str) -> bool:
         if not name.startswith(BATCH_PREFIX):
             return False
-        pid_text = name[len(BATCH_PREFIX):].split("-", 1)[0]
+        pid_text = name[len(BATCH_PREFIX) :].split("-", 1)[0]
         return pid_text.isdigit() and not _alive(int(pid_text))
 
     return _remove_own(orphaned)
@@ -166,8 +168,15 @@ class _Pending:
 class ShmBatches:
     """The shared-memory batches of one API launch."""
 
-    def __init__(self, store: TrajectoryStore, *, ack_timeout: float, spool_dir: str | None,
-                 metrics: Any = None, executor: Executor | None = None) -> None:
+    def __init__(
+        self,
+        store: TrajectoryStore,
+        *,
+        ack_timeout: float,
+        spool_dir: str | None,
+        metrics: Any = None,
+        executor: Executor | None = None,
+    ) -> None:
         self.store = store
         self.ack_timeout = ack_timeout
         self.record = Path(spool_dir) / RECORD_NAME if spool_dir else None
@@ -201,8 +210,7 @@ class ShmBatches:
         except FileNotFoundError:
             previous = ""
         except OSError as exc:
-            log.warning("cannot read the previous launch's shared-memory record", path=str(self.record),
-                        error=str(exc))
+            log.warning("cannot read the previous launch's shared-memory record", path=str(self.record), error=str(exc))
             previous = ""
         if previous.startswith(BATCH_PREFIX) and len(previous) > len(BATCH_PREFIX):
             removed = remove_segments(previous)
@@ -262,7 +270,7 @@ class ShmBatches:
                 self._scratch = bytearray()  # the old one goes first
                 self._scratch = bytearray(layout.size)
             try:
-                data = memoryview(self._scratch)[:layout.size]
+                data = memoryview(self._scratch)[: layout.size]
                 try:
                     layout.fill(data)  # every byte: the header, then the tensors back to back
                     _write_segment(name, data)
@@ -279,9 +287,12 @@ class ShmBatches:
         if p is None:
             if batch_id in self._acked and not release:
                 return {"acknowledged": True, "batch_id": batch_id}
-            return {"acknowledged": False, "batch_id": batch_id,
-                    "detail": "no such pending batch: it was acknowledged late (it is served again) or by "
-                              "another launch of the API"}
+            return {
+                "acknowledged": False,
+                "batch_id": batch_id,
+                "detail": "no such pending batch: it was acknowledged late (it is served again) or by "
+                "another launch of the API",
+            }
         p.timer.cancel()
         _shm_unlink(p.segment)
         if release:
@@ -305,5 +316,8 @@ class ShmBatches:
         self.expired += 1
         if self.metrics is not None:
             self.metrics.batch_write_failures.inc()
-        log.warning("shared-memory batch not acknowledged in time; it is served again", batch_id=batch_id,
-                    timeout=self.ack_timeout)
+        log.warning(
+            "shared-memory batch not acknowledged in time; it is served again",
+            batch_id=batch_id,
+            timeout=self.ack_timeout,
+        )

@@ -100,21 +100,28 @@ def _frame(kind: bytes, payload: bytes) -> bytes:
 def _encode_group(g: Group) -> bytes:
     arrays: list[np.ndarray] = [g.tokens.flat, g.masks.flat, g.scores]
     # Passthrough fields go after the arrays as the bytes received: a replay never re-encodes them.
-    header: dict[str, Any] = {"seq": g.seq, "qpos": g.qpos, "env_id": g.env_id, "b": g.tokens.bounds,
-                              "t": g.tokens.flat.dtype.str, "m": g.masks.flat.dtype.str,
-                              "xl": [[k, len(v)] for k, v in g.extras.items()]}
+    header: dict[str, Any] = {
+        "seq": g.seq,
+        "qpos": g.qpos,
+        "env_id": g.env_id,
+        "b": g.tokens.bounds,
+        "t": g.tokens.flat.dtype.str,
+        "m": g.masks.flat.dtype.str,
+        "xl": [[k, len(v)] for k, v in g.extras.items()],
+    }
     for key, ragged in (("lp", g.logprobs), ("adv", g.advantages), ("ref", g.ref_logprobs)):
         if ragged is not None:
             header[key] = ragged.bounds
             arrays.append(ragged.flat)
     head = orjson.dumps(header)
-    return _frame(b"G", b"".join([_HEADER_LEN.pack(len(head)), head, *(a.tobytes() for a in arrays),
-                                  *g.extras.values()]))
+    return _frame(
+        b"G", b"".join([_HEADER_LEN.pack(len(head)), head, *(a.tobytes() for a in arrays), *g.extras.values()])
+    )
 
 
 def _decode_group(payload: bytes) -> Group:
     (hlen,) = _HEADER_LEN.unpack_from(payload)
-    header = orjson.loads(payload[4:4 + hlen])
+    header = orjson.loads(payload[4 : 4 + hlen])
     offset = 4 + hlen
     bounds: list[int] = header["b"]
 
@@ -135,15 +142,24 @@ def _decode_group(payload: bytes) -> Group:
     kept: dict[str, bytes] = {}
     if "xl" in header:
         for name, size in header["xl"]:
-            kept[str(name)] = payload[offset:offset + size]
+            kept[str(name)] = payload[offset : offset + size]
             offset += size
     else:  # written before passthrough fields were kept as received
         kept = {k: orjson.dumps(v) for k, v in header["x"].items()}
     if offset != len(payload):
         raise ValueError(f"group record of {len(payload)} bytes holds {offset}")
-    g = Group(tokens=tokens, masks=masks, scores=scores, logprobs=extra["lp"], advantages=extra["adv"],
-              ref_logprobs=extra["ref"], extras=kept, env_id=header["env_id"], seq=int(header["seq"]),
-              qpos=int(header["qpos"]))
+    g = Group(
+        tokens=tokens,
+        masks=masks,
+        scores=scores,
+        logprobs=extra["lp"],
+        advantages=extra["adv"],
+        ref_logprobs=extra["ref"],
+        extras=kept,
+        env_id=header["env_id"],
+        seq=int(header["seq"]),
+        qpos=int(header["qpos"]),
+    )
     if g.n < 1 or g.masks.bounds != bounds or (g.env_id is not None and not isinstance(g.env_id, int)):
         raise ValueError("group record does not hold a valid group")
     return g
@@ -158,9 +174,9 @@ def _frame_at(data: bytes, pos: int, *, resync: bool = False) -> int:
     end: int = pos + _FRAME.size + length
     if kind not in _KINDS or end > len(data):
         return -1
-    if resync and end + _FRAME.size <= len(data) and data[end + 8:end + 9] not in _KINDS:
+    if resync and end + _FRAME.size <= len(data) and data[end + 8 : end + 9] not in _KINDS:
         return -1
-    if zlib.crc32(data[pos + _FRAME.size:end], zlib.crc32(kind)) != crc:
+    if zlib.crc32(data[pos + _FRAME.size : end], zlib.crc32(kind)) != crc:
         return -1
     return end
 
@@ -180,7 +196,7 @@ def _read_records(data: bytes) -> tuple[list[tuple[bytes, bytes, int, int]], lis
                 pos += 1
             bad.append((start, pos))
             continue
-        records.append((data[pos + 4 + 4:pos + 9], data[pos + _FRAME.size:end], pos, end - pos))
+        records.append((data[pos + 4 + 4 : pos + 9], data[pos + _FRAME.size : end], pos, end - pos))
         pos = end
     return records, bad
 
@@ -189,8 +205,9 @@ def _read_records(data: bytes) -> tuple[list[tuple[bytes, bytes, int, int]], lis
 
 
 class Spool:
-    def __init__(self, directory: str | os.PathLike[str], *, segment_bytes: int = 32 << 20,
-                 fsync: bool = False) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str], *, segment_bytes: int = 32 << 20, fsync: bool = False
+    ) -> None:
         self.directory = Path(directory)
         self.segment_bytes = segment_bytes
         self.fsync = fsync
@@ -215,10 +232,17 @@ class Spool:
         self._lock()
         state = self._replay()
         self._start_segment()
-        log.info("spool replayed", dir=str(self.directory), queued_groups=len(state.queue),
-                 buffered_groups=sum(len(b) for b in state.buffers.values()), step=state.step,
-                 registered=state.registration is not None, segments=len(self._segments),
-                 dropped_bytes=state.dropped_bytes, set_aside=state.set_aside)
+        log.info(
+            "spool replayed",
+            dir=str(self.directory),
+            queued_groups=len(state.queue),
+            buffered_groups=sum(len(b) for b in state.buffers.values()),
+            step=state.step,
+            registered=state.registration is not None,
+            segments=len(self._segments),
+            dropped_bytes=state.dropped_bytes,
+            set_aside=state.set_aside,
+        )
         return state
 
     def _lock(self) -> None:
@@ -296,11 +320,16 @@ class Spool:
                         else:
                             envs[i] = change["env"]
                 except (ValueError, TypeError, KeyError, IndexError, orjson.JSONDecodeError) as exc:
-                    log.error("spool record cannot be replayed; set aside", segment=path.name, offset=offset,
-                              record=kind.decode(errors="replace"), error=str(exc) or repr(exc))
-                    bad.append((offset, data[offset:offset + size]))
+                    log.error(
+                        "spool record cannot be replayed; set aside",
+                        segment=path.name,
+                        offset=offset,
+                        record=kind.decode(errors="replace"),
+                        error=str(exc) or repr(exc),
+                    )
+                    bad.append((offset, data[offset : offset + size]))
                     continue
-                kept.append(data[offset:offset + size])
+                kept.append(data[offset : offset + size])
             if bad:
                 set_aside += len(bad)
                 self._set_aside(path, bad)
@@ -330,8 +359,7 @@ class Spool:
         for offset, chunk in bad:
             target = where / f"{path.stem}-{offset:010d}.bad"
             write_atomic(target, chunk, durable=True)
-            log.warning("spool bytes set aside", segment=path.name, offset=offset, bytes=len(chunk),
-                        copy=str(target))
+            log.warning("spool bytes set aside", segment=path.name, offset=offset, bytes=len(chunk), copy=str(target))
 
     def _forget(self, seq: int, groups: dict[int, Group]) -> None:
         groups.pop(seq, None)
@@ -341,15 +369,21 @@ class Spool:
             self._live_bytes -= where[1]
 
     @staticmethod
-    def _rebuild(snapshot: dict[str, Any], step: int, groups: dict[int, Group], next_seq: int, next_qpos: int,
-                 dropped: int) -> SpoolState:
+    def _rebuild(
+        snapshot: dict[str, Any], step: int, groups: dict[int, Group], next_seq: int, next_qpos: int, dropped: int
+    ) -> SpoolState:
         reg = snapshot.get("registration")
         envs = [EnvRegistration.from_saved(e) for e in snapshot.get("envs", [])]
         for i, e in enumerate(envs):
             e.registered_id = i
-        state = SpoolState(registration=TrainerRegistration(**reg) if reg else None,
-                           started=bool(snapshot.get("started", False)), step=step, envs=envs,
-                           next_seq=next_seq, dropped_bytes=dropped)
+        state = SpoolState(
+            registration=TrainerRegistration(**reg) if reg else None,
+            started=bool(snapshot.get("started", False)),
+            step=step,
+            envs=envs,
+            next_seq=next_seq,
+            dropped_bytes=dropped,
+        )
         queued = sorted((g for g in groups.values() if g.qpos >= 0), key=lambda g: g.qpos)
         for g in sorted((g for g in groups.values() if g.qpos < 0), key=lambda g: g.seq):
             env = envs[g.env_id] if g.env_id is not None and 0 <= g.env_id < len(envs) else None
@@ -536,9 +570,15 @@ class Spool:
     # ------------------------------------------------------------------ info / close
 
     def stats(self) -> dict[str, Any]:
-        return {"segments": len(self._segments), "bytes": sum(s.size for s in self._segments),
-                "live_bytes": self._live_bytes, "live_groups": len(self._where), "write_errors": self.write_errors,
-                "ack_failures": self.ack_failures, "set_aside": self.set_aside}
+        return {
+            "segments": len(self._segments),
+            "bytes": sum(s.size for s in self._segments),
+            "live_bytes": self._live_bytes,
+            "live_groups": len(self._where),
+            "write_errors": self.write_errors,
+            "ack_failures": self.ack_failures,
+            "set_aside": self.set_aside,
+        }
 
     def segments(self) -> Iterator[Path]:
         return (s.path for s in self._segments)

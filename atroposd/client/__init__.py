@@ -14,5 +14,4 @@ docs/EXTERNAL-TRAINER.md.
 from atroposd.client.batches import TRANSPORTS, ApiError, Batch, BatchClient, InsecureTokenWarning
 from atroposd.client.weights import InferenceControl, WeightsError
 
-__all__ = ["TRANSPORTS", "ApiError", "Batch", "BatchClient", "InferenceControl", "InsecureTokenWarning",
-           "WeightsError"]
+__all__ = ["TRANSPORTS", "ApiError", "Batch", "BatchClient", "InferenceControl", "InsecureTokenWarning", "WeightsError"]

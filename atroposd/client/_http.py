@@ -35,8 +35,9 @@ class Response:
 
 
 class HttpConnection:
-    def __init__(self, host: str, port: int, *, tls: bool = False, timeout: float = 120.0,
-                 max_body: int = 1 << 40) -> None:
+    def __init__(
+        self, host: str, port: int, *, tls: bool = False, timeout: float = 120.0, max_body: int = 1 << 40
+    ) -> None:
         self.host, self.port, self.tls, self.timeout = host, port, tls, timeout
         self.max_body = max_body
         self._sock: socket.socket | None = None
@@ -64,8 +65,9 @@ class HttpConnection:
         self._sock = sock
         return sock
 
-    def request(self, method: str, path: str, headers: dict[str, str] | None = None,
-                body: bytes | None = None) -> Response:
+    def request(
+        self, method: str, path: str, headers: dict[str, str] | None = None, body: bytes | None = None
+    ) -> Response:
         """One request. On a kept-alive connection the server may have closed meanwhile (idle
         timeout): when that connection fails before any byte of the answer, the request is sent
         once more on a new one (the server never read it)."""
@@ -108,7 +110,7 @@ class HttpConnection:
                     raise ConnectionError("response headers too large")
                 buf += self._recv(sock)
             head = bytes(buf[:end]).decode("latin-1").split("\r\n")
-            del buf[:end + 4]
+            del buf[: end + 4]
             parts = head[0].split(" ", 2)
             if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
                 raise ConnectionError(f"not an HTTP/1.x response: {head[0][:80]!r}")
@@ -162,8 +164,7 @@ class HttpConnection:
 
     def _check_size(self, n: int) -> None:
         if n > self.max_body:
-            raise BodyTooLarge(f"the answer is {n} bytes or more, larger than the {self.max_body} this client "
-                               "accepts")
+            raise BodyTooLarge(f"the answer is {n} bytes or more, larger than the {self.max_body} this client accepts")
 
     def _chunked(self, sock: socket.socket) -> bytearray:
         body = bytearray()
@@ -175,15 +176,15 @@ class HttpConnection:
             try:
                 size = int(bytes(self._buf[:end]).split(b";")[0], 16)
             except ValueError:
-                raise ConnectionError(f"bad chunk size line {bytes(self._buf[:min(end, 40)])!r}") from None
+                raise ConnectionError(f"bad chunk size line {bytes(self._buf[: min(end, 40)])!r}") from None
             if size < 0:
                 raise ConnectionError(f"bad chunk size {size}")
             self._check_size(len(body) + size)
-            del self._buf[:end + 2]
+            del self._buf[: end + 2]
             if size == 0:
                 while (end := self._buf.find(b"\r\n")) != 0:  # trailers, then the empty line
                     if end > 0:
-                        del self._buf[:end + 2]
+                        del self._buf[: end + 2]
                     elif len(self._buf) > _MAX_HEADER:
                         raise ConnectionError("chunked trailers too large")
                     else:

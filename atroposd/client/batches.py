@@ -152,8 +152,9 @@ class Batch:
             n = int(lengths[i])
             trained = np.flatnonzero(masks[i, :n] != -100)
             start = int(trained[0]) if trained.size else n
-            out.append((tokens[i, :start], tokens[i, start:n], lps[i, start:n],
-                        (masks[i, start:n] != -100).astype(np.int64)))
+            out.append(
+                (tokens[i, :start], tokens[i, start:n], lps[i, start:n], (masks[i, start:n] != -100).astype(np.int64))
+            )
         return out
 
     def torch(self, device: Any = None) -> dict[str, Any]:
@@ -181,11 +182,25 @@ class BatchClient:
     largest answer or batch taken (default: :func:`default_max_batch_bytes` of the registration).
     """
 
-    def __init__(self, url: str, token: str | None = None, *, batch_size: int, max_token_len: int,
-                 num_steps: int = 0, starting_step: int = 0, transport: str = "auto", poll_interval: float = 0.05,
-                 max_backoff: float = 2.0, request_timeout: float = 120.0, wandb_group: str = "",
-                 wandb_project: str = "", checkpoint_dir: str = "", save_checkpoint_interval: int = 0,
-                 max_batch_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        batch_size: int,
+        max_token_len: int,
+        num_steps: int = 0,
+        starting_step: int = 0,
+        transport: str = "auto",
+        poll_interval: float = 0.05,
+        max_backoff: float = 2.0,
+        request_timeout: float = 120.0,
+        wandb_group: str = "",
+        wandb_project: str = "",
+        checkpoint_dir: str = "",
+        save_checkpoint_interval: int = 0,
+        max_batch_bytes: int | None = None,
+    ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
         parts = urlsplit(url if "://" in url else f"http://{url}")
@@ -195,18 +210,25 @@ class BatchClient:
         self._scheme, self._host, self._port = parts.scheme, parts.hostname, parts.port
         self._base = parts.path.rstrip("/")
         self.token = token if token is not None else os.environ.get("ATROPOSD_API_TOKEN", "")
-        self.registration = {"wandb_group": wandb_group, "wandb_project": wandb_project, "batch_size": batch_size,
-                             "max_token_len": max_token_len, "checkpoint_dir": checkpoint_dir,
-                             "save_checkpoint_interval": save_checkpoint_interval, "starting_step": starting_step,
-                             "num_steps": num_steps}
+        self.registration = {
+            "wandb_group": wandb_group,
+            "wandb_project": wandb_project,
+            "batch_size": batch_size,
+            "max_token_len": max_token_len,
+            "checkpoint_dir": checkpoint_dir,
+            "save_checkpoint_interval": save_checkpoint_interval,
+            "starting_step": starting_step,
+            "num_steps": num_steps,
+        }
         local = is_loopback(self._host)
         self.transport = ("shm" if local else "safetensors") if transport == "auto" else transport
         self._gzip = not local
         self.poll_interval = poll_interval
         self.max_backoff = max_backoff
         self.request_timeout = request_timeout
-        self.max_batch_bytes = (max_batch_bytes if max_batch_bytes is not None
-                                else default_max_batch_bytes(batch_size, max_token_len))
+        self.max_batch_bytes = (
+            max_batch_bytes if max_batch_bytes is not None else default_max_batch_bytes(batch_size, max_token_len)
+        )
         self._conn: HttpConnection | None = None
         self._registered = False
         self._clear_text = bool(self.token) and self._scheme == "http" and not local
@@ -218,8 +240,13 @@ class BatchClient:
     def _connection(self) -> HttpConnection:
         if self._conn is None:
             port = self._port or (443 if self._scheme == "https" else 80)
-            self._conn = HttpConnection(self._host, port, tls=self._scheme == "https", timeout=self.request_timeout,
-                                        max_body=self.max_batch_bytes)
+            self._conn = HttpConnection(
+                self._host,
+                port,
+                tls=self._scheme == "https",
+                timeout=self.request_timeout,
+                max_body=self.max_batch_bytes,
+            )
         return self._conn
 
     def _request(self, method: str, path: str, body: Any = None) -> tuple[int, str, bytearray]:
@@ -228,9 +255,12 @@ class BatchClient:
         if self.token:
             if self._clear_text and not self._warned:
                 self._warned = True
-                warnings.warn(f"sending the API's bearer token over plain HTTP to {self._host}, another host: "
-                              "anyone on the network path can read it; use https:// or a trusted network",
-                              InsecureTokenWarning, stacklevel=4)
+                warnings.warn(
+                    f"sending the API's bearer token over plain HTTP to {self._host}, another host: "
+                    "anyone on the network path can read it; use https:// or a trusted network",
+                    InsecureTokenWarning,
+                    stacklevel=4,
+                )
             headers["Authorization"] = f"Bearer {self.token}"
         data = None
         if body is not None:
@@ -340,8 +370,10 @@ class BatchClient:
         size = int(info["size"])
         if not 0 < size <= self.max_batch_bytes:
             self._ack(batch_id, release=True)
-            raise ApiError(f"/batch: a shared-memory batch of {size} bytes; this client takes at most "
-                           f"{self.max_batch_bytes} (max_batch_bytes)")
+            raise ApiError(
+                f"/batch: a shared-memory batch of {size} bytes; this client takes at most "
+                f"{self.max_batch_bytes} (max_batch_bytes)"
+            )
         try:
             arrays, meta = decode(_map_segment(str(info["name"]), size))
         except (OSError, LayoutError, ValueError) as exc:

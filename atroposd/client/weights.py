@@ -59,8 +59,9 @@ class InferenceControl:
     :meth:`from_config` finds both from the job's config file.
     """
 
-    def __init__(self, socket_path: str | os.PathLike[str], sync_dir: str | os.PathLike[str], *,
-                 timeout: float = 600.0) -> None:
+    def __init__(
+        self, socket_path: str | os.PathLike[str], sync_dir: str | os.PathLike[str], *, timeout: float = 600.0
+    ) -> None:
         self.socket_path = Path(socket_path)
         self.sync_dir = Path(sync_dir)
         self.timeout = timeout
@@ -78,8 +79,12 @@ class InferenceControl:
     def request(self, method: str, route: str, body: Mapping[str, Any] | None = None) -> dict[str, Any]:
         conn = _UnixConnection(str(self.socket_path), self.timeout)
         try:
-            conn.request(method, route, body=orjson.dumps(body) if body is not None else None,
-                         headers={"Content-Type": "application/json"})
+            conn.request(
+                method,
+                route,
+                body=orjson.dumps(body) if body is not None else None,
+                headers={"Content-Type": "application/json"},
+            )
             resp = conn.getresponse()
             raw = resp.read(MAX_ANSWER_BYTES + 1)  # whatever its Content-Length says
         except OSError as exc:
@@ -113,13 +118,15 @@ class InferenceControl:
         self.request("POST", "/resume", {"weight_version": weight_version})
         return answer
 
-    def write(self, tensors: Mapping[str, Any], weight_version: int, *, tied: Mapping[str, str] | None = None
-              ) -> Path:
+    def write(self, tensors: Mapping[str, Any], weight_version: int, *, tied: Mapping[str, str] | None = None) -> Path:
         """Write ``{sync_dir}/v<weight_version>/model.safetensors`` from ``{name: array}`` (numpy
         or torch, the model's parameter names; ``tied``: alias name → the name it shares memory
         with). Atomic (a temporary directory renamed); files 0600."""
-        meta = {"format": SYNC_FORMAT, "weight_version": str(weight_version),
-                "tied": orjson.dumps(dict(tied or {})).decode()}
+        meta = {
+            "format": SYNC_FORMAT,
+            "weight_version": str(weight_version),
+            "tied": orjson.dumps(dict(tied or {})).decode(),
+        }
         self.sync_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         final = self.sync_dir / f"v{weight_version}"
         tmp = self.sync_dir / f".tmp-v{weight_version}-{os.getpid()}"
@@ -155,7 +162,8 @@ class InferenceControl:
         prune_sync_dirs(self.sync_dir, keep=path)
         return answer
 
-    def reload(self, tensors: Mapping[str, Any], weight_version: int, *,
-               tied: Mapping[str, str] | None = None) -> dict[str, Any]:
+    def reload(
+        self, tensors: Mapping[str, Any], weight_version: int, *, tied: Mapping[str, str] | None = None
+    ) -> dict[str, Any]:
         """:meth:`write` then :meth:`load`."""
         return self.load(self.write(tensors, weight_version, tied=tied), weight_version)

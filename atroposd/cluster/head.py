@@ -84,8 +84,17 @@ from atroposd.net import BindError, address_towards
 if TYPE_CHECKING:
     from atroposd.config import ClusterConfig, Config
 
-__all__ = ["JOIN_DEADLINE_S", "MAX_DROPPED", "ClusterHead", "ClusterStartError", "Drops", "JoinCheck",
-           "bind_address", "heartbeat_interval", "max_pending"]
+__all__ = [
+    "JOIN_DEADLINE_S",
+    "MAX_DROPPED",
+    "ClusterHead",
+    "ClusterStartError",
+    "Drops",
+    "JoinCheck",
+    "bind_address",
+    "heartbeat_interval",
+    "max_pending",
+]
 
 log = get_logger("atroposd.cluster")
 
@@ -115,8 +124,9 @@ def bind_address(cfg: ClusterConfig) -> str:
     try:
         return address_towards(cfg.head, cfg.port)
     except BindError as exc:
-        raise ClusterStartError(f"cluster.head: {exc}: set cluster.bind to this host's address on the network "
-                                "between the nodes") from None
+        raise ClusterStartError(
+            f"cluster.head: {exc}: set cluster.bind to this host's address on the network between the nodes"
+        ) from None
 
 
 class _RefusalLog:
@@ -150,8 +160,9 @@ class Drops:
 
     def __call__(self, reason: str, error: str, **fields: Any) -> None:
         self.counts[reason] = self.counts.get(reason, 0) + 1
-        self._log(f"dropped-{reason}", "dropped a cluster message", reason=reason, error=clean_text(error, 200),
-                  **fields)
+        self._log(
+            f"dropped-{reason}", "dropped a cluster message", reason=reason, error=clean_text(error, 200), **fields
+        )
 
     def view(self) -> dict[str, int]:
         return dict(self.counts)
@@ -173,12 +184,21 @@ class ClusterStartError(Exception):
 class ClusterHead:
     """Node 0's endpoint. ``start`` → (children run) → ``stop_all`` → ``close``."""
 
-    def __init__(self, cfg: ClusterConfig, *, token: bytes, host: str | None = None,
-                 bind_host: str | None = None, units: Mapping[str, Any] | None = None,
-                 instance: str | None = None, check_join: JoinCheck | None = None,
-                 on_change: Callable[[int, str, str, str], None] | None = None,
-                 on_message: Callable[[int, Message], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic, join_deadline: float = JOIN_DEADLINE_S) -> None:
+    def __init__(
+        self,
+        cfg: ClusterConfig,
+        *,
+        token: bytes,
+        host: str | None = None,
+        bind_host: str | None = None,
+        units: Mapping[str, Any] | None = None,
+        instance: str | None = None,
+        check_join: JoinCheck | None = None,
+        on_change: Callable[[int, str, str, str], None] | None = None,
+        on_message: Callable[[int, Message], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        join_deadline: float = JOIN_DEADLINE_S,
+    ) -> None:
         if cfg.nodes < 1:
             raise ValueError("cluster.nodes must be ≥ 1")
         self.cfg = cfg
@@ -209,8 +229,7 @@ class ClusterHead:
         self._stopping = False
         self._closing = False
         self._changed_event = asyncio.Event()
-        self.membership.join(0, host=self.host, pid=os.getpid(), instance=self.instance, units=units,
-                             ready=False)
+        self.membership.join(0, host=self.host, pid=os.getpid(), instance=self.instance, units=units, ready=False)
 
     @classmethod
     def from_config(cls, cfg: Config, **kwargs: Any) -> ClusterHead:
@@ -232,8 +251,9 @@ class ClusterHead:
             self.bind_host = bind_address(self.cfg)
         where = f"{self.bind_host}:{self.cfg.port}"
         try:
-            self._server = await asyncio.start_server(self._serve, self.bind_host, self.cfg.port,
-                                                      limit=MAX_JOIN_BYTES, reuse_address=True)
+            self._server = await asyncio.start_server(
+                self._serve, self.bind_host, self.cfg.port, limit=MAX_JOIN_BYTES, reuse_address=True
+            )
         except OSError as exc:
             why = "already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
             raise ClusterStartError(f"cluster.port: cannot open the cluster endpoint on {where}: {why}") from None
@@ -327,8 +347,7 @@ class ClusterHead:
         deadline = asyncio.get_running_loop().time() + timeout
 
         def pending() -> list[int]:
-            return [r for r in targets if not self._stopped[r].is_set() and
-                    self.membership.members[r].state != LOST]
+            return [r for r in targets if not self._stopped[r].is_set() and self.membership.members[r].state != LOST]
 
         while True:
             self._changed_event.clear()
@@ -342,8 +361,9 @@ class ClusterHead:
             if self._stopped[r].is_set():
                 continue
             m = self.membership.members[r]
-            out[r] = (f"lost before it confirmed ({m.reason})" if m.state == LOST else
-                      f"did not confirm within {timeout:g} s")
+            out[r] = (
+                f"lost before it confirmed ({m.reason})" if m.state == LOST else f"did not confirm within {timeout:g} s"
+            )
         if out:
             log.warning("nodes did not confirm their stop", nodes=out)
         return out
@@ -377,8 +397,13 @@ class ClusterHead:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         ch = Channel(reader, writer, limit=MAX_JOIN_BYTES)
         if len(self._pending) >= self.max_pending:
-            self._refusals("refused-full", "refused a connection: too many connections have not joined yet",
-                           peer=ch.peer, pending=len(self._pending), max_pending=self.max_pending)
+            self._refusals(
+                "refused-full",
+                "refused a connection: too many connections have not joined yet",
+                peer=ch.peer,
+                pending=len(self._pending),
+                max_pending=self.max_pending,
+            )
             ch.abort()
             return
         task = asyncio.current_task()
@@ -421,25 +446,36 @@ class ClusterHead:
                 return
             ch.session, values = open_join(self._auth, challenge, line)
         except asyncio.TimeoutError:
-            self._refusals("refused-silent", "closed a connection that did not join in time", peer=ch.peer,
-                           join_deadline_s=self.join_deadline)
+            self._refusals(
+                "refused-silent",
+                "closed a connection that did not join in time",
+                peer=ch.peer,
+                join_deadline_s=self.join_deadline,
+            )
             return
         except WrongToken:
             self._drops(MAC, "a join not signed with this cluster's token", peer=ch.peer)
-            self._refusals("refused-token", "refused a node: its messages are not signed with this cluster's token",
-                           peer=ch.peer)
-            await self._refuse(ch, "wrong cluster token: this node's cluster.token_file does not hold the "
-                                   "head's secret")
+            self._refusals(
+                "refused-token", "refused a node: its messages are not signed with this cluster's token", peer=ch.peer
+            )
+            await self._refuse(
+                ch, "wrong cluster token: this node's cluster.token_file does not hold the head's secret"
+            )
             return
         except BadMessage as exc:
             self._drops(exc.reason, str(exc), peer=ch.peer)
             if exc.reason == CHALLENGE:
-                self._refusals("refused-replay", "refused a join signed for another connection (a replayed join)",
-                               peer=ch.peer)
+                self._refusals(
+                    "refused-replay", "refused a join signed for another connection (a replayed join)", peer=ch.peer
+                )
                 await self._refuse(ch, f"{exc}: a join is good on the connection it was made for only")
                 return
-            self._refusals("refused-garbage", "refused a connection that does not speak the cluster protocol",
-                           peer=ch.peer, error=clean_text(exc, 200))
+            self._refusals(
+                "refused-garbage",
+                "refused a connection that does not speak the cluster protocol",
+                peer=ch.peer,
+                error=clean_text(exc, 200),
+            )
             await self._refuse(ch, f"not a message of the cluster protocol ({clean_text(exc, 200)})")
             return
         try:
@@ -466,10 +502,12 @@ class ClusterHead:
             except BadMessage as exc:
                 self._drops(exc.reason, str(exc), node_rank=rank)
                 if ch.dropped >= MAX_DROPPED:
-                    log.warning("dropping a node's connection: too many bad messages", node_rank=rank,
-                                dropped=ch.dropped)
-                    self._lose(rank, f"{ch.dropped} messages dropped on its connection (the last: "
-                                     f"{clean_text(exc, 200)})", ch)
+                    log.warning(
+                        "dropping a node's connection: too many bad messages", node_rank=rank, dropped=ch.dropped
+                    )
+                    self._lose(
+                        rank, f"{ch.dropped} messages dropped on its connection (the last: {clean_text(exc, 200)})", ch
+                    )
                     return
                 continue
             if msg is None:
@@ -503,8 +541,11 @@ class ClusterHead:
         instance = clean_text(msg.instance, 64)
         if not 0 < rank < self.cfg.nodes:
             shown = clean_text(repr(rank), 64)
-            reason = (f"node_rank {shown} is the head's" if rank == 0 else
-                      f"node_rank {shown} is not one of 1..{self.cfg.nodes - 1} (cluster.nodes = {self.cfg.nodes})")
+            reason = (
+                f"node_rank {shown} is the head's"
+                if rank == 0
+                else f"node_rank {shown} is not one of 1..{self.cfg.nodes - 1} (cluster.nodes = {self.cfg.nodes})"
+            )
             log.warning("refused a node", peer=ch.peer, reason=reason)
             await self._refuse(ch, reason)
             return None
@@ -520,14 +561,17 @@ class ClusterHead:
         m: Member = self.membership.members[rank]
         held = self._channels.get(rank)
         if held is not None and m.state != LOST and m.instance != instance and m.host != host:
-            reason = (f"node_rank {rank} is already held by {m.host} (pid {m.pid}), which is alive; "
-                      "check cluster.node_rank on both")
+            reason = (
+                f"node_rank {rank} is already held by {m.host} (pid {m.pid}), which is alive; "
+                "check cluster.node_rank on both"
+            )
             log.warning("refused a node", node_rank=rank, host=host, reason=reason)
             await self._refuse(ch, reason)
             return None
         if msg.rejoin and msg.head_instance != self.instance:
-            await self._refuse(ch, "this head restarted since the node joined (another instance): the node must "
-                                   "restart and join again")
+            await self._refuse(
+                ch, "this head restarted since the node joined (another instance): the node must restart and join again"
+            )
             return None
         if msg.rejoin and m.joins and m.instance != instance:
             reason = f"node_rank {rank} was taken over by a newer start of this node (pid {m.pid})"
@@ -548,11 +592,19 @@ class ClusterHead:
         address = peer[0] if isinstance(peer, tuple) else ""
         again = m.joins > 0 and m.instance == instance
         self._channels[rank] = ch
-        self.membership.join(rank, host=host, address=address, pid=pid, instance=instance, units=units,
-                             components=comps, ready=msg.ready)
+        self.membership.join(
+            rank, host=host, address=address, pid=pid, instance=instance, units=units, components=comps, ready=msg.ready
+        )
         self._changed_event.set()
-        await ch.send(Welcome(head_instance=self.instance, head_host=self.host, nodes=self.cfg.nodes,
-                              interval=self.interval))
-        log.info("node reconnected" if again else "node joined", node_rank=rank, host=host, address=address,
-                 pid=pid, units=units)
+        await ch.send(
+            Welcome(head_instance=self.instance, head_host=self.host, nodes=self.cfg.nodes, interval=self.interval)
+        )
+        log.info(
+            "node reconnected" if again else "node joined",
+            node_rank=rank,
+            host=host,
+            address=address,
+            pid=pid,
+            units=units,
+        )
         return rank

@@ -22,8 +22,20 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["JOINING", "LOST", "MAX_REPORT_ROWS", "MAX_TEXT", "READY", "STATES", "Member", "Membership",
-           "clean_rows", "clean_text", "clean_value", "replicas_ready"]
+__all__ = [
+    "JOINING",
+    "LOST",
+    "MAX_REPORT_ROWS",
+    "MAX_TEXT",
+    "READY",
+    "STATES",
+    "Member",
+    "Membership",
+    "clean_rows",
+    "clean_text",
+    "clean_value",
+    "replicas_ready",
+]
 
 JOINING, READY, LOST = "joining", "ready", "lost"
 STATES = (JOINING, READY, LOST)
@@ -36,8 +48,10 @@ MAX_DEPTH = 4  # nesting below a row
 
 # ESC sequences (CSI, OSC up to BEL or ST, and two-character ones), then every other C0/C1
 # control character (tab and newline too: a node's string is one line in ``status``).
-_ESCAPES = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]?|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_]?)"
-                      r"|\x9b[0-?]*[ -/]*[@-~]?")
+_ESCAPES = re.compile(
+    r"\x1b(?:\[[0-?]*[ -/]*[@-~]?|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_]?)"
+    r"|\x9b[0-?]*[ -/]*[@-~]?"
+)
 _CONTROLS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
@@ -101,8 +115,14 @@ ChangeCallback = Callable[[int, str, str, str], None]
 
 
 class Membership:
-    def __init__(self, nodes: int, heartbeat_timeout: float, *, clock: Callable[[], float] = time.monotonic,
-                 on_change: ChangeCallback | None = None) -> None:
+    def __init__(
+        self,
+        nodes: int,
+        heartbeat_timeout: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: ChangeCallback | None = None,
+    ) -> None:
         self.nodes, self.heartbeat_timeout, self.clock = nodes, heartbeat_timeout, clock
         self.on_change = on_change
         now = clock()
@@ -116,9 +136,18 @@ class Membership:
         if old != state and self.on_change is not None:
             self.on_change(m.node_rank, old, state, reason)
 
-    def join(self, node_rank: int, *, host: str, address: str = "", pid: int | None = None, instance: str = "",
-             units: Mapping[str, Any] | None = None, components: Sequence[Mapping[str, Any]] = (),
-             ready: bool = False) -> Member:
+    def join(
+        self,
+        node_rank: int,
+        *,
+        host: str,
+        address: str = "",
+        pid: int | None = None,
+        instance: str = "",
+        units: Mapping[str, Any] | None = None,
+        components: Sequence[Mapping[str, Any]] = (),
+        ready: bool = False,
+    ) -> Member:
         m = self.members[node_rank]
         m.host, m.address, m.pid, m.instance = host, address, pid, instance
         m.units = dict(units or {})
@@ -150,8 +179,11 @@ class Membership:
     def silent(self) -> list[int]:
         """Nodes not lost that have been silent for ``heartbeat_timeout`` (not node 0)."""
         now = self.clock()
-        return [r for r, m in self.members.items()
-                if r and m.state != LOST and m.last_seen is not None and now - m.last_seen > self.heartbeat_timeout]
+        return [
+            r
+            for r, m in self.members.items()
+            if r and m.state != LOST and m.last_seen is not None and now - m.last_seen > self.heartbeat_timeout
+        ]
 
     def all_ready(self) -> bool:
         return all(m.state == READY for m in self.members.values())
@@ -162,17 +194,19 @@ class Membership:
         out = []
         for r in sorted(self.members):
             m = self.members[r]
-            out.append({
-                "node_rank": r,
-                "host": m.host or None,
-                "address": m.address or None,
-                "pid": m.pid,
-                "state": m.state,
-                "reason": m.reason or None,
-                "since_s": round(now - m.since, 3),
-                "last_heartbeat_s": None if m.last_seen is None or r == 0 else round(now - m.last_seen, 3),
-                "joins": m.joins,
-                "units": dict(m.units),
-                "components": [dict(c) for c in m.components],
-            })
+            out.append(
+                {
+                    "node_rank": r,
+                    "host": m.host or None,
+                    "address": m.address or None,
+                    "pid": m.pid,
+                    "state": m.state,
+                    "reason": m.reason or None,
+                    "since_s": round(now - m.since, 3),
+                    "last_heartbeat_s": None if m.last_seen is None or r == 0 else round(now - m.last_seen, 3),
+                    "joins": m.joins,
+                    "units": dict(m.units),
+                    "components": [dict(c) for c in m.components],
+                }
+            )
         return out

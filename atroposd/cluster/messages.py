@@ -56,7 +56,14 @@ _FROM = {H2N: "the head to a node", N2H: "a node to the head"}
 # a join signed for another connection's challenge, fields that do not check, a line that is not
 # a message of the protocol at all.
 MAC, DIRECTION, SESSION, SEQUENCE, CHALLENGE, FIELDS, FRAMING = (
-    "mac", "direction", "session", "sequence", "challenge", "fields", "framing")
+    "mac",
+    "direction",
+    "session",
+    "sequence",
+    "challenge",
+    "fields",
+    "framing",
+)
 REASONS = (MAC, DIRECTION, SESSION, SEQUENCE, CHALLENGE, FIELDS, FRAMING)
 
 _HEX32 = re.compile(r"[0-9a-f]{32}")
@@ -231,17 +238,44 @@ class Resync(Message):
     replica: int
 
 
-MESSAGES: dict[str, type[Message]] = {cls.TYPE: cls for cls in (
-    Hello, Join, Welcome, Refused, Beat, Ack, Report, Stop, Stopped, Leave, Replaced, Ranks, RanksStopped,
-    RankExit, Resync)}
+MESSAGES: dict[str, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (
+        Hello,
+        Join,
+        Welcome,
+        Refused,
+        Beat,
+        Ack,
+        Report,
+        Stop,
+        Stopped,
+        Leave,
+        Replaced,
+        Ranks,
+        RanksStopped,
+        RankExit,
+        Resync,
+    )
+}
 
 
 # ---------------------------------------------------------------------------- checks
 
 
 def _kind(value: Any) -> str:
-    return "null" if value is None else {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-                                         list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+    return (
+        "null"
+        if value is None
+        else {
+            bool: "a boolean",
+            int: "an integer",
+            float: "a number",
+            str: "a string",
+            list: "a list",
+            dict: "an object",
+        }.get(type(value), type(value).__name__)
+    )
 
 
 def _show(name: Any) -> str:

@@ -101,11 +101,19 @@ async def _call(cb: Callback | None, *args: Any) -> None:
 
 
 class ClusterNode:
-    def __init__(self, cfg: ClusterConfig, *, token: bytes, node_rank: int, host: str | None = None,
-                 units: Mapping[str, Any] | None = None, instance: str | None = None,
-                 on_lost_head: Callable[[str], Awaitable[None] | None] | None = None,
-                 on_stop: Callable[[], Awaitable[None] | None] | None = None,
-                 on_message: Callable[[Message], None] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ClusterConfig,
+        *,
+        token: bytes,
+        node_rank: int,
+        host: str | None = None,
+        units: Mapping[str, Any] | None = None,
+        instance: str | None = None,
+        on_lost_head: Callable[[str], Awaitable[None] | None] | None = None,
+        on_stop: Callable[[], Awaitable[None] | None] | None = None,
+        on_message: Callable[[Message], None] | None = None,
+    ) -> None:
         if not cfg.head:
             raise ValueError("cluster.head is required for a node to join")
         if not 0 < node_rank < cfg.nodes:
@@ -161,13 +169,22 @@ class ClusterNode:
         # The head reads at most MAX_JOIN_BYTES before a join: components that would not fit
         # follow in the report sent right after the welcome.
         comps = self._components if len(orjson.dumps(self._components)) <= MAX_JOIN_BYTES // 2 else []
-        return Join(challenge=challenge, nonce=nonce, node_rank=self.node_rank, host=self.host, pid=os.getpid(),
-                    instance=self.instance, units=self.units, components=comps, ready=self._ready,
-                    rejoin=bool(self.head_instance), head_instance=self.head_instance)
+        return Join(
+            challenge=challenge,
+            nonce=nonce,
+            node_rank=self.node_rank,
+            host=self.host,
+            pid=os.getpid(),
+            instance=self.instance,
+            units=self.units,
+            components=comps,
+            ready=self._ready,
+            rejoin=bool(self.head_instance),
+            head_instance=self.head_instance,
+        )
 
     async def _connect(self, timeout: float) -> Channel:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(self.cfg.head, self.cfg.port), timeout)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(self.cfg.head, self.cfg.port), timeout)
         sock = writer.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
@@ -203,8 +220,10 @@ class ClusterNode:
         except WrongToken:
             if welcomed:
                 raise BadMessage(f"an answer from {self.head_address} not signed with this cluster's token") from None
-            raise ClusterRefused(f"the head at {self.head_address} signs with another cluster token "
-                                 "(cluster.token_file differs between the nodes)") from None
+            raise ClusterRefused(
+                f"the head at {self.head_address} signs with another cluster token "
+                "(cluster.token_file differs between the nodes)"
+            ) from None
         if isinstance(msg, Refused):
             reason = msg.reason or "no reason given"
             if msg.fatal:
@@ -224,8 +243,10 @@ class ClusterNode:
         while True:
             left = deadline - self._loop_time()
             if left <= 0:
-                raise ClusterJoinTimeout(f"the head at {self.head_address} did not answer within "
-                                         f"cluster.join_timeout ({self.cfg.join_timeout:g} s)")
+                raise ClusterJoinTimeout(
+                    f"the head at {self.head_address} did not answer within "
+                    f"cluster.join_timeout ({self.cfg.join_timeout:g} s)"
+                )
             error = ""
             try:
                 ch = await self._connect(min(left, 5.0))
@@ -236,8 +257,7 @@ class ClusterNode:
                     welcome = await self._handshake(ch)
                 except ClusterRefused as exc:
                     await ch.close()
-                    log.error("refused by the head", head=self.head_address, node_rank=self.node_rank,
-                              reason=str(exc))
+                    log.error("refused by the head", head=self.head_address, node_rank=self.node_rank, reason=str(exc))
                     raise
                 except (OSError, BadMessage, asyncio.TimeoutError) as exc:
                     await ch.close()
@@ -245,16 +265,26 @@ class ClusterNode:
                 else:
                     if welcome is not None:
                         self._welcomed(ch, welcome)
-                        log.info("joined the cluster", head=self.head_address, node_rank=self.node_rank,
-                                 waited_s=round(self._loop_time() - start, 3))
+                        log.info(
+                            "joined the cluster",
+                            head=self.head_address,
+                            node_rank=self.node_rank,
+                            waited_s=round(self._loop_time() - start, 3),
+                        )
                         return welcome
                     await ch.close()
                     error = "the head closed the connection"
             now = self._loop_time()
             if now - last_log >= _JOIN_LOG_EVERY:
                 last_log = now
-                log.info("waiting for the head", head=self.head_address, node_rank=self.node_rank,
-                         waited_s=round(now - start, 1), join_timeout=self.cfg.join_timeout, error=error)
+                log.info(
+                    "waiting for the head",
+                    head=self.head_address,
+                    node_rank=self.node_rank,
+                    waited_s=round(now - start, 1),
+                    join_timeout=self.cfg.join_timeout,
+                    error=error,
+                )
             await asyncio.sleep(min(backoff, max(0.0, deadline - now)))
             backoff = min(backoff * 2, 2.0)
 
@@ -321,10 +351,15 @@ class ClusterNode:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.interval)
             self._wake.clear()
-            if self._stop_task is None and not self._leaving and \
-                    self._loop_time() - self._last_heard > self.give_up_after:
-                self._lost(f"nothing from the head at {self.head_address} for {self.give_up_after:g} s "
-                           f"(cluster.heartbeat_timeout = {self.cfg.heartbeat_timeout:g} s)")
+            if (
+                self._stop_task is None
+                and not self._leaving
+                and self._loop_time() - self._last_heard > self.give_up_after
+            ):
+                self._lost(
+                    f"nothing from the head at {self.head_address} for {self.give_up_after:g} s "
+                    f"(cluster.heartbeat_timeout = {self.cfg.heartbeat_timeout:g} s)"
+                )
                 return
             ch = self._ch
             if ch is None or self._leaving:
@@ -332,8 +367,9 @@ class ClusterNode:
             try:
                 if self._dirty:
                     self._dirty = False
-                    await asyncio.wait_for(ch.send(Report(components=self._components, ready=self._ready)),
-                                           self.interval)
+                    await asyncio.wait_for(
+                        ch.send(Report(components=self._components, ready=self._ready)), self.interval
+                    )
                 await asyncio.wait_for(ch.send(Beat()), self.interval)
             except (OSError, asyncio.TimeoutError):
                 pass  # a broken connection is the receiver's to notice; silence is checked above
@@ -352,8 +388,11 @@ class ClusterNode:
                 self._drops(exc.reason, str(exc), head=self.head_address)
                 if ch.dropped < MAX_DROPPED:
                     continue
-                log.warning("giving up a connection to the head: too many bad messages", head=self.head_address,
-                            dropped=ch.dropped)
+                log.warning(
+                    "giving up a connection to the head: too many bad messages",
+                    head=self.head_address,
+                    dropped=ch.dropped,
+                )
                 ch.abort()  # mended like a broken connection (a new session)
                 msg = None
             except OSError:
@@ -364,8 +403,10 @@ class ClusterNode:
                     # Arrived after a silence longer than the head allows (this process was
                     # frozen: these lines waited in the socket): the head has found this node
                     # lost meanwhile, whatever the buffered lines say.
-                    self._lost(f"nothing from the head at {self.head_address} for {now - self._last_heard:.1f} s "
-                               f"(cluster.heartbeat_timeout = {self.cfg.heartbeat_timeout:g} s)")
+                    self._lost(
+                        f"nothing from the head at {self.head_address} for {now - self._last_heard:.1f} s "
+                        f"(cluster.heartbeat_timeout = {self.cfg.heartbeat_timeout:g} s)"
+                    )
                     continue
                 self._last_heard = now
                 if isinstance(msg, Replaced):
@@ -404,14 +445,19 @@ class ClusterNode:
             self._ch.abort()
             self._ch = None
         deadline = self._last_heard + self.give_up_after
-        log.warning("connection to the head broken; reconnecting", head=self.head_address,
-                    within_s=round(max(0.0, deadline - self._loop_time()), 1))
+        log.warning(
+            "connection to the head broken; reconnecting",
+            head=self.head_address,
+            within_s=round(max(0.0, deadline - self._loop_time()), 1),
+        )
         backoff = 0.05
         while not self._lost_reason:
             left = deadline - self._loop_time()
             if left <= 0:
-                self._lost(f"the head at {self.head_address} has been unreachable for {self.give_up_after:g} s "
-                           f"(cluster.heartbeat_timeout = {self.cfg.heartbeat_timeout:g} s)")
+                self._lost(
+                    f"the head at {self.head_address} has been unreachable for {self.give_up_after:g} s "
+                    f"(cluster.heartbeat_timeout = {self.cfg.heartbeat_timeout:g} s)"
+                )
                 return False
             try:
                 ch = await self._connect(min(left, 2.0))
@@ -433,8 +479,10 @@ class ClusterNode:
                 continue
             if welcome.head_instance != self.head_instance:
                 await ch.close()
-                self._lost(f"the head at {self.head_address} restarted (another instance): this node must "
-                           "restart and join again")
+                self._lost(
+                    f"the head at {self.head_address} restarted (another instance): this node must "
+                    "restart and join again"
+                )
                 return False
             self._welcomed(ch, welcome)
             self._dirty = True

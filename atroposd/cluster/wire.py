@@ -160,8 +160,11 @@ def _envelope(env: dict[str, Any]) -> tuple[str, str, str, int, Any]:
     each of its type (BadMessage, reason ``fields``)."""
     if set(env) != set(_ENVELOPE):
         missing = [k for k in _ENVELOPE if k not in env]
-        raise BadMessage("an envelope " + (f"without {', '.join(missing)}" if missing else
-                                           f"with {len(env) - len(_ENVELOPE)} key(s) too many"), FIELDS)
+        raise BadMessage(
+            "an envelope "
+            + (f"without {', '.join(missing)}" if missing else f"with {len(env) - len(_ENVELOPE)} key(s) too many"),
+            FIELDS,
+        )
     t, sid, d, seq = env["t"], env["sid"], env["dir"], env["seq"]
     if not isinstance(sid, str) or not isinstance(d, str) or not isinstance(seq, int) or isinstance(seq, bool):
         raise BadMessage("an envelope whose sid, dir or seq is of the wrong type", FIELDS)
@@ -234,8 +237,9 @@ class Session:
         elif sid != self.sid:
             raise BadMessage("a message of another session", SESSION)
         if seq <= self.recv_seq:
-            raise BadMessage(f"sequence number {seq} is not above the last one taken ({self.recv_seq}): "
-                             "a replayed message", SEQUENCE)
+            raise BadMessage(
+                f"sequence number {seq} is not above the last one taken ({self.recv_seq}): a replayed message", SEQUENCE
+            )
         self.recv_seq = seq
         if self.sid is None:
             self.sid = sid
@@ -268,8 +272,13 @@ def open_join(auth: bytes, challenge: str, line: bytes) -> tuple[Session, dict[s
     t, sid, d, seq, m = _envelope(_parse(body))
     if t != Join.TYPE or d != N2H or sid or seq != 0:
         raise BadMessage("a first message that is not a join (type, direction, session or sequence)", FIELDS)
-    if not isinstance(m, dict) or m.get("challenge") != challenge or not isinstance(m.get("nonce"), str) \
-            or len(m["nonce"]) != 32 or m["nonce"].strip("0123456789abcdef"):
+    if (
+        not isinstance(m, dict)
+        or m.get("challenge") != challenge
+        or not isinstance(m.get("nonce"), str)
+        or len(m["nonce"]) != 32
+        or m["nonce"].strip("0123456789abcdef")
+    ):
         raise BadMessage("a join without this connection's challenge and a nonce of 32 hex digits", FIELDS)
     return head_session(auth, challenge, m["nonce"], new_challenge()), m
 
@@ -283,13 +292,16 @@ def _refuse_join(auth: bytes, mac: bytes, body: bytes) -> None:
     if isinstance(env, dict):
         m = env.get("m")
         claimed = m.get("challenge") if isinstance(m, dict) else None
-        if isinstance(claimed, str) and len(claimed) == 32 and \
-                hmac.compare_digest(mac, _mac(join_key(auth, claimed), body)):
-            raise BadMessage("a join signed for another connection's challenge (a recorded join, replayed)",
-                             CHALLENGE)
+        if (
+            isinstance(claimed, str)
+            and len(claimed) == 32
+            and hmac.compare_digest(mac, _mac(join_key(auth, claimed), body))
+        ):
+            raise BadMessage("a join signed for another connection's challenge (a recorded join, replayed)", CHALLENGE)
         if hmac.compare_digest(mac, _mac(auth, body)):
-            raise BadMessage("a message of an older version of the cluster protocol: every node must run the "
-                             "same atroposd version")
+            raise BadMessage(
+                "a message of an older version of the cluster protocol: every node must run the same atroposd version"
+            )
     raise WrongToken("a message not signed with this cluster's token")
 
 
@@ -301,8 +313,9 @@ class Channel:
     a LineTooLong): the head gives a connection ``MAX_JOIN_BYTES`` until it has joined, and
     ``MAX_MESSAGE_BYTES`` after. ``dropped``: the messages of this connection refused so far."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
-                 limit: int = MAX_MESSAGE_BYTES) -> None:
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, limit: int = MAX_MESSAGE_BYTES
+    ) -> None:
         self.reader, self.writer = reader, writer
         self.limit = limit
         self.session: Session | None = None

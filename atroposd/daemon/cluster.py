@@ -66,6 +66,7 @@ class Daemon(Protocol):
     async def stop_units(self, units: list[Unit]) -> None: ...
     def request_stop(self, reason: str, code: Exit = Exit.OK) -> None: ...
 
+
 __all__ = ["HeadLink", "NodeLink", "store_address"]
 
 log = get_logger("atroposd.daemon")
@@ -93,8 +94,10 @@ def store_address(daemon: Daemon) -> str:
 
 def _units(daemon: Daemon) -> dict[str, Any]:
     cfg = daemon.cfg
-    return {"trainer_ranks": cfg.trainer.local_ranks if cfg.trainer.enabled else 0,
-            "replicas": cfg.inference.replicas if cfg.inference.enabled else 0}
+    return {
+        "trainer_ranks": cfg.trainer.local_ranks if cfg.trainer.enabled else 0,
+        "replicas": cfg.inference.replicas if cfg.inference.enabled else 0,
+    }
 
 
 def _rows(units: list[Unit]) -> list[dict[str, Any]]:
@@ -110,9 +113,15 @@ class HeadLink:
         token = _token(daemon)
         self.store_secret = store_secret(token)
         self.store_key = ranks_key(token)
-        self.head = ClusterHead(cfg.cluster, token=token, instance=daemon.nonce, units=_units(daemon),
-                                check_join=self._check_join, on_change=self._on_change,
-                                on_message=self._on_message)
+        self.head = ClusterHead(
+            cfg.cluster,
+            token=token,
+            instance=daemon.nonce,
+            units=_units(daemon),
+            check_join=self._check_join,
+            on_change=self._on_change,
+            on_message=self._on_message,
+        )
         self._rank_exits: list[str] = []
         self._ranks_stopped: dict[int, anyio.Event] = {}
         self.holds_ranks = cfg.trainer.enabled and cfg.trainer.local_ranks > 0
@@ -141,8 +150,10 @@ class HeadLink:
         ours = _units(self.daemon)
         theirs = msg.units
         if theirs.get("trainer_ranks") != ours["trainer_ranks"]:
-            return (f"this node runs {clean_text(theirs.get('trainer_ranks'), 32)} trainer rank(s) and the head "
-                    f"{ours['trainer_ranks']}: trainer.device must list as many devices on every node")
+            return (
+                f"this node runs {clean_text(theirs.get('trainer_ranks'), 32)} trainer rank(s) and the head "
+                f"{ours['trainer_ranks']}: trainer.device must list as many devices on every node"
+            )
         return None
 
     def missing(self) -> list[int]:
@@ -160,7 +171,7 @@ class HeadLink:
         if isinstance(msg, RankExit):
             # a node's strings, cleaned where they arrive (SPEC §13): bounded, no terminal escapes
             name, how = clean_text(msg.name, 128), clean_text(msg.how, 256)
-            self._rank_exits = [*self._rank_exits[-(MAX_RANK_EXITS - 1):], f"{name} on node {rank} {how}"]
+            self._rank_exits = [*self._rank_exits[-(MAX_RANK_EXITS - 1) :], f"{name} on node {rank} {how}"]
             if trainer is not None:
                 trainer.on_rank_exit(f"{name} on node {rank}", how)
         elif isinstance(msg, RanksStopped):
@@ -171,8 +182,11 @@ class HeadLink:
 
     def exited(self) -> list[str]:
         """The other nodes' trainer ranks that exited, and the rank-holding nodes lost."""
-        lost = [f"node {r} {m.state} ({m.reason})" for r, m in self.head.membership.members.items()
-                if r and m.state == LOST and self.holds_ranks]
+        lost = [
+            f"node {r} {m.state} ({m.reason})"
+            for r, m in self.head.membership.members.items()
+            if r and m.state == LOST and self.holds_ranks
+        ]
         return [*self._rank_exits, *lost]
 
     async def wait_nodes(self, on_wait: Callable[[list[int]], None]) -> None:
@@ -188,8 +202,10 @@ class HeadLink:
             on_wait(missing)
             now = time.monotonic()
             if now > deadline:
-                raise RuntimeError(f"node(s) {', '.join(map(str, missing))} not ready within trainer.data_timeout "
-                                   f"({t.data_timeout:g} s): the trainer group cannot form")
+                raise RuntimeError(
+                    f"node(s) {', '.join(map(str, missing))} not ready within trainer.data_timeout "
+                    f"({t.data_timeout:g} s): the trainer group cannot form"
+                )
             if now - last_log >= WAIT_LOG_EVERY_S:
                 last_log = now
                 log.info("the trainer group waits for nodes", nodes=missing, waited_for="ready")
@@ -232,9 +248,16 @@ class NodeLink:
         token = _token(daemon)
         self.store_secret = store_secret(token)
         self.store_key = ranks_key(token)
-        self.node = ClusterNode(cfg.cluster, token=token, node_rank=cfg.node_rank, instance=daemon.nonce,
-                                units=_units(daemon), on_lost_head=self._lost_head, on_stop=self._stop,
-                                on_message=self._on_message)
+        self.node = ClusterNode(
+            cfg.cluster,
+            token=token,
+            node_rank=cfg.node_rank,
+            instance=daemon.nonce,
+            units=_units(daemon),
+            on_lost_head=self._lost_head,
+            on_stop=self._stop,
+            on_message=self._on_message,
+        )
         self._store: Any = None
         self._generation = 0
         self._ranks_lock = anyio.Lock()
@@ -264,8 +287,12 @@ class NodeLink:
     def view(self) -> dict[str, Any]:
         """The node's ``cluster`` of ``status --json``: its head, its link's state, and the messages
         from the head it dropped, by reason."""
-        return {"node_rank": self.daemon.cfg.node_rank, "head": self.node.head_address, "state": self.state,
-                "dropped": self.node.dropped}
+        return {
+            "node_rank": self.daemon.cfg.node_rank,
+            "head": self.node.head_address,
+            "state": self.state,
+            "dropped": self.node.dropped,
+        }
 
     def dropped(self) -> dict[str, int]:
         return self.node.dropped
@@ -320,9 +347,13 @@ class NodeLink:
                 self._store.set_timeout(datetime.timedelta(seconds=5))
             self._generation = generation
             d = self.daemon
-            for spec in specs.trainer_rank_specs(d.spec_inputs(), store_address=store_address(d),
-                                                 secret=self.store_secret, key=self.store_key,
-                                                 joined=self._joined):
+            for spec in specs.trainer_rank_specs(
+                d.spec_inputs(),
+                store_address=store_address(d),
+                secret=self.store_secret,
+                key=self.store_key,
+                joined=self._joined,
+            ):
                 d.add_unit(spec)
             log.info("trainer ranks started for the head", generation=generation)
 

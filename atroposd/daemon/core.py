@@ -112,8 +112,9 @@ class Daemon:
         # read by the trainer's metrics rows and /metrics without waiting on a replica.
         self.replica_health = ReplicaHealth.of(cfg)
         self._stall_exit: str | None = None
-        self._record = RecoveryRecord(self.paths, nonce=self.nonce, pid=self.pid, start_time=self.start_time,
-                                      started_at=self.started_at)
+        self._record = RecoveryRecord(
+            self.paths, nonce=self.nonce, pid=self.pid, start_time=self.start_time, started_at=self.started_at
+        )
         # Children start from the environment the daemon was given (before any narrowing of
         # CUDA_VISIBLE_DEVICES for the in-process trainer).
         self._base_env = specs.child_base_env(os.environ)
@@ -150,8 +151,13 @@ class Daemon:
             self.cfg.cluster.node_rank = self.cfg.cluster.resolve_node_rank()
         except ClusterError as exc:
             raise StartFailed(str(exc)) from None
-        log.info("cluster node", node_rank=self.cfg.node_rank, nodes=self.cfg.cluster.nodes,
-                 head=self.cfg.cluster.head, role="head" if self.cfg.is_head else "node")
+        log.info(
+            "cluster node",
+            node_rank=self.cfg.node_rank,
+            nodes=self.cfg.cluster.nodes,
+            head=self.cfg.cluster.head,
+            role="head" if self.cfg.is_head else "node",
+        )
 
     def _check_checkpoint_dir(self) -> None:
         """The trainer resumes from what is in checkpoint_dir: ours and writable by no one else."""
@@ -168,11 +174,13 @@ class Daemon:
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Run ``fn(*args)`` in the daemon's task group (a failure is logged, never raised)."""
+
         async def guarded() -> None:
             try:
                 await fn(*args)
             except Exception:
                 log.exception("background task failed", task=getattr(fn, "__qualname__", str(fn)))
+
         if self._tg is not None:
             self._tg.start_soon(guarded)
 
@@ -186,8 +194,9 @@ class Daemon:
             reaper.set_child_subreaper()
             recover(self.paths)
             self._record.update(())
-            self._hub = LogHub(self.paths.logs_dir, max_bytes=self.cfg.daemon.log_max_bytes,
-                               backups=self.cfg.daemon.log_backups)
+            self._hub = LogHub(
+                self.paths.logs_dir, max_bytes=self.cfg.daemon.log_max_bytes, backups=self.cfg.daemon.log_backups
+            )
             try:
                 self._resolve_node_rank()
                 self._check_checkpoint_dir()
@@ -264,8 +273,15 @@ class Daemon:
     # ------------------------------------------------------------------ start
 
     def spec_inputs(self) -> SpecInputs:
-        return SpecInputs(cfg=self.cfg, paths=self.paths, nonce=self.nonce, model=self.model_path,
-                          tokenizer=self.tokenizer_path, base_env=self._base_env, board=self.board)
+        return SpecInputs(
+            cfg=self.cfg,
+            paths=self.paths,
+            nonce=self.nonce,
+            model=self.model_path,
+            tokenizer=self.tokenizer_path,
+            base_env=self._base_env,
+            board=self.board,
+        )
 
     async def _start_all(self) -> None:
         head = self.cfg.is_head
@@ -293,8 +309,10 @@ class Daemon:
         if self.cfg.inference.enabled:
             # Every replica starts at once; READY waits for each (its health and one generation).
             self.notifier.extend_timeout(self.cfg.inference.ready_timeout + 10)
-            replicas = [self.add_unit(spec, on_ready=self._inference_ready(i))
-                        for i, spec in enumerate(specs.inference_specs(ins))]
+            replicas = [
+                self.add_unit(spec, on_ready=self._inference_ready(i))
+                for i, spec in enumerate(specs.inference_specs(ins))
+            ]
             for unit in replicas:
                 await self._until_ready(unit)
         if self.cfg.trainer.enabled and head:
@@ -336,8 +354,9 @@ class Daemon:
         except ValueError as exc:
             raise StartFailed(str(exc)) from None
         except Exception as exc:  # a full disk or an unwritable state_dir while building builtin:tiny
-            raise StartFailed(f"cannot prepare the model under {self.cfg.state_dir}: "
-                              f"{type(exc).__name__}: {exc}") from None
+            raise StartFailed(
+                f"cannot prepare the model under {self.cfg.state_dir}: {type(exc).__name__}: {exc}"
+            ) from None
         self.model_path, self.tokenizer_path = str(model), str(tokenizer)
 
     async def _until_ready(self, unit: Unit) -> None:
@@ -364,15 +383,27 @@ class Daemon:
         # Watched: the stall watchdog sees a weight sync in flight (the stage "weight_sync").
         t = self.cfg.trainer
         # Several ranks: the weights stream bucket by bucket from rank 0's gathers (SPEC §12.1).
-        self.weights = WatchedSync(make_weight_sync(self.cfg, nonce=self.nonce, control_sockets=socks,
-                                                    bucketed=t.ranks > 1, bucket_bytes=t.sync_bucket_mb << 20))
+        self.weights = WatchedSync(
+            make_weight_sync(
+                self.cfg,
+                nonce=self.nonce,
+                control_sockets=socks,
+                bucketed=t.ranks > 1,
+                bucket_bytes=t.sync_bucket_mb << 20,
+            )
+        )
         host = None
         if self.cfg.trainer.ranks > 1:
             host = await self._rank_host()
-        self.trainer = TrainerService(self.cfg, instance=self.nonce, weights=self.weights,
-                                      envs_alive=self.envs_alive, rank_host=host,
-                                      replica_generations=self.replica_health.generations,
-                                      restart_replica=self.restart_replica if inf.enabled else None)
+        self.trainer = TrainerService(
+            self.cfg,
+            instance=self.nonce,
+            weights=self.weights,
+            envs_alive=self.envs_alive,
+            rank_host=host,
+            replica_generations=self.replica_health.generations,
+            restart_replica=self.restart_replica if inf.enabled else None,
+        )
         assert self._tg is not None
         await self._tg.start(self._run_trainer, self.trainer)
         status = self.trainer.status()
@@ -397,15 +428,16 @@ class Daemon:
             bind = bind_address(c)
             secret, key = link.store_secret, link.store_key
             store = await anyio.to_thread.run_sync(
-                lambda: GroupStore(secret=secret, world=world, host=bind, port=c.port + 1, advertise=c.head,
-                                   key=key))
+                lambda: GroupStore(secret=secret, world=world, host=bind, port=c.port + 1, advertise=c.head, key=key)
+            )
         else:
             store = await anyio.to_thread.run_sync(lambda: GroupStore(secret=self.nonce, world=world))
         self.group_store = store
         return RankHost(self, store)
 
-    async def _run_trainer(self, trainer: TrainerService, *,
-                           task_status: anyio.abc.TaskStatus[Any] = anyio.TASK_STATUS_IGNORED) -> None:
+    async def _run_trainer(
+        self, trainer: TrainerService, *, task_status: anyio.abc.TaskStatus[Any] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
         try:
             with anyio.CancelScope() as scope:
                 self._trainer_scope = scope
@@ -425,6 +457,7 @@ class Daemon:
                 await self.trainer.on_inference_restarted(replica)
             elif restarted and isinstance(self.cluster, NodeLink):
                 self.cluster.replica_restarted(replica)  # the head pushes through this node's first rank
+
         return hook
 
     async def restart_replica(self, replica: int, reason: str) -> bool:
@@ -442,6 +475,7 @@ class Daemon:
 
         def settled(u: Unit) -> bool:
             return (u.restarts > before and u.state == State.READY) or u.state in (State.FAILED, State.STOPPED)
+
         limit = self.cfg.daemon.stop_timeout + self.cfg.inference.ready_timeout + 60.0
         if self.cfg.trainer.stall_timeout > 0:
             # the step waits for it: never long enough for the stall watchdog to end the job (a
@@ -450,8 +484,12 @@ class Daemon:
         with anyio.move_on_after(limit):
             await unit.wait_until(settled)
         ready = unit.state == State.READY and unit.restarts > before
-        log.info("replica restarted" if ready else "replica not back after its restart", unit=unit.name,
-                 replica=replica, state=unit.state.value)
+        log.info(
+            "replica restarted" if ready else "replica not back after its restart",
+            unit=unit.name,
+            replica=replica,
+            state=unit.state.value,
+        )
         return ready
 
     def envs_alive(self) -> bool:
@@ -491,8 +529,11 @@ class Daemon:
                 return Exit.RUNTIME
             unit = event.unit
             if unit.kind == "trainer":
-                if unit.state in (State.FAILED, State.STOPPED) and self.units.get(unit.name) is unit \
-                        and not unit.stop_requested:
+                if (
+                    unit.state in (State.FAILED, State.STOPPED)
+                    and self.units.get(unit.name) is unit
+                    and not unit.stop_requested
+                ):
                     how = unit.last_exit.describe() if unit.last_exit else unit.state.value
                     if self.trainer is not None:
                         self.trainer.on_rank_exit(unit.name, how)
@@ -559,8 +600,14 @@ class Daemon:
         if self.trainer is None or self._tg is None:
             return
         weights = self.weights if isinstance(self.weights, WatchedSync) else None
-        self.watchdog = StallWatchdog(self.cfg, trainer=self.trainer, units=self.units, board=self.board,
-                                      weights=weights, on_unresolved=self._stall_unresolved)
+        self.watchdog = StallWatchdog(
+            self.cfg,
+            trainer=self.trainer,
+            units=self.units,
+            board=self.board,
+            weights=weights,
+            on_unresolved=self._stall_unresolved,
+        )
         self._tg.start_soon(self.watchdog.run, name="stall watchdog")
 
     def _stall_unresolved(self, reason: str) -> None:
@@ -594,8 +641,11 @@ class Daemon:
         """SPEC §6: environments change live; anything else is refused and nothing changes."""
         source = self.cfg.source
         if source.startswith("<"):
-            return {"ok": False, "code": int(Exit.USAGE), "error": "the daemon runs on the built-in defaults: no "
-                                                                "config file to re-read"}
+            return {
+                "ok": False,
+                "code": int(Exit.USAGE),
+                "error": "the daemon runs on the built-in defaults: no config file to re-read",
+            }
         try:
             new = await anyio.to_thread.run_sync(load_config, source)
         except ConfigError as exc:
@@ -744,9 +794,13 @@ class RankHost:
         several machines, once every node is ready, each node starts its own ranks."""
         d = self.daemon
         await self.stop_ranks()
-        for spec in specs.trainer_rank_specs(d.spec_inputs(), store_address=self.store.address,
-                                             secret=self.store.secret, key=self.store.key,
-                                             joined=self.store.joined):
+        for spec in specs.trainer_rank_specs(
+            d.spec_inputs(),
+            store_address=self.store.address,
+            secret=self.store.secret,
+            key=self.store.key,
+            joined=self.store.joined,
+        ):
             d.add_unit(spec)
         link = self._link()
         if link is not None:
@@ -762,10 +816,11 @@ class RankHost:
         """The ranks that exited without being asked to ("trainer-1 killed by SIGKILL"), and the
         rank-holding nodes lost."""
         link = self._link()
-        return [f"{u.name} {u.last_exit.describe() if u.last_exit else u.state.value}"
-                for u in self.daemon.units.values()
-                if u.kind == "trainer" and u.state in (State.FAILED, State.STOPPED) and not u.stop_requested] + \
-            (link.exited() if link is not None else [])
+        return [
+            f"{u.name} {u.last_exit.describe() if u.last_exit else u.state.value}"
+            for u in self.daemon.units.values()
+            if u.kind == "trainer" and u.state in (State.FAILED, State.STOPPED) and not u.stop_requested
+        ] + (link.exited() if link is not None else [])
 
     def nodes_missing(self) -> list[int]:
         """Rank-holding nodes not ready (lost or joining): a restart for them is not counted."""

@@ -57,8 +57,16 @@ if TYPE_CHECKING:
 
     from atroposd.daemon.replicas import ReplicaHealth
 
-__all__ = ["CACHE_S", "MAX_CHILD_BYTES", "SCRAPE_TIMEOUT", "Scrapes", "Target", "exposition", "scrape_targets",
-           "serve_metrics"]
+__all__ = [
+    "CACHE_S",
+    "MAX_CHILD_BYTES",
+    "SCRAPE_TIMEOUT",
+    "Scrapes",
+    "Target",
+    "exposition",
+    "scrape_targets",
+    "serve_metrics",
+]
 
 log = get_logger(__name__)
 
@@ -73,9 +81,15 @@ STEP_PARTS = ("data_wait", "compute", "sync")
 # The last step's timeline (atroposd.timeline): part label, metrics.jsonl key. The trainer's parts
 # overlap the split above (the optimizer step is inside the pause, the pause inside sync); the
 # rollout parts are means over the batch's groups.
-TIMELINE_PARTS = (("prepare", "prepare_s"), ("optimizer", "optimizer_s"), ("pause", "pause_s"),
-                  ("fetch", "fetch_s"), ("rollout_gate", "rollout_gate_s"),
-                  ("rollout_generate", "rollout_generate_s"), ("rollout_delivery", "rollout_delivery_s"))
+TIMELINE_PARTS = (
+    ("prepare", "prepare_s"),
+    ("optimizer", "optimizer_s"),
+    ("pause", "pause_s"),
+    ("fetch", "fetch_s"),
+    ("rollout_gate", "rollout_gate_s"),
+    ("rollout_generate", "rollout_generate_s"),
+    ("rollout_delivery", "rollout_delivery_s"),
+)
 # Gauges of the last step: metric suffix, metrics.jsonl key, help.
 _LAST_STEP = (
     ("reward_std", "reward_std", "Standard deviation of the rewards of the last batch"),
@@ -89,11 +103,13 @@ _LAST_STEP = (
     ("batch_sequences", "sequences", "Sequences in the last batch"),
 )
 _STATUS_GAUGES = (
-    ("step", "step", "Optimizer steps done"), ("total_steps", "total_steps", "Optimizer steps the run trains"),
+    ("step", "step", "Optimizer steps done"),
+    ("total_steps", "total_steps", "Optimizer steps the run trains"),
     ("weight_version", "weight_version", "Weights served"),
     ("reward_mean", "reward_mean", "Mean reward of the last batch"),
     ("accuracy", "accuracy", "Exact-match accuracy of the last batch"),
-    ("loss", "loss", "Loss of the last step"), ("steps_per_s", "steps_per_s", "Optimizer steps per second"),
+    ("loss", "loss", "Loss of the last step"),
+    ("steps_per_s", "steps_per_s", "Optimizer steps per second"),
 )
 
 
@@ -118,8 +134,11 @@ def scrape_targets(d: DaemonView) -> list[Target]:
     api = [u.name for u in d.units.values() if u.kind == "api"] if cfg.api.enabled else ["api"]
     out += [Target(name, f"{cfg.api_url}/metrics", api_headers(cfg)) for name in api]
     if cfg.inference.enabled:  # each server at the URL its readiness probe uses (replicas included)
-        out += [Target(u.name, f"{_base_url(u, cfg.inference_url)}/metrics", inference_headers(cfg))
-                for u in d.units.values() if u.kind == "inference"]
+        out += [
+            Target(u.name, f"{_base_url(u, cfg.inference_url)}/metrics", inference_headers(cfg))
+            for u in d.units.values()
+            if u.kind == "inference"
+        ]
     else:
         out.append(Target("inference", f"{cfg.inference_url}/metrics", inference_headers(cfg)))
     return out
@@ -155,12 +174,19 @@ def supervisor_families(d: DaemonView) -> Iterator[Metric]:
     for value in ("starting", "running", "degraded", "stopping"):
         state.add_metric(["daemon", value], 1.0 if d.state.value == value else 0.0)
     yield state
-    backoff = _counter("atroposd_component_backoff_seconds", "Seconds each component waited to be restarted",
-                       ["component", "kind"])
-    code = _gauge("atroposd_component_last_exit_code", "Exit status of the last exit (negative: the signal); "
-                  "NaN before the first", ["component", "kind"])
-    at = _gauge("atroposd_component_last_exit_timestamp_seconds", "When the last exit happened (Unix time); "
-                "NaN before the first", ["component", "kind"])
+    backoff = _counter(
+        "atroposd_component_backoff_seconds", "Seconds each component waited to be restarted", ["component", "kind"]
+    )
+    code = _gauge(
+        "atroposd_component_last_exit_code",
+        "Exit status of the last exit (negative: the signal); NaN before the first",
+        ["component", "kind"],
+    )
+    at = _gauge(
+        "atroposd_component_last_exit_timestamp_seconds",
+        "When the last exit happened (Unix time); NaN before the first",
+        ["component", "kind"],
+    )
     for u in list(d.units.values()):
         labels = [u.name, u.kind]
         backoff.add_metric(labels, float(getattr(u, "backoff_s", 0.0)))
@@ -191,32 +217,49 @@ def trainer_families(trainer: Any) -> Iterator[Metric]:
         state.add_metric(["trainer", value], 1.0 if st.get("state") == value else 0.0)
     yield state
     keys = {"data_wait": "batch_wait_s", "compute": "compute_s", "sync": "sync_s"}
-    split = _gauge("atroposd_trainer_last_step_seconds", "The last step's time: waiting for data, compute "
-                   "(loss and backward), weight sync (optimizer step and publishing the weights)",
-                   ["component", "part"])
-    totals = _counter("atroposd_trainer_step_seconds", "Seconds spent per part of a step since the trainer "
-                      "started (data_wait, compute, sync)", ["component", "part"])
+    split = _gauge(
+        "atroposd_trainer_last_step_seconds",
+        "The last step's time: waiting for data, compute "
+        "(loss and backward), weight sync (optimizer step and publishing the weights)",
+        ["component", "part"],
+    )
+    totals = _counter(
+        "atroposd_trainer_step_seconds",
+        "Seconds spent per part of a step since the trainer started (data_wait, compute, sync)",
+        ["component", "part"],
+    )
     seconds = view.get("seconds") or {}
     for part in STEP_PARTS:
         split.add_metric(["trainer", part], _num(last.get(keys[part])))
         totals.add_metric(["trainer", part], float(seconds.get(part, 0.0)))
     yield split
     yield totals
-    timeline = _gauge("atroposd_trainer_last_step_timeline_seconds", "The last step's timeline: batch "
-                      "preparation, the optimizer step, the whole pause around it, the GET /batch; and, "
-                      "per group of its batch (mean), the time at the environment's gate, generating, and "
-                      "from posting to the trainer", ["component", "part"])
+    timeline = _gauge(
+        "atroposd_trainer_last_step_timeline_seconds",
+        "The last step's timeline: batch "
+        "preparation, the optimizer step, the whole pause around it, the GET /batch; and, "
+        "per group of its batch (mean), the time at the environment's gate, generating, and "
+        "from posting to the trainer",
+        ["component", "part"],
+    )
     for part, key in TIMELINE_PARTS:
         timeline.add_metric(["trainer", part], _num(last.get(key)))
     yield timeline
     yield from sentinel_families(st.get("sentinel"))
     # the gathering of sharded weights (several ranks), inside the sync part
-    gather = _gauge("atroposd_trainer_last_gather_seconds", "Seconds the last step's weight sync spent "
-                    "gathering the sharded weights (part of its sync seconds; 0 with one rank)", labels)
+    gather = _gauge(
+        "atroposd_trainer_last_gather_seconds",
+        "Seconds the last step's weight sync spent "
+        "gathering the sharded weights (part of its sync seconds; 0 with one rank)",
+        labels,
+    )
     gather.add_metric(comp, _num(last.get("gather_s")))
     yield gather
-    gathered = _counter("atroposd_trainer_gather_seconds", "Seconds weight syncs spent gathering the sharded "
-                        "weights since the trainer started (part of the sync seconds)", labels)
+    gathered = _counter(
+        "atroposd_trainer_gather_seconds",
+        "Seconds weight syncs spent gathering the sharded weights since the trainer started (part of the sync seconds)",
+        labels,
+    )
     gathered.add_metric(comp, float(seconds.get("gather", 0.0)))
     yield gathered
     tokens = _counter("atroposd_trainer_tokens", "Tokens trained on since the trainer started", labels)
@@ -225,14 +268,18 @@ def trainer_families(trainer: Any) -> Iterator[Metric]:
     skipped = _counter("atroposd_trainer_skipped_steps", "Steps skipped for a non-finite loss or gradient", labels)
     skipped.add_metric(comp, float(st.get("skipped_steps") or 0))
     yield skipped
-    rejected = _counter("atroposd_trainer_rejected_groups", "Groups the trainer refused, by reason",
-                        ["component", "reason"])
+    rejected = _counter(
+        "atroposd_trainer_rejected_groups", "Groups the trainer refused, by reason", ["component", "reason"]
+    )
     counts = dict(st.get("rejected_groups") or {})
     for reason in dict.fromkeys([*view.get("rejected_reasons", ()), *counts]):
         rejected.add_metric(["trainer", reason], float(counts.get(reason, 0)))
     yield rejected
-    filtered = _counter("atroposd_trainer_filtered_groups", "Groups filter_groups dropped (all scores equal) "
-                        "since the trainer started", labels)
+    filtered = _counter(
+        "atroposd_trainer_filtered_groups",
+        "Groups filter_groups dropped (all scores equal) since the trainer started",
+        labels,
+    )
     filtered.add_metric(comp, float(st.get("filtered_groups") or 0))
     yield filtered
     failures = _counter("atroposd_trainer_checkpoint_failures", "Checkpoint writes that failed", labels)
@@ -248,24 +295,36 @@ def sentinel_families(sentinel: Any) -> Iterator[Metric]:
     resyncs and time per check (the trainer's status; nothing while the sentinel is off)."""
     if not isinstance(sentinel, dict):
         return
-    drift = _gauge("atroposd_replica_drift", "Each inference replica's last canary drift: mean |trainer logprob "
-                   "- replica logprob| per greedy canary token (NaN before its first check)", ["replica"])
-    quarantined = _gauge("atroposd_replica_quarantined", "1 while the sentinel keeps the replica out of rotation "
-                         "(its generation routes answer 503)", ["replica"])
+    drift = _gauge(
+        "atroposd_replica_drift",
+        "Each inference replica's last canary drift: mean |trainer logprob "
+        "- replica logprob| per greedy canary token (NaN before its first check)",
+        ["replica"],
+    )
+    quarantined = _gauge(
+        "atroposd_replica_quarantined",
+        "1 while the sentinel keeps the replica out of rotation (its generation routes answer 503)",
+        ["replica"],
+    )
     held = sentinel.get("quarantined") or {}
     for i, value in enumerate(sentinel.get("replica_drift") or []):
         drift.add_metric([str(i)], _num(value))
         quarantined.add_metric([str(i)], 1.0 if str(i) in held else 0.0)
     yield drift
     yield quarantined
-    for name, key, doc in (("resyncs", "resyncs", "Replicas synced again after a drift over drift_limit"),
-                           ("restarts", "restarts", "Replicas restarted after a resync did not bring the drift back"),
-                           ("checks", "checks", "Canary checks of one replica")):
+    for name, key, doc in (
+        ("resyncs", "resyncs", "Replicas synced again after a drift over drift_limit"),
+        ("restarts", "restarts", "Replicas restarted after a resync did not bring the drift back"),
+        ("checks", "checks", "Canary checks of one replica"),
+    ):
         c = _counter(f"atroposd_sentinel_{name}", doc, [])
         c.add_metric([], float(sentinel.get(key) or 0))
         yield c
-    per = _gauge("atroposd_sentinel_check_seconds", "Mean seconds of one replica's canary check (generation "
-                 "and the trainer's scoring)", [])
+    per = _gauge(
+        "atroposd_sentinel_check_seconds",
+        "Mean seconds of one replica's canary check (generation and the trainer's scoring)",
+        [],
+    )
     per.add_metric([], _num(sentinel.get("check_s")))
     yield per
 
@@ -273,10 +332,18 @@ def sentinel_families(sentinel: Any) -> Iterator[Metric]:
 def replica_families(health: ReplicaHealth) -> Iterator[Metric]:
     """Each inference replica's generations and weight_version, as the daemon's poll of its
     ``/health`` last saw them (also while the replica does not answer)."""
-    gens = _counter("atroposd_replica_generations", "Generation requests each inference replica answered (its "
-                    "/health, polled every 2 s; the last known value while it does not answer)", ["component"])
-    version = _gauge("atroposd_replica_weight_version", "Weight version each inference replica serves (its "
-                     "/health, polled every 2 s; the last known value; NaN before it answered)", ["component"])
+    gens = _counter(
+        "atroposd_replica_generations",
+        "Generation requests each inference replica answered (its "
+        "/health, polled every 2 s; the last known value while it does not answer)",
+        ["component"],
+    )
+    version = _gauge(
+        "atroposd_replica_weight_version",
+        "Weight version each inference replica serves (its "
+        "/health, polled every 2 s; the last known value; NaN before it answered)",
+        ["component"],
+    )
     for r in health.replicas:
         gens.add_metric([r.name], float(r.generations or 0))
         version.add_metric([r.name], _num(r.weight_version))
@@ -303,13 +370,18 @@ class _Merged:
         name = family.name if family.name.startswith(PREFIX) else PREFIX + family.name
         have = self.families.get(name)
         if have is not None and have.type != family.type:
-            log.warning("metrics family dropped: its type differs from another component's",
-                        family=name, component=component, type=family.type, other=have.type)
+            log.warning(
+                "metrics family dropped: its type differs from another component's",
+                family=name,
+                component=component,
+                type=family.type,
+                other=have.type,
+            )
             return
         if have is None:
             have = self.families[name] = MetricCls(name, family.documentation, family.type, family.unit)
         for s in family.samples:
-            sample_name = name + s.name[len(family.name):] if s.name.startswith(family.name) else PREFIX + s.name
+            sample_name = name + s.name[len(family.name) :] if s.name.startswith(family.name) else PREFIX + s.name
             labels = {"component": component, **s.labels} if "component" not in s.labels else dict(s.labels)
             key = (sample_name, tuple(sorted(labels.items())))
             if key in self._seen:
@@ -352,8 +424,11 @@ async def _scrape(session: Any, target: Target, limit: int | None = None) -> byt
             async for chunk in resp.content.iter_chunked(1 << 16):
                 size += len(chunk)
                 if size > limit:
-                    log.warning("a component's metrics exceed the size cap; left out", component=target.component,
-                                limit_bytes=limit)
+                    log.warning(
+                        "a component's metrics exceed the size cap; left out",
+                        component=target.component,
+                        limit_bytes=limit,
+                    )
                     return None
                 chunks.append(chunk)
             return b"".join(chunks)
@@ -401,8 +476,9 @@ def cluster_families(link: Any) -> Iterator[Metric]:
     from atroposd.cluster.messages import REASONS
 
     counts = link.dropped()
-    dropped = _counter("atroposd_cluster_messages_dropped", "Cluster endpoint messages dropped (never acted on), "
-                       "by reason", ["reason"])
+    dropped = _counter(
+        "atroposd_cluster_messages_dropped", "Cluster endpoint messages dropped (never acted on), by reason", ["reason"]
+    )
     for reason in dict.fromkeys([*REASONS, *counts]):
         dropped.add_metric([reason], float(counts.get(reason, 0)))
     yield dropped
@@ -415,23 +491,31 @@ def weight_sync_families(cfg: Any, weights: Any) -> Iterator[Metric]:
     from atroposd.weights.sync import replica_sync_status
 
     rows = [(inference_name(cfg, i), replica_sync_status(weights, i)) for i in range(cfg.inference.replicas)]
-    mode = _gauge("atroposd_replica_weight_sync", "The weight-sync mode each inference replica got (1)",
-                  ["component", "mode"])
+    mode = _gauge(
+        "atroposd_replica_weight_sync", "The weight-sync mode each inference replica got (1)", ["component", "mode"]
+    )
     for name, row in rows:
         mode.add_metric([name, str(row.get("mode"))], 1.0)
     yield mode
     if not any(row.get("mode") == "broadcast" for _, row in rows):
         return
-    formed = _gauge("atroposd_replica_broadcast_group", "1 while the replica's broadcast group is formed",
-                    ["component"])
-    formations = _counter("atroposd_replica_broadcast_formations", "Broadcast groups formed with the replica",
-                          ["component"])
-    failures = _counter("atroposd_replica_broadcast_failures", "Broadcast syncs of the replica that failed: "
-                        "a group that did not form within its deadline (form), a stream that broke (send)",
-                        ["component", "kind"])
-    transfer = _gauge("atroposd_replica_broadcast_last_transfer_seconds", "Seconds the replica's last "
-                      "broadcast sync took from the plan's check to its last bucket (NaN before one)",
-                      ["component"])
+    formed = _gauge(
+        "atroposd_replica_broadcast_group", "1 while the replica's broadcast group is formed", ["component"]
+    )
+    formations = _counter(
+        "atroposd_replica_broadcast_formations", "Broadcast groups formed with the replica", ["component"]
+    )
+    failures = _counter(
+        "atroposd_replica_broadcast_failures",
+        "Broadcast syncs of the replica that failed: "
+        "a group that did not form within its deadline (form), a stream that broke (send)",
+        ["component", "kind"],
+    )
+    transfer = _gauge(
+        "atroposd_replica_broadcast_last_transfer_seconds",
+        "Seconds the replica's last broadcast sync took from the plan's check to its last bucket (NaN before one)",
+        ["component"],
+    )
     for name, row in rows:
         formed.add_metric([name], 1.0 if row.get("group") == "formed" else 0.0)
         formations.add_metric([name], float(row.get("formations") or 0))
@@ -444,19 +528,36 @@ def weight_sync_families(cfg: Any, weights: Any) -> Iterator[Metric]:
     yield transfer
 
 
-def _assemble(targets: list[Target], texts: dict[str, bytes | None], took: dict[str, float], deadline_s: float,
-              own: list[tuple[Metric, str]], trainer: bool, withheld: list[str]) -> bytes:
+def _assemble(
+    targets: list[Target],
+    texts: dict[str, bytes | None],
+    took: dict[str, float],
+    deadline_s: float,
+    own: list[tuple[Metric, str]],
+    trainer: bool,
+    withheld: list[str],
+) -> bytes:
     """Parse the children's texts and merge everything into one page (worker thread)."""
     merged = _Merged()
-    up = _gauge("atroposd_component_up", "1 when the component answered this scrape (the daemon and the "
-                "trainer: always 1)", ["component"])
+    up = _gauge(
+        "atroposd_component_up",
+        "1 when the component answered this scrape (the daemon and the trainer: always 1)",
+        ["component"],
+    )
     up.add_metric(["daemon"], 1.0)
     if trainer:
         up.add_metric(["trainer"], 1.0)
-    duration = _gauge("atroposd_component_scrape_seconds", "How long the component's /metrics took to answer "
-                      "(or the deadline)", ["component"])
-    hidden = _gauge("atroposd_component_withheld", "1 when the component's series need a token and this scrape "
-                    "did not present [daemon] metrics_token: they are left out", ["component"])
+    duration = _gauge(
+        "atroposd_component_scrape_seconds",
+        "How long the component's /metrics took to answer (or the deadline)",
+        ["component"],
+    )
+    hidden = _gauge(
+        "atroposd_component_withheld",
+        "1 when the component's series need a token and this scrape "
+        "did not present [daemon] metrics_token: they are left out",
+        ["component"],
+    )
     parsed: list[tuple[str, list[Metric]]] = []
     for t in targets:
         families = _parse_child(t.component, texts[t.component])
@@ -501,8 +602,9 @@ async def exposition(d: DaemonView, *, deadline_s: float = SCRAPE_TIMEOUT, prote
                 for t in targets:
                     tg.start_soon(one, session, t)
     own = _own_families(d)
-    return await anyio.to_thread.run_sync(_assemble, targets, texts, took, deadline_s, own, d.trainer is not None,
-                                          withheld)
+    return await anyio.to_thread.run_sync(
+        _assemble, targets, texts, took, deadline_s, own, d.trainer is not None, withheld
+    )
 
 
 class Scrapes:
@@ -546,10 +648,14 @@ def _bearer_ok(header: str, token: str) -> bool:
 
 # ----------------------------------------------------------------------------- the supervisor's own
 
-_TRAINER_GAUGES = (("step", "Optimizer steps done"), ("weight_version", "Weights served"),
-                   ("reward_mean", "Mean reward of the last batch"),
-                   ("accuracy", "Exact-match accuracy of the last batch"),
-                   ("loss", "Loss of the last step"), ("steps_per_s", "Optimizer steps per second"))
+_TRAINER_GAUGES = (
+    ("step", "Optimizer steps done"),
+    ("weight_version", "Weights served"),
+    ("reward_mean", "Mean reward of the last batch"),
+    ("accuracy", "Exact-match accuracy of the last batch"),
+    ("loss", "Loss of the last step"),
+    ("steps_per_s", "Optimizer steps per second"),
+)
 
 
 class DaemonCollector:
@@ -565,13 +671,17 @@ class DaemonCollector:
         up = GaugeMetricFamily("atroposd_uptime_seconds", "Seconds since the daemon started")
         up.add_metric([], d.uptime())
         yield up
-        state = GaugeMetricFamily("atroposd_component_state", "1 for the state each component is in",
-                                  labels=["component", "kind", "state"])
-        restarts = CounterMetricFamily("atroposd_component_restarts", "Restarts of each component",
-                                       labels=["component", "kind"])
-        dropped = CounterMetricFamily("atroposd_component_log_dropped_bytes",
-                                      "Output a component wrote faster than its log could take",
-                                      labels=["component", "kind"])
+        state = GaugeMetricFamily(
+            "atroposd_component_state", "1 for the state each component is in", labels=["component", "kind", "state"]
+        )
+        restarts = CounterMetricFamily(
+            "atroposd_component_restarts", "Restarts of each component", labels=["component", "kind"]
+        )
+        dropped = CounterMetricFamily(
+            "atroposd_component_log_dropped_bytes",
+            "Output a component wrote faster than its log could take",
+            labels=["component", "kind"],
+        )
         for u in list(d.units.values()):
             for st in State:
                 state.add_metric([u.name, u.kind, st.value], 1.0 if u.state == st else 0.0)
@@ -580,8 +690,9 @@ class DaemonCollector:
         yield state
         yield restarts
         yield dropped
-        hung = CounterMetricFamily("atroposd_component_hung", "Times each component was stopped as hung",
-                                   labels=["component", "kind"])
+        hung = CounterMetricFamily(
+            "atroposd_component_hung", "Times each component was stopped as hung", labels=["component", "kind"]
+        )
         for u in list(d.units.values()):
             hung.add_metric([u.name, u.kind], u.hung_count)
         yield hung
@@ -594,16 +705,19 @@ class DaemonCollector:
                     yield g
             from atroposd.daemon.watchdog import STAGES
 
-            stalled = GaugeMetricFamily("atroposd_trainer_stalled_seconds",
-                                        "Seconds the trainer has made no step, by the stage that is stuck "
-                                        "(0 while it advances)", labels=["stage"])
+            stalled = GaugeMetricFamily(
+                "atroposd_trainer_stalled_seconds",
+                "Seconds the trainer has made no step, by the stage that is stuck (0 while it advances)",
+                labels=["stage"],
+            )
             for stage in STAGES:
                 stalled.add_metric([stage], float(t.get("stalled_for_s") or 0.0) if t.get("stage") == stage else 0.0)
             yield stalled
 
 
-async def serve_metrics(d: DaemonView, port: int, *,
-                        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+async def serve_metrics(
+    d: DaemonView, port: int, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+) -> None:
     """The whole job's metrics on 127.0.0.1:``port`` (:class:`Scrapes`: one gathering at a time,
     cached :data:`CACHE_S`)."""
     from aiohttp import web
@@ -615,12 +729,16 @@ async def serve_metrics(d: DaemonView, port: int, *,
 
     async def metrics(request: web.Request) -> web.Response:
         if not host_allowed(request.headers.get("Host"), own):
-            return web.Response(status=421, text="Host header names another host; these metrics answer only to "
-                                                 "localhost, loopback addresses and this machine's names\n")
+            return web.Response(
+                status=421,
+                text="Host header names another host; these metrics answer only to "
+                "localhost, loopback addresses and this machine's names\n",
+            )
         auth = request.headers.get("Authorization")
         if auth is not None and not (token and _bearer_ok(auth, token)):
-            return web.Response(status=401, text="wrong bearer token ([daemon] metrics_token)\n",
-                                headers={"WWW-Authenticate": "Bearer"})
+            return web.Response(
+                status=401, text="wrong bearer token ([daemon] metrics_token)\n", headers={"WWW-Authenticate": "Bearer"}
+            )
         body = await scrapes.page(protected=auth is not None)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

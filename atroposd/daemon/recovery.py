@@ -100,8 +100,12 @@ class RecoveryRecord:
         if (key, segments) == (self._key, self._segments) and self.path.exists():
             return
         self._key, self._segments = key, segments
-        reaper.write_record(self.path, reaper.InstanceRecord(self.nonce, self.pid, self.start_time, list(key),
-                                                             list(segments), started_at=self.started_at))
+        reaper.write_record(
+            self.path,
+            reaper.InstanceRecord(
+                self.nonce, self.pid, self.start_time, list(key), list(segments), started_at=self.started_at
+            ),
+        )
 
     def remove(self) -> None:
         """At a clean exit (every child gone): nothing is left to recover."""

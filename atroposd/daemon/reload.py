@@ -53,8 +53,11 @@ class ReloadPlan:
         return (*self.added, *self.changed)
 
     def refusal(self) -> str:
-        return ("reload refused: these keys need a restart of the daemon: " + ", ".join(self.refused)
-                + "; nothing was changed")
+        return (
+            "reload refused: these keys need a restart of the daemon: "
+            + ", ".join(self.refused)
+            + "; nothing was changed"
+        )
 
 
 def plan_reload(old: Config, new: Config) -> ReloadPlan:

@@ -29,8 +29,9 @@ POLL_INTERVAL = 2.0
 POLL_TIMEOUT = 1.5
 
 
-async def fetch_health(session: aiohttp.ClientSession, url: str,
-                       headers: dict[str, str] | None = None) -> dict[str, Any] | None:
+async def fetch_health(
+    session: aiohttp.ClientSession, url: str, headers: dict[str, str] | None = None
+) -> dict[str, Any] | None:
     """A replica's ``/health`` body (``url`` without the path); None when it does not answer 200
     with a JSON object in the session's timeout. ``headers``: the inference token, if any."""
     import aiohttp
@@ -62,8 +63,15 @@ class ReplicaSeen:
 class ReplicaHealth:
     """The latest ``/health`` of each inference replica, replica 0 first."""
 
-    def __init__(self, names: Sequence[str], urls: Sequence[str], *, interval: float = POLL_INTERVAL,
-                 timeout: float = POLL_TIMEOUT, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        names: Sequence[str],
+        urls: Sequence[str],
+        *,
+        interval: float = POLL_INTERVAL,
+        timeout: float = POLL_TIMEOUT,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         if len(names) != len(urls):
             raise ValueError(f"{len(names)} replica names for {len(urls)} URLs")
         if interval <= 0 or timeout <= 0:
@@ -88,6 +96,7 @@ class ReplicaHealth:
 
     async def poll(self, session: aiohttp.ClientSession) -> None:
         """One round: every replica at once."""
+
         async def one(r: ReplicaSeen) -> None:
             data = None
             with anyio.move_on_after(self.timeout):

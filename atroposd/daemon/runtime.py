@@ -103,8 +103,10 @@ def check_port(host: str, port: int, what: str) -> None:
             if exc.errno != errno.EADDRINUSE:
                 raise StartFailed(f"{what}: cannot bind {host}:{port}: {exc.strerror or exc}") from None
             owner = port_owner(port)
-            raise StartFailed(f"{what}: port {port} on {host} is already in use"
-                              + (f" by {owner}" if owner else " (owner not visible to this user)")) from None
+            raise StartFailed(
+                f"{what}: port {port} on {host} is already in use"
+                + (f" by {owner}" if owner else " (owner not visible to this user)")
+            ) from None
 
 
 def ports_to_check(cfg: Config) -> list[tuple[str, int, str]]:
@@ -114,12 +116,16 @@ def ports_to_check(cfg: Config) -> list[tuple[str, int, str]]:
         out.append((cfg.api.host, cfg.api.port, "api.port"))
     if cfg.cluster.enabled and cfg.is_head:
         bind = cfg.cluster.head if is_loopback(cfg.cluster.head) else "0.0.0.0"
-        out += [(bind, cfg.cluster.port, "cluster.port"),
-                (bind, cfg.cluster.port + 1, "cluster.port (+ 1: the trainer ranks' store)")]
+        out += [
+            (bind, cfg.cluster.port, "cluster.port"),
+            (bind, cfg.cluster.port + 1, "cluster.port (+ 1: the trainer ranks' store)"),
+        ]
     if cfg.inference.enabled:
         inf = cfg.inference
-        out += [(inf.host, inf.port + r, "inference.port" if inf.replicas == 1 else f"inference.port (replica {r})")
-                for r in range(inf.replicas)]
+        out += [
+            (inf.host, inf.port + r, "inference.port" if inf.replicas == 1 else f"inference.port (replica {r})")
+            for r in range(inf.replicas)
+        ]
     if cfg.daemon.metrics_port:
         out.append(("127.0.0.1", cfg.daemon.metrics_port, "daemon.metrics_port"))
     for i, e in enumerate(cfg.env):
@@ -150,7 +156,10 @@ def remove_child_config(paths: Paths, nonce: str) -> None:
 
 def remove_dead_runtime_files(runtime_dir: Path) -> None:
     """Sockets and child configs of a daemon that died (the caller holds the pidfile lock)."""
-    for path in [*runtime_dir.glob("inference-*.sock"), *runtime_dir.glob("config-*.toml"),
-                 *runtime_dir.glob(".config-*.tmp")]:
+    for path in [
+        *runtime_dir.glob("inference-*.sock"),
+        *runtime_dir.glob("config-*.toml"),
+        *runtime_dir.glob(".config-*.tmp"),
+    ]:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()

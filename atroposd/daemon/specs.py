@@ -86,18 +86,26 @@ def inference_headers(cfg: Config) -> dict[str, str]:
     return {"Authorization": f"Bearer {cfg.inference.token}"} if cfg.inference.token else {}
 
 
-def placeholder_values(ins: SpecInputs, *, name: str = "", replica: int = 0,
-                       env: EnvConfig | None = None) -> dict[str, str]:
+def placeholder_values(
+    ins: SpecInputs, *, name: str = "", replica: int = 0, env: EnvConfig | None = None
+) -> dict[str, str]:
     """The values of SPEC §3's placeholders for one child (``{port}`` excepted)."""
     c = ins.cfg
     urls = c.inference_urls
     # An environment replica's own inference replica (replica index mod replicas); others: replica 0.
     url = urls[replica % len(urls)] if env is not None else urls[0]
     values = {
-        "api_url": c.api_url, "inference_url": url, "inference_urls": ",".join(urls), "openai_url": url + "/v1",
-        "model": ins.model, "tokenizer": ins.tokenizer,
-        "group_size": str(env.group_size if env else 0), "max_token_len": str(c.trainer.max_token_len),
-        "steps": str(c.trainer.steps), "name": name, "replica": str(replica),
+        "api_url": c.api_url,
+        "inference_url": url,
+        "inference_urls": ",".join(urls),
+        "openai_url": url + "/v1",
+        "model": ins.model,
+        "tokenizer": ins.tokenizer,
+        "group_size": str(env.group_size if env else 0),
+        "max_token_len": str(c.trainer.max_token_len),
+        "steps": str(c.trainer.steps),
+        "name": name,
+        "replica": str(replica),
         "seed": str(c.trainer.seed + replica),
         "replica_port": str(env.port_base + replica) if env and env.port_base else "",
         # {inference_token} / ATROPOSD_INFERENCE_TOKEN: "" when the servers require none
@@ -135,10 +143,17 @@ def api_spec(ins: SpecInputs) -> UnitSpec:
         argv = _atroposd(ins, "api", "-c", ins.child_config)
     values.pop("group_size")
     live = LiveSettings(c.api.live_interval, c.api.live_timeout, c.api.live_failures)
-    return UnitSpec(name="api", kind="api", argv=argv, env=child_env(ins, values),
-                    probe=HttpProbe(f"{c.api_url}/info", api_headers(c)), ready_timeout=API_READY_TIMEOUT,
-                    stop_timeout=c.daemon.stop_timeout, live=live,
-                    live_check=HttpLiveCheck(f"{c.api_url}/info", c.api.live_timeout, api_headers(c)))
+    return UnitSpec(
+        name="api",
+        kind="api",
+        argv=argv,
+        env=child_env(ins, values),
+        probe=HttpProbe(f"{c.api_url}/info", api_headers(c)),
+        ready_timeout=API_READY_TIMEOUT,
+        stop_timeout=c.daemon.stop_timeout,
+        live=live,
+        live_check=HttpLiveCheck(f"{c.api_url}/info", c.api.live_timeout, api_headers(c)),
+    )
 
 
 def inference_name(cfg: Config, replica: int) -> str:
@@ -206,13 +221,26 @@ def inference_spec(ins: SpecInputs, replica: int = 0) -> UnitSpec:
     # SIGTERM on the daemon's death: the server shuts its engine (and its process group) down.
     i = c.inference
     live = LiveSettings(i.live_interval, i.live_timeout, i.live_failures)
-    check = InferenceLiveCheck(c.inference_urls[replica], sock, timeout=i.live_timeout,
-                               generate_every=i.live_generate_every, failures=i.live_failures,
-                               headers=inference_headers(c))
-    return UnitSpec(name=name, kind="inference", argv=argv, env=env,
-                    probe=InferenceProbe(c.inference_urls[replica], sock, inference_headers(c)),
-                    ready_timeout=c.inference.ready_timeout,
-                    stop_timeout=c.daemon.stop_timeout, death_signal=signal.SIGTERM, live=live, live_check=check)
+    check = InferenceLiveCheck(
+        c.inference_urls[replica],
+        sock,
+        timeout=i.live_timeout,
+        generate_every=i.live_generate_every,
+        failures=i.live_failures,
+        headers=inference_headers(c),
+    )
+    return UnitSpec(
+        name=name,
+        kind="inference",
+        argv=argv,
+        env=env,
+        probe=InferenceProbe(c.inference_urls[replica], sock, inference_headers(c)),
+        ready_timeout=c.inference.ready_timeout,
+        stop_timeout=c.daemon.stop_timeout,
+        death_signal=signal.SIGTERM,
+        live=live,
+        live_check=check,
+    )
 
 
 def inference_specs(ins: SpecInputs) -> list[UnitSpec]:
@@ -224,8 +252,11 @@ def inference_specs(ins: SpecInputs) -> list[UnitSpec]:
 # failed collective (SPEC §12.1): the daemon sets them for itself and gives them to every rank.
 # The NCCL ones are set, overriding the environment (its defaults end the process on a failed
 # collective, which would pre-empt the group restart); gloo's interface is only a default.
-TRAINER_GROUP_ENV = {"GLOO_SOCKET_IFNAME": "lo", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
-                     "TORCH_NCCL_ENABLE_MONITORING": "0"}
+TRAINER_GROUP_ENV = {
+    "GLOO_SOCKET_IFNAME": "lo",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+}
 TRAINER_GROUP_DEFAULTS = ("GLOO_SOCKET_IFNAME",)
 
 
@@ -241,8 +272,9 @@ def trainer_group_env(cfg: Config, environ: Mapping[str, str] | None = None) -> 
     return env
 
 
-def trainer_rank_specs(ins: SpecInputs, *, store_address: str, secret: str, key: bytes,
-                       joined: Callable[[int], bool]) -> list[UnitSpec]:
+def trainer_rank_specs(
+    ins: SpecInputs, *, store_address: str, secret: str, key: bytes, joined: Callable[[int], bool]
+) -> list[UnitSpec]:
     """This node's trainer ranks other than 0 (``atroposd trainer-rank``), components
     ``trainer-<global rank>``: ready once joined (``joined(rank)``); never restarted alone — a
     rank's exit restarts the whole group. On a node other than the head, its first rank feeds
@@ -263,17 +295,26 @@ def trainer_rank_specs(ins: SpecInputs, *, store_address: str, secret: str, key:
         env.update(trainer_group_env(c, ins.base_env))
         env.update({STORE_VAR: store_address, SECRET_VAR: secret, KEY_VAR: key.hex()})
         if local == 0 and c.inference.enabled and c.weight_sync in ("push", "reload"):
-            env[NODE_REPLICAS_VAR] = ",".join(str(ins.paths.inference_socket(c.inference.port + i))
-                                              for i in range(c.inference.replicas))
+            env[NODE_REPLICAS_VAR] = ",".join(
+                str(ins.paths.inference_socket(c.inference.port + i)) for i in range(c.inference.replicas)
+            )
         own, visible = replica_device(device, ins.base_env)
         if visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible
             env[DEVICE_VAR] = own
         argv = _atroposd(ins, "trainer-rank", "-c", ins.child_config, "--rank", str(rank))
-        out.append(UnitSpec(name=name, kind="trainer", argv=argv, env=env,
-                            probe=ConditionProbe("joined the trainer group", functools.partial(joined, rank)),
-                            ready_timeout=c.trainer.join_timeout, stop_timeout=c.daemon.stop_timeout,
-                            restart="never"))
+        out.append(
+            UnitSpec(
+                name=name,
+                kind="trainer",
+                argv=argv,
+                env=env,
+                probe=ConditionProbe("joined the trainer group", functools.partial(joined, rank)),
+                ready_timeout=c.trainer.join_timeout,
+                stop_timeout=c.daemon.stop_timeout,
+                restart="never",
+            )
+        )
     return out
 
 
@@ -300,17 +341,31 @@ def env_specs(ins: SpecInputs, e: EnvConfig) -> list[UnitSpec]:
         probe: Probe = StartedProbe(e.start_seconds)
         if e.ready == "registered":
             names = (name, e.name) if e.replicas == 1 else (name,)
-            probe = RegisteredProbe(ins.cfg.api_url, names, fallback=StartedProbe(e.start_seconds),
-                                    headers=api_headers(ins.cfg))
+            probe = RegisteredProbe(
+                ins.cfg.api_url, names, fallback=StartedProbe(e.start_seconds), headers=api_headers(ins.cfg)
+            )
         env = _wandb_env(ins, child_env(ins, values))
         live, check = env_liveness(ins, e)
         if ins.board is not None:
             env[heartbeat.ENV_SOCKET] = str(ins.heartbeat_socket)
             env[heartbeat.ENV_INTERVAL] = f"{min(1.0, max(0.05, e.live_timeout / 3)):g}"
-        specs.append(UnitSpec(name=name, kind="env", argv=argv, env=env, probe=probe,
-                              ready_timeout=e.ready_timeout, stop_timeout=ins.cfg.daemon.stop_timeout,
-                              stop_signal=stop_signal, restart=e.restart, max_restarts=e.max_restarts,
-                              restart_window=e.restart_window, live=live, live_check=check))
+        specs.append(
+            UnitSpec(
+                name=name,
+                kind="env",
+                argv=argv,
+                env=env,
+                probe=probe,
+                ready_timeout=e.ready_timeout,
+                stop_timeout=ins.cfg.daemon.stop_timeout,
+                stop_signal=stop_signal,
+                restart=e.restart,
+                max_restarts=e.max_restarts,
+                restart_window=e.restart_window,
+                live=live,
+                live_check=check,
+            )
+        )
     return specs
 
 

@@ -76,8 +76,10 @@ async def status(d: DaemonView) -> dict[str, Any]:
     components: list[dict[str, Any]] = []
     async with _session(PROBE_TIMEOUT) as session:
         # another node's API is the head's: probed there, not supervised here
-        for kind, enabled, url in (("api", cfg.api.enabled and cfg.is_head, f"{cfg.api_url}/info"),
-                                   ("inference", cfg.inference.enabled, f"{cfg.inference_url}/health")):
+        for kind, enabled, url in (
+            ("api", cfg.api.enabled and cfg.is_head, f"{cfg.api_url}/info"),
+            ("inference", cfg.inference.enabled, f"{cfg.inference_url}/health"),
+        ):
             if enabled:
                 rows = [u.status() for u in d.units.values() if u.kind == kind]
                 if kind == "inference":
@@ -87,19 +89,36 @@ async def status(d: DaemonView) -> dict[str, Any]:
                 continue
             # External components are probed, not supervised.
             ok = await get_ok(session, url, api_headers(cfg) if kind == "api" else inference_headers(cfg))
-            components.append({"name": kind, "kind": kind, "external": True,
-                               "state": "ready" if ok else "unreachable", "pid": None, "restarts": 0,
-                               "last_exit": None, "since_s": None, "url": url})
+            components.append(
+                {
+                    "name": kind,
+                    "kind": kind,
+                    "external": True,
+                    "state": "ready" if ok else "unreachable",
+                    "pid": None,
+                    "restarts": 0,
+                    "last_exit": None,
+                    "since_s": None,
+                    "url": url,
+                }
+            )
         # trainer ranks 1..N-1 (SPEC §12.1), then the environments
         components += [u.status() for u in d.units.values() if u.kind == "trainer"]
         components += [u.status() for u in d.units.values() if u.kind == "env"]
         queue = await _queue(cfg, session)
     trainer = trainer_status(d)
     _replica_drift(trainer, components)
-    out = {"state": d.state.value, "pid": d.pid, "uptime_s": round(d.uptime(), 3),
-           "config": cfg.source, "instance": d.nonce, "components": components,
-           "trainer": trainer, "queue": queue,
-           "start_error": d.start_error}
+    out = {
+        "state": d.state.value,
+        "pid": d.pid,
+        "uptime_s": round(d.uptime(), 3),
+        "config": cfg.source,
+        "instance": d.nonce,
+        "components": components,
+        "trainer": trainer,
+        "queue": queue,
+        "start_error": d.start_error,
+    }
     out.update(cluster_status(d))
     return out
 
@@ -151,10 +170,16 @@ def fit_status(st: dict[str, Any], limit: int, *, node: int | None = None) -> di
     notes = [f"the status of {size} bytes exceeds the control frame ({limit} bytes)"]
     nodes = out.get("nodes")
     if isinstance(nodes, list) and node is None:
-        out["nodes"] = [{**n, "components": None, "components_by_state": _tally(n.get("components") or [])}
-                        if isinstance(n, dict) else n for n in nodes]
-        notes.append("nodes' component rows left out (components_by_state counts them); "
-                     "ask for one node's with `atroposd status --node N`")
+        out["nodes"] = [
+            {**n, "components": None, "components_by_state": _tally(n.get("components") or [])}
+            if isinstance(n, dict)
+            else n
+            for n in nodes
+        ]
+        notes.append(
+            "nodes' component rows left out (components_by_state counts them); "
+            "ask for one node's with `atroposd status --node N`"
+        )
     budget = limit - 1024  # the note and the counts below
     comps = out.get("components")
     if _size(out) > budget and isinstance(comps, list):
@@ -178,8 +203,11 @@ def fit_status(st: dict[str, Any], limit: int, *, node: int | None = None) -> di
         out["nodes_total"] = total
         notes.append(f"{total - len(kept)} of {total} node rows left out")
     if _size(out) > budget:  # what remains is not the rows: the scalars only
-        out = {k: v for k, v in out.items()
-               if v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 4096)}
+        out = {
+            k: v
+            for k, v in out.items()
+            if v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 4096)
+        }
         out["components"] = []
         notes.append("only the daemon's own fields kept")
     out["truncated"] = "; ".join(notes)
@@ -203,8 +231,11 @@ async def _replica_health(cfg: Config, session: aiohttp.ClientSession, rows: lis
         row.update(url=url, weight_version=None, generations=None)
         data = await fetch_health(session, url, inference_headers(cfg))
         if data is not None:
-            row.update(weight_version=data.get("weight_version"), generations=data.get("generations"),
-                       quarantined=bool(data.get("quarantined", False)))
+            row.update(
+                weight_version=data.get("weight_version"),
+                generations=data.get("generations"),
+                quarantined=bool(data.get("quarantined", False)),
+            )
 
     async with anyio.create_task_group() as tg:
         for row in rows:
@@ -246,8 +277,10 @@ async def _queue(cfg: Config, session: aiohttp.ClientSession) -> dict[str, Any] 
         return None
     if not isinstance(data, dict):
         return None
-    return {"sequences": data.get("queued_sequences", data.get("queue_size")),
-            "capacity": data.get("capacity") if cfg.api.enabled else None}
+    return {
+        "sequences": data.get("queued_sequences", data.get("queue_size")),
+        "capacity": data.get("capacity") if cfg.api.enabled else None,
+    }
 
 
 def status_line(d: DaemonView) -> str:
@@ -264,6 +297,8 @@ def status_line(d: DaemonView) -> str:
             text += f"; health: {st.get('health')}"
         last = st.get("last_rollback")
         if st.get("rollbacks") and isinstance(last, dict):
-            text += (f"; {st.get('rollbacks')}/{st.get('max_rollbacks')} rollbacks, last at step {last.get('step')} "
-                     f"({last.get('detector')}) to {Path(str(last.get('to'))).name}, lr {last.get('lr'):.3g}")
+            text += (
+                f"; {st.get('rollbacks')}/{st.get('max_rollbacks')} rollbacks, last at step {last.get('step')} "
+                f"({last.get('detector')}) to {Path(str(last.get('to'))).name}, lr {last.get('lr'):.3g}"
+            )
     return text

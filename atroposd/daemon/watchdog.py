@@ -25,7 +25,8 @@ and while the trainer group forms or re-forms
 ``max_restarts``) and, with several
 ranks, while the trainer's step is inside ``collective_timeout``: a stuck collective is the
 group's to end (it restarts from the last checkpoint), never pre-empted by this watchdog
-(SPEC §12.1). Past ``collective_timeout`` in one step the clock runs again.  Independently of any stall, a weight-control request
+(SPEC §12.1). Past ``collective_timeout`` in one step the clock runs again.  Independently of any stall, a
+weight-control request
 that passed its own deadline (``sync_timeouts`` of the weight sync) restarts the inference
 server, which gets the current weights from ``reattach`` before it serves again.
 
@@ -132,15 +133,27 @@ class Stall:
     acted: frozenset[str] = frozenset()
 
     def as_dict(self, now: float) -> dict[str, Any]:
-        return {"stalled_for_s": round(now - self.since, 1), "stage": self.stage, "stage_text": STAGES[self.stage],
-                "blamed": list(self.blamed)}
+        return {
+            "stalled_for_s": round(now - self.since, 1),
+            "stage": self.stage,
+            "stage_text": STAGES[self.stage],
+            "blamed": list(self.blamed),
+        }
 
 
 class StallWatchdog:
     """Watches the trainer's step; see the module's docstring."""
 
-    def __init__(self, cfg: Config, *, trainer: TrainerHandle, units: Mapping[str, Unit], board: HeartbeatBoard,
-                 weights: WatchedSync | None, on_unresolved: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        trainer: TrainerHandle,
+        units: Mapping[str, Unit],
+        board: HeartbeatBoard,
+        weights: WatchedSync | None,
+        on_unresolved: Callable[[str], None],
+    ) -> None:
         self.cfg = cfg
         self.stall_timeout = cfg.trainer.stall_timeout
         self.trainer = trainer
@@ -204,18 +217,27 @@ class StallWatchdog:
         blamed = self._blame(stage)
         if self.stall is None or self.stall.stage != stage:
             first = self.stall is None
-            self.stall = Stall(since=now - quiet, stage=stage, blamed=blamed,
-                               acted=self.stall.acted if self.stall else frozenset())
+            self.stall = Stall(
+                since=now - quiet, stage=stage, blamed=blamed, acted=self.stall.acted if self.stall else frozenset()
+            )
             if first:
                 self.stalls += 1
-            log.error("trainer stalled", step=p.step, stalled_for_s=round(quiet, 1), stage=stage,
-                      stage_text=STAGES[stage], restarting=list(blamed) or None)
+            log.error(
+                "trainer stalled",
+                step=p.step,
+                stalled_for_s=round(quiet, 1),
+                stage=stage,
+                stage_text=STAGES[stage],
+                restarting=list(blamed) or None,
+            )
         self.stall.since = now - quiet  # the stopped clock's seconds left out
         self._act(self.stall, quiet)
         if quiet >= 2 * self.stall_timeout:
             self._ended = True
-            reason = (f"the trainer made no step for {quiet:.0f}s (twice stall_timeout = {self.stall_timeout:g}s); "
-                      f"stuck stage: {STAGES[stage]}")
+            reason = (
+                f"the trainer made no step for {quiet:.0f}s (twice stall_timeout = {self.stall_timeout:g}s); "
+                f"stuck stage: {STAGES[stage]}"
+            )
             log.error("stall not resolved: the job ends", reason=reason)
             self.on_unresolved(reason)
 
@@ -284,8 +306,10 @@ class StallWatchdog:
 
         try:
             with anyio.fail_after(API_STATUS_TIMEOUT):
-                async with aiohttp.ClientSession() as session, \
-                        session.get(f"{self.cfg.api_url}/status", headers=api_headers(self.cfg)) as resp:
+                async with (
+                    aiohttp.ClientSession() as session,
+                    session.get(f"{self.cfg.api_url}/status", headers=api_headers(self.cfg)) as resp,
+                ):
                     data = await resp.json(content_type=None) if resp.status == 200 else None
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
             return None
@@ -311,8 +335,12 @@ class StallWatchdog:
 
     def _resolved(self, now: float) -> None:
         if self.stall is not None:
-            log.info("trainer stall resolved", stage=self.stall.stage, lasted_s=round(now - self.stall.since, 1),
-                     step=self.trainer.progress.step)
+            log.info(
+                "trainer stall resolved",
+                stage=self.stall.stage,
+                lasted_s=round(now - self.stall.since, 1),
+                step=self.trainer.progress.step,
+            )
             self.stall = None
 
     def _check_sync_timeouts(self) -> None:

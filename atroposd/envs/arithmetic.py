@@ -111,8 +111,9 @@ def prompt_ignoring_bound(problems: Sequence[Problem]) -> tuple[float, str]:
     best_value, best_text = FORMAT_REWARD, "<a number no answer starts like>"
     for head, with_head in leads.items():
         text, exact = max(((a, c) for a, c in answers.items() if lead(a) == head), key=lambda ac: ac[1])
-        value = (exact * EXACT_REWARD + (with_head - exact) * (LEAD_REWARD + FORMAT_REWARD)
-                 + (n - with_head) * FORMAT_REWARD) / n
+        value = (
+            exact * EXACT_REWARD + (with_head - exact) * (LEAD_REWARD + FORMAT_REWARD) + (n - with_head) * FORMAT_REWARD
+        ) / n
         if value > best_value:
             best_value, best_text = value, text
     return best_value, best_text
@@ -121,8 +122,16 @@ def prompt_ignoring_bound(problems: Sequence[Problem]) -> tuple[float, str]:
 # ---------------------------------------------------------------------------- groups
 
 
-def build_group(problem: Problem, prompt_ids: Sequence[int], generation: Generation, vocab: Vocab, *,
-                env_name: str, temperature: float, max_tokens: int) -> ScoredGroup:
+def build_group(
+    problem: Problem,
+    prompt_ids: Sequence[int],
+    generation: Generation,
+    vocab: Vocab,
+    *,
+    env_name: str,
+    temperature: float,
+    max_tokens: int,
+) -> ScoredGroup:
     """Tokens, masks, logprobs and scores of one generated group."""
     prompt = list(prompt_ids)
     tokens, masks, logprobs, scores, correct = [], [], [], [], []
@@ -135,12 +144,21 @@ def build_group(problem: Problem, prompt_ids: Sequence[int], generation: Generat
         correct.append(is_exact(problem.answer, text, ended))
     accuracy = sum(correct) / len(correct)
     payload = {
-        "tokens": tokens, "masks": masks, "scores": scores, "inference_logprobs": logprobs,
+        "tokens": tokens,
+        "masks": masks,
+        "scores": scores,
+        "inference_logprobs": logprobs,
         # per completion: "length" = truncated at max_tokens (trainer.overlong = "mask" trains none of it)
         "overrides": [{"finish_reason": c.finish_reason} for c in generation.completions],
         "generation_params": {"temperature": temperature, "top_p": 1.0, "max_tokens": max_tokens},
-        "group_overrides": {EXT_KEY: {"weight_version": generation.weight_version, "accuracy": accuracy,
-                                         "reward_mean": sum(scores) / len(scores), "env": env_name}},
+        "group_overrides": {
+            EXT_KEY: {
+                "weight_version": generation.weight_version,
+                "accuracy": accuracy,
+                "reward_mean": sum(scores) / len(scores),
+                "env": env_name,
+            }
+        },
     }
     return ScoredGroup(payload=payload, scores=scores, correct=correct, weight_version=generation.weight_version)
 
@@ -169,10 +187,15 @@ class ArithmeticTask:
 
     def describe(self) -> dict[str, Any]:
         bound, text = prompt_ignoring_bound(self.problems)
-        return {"problems": len(self.problems), "operators": "".join(self.options.operators),
-                "max_operand": self.options.max_operand, "max_tokens": self.options.max_tokens,
-                "temperature": self.options.temperature, "prompt_ignoring_bound": round(bound, 4),
-                "prompt_ignoring_best": text}
+        return {
+            "problems": len(self.problems),
+            "operators": "".join(self.options.operators),
+            "max_operand": self.options.max_operand,
+            "max_tokens": self.options.max_tokens,
+            "temperature": self.options.temperature,
+            "prompt_ignoring_bound": round(bound, 4),
+            "prompt_ignoring_best": text,
+        }
 
     def next_item(self) -> tuple[Problem, int]:
         """The next problem and the sampling seed of its group."""
@@ -181,10 +204,22 @@ class ArithmeticTask:
     async def rollout(self, item: tuple[Problem, int], infer: InferenceClient, group_size: int) -> ScoredGroup:
         problem, seed = item
         prompt_ids = self._prompts[problem]
-        generation = await infer.generate(prompt_ids, n=group_size, max_tokens=self.options.max_tokens,
-                                          temperature=self.options.temperature, seed=seed)
-        return build_group(problem, prompt_ids, generation, self.vocab, env_name=self.env_name,
-                           temperature=self.options.temperature, max_tokens=self.options.max_tokens)
+        generation = await infer.generate(
+            prompt_ids,
+            n=group_size,
+            max_tokens=self.options.max_tokens,
+            temperature=self.options.temperature,
+            seed=seed,
+        )
+        return build_group(
+            problem,
+            prompt_ids,
+            generation,
+            self.vocab,
+            env_name=self.env_name,
+            temperature=self.options.temperature,
+            max_tokens=self.options.max_tokens,
+        )
 
 
 # ---------------------------------------------------------------------------- evaluation
@@ -202,15 +237,21 @@ class EvalResult:
     misses: list[tuple[str, str]]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"accuracy": self.accuracy, "correct": self.correct, "total": self.total,
-                "reward_mean": self.reward_mean, "misses": [list(m) for m in self.misses]}
+        return {
+            "accuracy": self.accuracy,
+            "correct": self.correct,
+            "total": self.total,
+            "reward_mean": self.reward_mean,
+            "misses": [list(m) for m in self.misses],
+        }
 
 
 GreedyFn = Callable[[list[list[int]], int], Sequence[Sequence[int]]]
 
 
-def evaluate_exact_match(generate_fn: GreedyFn, vocab: Vocab | str | Path,
-                         problems: Sequence[Problem] | None = None, *, max_tokens: int = 3) -> EvalResult:
+def evaluate_exact_match(
+    generate_fn: GreedyFn, vocab: Vocab | str | Path, problems: Sequence[Problem] | None = None, *, max_tokens: int = 3
+) -> EvalResult:
     """Greedy exact match: ``generate_fn(prompt_id_lists, max_tokens)`` returns one greedy
     completion (token ids, EOS included if generated) per prompt; every problem is scored.
 
@@ -226,8 +267,9 @@ def evaluate_exact_match(generate_fn: GreedyFn, vocab: Vocab | str | Path,
     return _tally(problems, [vocab.decode_completion(list(c)) for c in completions])
 
 
-async def evaluate_via_server(infer: InferenceClient, vocab: Vocab, problems: Sequence[Problem] | None = None,
-                              *, max_tokens: int = 3) -> EvalResult:
+async def evaluate_via_server(
+    infer: InferenceClient, vocab: Vocab, problems: Sequence[Problem] | None = None, *, max_tokens: int = 3
+) -> EvalResult:
     """The same through ``/generate`` at temperature 0 (one request per problem, all at once)."""
     import anyio
 
@@ -235,8 +277,7 @@ async def evaluate_via_server(infer: InferenceClient, vocab: Vocab, problems: Se
     decoded: list[tuple[str, bool]] = [("", False)] * len(problems)
 
     async def one(i: int, problem: Problem) -> None:
-        gen = await infer.generate(vocab.encode_prompt(problem.prompt), n=1, max_tokens=max_tokens,
-                                   temperature=0.0)
+        gen = await infer.generate(vocab.encode_prompt(problem.prompt), n=1, max_tokens=max_tokens, temperature=0.0)
         decoded[i] = vocab.decode_completion(gen.completions[0].token_ids)
 
     async with anyio.create_task_group() as tg:
@@ -256,5 +297,10 @@ def _tally(problems: Sequence[Problem], decoded: Sequence[tuple[str, bool]]) -> 
         elif len(misses) < 10:
             misses.append((problem.prompt, text + ("<eos>" if ended else "")))
     total = len(problems)
-    return EvalResult(accuracy=correct / total if total else 0.0, correct=correct, total=total,
-                      reward_mean=reward / total if total else 0.0, misses=misses)
+    return EvalResult(
+        accuracy=correct / total if total else 0.0,
+        correct=correct,
+        total=total,
+        reward_mean=reward / total if total else 0.0,
+        misses=misses,
+    )

@@ -19,23 +19,41 @@ from atroposd.exitcodes import Exit
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add this child's flags to its sub-parser (`-c` is already there)."""
     parser.add_argument("builtin", metavar="NAME", help="the built-in environment (arithmetic)")
-    parser.add_argument("--name", help="component name, registered as desired_name (default: $ATROPOSD_NAME, "
-                                       "else the [[env]] name and replica, e.g. arithmetic-0)")
+    parser.add_argument(
+        "--name",
+        help="component name, registered as desired_name (default: $ATROPOSD_NAME, "
+        "else the [[env]] name and replica, e.g. arithmetic-0)",
+    )
     parser.add_argument("--replica", type=int, help="replica index (default: $ATROPOSD_REPLICA, else 0)")
     parser.add_argument("--api-url", help="trajectory API (default: $ATROPOSD_API_URL, else from the config)")
-    parser.add_argument("--inference-url", help="inference server (default: $ATROPOSD_INFERENCE_URL, "
-                                                "else from the config)")
-    parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: $ATROPOSD_TOKENIZER, "
-                                                           "else the configured model's)")
-    parser.add_argument("--group-size", type=int, help="completions per prompt (default: $ATROPOSD_GROUP_SIZE, "
-                                                       "else the [[env]] group_size)")
+    parser.add_argument(
+        "--inference-url", help="inference server (default: $ATROPOSD_INFERENCE_URL, else from the config)"
+    )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="tokenizer directory (default: $ATROPOSD_TOKENIZER, else the configured model's)",
+    )
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        help="completions per prompt (default: $ATROPOSD_GROUP_SIZE, else the [[env]] group_size)",
+    )
     parser.add_argument("--seed", type=int, help="seed (default: $ATROPOSD_SEED, else trainer.seed + replica)")
-    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one of the environment's options (VALUE in TOML syntax, e.g. "
-                             "max_tokens=4 or operators=[\"+\",\"*\"]); repeatable")
-    parser.add_argument("--eval", action="store_true",
-                        help="instead of serving: greedy exact match of every problem through the inference "
-                             "server, printed as one JSON object")
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one of the environment's options (VALUE in TOML syntax, e.g. "
+        'max_tokens=4 or operators=["+","*"]); repeatable',
+    )
+    parser.add_argument(
+        "--eval",
+        action="store_true",
+        help="instead of serving: greedy exact match of every problem through the inference "
+        "server, printed as one JSON object",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -71,9 +89,12 @@ def _warn_if_exploitable(task: Any) -> None:
 
     bound, best = prompt_ignoring_bound(task.problems)
     if bound > EXPLOIT_LIMIT:
-        get_logger("envs").warning("with these options a policy that ignores the prompt can earn more than "
-                                   f"{EXPLOIT_LIMIT}: reward alone will not show learning (watch accuracy)",
-                                   prompt_ignoring_bound=round(bound, 4), answer=best)
+        get_logger("envs").warning(
+            "with these options a policy that ignores the prompt can earn more than "
+            f"{EXPLOIT_LIMIT}: reward alone will not show learning (watch accuracy)",
+            prompt_ignoring_bound=round(bound, 4),
+            answer=best,
+        )
 
 
 def _resolve(args: argparse.Namespace) -> dict[str, Any]:
@@ -87,7 +108,9 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
     cfg = load_or_exit(args)
     replica = _pick(args.replica, "ATROPOSD_REPLICA", int, 0)
     name = _pick(args.name, "ATROPOSD_NAME", str, "")
-    env_cfg = _find_env(cfg.env, name, args.builtin, cfg.node_rank) or EnvConfig(name=args.builtin, builtin=args.builtin)
+    env_cfg = _find_env(cfg.env, name, args.builtin, cfg.node_rank) or EnvConfig(
+        name=args.builtin, builtin=args.builtin
+    )
     if env_cfg.builtin != args.builtin:
         raise _Usage(f"[[env]] {env_cfg.name!r} is not the built-in {args.builtin!r}")
     name = name or f"{env_cfg.name}-{replica}"
@@ -120,10 +143,20 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         inference_urls=_inference_urls(args.inference_url, cfg),
         group_size=group_size,
         max_token_length=_pick(None, "ATROPOSD_MAX_TOKEN_LEN", int, cfg.trainer.max_token_len),
-        concurrency=parsed.concurrency, max_batches_offpolicy=parsed.max_batches_offpolicy,
-        weight=env_cfg.weight, api_token=cfg.api.token, inference_token=_inference_token(cfg))
-    return {"task": task, "settings": settings, "options": parsed, "vocab": task.vocab,
-            "log_level": cfg.daemon.log_level, "log_format": cfg.daemon.log_format}
+        concurrency=parsed.concurrency,
+        max_batches_offpolicy=parsed.max_batches_offpolicy,
+        weight=env_cfg.weight,
+        api_token=cfg.api.token,
+        inference_token=_inference_token(cfg),
+    )
+    return {
+        "task": task,
+        "settings": settings,
+        "options": parsed,
+        "vocab": task.vocab,
+        "log_level": cfg.daemon.log_level,
+        "log_format": cfg.daemon.log_format,
+    }
 
 
 def _inference_token(cfg: Any) -> str:
@@ -208,11 +241,15 @@ async def _evaluate(setup: dict[str, Any]) -> int:
 
     options = setup["options"]
     async with aiohttp.ClientSession() as session:
-        infer = InferenceClient(session, setup["settings"].inference_urls or setup["settings"].inference_url,
-                                token=setup["settings"].inference_token)
+        infer = InferenceClient(
+            session,
+            setup["settings"].inference_urls or setup["settings"].inference_url,
+            token=setup["settings"].inference_token,
+        )
         try:
-            result = await evaluate_via_server(infer, setup["vocab"], all_problems(options),
-                                               max_tokens=options.max_tokens)
+            result = await evaluate_via_server(
+                infer, setup["vocab"], all_problems(options), max_tokens=options.max_tokens
+            )
         except GenerateError as exc:
             print(f"atroposd env: {exc}", file=sys.stderr)
             return Exit.RUNTIME

@@ -58,9 +58,13 @@ class EnvRegistration:
     min_batch_allocation: float | None = None
 
     def body(self) -> dict[str, Any]:
-        return {"max_token_length": self.max_token_length, "desired_name": self.desired_name,
-                "weight": self.weight, "group_size": self.group_size,
-                "min_batch_allocation": self.min_batch_allocation}
+        return {
+            "max_token_length": self.max_token_length,
+            "desired_name": self.desired_name,
+            "weight": self.weight,
+            "group_size": self.group_size,
+            "min_batch_allocation": self.min_batch_allocation,
+        }
 
 
 @dataclass(frozen=True)
@@ -104,8 +108,15 @@ class ClientStats:
 class AtroposEnvClient:
     """One environment's connection to the trajectory API."""
 
-    def __init__(self, session: aiohttp.ClientSession, api_url: str, registration: EnvRegistration, *,
-                 token: str = "", log: Any = None) -> None:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        api_url: str,
+        registration: EnvRegistration,
+        *,
+        token: str = "",
+        log: Any = None,
+    ) -> None:
         self._session = session
         self._url = api_url.rstrip("/")
         self._reg_body = registration
@@ -135,16 +146,26 @@ class AtroposEnvClient:
             except Retry as retry:
                 await backoff.wait(retry)
         backoff.done()
-        reg = Registration(env_id=int(answer["env_id"]), wandb_name=str(answer.get("wandb_name", "")),
-                           starting_step=int(answer.get("starting_step") or 0),
-                           num_steps=int(answer.get("num_steps") or 0),
-                           batch_size=int(info.get("batch_size", -1)),
-                           max_token_len=int(info.get("max_token_len", -1)))
+        reg = Registration(
+            env_id=int(answer["env_id"]),
+            wandb_name=str(answer.get("wandb_name", "")),
+            starting_step=int(answer.get("starting_step") or 0),
+            num_steps=int(answer.get("num_steps") or 0),
+            batch_size=int(info.get("batch_size", -1)),
+            max_token_len=int(info.get("max_token_len", -1)),
+        )
         self.registration = reg
         self.stats.registrations += 1
         self._check_registration = False
-        self._log.info("registered", env_id=reg.env_id, name=reg.wandb_name, batch_size=reg.batch_size,
-                       max_token_len=reg.max_token_len, starting_step=reg.starting_step, num_steps=reg.num_steps)
+        self._log.info(
+            "registered",
+            env_id=reg.env_id,
+            name=reg.wandb_name,
+            batch_size=reg.batch_size,
+            max_token_len=reg.max_token_len,
+            starting_step=reg.starting_step,
+            num_steps=reg.num_steps,
+        )
         return reg
 
     async def disconnect(self) -> None:
@@ -189,10 +210,14 @@ class AtroposEnvClient:
         queue_size = int(answer.get("queue_size", 0))
         share = float(answer.get("env_weight", 1.0))
         taken = answer.get("dequeued")
-        return EnvStatus(current_step=int(answer.get("current_step", 0)), queue_size=queue_size,
-                         at=anyio.current_time(), self_queue_size=int(answer.get("self_queue_size", queue_size)),
-                         env_weight=min(1.0, share) if math.isfinite(share) and share > 0 else 1.0,
-                         dequeued=taken if isinstance(taken, int) and not isinstance(taken, bool) else None)
+        return EnvStatus(
+            current_step=int(answer.get("current_step", 0)),
+            queue_size=queue_size,
+            at=anyio.current_time(),
+            self_queue_size=int(answer.get("self_queue_size", queue_size)),
+            env_weight=min(1.0, share) if math.isfinite(share) and share > 0 else 1.0,
+            dequeued=taken if isinstance(taken, int) and not isinstance(taken, bool) else None,
+        )
 
     # ------------------------------------------------------------------ submission
 
@@ -205,8 +230,9 @@ class AtroposEnvClient:
             try:
                 await self._ensure_registered()
                 assert self.registration is not None
-                answer = await self._request("POST", "/scored_data",
-                                             {**group, "env_id": self.registration.env_id}, scored=True)
+                answer = await self._request(
+                    "POST", "/scored_data", {**group, "env_id": self.registration.env_id}, scored=True
+                )
                 break
             except Retry as retry:
                 self.stats.submit_retries += 1
@@ -240,8 +266,9 @@ class AtroposEnvClient:
 
     # ------------------------------------------------------------------ HTTP
 
-    async def _request(self, method: str, path: str, body: Any = None, *, scored: bool = False,
-                       probe: bool = False) -> dict[str, Any]:
+    async def _request(
+        self, method: str, path: str, body: Any = None, *, scored: bool = False, probe: bool = False
+    ) -> dict[str, Any]:
         """One request. Transient failures raise Retry; permanent ones ApiError/GroupRejected.
 
         ``probe``: any answer but 200 raises ApiError (the API does not know this environment;
@@ -279,16 +306,18 @@ class AtroposEnvClient:
         message = f"{method} {path} answered {status}: {text[:500]}"
         if scored:
             self.stats.rejected_groups += 1
-            self._log.error("group rejected by the API (not retried: a 4xx means the group is invalid)",
-                            status=status, message=text[:500])
+            self._log.error(
+                "group rejected by the API (not retried: a 4xx means the group is invalid)",
+                status=status,
+                message=text[:500],
+            )
             raise GroupRejected(message)
         raise ApiError(message)
 
     def registration_lost(self, reason: str) -> None:
         """Forget the env_id: the next call registers again."""
         if self.registration is not None:
-            self._log.warning("registration lost; registering again", env_id=self.registration.env_id,
-                              reason=reason)
+            self._log.warning("registration lost; registering again", env_id=self.registration.env_id, reason=reason)
         self.registration = None
 
 
@@ -408,12 +437,21 @@ class QueueGate:
         # progress line reports the time spent throttled.
         if on:
             self._throttled_since = now
-            self._log.debug("throttled: the API holds enough of this environment's groups",
-                            queued_groups=queued, in_flight=in_flight, limit=limit)
+            self._log.debug(
+                "throttled: the API holds enough of this environment's groups",
+                queued_groups=queued,
+                in_flight=in_flight,
+                limit=limit,
+            )
         else:
             self.throttled_s += now - self._throttled_since
-            self._log.debug("resumed", queued_groups=queued, in_flight=in_flight, limit=limit,
-                            throttled_s=round(now - self._throttled_since, 2))
+            self._log.debug(
+                "resumed",
+                queued_groups=queued,
+                in_flight=in_flight,
+                limit=limit,
+                throttled_s=round(now - self._throttled_since, 2),
+            )
 
     def throttled_total(self) -> float:
         """Seconds spent throttled so far, the current spell included."""

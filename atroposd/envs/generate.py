@@ -70,8 +70,9 @@ class InferenceClient:
     answers ready again (``GET /info``: loaded and not awaiting weights; checked at most every
     ``RECHECK_S``). With every replica down the client waits with a visible backoff, as with one."""
 
-    def __init__(self, session: aiohttp.ClientSession, url: str | Sequence[str], *, log: Any = None,
-                 token: str = "") -> None:
+    def __init__(
+        self, session: aiohttp.ClientSession, url: str | Sequence[str], *, log: Any = None, token: str = ""
+    ) -> None:
         self._session = session
         # The inference servers' bearer token (SPEC §12.3), on every request when there is one.
         self._auth = {"Authorization": f"Bearer {token}"} if token else {}
@@ -86,12 +87,25 @@ class InferenceClient:
         """Generations each replica answered, in the order of the URLs."""
         return [r.served for r in self.replicas]
 
-    async def generate(self, prompt_ids: Sequence[int], *, n: int, max_tokens: int, temperature: float,
-                       top_p: float = 1.0, seed: int | None = None) -> Generation:
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> Generation:
         """``n`` completions of one prompt, with the logprob of every sampled token."""
-        body: dict[str, Any] = {"prompt": {"prompt_token_ids": list(prompt_ids)}, "n": n,
-                                "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
-                                "logprobs": 0}
+        body: dict[str, Any] = {
+            "prompt": {"prompt_token_ids": list(prompt_ids)},
+            "n": n,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "logprobs": 0,
+        }
         if seed is not None:
             body["seed"] = seed
         backoff = Backoff(self._log, "generate")
@@ -128,8 +142,9 @@ class InferenceClient:
 
     def _mark_down(self, replica: ReplicaState, reason: str) -> None:
         if not replica.down:
-            self._log.warning("inference replica unavailable; skipping it until it is ready again",
-                              url=replica.url, reason=reason)
+            self._log.warning(
+                "inference replica unavailable; skipping it until it is ready again", url=replica.url, reason=reason
+            )
         replica.down = True
         replica.checked_at = anyio.current_time()
 
@@ -159,13 +174,18 @@ class InferenceClient:
         except (*CONNECTION_ERRORS, orjson.JSONDecodeError):
             return False
         # a replica the trainer's sentinel quarantined (SPEC §15) answers 503 until it is let back
-        return (isinstance(info, dict) and info.get("ready", True) is not False and not info.get("awaiting_weights")
-                and not info.get("quarantined"))
+        return (
+            isinstance(info, dict)
+            and info.get("ready", True) is not False
+            and not info.get("awaiting_weights")
+            and not info.get("quarantined")
+        )
 
     async def _post(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
-            async with self._session.post(url + "/generate", data=orjson.dumps(body),
-                                          headers={"Content-Type": "application/json", **self._auth}) as resp:
+            async with self._session.post(
+                url + "/generate", data=orjson.dumps(body), headers={"Content-Type": "application/json", **self._auth}
+            ) as resp:
                 text = await resp.text()
                 status, retry_header = resp.status, resp.headers.get("Retry-After")
         except CONNECTION_ERRORS as exc:
@@ -199,8 +219,9 @@ def parse_generation(answer: dict[str, Any], n: int) -> Generation:
         if token_lists is not None:
             given = token_lists[i] if isinstance(token_lists, list) and i < len(token_lists) else None
             if given != ids:
-                raise GenerateError(f"/generate: completion {i}: token_ids {given} disagree with the "
-                                    f"logprob keys {ids}")
+                raise GenerateError(
+                    f"/generate: completion {i}: token_ids {given} disagree with the logprob keys {ids}"
+                )
         completions.append(Completion(token_ids=ids, logprobs=lps, finish_reason=str(reasons[i])))
     version = answer.get("weight_version")
     return Generation(completions=completions, weight_version=int(version) if version is not None else None)
@@ -215,9 +236,8 @@ def _read_logprobs(per_token: Any, index: int) -> tuple[list[int], list[float]]:
         # atroposlib reads item[0]: a one-element list holding {"<token_id>": logprob}.
         entry = item[0] if isinstance(item, list) and item else item
         if not isinstance(entry, dict) or len(entry) != 1:
-            raise GenerateError(f"/generate: logprobs[{index}][{j}] must be [{{\"<token_id>\": logprob}}], "
-                                f"got {item!r}")
-        (key, value), = entry.items()
+            raise GenerateError(f'/generate: logprobs[{index}][{j}] must be [{{"<token_id>": logprob}}], got {item!r}')
+        ((key, value),) = entry.items()
         try:
             ids.append(int(key))
             lps.append(float(value))

@@ -44,8 +44,12 @@ class Backoff:
         now = anyio.current_time()
         if self._last_notice is None or now - self._last_notice >= NOTICE_EVERY:
             self._last_notice = now
-            self._log.warning(f"{self._what}: retrying", reason=retry.reason, attempts=self._attempts,
-                              waited_s=round(now - self._started, 1))
+            self._log.warning(
+                f"{self._what}: retrying",
+                reason=retry.reason,
+                attempts=self._attempts,
+                waited_s=round(now - self._started, 1),
+            )
         if retry.delay is not None:
             delay = min(retry.delay, RETRY_AFTER_CAP)
         else:
@@ -55,8 +59,11 @@ class Backoff:
 
     def done(self) -> None:
         if self._attempts:
-            self._log.info(f"{self._what}: succeeded after retries", attempts=self._attempts,
-                           waited_s=round(anyio.current_time() - self._started, 1))
+            self._log.info(
+                f"{self._what}: succeeded after retries",
+                attempts=self._attempts,
+                waited_s=round(anyio.current_time() - self._started, 1),
+            )
 
 
 def retry_after(value: str | None) -> float | None:

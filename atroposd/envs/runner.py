@@ -156,15 +156,20 @@ class EnvRunner:
             tg.start_soon(self._report_loop)
             # Liveness (SPEC §4): a beat every second tells the daemon this loop runs, and what it waits on.
             tg.start_soon(HeartbeatSender.from_environ(s.name, state=self.heartbeat_state).run)
-            registration = EnvRegistration(desired_name=s.name, group_size=s.group_size,
-                                           max_token_length=s.max_token_length, weight=s.weight)
+            registration = EnvRegistration(
+                desired_name=s.name, group_size=s.group_size, max_token_length=s.max_token_length, weight=s.weight
+            )
             self.api = AtroposEnvClient(session, s.api_url, registration, token=s.api_token, log=self.log)
-            infer = InferenceClient(session, s.inference_urls or s.inference_url, log=self.log,
-                                    token=s.inference_token)
+            infer = InferenceClient(session, s.inference_urls or s.inference_url, log=self.log, token=s.inference_token)
             self.infer = infer
-            self.log.info("environment starting", api=s.api_url, inference=",".join(s.inference_urls or
-                                                                                    (s.inference_url,)),
-                          group_size=s.group_size, concurrency=s.concurrency, **self.task.describe())
+            self.log.info(
+                "environment starting",
+                api=s.api_url,
+                inference=",".join(s.inference_urls or (s.inference_url,)),
+                group_size=s.group_size,
+                concurrency=s.concurrency,
+                **self.task.describe(),
+            )
             await self._serve(self.api, infer)
             with anyio.CancelScope(shield=True), anyio.move_on_after(DISCONNECT_TIMEOUT):
                 await self.api.disconnect()
@@ -199,8 +204,7 @@ class EnvRunner:
     async def _watch_signals(self) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
-                self.log.info("stop requested", signal=signal.Signals(signum).name,
-                              again=self._stopping)
+                self.log.info("stop requested", signal=signal.Signals(signum).name, again=self._stopping)
                 self.request_stop(now=self._stopping)
 
     # ------------------------------------------------------------------ the loop
@@ -223,8 +227,9 @@ class EnvRunner:
                 self._window.started = self.totals.started = anyio.current_time()
                 await self._dispatch(groups, self.gate, api, infer)
 
-    async def _dispatch(self, groups: TaskGroup, gate: QueueGate, api: AtroposEnvClient,
-                        infer: InferenceClient) -> None:
+    async def _dispatch(
+        self, groups: TaskGroup, gate: QueueGate, api: AtroposEnvClient, infer: InferenceClient
+    ) -> None:
         """Start a group whenever a concurrency slot is free and the API has room for it."""
         slots = self._slots
         assert slots is not None
@@ -237,11 +242,9 @@ class EnvRunner:
             except BaseException:
                 slots.release()
                 raise
-            groups.start_soon(self._one_group, self.task.next_item(), api, infer,
-                              anyio.current_time() - wanted)
+            groups.start_soon(self._one_group, self.task.next_item(), api, infer, anyio.current_time() - wanted)
 
-    async def _one_group(self, item: Any, api: AtroposEnvClient, infer: InferenceClient,
-                         gate_s: float = 0.0) -> None:
+    async def _one_group(self, item: Any, api: AtroposEnvClient, infer: InferenceClient, gate_s: float = 0.0) -> None:
         settled = False  # accepted by the API, or rejected by it for good
         accepted = False
         group: ScoredGroup | None = None
@@ -284,8 +287,10 @@ class EnvRunner:
                 self.gate.nudge()  # its room was not taken by a queued group: look again
             if group is not None and not settled and self._stopping:
                 self.dropped_at_stop += 1
-                self.log.warning("scored group dropped at stop: the API did not take it within the grace",
-                                 grace_s=self.settings.stop_grace)
+                self.log.warning(
+                    "scored group dropped at stop: the API did not take it within the grace",
+                    grace_s=self.settings.stop_grace,
+                )
 
     # ------------------------------------------------------------------ checks and reports
 
@@ -293,14 +298,20 @@ class EnvRunner:
         """What a heartbeat carries: generations in flight and how long the oldest has waited."""
         now = anyio.current_time()
         starts = list(self._generation_started.values())
-        return {"generating": len(starts), "oldest_generation_s": round(now - min(starts), 3) if starts else 0.0,
-                "groups": self.totals.groups, "throttled": bool(self.gate.throttled) if self.gate else False}
+        return {
+            "generating": len(starts),
+            "oldest_generation_s": round(now - min(starts), 3) if starts else 0.0,
+            "groups": self.totals.groups,
+            "throttled": bool(self.gate.throttled) if self.gate else False,
+        }
 
     def _check_fits(self, reg: Registration) -> None:
         s = self.settings
         if reg.max_token_len > 0 and self.task.max_sequence_len > reg.max_token_len:
-            raise UsageError(f"sequences of up to {self.task.max_sequence_len} tokens do not fit the trainer's "
-                             f"max_token_len {reg.max_token_len} (lower options.max_tokens or max_operand)")
+            raise UsageError(
+                f"sequences of up to {self.task.max_sequence_len} tokens do not fit the trainer's "
+                f"max_token_len {reg.max_token_len} (lower options.max_tokens or max_operand)"
+            )
         if reg.batch_size > 0 and s.group_size > reg.batch_size:
             raise UsageError(f"group_size {s.group_size} is larger than the trainer's batch of {reg.batch_size}")
 
@@ -324,7 +335,8 @@ class EnvRunner:
         throttled = self.gate.throttled_total()
         api = self.api
         fields: dict[str, Any] = {
-            "groups": w.groups, "sequences": w.sequences,
+            "groups": w.groups,
+            "sequences": w.sequences,
             "reward_mean": round(w.reward_sum / w.sequences, 4) if w.sequences else None,
             "accuracy": round(w.exact / w.sequences, 4) if w.sequences else None,
             "groups_per_s": round(w.groups / elapsed, 2),
@@ -333,11 +345,19 @@ class EnvRunner:
             "throttled_now": self.gate.throttled,
         }
         if w.groups:  # a group's mean timeline: at the gate, generating, posting
-            fields.update({f"{part}_s": round(total / w.groups, 4)
-                           for part, total in zip(("gate", "generate", "post"), w.timing, strict=True)})
+            fields.update(
+                {
+                    f"{part}_s": round(total / w.groups, 4)
+                    for part, total in zip(("gate", "generate", "post"), w.timing, strict=True)
+                }
+            )
         if api is not None:
-            fields.update(submit_retries=api.stats.submit_retries, refused_503=api.stats.refused_503,
-                          rejected=api.stats.rejected_groups, registrations=api.stats.registrations)
+            fields.update(
+                submit_retries=api.stats.submit_retries,
+                refused_503=api.stats.refused_503,
+                rejected=api.stats.rejected_groups,
+                registrations=api.stats.registrations,
+            )
         if self.infer is not None and len(self.infer.replicas) > 1:
             fields["generations_per_replica"] = self.infer.served()  # since the start
         if final:

@@ -54,8 +54,10 @@ class Vocab:
 
         eos = token_id("eos")
         if eos is None:
-            raise VocabError(f"{path}: no eos_token in tokenizer_config.json or special_tokens_map.json "
-                             "(completions must be able to end)")
+            raise VocabError(
+                f"{path}: no eos_token in tokenizer_config.json or special_tokens_map.json "
+                "(completions must be able to end)"
+            )
         return cls(tokenizer=tokenizer, bos_id=token_id("bos"), eos_id=eos, unk_id=token_id("unk"), path=path)
 
     def encode_prompt(self, text: str) -> list[int]:

@@ -27,10 +27,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="auto | cpu | cuda:N | a GPU UUID")
     parser.add_argument("--max-model-len", type=int, metavar="N", help="longest prompt + completion, in tokens")
     parser.add_argument("--seed", type=int, help="sampling seed and builtin:tiny's initialisation (trainer.seed)")
-    parser.add_argument("--control-socket", metavar="PATH",
-                        help="Unix socket for the weight-control routes (default {runtime_dir}/inference-<port>.sock)")
-    parser.add_argument("--await-weights", action="store_true",
-                        help="start paused: /generate waits until the first /resume")
+    parser.add_argument(
+        "--control-socket",
+        metavar="PATH",
+        help="Unix socket for the weight-control routes (default {runtime_dir}/inference-<port>.sock)",
+    )
+    parser.add_argument(
+        "--await-weights", action="store_true", help="start paused: /generate waits until the first /resume"
+    )
     parser.add_argument("--threads", type=int, metavar="N", help="torch threads (default 1 on CPU)")
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
 
@@ -79,8 +83,7 @@ def main(args: argparse.Namespace) -> int:
     inf = cfg.inference
     sock = Path(args.control_socket) if args.control_socket else Paths.of(cfg).inference_socket(inf.port)
     if len(str(sock).encode()) > SOCKET_PATH_MAX:
-        print(f"atroposd inference: control socket path {sock} is longer than {SOCKET_PATH_MAX} bytes",
-              file=sys.stderr)
+        print(f"atroposd inference: control socket path {sock} is longer than {SOCKET_PATH_MAX} bytes", file=sys.stderr)
         return Exit.USAGE
     try:
         if inf.model != BUILTIN_TINY:  # a local directory: check it now, before anything is loaded
@@ -94,8 +97,15 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:  # TokenError, ClusterError: a token file that cannot give one
         print(f"atroposd inference: {exc}", file=sys.stderr)
         return Exit.USAGE
-    opts = ServerOptions(host=cfg.listen_host(inf.host), port=inf.port, control_socket=sock, engine=inf.engine,
-                         await_weights=args.await_weights, threads=args.threads, token=token)
+    opts = ServerOptions(
+        host=cfg.listen_host(inf.host),
+        port=inf.port,
+        control_socket=sock,
+        engine=inf.engine,
+        await_weights=args.await_weights,
+        threads=args.threads,
+        token=token,
+    )
     try:
         code = asyncio.run(serve(cfg, opts))
     except (ModelError, DeviceError, ToolParserUnavailable) as exc:

@@ -24,20 +24,38 @@ class InferenceMetrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("atroposd_inference_requests", "Generation requests answered, by route and "
-                                "outcome (ok | error)", ["route", "outcome"], registry=r)
-        self.generations = Counter("atroposd_inference_generations", "Completions generated (one per "
-                                   "sample)", registry=r)
+        self.requests = Counter(
+            "atroposd_inference_requests",
+            "Generation requests answered, by route and outcome (ok | error)",
+            ["route", "outcome"],
+            registry=r,
+        )
+        self.generations = Counter(
+            "atroposd_inference_generations", "Completions generated (one per sample)", registry=r
+        )
         self.tokens = Counter("atroposd_inference_generated_tokens", "Tokens generated", registry=r)
-        self.latency = Histogram("atroposd_inference_request_seconds", "Generation request latency", ["route"],
-                                 registry=r, buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120))
-        self.probes = Counter("atroposd_inference_probes", "Probes answered (generation requests with "
-                              "max_tokens <= 1: health checks), by route and outcome; not in the rollout "
-                              "counts", ["route", "outcome"], registry=r)
-        self.probe_latency = Histogram("atroposd_inference_probe_seconds", "Probe latency", registry=r,
-                                       buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
-        self.inflight = Gauge("atroposd_inference_requests_in_flight", "Generation requests being answered",
-                              registry=r)
+        self.latency = Histogram(
+            "atroposd_inference_request_seconds",
+            "Generation request latency",
+            ["route"],
+            registry=r,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        )
+        self.probes = Counter(
+            "atroposd_inference_probes",
+            "Probes answered (generation requests with "
+            "max_tokens <= 1: health checks), by route and outcome; not in the rollout "
+            "counts",
+            ["route", "outcome"],
+            registry=r,
+        )
+        self.probe_latency = Histogram(
+            "atroposd_inference_probe_seconds",
+            "Probe latency",
+            registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+        self.inflight = Gauge("atroposd_inference_requests_in_flight", "Generation requests being answered", registry=r)
         for route in GENERATE_ROUTES:  # every known label value from the start
             self.latency.labels(route)
             for outcome in ("ok", "error"):
@@ -47,15 +65,19 @@ class InferenceMetrics:
         def gate(attr: str) -> Callable[[], float]:
             return lambda: float(getattr(engine(), attr, 0) or 0)
 
-        Gauge("atroposd_inference_weight_version", "Weight version being served",
-              registry=r).set_function(gate("weight_version"))
-        Gauge("atroposd_inference_paused", "1 while generation is paused for a weight update",
-              registry=r).set_function(lambda: 1.0 if getattr(engine(), "paused", False) else 0.0)
+        Gauge("atroposd_inference_weight_version", "Weight version being served", registry=r).set_function(
+            gate("weight_version")
+        )
+        Gauge("atroposd_inference_paused", "1 while generation is paused for a weight update", registry=r).set_function(
+            lambda: 1.0 if getattr(engine(), "paused", False) else 0.0
+        )
         r.register(_GateCounters(engine))
-        Gauge("atroposd_inference_waiting_requests", "Generations held at a paused gate",
-              registry=r).set_function(gate("waiting"))
-        Gauge("atroposd_inference_engine_ready", "1 once the engine serves",
-              registry=r).set_function(lambda: 0.0 if engine() is None else 1.0)
+        Gauge("atroposd_inference_waiting_requests", "Generations held at a paused gate", registry=r).set_function(
+            gate("waiting")
+        )
+        Gauge("atroposd_inference_engine_ready", "1 once the engine serves", registry=r).set_function(
+            lambda: 0.0 if engine() is None else 1.0
+        )
 
     def begin(self) -> float:
         self.inflight.inc()
@@ -96,10 +118,14 @@ class _GateCounters:
 
         gate = self.engine()
         for name, attr, doc in (
-                ("atroposd_inference_pauses", "pauses", "Pauses for weight updates since start"),
-                ("atroposd_inference_paused_seconds", "paused_seconds", "Seconds generation was paused for weight "
-                 "updates (divided by pauses: the pause per sync)"),
-                ("atroposd_inference_weight_updates", "updates", "Weight updates applied since start")):
+            ("atroposd_inference_pauses", "pauses", "Pauses for weight updates since start"),
+            (
+                "atroposd_inference_paused_seconds",
+                "paused_seconds",
+                "Seconds generation was paused for weight updates (divided by pauses: the pause per sync)",
+            ),
+            ("atroposd_inference_weight_updates", "updates", "Weight updates applied since start"),
+        ):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], float(getattr(gate, attr, 0) or 0))
             yield c

@@ -20,9 +20,26 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["MAX_LOGPROBS", "MAX_N", "MAX_REQUEST_TOKENS", "PROBE_MAX_TOKENS", "BadRequest", "Completion",
-           "GenerateParams", "SglangRequest", "chat_response", "completion_response", "generate_response", "is_probe",
-           "is_sglang", "parse_generate", "parse_sglang", "parse_trl", "sglang_response", "trl_response"]
+__all__ = [
+    "MAX_LOGPROBS",
+    "MAX_N",
+    "MAX_REQUEST_TOKENS",
+    "PROBE_MAX_TOKENS",
+    "BadRequest",
+    "Completion",
+    "GenerateParams",
+    "SglangRequest",
+    "chat_response",
+    "completion_response",
+    "generate_response",
+    "is_probe",
+    "is_sglang",
+    "parse_generate",
+    "parse_sglang",
+    "parse_trl",
+    "sglang_response",
+    "trl_response",
+]
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default, which /generate inherits
 
@@ -65,11 +82,28 @@ class Completion:
 
 # Fields vLLM's SamplingParams accepts that are meaningful here only at their neutral value:
 # anything else would change the sampling distribution without the trainer knowing.
-_NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
-            "min_tokens": 0}
-_KNOWN = {"prompt", "n", "max_tokens", "max_new_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-          "stop", "stop_token_ids", "seed", "logprobs", "prompt_logprobs", "ignore_eos", "skip_special_tokens",
-          "include_stop_str_in_output", "model", "best_of", *_NEUTRAL}
+_NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0}
+_KNOWN = {
+    "prompt",
+    "n",
+    "max_tokens",
+    "max_new_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop",
+    "stop_token_ids",
+    "seed",
+    "logprobs",
+    "prompt_logprobs",
+    "ignore_eos",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "model",
+    "best_of",
+    *_NEUTRAL,
+}
 MAX_N = 256
 # vLLM's ``ModelConfig.max_logprobs`` default (its processor refuses more, for logprobs and
 # prompt_logprobs alike): a larger k would materialise k entries per position.
@@ -100,30 +134,42 @@ def parse_generate(body: Any, *, max_model_len: int, vocab_size: int) -> Generat
     return sampling_params(body, ids, max_model_len=max_model_len, vocab_size=vocab_size)
 
 
-def sampling_params(body: Mapping[str, Any], ids: list[int], *, max_model_len: int, vocab_size: int,
-                    default_max_tokens: int | None = DEFAULT_MAX_TOKENS) -> GenerateParams:
+def sampling_params(
+    body: Mapping[str, Any],
+    ids: list[int],
+    *,
+    max_model_len: int,
+    vocab_size: int,
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+) -> GenerateParams:
     """The sampling fields shared by ``/generate`` and the OpenAI routes."""
     for key, neutral in _NEUTRAL.items():
         value = body.get(key)
         if value is not None and value != neutral:
-            raise BadRequest(f"{key} = {value!r} is not supported (the trainer's logprobs do not apply it); "
-                             f"leave it at {neutral}")
+            raise BadRequest(
+                f"{key} = {value!r} is not supported (the trainer's logprobs do not apply it); leave it at {neutral}"
+            )
     n = _int(body, "n", 1, lo=1, hi=MAX_N)
     if body.get("best_of") not in (None, n):
         raise BadRequest("best_of is not supported")
-    max_key = next((k for k in ("max_tokens", "max_new_tokens", "max_completion_tokens")
-                    if body.get(k) is not None), "max_tokens")
+    max_key = next(
+        (k for k in ("max_tokens", "max_new_tokens", "max_completion_tokens") if body.get(k) is not None), "max_tokens"
+    )
     raw_max = body.get(max_key)
     room = max_model_len - len(ids)
     if raw_max is None and default_max_tokens is None:
         raw_max = room  # OpenAI routes: "as many as fit"
     max_tokens = _int({max_key: raw_max}, max_key, DEFAULT_MAX_TOKENS, lo=1)
     if max_tokens > room:
-        raise BadRequest(f"prompt ({len(ids)} tokens) + {max_key} ({max_tokens}) exceeds max_model_len "
-                         f"({max_model_len}); nothing is truncated")
+        raise BadRequest(
+            f"prompt ({len(ids)} tokens) + {max_key} ({max_tokens}) exceeds max_model_len "
+            f"({max_model_len}); nothing is truncated"
+        )
     if n * max_tokens > MAX_REQUEST_TOKENS:
-        raise BadRequest(f"n × max_tokens = {n} × {max_tokens} exceeds {MAX_REQUEST_TOKENS} generated tokens per "
-                         "request; split the request")
+        raise BadRequest(
+            f"n × max_tokens = {n} × {max_tokens} exceeds {MAX_REQUEST_TOKENS} generated tokens per "
+            "request; split the request"
+        )
     stop_raw = body.get("stop")
     if isinstance(stop_raw, str):
         stop_raw = [stop_raw]
@@ -139,11 +185,15 @@ def sampling_params(body: Mapping[str, Any], ids: list[int], *, max_model_len: i
     if prompt_logprobs is not None:
         prompt_logprobs = _int(body, "prompt_logprobs", 0, lo=0, hi=min(vocab_size, MAX_LOGPROBS))
     return GenerateParams(
-        prompt_ids=list(ids), n=n, max_tokens=max_tokens,
+        prompt_ids=list(ids),
+        n=n,
+        max_tokens=max_tokens,
         temperature=_float(body, "temperature", 1.0, lo=0.0),
         top_p=_float(body, "top_p", 1.0, lo=0.0, hi=1.0, open_lo=True),
         top_k=_int(body, "top_k", 0, lo=-1),
-        stop=tuple(stop_raw or ()), stop_token_ids=tuple(stop_ids), seed=seed,
+        stop=tuple(stop_raw or ()),
+        stop_token_ids=tuple(stop_ids),
+        seed=seed,
         logprobs=_int({"logprobs": body.get("logprobs") or 0}, "logprobs", 0, lo=0, hi=min(vocab_size, MAX_LOGPROBS)),
         prompt_logprobs=prompt_logprobs,
         ignore_eos=_bool(body, "ignore_eos", False),
@@ -167,8 +217,9 @@ def _int(body: Mapping[str, Any], key: str, default: int, *, lo: int | None = No
     return int(v)
 
 
-def _float(body: Mapping[str, Any], key: str, default: float, *, lo: float, hi: float | None = None,
-           open_lo: bool = False) -> float:
+def _float(
+    body: Mapping[str, Any], key: str, default: float, *, lo: float, hi: float | None = None, open_lo: bool = False
+) -> float:
     v = body.get(key)
     if v is None:
         return default
@@ -191,12 +242,23 @@ def _bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
 # ---------------------------------------------------------------------------- responses
 
 
-def generate_response(params: GenerateParams, completions: Sequence[Completion], *, weight_version: int,
-                      prompt_text: str, prompt_logprobs: list[dict[str, float] | None] | None) -> dict[str, Any]:
+def generate_response(
+    params: GenerateParams,
+    completions: Sequence[Completion],
+    *,
+    weight_version: int,
+    prompt_text: str,
+    prompt_logprobs: list[dict[str, float] | None] | None,
+) -> dict[str, Any]:
     """The Atropos ``/generate`` response: ``logprobs[completion][token] = [{"<id>": lp}, ...]``
     (the sampled token first; atroposlib reads ``item[0]``)."""
-    logprobs = [[[{str(tid): lp}, *({str(a): b} for a, b in (c.top[i] if c.top else ()))]
-                 for i, (tid, lp) in enumerate(zip(c.token_ids, c.logprobs, strict=True))] for c in completions]
+    logprobs = [
+        [
+            [{str(tid): lp}, *({str(a): b} for a, b in (c.top[i] if c.top else ()))]
+            for i, (tid, lp) in enumerate(zip(c.token_ids, c.logprobs, strict=True))
+        ]
+        for c in completions
+    ]
     body: dict[str, Any] = {
         "text": [c.text for c in completions],
         "token_ids": [c.token_ids for c in completions],
@@ -228,6 +290,7 @@ def _usage(gen: Mapping[str, Any]) -> dict[str, int]:
 
 def completion_response(model: str, gen: Mapping[str, Any], *, want_logprobs: bool, decode: Any) -> dict[str, Any]:
     """OpenAI ``text_completion`` from a /generate response (one prompt)."""
+
     def logprobs(i: int) -> dict[str, Any]:
         toks = _choice_tokens(gen, i)
         tokens = [decode(t) for t, _, _ in toks]
@@ -235,15 +298,23 @@ def completion_response(model: str, gen: Mapping[str, Any], *, want_logprobs: bo
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in toks],
-                "top_logprobs": [{decode(a): b for a, b in alts} for _, _, alts in toks],
-                "text_offset": offsets, "token_ids": [t for t, _, _ in toks]}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp for _, lp, _ in toks],
+            "top_logprobs": [{decode(a): b for a, b in alts} for _, _, alts in toks],
+            "text_offset": offsets,
+            "token_ids": [t for t, _, _ in toks],
+        }
 
     return {
-        "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": i, "text": text, "finish_reason": reason,
-                     "logprobs": logprobs(i) if want_logprobs else None}
-                    for i, (text, reason) in enumerate(zip(gen["text"], gen["finish_reasons"], strict=True))],
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {"index": i, "text": text, "finish_reason": reason, "logprobs": logprobs(i) if want_logprobs else None}
+            for i, (text, reason) in enumerate(zip(gen["text"], gen["finish_reasons"], strict=True))
+        ],
         "usage": _usage(gen),
         "weight_version": gen["weight_version"],
     }
@@ -251,18 +322,31 @@ def completion_response(model: str, gen: Mapping[str, Any], *, want_logprobs: bo
 
 def chat_response(model: str, gen: Mapping[str, Any], *, want_logprobs: bool, decode: Any) -> dict[str, Any]:
     """OpenAI ``chat.completion`` from a /generate response; logprobs in the ``content`` form."""
+
     def item(tid: int, lp: float, alts: list[tuple[int, float]]) -> dict[str, Any]:
         tok = decode(tid)
-        return {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "token_id": tid,
-                "top_logprobs": [{"token": decode(a), "logprob": b, "bytes": list(decode(a).encode())}
-                                 for a, b in alts]}
+        return {
+            "token": tok,
+            "logprob": lp,
+            "bytes": list(tok.encode()),
+            "token_id": tid,
+            "top_logprobs": [{"token": decode(a), "logprob": b, "bytes": list(decode(a).encode())} for a, b in alts],
+        }
 
     return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
         "model": model,
-        "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                     "logprobs": {"content": [item(*t) for t in _choice_tokens(gen, i)]} if want_logprobs else None}
-                    for i, (text, reason) in enumerate(zip(gen["text"], gen["finish_reasons"], strict=True))],
+        "choices": [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": reason,
+                "logprobs": {"content": [item(*t) for t in _choice_tokens(gen, i)]} if want_logprobs else None,
+            }
+            for i, (text, reason) in enumerate(zip(gen["text"], gen["finish_reasons"], strict=True))
+        ],
         "usage": _usage(gen),
         "weight_version": gen["weight_version"],
     }
@@ -290,23 +374,53 @@ def is_probe(body: Any) -> bool:
 # ---------------------------------------------------------------------------- SGLang's /generate
 
 # SGLang's sampling_params → this server's names (the rest keep theirs).
-_SGLANG_RENAMED = {"max_new_tokens": "max_new_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed",
-                   "no_stop_trim": "include_stop_str_in_output"}
-_SGLANG_SAMPLING = {"n", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed", "ignore_eos",
-                    "skip_special_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                    *_SGLANG_RENAMED}
+_SGLANG_RENAMED = {
+    "max_new_tokens": "max_new_tokens",
+    "min_new_tokens": "min_tokens",
+    "sampling_seed": "seed",
+    "no_stop_trim": "include_stop_str_in_output",
+}
+_SGLANG_SAMPLING = {
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "stop_token_ids",
+    "seed",
+    "ignore_eos",
+    "skip_special_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    *_SGLANG_RENAMED,
+}
 # Fields SGLang accepts that change nothing here at these values.
 _SGLANG_NEUTRAL = {"spaces_between_special_tokens": True}
-_SGLANG_FIELDS = {"input_ids", "text", "sampling_params", "return_logprob", "return_text_in_logprobs",
-                  "logprob_start_len", "top_logprobs_num", "rid", "stream", "model"}
+_SGLANG_FIELDS = {
+    "input_ids",
+    "text",
+    "sampling_params",
+    "return_logprob",
+    "return_text_in_logprobs",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "rid",
+    "stream",
+    "model",
+}
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's own default
 
 
 def is_sglang(body: Any) -> bool:
     """Whether a ``/generate`` body is SGLang's (``input_ids`` or ``text``, ``sampling_params``)
     rather than vLLM's (``prompt``): the two share the route and are told apart by the body."""
-    return isinstance(body, Mapping) and "prompt" not in body and any(
-        k in body for k in ("input_ids", "text", "sampling_params"))
+    return (
+        isinstance(body, Mapping)
+        and "prompt" not in body
+        and any(k in body for k in ("input_ids", "text", "sampling_params"))
+    )
 
 
 @dataclass(frozen=True)
@@ -321,8 +435,9 @@ class SglangRequest:
     rid: str | None = None
 
 
-def parse_sglang(body: Any, *, max_model_len: int, vocab_size: int,
-                 encode: Callable[[str], list[int]]) -> SglangRequest:
+def parse_sglang(
+    body: Any, *, max_model_len: int, vocab_size: int, encode: Callable[[str], list[int]]
+) -> SglangRequest:
     """Validate an SGLang ``/generate`` body (SPEC §7); ``encode`` tokenizes ``text`` as
     SGLang does (special tokens added). Errors name the SGLang field."""
     _check_fields(body, _SGLANG_FIELDS)
@@ -356,8 +471,9 @@ def parse_sglang(body: Any, *, max_model_len: int, vocab_size: int,
             raise BadRequest(f"sampling_params.{key} = {sp[key]!r} is not supported; leave it at {neutral}")
     if sp.get("seed") is not None and sp.get("sampling_seed") is not None:
         raise BadRequest("sampling_params: give seed or sampling_seed, not both")
-    canonical: dict[str, Any] = {_SGLANG_RENAMED.get(str(k), str(k)): v for k, v in sp.items()
-                                 if k not in _SGLANG_NEUTRAL}
+    canonical: dict[str, Any] = {
+        _SGLANG_RENAMED.get(str(k), str(k)): v for k, v in sp.items() if k not in _SGLANG_NEUTRAL
+    }
     canonical.setdefault("max_new_tokens", min(SGLANG_DEFAULT_MAX_NEW_TOKENS, max(1, max_model_len - len(ids))))
     try:
         params = sampling_params(canonical, ids, max_model_len=max_model_len, vocab_size=vocab_size)
@@ -365,7 +481,7 @@ def parse_sglang(body: Any, *, max_model_len: int, vocab_size: int,
         message = str(exc)
         for theirs, ours in _SGLANG_RENAMED.items():  # name the field as the client sent it
             if theirs in sp and message.startswith(f"{ours} "):
-                message = theirs + message[len(ours):]
+                message = theirs + message[len(ours) :]
         raise BadRequest(f"sampling_params: {message}") from None
     top = _int(body, "top_logprobs_num", 0, lo=0, hi=min(vocab_size, MAX_LOGPROBS))
     start = _int(body, "logprob_start_len", -1, lo=-1, hi=len(ids) - 1)
@@ -373,15 +489,20 @@ def parse_sglang(body: Any, *, max_model_len: int, vocab_size: int,
     if rid is not None and not isinstance(rid, str):
         raise BadRequest(f"rid must be a string, got {rid!r}")
     want = _bool(body, "return_logprob", False)
-    params = replace(params, logprobs=top if want else 0,
-                     prompt_logprobs=(top if want and start >= 0 else None))
-    return SglangRequest(params=params, return_logprob=want,
-                         text_in_logprobs=_bool(body, "return_text_in_logprobs", False),
-                         logprob_start_len=start, top_logprobs_num=top if want else 0, rid=rid)
+    params = replace(params, logprobs=top if want else 0, prompt_logprobs=(top if want and start >= 0 else None))
+    return SglangRequest(
+        params=params,
+        return_logprob=want,
+        text_in_logprobs=_bool(body, "return_text_in_logprobs", False),
+        logprob_start_len=start,
+        top_logprobs_num=top if want else 0,
+        rid=rid,
+    )
 
 
-def sglang_response(req: SglangRequest, gen: Mapping[str, Any], *,
-                    decode: Callable[[list[int], bool], str]) -> dict[str, Any] | list[dict[str, Any]]:
+def sglang_response(
+    req: SglangRequest, gen: Mapping[str, Any], *, decode: Callable[[list[int], bool], str]
+) -> dict[str, Any] | list[dict[str, Any]]:
     """SGLang's answer from a ``/generate`` response: one object per sample, a list when n > 1.
     ``meta_info`` carries ``output_token_logprobs`` as ``[logprob, token_id, text | null]``,
     ``finish_reason`` as SGLang's object (``{"type": "stop", "matched": token id | stop string}``
@@ -410,7 +531,9 @@ def sglang_response(req: SglangRequest, gen: Mapping[str, Any], *,
         meta: dict[str, Any] = {
             "id": (f"{req.rid}-{i}" if p.n > 1 else req.rid) if req.rid else uuid.uuid4().hex,
             "finish_reason": finish(ids, reason),
-            "prompt_tokens": len(prompt), "completion_tokens": len(ids), "cached_tokens": 0,
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(ids),
+            "cached_tokens": 0,
             "weight_version": gen["weight_version"],
         }
         if req.return_logprob:
@@ -421,24 +544,41 @@ def sglang_response(req: SglangRequest, gen: Mapping[str, Any], *,
                 entries = gen.get("prompt_logprobs") or [None] * len(prompt)
                 span = range(req.logprob_start_len, len(prompt))
                 meta["input_token_logprobs"] = [
-                    [entries[j][str(prompt[j])] if entries[j] else None, prompt[j], text_of(prompt[j])] for j in span]
+                    [entries[j][str(prompt[j])] if entries[j] else None, prompt[j], text_of(prompt[j])] for j in span
+                ]
                 if req.top_logprobs_num:
                     meta["input_top_logprobs"] = [
-                        None if not entries[j] else
-                        [[lp, int(t), text_of(int(t))] for t, lp in sorted(entries[j].items(), key=lambda e: -e[1])
-                         ][:req.top_logprobs_num] for j in span]
+                        None
+                        if not entries[j]
+                        else [
+                            [lp, int(t), text_of(int(t))] for t, lp in sorted(entries[j].items(), key=lambda e: -e[1])
+                        ][: req.top_logprobs_num]
+                        for j in span
+                    ]
         out.append({"text": text, "output_ids": ids, "meta_info": meta})
     return out if p.n > 1 else out[0]
 
 
 # ---------------------------------------------------------------------------- TRL's /generate/
 
-_TRL_FIELDS = {"prompts", "images", "n", "repetition_penalty", "temperature", "top_p", "top_k", "min_p",
-               "max_tokens", "guided_decoding_regex", "generation_kwargs"}
+_TRL_FIELDS = {
+    "prompts",
+    "images",
+    "n",
+    "repetition_penalty",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "max_tokens",
+    "guided_decoding_regex",
+    "generation_kwargs",
+}
 
 
-def parse_trl(body: Any, *, max_model_len: int, vocab_size: int,
-              encode: Callable[[str], list[int]]) -> list[GenerateParams]:
+def parse_trl(
+    body: Any, *, max_model_len: int, vocab_size: int, encode: Callable[[str], list[int]]
+) -> list[GenerateParams]:
     """Validate TRL ``vllm-serve``'s ``/generate/`` body (SPEC §7): one request per prompt, each
     with ``n`` samples; ``encode`` tokenizes a prompt as vLLM does (special tokens added)."""
     _check_fields(body, _TRL_FIELDS)

@@ -45,8 +45,17 @@ from atroposd.weights.protocol import WeightUpdateError
 if TYPE_CHECKING:
     from atroposd.config import Config
 
-__all__ = ["ControlSocketInUse", "Engine", "PortInUse", "ServerOptions", "build_control_app", "build_tcp_app",
-           "make_engine", "peer_uid", "serve"]
+__all__ = [
+    "ControlSocketInUse",
+    "Engine",
+    "PortInUse",
+    "ServerOptions",
+    "build_control_app",
+    "build_tcp_app",
+    "make_engine",
+    "peer_uid",
+    "serve",
+]
 
 log = get_logger("inference")
 
@@ -62,8 +71,9 @@ class Engine(Protocol):
     async def start(self) -> None: ...
     async def close(self) -> None: ...
     async def check_health(self) -> None: ...
-    async def generate(self, request: Mapping[str, Any] | schema.GenerateParams, *,
-                       bypass_pause: bool = False) -> dict[str, Any]: ...
+    async def generate(
+        self, request: Mapping[str, Any] | schema.GenerateParams, *, bypass_pause: bool = False
+    ) -> dict[str, Any]: ...
     async def pause(self) -> dict[str, Any]: ...
     async def resume(self, weight_version: int | None = None) -> dict[str, Any]: ...
     async def update_weights(self, request: Mapping[str, Any]) -> dict[str, Any]: ...
@@ -128,8 +138,9 @@ def make_engine(cfg: Config, name: str, *, await_weights: bool, threads: int | N
 
 
 def _json(body: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS), status=status,
-                        content_type="application/json")
+    return web.Response(
+        body=orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS), status=status, content_type="application/json"
+    )
 
 
 def _error(status: int, message: str, *, openai: bool = False) -> web.Response:
@@ -152,9 +163,11 @@ async def _read_json(request: web.Request, *, empty_ok: bool = False) -> Any:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _route(front: _Front, fn: Callable[[web.Request], Awaitable[Any]], *, openai: bool = False,
-           needs_engine: bool = True) -> Handler:
+def _route(
+    front: _Front, fn: Callable[[web.Request], Awaitable[Any]], *, openai: bool = False, needs_engine: bool = True
+) -> Handler:
     """Wrap a route: engine readiness, JSON errors, the status of each refusal."""
+
     async def handler(request: web.Request) -> web.StreamResponse:
         if needs_engine and front.engine is None:
             return _error(503, "the engine is still loading", openai=openai)
@@ -186,18 +199,24 @@ def _route(front: _Front, fn: Callable[[web.Request], Awaitable[Any]], *, openai
 def _counted(front: _Front, route: str, handler: Handler) -> Handler:
     """A generation route, counted in the server's metrics (latency, in flight, tokens); a probe
     (``max_tokens ≤ 1``, marked by the handler) apart from the rollouts."""
+
     async def counted(request: web.Request) -> web.StreamResponse:
         if front.quarantined is not None:  # the clients route around it (or retry)
-            return _error(503, f"this replica is quarantined: {front.quarantined}",
-                          openai=route in ("completions", "chat"))
+            return _error(
+                503, f"this replica is quarantined: {front.quarantined}", openai=route in ("completions", "chat")
+            )
         start = front.metrics.begin()
         response: web.StreamResponse | None = None
         try:
             response = await handler(request)
             return response
         finally:
-            front.metrics.end(request.get("route", route), start, ok=response is not None and response.status < 400,
-                              probe=bool(request.get("probe")))
+            front.metrics.end(
+                request.get("route", route),
+                start,
+                ok=response is not None and response.status < 400,
+                probe=bool(request.get("probe")),
+            )
 
     return counted
 
@@ -216,8 +235,14 @@ def build_tcp_app(front: _Front) -> web.Application:
             await front.engine.check_health()
         except Exception as exc:  # the engine's own error types: report them, keep the front up
             return _error(503, f"engine unhealthy: {exc}")
-        return _json({"status": "ok", "weight_version": front.engine.weight_version,
-                      "generations": front.generations, "quarantined": front.quarantined is not None})
+        return _json(
+            {
+                "status": "ok",
+                "weight_version": front.engine.weight_version,
+                "generations": front.generations,
+                "quarantined": front.quarantined is not None,
+            }
+        )
 
     def served(request: web.Request, answer: Any) -> None:
         """Count a rollout's samples and tokens; a probe is counted apart (``_counted``)."""
@@ -259,19 +284,31 @@ def build_tcp_app(front: _Front) -> web.Application:
         return out
 
     async def models(_: web.Request) -> Any:
-        return {"object": "list", "data": [{"id": front.model_name, "object": "model", "owned_by": "atroposd",
-                                            "max_model_len": front.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": front.model_name,
+                    "object": "model",
+                    "owned_by": "atroposd",
+                    "max_model_len": front.max_model_len,
+                }
+            ],
+        }
 
     async def info(_: web.Request) -> Any:
         if not front.info:
             return _error(503, "the model is still being resolved")
         if front.engine is None:  # loading: the tokenizer can already be compared
-            return {**front.info, "weight_version": None, "awaiting_weights": front.await_weights,
-                    "ready": False}
+            return {**front.info, "weight_version": None, "awaiting_weights": front.await_weights, "ready": False}
         weights = await front.engine.weight_info()
-        return {**front.info, "weight_version": weights.get("weight_version"),
-                "awaiting_weights": bool(weights.get("awaiting_weights", False)), "ready": True,
-                "quarantined": front.quarantined is not None}
+        return {
+            **front.info,
+            "weight_version": weights.get("weight_version"),
+            "awaiting_weights": bool(weights.get("awaiting_weights", False)),
+            "ready": True,
+            "quarantined": front.quarantined is not None,
+        }
 
     async def metrics(_: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST
@@ -289,13 +326,28 @@ def build_tcp_app(front: _Front) -> web.Application:
     return app
 
 
-_OPENAI_SAMPLING = ("n", "temperature", "top_p", "top_k", "stop", "seed", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "min_p", "min_tokens", "ignore_eos", "stop_token_ids",
-                    "skip_special_tokens", "include_stop_str_in_output")
+_OPENAI_SAMPLING = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+)
 
 
-def _generate_body(front: _Front, body: Mapping[str, Any], ids: list[int], *, max_tokens: Any,
-                   logprobs: int) -> dict[str, Any]:
+def _generate_body(
+    front: _Front, body: Mapping[str, Any], ids: list[int], *, max_tokens: Any, logprobs: int
+) -> dict[str, Any]:
     if body.get("stream"):
         raise schema.BadRequest("stream = true is not supported; ask for the whole response")
     out: dict[str, Any] = {"prompt": {"prompt_token_ids": ids}, "logprobs": logprobs}
@@ -327,15 +379,25 @@ async def _openai_completions(front: _Front, body: Any) -> dict[str, Any]:
         raise schema.BadRequest(f"logprobs must be a non-negative integer or null, got {k!r}")
     prompts = _openai_prompts(front, body.get("prompt"))
     max_tokens = body.get("max_tokens", schema.DEFAULT_MAX_TOKENS)
-    gens = await asyncio.gather(*(front.engine.generate(_generate_body(front, body, ids, max_tokens=max_tokens,
-                                                                       logprobs=k or 0)) for ids in prompts))
+    gens = await asyncio.gather(
+        *(
+            front.engine.generate(_generate_body(front, body, ids, max_tokens=max_tokens, logprobs=k or 0))
+            for ids in prompts
+        )
+    )
     for gen, ids in zip(gens, prompts, strict=True):
         gen.setdefault("prompt_token_ids", ids)  # for usage; not every engine echoes the prompt
-    out = tools.with_token_ids(schema.completion_response(front.model_name, gens[0], want_logprobs=k is not None,
-                                                          decode=_decoder(front)), gens[0], body)
+    out = tools.with_token_ids(
+        schema.completion_response(front.model_name, gens[0], want_logprobs=k is not None, decode=_decoder(front)),
+        gens[0],
+        body,
+    )
     for gen in gens[1:]:  # several prompts: their choices follow in order
-        more = tools.with_token_ids(schema.completion_response(front.model_name, gen, want_logprobs=k is not None,
-                                                               decode=_decoder(front)), gen, body)
+        more = tools.with_token_ids(
+            schema.completion_response(front.model_name, gen, want_logprobs=k is not None, decode=_decoder(front)),
+            gen,
+            body,
+        )
         for choice in more["choices"]:
             choice["index"] = len(out["choices"])
             out["choices"].append(choice)
@@ -348,14 +410,18 @@ async def _openai_chat(front: _Front, body: Any) -> dict[str, Any]:
     if not isinstance(body, Mapping):
         raise schema.BadRequest("request must be a JSON object")
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, Mapping) and isinstance(m.get("role"), str) for m in messages):
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(isinstance(m, Mapping) and isinstance(m.get("role"), str) for m in messages)
+    ):
         raise schema.BadRequest("messages must be a non-empty list of {role, content} objects")
     tool_req = tools.parse_tool_request(body)
     extra = {"tools": tool_req.tools} if tool_req is not None and tool_req.tools else {}
     try:
-        ids = front.tokenizer.apply_chat_template(tools.template_messages(messages), add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False, **extra)
+        ids = front.tokenizer.apply_chat_template(
+            tools.template_messages(messages), add_generation_prompt=True, tokenize=True, return_dict=False, **extra
+        )
     except schema.BadRequest:
         raise
     except Exception as exc:  # jinja and tokenizer errors: the client's messages did not fit the template
@@ -384,8 +450,9 @@ async def _sglang_generate(front: _Front, body: Any) -> tuple[dict[str, Any], An
     """SGLang's ``/generate``: parsed by the one SGLang parser, generated by the engine, answered
     as SGLang answers (``schema.sglang_response``). Returns (the engine's response, the answer)."""
     engine = front.engine
-    req = schema.parse_sglang(body, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
-                              encode=front.tokenizer.encode)
+    req = schema.parse_sglang(
+        body, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size, encode=front.tokenizer.encode
+    )
     gen = await engine.generate(req.params)
     gen.setdefault("prompt_token_ids", req.params.prompt_ids)
     tok = front.tokenizer
@@ -399,8 +466,9 @@ async def _sglang_generate(front: _Front, body: Any) -> tuple[dict[str, Any], An
 async def _trl_generate(front: _Front, body: Any) -> list[dict[str, Any]]:
     """TRL ``vllm-serve``'s ``/generate/``: one engine request per prompt, in order."""
     engine = front.engine
-    requests = schema.parse_trl(body, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
-                                encode=front.tokenizer.encode)
+    requests = schema.parse_trl(
+        body, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size, encode=front.tokenizer.encode
+    )
     gens = await asyncio.gather(*(engine.generate(params) for params in requests))
     for gen, params in zip(gens, requests, strict=True):
         gen.setdefault("prompt_token_ids", params.prompt_ids)
@@ -422,8 +490,9 @@ def _decoder(front: _Front) -> Callable[[int], str]:
 CONTROL_SEND_TIMEOUT_S = 30.0
 
 
-def build_control_app(front: _Front, *, send_timeout: float = CONTROL_SEND_TIMEOUT_S,
-                      allowed_uids: frozenset[int] | None = None) -> web.Application:
+def build_control_app(
+    front: _Front, *, send_timeout: float = CONTROL_SEND_TIMEOUT_S, allowed_uids: frozenset[int] | None = None
+) -> web.Application:
     """The weight-control routes; served only to ``allowed_uids`` (default: this user and root)."""
     allowed = allowed_uids if allowed_uids is not None else frozenset({os.geteuid(), 0})
     app = web.Application(client_max_size=1024 * 1024, middlewares=[_control_guard(allowed, send_timeout)])
@@ -459,8 +528,11 @@ def build_control_app(front: _Front, *, send_timeout: float = CONTROL_SEND_TIMEO
             # The trainer paused generation to change the weights: a probe's generation now
             # would be in flight when the update arrives, which refuses it (409). The control
             # socket answering is the sign of life until the trainer resumes.
-            return {"skipped": "generation is paused for a weight update", "paused": True,
-                    "weight_version": front.engine.weight_version}
+            return {
+                "skipped": "generation is paused for a weight update",
+                "paused": True,
+                "weight_version": front.engine.weight_version,
+            }
         if not body:
             first = front.info.get("tokenizer", {}).get("special_ids", {}).get("bos")
             body = {"prompt": {"prompt_token_ids": [first if first is not None else 0]}, "max_tokens": 1}
@@ -472,14 +544,17 @@ def build_control_app(front: _Front, *, send_timeout: float = CONTROL_SEND_TIMEO
     app.router.add_post("/load", _route(front, load))
     app.router.add_get("/weight_info", _route(front, weight_info))
     app.router.add_post("/broadcast", _route(front, broadcast))
+
     async def quarantine(request: web.Request) -> Any:
         body = await _read_json(request)
         if not isinstance(body, Mapping) or not isinstance(body.get("quarantine"), bool):
             raise schema.BadRequest("quarantine must be true or false")
         reason = body.get("reason")
         front.quarantined = (str(reason) if reason else "drift over the limit") if body["quarantine"] else None
-        log.warning("quarantined: generation requests get 503" if body["quarantine"] else "back in rotation",
-                    reason=front.quarantined)
+        log.warning(
+            "quarantined: generation requests get 503" if body["quarantine"] else "back in rotation",
+            reason=front.quarantined,
+        )
         return {"quarantined": front.quarantined is not None, "weight_version": front.engine.weight_version}
 
     async def canary(request: web.Request) -> Any:
@@ -508,8 +583,12 @@ class PortInUse(RuntimeError):
 
 async def serve(cfg: Any, opts: ServerOptions, *, ready: Callable[[], None] | None = None) -> int:
     """Run the server until SIGTERM/SIGINT; 0 on a requested stop."""
-    front = _Front(model_name=cfg.inference.model, max_model_len=cfg.inference.max_model_len,
-                   await_weights=opts.await_weights, token=opts.token)
+    front = _Front(
+        model_name=cfg.inference.model,
+        max_model_len=cfg.inference.max_model_len,
+        await_weights=opts.await_weights,
+        token=opts.token,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -530,14 +609,21 @@ async def serve(cfg: Any, opts: ServerOptions, *, ready: Callable[[], None] | No
         await control.setup()
         await _start_unix_site(control, sock)
         sock_ours = True
-        log.info("listening; loading the engine", host=opts.host, port=opts.port, control_socket=str(sock),
-                 engine=opts.engine, await_weights=opts.await_weights)
+        log.info(
+            "listening; loading the engine",
+            host=opts.host,
+            port=opts.port,
+            control_socket=str(sock),
+            engine=opts.engine,
+            await_weights=opts.await_weights,
+        )
         # torch is imported from here on (after the port is ours, so a port in use fails fast).
         # The tokenizer's fingerprint is known before the model loads: /info answers early.
         front.info, tokenizer = await asyncio.to_thread(_info, cfg, opts)
         front.tool_parser = await asyncio.to_thread(_tool_parser, cfg, tokenizer)
-        engine = await asyncio.to_thread(make_engine, cfg, opts.engine, await_weights=opts.await_weights,
-                                         threads=opts.threads)
+        engine = await asyncio.to_thread(
+            make_engine, cfg, opts.engine, await_weights=opts.await_weights, threads=opts.threads
+        )
         await _wait_or_stop(engine.start(), stop)
         if stop.is_set():
             return 0
@@ -653,8 +739,12 @@ def _bearer_guard(front: _Front) -> Any:
                 last_log[1] += 1
                 now = time.monotonic()
                 if now - last_log[0] >= 10.0:
-                    log.warning("request without the inference token refused", path=request.path,
-                                peer=request.remote, refused_since_last_log=last_log[1])
+                    log.warning(
+                        "request without the inference token refused",
+                        path=request.path,
+                        peer=request.remote,
+                        refused_since_last_log=last_log[1],
+                    )
                     last_log[0], last_log[1] = now, 0
                 openai = request.path.startswith("/v1/")
                 resp = _error(401, "missing or wrong bearer token (inference.token_file)", openai=openai)
@@ -669,6 +759,7 @@ def _control_guard(allowed_uids: frozenset[int], send_timeout: float) -> Any:
     """The control socket's middleware: only this user (or root) is served (SO_PEERCRED), and
     each answer is sent within ``send_timeout`` (a client that stops reading is dropped, it
     does not hold the handler)."""
+
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         uid = peer_uid(request)
@@ -679,8 +770,7 @@ def _control_guard(allowed_uids: frozenset[int], send_timeout: float) -> Any:
         try:
             await asyncio.wait_for(_send(request, resp), send_timeout)
         except (asyncio.TimeoutError, ConnectionError) as exc:
-            log.warning("control answer not delivered; connection dropped", path=request.path,
-                        error=type(exc).__name__)
+            log.warning("control answer not delivered; connection dropped", path=request.path, error=type(exc).__name__)
             if request.transport is not None:
                 request.transport.abort()
         return resp
@@ -703,8 +793,13 @@ def _info(cfg: Any, opts: ServerOptions) -> tuple[dict[str, Any], Any]:
     from atroposd.models.resolve import fingerprint_of, resolve_tokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_tokenizer(cfg)))
-    info = {"model": cfg.inference.model, "engine": opts.engine, "max_model_len": cfg.inference.max_model_len,
-            "tokenizer": fingerprint_of(tokenizer), "pid": os.getpid()}
+    info = {
+        "model": cfg.inference.model,
+        "engine": opts.engine,
+        "max_model_len": cfg.inference.max_model_len,
+        "tokenizer": fingerprint_of(tokenizer),
+        "pid": os.getpid(),
+    }
     return info, tokenizer
 
 
@@ -714,6 +809,9 @@ def _tool_parser(cfg: Any, tokenizer: Any) -> Any:
     from atroposd.models.resolve import resolve_model
 
     parser = tools.make_parser(cfg.inference.tool_parser, tokenizer, resolve_model(cfg))
-    log.info("tool calls", tool_parser=cfg.inference.tool_parser,
-             parser=None if parser is None else f"{parser.name} ({type(parser).__name__})")
+    log.info(
+        "tool calls",
+        tool_parser=cfg.inference.tool_parser,
+        parser=None if parser is None else f"{parser.name} ({type(parser).__name__})",
+    )
     return parser

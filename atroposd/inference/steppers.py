@@ -41,11 +41,17 @@ class HFStepper:
         # ``cache`` (the old name warns); older releases only know the old one.
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
-    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, *,
-                all_logits: bool) -> torch.Tensor:
+    def prefill(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, *, all_logits: bool
+    ) -> torch.Tensor:
         """ids, mask, positions [B, T] (left-padded) → logits [B, T, V] (or [B, 1, V])."""
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=0 if all_logits else 1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=0 if all_logits else 1,
+        )
         self.cache, self.mask = _returned_cache(out), mask
         logits: torch.Tensor = out.logits
         return logits
@@ -60,8 +66,13 @@ class HFStepper:
         """tokens, positions [B, 1] → logits of the next token [B, V]."""
         assert self.mask is not None
         self.mask = torch.cat([self.mask, torch.ones_like(tokens)], dim=1)
-        out = self.model(input_ids=tokens, attention_mask=self.mask, position_ids=positions,
-                         use_cache=True, **{self._cache_arg: self.cache})
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=self.mask,
+            position_ids=positions,
+            use_cache=True,
+            **{self._cache_arg: self.cache},
+        )
         self.cache = _returned_cache(out)
         last: torch.Tensor = out.logits[:, -1, :]
         return last
@@ -87,8 +98,9 @@ class LlamaStepper:
         self.eps = float(cfg.rms_norm_eps)
         device = model.get_input_embeddings().weight.device
         theta = float(_rope(cfg)["rope_theta"])
-        self.inv_freq = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
-                                        / self.head_dim)  # [D/2]
+        self.inv_freq = 1.0 / theta ** (
+            torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
+        )  # [D/2]
         self.keys: list[torch.Tensor] = []  # per layer [B, Hkv, S, D]
         self.values: list[torch.Tensor] = []
         self.valid: torch.Tensor | None = None  # [B, S] bool: a real token
@@ -117,8 +129,9 @@ class LlamaStepper:
                 return False  # e.g. LoRA layers: only the model's own forward applies them
         return True
 
-    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, *,
-                all_logits: bool) -> torch.Tensor:
+    def prefill(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, *, all_logits: bool
+    ) -> torch.Tensor:
         valid = mask.bool()  # [B, T]
         width = ids.shape[1]
         causal = torch.ones((width, width), dtype=torch.bool, device=ids.device).tril()
@@ -143,8 +156,9 @@ class LlamaStepper:
         hidden = self._forward(tokens, positions, self.valid[:, None, None, :], prefill=False)  # [B, 1, H]
         return F.linear(hidden[:, -1], self.model.lm_head.weight)
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor, *,
-                 prefill: bool) -> torch.Tensor:
+    def _forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor, *, prefill: bool
+    ) -> torch.Tensor:
         batch, width = ids.shape
         x = F.embedding(ids, self.model.model.embed_tokens.weight)  # [B, T, H]
         cos, sin = self._rotary(positions, x.dtype)  # [B, 1, T, D]
@@ -161,13 +175,15 @@ class LlamaStepper:
             else:
                 self.keys[i] = k = torch.cat([self.keys[i], k], dim=2)  # [B, Hkv, S+1, D]
                 self.values[i] = v = torch.cat([self.values[i], v], dim=2)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend,
-                                                 enable_gqa=self.kv_heads != self.heads)  # [B, Hq, T, D]
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attend, enable_gqa=self.kv_heads != self.heads
+            )  # [B, Hq, T, D]
             x = x + F.linear(out.transpose(1, 2).reshape(batch, width, -1), a.o_proj.weight)
             h = self._norm(x, layer.post_attention_layernorm.weight)
             m = layer.mlp
-            x = x + F.linear(F.silu(F.linear(h, m.gate_proj.weight)) * F.linear(h, m.up_proj.weight),
-                             m.down_proj.weight)
+            x = x + F.linear(
+                F.silu(F.linear(h, m.gate_proj.weight)) * F.linear(h, m.up_proj.weight), m.down_proj.weight
+            )
         return self._norm(x, self.model.model.norm.weight)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -33,17 +33,39 @@ from atroposd.toolparsers import (
     vllm_parser_names,
 )
 
-__all__ = ["AUTO", "BUILTIN_PARSERS", "HermesParser", "ParsedOutput", "ToolCall", "ToolParser",
-           "ToolParserUnavailable", "ToolRequest", "VllmParser", "apply_tool_calls", "available_parser_names",
-           "detect_parser", "make_parser", "parse_tool_request", "parser_problem", "template_messages",
-           "vllm_parser_names", "with_token_ids"]
+__all__ = [
+    "AUTO",
+    "BUILTIN_PARSERS",
+    "HermesParser",
+    "ParsedOutput",
+    "ToolCall",
+    "ToolParser",
+    "ToolParserUnavailable",
+    "ToolRequest",
+    "VllmParser",
+    "apply_tool_calls",
+    "available_parser_names",
+    "detect_parser",
+    "make_parser",
+    "parse_tool_request",
+    "parser_problem",
+    "template_messages",
+    "vllm_parser_names",
+    "with_token_ids",
+]
 
 
 # The tool-call syntax a chat template shows, and the parser that reads it (first match wins).
 _TEMPLATE_MARKERS = (("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"), ("[TOOL_CALLS]", "mistral"))
 # config.json model_type → parser, for templates that do not show their syntax.
-_MODEL_TYPES = {"qwen2": "hermes", "qwen2_moe": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes",
-                "mistral": "mistral", "mixtral": "mistral"}
+_MODEL_TYPES = {
+    "qwen2": "hermes",
+    "qwen2_moe": "hermes",
+    "qwen3": "hermes",
+    "qwen3_moe": "hermes",
+    "mistral": "mistral",
+    "mixtral": "mistral",
+}
 
 
 class ToolParserUnavailable(ValueError):
@@ -103,15 +125,16 @@ def parse_tool_request(body: Mapping[str, Any]) -> ToolRequest | None:
             raise BadRequest("tool_choice needs tools: the request has no tools")
         return None
     if not isinstance(tools, list):
-        raise BadRequest(f"tools must be a list of {{\"type\": \"function\", \"function\": {{...}}}} objects, "
-                         f"got {_kind(tools)}")
+        raise BadRequest(
+            f'tools must be a list of {{"type": "function", "function": {{...}}}} objects, got {_kind(tools)}'
+        )
     seen: set[str] = set()
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, Mapping):
             raise BadRequest(f"{where} must be an object, got {_kind(tool)}")
         if tool.get("type", "function") != "function":
-            raise BadRequest(f"{where}.type must be \"function\", got {tool.get('type')!r}")
+            raise BadRequest(f'{where}.type must be "function", got {tool.get("type")!r}')
         fn = tool.get("function")
         if not isinstance(fn, Mapping):
             raise BadRequest(f"{where}.function must be an object with a name, got {_kind(fn)}")
@@ -129,16 +152,17 @@ def parse_tool_request(body: Mapping[str, Any]) -> ToolRequest | None:
         choice = "auto" if tools else "none"
     if isinstance(choice, str):
         if choice not in ("none", "auto", "required"):
-            raise BadRequest(f"tool_choice must be \"none\", \"auto\", \"required\" or "
-                             f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {choice!r}")
+            raise BadRequest(
+                f'tool_choice must be "none", "auto", "required" or '
+                f'{{"type": "function", "function": {{"name": ...}}}}, got {choice!r}'
+            )
         if choice == "required" and not tools:
-            raise BadRequest("tool_choice = \"required\" needs at least one tool")
+            raise BadRequest('tool_choice = "required" needs at least one tool')
     elif isinstance(choice, Mapping):
         fn = choice.get("function")
         name = fn.get("name") if isinstance(fn, Mapping) else None
         if choice.get("type", "function") != "function" or not isinstance(name, str):
-            raise BadRequest("tool_choice must name a function as {\"type\": \"function\", \"function\": "
-                             "{\"name\": ...}}")
+            raise BadRequest('tool_choice must name a function as {"type": "function", "function": {"name": ...}}')
         if name not in seen:
             raise BadRequest(f"tool_choice names the function {name!r}, which is not among tools")
         choice = {"type": "function", "function": {"name": name}}
@@ -162,7 +186,7 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
             parts = []
             for j, part in enumerate(content):
                 if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise BadRequest(f"messages[{i}].content[{j}] must be a {{\"type\": \"text\", \"text\": ...}} part")
+                    raise BadRequest(f'messages[{i}].content[{j}] must be a {{"type": "text", "text": ...}} part')
                 parts.append(part["text"])
             m["content"] = "".join(parts)
         elif content is not None and not isinstance(content, str):
@@ -175,15 +199,18 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
             for j, call in enumerate(calls):
                 fn = call.get("function") if isinstance(call, Mapping) else None
                 if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-                    raise BadRequest(f"messages[{i}].tool_calls[{j}] must be {{\"type\": \"function\", "
-                                     "\"function\": {\"name\", \"arguments\"}}")
+                    raise BadRequest(
+                        f'messages[{i}].tool_calls[{j}] must be {{"type": "function", '
+                        '"function": {"name", "arguments"}}'
+                    )
                 args = fn.get("arguments", {})
                 if isinstance(args, str):
                     try:
                         args = json.loads(args) if args.strip() else {}
                     except json.JSONDecodeError:
-                        raise BadRequest(f"messages[{i}].tool_calls[{j}].function.arguments is not valid "
-                                         "JSON") from None
+                        raise BadRequest(
+                            f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON"
+                        ) from None
                 fixed.append({**call, "function": {**fn, "arguments": args}})
             m["tool_calls"] = fixed
         out.append(m)
@@ -191,8 +218,15 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
 
 
 def _kind(v: Any) -> str:
-    return {list: "a list", dict: "an object", str: "a string", bool: "a boolean", int: "a number",
-            float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
+    return {
+        list: "a list",
+        dict: "an object",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        type(None): "null",
+    }.get(type(v), type(v).__name__)
 
 
 # ---------------------------------------------------------------------------- parsers
@@ -219,7 +253,7 @@ class HermesParser:
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "arguments" not in obj:
                 return ParsedOutput(content=text, calls=[])
             calls.append(ToolCall(name=obj["name"], arguments=json.dumps(obj["arguments"], ensure_ascii=False)))
-        content = text[:text.find(self.START)]
+        content = text[: text.find(self.START)]
         return ParsedOutput(content=content or None, calls=calls)
 
 
@@ -238,8 +272,12 @@ class VllmParser:
     def parse(self, text: str, request: ToolRequest) -> ParsedOutput:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-        req = ChatCompletionRequest(messages=[{"role": "user", "content": ""}], model="atroposd",
-                                    tools=request.tools, tool_choice=request.choice)
+        req = ChatCompletionRequest(
+            messages=[{"role": "user", "content": ""}],
+            model="atroposd",
+            tools=request.tools,
+            tool_choice=request.choice,
+        )
         # A parser keeps state between calls (streaming): one instance per completion.
         info = self._cls(self._tokenizer).extract_tool_calls(text, req)
         if not info.tools_called:
@@ -290,19 +328,22 @@ def make_parser(setting: str, tokenizer: Any, model_dir: Path | None) -> ToolPar
             raise ToolParserUnavailable(f"inference.tool_parser: vLLM has no tool parser named {name!r}") from None
         except ImportError as exc:
             if name not in BUILTIN_PARSERS:
-                raise ToolParserUnavailable(f"inference.tool_parser: vLLM's parser {name!r} cannot be "
-                                            f"imported: {exc}") from None
+                raise ToolParserUnavailable(
+                    f"inference.tool_parser: vLLM's parser {name!r} cannot be imported: {exc}"
+                ) from None
         except (ValueError, RuntimeError) as exc:  # the parser refuses this tokenizer
-            raise ToolParserUnavailable(f"inference.tool_parser: vLLM's parser {name!r} cannot read this "
-                                        f"model's output: {exc}") from None
+            raise ToolParserUnavailable(
+                f"inference.tool_parser: vLLM's parser {name!r} cannot read this model's output: {exc}"
+            ) from None
     return HermesParser()
 
 
 # ---------------------------------------------------------------------------- responses
 
 
-def apply_tool_calls(response: dict[str, Any], gen: Mapping[str, Any], parser: ToolParser, request: ToolRequest,
-                     tokenizer: Any) -> None:
+def apply_tool_calls(
+    response: dict[str, Any], gen: Mapping[str, Any], parser: ToolParser, request: ToolRequest, tokenizer: Any
+) -> None:
     """Turn each chat choice whose text holds tool calls into OpenAI's shape, in place: the
     message's ``content`` (the text before the calls, or null) and ``tool_calls``, and
     ``finish_reason = "tool_calls"``. The choice's logprobs and token ids stay those of every
@@ -326,7 +367,7 @@ def _without_stop_token(text: str, token_ids: Sequence[int], reason: str, tokeni
     if reason != "stop" or not token_ids or eos is None or token_ids[-1] != eos:
         return text
     tail = str(tokenizer.decode([eos], skip_special_tokens=False))
-    return text[:-len(tail)] if tail and text.endswith(tail) else text
+    return text[: -len(tail)] if tail and text.endswith(tail) else text
 
 
 def with_token_ids(response: dict[str, Any], gen: Mapping[str, Any], body: Mapping[str, Any]) -> dict[str, Any]:

@@ -83,10 +83,21 @@ class TorchEngine(WeightGate):
 
     name = "torch"
 
-    def __init__(self, *, model_dir: Path, tokenizer_dir: Path | None = None, dtype: str = "auto",
-                 device: str = "auto", max_model_len: int = 4096, seed: int = 0, receiver: Any = None,
-                 await_weights: bool = False, threads: int | None = None,
-                 max_batch_rows: int = MAX_BATCH_ROWS, batch_window: float = BATCH_WINDOW) -> None:
+    def __init__(
+        self,
+        *,
+        model_dir: Path,
+        tokenizer_dir: Path | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_model_len: int = 4096,
+        seed: int = 0,
+        receiver: Any = None,
+        await_weights: bool = False,
+        threads: int | None = None,
+        max_batch_rows: int = MAX_BATCH_ROWS,
+        batch_window: float = BATCH_WINDOW,
+    ) -> None:
         self.model_dir = Path(model_dir)
         self.tokenizer_dir = Path(tokenizer_dir or model_dir)
         self.dtype_name = dtype
@@ -115,8 +126,9 @@ class TorchEngine(WeightGate):
         self.batched_rows = 0
 
     @classmethod
-    def from_config(cls, cfg: Config, *, receiver: Any = None, await_weights: bool = False,
-                    threads: int | None = None) -> TorchEngine:
+    def from_config(
+        cls, cfg: Config, *, receiver: Any = None, await_weights: bool = False, threads: int | None = None
+    ) -> TorchEngine:
         """An engine for ``cfg.inference`` (builtin:tiny is built on demand)."""
         from atroposd.models.resolve import resolve_model, resolve_tokenizer
         from atroposd.weights.receiver import ReceiverState
@@ -124,10 +136,17 @@ class TorchEngine(WeightGate):
         inf = cfg.inference
         # A device list names one device per replica; a server is told its own (inference/cli.py).
         device = inf.device if isinstance(inf.device, str) else cfg.inference_devices()[0]
-        return cls(model_dir=resolve_model(cfg), tokenizer_dir=resolve_tokenizer(cfg), dtype=inf.dtype,
-                   device=device, max_model_len=inf.max_model_len, seed=cfg.trainer.seed,
-                   receiver=receiver if receiver is not None else ReceiverState.from_config(cfg),
-                   await_weights=await_weights, threads=threads)
+        return cls(
+            model_dir=resolve_model(cfg),
+            tokenizer_dir=resolve_tokenizer(cfg),
+            dtype=inf.dtype,
+            device=device,
+            max_model_len=inf.max_model_len,
+            seed=cfg.trainer.seed,
+            receiver=receiver if receiver is not None else ReceiverState.from_config(cfg),
+            await_weights=await_weights,
+            threads=threads,
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -154,9 +173,15 @@ class TorchEngine(WeightGate):
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.eos_ids = frozenset(_eos_ids(self.tokenizer, self.model))
         self._generator = torch.Generator(device="cpu").manual_seed(self.seed)
-        log.info("model loaded", model=str(self.model_dir), device=str(device), dtype=str(dtype).removeprefix("torch."),
-                 parameters=sum(p.numel() for p in self.model.parameters()), seconds=round(time.perf_counter() - t0, 3),
-                 threads=torch.get_num_threads())
+        log.info(
+            "model loaded",
+            model=str(self.model_dir),
+            device=str(device),
+            dtype=str(dtype).removeprefix("torch."),
+            parameters=sum(p.numel() for p in self.model.parameters()),
+            seconds=round(time.perf_counter() - t0, 3),
+            threads=torch.get_num_threads(),
+        )
 
     async def close(self) -> None:
         self._close_gate()
@@ -187,8 +212,9 @@ class TorchEngine(WeightGate):
 
     # ------------------------------------------------------------------ generation
 
-    async def generate(self, request: Mapping[str, Any] | GenerateParams, *,
-                       bypass_pause: bool = False) -> dict[str, Any]:
+    async def generate(
+        self, request: Mapping[str, Any] | GenerateParams, *, bypass_pause: bool = False
+    ) -> dict[str, Any]:
         """One Atropos ``/generate`` request (or one the front parsed already) → its response (SPEC §7)."""
         params = request if isinstance(request, GenerateParams) else self.validate(request)
         async with self._admitted(bypass_pause) as version:
@@ -216,8 +242,9 @@ class TorchEngine(WeightGate):
             async with self._compute:
                 # A cancelled scheduler (shutdown) must not abandon a forward pass that still
                 # reads the weights: the batch runs on, and close() waits for it.
-                self._running = asyncio.ensure_future(asyncio.to_thread(self._run_batch, jobs,
-                                                                        asyncio.get_running_loop()))
+                self._running = asyncio.ensure_future(
+                    asyncio.to_thread(self._run_batch, jobs, asyncio.get_running_loop())
+                )
                 self._running_jobs = jobs
                 await asyncio.wait({self._running})  # neither raises nor cancels the batch
                 self._answer(jobs, self._running)
@@ -281,8 +308,13 @@ class TorchEngine(WeightGate):
 
         def response(j: int, comps: list[Completion], plp: list[dict[str, float] | None] | None) -> dict[str, Any]:
             job = jobs[j]
-            return generate_response(job.params, comps, weight_version=job.version,
-                                     prompt_text=self.tokenizer.decode(job.params.prompt_ids), prompt_logprobs=plp)
+            return generate_response(
+                job.params,
+                comps,
+                weight_version=job.version,
+                prompt_text=self.tokenizer.decode(job.params.prompt_ids),
+                prompt_logprobs=plp,
+            )
 
         def early(j: int, comps: list[Completion], plp: list[dict[str, float] | None] | None) -> None:
             # A probe is done after the first step: answer it now, not after the rollouts.
@@ -290,9 +322,15 @@ class TorchEngine(WeightGate):
                 loop.call_soon_threadsafe(_deliver, jobs[j].future, response(j, comps, plp))
 
         with torch.inference_mode():
-            completions, prompt_lps = decode_batch(self.model, [j.params for j in jobs], tokenizer=self.tokenizer,
-                                                   eos_ids=self.eos_ids, generator=self._generator, fast=self.fast,
-                                                   early=early)
+            completions, prompt_lps = decode_batch(
+                self.model,
+                [j.params for j in jobs],
+                tokenizer=self.tokenizer,
+                eos_ids=self.eos_ids,
+                generator=self._generator,
+                fast=self.fast,
+                early=early,
+            )
         self.batches += 1
         self.batched_rows += sum(j.rows for j in jobs)
         return [response(j, comps, plp) for j, (comps, plp) in enumerate(zip(completions, prompt_lps, strict=True))]
@@ -334,8 +372,9 @@ class TorchEngine(WeightGate):
             raise WeightUpdateError(f"'weight_version' must be an integer, got {version!r}")
         self._require_paused()
         async with self._compute:
-            result = await asyncio.to_thread(load_dir, self.model, request["path"], weight_version=version,
-                                             state=self.receiver)
+            result = await asyncio.to_thread(
+                load_dir, self.model, request["path"], weight_version=version, state=self.receiver
+            )
             await self._test_corrupt()
         self.updates += 1
         return result
@@ -343,8 +382,11 @@ class TorchEngine(WeightGate):
     async def _test_corrupt(self) -> None:
         """The test hook ``ATROPOSD_TEST_CORRUPT_WEIGHTS`` (see its definition)."""
         own = os.environ.get("ATROPOSD_NAME")
-        mine = [w for n, _, w in (e.rpartition(":") for e in os.environ.get(TEST_CORRUPT_ENV, "").split(","))
-                if n and n == own and w.rstrip("+").isdigit()]
+        mine = [
+            w
+            for n, _, w in (e.rpartition(":") for e in os.environ.get(TEST_CORRUPT_ENV, "").split(","))
+            if n and n == own and w.rstrip("+").isdigit()
+        ]
         if not mine:
             return
         when = mine[0]
@@ -363,6 +405,7 @@ class TorchEngine(WeightGate):
                 for p in self.model.parameters():
                     noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
                     p.add_((noise * 0.5).to(device=p.device, dtype=p.dtype))
+
         await asyncio.to_thread(corrupt)
         log.warning("test hook: the weights were corrupted after this update", update=self._test_updates)
 
@@ -376,20 +419,32 @@ class TorchEngine(WeightGate):
         endpoint = getattr(self, "_broadcast", None)
         if endpoint is None:
             endpoint = self._broadcast = BroadcastEndpoint(self.receiver.nonce)
-        result = await endpoint.handle(request, model=self.model, state=self.receiver,
-                                       require_paused=self._require_paused, compute=self._compute)
+        result = await endpoint.handle(
+            request, model=self.model, state=self.receiver, require_paused=self._require_paused, compute=self._compute
+        )
         if isinstance(request, Mapping) and request.get("op") == "finish":
             self.updates += 1
         return result
 
     async def weight_info(self) -> dict[str, Any]:
-        return {"weight_version": self.weight_version, "paused": self._paused,
-                "attached": bool(self.receiver is not None and self.receiver.attached), "updates": self.updates,
-                "awaiting_weights": self.awaiting_weights, "waiting": self.waiting, "engine": self.name, "pid": os.getpid()}
+        return {
+            "weight_version": self.weight_version,
+            "paused": self._paused,
+            "attached": bool(self.receiver is not None and self.receiver.attached),
+            "updates": self.updates,
+            "awaiting_weights": self.awaiting_weights,
+            "waiting": self.waiting,
+            "engine": self.name,
+            "pid": os.getpid(),
+        }
 
     def stats(self) -> dict[str, Any]:
-        return {"batches": self.batches, "rows": self.batched_rows, "queued": len(self._queue),
-                "inflight": self._inflight}
+        return {
+            "batches": self.batches,
+            "rows": self.batched_rows,
+            "queued": len(self._queue),
+            "inflight": self._inflight,
+        }
 
 
 # ---------------------------------------------------------------------------- decoding
@@ -408,9 +463,16 @@ class _Row:
     text: str | None = None  # set when a stop string ended the row
 
 
-def decode_batch(model: Any, requests: list[GenerateParams], *, tokenizer: Any, eos_ids: frozenset[int],
-                 generator: Any, fast: bool = True, early: Callable[..., None] | None = None,
-                 ) -> tuple[list[list[Completion]], list[list[dict[str, float] | None] | None]]:
+def decode_batch(
+    model: Any,
+    requests: list[GenerateParams],
+    *,
+    tokenizer: Any,
+    eos_ids: frozenset[int],
+    generator: Any,
+    fast: bool = True,
+    early: Callable[..., None] | None = None,
+) -> tuple[list[list[Completion]], list[list[dict[str, float] | None] | None]]:
     """Generate every request's ``n`` completions in one batch with a KV cache.
 
     The prompt of a request is run once and its cache fanned out to its ``n`` rows; rows that
@@ -434,15 +496,16 @@ def decode_batch(model: Any, requests: list[GenerateParams], *, tokenizer: Any, 
     ids = torch.full((len(requests), width), pad, dtype=torch.long)
     mask = torch.zeros((len(requests), width), dtype=torch.long)
     for j, p in enumerate(requests):
-        ids[j, width - lengths[j]:] = torch.tensor(p.prompt_ids)
-        mask[j, width - lengths[j]:] = 1
+        ids[j, width - lengths[j] :] = torch.tensor(p.prompt_ids)
+        mask[j, width - lengths[j] :] = 1
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [R, W]
     want_prompt = any(p.prompt_logprobs is not None for p in requests)
 
     logits = stepper.prefill(ids, mask, positions, all_logits=want_prompt)  # [R, W or 1, V]
     prompt_lps: list[list[dict[str, float] | None] | None] = (
-        _prompt_logprobs(logits, requests, width) if want_prompt else [None] * len(requests))
+        _prompt_logprobs(logits, requests, width) if want_prompt else [None] * len(requests)
+    )
     # Fan each request's prompt out to its n rows: [R, ...] → [B, ...].
     fan = torch.tensor([r.job for r in rows], device=device)  # [B]
     if len(rows) != len(requests):
@@ -458,8 +521,9 @@ def decode_batch(model: Any, requests: list[GenerateParams], *, tokenizer: Any, 
         token_list, lp_list = tokens.tolist(), lps.tolist()
         for i in active:
             if rows[i].finish is None:  # a finished row still in the cache decodes padding: ignore it
-                _advance(rows[i], token_list[i], lp_list[i], alternatives[i] if alternatives else None, eos_ids,
-                         tokenizer)
+                _advance(
+                    rows[i], token_list[i], lp_list[i], alternatives[i] if alternatives else None, eos_ids, tokenizer
+                )
         keep = [k for k, i in enumerate(active) if rows[i].finish is None]  # positions in the cache
         first_done = _step == 0 and early is not None and len(keep) < len(active)
         if first_done:
@@ -478,8 +542,9 @@ def decode_batch(model: Any, requests: list[GenerateParams], *, tokenizer: Any, 
             next_pos = next_pos[index]
             active = [active[k] for k in keep]
         # Finished rows still in the cache decode padding; their results are final.
-        feed = torch.tensor([token_list[i] if rows[i].finish is None else pad for i in active], dtype=torch.long,
-                            device=device)[:, None]  # [A, 1]
+        feed = torch.tensor(
+            [token_list[i] if rows[i].finish is None else pad for i in active], dtype=torch.long, device=device
+        )[:, None]  # [A, 1]
         step_logits = stepper.step(feed, next_pos).float()  # [A, V]
         next_pos = next_pos + 1
         if len(active) == len(rows):
@@ -490,8 +555,9 @@ def decode_batch(model: Any, requests: list[GenerateParams], *, tokenizer: Any, 
     return _collect(rows, requests, tokenizer), prompt_lps
 
 
-def _advance(r: _Row, token: int, lp: float, alts: list[tuple[int, float]] | None, eos_ids: frozenset[int],
-             tokenizer: Any) -> None:
+def _advance(
+    r: _Row, token: int, lp: float, alts: list[tuple[int, float]] | None, eos_ids: frozenset[int], tokenizer: Any
+) -> None:
     p = r.params
     r.tokens.append(token)
     r.logprobs.append(lp)
@@ -515,8 +581,15 @@ def _collect(rows: list[_Row], requests: list[GenerateParams], tokenizer: Any) -
     out: list[list[Completion]] = [[] for _ in requests]
     for r, decoded in zip(rows, texts, strict=True):
         text = r.text if r.text is not None else decoded
-        out[r.job].append(Completion(token_ids=r.tokens, logprobs=r.logprobs, finish_reason=r.finish or "length",
-                                     text=text, top=r.top if r.params.logprobs else []))
+        out[r.job].append(
+            Completion(
+                token_ids=r.tokens,
+                logprobs=r.logprobs,
+                finish_reason=r.finish or "length",
+                text=text,
+                top=r.top if r.params.logprobs else [],
+            )
+        )
     return out
 
 
@@ -529,8 +602,9 @@ def _decode_texts(tokenizer: Any, rows: list[_Row]) -> list[str]:
         for skip in (True, False):
             idx = [i for i, r in enumerate(rows) if r.params.skip_special_tokens is skip]
             if idx:
-                for i, t in zip(idx, backend.decode_batch([rows[i].tokens for i in idx], skip_special_tokens=skip),
-                                strict=True):
+                for i, t in zip(
+                    idx, backend.decode_batch([rows[i].tokens for i in idx], skip_special_tokens=skip), strict=True
+                ):
                     texts[i] = t
         return texts
     return [tokenizer.decode(r.tokens, skip_special_tokens=r.params.skip_special_tokens) for r in rows]
@@ -539,8 +613,9 @@ def _decode_texts(tokenizer: Any, rows: list[_Row]) -> list[str]:
 class _Sampler:
     """Vectorised sampling over the batch; per-request generators for seeded requests."""
 
-    def __init__(self, rows: list[_Row], requests: list[GenerateParams], temps: Any, generator: Any,
-                 device: Any) -> None:
+    def __init__(
+        self, rows: list[_Row], requests: list[GenerateParams], temps: Any, generator: Any, device: Any
+    ) -> None:
         import torch
 
         self.temps = temps
@@ -600,8 +675,9 @@ class _Sampler:
         return [list(zip(i, v, strict=True)) for i, v in zip(idx.tolist(), vals.tolist(), strict=True)]
 
 
-def _prompt_logprobs(logits: Any, requests: list[GenerateParams],
-                     width: int) -> list[list[dict[str, float] | None] | None]:
+def _prompt_logprobs(
+    logits: Any, requests: list[GenerateParams], width: int
+) -> list[list[dict[str, float] | None] | None]:
     """Teacher-forced logprobs of every prompt token: [None, {id: lp, ...}, ...] per request
     (the actual token, then the top-k alternatives). ``logits``: [R, W, V], one row per request."""
     import torch
@@ -614,7 +690,7 @@ def _prompt_logprobs(logits: Any, requests: list[GenerateParams],
         length = len(p.prompt_ids)
         t = p.temperature if p.temperature > 0 else 1.0
         # Column c predicts the token of column c + 1: the prompt's columns W-L .. W-2.
-        lp = torch.log_softmax(logits[row, width - length:width - 1].float() / t, dim=-1)  # [L-1, V]
+        lp = torch.log_softmax(logits[row, width - length : width - 1].float() / t, dim=-1)  # [L-1, V]
         actual = torch.tensor(p.prompt_ids[1:], device=lp.device)
         chosen = lp.gather(1, actual[:, None])[:, 0].tolist()
         top_vals: list[list[float]] = []

@@ -114,9 +114,11 @@ class AtroposdWorkerExtension:
         index, count = manifest.bucket.index, manifest.bucket.count
         push = (manifest.weight_version, count)
         if index > 0 and self._atroposd_stream != (*push, index):
-            raise ValueError(f"bucket {index} of {count} of weight_version {manifest.weight_version}: this worker "
-                             f"has no push under way that it continues (it has {self._atroposd_stream}: "
-                             "(weight_version, buckets, next bucket)); a push starts again from bucket 0")
+            raise ValueError(
+                f"bucket {index} of {count} of weight_version {manifest.weight_version}: this worker "
+                f"has no push under way that it continues (it has {self._atroposd_stream}: "
+                "(weight_version, buckets, next bucket)); a push starts again from bucket 0"
+            )
         weights, total = _read_export(manifest)
         if index == 0:
             self._atroposd_end_stream(abandoned=True)
@@ -175,6 +177,7 @@ class AtroposdWorkerExtension:
             from vllm.model_executor.model_loader.mtp_validation import (
                 disable_mtp_completeness_check,
             )
+
             partial: Any = disable_mtp_completeness_check()
         except ImportError:
             partial = contextlib.nullcontext()
@@ -193,8 +196,12 @@ class AtroposdWorkerExtension:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         if abandoned:
-            log.warning("an incomplete bucketed push is abandoned", weight_version=stream[0], buckets=stream[1],
-                        arrived=stream[2])
+            log.warning(
+                "an incomplete bucketed push is abandoned",
+                weight_version=stream[0],
+                buckets=stream[1],
+                arrived=stream[2],
+            )
         runner = self.model_runner  # type: ignore[attr-defined]
         model = runner.get_model()
         self._atroposd_stream = None
@@ -243,8 +250,12 @@ class AtroposdWorkerExtension:
             receiver = self._atroposd_bcast = BroadcastReceiver(req["secret"])
         rank = 1 + int(getattr(self, "rank", 0))
         device = getattr(self, "device", None)
-        out = receiver.join(req["join"], device if isinstance(device, torch.device) else torch.device("cpu"),
-                            rank=rank, world=int(req["world"]))
+        out = receiver.join(
+            req["join"],
+            device if isinstance(device, torch.device) else torch.device("cpu"),
+            rank=rank,
+            world=int(req["world"]),
+        )
         return orjson.dumps(out).decode()
 
     def atroposd_broadcast_leave(self) -> str:
@@ -310,12 +321,14 @@ def _read_export(manifest: Manifest) -> tuple[list[tuple[str, Any]], int]:
         from atroposd.weights.cuda_ipc import rebuild_segment
 
         # check_layout guarantees every segment's handle and GPU UUID.
-        buffers = {s.index: rebuild_segment(s.handle, s.device_uuid)  # type: ignore[arg-type]
-                   for s in manifest.segments}
+        buffers = {
+            s.index: rebuild_segment(s.handle, s.device_uuid)  # type: ignore[arg-type]
+            for s in manifest.segments
+        }
         # The copy lands on this worker's own device, whichever GPU the trainer exported from.
         own = torch.device("cuda", torch.cuda.current_device())
         for e in manifest.tensors:
-            view = buffers[e.segment][e.offset:e.offset + e.nbytes].view(torch_dtype(e.dtype))
+            view = buffers[e.segment][e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype))
             weights.append((e.name, view.view(tuple(e.shape)).to(own, copy=True)))
             total += e.nbytes
         torch.cuda.synchronize()
@@ -353,8 +366,9 @@ def _tied_groups(model: Any) -> list[list[tuple[Any, str]]]:
 def tensor_parallel_args(extra_args: list[str], gpus: int) -> list[str]:
     """``extra_args`` with ``--tensor-parallel-size GPUS`` for a replica on several GPUs, unless
     they set it already (SPEC §12.2)."""
-    if gpus <= 1 or any(a in ("-tp", "--tensor-parallel-size") or a.startswith(("-tp=", "--tensor-parallel-size="))
-                        for a in extra_args):
+    if gpus <= 1 or any(
+        a in ("-tp", "--tensor-parallel-size") or a.startswith(("-tp=", "--tensor-parallel-size=")) for a in extra_args
+    ):
         return list(extra_args)
     return [*extra_args, "--tensor-parallel-size", str(gpus)]
 
@@ -364,10 +378,23 @@ class VllmEngine(WeightGate):
 
     name = "vllm"
 
-    def __init__(self, *, model: str, tokenizer: str | None = None, dtype: str = "auto", device: str = "cpu",
-                 max_model_len: int = 4096, gpu_memory_utilization: float = 0.0, enforce_eager: bool = False,
-                 extra_args: list[str] | None = None, receiver: Any = None, seed: int = 0,
-                 await_weights: bool = False, lora_rank: int | None = None, gpus: int = 1) -> None:
+    def __init__(
+        self,
+        *,
+        model: str,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        device: str = "cpu",
+        max_model_len: int = 4096,
+        gpu_memory_utilization: float = 0.0,
+        enforce_eager: bool = False,
+        extra_args: list[str] | None = None,
+        receiver: Any = None,
+        seed: int = 0,
+        await_weights: bool = False,
+        lora_rank: int | None = None,
+        gpus: int = 1,
+    ) -> None:
         self.model = model
         self.gpus = gpus  # the GPUs this replica was given: its tensor-parallel size (SPEC §12.2)
         # A path, not a tokenizer object: the front loads its own tokenizer from the config.
@@ -407,13 +434,21 @@ class VllmEngine(WeightGate):
         model = str(resolve_model(cfg))
         tokenizer = str(resolve_tokenizer(cfg))
         device, dtype = resolve(inf.device, inf.dtype, key="inference.device")
-        return cls(model=model, tokenizer=tokenizer, dtype=dtype, device=device,
-                   max_model_len=inf.max_model_len, gpu_memory_utilization=inf.vllm.gpu_memory_utilization,
-                   enforce_eager=inf.vllm.enforce_eager, extra_args=list(inf.vllm.extra_args),
-                   receiver=receiver if receiver is not None else ReceiverState.from_config(cfg),
-                   seed=cfg.trainer.seed, await_weights=await_weights,
-                   lora_rank=cfg.trainer.lora_r if cfg.trainer.enabled and cfg.trainer.mode == "lora" else None,
-                   gpus=int(os.environ.get("ATROPOSD_GPUS") or 1))
+        return cls(
+            model=model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            device=device,
+            max_model_len=inf.max_model_len,
+            gpu_memory_utilization=inf.vllm.gpu_memory_utilization,
+            enforce_eager=inf.vllm.enforce_eager,
+            extra_args=list(inf.vllm.extra_args),
+            receiver=receiver if receiver is not None else ReceiverState.from_config(cfg),
+            seed=cfg.trainer.seed,
+            await_weights=await_weights,
+            lora_rank=cfg.trainer.lora_r if cfg.trainer.enabled and cfg.trainer.mode == "lora" else None,
+            gpus=int(os.environ.get("ATROPOSD_GPUS") or 1),
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -451,10 +486,16 @@ class VllmEngine(WeightGate):
         # Importing vLLM and building its arguments takes seconds (minutes on a loaded machine):
         # off the event loop, like the engine itself.
         args = await asyncio.to_thread(self.engine_args)
-        log.info("starting vLLM", model=self.model, dtype=args.dtype, device=self.device,
-                 memory_fraction=args.gpu_memory_utilization)
-        specs, tied, self.vocab_size = await asyncio.to_thread(_expected_tensors, self.model,
-                                                                args.dtype if args.dtype != "auto" else "float32")
+        log.info(
+            "starting vLLM",
+            model=self.model,
+            dtype=args.dtype,
+            device=self.device,
+            memory_fraction=args.gpu_memory_utilization,
+        )
+        specs, tied, self.vocab_size = await asyncio.to_thread(
+            _expected_tensors, self.model, args.dtype if args.dtype != "auto" else "float32"
+        )
         self._expected = specs, tied
         # Built in a thread: the start takes a minute on a CPU, and meanwhile the front must keep
         # answering /health (503) and its signals. A stop during the start cancels this
@@ -494,8 +535,9 @@ class VllmEngine(WeightGate):
 
     # ------------------------------------------------------------------ generation
 
-    async def generate(self, request: Mapping[str, Any] | schema.GenerateParams, *,
-                       bypass_pause: bool = False) -> dict[str, Any]:
+    async def generate(
+        self, request: Mapping[str, Any] | schema.GenerateParams, *, bypass_pause: bool = False
+    ) -> dict[str, Any]:
         """One Atropos ``/generate`` request (or one the front parsed already) → its response
         (SPEC §7). A probe (``max_tokens ≤ 1``) is scheduled ahead of queued rollouts (vLLM's
         priority scheduling, :data:`PROBE_PRIORITY`)."""
@@ -511,9 +553,13 @@ class VllmEngine(WeightGate):
             await self._weights_whole()
         async with self._admitted(bypass_pause) as version:
             final = None
-            async for out in self.engine.generate({"prompt_token_ids": parsed.prompt_ids}, params,
-                                                  request_id=f"gen-{uuid.uuid4().hex}", lora_request=self._lora,
-                                                  priority=priority):
+            async for out in self.engine.generate(
+                {"prompt_token_ids": parsed.prompt_ids},
+                params,
+                request_id=f"gen-{uuid.uuid4().hex}",
+                lora_request=self._lora,
+                priority=priority,
+            ):
                 final = out
         assert final is not None
         return _response(final, version, want_prompt_logprobs=parsed.prompt_logprobs is not None)
@@ -530,21 +576,27 @@ class VllmEngine(WeightGate):
         """``{"manifest", "mode": "copy", "weight_version"?}``: copy an export in (push), or one
         bucket of a bucketed push (a manifest with ``bucket``; :meth:`_update_bucket`)."""
         from atroposd.weights.manifest import Manifest, ManifestError
+
         if self.receiver is None or not self.receiver.nonce:
             raise WeightUpdateError("this server has no launch nonce (ATROPOSD_INSTANCE); it cannot accept weights")
         if request.get("mode") != "copy":
-            raise WeightUpdateError(f"the vLLM engine only copies weights (mode 'copy'), got {request.get('mode')!r}"
-                                    " (vLLM fuses and repacks weights: no shared mode)")
+            raise WeightUpdateError(
+                f"the vLLM engine only copies weights (mode 'copy'), got {request.get('mode')!r}"
+                " (vLLM fuses and repacks weights: no shared mode)"
+            )
         if not isinstance(request.get("manifest"), str):
             raise WeightUpdateError("request is missing 'manifest'")
         self._require_paused()
         expected, tied = self._expected or ({}, {})
         try:
-            manifest = Manifest.load(Path(request["manifest"]), expected_nonce=self.receiver.nonce,
-                                     weights_dir=self.receiver.weights_dir)
+            manifest = Manifest.load(
+                Path(request["manifest"]), expected_nonce=self.receiver.nonce, weights_dir=self.receiver.weights_dir
+            )
             if "weight_version" in request and request["weight_version"] != manifest.weight_version:
-                raise ManifestError(f"manifest holds weight_version {manifest.weight_version}, the request says "
-                                    f"{request['weight_version']}: stale manifest refused")
+                raise ManifestError(
+                    f"manifest holds weight_version {manifest.weight_version}, the request says "
+                    f"{request['weight_version']}: stale manifest refused"
+                )
             if manifest.lora is not None:
                 raise ManifestError("LoRA exports go through reload mode with the vLLM engine")
             if manifest.bucket is None:
@@ -563,12 +615,12 @@ class VllmEngine(WeightGate):
                 self._settle()
         self.updates += 1
         stats = orjson.loads(results[0])
-        log.info("weights updated", weight_version=manifest.weight_version, seconds=time.perf_counter() - t0,
-                 **stats)
+        log.info("weights updated", weight_version=manifest.weight_version, seconds=time.perf_counter() - t0, **stats)
         return {"weight_version": manifest.weight_version, "mode": "copy", "export_id": manifest.export_id, **stats}
 
-    async def _update_bucket(self, manifest: Manifest, expected: Mapping[str, Any],
-                             tied: Mapping[str, str]) -> dict[str, Any]:
+    async def _update_bucket(
+        self, manifest: Manifest, expected: Mapping[str, Any], tied: Mapping[str, str]
+    ) -> dict[str, Any]:
         """One bucket of a bucketed push (several trainer ranks), with the receiver's order and
         completeness checks (:class:`~atroposd.weights.receiver.BucketProgress`): bucket 0
         starts a push, each next bucket continues it, and the last one must complete the model
@@ -598,13 +650,27 @@ class VllmEngine(WeightGate):
         self.updates += 1
         stats = orjson.loads(results[0])
         seconds = time.perf_counter() - t0
-        log.debug("bucket loaded", bucket=index, buckets=count, weight_version=manifest.weight_version,
-                  seconds=seconds, **stats)
+        log.debug(
+            "bucket loaded",
+            bucket=index,
+            buckets=count,
+            weight_version=manifest.weight_version,
+            seconds=seconds,
+            **stats,
+        )
         if complete:
             log.info("weights updated", weight_version=manifest.weight_version, buckets=count)
-        return {"weight_version": manifest.weight_version, "mode": "copy", "export_id": manifest.export_id,
-                "tensors": stats["tensors"], "bytes": stats["bytes"], "bucket": index, "buckets": count,
-                "complete": complete, "seconds": round(seconds, 6)}
+        return {
+            "weight_version": manifest.weight_version,
+            "mode": "copy",
+            "export_id": manifest.export_id,
+            "tensors": stats["tensors"],
+            "bytes": stats["bytes"],
+            "bucket": index,
+            "buckets": count,
+            "complete": complete,
+            "seconds": round(seconds, 6),
+        }
 
     def _settle(self) -> None:
         """Let generations that bypass the pause (the daemon's probes) run only while no
@@ -634,13 +700,15 @@ class VllmEngine(WeightGate):
         if not isinstance(request.get("path"), str):
             raise WeightUpdateError("request is missing 'path'")
         self._require_paused()
-        file, version, exported, tied, lora = inspect_sync_dir(request["path"], request.get("weight_version"),
-                                                               self.receiver)
+        file, version, exported, tied, lora = inspect_sync_dir(
+            request["path"], request.get("weight_version"), self.receiver
+        )
         if lora is not None:
             return await self._load_adapter(file.parent, version, lora)
         if self.lora_rank is not None:
-            raise WeightUpdateError("this engine serves LoRA adapters (trainer.mode = \"lora\"); the sync "
-                                    "directory holds a full model")
+            raise WeightUpdateError(
+                'this engine serves LoRA adapters (trainer.mode = "lora"); the sync directory holds a full model'
+            )
         expected, my_tied = self._expected or ({}, {})
         try:
             match_tensors(exported, tied, expected, my_tied)
@@ -661,18 +729,19 @@ class VllmEngine(WeightGate):
         """Serve the adapter of a LoRA sync directory; the previous adapter is dropped."""
         from vllm.lora.request import LoRARequest
 
-
         if self.lora_rank is None:
-            raise WeightUpdateError("a LoRA adapter arrived but this engine was started without LoRA "
-                                    "(trainer.mode is not \"lora\")")
+            raise WeightUpdateError(
+                'a LoRA adapter arrived but this engine was started without LoRA (trainer.mode is not "lora")'
+            )
         if int(spec["r"]) > self.lora_rank:
             raise WeightUpdateError(f"adapter rank {spec['r']} exceeds the engine's lora rank {self.lora_rank}")
         adapter = directory / ADAPTER_DIR
         if not (adapter / "adapter_config.json").is_file():
             raise WeightUpdateError(f"{adapter} holds no PEFT adapter (adapter_config.json missing)")
         self._lora_ids += 1
-        request = LoRARequest(lora_name=f"atroposd-v{version}-{self._lora_ids}", lora_int_id=self._lora_ids,
-                              lora_path=str(adapter))
+        request = LoRARequest(
+            lora_name=f"atroposd-v{version}-{self._lora_ids}", lora_int_id=self._lora_ids, lora_path=str(adapter)
+        )
         async with self._update_lock:
             try:
                 await self.engine.add_lora(request)
@@ -737,8 +806,10 @@ class VllmEngine(WeightGate):
                 raise WeightUpdateError("a broadcast is already being received")
             formation, version = request.get("formation"), request.get("weight_version")
             if formation is None or formation != state["formation"]:
-                raise WeightUpdateError(f"broadcast formation {formation!r} is not the group this replica joined "
-                                        f"({state['formation']}); join again")
+                raise WeightUpdateError(
+                    f"broadcast formation {formation!r} is not the group this replica joined "
+                    f"({state['formation']}); join again"
+                )
             if isinstance(version, bool) or not isinstance(version, int) or version < 0:
                 raise WeightUpdateError("'weight_version' must be a non-negative integer")
             plan = parse_plan(request)
@@ -747,8 +818,13 @@ class VllmEngine(WeightGate):
             progress = BucketProgress(version, len(plan))
             self.receiver.buckets = progress  # the model is mid-reload until the last bucket
             self._settle()
-            body = orjson.dumps({"formation": formation, "weight_version": version,
-                                 "buckets": [[[n, sp.dtype, list(sp.shape)] for n, sp in b] for b in plan]}).decode()
+            body = orjson.dumps(
+                {
+                    "formation": formation,
+                    "weight_version": version,
+                    "buckets": [[[n, sp.dtype, list(sp.shape)] for n, sp in b] for b in plan],
+                }
+            ).decode()
 
             async def run() -> dict[str, Any]:
                 t0 = time.perf_counter()
@@ -773,15 +849,24 @@ class VllmEngine(WeightGate):
                 raise WeightUpdateError(f"no broadcast of weight_version {key[1]} under way in {key[0]!r}")
             task, state["task"], state["key"] = state["task"], None, None
             result: dict[str, Any] = await asyncio.shield(task)
-            log.info("weights received by broadcast", **{k: result[k] for k in ("weight_version", "buckets", "bytes",
-                                                                              "seconds")})
+            log.info(
+                "weights received by broadcast",
+                **{k: result[k] for k in ("weight_version", "buckets", "bytes", "seconds")},
+            )
             return result
         raise WeightUpdateError(f"unknown broadcast op {op!r} (join, receive, finish, leave)")
 
     async def weight_info(self) -> dict[str, Any]:
-        return {"weight_version": self.weight_version, "paused": self._paused, "attached": False,
-                "updates": self.updates, "awaiting_weights": self.awaiting_weights, "waiting": self.waiting, "engine": self.name,
-                "pid": os.getpid()}
+        return {
+            "weight_version": self.weight_version,
+            "paused": self._paused,
+            "attached": False,
+            "updates": self.updates,
+            "awaiting_weights": self.awaiting_weights,
+            "waiting": self.waiting,
+            "engine": self.name,
+            "pid": os.getpid(),
+        }
 
 
 def _build_engine(args: Any) -> Any:
@@ -865,12 +950,17 @@ def sampling_kwargs(params: schema.GenerateParams) -> dict[str, Any]:
     """A request parsed by :func:`atroposd.inference.schema.parse_generate` → the keyword
     arguments of vLLM's ``SamplingParams``; :data:`REFUSED` is answered with a ``BadRequest``."""
     if params.top_p < 1.0 or params.top_k > 0:
-        raise BadRequest(f"top_p < 1 and top_k > 0 are not supported by the vLLM engine (got top_p = {params.top_p}, "
-                         f"top_k = {params.top_k}): the rollout logprobs would be renormalised over the truncated "
-                         "support and no longer match the trainer's")
+        raise BadRequest(
+            f"top_p < 1 and top_k > 0 are not supported by the vLLM engine (got top_p = {params.top_p}, "
+            f"top_k = {params.top_k}): the rollout logprobs would be renormalised over the truncated "
+            "support and no longer match the trainer's"
+        )
     kw: dict[str, Any] = {
-        "n": params.n, "max_tokens": params.max_tokens, "temperature": params.temperature,
-        "logprobs": params.logprobs, "ignore_eos": params.ignore_eos,
+        "n": params.n,
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "logprobs": params.logprobs,
+        "ignore_eos": params.ignore_eos,
         "skip_special_tokens": params.skip_special_tokens,
         "include_stop_str_in_output": params.include_stop_str_in_output,
     }

@@ -34,8 +34,10 @@ def resolve_tokenizer(cfg: Config) -> Path:
     if cfg.inference.tokenizer:
         path = _local_dir(cfg.inference.tokenizer, "inference.tokenizer", need=None)
         if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-            raise ModelError(f"inference.tokenizer: {path} holds no tokenizer "
-                             "(no tokenizer.json, tokenizer_config.json or tokenizer.model)")
+            raise ModelError(
+                f"inference.tokenizer: {path} holds no tokenizer "
+                "(no tokenizer.json, tokenizer_config.json or tokenizer.model)"
+            )
         return path
     return resolve_model(cfg)
 
@@ -98,8 +100,9 @@ def _light_fingerprint(path: Path) -> dict[str, Any] | None:
 def _local_dir(name: str, key: str, *, need: str | None) -> Path:
     path = Path(name).expanduser()
     if not path.exists():
-        raise ModelError(f"{key}: {name!r} is neither {BUILTIN_TINY} nor an existing local directory "
-                         "(models are never downloaded)")
+        raise ModelError(
+            f"{key}: {name!r} is neither {BUILTIN_TINY} nor an existing local directory (models are never downloaded)"
+        )
     if not path.is_dir():
         raise ModelError(f"{key}: {name!r} is not a directory")
     if need and not (path / need).is_file():

@@ -88,8 +88,13 @@ def model_config_dict(max_model_len: int) -> dict[str, Any]:
 
 def build_key(seed: int, max_model_len: int) -> str:
     """Short hash of everything that determines the directory's content."""
-    spec = {"version": BUILD_VERSION, "seed": int(seed), "vocab": list(VOCAB),
-            "model": model_config_dict(max_model_len), "chat_template": CHAT_TEMPLATE}
+    spec = {
+        "version": BUILD_VERSION,
+        "seed": int(seed),
+        "vocab": list(VOCAB),
+        "model": model_config_dict(max_model_len),
+        "chat_template": CHAT_TEMPLATE,
+    }
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -132,8 +137,9 @@ def build_tiny(path: Path, *, seed: int, max_model_len: int) -> None:
         model = LlamaForCausalLM(config).float()
     model.generation_config.pad_token_id = PAD_ID
     model.save_pretrained(str(path), safe_serialization=True)
-    (path / _MARKER).write_text(json.dumps(
-        {"build_version": BUILD_VERSION, "seed": int(seed), "max_model_len": int(max_model_len)}) + "\n")
+    (path / _MARKER).write_text(
+        json.dumps({"build_version": BUILD_VERSION, "seed": int(seed), "max_model_len": int(max_model_len)}) + "\n"
+    )
 
 
 def build_tokenizer(max_model_len: int = 4096) -> Any:
@@ -145,10 +151,18 @@ def build_tokenizer(max_model_len: int = 4096) -> Any:
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
     core.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, BOS_ID)])
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, BOS_ID)]
+    )
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
-        model_max_length=int(max_model_len), padding_side="left", clean_up_tokenization_spaces=False)
+        tokenizer_object=core,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        model_max_length=int(max_model_len),
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 

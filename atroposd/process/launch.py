@@ -44,8 +44,7 @@ def main(argv: list[str]) -> int:
     command = argv[3:]
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
-        sys.stderr.write(f"atroposd launcher: prctl(PR_SET_PDEATHSIG) failed: "
-                         f"{os.strerror(ctypes.get_errno())}\n")
+        sys.stderr.write(f"atroposd launcher: prctl(PR_SET_PDEATHSIG) failed: {os.strerror(ctypes.get_errno())}\n")
         return int(Exit.EXEC_FAILED)
     # The parent may have died before prctl took effect: then no signal will ever come.
     if os.getppid() != parent:

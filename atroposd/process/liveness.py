@@ -48,13 +48,21 @@ class Unit(Protocol):
     def tree_pids(self) -> set[int]: ...
     def live_task(self, fn: Callable[[], Coroutine[Any, Any, None]]) -> None: ...
 
+
 log = get_logger("atroposd.liveness")
 
 # A command environment with no CPU use, heartbeat or registration this long starts failing its checks.
 COMMAND_QUIET_S = 60.0
 
-__all__ = ["ActivityLiveCheck", "HeartbeatBoard", "HeartbeatLiveCheck", "HttpLiveCheck", "InferenceLiveCheck",
-           "LiveCheck", "LiveSettings"]
+__all__ = [
+    "ActivityLiveCheck",
+    "HeartbeatBoard",
+    "HeartbeatLiveCheck",
+    "HttpLiveCheck",
+    "InferenceLiveCheck",
+    "LiveCheck",
+    "LiveSettings",
+]
 
 
 @dataclass(frozen=True)
@@ -253,8 +261,7 @@ class HeartbeatLiveCheck:
         age = time.monotonic() - since
         if age <= self.timeout:
             return None
-        return (f"no heartbeat for {age:.1f}s" if beat is not None
-                else f"no heartbeat since it was ready {age:.1f}s ago")
+        return f"no heartbeat for {age:.1f}s" if beat is not None else f"no heartbeat since it was ready {age:.1f}s ago"
 
     def reset(self) -> None:
         pass
@@ -312,8 +319,10 @@ class ActivityLiveCheck:
 
         try:
             with anyio.fail_after(self.timeout):
-                async with _session(self.timeout + 1) as session, \
-                        session.get(f"{self.api_url}/atroposd/registrations", headers=self.headers) as resp:
+                async with (
+                    _session(self.timeout + 1) as session,
+                    session.get(f"{self.api_url}/atroposd/registrations", headers=self.headers) as resp,
+                ):
                     if resp.status != 200:
                         return False
                     data = await resp.json(content_type=None)
@@ -323,8 +332,13 @@ class ActivityLiveCheck:
         if not isinstance(regs, list):
             return False
         pids = unit.tree_pids()
-        return any(isinstance(r, dict) and isinstance(r.get("at"), (int, float)) and r["at"] >= since
-                   and (r.get("peer_pid") in pids or r.get("desired_name") == unit.name) for r in regs)
+        return any(
+            isinstance(r, dict)
+            and isinstance(r.get("at"), (int, float))
+            and r["at"] >= since
+            and (r.get("peer_pid") in pids or r.get("desired_name") == unit.name)
+            for r in regs
+        )
 
 
 def _cpu_seconds(pids: set[int]) -> float:

@@ -44,10 +44,10 @@ class RotatingFile:
                 # Rotate at a line boundary when the piece has one.
                 cut = bytes(piece).rfind(b"\n")
                 if cut >= 0:
-                    piece = piece[:cut + 1]
+                    piece = piece[: cut + 1]
             self._fh.write(piece)
             self._size += len(piece)
-            view = view[len(piece):]
+            view = view[len(piece) :]
 
     def _rotate(self) -> None:
         self._fh.close()
@@ -133,8 +133,9 @@ class LogSink:
 class LogHub:
     """The writer thread shared by every component's :class:`LogSink`."""
 
-    def __init__(self, logs_dir: Path, *, max_bytes: int, backups: int,
-                 buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> None:
+    def __init__(
+        self, logs_dir: Path, *, max_bytes: int, backups: int, buffer_bytes: int = DEFAULT_BUFFER_BYTES
+    ) -> None:
         self.logs_dir = logs_dir
         self.max_bytes = max_bytes
         self.backups = backups

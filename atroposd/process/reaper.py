@@ -184,20 +184,32 @@ class InstanceRecord:
     boot_id: str | None = field(default_factory=boot_id)
 
     def to_json(self) -> bytes:
-        return orjson.dumps({"nonce": self.nonce, "pid": self.pid, "start_time": self.start_time,
-                             "started_at": self.started_at, "boot_id": self.boot_id,
-                             "descendants": [[p, t] for p, t in self.descendants], "segments": self.segments})
+        return orjson.dumps(
+            {
+                "nonce": self.nonce,
+                "pid": self.pid,
+                "start_time": self.start_time,
+                "started_at": self.started_at,
+                "boot_id": self.boot_id,
+                "descendants": [[p, t] for p, t in self.descendants],
+                "segments": self.segments,
+            }
+        )
 
     @classmethod
     def from_json(cls, data: bytes) -> InstanceRecord:
         raw = orjson.loads(data)
         started_at = raw.get("started_at")
         boot = raw.get("boot_id")
-        return cls(nonce=str(raw["nonce"]), pid=int(raw["pid"]), start_time=_start(raw["start_time"]),
-                   descendants=[(int(p), _start(t)) for p, t in raw.get("descendants", [])],
-                   segments=[str(n) for n in raw.get("segments", [])],
-                   started_at=float(started_at) if started_at is not None else None,
-                   boot_id=str(boot) if boot is not None else None)
+        return cls(
+            nonce=str(raw["nonce"]),
+            pid=int(raw["pid"]),
+            start_time=_start(raw["start_time"]),
+            descendants=[(int(p), _start(t)) for p, t in raw.get("descendants", [])],
+            segments=[str(n) for n in raw.get("segments", [])],
+            started_at=float(started_at) if started_at is not None else None,
+            boot_id=str(boot) if boot is not None else None,
+        )
 
     @property
     def wall_start(self) -> float:
@@ -310,8 +322,12 @@ def recover_dead_instance(path: Path, *, grace: float = 2.0) -> InstanceRecord |
     left = survivors(record)
     segments = set(record.segments)
     if left:
-        log.warning("terminating processes left by a dead daemon", nonce=record.nonce, dead_pid=record.pid,
-                    pids=[p.pid for p in left])
+        log.warning(
+            "terminating processes left by a dead daemon",
+            nonce=record.nonce,
+            dead_pid=record.pid,
+            pids=[p.pid for p in left],
+        )
         segments |= set(mapped_shm(pids=[p.pid for p in left]))
         t0 = time.monotonic()
         terminate(left, grace=grace)

@@ -131,8 +131,14 @@ ReadyHook = Callable[["Unit", bool], Awaitable[None]]
 class Unit:
     """One managed child process and its whole lifecycle."""
 
-    def __init__(self, spec: UnitSpec, *, logs: LogHub, on_ready: ReadyHook | None = None,
-                 on_change: Callable[[Unit], None] | None = None) -> None:
+    def __init__(
+        self,
+        spec: UnitSpec,
+        *,
+        logs: LogHub,
+        on_ready: ReadyHook | None = None,
+        on_change: Callable[[Unit], None] | None = None,
+    ) -> None:
         self.spec = spec
         self.name = spec.name
         self.kind = spec.kind
@@ -151,8 +157,9 @@ class Unit:
         self.done = anyio.Event()  # supervise() returned
         self._stop = anyio.Event()
         self._changed = anyio.Event()
-        self._budget = RestartBudget(spec.max_restarts, spec.restart_window, first=BACKOFF_FIRST, cap=BACKOFF_MAX,
-                                     jitter=BACKOFF_JITTER)
+        self._budget = RestartBudget(
+            spec.max_restarts, spec.restart_window, first=BACKOFF_FIRST, cap=BACKOFF_MAX, jitter=BACKOFF_JITTER
+        )
         self._sink = logs.sink(spec.name)
         self._on_ready = on_ready
         self._on_change = on_change
@@ -191,12 +198,20 @@ class Unit:
         now = time.monotonic()
         checked = self.state == State.READY and self._live_on
         since = max(self.live_since, self.since) if checked else self.since
-        return {"name": self.name, "kind": self.kind, "external": False, "state": self.state.value,
-                "pid": self.pid, "restarts": self.restarts,
-                "last_exit": self.last_exit.as_dict() if self.last_exit else None,
-                "since_s": round(now - since, 3), "log": str(self.log_path),
-                "error": self.last_error, "log_dropped_bytes": self._sink.dropped_bytes,
-                "live": self.live_status()}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "external": False,
+            "state": self.state.value,
+            "pid": self.pid,
+            "restarts": self.restarts,
+            "last_exit": self.last_exit.as_dict() if self.last_exit else None,
+            "since_s": round(now - since, 3),
+            "log": str(self.log_path),
+            "error": self.last_error,
+            "log_dropped_bytes": self._sink.dropped_bytes,
+            "live": self.live_status(),
+        }
 
     @property
     def _live_on(self) -> bool:
@@ -212,8 +227,7 @@ class Unit:
             state = "unknown"
         else:
             state = "failing" if self.live_failures else "ok"
-        return {"state": state, "failures": self.live_failures, "error": self.live_error,
-                "last_hung": self.last_hung}
+        return {"state": state, "failures": self.live_failures, "error": self.live_error, "last_hung": self.last_hung}
 
     def declare_hung(self, reason: str) -> bool:
         """Stop the running child as hung (TERM → KILL) and restart it under its policy.
@@ -225,8 +239,11 @@ class Unit:
             return False
         self.hung_reason = reason
         self.hung_count += 1
-        self.last_hung = {"reason": reason, "pid": self.pid,
-                          "at": datetime.now(tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+        self.last_hung = {
+            "reason": reason,
+            "pid": self.pid,
+            "at": datetime.now(tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        }
         log.error("hung", unit=self.name, kind=self.kind, pid=self.pid, reason=reason)
         self._hung.set()
         return True
@@ -346,15 +363,29 @@ class Unit:
         return exit_info
 
     async def _launch(self) -> anyio.abc.Process:
-        argv = [sys.executable, "-I", "-S", LAUNCHER, str(int(self.spec.death_signal)), str(os.getpid()), "--",
-                *self.spec.argv]
+        argv = [
+            sys.executable,
+            "-I",
+            "-S",
+            LAUNCHER,
+            str(int(self.spec.death_signal)),
+            str(os.getpid()),
+            "--",
+            *self.spec.argv,
+        ]
         self._sink.write(f"=== atroposd: starting {self.name}: {' '.join(self.spec.argv)}\n".encode())
         # start_new_session: own session and process group; the launcher adds the death signal.
         self.launched_at = time.time()
         self.launched_boot = boot_seconds()  # left-over segments are those created since (clock steps aside)
-        proc = await anyio.open_process(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, env=self.spec.env, cwd=self.spec.cwd,
-                                        start_new_session=True)
+        proc = await anyio.open_process(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=self.spec.env,
+            cwd=self.spec.cwd,
+            start_new_session=True,
+        )
         self.pid = proc.pid
         self.since = self.launched_monotonic = time.monotonic()
         log.info("launched", unit=self.name, pid=proc.pid, argv=self.spec.argv)
@@ -378,6 +409,7 @@ class Unit:
         """'ready', 'exited', 'stop', or the reason the probe failed."""
         outcome = "exited"
         async with anyio.create_task_group() as tg:
+
             async def probe() -> None:
                 nonlocal outcome
                 try:
@@ -386,8 +418,10 @@ class Unit:
                     outcome = "ready"
                 except TimeoutError:
                     self._sink.sync()
-                    outcome = (f"not ready after {self.spec.ready_timeout:g}s ({self.spec.probe.description}); "
-                               f"last log lines:\n{tail(self.log_path)}")
+                    outcome = (
+                        f"not ready after {self.spec.ready_timeout:g}s ({self.spec.probe.description}); "
+                        f"last log lines:\n{tail(self.log_path)}"
+                    )
                 except ProbeError as exc:
                     outcome = f"readiness probe failed: {exc}"
                 tg.cancel_scope.cancel()
@@ -463,11 +497,18 @@ class Unit:
                 continue
             self.live_failures += 1
             self.live_error = error
-            log.warning("liveness check failed", unit=self.name, kind=self.kind, pid=self.pid,
-                        failures=f"{self.live_failures}/{live.failures}", error=error)
+            log.warning(
+                "liveness check failed",
+                unit=self.name,
+                kind=self.kind,
+                pid=self.pid,
+                failures=f"{self.live_failures}/{live.failures}",
+                error=error,
+            )
             if self.live_failures >= live.failures:
-                self.declare_hung(f"{error} ({self.live_failures} liveness checks in a row failed: "
-                                  f"{check.description})")
+                self.declare_hung(
+                    f"{error} ({self.live_failures} liveness checks in a row failed: {check.description})"
+                )
                 return
 
     # ------------------------------------------------------------------ termination
@@ -502,20 +543,27 @@ class Unit:
                 await self._descendants_gone()
             elapsed = round(time.monotonic() - t0, 3)
             if escalated:
-                log.warning("escalated to SIGKILL", unit=self.name, pid=proc.pid, grace_s=round(grace, 3),
-                            pids=escalated)
+                log.warning(
+                    "escalated to SIGKILL", unit=self.name, pid=proc.pid, grace_s=round(grace, 3), pids=escalated
+                )
             left = [p.pid for p in self.tracked.values() if is_alive(p)]
             if left or proc.returncode is None:
-                log.error("processes survived SIGKILL", unit=self.name, pids=left, main_exited=proc.returncode is not None)
+                log.error(
+                    "processes survived SIGKILL", unit=self.name, pids=left, main_exited=proc.returncode is not None
+                )
             self.tracked.clear()
             if requested or escalated:
                 log.info("terminated", unit=self.name, pid=proc.pid, seconds=elapsed)
             if mapped:
                 removed = await anyio.to_thread.run_sync(
-                    functools.partial(reaper.unlink_orphaned_segments, mapped, since_boot=self.launched_boot))
+                    functools.partial(reaper.unlink_orphaned_segments, mapped, since_boot=self.launched_boot)
+                )
                 if removed:
-                    log.info("removed shared-memory segments the component's processes left", unit=self.name,
-                             segments=removed)
+                    log.info(
+                        "removed shared-memory segments the component's processes left",
+                        unit=self.name,
+                        segments=removed,
+                    )
 
     async def _descendants_gone(self) -> None:
         # Tracked descendants are not our children (no wait possible): poll them.
@@ -529,8 +577,9 @@ class Unit:
         exits = self._budget.record()
         what = exit_info.describe()
         if exit_info.code == Exit.USAGE and not self.ever_ready:
-            self.last_error = (f"{what} before it was ever ready: a usage or config error; last log lines:\n"
-                               f"{tail(self.log_path)}")
+            self.last_error = (
+                f"{what} before it was ever ready: a usage or config error; last log lines:\n{tail(self.log_path)}"
+            )
             self._transition(State.FAILED, f"{what} before it was ever ready: usage or config error, not restarted")
             return None
         clean = exit_info.code == 0 and exit_info.reason is None  # a hung child is a failure
@@ -541,8 +590,9 @@ class Unit:
                 self._transition(State.FAILED, f"{what}; restart = never")
             return None
         if self._budget.exhausted:
-            reason = (f"{what}; {exits} exits within {self.spec.restart_window:g}s "
-                      f"(max_restarts = {self.spec.max_restarts})")
+            reason = (
+                f"{what}; {exits} exits within {self.spec.restart_window:g}s (max_restarts = {self.spec.max_restarts})"
+            )
             self.last_error = self.last_error or reason
             self._transition(State.FAILED, reason)
             return None
@@ -562,8 +612,9 @@ class Unit:
             self._backoff_done_s += now - self.since
         self.since = now
         level = "error" if new == State.FAILED else "warning" if new == State.BACKOFF else "info"
-        getattr(log, level)("state", unit=self.name, kind=self.kind, old=old.value, new=new.value, pid=self.pid,
-                            reason=reason)
+        getattr(log, level)(
+            "state", unit=self.name, kind=self.kind, old=old.value, new=new.value, pid=self.pid, reason=reason
+        )
         if old == State.STARTING:
             self.settled.set()
         changed, self._changed = self._changed, anyio.Event()
@@ -577,6 +628,7 @@ async def _first_of(*events: anyio.Event) -> None:
     if any(e.is_set() for e in events):
         return
     async with anyio.create_task_group() as tg:
+
         async def wait(event: anyio.Event) -> None:
             await event.wait()
             tg.cancel_scope.cancel()

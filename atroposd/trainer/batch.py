@@ -41,8 +41,19 @@ import torch
 
 from atroposd.groupext import extension
 
-__all__ = ["ADVANTAGES", "REASONS", "BatchError", "GroupRejected", "MicroBatch", "RolloutBatch", "SequenceRow",
-           "group_advantages", "is_truncated", "pack_rows", "prepare_batch"]
+__all__ = [
+    "ADVANTAGES",
+    "REASONS",
+    "BatchError",
+    "GroupRejected",
+    "MicroBatch",
+    "RolloutBatch",
+    "SequenceRow",
+    "group_advantages",
+    "is_truncated",
+    "pack_rows",
+    "prepare_batch",
+]
 
 ADVANTAGES = ("group-std", "group-mean", "rloo")
 
@@ -60,8 +71,16 @@ MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-5, 1e4
 LOGGED_PER_BATCH = 3  # rejections logged one by one per batch; the rest in one line with the counts
 
 # Why a group was rejected (the keys of ``rejected_groups``).
-REASONS = ("malformed", "too_long", "token_out_of_range", "score_invalid", "advantage_invalid",
-           "logprob_invalid", "distill_invalid", "error")
+REASONS = (
+    "malformed",
+    "too_long",
+    "token_out_of_range",
+    "score_invalid",
+    "advantage_invalid",
+    "logprob_invalid",
+    "distill_invalid",
+    "error",
+)
 
 log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
@@ -144,9 +163,23 @@ class MicroBatch:
         def mv(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=True)
 
-        return MicroBatch(*(mv(getattr(self, f)) for f in  # type: ignore[arg-type]
-                            ("input_ids", "labels", "mask", "old_logp", "advantages", "temperature",
-                             "distill_ids", "distill_lp", "loss_weight", "seq_lens")))
+        return MicroBatch(
+            *(
+                mv(getattr(self, f))
+                for f in (  # type: ignore[arg-type]
+                    "input_ids",
+                    "labels",
+                    "mask",
+                    "old_logp",
+                    "advantages",
+                    "temperature",
+                    "distill_ids",
+                    "distill_lp",
+                    "loss_weight",
+                    "seq_lens",
+                )
+            )
+        )
 
 
 @dataclass
@@ -206,8 +239,7 @@ def is_truncated(group: Mapping[str, Any], i: int) -> bool:
 
 def _temperature(group: Mapping[str, Any], i: int) -> float:
     """overrides[i].temperature > generation_params.temperature > group_overrides.temperature > 1."""
-    for source in (_index(group.get("overrides"), i), group.get("generation_params"),
-                   group.get("group_overrides")):
+    for source in (_index(group.get("overrides"), i), group.get("generation_params"), group.get("group_overrides")):
         if isinstance(source, Mapping) and source.get("temperature") is not None:
             t = _number(source["temperature"], "malformed", "temperature")
             return t if MIN_TEMPERATURE <= t <= MAX_TEMPERATURE else 1.0
@@ -248,9 +280,16 @@ def _list(x: Any, n: int, what: str) -> list[Any]:
     return x
 
 
-def _rows_of_group(group: Any, *, std_floor: float, max_token_len: int, use_distill: bool,
-                   vocab_size: int | None = None, advantage: str = "group-std",
-                   mask_truncated: bool = False) -> list[SequenceRow]:
+def _rows_of_group(
+    group: Any,
+    *,
+    std_floor: float,
+    max_token_len: int,
+    use_distill: bool,
+    vocab_size: int | None = None,
+    advantage: str = "group-std",
+    mask_truncated: bool = False,
+) -> list[SequenceRow]:
     """The group's sequences as shifted rows; raises GroupRejected when the group is unusable."""
     if not isinstance(group, Mapping):
         raise GroupRejected("malformed", f"a group is an object, not {type(group).__name__}")
@@ -258,20 +297,27 @@ def _rows_of_group(group: Any, *, std_floor: float, max_token_len: int, use_dist
     if not isinstance(tokens, list) or not isinstance(masks, list) or not isinstance(scores, list):
         raise GroupRejected("malformed", "group without tokens, masks and scores")
     if not (len(tokens) == len(masks) == len(scores)) or not tokens:
-        raise GroupRejected("malformed", f"group has {len(tokens)} token lists, {len(masks)} masks, "
-                                         f"{len(scores)} scores")
+        raise GroupRejected(
+            "malformed", f"group has {len(tokens)} token lists, {len(masks)} masks, {len(scores)} scores"
+        )
     score_values = [_number(s, "score_invalid", "scores") for s in scores]
     if not all(math.isfinite(s) and abs(s) <= MAX_ABS_SCORE for s in score_values):
-        raise GroupRejected("score_invalid", f"non-finite or absurd (|s| > {MAX_ABS_SCORE:g}) score in "
-                                             f"{score_values[:8]}")
+        raise GroupRejected(
+            "score_invalid", f"non-finite or absurd (|s| > {MAX_ABS_SCORE:g}) score in {score_values[:8]}"
+        )
     advs = group_advantages(score_values, std_floor, advantage)
     logprobs = group.get("inference_logprobs")
     env_advantages = group.get("advantages")
     overrides = group.get("overrides")
     d_ids = group.get("distill_token_ids") if use_distill else None
     d_lps = group.get("distill_logprobs") if use_distill else None
-    for name, value in (("inference_logprobs", logprobs), ("advantages", env_advantages),
-                        ("overrides", overrides), ("distill_token_ids", d_ids), ("distill_logprobs", d_lps)):
+    for name, value in (
+        ("inference_logprobs", logprobs),
+        ("advantages", env_advantages),
+        ("overrides", overrides),
+        ("distill_token_ids", d_ids),
+        ("distill_logprobs", d_lps),
+    ):
         if value is not None and not isinstance(value, list):
             raise GroupRejected("malformed", f"{name} is not a list")
     rows = []
@@ -279,8 +325,7 @@ def _rows_of_group(group: Any, *, std_floor: float, max_token_len: int, use_dist
         if not isinstance(tok, list) or not isinstance(msk, list):
             raise GroupRejected("malformed", f"sequence {i}: tokens and masks must be lists")
         if len(tok) > max_token_len:
-            raise GroupRejected("too_long", f"sequence {i}: {len(tok)} tokens > trainer.max_token_len "
-                                            f"{max_token_len}")
+            raise GroupRejected("too_long", f"sequence {i}: {len(tok)} tokens > trainer.max_token_len {max_token_len}")
         if len(tok) != len(msk):
             raise GroupRejected("malformed", f"sequence {i}: {len(tok)} tokens but {len(msk)} mask entries")
         if len(tok) < 2:
@@ -310,10 +355,17 @@ def _rows_of_group(group: Any, *, std_floor: float, max_token_len: int, use_dist
         else:
             adv = [advs[i]] * n
         if not all(abs(a) <= MAX_ABS_ADVANTAGE for a in adv):  # NaN fails too
-            raise GroupRejected("advantage_invalid", f"sequence {i}: non-finite or absurd advantage "
-                                                     f"(|A| > {MAX_ABS_ADVANTAGE:g})")
-        row = SequenceRow(input_ids=tok[:-1], labels=tok[1:], mask=mask, old_logp=old, advantages=adv,
-                          temperature=_temperature(group, i))
+            raise GroupRejected(
+                "advantage_invalid", f"sequence {i}: non-finite or absurd advantage (|A| > {MAX_ABS_ADVANTAGE:g})"
+            )
+        row = SequenceRow(
+            input_ids=tok[:-1],
+            labels=tok[1:],
+            mask=mask,
+            old_logp=old,
+            advantages=adv,
+            temperature=_temperature(group, i),
+        )
         ids_i, lps_i = _index(d_ids, i), _index(d_lps, i)
         if ids_i is not None or lps_i is not None:
             row.distill_ids, row.distill_lp = _distill_rows(ids_i, lps_i, len(tok), vocab_size, i)
@@ -324,15 +376,18 @@ def _rows_of_group(group: Any, *, std_floor: float, max_token_len: int, use_dist
 def _rollout_logprobs(values: list[Any], i: int) -> list[float]:
     """Rollout logprobs as floats, NaN where missing (None, the 1.0 sentinel, NaN, +inf)."""
     if not all(type(x) is float for x in values):  # the usual case: all floats, one pass each below
-        values = [math.nan if x is None else _number(x, "logprob_invalid", f"sequence {i}: inference_logprobs")
-                  for x in values]
+        values = [
+            math.nan if x is None else _number(x, "logprob_invalid", f"sequence {i}: inference_logprobs")
+            for x in values
+        ]
     if any(x < MIN_LOGPROB for x in values):
         raise GroupRejected("logprob_invalid", f"sequence {i}: a rollout logprob < {MIN_LOGPROB:g}")
     return [x if x <= 0.0 else math.nan for x in values]  # NaN <= 0 is False: stays missing
 
 
-def _distill_rows(ids_i: Any, lps_i: Any, length: int, vocab_size: int | None, i: int
-                  ) -> tuple[list[list[int]], list[list[float]]]:
+def _distill_rows(
+    ids_i: Any, lps_i: Any, length: int, vocab_size: int | None, i: int
+) -> tuple[list[list[int]], list[list[float]]]:
     """The teacher's top-k of one sequence, shifted: ids in [-1, vocab) (-1 = padding), finite logprobs."""
     what = f"sequence {i}: distill_token_ids/distill_logprobs"
     ids_i, lps_i = _list(ids_i, length, what), _list(lps_i, length, what)
@@ -347,10 +402,14 @@ def _distill_rows(ids_i: Any, lps_i: Any, length: int, vocab_size: int | None, i
         lps = [_number(x, "distill_invalid", what) for x in _list(e_lps, len(ids), what)]
         # A log-probability is never positive, and one beyond float32's range (3.5e38) would
         # become infinite in the tensor: both are garbage, not a teacher's output.
-        if not all(math.isfinite(x) and MIN_TEACHER_LOGPROB <= x <= MAX_TEACHER_LOGPROB
-                   for x, k in zip(lps, ids, strict=True) if k >= 0):
-            raise GroupRejected("distill_invalid", f"{what}: non-finite, positive or absurd (< {MIN_TEACHER_LOGPROB:g}) "
-                                                   "teacher logprob")
+        if not all(
+            math.isfinite(x) and MIN_TEACHER_LOGPROB <= x <= MAX_TEACHER_LOGPROB
+            for x, k in zip(lps, ids, strict=True)
+            if k >= 0
+        ):
+            raise GroupRejected(
+                "distill_invalid", f"{what}: non-finite, positive or absurd (< {MIN_TEACHER_LOGPROB:g}) teacher logprob"
+            )
         out_ids.append(ids)
         out_lps.append([x if k >= 0 else -1e9 for x, k in zip(lps, ids, strict=True)])
     return out_ids, out_lps
@@ -379,16 +438,21 @@ def _pad(rows: Sequence[SequenceRow]) -> MicroBatch:
                 continue
             for pos, (ids, lps) in enumerate(zip(r.distill_ids, r.distill_lp, strict=False)):
                 if ids and r.mask[pos]:
-                    d_ids[i, pos, :len(ids)] = torch.tensor(ids)
-                    d_lp[i, pos, :len(lps)] = torch.tensor(lps)
+                    d_ids[i, pos, : len(ids)] = torch.tensor(ids)
+                    d_lp[i, pos, : len(lps)] = torch.tensor(lps)
     return MicroBatch(input_ids, labels, mask, old, adv, temp, d_ids, d_lp)
 
 
 def _pack(rows: Sequence[SequenceRow]) -> MicroBatch:
     """The rows laid end to end in one row (``MicroBatch.seq_lens``): no padding at all."""
-    merged = SequenceRow(input_ids=[x for r in rows for x in r.input_ids], labels=[x for r in rows for x in r.labels],
-                         mask=[x for r in rows for x in r.mask], old_logp=[x for r in rows for x in r.old_logp],
-                         advantages=[x for r in rows for x in r.advantages], temperature=1.0)
+    merged = SequenceRow(
+        input_ids=[x for r in rows for x in r.input_ids],
+        labels=[x for r in rows for x in r.labels],
+        mask=[x for r in rows for x in r.mask],
+        old_logp=[x for r in rows for x in r.old_logp],
+        advantages=[x for r in rows for x in r.advantages],
+        temperature=1.0,
+    )
     if any(r.distill_ids for r in rows):
         merged.distill_ids = [x for r in rows for x in (r.distill_ids or [[]] * len(r.input_ids))]
         merged.distill_lp = [x for r in rows for x in (r.distill_lp or [[]] * len(r.input_ids))]
@@ -416,11 +480,19 @@ def pack_rows(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return bins
 
 
-def prepare_batch(groups: Sequence[Any], *, micro_batch_size: int, max_token_len: int,
-                  adv_std_floor: float, use_distill: bool = False, vocab_size: int | None = None,
-                  micro_batch_tokens: int = 0,
-                  advantage: str = "group-std", overlong: str = "keep",
-                  filtered: Sequence[Any] = ()) -> RolloutBatch:
+def prepare_batch(
+    groups: Sequence[Any],
+    *,
+    micro_batch_size: int,
+    max_token_len: int,
+    adv_std_floor: float,
+    use_distill: bool = False,
+    vocab_size: int | None = None,
+    micro_batch_tokens: int = 0,
+    advantage: str = "group-std",
+    overlong: str = "keep",
+    filtered: Sequence[Any] = (),
+) -> RolloutBatch:
     """Validate the groups, compute advantages and pad into micro-batches of ≤ micro_batch_size.
 
     vocab_size: the model's vocabulary (token ids must be below it); None checks only ≥ 0.
@@ -442,9 +514,15 @@ def prepare_batch(groups: Sequence[Any], *, micro_batch_size: int, max_token_len
     truncated = 0
     for gi, group in enumerate(groups):
         try:
-            group_rows = _rows_of_group(group, std_floor=adv_std_floor, max_token_len=max_token_len,
-                                        use_distill=use_distill, vocab_size=vocab_size, advantage=advantage,
-                                        mask_truncated=overlong == "mask")
+            group_rows = _rows_of_group(
+                group,
+                std_floor=adv_std_floor,
+                max_token_len=max_token_len,
+                use_distill=use_distill,
+                vocab_size=vocab_size,
+                advantage=advantage,
+                mask_truncated=overlong == "mask",
+            )
             ext = extension(group)
             acc, version = ext.get("accuracy"), ext.get("weight_version")
         except GroupRejected as exc:
@@ -455,8 +533,13 @@ def prepare_batch(groups: Sequence[Any], *, micro_batch_size: int, max_token_len
         except Exception as exc:  # one group's preparation never fails the job (SPEC §13)
             rejected["error"] = rejected.get("error", 0) + 1
             if sum(rejected.values()) <= LOGGED_PER_BATCH:
-                log.warning("group rejected", group=gi, reason="error",
-                            detail=f"{type(exc).__name__}: {exc}"[:300], exc_info=True)
+                log.warning(
+                    "group rejected",
+                    group=gi,
+                    reason="error",
+                    detail=f"{type(exc).__name__}: {exc}"[:300],
+                    exc_info=True,
+                )
             continue
         rows.extend(group_rows)
         scores.extend(float(s) for s in group["scores"])
@@ -478,21 +561,33 @@ def prepare_batch(groups: Sequence[Any], *, micro_batch_size: int, max_token_len
         total = sum(rejected.values())
         raise BatchError(f"no usable sequence in the batch ({total} group(s) rejected: {rejected})", rejected)
     if overlong == "mask" and truncated and not any(any(r.mask) for r in rows):
-        raise BatchError(f"every completion of the batch is truncated ({truncated} with finish_reason = \"length\") "
-                         "and trainer.overlong = \"mask\": no token to train", rejected)
+        raise BatchError(
+            f'every completion of the batch is truncated ({truncated} with finish_reason = "length") '
+            'and trainer.overlong = "mask": no token to train',
+            rejected,
+        )
     if micro_batch_tokens > 0:
         micro = [_pack([rows[i] for i in b]) for b in pack_rows([len(r.input_ids) for r in rows], micro_batch_tokens)]
     else:
-        micro = [_pad(rows[i:i + micro_batch_size]) for i in range(0, len(rows), micro_batch_size)]
+        micro = [_pad(rows[i : i + micro_batch_size]) for i in range(0, len(rows), micro_batch_size)]
     completion = int(sum(int(m.mask.sum()) for m in micro))
     missing = int(sum(int((m.mask & m.old_logp.isnan()).sum()) for m in micro))
     distill_positions = sum(int((m.distill_ids >= 0).any(-1).sum()) for m in micro if m.distill_ids is not None)
     mean = math.fsum(scores) / len(scores)
     std = math.sqrt(math.fsum((s - mean) ** 2 for s in scores) / len(scores))
-    return RolloutBatch(micro=micro, sequences=len(rows), completion_tokens=completion,
-                        distill_positions=distill_positions, reward_mean=mean, reward_std=std,
-                        accuracy=(math.fsum(accuracies) / len(accuracies)) if accuracies else None,
-                        weight_versions=versions, rejected_by_reason=rejected, missing_logprobs=missing,
-                        trained_sequences=sum(any(r.mask) for r in rows),
-                        reward_mean_trained=math.fsum(trained_scores) / len(trained_scores),
-                        filtered_groups=len(filtered), truncated=truncated)
+    return RolloutBatch(
+        micro=micro,
+        sequences=len(rows),
+        completion_tokens=completion,
+        distill_positions=distill_positions,
+        reward_mean=mean,
+        reward_std=std,
+        accuracy=(math.fsum(accuracies) / len(accuracies)) if accuracies else None,
+        weight_versions=versions,
+        rejected_by_reason=rejected,
+        missing_logprobs=missing,
+        trained_sequences=sum(any(r.mask) for r in rows),
+        reward_mean_trained=math.fsum(trained_scores) / len(trained_scores),
+        filtered_groups=len(filtered),
+        truncated=truncated,
+    )

@@ -141,8 +141,9 @@ def clean_partial(root: Path) -> list[Path]:
             if m and not (root / f"step-{m.group(1)}").exists():
                 try:
                     os.rename(entry, root / f"step-{m.group(1)}")
-                    log.warning("restored the previous copy of an interrupted checkpoint",
-                                path=str(root / f"step-{m.group(1)}"))
+                    log.warning(
+                        "restored the previous copy of an interrupted checkpoint", path=str(root / f"step-{m.group(1)}")
+                    )
                 except OSError as exc:  # left where it is: never removed while it may be the only copy
                     log.error("cannot restore the previous copy of a checkpoint", path=str(entry), error=str(exc))
             elif m or entry.name.startswith(TMP_PREFIX):
@@ -254,8 +255,9 @@ def _write_checksums(path: Path, *, low_priority: bool = False) -> None:
     weights were read already) by threads that yield the CPU to training."""
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != CHECKSUM_FILE)
     workers = max(1, min(HASH_THREADS, len(files), os.cpu_count() or 1))
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="atroposd-checksum",
-                                               initializer=lower_priority if low_priority else None) as pool:
+    with concurrent.futures.ThreadPoolExecutor(
+        workers, thread_name_prefix="atroposd-checksum", initializer=lower_priority if low_priority else None
+    ) as pool:
         digests = list(pool.map(_sha256, files))
     table = {str(f.relative_to(path)): d for f, d in zip(files, digests, strict=True)}
     (path / CHECKSUM_FILE).write_text(json.dumps({"format": 1, "files": table}, indent=1) + "\n")
@@ -340,12 +342,22 @@ def prepare_checkpoint(root: Path, step: int, keep: int) -> Path:
     return tmp
 
 
-def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, tokenizer: Any, lora: bool,
-                    state: dict[str, Any], keep: int,
-                    shards: Callable[[Path], dict[str, torch.Tensor] | None] | None = None,
-                    weights: dict[str, torch.Tensor] | None = None, prepared: Path | None = None,
-                    abandoned: threading.Event | None = None, read_done: Callable[[], None] | None = None,
-                    low_priority: bool = False) -> Path:
+def save_checkpoint(
+    root: Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    lora: bool,
+    state: dict[str, Any],
+    keep: int,
+    shards: Callable[[Path], dict[str, torch.Tensor] | None] | None = None,
+    weights: dict[str, torch.Tensor] | None = None,
+    prepared: Path | None = None,
+    abandoned: threading.Event | None = None,
+    read_done: Callable[[], None] | None = None,
+    low_priority: bool = False,
+) -> Path:
     """Write ``root/step-<step>/`` atomically; raises CheckpointError (temp dir removed).
 
     ``weights``: the full model's tensors to write (a copy taken between two steps), instead of
@@ -396,8 +408,14 @@ def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, tokenizer:
     return final
 
 
-def _write_model(path: Path, model: torch.nn.Module, lora: bool,
-                 weights: dict[str, torch.Tensor] | None = None, *, sharded: bool = False) -> None:
+def _write_model(
+    path: Path,
+    model: torch.nn.Module,
+    lora: bool,
+    weights: dict[str, torch.Tensor] | None = None,
+    *,
+    sharded: bool = False,
+) -> None:
     """The model's files: its weights (unless ``sharded`` and no ``weights``: the shards are
     them), config and generation config."""
     from safetensors.torch import save_file
@@ -408,8 +426,9 @@ def _write_model(path: Path, model: torch.nn.Module, lora: bool,
         model.save_pretrained(str(path))  # type: ignore[operator]
         return
     if weights is not None or not sharded:
-        save_file(model_weights(model) if weights is None else weights, str(path / WEIGHTS_FILE),
-                  metadata={"format": "pt"})
+        save_file(
+            model_weights(model) if weights is None else weights, str(path / WEIGHTS_FILE), metadata={"format": "pt"}
+        )
     config = getattr(model, "config", None)
     if config is not None:
         config.save_pretrained(str(path))
@@ -453,8 +472,12 @@ def load_latest(root: Path) -> Latest:
             except OSError as rename_exc:
                 raise CheckpointError(f"{exc}; and it cannot be set aside: {rename_exc}") from exc
             result.set_aside.append(aside)
-            log.error("checkpoint is damaged: set aside, trying the next older one", path=str(path),
-                      moved_to=str(aside), error=str(exc))
+            log.error(
+                "checkpoint is damaged: set aside, trying the next older one",
+                path=str(path),
+                moved_to=str(aside),
+                error=str(exc),
+            )
             continue
         if not verified:
             log.warning("checkpoint has no checksums (written by an older atroposd): not verified", path=str(path))
@@ -486,13 +509,18 @@ def load_checkpoint(path: Path) -> Restored:
         raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from exc
     if not isinstance(state, dict) or state.get("format") not in READABLE_FORMATS:
         found = state.get("format") if isinstance(state, dict) else None
-        raise CheckpointError(f"checkpoint {path} has format {found!r}; this atroposd reads "
-                              f"formats {', '.join(map(str, READABLE_FORMATS))}")
+        raise CheckpointError(
+            f"checkpoint {path} has format {found!r}; this atroposd reads "
+            f"formats {', '.join(map(str, READABLE_FORMATS))}"
+        )
     check_optimizer_path(path, state)
     if state.get("model_dcp"):
         shapes = state.get("model_shapes")
-        return Restored(path=path, state=state,
-                        weights=load_model_shards(path / MODEL_DIR, shapes if isinstance(shapes, dict) else None))
+        return Restored(
+            path=path,
+            state=state,
+            weights=load_model_shards(path / MODEL_DIR, shapes if isinstance(shapes, dict) else None),
+        )
     try:
         lora = state.get("mode") == "lora"
         weights = load_file(str(path / ("adapter_model.safetensors" if lora else WEIGHTS_FILE)))
@@ -513,8 +541,13 @@ def restore_weights(model: torch.nn.Module, restored: Restored, *, lora: bool) -
         return
     result = model.load_state_dict(restored.weights, strict=False)
     own = model.state_dict()
-    missing = [k for k in result.missing_keys
-               if not any(own[k].data_ptr() == own[o].data_ptr() for o in restored.weights if o in own)]
+    missing = [
+        k
+        for k in result.missing_keys
+        if not any(own[k].data_ptr() == own[o].data_ptr() for o in restored.weights if o in own)
+    ]
     if missing or result.unexpected_keys:
-        raise CheckpointError(f"checkpoint {restored.path} does not match the model: missing {missing[:5]}, "
-                              f"unexpected {list(result.unexpected_keys)[:5]}")
+        raise CheckpointError(
+            f"checkpoint {restored.path} does not match the model: missing {missing[:5]}, "
+            f"unexpected {list(result.unexpected_keys)[:5]}"
+        )

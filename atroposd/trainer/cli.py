@@ -28,8 +28,9 @@ def main(args: argparse.Namespace) -> int:
     except Exception as exc:  # the group failed (rank 0 gone, a collective failed): exit 1, restarted
         from atroposd.logs import get_logger
 
-        get_logger("atroposd.trainer.rank").error("trainer rank failed", rank=args.rank,
-                                                  error=f"{type(exc).__name__}: {exc}")
+        get_logger("atroposd.trainer.rank").error(
+            "trainer rank failed", rank=args.rank, error=f"{type(exc).__name__}: {exc}"
+        )
         code = Exit.RUNTIME
     # Without the interpreter's teardown: torch's libraries take seconds to unload, and a
     # process group of a dead peer may hang in its destructor.

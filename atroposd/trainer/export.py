@@ -49,8 +49,7 @@ def pick_checkpoint(root: Path, step: int | None) -> Path:
     for s, path in found:
         if s == step:
             return path
-    raise ExportError(f"no complete checkpoint of step {step} in {root} (steps: "
-                      f"{', '.join(str(s) for s, _ in found)})")
+    raise ExportError(f"no complete checkpoint of step {step} in {root} (steps: {', '.join(str(s) for s, _ in found)})")
 
 
 def export_checkpoint(checkpoint: Path, out: Path) -> list[str]:

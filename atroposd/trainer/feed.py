@@ -131,9 +131,16 @@ class BatchFeed:
     """registration() gives the ``/register`` body (its ``starting_step`` is the current step at
     each call). on_wait(reason | None) reports what it waits for."""
 
-    def __init__(self, api_url: str, registration: Callable[[], dict[str, Any]], *, max_ahead: int, token: str = "",
-                 on_wait: Callable[[str | None], None] = lambda _r: None,
-                 group_filter: GroupFilter | None = None) -> None:
+    def __init__(
+        self,
+        api_url: str,
+        registration: Callable[[], dict[str, Any]],
+        *,
+        max_ahead: int,
+        token: str = "",
+        on_wait: Callable[[str | None], None] = lambda _r: None,
+        group_filter: GroupFilter | None = None,
+    ) -> None:
         self.api_url = api_url.rstrip("/")
         self.registration = registration
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -160,8 +167,9 @@ class BatchFeed:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S),
-                                                  headers=self.headers)
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S), headers=self.headers
+            )
         return self._session
 
     async def aclose(self) -> None:
@@ -182,8 +190,13 @@ class BatchFeed:
                     if resp.status == 200:
                         self.registrations += 1
                         self.on_wait(None)
-                        log.info("registered with the API", url=self.api_url, uuid=_field(body, "uuid"),
-                                 batch_size=request["batch_size"], starting_step=request["starting_step"])
+                        log.info(
+                            "registered with the API",
+                            url=self.api_url,
+                            uuid=_field(body, "uuid"),
+                            batch_size=request["batch_size"],
+                            starting_step=request["starting_step"],
+                        )
                         return
                     raise _ApiHttpError(f"/register answered {resp.status}: {body[:200]!r}")
             except (aiohttp.ClientError, OSError, TimeoutError, _ApiHttpError) as exc:
@@ -312,14 +325,26 @@ class BatchFeed:
                     self.on_wait(self._wait_reason())
                     quiet = time.monotonic() - self.last_data
                     alive = envs_alive()
-                    extra = {} if self.group_filter is None else {
-                        "filtered_since_last_batch": len(self.group_filter.dropped),
-                        "kept_sequences": sum(_sequences(g) for g in self.group_filter.pending)}
-                    log.info("waiting for data", waited_s=round(time.monotonic() - started, 1),
-                             since_last_batch_s=round(quiet, 1), environments_alive=alive, **extra)
+                    extra = (
+                        {}
+                        if self.group_filter is None
+                        else {
+                            "filtered_since_last_batch": len(self.group_filter.dropped),
+                            "kept_sequences": sum(_sequences(g) for g in self.group_filter.pending),
+                        }
+                    )
+                    log.info(
+                        "waiting for data",
+                        waited_s=round(time.monotonic() - started, 1),
+                        since_last_batch_s=round(quiet, 1),
+                        environments_alive=alive,
+                        **extra,
+                    )
                     if quiet >= data_timeout and not alive:
-                        raise DataTimeout(f"no data for {quiet:.0f} s (trainer.data_timeout = {data_timeout:g}) "
-                                          "and no environment is alive or restartable")
+                        raise DataTimeout(
+                            f"no data for {quiet:.0f} s (trainer.data_timeout = {data_timeout:g}) "
+                            "and no environment is alive or restartable"
+                        )
             finally:
                 self._wait_scope = None
                 self._waiting = False

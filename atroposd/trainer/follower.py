@@ -8,7 +8,8 @@ checkpoint), then does what rank 0 tells it, command by command: typed, MACed co
 step or its discard, a gather of weights for a sync, a checkpoint's shards, the sentinel's
 canary scoring, stop. The group's
 key comes from the daemon in this process's environment (``ATROPOSD_TRAINER_KEY``); a store
-value that is not rank 0's is never run (the rank ends; the daemon restarts the group). Any failure of the group (rank 0 gone, a collective failed or timed out) ends the
+value that is not rank 0's is never run (the rank ends; the daemon restarts the group). Any failure of the group
+(rank 0 gone, a collective failed or timed out) ends the
 process with exit 1: the daemon restarts the whole group from the last complete checkpoint.
 """
 
@@ -60,8 +61,9 @@ def connect_store(address: str, timeout: float) -> Any:
     import torch.distributed as dist
 
     host, _, port = address.rpartition(":")
-    return dist.TCPStore(host.strip("[]"), int(port), is_master=False,
-                         timeout=datetime.timedelta(seconds=timeout), use_libuv=False)
+    return dist.TCPStore(
+        host.strip("[]"), int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout), use_libuv=False
+    )
 
 
 @dataclass
@@ -117,8 +119,15 @@ class Follower:
         return int(Exit.OK)
 
     HANDLERS: ClassVar[dict[type[Any], Callable[[Follower, Any], int | None]]] = {
-        Compute: compute, Apply: apply, Discard: discard, Gather: gather, Reload: reload,
-        Checkpoint: checkpoint, Canary: canary, Stop: stop}
+        Compute: compute,
+        Apply: apply,
+        Discard: discard,
+        Gather: gather,
+        Reload: reload,
+        Checkpoint: checkpoint,
+        Canary: canary,
+        Stop: stop,
+    }
 
     def run(self, cmd: Command) -> int | None:
         return self.HANDLERS[type(cmd)](self, cmd)
@@ -164,8 +173,16 @@ def serve(cfg: Config, rank: int) -> int:
         threading.Event().wait()
     store = connect_store(address, t.join_timeout)
     generation = int(store.get(generation_key(secret)))
-    ranks = GroupRanks.join(store, prefix=store_keys(secret, generation), key=key, rank=rank, world=t.ranks,
-                            device=device, join_timeout=t.join_timeout, collective_timeout=t.collective_timeout)
+    ranks = GroupRanks.join(
+        store,
+        prefix=store_keys(secret, generation),
+        key=key,
+        rank=rank,
+        world=t.ranks,
+        device=device,
+        join_timeout=t.join_timeout,
+        collective_timeout=t.collective_timeout,
+    )
     feed = None
     checkpointer: Any = None
     try:
@@ -176,15 +193,24 @@ def serve(cfg: Config, rank: int) -> int:
         from atroposd.weights.node_feed import NodeFeed
 
         # The first rank of a node other than the head feeds that node's replicas (SPEC §12.3).
-        feed = NodeFeed.from_environ(Paths.of(cfg).weights_dir, setup.tensor_specs, setup.tied,
-                                     t.sync_bucket_mb << 20)
-        log.info("trainer rank ready", rank=rank, generation=generation, step=setup.step,
-                 feeds_replicas=len(feed.sync.replicas) if feed is not None else 0)
+        feed = NodeFeed.from_environ(Paths.of(cfg).weights_dir, setup.tensor_specs, setup.tied, t.sync_bucket_mb << 20)
+        log.info(
+            "trainer rank ready",
+            rank=rank,
+            generation=generation,
+            step=setup.step,
+            feeds_replicas=len(feed.sync.replicas) if feed is not None else 0,
+        )
         try:
             return Follower(ranks, learner, checkpointer, setup.policy.model, feed).follow()
         except BadCommand as exc:
-            log.error("refused rank 0's next command: not a command of this group; this rank ends "
-                      "(the daemon restarts the group)", rank=rank, error=str(exc), refused=ranks.refused)
+            log.error(
+                "refused rank 0's next command: not a command of this group; this rank ends "
+                "(the daemon restarts the group)",
+                rank=rank,
+                error=str(exc),
+                refused=ranks.refused,
+            )
             return Exit.RUNTIME
     finally:
         if checkpointer is not None:  # this rank's shards still being written finish first

@@ -187,8 +187,11 @@ class Push:
     def parse(cls, value: Any) -> Push:
         if not isinstance(value, dict) or set(value) != {"index", "count", "version"}:
             raise BadCommand("gather: push must be {index, count, version}")
-        push = cls(_int(value["index"], "push.index"), _int(value["count"], "push.count"),
-                   _int(value["version"], "push.version"))
+        push = cls(
+            _int(value["index"], "push.index"),
+            _int(value["count"], "push.count"),
+            _int(value["version"], "push.version"),
+        )
         if not 0 <= push.index < push.count or push.version < 0:
             raise BadCommand("gather: push out of range")
         return push
@@ -203,8 +206,11 @@ class Gather:
     push: Push | None = None
 
     def args(self) -> dict[str, Any]:
-        push = None if self.push is None else {"index": self.push.index, "count": self.push.count,
-                                               "version": self.push.version}
+        push = (
+            None
+            if self.push is None
+            else {"index": self.push.index, "count": self.push.count, "version": self.push.version}
+        )
         return {"names": list(self.names), "push": push}
 
     @classmethod
@@ -271,8 +277,7 @@ class Canary:
 
 
 Command = Compute | Apply | Discard | Stop | Gather | Reload | Checkpoint | Canary
-_PARSERS: dict[str, Any] = {c.op: c.parse for c in (Compute, Apply, Discard, Stop, Gather, Reload, Checkpoint,
-                                                    Canary)}
+_PARSERS: dict[str, Any] = {c.op: c.parse for c in (Compute, Apply, Discard, Stop, Gather, Reload, Checkpoint, Canary)}
 
 
 def _mac(key: bytes, prefix: str, seq: int, body: bytes) -> str:
@@ -340,9 +345,15 @@ class GroupStore:
             sock.listen(256)
             # the address the ranks connect to: the bound host, or (a wildcard bind) ``advertise``
             self.host, self.port = self.advertise or host or "127.0.0.1", int(sock.getsockname()[1])
-            self.store = dist.TCPStore(self.host, self.port, is_master=True, master_listen_fd=sock.fileno(),
-                                       wait_for_workers=False, use_libuv=False,
-                                       timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+            self.store = dist.TCPStore(
+                self.host,
+                self.port,
+                is_master=True,
+                master_listen_fd=sock.fileno(),
+                wait_for_workers=False,
+                use_libuv=False,
+                timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S),
+            )
         except BaseException:
             sock.close()
             raise

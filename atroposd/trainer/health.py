@@ -34,9 +34,25 @@ from typing import Any
 from atroposd.groupext import extension
 from atroposd.timeline import group_timing
 
-__all__ = ["CLIPPED_LIMIT", "ENTROPY_DROP", "GRAD_SPIKE", "PATIENCE", "SPREAD_HAD", "WARMUP", "WINDOW",
-           "ClippedRunaway", "Collapse", "DropRule", "EntropyCollapse", "GradSpike", "HealthMonitor", "NonFinite", "SpreadVanish",
-           "Trip", "replay"]
+__all__ = [
+    "CLIPPED_LIMIT",
+    "ENTROPY_DROP",
+    "GRAD_SPIKE",
+    "PATIENCE",
+    "SPREAD_HAD",
+    "WARMUP",
+    "WINDOW",
+    "ClippedRunaway",
+    "Collapse",
+    "DropRule",
+    "EntropyCollapse",
+    "GradSpike",
+    "HealthMonitor",
+    "NonFinite",
+    "SpreadVanish",
+    "Trip",
+    "replay",
+]
 
 WINDOW = 50  # steps in the running medians
 WARMUP = 10  # steps of history before the ratio detectors may trip
@@ -94,8 +110,9 @@ class NonFinite:
     def observe(self, finite: bool) -> Trip | None:
         self.in_row = 0 if finite else self.in_row + 1
         if self.in_row >= self.limit:
-            return Trip(self.name, f"{self.in_row} non-finite steps in a row (health.max_nonfinite_steps = "
-                                   f"{self.limit})")
+            return Trip(
+                self.name, f"{self.in_row} non-finite steps in a row (health.max_nonfinite_steps = {self.limit})"
+            )
         return None
 
 
@@ -114,8 +131,10 @@ class GradSpike:
             return None
         median = self.history.median
         if self.history.ready and median > _EPS and g > self.factor * median:
-            return Trip(self.name, f"gradient norm {g:.4g} is {g / median:.1f}× its running median {median:.4g} "
-                                   f"(limit {self.factor:g}×)")
+            return Trip(
+                self.name,
+                f"gradient norm {g:.4g} is {g / median:.1f}× its running median {median:.4g} (limit {self.factor:g}×)",
+            )
         self.history.add(g)
         return None
 
@@ -137,8 +156,11 @@ class ClippedRunaway:
         if self.history.ready and c > self.limit and self.history.median < self.limit / 2:
             self.in_row += 1
             if self.in_row >= self.patience:
-                return Trip(self.name, f"clipped fraction {c:.3f} above {self.limit:g} for {self.in_row} steps "
-                                       f"(running median {self.history.median:.3f})")
+                return Trip(
+                    self.name,
+                    f"clipped fraction {c:.3f} above {self.limit:g} for {self.in_row} steps "
+                    f"(running median {self.history.median:.3f})",
+                )
             return None
         self.in_row = 0
         self.history.add(c)
@@ -163,9 +185,12 @@ class SpreadVanish:
         if self.spread.ready and s <= _EPS and self.spread.median >= self.had and r <= self.reward.median:
             self.in_row += 1
             if self.in_row >= self.patience:
-                return Trip(self.name, f"no reward spread for {self.in_row} steps (running median "
-                                       f"{self.spread.median:.3f}) at reward {r:.3f}, not above its running "
-                                       f"median {self.reward.median:.3f}")
+                return Trip(
+                    self.name,
+                    f"no reward spread for {self.in_row} steps (running median "
+                    f"{self.spread.median:.3f}) at reward {r:.3f}, not above its running "
+                    f"median {self.reward.median:.3f}",
+                )
             return None
         self.in_row = 0
         self.spread.add(s)
@@ -191,8 +216,10 @@ class EntropyCollapse:
         if self.history.ready and median > _EPS and (not math.isfinite(e) or e < self.drop * median):
             self.in_row += 1
             if self.in_row >= self.patience:
-                return Trip(self.name, f"entropy {e:.4g} below {self.drop:g}× its running median {median:.4g} "
-                                       f"for {self.in_row} steps")
+                return Trip(
+                    self.name,
+                    f"entropy {e:.4g} below {self.drop:g}× its running median {median:.4g} for {self.in_row} steps",
+                )
             return None
         self.in_row = 0
         if math.isfinite(e):

@@ -35,8 +35,15 @@ SHARD_RE = re.compile(r"shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors")
 SHARDING_KEY = "DCP_SHARDING_INFO"
 MAX_HEADER = 100 << 20  # safetensors' own limit on a header
 _DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
     "BOOL": torch.bool,
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
@@ -94,14 +101,12 @@ def _header(file: Path) -> tuple[dict[str, Any], int]:
 
 
 def _ints(value: Any, what: str, file: Path) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                                              for v in value):
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
         raise ShardError(f"{file.name}: {what} must be a list of counts")
     return list(value)
 
 
-def read_layout(directory: Path, *, world: int | None = None,
-                shapes: dict[str, list[int]] | None = None) -> Tensors:
+def read_layout(directory: Path, *, world: int | None = None, shapes: dict[str, list[int]] | None = None) -> Tensors:
     """The tensors of every shard file in ``directory``, checked (raises :class:`ShardError`).
 
     ``world``: the shard file of each of that many ranks must be there. ``shapes``: the full
@@ -121,8 +126,10 @@ def read_layout(directory: Path, *, world: int | None = None,
         have = {int(m.group(1)) - 1 for m in map(SHARD_RE.fullmatch, names) if m}
         missing = [r for r in range(world) if r not in have]
         if missing:
-            raise ShardError(f"{directory}: misses the model shards of {len(missing)} of {world} ranks: "
-                             f"{', '.join(f'shard-{r + 1:05d}-model-*' for r in missing[:4])}")
+            raise ShardError(
+                f"{directory}: misses the model shards of {len(missing)} of {world} ranks: "
+                f"{', '.join(f'shard-{r + 1:05d}-model-*' for r in missing[:4])}"
+            )
     out = Tensors()
     ends: dict[str, list[int]] = {}
     for name in names:
@@ -149,15 +156,17 @@ def read_layout(directory: Path, *, world: int | None = None,
             if end - begin != nbytes or data_start + end > size:
                 raise ShardError(f"{file.name}: {tname}'s bytes do not match its shape or lie past the file's end")
             entry = sharding.get(tname)
-            offsets = _ints(entry.get("saved_offsets") if isinstance(entry, dict) else None,
-                            f"{tname}'s saved offsets", file)
+            offsets = _ints(
+                entry.get("saved_offsets") if isinstance(entry, dict) else None, f"{tname}'s saved offsets", file
+            )
             if len(offsets) != len(shape):
                 raise ShardError(f"{file.name}: {tname}'s offsets and shape differ in rank")
             if tname in out.dtype and (out.dtype[tname] != dtype or len(ends[tname]) != len(shape)):
                 raise ShardError(f"{file.name}: {tname}'s pieces disagree in dtype or rank")
             out.dtype[tname] = dtype
-            ends[tname] = [max(a, o + s) for a, o, s in
-                           zip(ends.get(tname, [0] * len(shape)), offsets, shape, strict=True)]
+            ends[tname] = [
+                max(a, o + s) for a, o, s in zip(ends.get(tname, [0] * len(shape)), offsets, shape, strict=True)
+            ]
             out.pieces.setdefault(tname, []).append(_Piece(file, data_start + begin, shape, offsets))
     if shapes is not None:
         if set(shapes) != set(out.pieces):
@@ -170,8 +179,10 @@ def read_layout(directory: Path, *, world: int | None = None,
         out.shape[tname] = ends[tname]
         covered = sum(math.prod(p.shape) for p in pieces)
         if covered != math.prod(ends[tname]):
-            raise ShardError(f"{directory}: the pieces of {tname} do not cover it exactly "
-                             f"({covered} of {math.prod(ends[tname])} elements)")
+            raise ShardError(
+                f"{directory}: the pieces of {tname} do not cover it exactly "
+                f"({covered} of {math.prod(ends[tname])} elements)"
+            )
     return out
 
 
@@ -198,8 +209,9 @@ def _open_all(layout: Tensors) -> dict[Path, BinaryIO]:
     return {f: open(f, "rb") for f in files}
 
 
-def load_full(directory: Path, *, world: int | None = None,
-              shapes: dict[str, list[int]] | None = None) -> dict[str, torch.Tensor]:
+def load_full(
+    directory: Path, *, world: int | None = None, shapes: dict[str, list[int]] | None = None
+) -> dict[str, torch.Tensor]:
     """Every tensor of the shards in full (CPU)."""
     layout = read_layout(directory, world=world, shapes=shapes)
     handles = _open_all(layout)
@@ -210,8 +222,9 @@ def load_full(directory: Path, *, world: int | None = None,
             fh.close()
 
 
-def consolidate(directory: Path, out: Path, *, world: int | None = None,
-                shapes: dict[str, list[int]] | None = None) -> int:
+def consolidate(
+    directory: Path, out: Path, *, world: int | None = None, shapes: dict[str, list[int]] | None = None
+) -> int:
     """Write the shards as one safetensors file ``out`` (Hugging Face layout, metadata
     ``format = pt``), one tensor in memory at a time; returns the tensors written."""
     layout = read_layout(directory, world=world, shapes=shapes)
@@ -220,8 +233,11 @@ def consolidate(directory: Path, out: Path, *, world: int | None = None,
     offset = 0
     for name in names:
         n = layout.nbytes(name)
-        header[name] = {"dtype": _NAMES[layout.dtype[name]], "shape": layout.shape[name],
-                        "data_offsets": [offset, offset + n]}
+        header[name] = {
+            "dtype": _NAMES[layout.dtype[name]],
+            "shape": layout.shape[name],
+            "data_offsets": [offset, offset + n],
+        }
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it

@@ -41,9 +41,21 @@ from atroposd.trainer.ranks import OneRank, Ranks, Share, full_tensor
 if TYPE_CHECKING:
     from atroposd.config import TrainerConfig
 
-__all__ = ["AwsftObjective", "GrpoObjective", "InitialReference", "Learner", "NoReference", "Objective",
-           "Reference", "RolloutReference", "StepResult", "Tokens", "make_strategies", "set_aggregation",
-           "trained_tokens"]
+__all__ = [
+    "AwsftObjective",
+    "GrpoObjective",
+    "InitialReference",
+    "Learner",
+    "NoReference",
+    "Objective",
+    "Reference",
+    "RolloutReference",
+    "StepResult",
+    "Tokens",
+    "make_strategies",
+    "set_aggregation",
+    "trained_tokens",
+]
 
 
 @dataclass
@@ -96,8 +108,9 @@ class InitialReference:
         ref = policy.reference_model
         assert ref is not None, "kl_reference = initial needs Policy.reference"
         with torch.no_grad(), policy.reference_context():
-            logp, _ = token_logprobs(ref, mb.input_ids, mb.mask, mb.labels, mb.temperature, seq_lens=mb.seq_lens,
-                                     chunk=self.chunk)
+            logp, _ = token_logprobs(
+                ref, mb.input_ids, mb.mask, mb.labels, mb.temperature, seq_lens=mb.seq_lens, chunk=self.chunk
+            )
         return logp
 
 
@@ -123,24 +136,45 @@ def set_aggregation(batch: RolloutBatch, loss_agg: str, max_token_len: int) -> N
     """Each micro-batch's ``loss_weight`` for ``loss_agg``, from the whole batch's counts (so a
     split over micro-batches or ranks changes nothing)."""
     for mb in batch.micro:
-        mb.loss_weight = aggregation_weights(mb.mask, loss_agg, sequences=batch.sequences,
-                                             trained_sequences=batch.trained_sequences,
-                                             max_token_len=max_token_len, seq_ids=mb.sequence_ids())
+        mb.loss_weight = aggregation_weights(
+            mb.mask,
+            loss_agg,
+            sequences=batch.sequences,
+            trained_sequences=batch.trained_sequences,
+            max_token_len=max_token_len,
+            seq_ids=mb.sequence_ids(),
+        )
 
 
 class Objective(Protocol):
     def prepare(self, batch: RolloutBatch) -> None: ...
-    def loss(self, logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, ref: torch.Tensor | None,
-             denom: int, tokens: Tokens | None = None) -> tuple[torch.Tensor, LossStats]: ...
+    def loss(
+        self,
+        logp: torch.Tensor,
+        old_logp: torch.Tensor,
+        adv: torch.Tensor,
+        ref: torch.Tensor | None,
+        denom: int,
+        tokens: Tokens | None = None,
+    ) -> tuple[torch.Tensor, LossStats]: ...
 
 
 class GrpoObjective:
     """``loss = "grpo"`` or ``"gspo"`` (``sequence_level``) with the rest of SPEC §14's menu;
     the defaults are today's token-level clipped GRPO loss."""
 
-    def __init__(self, *, clip_eps: float, kl_coef: float, clip_eps_high: float = 0.0,
-                 sequence_level: bool = False, loss_agg: str = "token-mean", max_token_len: int = 0,
-                 correction: str = "none", threshold: float = 2.0) -> None:
+    def __init__(
+        self,
+        *,
+        clip_eps: float,
+        kl_coef: float,
+        clip_eps_high: float = 0.0,
+        sequence_level: bool = False,
+        loss_agg: str = "token-mean",
+        max_token_len: int = 0,
+        correction: str = "none",
+        threshold: float = 2.0,
+    ) -> None:
         self.clip_eps = clip_eps
         self.kl_coef = kl_coef
         self.clip_eps_high = clip_eps_high
@@ -153,13 +187,32 @@ class GrpoObjective:
     def prepare(self, batch: RolloutBatch) -> None:
         set_aggregation(batch, self.loss_agg, self.max_token_len)
 
-    def loss(self, logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, ref: torch.Tensor | None,
-             denom: int, tokens: Tokens | None = None) -> tuple[torch.Tensor, LossStats]:
+    def loss(
+        self,
+        logp: torch.Tensor,
+        old_logp: torch.Tensor,
+        adv: torch.Tensor,
+        ref: torch.Tensor | None,
+        denom: int,
+        tokens: Tokens | None = None,
+    ) -> tuple[torch.Tensor, LossStats]:
         seq, num_seqs, weight = (tokens.seq, tokens.num_seqs, tokens.weight) if tokens is not None else (None, 0, None)
-        return grpo_loss(logp, old_logp, adv, clip_eps=self.clip_eps, denom=denom, ref_logp=ref,
-                         kl_coef=self.kl_coef, clip_eps_high=self.clip_eps_high,
-                         sequence_level=self.sequence_level, seq=seq, num_seqs=num_seqs, weight=weight,
-                         correction=self.correction, threshold=self.threshold)
+        return grpo_loss(
+            logp,
+            old_logp,
+            adv,
+            clip_eps=self.clip_eps,
+            denom=denom,
+            ref_logp=ref,
+            kl_coef=self.kl_coef,
+            clip_eps_high=self.clip_eps_high,
+            sequence_level=self.sequence_level,
+            seq=seq,
+            num_seqs=num_seqs,
+            weight=weight,
+            correction=self.correction,
+            threshold=self.threshold,
+        )
 
 
 def _first_positions(mb: MicroBatch) -> torch.Tensor:
@@ -189,11 +242,18 @@ class AwsftObjective:
         offset = 0
         for mb in batch.micro:
             n = mb.num_sequences
-            mb.advantages = weights[offset:offset + n][mb.sequence_ids()].contiguous()  # [B, T]
+            mb.advantages = weights[offset : offset + n][mb.sequence_ids()].contiguous()  # [B, T]
             offset += n
 
-    def loss(self, logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, ref: torch.Tensor | None,
-             denom: int, tokens: Tokens | None = None) -> tuple[torch.Tensor, LossStats]:
+    def loss(
+        self,
+        logp: torch.Tensor,
+        old_logp: torch.Tensor,
+        adv: torch.Tensor,
+        ref: torch.Tensor | None,
+        denom: int,
+        tokens: Tokens | None = None,
+    ) -> tuple[torch.Tensor, LossStats]:
         from atroposd.trainer.loss import k3_kl
 
         weight = tokens.weight if tokens is not None else None
@@ -210,10 +270,16 @@ def make_strategies(tcfg: TrainerConfig) -> tuple[Objective, Reference]:
     if tcfg.loss == "awsft":
         objective = AwsftObjective(kl_coef=tcfg.kl_coef, loss_agg=tcfg.loss_agg, max_token_len=tcfg.max_token_len)
     else:
-        objective = GrpoObjective(clip_eps=tcfg.clip_eps, kl_coef=tcfg.kl_coef, clip_eps_high=tcfg.clip_eps_high,
-                                  sequence_level=tcfg.loss == "gspo", loss_agg=tcfg.loss_agg,
-                                  max_token_len=tcfg.max_token_len, correction=tcfg.rollout_correction,
-                                  threshold=tcfg.rollout_correction_threshold)
+        objective = GrpoObjective(
+            clip_eps=tcfg.clip_eps,
+            kl_coef=tcfg.kl_coef,
+            clip_eps_high=tcfg.clip_eps_high,
+            sequence_level=tcfg.loss == "gspo",
+            loss_agg=tcfg.loss_agg,
+            max_token_len=tcfg.max_token_len,
+            correction=tcfg.rollout_correction,
+            threshold=tcfg.rollout_correction_threshold,
+        )
     reference: Reference
     if tcfg.kl_coef <= 0:
         reference = NoReference()
@@ -231,10 +297,20 @@ class Learner:
     ``apply`` and ``discard`` also tell the other ranks to do the same; the other ranks call
     ``compute_share`` and the ``apply_local`` / ``discard_local`` halves when told."""
 
-    def __init__(self, policy: Policy, optimizer: torch.optim.Optimizer, scheduler: Any, *,
-                 objective: Objective, reference: Reference, max_grad_norm: float,
-                 distill_coef: float = 0.0, distill_temperature: float = 1.0,
-                 ranks: Ranks | None = None, logprob_chunk: int = DEFAULT_CHUNK) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        *,
+        objective: Objective,
+        reference: Reference,
+        max_grad_norm: float,
+        distill_coef: float = 0.0,
+        distill_temperature: float = 1.0,
+        ranks: Ranks | None = None,
+        logprob_chunk: int = DEFAULT_CHUNK,
+    ) -> None:
         self.policy = policy
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -286,9 +362,18 @@ class Learner:
                 t_ids = mb.distill_ids[mb.mask]  # [N, K]
                 teacher = (t_ids, teacher_probs(t_ids, mb.distill_lp[mb.mask], self.distill_temperature))
             # the LM head over logprob_chunk positions at a time: logp [N], entropy [N], distill [N]
-            scores = token_scores(self.policy.model, mb.input_ids, mb.mask, mb.labels, mb.temperature,
-                                  seq_lens=mb.seq_lens, teacher=teacher, chunk=self.logprob_chunk,
-                                  tau=self.distill_temperature, entropy=True)
+            scores = token_scores(
+                self.policy.model,
+                mb.input_ids,
+                mb.mask,
+                mb.labels,
+                mb.temperature,
+                seq_lens=mb.seq_lens,
+                teacher=teacher,
+                chunk=self.logprob_chunk,
+                tau=self.distill_temperature,
+                entropy=True,
+            )
             logp = scores.logp
             old = mb.old_logp[mb.mask]  # [N]
             present = ~torch.isnan(old)  # [N]
@@ -317,19 +402,28 @@ class Learner:
             if stats.corrected is not None:
                 corrected += float(stats.corrected)
         grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)))
-        loss_value, ratio_sum, clipped, kl_sum, d_loss, d_tokens_f, diff_sum, diff_n_f, corrected, entropy_sum = \
-            self.ranks.sum([float(total), ratio_sum, clipped, kl_sum, d_loss, d_tokens, diff_sum, diff_n, corrected,
-                            entropy_sum])
+        loss_value, ratio_sum, clipped, kl_sum, d_loss, d_tokens_f, diff_sum, diff_n_f, corrected, entropy_sum = (
+            self.ranks.sum(
+                [float(total), ratio_sum, clipped, kl_sum, d_loss, d_tokens, diff_sum, diff_n, corrected, entropy_sum]
+            )
+        )
         d_tokens, diff_n = int(d_tokens_f), int(diff_n_f)
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
-        return StepResult(loss=loss_value, grad_norm=grad_norm, finite=finite, mean_ratio=ratio_sum / denom,
-                          clipped_fraction=clipped / denom, mean_kl=kl_sum / denom, tokens=denom,
-                          compute_s=time.perf_counter() - start,
-                          distill_loss=(d_loss / max(d_tokens, 1)) if d_tokens else None,
-                          distill_token_count=d_tokens,
-                          logprob_diff_abs_mean=diff_sum / diff_n if diff_n else None,
-                          rollout_corrected=corrected / denom if corrects else None,
-                          entropy=entropy_sum / denom)
+        return StepResult(
+            loss=loss_value,
+            grad_norm=grad_norm,
+            finite=finite,
+            mean_ratio=ratio_sum / denom,
+            clipped_fraction=clipped / denom,
+            mean_kl=kl_sum / denom,
+            tokens=denom,
+            compute_s=time.perf_counter() - start,
+            distill_loss=(d_loss / max(d_tokens, 1)) if d_tokens else None,
+            distill_token_count=d_tokens,
+            logprob_diff_abs_mean=diff_sum / diff_n if diff_n else None,
+            rollout_corrected=corrected / denom if corrects else None,
+            entropy=entropy_sum / denom,
+        )
 
     def apply(self) -> None:
         """The optimizer step (in shared mode: while the inference server is paused)."""

@@ -61,10 +61,19 @@ class ChunkedHead(torch.autograd.Function):
     [0], distill [N] or [0])``, float32. Only ``logp`` and ``distill`` carry gradients."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                labels: torch.Tensor, temps: torch.Tensor, chunk: int, t_ids: torch.Tensor | None,
-                t_probs: torch.Tensor | None, tau: float, want_entropy: bool
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        labels: torch.Tensor,
+        temps: torch.Tensor,
+        chunk: int,
+        t_ids: torch.Tensor | None,
+        t_probs: torch.Tensor | None,
+        tau: float,
+        want_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         dev = hidden.device
         logp = torch.empty(n, dtype=torch.float32, device=dev)
@@ -100,8 +109,9 @@ class ChunkedHead(torch.autograd.Function):
         return logp, entropy, ce
 
     @staticmethod
-    def backward(ctx: Any, g_logp: torch.Tensor | None, _g_entropy: torch.Tensor | None,
-                 g_ce: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    def backward(
+        ctx: Any, g_logp: torch.Tensor | None, _g_entropy: torch.Tensor | None, g_ce: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, bias, labels, temps, lse, t_ids, t_probs, lse_t = ctx.saved_tensors
         cd: torch.dtype = ctx.compute_dtype
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
@@ -109,8 +119,11 @@ class ChunkedHead(torch.autograd.Function):
         h_all = hidden.to(cd)
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
-            if need_b and bias is not None else None
+        grad_b = (
+            torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+            if need_b and bias is not None
+            else None
+        )
         use_ce = ctx.distill and g_ce is not None
         for a, b in _spans(hidden.shape[0], ctx.chunk):
             h = h_all[a:b]
@@ -136,13 +149,23 @@ class ChunkedHead(torch.autograd.Function):
             if grad_b is not None:
                 grad_b += g_logits.sum(0)
             del logits, g_logits, g_cd
-        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None or bias is None else grad_b.to(bias.dtype),
-                None, None, None, None, None, None, None)
+        return (
+            grad_h,
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None or bias is None else grad_b.to(bias.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def _distill_forward(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, tau: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def _distill_forward(
+    logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, tau: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position −Σ_k p_k · log_softmax(logits/τ)[id_k] and logsumexp(logits/τ), for the rows
     with a teacher (the others: 0, and their normaliser is never used)."""
     ce = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
@@ -157,8 +180,9 @@ def _distill_forward(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tenso
     return ce, lse
 
 
-def _distill_backward(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, lse: torch.Tensor,
-                      tau: float, g: torch.Tensor) -> torch.Tensor:
+def _distill_backward(
+    logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, lse: torch.Tensor, tau: float, g: torch.Tensor
+) -> torch.Tensor:
     """g · ∂distill/∂logits for one chunk: [C, V] (zero rows where there is no teacher)."""
     out = torch.zeros_like(logits)
     rows = (ids >= 0).any(dim=1).nonzero()[:, 0]
@@ -172,15 +196,24 @@ def _distill_backward(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tens
     return out
 
 
-def checkpointed_scores(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, temps: torch.Tensor,
-                        *, chunk: int, teacher: tuple[torch.Tensor, torch.Tensor] | None, tau: float,
-                        entropy: bool) -> TokenScores:
+def checkpointed_scores(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    labels: torch.Tensor,
+    temps: torch.Tensor,
+    *,
+    chunk: int,
+    teacher: tuple[torch.Tensor, torch.Tensor] | None,
+    tau: float,
+    entropy: bool,
+) -> TokenScores:
     """:class:`ChunkedHead`'s results for a head that is not a plain linear layer: each chunk under
     ``torch.utils.checkpoint`` (its logits recomputed in the backward, one chunk at a time)."""
     from torch.utils.checkpoint import checkpoint
 
-    def one(h: torch.Tensor, lab: torch.Tensor, t: torch.Tensor, ids: torch.Tensor | None,
-            probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def one(
+        h: torch.Tensor, lab: torch.Tensor, t: torch.Tensor, ids: torch.Tensor | None, probs: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = head(h).float()  # [C, V]
         s = logits / t[:, None]
         lse = torch.logsumexp(s, dim=-1)
@@ -203,14 +236,24 @@ def checkpointed_scores(hidden: torch.Tensor, head: torch.nn.Module, labels: tor
     if not parts:
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return TokenScores(empty, empty if entropy else None, empty if teacher is not None else None)
-    return TokenScores(torch.cat([p[0] for p in parts]),
-                       torch.cat([p[1] for p in parts]) if entropy else None,
-                       torch.cat([p[2] for p in parts]) if teacher is not None else None)
+    return TokenScores(
+        torch.cat([p[0] for p in parts]),
+        torch.cat([p[1] for p in parts]) if entropy else None,
+        torch.cat([p[2] for p in parts]) if teacher is not None else None,
+    )
 
 
-def head_scores(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, temps: torch.Tensor, *,
-                chunk: int, teacher: tuple[torch.Tensor, torch.Tensor] | None = None, tau: float = 1.0,
-                entropy: bool = False) -> TokenScores:
+def head_scores(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    labels: torch.Tensor,
+    temps: torch.Tensor,
+    *,
+    chunk: int,
+    teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tau: float = 1.0,
+    entropy: bool = False,
+) -> TokenScores:
     """The head's scores at N positions, ``chunk`` positions at a time (``chunk <= 0``: one chunk).
 
     hidden: [N, H]; labels: [N] long; temps: [N]; teacher: (ids [N, K] with −1 = none, the
@@ -219,7 +262,8 @@ def head_scores(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tenso
     temps = temps.to(torch.float32)
     if isinstance(head, torch.nn.Linear) and isinstance(head.weight, torch.Tensor):
         ids, probs = teacher if teacher is not None else (None, None)
-        logp, ent, ce = ChunkedHead.apply(hidden, head.weight, head.bias, labels, temps, chunk, ids, probs,
-                                          float(tau), entropy)
+        logp, ent, ce = ChunkedHead.apply(
+            hidden, head.weight, head.bias, labels, temps, chunk, ids, probs, float(tau), entropy
+        )
         return TokenScores(logp, ent if entropy else None, ce if teacher is not None else None)
     return checkpointed_scores(hidden, head, labels, temps, chunk=chunk, teacher=teacher, tau=tau, entropy=entropy)

@@ -74,8 +74,9 @@ class Progress:
     error: str | None = None
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=50))
     # seconds spent since this process started, per part of a step (the per-step split summed)
-    seconds: dict[str, float] = field(default_factory=lambda: {"data_wait": 0.0, "compute": 0.0, "sync": 0.0,
-                                                               "gather": 0.0})  # gather: within sync
+    seconds: dict[str, float] = field(
+        default_factory=lambda: {"data_wait": 0.0, "compute": 0.0, "sync": 0.0, "gather": 0.0}
+    )  # gather: within sync
     tokens_total: int = 0  # tokens trained on since this process started
     # SPEC §15: rollbacks within the job (kept in the checkpoints), the last step's health ("ok" or
     # the detector that tripped), the last rollback, the newest known-good checkpoint ("start":
@@ -92,11 +93,16 @@ class Progress:
     def health_record(self) -> dict[str, Any]:
         """What a checkpoint keeps of the run's health (restored at the next start)."""
         d = self.drop
-        return {"rollbacks": self.rollbacks, "lr_scale": self.lr_scale, "last_rollback": self.last_rollback,
-                "dropped_groups": self.dropped_groups,
-                "drop": None if d is None else {"good_version": d.good_version, "resync_version": d.resync_version,
-                                                "resync_time": d.resync_time},
-                **({"canary_prompts": self.canary_prompts} if self.canary_prompts else {})}
+        return {
+            "rollbacks": self.rollbacks,
+            "lr_scale": self.lr_scale,
+            "last_rollback": self.last_rollback,
+            "dropped_groups": self.dropped_groups,
+            "drop": None
+            if d is None
+            else {"good_version": d.good_version, "resync_version": d.resync_version, "resync_time": d.resync_time},
+            **({"canary_prompts": self.canary_prompts} if self.canary_prompts else {}),
+        }
 
     @property
     def steps_per_s(self) -> float | None:
@@ -115,11 +121,24 @@ class Progress:
 
 
 class TrainingLoop:
-    def __init__(self, *, tcfg: TrainerConfig, feed: BatchFeed, learner: Learner, weights: WeightSync, metrics: MetricsWriter,
-                 checkpointer: Checkpointer, progress: Progress, envs_alive: Callable[[], bool],
-                 lock: anyio.Lock, progress_every: int = 10, compute: ComputeThread | None = None,
-                 replica_generations: Callable[[], list[int | None]] | None = None,
-                 health: HealthConfig | None = None, drop: DropRule | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        tcfg: TrainerConfig,
+        feed: BatchFeed,
+        learner: Learner,
+        weights: WeightSync,
+        metrics: MetricsWriter,
+        checkpointer: Checkpointer,
+        progress: Progress,
+        envs_alive: Callable[[], bool],
+        lock: anyio.Lock,
+        progress_every: int = 10,
+        compute: ComputeThread | None = None,
+        replica_generations: Callable[[], list[int | None]] | None = None,
+        health: HealthConfig | None = None,
+        drop: DropRule | None = None,
+    ) -> None:
         self.t = tcfg
         self.feed = feed
         self.learner = learner
@@ -182,14 +201,20 @@ class TrainingLoop:
                     continue
                 except Exception as exc:  # a defect past the per-group checks: the batch, not the job
                     self._count_rejected({"error": len(groups)})
-                    log.error("batch skipped: its preparation failed", error=f"{type(exc).__name__}: {exc}",
-                              groups=len(groups), exc_info=True)
+                    log.error(
+                        "batch skipped: its preparation failed",
+                        error=f"{type(exc).__name__}: {exc}",
+                        groups=len(groups),
+                        exc_info=True,
+                    )
                     continue
                 self._count_rejected(batch.rejected_by_reason)
                 if self.sentinel is not None and self.sentinel.offer(groups):
                     p.canary_prompts = [list(x) for x in self.sentinel.prompts]  # kept in the checkpoints
-                timeline = {"prepare_s": time.perf_counter() - step_start,
-                            **getattr(self.feed, "last_timeline", {})}  # the rollout side
+                timeline = {
+                    "prepare_s": time.perf_counter() - step_start,
+                    **getattr(self.feed, "last_timeline", {}),
+                }  # the rollout side
                 # loss + backward + clip (worker thread; the event loop stays responsive)
                 result = await self.compute.run(self.learner.compute, batch)
                 if not result.finite:
@@ -197,12 +222,18 @@ class TrainingLoop:
                     await self.compute.run(self.learner.discard)
                     p.skipped_steps += 1
                     consecutive_skips += 1
-                    log.warning("step skipped: non-finite loss or gradient norm", step=p.step + 1,
-                                loss=result.loss, grad_norm=result.grad_norm, skipped_steps=p.skipped_steps)
+                    log.warning(
+                        "step skipped: non-finite loss or gradient norm",
+                        step=p.step + 1,
+                        loss=result.loss,
+                        grad_norm=result.grad_norm,
+                        skipped_steps=p.skipped_steps,
+                    )
                     self._on_trip(self.monitor.skipped())
                     if consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
-                        raise TrainerError(f"{consecutive_skips} consecutive steps had a non-finite loss or "
-                                           "gradient norm")
+                        raise TrainerError(
+                            f"{consecutive_skips} consecutive steps had a non-finite loss or gradient norm"
+                        )
                     continue
                 consecutive_skips = 0
                 # step + sync: shared mode pauses generation only around optimizer.step
@@ -232,8 +263,7 @@ class TrainingLoop:
             finally:
                 self.feed.release()
             # log (the collapse detectors see the row first: its "health" says what they found)
-            trip = self._record(batch, result, batch_wait, time.perf_counter() - step_start, sync_s, timeline,
-                                gather_s)
+            trip = self._record(batch, result, batch_wait, time.perf_counter() - step_start, sync_s, timeline, gather_s)
             self._on_trip(trip)
             self._mark_known_good()
             self._collect_checkpoint()  # a background write that completed meanwhile
@@ -254,8 +284,9 @@ class TrainingLoop:
             return
         groups = self.learner.optimizer.param_groups
         saved = [g["lr"] for g in groups]
-        log.warning("test hook: the learning rate is multiplied for this step", step=self.progress.step + 1,
-                    factor=burst)
+        log.warning(
+            "test hook: the learning rate is multiplied for this step", step=self.progress.step + 1, factor=burst
+        )
         for g in groups:
             g["lr"] *= burst
         try:
@@ -267,11 +298,18 @@ class TrainingLoop:
     def _prepare(self, groups: list[dict[str, Any]], filtered: list[dict[str, Any]] | None = None) -> RolloutBatch:
         _test_stall(self.progress.step + 1)
         t = self.t
-        return prepare_batch(groups, micro_batch_size=t.micro_batch_size, micro_batch_tokens=t.micro_batch_tokens,
-                             max_token_len=t.max_token_len,
-                             adv_std_floor=t.adv_std_floor, use_distill=t.distill_coef > 0,
-                             vocab_size=self.vocab_size, advantage=t.advantage, overlong=t.overlong,
-                             filtered=filtered or ())
+        return prepare_batch(
+            groups,
+            micro_batch_size=t.micro_batch_size,
+            micro_batch_tokens=t.micro_batch_tokens,
+            max_token_len=t.max_token_len,
+            adv_std_floor=t.adv_std_floor,
+            use_distill=t.distill_coef > 0,
+            vocab_size=self.vocab_size,
+            advantage=t.advantage,
+            overlong=t.overlong,
+            filtered=filtered or (),
+        )
 
     def _drop_sampled_before_rollback(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """After a rollback: the groups sampled by the weights that collapsed go (counted)."""
@@ -279,8 +317,11 @@ class TrainingLoop:
         kept = [g for g in groups if not self.drop.drops(g)]
         if len(kept) < len(groups):
             self.progress.dropped_groups += len(groups) - len(kept)
-            log.info("groups sampled before the rollback dropped", dropped=len(groups) - len(kept),
-                     dropped_total=self.progress.dropped_groups)
+            log.info(
+                "groups sampled before the rollback dropped",
+                dropped=len(groups) - len(kept),
+                dropped_total=self.progress.dropped_groups,
+            )
         return kept
 
     def _on_trip(self, trip: Trip | None) -> None:
@@ -293,8 +334,12 @@ class TrainingLoop:
         p.health = trip.detector
         self.pending_good.clear()  # checkpoints written since the last trip never become known-good
         if self.hcfg is None or not self.hcfg.rollback:
-            log.error("collapse detected (health.rollback = false: training goes on)", step=p.step,
-                      detector=trip.detector, reason=trip.reason)
+            log.error(
+                "collapse detected (health.rollback = false: training goes on)",
+                step=p.step,
+                detector=trip.detector,
+                reason=trip.reason,
+            )
             return
         raise Collapse(trip, p.step)
 
@@ -313,8 +358,9 @@ class TrainingLoop:
             if not path.is_dir():
                 continue  # pruned meanwhile
             try:
-                mark_known_good(path, {"step": step, "healthy_steps": p.step - step, "marked_at_step": p.step,
-                                       "time": time.time()})
+                mark_known_good(
+                    path, {"step": step, "healthy_steps": p.step - step, "marked_at_step": p.step, "time": time.time()}
+                )
             except OSError as exc:
                 log.error("checkpoint not marked known-good", path=str(path), error=str(exc))
                 continue
@@ -326,8 +372,9 @@ class TrainingLoop:
         for reason, n in by_reason.items():
             counts[reason] = counts.get(reason, 0) + n
 
-    async def checkpoint(self, *, deadline_s: float | None = None, background: bool = False,
-                         consolidate: bool = False) -> Path | None:
+    async def checkpoint(
+        self, *, deadline_s: float | None = None, background: bool = False, consolidate: bool = False
+    ) -> Path | None:
         """Write a checkpoint of the current step; a failure is logged and shown, training goes on.
 
         A checkpoint still being written is waited for first (logged). ``background``: the files
@@ -343,20 +390,25 @@ class TrainingLoop:
                 # behind (and ignored at resume); the previous checkpoint stays the newest.
                 if self._writing is not None:
                     if not self._writing[1].done():
-                        log.info("a checkpoint is still being written: this one waits for it",
-                                 writing=self._writing[0], step=p.step)
+                        log.info(
+                            "a checkpoint is still being written: this one waits for it",
+                            writing=self._writing[0],
+                            step=p.step,
+                        )
                     await asyncio.wrap_future(self._writing[1])
                     written = self._collect_checkpoint()
                     if written is not None and written.name == f"step-{p.step}":
                         return written  # the one in flight was of this step
                 if background:
-                    future = await self.compute.run(self.checkpointer.start, p.step, p.weight_version,
-                                                    p.skipped_steps, background=True)
+                    future = await self.compute.run(
+                        self.checkpointer.start, p.step, p.weight_version, p.skipped_steps, background=True
+                    )
                     self._writing = (p.step, future)
                     p.checkpoint_writing = p.step
                     return None
-                path = await self.compute.run(self.checkpointer.save, p.step, p.weight_version, p.skipped_steps,
-                                              consolidate=consolidate)
+                path = await self.compute.run(
+                    self.checkpointer.save, p.step, p.weight_version, p.skipped_steps, consolidate=consolidate
+                )
             if path is None:
                 p.checkpoint_failures += 1
                 p.checkpoint_error = f"checkpoint of step {p.step} not finished within {deadline_s} s"
@@ -377,8 +429,13 @@ class TrainingLoop:
             raise cause from None  # the trainer group broke while it wrote: it restarts
         p.checkpoint_failures += 1
         p.checkpoint_error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
-        log.error("checkpoint failed; training goes on", step=step, error=p.checkpoint_error,
-                  failures=p.checkpoint_failures, exc_info=not isinstance(exc, CheckpointError))
+        log.error(
+            "checkpoint failed; training goes on",
+            step=step,
+            error=p.checkpoint_error,
+            failures=p.checkpoint_failures,
+            exc_info=not isinstance(exc, CheckpointError),
+        )
 
     def _collect_checkpoint(self) -> Path | None:
         """The outcome of the background write, once it is done (nothing while it is written):
@@ -421,9 +478,16 @@ class TrainingLoop:
             self._writing = None
             self.progress.checkpoint_writing = None
 
-    def _record(self, batch: RolloutBatch, r: StepResult, batch_wait: float, step_s: float,
-                sync_s: float = 0.0, timeline: dict[str, float | None] | None = None,
-                gather_s: float = 0.0) -> Trip | None:
+    def _record(
+        self,
+        batch: RolloutBatch,
+        r: StepResult,
+        batch_wait: float,
+        step_s: float,
+        sync_s: float = 0.0,
+        timeline: dict[str, float | None] | None = None,
+        gather_s: float = 0.0,
+    ) -> Trip | None:
         p = self.progress
         p.seconds["data_wait"] += batch_wait
         p.seconds["compute"] += r.compute_s
@@ -432,19 +496,36 @@ class TrainingLoop:
         p.tokens_total += int(r.tokens)
         versions = batch.weight_versions
         record: dict[str, Any] = {
-            "step": p.step, "time": time.time(), "loss": r.loss, "reward_mean": batch.reward_mean,
-            "reward_std": batch.reward_std, "accuracy": batch.accuracy, "weight_version": p.weight_version,
+            "step": p.step,
+            "time": time.time(),
+            "loss": r.loss,
+            "reward_mean": batch.reward_mean,
+            "reward_std": batch.reward_std,
+            "accuracy": batch.accuracy,
+            "weight_version": p.weight_version,
             # trained from version (weight_version - 1); rollouts were sampled at min(versions)
             "staleness": (p.weight_version - 1 - min(versions)) if versions else None,
-            "mean_ratio": r.mean_ratio, "clipped_fraction": r.clipped_fraction, "mean_kl": r.mean_kl,
-            "grad_norm": r.grad_norm, "lr": self.learner.lr, "tokens": r.tokens, "sequences": batch.sequences,
-            "batch_wait_s": batch_wait, "step_s": step_s, "compute_s": r.compute_s,
-            "sync_s": sync_s, "gather_s": gather_s, **(timeline or {}),  # the step's timeline (atroposd.timeline)
-            "skipped_steps": p.skipped_steps, "rejected_groups": dict(p.rejected_groups),
-            "missing_logprobs": batch.missing_logprobs, "logprob_diff_abs_mean": r.logprob_diff_abs_mean,
+            "mean_ratio": r.mean_ratio,
+            "clipped_fraction": r.clipped_fraction,
+            "mean_kl": r.mean_kl,
+            "grad_norm": r.grad_norm,
+            "lr": self.learner.lr,
+            "tokens": r.tokens,
+            "sequences": batch.sequences,
+            "batch_wait_s": batch_wait,
+            "step_s": step_s,
+            "compute_s": r.compute_s,
+            "sync_s": sync_s,
+            "gather_s": gather_s,
+            **(timeline or {}),  # the step's timeline (atroposd.timeline)
+            "skipped_steps": p.skipped_steps,
+            "rejected_groups": dict(p.rejected_groups),
+            "missing_logprobs": batch.missing_logprobs,
+            "logprob_diff_abs_mean": r.logprob_diff_abs_mean,
             # SPEC §14: reward over the trained groups only; groups filter_groups dropped for this
             # step; the share of tokens a rollout correction truncated or masked
-            "reward_mean_trained": batch.reward_mean_trained, "filtered_groups": batch.filtered_groups,
+            "reward_mean_trained": batch.reward_mean_trained,
+            "filtered_groups": batch.filtered_groups,
             "rollout_corrected": r.rollout_corrected,
             "entropy": r.entropy,  # the policy's mean entropy per completion token (SPEC §14)
         }
@@ -464,10 +545,19 @@ class TrainingLoop:
         p.last = record
         p.step_times.append(time.monotonic())
         if p.step % self.progress_every == 0 or p.step == p.total_steps or p.step == 1:
-            log.info("step", step=p.step, of=p.total_steps, reward=round(batch.reward_mean, 3),
-                     accuracy=None if batch.accuracy is None else round(batch.accuracy, 3),
-                     loss=round(r.loss, 4), kl=round(r.mean_kl, 4), clipped=round(r.clipped_fraction, 3),
-                     staleness=record["staleness"], steps_per_s=_round(p.steps_per_s), wait_s=round(batch_wait, 3))
+            log.info(
+                "step",
+                step=p.step,
+                of=p.total_steps,
+                reward=round(batch.reward_mean, 3),
+                accuracy=None if batch.accuracy is None else round(batch.accuracy, 3),
+                loss=round(r.loss, 4),
+                kl=round(r.mean_kl, 4),
+                clipped=round(r.clipped_fraction, 3),
+                staleness=record["staleness"],
+                steps_per_s=_round(p.steps_per_s),
+                wait_s=round(batch_wait, 3),
+            )
         return trip
 
 
@@ -495,5 +585,3 @@ def _test_lr_burst(step: int) -> float | None:
 
 def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 2)
-
-

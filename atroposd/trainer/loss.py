@@ -98,7 +98,8 @@ def sequence_mean(values: torch.Tensor, seq: torch.Tensor, num_seqs: int) -> tor
     """
     sums = torch.zeros(num_seqs, dtype=values.dtype, device=values.device).index_add(0, seq, values)  # [S]
     counts = torch.zeros(num_seqs, dtype=values.dtype, device=values.device).index_add(
-        0, seq, torch.ones_like(values))  # [S]
+        0, seq, torch.ones_like(values)
+    )  # [S]
     return (sums / counts.clamp(min=1.0))[seq]  # [N]
 
 
@@ -115,8 +116,15 @@ def gspo_log_ratio(delta: torch.Tensor, seq: torch.Tensor, num_seqs: int) -> tor
     return mean + delta - delta.detach()
 
 
-def rollout_weights(logp: torch.Tensor, sampler_logp: torch.Tensor, *, mode: str, threshold: float,
-                    seq: torch.Tensor | None = None, num_seqs: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def rollout_weights(
+    logp: torch.Tensor,
+    sampler_logp: torch.Tensor,
+    *,
+    mode: str,
+    threshold: float,
+    seq: torch.Tensor | None = None,
+    num_seqs: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The rollout correction's weight per token and which tokens it truncated or masked.
 
     logp: [N] the trainer's log-probabilities (detached here); sampler_logp: [N] the sampler's
@@ -146,8 +154,15 @@ def rollout_weights(logp: torch.Tensor, sampler_logp: torch.Tensor, *, mode: str
     return (~corrected).to(rho.dtype), corrected
 
 
-def aggregation_weights(mask: torch.Tensor, mode: str, *, sequences: int, trained_sequences: int,
-                        max_token_len: int, seq_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+def aggregation_weights(
+    mask: torch.Tensor,
+    mode: str,
+    *,
+    sequences: int,
+    trained_sequences: int,
+    max_token_len: int,
+    seq_ids: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """``loss_agg``'s weight of each trained token, from one micro-batch's mask and batch totals.
 
     mask: [B, T] bool; seq_ids: [B, T] long, each position's sequence in the micro-batch (None:
@@ -169,7 +184,8 @@ def aggregation_weights(mask: torch.Tensor, mode: str, *, sequences: int, traine
             lengths = m.sum(dim=1, keepdim=True).expand_as(m)  # [B, T]
         else:
             per_seq = torch.zeros(int(seq_ids.max()) + 1 if seq_ids.numel() else 0).index_add(
-                0, seq_ids.reshape(-1), m.reshape(-1))  # [S] trained tokens per sequence
+                0, seq_ids.reshape(-1), m.reshape(-1)
+            )  # [S] trained tokens per sequence
             lengths = per_seq[seq_ids]  # [B, T]
         return m / (lengths.clamp(min=1.0) * max(trained_sequences, 1))
     if mode == "seq-mean-token-sum-norm":
@@ -177,11 +193,23 @@ def aggregation_weights(mask: torch.Tensor, mode: str, *, sequences: int, traine
     raise ValueError(f"unknown loss_agg {mode!r}")
 
 
-def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, *, clip_eps: float,
-              denom: int, ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
-              clip_eps_high: float = 0.0, sequence_level: bool = False, seq: torch.Tensor | None = None,
-              num_seqs: int = 0, weight: torch.Tensor | None = None, correction: str = "none",
-              threshold: float = 2.0) -> tuple[torch.Tensor, LossStats]:
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    *,
+    clip_eps: float,
+    denom: int,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    clip_eps_high: float = 0.0,
+    sequence_level: bool = False,
+    seq: torch.Tensor | None = None,
+    num_seqs: int = 0,
+    weight: torch.Tensor | None = None,
+    correction: str = "none",
+    threshold: float = 2.0,
+) -> tuple[torch.Tensor, LossStats]:
     """Clipped-ratio policy gradient (PPO/GRPO) with an optional k3 KL penalty.
 
     logp:     [N] log π_θ(token) at the rollout's temperature (requires grad)
@@ -204,8 +232,9 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, *, 
     is_weight: torch.Tensor | None = None
     corrected: torch.Tensor | None = None
     if correction != "none":
-        is_weight, corrected = rollout_weights(logp, old_logp, mode=correction, threshold=threshold, seq=seq,
-                                               num_seqs=num_seqs)
+        is_weight, corrected = rollout_weights(
+            logp, old_logp, mode=correction, threshold=threshold, seq=seq, num_seqs=num_seqs
+        )
         anchor = logp.detach()
     else:
         anchor = old_logp.detach()
@@ -226,14 +255,18 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, *, 
     loss = per_token.sum() / max(denom, 1) if weight is None else (per_token * weight).sum()
     with torch.no_grad():
         outside = (ratio < lo) | (ratio > hi)
-        stats = LossStats(ratio_sum=ratio.detach().sum(), clipped=outside.sum().to(ratio.dtype),
-                          kl_sum=kl.detach().sum(),
-                          corrected=None if corrected is None else corrected.sum().to(ratio.dtype))
+        stats = LossStats(
+            ratio_sum=ratio.detach().sum(),
+            clipped=outside.sum().to(ratio.dtype),
+            kl_sum=kl.detach().sum(),
+            corrected=None if corrected is None else corrected.sum().to(ratio.dtype),
+        )
     return loss, stats
 
 
-def awsft_loss(logp: torch.Tensor, adv: torch.Tensor, *, denom: int,
-               weight: torch.Tensor | None = None) -> torch.Tensor:
+def awsft_loss(
+    logp: torch.Tensor, adv: torch.Tensor, *, denom: int, weight: torch.Tensor | None = None
+) -> torch.Tensor:
     """Advantage-weighted SFT: −Σ w·log π(token) / denom.
 
     logp: [N] (requires grad); adv: [N] weights, already normalised per batch and clipped
@@ -259,8 +292,9 @@ def normalise_batch_advantages(adv: torch.Tensor, *, floor: float = 1e-6) -> tor
     return (adv / std).clamp(lo, hi)
 
 
-def distill_loss(logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor, *,
-                 temperature: float, denom: int) -> tuple[torch.Tensor, DistillStats]:
+def distill_loss(
+    logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor, *, temperature: float, denom: int
+) -> tuple[torch.Tensor, DistillStats]:
     """Cross-entropy from the teacher's renormalised top-k to the student, at M positions.
 
     logits:           [M, V] the student's raw logits at the positions that predict each label

@@ -4,7 +4,8 @@ Fields: step, time, loss, reward_mean, reward_std, accuracy, weight_version, sta
 mean_ratio, clipped_fraction, mean_kl, grad_norm, lr, tokens, batch_wait_s, step_s,
 skipped_steps, sequences, rejected_groups, missing_logprobs, logprob_diff_abs_mean (trainer vs
 rollout logprob of the same tokens), entropy (the policy's mean entropy per completion token, at
-the rollout temperature, computed chunk by chunk with the logprobs) (+ distill_loss, distill_token_count when distillation is on),
+the rollout temperature, computed chunk by chunk with the logprobs) (+ distill_loss, distill_token_count when
+distillation is on),
 and the step's timeline: compute_s, sync_s, prepare_s, optimizer_s, pause_s, fetch_s,
 rollout_gate_s, rollout_generate_s, rollout_delivery_s (:mod:`atroposd.timeline`, README
 "Where a step's time goes").
@@ -57,8 +58,11 @@ class MetricsWriter:
         if not self.path.is_file():
             return
         try:
-            kept = [line for line in self.path.read_bytes().splitlines()
-                    if line.strip() and _step_of(line) is not None and (_step_of(line) or 0) <= step]
+            kept = [
+                line
+                for line in self.path.read_bytes().splitlines()
+                if line.strip() and _step_of(line) is not None and (_step_of(line) or 0) <= step
+            ]
             write_atomic(self.path, b"".join(line + b"\n" for line in kept), mode=0o644)
         except OSError as exc:
             log.warning("metrics file not trimmed at resume", path=str(self.path), error=str(exc))

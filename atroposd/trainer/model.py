@@ -35,12 +35,26 @@ import torch
 
 from atroposd.trainer.logprobs import TokenScores, head_scores
 
-__all__ = ["DEFAULT_CHUNK", "SEGMENT_SDPA", "LogprobModule", "ModelLoadError", "Policy", "TokenScores",
-           "check_loading_info", "check_materialised", "check_rotary", "check_tokenizers", "load_policy", "packed_inputs",
-           "token_logprobs", "token_scores", "use_segment_attention", "vocab_rows"]
+__all__ = [
+    "DEFAULT_CHUNK",
+    "SEGMENT_SDPA",
+    "LogprobModule",
+    "ModelLoadError",
+    "Policy",
+    "TokenScores",
+    "check_loading_info",
+    "check_materialised",
+    "check_rotary",
+    "check_tokenizers",
+    "load_policy",
+    "packed_inputs",
+    "token_logprobs",
+    "token_scores",
+    "use_segment_attention",
+    "vocab_rows",
+]
 
 log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
-
 
 
 class ModelLoadError(RuntimeError):
@@ -100,9 +114,17 @@ def preload(model_dir: Path) -> None:
         return
 
 
-def load_policy(model_dir: Path, tokenizer_dir: Path, *, device: torch.device, dtype: torch.dtype,
-                lora: Mapping[str, Any] | None = None, need_reference: bool = False,
-                seed: int = 0, precision: Mapping[str, str] | None = None) -> Policy:
+def load_policy(
+    model_dir: Path,
+    tokenizer_dir: Path,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    lora: Mapping[str, Any] | None = None,
+    need_reference: bool = False,
+    seed: int = 0,
+    precision: Mapping[str, str] | None = None,
+) -> Policy:
     """Load the model and tokenizer from local directories, checked, ready to train.
 
     lora: ``{"r", "alpha", "targets"}`` to wrap the model in PEFT LoRA adapters (only the
@@ -130,8 +152,10 @@ def load_policy(model_dir: Path, tokenizer_dir: Path, *, device: torch.device, d
     vocab = len(tokenizer)
     rows = vocab_rows(model)
     if vocab > rows:
-        raise ModelLoadError(f"the tokenizer at {tokenizer_dir} has {vocab} tokens but the model's embedding "
-                             f"(or output head) has only {rows} rows")
+        raise ModelLoadError(
+            f"the tokenizer at {tokenizer_dir} has {vocab} tokens but the model's embedding "
+            f"(or output head) has only {rows} rows"
+        )
     reference = None
     if need_reference and lora is None:
         reference = copy.deepcopy(model)
@@ -139,20 +163,39 @@ def load_policy(model_dir: Path, tokenizer_dir: Path, *, device: torch.device, d
         reference.eval()
     if lora is not None:
         model = _wrap_lora(model, lora)
-    policy = Policy(model=model, tokenizer=tokenizer, source=model_dir, device=device, dtype=dtype,
-                    lora=lora is not None, reference=reference,
-                    use_adapter_off_reference=need_reference and lora is not None)
-    log.info("model loaded", source=str(model_dir), device=str(device), dtype=str(dtype).removeprefix("torch."),
-             parameters=sum(p.numel() for p in model.parameters()),
-             trainable=sum(p.numel() for p in policy.trainable()), lora=policy.lora, **(precision or {}))
+    policy = Policy(
+        model=model,
+        tokenizer=tokenizer,
+        source=model_dir,
+        device=device,
+        dtype=dtype,
+        lora=lora is not None,
+        reference=reference,
+        use_adapter_off_reference=need_reference and lora is not None,
+    )
+    log.info(
+        "model loaded",
+        source=str(model_dir),
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        parameters=sum(p.numel() for p in model.parameters()),
+        trainable=sum(p.numel() for p in policy.trainable()),
+        lora=policy.lora,
+        **(precision or {}),
+    )
     return policy
 
 
 def vocab_rows(model: torch.nn.Module) -> int:
     """The number of token ids the model can embed and score: min(embedding rows, head rows)."""
-    rows = [int(m.weight.shape[0]) for m in (model.get_input_embeddings(),  # type: ignore[operator]
-                                            getattr(model, "get_output_embeddings", lambda: None)())
-            if m is not None and isinstance(getattr(m, "weight", None), torch.Tensor)]
+    rows = [
+        int(m.weight.shape[0])
+        for m in (
+            model.get_input_embeddings(),  # type: ignore[operator]
+            getattr(model, "get_output_embeddings", lambda: None)(),
+        )
+        if m is not None and isinstance(getattr(m, "weight", None), torch.Tensor)
+    ]
     if not rows:
         raise ModelLoadError("the model has no input embedding to read its vocabulary size from")
     return min(rows)
@@ -165,10 +208,18 @@ def _wrap_lora(model: torch.nn.Module, lora: Mapping[str, Any]) -> torch.nn.Modu
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     missing = [t for t in targets if t not in names]
     if missing:
-        raise ModelLoadError(f"trainer.lora_targets: no module named {', '.join(map(repr, missing))} in the model "
-                             f"(modules include {', '.join(sorted(n for n in names if n and not n.isdigit())[:12])})")
-    config = LoraConfig(r=int(lora["r"]), lora_alpha=int(lora["alpha"]), target_modules=targets,
-                        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+        raise ModelLoadError(
+            f"trainer.lora_targets: no module named {', '.join(map(repr, missing))} in the model "
+            f"(modules include {', '.join(sorted(n for n in names if n and not n.isdigit())[:12])})"
+        )
+    config = LoraConfig(
+        r=int(lora["r"]),
+        lora_alpha=int(lora["alpha"]),
+        target_modules=targets,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     peft_model = get_peft_model(model, config)
     peft_model.eval()
     return peft_model
@@ -180,23 +231,35 @@ def check_loading_info(info: Mapping[str, Any], model_dir: Path) -> None:
     missing = sorted(info.get("missing_keys") or ())
     mismatched = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys") or ())
     if missing or mismatched:
-        detail = "; ".join(part for part in (
-            f"{len(missing)} missing ({', '.join(missing[:8])})" if missing else "",
-            f"{len(mismatched)} of another shape ({', '.join(mismatched[:8])})" if mismatched else "") if part)
-        raise ModelLoadError(f"the model directory {model_dir} does not hold every weight of the model: {detail}; "
-                             "they would be initialised at random")
+        detail = "; ".join(
+            part
+            for part in (
+                f"{len(missing)} missing ({', '.join(missing[:8])})" if missing else "",
+                f"{len(mismatched)} of another shape ({', '.join(mismatched[:8])})" if mismatched else "",
+            )
+            if part
+        )
+        raise ModelLoadError(
+            f"the model directory {model_dir} does not hold every weight of the model: {detail}; "
+            "they would be initialised at random"
+        )
     unexpected = sorted(info.get("unexpected_keys") or ())
     if unexpected:
-        log.warning("the model directory holds tensors the model does not use (ignored)", model=str(model_dir),
-                    count=len(unexpected), names=unexpected[:8])
+        log.warning(
+            "the model directory holds tensors the model does not use (ignored)",
+            model=str(model_dir),
+            count=len(unexpected),
+            names=unexpected[:8],
+        )
 
 
 def check_materialised(model: torch.nn.Module) -> None:
     """Refuse a model with any tensor still on the meta device (never zero-fill it)."""
     meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if meta:
-        raise ModelLoadError(f"{len(meta)} tensor(s) were not loaded (still on the meta device): "
-                             + ", ".join(meta[:8]))
+        raise ModelLoadError(
+            f"{len(meta)} tensor(s) were not loaded (still on the meta device): " + ", ".join(meta[:8])
+        )
 
 
 def check_rotary(model: torch.nn.Module) -> None:
@@ -207,20 +270,21 @@ def check_rotary(model: torch.nn.Module) -> None:
         if not isinstance(inv, torch.Tensor) or config is None or not name.endswith("rotary_emb"):
             continue
         expected = type(module)(config).inv_freq
-        if expected.shape != inv.shape or not torch.allclose(inv.detach().float().cpu(), expected.float(),
-                                                             rtol=1e-5, atol=1e-7):
+        if expected.shape != inv.shape or not torch.allclose(
+            inv.detach().float().cpu(), expected.float(), rtol=1e-5, atol=1e-7
+        ):
             raise ModelLoadError(f"{name}.inv_freq differs from the model's own rotary initialisation")
 
 
-def check_tokenizers(local: Mapping[str, Any], remote: Mapping[str, Any], *, local_name: str,
-                     remote_name: str) -> None:
+def check_tokenizers(local: Mapping[str, Any], remote: Mapping[str, Any], *, local_name: str, remote_name: str) -> None:
     """Refuse to train when the two tokenizer fingerprints differ (vocabulary or special ids)."""
     keys = ("vocab_size", "fingerprint", "special_ids")
     diffs = [k for k in keys if local.get(k) != remote.get(k)]
     if diffs:
         detail = "; ".join(f"{k}: trainer {local.get(k)!r} vs inference {remote.get(k)!r}" for k in diffs)
-        raise ModelLoadError(f"tokenizer mismatch between the trainer ({local_name}) and the inference server "
-                             f"({remote_name}): {detail}")
+        raise ModelLoadError(
+            f"tokenizer mismatch between the trainer ({local_name}) and the inference server ({remote_name}): {detail}"
+        )
 
 
 def _decoder_and_head(model: torch.nn.Module) -> tuple[Callable[..., Any], torch.nn.Module] | None:
@@ -246,13 +310,32 @@ class LogprobModule(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, temperature: torch.Tensor,
-                seq_lens: torch.Tensor | None = None, teacher_ids: torch.Tensor | None = None,
-                teacher_probs: torch.Tensor | None = None, *, chunk: int = DEFAULT_CHUNK, tau: float = 1.0,
-                entropy: bool = False) -> TokenScores:
-        return _token_scores(self.model, input_ids, mask, labels, temperature, seq_lens=seq_lens,
-                             teacher=(teacher_ids, teacher_probs) if teacher_ids is not None
-                             and teacher_probs is not None else None, chunk=chunk, tau=tau, entropy=entropy)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        labels: torch.Tensor,
+        temperature: torch.Tensor,
+        seq_lens: torch.Tensor | None = None,
+        teacher_ids: torch.Tensor | None = None,
+        teacher_probs: torch.Tensor | None = None,
+        *,
+        chunk: int = DEFAULT_CHUNK,
+        tau: float = 1.0,
+        entropy: bool = False,
+    ) -> TokenScores:
+        return _token_scores(
+            self.model,
+            input_ids,
+            mask,
+            labels,
+            temperature,
+            seq_lens=seq_lens,
+            teacher=(teacher_ids, teacher_probs) if teacher_ids is not None and teacher_probs is not None else None,
+            chunk=chunk,
+            tau=tau,
+            entropy=entropy,
+        )
 
     def install(self) -> None:
         """Route ``token_scores(model, ...)`` through this module (a plain attribute, not a
@@ -263,10 +346,19 @@ class LogprobModule(torch.nn.Module):
 ROOT_ATTR = "_atroposd_logprob_root"
 
 
-def token_scores(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
-                 temperature: torch.Tensor, *, seq_lens: torch.Tensor | None = None,
-                 teacher: tuple[torch.Tensor, torch.Tensor] | None = None, chunk: int = DEFAULT_CHUNK,
-                 tau: float = 1.0, entropy: bool = False) -> TokenScores:
+def token_scores(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: torch.Tensor,
+    *,
+    seq_lens: torch.Tensor | None = None,
+    teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
+    chunk: int = DEFAULT_CHUNK,
+    tau: float = 1.0,
+    entropy: bool = False,
+) -> TokenScores:
     """The policy's scores at the N positions where ``mask`` is set, the LM head applied
     ``chunk`` positions at a time (:mod:`atroposd.trainer.logprobs`; through the model's
     :class:`LogprobModule` when it has one).
@@ -279,48 +371,77 @@ def token_scores(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Te
     root = model.__dict__.get(ROOT_ATTR)
     if root is not None:
         t_ids, t_probs = teacher if teacher is not None else (None, None)
-        out: TokenScores = root(input_ids, mask, labels, temperature, seq_lens, t_ids, t_probs, chunk=chunk,
-                                tau=tau, entropy=entropy)
+        out: TokenScores = root(
+            input_ids, mask, labels, temperature, seq_lens, t_ids, t_probs, chunk=chunk, tau=tau, entropy=entropy
+        )
         return out
-    return _token_scores(model, input_ids, mask, labels, temperature, seq_lens=seq_lens, teacher=teacher,
-                         chunk=chunk, tau=tau, entropy=entropy)
+    return _token_scores(
+        model,
+        input_ids,
+        mask,
+        labels,
+        temperature,
+        seq_lens=seq_lens,
+        teacher=teacher,
+        chunk=chunk,
+        tau=tau,
+        entropy=entropy,
+    )
 
 
-def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
-                   temperature: torch.Tensor, *, seq_lens: torch.Tensor | None = None, chunk: int = DEFAULT_CHUNK,
-                   entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: torch.Tensor,
+    *,
+    seq_lens: torch.Tensor | None = None,
+    chunk: int = DEFAULT_CHUNK,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / T)[label] at the N positions where ``mask`` is set, and the entropy
     there when asked (:func:`token_scores`). Returns (logp [N] float32, entropy [N] or None)."""
-    scores = token_scores(model, input_ids, mask, labels, temperature, seq_lens=seq_lens, chunk=chunk,
-                          entropy=entropy)
+    scores = token_scores(model, input_ids, mask, labels, temperature, seq_lens=seq_lens, chunk=chunk, entropy=entropy)
     return scores.logp, scores.entropy
 
 
 SEGMENT_SDPA = "atroposd_segment_sdpa"  # the trainer's attention on CPU and GPU without flash attention
 
 
-def _segment_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                  is_causal: bool | None = None, cu_seq_lens_q: torch.Tensor | None = None,
-                  **kwargs: Any) -> tuple[torch.Tensor, None]:
+def _segment_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """SDPA, and for one packed row (``cu_seq_lens_q``: the sequences' bounds) causal SDPA over each
     sequence alone — what flash attention's varlen kernel does, without the ``[T, T]`` block mask
     whose fully masked blocks SDPA would compute anyway."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if cu_seq_lens_q is None:
-        out: tuple[torch.Tensor, None] = sdpa_attention_forward(module, query, key, value, attention_mask,
-                                                                 dropout=dropout, scaling=scaling,
-                                                                 is_causal=is_causal, **kwargs)
+        out: tuple[torch.Tensor, None] = sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
         return out
     # One split per tensor, not a slice per sequence: a slice's backward writes its gradient into a
     # zeroed tensor of the whole row (S sequences: S full-length zero-fills and adds per tensor and
     # layer, most of the packed row's attention time); a split's backward is one concatenation.
     sizes = [b - a for a, b in itertools.pairwise(int(x) for x in cu_seq_lens_q.tolist())]
-    parts = [sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True,
-                                    **kwargs)[0]  # [1, L, heads, D]
-             for q, k, v, n in zip(query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2), sizes,
-                                   strict=True) if n > 0]
+    parts = [
+        sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True, **kwargs)[
+            0
+        ]  # [1, L, heads, D]
+        for q, k, v, n in zip(query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2), sizes, strict=True)
+        if n > 0
+    ]
     return torch.cat(parts, dim=1), None
 
 
@@ -365,17 +486,27 @@ def packed_inputs(model: torch.nn.Module, seq_lens: torch.Tensor, length: int) -
     allowed = (seq[:, None] == seq[None, :]) & (idx[None, :] <= idx[:, None])  # [T, T] same sequence, causal
     if impl == "eager":
         dtype = next(model.parameters()).dtype
-        out["attention_mask"] = torch.full((length, length), torch.finfo(dtype).min, dtype=dtype,
-                                           device=device).masked_fill(allowed, 0.0)[None, None]
+        out["attention_mask"] = torch.full(
+            (length, length), torch.finfo(dtype).min, dtype=dtype, device=device
+        ).masked_fill(allowed, 0.0)[None, None]
     else:
         out["attention_mask"] = allowed[None, None]
     return out
 
 
-def _token_scores(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
-                  temperature: torch.Tensor, *, seq_lens: torch.Tensor | None,
-                  teacher: tuple[torch.Tensor, torch.Tensor] | None, chunk: int, tau: float,
-                  entropy: bool) -> TokenScores:
+def _token_scores(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: torch.Tensor,
+    *,
+    seq_lens: torch.Tensor | None,
+    teacher: tuple[torch.Tensor, torch.Tensor] | None,
+    chunk: int,
+    tau: float,
+    entropy: bool,
+) -> TokenScores:
     if seq_lens is None:
         temps = temperature[:, None].expand_as(mask)[mask]  # [N]
         extra: dict[str, Any] = {}
@@ -386,9 +517,11 @@ def _token_scores(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.T
     if parts is not None:
         decoder, head = parts
         hidden = decoder(input_ids=input_ids, use_cache=False, **extra).last_hidden_state  # [B, T, H]
-        return head_scores(hidden[mask], head, labels[mask], temps, chunk=chunk, teacher=teacher, tau=tau,
-                           entropy=entropy)
+        return head_scores(
+            hidden[mask], head, labels[mask], temps, chunk=chunk, teacher=teacher, tau=tau, entropy=entropy
+        )
     # A model without a separable head: its full logits, then the same scores from them.
     logits = model(input_ids=input_ids, use_cache=False, **extra).logits[mask].float()  # [N, V]
-    return head_scores(logits, torch.nn.Identity(), labels[mask], temps, chunk=chunk, teacher=teacher, tau=tau,
-                       entropy=entropy)
+    return head_scores(
+        logits, torch.nn.Identity(), labels[mask], temps, chunk=chunk, teacher=teacher, tau=tau, entropy=entropy
+    )

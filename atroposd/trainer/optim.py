@@ -24,8 +24,9 @@ class OptimizerError(RuntimeError):
     pass
 
 
-def build_optimizer(params: Sequence[torch.nn.Parameter], tcfg: TrainerConfig, *,
-                    precision: Precision | None = None) -> torch.optim.Optimizer:
+def build_optimizer(
+    params: Sequence[torch.nn.Parameter], tcfg: TrainerConfig, *, precision: Precision | None = None
+) -> torch.optim.Optimizer:
     """The optimizer named by ``trainer.optimizer`` over ``params``. ``adamw`` over bf16/fp16
     parameters is :class:`~atroposd.trainer.precision.PrecisionAdamW` (float32 master weights),
     or, where ``precision`` says to compensate, torch-optimi's AdamW with Kahan summation (SPEC §12.1)."""
@@ -43,21 +44,31 @@ def build_optimizer(params: Sequence[torch.nn.Parameter], tcfg: TrainerConfig, *
         # The fused kernel is one pass over each tensor instead of a dozen small ops (2-3x
         # cheaper for a small model, where the optimizer's Python overhead shows).
         fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
-        return torch.optim.AdamW(params, lr=tcfg.lr, betas=betas, weight_decay=tcfg.weight_decay, eps=1e-8,
-                                 fused=fused or None)
+        return torch.optim.AdamW(
+            params, lr=tcfg.lr, betas=betas, weight_decay=tcfg.weight_decay, eps=1e-8, fused=fused or None
+        )
     if tcfg.optimizer == "adafactor":
         from transformers.optimization import Adafactor
 
-        return Adafactor(params, lr=tcfg.lr, scale_parameter=False, relative_step=False, warmup_init=False,
-                         weight_decay=tcfg.weight_decay)
+        return Adafactor(
+            params,
+            lr=tcfg.lr,
+            scale_parameter=False,
+            relative_step=False,
+            warmup_init=False,
+            weight_decay=tcfg.weight_decay,
+        )
     if tcfg.optimizer == "adamw_8bit":
         try:
             import bitsandbytes as bnb
         except ImportError as exc:
-            raise OptimizerError("trainer.optimizer = \"adamw_8bit\" needs bitsandbytes, which is not installed "
-                                 "(pip install bitsandbytes), or choose \"adamw\"") from exc
-        opt: torch.optim.Optimizer = bnb.optim.AdamW8bit(params, lr=tcfg.lr, betas=betas,
-                                                         weight_decay=tcfg.weight_decay)
+            raise OptimizerError(
+                'trainer.optimizer = "adamw_8bit" needs bitsandbytes, which is not installed '
+                '(pip install bitsandbytes), or choose "adamw"'
+            ) from exc
+        opt: torch.optim.Optimizer = bnb.optim.AdamW8bit(
+            params, lr=tcfg.lr, betas=betas, weight_decay=tcfg.weight_decay
+        )
         return opt
     raise OptimizerError(f"unknown optimizer {tcfg.optimizer!r}")
 
@@ -84,8 +95,9 @@ def lr_factor(step: int, *, warmup_steps: int, schedule: str = "constant", steps
     raise ValueError(f"unknown lr_schedule {schedule!r}")
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, schedule: str = "constant",
-                    steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, schedule: str = "constant", steps: int = 0
+) -> torch.optim.lr_scheduler.LambdaLR:
     """lr · :func:`lr_factor`: linear warm-up, then ``schedule`` (to 0 at ``steps``). Its position
     is the scheduler's ``last_epoch``, saved in the checkpoint and restored at resume."""
 

@@ -29,8 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["COMPUTE_DTYPES", "MASTER_DTYPES", "Precision", "PrecisionAdamW", "compensated_adamw",
-           "resolve_precision"]
+__all__ = ["COMPUTE_DTYPES", "MASTER_DTYPES", "Precision", "PrecisionAdamW", "compensated_adamw", "resolve_precision"]
 
 MASTER_DTYPES = ("auto", "float32", "bfloat16")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -48,13 +47,17 @@ class Precision:
 
     def describe(self) -> dict[str, str]:
         """For the log line that loads the model."""
-        how = "kahan-compensated" if self.compensated else ("float32 master copy" if self.compute != "float32"
-                                                            else "plain")
+        how = (
+            "kahan-compensated"
+            if self.compensated
+            else ("float32 master copy" if self.compute != "float32" else "plain")
+        )
         return {"compute_dtype": self.compute, "master_dtype": self.master, "optimizer_precision": how}
 
 
-def resolve_precision(*, device_type: str, dtype: str, compute_dtype: str, inference_dtype: str,
-                      weight_sync: str) -> Precision:
+def resolve_precision(
+    *, device_type: str, dtype: str, compute_dtype: str, inference_dtype: str, weight_sync: str
+) -> Precision:
     """The trainer's :class:`Precision` for a device (``"cpu"``/``"cuda"``), ``[trainer] dtype``,
     ``[trainer] compute_dtype``, the resolved inference dtype and the weight-sync mode.
 
@@ -76,15 +79,21 @@ def resolve_precision(*, device_type: str, dtype: str, compute_dtype: str, infer
     return Precision(compute=compute, master=master, compensated=compensated)
 
 
-def compensated_adamw(params: Iterable[torch.nn.Parameter], *, lr: float,
-                      betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                      weight_decay: float = 0.0) -> torch.optim.Optimizer:
+def compensated_adamw(
+    params: Iterable[torch.nn.Parameter],
+    *,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> torch.optim.Optimizer:
     """AdamW with Kahan summation for low-precision parameters, from torch-optimi (decoupled
     weight decay scaled by the learning rate, as ``torch.optim.AdamW``)."""
     from optimi import AdamW
 
-    opt: torch.optim.Optimizer = AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                       decouple_lr=False, kahan_sum=True)
+    opt: torch.optim.Optimizer = AdamW(
+        params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decouple_lr=False, kahan_sum=True
+    )
     return opt
 
 
@@ -92,11 +101,17 @@ class PrecisionAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias-corrected moments, as ``torch.optim.AdamW``) with
     float32 moments and a float32 master copy of each bf16/fp16 parameter."""
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"invalid AdamW settings: lr={lr}, betas={betas}, eps={eps}, "
-                             f"weight_decay={weight_decay}")
+            raise ValueError(f"invalid AdamW settings: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
 
@@ -139,8 +154,8 @@ class PrecisionAdamW(torch.optim.Optimizer):
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 m.lerp_(grad, 1 - beta1)
                 v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                denom = (v / (1 - beta2 ** t)).sqrt_().add_(eps)
-                step_size = lr / (1 - beta1 ** t)
+                denom = (v / (1 - beta2**t)).sqrt_().add_(eps)
+                step_size = lr / (1 - beta1**t)
                 master = state.get("master")
                 if master is not None:  # float32 master weights; the working copy is their cast
                     master.mul_(1 - lr * wd).addcdiv_(m, denom, value=-step_size)

@@ -135,8 +135,10 @@ def gather_full(model: torch.nn.Module, names: Sequence[str]) -> dict[str, torch
 
     from atroposd.trainer.model import ROOT_ATTR
 
-    units = sorted(((prefix + ".", m) for prefix, m in model.named_modules() if prefix and isinstance(m, FSDPModule)),
-                   key=lambda u: -len(u[0]))
+    units = sorted(
+        ((prefix + ".", m) for prefix, m in model.named_modules() if prefix and isinstance(m, FSDPModule)),
+        key=lambda u: -len(u[0]),
+    )
     root = model.__dict__.get(ROOT_ATTR)
     by_unit: dict[int, tuple[Any, list[str]]] = {}
     order: list[int] = []
@@ -243,8 +245,9 @@ class OneRank:
 class GroupRanks:
     """One member of the trainer's process group (``rank`` of ``world``)."""
 
-    def __init__(self, rank: int, world: int, device: torch.device, store: Any = None, *, key: bytes = b"",
-                 prefix: str = "") -> None:
+    def __init__(
+        self, rank: int, world: int, device: torch.device, store: Any = None, *, key: bytes = b"", prefix: str = ""
+    ) -> None:
         self.rank = rank
         self.world = world
         self.device = device
@@ -257,9 +260,19 @@ class GroupRanks:
         self.checkpoint_group: Any = None  # the checkpoints' process group (gloo)
 
     @classmethod
-    def join(cls, store: Any, *, prefix: str, key: bytes, rank: int, world: int, device: torch.device,
-             join_timeout: float, collective_timeout: float,
-             cancelled: Callable[[], bool] = lambda: False) -> GroupRanks:
+    def join(
+        cls,
+        store: Any,
+        *,
+        prefix: str,
+        key: bytes,
+        rank: int,
+        world: int,
+        device: torch.device,
+        join_timeout: float,
+        collective_timeout: float,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> GroupRanks:
         """Join the group through ``store`` under ``prefix``.
 
         Every rank marks its arrival first; rank 0 waits up to ``join_timeout`` for all of them
@@ -282,21 +295,30 @@ class GroupRanks:
                     raise Fenced("the trainer group was abandoned while it formed")
                 if time.monotonic() > deadline:
                     names = ", ".join(f"trainer-{r}" for r in missing)
-                    raise JoinTimeout(f"trainer rank(s) {names} did not join the process group within "
-                                      f"trainer.join_timeout ({join_timeout:g} s); see their logs")
+                    raise JoinTimeout(
+                        f"trainer rank(s) {names} did not join the process group within "
+                        f"trainer.join_timeout ({join_timeout:g} s); see their logs"
+                    )
                 time.sleep(JOIN_POLL_S)
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
         # Until every rank has loaded its model (``settle``), a collective may wait as long as a
         # join may take: a rank still loading is not a stuck one.
-        dist.init_process_group(backend, store=scoped, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=max(join_timeout, collective_timeout)),
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend,
+            store=scoped,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=max(join_timeout, collective_timeout)),
+            device_id=device if device.type == "cuda" else None,
+        )
         # The checkpoints' own group (gloo, every rank): a checkpoint written in the background
         # meets the other ranks there, never among the training's collectives.
-        checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(
-            seconds=max(join_timeout, collective_timeout, CHECKPOINT_GROUP_TIMEOUT_S)))
+        checkpoint_group = dist.new_group(
+            backend="gloo",
+            timeout=datetime.timedelta(seconds=max(join_timeout, collective_timeout, CHECKPOINT_GROUP_TIMEOUT_S)),
+        )
         scoped.set(f"joined/{rank}", "1")
         log.info("joined the trainer group", rank=rank, world=world, backend=backend)
         ranks = cls(rank, world, device, scoped, key=key, prefix=prefix)
@@ -312,7 +334,9 @@ class GroupRanks:
     def command(self, command: Command) -> None:
         assert self.rank == 0, "only rank 0 drives the group"
         self._seq += 1
-        self.store.set(command_key(self._seq), encode_command(command, key=self._key, prefix=self._prefix, seq=self._seq))
+        self.store.set(
+            command_key(self._seq), encode_command(command, key=self._key, prefix=self._prefix, seq=self._seq)
+        )
         if self._seq > COMMANDS_KEPT:
             self.store.delete_key(command_key(self._seq - COMMANDS_KEPT))
 
@@ -340,8 +364,13 @@ class GroupRanks:
             except BadCommand as exc:
                 if value != last:  # each value once
                     self.refused += 1
-                    log.warning("refused a store value at a command key", rank=self.rank, seq=self._seq,
-                                error=str(exc), refused=self.refused)
+                    log.warning(
+                        "refused a store value at a command key",
+                        rank=self.rank,
+                        seq=self._seq,
+                        error=str(exc),
+                        refused=self.refused,
+                    )
                 last = value
                 if time.monotonic() > deadline:
                     raise
@@ -404,8 +433,11 @@ class GroupRanks:
         n = int(size.item())
         if not 0 < n <= MAX_HEADER_BYTES:
             raise BadCommand(f"a broadcast value's size out of range ({n})")
-        buf = (torch.frombuffer(bytearray(body), dtype=torch.uint8).to(dev) if self.rank == 0
-               else torch.empty(n, dtype=torch.uint8, device=dev))
+        buf = (
+            torch.frombuffer(bytearray(body), dtype=torch.uint8).to(dev)
+            if self.rank == 0
+            else torch.empty(n, dtype=torch.uint8, device=dev)
+        )
         dist.broadcast(buf, src=0)
         if self.rank == 0:
             return value
@@ -417,8 +449,9 @@ class GroupRanks:
     def sum(self, values: Sequence[float]) -> list[float]:
         import torch.distributed as dist
 
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64,
-                         device=self.device if self.device.type == "cuda" else "cpu")
+        t = torch.tensor(
+            [float(v) for v in values], dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu"
+        )
         dist.all_reduce(t)
         return [float(v) for v in t.cpu().tolist()]
 
@@ -467,8 +500,19 @@ class GroupRanks:
 # The largest JSON header (a share's, a broadcast value) a rank accepts.
 MAX_HEADER_BYTES = 1 << 24
 # The dtypes a share's tensors may have.
-_SHARE_DTYPES = {str(d): d for d in (torch.int64, torch.int32, torch.float32, torch.float16, torch.bfloat16,
-                                     torch.float64, torch.bool, torch.uint8)}
+_SHARE_DTYPES = {
+    str(d): d
+    for d in (
+        torch.int64,
+        torch.int32,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.bool,
+        torch.uint8,
+    )
+}
 
 
 def _micro_fields() -> list[str]:
@@ -492,8 +536,13 @@ def encode_share(share: Share) -> tuple[bytes, torch.Tensor]:
             parts.append(t.reshape(-1).view(torch.uint8))
         return out
 
-    header = {"passes": share.passes, "denom": share.denom, "distill_positions": share.distill_positions,
-              "micro": [micro(mb) for mb in share.micro], "pad": None if share.pad is None else micro(share.pad)}
+    header = {
+        "passes": share.passes,
+        "denom": share.denom,
+        "distill_positions": share.distill_positions,
+        "micro": [micro(mb) for mb in share.micro],
+        "pad": None if share.pad is None else micro(share.pad),
+    }
     data = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
     return json.dumps(header, separators=(",", ":")).encode(), data
 
@@ -529,14 +578,15 @@ def decode_share(header: bytes, data: torch.Tensor) -> Share:
             if item is None:
                 values[name] = None
                 continue
-            if not (isinstance(item, list) and len(item) == 2 and item[0] in _SHARE_DTYPES
-                    and isinstance(item[1], list)):
+            if not (
+                isinstance(item, list) and len(item) == 2 and item[0] in _SHARE_DTYPES and isinstance(item[1], list)
+            ):
                 raise BadCommand(f"a share's tensor {name}: bad dtype or shape")
             dtype, shape = _SHARE_DTYPES[item[0]], [_count(d, "shape") for d in item[1]]
             n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             if offset + n > flat.numel():
                 raise BadCommand("a share has fewer bytes than its tensors take")
-            values[name] = flat[offset:offset + n].clone().view(dtype).reshape(shape)
+            values[name] = flat[offset : offset + n].clone().view(dtype).reshape(shape)
             offset += n
         if any(values[n] is None for n in names[:6]):
             raise BadCommand("a share's micro-batch lacks a required tensor")
@@ -567,8 +617,7 @@ class ComputeThread:
 
     def _start(self) -> queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None]:
         q: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None] = queue.SimpleQueue()
-        threading.Thread(target=self._serve, args=(q,), name=f"atroposd-compute-{next(self._ids)}",
-                         daemon=True).start()
+        threading.Thread(target=self._serve, args=(q,), name=f"atroposd-compute-{next(self._ids)}", daemon=True).start()
         return q
 
     def _serve(self, q: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None]) -> None:
@@ -629,8 +678,19 @@ def is_group_error(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(
-        marker in text for marker in ("gloo", "nccl", "connection reset", "connection closed", "broken pipe",
-                                      "timed out", "timeout", "pair closure", "process group"))
+        marker in text
+        for marker in (
+            "gloo",
+            "nccl",
+            "connection reset",
+            "connection closed",
+            "broken pipe",
+            "timed out",
+            "timeout",
+            "pair closure",
+            "process group",
+        )
+    )
 
 
 def poisons_device(exc: BaseException) -> bool:
@@ -648,8 +708,9 @@ class ShardedSource:
     full tensors gathered on rank 0's compute thread, every rank taking part (``gather``
     command), one bucket at a time. ``specs`` and ``tied`` were taken before sharding."""
 
-    def __init__(self, model: torch.nn.Module, ranks: Ranks, compute: ComputeThread, specs: dict[str, Any],
-                 tied: dict[str, str]) -> None:
+    def __init__(
+        self, model: torch.nn.Module, ranks: Ranks, compute: ComputeThread, specs: dict[str, Any], tied: dict[str, str]
+    ) -> None:
         self.model = model
         self.ranks = ranks
         self.compute = compute

@@ -28,8 +28,16 @@ import torch
 from atroposd.logs import get_logger
 from atroposd.weights.client import WeightControlClient, WeightControlError
 
-__all__ = ["CanaryResult", "Sentinel", "builtin_prompts", "canary_items", "follow_canary", "make_sentinel",
-           "score_completion", "score_on_ranks"]
+__all__ = [
+    "CanaryResult",
+    "Sentinel",
+    "builtin_prompts",
+    "canary_items",
+    "follow_canary",
+    "make_sentinel",
+    "score_completion",
+    "score_on_ranks",
+]
 
 log = get_logger(__name__)
 
@@ -42,13 +50,13 @@ CANARY_PROMPT_MAX = 48  # tokens of an environment's prompt kept for the canary 
 RunOnCompute = Callable[..., Awaitable[Any]]
 
 
-def builtin_prompts(count: int, vocab_size: int, *, length: int = CANARY_PROMPT_LEN,
-                    first_id: int = 3) -> list[list[int]]:
+def builtin_prompts(
+    count: int, vocab_size: int, *, length: int = CANARY_PROMPT_LEN, first_id: int = 3
+) -> list[list[int]]:
     """``count`` fixed token prompts (the same for a given vocabulary): ids spread over
     ``[first_id, vocab_size)``, past the usual pad/bos/eos ids."""
     span = max(1, vocab_size - first_id)
-    return [[first_id + (7919 * (p + 1) + 104729 * j * (p + 3)) % span for j in range(length)]
-            for p in range(count)]
+    return [[first_id + (7919 * (p + 1) + 104729 * j * (p + 3)) % span for j in range(length)] for p in range(count)]
 
 
 def score_completion(model: torch.nn.Module, prompt: Sequence[int], completion: Sequence[int]) -> list[float]:
@@ -60,7 +68,7 @@ def score_completion(model: torch.nn.Module, prompt: Sequence[int], completion: 
     ids = torch.tensor([tokens[:-1]], device=device)
     labels = torch.tensor([tokens[1:]], device=device)
     mask = torch.zeros_like(labels, dtype=torch.bool)
-    mask[0, len(prompt) - 1:] = True
+    mask[0, len(prompt) - 1 :] = True
     was_training = model.training
     model.eval()
     try:
@@ -84,12 +92,23 @@ class CanaryResult:
 class Sentinel:
     """The canary checks of every replica after a sync, and what follows a drift over the limit."""
 
-    def __init__(self, *, every: int, limit: float, prompts: Sequence[Sequence[int]],
-                 sockets: Callable[[], Sequence[Path | None]], run: RunOnCompute,
-                 restart: Callable[[int], Awaitable[bool]] | None = None,
-                 max_tokens: int = CANARY_MAX_TOKENS, timeout: float = CANARY_TIMEOUT_S,
-                 ranks: Callable[[], Any] | None = None, source: str = "built-in",
-                 wanted: int = 0, vocab_size: int = 0, max_prompt_len: int = CANARY_PROMPT_MAX) -> None:
+    def __init__(
+        self,
+        *,
+        every: int,
+        limit: float,
+        prompts: Sequence[Sequence[int]],
+        sockets: Callable[[], Sequence[Path | None]],
+        run: RunOnCompute,
+        restart: Callable[[int], Awaitable[bool]] | None = None,
+        max_tokens: int = CANARY_MAX_TOKENS,
+        timeout: float = CANARY_TIMEOUT_S,
+        ranks: Callable[[], Any] | None = None,
+        source: str = "built-in",
+        wanted: int = 0,
+        vocab_size: int = 0,
+        max_prompt_len: int = CANARY_PROMPT_MAX,
+    ) -> None:
         self.every = every
         self.limit = limit
         self.prompts = [list(p) for p in prompts]
@@ -124,12 +143,19 @@ class Sentinel:
         return [self.drift[i] if i < len(self.drift) else None for i in range(n)]
 
     def status(self) -> dict[str, Any]:
-        return {"replica_drift": self.replica_drift(), "drift_limit": self.limit, "canary_every": self.every,
-                "quarantined": {str(k): v for k, v in sorted(self.quarantined.items())},
-                "resyncs": self.resyncs, "restarts": self.restarts, "checks": self.checks,
-                "canary_source": self.source, "canary_prompts": len(self.prompts),
-                "check_s": None if not self.checks else round(self.check_seconds / self.checks, 4),
-                "last_round_s": None if self.last_check_s is None else round(self.last_check_s, 4)}
+        return {
+            "replica_drift": self.replica_drift(),
+            "drift_limit": self.limit,
+            "canary_every": self.every,
+            "quarantined": {str(k): v for k, v in sorted(self.quarantined.items())},
+            "resyncs": self.resyncs,
+            "restarts": self.restarts,
+            "checks": self.checks,
+            "canary_source": self.source,
+            "canary_prompts": len(self.prompts),
+            "check_s": None if not self.checks else round(self.check_seconds / self.checks, 4),
+            "last_round_s": None if self.last_check_s is None else round(self.last_check_s, 4),
+        }
 
     # ------------------------------------------------------------------ the prompts
 
@@ -144,11 +170,14 @@ class Sentinel:
             if prompt is not None:
                 self._seen.setdefault(tuple(prompt), None)
             if len(self._seen) >= self.wanted:
-                self.prompts = [list(p) for p in list(self._seen)[:self.wanted]]
+                self.prompts = [list(p) for p in list(self._seen)[: self.wanted]]
                 self.source, self.wanted = "environments", 0
                 self._seen.clear()
-                log.info("canary prompts chosen from the environments' first prompts", prompts=len(self.prompts),
-                         tokens=[len(p) for p in self.prompts])
+                log.info(
+                    "canary prompts chosen from the environments' first prompts",
+                    prompts=len(self.prompts),
+                    tokens=[len(p) for p in self.prompts],
+                )
                 return True
         return False
 
@@ -188,8 +217,13 @@ class Sentinel:
                 if i in self.quarantined:
                     await self._release(i, sock, drift=result.drift)
         self.last_check_s = time.perf_counter() - start
-        log.info("canary check", weight_version=version, replica_drift=[_r(d) for d in self.drift],
-                 seconds=round(self.last_check_s, 4), drift_limit=self.limit)
+        log.info(
+            "canary check",
+            weight_version=version,
+            replica_drift=[_r(d) for d in self.drift],
+            seconds=round(self.last_check_s, 4),
+            drift_limit=self.limit,
+        )
         return list(self.drift)
 
     async def measure(self, sock: Path, model: torch.nn.Module, version: int) -> CanaryResult | None:
@@ -201,8 +235,16 @@ class Sentinel:
         seen: int | None = None
         try:
             # every prompt at once: the engine batches them as it batches rollouts
-            bodies = [{"prompt": {"prompt_token_ids": prompt}, "max_tokens": self.max_tokens, "n": 1,
-                       "temperature": 0.0, "logprobs": 0} for prompt in self.prompts]
+            bodies = [
+                {
+                    "prompt": {"prompt_token_ids": prompt},
+                    "max_tokens": self.max_tokens,
+                    "n": 1,
+                    "temperature": 0.0,
+                    "logprobs": 0,
+                }
+                for prompt in self.prompts
+            ]
             replies = await asyncio.gather(*(client.request("POST", "/canary", b) for b in bodies))
             for prompt, ans in zip(self.prompts, replies, strict=True):
                 tokens, lps = _completion(ans)
@@ -210,8 +252,9 @@ class Sentinel:
                 if tokens:
                     answers.append((prompt, tokens, lps))
         except WeightControlError as exc:
-            log.warning("canary not answered; the replica is checked at the next round", socket=str(sock),
-                        error=str(exc))
+            log.warning(
+                "canary not answered; the replica is checked at the next round", socket=str(sock), error=str(exc)
+            )
             return None
         finally:
             await client.close()
@@ -223,8 +266,11 @@ class Sentinel:
             ours = await self.run(score_on_ranks, ranks, model, items)
         else:
             ours = await self.run(_score_all, model, items)
-        diffs = [abs(a - b) for (_, _, theirs), mine in zip(answers, ours, strict=True)
-                 for a, b in zip(theirs, mine, strict=True)]
+        diffs = [
+            abs(a - b)
+            for (_, _, theirs), mine in zip(answers, ours, strict=True)
+            for a, b in zip(theirs, mine, strict=True)
+        ]
         seconds = time.perf_counter() - start
         self.checks += 1
         self.check_seconds += seconds
@@ -265,26 +311,47 @@ class Sentinel:
         reason = f"canary drift {drift:.4g} over drift_limit {self.limit:g} at weight_version {version}"
         self.quarantined[i] = reason
         await self._quarantine(sock, True, reason)
-        log.warning("replica drift over the limit: quarantined, syncing it again", replica=i, drift=_r(drift),
-                    drift_limit=self.limit, weight_version=version)
+        log.warning(
+            "replica drift over the limit: quarantined, syncing it again",
+            replica=i,
+            drift=_r(drift),
+            drift_limit=self.limit,
+            weight_version=version,
+        )
         after = await self._resync(i, sock, sync, model, version)
         if after is not None and after <= self.limit:
-            log.warning("replica drift fell after a resync: the weights of the sync had not arrived",
-                        replica=i, drift_before=_r(drift), drift_after=_r(after), weight_version=version,
-                        cause="weights not arrived")
+            log.warning(
+                "replica drift fell after a resync: the weights of the sync had not arrived",
+                replica=i,
+                drift_before=_r(drift),
+                drift_after=_r(after),
+                weight_version=version,
+                cause="weights not arrived",
+            )
             await self._release(i, sock, drift=after)
             return
         if self.restart is not None:
-            log.warning("replica still drifts after a resync: restarting it", replica=i, drift_before=_r(drift),
-                        drift_after=_r(after), weight_version=version)
+            log.warning(
+                "replica still drifts after a resync: restarting it",
+                replica=i,
+                drift_before=_r(drift),
+                drift_after=_r(after),
+                weight_version=version,
+            )
             self.restarts += 1
             if await self.restart(i):
                 # the restarted replica got the current weights before it served (reattach)
                 sock = self.sockets()[i] or sock
                 after = await self._remeasure(i, sock, model, version)
                 if after is not None and after <= self.limit:
-                    log.warning("replica drift fell after a restart", replica=i, drift_before=_r(drift),
-                                drift_after=_r(after), weight_version=version, cause="replica restarted")
+                    log.warning(
+                        "replica drift fell after a restart",
+                        replica=i,
+                        drift_before=_r(drift),
+                        drift_after=_r(after),
+                        weight_version=version,
+                        cause="replica restarted",
+                    )
                     await self._release(i, sock, drift=after)
                     return
                 await self._quarantine(sock, True, reason)  # a new process starts unquarantined
@@ -293,18 +360,30 @@ class Sentinel:
         self.given_up.add(i)
         if len(self.quarantined) >= len(self.sockets()):
             # no replica would be left to generate: the job keeps this one serving, and says so
-            log.error("replica still drifts with the trainer's weights, and no other replica passes: it "
-                      "keeps serving; it computes differently (kernels, dtype, tokenizer or chat template)",
-                      replica=i, drift_before=_r(drift), drift_after=_r(after), drift_limit=self.limit,
-                      cause="drift with the same weights", restarted=self.restart is not None)
+            log.error(
+                "replica still drifts with the trainer's weights, and no other replica passes: it "
+                "keeps serving; it computes differently (kernels, dtype, tokenizer or chat template)",
+                replica=i,
+                drift_before=_r(drift),
+                drift_after=_r(after),
+                drift_limit=self.limit,
+                cause="drift with the same weights",
+                restarted=self.restart is not None,
+            )
             self.quarantined.pop(i, None)
             await self._quarantine(sock, False)
             return
-        log.error("replica still drifts with the trainer's weights: the job goes on without it "
-                  "(quarantined); it computes differently (kernels, dtype, tokenizer or chat template)",
-                  replica=i, drift_before=_r(drift), drift_after=_r(after), drift_limit=self.limit,
-                  cause="drift with the same weights", restarted=self.restart is not None,
-                  serving=[j for j in range(len(self.sockets())) if j not in self.quarantined])
+        log.error(
+            "replica still drifts with the trainer's weights: the job goes on without it "
+            "(quarantined); it computes differently (kernels, dtype, tokenizer or chat template)",
+            replica=i,
+            drift_before=_r(drift),
+            drift_after=_r(after),
+            drift_limit=self.limit,
+            cause="drift with the same weights",
+            restarted=self.restart is not None,
+            serving=[j for j in range(len(self.sockets())) if j not in self.quarantined],
+        )
 
     async def _recheck(self, i: int, sync: Any, model: torch.nn.Module, version: int, drift: float) -> None:
         """A replica given up on (still over after its restart) that is over again: synced again and
@@ -322,8 +401,12 @@ class Sentinel:
             await self._quarantine(sock, True, reason)  # again: it may have restarted meanwhile
             log.info("replica still drifts: kept out of rotation", replica=i, drift=_r(drift), drift_after=_r(after))
         else:
-            log.info("replica still drifts: it keeps serving, no other replica passes", replica=i, drift=_r(drift),
-                     drift_after=_r(after))
+            log.info(
+                "replica still drifts: it keeps serving, no other replica passes",
+                replica=i,
+                drift=_r(drift),
+                drift_after=_r(after),
+            )
 
 
 def _score_all(model: torch.nn.Module, items: Sequence[tuple[list[int], list[int]]]) -> list[list[float]]:
@@ -340,27 +423,29 @@ def _score_all(model: torch.nn.Module, items: Sequence[tuple[list[int], list[int
     labels = torch.zeros((len(seqs), width), dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.bool)
     for row, ((prompt, _), seq) in enumerate(zip(items, seqs, strict=True)):
-        ids[row, :len(seq) - 1] = torch.tensor(seq[:-1])
-        labels[row, :len(seq) - 1] = torch.tensor(seq[1:])
-        mask[row, len(prompt) - 1:len(seq) - 1] = True
+        ids[row, : len(seq) - 1] = torch.tensor(seq[:-1])
+        labels[row, : len(seq) - 1] = torch.tensor(seq[1:])
+        mask[row, len(prompt) - 1 : len(seq) - 1] = True
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            logp, _ = token_logprobs(model, ids.to(device), mask.to(device), labels.to(device),
-                                     torch.ones(len(seqs), device=device))
+            logp, _ = token_logprobs(
+                model, ids.to(device), mask.to(device), labels.to(device), torch.ones(len(seqs), device=device)
+            )
     finally:
         model.train(was_training)
     flat = [float(x) for x in logp.float().cpu().tolist()]  # row by row, the masked positions in order
     out, at = [], 0
     for _, completion in items:
-        out.append(flat[at:at + len(completion)])
+        out.append(flat[at : at + len(completion)])
         at += len(completion)
     return out
 
 
-def score_on_ranks(ranks: Any, model: torch.nn.Module,
-                   items: Sequence[tuple[list[int], list[int]]]) -> list[list[float]]:
+def score_on_ranks(
+    ranks: Any, model: torch.nn.Module, items: Sequence[tuple[list[int], list[int]]]
+) -> list[list[float]]:
     """Rank 0 of several: tell every rank to score the canary (``Canary``), send them the
     (prompt, completion) pairs, and score them together (the sharded forward's collectives
     match); rank 0's logprobs are the result. On rank 0's compute thread."""
@@ -392,8 +477,11 @@ def canary_items(value: Any, vocab_size: int) -> list[tuple[list[int], list[int]
             return None
         prompt, completion = pair
         for ids in (prompt, completion):
-            if not isinstance(ids, list) or not ids or not all(
-                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+            if (
+                not isinstance(ids, list)
+                or not ids
+                or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids)
+            ):
                 return None
         out.append((prompt, completion))
     return out
@@ -415,7 +503,7 @@ def _group_prompt(group: Any, vocab_size: int, limit: int) -> list[int] | None:
         n += 1
     if n == 0 or n == len(tok):
         return None
-    prompt = tok[:min(n, limit)]
+    prompt = tok[: min(n, limit)]
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt):
         return None
     return prompt
@@ -427,7 +515,7 @@ def _completion(ans: dict[str, Any]) -> tuple[list[int], list[float]]:
     tokens: list[int] = []
     lps: list[float] = []
     for entry in per_token:
-        (tid, lp), = list(entry[0].items())
+        ((tid, lp),) = list(entry[0].items())
         tokens.append(int(tid))
         lps.append(float(lp))
     return tokens, lps
@@ -437,9 +525,16 @@ def _r(x: float | None) -> float | None:
     return None if x is None else round(x, 5)
 
 
-def make_sentinel(cfg: Any, weights: Any, run: RunOnCompute, vocab_size: int, *,
-                  ranks: Callable[[], Any] | None = None, restart: Callable[[int], Awaitable[bool]] | None = None,
-                  kept: Sequence[Sequence[int]] | None = None) -> Sentinel | None:
+def make_sentinel(
+    cfg: Any,
+    weights: Any,
+    run: RunOnCompute,
+    vocab_size: int,
+    *,
+    ranks: Callable[[], Any] | None = None,
+    restart: Callable[[int], Awaitable[bool]] | None = None,
+    kept: Sequence[Sequence[int]] | None = None,
+) -> Sentinel | None:
     """The job's sentinel (``[health] canary_every``; None when 0 or without local replicas): the
     control socket of every replica the weight sync reaches; the canary prompts ``kept`` by a
     checkpoint, else the built-in ones until the environments' first prompts arrive. ``ranks``:
@@ -455,17 +550,34 @@ def make_sentinel(cfg: Any, weights: Any, run: RunOnCompute, vocab_size: int, *,
 
     fixed = [list(p) for p in kept or () if p and all(isinstance(t, int) and 0 <= t < vocab_size for t in p)]
     if fixed:
-        prompts, source, wanted = fixed[:h.canary_prompts], "environments", 0
+        prompts, source, wanted = fixed[: h.canary_prompts], "environments", 0
     else:
         prompts, source, wanted = builtin_prompts(h.canary_prompts, vocab_size), "built-in", h.canary_prompts
     # an environment prompt and its greedy tokens fit the replica's context
     room = int(getattr(cfg.inference, "max_model_len", 0) or 0) - CANARY_MAX_TOKENS - 1
     longest = min(CANARY_PROMPT_MAX, room) if room > 0 else CANARY_PROMPT_MAX
-    sentinel = Sentinel(every=h.canary_every, limit=h.drift_limit, prompts=prompts, sockets=sockets, run=run,
-                        restart=restart, ranks=ranks, source=source, wanted=wanted, vocab_size=vocab_size,
-                        max_prompt_len=longest)
-    log.info("replica sentinel", canary_every=h.canary_every, drift_limit=h.drift_limit,
-             canary_source="the checkpoint's (the environments' first prompts)" if fixed else
-             "built-in until the environments' first prompts arrive", canary_prompts=len(prompts),
-             ranks=cfg.trainer.ranks, restart=restart is not None)
+    sentinel = Sentinel(
+        every=h.canary_every,
+        limit=h.drift_limit,
+        prompts=prompts,
+        sockets=sockets,
+        run=run,
+        restart=restart,
+        ranks=ranks,
+        source=source,
+        wanted=wanted,
+        vocab_size=vocab_size,
+        max_prompt_len=longest,
+    )
+    log.info(
+        "replica sentinel",
+        canary_every=h.canary_every,
+        drift_limit=h.drift_limit,
+        canary_source="the checkpoint's (the environments' first prompts)"
+        if fixed
+        else "built-in until the environments' first prompts arrive",
+        canary_prompts=len(prompts),
+        ranks=cfg.trainer.ranks,
+        restart=restart is not None,
+    )
     return sentinel

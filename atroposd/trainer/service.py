@@ -99,10 +99,17 @@ class TrainerOutcome:
 
 
 class TrainerService:
-    def __init__(self, cfg: Config, *, instance: str, weights: WeightSync, envs_alive: Callable[[], bool],
-                 rank_host: RankHost | None = None,
-                 replica_generations: Callable[[], list[int | None]] | None = None,
-                 restart_replica: Callable[[int, str], Awaitable[bool]] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        instance: str,
+        weights: WeightSync,
+        envs_alive: Callable[[], bool],
+        rank_host: RankHost | None = None,
+        replica_generations: Callable[[], list[int | None]] | None = None,
+        restart_replica: Callable[[int, str], Awaitable[bool]] | None = None,
+    ) -> None:
         from atroposd.trainer.loop import Progress
         from atroposd.trainer.ranks import ComputeThread
 
@@ -159,13 +166,23 @@ class TrainerService:
         """SPEC §2's ``trainer`` object."""
         p, last = self.progress, self.progress.last
         return {
-            "state": p.state, "waiting_for": p.waiting_for if p.state == "waiting" else None,
-            "step": p.step, "total_steps": p.total_steps, "weight_version": p.weight_version,
-            "reward_mean": last.get("reward_mean"), "accuracy": last.get("accuracy"), "loss": last.get("loss"),
-            "mean_kl": last.get("mean_kl"), "clipped_fraction": last.get("clipped_fraction"),
-            "staleness": last.get("staleness"), "grad_norm": last.get("grad_norm"),
-            "steps_per_s": p.steps_per_s, "skipped_steps": p.skipped_steps,
-            "last_checkpoint": p.last_checkpoint, "checkpoint_error": p.checkpoint_error, "error": p.error,
+            "state": p.state,
+            "waiting_for": p.waiting_for if p.state == "waiting" else None,
+            "step": p.step,
+            "total_steps": p.total_steps,
+            "weight_version": p.weight_version,
+            "reward_mean": last.get("reward_mean"),
+            "accuracy": last.get("accuracy"),
+            "loss": last.get("loss"),
+            "mean_kl": last.get("mean_kl"),
+            "clipped_fraction": last.get("clipped_fraction"),
+            "staleness": last.get("staleness"),
+            "grad_norm": last.get("grad_norm"),
+            "steps_per_s": p.steps_per_s,
+            "skipped_steps": p.skipped_steps,
+            "last_checkpoint": p.last_checkpoint,
+            "checkpoint_error": p.checkpoint_error,
+            "error": p.error,
             "metrics_dropped": self._metrics.dropped if self._metrics is not None else 0,
             "checkpoint_failures": p.checkpoint_failures,
             "checkpoint_writing": p.checkpoint_writing,  # the step written in the background, if any
@@ -174,13 +191,19 @@ class TrainerService:
             # groups filter_groups dropped since this process started (SPEC §14)
             "filtered_groups": p.filtered_groups,
             # trainer ranks (SPEC §12.1): N, and the group's restarts after faults
-            "ranks": self.cfg.trainer.ranks, "group_restarts": self.group_restarts, "last_fault": self.last_fault,
+            "ranks": self.cfg.trainer.ranks,
+            "group_restarts": self.group_restarts,
+            "last_fault": self.last_fault,
             "waiting_for_nodes": list(self.waiting_nodes) if p.waiting_for == "ranks" else [],
             # SPEC §15: the last step's health ("ok" or the detector that tripped), rollbacks within
             # the job, the last one (what tripped, to where, the learning rate after it), the newest
             # known-good checkpoint ("start": the starting weights), groups dropped by rollbacks
-            "health": p.health, "rollbacks": p.rollbacks, "max_rollbacks": self.cfg.health.max_rollbacks,
-            "last_rollback": p.last_rollback, "known_good": p.known_good, "dropped_groups": p.dropped_groups,
+            "health": p.health,
+            "rollbacks": p.rollbacks,
+            "max_rollbacks": self.cfg.health.max_rollbacks,
+            "last_rollback": p.last_rollback,
+            "known_good": p.known_good,
+            "dropped_groups": p.dropped_groups,
             "lr": p.last.get("lr"),
             # SPEC §15: each replica's canary drift, quarantines, resyncs, the time per check
             "sentinel": self._sentinel.status() if self._sentinel is not None else None,
@@ -191,8 +214,12 @@ class TrainerService:
         from atroposd.trainer.batch import REASONS
 
         p = self.progress
-        return {"last": dict(p.last), "seconds": dict(p.seconds), "tokens_total": p.tokens_total,
-                "rejected_reasons": list(REASONS)}
+        return {
+            "last": dict(p.last),
+            "seconds": dict(p.seconds),
+            "tokens_total": p.tokens_total,
+            "rejected_reasons": list(REASONS),
+        }
 
     async def on_inference_restarted(self, replica: int | None = None) -> None:
         """A restarted inference replica (None: every one) gets the current weights before it
@@ -211,8 +238,11 @@ class TrainerService:
         else:
             async with self._lock:
                 await self.weights.reattach(self._policy.model, self.progress.weight_version, replica)
-        log.info("weights re-attached to the restarted inference server", replica=replica,
-                 weight_version=self.progress.weight_version)
+        log.info(
+            "weights re-attached to the restarted inference server",
+            replica=replica,
+            weight_version=self.progress.weight_version,
+        )
 
     async def on_remote_replica_restarted(self, what: str) -> None:
         """Several machines: a replica of another node restarted. A push with no replica of this
@@ -223,8 +253,11 @@ class TrainerService:
             return  # a group being formed pushes to every node when it attaches
         async with self._lock:
             await self.weights.reattach(self._policy.model, self.progress.weight_version, REMOTE_ONLY)
-        log.info("weights pushed for a restarted replica of another node", replica=what,
-                 weight_version=self.progress.weight_version)
+        log.info(
+            "weights pushed for a restarted replica of another node",
+            replica=what,
+            weight_version=self.progress.weight_version,
+        )
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> TrainerOutcome:
         from atroposd.trainer.health import Collapse
@@ -296,8 +329,9 @@ class TrainerService:
         with self._setup_scope:
             ranks = await self._form_group()
             p.state, p.waiting_for = "waiting", "model"
-            setup = await self.compute.run(load_for_training, self.cfg, ranks,
-                                           pick=plan.target if plan is not None else None)
+            setup = await self.compute.run(
+                load_for_training, self.cfg, ranks, pick=plan.target if plan is not None else None
+            )
             self._policy = setup.policy
             self._attach_source(setup)
             good_version = setup.weight_version  # a rollback: the version of the known-good weights
@@ -337,27 +371,48 @@ class TrainerService:
             if self._feed is None:
                 p.waiting_for = "api"
                 t = self.cfg.trainer
-                feed = BatchFeed(self.cfg.api_url, self._registration, max_ahead=t.max_staleness,
-                                 token=self.cfg.api.token, on_wait=self._on_wait,
-                                 group_filter=GroupFilter(t.batch_size) if t.filter_groups else None)
+                feed = BatchFeed(
+                    self.cfg.api_url,
+                    self._registration,
+                    max_ahead=t.max_staleness,
+                    token=self.cfg.api.token,
+                    on_wait=self._on_wait,
+                    group_filter=GroupFilter(t.batch_size) if t.filter_groups else None,
+                )
                 self._feed = feed
                 await feed.register()
                 await feed.prime()  # the first GET /batch lets environments register
-            self._loop = TrainingLoop(tcfg=self.cfg.trainer, feed=self._feed, learner=learner, weights=self.weights,
-                                      metrics=self._metrics, checkpointer=setup.checkpointer(learner), progress=p,
-                                      envs_alive=self.envs_alive, lock=self._lock, compute=self.compute,
-                                      replica_generations=self.replica_generations,
-                                      # every 10 steps (on a terminal, `atroposd run` keeps a live
-                                      # progress line below the log)
-                                      progress_every=PROGRESS_EVERY, health=self.cfg.health, drop=p.drop)
+            self._loop = TrainingLoop(
+                tcfg=self.cfg.trainer,
+                feed=self._feed,
+                learner=learner,
+                weights=self.weights,
+                metrics=self._metrics,
+                checkpointer=setup.checkpointer(learner),
+                progress=p,
+                envs_alive=self.envs_alive,
+                lock=self._lock,
+                compute=self.compute,
+                replica_generations=self.replica_generations,
+                # every 10 steps (on a terminal, `atroposd run` keeps a live
+                # progress line below the log)
+                progress_every=PROGRESS_EVERY,
+                health=self.cfg.health,
+                drop=p.drop,
+            )
             self._loop.checkpointer.health = p.health_record
             if self._sentinel is None:
                 from atroposd.trainer.sentinel import make_sentinel
 
-                self._sentinel = make_sentinel(self.cfg, self.weights, self.compute.run, learner.policy.vocab_size,
-                                               ranks=self._current_ranks,
-                                               restart=self._sentinel_restart if self.restart_replica else None,
-                                               kept=p.canary_prompts)
+                self._sentinel = make_sentinel(
+                    self.cfg,
+                    self.weights,
+                    self.compute.run,
+                    learner.policy.vocab_size,
+                    ranks=self._current_ranks,
+                    restart=self._sentinel_restart if self.restart_replica else None,
+                    kept=p.canary_prompts,
+                )
             self._loop.sentinel = self._sentinel
             if plan is not None:
                 outcome = await self._finish_rollback(plan, good_version)
@@ -379,8 +434,9 @@ class TrainerService:
             self._started = True
             task_status.started()
         elif restart:
-            log.info("trainer group restarted", step=p.step, weight_version=p.weight_version,
-                     restarts=self.group_restarts)
+            log.info(
+                "trainer group restarted", step=p.step, weight_version=p.weight_version, restarts=self.group_restarts
+            )
         async with anyio.create_task_group() as tg:
             self._attempt_scope = tg.cancel_scope
             assert self._feed is not None
@@ -409,10 +465,12 @@ class TrainerService:
         self._sentinel_restarting.add(replica)
         try:
             async with anyio.create_task_group() as tg:
+
                 async def run() -> None:
                     nonlocal ready
-                    ready = await restart(replica, "the sentinel: its canary drift stayed over drift_limit after "
-                                                   "a resync")
+                    ready = await restart(
+                        replica, "the sentinel: its canary drift stayed over drift_limit after a resync"
+                    )
                     tg.cancel_scope.cancel()
 
                 async def stop_requested() -> None:
@@ -421,6 +479,7 @@ class TrainerService:
                         await anyio.sleep(STOP_POLL_S)
                     log.info("stop requested: the step no longer waits for the replica's restart", replica=replica)
                     tg.cancel_scope.cancel()
+
                 tg.start_soon(run)
                 tg.start_soon(stop_requested)
         finally:
@@ -455,8 +514,12 @@ class TrainerService:
         good = newest_known_good(self.paths.checkpoints_dir)
         p.known_good = str(good) if good is not None else "start"
         if p.rollbacks:
-            log.info("health restored from the checkpoint", rollbacks=p.rollbacks, lr_scale=p.lr_scale,
-                     known_good=p.known_good)
+            log.info(
+                "health restored from the checkpoint",
+                rollbacks=p.rollbacks,
+                lr_scale=p.lr_scale,
+                known_good=p.known_good,
+            )
 
     async def _after_collapse(self, collapse: Collapse) -> None:
         """A detector tripped: plan the rollback to the newest known-good weights (the next attempt
@@ -470,14 +533,27 @@ class TrainerService:
         p.lr_scale /= 2
         give_up = p.rollbacks > h.max_rollbacks
         target = good if good is not None else START
-        p.last_rollback = {"step": collapse.step, "detector": collapse.trip.detector, "reason": collapse.trip.reason,
-                           "to": str(target), "lr": self.cfg.trainer.lr * p.lr_scale, "time": time.time(),
-                           "final": give_up}
+        p.last_rollback = {
+            "step": collapse.step,
+            "detector": collapse.trip.detector,
+            "reason": collapse.trip.reason,
+            "to": str(target),
+            "lr": self.cfg.trainer.lr * p.lr_scale,
+            "time": time.time(),
+            "final": give_up,
+        }
         p.state, p.waiting_for = "waiting", "model"
-        log.error("collapse detected: rolling back to the newest known-good weights", step=collapse.step,
-                  detector=collapse.trip.detector, reason=collapse.trip.reason, to=str(target),
-                  rollbacks=p.rollbacks, max_rollbacks=h.max_rollbacks, lr=self.cfg.trainer.lr * p.lr_scale,
-                  **({"then": "the job ends (exit 6)"} if give_up else {}))
+        log.error(
+            "collapse detected: rolling back to the newest known-good weights",
+            step=collapse.step,
+            detector=collapse.trip.detector,
+            reason=collapse.trip.reason,
+            to=str(target),
+            rollbacks=p.rollbacks,
+            max_rollbacks=h.max_rollbacks,
+            lr=self.cfg.trainer.lr * p.lr_scale,
+            **({"then": "the job ends (exit 6)"} if give_up else {}),
+        )
         self._rollback = _Rollback(target, p.step, p.weight_version, p.skipped_steps, give_up, str(collapse))
         await self._close_group()  # several ranks: every rank loads the known-good checkpoint afresh
 
@@ -494,20 +570,29 @@ class TrainerService:
         p.drop = self._loop.drop = DropRule(good_version, p.weight_version, time.time())
         path = await self._loop.checkpoint()
         if path is not None:
-            mark_known_good(path, {"step": p.step, "rollback": p.rollbacks, "from": str(plan.target),
-                                   "time": time.time()})
+            mark_known_good(
+                path, {"step": p.step, "rollback": p.rollbacks, "from": str(plan.target), "time": time.time()}
+            )
             p.known_good = str(path)
         if p.last_rollback is not None:
             p.last_rollback["weight_version"] = p.weight_version
         p.health = "ok"
-        log.warning("rolled back", step=p.step, weight_version=p.weight_version, to=str(plan.target),
-                    checkpoint=str(path) if path else None, rollbacks=p.rollbacks,
-                    lr=self.cfg.trainer.lr * p.lr_scale)
+        log.warning(
+            "rolled back",
+            step=p.step,
+            weight_version=p.weight_version,
+            to=str(plan.target),
+            checkpoint=str(path) if path else None,
+            rollbacks=p.rollbacks,
+            lr=self.cfg.trainer.lr * p.lr_scale,
+        )
         if not plan.give_up:
             return None
         p.state = "failed"
-        p.error = (f"the run collapsed past health.max_rollbacks = {self.cfg.health.max_rollbacks} "
-                   f"({p.rollbacks} collapses); last: {plan.reason}")
+        p.error = (
+            f"the run collapsed past health.max_rollbacks = {self.cfg.health.max_rollbacks} "
+            f"({p.rollbacks} collapses); last: {plan.reason}"
+        )
         log.error("trainer ends: " + p.error, step=p.step, known_good=p.known_good)
         return TrainerOutcome("collapsed", p.step, p.weight_version, p.error)
 
@@ -536,9 +621,17 @@ class TrainerService:
         device, _ = await anyio.to_thread.run_sync(resolve_torch, t.devices()[0], self.cfg.inference.dtype)
         try:
             ranks: GroupRanks = await self.compute.run(
-                GroupRanks.join, host.store.store, prefix=prefix, key=host.store.key, rank=0, world=t.ranks, device=device,
-                join_timeout=t.join_timeout, collective_timeout=t.collective_timeout,
-                cancelled=lambda: self._stop or self.compute.generation != generation or self._rank_lost is not None)
+                GroupRanks.join,
+                host.store.store,
+                prefix=prefix,
+                key=host.store.key,
+                rank=0,
+                world=t.ranks,
+                device=device,
+                join_timeout=t.join_timeout,
+                collective_timeout=t.collective_timeout,
+                cancelled=lambda: self._stop or self.compute.generation != generation or self._rank_lost is not None,
+            )
         except Exception as exc:
             if self._rank_lost is not None and not self._stop:
                 raise GroupFault(self._rank_lost) from exc
@@ -618,11 +711,17 @@ class TrainerService:
         self.compute.fence()
         await self._close_group()
         if self._restarts.exhausted:
-            raise GroupFault(f"{self._restarts.count} trainer group restarts within {t.restart_window:g} s "
-                             f"(trainer.max_restarts = {t.max_restarts}); last: {fault}")
+            raise GroupFault(
+                f"{self._restarts.count} trainer group restarts within {t.restart_window:g} s "
+                f"(trainer.max_restarts = {t.max_restarts}); last: {fault}"
+            )
         delay = self._restarts.backoff()
-        log.error("trainer group failed; restarting from the last complete checkpoint", reason=str(fault),
-                  restarts=self.group_restarts, backoff_s=delay)
+        log.error(
+            "trainer group failed; restarting from the last complete checkpoint",
+            reason=str(fault),
+            restarts=self.group_restarts,
+            backoff_s=delay,
+        )
         with anyio.move_on_after(delay):
             while not self._stop:  # noqa: ASYNC110 - a stop request ends the wait early
                 await anyio.sleep(0.1)
@@ -681,11 +780,16 @@ class TrainerService:
         from atroposd.trainer.wandb_sink import wandb_group
 
         w = self.cfg.wandb
-        return {"wandb_group": wandb_group(self.cfg), "wandb_project": w.project if w.enabled else "",
-                "batch_size": t.batch_size,
-                "max_token_len": t.max_token_len, "checkpoint_dir": str(self.paths.checkpoints_dir),
-                "save_checkpoint_interval": t.checkpoint_every, "starting_step": self.progress.step,
-                "num_steps": t.steps}
+        return {
+            "wandb_group": wandb_group(self.cfg),
+            "wandb_project": w.project if w.enabled else "",
+            "batch_size": t.batch_size,
+            "max_token_len": t.max_token_len,
+            "checkpoint_dir": str(self.paths.checkpoints_dir),
+            "save_checkpoint_interval": t.checkpoint_every,
+            "starting_step": self.progress.step,
+            "num_steps": t.steps,
+        }
 
     async def _check_inference_tokenizer(self, local: dict[str, Any]) -> None:
         """Compare the inference server's tokenizer (``GET /info``) with the trainer's."""
@@ -708,8 +812,9 @@ class TrainerService:
                     break
                 except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"inference server at {self.cfg.inference_url} not reachable: "
-                                           f"{exc}") from exc
+                        raise RuntimeError(
+                            f"inference server at {self.cfg.inference_url} not reachable: {exc}"
+                        ) from exc
                 await anyio.sleep(delay)
                 delay = min(delay * 2, 1.0)
         if status == 404:
@@ -720,8 +825,12 @@ class TrainerService:
         if not isinstance(info, dict) or not isinstance(remote, dict):
             log.warning("the inference server's /info has no tokenizer fingerprint", url=url, status=status)
             return
-        check_tokenizers(local, remote, local_name=str(self._policy.source),
-                         remote_name=f"{info.get('model')} at {self.cfg.inference_url}")
+        check_tokenizers(
+            local,
+            remote,
+            local_name=str(self._policy.source),
+            remote_name=f"{info.get('model')} at {self.cfg.inference_url}",
+        )
 
 
 def _root_cause(exc: BaseException) -> BaseException:

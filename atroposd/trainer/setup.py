@@ -87,8 +87,13 @@ class Setup:
         return self.restored.path if self.restored is not None else None
 
     def checkpointer(self, learner: Learner) -> Checkpointer:
-        return Checkpointer(self.checkpoints_dir, keep=self.keep_checkpoints, learner=learner,
-                            identity=self.identity, aliases=self.aliases)
+        return Checkpointer(
+            self.checkpoints_dir,
+            keep=self.keep_checkpoints,
+            learner=learner,
+            identity=self.identity,
+            aliases=self.aliases,
+        )
 
 
 class Checkpointer:
@@ -109,8 +114,9 @@ class Checkpointer:
     the optimizer through the group's checkpoint process group (:mod:`.sharded`); rank 0 writes
     the rest, hashes every file and renames the directory complete."""
 
-    def __init__(self, root: Path, *, keep: int, learner: Learner, identity: dict[str, Any],
-                 aliases: set[str] | None = None) -> None:
+    def __init__(
+        self, root: Path, *, keep: int, learner: Learner, identity: dict[str, Any], aliases: set[str] | None = None
+    ) -> None:
         self.root = root
         self.keep = keep
         self.learner = learner
@@ -131,17 +137,23 @@ class Checkpointer:
         path: Path = self.start(step, weight_version, skipped_steps, consolidate=consolidate).result()
         return path
 
-    def start(self, step: int, weight_version: int, skipped_steps: int, *, background: bool = False,
-              consolidate: bool = False) -> concurrent.futures.Future[Path]:
+    def start(
+        self, step: int, weight_version: int, skipped_steps: int, *, background: bool = False, consolidate: bool = False
+    ) -> concurrent.futures.Future[Path]:
         """Take the checkpoint of ``step`` (compute thread) and write it, at once or (``background``)
         on a thread of its own; the future holds the complete directory or the error.
         ``consolidate`` (several ranks): also ``model.safetensors`` from the shards (the
         Hugging Face layout; the one-rank layout always has it)."""
         self.wait_previous()
         policy, ranks = self.learner.policy, self.learner.ranks
-        state: dict[str, Any] = {"weight_version": weight_version, "skipped_steps": skipped_steps,
-                                 "scheduler": copy.deepcopy(self.learner.scheduler.state_dict()),
-                                 "rng": rng_state(), "ranks": ranks.world, **self.identity}
+        state: dict[str, Any] = {
+            "weight_version": weight_version,
+            "skipped_steps": skipped_steps,
+            "scheduler": copy.deepcopy(self.learner.scheduler.state_dict()),
+            "rng": rng_state(),
+            "ranks": ranks.world,
+            **self.identity,
+        }
         if self.health is not None:
             state["health"] = copy.deepcopy(self.health())
         root, keep = self.root, self.keep
@@ -155,9 +167,19 @@ class Checkpointer:
 
             def write() -> Path:
                 try:
-                    return save_checkpoint(root, step, model=policy.model, tokenizer=policy.tokenizer,
-                                           lora=policy.lora, state=state, keep=keep, weights=weights,
-                                           abandoned=abandoned, read_done=read.set, low_priority=background)
+                    return save_checkpoint(
+                        root,
+                        step,
+                        model=policy.model,
+                        tokenizer=policy.tokenizer,
+                        lora=policy.lora,
+                        state=state,
+                        keep=keep,
+                        weights=weights,
+                        abandoned=abandoned,
+                        read_done=read.set,
+                        low_priority=background,
+                    )
                 finally:
                     read.set()
         else:
@@ -190,11 +212,22 @@ class Checkpointer:
 
             def write() -> Path:
                 try:
-                    return save_checkpoint(root, step, model=policy.model, tokenizer=policy.tokenizer, lora=False,
-                                           state=state, keep=keep, shards=shards, prepared=tmp, abandoned=abandoned,
-                                           low_priority=background)
+                    return save_checkpoint(
+                        root,
+                        step,
+                        model=policy.model,
+                        tokenizer=policy.tokenizer,
+                        lora=False,
+                        state=state,
+                        keep=keep,
+                        shards=shards,
+                        prepared=tmp,
+                        abandoned=abandoned,
+                        low_priority=background,
+                    )
                 finally:
                     read.set()
+
         read.clear()
         future = _run(write, background, name=f"atroposd-checkpoint-{step}")
         self._writing = future
@@ -214,8 +247,11 @@ class Checkpointer:
             try:
                 write_shards(staged, tmp, group)
             except Exception as exc:  # rank 0 says so too (DCP's collectives carry the failure)
-                log.error("this rank's checkpoint shards were not written", path=str(tmp),
-                          error=f"{type(exc).__name__}: {exc}")
+                log.error(
+                    "this rank's checkpoint shards were not written",
+                    path=str(tmp),
+                    error=f"{type(exc).__name__}: {exc}",
+                )
                 raise
             finally:
                 read.set()
@@ -303,14 +339,20 @@ def load_for_training(cfg: Config, ranks: Ranks | None = None, *, pick: Path | s
     t = cfg.trainer
     ranks = ranks if ranks is not None else OneRank()
     device, inference_dtype = resolve_torch(t.device_of(ranks.rank), cfg.inference.dtype, key="trainer.device")
-    precision = resolve_precision(device_type=device.type, dtype=t.dtype, compute_dtype=t.compute_dtype,
-                                  inference_dtype=str(inference_dtype).removeprefix("torch."),
-                                  weight_sync=cfg.weight_sync)
+    precision = resolve_precision(
+        device_type=device.type,
+        dtype=t.dtype,
+        compute_dtype=t.compute_dtype,
+        inference_dtype=str(inference_dtype).removeprefix("torch."),
+        weight_sync=cfg.weight_sync,
+    )
     dtype = getattr(torch, precision.compute)
     if dtype != inference_dtype and cfg.weight_sync in ("shared", "push", "broadcast"):
-        raise ModelLoadError(f"trainer.compute_dtype = {t.compute_dtype!r} ({precision.compute}) differs from the "
-                             f"inference dtype ({inference_dtype}); replicas receive the trainer's working copy with "
-                             f"weight_sync = {cfg.weight_sync!r}: use the inference dtype or \"reload\"")
+        raise ModelLoadError(
+            f"trainer.compute_dtype = {t.compute_dtype!r} ({precision.compute}) differs from the "
+            f"inference dtype ({inference_dtype}); replicas receive the trainer's working copy with "
+            f'weight_sync = {cfg.weight_sync!r}: use the inference dtype or "reload"'
+        )
     if device.type == "cpu":
         torch.set_num_threads(1)  # small batches gain nothing from more threads; cores are shared
     root = Paths.of(cfg).checkpoints_dir
@@ -320,17 +362,38 @@ def load_for_training(cfg: Config, ranks: Ranks | None = None, *, pick: Path | s
             log.warning("removed an incomplete checkpoint", path=str(partial))
     model_dir, tokenizer_dir = resolve_model(cfg), resolve_tokenizer(cfg)
     lora = {"r": t.lora_r, "alpha": t.lora_alpha, "targets": t.lora_targets} if t.mode == "lora" else None
-    policy = load_policy(model_dir, tokenizer_dir, device=device, dtype=dtype, lora=lora,
-                         need_reference=t.kl_coef > 0 and t.kl_reference == "initial", seed=t.seed,
-                         precision={"inference_dtype": str(inference_dtype).removeprefix("torch."),
-                                    **precision.describe()})
+    policy = load_policy(
+        model_dir,
+        tokenizer_dir,
+        device=device,
+        dtype=dtype,
+        lora=lora,
+        need_reference=t.kl_coef > 0 and t.kl_reference == "initial",
+        seed=t.seed,
+        precision={"inference_dtype": str(inference_dtype).removeprefix("torch."), **precision.describe()},
+    )
     fingerprint = fingerprint_of(policy.tokenizer)
-    identity = {"config": to_dict(cfg), "model": cfg.inference.model, "model_dir": str(model_dir),
-                "mode": t.mode, "tokenizer": fingerprint}
-    setup = Setup(policy=policy, tokenizer_fingerprint=fingerprint, identity=identity, checkpoints_dir=root,
-                  keep_checkpoints=t.keep_checkpoints, ranks=ranks, precision=precision)
-    restored = _latest(root, ranks, setup, pick if pick is not None else (None if t.resume else START)) \
-        if t.resume or pick is not None or ranks.world > 1 else None
+    identity = {
+        "config": to_dict(cfg),
+        "model": cfg.inference.model,
+        "model_dir": str(model_dir),
+        "mode": t.mode,
+        "tokenizer": fingerprint,
+    }
+    setup = Setup(
+        policy=policy,
+        tokenizer_fingerprint=fingerprint,
+        identity=identity,
+        checkpoints_dir=root,
+        keep_checkpoints=t.keep_checkpoints,
+        ranks=ranks,
+        precision=precision,
+    )
+    restored = (
+        _latest(root, ranks, setup, pick if pick is not None else (None if t.resume else START))
+        if t.resume or pick is not None or ranks.world > 1
+        else None
+    )
     if restored is not None:
         _check_identity(restored, identity)
         restore_weights(policy.model, restored, lora=policy.lora)
@@ -342,9 +405,15 @@ def load_for_training(cfg: Config, ranks: Ranks | None = None, *, pick: Path | s
         setup.health = dict(health) if isinstance(health, dict) else {}
         setup.lr_scale = float(setup.health.get("lr_scale", 1.0))
         saved_ranks = int(restored.state.get("ranks", 1))
-        log.info("resumed from checkpoint", path=str(restored.path), step=setup.step,
-                 weight_version=setup.weight_version, saved_ranks=saved_ranks, ranks=ranks.world,
-                 **({"resharded": f"{saved_ranks} → {ranks.world} ranks"} if saved_ranks != ranks.world else {}))
+        log.info(
+            "resumed from checkpoint",
+            path=str(restored.path),
+            step=setup.step,
+            weight_version=setup.weight_version,
+            saved_ranks=saved_ranks,
+            ranks=ranks.world,
+            **({"resharded": f"{saved_ranks} → {ranks.world} ranks"} if saved_ranks != ranks.world else {}),
+        )
     _distribute(policy, ranks, t.activation_checkpointing, setup)
     return setup
 
@@ -406,10 +475,18 @@ def build_learner(cfg: Config, setup: Setup) -> Learner:
     if scale != 1.0:
         log.info("learning rate scaled after rollbacks", rank=setup.ranks.rank, scale=scale, lr=t.lr * scale)
     objective, reference = make_strategies(t)
-    learner = Learner(setup.policy, optimizer, scheduler, objective=objective, reference=reference,
-                      max_grad_norm=t.max_grad_norm, distill_coef=t.distill_coef,
-                      distill_temperature=t.distill_temperature, ranks=setup.ranks,
-                      logprob_chunk=t.logprob_chunk)
+    learner = Learner(
+        setup.policy,
+        optimizer,
+        scheduler,
+        objective=objective,
+        reference=reference,
+        max_grad_norm=t.max_grad_norm,
+        distill_coef=t.distill_coef,
+        distill_temperature=t.distill_temperature,
+        ranks=setup.ranks,
+        logprob_chunk=t.logprob_chunk,
+    )
     setup.ranks.settle()  # every rank is set up: collectives are bounded by collective_timeout from here
     return learner
 
@@ -437,11 +514,16 @@ def _check_identity(restored: Restored, identity: dict[str, Any]) -> None:
     changed = [k for k in IDENTITY_KEYS if state.get(k) != identity[k]]
     if changed:
         detail = "; ".join(f"{k}: checkpoint {state.get(k)!r} vs now {identity[k]!r}" for k in changed)
-        raise ResumeError(f"cannot resume from {restored.path}: changed {detail}. Move the checkpoints away or set "
-                          "trainer.resume = false")
+        raise ResumeError(
+            f"cannot resume from {restored.path}: changed {detail}. Move the checkpoints away or set "
+            "trainer.resume = false"
+        )
     old, new = state.get("config", {}), identity["config"]
     for section in ("trainer", "inference"):
-        diffs = sorted(k for k in set(old.get(section, {})) | set(new.get(section, {}))
-                       if old.get(section, {}).get(k) != new.get(section, {}).get(k))
+        diffs = sorted(
+            k
+            for k in set(old.get(section, {})) | set(new.get(section, {}))
+            if old.get(section, {}).get(k) != new.get(section, {}).get(k)
+        )
         if diffs:
             log.warning("resuming with a changed configuration", section=section, keys=diffs)

@@ -16,7 +16,8 @@ Every rank writes from its live shards, not a copy, on a background thread when 
 is a periodic one: only an optimizer step changes them, and the next one waits until they are
 written (the checkpointer's fence), so training's forward and backward go on meanwhile. The
 model's tensors are split into parts (``file_index``: about 64 of them, each at least 64 MiB of
-full tensors), a file per rank and part: DCP's writer holds about twice one file's bytes. The writes' collectives run on the group's own checkpoint
+full tensors), a file per rank and part: DCP's writer holds about twice one file's bytes. The writes' collectives run
+on the group's own checkpoint
 process group (gloo), never on the one training uses. The directory is renamed complete by rank 0
 after every rank finished writing (DCP's save ends with a collective), so a complete ``step-N``
 always holds every shard.
@@ -140,8 +141,9 @@ def write_shards(staged: Staged, path: Path, group: Any = None) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-    writer = HuggingFaceStorageWriter(str(path / MODEL_DIR), fqn_to_index_mapping=file_index(staged.model),
-                                      save_distributed=True)
+    writer = HuggingFaceStorageWriter(
+        str(path / MODEL_DIR), fqn_to_index_mapping=file_index(staged.model), save_distributed=True
+    )
     dcp.save(staged.model, storage_writer=writer, process_group=group)
     dcp.save({"optimizer": staged.optimizer}, checkpoint_id=str(path / OPTIMIZER_DIR), process_group=group)
 
@@ -165,8 +167,10 @@ def check_shards(path: Path, world: int) -> None:
     missing = [name for name in expected if not (path / name).is_file()]
     if missing:
         shown = ", ".join(str(path / name) for name in missing[:4]) + (" ..." if len(missing) > 4 else "")
-        raise CheckpointError(f"the checkpoint misses {len(missing)} of its {world} ranks' files: {shown}; "
-                              "trainer.checkpoint_dir must be a directory every node sees (a shared file system)")
+        raise CheckpointError(
+            f"the checkpoint misses {len(missing)} of its {world} ranks' files: {shown}; "
+            "trainer.checkpoint_dir must be a directory every node sees (a shared file system)"
+        )
 
 
 def check_optimizer_path(path: Path, state: dict[str, Any]) -> None:
@@ -178,8 +182,10 @@ def check_optimizer_path(path: Path, state: dict[str, Any]) -> None:
     for key, fixed, what in (("optimizer_dcp", OPTIMIZER_DIR, "optimizer"), ("model_dcp", MODEL_DIR, "model")):
         named = state.get(key)
         if named is not None and named != fixed:
-            raise CheckpointError(f"checkpoint {path}: its trainer state names the {what} directory {named!r}; "
-                                  f"a checkpoint keeps it in {fixed!r} (refused, not followed)")
+            raise CheckpointError(
+                f"checkpoint {path}: its trainer state names the {what} directory {named!r}; "
+                f"a checkpoint keeps it in {fixed!r} (refused, not followed)"
+            )
 
 
 def check_verified(path: Path, table: dict[str, Any] | None) -> None:
@@ -192,17 +198,23 @@ def check_verified(path: Path, table: dict[str, Any] | None) -> None:
     if not present:
         return
     if table is None:
-        raise CheckpointError(f"checkpoint {path}: a sharded checkpoint without {CHECKSUM_FILE} is not loaded "
-                              "(its shards and metadata cannot be verified)")
+        raise CheckpointError(
+            f"checkpoint {path}: a sharded checkpoint without {CHECKSUM_FILE} is not loaded "
+            "(its shards and metadata cannot be verified)"
+        )
     for name in present:
         d = path / name
         if d.is_symlink() or not d.is_dir():
             raise CheckpointError(f"checkpoint {path}: {name} is not a directory of the checkpoint")
-        unlisted = sorted(str(p.relative_to(path)) for p in d.rglob("*")
-                          if (p.is_file() or p.is_symlink()) and str(p.relative_to(path)) not in table)
+        unlisted = sorted(
+            str(p.relative_to(path))
+            for p in d.rglob("*")
+            if (p.is_file() or p.is_symlink()) and str(p.relative_to(path)) not in table
+        )
         if unlisted:
-            raise CheckpointError(f"checkpoint {path}: files its {CHECKSUM_FILE} does not cover: "
-                                  f"{', '.join(unlisted[:4])}")
+            raise CheckpointError(
+                f"checkpoint {path}: files its {CHECKSUM_FILE} does not cover: {', '.join(unlisted[:4])}"
+            )
     if OPTIMIZER_DIR not in present:
         return
     opt = path / OPTIMIZER_DIR
@@ -231,8 +243,10 @@ def check_model_shards(path: Path, world: int, shapes: dict[str, list[int]] | No
     try:
         read_layout(path, world=world, shapes=shapes)
     except ShardError as exc:
-        raise CheckpointError(f"the checkpoint's model shards are incomplete: {exc}; trainer.checkpoint_dir must "
-                              "be a directory every node sees (a shared file system)") from exc
+        raise CheckpointError(
+            f"the checkpoint's model shards are incomplete: {exc}; trainer.checkpoint_dir must "
+            "be a directory every node sees (a shared file system)"
+        ) from exc
 
 
 def load_model_shards(path: Path, shapes: dict[str, list[int]] | None = None) -> dict[str, torch.Tensor]:
@@ -249,12 +263,25 @@ def load_model_shards(path: Path, shapes: dict[str, list[int]] | None = None) ->
 
 # DCP's metadata, as torch.distributed.checkpoint pickles it: these globals and no others.
 _METADATA_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-     ("collections", "OrderedDict")}
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
 _SHARD_FILE = re.compile(r"__\d+_\d+\.distcp")
 
 
@@ -284,7 +311,9 @@ def read_metadata(data: bytes) -> Any:
         rel = getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not isinstance(rel, str) or not _SHARD_FILE.fullmatch(rel):
-            raise CheckpointError(f"optimizer metadata refused: it names the file {rel!r}, not a shard of its directory")
+            raise CheckpointError(
+                f"optimizer metadata refused: it names the file {rel!r}, not a shard of its directory"
+            )
         if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
             raise CheckpointError(f"optimizer metadata refused: a shard range {offset!r}+{length!r}")
     return metadata
@@ -324,8 +353,9 @@ def _planner() -> Any:
     return WeightsOnlyPlanner()
 
 
-def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
-                   checkpoint: Path, *, world: int) -> None:
+def load_optimizer(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], checkpoint: Path, *, world: int
+) -> None:
     """Restore the optimizer of a (sharded or not) model from either checkpoint layout."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -348,15 +378,17 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sta
         try:
             dcp.load(box, storage_reader=_reader(directory), planner=_planner(), no_dist=world == 1)
         except (Exception, CheckpointException) as exc:  # DCP wraps what its reader and planner raise
-            raise CheckpointError(f"cannot load the optimizer shards of {checkpoint}: {type(exc).__name__}: "
-                                  f"{_first_line(exc)}") from exc
+            raise CheckpointError(
+                f"cannot load the optimizer shards of {checkpoint}: {type(exc).__name__}: {_first_line(exc)}"
+            ) from exc
         set_optimizer_state_dict(model, optimizer, optim_state_dict=box["optimizer"])
     elif world == 1:
         optimizer.load_state_dict(state["optimizer"])
     else:
         full = _named_optimizer_state(model, optimizer, state["optimizer"])
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=full,
-                                 options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(
+            model, optimizer, optim_state_dict=full, options=StateDictOptions(full_state_dict=True)
+        )
     if saved_ranks != world:
         log.info("optimizer state resharded", checkpoint=str(checkpoint), saved_ranks=saved_ranks, ranks=world)
 
@@ -368,19 +400,19 @@ def _first_line(exc: BaseException) -> str:
     for marker in ("refused", "Weights only load failed", "Unsupported global"):
         at = text.find(marker)
         if at >= 0:
-            return text[max(0, text.rfind("\n", 0, at) + 1):].split("\n", 1)[0][:400]
+            return text[max(0, text.rfind("\n", 0, at) + 1) :].split("\n", 1)[0][:400]
     return text.strip().splitlines()[-1][:400] if text.strip() else type(exc).__name__
 
 
-def _named_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                           indexed: dict[str, Any]) -> dict[str, Any]:
+def _named_optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, indexed: dict[str, Any]
+) -> dict[str, Any]:
     """A one-rank optimizer state dict (keyed by parameter index, in the optimizer's order) keyed
     by parameter name instead, as torch.distributed.checkpoint's full state dicts are."""
     names = {id(p): n for n, p in model.named_parameters()}
     ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     groups = []
     for g in indexed["param_groups"]:
-        groups.append({**{k: v for k, v in g.items() if k != "params"},
-                       "params": [ordered[i] for i in g["params"]]})
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [ordered[i] for i in g["params"]]})
     state = {ordered[int(i)]: dict(v) for i, v in indexed["state"].items()}
     return {"state": state, "param_groups": groups}

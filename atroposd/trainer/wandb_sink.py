@@ -155,10 +155,20 @@ class WandbSink:
         wanted: dict[str, Any] = {"console": "off", "silent": True, "x_disable_stats": True, "init_timeout": 60.0}
         known = getattr(wandb.Settings, "model_fields", wanted)
         settings = wandb.Settings(**{k: v for k, v in wanted.items() if k in known})
-        run = wandb.init(project=w.project, entity=w.entity or None, group=self.group or None,
-                         name=w.name or None, tags=list(w.tags) or None, mode=w.mode, id=self.run_id or None,
-                         resume="allow", dir=str(self.state_dir), config=self.config_dict, settings=settings,
-                         reinit="create_new")
+        run = wandb.init(
+            project=w.project,
+            entity=w.entity or None,
+            group=self.group or None,
+            name=w.name or None,
+            tags=list(w.tags) or None,
+            mode=w.mode,
+            id=self.run_id or None,
+            resume="allow",
+            dir=str(self.state_dir),
+            config=self.config_dict,
+            settings=settings,
+            reinit="create_new",
+        )
         run.define_metric("step")
         run.define_metric("*", step_metric="step")
         self.run_dir = str(getattr(run, "dir", "") or "")

@@ -82,8 +82,16 @@ def plan_layout(sizes: dict[str, int], max_segment_bytes: int = DEFAULT_SEGMENT_
 class ParameterArena:
     """A model whose tensors live in exported buffers (one export; see the module docstring)."""
 
-    def __init__(self, *, nonce: str, transport: str, model: torch.nn.Module, tensors: ModelTensors,
-                 segments: list[Segment], slots: list[Slot]) -> None:
+    def __init__(
+        self,
+        *,
+        nonce: str,
+        transport: str,
+        model: torch.nn.Module,
+        tensors: ModelTensors,
+        segments: list[Segment],
+        slots: list[Slot],
+    ) -> None:
         self.nonce = nonce
         self.transport = transport
         self.model = model
@@ -96,8 +104,9 @@ class ParameterArena:
         self._released = False
 
     @classmethod
-    def create(cls, model: torch.nn.Module, *, nonce: str, max_segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-               first_index: int = 0) -> ParameterArena:
+    def create(
+        cls, model: torch.nn.Module, *, nonce: str, max_segment_bytes: int = DEFAULT_SEGMENT_BYTES, first_index: int = 0
+    ) -> ParameterArena:
         """Move ``model``'s tensors into new buffers (shm on CPU, CUDA IPC on GPU).
 
         Segments are numbered from ``first_index`` (``atroposd-<nonce>-<tag>-<n>``, one random
@@ -106,8 +115,10 @@ class ParameterArena:
         mt = model_tensors(model)
         devices = {t.device for t in mt.tensors.values()}
         if len(devices) != 1:
-            raise ValueError(f"the model's tensors are on several devices ({sorted(map(str, devices))}); "
-                             "one device is required for weight exchange")
+            raise ValueError(
+                f"the model's tensors are on several devices ({sorted(map(str, devices))}); "
+                "one device is required for weight exchange"
+            )
         device = devices.pop()
         for name, t in mt.tensors.items():
             dtype_name(t.dtype)  # raises on a dtype that cannot be exchanged
@@ -143,8 +154,13 @@ class ParameterArena:
                 seg.unlink()
             raise
         arena = cls(nonce=nonce, transport=transport, model=model, tensors=mt, segments=segments, slots=slots)
-        log.info("parameters moved into exported buffers", transport=transport, segments=len(segments),
-                 bytes=sum(seg_sizes), tensors=len(slots))
+        log.info(
+            "parameters moved into exported buffers",
+            transport=transport,
+            segments=len(segments),
+            bytes=sum(seg_sizes),
+            tensors=len(slots),
+        )
         return arena
 
     @property
@@ -171,8 +187,10 @@ class ParameterArena:
         for slot in self.slots:
             t = current.tensors.get(slot.name)
             if t is None or not _is_view_of(t, self.segments[slot.segment]):
-                raise RuntimeError(f"tensor {slot.name!r} was moved out of the exported buffers; the model must "
-                                   "not be re-allocated after attach")
+                raise RuntimeError(
+                    f"tensor {slot.name!r} was moved out of the exported buffers; the model must "
+                    "not be re-allocated after attach"
+                )
 
     def manifest(self, weight_version: int, *, with_checksums: bool = True) -> Manifest:
         """Describe the current contents as export ``export_id`` (incremented per call)."""
@@ -183,19 +201,35 @@ class ParameterArena:
             if self.transport == "cuda_ipc":
                 handle, uuid = seg.export_handle()  # type: ignore[attr-defined]
             index = int(seg.name.rsplit("-", 1)[1])
-            seg_refs.append(SegmentRef(index=index, name=seg.name, size=seg.size, handle=handle,
-                                       device_uuid=uuid))
+            seg_refs.append(SegmentRef(index=index, name=seg.name, size=seg.size, handle=handle, device_uuid=uuid))
         entries = []
         for slot in self.slots:
             t = self.tensors.tensors[slot.name]
-            entries.append(TensorEntry(name=slot.name, dtype=dtype_name(t.dtype), shape=tuple(t.shape),
-                                       stride=contiguous_stride(tuple(t.shape)),
-                                       segment=seg_refs[slot.segment].index, offset=slot.offset,
-                                       nbytes=slot.nbytes, checksum=checksum(t) if with_checksums else None))
-        return Manifest(nonce=self.nonce, exporter_pid=os.getpid(), exporter_start_time=self._start_time,
-                        export_id=self.export_id, weight_version=weight_version, transport=self.transport,
-                        segments=tuple(seg_refs), tensors=tuple(entries), tied=dict(self.tensors.tied),
-                        lora=self._lora, created_at=time.time())
+            entries.append(
+                TensorEntry(
+                    name=slot.name,
+                    dtype=dtype_name(t.dtype),
+                    shape=tuple(t.shape),
+                    stride=contiguous_stride(tuple(t.shape)),
+                    segment=seg_refs[slot.segment].index,
+                    offset=slot.offset,
+                    nbytes=slot.nbytes,
+                    checksum=checksum(t) if with_checksums else None,
+                )
+            )
+        return Manifest(
+            nonce=self.nonce,
+            exporter_pid=os.getpid(),
+            exporter_start_time=self._start_time,
+            export_id=self.export_id,
+            weight_version=weight_version,
+            transport=self.transport,
+            segments=tuple(seg_refs),
+            tensors=tuple(entries),
+            tied=dict(self.tensors.tied),
+            lora=self._lora,
+            created_at=time.time(),
+        )
 
     def release(self) -> None:
         """Copy the tensors back to private memory, then unmap and unlink every buffer."""

@@ -63,8 +63,17 @@ from atroposd.weights.manifest import (
 from atroposd.weights.protocol import WeightUpdateError
 from atroposd.weights.tensors import tensor_digest
 
-__all__ = ["BACKENDS", "BroadcastFormTimeout", "BroadcastGroup", "BroadcastHub", "BroadcastReceiver", "Layout",
-           "layout", "pack", "tensor_digest"]
+__all__ = [
+    "BACKENDS",
+    "BroadcastFormTimeout",
+    "BroadcastGroup",
+    "BroadcastHub",
+    "BroadcastReceiver",
+    "Layout",
+    "layout",
+    "pack",
+    "tensor_digest",
+]
 
 log = get_logger(__name__)
 
@@ -126,7 +135,7 @@ def pack(lay: Layout, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | N
     with torch.no_grad():
         for s in lay.slots:
             t = tensors[s.name].detach().contiguous()
-            out[s.offset:s.offset + s.nbytes].copy_(t.reshape(-1).view(torch.uint8))
+            out[s.offset : s.offset + s.nbytes].copy_(t.reshape(-1).view(torch.uint8))
     return out
 
 
@@ -147,8 +156,7 @@ def _loopback(host: str) -> bool:
 class BroadcastGroup:
     """One formed group: rank ``rank`` of ``world``; rank 0 (the trainer) sends."""
 
-    def __init__(self, pg: Any, *, rank: int, world: int, backend: str, device: torch.device,
-                 formation: str) -> None:
+    def __init__(self, pg: Any, *, rank: int, world: int, backend: str, device: torch.device, formation: str) -> None:
         self.pg = pg
         self.rank = rank
         self.world = world
@@ -158,8 +166,18 @@ class BroadcastGroup:
         self.closed = False
 
     @classmethod
-    def build(cls, store: Any, *, rank: int, world: int, backend: str, device: torch.device, host: str,
-              timeout_s: float, formation: str) -> BroadcastGroup:
+    def build(
+        cls,
+        store: Any,
+        *,
+        rank: int,
+        world: int,
+        backend: str,
+        device: torch.device,
+        host: str,
+        timeout_s: float,
+        formation: str,
+    ) -> BroadcastGroup:
         """The backend object itself (never the default group). gloo is pinned to loopback when
         the store is on loopback (one node)."""
         import torch.distributed as dist
@@ -167,8 +185,11 @@ class BroadcastGroup:
         if backend == "gloo":
             opts = getattr(dist.ProcessGroupGloo, "_Options")()  # noqa: B009 - untyped in torch's stubs
             opts._timeout = _timeout(timeout_s)
-            dev = dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") if _loopback(host) else \
-                dist.ProcessGroupGloo.create_default_device()
+            dev = (
+                dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+                if _loopback(host)
+                else dist.ProcessGroupGloo.create_default_device()
+            )
             opts._devices = [dev]
             pg: Any = dist.ProcessGroupGloo(store, rank, world, opts)
         elif backend == "nccl":  # pragma: no cover - needs GPUs (NCCL refuses two ranks on one GPU)
@@ -215,8 +236,9 @@ class BroadcastGroup:
 class BroadcastHub:
     """The trainer's side: the store the groups meet through, and each formation."""
 
-    def __init__(self, *, secret: str, backend: str = "gloo", device: torch.device | None = None,
-                 host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, *, secret: str, backend: str = "gloo", device: torch.device | None = None, host: str = "127.0.0.1"
+    ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown broadcast backend {backend!r} (one of {', '.join(BACKENDS)})")
         self.secret = secret
@@ -241,9 +263,15 @@ class BroadcastHub:
                     sock.bind((self.host, 0))
                     sock.listen(256)
                     self.port = int(sock.getsockname()[1])
-                    self._store = dist.TCPStore(self.host, self.port, is_master=True,
-                                                master_listen_fd=sock.fileno(), wait_for_workers=False,
-                                                use_libuv=False, timeout=_timeout(STORE_TIMEOUT_S))
+                    self._store = dist.TCPStore(
+                        self.host,
+                        self.port,
+                        is_master=True,
+                        master_listen_fd=sock.fileno(),
+                        wait_for_workers=False,
+                        use_libuv=False,
+                        timeout=_timeout(STORE_TIMEOUT_S),
+                    )
                 except BaseException:
                     sock.close()
                     raise
@@ -262,11 +290,18 @@ class BroadcastHub:
 
     def join_request(self, prefix: str, *, deadline_s: float, timeout_s: float) -> dict[str, Any]:
         self.store()
-        return {"op": "join", "store": self.address, "prefix": prefix, "backend": self.backend,
-                "deadline_s": float(deadline_s), "timeout_s": float(timeout_s)}
+        return {
+            "op": "join",
+            "store": self.address,
+            "prefix": prefix,
+            "backend": self.backend,
+            "deadline_s": float(deadline_s),
+            "timeout_s": float(timeout_s),
+        }
 
-    def form(self, prefix: str, *, deadline_s: float, timeout_s: float,
-             cancelled: Callable[[], bool] = lambda: False) -> BroadcastGroup:
+    def form(
+        self, prefix: str, *, deadline_s: float, timeout_s: float, cancelled: Callable[[], bool] = lambda: False
+    ) -> BroadcastGroup:
         """Rank 0 of the formation under ``prefix`` (blocking): wait up to ``deadline_s`` for the
         replica's workers, then build the group (its ops bounded by ``timeout_s``)."""
         import torch.distributed as dist
@@ -285,12 +320,23 @@ class BroadcastHub:
             if cancelled():
                 raise BroadcastFormTimeout("the broadcast group was abandoned while it formed")
             if time.monotonic() > deadline:
-                what = "the replica never joined" if not world else \
-                    f"worker rank(s) {', '.join(map(str, missing))} of {world - 1} never arrived"
+                what = (
+                    "the replica never joined"
+                    if not world
+                    else f"worker rank(s) {', '.join(map(str, missing))} of {world - 1} never arrived"
+                )
                 raise BroadcastFormTimeout(f"the broadcast group did not form within {deadline_s:g} s: {what}")
             time.sleep(FORM_POLL_S)
-        group = BroadcastGroup.build(scoped, rank=0, world=world, backend=self.backend, device=self.device,
-                                     host=self.host, timeout_s=timeout_s, formation=prefix)
+        group = BroadcastGroup.build(
+            scoped,
+            rank=0,
+            world=world,
+            backend=self.backend,
+            device=self.device,
+            host=self.host,
+            timeout_s=timeout_s,
+            formation=prefix,
+        )
         return group
 
     def close(self) -> None:
@@ -365,21 +411,27 @@ def parse_plan(body: Mapping[str, Any]) -> list[list[tuple[str, TensorSpec]]]:
             count += 1
             if count > MAX_TENSORS:
                 raise WeightUpdateError("broadcast plan names too many tensors")
-            if (not isinstance(entry, list) or len(entry) != 3 or not isinstance(entry[0], str)
-                    or not isinstance(entry[1], str) or not isinstance(entry[2], list)
-                    or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40
-                               for d in entry[2])):
+            if (
+                not isinstance(entry, list)
+                or len(entry) != 3
+                or not isinstance(entry[0], str)
+                or not isinstance(entry[1], str)
+                or not isinstance(entry[2], list)
+                or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in entry[2])
+            ):
                 raise WeightUpdateError(f"broadcast tensor entry must be [name, dtype, [dims...]], got {entry!r:.200}")
             if entry[1] not in ALLOWED_DTYPES:
-                raise WeightUpdateError(f"tensor {entry[0]!r}: dtype {entry[1]!r} is not allowed "
-                                        f"(allowed: {', '.join(ALLOWED_DTYPES)})")
+                raise WeightUpdateError(
+                    f"tensor {entry[0]!r}: dtype {entry[1]!r} is not allowed (allowed: {', '.join(ALLOWED_DTYPES)})"
+                )
             out.append((entry[0], TensorSpec(entry[1], tuple(entry[2]))))
         plan.append(out)
     return plan
 
 
-def check_plan(plan: Sequence[Sequence[tuple[str, TensorSpec]]], mine: Mapping[str, TensorSpec],
-               tied: Mapping[str, str]) -> list[dict[str, str]]:
+def check_plan(
+    plan: Sequence[Sequence[tuple[str, TensorSpec]]], mine: Mapping[str, TensorSpec], tied: Mapping[str, str]
+) -> list[dict[str, str]]:
     """Every tensor of the importer's (``mine``, aliases ``tied``) arrives exactly once, with its
     dtype and shape, nothing extra; per bucket, importer name → sent name."""
     sent: dict[str, TensorSpec] = {}
@@ -423,15 +475,21 @@ class BroadcastReceiver:
         if not 1 <= rank < world:
             raise WeightUpdateError(f"broadcast rank {rank} is outside 1..{world - 1}")
         self.leave()
-        store = dist.TCPStore(req.host, req.port, is_master=False, timeout=_timeout(req.deadline_s),
-                              use_libuv=False)
+        store = dist.TCPStore(req.host, req.port, is_master=False, timeout=_timeout(req.deadline_s), use_libuv=False)
         scoped = dist.PrefixStore(req.prefix, store)
         if rank == 1:
             scoped.set("world", str(world))
         scoped.set(f"arrived/{rank}", str(time.time()))
-        self.group = BroadcastGroup.build(scoped, rank=rank, world=world, backend=req.backend,
-                                          device=device if req.backend == "nccl" else torch.device("cpu"),
-                                          host=req.host, timeout_s=req.timeout_s, formation=req.prefix)
+        self.group = BroadcastGroup.build(
+            scoped,
+            rank=rank,
+            world=world,
+            backend=req.backend,
+            device=device if req.backend == "nccl" else torch.device("cpu"),
+            host=req.host,
+            timeout_s=req.timeout_s,
+            formation=req.prefix,
+        )
         self.joins += 1
         log.info("joined the broadcast group", formation=req.prefix, backend=req.backend, rank=rank, world=world)
         return {"formation": req.prefix, "world": world}
@@ -441,8 +499,9 @@ class BroadcastReceiver:
         if group is not None:
             group.close()
 
-    def check(self, body: Mapping[str, Any], model: torch.nn.Module) -> tuple[str, int, list[Layout],
-                                                                           list[dict[str, str]], bool]:
+    def check(
+        self, body: Mapping[str, Any], model: torch.nn.Module
+    ) -> tuple[str, int, list[Layout], list[dict[str, str]], bool]:
         """Validate a receive request against ``model`` before anything moves: the formation is
         the one joined, every tensor of the model arrives exactly once with its dtype and shape.
         Returns (formation, version, layouts, per-bucket importer → sent name, digest)."""
@@ -450,8 +509,10 @@ class BroadcastReceiver:
 
         formation = _get(body, "formation", str)
         if self.group is None or self.group.formation != formation:
-            raise WeightUpdateError(f"broadcast formation {formation!r} is not the group this replica joined "
-                                    f"({self.group.formation if self.group else 'none'}); join again")
+            raise WeightUpdateError(
+                f"broadcast formation {formation!r} is not the group this replica joined "
+                f"({self.group.formation if self.group else 'none'}); join again"
+            )
         version = _get(body, "weight_version", int)
         if version < 0:
             raise WeightUpdateError("'weight_version' must be non-negative")
@@ -471,11 +532,10 @@ class BroadcastReceiver:
             raise WeightUpdateError("no broadcast group (join first)")
         if self._buf is None or self._buf.numel() < lay.size or self._buf.device != group.device:
             self._buf = torch.empty(max(lay.size, 1), dtype=torch.uint8, device=group.device)
-        buf = self._buf[:lay.size]
+        buf = self._buf[: lay.size]
         group.broadcast(buf)
         self.received += 1
-        return {s.name: buf[s.offset:s.offset + s.nbytes].view(torch_dtype(s.dtype)).view(s.shape)
-                for s in lay.slots}
+        return {s.name: buf[s.offset : s.offset + s.nbytes].view(torch_dtype(s.dtype)).view(s.shape) for s in lay.slots}
 
     def receive(self, lay: Layout, targets: Mapping[str, torch.Tensor], source: Mapping[str, str]) -> int:
         """One bucket: receive it whole, then copy each tensor into ``targets`` (importer names)."""
@@ -496,8 +556,9 @@ class BroadcastEndpoint:
         self._task: Any = None
         self._key: tuple[str, int] | None = None
 
-    async def handle(self, body: Any, *, model: torch.nn.Module, state: Any, require_paused: Callable[[], None],
-                     compute: Any) -> dict[str, Any]:
+    async def handle(
+        self, body: Any, *, model: torch.nn.Module, state: Any, require_paused: Callable[[], None], compute: Any
+    ) -> dict[str, Any]:
         import asyncio
 
         from atroposd.weights.receiver import BucketProgress
@@ -538,8 +599,12 @@ class BroadcastEndpoint:
                     raise
                 state.buckets = None
                 state.weight_version = version
-                out: dict[str, Any] = {"weight_version": version, "buckets": len(layouts), "bytes": moved,
-                                       "seconds": round(time.perf_counter() - t0, 6)}
+                out: dict[str, Any] = {
+                    "weight_version": version,
+                    "buckets": len(layouts),
+                    "bytes": moved,
+                    "seconds": round(time.perf_counter() - t0, 6),
+                }
                 if digest:
                     out["digests"] = {n: tensor_digest(t) for n, t in targets.items()}
                 return out
@@ -561,10 +626,16 @@ class BroadcastEndpoint:
             except WeightUpdateError:
                 raise
             except Exception as exc:
-                raise WeightUpdateError(f"the broadcast of weight_version {version} failed: "
-                                        f"{type(exc).__name__}: {str(exc)[:300]}") from None
-            log.info("weights received by broadcast", weight_version=version, buckets=result["buckets"],
-                     bytes=result["bytes"], seconds=result["seconds"])
+                raise WeightUpdateError(
+                    f"the broadcast of weight_version {version} failed: {type(exc).__name__}: {str(exc)[:300]}"
+                ) from None
+            log.info(
+                "weights received by broadcast",
+                weight_version=version,
+                buckets=result["buckets"],
+                bytes=result["bytes"],
+                seconds=result["seconds"],
+            )
             return result
         raise WeightUpdateError(f"unknown broadcast op {op!r} (join, receive, finish, leave)")
 

@@ -37,9 +37,11 @@ class WeightControlClient:
     async def _ensure(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             connector = aiohttp.UnixConnector(path=str(self.socket_path))
-            self._session = aiohttp.ClientSession(connector=connector,
-                                                  timeout=aiohttp.ClientTimeout(total=self.timeout),
-                                                  json_serialize=lambda o: orjson.dumps(o).decode())
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                json_serialize=lambda o: orjson.dumps(o).decode(),
+            )
         return self._session
 
     async def request(self, method: str, route: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -48,12 +50,14 @@ class WeightControlClient:
             async with session.request(method, f"http://inference{route}", json=body) as resp:
                 raw = await resp.read()
         except aiohttp.ClientConnectionError as exc:
-            raise WeightControlError(f"{method} {route}: inference control socket {self.socket_path} is not "
-                                     f"reachable ({exc})") from exc
+            raise WeightControlError(
+                f"{method} {route}: inference control socket {self.socket_path} is not reachable ({exc})"
+            ) from exc
         except (TimeoutError, asyncio.TimeoutError) as exc:
             # Bounded by its own deadline: a server that does not answer counts as unreachable.
-            raise WeightControlError(f"{method} {route}: the inference server did not answer within "
-                                     f"{self.timeout:g}s", timed_out=True) from exc
+            raise WeightControlError(
+                f"{method} {route}: the inference server did not answer within {self.timeout:g}s", timed_out=True
+            ) from exc
         try:
             data = orjson.loads(raw) if raw else {}
         except orjson.JSONDecodeError:
@@ -69,7 +73,9 @@ class WeightControlClient:
     async def resume(self, weight_version: int) -> dict[str, Any]:
         return await self.request("POST", "/resume", {"weight_version": weight_version})
 
-    async def update_weights(self, manifest: Path, mode: str, weight_version: int, digest: bool = False) -> dict[str, Any]:
+    async def update_weights(
+        self, manifest: Path, mode: str, weight_version: int, digest: bool = False
+    ) -> dict[str, Any]:
         """``digest``: a bucket's answer carries the sha256 of each tensor it copied (tests' bit-for-bit check)."""
         body: dict[str, Any] = {"manifest": str(manifest), "mode": mode, "weight_version": weight_version}
         if digest:

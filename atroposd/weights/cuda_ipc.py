@@ -34,8 +34,15 @@ import torch
 
 from atroposd.weights.manifest import CudaIpcHandle
 
-__all__ = ["CudaSegment", "device_index_for_uuid", "device_uuid", "handle_args", "handle_from_args", "ipc_collect",
-           "rebuild_segment"]
+__all__ = [
+    "CudaSegment",
+    "device_index_for_uuid",
+    "device_uuid",
+    "handle_args",
+    "handle_from_args",
+    "ipc_collect",
+    "rebuild_segment",
+]
 
 # torch.multiprocessing.reductions.reduce_tensor's arguments for rebuild_cuda_tensor:
 # (tensor_cls, size, stride, tensor_offset, storage_cls, dtype, device, storage_handle,
@@ -48,27 +55,69 @@ def handle_from_args(args: tuple[Any, ...]) -> CudaIpcHandle:
     """The manifest's fields of ``reduce_tensor(flat_uint8_buffer)[1]``; refuses anything but a
     whole contiguous ``uint8`` tensor (what the importer will rebuild)."""
     if len(args) != _REDUCE_FIELDS:
-        raise RuntimeError(f"torch's reduce_tensor gave {len(args)} fields, expected {_REDUCE_FIELDS}: this torch "
-                           "version's CUDA IPC export is not supported")
-    (tensor_cls, size, stride, offset, storage_cls, dtype, _device, storage_handle, storage_size_bytes,
-     storage_offset_bytes, requires_grad, ref_counter_handle, ref_counter_offset, event_handle,
-     event_sync_required) = args
-    if (tensor_cls is not torch.Tensor or storage_cls is not torch.storage.TypedStorage or dtype != torch.uint8
-            or len(size) != 1 or tuple(stride) != (1,) or offset != 0 or requires_grad):
+        raise RuntimeError(
+            f"torch's reduce_tensor gave {len(args)} fields, expected {_REDUCE_FIELDS}: this torch "
+            "version's CUDA IPC export is not supported"
+        )
+    (
+        tensor_cls,
+        size,
+        stride,
+        offset,
+        storage_cls,
+        dtype,
+        _device,
+        storage_handle,
+        storage_size_bytes,
+        storage_offset_bytes,
+        requires_grad,
+        ref_counter_handle,
+        ref_counter_offset,
+        event_handle,
+        event_sync_required,
+    ) = args
+    if (
+        tensor_cls is not torch.Tensor
+        or storage_cls is not torch.storage.TypedStorage
+        or dtype != torch.uint8
+        or len(size) != 1
+        or tuple(stride) != (1,)
+        or offset != 0
+        or requires_grad
+    ):
         raise RuntimeError("a CUDA IPC export must be a whole flat uint8 tensor")
-    return CudaIpcHandle(numel=int(size[0]), storage_handle=bytes(storage_handle),
-                         storage_size_bytes=int(storage_size_bytes), storage_offset_bytes=int(storage_offset_bytes),
-                         ref_counter_handle=bytes(ref_counter_handle), ref_counter_offset=int(ref_counter_offset),
-                         event_handle=bytes(event_handle) if event_handle is not None else None,
-                         event_sync_required=bool(event_sync_required))
+    return CudaIpcHandle(
+        numel=int(size[0]),
+        storage_handle=bytes(storage_handle),
+        storage_size_bytes=int(storage_size_bytes),
+        storage_offset_bytes=int(storage_offset_bytes),
+        ref_counter_handle=bytes(ref_counter_handle),
+        ref_counter_offset=int(ref_counter_offset),
+        event_handle=bytes(event_handle) if event_handle is not None else None,
+        event_sync_required=bool(event_sync_required),
+    )
 
 
 def handle_args(handle: CudaIpcHandle, device_index: int) -> tuple[Any, ...]:
     """``rebuild_cuda_tensor``'s arguments for ``handle`` on this process's ``device_index``;
     the classes are the importer's own, never read from the manifest."""
-    return (torch.Tensor, torch.Size([handle.numel]), (1,), 0, torch.storage.TypedStorage, torch.uint8,
-            device_index, handle.storage_handle, handle.storage_size_bytes, handle.storage_offset_bytes, False,
-            handle.ref_counter_handle, handle.ref_counter_offset, handle.event_handle, handle.event_sync_required)
+    return (
+        torch.Tensor,
+        torch.Size([handle.numel]),
+        (1,),
+        0,
+        torch.storage.TypedStorage,
+        torch.uint8,
+        device_index,
+        handle.storage_handle,
+        handle.storage_size_bytes,
+        handle.storage_offset_bytes,
+        False,
+        handle.ref_counter_handle,
+        handle.ref_counter_offset,
+        handle.event_handle,
+        handle.event_sync_required,
+    )
 
 
 def device_uuid(device: torch.device) -> str:
@@ -101,7 +150,7 @@ class CudaSegment:
     def view(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """A tensor of ``shape`` over bytes ``[offset, offset + nbytes)`` of the buffer."""
         assert self.buffer is not None
-        return self.buffer[offset:offset + nbytes].view(dtype).view(shape)
+        return self.buffer[offset : offset + nbytes].view(dtype).view(shape)
 
     def owns(self, t: torch.Tensor) -> bool:
         if self.buffer is None or t.device != self.buffer.device:

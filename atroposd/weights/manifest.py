@@ -97,31 +97,49 @@ class CudaIpcHandle:
     _INTS = ("numel", "storage_size_bytes", "storage_offset_bytes", "ref_counter_offset")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"numel": self.numel, "storage_handle": _b64(self.storage_handle),
-                "storage_size_bytes": self.storage_size_bytes, "storage_offset_bytes": self.storage_offset_bytes,
-                "ref_counter_handle": _b64(self.ref_counter_handle), "ref_counter_offset": self.ref_counter_offset,
-                "event_handle": _b64(self.event_handle) if self.event_handle is not None else None,
-                "event_sync_required": self.event_sync_required}
+        return {
+            "numel": self.numel,
+            "storage_handle": _b64(self.storage_handle),
+            "storage_size_bytes": self.storage_size_bytes,
+            "storage_offset_bytes": self.storage_offset_bytes,
+            "ref_counter_handle": _b64(self.ref_counter_handle),
+            "ref_counter_offset": self.ref_counter_offset,
+            "event_handle": _b64(self.event_handle) if self.event_handle is not None else None,
+            "event_sync_required": self.event_sync_required,
+        }
 
     @classmethod
     def from_dict(cls, raw: Any, what: str) -> CudaIpcHandle:
-        fields = ("numel", "storage_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle",
-                  "ref_counter_offset", "event_handle", "event_sync_required")
+        fields = (
+            "numel",
+            "storage_handle",
+            "storage_size_bytes",
+            "storage_offset_bytes",
+            "ref_counter_handle",
+            "ref_counter_offset",
+            "event_handle",
+            "event_sync_required",
+        )
         if not isinstance(raw, dict) or set(raw) != set(fields):
-            raise ManifestError(f"{what}: a CUDA IPC handle must be an object with exactly the fields "
-                                f"{', '.join(fields)}")
+            raise ManifestError(
+                f"{what}: a CUDA IPC handle must be an object with exactly the fields {', '.join(fields)}"
+            )
         for key in cls._INTS:
             if _int(raw[key], f"{what} {key}") < 0:
                 raise ManifestError(f"{what} {key} must be ≥ 0")
         if not isinstance(raw["event_sync_required"], bool):
             raise ManifestError(f"{what} event_sync_required must be true or false")
         event = raw["event_handle"]
-        return cls(numel=raw["numel"], storage_handle=_unb64(raw["storage_handle"], f"{what} storage_handle"),
-                   storage_size_bytes=raw["storage_size_bytes"], storage_offset_bytes=raw["storage_offset_bytes"],
-                   ref_counter_handle=_unb64(raw["ref_counter_handle"], f"{what} ref_counter_handle"),
-                   ref_counter_offset=raw["ref_counter_offset"],
-                   event_handle=_unb64(event, f"{what} event_handle") if event is not None else None,
-                   event_sync_required=raw["event_sync_required"])
+        return cls(
+            numel=raw["numel"],
+            storage_handle=_unb64(raw["storage_handle"], f"{what} storage_handle"),
+            storage_size_bytes=raw["storage_size_bytes"],
+            storage_offset_bytes=raw["storage_offset_bytes"],
+            ref_counter_handle=_unb64(raw["ref_counter_handle"], f"{what} ref_counter_handle"),
+            ref_counter_offset=raw["ref_counter_offset"],
+            event_handle=_unb64(event, f"{what} event_handle") if event is not None else None,
+            event_sync_required=raw["event_sync_required"],
+        )
 
 
 def _b64(data: bytes) -> str:
@@ -238,15 +256,37 @@ class Manifest:
 
     def to_json(self) -> bytes:
         data = {
-            "format": self.format, "nonce": self.nonce, "exporter_pid": self.exporter_pid,
-            "exporter_start_time": self.exporter_start_time, "export_id": self.export_id,
-            "weight_version": self.weight_version, "transport": self.transport, "created_at": self.created_at,
-            "segments": [{"index": s.index, "name": s.name, "size": s.size,
-                          "handle": s.handle.to_dict() if s.handle is not None else None,
-                          "device_uuid": s.device_uuid} for s in self.segments],
-            "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "stride": list(t.stride),
-                         "segment": t.segment, "offset": t.offset, "nbytes": t.nbytes, "checksum": t.checksum}
-                        for t in self.tensors],
+            "format": self.format,
+            "nonce": self.nonce,
+            "exporter_pid": self.exporter_pid,
+            "exporter_start_time": self.exporter_start_time,
+            "export_id": self.export_id,
+            "weight_version": self.weight_version,
+            "transport": self.transport,
+            "created_at": self.created_at,
+            "segments": [
+                {
+                    "index": s.index,
+                    "name": s.name,
+                    "size": s.size,
+                    "handle": s.handle.to_dict() if s.handle is not None else None,
+                    "device_uuid": s.device_uuid,
+                }
+                for s in self.segments
+            ],
+            "tensors": [
+                {
+                    "name": t.name,
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    "stride": list(t.stride),
+                    "segment": t.segment,
+                    "offset": t.offset,
+                    "nbytes": t.nbytes,
+                    "checksum": t.checksum,
+                }
+                for t in self.tensors
+            ],
             "tied": dict(self.tied),
             "lora": dict(self.lora) if self.lora is not None else None,
             "bucket": {"index": self.bucket.index, "count": self.bucket.count} if self.bucket is not None else None,
@@ -263,25 +303,38 @@ class Manifest:
             raise ManifestError("manifest must be a JSON object")
         try:
             if data.get("format") != FORMAT_VERSION:
-                raise ManifestError(f"unsupported manifest format {data.get('format')!r} "
-                                    f"(expected {FORMAT_VERSION})")
-            segments = tuple(SegmentRef(index=_int(s["index"], "segment index"), name=str(s["name"]),
-                                        size=_int(s["size"], f"segment {s['name']} size"),
-                                        handle=(CudaIpcHandle.from_dict(s["handle"], f"segment {s['name']} handle")
-                                                if s.get("handle") is not None else None),
-                                        device_uuid=_opt_str(s.get("device_uuid"), f"segment {s['name']} device_uuid"))
-                             for s in data["segments"])
-            tensors = tuple(TensorEntry(name=str(t["name"]), dtype=str(t["dtype"]),
-                                        shape=tuple(_int(d, f"{t['name']} shape") for d in t["shape"]),
-                                        stride=tuple(_int(d, f"{t['name']} stride") for d in t["stride"]),
-                                        segment=_int(t["segment"], f"{t['name']} segment"),
-                                        offset=_int(t["offset"], f"{t['name']} offset"),
-                                        nbytes=_int(t["nbytes"], f"{t['name']} nbytes"),
-                                        checksum=t.get("checksum"))
-                            for t in data["tensors"])
+                raise ManifestError(f"unsupported manifest format {data.get('format')!r} (expected {FORMAT_VERSION})")
+            segments = tuple(
+                SegmentRef(
+                    index=_int(s["index"], "segment index"),
+                    name=str(s["name"]),
+                    size=_int(s["size"], f"segment {s['name']} size"),
+                    handle=(
+                        CudaIpcHandle.from_dict(s["handle"], f"segment {s['name']} handle")
+                        if s.get("handle") is not None
+                        else None
+                    ),
+                    device_uuid=_opt_str(s.get("device_uuid"), f"segment {s['name']} device_uuid"),
+                )
+                for s in data["segments"]
+            )
+            tensors = tuple(
+                TensorEntry(
+                    name=str(t["name"]),
+                    dtype=str(t["dtype"]),
+                    shape=tuple(_int(d, f"{t['name']} shape") for d in t["shape"]),
+                    stride=tuple(_int(d, f"{t['name']} stride") for d in t["stride"]),
+                    segment=_int(t["segment"], f"{t['name']} segment"),
+                    offset=_int(t["offset"], f"{t['name']} offset"),
+                    nbytes=_int(t["nbytes"], f"{t['name']} nbytes"),
+                    checksum=t.get("checksum"),
+                )
+                for t in data["tensors"]
+            )
             tied = data.get("tied") or {}
-            if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                     for k, v in tied.items()):
+            if not isinstance(tied, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in tied.items()
+            ):
                 raise ManifestError("'tied' must map tensor names to tensor names")
             raw_bucket = data.get("bucket")
             bucket = None
@@ -289,12 +342,20 @@ class Manifest:
                 if not isinstance(raw_bucket, dict) or set(raw_bucket) != {"index", "count"}:
                     raise ManifestError("'bucket' must be an object with exactly the fields index, count")
                 bucket = BucketRef(_int(raw_bucket["index"], "bucket index"), _int(raw_bucket["count"], "bucket count"))
-            return cls(nonce=str(data["nonce"]), exporter_pid=_int(data["exporter_pid"], "exporter_pid"),
-                       exporter_start_time=_int(data["exporter_start_time"], "exporter_start_time"),
-                       export_id=_int(data["export_id"], "export_id"),
-                       weight_version=_int(data["weight_version"], "weight_version"),
-                       transport=str(data["transport"]), segments=segments, tensors=tensors, tied=tied,
-                       lora=data.get("lora"), created_at=float(data.get("created_at", 0.0)), bucket=bucket)
+            return cls(
+                nonce=str(data["nonce"]),
+                exporter_pid=_int(data["exporter_pid"], "exporter_pid"),
+                exporter_start_time=_int(data["exporter_start_time"], "exporter_start_time"),
+                export_id=_int(data["export_id"], "export_id"),
+                weight_version=_int(data["weight_version"], "weight_version"),
+                transport=str(data["transport"]),
+                segments=segments,
+                tensors=tensors,
+                tied=tied,
+                lora=data.get("lora"),
+                created_at=float(data.get("created_at", 0.0)),
+                bucket=bucket,
+            )
         except (KeyError, TypeError) as exc:
             raise ManifestError(f"manifest is missing or mistypes a field: {exc!r}") from None
 
@@ -303,8 +364,14 @@ class Manifest:
         write_atomic(path, self.to_json())
 
     @classmethod
-    def load(cls, path: Path, *, expected_nonce: str, weights_dir: Path,
-             exporter_alive: Callable[[int, int], bool] = exporter_alive) -> Manifest:
+    def load(
+        cls,
+        path: Path,
+        *,
+        expected_nonce: str,
+        weights_dir: Path,
+        exporter_alive: Callable[[int, int], bool] = exporter_alive,
+    ) -> Manifest:
         """Read and check a manifest's provenance: location, owner, mode, nonce, live exporter.
 
         ``path`` must be exactly ``weights_dir/manifest-<expected_nonce>.json`` (or the push's
@@ -337,11 +404,14 @@ class Manifest:
             os.close(fd)
         manifest = cls.from_json(raw)
         if manifest.nonce != expected_nonce:
-            raise ManifestError(f"manifest nonce {manifest.nonce!r} is not this launch's ({expected_nonce!r}): "
-                                "stale manifest refused")
+            raise ManifestError(
+                f"manifest nonce {manifest.nonce!r} is not this launch's ({expected_nonce!r}): stale manifest refused"
+            )
         if not exporter_alive(manifest.exporter_pid, manifest.exporter_start_time):
-            raise ManifestError(f"manifest exporter pid {manifest.exporter_pid} (started "
-                                f"{manifest.exporter_start_time}) is not alive: stale manifest refused")
+            raise ManifestError(
+                f"manifest exporter pid {manifest.exporter_pid} (started "
+                f"{manifest.exporter_start_time}) is not alive: stale manifest refused"
+            )
         manifest.check_layout()
         return manifest
 
@@ -356,14 +426,16 @@ class Manifest:
         for seg in self.segments:
             if seg.index in seg_by_index:
                 raise ManifestError(f"segment index {seg.index} appears twice")
-            if self.transport == "shm" and (not seg.name.startswith(prefix)
-                                            or not SEGMENT_TAIL_RE.match(seg.name[len(prefix):])):
+            if self.transport == "shm" and (
+                not seg.name.startswith(prefix) or not SEGMENT_TAIL_RE.match(seg.name[len(prefix) :])
+            ):
                 raise ManifestError(f"segment name {seg.name!r} is not of the form {prefix}<tag>-<n>")
             if self.transport == "cuda_ipc" and (seg.handle is None or not seg.device_uuid):
                 raise ManifestError(f"segment {seg.index} has no CUDA IPC handle or no device_uuid")
             if self.transport == "cuda_ipc" and seg.handle is not None and seg.handle.numel < seg.size:
-                raise ManifestError(f"segment {seg.index}: its CUDA buffer holds {seg.handle.numel} bytes; the "
-                                    f"manifest says {seg.size}")
+                raise ManifestError(
+                    f"segment {seg.index}: its CUDA buffer holds {seg.handle.numel} bytes; the manifest says {seg.size}"
+                )
             if seg.size <= 0:
                 raise ManifestError(f"segment {seg.name!r} has size {seg.size}")
             seg_by_index[seg.index] = seg
@@ -373,17 +445,20 @@ class Manifest:
                 raise ManifestError(f"tensor {t.name!r} appears twice")
             seen.add(t.name)
             if t.dtype not in ALLOWED_DTYPES:
-                raise ManifestError(f"tensor {t.name!r}: dtype {t.dtype!r} is not allowed "
-                                    f"(allowed: {', '.join(ALLOWED_DTYPES)})")
+                raise ManifestError(
+                    f"tensor {t.name!r}: dtype {t.dtype!r} is not allowed (allowed: {', '.join(ALLOWED_DTYPES)})"
+                )
             if any(d < 0 for d in t.shape):
                 raise ManifestError(f"tensor {t.name!r}: negative dimension in shape {list(t.shape)}")
             if t.stride != contiguous_stride(t.shape):
-                raise ManifestError(f"tensor {t.name!r}: stride {list(t.stride)} is not the contiguous "
-                                    f"stride of shape {list(t.shape)}")
+                raise ManifestError(
+                    f"tensor {t.name!r}: stride {list(t.stride)} is not the contiguous stride of shape {list(t.shape)}"
+                )
             numel = math.prod(t.shape)
             if t.nbytes != numel * itemsize(t.dtype):
-                raise ManifestError(f"tensor {t.name!r}: nbytes {t.nbytes} != {numel} elements × "
-                                    f"{itemsize(t.dtype)} bytes")
+                raise ManifestError(
+                    f"tensor {t.name!r}: nbytes {t.nbytes} != {numel} elements × {itemsize(t.dtype)} bytes"
+                )
             found = seg_by_index.get(t.segment)
             if found is None:
                 raise ManifestError(f"tensor {t.name!r}: segment {t.segment} is not in the manifest")
@@ -391,8 +466,10 @@ class Manifest:
             if t.offset < 0 or t.offset % itemsize(t.dtype):
                 raise ManifestError(f"tensor {t.name!r}: offset {t.offset} is not aligned")
             if t.offset + t.nbytes > seg.size:
-                raise ManifestError(f"tensor {t.name!r}: bytes [{t.offset}, {t.offset + t.nbytes}) lie outside "
-                                    f"segment {seg.name!r} of {seg.size} bytes")
+                raise ManifestError(
+                    f"tensor {t.name!r}: bytes [{t.offset}, {t.offset + t.nbytes}) lie outside "
+                    f"segment {seg.name!r} of {seg.size} bytes"
+                )
         if self.bucket is not None and not 0 <= self.bucket.index < self.bucket.count:
             raise ManifestError(f"bucket index {self.bucket.index} is not in [0, {self.bucket.count})")
         for alias, target in self.tied.items():
@@ -409,8 +486,10 @@ class Manifest:
         re-ties by mapping both names onto the one exported tensor).
         """
         if self.bucket is not None:
-            raise ManifestError(f"bucket {self.bucket.index} of {self.bucket.count} holds part of the model; "
-                                "it is copied bucket by bucket, never attached or taken as the whole model")
+            raise ManifestError(
+                f"bucket {self.bucket.index} of {self.bucket.count} holds part of the model; "
+                "it is copied bucket by bucket, never attached or taken as the whole model"
+            )
         exported = {t.name: TensorSpec(t.dtype, tuple(t.shape)) for t in self.tensors}
         return match_tensors(exported, self.tied, expected, tied)
 
@@ -440,9 +519,14 @@ class Manifest:
         raise ManifestError(f"segment {index} is not in the manifest")
 
 
-def match_tensors(exported: Mapping[str, TensorSpec], exported_tied: Mapping[str, str],
-                  mine: Mapping[str, TensorSpec], my_tied: Mapping[str, str], *,
-                  partial: bool = False) -> dict[str, str]:
+def match_tensors(
+    exported: Mapping[str, TensorSpec],
+    exported_tied: Mapping[str, str],
+    mine: Mapping[str, TensorSpec],
+    my_tied: Mapping[str, str],
+    *,
+    partial: bool = False,
+) -> dict[str, str]:
     """Check an export against the importer's own tensors; return importer name → exported name.
 
     Every canonical tensor of the importer must be exported (directly, or as an alias the
@@ -468,8 +552,7 @@ def match_tensors(exported: Mapping[str, TensorSpec], exported_tied: Mapping[str
         source[name] = src
     for name in exported:
         if name in my_tied:
-            problems.append(f"tensor {name!r} is exported on its own but the importer ties it to "
-                            f"{my_tied[name]!r}")
+            problems.append(f"tensor {name!r} is exported on its own but the importer ties it to {my_tied[name]!r}")
         elif name not in mine:
             problems.append(f"tensor {name!r} is in the export but not in the importer's model")
     if problems:
@@ -487,5 +570,3 @@ def _int(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ManifestError(f"{what} must be an integer, got {value!r}")
     return value
-
-

@@ -47,10 +47,19 @@ SUMMARY_EVERY = 100  # pushes between two summary lines in the log
 class NodeFeed:
     """This node's replicas, fed from the buckets this rank gathers anyway."""
 
-    def __init__(self, *, nonce: str, weights_dir: Path, sockets: Sequence[Path | str],
-                 specs: Mapping[str, TensorSpec], tied: Mapping[str, str], bucket_bytes: int) -> None:
-        self.sync = BucketPushSync(nonce=nonce, weights_dir=weights_dir, control_sockets=[Path(s) for s in sockets],
-                                   bucket_bytes=bucket_bytes)
+    def __init__(
+        self,
+        *,
+        nonce: str,
+        weights_dir: Path,
+        sockets: Sequence[Path | str],
+        specs: Mapping[str, TensorSpec],
+        tied: Mapping[str, str],
+        bucket_bytes: int,
+    ) -> None:
+        self.sync = BucketPushSync(
+            nonce=nonce, weights_dir=weights_dir, control_sockets=[Path(s) for s in sockets], bucket_bytes=bucket_bytes
+        )
         self.tied = dict(tied)
         plan = plan_buckets(specs, bucket_bytes)
         self.size = max(bucket_bytes_of(specs, names) for names in plan) if plan else 0
@@ -64,21 +73,24 @@ class NodeFeed:
         self._spent = 0.0
 
     @classmethod
-    def from_environ(cls, weights_dir: Path, specs: Mapping[str, TensorSpec], tied: Mapping[str, str],
-                     bucket_bytes: int) -> NodeFeed | None:
+    def from_environ(
+        cls, weights_dir: Path, specs: Mapping[str, TensorSpec], tied: Mapping[str, str], bucket_bytes: int
+    ) -> NodeFeed | None:
         """The feed of this process when its daemon named the node's replicas; else None."""
         sockets = [s for s in os.environ.get(NODE_REPLICAS_VAR, "").split(",") if s]
         nonce = os.environ.get("ATROPOSD_INSTANCE", "")
         if not sockets or not nonce:
             return None
-        return cls(nonce=nonce, weights_dir=weights_dir, sockets=sockets, specs=specs, tied=tied,
-                   bucket_bytes=bucket_bytes)
+        return cls(
+            nonce=nonce, weights_dir=weights_dir, sockets=sockets, specs=specs, tied=tied, bucket_bytes=bucket_bytes
+        )
 
     def replica_versions(self) -> list[int | None]:
         return self.sync.replica_versions()
 
-    def bucket(self, names: Sequence[str], tensors: Mapping[str, torch.Tensor], *, index: int, count: int,
-               version: int) -> None:
+    def bucket(
+        self, names: Sequence[str], tensors: Mapping[str, torch.Tensor], *, index: int, count: int, version: int
+    ) -> None:
         """Bucket ``index`` of ``count`` of the push of ``version`` to every replica of this node.
         Never raises: a replica that misses a bucket stays paused until the next full push."""
         t0 = time.perf_counter()
@@ -92,19 +104,27 @@ class NodeFeed:
                 if len(self.feed_seconds) % SUMMARY_EVERY == 0:
                     self._summary()
         except Exception as exc:
-            log.error("feeding this node's inference replicas failed; they get the weights again from the next "
-                      "push", weight_version=version, bucket=index, error=f"{type(exc).__name__}: {exc}")
+            log.error(
+                "feeding this node's inference replicas failed; they get the weights again from the next push",
+                weight_version=version,
+                bucket=index,
+                error=f"{type(exc).__name__}: {exc}",
+            )
             for r in self._live:
                 r.current = False
             self._live = []
 
-    async def _bucket(self, names: list[str], tensors: dict[str, torch.Tensor], index: int, count: int,
-                      version: int) -> None:
+    async def _bucket(
+        self, names: list[str], tensors: dict[str, torch.Tensor], index: int, count: int, version: int
+    ) -> None:
         s = self.sync
         if index == 0 or self._version != version:
             if index != 0:
-                log.warning("a push began without its first bucket; this node's replicas wait for the next one",
-                            weight_version=version, bucket=index)
+                log.warning(
+                    "a push began without its first bucket; this node's replicas wait for the next one",
+                    weight_version=version,
+                    bucket=index,
+                )
                 self._live, self._version = [], version
                 return
             self._version = version
@@ -113,8 +133,9 @@ class NodeFeed:
             for r in self._live:
                 r.current = False
         if self._live:
-            await anyio.to_thread.run_sync(s._write_bucket, names, tensors, self.size, version, self.tied, None,
-                                           BucketRef(index, count))
+            await anyio.to_thread.run_sync(
+                s._write_bucket, names, tensors, self.size, version, self.tied, None, BucketRef(index, count)
+            )
             refused: list[tuple[Replica, WeightControlError]] = []
             took = await s._each(self._live, lambda r: s._copy_bucket(r, version, refused))
             self._live = [r for r, ok in zip(self._live, took, strict=True) if ok]
@@ -122,8 +143,11 @@ class NodeFeed:
             if self._live:
                 await s._each(self._live, lambda r: s._resume(r, version))
                 self.pushes += 1
-                log.debug("this node's inference replicas took the weights", weight_version=version,
-                         replicas=[r.index for r in self._live])
+                log.debug(
+                    "this node's inference replicas took the weights",
+                    weight_version=version,
+                    replicas=[r.index for r in self._live],
+                )
             self._live, self._version = [], None
 
     def load(self, path: Path, version: int) -> None:
@@ -132,8 +156,12 @@ class NodeFeed:
         try:
             self.portal.call(self._load, path, version)
         except Exception as exc:
-            log.error("this node's inference replicas did not load the weights; they get them from the next sync",
-                      weight_version=version, path=str(path), error=f"{type(exc).__name__}: {exc}")
+            log.error(
+                "this node's inference replicas did not load the weights; they get them from the next sync",
+                weight_version=version,
+                path=str(path),
+                error=f"{type(exc).__name__}: {exc}",
+            )
 
     async def _load(self, path: Path, version: int) -> None:
         s = self.sync
@@ -142,9 +170,14 @@ class NodeFeed:
     def _summary(self) -> None:
         f = self.feed_seconds
         if f:
-            log.info("this node's replicas were fed", pushes=len(f), mean_s=round(statistics.fmean(f), 5),
-                     median_s=round(statistics.median(f), 5), max_s=round(max(f), 5),
-                     staging_bytes=self.sync.staging.size if self.sync.staging is not None else 0)
+            log.info(
+                "this node's replicas were fed",
+                pushes=len(f),
+                mean_s=round(statistics.fmean(f), 5),
+                median_s=round(statistics.median(f), 5),
+                max_s=round(max(f), 5),
+                staging_bytes=self.sync.staging.size if self.sync.staging is not None else 0,
+            )
 
     def close(self) -> None:
         """Unlink the staging buffer and the manifest; stop the event loop thread."""

@@ -80,8 +80,16 @@ from atroposd.weights.tensors import (
     torch_dtype,
 )
 
-__all__ = ["BucketProgress", "ReceiverState", "WeightUpdateError", "apply_update", "inspect_sync_dir", "load_dir",
-           "other_gpu", "sync_shards"]
+__all__ = [
+    "BucketProgress",
+    "ReceiverState",
+    "WeightUpdateError",
+    "apply_update",
+    "inspect_sync_dir",
+    "load_dir",
+    "other_gpu",
+    "sync_shards",
+]
 
 log = get_logger(__name__)
 
@@ -112,8 +120,10 @@ class BucketProgress:
             return False
         missing = sorted(set(model) - self.covered)
         if missing:
-            raise WeightUpdateError(f"the {self.count} buckets of weight_version {manifest.weight_version} did not "
-                                    f"hold every tensor of the model: {', '.join(repr(m) for m in missing)} missing")
+            raise WeightUpdateError(
+                f"the {self.count} buckets of weight_version {manifest.weight_version} did not "
+                f"hold every tensor of the model: {', '.join(repr(m) for m in missing)} missing"
+            )
         return True
 
 
@@ -160,8 +170,10 @@ class ReceiverState:
         b = self.buckets
         if b is None:
             return None
-        return (f"the weights are incomplete: {b.next} of the {b.count} buckets of weight_version {b.weight_version} "
-                "arrived, so the model holds a mix of versions; every bucket must arrive before generation resumes")
+        return (
+            f"the weights are incomplete: {b.next} of the {b.count} buckets of weight_version {b.weight_version} "
+            "arrived, so the model holds a mix of versions; every bucket must arrive before generation resumes"
+        )
 
     def next_bucket(self, manifest: Manifest) -> BucketProgress:
         """The push bucket ``manifest`` belongs to (not yet recorded in ``buckets``): a new one
@@ -173,12 +185,21 @@ class ReceiverState:
         if index == 0:
             return BucketProgress(manifest.weight_version, count)
         progress = self.buckets
-        if (progress is None or progress.weight_version != manifest.weight_version or progress.count != count
-                or progress.next != index):
-            expected = ("bucket 0 (no bucketed push is under way)" if progress is None else
-                        f"bucket {progress.next} of {progress.count} of weight_version {progress.weight_version}")
-            raise WeightUpdateError(f"bucket {index} of {count} of weight_version {manifest.weight_version} arrived "
-                                    f"out of order: expected {expected}; a push starts again from bucket 0")
+        if (
+            progress is None
+            or progress.weight_version != manifest.weight_version
+            or progress.count != count
+            or progress.next != index
+        ):
+            expected = (
+                "bucket 0 (no bucketed push is under way)"
+                if progress is None
+                else f"bucket {progress.next} of {progress.count} of weight_version {progress.weight_version}"
+            )
+            raise WeightUpdateError(
+                f"bucket {index} of {count} of weight_version {manifest.weight_version} arrived "
+                f"out of order: expected {expected}; a push starts again from bucket 0"
+            )
         return progress
 
     def bucket_applied(self, manifest: Manifest, progress: BucketProgress) -> bool:
@@ -209,7 +230,6 @@ class ReceiverState:
         self.export_id = None
         gc.collect()
 
-
     def release_sources(self) -> None:
         """Unmap the push-mode copy sources (no model tensor ever views them)."""
         self.mirror_key = None  # the model keeps its mirror buffers as its own memory
@@ -234,8 +254,11 @@ class ReceiverState:
             try:
                 pin_host(seg, read_only=True)
             except RuntimeError as exc:
-                log.warning("host staging: the source's pages could not be pinned; copying unpinned",
-                            segment=name, error=str(exc))
+                log.warning(
+                    "host staging: the source's pages could not be pinned; copying unpinned",
+                    segment=name,
+                    error=str(exc),
+                )
             else:
                 self.pinned.add(name)
 
@@ -284,8 +307,10 @@ def apply_update(model: torch.nn.Module, request: Mapping[str, Any], *, state: R
     if "weight_version" in request:
         want = _field(request, "weight_version", int)
         if want != manifest.weight_version:
-            raise WeightUpdateError(f"manifest holds weight_version {manifest.weight_version}, the request says "
-                                    f"{want}: stale manifest refused")
+            raise WeightUpdateError(
+                f"manifest holds weight_version {manifest.weight_version}, the request says "
+                f"{want}: stale manifest refused"
+            )
     if manifest.bucket is not None:
         if mode != "copy":
             raise WeightUpdateError(f"a bucket of a bucketed push is copied (mode 'copy'), not {mode!r}")
@@ -319,10 +344,21 @@ def apply_update(model: torch.nn.Module, request: Mapping[str, Any], *, state: R
         moved = _copy(model, manifest, source, state, device, mt)
     state.weight_version = manifest.weight_version
     state.buckets = None
-    log.info("weights updated", mode=mode, weight_version=manifest.weight_version, export_id=manifest.export_id,
-             tensors=len(source), bytes=moved)
-    return {"weight_version": manifest.weight_version, "mode": mode, "tensors": len(source), "bytes": moved,
-            "export_id": manifest.export_id}
+    log.info(
+        "weights updated",
+        mode=mode,
+        weight_version=manifest.weight_version,
+        export_id=manifest.export_id,
+        tensors=len(source),
+        bytes=moved,
+    )
+    return {
+        "weight_version": manifest.weight_version,
+        "mode": mode,
+        "tensors": len(source),
+        "bytes": moved,
+        "export_id": manifest.export_id,
+    }
 
 
 def _apply_bucket(model: torch.nn.Module, manifest: Manifest, state: ReceiverState) -> dict[str, Any]:
@@ -360,8 +396,9 @@ def _apply_bucket(model: torch.nn.Module, manifest: Manifest, state: ReceiverSta
             try:
                 for mine, src in source.items():
                     e = manifest.entry(src)
-                    mt.tensors[mine].copy_(_view(mapped_cuda[e.segment], e.offset, e.nbytes, torch_dtype(e.dtype),
-                                                 tuple(e.shape)))
+                    mt.tensors[mine].copy_(
+                        _view(mapped_cuda[e.segment], e.offset, e.nbytes, torch_dtype(e.dtype), tuple(e.shape))
+                    )
                 torch.cuda.synchronize()
             finally:
                 mapped_cuda.clear()
@@ -370,15 +407,31 @@ def _apply_bucket(model: torch.nn.Module, manifest: Manifest, state: ReceiverSta
     for mine, src in source.items():
         e = manifest.entry(src)
         if not same_checksum(e.checksum, checksum(mt.tensors[mine])):
-            raise WeightUpdateError(f"tensor {mine!r}: checksum after the copy differs from the exporter's "
-                                    "(the export changed during the copy?)")
+            raise WeightUpdateError(
+                f"tensor {mine!r}: checksum after the copy differs from the exporter's "
+                "(the export changed during the copy?)"
+            )
     progress.cover(manifest, source, mt.tensors)
     complete = state.bucket_applied(manifest, progress)
-    log.debug("bucket copied", bucket=index, buckets=count, weight_version=manifest.weight_version,
-              tensors=len(source), bytes=total)
-    return {"weight_version": manifest.weight_version, "mode": "copy", "tensors": len(source), "bytes": total,
-            "export_id": manifest.export_id, "bucket": index, "buckets": count, "complete": complete,
-            "filled": list(source)}
+    log.debug(
+        "bucket copied",
+        bucket=index,
+        buckets=count,
+        weight_version=manifest.weight_version,
+        tensors=len(source),
+        bytes=total,
+    )
+    return {
+        "weight_version": manifest.weight_version,
+        "mode": "copy",
+        "tensors": len(source),
+        "bytes": total,
+        "export_id": manifest.export_id,
+        "bucket": index,
+        "buckets": count,
+        "complete": complete,
+        "filled": list(source),
+    }
 
 
 def other_gpu(manifest: Manifest, own_uuid: str) -> str | None:
@@ -386,8 +439,10 @@ def other_gpu(manifest: Manifest, own_uuid: str) -> str | None:
     trainer's buffers on the server's own physical GPU), or None when it can."""
     for seg in manifest.segments:
         if seg.device_uuid != own_uuid:
-            return (f"shared mode needs the trainer and the inference server on the same physical GPU: segment "
-                    f"{seg.index} lives on {seg.device_uuid}, this server computes on {own_uuid}")
+            return (
+                f"shared mode needs the trainer and the inference server on the same physical GPU: segment "
+                f"{seg.index} lives on {seg.device_uuid}, this server computes on {own_uuid}"
+            )
     return None
 
 
@@ -403,8 +458,9 @@ def _map_segments(manifest: Manifest) -> dict[int, Any]:
                 assert seg.handle is not None and seg.device_uuid is not None  # check_layout
                 buf = rebuild_segment(seg.handle, seg.device_uuid)
                 if buf.numel() < seg.size:
-                    raise WeightUpdateError(f"CUDA segment {seg.index} is {buf.numel()} bytes; the manifest "
-                                            f"says {seg.size}")
+                    raise WeightUpdateError(
+                        f"CUDA segment {seg.index} is {buf.numel()} bytes; the manifest says {seg.size}"
+                    )
                 mapped[seg.index] = buf
     except (ShmError, OSError) as exc:
         for m in mapped.values():
@@ -417,12 +473,18 @@ def _map_segments(manifest: Manifest) -> dict[int, Any]:
 def _view(mapped: Any, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     if isinstance(mapped, ShmSegment):
         return mapped.view(offset, nbytes, dtype, shape)
-    view: torch.Tensor = mapped[offset:offset + nbytes].view(dtype).view(shape)
+    view: torch.Tensor = mapped[offset : offset + nbytes].view(dtype).view(shape)
     return view
 
 
-def _attach(model: torch.nn.Module, manifest: Manifest, source: Mapping[str, str], state: ReceiverState,
-            device: torch.device, mt: ModelTensors) -> int:
+def _attach(
+    model: torch.nn.Module,
+    manifest: Manifest,
+    source: Mapping[str, str],
+    state: ReceiverState,
+    device: torch.device,
+    mt: ModelTensors,
+) -> int:
     if manifest.transport == "shm" and device.type != "cpu":
         raise WeightUpdateError("attach to POSIX shared memory needs a model on the CPU")
     state.release_sources()
@@ -459,8 +521,14 @@ def _attach(model: torch.nn.Module, manifest: Manifest, source: Mapping[str, str
     return sum(manifest.entry(s).nbytes for s in source.values())
 
 
-def _copy(model: torch.nn.Module, manifest: Manifest, source: Mapping[str, str], state: ReceiverState,
-          device: torch.device, mt: ModelTensors) -> int:
+def _copy(
+    model: torch.nn.Module,
+    manifest: Manifest,
+    source: Mapping[str, str],
+    state: ReceiverState,
+    device: torch.device,
+    mt: ModelTensors,
+) -> int:
     if state.segments:
         state.release(model)  # leave shared mode: the model gets its own memory back
         mt = model_tensors(model)
@@ -501,8 +569,9 @@ def _copy(model: torch.nn.Module, manifest: Manifest, source: Mapping[str, str],
             for seg in manifest.segments:
                 src_seg = state.sources.get(seg.name)
                 for offset, dst in by_seg.get(seg.index, []):
-                    v = src_seg.view(offset, dst.numel() * dst.element_size(), dst.dtype,  # type: ignore[union-attr]
-                                     tuple(dst.shape))
+                    v = src_seg.view(  # type: ignore[union-attr]
+                        offset, dst.numel() * dst.element_size(), dst.dtype, tuple(dst.shape)
+                    )
                     dst.copy_(v)
                     total += v.numel() * v.element_size()
                     del v
@@ -530,8 +599,10 @@ def _copy(model: torch.nn.Module, manifest: Manifest, source: Mapping[str, str],
     for mine, src in source.items():
         e = manifest.entry(src)
         if not same_checksum(e.checksum, checksum(mt.tensors[mine])):
-            raise WeightUpdateError(f"tensor {mine!r}: checksum after the copy differs from the exporter's "
-                                    "(the export changed during the copy?)")
+            raise WeightUpdateError(
+                f"tensor {mine!r}: checksum after the copy differs from the exporter's "
+                "(the export changed during the copy?)"
+            )
     return total
 
 
@@ -556,12 +627,14 @@ def _copy_mirrored(manifest: Manifest, source: Mapping[str, str], state: Receive
     contiguous memory copy per segment, the floor of a copy.
     """
     _open_sources(manifest, state)
-    key = (tuple((s.name, s.size) for s in manifest.segments),
-           tuple(sorted((mine, manifest.entry(src).segment, manifest.entry(src).offset)
-                        for mine, src in source.items())))
+    key = (
+        tuple((s.name, s.size) for s in manifest.segments),
+        tuple(sorted((mine, manifest.entry(src).segment, manifest.entry(src).offset) for mine, src in source.items())),
+    )
     fresh = state.mirror_key != key or any(
         not _inside(mt.tensors[mine], state.mirror.get(manifest.segment(manifest.entry(src).segment).name))
-        for mine, src in source.items())
+        for mine, src in source.items()
+    )
     total = 0
     with torch.no_grad():
         if fresh:
@@ -573,7 +646,7 @@ def _copy_mirrored(manifest: Manifest, source: Mapping[str, str], state: Receive
             for mine, src in source.items():
                 e = manifest.entry(src)
                 buf = mirror[manifest.segment(e.segment).name]
-                mt.rebind(mine, buf[e.offset:e.offset + e.nbytes].view(torch_dtype(e.dtype)).view(tuple(e.shape)))
+                mt.rebind(mine, buf[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype)).view(tuple(e.shape)))
             state.mirror, state.mirror_key = mirror, key
         else:
             for seg in manifest.segments:
@@ -584,8 +657,10 @@ def _copy_mirrored(manifest: Manifest, source: Mapping[str, str], state: Receive
     for mine, src in source.items():
         e = manifest.entry(src)
         if not same_checksum(e.checksum, checksum(mt.tensors[mine])):
-            raise WeightUpdateError(f"tensor {mine!r}: checksum after the copy differs from the exporter's "
-                                    "(the export changed during the copy?)")
+            raise WeightUpdateError(
+                f"tensor {mine!r}: checksum after the copy differs from the exporter's "
+                "(the export changed during the copy?)"
+            )
     return total
 
 
@@ -598,9 +673,9 @@ def _inside(t: torch.Tensor, buf: torch.Tensor | None) -> bool:
 # ---------------------------------------------------------------------------- reload mode
 
 
-def inspect_sync_dir(path: str | os.PathLike[str], weight_version: int | None,
-                     state: ReceiverState | None) -> tuple[Path, int, dict[str, TensorSpec], dict[str, str],
-                                                           dict[str, Any] | None]:
+def inspect_sync_dir(
+    path: str | os.PathLike[str], weight_version: int | None, state: ReceiverState | None
+) -> tuple[Path, int, dict[str, TensorSpec], dict[str, str], dict[str, Any] | None]:
     """Check a reload directory without loading tensors.
 
     Returns (file, weight_version, exported tensor specs, tied aliases, LoRA spec or None);
@@ -618,8 +693,10 @@ def inspect_sync_dir(path: str | os.PathLike[str], weight_version: int | None,
     file, index = directory / SYNC_WEIGHTS_FILE, directory / SYNC_INDEX_FILE
     if index.is_file():
         if file.exists():
-            raise WeightUpdateError(f"{directory} holds both {SYNC_WEIGHTS_FILE} and {SYNC_INDEX_FILE}: which one "
-                                    "holds the weights is ambiguous")
+            raise WeightUpdateError(
+                f"{directory} holds both {SYNC_WEIGHTS_FILE} and {SYNC_INDEX_FILE}: which one "
+                "holds the weights is ambiguous"
+            )
         return _inspect_index(index, weight_version)
     if not file.is_file():
         raise WeightUpdateError(f"{file} does not exist")
@@ -636,8 +713,9 @@ def inspect_sync_dir(path: str | os.PathLike[str], weight_version: int | None,
 
 def _check_version(file: Path, version: int, wanted: int | None) -> None:
     if wanted is not None and version != wanted:
-        raise WeightUpdateError(f"{file} holds weight_version {version}, the request says {wanted}: "
-                                "stale weights refused")
+        raise WeightUpdateError(
+            f"{file} holds weight_version {version}, the request says {wanted}: stale weights refused"
+        )
 
 
 def _inspect_file(file: Path) -> tuple[dict[str, str], dict[str, TensorSpec]]:
@@ -692,8 +770,9 @@ def sync_shards(file: Path) -> dict[Path, list[str]]:
     return dict(sorted(shards.items()))
 
 
-def _inspect_index(index: Path, weight_version: int | None) -> tuple[Path, int, dict[str, TensorSpec],
-                                                                      dict[str, str], dict[str, Any] | None]:
+def _inspect_index(
+    index: Path, weight_version: int | None
+) -> tuple[Path, int, dict[str, TensorSpec], dict[str, str], dict[str, Any] | None]:
     meta, _ = _read_index(index)
     version, tied, lora = meta.get("weight_version"), meta.get("tied", {}), meta.get("lora")
     if isinstance(version, bool) or not isinstance(version, int):
@@ -709,16 +788,23 @@ def _inspect_index(index: Path, weight_version: int | None) -> tuple[Path, int, 
             raise WeightUpdateError(f"{shard}, listed in {index.name}, does not exist")
         meta_s, specs = _inspect_file(shard)
         if meta_s.get("weight_version") != str(version):
-            raise WeightUpdateError(f"{shard} holds weight_version {meta_s.get('weight_version')}, its index "
-                                    f"{version}: a shard of another sync")
+            raise WeightUpdateError(
+                f"{shard} holds weight_version {meta_s.get('weight_version')}, its index "
+                f"{version}: a shard of another sync"
+            )
         if set(specs) != set(names):
             raise WeightUpdateError(f"{shard} holds {sorted(specs)}; {index.name} lists {sorted(names)}")
         exported.update(specs)
     return index, version, exported, tied, lora
 
 
-def load_dir(model: torch.nn.Module, path: str | os.PathLike[str], *, weight_version: int | None = None,
-             state: ReceiverState | None = None) -> dict[str, Any]:
+def load_dir(
+    model: torch.nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    weight_version: int | None = None,
+    state: ReceiverState | None = None,
+) -> dict[str, Any]:
     """Load a directory the trainer wrote for ``reload`` (``model.safetensors``, or the shards
     of ``model.safetensors.index.json``).
 

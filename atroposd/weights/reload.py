@@ -88,8 +88,7 @@ def write_sync_dir(model: torch.nn.Module, sync_dir: Path, weight_version: int) 
     """Write ``sync_dir/v<weight_version>/model.safetensors`` atomically; return the directory."""
     with _publishing(sync_dir, weight_version) as tmp:
         mt = model_tensors(model)
-        meta = {"format": SYNC_FORMAT, "weight_version": str(weight_version),
-                "tied": orjson.dumps(mt.tied).decode()}
+        meta = {"format": SYNC_FORMAT, "weight_version": str(weight_version), "tied": orjson.dumps(mt.tied).decode()}
         lora = lora_spec(model)
         if lora is not None:
             meta["lora"] = orjson.dumps(lora).decode()
@@ -99,8 +98,14 @@ def write_sync_dir(model: torch.nn.Module, sync_dir: Path, weight_version: int) 
     return sync_dir / f"v{weight_version}"
 
 
-async def write_sharded_sync_dir(source: TensorSource, sync_dir: Path, weight_version: int, bucket_bytes: int, *,
-                                 model: torch.nn.Module | None = None) -> Path:
+async def write_sharded_sync_dir(
+    source: TensorSource,
+    sync_dir: Path,
+    weight_version: int,
+    bucket_bytes: int,
+    *,
+    model: torch.nn.Module | None = None,
+) -> Path:
     """Write ``sync_dir/v<weight_version>/`` as shards of at most ``bucket_bytes`` (a tensor
     larger than that alone in its shard) plus the index, gathering one bucket at a time from
     ``source``; return the directory. ``model``: written as a PEFT adapter too when the source
@@ -119,9 +124,16 @@ async def write_sharded_sync_dir(source: TensorSource, sync_dir: Path, weight_ve
             await anyio.to_thread.run_sync(_save, tensors, tmp / fname, shard_meta)
             del tensors
             weight_map.update(dict.fromkeys(names, fname))
-        index = {"metadata": {"format": SYNC_FORMAT, "weight_version": weight_version, "tied": tied, "lora": lora,
-                              "total_size": sum(spec_nbytes(s) for s in specs.values())},
-                 "weight_map": weight_map}
+        index = {
+            "metadata": {
+                "format": SYNC_FORMAT,
+                "weight_version": weight_version,
+                "tied": tied,
+                "lora": lora,
+                "total_size": sum(spec_nbytes(s) for s in specs.values()),
+            },
+            "weight_map": weight_map,
+        }
         (tmp / SYNC_INDEX_FILE).write_bytes(orjson.dumps(index))
         os.chmod(tmp / SYNC_INDEX_FILE, 0o600)
         if lora is not None and model is not None:

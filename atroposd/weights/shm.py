@@ -35,8 +35,18 @@ try:  # The POSIX shm_open/shm_unlink pair; CPython ships it on every POSIX plat
 except ImportError:  # pragma: no cover - non-POSIX
     _posixshmem = None
 
-__all__ = ["SEGMENT_PREFIX", "ShmError", "ShmSegment", "cleanup_stale", "list_segments", "mapped_segments",
-           "read_into", "segment_name", "segment_nonce", "segment_tag"]
+__all__ = [
+    "SEGMENT_PREFIX",
+    "ShmError",
+    "ShmSegment",
+    "cleanup_stale",
+    "list_segments",
+    "mapped_segments",
+    "read_into",
+    "segment_name",
+    "segment_nonce",
+    "segment_tag",
+]
 
 log = get_logger(__name__)
 
@@ -67,7 +77,7 @@ def segment_nonce(name: str) -> str | None:
     """The launch nonce of a segment name, or None when the name is not of our form."""
     if not name.startswith(SEGMENT_PREFIX):
         return None
-    parts = name[len(SEGMENT_PREFIX):].rsplit("-", 2)
+    parts = name[len(SEGMENT_PREFIX) :].rsplit("-", 2)
     if len(parts) != 3 or not SEGMENT_TAIL_RE.match(f"{parts[1]}-{parts[2]}"):
         return None
     return parts[0]
@@ -180,8 +190,7 @@ class ShmSegment:
 
     def owns(self, t: torch.Tensor) -> bool:
         """True when ``t``'s memory lies inside this mapping."""
-        return (self._mmap is not None and t.device.type == "cpu" and
-                self._base <= t.data_ptr() < self._base + self.size)
+        return self._mmap is not None and t.device.type == "cpu" and self._base <= t.data_ptr() < self._base + self.size
 
     def close(self) -> None:
         """Unmap. Raises ShmError if a tensor over the mapping is still alive."""
@@ -190,8 +199,9 @@ class ShmSegment:
         try:
             self._mmap.close()
         except BufferError:
-            raise ShmError(f"segment {self.name!r} is still referenced by live tensors; drop them before "
-                           "closing") from None
+            raise ShmError(
+                f"segment {self.name!r} is still referenced by live tensors; drop them before closing"
+            ) from None
         self._mmap = None
 
     def unlink(self) -> None:
@@ -266,7 +276,7 @@ def _split(jobs: list[tuple[int, memoryview]], parts: int) -> list[list[tuple[in
         pos = 0
         while pos < len(mv):
             take = min(room, len(mv) - pos)
-            out[-1].append((offset + pos, mv[pos:pos + take]))
+            out[-1].append((offset + pos, mv[pos : pos + take]))
             pos += take
             room -= take
             if room == 0 and len(out) < parts:
@@ -334,8 +344,9 @@ def cleanup_stale(runtime_dir: Path, is_alive: Callable[[str], bool]) -> list[st
         if name in in_use:
             # A live process still maps it (another instance, or a child not yet reaped):
             # its owner is not dead, whatever the records say.
-            log.warning("shm segment of an unknown launch is still mapped; kept", segment=name,
-                        pids=sorted(in_use[name]))
+            log.warning(
+                "shm segment of an unknown launch is still mapped; kept", segment=name, pids=sorted(in_use[name])
+            )
             continue
         try:
             _shm_unlink(name)
@@ -350,7 +361,7 @@ def cleanup_stale(runtime_dir: Path, is_alive: Callable[[str], bool]) -> list[st
                 fname = fname[1:]
             if not fname.startswith("manifest-"):
                 continue
-            nonce = fname[len("manifest-"):].split(".", 1)[0]
+            nonce = fname[len("manifest-") :].split(".", 1)[0]
             if alive(nonce):
                 continue
             try:

@@ -113,5 +113,7 @@ def check_gathered(specs: Mapping[str, TensorSpec], names: Sequence[str], got: M
     for n in names:
         t, spec = got[n], specs[n]
         if dtype_name(t.dtype) != spec.dtype or tuple(t.shape) != tuple(spec.shape):
-            raise ValueError(f"the tensor source returned {n!r} as {dtype_name(t.dtype)} {list(t.shape)}; its spec "
-                             f"says {spec.dtype} {list(spec.shape)} (a shard instead of the full tensor?)")
+            raise ValueError(
+                f"the tensor source returned {n!r} as {dtype_name(t.dtype)} {list(t.shape)}; its spec "
+                f"says {spec.dtype} {list(spec.shape)} (a shard instead of the full tensor?)"
+            )

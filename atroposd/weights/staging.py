@@ -45,8 +45,9 @@ class StagingBuffer:
         self.pinned = pinned
 
     @classmethod
-    def create(cls, nonce: str, size: int, device: torch.device, index: int = 0, *,
-               host: bool = False) -> StagingBuffer:
+    def create(
+        cls, nonce: str, size: int, device: torch.device, index: int = 0, *, host: bool = False
+    ) -> StagingBuffer:
         """A buffer of ``size`` bytes for tensors on ``device``: shm on the CPU or with ``host``
         (pinned when ``device`` is a GPU), else a CUDA allocation exported through CUDA IPC."""
         segment: Segment
@@ -61,16 +62,21 @@ class StagingBuffer:
                     shm.unlink()
                     shm.close()
                     raise
-            log.info("staging buffer for the push created", transport="shm", host_staging=host, pinned=pinned,
-                     bytes=size, segment=shm.name)
+            log.info(
+                "staging buffer for the push created",
+                transport="shm",
+                host_staging=host,
+                pinned=pinned,
+                bytes=size,
+                segment=shm.name,
+            )
             return cls(shm, "shm", device, pinned=pinned)
         else:
             from atroposd.weights.cuda_ipc import CudaSegment
 
             segment = CudaSegment.allocate(f"cuda-{nonce}-{index}", size, device)
             transport = "cuda_ipc"
-        log.info("staging buffer for the bucketed push created", transport=transport, bytes=size,
-                 segment=segment.name)
+        log.info("staging buffer for the bucketed push created", transport=transport, bytes=size, segment=segment.name)
         return cls(segment, transport, device)
 
     @property
@@ -78,18 +84,22 @@ class StagingBuffer:
         return int(self.segment.name.rsplit("-", 1)[1])
 
     def fits(self, size: int, device: torch.device, *, host: bool = False) -> bool:
-        return self.size >= size and self.device == device and (self.transport == "shm") == (host or
-                                                                                           device.type == "cpu")
+        return (
+            self.size >= size and self.device == device and (self.transport == "shm") == (host or device.type == "cpu")
+        )
 
-    def fill(self, names: Sequence[str], tensors: Mapping[str, torch.Tensor], *,
-             with_checksums: bool = True) -> list[TensorEntry]:
+    def fill(
+        self, names: Sequence[str], tensors: Mapping[str, torch.Tensor], *, with_checksums: bool = True
+    ) -> list[TensorEntry]:
         """Copy ``tensors`` (in the order of ``names``) into the buffer, each 64-byte aligned;
         return their manifest entries (checksums taken from the buffer's copy)."""
-        slots, sizes = plan_layout({n: tensors[n].numel() * tensors[n].element_size() for n in names},
-                                   max_segment_bytes=max(self.size, 1))
+        slots, sizes = plan_layout(
+            {n: tensors[n].numel() * tensors[n].element_size() for n in names}, max_segment_bytes=max(self.size, 1)
+        )
         if len(sizes) != 1 or sizes[0] > self.size:
-            raise ValueError(f"a bucket of {sum(s.nbytes for s in slots)} bytes does not fit the {self.size}-byte "
-                             "staging buffer")
+            raise ValueError(
+                f"a bucket of {sum(s.nbytes for s in slots)} bytes does not fit the {self.size}-byte staging buffer"
+            )
         entries: list[TensorEntry] = []
         with torch.no_grad():
             for slot in slots:
@@ -97,9 +107,18 @@ class StagingBuffer:
                 shape = tuple(t.shape)
                 view = self.segment.view(slot.offset, slot.nbytes, t.dtype, shape)
                 view.copy_(t)  # blocking: from a GPU the bytes are on the host when it returns
-                entries.append(TensorEntry(name=slot.name, dtype=dtype_name(t.dtype), shape=shape,
-                                           stride=contiguous_stride(shape), segment=self.index, offset=slot.offset,
-                                           nbytes=slot.nbytes, checksum=checksum(view) if with_checksums else None))
+                entries.append(
+                    TensorEntry(
+                        name=slot.name,
+                        dtype=dtype_name(t.dtype),
+                        shape=shape,
+                        stride=contiguous_stride(shape),
+                        segment=self.index,
+                        offset=slot.offset,
+                        nbytes=slot.nbytes,
+                        checksum=checksum(view) if with_checksums else None,
+                    )
+                )
                 del view
         return entries
 
@@ -109,8 +128,7 @@ class StagingBuffer:
         handle, uuid = None, None
         if self.transport == "cuda_ipc":
             handle, uuid = self.segment.export_handle()  # type: ignore[attr-defined]
-        return SegmentRef(index=self.index, name=self.segment.name, size=self.size, handle=handle,
-                          device_uuid=uuid)
+        return SegmentRef(index=self.index, name=self.segment.name, size=self.size, handle=handle, device_uuid=uuid)
 
     def close(self) -> None:
         """Unlink and unmap the buffer (idempotent)."""
@@ -133,8 +151,10 @@ def pin_host(segment: ShmSegment, *, read_only: bool = False) -> None:
     flags = _REGISTER_READ_ONLY if read_only else 0
     err = torch.cuda.cudart().cudaHostRegister(segment.address, segment.size, flags)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of the staging segment {segment.name} ({segment.size} bytes) "
-                           f"failed: CUDA error {int(err)}")
+        raise RuntimeError(
+            f"cudaHostRegister of the staging segment {segment.name} ({segment.size} bytes) "
+            f"failed: CUDA error {int(err)}"
+        )
 
 
 def unpin_host(segment: ShmSegment) -> None:

@@ -78,8 +78,18 @@ if TYPE_CHECKING:
     from atroposd.config import Config
     from atroposd.weights.staging import StagingBuffer
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "REMOTE_ONLY", "BroadcastSync", "BucketPushSync", "PushSync", "ReloadSync", "Replica", "SharedSync", "WeightSync",
-           "make_weight_sync"]
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "REMOTE_ONLY",
+    "BroadcastSync",
+    "BucketPushSync",
+    "PushSync",
+    "ReloadSync",
+    "Replica",
+    "SharedSync",
+    "WeightSync",
+    "make_weight_sync",
+]
 
 log = get_logger(__name__)
 _T = TypeVar("_T")
@@ -109,9 +119,16 @@ class WeightSync(Protocol):
     def close(self) -> None: ...
 
 
-def make_weight_sync(cfg: Config, *, nonce: str, control_socket: Path | None = None,
-                     control_sockets: Sequence[Path] | None = None, bucketed: bool = False,
-                     bucket_bytes: int | None = None, source_for: SourceFor | None = None) -> WeightSync:
+def make_weight_sync(
+    cfg: Config,
+    *,
+    nonce: str,
+    control_socket: Path | None = None,
+    control_sockets: Sequence[Path] | None = None,
+    bucketed: bool = False,
+    bucket_bytes: int | None = None,
+    source_for: SourceFor | None = None,
+) -> WeightSync:
     """The strategy for ``cfg.weight_sync`` (``auto`` already resolved by the config).
 
     ``control_sockets``: one weight-control socket per inference replica (replica 0 first);
@@ -124,33 +141,56 @@ def make_weight_sync(cfg: Config, *, nonce: str, control_socket: Path | None = N
     paths = Paths.of(cfg)
     mode = cfg.weight_sync
     sync_every = int(cfg.trainer.sync_every)
-    sockets = list(control_sockets) if control_sockets is not None else \
-        ([control_socket] if control_socket is not None else [])
+    sockets = (
+        list(control_sockets)
+        if control_sockets is not None
+        else ([control_socket] if control_socket is not None else [])
+    )
     sync: SharedSync | PushSync | BucketPushSync | ReloadSync | BroadcastSync
     buckets = int(bucket_bytes) if bucket_bytes is not None else DEFAULT_BUCKET_BYTES
     sources = source_for if source_for is not None else ModelSource
     if bucketed and mode == "shared":
-        raise ValueError("weight_sync = \"shared\" needs one trainer rank (the replicas compute on the trainer's "
-                         "own parameter memory); with several ranks use \"push\" or \"reload\"")
+        raise ValueError(
+            'weight_sync = "shared" needs one trainer rank (the replicas compute on the trainer\'s '
+            'own parameter memory); with several ranks use "push" or "reload"'
+        )
     if bucketed and mode == "push":
         assert sockets, "push mode needs the inference control socket"
         # one staging buffer for all: on the trainer's GPU (CUDA IPC) only when every replica sees it
-        sync = BucketPushSync(nonce=nonce, weights_dir=paths.weights_dir, control_sockets=sockets,
-                              sync_every=sync_every, bucket_bytes=buckets, source_for=sources,
-                              host_staging="host_staging" in push_paths(cfg))
+        sync = BucketPushSync(
+            nonce=nonce,
+            weights_dir=paths.weights_dir,
+            control_sockets=sockets,
+            sync_every=sync_every,
+            bucket_bytes=buckets,
+            source_for=sources,
+            host_staging="host_staging" in push_paths(cfg),
+        )
     elif bucketed and mode == "reload":
-        sync = ReloadSync(sync_dir=paths.sync_dir, control_sockets=sockets if cfg.inference.enabled else [],
-                          sync_every=sync_every, bucket_bytes=buckets, source_for=sources)
+        sync = ReloadSync(
+            sync_dir=paths.sync_dir,
+            control_sockets=sockets if cfg.inference.enabled else [],
+            sync_every=sync_every,
+            bucket_bytes=buckets,
+            source_for=sources,
+        )
     elif mode == "shared":
         assert sockets, "shared mode needs the inference control socket"
         sync = SharedSync(nonce=nonce, weights_dir=paths.weights_dir, control_sockets=sockets)
     elif mode == "push":
         assert sockets, "push mode needs the inference control socket"
-        sync = PushSync(nonce=nonce, weights_dir=paths.weights_dir, control_sockets=sockets, sync_every=sync_every,
-                        paths=push_paths(cfg)[:len(sockets)], bucket_bytes=buckets)
+        sync = PushSync(
+            nonce=nonce,
+            weights_dir=paths.weights_dir,
+            control_sockets=sockets,
+            sync_every=sync_every,
+            paths=push_paths(cfg)[: len(sockets)],
+            bucket_bytes=buckets,
+        )
     elif mode == "reload":
-        sync = ReloadSync(sync_dir=paths.sync_dir, control_sockets=sockets if cfg.inference.enabled else [],
-                          sync_every=sync_every)
+        sync = ReloadSync(
+            sync_dir=paths.sync_dir, control_sockets=sockets if cfg.inference.enabled else [], sync_every=sync_every
+        )
     elif mode == "broadcast":
         assert sockets, "broadcast mode needs the inference control sockets"
         from atroposd.devices import resolve_torch
@@ -158,9 +198,16 @@ def make_weight_sync(cfg: Config, *, nonce: str, control_socket: Path | None = N
         device, _ = resolve_torch(cfg.trainer.devices()[0], cfg.inference.dtype)
         backend = "nccl" if device.type == "cuda" else "gloo"
         deadline = sync_deadline(float(getattr(cfg.trainer, "stall_timeout", 0.0)))
-        sync = BroadcastSync(nonce=nonce, control_sockets=sockets, sync_every=sync_every, bucket_bytes=buckets,
-                             source_for=sources, backend=backend, device=device,
-                             form_timeout=min(float(cfg.trainer.join_timeout), deadline))
+        sync = BroadcastSync(
+            nonce=nonce,
+            control_sockets=sockets,
+            sync_every=sync_every,
+            bucket_bytes=buckets,
+            source_for=sources,
+            backend=backend,
+            device=device,
+            form_timeout=min(float(cfg.trainer.join_timeout), deadline),
+        )
     else:
         raise ValueError(f"unknown weight_sync mode {mode!r}")
     sync.deadline = sync_deadline(float(getattr(cfg.trainer, "stall_timeout", 0.0)))
@@ -299,8 +346,13 @@ class _ControlMixin:
         except WeightControlError as exc:
             if exc.timed_out:
                 self.sync_timeouts += 1
-                log.error("weight sync did not return within its deadline", request=method,
-                          replica=replica.index, deadline_s=self.deadline, timeouts=self.sync_timeouts)
+                log.error(
+                    "weight sync did not return within its deadline",
+                    request=method,
+                    replica=replica.index,
+                    deadline_s=self.deadline,
+                    timeouts=self.sync_timeouts,
+                )
             raise
 
     async def _call_once(self, method: str, *args: Any, replica: Replica) -> dict[str, Any]:
@@ -335,8 +387,9 @@ class _ControlMixin:
             raise errors[min(errors)]
         return [results[i] for i in range(len(targets))]
 
-    async def _reached(self, r: Replica, version: int, method: str, *args: Any,
-                       answers: list[dict[str, Any]] | None = None) -> bool:
+    async def _reached(
+        self, r: Replica, version: int, method: str, *args: Any, answers: list[dict[str, Any]] | None = None
+    ) -> bool:
         """One control call to ``r``; False when the replica is not there to take weights (dead,
         past the deadline, or 503): it is marked not current, with a warning, and gets the
         weights from ``reattach`` when it is back. Any other refusal is raised. ``answers``
@@ -349,8 +402,13 @@ class _ControlMixin:
         except WeightControlError as exc:
             if not _unreachable(exc):
                 raise
-            log.warning("inference server unreachable; it gets the weights when it is back", request=method,
-                        replica=r.index, weight_version=version, error=str(exc))
+            log.warning(
+                "inference server unreachable; it gets the weights when it is back",
+                request=method,
+                replica=r.index,
+                weight_version=version,
+                error=str(exc),
+            )
             r.current = False
             return False
 
@@ -395,13 +453,20 @@ class _ArenaSync(_ControlMixin):
     mode = "?"
     update_mode = "?"
 
-    def __init__(self, *, nonce: str, weights_dir: Path, control_socket: Path | None = None,
-                 control_sockets: Sequence[Path] | None = None,
-                 max_segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
+    def __init__(
+        self,
+        *,
+        nonce: str,
+        weights_dir: Path,
+        control_socket: Path | None = None,
+        control_sockets: Sequence[Path] | None = None,
+        max_segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    ) -> None:
         self.nonce = nonce
         self.weights_dir = weights_dir
-        self._set_sockets(control_sockets if control_sockets is not None else
-                          [control_socket] if control_socket is not None else [])
+        self._set_sockets(
+            control_sockets if control_sockets is not None else [control_socket] if control_socket is not None else []
+        )
         self.max_segment_bytes = max_segment_bytes
         self.manifest_file = manifest_path(weights_dir, nonce)
         self.arena: ParameterArena | None = None
@@ -421,15 +486,18 @@ class _ArenaSync(_ControlMixin):
             if not missing:
                 return False
             # The trainer's mapping still works; a server (re)attaching needs the names: export anew.
-            log.warning("exported segments were removed from /dev/shm by something else; exporting into new ones",
-                        segments=missing)
+            log.warning(
+                "exported segments were removed from /dev/shm by something else; exporting into new ones",
+                segments=missing,
+            )
         if self.arena is not None:
             self.arena.release()
             self.arena = None
         self.weights_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.weights_dir, 0o700)
-        self.arena = ParameterArena.create(model, nonce=self.nonce, max_segment_bytes=self.max_segment_bytes,
-                                           first_index=self._next_segment)
+        self.arena = ParameterArena.create(
+            model, nonce=self.nonce, max_segment_bytes=self.max_segment_bytes, first_index=self._next_segment
+        )
         self._next_segment += len(self.arena.segments)
         return True
 
@@ -451,8 +519,9 @@ class _ArenaSync(_ControlMixin):
 
     async def _send_export(self, arena: ParameterArena, version: int, r: Replica) -> bool:
         try:
-            return await self._update(r, version, self.version, "update_weights", self.manifest_file,
-                                      self.update_mode, version)
+            return await self._update(
+                r, version, self.version, "update_weights", self.manifest_file, self.update_mode, version
+            )
         finally:
             if arena.transport == "cuda_ipc":
                 from atroposd.weights.cuda_ipc import ipc_collect
@@ -536,8 +605,15 @@ class PushSync(_ArenaSync):
     mode = "push"
     update_mode = "copy"
 
-    def __init__(self, *, sync_every: int = 1, paths: Sequence[str] | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, digest: bool = False, **kw: Any) -> None:
+    def __init__(
+        self,
+        *,
+        sync_every: int = 1,
+        paths: Sequence[str] | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        digest: bool = False,
+        **kw: Any,
+    ) -> None:
         super().__init__(**kw)
         self.sync_every = max(1, sync_every)
         self._since = 0
@@ -547,9 +623,15 @@ class PushSync(_ArenaSync):
         self.paths = paths
         self.stager: BucketPushSync | None = None
         if "host_staging" in paths:
-            self.stager = BucketPushSync(nonce=self.nonce, weights_dir=self.weights_dir, control_sockets=[],
-                                         bucket_bytes=bucket_bytes, host_staging=True, digest=digest,
-                                         manifest_file=staging_manifest_path(self.weights_dir, self.nonce))
+            self.stager = BucketPushSync(
+                nonce=self.nonce,
+                weights_dir=self.weights_dir,
+                control_sockets=[],
+                bucket_bytes=bucket_bytes,
+                host_staging=True,
+                digest=digest,
+                manifest_file=staging_manifest_path(self.weights_dir, self.nonce),
+            )
         #: the last sync: sync_pause_s, sync_transfer_s, seconds (a new dict per sync)
         self.last_sync: dict[str, float] = {}
         self._pauses: list[float] = []
@@ -605,8 +687,11 @@ class PushSync(_ArenaSync):
         self.version = version
         pauses = self._pauses + ([staged_sync["sync_pause_s"]] if "sync_pause_s" in staged_sync else [])
         transfers = self._transfers + ([staged_sync["sync_transfer_s"]] if "sync_transfer_s" in staged_sync else [])
-        self.last_sync = {"sync_pause_s": max(pauses, default=0.0), "sync_transfer_s": max(transfers, default=0.0),
-                          "seconds": time.perf_counter() - start}
+        self.last_sync = {
+            "sync_pause_s": max(pauses, default=0.0),
+            "sync_transfer_s": max(transfers, default=0.0),
+            "seconds": time.perf_counter() - start,
+        }
         return all(done)
 
     def _timed(self, pause_s: float, transfer_s: float) -> None:
@@ -694,16 +779,27 @@ class BucketPushSync(_PublishSync):
     mode = "push"
     update_mode = "copy"
 
-    def __init__(self, *, nonce: str, weights_dir: Path, control_socket: Path | None = None,
-                 control_sockets: Sequence[Path] | None = None, sync_every: int = 1,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, source_for: SourceFor = ModelSource,
-                 host_staging: bool = False, manifest_file: Path | None = None, digest: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        nonce: str,
+        weights_dir: Path,
+        control_socket: Path | None = None,
+        control_sockets: Sequence[Path] | None = None,
+        sync_every: int = 1,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        source_for: SourceFor = ModelSource,
+        host_staging: bool = False,
+        manifest_file: Path | None = None,
+        digest: bool = False,
+    ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.nonce = nonce
         self.weights_dir = weights_dir
-        self._set_sockets(control_sockets if control_sockets is not None else
-                          [control_socket] if control_socket is not None else [])
+        self._set_sockets(
+            control_sockets if control_sockets is not None else [control_socket] if control_socket is not None else []
+        )
         self.sync_every = max(1, sync_every)
         self.bucket_bytes = bucket_bytes
         self.source_for = source_for
@@ -750,8 +846,16 @@ class BucketPushSync(_PublishSync):
         self.staging = StagingBuffer.create(self.nonce, size, device, index, host=self.host_staging)
         return self.staging
 
-    def _write_bucket(self, names: Sequence[str], tensors: dict[str, torch.Tensor], size: int, version: int,
-                      tied: dict[str, str], lora: dict[str, Any] | None, bucket: BucketRef) -> None:
+    def _write_bucket(
+        self,
+        names: Sequence[str],
+        tensors: dict[str, torch.Tensor],
+        size: int,
+        version: int,
+        tied: dict[str, str],
+        lora: dict[str, Any] | None,
+        bucket: BucketRef,
+    ) -> None:
         """Write one bucket into the staging buffer and its manifest (on a worker thread)."""
         devices = {t.device for t in tensors.values()}
         if len(devices) != 1:
@@ -759,10 +863,20 @@ class BucketPushSync(_PublishSync):
         staging = self._staging_for(size, devices.pop())
         entries = staging.fill(names, tensors)
         self.export_id += 1
-        Manifest(nonce=self.nonce, exporter_pid=os.getpid(), exporter_start_time=self._start_time,
-                 export_id=self.export_id, weight_version=version, transport=staging.transport,
-                 segments=(staging.ref(),), tensors=tuple(entries), tied=tied, lora=lora, created_at=time.time(),
-                 bucket=bucket).write(self.manifest_file)
+        Manifest(
+            nonce=self.nonce,
+            exporter_pid=os.getpid(),
+            exporter_start_time=self._start_time,
+            export_id=self.export_id,
+            weight_version=version,
+            transport=staging.transport,
+            segments=(staging.ref(),),
+            tensors=tuple(entries),
+            tied=tied,
+            lora=lora,
+            created_at=time.time(),
+            bucket=bucket,
+        ).write(self.manifest_file)
 
     async def _publish(self, model: torch.nn.Module, version: int, targets: Sequence[Replica]) -> bool:
         """Every bucket to ``targets``; True when every target took them all and resumed."""
@@ -795,8 +909,9 @@ class BucketPushSync(_PublishSync):
                 gather_s += time.perf_counter() - t0
                 check_gathered(specs, names, tensors)
                 if live:
-                    await anyio.to_thread.run_sync(self._write_bucket, names, tensors, size, version, tied, lora,
-                                                   BucketRef(i, len(plan)))
+                    await anyio.to_thread.run_sync(
+                        self._write_bucket, names, tensors, size, version, tied, lora, BucketRef(i, len(plan))
+                    )
                     moved += sum(t.numel() * t.element_size() for t in tensors.values())
                 del tensors  # a gathered bucket is dropped before the next one is gathered
                 if live:
@@ -807,14 +922,22 @@ class BucketPushSync(_PublishSync):
         self.version = version
         # sync_pause_s / sync_transfer_s: metrics.jsonl's split of the sync (the replicas' pause;
         # every bucket gathered, staged and copied by every replica)
-        self.last_sync = {"buckets": len(plan), "bytes": moved, "gather_s": gather_s,
-                          "staging_bytes": self.staging.size if self.staging is not None else 0,
-                          "sync_pause_s": transfer_start - pause_start, "sync_transfer_s": transfer_s,
-                          "seconds": time.perf_counter() - start}
+        self.last_sync = {
+            "buckets": len(plan),
+            "bytes": moved,
+            "gather_s": gather_s,
+            "staging_bytes": self.staging.size if self.staging is not None else 0,
+            "sync_pause_s": transfer_start - pause_start,
+            "sync_transfer_s": transfer_s,
+            "seconds": time.perf_counter() - start,
+        }
         if refused:
             r, exc = refused[0]
-            raise WeightControlError(f"inference replica {r.index} refused a bucket of weight_version {version}; it "
-                                     f"stays paused until it gets every bucket again: {exc}", exc.status)
+            raise WeightControlError(
+                f"inference replica {r.index} refused a bucket of weight_version {version}; it "
+                f"stays paused until it gets every bucket again: {exc}",
+                exc.status,
+            )
         return len(resumed) == len(targets) and all(resumed)
 
     async def _copy_bucket(self, r: Replica, version: int, refused: list[tuple[Replica, WeightControlError]]) -> bool:
@@ -824,14 +947,19 @@ class BucketPushSync(_PublishSync):
             if not self.digest:
                 return await self._reached(r, version, "update_weights", self.manifest_file, self.update_mode, version)
             answers: list[dict[str, Any]] = []
-            ok = await self._reached(r, version, "update_weights", self.manifest_file, self.update_mode, version, True,
-                                     answers=answers)
+            ok = await self._reached(
+                r, version, "update_weights", self.manifest_file, self.update_mode, version, True, answers=answers
+            )
             for answer in answers:
                 self.last_results.setdefault(r.index, {}).update(answer.get("digests", {}))
             return ok
         except WeightControlError as exc:
-            log.error("inference replica refused a bucket; it stays paused until it gets every bucket again",
-                      replica=r.index, weight_version=version, error=str(exc))
+            log.error(
+                "inference replica refused a bucket; it stays paused until it gets every bucket again",
+                replica=r.index,
+                weight_version=version,
+                error=str(exc),
+            )
             r.current = False
             refused.append((r, exc))
             return False
@@ -863,17 +991,25 @@ class ReloadSync(_PublishSync):
 
     mode = "reload"
 
-    def __init__(self, *, sync_dir: Path, control_socket: Path | None = None,
-                 control_sockets: Sequence[Path] | None = None, sync_every: int = 1,
-                 bucket_bytes: int | None = None, source_for: SourceFor = ModelSource) -> None:
+    def __init__(
+        self,
+        *,
+        sync_dir: Path,
+        control_socket: Path | None = None,
+        control_sockets: Sequence[Path] | None = None,
+        sync_every: int = 1,
+        bucket_bytes: int | None = None,
+        source_for: SourceFor = ModelSource,
+    ) -> None:
         if bucket_bytes is not None and bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.sync_dir = sync_dir
         self.bucket_bytes = bucket_bytes
         self.source_for = source_for
         self._source: tuple[torch.nn.Module, TensorSource] | None = None
-        self._set_sockets(control_sockets if control_sockets is not None else
-                          [control_socket] if control_socket is not None else [])
+        self._set_sockets(
+            control_sockets if control_sockets is not None else [control_socket] if control_socket is not None else []
+        )
         self.sync_every = max(1, sync_every)
         self.version = 0
         self._since = 0
@@ -884,8 +1020,7 @@ class ReloadSync(_PublishSync):
 
         if self.bucket_bytes is None:
             return await anyio.to_thread.run_sync(write_sync_dir, model, self.sync_dir, version)
-        return await write_sharded_sync_dir(self.source(model), self.sync_dir, version, self.bucket_bytes,
-                                            model=model)
+        return await write_sharded_sync_dir(self.source(model), self.sync_dir, version, self.bucket_bytes, model=model)
 
     async def _publish(self, model: torch.nn.Module, version: int, targets: Sequence[Replica]) -> bool:
         from atroposd.weights.reload import prune_sync_dirs
@@ -941,17 +1076,27 @@ class BroadcastSync(_PublishSync):
 
     mode = "broadcast"
 
-    def __init__(self, *, nonce: str, control_socket: Path | None = None,
-                 control_sockets: Sequence[Path] | None = None, sync_every: int = 1,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, source_for: SourceFor = ModelSource,
-                 backend: str = "gloo", device: torch.device | None = None, form_timeout: float = 60.0,
-                 digest: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        nonce: str,
+        control_socket: Path | None = None,
+        control_sockets: Sequence[Path] | None = None,
+        sync_every: int = 1,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        source_for: SourceFor = ModelSource,
+        backend: str = "gloo",
+        device: torch.device | None = None,
+        form_timeout: float = 60.0,
+        digest: bool = False,
+    ) -> None:
         from atroposd.weights.broadcast import BroadcastHub
 
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-        self._set_sockets(control_sockets if control_sockets is not None else
-                          [control_socket] if control_socket is not None else [])
+        self._set_sockets(
+            control_sockets if control_sockets is not None else [control_socket] if control_socket is not None else []
+        )
         self.hub = BroadcastHub(secret=nonce, backend=backend, device=device)
         self.sync_every = max(1, sync_every)
         self.bucket_bytes = bucket_bytes
@@ -973,8 +1118,10 @@ class BroadcastSync(_PublishSync):
         self._source: tuple[torch.nn.Module, TensorSource] | None = None
 
     def _count(self, replica: int, key: str, add: float = 1.0, *, set_to: float | None = None) -> None:
-        row = self.per_replica.setdefault(replica, {"formations": 0, "form_failures": 0, "send_failures": 0,
-                                                    "last_transfer_s": float("nan"), "last_bytes": 0})
+        row = self.per_replica.setdefault(
+            replica,
+            {"formations": 0, "form_failures": 0, "send_failures": 0, "last_transfer_s": float("nan"), "last_bytes": 0},
+        )
         row[key] = set_to if set_to is not None else row[key] + add
 
     def replica_status(self, replica: int) -> dict[str, Any]:
@@ -982,11 +1129,16 @@ class BroadcastSync(_PublishSync):
         row = self.per_replica.get(replica, {})
         group = self.groups.get(replica)
         transfer = row.get("last_transfer_s", float("nan"))
-        return {"mode": self.mode, "backend": self.hub.backend, "group": "formed" if group is not None else "none",
-                "formation": group.formation if group is not None else None,
-                "formations": int(row.get("formations", 0)), "form_failures": int(row.get("form_failures", 0)),
-                "send_failures": int(row.get("send_failures", 0)),
-                "last_transfer_s": None if transfer != transfer else round(transfer, 6)}
+        return {
+            "mode": self.mode,
+            "backend": self.hub.backend,
+            "group": "formed" if group is not None else "none",
+            "formation": group.formation if group is not None else None,
+            "formations": int(row.get("formations", 0)),
+            "form_failures": int(row.get("form_failures", 0)),
+            "send_failures": int(row.get("send_failures", 0)),
+            "last_transfer_s": None if transfer != transfer else round(transfer, 6),
+        }
 
     def drop(self, replica: int) -> None:
         """Close ``replica``'s group (it is formed again at its next sync)."""
@@ -1012,7 +1164,8 @@ class BroadcastSync(_PublishSync):
             return True
         prefix = self.hub.next_prefix(r.index)
         request = await anyio.to_thread.run_sync(
-            lambda: self.hub.join_request(prefix, deadline_s=self.form_timeout, timeout_s=self.deadline))
+            lambda: self.hub.join_request(prefix, deadline_s=self.form_timeout, timeout_s=self.deadline)
+        )
         formed: dict[str, Any] = {}
         joined: dict[str, Any] = {}
         gave_up: list[bool] = []  # the formation's thread stops waiting once this is not empty
@@ -1020,8 +1173,10 @@ class BroadcastSync(_PublishSync):
         async def form() -> None:
             try:
                 formed["group"] = await anyio.to_thread.run_sync(
-                    lambda: self.hub.form(prefix, deadline_s=self.form_timeout, timeout_s=self.deadline,
-                                          cancelled=lambda: bool(gave_up)))
+                    lambda: self.hub.form(
+                        prefix, deadline_s=self.form_timeout, timeout_s=self.deadline, cancelled=lambda: bool(gave_up)
+                    )
+                )
             except Exception as exc:
                 formed["error"] = exc
                 tg.cancel_scope.cancel()  # the join request is abandoned with it
@@ -1051,9 +1206,14 @@ class BroadcastSync(_PublishSync):
         self.form_failures += 1
         self._count(r.index, "form_failures")
         error = joined.get("error") or formed.get("error") or "cancelled"
-        log.error("broadcast group did not form; this replica's sync failed, training goes on", replica=r.index,
-                  weight_version=version, deadline_s=self.form_timeout, failures=self.form_failures,
-                  error=str(error))
+        log.error(
+            "broadcast group did not form; this replica's sync failed, training goes on",
+            replica=r.index,
+            weight_version=version,
+            deadline_s=self.form_timeout,
+            failures=self.form_failures,
+            error=str(error),
+        )
         r.current = False
         return False
 
@@ -1083,8 +1243,12 @@ class BroadcastSync(_PublishSync):
                 if not ok:
                     await self._keep(r)
             live = [r for r, ok in zip(paused, formed, strict=True) if ok]
-            body = {"op": "receive", "weight_version": version, "buckets": plan_body(specs, plan),
-                    "digest": self.digest}
+            body = {
+                "op": "receive",
+                "weight_version": version,
+                "buckets": plan_body(specs, plan),
+                "digest": self.digest,
+            }
             form_s = time.perf_counter() - start - pause_s
             transfer_start = time.perf_counter()
             started = await self._each(live, lambda r: self._start_receive(r, version, body, failed))
@@ -1103,7 +1267,7 @@ class BroadcastSync(_PublishSync):
                         buf = await anyio.to_thread.run_sync(pack, lay, tensors, buf)
                         pack_s += time.perf_counter() - t0
                         t0 = time.perf_counter()
-                        sent = await self._send_all(live, buf[:lay.size], version, failed)
+                        sent = await self._send_all(live, buf[: lay.size], version, failed)
                         send_s += time.perf_counter() - t0
                         live = [r for r, ok in zip(live, sent, strict=True) if ok]
                         moved += lay.size
@@ -1127,18 +1291,32 @@ class BroadcastSync(_PublishSync):
         self.version = version
         # sync_pause_s / sync_transfer_s: metrics.jsonl's split of the sync (the replicas' pause
         # before the first byte; the stream from the plan's check to the last replica's finish)
-        self.last_sync = {"buckets": len(plan), "bytes": moved, "gather_s": gather_s, "pack_s": pack_s,
-                          "send_s": send_s, "pause_s": pause_s, "form_s": form_s, "transfer_s": transfer_s,
-                          "sync_pause_s": pause_s, "sync_transfer_s": transfer_s,
-                          "seconds": time.perf_counter() - start, "staging_bytes": max(lay.size for lay in layouts)}
+        self.last_sync = {
+            "buckets": len(plan),
+            "bytes": moved,
+            "gather_s": gather_s,
+            "pack_s": pack_s,
+            "send_s": send_s,
+            "pause_s": pause_s,
+            "form_s": form_s,
+            "transfer_s": transfer_s,
+            "sync_pause_s": pause_s,
+            "sync_transfer_s": transfer_s,
+            "seconds": time.perf_counter() - start,
+            "staging_bytes": max(lay.size for lay in layouts),
+        }
         return len(resumed) == len(targets) and all(resumed)
 
     async def _start_receive(self, r: Replica, version: int, body: dict[str, Any], failed: list[Replica]) -> bool:
         try:
             return await self._reached(r, version, "broadcast", {**body, "formation": self.groups[r.index].formation})
         except WeightControlError as exc:
-            log.error("inference replica refused a broadcast; it keeps what it had", replica=r.index,
-                      weight_version=version, error=str(exc))
+            log.error(
+                "inference replica refused a broadcast; it keeps what it had",
+                replica=r.index,
+                weight_version=version,
+                error=str(exc),
+            )
             self.drop(r.index)
             failed.append(r)
             with anyio.CancelScope(shield=True):
@@ -1152,8 +1330,9 @@ class BroadcastSync(_PublishSync):
             await self._resume(r, r.version)
         r.current = False
 
-    async def _send_all(self, live: Sequence[Replica], chunk: torch.Tensor, version: int,
-                        failed: list[Replica]) -> list[bool]:
+    async def _send_all(
+        self, live: Sequence[Replica], chunk: torch.Tensor, version: int, failed: list[Replica]
+    ) -> list[bool]:
         return await self._each(live, lambda r: self._send(r, chunk, version, failed))
 
     async def _send(self, r: Replica, buf: torch.Tensor, version: int, failed: list[Replica]) -> bool:
@@ -1166,8 +1345,12 @@ class BroadcastSync(_PublishSync):
         except Exception as exc:
             self.send_failures += 1
             self._count(r.index, "send_failures")
-            log.warning("broadcast to an inference replica failed; it is skipped and gets the weights when it is "
-                        "back", replica=r.index, weight_version=version, error=f"{type(exc).__name__}: {exc}")
+            log.warning(
+                "broadcast to an inference replica failed; it is skipped and gets the weights when it is back",
+                replica=r.index,
+                weight_version=version,
+                error=f"{type(exc).__name__}: {exc}",
+            )
             self.drop(r.index)
             r.current = False
             failed.append(r)
@@ -1178,11 +1361,16 @@ class BroadcastSync(_PublishSync):
         if group is None:
             return False
         try:
-            answer = await self._call("broadcast", {"op": "finish", "formation": group.formation,
-                                                    "weight_version": version}, replica=r)
+            answer = await self._call(
+                "broadcast", {"op": "finish", "formation": group.formation, "weight_version": version}, replica=r
+            )
         except WeightControlError as exc:
-            log.error("inference replica did not complete a broadcast; it stays paused until it gets every "
-                      "bucket again", replica=r.index, weight_version=version, error=str(exc))
+            log.error(
+                "inference replica did not complete a broadcast; it stays paused until it gets every bucket again",
+                replica=r.index,
+                weight_version=version,
+                error=str(exc),
+            )
             self.drop(r.index)
             r.current = False
             failed.append(r)

@@ -19,8 +19,17 @@ import torch
 
 from atroposd.weights.manifest import ALLOWED_DTYPES, ManifestError, TensorSpec, match_tensors
 
-__all__ = ["CHECKSUM_ELEMENTS", "ModelTensors", "checksum", "dtype_name", "lora_spec", "match_tensors",
-           "model_tensors", "tensor_digest", "torch_dtype"]
+__all__ = [
+    "CHECKSUM_ELEMENTS",
+    "ModelTensors",
+    "checksum",
+    "dtype_name",
+    "lora_spec",
+    "match_tensors",
+    "model_tensors",
+    "tensor_digest",
+    "torch_dtype",
+]
 
 CHECKSUM_ELEMENTS = 4096
 PEFT_PREFIX = "base_model.model."
@@ -94,7 +103,7 @@ def _current(owner: tuple[torch.nn.Module, str, bool]) -> torch.Tensor:
 
 
 def _strip(name: str) -> str:
-    return name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
+    return name[len(PEFT_PREFIX) :] if name.startswith(PEFT_PREFIX) else name
 
 
 def model_tensors(model: torch.nn.Module) -> ModelTensors:
@@ -119,9 +128,15 @@ def model_tensors(model: torch.nn.Module) -> ModelTensors:
     return ModelTensors(tensors, tied, owners)
 
 
-def _add(name: str, t: torch.Tensor, owner: tuple[torch.nn.Module, str, bool], tensors: dict[str, torch.Tensor],
-         tied: dict[str, str], owners: dict[str, list[tuple[torch.nn.Module, str, bool]]],
-         by_id: dict[int, str]) -> None:
+def _add(
+    name: str,
+    t: torch.Tensor,
+    owner: tuple[torch.nn.Module, str, bool],
+    tensors: dict[str, torch.Tensor],
+    tied: dict[str, str],
+    owners: dict[str, list[tuple[torch.nn.Module, str, bool]]],
+    by_id: dict[int, str],
+) -> None:
     canonical = by_id.get(id(t))
     if canonical is None:
         by_id[id(t)] = name
@@ -141,9 +156,12 @@ def lora_spec(model: torch.nn.Module) -> dict[str, Any] | None:
         return None
     cfg = peft_config.get("default") or next(iter(peft_config.values()))
     targets = cfg.target_modules
-    return {"r": int(cfg.r), "alpha": int(cfg.lora_alpha),
-            "targets": sorted(targets) if isinstance(targets, (set, list, tuple)) else targets,
-            "dropout": float(getattr(cfg, "lora_dropout", 0.0) or 0.0)}
+    return {
+        "r": int(cfg.r),
+        "alpha": int(cfg.lora_alpha),
+        "targets": sorted(targets) if isinstance(targets, (set, list, tuple)) else targets,
+        "dropout": float(getattr(cfg, "lora_dropout", 0.0) or 0.0),
+    }
 
 
 def ensure_lora(model: torch.nn.Module, spec: Mapping[str, Any] | None) -> None:
@@ -154,8 +172,12 @@ def ensure_lora(model: torch.nn.Module, spec: Mapping[str, Any] | None) -> None:
         return
     from peft import LoraConfig, inject_adapter_in_model
 
-    cfg = LoraConfig(r=int(spec["r"]), lora_alpha=int(spec["alpha"]), target_modules=spec["targets"],
-                     lora_dropout=float(spec.get("dropout", 0.0)))
+    cfg = LoraConfig(
+        r=int(spec["r"]),
+        lora_alpha=int(spec["alpha"]),
+        target_modules=spec["targets"],
+        lora_dropout=float(spec.get("dropout", 0.0)),
+    )
     inject_adapter_in_model(cfg, model)
 
 

@@ -39,8 +39,17 @@ class Api:
         self.url = url.rstrip("/")
         self.token = token
 
-    def call(self, method: str, path: str, body: Any = None, *, gzip_body: bool = False, raw: bytes | None = None,
-             headers: dict[str, str] | None = None, timeout: float = 30) -> Reply:
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        gzip_body: bool = False,
+        raw: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = 30,
+    ) -> Reply:
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
         h = {"Content-Type": "application/json", **(headers or {})}
         if self.token:
@@ -68,15 +77,30 @@ class Api:
 
     # the protocol, in the order a job uses it
     def register(self, batch_size: int = 8, max_token_len: int = 64, **over: Any) -> Any:
-        body = dict(wandb_group="g", wandb_project="p", batch_size=batch_size, max_token_len=max_token_len,
-                    checkpoint_dir="ckpt", save_checkpoint_interval=5, starting_step=0, num_steps=100)
+        body = dict(
+            wandb_group="g",
+            wandb_project="p",
+            batch_size=batch_size,
+            max_token_len=max_token_len,
+            checkpoint_dir="ckpt",
+            save_checkpoint_interval=5,
+            starting_step=0,
+            num_steps=100,
+        )
         body.update(over)
         return self.ok("POST", "/register", body)
 
-    def register_env(self, group_size: int = 4, name: str = "env", weight: float = 1.0,
-                     min_batch_allocation: float | None = None, max_token_length: int = 64) -> Any:
-        body: dict[str, Any] = dict(max_token_length=max_token_length, desired_name=name, weight=weight,
-                                    group_size=group_size)
+    def register_env(
+        self,
+        group_size: int = 4,
+        name: str = "env",
+        weight: float = 1.0,
+        min_batch_allocation: float | None = None,
+        max_token_length: int = 64,
+    ) -> Any:
+        body: dict[str, Any] = dict(
+            max_token_length=max_token_length, desired_name=name, weight=weight, group_size=group_size
+        )
         if min_batch_allocation is not None:
             body["min_batch_allocation"] = min_batch_allocation
         return self.ok("POST", "/register-env", body)
@@ -105,13 +129,16 @@ def _decoded(body: bytes, headers: Any) -> bytes:
     return body
 
 
-def group(n: int = 4, *, length: int = 5, env_id: int | None = None, tag: float = 0.0, logprobs: bool = True,
-          **extra: Any) -> dict[str, Any]:
+def group(
+    n: int = 4, *, length: int = 5, env_id: int | None = None, tag: float = 0.0, logprobs: bool = True, **extra: Any
+) -> dict[str, Any]:
     """A ScoredData group of ``n`` sequences; ``tag`` makes the scores unique for exactly-once checks."""
     tokens = [[100 + i * 7 + j for j in range(length)] for i in range(n)]
-    g: dict[str, Any] = {"tokens": tokens,
-                         "masks": [[-100, -100, *row[2:]] for row in tokens],
-                         "scores": [tag + i / 1000 for i in range(n)]}
+    g: dict[str, Any] = {
+        "tokens": tokens,
+        "masks": [[-100, -100, *row[2:]] for row in tokens],
+        "scores": [tag + i / 1000 for i in range(n)],
+    }
     if logprobs:
         g["inference_logprobs"] = [[1.0, 1.0, *[-0.5 - j / 8 for j in range(length - 2)]] for _ in range(n)]
     if env_id is not None:
@@ -139,13 +166,19 @@ class RegisteredChild:
     def __init__(self, url: str, body: dict[str, Any]) -> None:
         import subprocess
 
-        code = ("import json, sys, urllib.request\n"
-                "req = urllib.request.Request(sys.argv[1] + '/register-env', data=sys.argv[2].encode(),\n"
-                "                             headers={'Content-Type': 'application/json'})\n"
-                "print(urllib.request.urlopen(req).read().decode(), flush=True)\n"
-                "sys.stdin.read()\n")
-        self.proc = subprocess.Popen([sys.executable, "-c", code, url, json.dumps(body)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+        code = (
+            "import json, sys, urllib.request\n"
+            "req = urllib.request.Request(sys.argv[1] + '/register-env', data=sys.argv[2].encode(),\n"
+            "                             headers={'Content-Type': 'application/json'})\n"
+            "print(urllib.request.urlopen(req).read().decode(), flush=True)\n"
+            "sys.stdin.read()\n"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, url, json.dumps(body)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert self.proc.stdout is not None
         self.answer: dict[str, Any] = json.loads(self.proc.stdout.readline())
 
@@ -166,10 +199,12 @@ def register_env_from_child(url: str, body: dict[str, Any]) -> tuple[int, dict[s
     """POST /register-env from a separate short-lived process: (its pid, the answer)."""
     import subprocess
 
-    code = ("import json, sys, urllib.request\n"
-            "req = urllib.request.Request(sys.argv[1] + '/register-env', data=sys.argv[2].encode(),\n"
-            "                             headers={'Content-Type': 'application/json'})\n"
-            "print(urllib.request.urlopen(req).read().decode())")
+    code = (
+        "import json, sys, urllib.request\n"
+        "req = urllib.request.Request(sys.argv[1] + '/register-env', data=sys.argv[2].encode(),\n"
+        "                             headers={'Content-Type': 'application/json'})\n"
+        "print(urllib.request.urlopen(req).read().decode())"
+    )
     child = subprocess.Popen([sys.executable, "-c", code, url, json.dumps(body)], stdout=subprocess.PIPE, text=True)
     out, _ = child.communicate(timeout=60)
     assert child.returncode == 0, out
@@ -179,8 +214,7 @@ def register_env_from_child(url: str, body: dict[str, Any]) -> tuple[int, dict[s
 def start_atroposd(tmp: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None) -> Server:
     port = port or free_port()
     log = tmp / f"api-{port}.log"
-    proc = spawn([sys.executable, "-m", "atroposd", "api", "--port", str(port), *args], log=log, cwd=REPO,
-                 env=env)
+    proc = spawn([sys.executable, "-m", "atroposd", "api", "--port", str(port), *args], log=log, cwd=REPO, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + "/info", timeout=30, proc=proc)

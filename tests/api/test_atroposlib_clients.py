@@ -42,9 +42,15 @@ def make_env(url: str, group_size: int) -> Any:
             raise NotImplementedError
 
     env = object.__new__(ProtocolOnly)
-    env.config = BaseEnvConfig(rollout_server_url=url, group_size=group_size, wandb_name="arith",
-                               max_token_length=64, use_wandb=False, ensure_scores_are_not_same=True,
-                               total_steps=100)
+    env.config = BaseEnvConfig(
+        rollout_server_url=url,
+        group_size=group_size,
+        wandb_name="arith",
+        max_token_length=64,
+        use_wandb=False,
+        ensure_scores_are_not_same=True,
+        total_steps=100,
+    )
     env.max_token_len = -1
     env.completion_lengths = []
     env.items_sent_this_step = 0
@@ -64,9 +70,17 @@ def test_example_trainer_and_base_env_clients(atroposd_server: Server) -> None:
     api = fresh(atroposd_server)
     url = atroposd_server.url
     assert trainer_api.check_atropos_api(url, timeout=5)
-    config = SimpleNamespace(atropos_url=url, training_steps=10, checkpoint_interval=0, wandb_group=None,
-                             wandb_project=None, batch_size=4, gradient_accumulation_steps=2, seq_len=64,
-                             save_path="ckpt")
+    config = SimpleNamespace(
+        atropos_url=url,
+        training_steps=10,
+        checkpoint_interval=0,
+        wandb_group=None,
+        wandb_project=None,
+        batch_size=4,
+        gradient_accumulation_steps=2,
+        seq_len=64,
+        save_path="ckpt",
+    )
     trainer_api.register_trainer(config)
     assert api.ok("GET", "/info") == {"batch_size": 8, "max_token_len": 64}
 

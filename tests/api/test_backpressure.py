@@ -143,8 +143,11 @@ def test_flood_memory_flat_nothing_lost_nothing_twice(tmp_path: Path) -> None:
         for t in threads:
             t.join(30)
         assert set(statuses) <= {200, 503}
-        assert sorted(served) == sorted(accepted) == sorted(c * 1000.0 + k for c in range(clients)
-                                                            for k in range(per_client))
+        assert (
+            sorted(served)
+            == sorted(accepted)
+            == sorted(c * 1000.0 + k for c in range(clients) for k in range(per_client))
+        )
         assert len(set(served)) == len(served)
     finally:
         stop_process(server.proc)

@@ -69,17 +69,25 @@ def test_minimum_allocations_equal_upstream(seed: int) -> None:
 def _minimums_case(rng: random.Random) -> None:
     batch_size = rng.choice([8, 16, 32])
     n_envs = rng.randrange(1, 4)
-    envs = [{"registered_id": e, "connected": rng.random() > 0.2,
-             "min_batch_allocation": rng.choice([None, 0.1, 0.25, 0.5, 0.7])} for e in range(n_envs)]
+    envs = [
+        {
+            "registered_id": e,
+            "connected": rng.random() > 0.2,
+            "min_batch_allocation": rng.choice([None, 0.1, 0.25, 0.5, 0.7]),
+        }
+        for e in range(n_envs)
+    ]
     sizes = [rng.choice([1, 2, 4]) for _ in range(rng.randrange(0, 40))]
     env_ids = [rng.choice([*range(n_envs), None]) for _ in sizes]
     queue = [{"tokens": [[0]] * n, "env_id": e, "i": i} for i, (n, e) in enumerate(zip(sizes, env_ids, strict=True))]
-    minimums = {e["registered_id"]: e["min_batch_allocation"] for e in envs
-                if e["connected"] and e["min_batch_allocation"] is not None}
+    minimums = {
+        e["registered_id"]: e["min_batch_allocation"]
+        for e in envs
+        if e["connected"] and e["min_batch_allocation"] is not None
+    }
     while True:
         batch, queue_after = upstream.grab_batch_with_minimum_allocations(queue, batch_size, envs)
-        ours = grab_with_minimums([len(q["tokens"]) for q in queue], [q["env_id"] for q in queue], batch_size,
-                                  minimums)
+        ours = grab_with_minimums([len(q["tokens"]) for q in queue], [q["env_id"] for q in queue], batch_size, minimums)
         if batch is None:
             assert ours is None
             return

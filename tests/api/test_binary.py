@@ -28,11 +28,12 @@ from tests.api.conftest import Api, group
 # ----------------------------------------------------------------------------- random groups
 
 _finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, allow_infinity=False)
-_token = st.integers(min_value=-(2 ** 40), max_value=2 ** 40) | st.integers(min_value=0, max_value=50_000)
-_json_value = st.recursive(st.none() | st.booleans() | st.integers(-1000, 1000) | _finite | st.text(max_size=8),
-                           lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=5), kids,
-                                                                                      max_size=3),
-                           max_leaves=6)
+_token = st.integers(min_value=-(2**40), max_value=2**40) | st.integers(min_value=0, max_value=50_000)
+_json_value = st.recursive(
+    st.none() | st.booleans() | st.integers(-1000, 1000) | _finite | st.text(max_size=8),
+    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=5), kids, max_size=3),
+    max_leaves=6,
+)
 
 
 @st.composite
@@ -42,8 +43,7 @@ def groups(draw: st.DrawFn, n: int | None = None, max_len: int = 12) -> dict[str
     lengths = draw(st.lists(st.integers(0, max_len), min_size=n, max_size=n))
     tokens = [draw(st.lists(_token, min_size=k, max_size=k)) for k in lengths]
     masks = [[t if draw(st.booleans()) else -100 for t in row] for row in tokens]
-    g: dict[str, Any] = {"tokens": tokens, "masks": masks,
-                         "scores": draw(st.lists(_finite, min_size=n, max_size=n))}
+    g: dict[str, Any] = {"tokens": tokens, "masks": masks, "scores": draw(st.lists(_finite, min_size=n, max_size=n))}
 
     def rows(same: bool) -> list[list[float]]:
         lens = lengths if same else draw(st.lists(st.integers(0, max_len), min_size=n, max_size=n))
@@ -109,6 +109,7 @@ def shm_path(batch: list[Any]) -> dict[str, np.ndarray]:
             return {k: v.copy() for k, v in arrays.items()}
         finally:
             shm.close()
+
     return asyncio.run(offer())
 
 
@@ -152,7 +153,7 @@ def _check_layout(posted: list[dict[str, Any]], a: dict[str, np.ndarray]) -> Non
                 if _laid_out(g, name):
                     assert a[f"has_{name}"][row] == 1
                     r = value[i]
-                    assert np.array_equal(a[name][row, :len(r)], np.float32(r)) and not a[name][row, len(r):].any()
+                    assert np.array_equal(a[name][row, : len(r)], np.float32(r)) and not a[name][row, len(r) :].any()
                 elif name in a:
                     assert a[f"has_{name}"][row] == 0 and not a[name][row].any()
             row += 1
@@ -169,8 +170,11 @@ def _laid_out(g: dict[str, Any], name: str) -> bool:
     """Whether a per-token float field fits the layout: one row per sequence, none wider than
     its tokens."""
     value = g.get(name)
-    return (value is not None and len(value) == len(g["tokens"])
-            and all(len(r) <= len(t) for r, t in zip(value, g["tokens"], strict=True)))
+    return (
+        value is not None
+        and len(value) == len(g["tokens"])
+        and all(len(r) <= len(t) for r, t in zip(value, g["tokens"], strict=True))
+    )
 
 
 def test_layout_of_a_small_batch() -> None:
@@ -202,11 +206,16 @@ def test_layout_of_a_small_batch() -> None:
     assert binary.decode(file)[1] == {"format": binary.FORMAT, "batch_id": "b1"}
 
 
-@pytest.mark.parametrize("bad", [b"", b"\x05\x00\x00\x00\x00\x00\x00\x00{}", struct.pack("<Q", 2) + b"[]",
-                                 struct.pack("<Q", 60) + b'{"t": {"dtype": "I64", "shape": [4], '
-                                                         b'"data_offsets": [0, 32]}}   ',
-                                 struct.pack("<Q", 58) + b'{"t": {"dtype": "X9", "shape": [0], '
-                                                         b'"data_offsets": [0, 0]}}   '])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b"",
+        b"\x05\x00\x00\x00\x00\x00\x00\x00{}",
+        struct.pack("<Q", 2) + b"[]",
+        struct.pack("<Q", 60) + b'{"t": {"dtype": "I64", "shape": [4], "data_offsets": [0, 32]}}   ',
+        struct.pack("<Q", 58) + b'{"t": {"dtype": "X9", "shape": [0], "data_offsets": [0, 0]}}   ',
+    ],
+)
 def test_decode_refuses_malformed_files(bad: bytes) -> None:
     with pytest.raises(binary.LayoutError):
         binary.decode(bad)

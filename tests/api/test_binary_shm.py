@@ -98,8 +98,11 @@ def test_unacknowledged_batch_is_served_again_and_a_late_ack_ignored(tmp_path: P
         post(api, range(2))
         info = take_shm(api)
         assert shm_tags(info) == [1], "LIFO within one formation, as upstream"
-        wait_for(lambda: api.ok("GET", "/status")["formed_batches"] == 2, timeout=10,
-                 what="the unacknowledged batch to go back")
+        wait_for(
+            lambda: api.ok("GET", "/status")["formed_batches"] == 2,
+            timeout=10,
+            what="the unacknowledged batch to go back",
+        )
         assert not (SHM / info["name"]).exists()
         late = ack(api, info["batch_id"])
         assert late["acknowledged"] is False and "late" in late["detail"]
@@ -122,8 +125,9 @@ def test_exactly_once_across_formats(tmp_path: Path) -> None:
     try:
         api.start(batch_size=8)
         post(api, range(24), n=4)
-        clients = [BatchClient(api.url, batch_size=8, max_token_len=64, transport=t)
-                   for t in ("shm", "safetensors", "json")]
+        clients = [
+            BatchClient(api.url, batch_size=8, max_token_len=64, transport=t) for t in ("shm", "safetensors", "json")
+        ]
         got: list[int] = []
         seen = Counter[str]()
         for i in range(12):
@@ -156,7 +160,7 @@ def test_stop_unlinks_and_kill9_leftovers_go_at_the_next_start(tmp_path: Path) -
         first = shm_tags(info)
         prefix = f"{BATCH_PREFIX}{server.proc.pid}-"
         assert info["name"].startswith(prefix)
-        assert (spool / RECORD_NAME).read_text().strip() == info["name"][:len(prefix) + 17]
+        assert (spool / RECORD_NAME).read_text().strip() == info["name"][: len(prefix) + 17]
         assert stop_process(server.proc) == 0
         assert not (SHM / info["name"]).exists(), "a clean stop unlinks every pending segment"
         server = start_atroposd(tmp_path, "--spool-dir", str(spool), port=port)
@@ -191,8 +195,11 @@ def test_exactly_once_across_an_api_restart(tmp_path: Path) -> None:
             got += tags_of(other.next_batch(10))
         # A JSON batch counts once the API has finished writing it, which may come a moment
         # after the client has read it all: kill only once the API has recorded it.
-        wait_for(lambda: server.api.ok("GET", "/status")["queued_sequences"] == 20, timeout=10,
-                 what="the JSON batch to be recorded as delivered")
+        wait_for(
+            lambda: server.api.ok("GET", "/status")["queued_sequences"] == 20,
+            timeout=10,
+            what="the JSON batch to be recorded as delivered",
+        )
         server.proc.send_signal(signal.SIGKILL)
         server.proc.wait(10)
         with pytest.raises(OSError):
@@ -200,8 +207,9 @@ def test_exactly_once_across_an_api_restart(tmp_path: Path) -> None:
         server = start_atroposd(tmp_path, "--spool-dir", str(spool), port=port)
         assert not (SHM / pending["name"]).exists()
         assert first.batch_id is not None
-        assert ack(server.api, first.batch_id)["acknowledged"], \
+        assert ack(server.api, first.batch_id)["acknowledged"], (
             "an acknowledgement whose answer was lost in the restart is answered the same (the spool)"
+        )
         assert not ack(server.api, pending["batch_id"])["acknowledged"]
         while len(got) < 8:
             got += tags_of(client.next_batch(timeout=20))
@@ -230,8 +238,13 @@ def test_client_killed_holding_an_unacknowledged_batch(tmp_path: Path) -> None:
     try:
         api.start(batch_size=4)
         post(api, range(4))
-        child = subprocess.Popen([sys.executable, "-c", CHILD, server.url], stdout=subprocess.PIPE, text=True,
-                                 cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHILD, server.url],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
         assert child.stdout is not None
         batch_id = child.stdout.readline().strip()
         assert batch_id

@@ -28,8 +28,9 @@ def with_header_fields(data: bytes) -> bytes:
     head += (4).to_bytes(2, "little") + b"ab\x00\x00" + b"name.json\x00" + b"a comment\x00"
     head += (zlib.crc32(head) & 0xFFFF).to_bytes(2, "little")
     c = zlib.compressobj(6, zlib.DEFLATED, -zlib.MAX_WBITS)
-    return head + c.compress(data) + c.flush() + zlib.crc32(data).to_bytes(4, "little") + \
-        len(data).to_bytes(4, "little")
+    return (
+        head + c.compress(data) + c.flush() + zlib.crc32(data).to_bytes(4, "little") + len(data).to_bytes(4, "little")
+    )
 
 
 def outcome(fn: Any, raw: bytes, limit: int = LIMIT) -> Any:

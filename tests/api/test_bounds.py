@@ -36,8 +36,15 @@ from tests.api.conftest import group
 
 
 def _settings(**over: Any) -> ApiSettings:
-    s = ApiSettings(host="127.0.0.1", port=0, token="", max_queued_sequences=256, max_request_bytes=1 << 20,
-                    full_wait=0.1, spool_dir=None)
+    s = ApiSettings(
+        host="127.0.0.1",
+        port=0,
+        token="",
+        max_queued_sequences=256,
+        max_request_bytes=1 << 20,
+        full_wait=0.1,
+        spool_dir=None,
+    )
     for k, v in over.items():
         setattr(s, k, v)
     return s
@@ -48,8 +55,14 @@ async def running(settings: ApiSettings) -> AsyncIterator[tuple[ApiServer, str, 
     """(server, url, port) of an API served by this event loop."""
     store = TrajectoryStore(settings.max_queued_sequences, capacity_bytes=settings.queue_bytes())
     server = ApiServer(store, settings)
-    runner = web.AppRunner(server.app(), auto_decompress=False, access_log=None, handle_signals=False,
-                           handler_cancellation=True, shutdown_timeout=0.5)
+    runner = web.AppRunner(
+        server.app(),
+        auto_decompress=False,
+        access_log=None,
+        handle_signals=False,
+        handler_cancellation=True,
+        shutdown_timeout=0.5,
+    )
     await runner.setup()
     try:
         site = server.site(runner)
@@ -62,15 +75,27 @@ async def running(settings: ApiSettings) -> AsyncIterator[tuple[ApiServer, str, 
 
 async def _post(session: aiohttp.ClientSession, url: str, body: Any, **kw: Any) -> tuple[int, Any]:
     data = body if isinstance(body, bytes) else orjson.dumps(body)
-    async with session.post(url, data=data, headers={"Content-Type": "application/json", **kw.pop("headers", {})},
-                            **kw) as r:
+    async with session.post(
+        url, data=data, headers={"Content-Type": "application/json", **kw.pop("headers", {})}, **kw
+    ) as r:
         return r.status, await r.read()
 
 
 async def _start(session: aiohttp.ClientSession, url: str, batch_size: int) -> None:
-    status, _ = await _post(session, url + "/register", dict(
-        wandb_group="g", wandb_project="p", batch_size=batch_size, max_token_len=4096, checkpoint_dir="c",
-        save_checkpoint_interval=0, starting_step=0, num_steps=10))
+    status, _ = await _post(
+        session,
+        url + "/register",
+        dict(
+            wandb_group="g",
+            wandb_project="p",
+            batch_size=batch_size,
+            max_token_len=4096,
+            checkpoint_dir="c",
+            save_checkpoint_interval=0,
+            starting_step=0,
+            num_steps=10,
+        ),
+    )
     assert status == 200
     async with session.get(url + "/batch") as r:  # opens the gate for environments
         assert r.status == 200
@@ -87,8 +112,10 @@ def _outcomes(body: dict[str, Any]) -> tuple[str, str]:
     """(fast path, full path) for one /scored_data body: 'accepted' or 'status reason'."""
     raw = json.dumps(body).encode()
     out = []
-    for parse in (lambda: parse_groups(raw, listed=False, max_token_len=None),
-                  lambda: [group_from_json(json.loads(raw))]):
+    for parse in (
+        lambda: parse_groups(raw, listed=False, max_token_len=None),
+        lambda: [group_from_json(json.loads(raw))],
+    ):
         try:
             got = parse()
             out.append("accepted" if got is not None else "declined")
@@ -97,18 +124,22 @@ def _outcomes(body: dict[str, Any]) -> tuple[str, str]:
     return out[0], out[1]
 
 
-@pytest.mark.parametrize("change", [
-    {"distill_token_ids": [[[7]] * 10_000] * 2},  # far more positions than tokens
-    {"distill_token_ids": [[[7]] * 4] * 3},  # more sequences than the group has
-    {"distill_token_ids": [[[7]] * 4, [[7]] * 3]},  # a sequence one position short
-    {"distill_token_ids": [[list(range(MAX_DISTILL_K + 1))] * 4] * 2},  # k past the bound
-    {"distill_token_ids": [[[True]] * 4] * 2},  # not integers
-    {"distill_token_ids": [[[1.5]] * 4] * 2},
-    {"distill_token_ids": [[7] * 4] * 2},  # not [position][k]
-    {"distill_logprobs": [[["x"]] * 4] * 2},
-    {"distill_logprobs": [[[1e308 * 10]] * 4] * 2},  # json.dumps writes Infinity: invalid JSON, 400
-    {"distill_token_ids": [[[7, 8]] * 4] * 2, "distill_logprobs": [[[-0.5]] * 4] * 2},  # k differs
-], ids=["positions", "sequences", "short", "k", "bool", "float_id", "flat", "string", "infinite", "k_differs"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"distill_token_ids": [[[7]] * 10_000] * 2},  # far more positions than tokens
+        {"distill_token_ids": [[[7]] * 4] * 3},  # more sequences than the group has
+        {"distill_token_ids": [[[7]] * 4, [[7]] * 3]},  # a sequence one position short
+        {"distill_token_ids": [[list(range(MAX_DISTILL_K + 1))] * 4] * 2},  # k past the bound
+        {"distill_token_ids": [[[True]] * 4] * 2},  # not integers
+        {"distill_token_ids": [[[1.5]] * 4] * 2},
+        {"distill_token_ids": [[7] * 4] * 2},  # not [position][k]
+        {"distill_logprobs": [[["x"]] * 4] * 2},
+        {"distill_logprobs": [[[1e308 * 10]] * 4] * 2},  # json.dumps writes Infinity: invalid JSON, 400
+        {"distill_token_ids": [[[7, 8]] * 4] * 2, "distill_logprobs": [[[-0.5]] * 4] * 2},  # k differs
+    ],
+    ids=["positions", "sequences", "short", "k", "bool", "float_id", "flat", "string", "infinite", "k_differs"],
+)
 def test_distillation_fields_are_checked_against_their_token_rows(change: dict[str, Any]) -> None:
     """One entry per sequence, one per token in it, at most MAX_DISTILL_K numbers each, finite:
     else a 4xx on both parse paths (a wide group used to be accepted and widen every batch)."""
@@ -119,19 +150,26 @@ def test_distillation_fields_are_checked_against_their_token_rows(change: dict[s
 
 
 def test_distillation_fields_that_fit_are_accepted_on_both_paths() -> None:
-    ok = group(2, length=4, distill_token_ids=[[[1, 2], [3], [], None], None],
-               distill_logprobs=[[[-0.1, -0.2], [-0.3], [], None], None])
+    ok = group(
+        2,
+        length=4,
+        distill_token_ids=[[[1, 2], [3], [], None], None],
+        distill_logprobs=[[[-0.1, -0.2], [-0.3], [], None], None],
+    )
     assert _outcomes(ok) == ("accepted", "accepted")
-    top = group(1, length=2, distill_token_ids=[[list(range(MAX_DISTILL_K))] * 2],
-                distill_logprobs=[[[-1.0] * MAX_DISTILL_K] * 2])
+    top = group(
+        1,
+        length=2,
+        distill_token_ids=[[list(range(MAX_DISTILL_K))] * 2],
+        distill_logprobs=[[[-1.0] * MAX_DISTILL_K] * 2],
+    )
     assert _outcomes(top) == ("accepted", "accepted")
 
 
 def test_a_wide_distillation_group_is_a_422_and_counted() -> None:
     async def run() -> None:
         async with running(_settings()) as (server, url, _), aiohttp.ClientSession() as s:
-            wide = group(2, length=4, distill_token_ids=[[[7]] * 20_000] * 2,
-                         distill_logprobs=[[[-0.5]] * 20_000] * 2)
+            wide = group(2, length=4, distill_token_ids=[[[7]] * 20_000] * 2, distill_logprobs=[[[-0.5]] * 20_000] * 2)
             status, body = await _post(s, url + "/scored_data", wide)
             assert status == 422 and b"one entry per token" in body, (status, body[:300])
             assert server.metrics.rejected.labels("distill_invalid")._value.get() == 1
@@ -156,10 +194,14 @@ def test_wide_distillation_group_gives_a_bounded_binary_batch() -> None:
     """A 2 × 4-token group whose distillation fields claim 20,000 positions of up to 4,096 ids: the
     batch stays 4 wide, K within the bound, and the fields stay in groups_json (this group used
     to plan a [4, 20000, 4096] batch: 3.7 GiB)."""
-    wide = _unchecked(group(2, length=4), distill_token_ids=[[[7] * 4096] + [[7]] * 19_999] * 2,
-                      distill_logprobs=[[[-0.5]] * 20_000] * 2)
-    fits = group_from_json(group(2, length=6, distill_token_ids=[[[1, 2]] * 6] * 2,
-                                 distill_logprobs=[[[-0.1, -0.2]] * 6] * 2))
+    wide = _unchecked(
+        group(2, length=4),
+        distill_token_ids=[[[7] * 4096] + [[7]] * 19_999] * 2,
+        distill_logprobs=[[[-0.5]] * 20_000] * 2,
+    )
+    fits = group_from_json(
+        group(2, length=6, distill_token_ids=[[[1, 2]] * 6] * 2, distill_logprobs=[[[-0.1, -0.2]] * 6] * 2)
+    )
     layout = binary.plan_batch([binary.rows_from_group(g) for g in (wide, fits)])
     shapes = {name: shape for name, _, shape in layout.specs}
     assert shapes["tokens"] == (4, 6), "no wider than the widest token row"
@@ -178,8 +220,9 @@ def test_rows_wider_than_their_tokens_do_not_widen_a_batch() -> None:
     than its sequence keeps the field in groups_json instead of widening the batch."""
     g = group_from_json(group(2, length=4, advantages=[[0.5] * 100_000, [0.5]]))
     layout = binary.plan_batch([binary.rows_from_group(g)])
-    assert dict((n, s) for n, _, s in layout.specs)["tokens"] == (2, 4) and "advantages" not in \
-        {n for n, _, _ in layout.specs}
+    assert dict((n, s) for n, _, s in layout.specs)["tokens"] == (2, 4) and "advantages" not in {
+        n for n, _, _ in layout.specs
+    }
     assert layout.size - len(layout.groups_json) < 16 << 10
 
 
@@ -221,6 +264,7 @@ def test_batches_are_planned_and_filled_off_the_event_loop(monkeypatch: pytest.M
 def test_segment_names_do_not_carry_the_batch_id() -> None:
     """Any local user can list /dev/shm: a name that held the batch id let them acknowledge
     another trainer's batch."""
+
     async def run() -> None:
         async with running(_settings()) as (server, url, _), aiohttp.ClientSession() as s:
             await _start(s, url, batch_size=2)
@@ -262,8 +306,10 @@ def test_a_large_batchs_scratch_memory_is_given_back(monkeypatch: pytest.MonkeyP
 async def _stall_chunked(port: int, path: str, nbytes: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """Send ``nbytes`` of a chunked body to ``path`` and stop there (the body never ends)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 "Transfer-Encoding: chunked\r\n\r\n".encode())
+    writer.write(
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        "Transfer-Encoding: chunked\r\n\r\n".encode()
+    )
     chunk = 16 << 10
     for start in range(0, nbytes, chunk):
         size = min(chunk, nbytes - start)
@@ -282,9 +328,9 @@ async def _until(predicate: Any, timeout: float = 5.0) -> None:
 def test_chunked_bodies_and_every_route_count_against_the_in_flight_bound() -> None:
     """A chunked body is charged as it arrives (it used to be charged only once complete, so
     any number of them could be read at once), and so is every other body a route reads."""
+
     async def run() -> None:
-        async with running(_settings(max_request_bytes=512 << 10)) as (server, url, port), \
-                aiohttp.ClientSession() as s:
+        async with running(_settings(max_request_bytes=512 << 10)) as (server, url, port), aiohttp.ClientSession() as s:
             server.max_inflight_bytes = 400 << 10
             _, writer = await _stall_chunked(port, "/scored_data", 300 << 10)
             await _until(lambda: server.inflight_bytes >= 250 << 10)
@@ -311,6 +357,7 @@ def test_a_refused_body_gives_its_room_back_at_once() -> None:
     """Four chunked uploads arrive together and pass the bound: one is refused and its bytes are
     given back before the others are read on, so the three that fit go on (refusals used to
     cascade: each body read in the same turn of the loop was refused before any gave room back)."""
+
     async def run() -> None:
         async with running(_settings(max_request_bytes=512 << 10)) as (server, _, port):
             server.max_inflight_bytes = 300 << 10
@@ -413,8 +460,9 @@ def _lying_bodies() -> dict[str, bytes]:
 
 @pytest.mark.parametrize("libdeflate", [True, False], ids=["libdeflate", "zlib"])
 @pytest.mark.parametrize("name", ["members", "forged"])
-def test_gzip_bodies_with_a_lying_trailer_inflate_off_the_event_loop(name: str, libdeflate: bool,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gzip_bodies_with_a_lying_trailer_inflate_off_the_event_loop(
+    name: str, libdeflate: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A trailer that understates the inflated size no longer keeps the inflation on the loop:
     the loop inflates at most what the trailer says (libdeflate, into a buffer of that size),
     or, without libdeflate, nothing of a body of 4 KiB or more as sent."""

@@ -30,10 +30,14 @@ def test_running_api_has_no_torch_mapped(tmp_path: Path) -> None:
 
 def test_config_file_and_flag_overrides(tmp_path: Path) -> None:
     port = free_port()
-    cfg = write_config(tmp_path / "atroposd.toml", {
-        "daemon": {"state_dir": str(tmp_path / "state"), "runtime_dir": str(tmp_path / "run")},
-        "api": {"port": port, "max_queued_sequences": 32, "full_wait": 0.1},
-        "env": []})
+    cfg = write_config(
+        tmp_path / "atroposd.toml",
+        {
+            "daemon": {"state_dir": str(tmp_path / "state"), "runtime_dir": str(tmp_path / "run")},
+            "api": {"port": port, "max_queued_sequences": 32, "full_wait": 0.1},
+            "env": [],
+        },
+    )
     server = start_atroposd(tmp_path, "-c", str(cfg), port=port)
     try:
         assert server.api.ok("GET", "/status")["capacity"] == 32
@@ -87,15 +91,17 @@ def test_api_package_imports_no_daemon_layer() -> None:
     import subprocess
     import sys
 
-    code = ("import argparse, pkgutil, importlib, sys\n"
-            "import atroposd.api as p\n"
-            "for m in pkgutil.iter_modules(p.__path__): importlib.import_module('atroposd.api.' + m.name)\n"
-            "from atroposd.api import cli\n"
-            "ap = argparse.ArgumentParser(); ap.add_argument('-c', dest='config'); cli.add_arguments(ap)\n"
-            "cli.settings_from(ap.parse_args(['--port', '9']))\n"
-            "bad = [m for m in ('atroposd.cli', 'atroposd.commands', 'atroposd.daemon', 'atroposd.process')\n"
-            "       if m in sys.modules]\n"
-            "print(bad)\n")
+    code = (
+        "import argparse, pkgutil, importlib, sys\n"
+        "import atroposd.api as p\n"
+        "for m in pkgutil.iter_modules(p.__path__): importlib.import_module('atroposd.api.' + m.name)\n"
+        "from atroposd.api import cli\n"
+        "ap = argparse.ArgumentParser(); ap.add_argument('-c', dest='config'); cli.add_arguments(ap)\n"
+        "cli.settings_from(ap.parse_args(['--port', '9']))\n"
+        "bad = [m for m in ('atroposd.cli', 'atroposd.commands', 'atroposd.daemon', 'atroposd.process')\n"
+        "       if m in sys.modules]\n"
+        "print(bad)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

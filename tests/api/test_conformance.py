@@ -14,9 +14,22 @@ import pytest
 
 from tests.api.conftest import Api, group
 
-UPSTREAM_FIELDS = ["tokens", "masks", "scores", "advantages", "ref_logprobs", "messages", "generation_params",
-                   "inference_logprobs", "overrides", "group_overrides", "images", "env_id", "distill_token_ids",
-                   "distill_logprobs"]
+UPSTREAM_FIELDS = [
+    "tokens",
+    "masks",
+    "scores",
+    "advantages",
+    "ref_logprobs",
+    "messages",
+    "generation_params",
+    "inference_logprobs",
+    "overrides",
+    "group_overrides",
+    "images",
+    "env_id",
+    "distill_token_ids",
+    "distill_logprobs",
+]
 
 
 def same_answers(both: tuple[Api, Api], scenario: Callable[[Api], Any]) -> Any:
@@ -51,8 +64,15 @@ def test_register_env_waits_for_the_trainer(any_api: Api) -> None:
     assert any_api.register_env() == {"status": "wait for trainer to start"}  # registered, no /batch yet
     assert any_api.ok("GET", "/batch") == {"batch": None}
     reg = any_api.register_env(group_size=4, name="gsm8k")
-    assert reg == {"status": "success", "env_id": 0, "wandb_name": "gsm8k_0", "checkpoint_dir": "ckpt",
-                   "starting_step": 0, "checkpoint_interval": 5, "num_steps": 100}
+    assert reg == {
+        "status": "success",
+        "env_id": 0,
+        "wandb_name": "gsm8k_0",
+        "checkpoint_dir": "ckpt",
+        "starting_step": 0,
+        "checkpoint_interval": 5,
+        "num_steps": 100,
+    }
     assert any_api.register_env(name="gsm8k")["wandb_name"] == "gsm8k_1"
     assert any_api.register_env(name="other")["env_id"] == 2
 
@@ -94,11 +114,18 @@ def test_loose_upstream_posts_are_accepted(any_api: Api) -> None:
     """What upstream clients and tests post: integer scores, masks of 1, over-long advantages,
     no env_id, no logprobs, extra fields."""
     any_api.start(batch_size=2)
-    loose = {"tokens": [[1, 2, 3], [4, 5, 6]], "masks": [[1, 1, 1], [1, 1, 1]], "scores": [1, 0],
-             "advantages": [[0.5] * 10, [0.1]], "ref_logprobs": [[0.0]], "messages": [[{"role": "user",
-                                                                                        "content": "hi"}]] * 2,
-             "overrides": [{"temperature": 0.7}, {}], "group_overrides": {"group_size": 2},
-             "generation_params": {"temperature": 1.0}, "unknown_field": 3}
+    loose = {
+        "tokens": [[1, 2, 3], [4, 5, 6]],
+        "masks": [[1, 1, 1], [1, 1, 1]],
+        "scores": [1, 0],
+        "advantages": [[0.5] * 10, [0.1]],
+        "ref_logprobs": [[0.0]],
+        "messages": [[{"role": "user", "content": "hi"}]] * 2,
+        "overrides": [{"temperature": 0.7}, {}],
+        "group_overrides": {"group_size": 2},
+        "generation_params": {"temperature": 1.0},
+        "unknown_field": 3,
+    }
     assert any_api.ok("POST", "/scored_data", loose) == {"status": "received"}
     served = any_api.ok("GET", "/batch")["batch"][0]
     assert served["scores"] == [1.0, 0.0]
@@ -117,8 +144,22 @@ def test_batches_from_heterogeneous_groups_match_run_api(both: tuple[Api, Api]) 
         big = api.register_env(group_size=4, name="big")["env_id"]
         small = api.register_env(group_size=2, name="small")["env_id"]
         out = []
-        sizes = [(4, big), (2, small), (1, None), (4, big), (2, small), (1, None), (2, small), (4, big), (2, small),
-                 (4, big), (1, None), (1, None), (4, big), (2, None)]
+        sizes = [
+            (4, big),
+            (2, small),
+            (1, None),
+            (4, big),
+            (2, small),
+            (1, None),
+            (2, small),
+            (4, big),
+            (2, small),
+            (4, big),
+            (1, None),
+            (1, None),
+            (4, big),
+            (2, None),
+        ]
         for k, (n, env) in enumerate(sizes):
             out.append(api.ok("POST", "/scored_data", group(n, env_id=env, tag=float(k))))
         out.append(api.ok("GET", "/status"))
@@ -133,10 +174,13 @@ def test_mixed_size_buffering_matches_run_api(both: tuple[Api, Api]) -> None:
     def scenario(api: Api) -> Any:
         api.start(batch_size=8)
         env = api.register_env(group_size=4)["env_id"]
-        out = [api.ok("POST", "/scored_data", group(n, env_id=env, tag=float(k)))
-               for k, n in enumerate([2, 3, 1, 1, 2, 3, 4])]
-        out.append(api.ok("POST", "/scored_data_list", [group(n, env_id=env, tag=10.0 + k)
-                                                         for k, n in enumerate([1, 2, 3])]))
+        out = [
+            api.ok("POST", "/scored_data", group(n, env_id=env, tag=float(k)))
+            for k, n in enumerate([2, 3, 1, 1, 2, 3, 4])
+        ]
+        out.append(
+            api.ok("POST", "/scored_data_list", [group(n, env_id=env, tag=10.0 + k) for k, n in enumerate([1, 2, 3])])
+        )
         out.append(api.ok("POST", "/scored_data_list", [group(4, env_id=env, tag=20.0)]))
         out.append(api.ok("GET", "/status"))
         out.append(api.ok("GET", "/status-env", {"env_id": env}))
@@ -174,8 +218,9 @@ def test_status_env_matches_run_api(both: tuple[Api, Api]) -> None:
     def scenario(api: Api) -> Any:
         api.start(batch_size=16)
         e0 = api.register_env(group_size=4, name="x", weight=2.0, max_token_length=32)["env_id"]
-        e1 = api.register_env(group_size=2, name="y", weight=1.0, max_token_length=64,
-                              min_batch_allocation=0.25)["env_id"]
+        e1 = api.register_env(group_size=2, name="y", weight=1.0, max_token_length=64, min_batch_allocation=0.25)[
+            "env_id"
+        ]
         for k in range(3):
             api.ok("POST", "/scored_data", group(4, env_id=e0, tag=float(k)))
             api.ok("POST", "/scored_data", group(2, env_id=e1, tag=float(k)))
@@ -244,8 +289,14 @@ def test_status_env_get_with_json_body(any_api: Api) -> None:
     status = any_api.ok("GET", "/status-env", {"env_id": env})
     assert status["queue_size"] == 1 and status["self_queue_size"] == 1 and status["max_group_size"] == 4
     assert status["env_weight"] == pytest.approx(1.0)
-    assert set(status) >= {"current_step", "queue_size", "unallocated_fraction", "self_queue_size",
-                           "max_group_size", "env_weight"}
+    assert set(status) >= {
+        "current_step",
+        "queue_size",
+        "unallocated_fraction",
+        "self_queue_size",
+        "max_group_size",
+        "env_weight",
+    }
 
 
 def test_gzip_of_body_posted_by_atroposlib_client(any_api: Api) -> None:
@@ -258,8 +309,17 @@ def test_gzip_of_body_posted_by_atroposlib_client(any_api: Api) -> None:
 
 def _upstream_view(x: Any) -> Any:
     """Drop the fields atroposd adds (its answers are a superset of run-api's)."""
-    extras = {"queued_sequences", "capacity", "registered", "started", "buffered_sequences", "formed_batches",
-              "waiting_submissions", "queued_bytes", "capacity_bytes"}
+    extras = {
+        "queued_sequences",
+        "capacity",
+        "registered",
+        "started",
+        "buffered_sequences",
+        "formed_batches",
+        "waiting_submissions",
+        "queued_bytes",
+        "capacity_bytes",
+    }
     if isinstance(x, dict):
         return {k: _upstream_view(v) for k, v in x.items() if k not in extras}
     if isinstance(x, list):

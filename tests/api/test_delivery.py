@@ -30,12 +30,18 @@ def test_interrupted_batch_is_served_again(tmp_path: Path) -> None:
         s.connect(("127.0.0.1", server.port))
         s.sendall(b"GET /batch HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept-Encoding: identity\r\n\r\n")
         s.recv(1024)  # the response has started
-        wait_for(lambda: api.ok("GET", "/status")["formed_batches"] == 1, timeout=20,
-                 what="the server to be writing the first batch")
+        wait_for(
+            lambda: api.ok("GET", "/status")["formed_batches"] == 1,
+            timeout=20,
+            what="the server to be writing the first batch",
+        )
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         s.close()  # RST: the write fails
-        wait_for(lambda: api.ok("GET", "/status")["formed_batches"] == 2, timeout=20,
-                 what="the interrupted batch to go back on top")
+        wait_for(
+            lambda: api.ok("GET", "/status")["formed_batches"] == 2,
+            timeout=20,
+            what="the interrupted batch to go back on top",
+        )
         served = [g["scores"][0] for batch in api.drain() for g in batch]
         assert sorted(served) == [float(k) for k in range(8)]
         status = api.ok("GET", "/status")

@@ -33,16 +33,22 @@ def test_registrations_name_the_client_process(api: Api) -> None:
     child_pid, answer = register_env_from_child(api.url, REGISTER_ENV)
     assert answer["status"] == "success"
     regs = api.ok("GET", "/atroposd/registrations")["registrations"]
-    assert [(r["desired_name"], r["status"], r["env_id"]) for r in regs] == [("early", "wait", None),
-                                                                              ("child-env", "success", 0)]
+    assert [(r["desired_name"], r["status"], r["env_id"]) for r in regs] == [
+        ("early", "wait", None),
+        ("child-env", "success", 0),
+    ]
     assert regs[0]["peer_pid"] == os.getpid()
     assert regs[1]["peer_pid"] == child_pid
     assert all(isinstance(r["at"], float) for r in regs)
 
 
 def test_metrics(api: Api) -> None:
-    names = ("atroposd_api_accepted_groups_total", "atroposd_api_batches_served_total",
-             'atroposd_api_rejected_total{reason="score_count"}', 'atroposd_api_rejected_total{reason="invalid_json"}')
+    names = (
+        "atroposd_api_accepted_groups_total",
+        "atroposd_api_batches_served_total",
+        'atroposd_api_rejected_total{reason="score_count"}',
+        'atroposd_api_rejected_total{reason="invalid_json"}',
+    )
     before = {n: _value(api, n) for n in names}  # counters run on across tests (one server per module)
     api.start(batch_size=4)
     api.ok("POST", "/scored_data", group(4))

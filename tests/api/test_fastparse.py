@@ -34,8 +34,11 @@ def outcome(fn: Any, raw: bytes, *, listed: bool, max_token_len: int | None) -> 
         return ("refused", exc.status, exc.reason, str(exc))
     if groups is None:
         return None
-    return ("accepted", [orjson.loads(dumps(group_to_json(g))) for g in groups],
-            [(g.tokens.flat.dtype.str, g.masks.flat.dtype.str) for g in groups])
+    return (
+        "accepted",
+        [orjson.loads(dumps(group_to_json(g))) for g in groups],
+        [(g.tokens.flat.dtype.str, g.masks.flat.dtype.str) for g in groups],
+    )
 
 
 def plain(n: int = 4, length: int = 6, *, seed: int = 0, **over: Any) -> dict[str, Any]:
@@ -45,8 +48,9 @@ def plain(n: int = 4, length: int = 6, *, seed: int = 0, **over: Any) -> dict[st
         "tokens": tokens,
         "masks": [[-100] * min(2, length) + row[2:] for row in tokens],
         "scores": [rng.choice([0.0, 1.0, -1.5]) for _ in range(n)],
-        "inference_logprobs": [[1.0] * min(2, length) + [-rng.expovariate(2.0) for _ in range(length - 2)]
-                               for _ in range(n)],
+        "inference_logprobs": [
+            [1.0] * min(2, length) + [-rng.expovariate(2.0) for _ in range(length - 2)] for _ in range(n)
+        ],
         "env_id": 0,
         "messages": None,
         "generation_params": {"temperature": 1.0, "stop": ["[END]"]},
@@ -55,8 +59,9 @@ def plain(n: int = 4, length: int = 6, *, seed: int = 0, **over: Any) -> dict[st
     return body
 
 
-def same_on_both_paths(raw: bytes, *, listed: bool = False, max_token_len: int | None = 64,
-                       fast_taken: bool | None = None) -> Any:
+def same_on_both_paths(
+    raw: bytes, *, listed: bool = False, max_token_len: int | None = 64, fast_taken: bool | None = None
+) -> Any:
     expected = outcome(full_path, raw, listed=listed, max_token_len=max_token_len)
     got = outcome(parse_groups, raw, listed=listed, max_token_len=max_token_len)
     if fast_taken is not None:
@@ -78,8 +83,11 @@ def test_plain_bodies_take_the_fast_path_and_match() -> None:
         assert result[0] == "accepted"
         assert result[2] == [("<i4", "<i4")]  # token ids narrowed to int32
     # a list body (/scored_data_list), ragged rows, no logprobs, advantages and ref_logprobs
-    items = [plain(2, 3, seed=1), plain(3, 5, seed=2, inference_logprobs=None),
-             plain(1, 4, seed=3, advantages=[[0.5, 1, 2, 3]], ref_logprobs=[[-1, -2.5, 0, 0]])]
+    items = [
+        plain(2, 3, seed=1),
+        plain(3, 5, seed=2, inference_logprobs=None),
+        plain(1, 4, seed=3, advantages=[[0.5, 1, 2, 3]], ref_logprobs=[[-1, -2.5, 0, 0]]),
+    ]
     items[0]["tokens"][1].append(7)
     items[0]["masks"][1].append(7)
     items[0]["inference_logprobs"][1].append(-0.25)
@@ -110,37 +118,45 @@ def test_rule_breaking_plain_bodies_get_the_same_refusal() -> None:
     assert result[0] == "refused" and result[3].startswith("[1]."), result
 
 
-@pytest.mark.parametrize("raw", [
-    # rows nested one level deeper: as_buffer would flatten [3, [4]] into two numbers
-    b'{"tokens": [[1, 2], [3, [4]]], "masks": [[1, 1], [1, 1]], "scores": [0, 1]}',
-    b'{"tokens": [[1, 2], [3, 4]], "masks": [[1, 1], [1, [1]]], "scores": [0, 1]}',
-    b'{"tokens": [[1, 2]], "masks": [[1, 1]], "scores": [0], "inference_logprobs": [[0.5, [0.5]]]}',
-    # nesting hidden by an escaped bracket elsewhere in the body
-    b'{"tokens": [[1, 2], [3, [4]]], "masks": [[1, 1], [1, 1]], "scores": [0, 1], "messages": "\\u005b"}',
-    # duplicate keys: the last one counts (JSON as Python and orjson read it)
-    b'{"tokens": [[1, 2]], "tokens": [[1, 2, 3]], "masks": [[1, 1, 1]], "scores": [0]}',
-    # integral floats and booleans as token ids, which the upstream model coerces
-    b'{"tokens": [[1.0, 2]], "masks": [[true, 1]], "scores": [0]}',
-    # numbers beyond 64 bits, strings, objects, a missing or null required field
-    b'{"tokens": [[18446744073709551615]], "masks": [[1]], "scores": [0]}',
-    b'{"tokens": [["1"]], "masks": [[1]], "scores": [0]}',
-    b'{"tokens": {"a": 1}, "masks": [[1]], "scores": [0]}',
-    b'{"tokens": [[1]], "scores": [0]}',
-    b'{"tokens": [[1]], "masks": null, "scores": [0]}',
-    b'{"tokens": [[1]], "masks": [[1]], "scores": null}',
-    b'{"tokens": [[1]], "masks": [[1]], "scores": [0], "env_id": [1]}',
-    b'[1, 2]',
-    b'"text"',
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        # rows nested one level deeper: as_buffer would flatten [3, [4]] into two numbers
+        b'{"tokens": [[1, 2], [3, [4]]], "masks": [[1, 1], [1, 1]], "scores": [0, 1]}',
+        b'{"tokens": [[1, 2], [3, 4]], "masks": [[1, 1], [1, [1]]], "scores": [0, 1]}',
+        b'{"tokens": [[1, 2]], "masks": [[1, 1]], "scores": [0], "inference_logprobs": [[0.5, [0.5]]]}',
+        # nesting hidden by an escaped bracket elsewhere in the body
+        b'{"tokens": [[1, 2], [3, [4]]], "masks": [[1, 1], [1, 1]], "scores": [0, 1], "messages": "\\u005b"}',
+        # duplicate keys: the last one counts (JSON as Python and orjson read it)
+        b'{"tokens": [[1, 2]], "tokens": [[1, 2, 3]], "masks": [[1, 1, 1]], "scores": [0]}',
+        # integral floats and booleans as token ids, which the upstream model coerces
+        b'{"tokens": [[1.0, 2]], "masks": [[true, 1]], "scores": [0]}',
+        # numbers beyond 64 bits, strings, objects, a missing or null required field
+        b'{"tokens": [[18446744073709551615]], "masks": [[1]], "scores": [0]}',
+        b'{"tokens": [["1"]], "masks": [[1]], "scores": [0]}',
+        b'{"tokens": {"a": 1}, "masks": [[1]], "scores": [0]}',
+        b'{"tokens": [[1]], "scores": [0]}',
+        b'{"tokens": [[1]], "masks": null, "scores": [0]}',
+        b'{"tokens": [[1]], "masks": [[1]], "scores": null}',
+        b'{"tokens": [[1]], "masks": [[1]], "scores": [0], "env_id": [1]}',
+        b"[1, 2]",
+        b'"text"',
+    ],
+)
 def test_irregular_bodies_go_to_the_full_path(raw: bytes) -> None:
     expected = same_on_both_paths(raw, fast_taken=False)
     assert expected is not None
 
 
 def test_passthrough_fields_and_unknown_keys_survive() -> None:
-    body = plain(messages=[[{"role": "user", "content": "[1, [2]] \u00e9"}]], overrides=[{"a": [1, 2]}],
-                 group_overrides={"k": "v"}, images=None, distill_token_ids=[[[1, 2]] * 6, None, None, None],
-                 extra_key=[[1, [2]]])
+    body = plain(
+        messages=[[{"role": "user", "content": "[1, [2]] \u00e9"}]],
+        overrides=[{"a": [1, 2]}],
+        group_overrides={"k": "v"},
+        images=None,
+        distill_token_ids=[[[1, 2]] * 6, None, None, None],
+        extra_key=[[1, [2]]],
+    )
     result = same_on_both_paths(json.dumps(body, ensure_ascii=False).encode(), fast_taken=True)
     served = result[1][0]
     assert served["messages"] == body["messages"] and served["overrides"] == body["overrides"]
@@ -175,8 +191,9 @@ def test_the_parser_is_reused_and_replaced_when_pinned(monkeypatch: pytest.Monke
     assert parse_groups(second, listed=False, max_token_len=None) is not None
     assert fastparse._local.parser is parser  # reused
     pinned = fastparse._parse(first)["tokens"]  # a proxy that outlives its parse
-    assert outcome(parse_groups, second, listed=False, max_token_len=None) == \
-        outcome(full_path, second, listed=False, max_token_len=None)
+    assert outcome(parse_groups, second, listed=False, max_token_len=None) == outcome(
+        full_path, second, listed=False, max_token_len=None
+    )
     assert fastparse._local.parser is not parser  # replaced, not failed
     assert pinned.as_list() == plain(2, 5, seed=1)["tokens"]  # the old document is intact
     # A body over REUSE_MAX_BYTES gets a parser of its own, which is not kept.

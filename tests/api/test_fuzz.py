@@ -3,7 +3,8 @@ registrations (valid, malformed, extreme numbers, deep nesting, gzip, wrong medi
 
 Every answer is 2xx, 4xx or 503, never a 500; the API stays up; the sequence and byte caps
 hold; every accepted group is served exactly once, across a restart with the spool. One server
-serves every example (module scope); the examples are drawn from the run's fuzz seed (fresh each run, printed; ``--fuzz-seed N`` replays one)
+serves every example (module scope); the examples are drawn from the run's fuzz seed (fresh each run, printed;
+``--fuzz-seed N`` replays one)
 and the counts are printed at the end (``-s``)."""
 
 from __future__ import annotations
@@ -37,12 +38,30 @@ BATCH = 8
 MAX_TOKEN_LEN = 48
 SCALE = float(os.environ.get("ATROPOSD_FUZZ_SCALE", "1"))  # by hand: fewer or more cases
 BODIES, LISTS, REGISTRATIONS, OTHERS = (max(1, int(n * SCALE)) for n in (5500, 2000, 2500, 600))
-FUZZ = settings(deadline=None, derandomize=False, database=None, print_blob=False,
-                suppress_health_check=list(HealthCheck), phases=(Phase.explicit, Phase.generate, Phase.shrink))
+FUZZ = settings(
+    deadline=None,
+    derandomize=False,
+    database=None,
+    print_blob=False,
+    suppress_health_check=list(HealthCheck),
+    phases=(Phase.explicit, Phase.generate, Phase.shrink),
+)
 
-EXTREME_INTS = [0, -1, 1, 2 ** 31, -(2 ** 31) - 1, 2 ** 53 + 1, 2 ** 63 - 1, -(2 ** 63), 2 ** 63, 2 ** 64, 10 ** 30]
-EXTREME_FLOATS = [0.0, -0.0, 0.5, 1.0000001, -1e-300, 1e308, -1e308, 1.7976931348623157e308, 5e-324,
-                  float("nan"), float("inf"), float("-inf")]
+EXTREME_INTS = [0, -1, 1, 2**31, -(2**31) - 1, 2**53 + 1, 2**63 - 1, -(2**63), 2**63, 2**64, 10**30]
+EXTREME_FLOATS = [
+    0.0,
+    -0.0,
+    0.5,
+    1.0000001,
+    -1e-300,
+    1e308,
+    -1e308,
+    1.7976931348623157e308,
+    5e-324,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+]
 JUNK = [None, True, False, "", "x", "NaN", [], {}, [[]], [None], {"a": 1}, 1.5, -7]
 EXTREMES = EXTREME_INTS + EXTREME_FLOATS + JUNK
 
@@ -68,9 +87,20 @@ class Fuzz:
         self.start()
 
     def start(self) -> None:
-        self.server = start_atroposd(self.tmp, "--spool-dir", str(self.spool), "--max-queued-sequences",
-                                     str(CAPACITY), "--max-queued-bytes", str(CAPACITY_BYTES),
-                                     "--max-request-bytes", str(MAX_REQUEST), "--full-wait", "0", port=self.port)
+        self.server = start_atroposd(
+            self.tmp,
+            "--spool-dir",
+            str(self.spool),
+            "--max-queued-sequences",
+            str(CAPACITY),
+            "--max-queued-bytes",
+            str(CAPACITY_BYTES),
+            "--max-request-bytes",
+            str(MAX_REQUEST),
+            "--full-wait",
+            "0",
+            port=self.port,
+        )
         self.conn = None
 
     def stop(self) -> None:
@@ -85,8 +115,9 @@ class Fuzz:
         assert self.server is not None
         return self.server.api
 
-    def call(self, method: str, path: str, body: bytes | None = None,
-             headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    def call(
+        self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, bytes]:
         self.requests += 1
         for attempt in range(3):
             if self.conn is None:
@@ -149,10 +180,12 @@ def fuzz(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzz]:
     finally:
         f.stop()
         elapsed = time.monotonic() - f.started
-        print(f"\nfuzz: {sum(f.cases.values())} cases, {f.requests} requests in {elapsed:.1f} s; "
-              f"cases {dict(f.cases)}; statuses {dict(sorted(f.statuses.items()))}; "
-              f"accepted tracked groups {len(f.accepted)}; connections closed by the server "
-              f"{f.dropped_connections}")
+        print(
+            f"\nfuzz: {sum(f.cases.values())} cases, {f.requests} requests in {elapsed:.1f} s; "
+            f"cases {dict(f.cases)}; statuses {dict(sorted(f.statuses.items()))}; "
+            f"accepted tracked groups {len(f.accepted)}; connections closed by the server "
+            f"{f.dropped_connections}"
+        )
 
 
 # ----------------------------------------------------------------------------- strategies
@@ -160,8 +193,11 @@ def fuzz(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzz]:
 
 def valid_group(rnd: random.Random, n: int, length: int, tag: float) -> dict[str, Any]:
     tokens = [[rnd.randrange(0, 50_000) for _ in range(length)] for _ in range(n)]
-    g: dict[str, Any] = {"tokens": tokens, "masks": [[-100, *row[1:]] for row in tokens],
-                         "scores": [tag] + [rnd.uniform(-1, 1) for _ in range(n - 1)]}
+    g: dict[str, Any] = {
+        "tokens": tokens,
+        "masks": [[-100, *row[1:]] for row in tokens],
+        "scores": [tag] + [rnd.uniform(-1, 1) for _ in range(n - 1)],
+    }
     if rnd.random() < 0.5:
         g["inference_logprobs"] = [[1.0] + [-rnd.random() for _ in range(length - 1)] for _ in range(n)]
     if rnd.random() < 0.3:
@@ -175,8 +211,21 @@ def nested(depth: int) -> str:
     return "[" * depth + "1" + "]" * depth
 
 
-MUTATIONS = ("drop_key", "key_extreme", "row_extreme", "length_mismatch", "score_count", "empty", "deep",
-             "messages", "too_long", "env_id", "wrong_type", "huge_passthrough", "duplicate_key")
+MUTATIONS = (
+    "drop_key",
+    "key_extreme",
+    "row_extreme",
+    "length_mismatch",
+    "score_count",
+    "empty",
+    "deep",
+    "messages",
+    "too_long",
+    "env_id",
+    "wrong_type",
+    "huge_passthrough",
+    "duplicate_key",
+)
 
 
 def mutate(g: dict[str, Any], how: str, rnd: random.Random, extreme: Any, depth: int) -> dict[str, Any] | str:
@@ -202,8 +251,9 @@ def mutate(g: dict[str, Any], how: str, rnd: random.Random, extreme: Any, depth:
         g.update(tokens=[], masks=[], scores=[])
     elif how == "deep":
         text = json.dumps(g)
-        return text[:-1] + f', "{rnd.choice(["messages", "generation_params", "overrides", "images"])}": ' \
-                           f'{nested(depth)}}}'
+        return (
+            text[:-1] + f', "{rnd.choice(["messages", "generation_params", "overrides", "images"])}": {nested(depth)}}}'
+        )
     elif how == "messages":
         g["messages"] = [[rnd.choice([{"role": "user"}, {"content": "x"}, "text", {}, []])]]
     elif how == "too_long":
@@ -225,7 +275,7 @@ def mutate(g: dict[str, Any], how: str, rnd: random.Random, extreme: Any, depth:
 @st.composite
 def group_body(draw: st.DrawFn, fuzz: Fuzz, listed: bool) -> tuple[bytes, list[tuple[float, int]], str]:
     """(JSON text, tracked groups it holds as (tag, sequences), case label)."""
-    rnd = random.Random(draw(st.integers(0, 2 ** 32)))
+    rnd = random.Random(draw(st.integers(0, 2**32)))
     count = draw(st.integers(1, 3)) if listed else 1
     parts, tracked, labels = [], [], []
     for _ in range(count):
@@ -264,8 +314,9 @@ def _json_children(c: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
 # Built once, with named functions: hypothesis describes a lambda by reading its source, which
 # costs a compile() per example when the strategy is built per example.
 JUNK_BODY = st.one_of(
-    st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10), _json_children,
-                 max_leaves=20).map(_as_json),
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10), _json_children, max_leaves=20
+    ).map(_as_json),
     st.binary(max_size=200).map(_as_bytes),
     st.sampled_from([b"", b" ", b"{", b"[", b"null", b'{"tokens":', b"\xff\xfe", nested(5000).encode()]).map(_as_bytes),
 )
@@ -289,7 +340,7 @@ def wrap(body: bytes, how: str) -> tuple[bytes, dict[str, str]]:
         return gzip.compress(body)[:-5], headers
     if how == "gzip_lying_size":
         z = gzip.compress(body)
-        return z[:-4] + (2 ** 32 - 1).to_bytes(4, "little"), headers
+        return z[:-4] + (2**32 - 1).to_bytes(4, "little"), headers
     if how == "gzip_garbage":
         return b"\x1f\x8b\x08\x00" + body[:50], headers
     if how == "gzip_two_members":
@@ -298,12 +349,20 @@ def wrap(body: bytes, how: str) -> tuple[bytes, dict[str, str]]:
     return BOMB, headers  # "bomb": 4 MiB of JSON from a few KiB
 
 
-WRAPS = ["plain"] * 6 + ["no_type", "text_type", "gzip", "gzip", "gzip_truncated", "gzip_lying_size",
-                         "gzip_garbage", "gzip_two_members", "bomb"]
+WRAPS = ["plain"] * 6 + [
+    "no_type",
+    "text_type",
+    "gzip",
+    "gzip",
+    "gzip_truncated",
+    "gzip_lying_size",
+    "gzip_garbage",
+    "gzip_two_members",
+    "bomb",
+]
 
 
-def post_groups(fuzz: Fuzz, body: bytes, tracked: list[tuple[float, int]], label: str, how: str,
-                listed: bool) -> None:
+def post_groups(fuzz: Fuzz, body: bytes, tracked: list[tuple[float, int]], label: str, how: str, listed: bool) -> None:
     data, headers = wrap(body, how)
     path = "/scored_data_list" if listed else "/scored_data"
     status, reply = fuzz.call("POST", path, data, headers)
@@ -347,15 +406,20 @@ def field_value(kind: str) -> st.SearchStrategy[Any]:
         return st.one_of(st.text(max_size=300), st.sampled_from(["x" * 256, "x" * 257, "é" * 300]), base)
     if kind == "fraction":
         return st.one_of(st.floats(), st.floats(0, 1), base)
-    return st.one_of(st.integers(-10, 10 ** 6), st.integers(), st.floats(), base)
+    return st.one_of(st.integers(-10, 10**6), st.integers(), st.floats(), base)
 
 
 @settings(FUZZ, max_examples=REGISTRATIONS)
 @seed(fuzzseed.SEED)
 @given(data=st.data())
 def test_fuzz_register_env(fuzz: Fuzz, data: st.DataObject) -> None:
-    fields = {"max_token_length": "int", "desired_name": "name", "weight": "float", "group_size": "int",
-              "min_batch_allocation": "fraction"}
+    fields = {
+        "max_token_length": "int",
+        "desired_name": "name",
+        "weight": "float",
+        "group_size": "int",
+        "min_batch_allocation": "fraction",
+    }
     valid = {"max_token_length": 64, "desired_name": "fz", "weight": 1.0, "group_size": 4}
     body: dict[str, Any] = dict(valid)
     for name in data.draw(st.lists(st.sampled_from(list(fields)), max_size=3, unique=True)):
@@ -372,13 +436,15 @@ def test_fuzz_register_env(fuzz: Fuzz, data: st.DataObject) -> None:
         answer = json.loads(reply)
         if answer.get("status") == "success":
             env_id = answer["env_id"]
-            s, r = fuzz.call("GET", "/status-env", json.dumps({"env_id": env_id}).encode(),
-                             {"Content-Type": "application/json"})
+            s, r = fuzz.call(
+                "GET", "/status-env", json.dumps({"env_id": env_id}).encode(), {"Content-Type": "application/json"}
+            )
             assert s == 200, r
             assert 0 < json.loads(r)["env_weight"] <= 1.0 or json.loads(r)["env_weight"] == 0.01
             # disconnected at once: a minimum allocation would otherwise hold batches back for good
-            s, _ = fuzz.call("POST", "/disconnect-env", json.dumps({"env_id": env_id}).encode(),
-                             {"Content-Type": "application/json"})
+            s, _ = fuzz.call(
+                "POST", "/disconnect-env", json.dumps({"env_id": env_id}).encode(), {"Content-Type": "application/json"}
+            )
             assert s == 200
     if fuzz.requests % 5 == 0:
         fuzz.caps_hold()
@@ -391,8 +457,16 @@ def test_fuzz_other_routes(fuzz: Fuzz, data: st.DataObject) -> None:
     route = data.draw(st.sampled_from(["/status-env", "/disconnect-env", "/register", "/status-env?env_id="]))
     value = data.draw(st.one_of(st.sampled_from(EXTREMES), st.integers(-5, 2000), st.text(max_size=4)))
     if route == "/register":
-        body = {"wandb_group": "g", "wandb_project": "p", "batch_size": BATCH, "max_token_len": MAX_TOKEN_LEN,
-                "checkpoint_dir": "c", "save_checkpoint_interval": 1, "starting_step": 0, "num_steps": 10}
+        body = {
+            "wandb_group": "g",
+            "wandb_project": "p",
+            "batch_size": BATCH,
+            "max_token_len": MAX_TOKEN_LEN,
+            "checkpoint_dir": "c",
+            "save_checkpoint_interval": 1,
+            "starting_step": 0,
+            "num_steps": 10,
+        }
         body[data.draw(st.sampled_from(sorted(body)))] = value
         method, path, raw = "POST", route, json.dumps(body).encode()
     elif route.endswith("="):

@@ -78,7 +78,7 @@ def test_passthrough_depth_is_bounded_on_both_parse_paths() -> None:
 def test_integers_beyond_64_bits_are_refused_on_both_paths() -> None:
     """Found by the fuzz suite: an env_id or a passthrough integer beyond 64 bits was accepted
     and then failed to encode (500)."""
-    for body in (group(2, env_id=2 ** 64), group(2, env_id=-(2 ** 63) - 1), group(2, generation_params=2 ** 64)):
+    for body in (group(2, env_id=2**64), group(2, env_id=-(2**63) - 1), group(2, generation_params=2**64)):
         fast, full = _on_both_paths(body, may_decline=True)
         assert fast in ("declined", "422") and full == "422", body
 
@@ -87,9 +87,17 @@ def test_empty_group_is_refused_on_both_paths() -> None:
     assert _on_both_paths({"tokens": [], "masks": [], "scores": []}) == ("422", "422")
 
 
-@pytest.mark.parametrize("messages", [
-    [[{"role": "user"}]], [[{"content": "hi"}]], [[{"role": "user", "content": "a"}, {}]], [["text"]], ["text"],
-    [{"role": "user", "content": "a"}]])
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [[{"role": "user"}]],
+        [[{"content": "hi"}]],
+        [[{"role": "user", "content": "a"}, {}]],
+        [["text"]],
+        ["text"],
+        [{"role": "user", "content": "a"}],
+    ],
+)
 def test_messages_need_role_and_content_on_both_paths(messages: Any) -> None:
     """run-api's ScoredData validator: a 422 whichever path parses the body."""
     assert _on_both_paths(group(2, messages=messages)) == ("422", "422")
@@ -155,9 +163,17 @@ def _started_store(capacity: int = 64) -> TrajectoryStore:
 
 
 BAD_REGISTRATIONS = [
-    {"min_batch_allocation": 1e308}, {"min_batch_allocation": -0.1}, {"min_batch_allocation": 1.5},
-    {"weight": -1.0}, {"weight": 1e400}, {"group_size": 0}, {"group_size": 65}, {"group_size": 10 ** 12},
-    {"max_token_length": 0}, {"desired_name": "n" * 257}, {"max_token_length": 2 ** 64},
+    {"min_batch_allocation": 1e308},
+    {"min_batch_allocation": -0.1},
+    {"min_batch_allocation": 1.5},
+    {"weight": -1.0},
+    {"weight": 1e400},
+    {"group_size": 0},
+    {"group_size": 65},
+    {"group_size": 10**12},
+    {"max_token_length": 0},
+    {"desired_name": "n" * 257},
+    {"max_token_length": 2**64},
 ]
 
 
@@ -249,8 +265,9 @@ def test_content_type_must_be_json(atroposd_server: Server) -> None:
         status, _ = _post(atroposd_server.port, "/scored_data", body, {"Content-Type": ctype})
         assert status == 200, ctype
     # no Content-Type at all: parsed as JSON, as run-api does
-    head = (f"POST /scored_data HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n"
-            "Connection: close\r\n\r\n").encode()
+    head = (
+        f"POST /scored_data HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
     assert _status(_raw_request(atroposd_server.port, head, body)) == 200
 
 
@@ -259,8 +276,14 @@ def test_host_header_is_checked_on_a_loopback_bind(atroposd_server: Server) -> N
     for host in ("evil.example", "evil.example:80", "10.0.0.1", "[2001:db8::1]:8000"):
         head = f"GET /reset_data HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
         assert _status(_raw_request(port, head)) == 421, host
-    for host in ("localhost", f"localhost:{port}", "127.0.0.1", f"127.1.2.3:{port}", f"[::1]:{port}",
-                 socket.gethostname()):
+    for host in (
+        "localhost",
+        f"localhost:{port}",
+        "127.0.0.1",
+        f"127.1.2.3:{port}",
+        f"[::1]:{port}",
+        socket.gethostname(),
+    ):
         head = f"GET /info HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
         assert _status(_raw_request(port, head)) == 200, host
     head = b"GET /info HTTP/1.0\r\n\r\n"  # HTTP/1.0 without a Host header
@@ -271,10 +294,13 @@ def test_requests_a_web_page_makes_are_refused(atroposd_server: Server) -> None:
     """A page's image or link to /reset_data carries our own Host: the browser's Fetch Metadata
     and Origin headers tell it apart from an API client."""
     port = atroposd_server.port
-    for extra in ("Sec-Fetch-Site: cross-site", "Sec-Fetch-Site: same-site", "Origin: http://evil.example",
-                  "Origin: null"):
-        head = (f"GET /reset_data HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{extra}\r\n"
-                "Connection: close\r\n\r\n").encode()
+    for extra in (
+        "Sec-Fetch-Site: cross-site",
+        "Sec-Fetch-Site: same-site",
+        "Origin: http://evil.example",
+        "Origin: null",
+    ):
+        head = (f"GET /reset_data HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{extra}\r\nConnection: close\r\n\r\n").encode()
         assert _status(_raw_request(port, head)) == 403, extra
     for extra in ("Sec-Fetch-Site: same-origin", "Sec-Fetch-Site: none", f"Origin: http://127.0.0.1:{port}"):
         head = (f"GET /info HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{extra}\r\nConnection: close\r\n\r\n").encode()
@@ -300,12 +326,18 @@ def test_a_waiting_submission_that_disconnects_gives_its_place_back(tmp_path: Pa
         assert api.ok("POST", "/scored_data", group(4, tag=1.0)) == {"status": "received"}
         body = json.dumps(group(4, tag=2.0)).encode()
         s = socket.create_connection(("127.0.0.1", server.port))
-        s.sendall(f"POST /scored_data HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                  f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        s.sendall(
+            f"POST /scored_data HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         wait_for(lambda: api.ok("GET", "/status")["waiting_submissions"] == 1, what="a waiting submission")
         s.close()
-        wait_for(lambda: api.ok("GET", "/status")["waiting_submissions"] == 0, timeout=10,
-                 what="the disconnected submission to leave the wait")
+        wait_for(
+            lambda: api.ok("GET", "/status")["waiting_submissions"] == 0,
+            timeout=10,
+            what="the disconnected submission to leave the wait",
+        )
         assert api.ok("GET", "/status")["queued_sequences"] == 4
     finally:
         stop_process(server.proc)
@@ -314,8 +346,10 @@ def test_a_waiting_submission_that_disconnects_gives_its_place_back(tmp_path: Pa
 def test_a_body_that_does_not_arrive_gets_408(tmp_path: Path) -> None:
     server = start_atroposd(tmp_path, "--body-timeout", "0.5")
     try:
-        head = (b"POST /scored_data HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                b"Content-Length: 1000\r\n\r\n")
+        head = (
+            b"POST /scored_data HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n"
+        )
         t0 = time.monotonic()
         reply = _raw_request(server.port, head, b'{"tokens": ')
         assert _status(reply) == 408 and time.monotonic() - t0 < 10
@@ -328,7 +362,9 @@ def test_non_ascii_authorization_is_a_401(tmp_path: Path) -> None:
     server = start_atroposd(tmp_path, "--token", "s3cret")
     try:
         for value in (b"Bearer \xc3\xa9t\xc3\xa9", b"Bearer \xff\xfe", "Bearer s3cret\u00e9".encode()):
-            head = b"GET /info HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: " + value + b"\r\nConnection: close\r\n\r\n"
+            head = (
+                b"GET /info HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: " + value + b"\r\nConnection: close\r\n\r\n"
+            )
             assert _status(_raw_request(server.port, head)) == 401, value
         assert server.api.ok("GET", "/info")
     finally:
@@ -358,9 +394,14 @@ def test_token_file_from_the_config(tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("cfg-token-of-the-api\n")
     port = free_port()
-    cfg = write_config(tmp_path / "atroposd.toml", {
-        "daemon": {"state_dir": str(tmp_path / "state"), "runtime_dir": str(tmp_path / "run")},
-        "api": {"port": port, "token_file": str(token_file), "spool": False}, "env": []})
+    cfg = write_config(
+        tmp_path / "atroposd.toml",
+        {
+            "daemon": {"state_dir": str(tmp_path / "state"), "runtime_dir": str(tmp_path / "run")},
+            "api": {"port": port, "token_file": str(token_file), "spool": False},
+            "env": [],
+        },
+    )
     server = start_atroposd(tmp_path, "-c", str(cfg), port=port)
     try:
         assert Api(server.url).get("/info").status == 401
@@ -381,8 +422,15 @@ def test_spool_fsync_reaches_the_settings() -> None:
 
 
 def _settings(limit: int = 1 << 20) -> ApiSettings:
-    return ApiSettings(host="127.0.0.1", port=0, token="", max_queued_sequences=64, max_request_bytes=limit,
-                       full_wait=0.1, spool_dir=None)
+    return ApiSettings(
+        host="127.0.0.1",
+        port=0,
+        token="",
+        max_queued_sequences=64,
+        max_request_bytes=limit,
+        full_wait=0.1,
+        spool_dir=None,
+    )
 
 
 def test_gzip_bodies_inflate_where_their_inflated_size_says(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -446,6 +494,7 @@ def test_only_one_peer_lookup_runs_at_a_time() -> None:
     async def run() -> None:
         server = ApiServer(TrajectoryStore(64), _settings())
         try:
+
             class Req:
                 class transport:
                     @staticmethod

@@ -53,8 +53,10 @@ async def parsed(helper: ParseHelper, raw: bytes, gz: bool, listed: bool, max_to
 def on_loop(raw: bytes, gz: bool, listed: bool, max_token_len: int | None) -> Any:
     """What the event loop makes of a body (the reference)."""
     try:
-        return ("accepted", answer(groups_from_body(gunzip(raw, LIMIT) if gz else raw, listed=listed,
-                                                    max_token_len=max_token_len)))
+        return (
+            "accepted",
+            answer(groups_from_body(gunzip(raw, LIMIT) if gz else raw, listed=listed, max_token_len=max_token_len)),
+        )
     except InvalidRequest as exc:
         return ("refused", exc.status, exc.reason, str(exc))
 
@@ -71,10 +73,20 @@ def bodies() -> list[tuple[str, bytes, bool, bool, int | None]]:
         ("unequal lengths", orjson.dumps(plain(2, 5, masks=[[1] * 5, [1] * 4])), False, False, None),
         ("a score missing", orjson.dumps(plain(2, 5, scores=[1.0])), False, False, None),
         ("a non-finite score", b'{"tokens": [[1]], "masks": [[1]], "scores": [NaN]}', False, False, None),
-        ("integral floats (the full path)", b'{"tokens": [[1.0, 2]], "masks": [[1, 1]], "scores": [0]}',
-         False, False, None),
-        ("nested rows", b'{"tokens": [[1, 2], [3, [4]]], "masks": [[1, 1], [1, 1]], "scores": [0, 1]}',
-         False, False, None),
+        (
+            "integral floats (the full path)",
+            b'{"tokens": [[1.0, 2]], "masks": [[1, 1]], "scores": [0]}',
+            False,
+            False,
+            None,
+        ),
+        (
+            "nested rows",
+            b'{"tokens": [[1, 2], [3, [4]]], "masks": [[1, 1], [1, 1]], "scores": [0, 1]}',
+            False,
+            False,
+            None,
+        ),
         ("not JSON", b"{not json", False, False, None),
         ("not a list", one, False, True, None),
         ("bad gzip", b"\x1f\x8b\x08\x00garbage-garbage", True, False, None),
@@ -91,8 +103,7 @@ def test_the_helper_answers_as_the_loop_would(monkeypatch: pytest.MonkeyPatch) -
         helper = ParseHelper(LIMIT)
         await helper.start()
         try:
-            got = [await outcome_of(parsed(helper, raw, gz, listed, mtl))
-                   for _, raw, gz, listed, mtl in cases]
+            got = [await outcome_of(parsed(helper, raw, gz, listed, mtl)) for _, raw, gz, listed, mtl in cases]
             assert helper.handed == len(cases) and helper.on_loop == 0, "the helper did not take every body"
             return got
         finally:
@@ -113,8 +124,7 @@ def test_bodies_beyond_its_depth_are_parsed_on_the_loop(monkeypatch: pytest.Monk
         helper = ParseHelper(LIMIT)
         await helper.start()
         try:
-            got = await asyncio.gather(*(outcome_of(parsed(helper, r, False, False, None))
-                                         for r in raws))
+            got = await asyncio.gather(*(outcome_of(parsed(helper, r, False, False, None)) for r in raws))
             return list(got), helper.handed, helper.on_loop
         finally:
             await helper.close()
@@ -132,10 +142,8 @@ def test_small_bodies_are_parsed_on_the_loop() -> None:
         helper = ParseHelper(LIMIT)
         await helper.start()
         try:
-            assert await outcome_of(parsed(helper, small, False, False, None)) == \
-                on_loop(small, False, False, None)
-            assert await outcome_of(parsed(helper, large, False, False, None)) == \
-                on_loop(large, False, False, None)
+            assert await outcome_of(parsed(helper, small, False, False, None)) == on_loop(small, False, False, None)
+            assert await outcome_of(parsed(helper, large, False, False, None)) == on_loop(large, False, False, None)
             return helper.handed, helper.on_loop
         finally:
             await helper.close()
@@ -203,8 +211,14 @@ def test_api_under_load_survives_its_helper_being_killed(tmp_path: Path) -> None
         assert statuses == [200] * 200
         served = sorted(g["scores"][0] for batch in api.drain() for g in batch)
         assert served == sorted(float(c * 100 + k) for c in range(8) for k in range(25))
-        wait_for(lambda: api.post("/scored_data", group(4, tag=-1.0)).status == 200 and
-                 helper_of(server.proc.pid).pid != first.pid, timeout=20, what="a new helper")
+        wait_for(
+            lambda: (
+                api.post("/scored_data", group(4, tag=-1.0)).status == 200
+                and helper_of(server.proc.pid).pid != first.pid
+            ),
+            timeout=20,
+            what="a new helper",
+        )
         metrics = api.get("/metrics").body.decode()
         assert "atroposd_api_parse_helper_restarts 1.0" in metrics
         handed = re.search(r'atroposd_api_parsed_bodies\{where="helper"\} (\S+)', metrics)
@@ -220,8 +234,11 @@ def test_the_helper_dies_with_the_api(tmp_path: Path) -> None:
         helper = helper_of(server.proc.pid)
         os.kill(server.proc.pid, signal.SIGKILL)  # no chance to close anything
         server.proc.wait(10)
-        wait_for(lambda: not helper.is_running() or helper.status() == psutil.STATUS_ZOMBIE, timeout=10,
-                 what="the helper to end with the API")
+        wait_for(
+            lambda: not helper.is_running() or helper.status() == psutil.STATUS_ZOMBIE,
+            timeout=10,
+            what="the helper to end with the API",
+        )
     finally:
         stop_process(server.proc)
 
@@ -294,8 +311,15 @@ def test_a_large_gzip_body_parsed_on_the_loop_inflates_on_a_thread(monkeypatch: 
 
     monkeypatch.setattr(server_module, "gunzip", spy)
     limit = 64 << 20
-    settings = ApiSettings(host="127.0.0.1", port=0, token="", max_queued_sequences=64, max_request_bytes=limit,
-                           full_wait=0.1, spool_dir=None)
+    settings = ApiSettings(
+        host="127.0.0.1",
+        port=0,
+        token="",
+        max_queued_sequences=64,
+        max_request_bytes=limit,
+        full_wait=0.1,
+        spool_dir=None,
+    )
 
     async def run() -> tuple[Any, Any]:
         helper = ParseHelper(limit)

@@ -15,6 +15,7 @@ from tests.api.conftest import Api, group
 
 def _later(delay: float, fn: Callable[[], Any]) -> threading.Thread:
     """Run ``fn`` after ``delay`` s in a thread (the long-poll under test blocks this one)."""
+
     def run() -> None:
         time.sleep(delay)
         fn()

@@ -74,8 +74,13 @@ def test_spool_is_exclusive_and_reset_data_clears_it(tmp_path: Path) -> None:
     spool = tmp_path / "spool"
     server = start_atroposd(tmp_path, "--spool-dir", str(spool))
     try:
-        r = subprocess.run([sys.executable, "-m", "atroposd", "api", "--port", str(free_port()), "--spool-dir",
-                            str(spool)], capture_output=True, text=True, timeout=60, cwd=REPO)
+        r = subprocess.run(
+            [sys.executable, "-m", "atroposd", "api", "--port", str(free_port()), "--spool-dir", str(spool)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+        )
         assert r.returncode == 1 and "in use by another API process" in r.stderr
         server.api.start(batch_size=8)
         server.api.ok("POST", "/scored_data", group(4))
@@ -98,8 +103,12 @@ def test_spool_that_cannot_write_refuses_with_503(tmp_path: Path) -> None:
     spool = tmp_path / "spool"
     port = free_port()
     log = tmp_path / "limited.log"
-    proc = spawn([sys.executable, "-m", "atroposd", "api", "--port", str(port), "--spool-dir", str(spool)],
-                 log=log, cwd=REPO, preexec_fn=_limit_file_size)
+    proc = spawn(
+        [sys.executable, "-m", "atroposd", "api", "--port", str(port), "--spool-dir", str(spool)],
+        log=log,
+        cwd=REPO,
+        preexec_fn=_limit_file_size,
+    )
     api = Api(f"http://127.0.0.1:{port}")
     try:
         from tests.support import wait_http
@@ -146,9 +155,22 @@ def _write(spool: Spool, groups: list[Any], seq0: int, qpos: bool = True) -> Non
 def test_compaction_bounds_the_spool_and_keeps_live_groups(tmp_path: Path) -> None:
     spool = Spool(tmp_path, segment_bytes=16 << 10)
     spool.open()
-    snapshot = {"registration": None, "started": True, "step": 0,
-                "envs": [{"max_context_len": 64, "weight": 1.0, "desired_name": "e", "real_name": "e_0",
-                          "registered_id": 0, "group_size": 8, "min_batch_allocation": None}]}
+    snapshot = {
+        "registration": None,
+        "started": True,
+        "step": 0,
+        "envs": [
+            {
+                "max_context_len": 64,
+                "weight": 1.0,
+                "desired_name": "e",
+                "real_name": "e_0",
+                "registered_id": 0,
+                "group_size": 8,
+                "min_batch_allocation": None,
+            }
+        ],
+    }
     spool.write_state(snapshot)
     pinned = _g(-1.0, n=2, env_id=0)  # a buffered piece in the oldest segment
     _write(spool, [pinned], 0, qpos=False)
@@ -184,7 +206,7 @@ def test_torn_tail_is_cut_off(tmp_path: Path) -> None:
     segment = sorted(tmp_path.glob("seg-*.log"))[-1]
     data = segment.read_bytes()
     header = 9 + 2  # the empty state record ({}) that heads the segment
-    torn = data[header: header + 1000]  # the first group record, cut in the middle
+    torn = data[header : header + 1000]  # the first group record, cut in the middle
     segment.write_bytes(data + torn)
     again = Spool(tmp_path)
     state = again.open()
@@ -213,8 +235,9 @@ def test_restart_marks_environments_whose_process_is_gone_disconnected(tmp_path:
     try:
         api = server.api
         api.start(batch_size=8, max_token_len=64)
-        child = RegisteredChild(api.url, {"max_token_length": 64, "desired_name": "gone", "weight": 1.0,
-                                          "group_size": 4})
+        child = RegisteredChild(
+            api.url, {"max_token_length": 64, "desired_name": "gone", "weight": 1.0, "group_size": 4}
+        )
         gone = int(child.answer["env_id"])
         live = api.register_env(group_size=4, name="live")["env_id"]
         assert api.ok("POST", "/scored_data", group(4, env_id=gone, tag=1.0)) == {"status": "received"}
@@ -242,13 +265,17 @@ def test_an_environment_whose_process_dies_stops_counting_while_the_api_runs(tmp
     try:
         api = server.api
         api.start(batch_size=8, max_token_len=64)
-        child = RegisteredChild(api.url, {"max_token_length": 64, "desired_name": "first", "weight": 1.0,
-                                          "group_size": 4})
+        child = RegisteredChild(
+            api.url, {"max_token_length": 64, "desired_name": "first", "weight": 1.0, "group_size": 4}
+        )
         live = api.register_env(group_size=4, name="second")["env_id"]
         assert api.ok("GET", "/status-env", {"env_id": live})["env_weight"] == 0.5  # both alive
         child.exit()
-        wait_for(lambda: api.ok("GET", "/status-env", {"env_id": live})["env_weight"] == 1.0, timeout=10,
-                 what="the dead environment's share to go")
+        wait_for(
+            lambda: api.ok("GET", "/status-env", {"env_id": live})["env_weight"] == 1.0,
+            timeout=10,
+            what="the dead environment's share to go",
+        )
         envs = {e["env_id"]: e for e in api.ok("GET", "/atroposd/registrations")["envs"]}
         assert envs[int(child.answer["env_id"])]["connected"] is False and envs[live]["connected"] is True
     finally:

@@ -91,8 +91,12 @@ def test_a_record_that_cannot_be_replayed_is_set_aside(tmp_path: Path) -> None:
     _write(spool, [_g(1.0)], 0)
     spool.close()
     seg = _segment(tmp_path)
-    bogus = [_frame(b"G", b"\x05\x00\x00\x00{\"x\":"), _frame(b"Q", b"not json"), _frame(b"A", b'{"seqs": 1}'),
-             _frame(b"E", b'{"i": 9, "env": {}}')]
+    bogus = [
+        _frame(b"G", b'\x05\x00\x00\x00{"x":'),
+        _frame(b"Q", b"not json"),
+        _frame(b"A", b'{"seqs": 1}'),
+        _frame(b"E", b'{"i": 9, "env": {}}'),
+    ]
     seg.write_bytes(seg.read_bytes() + b"".join(bogus))
     spool = Spool(tmp_path)
     state = spool.open()
@@ -119,8 +123,13 @@ def test_a_failed_ack_write_is_counted(tmp_path: Path) -> None:
 
 
 def _env(i: int) -> dict[str, Any]:
-    return {"max_token_length": 64, "desired_name": f"e{i}", "weight": 1.0, "group_size": 4,
-            "min_batch_allocation": None}
+    return {
+        "max_token_length": 64,
+        "desired_name": f"e{i}",
+        "weight": 1.0,
+        "group_size": 4,
+        "min_batch_allocation": None,
+    }
 
 
 def test_registrations_are_written_one_record_per_change(tmp_path: Path) -> None:
@@ -152,8 +161,16 @@ def test_out_of_bounds_registrations_are_clamped_on_replay(tmp_path: Path) -> No
     spool = Spool(tmp_path)
     spool.open()
     reg = TrainerRegistration("g", "p", 8, 64, "c", 5, 0, 10)
-    env = {"max_context_len": 64, "weight": -3.0, "desired_name": "x" * 1000, "real_name": "x_0", "registered_id": 0,
-           "group_size": 10 ** 9, "min_batch_allocation": 1e308, "connected": True}
+    env = {
+        "max_context_len": 64,
+        "weight": -3.0,
+        "desired_name": "x" * 1000,
+        "real_name": "x_0",
+        "registered_id": 0,
+        "group_size": 10**9,
+        "min_batch_allocation": 1e308,
+        "connected": True,
+    }
     spool.write_state({"registration": reg.to_json(), "started": True, "step": 0, "envs": [env]})
     _write(spool, [_g(1.0, n=4, env_id=0), _g(2.0, n=4, env_id=0)], 0)
     spool.close()
@@ -178,8 +195,15 @@ def test_an_api_with_a_damaged_spool_starts(tmp_path: Path) -> None:
     _corrupt_group_record(spool_dir)
     seg = _segment(spool_dir)
     seg.write_bytes(seg.read_bytes() + _frame(b"S", b"[1, 2]") + b"\x00" * 7)  # a bad state and a torn tail
-    settings = ApiSettings(host="127.0.0.1", port=free_port(), token="", max_queued_sequences=64,
-                           max_request_bytes=1 << 20, full_wait=0.1, spool_dir=str(spool_dir))
+    settings = ApiSettings(
+        host="127.0.0.1",
+        port=free_port(),
+        token="",
+        max_queued_sequences=64,
+        max_request_bytes=1 << 20,
+        full_wait=0.1,
+        spool_dir=str(spool_dir),
+    )
 
     async def run() -> int:
         ready, stop = asyncio.Event(), asyncio.Event()

@@ -82,8 +82,9 @@ def test_held_counts_queue_buffers_and_formed_batches() -> None:
     async def main() -> None:
         store = registered(capacity=64, batch_size=4)
         store.started = True
-        env = store.register_env({"max_token_length": 64, "desired_name": "e", "weight": 1.0, "group_size": 4,
-                                  "min_batch_allocation": None})["env_id"]
+        env = store.register_env(
+            {"max_token_length": 64, "desired_name": "e", "weight": 1.0, "group_size": 4, "min_batch_allocation": None}
+        )["env_id"]
         await put(store, g(4, 1.0, env), g(4, 2.0, env), g(4, 3.0, env), g(1, 4.0, env))
         assert store.held == 13 and store.status()["buffered_sequences"] == 1
         first = store.take_batch()  # forms three, serves one

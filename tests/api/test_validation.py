@@ -59,17 +59,24 @@ def test_score_count_and_non_finite(registered: Api) -> None:
 
 
 def test_longer_than_max_token_len(registered: Api) -> None:
-    rejected(registered, "/scored_data", group(2, length=17), status=400, words="longer than the registered "
-                                                                               "max_token_len 16")
+    rejected(
+        registered, "/scored_data", group(2, length=17), status=400, words="longer than the registered max_token_len 16"
+    )
     assert registered.ok("POST", "/scored_data", group(2, length=16)) == {"status": "received"}
 
 
 def test_schema_errors_are_422(registered: Api) -> None:
     rejected(registered, "/scored_data", {"masks": [[1]], "scores": [1]}, status=422, words="tokens")
-    rejected(registered, "/scored_data", group(2, tokens=[[1, 2.5, 3, 4, 5], [1, 2, 3, 4, 5]]), status=422,
-             words="tokens[0] must hold integers")
-    rejected(registered, "/scored_data", group(2, tokens=[[1, "a", 3, 4, 5], [1, 2, 3, 4, 5]]), status=422,
-             words="tokens[0]")
+    rejected(
+        registered,
+        "/scored_data",
+        group(2, tokens=[[1, 2.5, 3, 4, 5], [1, 2, 3, 4, 5]]),
+        status=422,
+        words="tokens[0] must hold integers",
+    )
+    rejected(
+        registered, "/scored_data", group(2, tokens=[[1, "a", 3, 4, 5], [1, 2, 3, 4, 5]]), status=422, words="tokens[0]"
+    )
     rejected(registered, "/scored_data", [group(2)], status=422, words="JSON object")
     rejected(registered, "/scored_data_list", group(2), status=422, words="JSON list")
     rejected(registered, "/scored_data", group(2, env_id="zero"), status=422, words="env_id")
@@ -83,8 +90,14 @@ def test_list_is_all_or_nothing(registered: Api) -> None:
 def test_not_json(registered: Api) -> None:
     rejected(registered, "/scored_data", raw=b"{not json", status=400, words="invalid JSON")
     rejected(registered, "/scored_data", raw=b"", status=400, words="empty request body")
-    rejected(registered, "/scored_data", raw=b"\x1f\x8b\x08\x00garbage", headers={"Content-Encoding": "gzip"},
-             status=400, words="Invalid gzip")
+    rejected(
+        registered,
+        "/scored_data",
+        raw=b"\x1f\x8b\x08\x00garbage",
+        headers={"Content-Encoding": "gzip"},
+        status=400,
+        words="Invalid gzip",
+    )
 
 
 def test_registration_body_errors(api: Api) -> None:
@@ -157,8 +170,12 @@ def test_integer_types_as_pydantic_coerces_them() -> None:
     assert ok.tokens.flat.tolist() == [1, 2, 3, 4] and ok.scores.tolist() == [1.0, 2.0]
     wide = group_from_json({"tokens": [[2**40, 1]], "masks": [[1, 1]], "scores": [0]})
     assert wide.tokens.flat.tolist() == [2**40, 1]
-    for tokens, words in (([[1, 2], [3, -1e20]], "tokens: integer out of range"),
-                          ([[1, 2], [3, 2**65]], "tokens[1]"), ([[1, 2], [3, 0.5]], "tokens[1] must hold integers"),
-                          ([[1, 2], [3, None]], "tokens[1]"), ([[1, [2]], [3, 4]], "tokens[0]")):
+    for tokens, words in (
+        ([[1, 2], [3, -1e20]], "tokens: integer out of range"),
+        ([[1, 2], [3, 2**65]], "tokens[1]"),
+        ([[1, 2], [3, 0.5]], "tokens[1] must hold integers"),
+        ([[1, 2], [3, None]], "tokens[1]"),
+        ([[1, [2]], [3, 4]], "tokens[0]"),
+    ):
         with pytest.raises(InvalidRequest, match=re.escape(words)):
             group_from_json({"tokens": tokens, "masks": [[1, 1], [1, 1]], "scores": [1, 2]})

@@ -12,5 +12,6 @@ import anyio
 from atroposd.heartbeat import HeartbeatSender
 
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-anyio.run(HeartbeatSender.from_environ(sys.argv[1], {**__import__("os").environ,
-                                                     "ATROPOSD_HEARTBEAT_INTERVAL": "0.1"}).run)
+anyio.run(
+    HeartbeatSender.from_environ(sys.argv[1], {**__import__("os").environ, "ATROPOSD_HEARTBEAT_INTERVAL": "0.1"}).run
+)

@@ -55,8 +55,15 @@ async def node(cfg: ClusterConfig, token: bytes, rank: int, child: subprocess.Po
         stop_children()
         event("lost", reason=reason, at=time.time())
 
-    n = ClusterNode(cfg, token=token, node_rank=rank, host=f"node-{rank}", units={"trainer_ranks": 1},
-                    on_stop=on_stop, on_lost_head=on_lost_head)
+    n = ClusterNode(
+        cfg,
+        token=token,
+        node_rank=rank,
+        host=f"node-{rank}",
+        units={"trainer_ranks": 1},
+        on_stop=on_stop,
+        on_lost_head=on_lost_head,
+    )
     try:
         await n.join()
     except ClusterRefused as exc:
@@ -77,8 +84,15 @@ async def node(cfg: ClusterConfig, token: bytes, rank: int, child: subprocess.Po
 def main() -> int:
     role, head_host, port, token_file, nodes, rank, hb, join = sys.argv[1:9]
     configure_logging("info", "json")
-    cfg = ClusterConfig(nodes=int(nodes), node_rank=int(rank), head=head_host, port=int(port),
-                        token_file=token_file, heartbeat_timeout=float(hb), join_timeout=float(join))
+    cfg = ClusterConfig(
+        nodes=int(nodes),
+        node_rank=int(rank),
+        head=head_host,
+        port=int(port),
+        token_file=token_file,
+        heartbeat_timeout=float(hb),
+        join_timeout=float(join),
+    )
     token = cfg.read_token()
     if role == "head":
         return asyncio.run(head(cfg, token))

@@ -28,8 +28,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if self.path == "/info":
             self._send({"batch_size": -1, "max_token_len": -1})
         elif self.path == "/status":
-            self._send({"current_step": 0, "queue_size": 0, "queued_sequences": 3, "capacity": 8192,
-                        "registered": bool(registrations), "started": False})
+            self._send(
+                {
+                    "current_step": 0,
+                    "queue_size": 0,
+                    "queued_sequences": 3,
+                    "capacity": 8192,
+                    "registered": bool(registrations),
+                    "started": False,
+                }
+            )
         elif self.path == "/atroposd/registrations":
             self._send({"registrations": registrations})
         else:
@@ -39,8 +47,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(length) or b"{}")
         if self.path == "/register-env":
-            registrations.append({"env_id": len(registrations), "desired_name": body.get("desired_name", ""),
-                                  "peer_pid": None, "status": "wait", "at": time.time()})
+            registrations.append(
+                {
+                    "env_id": len(registrations),
+                    "desired_name": body.get("desired_name", ""),
+                    "peer_pid": None,
+                    "status": "wait",
+                    "at": time.time(),
+                }
+            )
             self._send({"status": "wait for trainer to start"})
         else:
             self._send({"error": "not found"}, 404)

@@ -28,8 +28,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_GET(self) -> None:
-        self._send({"status": "ok"} if self.path == "/health" else {"error": "not found"},
-                   200 if self.path == "/health" else 404)
+        self._send(
+            {"status": "ok"} if self.path == "/health" else {"error": "not found"},
+            200 if self.path == "/health" else 404,
+        )
 
     def do_POST(self) -> None:
         global generations

@@ -43,15 +43,17 @@ def test_client_registers_and_reads_shared_memory(api: Api) -> None:
         assert c.transport == "shm", "the API is on this host"
         assert c.get_batch() is None, "registered; nothing queued"
         assert api.ok("GET", "/info")["batch_size"] == 4
-        g = group(4, length=6, group_overrides={"atroposd": {"weight_version": 2}},
-                  generation_params={"temperature": 0.7})
+        g = group(
+            4, length=6, group_overrides={"atroposd": {"weight_version": 2}}, generation_params={"temperature": 0.7}
+        )
         api.ok("POST", "/scored_data", g)
         b = c.next_batch(timeout=10)
         assert b.transport == "shm" and b.batch_id and b.metadata["format"] == "atroposd-batch-1"
         assert b.tokens.shape == (4, 6) and b.tokens.dtype == np.int64 and b.sequences == 4
         assert b.tokens.flags.writeable
-        assert b.groups == [{"generation_params": {"temperature": 0.7},
-                             "group_overrides": {"atroposd": {"weight_version": 2}}}]
+        assert b.groups == [
+            {"generation_params": {"temperature": 0.7}, "group_overrides": {"atroposd": {"weight_version": 2}}}
+        ]
         assert not list(Path("/dev/shm").glob(f"{BATCH_PREFIX}*")), "acknowledged: unlinked"
         prompt, response, logprobs, loss_mask = b.prompt_response()[1]
         assert prompt.tolist() == g["tokens"][1][:2] and response.tolist() == g["tokens"][1][2:]
@@ -65,6 +67,7 @@ def test_client_registers_and_reads_shared_memory(api: Api) -> None:
 def test_unmappable_segment_is_released_and_http_used(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
     """A client that cannot map the API's segments (another mount namespace, another user) gives
     the batch back at once and uses safetensors from then on: nothing is lost or waits."""
+
     def refuse(name: str, size: int) -> Any:
         raise PermissionError(f"segment {name!r}: not ours")
 
@@ -86,8 +89,7 @@ def test_json_transport_and_a_wrong_token(api: Api) -> None:
         api.ok("POST", "/scored_data", group(4, logprobs=False))
         b = c.next_batch(timeout=10)
         assert b.transport == "json" and (b.inference_logprobs == 1.0).all()
-    with BatchClient(api.url, token="wrong", batch_size=4, max_token_len=64) as bad, \
-            pytest.raises(ApiError) as err:
+    with BatchClient(api.url, token="wrong", batch_size=4, max_token_len=64) as bad, pytest.raises(ApiError) as err:
         bad.get_batch()
     assert err.value.status == 401
 
@@ -103,8 +105,10 @@ def test_next_batch_times_out_and_waits_for_an_api_that_is_not_up_yet() -> None:
 
 
 def test_client_imports_no_torch() -> None:
-    code = ("import sys, atroposd.client, atroposd.api.server\n"
-            "assert not [m for m in sys.modules if m == 'torch' or m.startswith('torch.')], 'torch imported'\n")
+    code = (
+        "import sys, atroposd.client, atroposd.api.server\n"
+        "assert not [m for m in sys.modules if m == 'torch' or m.startswith('torch.')], 'torch imported'\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 

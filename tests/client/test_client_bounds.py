@@ -26,12 +26,16 @@ def _answer(body: bytes, *headers: str) -> bytes:
 REGISTERED = _answer(b'{"uuid": 1}', "Content-Type: application/json")
 
 
-@pytest.mark.parametrize("answer", [
-    b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000000\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nffffffffff\r\n",
-    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n80000\r\n" + b"x" * (512 << 10) + b"\r\n90000\r\n",
-    b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + b"x" * (2 << 20),
-], ids=["content_length", "chunk_size", "chunks_add_up", "until_close"])
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000000\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nffffffffff\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n80000\r\n" + b"x" * (512 << 10) + b"\r\n90000\r\n",
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + b"x" * (2 << 20),
+    ],
+    ids=["content_length", "chunk_size", "chunks_add_up", "until_close"],
+)
 def test_announced_sizes_are_capped(answer: bytes) -> None:
     """A server announcing a terabyte gets an error, not a terabyte allocated (the client used
     to allocate whatever Content-Length said)."""
@@ -43,14 +47,17 @@ def test_announced_sizes_are_capped(answer: bytes) -> None:
 
 
 def _client(port: int, **kw: Any) -> BatchClient:
-    return BatchClient(f"http://127.0.0.1:{port}", token="", batch_size=4, max_token_len=64,
-                       max_batch_bytes=1 << 20, **kw)
+    return BatchClient(
+        f"http://127.0.0.1:{port}", token="", batch_size=4, max_token_len=64, max_batch_bytes=1 << 20, **kw
+    )
 
 
 def test_a_gzip_answer_inflates_no_further_than_the_cap() -> None:
     bomb = gzip.compress(b"\0" * (64 << 20))
-    with scripted([[REGISTERED, _answer(bomb, "Content-Type: application/json", "Content-Encoding: gzip")]]) \
-            as (port, _):
+    with scripted([[REGISTERED, _answer(bomb, "Content-Type: application/json", "Content-Encoding: gzip")]]) as (
+        port,
+        _,
+    ):
         with _client(port, transport="json") as c, pytest.raises(ApiError, match="max_batch_bytes"):
             c.get_batch()
 
@@ -68,8 +75,10 @@ def test_a_json_batch_is_not_laid_out_past_the_cap() -> None:
 def test_a_shared_memory_batch_larger_than_the_cap_is_released() -> None:
     offer = {"shm": {"name": "atroposd-batch-1-x-y", "size": 1 << 44, "batch_id": "b1"}}
     released = _answer(b'{"acknowledged": false, "released": true}', "Content-Type: application/json")
-    with scripted([[REGISTERED, _answer(orjson.dumps(offer), "Content-Type: application/json"), released]]) \
-            as (port, seen):
+    with scripted([[REGISTERED, _answer(orjson.dumps(offer), "Content-Type: application/json"), released]]) as (
+        port,
+        seen,
+    ):
         with _client(port, transport="shm") as c, pytest.raises(ApiError, match="max_batch_bytes"):
             c.get_batch()
     assert seen[-1].startswith(b"POST /batch/ack"), "given back at once"

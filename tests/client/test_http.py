@@ -50,10 +50,12 @@ def scripted(connections: list[list[bytes]]) -> Iterator[tuple[int, list[bytes]]
 
 
 def test_bodies_of_every_kind_on_one_connection() -> None:
-    answers = [b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}",
-               b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n"
-               b"3\r\nabc\r\n2;ext=1\r\nde\r\n0\r\nX-Trailer: 1\r\n\r\n",
-               b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end"]
+    answers = [
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}",
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"3\r\nabc\r\n2;ext=1\r\nde\r\n0\r\nX-Trailer: 1\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end",
+    ]
     with scripted([answers]) as (port, seen):
         c = HttpConnection("127.0.0.1", port, timeout=10)
         r = c.request("GET", "/a", {"X-Test": "1"})

@@ -44,17 +44,25 @@ def test_documented_trainer_trains_against_a_job(short_tmp: Path) -> None:
 
         config = load_config(cfg)
         model_dir, port = resolve_model(config), config.api.port
-        run = subprocess.run([sys.executable, str(script), f"http://127.0.0.1:{port}", str(model_dir), str(cfg),
-                              str(STEPS)], capture_output=True, text=True, timeout=300, cwd=short_tmp,
-                             env={**os.environ, "PYTHONPATH": str(REPO)})
+        run = subprocess.run(
+            [sys.executable, str(script), f"http://127.0.0.1:{port}", str(model_dir), str(cfg), str(STEPS)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=short_tmp,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
         assert run.returncode == 0, f"the example trainer failed:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
         steps = [line for line in run.stdout.splitlines() if line.startswith("step ")]
         assert len(steps) == STEPS, run.stdout
         assert InferenceControl.from_config(cfg).weight_version() == STEPS, "the server runs the newest weights"
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
             metrics = resp.read().decode()
-        acks = [line for line in metrics.splitlines()
-                if line.startswith("atroposd_api_request_seconds_count") and 'route="/batch/ack"' in line]
+        acks = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith("atroposd_api_request_seconds_count") and 'route="/batch/ack"' in line
+        ]
         assert acks and float(acks[0].split()[-1]) >= STEPS, "every batch came through shared memory"
     finally:
         assert atroposd("stop", "-c", str(cfg), timeout=120).returncode == 0

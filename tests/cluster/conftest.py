@@ -48,8 +48,14 @@ def token_file(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def cfg(token_file: Path) -> ClusterConfig:
-    return ClusterConfig(nodes=3, head="127.0.0.1", port=free_port_pair(), token_file=str(token_file),
-                         heartbeat_timeout=HEARTBEAT_TIMEOUT, join_timeout=30.0)
+    return ClusterConfig(
+        nodes=3,
+        head="127.0.0.1",
+        port=free_port_pair(),
+        token_file=str(token_file),
+        heartbeat_timeout=HEARTBEAT_TIMEOUT,
+        join_timeout=30.0,
+    )
 
 
 class Peer:
@@ -58,12 +64,19 @@ class Peer:
 
     def __init__(self, argv: list[str]) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen([sys.executable, str(PEER), *argv], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER), *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
         self.events: list[dict[str, Any]] = []
         self.log: list[str] = []
-        self._threads = [threading.Thread(target=self._read_events, daemon=True),
-                         threading.Thread(target=self._read_log, daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._read_events, daemon=True),
+            threading.Thread(target=self._read_log, daemon=True),
+        ]
         for t in self._threads:
             t.start()
 
@@ -105,10 +118,25 @@ class Peer:
 def peers() -> Iterator[Callable[..., Peer]]:
     started: list[Peer] = []
 
-    def start(role: str, cfg: ClusterConfig, rank: int = 0, *, token_file: str | None = None,
-              child: bool = False, join_timeout: float | None = None) -> Peer:
-        argv = [role, cfg.head, str(cfg.port), token_file or cfg.token_file, str(cfg.nodes), str(rank),
-                str(cfg.heartbeat_timeout), str(join_timeout if join_timeout is not None else cfg.join_timeout)]
+    def start(
+        role: str,
+        cfg: ClusterConfig,
+        rank: int = 0,
+        *,
+        token_file: str | None = None,
+        child: bool = False,
+        join_timeout: float | None = None,
+    ) -> Peer:
+        argv = [
+            role,
+            cfg.head,
+            str(cfg.port),
+            token_file or cfg.token_file,
+            str(cfg.nodes),
+            str(rank),
+            str(cfg.heartbeat_timeout),
+            str(join_timeout if join_timeout is not None else cfg.join_timeout),
+        ]
         if child:
             argv.append("--child")
         p = Peer(argv)
@@ -160,9 +188,18 @@ class RawNode:
         nonce = new_challenge()
         self.keys = session_keys(self.auth, challenge, nonce)  # both directions' (to forge with)
         self.session = node_session(self.auth, challenge, nonce)
-        values: dict[str, Any] = {"node_rank": rank, "host": f"raw-{rank}", "pid": os.getpid(), "instance": f"raw{rank}",
-                                  "units": {}, "components": [], "ready": False, "rejoin": False, "head_instance": "",
-                                  **fields}
+        values: dict[str, Any] = {
+            "node_rank": rank,
+            "host": f"raw-{rank}",
+            "pid": os.getpid(),
+            "instance": f"raw{rank}",
+            "units": {},
+            "components": [],
+            "ready": False,
+            "rejoin": False,
+            "head_instance": "",
+            **fields,
+        }
         return self.session.seal(Join(challenge=challenge, nonce=nonce, **values), key=join_key(self.auth, challenge))
 
     async def join(self, rank: int, **fields: Any) -> Welcome:

@@ -46,8 +46,9 @@ async def running_head(cfg: ClusterConfig, **kw: Any) -> AsyncIterator[ClusterHe
 
 
 @contextlib.asynccontextmanager
-async def running_node(cfg: ClusterConfig, rank: int = 1, **kw: Any) -> AsyncIterator[
-        tuple[ClusterNode, asyncio.Task[str]]]:
+async def running_node(
+    cfg: ClusterConfig, rank: int = 1, **kw: Any
+) -> AsyncIterator[tuple[ClusterNode, asyncio.Task[str]]]:
     node = ClusterNode(cfg, token=kw.pop("token", TOKEN), node_rank=rank, host=kw.pop("host", f"host-{rank}"), **kw)
     await node.join()
     task = asyncio.create_task(node.run())
@@ -64,8 +65,10 @@ def row(head: ClusterHead, rank: int) -> dict[str, Any]:
 
 
 async def test_nodes_join_report_and_show_in_the_nodes_view(cfg: ClusterConfig) -> None:
-    async with running_head(cfg, units={"trainer_ranks": 1}) as head, \
-            running_node(cfg, 1, units={"trainer_ranks": 1}) as (n1, _):
+    async with (
+        running_head(cfg, units={"trainer_ranks": 1}) as head,
+        running_node(cfg, 1, units={"trainer_ranks": 1}) as (n1, _),
+    ):
         assert row(head, 1)["state"] == "joining"  # joined; its replica is not ready yet
         assert row(head, 2) == {**row(head, 2), "state": "joining", "host": None, "reason": "not joined yet"}
         n1.report([{**READY_REPLICA, "state": "starting", "pid": 11}])
@@ -78,8 +81,11 @@ async def test_nodes_join_report_and_show_in_the_nodes_view(cfg: ClusterConfig) 
             n2.report([READY_REPLICA])
             assert await head.wait_all_ready(5)
             nodes = head.nodes()
-            assert [(r["node_rank"], r["host"], r["state"]) for r in nodes] == \
-                [(0, "head-host", READY), (1, "host-1", READY), (2, "host-2", READY)]
+            assert [(r["node_rank"], r["host"], r["state"]) for r in nodes] == [
+                (0, "head-host", READY),
+                (1, "host-1", READY),
+                (2, "host-2", READY),
+            ]
             assert nodes[1]["units"] == {"trainer_ranks": 1} and nodes[1]["address"] == "127.0.0.1"
             assert [c["name"] for c in nodes[1]["components"]] == ["inference", "arithmetic-1"]
             assert nodes[0]["components"] == [READY_REPLICA]
@@ -93,8 +99,9 @@ async def test_nodes_join_report_and_show_in_the_nodes_view(cfg: ClusterConfig) 
         assert row(head, 1)["state"] == READY
 
 
-async def test_a_node_with_a_wrong_token_is_refused_and_says_so(cfg: ClusterConfig, tmp_path: Path,
-                                                                peers: Callable[..., Peer]) -> None:
+async def test_a_node_with_a_wrong_token_is_refused_and_says_so(
+    cfg: ClusterConfig, tmp_path: Path, peers: Callable[..., Peer]
+) -> None:
     wrong = tmp_path / "wrong.token"
     wrong.write_text("another-secret-of-another-job\n")
     async with running_head(cfg) as head:
@@ -111,8 +118,7 @@ async def test_a_node_with_a_wrong_token_is_refused_and_says_so(cfg: ClusterConf
             await node.join()
 
 
-async def test_a_node_started_before_the_head_waits_for_it(cfg: ClusterConfig,
-                                                           peers: Callable[..., Peer]) -> None:
+async def test_a_node_started_before_the_head_waits_for_it(cfg: ClusterConfig, peers: Callable[..., Peer]) -> None:
     p = peers("node", cfg, 1)
     await until(lambda: any("waiting for the head" in line for line in p.log), 15, "the node's progress log")
     assert p.event("joined") is None and p.proc.poll() is None
@@ -124,8 +130,11 @@ async def test_a_node_started_before_the_head_waits_for_it(cfg: ClusterConfig,
 async def test_no_head_within_join_timeout_is_an_error_naming_it(cfg: ClusterConfig) -> None:
     node = ClusterNode(dataclasses.replace(cfg, join_timeout=0.6), token=TOKEN, node_rank=1)
     t0 = time.monotonic()
-    with pytest.raises(ClusterJoinTimeout, match=rf"the head at 127.0.0.1:{cfg.port} did not answer within "
-                                                 r"cluster.join_timeout \(0.6 s\)"):
+    with pytest.raises(
+        ClusterJoinTimeout,
+        match=rf"the head at 127.0.0.1:{cfg.port} did not answer within "
+        r"cluster.join_timeout \(0.6 s\)",
+    ):
         await node.join()
     assert time.monotonic() - t0 < 3
 
@@ -149,8 +158,9 @@ async def test_a_frozen_node_is_lost_by_its_heartbeats(cfg: ClusterConfig, peers
         assert lost is not None and "heartbeat_timeout" in lost["reason"], p.events
 
 
-async def test_a_head_killed_9_ends_every_node_within_heartbeat_timeout(cfg: ClusterConfig,
-                                                                       peers: Callable[..., Peer]) -> None:
+async def test_a_head_killed_9_ends_every_node_within_heartbeat_timeout(
+    cfg: ClusterConfig, peers: Callable[..., Peer]
+) -> None:
     head = peers("head", cfg)
     await until(lambda: head.event("listening"), 15, "the head's endpoint")
     nodes = [peers("node", cfg, r, child=True) for r in (1, 2)]
@@ -198,15 +208,18 @@ async def test_stop_all_names_the_nodes_that_did_not_confirm(cfg: ClusterConfig)
         n1.report([READY_REPLICA])
         await until(lambda: row(head, 1)["state"] == READY, 5, "node 1 ready")
         t0 = time.monotonic()
-        assert await head.stop_all(HEARTBEAT_TIMEOUT * 1.5) == {1: f"did not confirm within {HEARTBEAT_TIMEOUT * 1.5:g} s"}
+        assert await head.stop_all(HEARTBEAT_TIMEOUT * 1.5) == {
+            1: f"did not confirm within {HEARTBEAT_TIMEOUT * 1.5:g} s"
+        }
         # the node kept heartbeating while its children stopped: still in, and not lost
         assert row(head, 1)["state"] == READY and time.monotonic() - t0 >= HEARTBEAT_TIMEOUT * 1.5
         release.set()
         assert await asyncio.wait_for(task, 5) == "stopped"
 
 
-async def test_a_node_killed_9_is_lost_and_rejoins_when_started_again(cfg: ClusterConfig,
-                                                                      peers: Callable[..., Peer]) -> None:
+async def test_a_node_killed_9_is_lost_and_rejoins_when_started_again(
+    cfg: ClusterConfig, peers: Callable[..., Peer]
+) -> None:
     async with running_head(cfg) as head:
         first = peers("node", cfg, 1)
         await until(lambda: row(head, 1)["state"] == READY, 15, "node 1 ready")

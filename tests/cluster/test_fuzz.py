@@ -38,13 +38,45 @@ from tests.cluster.test_endpoint import READY_REPLICA, TOKEN, running_node
 pytestmark = pytest.mark.anyio
 
 CASES = max(10, int(10_000 * float(os.environ.get("ATROPOSD_FUZZ_SCALE", "1"))))
-KINDS = ("join", "beat", "report", "stopped", "leave", "rank_exit", "resync", "ranks", "ranks_stopped", "refused",
-         "welcome", "ack", "stop", "hello", "replaced", "", "x" * 300)
+KINDS = (
+    "join",
+    "beat",
+    "report",
+    "stopped",
+    "leave",
+    "rank_exit",
+    "resync",
+    "ranks",
+    "ranks_stopped",
+    "refused",
+    "welcome",
+    "ack",
+    "stop",
+    "hello",
+    "replaced",
+    "",
+    "x" * 300,
+)
 NODE_KINDS = ["beat", "report", "stopped", "rank_exit", "resync", "ranks_stopped"]
-ODD_STRINGS = ("", "\x1b[2J\x1b[31mred", "\x1b]0;title\x07", "\x9b1m", "a\nb\rc\td", "\x00\x7f\x85", "é𝛑", "%s%n", "../../etc/passwd", "' OR 1=1 --")
+ODD_STRINGS = (
+    "",
+    "\x1b[2J\x1b[31mred",
+    "\x1b]0;title\x07",
+    "\x9b1m",
+    "a\nb\rc\td",
+    "\x00\x7f\x85",
+    "é𝛑",
+    "%s%n",
+    "../../etc/passwd",
+    "' OR 1=1 --",
+)
 # ASCII with its control characters, C1 controls, and a spread of the Basic Multilingual Plane
-ALPHABET = [chr(c) for c in range(0x80)] + [chr(c) for c in range(0x80, 0xa0)] + \
-    [chr(c) for c in range(0xa0, 0xd800, 97)] + ["\U0001d6d1", "\ufeff", "\u202e"]
+ALPHABET = (
+    [chr(c) for c in range(0x80)]
+    + [chr(c) for c in range(0x80, 0xA0)]
+    + [chr(c) for c in range(0xA0, 0xD800, 97)]
+    + ["\U0001d6d1", "\ufeff", "\u202e"]
+)
 _POOL: str = ""  # random characters of ALPHABET, drawn once per run (strings are slices of it)
 KEY = auth_key(TOKEN)
 FOREIGN = auth_key(b"another-secret-of-another-job")
@@ -77,7 +109,7 @@ def _string(r: random.Random) -> str:
     if pick < 0.5:
         return r.choice(ODD_STRINGS) * r.randint(1, 200)
     start = r.randrange(len(_POOL) - 40)
-    return _POOL[start:start + r.randint(0, 40)]
+    return _POOL[start : start + r.randint(0, 40)]
 
 
 def _value(r: random.Random, depth: int = 0) -> Any:
@@ -98,9 +130,18 @@ def _rows(r: random.Random) -> Any:
     if pick < 0.2:
         return _value(r)
     n = r.choice((0, 1, 3, 40, 300)) if r.random() < 0.1 else r.randint(0, 3)
-    return [{"name": _string(r), "kind": r.choice(("inference", "env", "trainer", _string(r))),
-             "state": r.choice(("ready", "starting", _string(r))), "pid": _value(r), "extra": _value(r)}
-            if r.random() < 0.9 else _value(r) for _ in range(n)]
+    return [
+        {
+            "name": _string(r),
+            "kind": r.choice(("inference", "env", "trainer", _string(r))),
+            "state": r.choice(("ready", "starting", _string(r))),
+            "pid": _value(r),
+            "extra": _value(r),
+        }
+        if r.random() < 0.9
+        else _value(r)
+        for _ in range(n)
+    ]
 
 
 def _object_rows(r: random.Random) -> list[dict[str, Any]]:
@@ -112,11 +153,17 @@ def _fields(r: random.Random, kind: str) -> dict[str, Any]:
     """Fields for a message of ``kind``: of the right names and types most of the time, odd values
     within them; now and then one missing, one too many, or one of another type."""
     draw: dict[str, Callable[[], dict[str, Any]]] = {
-        "join": lambda: {"node_rank": r.choice((1, 2, 0, -1, 3, 99, 2**62)), "host": _string(r),
-                         "pid": r.randint(-5, 2**31), "instance": _string(r),
-                         "units": {"trainer_ranks": _value(r)} if r.random() < 0.5 else {},
-                         "components": _object_rows(r) if r.random() < 0.8 else [], "ready": r.random() < 0.5,
-                         "rejoin": r.random() < 0.2, "head_instance": _string(r)},
+        "join": lambda: {
+            "node_rank": r.choice((1, 2, 0, -1, 3, 99, 2**62)),
+            "host": _string(r),
+            "pid": r.randint(-5, 2**31),
+            "instance": _string(r),
+            "units": {"trainer_ranks": _value(r)} if r.random() < 0.5 else {},
+            "components": _object_rows(r) if r.random() < 0.8 else [],
+            "ready": r.random() < 0.5,
+            "rejoin": r.random() < 0.2,
+            "head_instance": _string(r),
+        },
         "report": lambda: {"components": _object_rows(r), "ready": r.random() < 0.5},
         "leave": lambda: {"reason": _string(r)},
         "rank_exit": lambda: {"name": _string(r), "how": _string(r)},
@@ -188,6 +235,7 @@ def _node_line(r: random.Random) -> tuple[Recipe, bool]:
                 s.send_seq += 1
             envelope = {"t": kind, "sid": s.sid, "dir": "n2h", "seq": s.send_seq, "m": m, **env}
             return sign(node.keys[envelope["dir"]] if envelope["dir"] in node.keys else KEY, envelope)
+
         return make
 
     if pick < 0.01:
@@ -198,15 +246,22 @@ def _node_line(r: random.Random) -> tuple[Recipe, bool]:
         return (lambda node: unsigned(env)), False
     if pick < 0.03:
         m = _fields(r, "rank_exit")
-        return (lambda node: sign(FOREIGN, {"t": "rank_exit", "sid": node.session.sid, "dir": "n2h",
-                                             "seq": node.session.send_seq + 1, "m": m})), False
+        return (
+            lambda node: sign(
+                FOREIGN,
+                {"t": "rank_exit", "sid": node.session.sid, "dir": "n2h", "seq": node.session.send_seq + 1, "m": m},
+            )
+        ), False
     if pick < 0.04:
         return (lambda node: node.last or b"\n"), False  # a replay of the previous line
     if pick < 0.05:  # a line of the head's direction
         return sealed(r.choice(("ack", "ranks", "stop")), _fields(r, "ranks"), dir="h2n"), False
     if pick < 0.06:  # another session, an old sequence number, odd envelope values
-        return sealed("beat", {}, **r.choice(({"sid": new_challenge()}, {"seq": 0}, {"seq": -1}, {"seq": "1"},
-                                               {"dir": "x"}, {"extra": 1}))), False
+        return sealed(
+            "beat",
+            {},
+            **r.choice(({"sid": new_challenge()}, {"seq": 0}, {"seq": -1}, {"seq": "1"}, {"dir": "x"}, {"extra": 1})),
+        ), False
     if pick < 0.065:
         return sealed("leave", {"reason": _string(r)}), True
     if pick < 0.066:
@@ -301,8 +356,11 @@ async def test_the_endpoint_survives_fuzzed_messages_and_still_serves(cfg: Clust
         # an honest node still joins and is ready
         async with running_node(cfg, 1, host="honest") as (node, _):
             node.report([READY_REPLICA])
-            await until(lambda: head.nodes()[1]["state"] == READY and head.nodes()[1]["host"] == "honest", 10,
-                        "the honest node ready after the fuzz")
+            await until(
+                lambda: head.nodes()[1]["state"] == READY and head.nodes()[1]["host"] == "honest",
+                10,
+                "the honest node ready after the fuzz",
+            )
         assert not errors, f"{hint}: {errors[:3]}"
     finally:
         await head.close()

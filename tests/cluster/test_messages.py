@@ -35,13 +35,32 @@ HEX = "0123456789abcdef" * 2
 
 SAMPLES: list[Message] = [
     m.Hello(challenge=HEX),
-    m.Join(challenge=HEX, nonce=HEX, node_rank=1, host="n1", pid=42, instance="i", units={"trainer_ranks": 1},
-           components=[{"name": "inference", "state": "ready"}], ready=True, rejoin=False, head_instance=""),
+    m.Join(
+        challenge=HEX,
+        nonce=HEX,
+        node_rank=1,
+        host="n1",
+        pid=42,
+        instance="i",
+        units={"trainer_ranks": 1},
+        components=[{"name": "inference", "state": "ready"}],
+        ready=True,
+        rejoin=False,
+        head_instance="",
+    ),
     m.Welcome(head_instance="h", head_host="head", nodes=2, interval=0.5),
     m.Refused(reason="no", fatal=False),
-    m.Beat(), m.Ack(beat=3), m.Report(components=[], ready=True), m.Stop(), m.Stopped(), m.Leave(reason="bye"),
-    m.Replaced(by_pid=7), m.Ranks(op="start", generation=2), m.RanksStopped(),
-    m.RankExit(name="trainer-1", how="exited 1"), m.Resync(replica=0),
+    m.Beat(),
+    m.Ack(beat=3),
+    m.Report(components=[], ready=True),
+    m.Stop(),
+    m.Stopped(),
+    m.Leave(reason="bye"),
+    m.Replaced(by_pid=7),
+    m.Ranks(op="start", generation=2),
+    m.RanksStopped(),
+    m.RankExit(name="trainer-1", how="exited 1"),
+    m.Resync(replica=0),
 ]
 
 
@@ -63,24 +82,32 @@ def test_every_type_is_sampled_and_round_trips_through_a_session() -> None:
         assert decode(sample.TYPE, json.loads(json.dumps(fields(sample))), sample.DIRECTION) == sample
 
 
-@pytest.mark.parametrize(("kind", "values", "direction", "says"), [
-    ("nope", {}, N2H, "unknown message type 'nope'"),
-    (3, {}, N2H, "unknown message type '3'"),
-    ("stop", {}, N2H, "a 'stop' is sent from the head to a node, not from a node to the head"),
-    ("resync", [], N2H, "the fields of a 'resync' must be an object, not a list"),
-    ("resync", {}, N2H, "a 'resync' without its field 'replica'"),
-    ("resync", {"replica": 0, "extra": 1}, N2H, "a 'resync' has no field 'extra'"),
-    ("resync", {"replica": "0"}, N2H, "a 'resync' whose 'replica' is a string, not an integer"),
-    ("resync", {"replica": True}, N2H, "a 'resync' whose 'replica' is a boolean, not an integer"),
-    ("report", {"components": [1], "ready": True}, N2H, "whose 'components' is a list, not a list of objects"),
-    ("report", {"components": [], "ready": 1}, N2H, "whose 'ready' is an integer, not a boolean"),
-    ("ranks", {"op": "reboot", "generation": 1}, H2N, "whose 'op' is a string, not 'start' or 'stop'"),
-    ("welcome", {"head_instance": "h", "head_host": "h", "nodes": 2, "interval": None}, H2N,
-     "whose 'interval' is null, not a number"),
-    ("hello", {"challenge": "xyz"}, H2N, "a 'hello' whose 'challenge' is not 32 hex digits"),
-])
-def test_a_message_that_does_not_check_is_refused_naming_the_problem(kind: Any, values: Any, direction: str,
-                                                                     says: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "values", "direction", "says"),
+    [
+        ("nope", {}, N2H, "unknown message type 'nope'"),
+        (3, {}, N2H, "unknown message type '3'"),
+        ("stop", {}, N2H, "a 'stop' is sent from the head to a node, not from a node to the head"),
+        ("resync", [], N2H, "the fields of a 'resync' must be an object, not a list"),
+        ("resync", {}, N2H, "a 'resync' without its field 'replica'"),
+        ("resync", {"replica": 0, "extra": 1}, N2H, "a 'resync' has no field 'extra'"),
+        ("resync", {"replica": "0"}, N2H, "a 'resync' whose 'replica' is a string, not an integer"),
+        ("resync", {"replica": True}, N2H, "a 'resync' whose 'replica' is a boolean, not an integer"),
+        ("report", {"components": [1], "ready": True}, N2H, "whose 'components' is a list, not a list of objects"),
+        ("report", {"components": [], "ready": 1}, N2H, "whose 'ready' is an integer, not a boolean"),
+        ("ranks", {"op": "reboot", "generation": 1}, H2N, "whose 'op' is a string, not 'start' or 'stop'"),
+        (
+            "welcome",
+            {"head_instance": "h", "head_host": "h", "nodes": 2, "interval": None},
+            H2N,
+            "whose 'interval' is null, not a number",
+        ),
+        ("hello", {"challenge": "xyz"}, H2N, "a 'hello' whose 'challenge' is not 32 hex digits"),
+    ],
+)
+def test_a_message_that_does_not_check_is_refused_naming_the_problem(
+    kind: Any, values: Any, direction: str, says: str
+) -> None:
     with pytest.raises(BadMessage) as err:
         decode(kind, values, direction)
     assert says in str(err.value) and err.value.reason == "fields"
@@ -109,7 +136,8 @@ def test_a_session_refuses_each_kind_of_bad_line_with_its_reason() -> None:
 def test_a_join_verifies_only_on_the_connection_of_its_challenge() -> None:
     challenge, nonce = new_challenge(), new_challenge()
     join = node_session(AUTH, challenge, nonce).seal(
-        m.Join(**{**fields(SAMPLES[1]), "challenge": challenge, "nonce": nonce}), key=join_key(AUTH, challenge))
+        m.Join(**{**fields(SAMPLES[1]), "challenge": challenge, "nonce": nonce}), key=join_key(AUTH, challenge)
+    )
     session, values = open_join(AUTH, challenge, join)
     assert decode("join", values, N2H).node_rank == 1 and session.sid and session.recv_seq == 0
     with pytest.raises(BadMessage) as err:
@@ -126,15 +154,36 @@ def test_a_join_verifies_only_on_the_connection_of_its_challenge() -> None:
 def _value(r: random.Random, depth: int = 0) -> Any:
     pick = r.random()
     if depth > 3 or pick < 0.2:
-        return r.choice([None, True, False, 0, -1, 1, 2**63, -(2**70), 1e308, float("nan"), -0.0, 3.5, "",
-                         "start", "stop", HEX, "\ud800", "é\x1b[2J"])
+        return r.choice(
+            [
+                None,
+                True,
+                False,
+                0,
+                -1,
+                1,
+                2**63,
+                -(2**70),
+                1e308,
+                float("nan"),
+                -0.0,
+                3.5,
+                "",
+                "start",
+                "stop",
+                HEX,
+                "\ud800",
+                "é\x1b[2J",
+            ]
+        )
     if pick < 0.4:
         return "".join(chr(r.randrange(0x20, 0x3000)) for _ in range(r.randint(0, 12)))
     if pick < 0.6:
         return [_value(r, depth + 1) for _ in range(r.randint(0, 3))]
     keys = [f.name for cls in m.MESSAGES.values() for f in cls.__dataclass_fields__.values()]
-    return {r.choice(keys) if r.random() < 0.7 else str(_value(r, 3)): _value(r, depth + 1)
-            for _ in range(r.randint(0, 5))}
+    return {
+        r.choice(keys) if r.random() < 0.7 else str(_value(r, 3)): _value(r, depth + 1) for _ in range(r.randint(0, 5))
+    }
 
 
 def _fields_of(r: random.Random, kind: str) -> Any:
@@ -155,9 +204,13 @@ def _fields_of(r: random.Random, kind: str) -> Any:
 
 def _envelope(r: random.Random, sid: str) -> Any:
     kind = r.choice([*m.MESSAGES, "", "x" * 50]) if r.random() < 0.9 else _value(r)
-    env: dict[str, Any] = {"t": kind, "sid": sid if r.random() < 0.9 else _value(r),
-                           "dir": r.choice(["n2h", "h2n", "x"]), "seq": r.choice([1, 2, 0, -1, 2**40, "1", None]),
-                           "m": _fields_of(r, kind) if isinstance(kind, str) else _value(r)}
+    env: dict[str, Any] = {
+        "t": kind,
+        "sid": sid if r.random() < 0.9 else _value(r),
+        "dir": r.choice(["n2h", "h2n", "x"]),
+        "seq": r.choice([1, 2, 0, -1, 2**40, "1", None]),
+        "m": _fields_of(r, kind) if isinstance(kind, str) else _value(r),
+    }
     if r.random() < 0.1:
         env.pop(r.choice(list(env)))
     if r.random() < 0.1:
@@ -177,9 +230,9 @@ def _mutate(r: random.Random, line: bytes) -> bytes:
         if op < 0.4 and b:
             b[r.randrange(len(b))] = r.randrange(256)
         elif op < 0.7 and b:
-            del b[r.randrange(len(b)):][: r.randint(1, 20)]
+            del b[r.randrange(len(b)) :][: r.randint(1, 20)]
         else:
-            b[r.randrange(len(b) + 1):0] = bytes(r.getrandbits(8) for _ in range(r.randint(1, 8)))
+            b[r.randrange(len(b) + 1) : 0] = bytes(r.getrandbits(8) for _ in range(r.randint(1, 8)))
     return bytes(b)
 
 
@@ -211,8 +264,12 @@ def test_the_decoder_raises_nothing_but_the_typed_refusal() -> None:
         else:
             line = bytes(r.getrandbits(8) for _ in range(r.randint(0, 80))) + b"\n"
             node_side = head
-        for check in (node_side.open, open_unsigned, lambda x: open_join(AUTH, challenge, x),
-                      lambda x: decode(r.choice([*m.MESSAGES, "x"]), _fields_of(r, "join"), r.choice([N2H, H2N]))):
+        for check in (
+            node_side.open,
+            open_unsigned,
+            lambda x: open_join(AUTH, challenge, x),
+            lambda x: decode(r.choice([*m.MESSAGES, "x"]), _fields_of(r, "join"), r.choice([N2H, H2N])),
+        ):
             try:
                 check(line)
                 taken += 1

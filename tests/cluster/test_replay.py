@@ -54,8 +54,10 @@ class Relay:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.head_port)
         self._up, self._down = up_writer, writer
         self._writers += [writer, up_writer]
-        pumps = [asyncio.create_task(self._pump(reader, up_writer, self.to_head)),
-                 asyncio.create_task(self._pump(up_reader, writer, self.to_node))]
+        pumps = [
+            asyncio.create_task(self._pump(reader, up_writer, self.to_head)),
+            asyncio.create_task(self._pump(up_reader, writer, self.to_node)),
+        ]
         self._tasks.update(pumps)
         await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
         for w in (writer, up_writer):
@@ -182,15 +184,17 @@ async def test_an_edited_line_fails_its_signature(cfg: ClusterConfig) -> None:
         assert head.nodes()[1]["state"] == READY
 
 
-async def test_a_connection_that_keeps_sending_bad_lines_is_closed_and_the_node_comes_back(
-        cfg: ClusterConfig) -> None:
+async def test_a_connection_that_keeps_sending_bad_lines_is_closed_and_the_node_comes_back(cfg: ClusterConfig) -> None:
     async with relayed_job(cfg) as (head, _node, relay, _seen):
         first = head._channels[1]
         beat = relay.line_to_head("beat")
         for _ in range(MAX_DROPPED):
             await relay.inject_to_head(beat)
-        await until(lambda: head._channels.get(1) is not first and head.nodes()[1]["state"] == READY, 10,
-                    "the node back on a new connection")
+        await until(
+            lambda: head._channels.get(1) is not first and head.nodes()[1]["state"] == READY,
+            10,
+            "the node back on a new connection",
+        )
         assert head.dropped["sequence"] == MAX_DROPPED
         assert head.nodes()[1]["joins"] == 2 and head.nodes()[1]["state"] != LOST
         assert len(relay.line_to_head("join", 1)) > 0  # it joined again: a new challenge, a new session

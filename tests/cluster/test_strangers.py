@@ -58,7 +58,8 @@ async def _flood(port: int, payload: bytes) -> tuple[asyncio.StreamReader, async
 
 
 async def test_a_hundred_unauthenticated_connections_do_not_grow_the_head(
-        cfg: ClusterConfig, peers: Callable[..., Peer]) -> None:
+    cfg: ClusterConfig, peers: Callable[..., Peer]
+) -> None:
     """Each stranger sends 1 MiB that never ends a line: the head holds at most twice the node
     count of them, each with at most 64 KiB, and closes every one (before: +100 MiB held)."""
     head = peers("head", cfg)
@@ -81,7 +82,8 @@ async def test_a_hundred_unauthenticated_connections_do_not_grow_the_head(
 
 
 async def test_a_line_before_the_join_is_bounded_and_silence_has_a_deadline(
-        cfg: ClusterConfig, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg: ClusterConfig, capsys: pytest.CaptureFixture[str]
+) -> None:
     async with running_head(cfg, join_deadline=0.5) as head:
         assert head.max_pending == 6  # twice the node count
         # a line longer than 64 KiB before the join: refused (unsigned: it proved no token) and closed
@@ -182,12 +184,23 @@ async def test_the_head_stops_every_node_at_once(cfg: ClusterConfig) -> None:
 
 
 async def test_a_nodes_strings_are_bounded_and_cleaned_where_they_arrive(cfg: ClusterConfig) -> None:
-    rows: list[dict[str, Any]] = [{"name": f"env-{i}\x1b[31m", "kind": "env", "state": "ready\x07",
-                                   "note": "n" * 1000, "deep": {"a": {"b": {"c": {"d": {"e": 1}}}}}}
-                                  for i in range(2000)]
-    async with running_head(cfg) as head, \
-            running_node(cfg, 1, host="evil\x1b]0;pwned\x07host\x1b[2J\x9b1m", units={"trainer_ranks": "\x1b[5m9"}) \
-            as (node, _):
+    rows: list[dict[str, Any]] = [
+        {
+            "name": f"env-{i}\x1b[31m",
+            "kind": "env",
+            "state": "ready\x07",
+            "note": "n" * 1000,
+            "deep": {"a": {"b": {"c": {"d": {"e": 1}}}}},
+        }
+        for i in range(2000)
+    ]
+    async with (
+        running_head(cfg) as head,
+        running_node(cfg, 1, host="evil\x1b]0;pwned\x07host\x1b[2J\x9b1m", units={"trainer_ranks": "\x1b[5m9"}) as (
+            node,
+            _,
+        ),
+    ):
         row = head.nodes()[1]
         assert row["host"] == "evilhost" and row["units"] == {"trainer_ranks": "9"}
         node.report(rows)

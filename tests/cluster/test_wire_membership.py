@@ -49,8 +49,9 @@ def test_only_a_hello_or_a_refusal_may_be_unsigned() -> None:
         node_session(auth_key(b"k"), new_challenge(), new_challenge()).open(refusal)
 
 
-@pytest.mark.parametrize("line", [b"\n", b"nospace\n", b"- [1,2]\n", b"- {not json}\n",
-                                  b"GET / HTTP/1.0\r\n", b"abc {}\n"])
+@pytest.mark.parametrize(
+    "line", [b"\n", b"nospace\n", b"- [1,2]\n", b"- {not json}\n", b"GET / HTTP/1.0\r\n", b"abc {}\n"]
+)
 def test_garbage_is_a_bad_message(line: bytes) -> None:
     with pytest.raises(BadMessage):
         open_unsigned(line)
@@ -82,13 +83,24 @@ def test_node_states_joining_ready_lost_and_the_view() -> None:
     changes: list[tuple[int, str, str, str]] = []
     m = Membership(3, 5.0, clock=clock, on_change=lambda *c: changes.append(c))
     view = m.view()
-    assert [(r["node_rank"], r["state"], r["host"]) for r in view] == [(0, JOINING, None), (1, JOINING, None),
-                                                                       (2, JOINING, None)]
+    assert [(r["node_rank"], r["state"], r["host"]) for r in view] == [
+        (0, JOINING, None),
+        (1, JOINING, None),
+        (2, JOINING, None),
+    ]
     assert view[1]["reason"] == "not joined yet"
     m.report(0, [{"name": "inference", "kind": "inference", "state": "ready"}], True)
     replica = {"name": "inference", "kind": "inference", "state": "starting"}
-    m.join(1, host="n1", address="10.0.0.2", pid=42, instance="x", units={"trainer_ranks": 2},
-           components=[replica], ready=replicas_ready([replica]))
+    m.join(
+        1,
+        host="n1",
+        address="10.0.0.2",
+        pid=42,
+        instance="x",
+        units={"trainer_ranks": 2},
+        components=[replica],
+        ready=replicas_ready([replica]),
+    )
     assert m.members[1].state == JOINING and m.members[1].reason.startswith("joined; waiting")
     m.report(1, [{**replica, "state": "ready"}], True)
     assert m.members[1].state == READY
@@ -98,8 +110,13 @@ def test_node_states_joining_ready_lost_and_the_view() -> None:
     assert m.silent() == [1]
     m.lose(1, "no heartbeat for 5 s")
     row = m.view()[1]
-    assert (row["state"], row["reason"], row["host"], row["pid"], row["units"]) == \
-        (LOST, "no heartbeat for 5 s", "n1", 42, {"trainer_ranks": 2})
+    assert (row["state"], row["reason"], row["host"], row["pid"], row["units"]) == (
+        LOST,
+        "no heartbeat for 5 s",
+        "n1",
+        42,
+        {"trainer_ranks": 2},
+    )
     assert row["components"] == [{**replica, "state": "ready"}] and row["last_heartbeat_s"] == 6.0
     assert m.silent() == [] and not m.all_ready()
     assert changes == [(0, JOINING, READY, ""), (1, JOINING, READY, ""), (1, READY, LOST, "no heartbeat for 5 s")]

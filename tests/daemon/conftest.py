@@ -68,14 +68,22 @@ class Job:
         return int(text) if text.isdigit() else None
 
     def wait_state(self, name: str, state: str, timeout: float = 30) -> dict[str, Any]:
-        return dict(wait_for(lambda: (c := self.component(name))["state"] == state and c, timeout=timeout,
-                             what=f"{name} {state}"))
+        return dict(
+            wait_for(
+                lambda: (c := self.component(name))["state"] == state and c, timeout=timeout, what=f"{name} {state}"
+            )
+        )
 
 
 def base_sections(d: Path, envs: list[dict[str, Any]], **over: Any) -> dict[str, Any]:
     sections: dict[str, Any] = {
-        "daemon": {"runtime_dir": str(d / "run"), "state_dir": str(d / "state"), "stop_timeout": 3.0,
-                   "log_format": "json", "checkpoint_timeout": 5.0},
+        "daemon": {
+            "runtime_dir": str(d / "run"),
+            "state_dir": str(d / "state"),
+            "stop_timeout": 3.0,
+            "log_format": "json",
+            "checkpoint_timeout": 5.0,
+        },
         "api": {"enabled": False, "url": f"http://127.0.0.1:{free_port()}"},
         "inference": {"enabled": False, "url": f"http://127.0.0.1:{free_port()}"},
         "trainer": {"enabled": False},

@@ -160,16 +160,42 @@ def test_an_answer_too_large_for_the_frame_leaves_the_server_serving(short_tmp: 
 
 
 def _row(name: str, state: str = "ready") -> dict[str, Any]:
-    return {"name": name, "kind": "env", "external": False, "state": state, "pid": 1234, "restarts": 0,
-            "last_exit": None, "since_s": 1.0, "log": "/var/lib/atroposd/logs/" + "x" * 300 + ".log"}
+    return {
+        "name": name,
+        "kind": "env",
+        "external": False,
+        "state": state,
+        "pid": 1234,
+        "restarts": 0,
+        "last_exit": None,
+        "since_s": 1.0,
+        "log": "/var/lib/atroposd/logs/" + "x" * 300 + ".log",
+    }
 
 
 def _big_head_status(nodes: int = 64, per_node: int = 40, own: int = 40) -> dict[str, Any]:
-    return {"state": "running", "pid": 4242, "uptime_s": 1.0, "config": "/etc/atroposd/atroposd.toml",
-            "instance": "abc", "trainer": None, "queue": None, "start_error": None, "node_rank": 0,
-            "components": [_row(f"own-{i}", "backoff" if i % 10 == 0 else "ready") for i in range(own)],
-            "nodes": [{"node_rank": r, "host": f"node{r}", "state": "ready", "units": {},
-                       "components": [_row(f"env-{r}-{i}") for i in range(per_node)]} for r in range(nodes)]}
+    return {
+        "state": "running",
+        "pid": 4242,
+        "uptime_s": 1.0,
+        "config": "/etc/atroposd/atroposd.toml",
+        "instance": "abc",
+        "trainer": None,
+        "queue": None,
+        "start_error": None,
+        "node_rank": 0,
+        "components": [_row(f"own-{i}", "backoff" if i % 10 == 0 else "ready") for i in range(own)],
+        "nodes": [
+            {
+                "node_rank": r,
+                "host": f"node{r}",
+                "state": "ready",
+                "units": {},
+                "components": [_row(f"env-{r}-{i}") for i in range(per_node)],
+            }
+            for r in range(nodes)
+        ],
+    }
 
 
 def test_a_large_head_status_is_cut_to_the_frame_with_a_note() -> None:
@@ -214,8 +240,10 @@ def test_the_daemons_status_command_answers_within_the_frame() -> None:
     stand_in = SimpleNamespace(status=status)
 
     async def main() -> list[dict[str, Any]]:
-        return [await Daemon._control(stand_in, req)  # type: ignore[arg-type]
-                for req in ({"cmd": "status"}, {"cmd": "status", "node": 3}, {"cmd": "status", "node": "x"})]
+        return [
+            await Daemon._control(stand_in, req)  # type: ignore[arg-type]
+            for req in ({"cmd": "status"}, {"cmd": "status", "node": 3}, {"cmd": "status", "node": "x"})
+        ]
 
     whole, one, bad = anyio.run(main)
     assert whole["ok"] and len(control.encode(whole)) <= control.MAX_FRAME and whole["status"]["truncated"]
@@ -223,8 +251,9 @@ def test_the_daemons_status_command_answers_within_the_frame() -> None:
     assert bad["ok"] is False and "node must be" in bad["error"]
 
 
-def test_status_cli_asks_for_one_node_and_reports_an_error_answer(short_tmp: Path,
-                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_status_cli_asks_for_one_node_and_reports_an_error_answer(
+    short_tmp: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``atroposd status --node N`` sends the node; a cut status says so; an error answer is
     exit 1 with the daemon's error, not a traceback."""
     import argparse

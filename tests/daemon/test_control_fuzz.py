@@ -48,11 +48,23 @@ class _StandIn:
         self.stops = 0
         self.asked = 0
         self._events_send = _Reply()
-        row = {"name": "env", "kind": "env", "state": "ready", "pid": 1, "restarts": 0, "last_exit": None,
-               "log": "/x/" + "y" * 400}
-        self._status = {"state": "running", "pid": 4242, "components": [dict(row) for _ in range(40)],
-                        "nodes": [{"node_rank": r, "state": "ready", "components": [dict(row) for _ in range(40)]}
-                                  for r in range(64)]}
+        row = {
+            "name": "env",
+            "kind": "env",
+            "state": "ready",
+            "pid": 1,
+            "restarts": 0,
+            "last_exit": None,
+            "log": "/x/" + "y" * 400,
+        }
+        self._status = {
+            "state": "running",
+            "pid": 4242,
+            "components": [dict(row) for _ in range(40)],
+            "nodes": [
+                {"node_rank": r, "state": "ready", "components": [dict(row) for _ in range(40)]} for r in range(64)
+            ],
+        }
 
     async def status(self) -> dict[str, Any]:
         self.asked += 1  # every 20th a large head's (about 1.3 MB: cut to the frame), else a small one
@@ -73,8 +85,10 @@ def _json_value(rng: random.Random, depth: int = 0) -> Any:
     if kind == 3:
         return rng.choice([0.5, -1e308, 1e-300, 3.14])
     if kind == 4:
-        return "".join(chr(rng.choice([rng.randrange(32, 127), rng.randrange(0x80, 0x2FFF), 0x1B, 0]))
-                       for _ in range(rng.randrange(0, 40)))
+        return "".join(
+            chr(rng.choice([rng.randrange(32, 127), rng.randrange(0x80, 0x2FFF), 0x1B, 0]))
+            for _ in range(rng.randrange(0, 40))
+        )
     if kind in (5, 6):
         return [_json_value(rng, depth + 1) for _ in range(rng.randrange(0, 5))]
     return {str(_json_value(rng, 4)): _json_value(rng, depth + 1) for _ in range(rng.randrange(0, 5))}
@@ -82,8 +96,9 @@ def _json_value(rng: random.Random, depth: int = 0) -> Any:
 
 def _request_body(rng: random.Random) -> bytes:
     """A JSON request: a known command (with odd arguments) or anything else."""
-    cmd = rng.choice(["status", "status", "ping", "stop", "reload", "", "STATUS", None, 7, [], {"a": 1},
-                      "x" * rng.randrange(1, 300)])
+    cmd = rng.choice(
+        ["status", "status", "ping", "stop", "reload", "", "STATUS", None, 7, [], {"a": 1}, "x" * rng.randrange(1, 300)]
+    )
     req: dict[str, Any] = {"cmd": cmd}
     if cmd == "status" and rng.random() < 0.7:
         req["node"] = rng.choice([0, 3, 63, 64, -1, 1.5, "2", None, True, 1 << 70, [1]])
@@ -94,8 +109,23 @@ def _request_body(rng: random.Random) -> bytes:
 
 def _case(rng: random.Random) -> tuple[bytes, bool, str]:
     """(bytes to send, whether they make a whole request, the kind of case)."""
-    kind = rng.choice(["json", "json", "json", "bytes", "not_object", "deep", "bad_utf8", "over_limit",
-                       "short", "zero", "half_header", "lying_short", "numbers"])
+    kind = rng.choice(
+        [
+            "json",
+            "json",
+            "json",
+            "bytes",
+            "not_object",
+            "deep",
+            "bad_utf8",
+            "over_limit",
+            "short",
+            "zero",
+            "half_header",
+            "lying_short",
+            "numbers",
+        ]
+    )
     if rng.random() < 0.005:  # rare: each moves 2 MiB
         kind = "echo_too_big"
     if kind == "json":
@@ -110,13 +140,23 @@ def _case(rng: random.Random) -> tuple[bytes, bool, str]:
     elif kind == "bad_utf8":
         body = b'{"cmd": "' + rng.randbytes(8).replace(b'"', b"x").replace(b"\\", b"x") + b'\xff\xfe"}'
     elif kind == "numbers":
-        body = rng.choice([b'{"cmd": 1e999}', b'{"cmd": NaN}', b'{"cmd": "status", "node": 1e400}',
-                           b'{"cmd": "status", "node": 99999999999999999999999}', b'{"cmd": -0}'])
+        body = rng.choice(
+            [
+                b'{"cmd": 1e999}',
+                b'{"cmd": NaN}',
+                b'{"cmd": "status", "node": 1e400}',
+                b'{"cmd": "status", "node": 99999999999999999999999}',
+                b'{"cmd": -0}',
+            ]
+        )
     elif kind == "echo_too_big":  # a request just under the limit: the stand-in cannot echo it, status cuts
         body = json.dumps({"cmd": rng.choice(["status", "nope"]), "pad": "p" * (control.MAX_FRAME - 64)}).encode()
     elif kind == "over_limit":
-        return _LEN.pack(rng.randrange(control.MAX_FRAME + 1, 1 << 32)) + rng.randbytes(rng.randrange(0, 16)), \
-            True, kind
+        return (
+            _LEN.pack(rng.randrange(control.MAX_FRAME + 1, 1 << 32)) + rng.randbytes(rng.randrange(0, 16)),
+            True,
+            kind,
+        )
     elif kind == "zero":
         return _LEN.pack(0), True, kind
     elif kind == "half_header":
@@ -186,6 +226,8 @@ def test_control_frames_fuzz(short_tmp: Path) -> None:
         assert control.request(path, {"cmd": "status"})["status"]["truncated"]
 
     serve_control(path, handler, read_timeout=5.0, body=body)
-    print(f"\ncontrol frames fuzz: {CASES} cases, {fuzzseed.replay_hint()}; kinds {dict(kinds)}; "
-          f"outcomes {dict(outcomes)}; stops asked {stand_in.stops}")
+    print(
+        f"\ncontrol frames fuzz: {CASES} cases, {fuzzseed.replay_hint()}; kinds {dict(kinds)}; "
+        f"outcomes {dict(outcomes)}; stops asked {stand_in.stops}"
+    )
     assert sum(outcomes.values()) == CASES and outcomes["ok"] and outcomes["refused"]

@@ -84,12 +84,22 @@ def test_not_running_and_already_running(job: Job) -> None:
 def test_start_order_api_before_registered_environments(job: Job) -> None:
     marker = job.dir / "order"
     port = free_port()
-    job.write(**base_sections(
-        job.dir,
-        [env("reg", script("registering_env.py", str(marker)), ready="registered", start_seconds=30.0,
-             ready_timeout=20.0),
-         env("plain", script("cooperative.py", str(marker)))],
-        api={"enabled": True, "url": "", "port": port, "command": script("fake_api.py", "{port}", str(marker))}))
+    job.write(
+        **base_sections(
+            job.dir,
+            [
+                env(
+                    "reg",
+                    script("registering_env.py", str(marker)),
+                    ready="registered",
+                    start_seconds=30.0,
+                    ready_timeout=20.0,
+                ),
+                env("plain", script("cooperative.py", str(marker))),
+            ],
+            api={"enabled": True, "url": "", "port": port, "command": script("fake_api.py", "{port}", str(marker))},
+        )
+    )
     t0 = time.monotonic()
     r = job.cli("start")
     assert r.returncode == 0, r.stderr
@@ -107,9 +117,15 @@ def test_start_order_api_before_registered_environments(job: Job) -> None:
 
 
 def test_crash_looping_environment_degrades_the_daemon_and_fails(job: Job) -> None:
-    job.write(**base_sections(job.dir, [env("steady", script("cooperative.py")),
-                                        env("crashy", script("crashloop.py", "1"), max_restarts=1,
-                                            start_seconds=0.5)]))
+    job.write(
+        **base_sections(
+            job.dir,
+            [
+                env("steady", script("cooperative.py")),
+                env("crashy", script("crashloop.py", "1"), max_restarts=1, start_seconds=0.5),
+            ],
+        )
+    )
     r = job.cli("start")
     assert r.returncode == 0, r.stderr  # an environment that fails does not fail the start
     crashy = job.wait_state("crashy-0", "failed", timeout=20)
@@ -123,14 +139,25 @@ def test_crash_looping_environment_degrades_the_daemon_and_fails(job: Job) -> No
 
 def test_stop_within_stop_timeout_with_a_stubborn_child(job: Job) -> None:
     pidfile = job.dir / "stubborn.pids"
-    job.write(**base_sections(job.dir, [env("stubborn", script("stubborn.py", str(pidfile))),
-                                        env("coop", script("cooperative.py"))], daemon={"stop_timeout": 2.0}))
+    job.write(
+        **base_sections(
+            job.dir,
+            [env("stubborn", script("stubborn.py", str(pidfile))), env("coop", script("cooperative.py"))],
+            daemon={"stop_timeout": 2.0},
+        )
+    )
     assert job.cli("start").returncode == 0
     child, grandchild = map(int, wait_for(lambda: pidfile.exists() and pidfile.read_text(), what="pids").split())
-    wait_for(lambda: json.loads((job.state_dir / "recovery" / "instance.json").read_text())["descendants"]
-             and any(p == grandchild for p, _ in json.loads(
-                 (job.state_dir / "recovery" / "instance.json").read_text())["descendants"]),
-             what="grandchild tracked")
+    wait_for(
+        lambda: (
+            json.loads((job.state_dir / "recovery" / "instance.json").read_text())["descendants"]
+            and any(
+                p == grandchild
+                for p, _ in json.loads((job.state_dir / "recovery" / "instance.json").read_text())["descendants"]
+            )
+        ),
+        what="grandchild tracked",
+    )
     t0 = time.monotonic()
     r = job.cli("stop")
     stop_s = time.monotonic() - t0
@@ -139,8 +166,9 @@ def test_stop_within_stop_timeout_with_a_stubborn_child(job: Job) -> None:
     print(f"stubborn stop {stop_s:.2f}s")
     # The children's termination, as the daemon measured it, stays within stop_timeout; the
     # command's wall time adds two interpreter starts on a loaded machine.
-    events = [json.loads(ln) for ln in (job.state_dir / "logs" / "daemon.log").read_text().splitlines()
-              if ln.startswith("{")]
+    events = [
+        json.loads(ln) for ln in (job.state_dir / "logs" / "daemon.log").read_text().splitlines() if ln.startswith("{")
+    ]
     term = [e for e in events if e.get("event") == "terminated" and e.get("unit") == "stubborn-0"]
     assert term and term[-1]["seconds"] <= 2.0 + 0.25, term
     assert any(e.get("event") == "escalated to SIGKILL" and e.get("unit") == "stubborn-0" for e in events)
@@ -150,20 +178,26 @@ def test_stop_within_stop_timeout_with_a_stubborn_child(job: Job) -> None:
 
 def test_kill_9_of_the_daemon_then_the_next_start_cleans_up(job: Job) -> None:
     pidfile = job.dir / "stubborn.pids"
-    job.write(**base_sections(job.dir, [env("stubborn", script("stubborn.py", str(pidfile))),
-                                        env("coop", script("cooperative.py"))]))
+    job.write(
+        **base_sections(
+            job.dir, [env("stubborn", script("stubborn.py", str(pidfile))), env("coop", script("cooperative.py"))]
+        )
+    )
     assert job.cli("start").returncode == 0
     child, grandchild = map(int, wait_for(lambda: pidfile.exists() and pidfile.read_text(), what="pids").split())
     coop = job.component("coop-0")["pid"]
     record = job.state_dir / "recovery" / "instance.json"
-    wait_for(lambda: any(p == grandchild for p, _ in json.loads(record.read_text())["descendants"]),
-             what="grandchild recorded")
+    wait_for(
+        lambda: any(p == grandchild for p, _ in json.loads(record.read_text())["descendants"]),
+        what="grandchild recorded",
+    )
     daemon = job.daemon_pid()
     assert daemon is not None
     os.kill(daemon, signal.SIGKILL)
     # the parent-death signal takes every direct child with the daemon
-    wait_for(lambda: not _alive(child) and not _alive(coop) and not _alive(daemon), timeout=10,
-             what="direct children gone")
+    wait_for(
+        lambda: not _alive(child) and not _alive(coop) and not _alive(daemon), timeout=10, what="direct children gone"
+    )
     assert _alive(grandchild)  # escaped in its own session: the next start must clean it up
     pidfile.unlink()
     assert job.cli("start").returncode == 0
@@ -215,8 +249,7 @@ def test_segments_of_children_that_all_died_with_the_daemon_are_removed_at_the_n
         wait_for(marker.exists, what="segment mapped")
         child = int(marker.read_text())
         record = job.state_dir / "recovery" / "instance.json"
-        wait_for(lambda: a in json.loads(record.read_text()).get("segments", []), timeout=20,
-                 what="segment recorded")
+        wait_for(lambda: a in json.loads(record.read_text()).get("segments", []), timeout=20, what="segment recorded")
         daemon = job.daemon_pid()
         assert daemon is not None
         os.kill(daemon, signal.SIGKILL)
@@ -236,9 +269,13 @@ def test_port_in_use_is_a_clear_error_and_nothing_is_killed(job: Job) -> None:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        job.write(**base_sections(job.dir, [env("worker", script("cooperative.py"))],
-                                  api={"enabled": True, "url": "", "port": port,
-                                       "command": script("fake_api.py", "{port}")}))
+        job.write(
+            **base_sections(
+                job.dir,
+                [env("worker", script("cooperative.py"))],
+                api={"enabled": True, "url": "", "port": port, "command": script("fake_api.py", "{port}")},
+            )
+        )
         r = job.cli("start")
         assert r.returncode == 1
         assert f"port {port}" in r.stderr and "already in use" in r.stderr
@@ -253,8 +290,9 @@ def test_sigterm_to_run_stops_cleanly_with_exit_0(job: Job) -> None:
     job.write(**base_sections(job.dir, [env("worker", script("cooperative.py"))]))
     proc = spawn([*__import__("sys").executable.split(), "-m", "atroposd", "run", "-c", str(job.config)])
     try:
-        wait_for(lambda: job.cli("status", "--json").returncode == 0 and job.status()["state"] == "running",
-                 what="running")
+        wait_for(
+            lambda: job.cli("status", "--json").returncode == 0 and job.status()["state"] == "running", what="running"
+        )
         worker = job.component("worker-0")["pid"]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
@@ -269,8 +307,9 @@ def test_unexpected_exit_of_an_environment_restarts_it(job: Job) -> None:
     assert job.cli("start").returncode == 0
     first = job.component("worker-0")["pid"]
     os.kill(first, signal.SIGKILL)
-    c = wait_for(lambda: (c := job.component("worker-0"))["state"] == "ready" and c["pid"] != first and c,
-                 what="restarted")
+    c = wait_for(
+        lambda: (c := job.component("worker-0"))["state"] == "ready" and c["pid"] != first and c, what="restarted"
+    )
     assert c["restarts"] == 1 and c["last_exit"]["signal"] == "SIGKILL"
     assert job.cli("stop").returncode == 0
 
@@ -294,11 +333,18 @@ def test_logs_follow_across_rotation_until_the_daemon_stops(job: Job) -> None:
 
     from tests.support import REPO
 
-    job.write(**base_sections(job.dir, [env("ticker", script("ticker.py", "0.05"))],
-                              daemon={"log_max_bytes": 4096, "log_backups": 3}))
+    job.write(
+        **base_sections(
+            job.dir, [env("ticker", script("ticker.py", "0.05"))], daemon={"log_max_bytes": 4096, "log_backups": 3}
+        )
+    )
     assert job.cli("start").returncode == 0
-    follower = subprocess.Popen([sys.executable, "-m", "atroposd", "logs", "ticker-0", "-f", "-n", "0", "-c",
-                                 str(job.config)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "atroposd", "logs", "ticker-0", "-f", "-n", "0", "-c", str(job.config)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
     try:
         assert follower.stdout is not None
         first = follower.stdout.readline()  # following has begun
@@ -329,8 +375,13 @@ def test_api_token_from_a_file_reaches_the_api_and_the_daemons_own_requests(job:
     token_file = job.dir / "api.token"
     token_file.write_text("s3cret-from-file\n")
     port = free_port()
-    job.write(**base_sections(job.dir, [env("worker", script("cooperative.py"))],
-                              api={"enabled": True, "url": "", "port": port, "token_file": str(token_file)}))
+    job.write(
+        **base_sections(
+            job.dir,
+            [env("worker", script("cooperative.py"))],
+            api={"enabled": True, "url": "", "port": port, "token_file": str(token_file)},
+        )
+    )
     r = job.cli("start")
     assert r.returncode == 0, r.stderr  # the API's readiness probe sent the token it requires
     st = job.status()
@@ -344,16 +395,20 @@ def test_api_token_from_a_file_reaches_the_api_and_the_daemons_own_requests(job:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/info", timeout=5)
     assert refused.value.code == 401
     refused.value.close()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/info",
-                                 headers={"Authorization": "Bearer s3cret-from-file"})
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/info", headers={"Authorization": "Bearer s3cret-from-file"})
     with urllib.request.urlopen(req, timeout=5) as ok:
         assert ok.status == 200
     assert job.cli("stop").returncode == 0
 
 
 def test_an_unreadable_api_token_file_fails_the_start_naming_it(job: Job) -> None:
-    job.write(**base_sections(job.dir, [], api={"enabled": True, "url": "", "port": free_port(),
-                                                "token_file": str(job.dir / "missing.token")}))
+    job.write(
+        **base_sections(
+            job.dir,
+            [],
+            api={"enabled": True, "url": "", "port": free_port(), "token_file": str(job.dir / "missing.token")},
+        )
+    )
     r = job.cli("run", timeout=60)
     assert r.returncode == 1
     assert "api.token_file" in r.stdout + r.stderr

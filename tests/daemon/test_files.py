@@ -62,8 +62,9 @@ def test_a_checkpoint_dir_others_can_write_is_refused(tmp_path: Path) -> None:
             check_checkpoint_dir(fresh)
 
 
-def test_run_makes_the_umask_private_before_writing_the_daemon_log(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_run_makes_the_umask_private_before_writing_the_daemon_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``atroposd run`` outside systemd: what it and its children create is the user's only, as
     under the unit's UMask=0077 (the run itself is replaced: only its start is under test)."""
     import atroposd.daemon.core
@@ -99,8 +100,10 @@ def test_the_daemon_refuses_a_group_writable_checkpoint_dir(short_tmp: Path) -> 
     ckpts.mkdir()
     ckpts.chmod(0o775)
     cfg = short_tmp / "atroposd.toml"
-    cfg.write_text(f'[daemon]\nruntime_dir = "{short_tmp}/run"\nstate_dir = "{short_tmp}/state"\n'
-                   f'[trainer]\ncheckpoint_dir = "{ckpts}"\n')
+    cfg.write_text(
+        f'[daemon]\nruntime_dir = "{short_tmp}/run"\nstate_dir = "{short_tmp}/state"\n'
+        f'[trainer]\ncheckpoint_dir = "{ckpts}"\n'
+    )
     done = atroposd("run", "-c", str(cfg), timeout=60)
     out = done.stdout + done.stderr
     assert done.returncode == 1, out

@@ -29,13 +29,20 @@ LIVE = {"live_interval": 0.5, "live_timeout": 1.0, "live_failures": 3}
 
 def _live_job(root: Path, **trainer: Any) -> Path:
     envs = [{"name": "arithmetic", "builtin": "arithmetic", **LIVE}]
-    return job_config(root, steps=100_000, envs=envs, trainer={"checkpoint_every": 100_000, **trainer},
-                      daemon={"stop_timeout": 5.0}, api=LIVE,
-                      inference={**LIVE, "live_generate_every": 4})
+    return job_config(
+        root,
+        steps=100_000,
+        envs=envs,
+        trainer={"checkpoint_every": 100_000, **trainer},
+        daemon={"stop_timeout": 5.0},
+        api=LIVE,
+        inference={**LIVE, "live_generate_every": 4},
+    )
 
 
-def _watch_until(cfg: Path, done: Callable[[dict[str, Any]], bool], *, timeout: float,
-                 what: str) -> list[dict[str, Any]]:
+def _watch_until(
+    cfg: Path, done: Callable[[dict[str, Any]], bool], *, timeout: float, what: str
+) -> list[dict[str, Any]]:
     """Poll status until ``done``; every status seen (what it showed in between)."""
     seen: list[dict[str, Any]] = []
     deadline = time.monotonic() + timeout
@@ -45,8 +52,9 @@ def _watch_until(cfg: Path, done: Callable[[dict[str, Any]], bool], *, timeout: 
         if done(st):
             return seen
         time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last status: "
-                         f"{json.dumps(seen[-1] if seen else None)[:3000]}")
+    raise AssertionError(
+        f"timed out after {timeout}s waiting for {what}; last status: {json.dumps(seen[-1] if seen else None)[:3000]}"
+    )
 
 
 def _sigstop_and_recover(cfg: Path, name: str) -> dict[str, float]:
@@ -73,14 +81,19 @@ def _sigstop_and_recover(cfg: Path, name: str) -> dict[str, float]:
         marks["ready"] = time.monotonic() - t0
         ready_step = seen[-1]["trainer"]["step"]
         showed = [component(st, name) for st in seen]
-        assert any(c["live"]["state"] in ("failing", "hung") or c["state"] in ("stopping", "backoff")
-                   for c in showed), f"status never showed {name} failing or hung: {showed}"
+        assert any(
+            c["live"]["state"] in ("failing", "hung") or c["state"] in ("stopping", "backoff") for c in showed
+        ), f"status never showed {name} failing or hung: {showed}"
         after = component(seen[-1], name)
         assert after["last_exit"]["reason"] == "hung", after
         assert after["restarts"] == before["restarts"] + 1, after
         assert after["live"]["last_hung"]["pid"] == pid, after
-        _watch_until(cfg, lambda st: st["trainer"]["step"] >= ready_step + 2, timeout=120,
-                     what=f"training to advance after {name} was restarted")
+        _watch_until(
+            cfg,
+            lambda st: st["trainer"]["step"] >= ready_step + 2,
+            timeout=120,
+            what=f"training to advance after {name} was restarted",
+        )
         marks["training"] = time.monotonic() - t0
         return marks
     finally:
@@ -120,22 +133,34 @@ def test_unresolved_stall_ends_the_job_and_the_next_start_resumes(short_tmp: Pat
     past twice stall_timeout the job exits 1; the next start resumes from the last checkpoint."""
     marker = short_tmp / "stalled-once"
     metrics_port = free_port()
-    cfg = job_config(short_tmp, steps=8, trainer={"checkpoint_every": 3, "stall_timeout": 3.0},
-                     daemon={"stop_timeout": 5.0, "metrics_port": metrics_port})
+    cfg = job_config(
+        short_tmp,
+        steps=8,
+        trainer={"checkpoint_every": 3, "stall_timeout": 3.0},
+        daemon={"stop_timeout": 5.0, "metrics_port": metrics_port},
+    )
     env = {**daemon_env(), "ATROPOSD_TEST_STALL_STEP": f"5:{marker}"}
     with open(short_tmp / "run1.err", "wb") as err_file:
-        proc = psutil.Popen([*_cli(), "run", "-c", str(cfg)], env={**os.environ, **env},
-                            stdout=subprocess.DEVNULL, stderr=err_file)
+        proc = psutil.Popen(
+            [*_cli(), "run", "-c", str(cfg)], env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=err_file
+        )
     try:
-        seen = wait_for(lambda: _status_or_none(cfg, lambda st: (st["trainer"] or {}).get("state") == "stalled"),
-                        timeout=120, interval=0.2, what="status to show the trainer stalled")
+        seen = wait_for(
+            lambda: _status_or_none(cfg, lambda st: (st["trainer"] or {}).get("state") == "stalled"),
+            timeout=120,
+            interval=0.2,
+            what="status to show the trainer stalled",
+        )
         t = seen["trainer"]
         assert t["stage"] == "trainer", t
         assert t["stalled_for_s"] >= 3.0, t
         assert t["step"] == 4, t
         scrape = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-        gauge = [line for line in scrape.splitlines()
-                 if line.startswith("atroposd_trainer_stalled_seconds{") and 'stage="trainer"' in line]
+        gauge = [
+            line
+            for line in scrape.splitlines()
+            if line.startswith("atroposd_trainer_stalled_seconds{") and 'stage="trainer"' in line
+        ]
         assert gauge and float(gauge[0].split()[-1]) >= 3.0, scrape[-2000:]
         code = proc.wait(timeout=60)
     finally:

@@ -51,9 +51,13 @@ async def child(port: int, *, hang: bool = False) -> AsyncIterator[None]:
 
 
 def _view(api_port: int, inference_port: int, trainer: Trainer | None = None) -> View:
-    cfg = parse_config({"api": {"enabled": False, "url": f"http://127.0.0.1:{api_port}"},
-                        "inference": {"enabled": False, "url": f"http://127.0.0.1:{inference_port}"},
-                        "trainer": {"enabled": False}})
+    cfg = parse_config(
+        {
+            "api": {"enabled": False, "url": f"http://127.0.0.1:{api_port}"},
+            "inference": {"enabled": False, "url": f"http://127.0.0.1:{inference_port}"},
+            "trainer": {"enabled": False},
+        }
+    )
     return View(cfg, trainer=trainer, uptime_s=12.5)
 
 
@@ -67,9 +71,17 @@ def _samples(families: dict[str, Any]) -> dict[tuple[str, tuple[tuple[str, str],
 
 def test_children_merged_with_component_labels_and_a_silent_child_is_down() -> None:
     api_port, inference_port = free_port(), free_port()
-    trainer = Trainer({"state": "training", "step": 3, "total_steps": 10, "loss": 0.5,
-                       "rejected_groups": {"too_long": 2}, "skipped_steps": 1},
-                      last={"batch_wait_s": 0.1, "compute_s": 0.2, "sync_s": 0.05, "mean_kl": 0.01})
+    trainer = Trainer(
+        {
+            "state": "training",
+            "step": 3,
+            "total_steps": 10,
+            "loss": 0.5,
+            "rejected_groups": {"too_long": 2},
+            "skipped_steps": 1,
+        },
+        last={"batch_wait_s": 0.1, "compute_s": 0.2, "sync_s": 0.05, "mean_kl": 0.01},
+    )
 
     async def main() -> tuple[str, float]:
         async with child(api_port), child(inference_port, hang=True):
@@ -92,8 +104,12 @@ def test_children_merged_with_component_labels_and_a_silent_child_is_down() -> N
     assert samples[("atroposd_trainer_last_step_seconds", (("component", "trainer"), ("part", "sync")))] == 0.05
     assert samples[("atroposd_trainer_step_seconds_total", (("component", "trainer"), ("part", "compute")))] == 2.0
     assert samples[("atroposd_trainer_rejected_groups_total", (("component", "trainer"), ("reason", "too_long")))] == 2
-    assert samples[("atroposd_trainer_rejected_groups_total",
-                    (("component", "trainer"), ("reason", "token_out_of_range")))] == 0
+    assert (
+        samples[
+            ("atroposd_trainer_rejected_groups_total", (("component", "trainer"), ("reason", "token_out_of_range")))
+        ]
+        == 0
+    )
     assert samples[("atroposd_trainer_kl", (("component", "trainer"),))] == 0.01
     assert samples[("atroposd_trainer_skipped_steps_total", (("component", "trainer"),))] == 1
     assert samples[("atroposd_trainer_state", (("component", "trainer"), ("state", "training")))] == 1
@@ -125,8 +141,9 @@ def test_inference_metrics_start_at_zero_for_each_route(route: str) -> None:
 
 
 @asynccontextmanager
-async def counting_child(port: int, hits: list[str], *, body: bytes | None = None, chunked: bool = False,
-                         delay: float = 0.0) -> AsyncIterator[None]:
+async def counting_child(
+    port: int, hits: list[str], *, body: bytes | None = None, chunked: bool = False, delay: float = 0.0
+) -> AsyncIterator[None]:
     """A real child on loopback that counts its scrapes (the Authorization header each sent)."""
     from aiohttp import web
 
@@ -140,7 +157,7 @@ async def counting_child(port: int, hits: list[str], *, body: bytes | None = Non
         resp.enable_chunked_encoding()
         await resp.prepare(request)
         for i in range(0, len(data), 1 << 14):
-            await resp.write(data[i:i + (1 << 14)])
+            await resp.write(data[i : i + (1 << 14)])
         await resp.write_eof()
         return resp
 
@@ -170,16 +187,22 @@ async def daemon_metrics(view: View, port: int) -> AsyncIterator[None]:
 async def _get(port: int, headers: dict[str, str] | None = None) -> tuple[int, str]:
     import aiohttp
 
-    async with aiohttp.ClientSession() as session, \
-            session.get(f"http://127.0.0.1:{port}/metrics", headers=headers or {}) as resp:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://127.0.0.1:{port}/metrics", headers=headers or {}) as resp,
+    ):
         return resp.status, await resp.text()
 
 
 def _token_view(api_port: int, inference_port: int, *, metrics_token: str = "") -> View:
-    cfg = parse_config({"daemon": {"metrics_token": metrics_token},
-                        "api": {"enabled": False, "url": f"http://127.0.0.1:{api_port}", "token": "a" * 24},
-                        "inference": {"enabled": False, "url": f"http://127.0.0.1:{inference_port}"},
-                        "trainer": {"enabled": False}})
+    cfg = parse_config(
+        {
+            "daemon": {"metrics_token": metrics_token},
+            "api": {"enabled": False, "url": f"http://127.0.0.1:{api_port}", "token": "a" * 24},
+            "inference": {"enabled": False, "url": f"http://127.0.0.1:{inference_port}"},
+            "trainer": {"enabled": False},
+        }
+    )
     return View(cfg)
 
 
@@ -193,9 +216,11 @@ def test_a_scrape_storm_makes_one_fetch_of_the_children() -> None:
     inference_hits: list[str] = []
 
     async def main() -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
-        async with counting_child(api_port, api_hits, delay=0.3), \
-                counting_child(inference_port, inference_hits, delay=0.3), \
-                daemon_metrics(_view(api_port, inference_port), port):
+        async with (
+            counting_child(api_port, api_hits, delay=0.3),
+            counting_child(inference_port, inference_hits, delay=0.3),
+            daemon_metrics(_view(api_port, inference_port), port),
+        ):
             storm: list[tuple[int, str]] = []
 
             async def one() -> None:
@@ -265,9 +290,16 @@ def test_only_this_hosts_names_are_answered() -> None:
 
     async def main() -> list[int]:
         async with daemon_metrics(_view(free_port(), free_port()), port):
-            return [(await _get(port, {"Host": host}))[0]
-                    for host in ("evil.example", "evil.example:80", f"localhost:{port}", f"127.0.0.1:{port}",
-                                 f"[::1]:{port}")]
+            return [
+                (await _get(port, {"Host": host}))[0]
+                for host in (
+                    "evil.example",
+                    "evil.example:80",
+                    f"localhost:{port}",
+                    f"127.0.0.1:{port}",
+                    f"[::1]:{port}",
+                )
+            ]
 
     assert anyio.run(main) == [421, 421, 200, 200, 200]
 
@@ -279,10 +311,12 @@ def test_token_protected_series_need_the_metrics_token() -> None:
     api_hits: list[str] = []
 
     async def main(view: View) -> list[tuple[int, str]]:
-        async with counting_child(api_port, api_hits), counting_child(inference_port, []), \
-                daemon_metrics(view, port):
-            return [await _get(port), await _get(port, {"Authorization": "Bearer " + "m" * 24}),
-                    await _get(port, {"Authorization": "Bearer wrong"})]
+        async with counting_child(api_port, api_hits), counting_child(inference_port, []), daemon_metrics(view, port):
+            return [
+                await _get(port),
+                await _get(port, {"Authorization": "Bearer " + "m" * 24}),
+                await _get(port, {"Authorization": "Bearer wrong"}),
+            ]
 
     (plain, good, wrong) = anyio.run(main, _token_view(api_port, inference_port, metrics_token="m" * 24))
     assert plain[0] == 200 and 'component="api",' not in plain[1]

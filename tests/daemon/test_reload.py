@@ -28,19 +28,22 @@ def test_reload_adds_removes_and_restarts_environments_without_touching_the_othe
     r = job.cli("reload")
     assert r.returncode == 0, r.stderr
     assert "added: new" in r.stdout and "removed: drop" in r.stdout
-    wait_for(lambda: all(c["state"] == "ready" for c in job.status()["components"] if c["kind"] == "env"),
-             what="new environments ready")
+    wait_for(
+        lambda: all(c["state"] == "ready" for c in job.status()["components"] if c["kind"] == "env"),
+        what="new environments ready",
+    )
     after = _pids(job)
     assert set(after) == {"keep-0", "new-0", "new-1"}
     assert after["keep-0"] == before["keep-0"]  # untouched
-    assert not psutil.pid_exists(before["drop-0"]) or \
-        psutil.Process(before["drop-0"]).status() == psutil.STATUS_ZOMBIE
+    assert not psutil.pid_exists(before["drop-0"]) or psutil.Process(before["drop-0"]).status() == psutil.STATUS_ZOMBIE
 
     job.write(env=[{**keep, "start_seconds": 0.3}, env("new", script("cooperative.py"), replicas=2)])
     r = job.cli("reload")
     assert r.returncode == 0 and "changed: keep" in r.stdout
-    wait_for(lambda: (c := job.component("keep-0"))["state"] == "ready" and c["pid"] != before["keep-0"],
-             what="changed environment restarted")
+    wait_for(
+        lambda: (c := job.component("keep-0"))["state"] == "ready" and c["pid"] != before["keep-0"],
+        what="changed environment restarted",
+    )
     assert _pids(job)["new-0"] == after["new-0"]
     assert job.cli("stop").returncode == 0
 
@@ -50,8 +53,10 @@ def test_reload_refuses_changes_that_need_a_restart(job: Job) -> None:
     job.write(**base_sections(job.dir, [env("keep", script("cooperative.py"))]))
     assert job.cli("start").returncode == 0
     before = _pids(job)
-    job.write(trainer={"enabled": False, "steps": 7}, env=[env("keep", script("cooperative.py")),
-                                                           env("extra", script("cooperative.py"))])
+    job.write(
+        trainer={"enabled": False, "steps": 7},
+        env=[env("keep", script("cooperative.py")), env("extra", script("cooperative.py"))],
+    )
     r = job.cli("reload")
     assert r.returncode == 2
     assert "trainer.steps" in r.stderr and "nothing was changed" in r.stderr
@@ -65,7 +70,7 @@ def test_sighup_with_an_invalid_file_keeps_the_running_config(job: Job) -> None:
     assert job.cli("start").returncode == 0
     before = _pids(job)
     good = job.config.read_text()
-    job.config.write_text(good + "\n[[env]]\nname = \"broken\"\nreplicas = 0\n")
+    job.config.write_text(good + '\n[[env]]\nname = "broken"\nreplicas = 0\n')
     assert job.cli("reload").returncode == 2  # the client sees the bad file first
     pid = job.daemon_pid()
     assert pid is not None

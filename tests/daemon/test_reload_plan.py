@@ -49,16 +49,18 @@ def test_where_the_file_came_from_is_not_a_change() -> None:
     assert plan_reload(old, new).ok
 
 
-@pytest.mark.parametrize(("section", "values", "key"), [
-    ("trainer", {"steps": 7}, "trainer.steps"),
-    ("trainer", {"lr": 1e-3}, "trainer.lr"),
-    ("inference", {"model": "/models/other"}, "inference.model"),
-    ("inference", {"vllm": {"gpu_memory_utilization": 0.5}}, "inference.vllm"),
-    ("api", {"port": 8111}, "api.port"),
-    ("daemon", {"runtime_dir": "/run/job", "stop_timeout": 3.0}, "daemon.stop_timeout"),
-])
-def test_any_other_key_is_refused_by_name_and_nothing_changes(section: str, values: dict[str, Any],
-                                                              key: str) -> None:
+@pytest.mark.parametrize(
+    ("section", "values", "key"),
+    [
+        ("trainer", {"steps": 7}, "trainer.steps"),
+        ("trainer", {"lr": 1e-3}, "trainer.lr"),
+        ("inference", {"model": "/models/other"}, "inference.model"),
+        ("inference", {"vllm": {"gpu_memory_utilization": 0.5}}, "inference.vllm"),
+        ("api", {"port": 8111}, "api.port"),
+        ("daemon", {"runtime_dir": "/run/job", "stop_timeout": 3.0}, "daemon.stop_timeout"),
+    ],
+)
+def test_any_other_key_is_refused_by_name_and_nothing_changes(section: str, values: dict[str, Any], key: str) -> None:
     old = _config([_env("keep")])
     new = _config([_env("keep"), _env("extra")], **{section: values})
     plan = plan_reload(old, new)

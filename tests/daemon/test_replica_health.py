@@ -25,6 +25,7 @@ from tests.support import free_port, free_port_pair
 @asynccontextmanager
 async def replica(port: int, body: dict[str, Any], *, hang: bool = False) -> AsyncIterator[dict[str, Any]]:
     """A real /health on loopback answering ``body`` (changed in place by the test), or never."""
+
     async def health(_: web.Request) -> web.Response:
         if hang:
             await anyio.sleep(30)
@@ -42,15 +43,22 @@ async def replica(port: int, body: dict[str, Any], *, hang: bool = False) -> Asy
 
 
 def _cfg(port: int, replicas: int = 2) -> Any:
-    return parse_config({"inference": {"replicas": replicas, "port": port}, "api": {"port": port + replicas},
-                         "trainer": {"enabled": False}})
+    return parse_config(
+        {
+            "inference": {"replicas": replicas, "port": port},
+            "api": {"port": port + replicas},
+            "trainer": {"enabled": False},
+        }
+    )
 
 
 def test_names_and_urls_follow_the_components() -> None:
     port = free_port_pair()
     health = ReplicaHealth.of(_cfg(port))
     assert [(r.name, r.url) for r in health.replicas] == [
-        ("inference-0", f"http://127.0.0.1:{port}"), ("inference-1", f"http://127.0.0.1:{port + 1}")]
+        ("inference-0", f"http://127.0.0.1:{port}"),
+        ("inference-1", f"http://127.0.0.1:{port + 1}"),
+    ]
     one = ReplicaHealth.of(_cfg(port, replicas=1))
     assert [r.name for r in one.replicas] == ["inference"]
     assert health.generations() == [None, None]  # nothing known before the first answer
@@ -119,12 +127,18 @@ def test_metrics_has_each_replicas_generations_and_weight_version_and_the_gather
     import aiohttp
 
     port = free_port_pair()
-    cfg = parse_config({"inference": {"replicas": 2, "port": port, "enabled": True},
-                        "api": {"enabled": False, "url": f"http://127.0.0.1:{free_port()}"},
-                        "trainer": {"enabled": False}})
+    cfg = parse_config(
+        {
+            "inference": {"replicas": 2, "port": port, "enabled": True},
+            "api": {"enabled": False, "url": f"http://127.0.0.1:{free_port()}"},
+            "trainer": {"enabled": False},
+        }
+    )
     health = ReplicaHealth.of(cfg, timeout=0.5)
-    trainer = Trainer({"state": "training", "step": 3, "total_steps": 10},
-                      last={"batch_wait_s": 0.1, "compute_s": 0.2, "sync_s": 0.05, "gather_s": 0.02})
+    trainer = Trainer(
+        {"state": "training", "step": 3, "total_steps": 10},
+        last={"batch_wait_s": 0.1, "compute_s": 0.2, "sync_s": 0.05, "gather_s": 0.02},
+    )
 
     async def main() -> str:
         async with replica(port, {"weight_version": 4, "generations": 11}):
@@ -134,13 +148,18 @@ def test_metrics_has_each_replicas_generations_and_weight_version_and_the_gather
         return (await exposition(view, deadline_s=0.5)).decode()
 
     text = anyio.run(main)
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for f in text_string_to_metric_families(text) for s in f.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
     assert samples[("atroposd_replica_generations_total", (("component", "inference-0"),))] == 11
     assert samples[("atroposd_replica_weight_version", (("component", "inference-0"),))] == 4
     assert samples[("atroposd_replica_generations_total", (("component", "inference-1"),))] == 0
-    assert samples[("atroposd_replica_weight_version", (("component", "inference-1"),))] != \
-        samples[("atroposd_replica_weight_version", (("component", "inference-1"),))]  # NaN: never answered
+    assert (
+        samples[("atroposd_replica_weight_version", (("component", "inference-1"),))]
+        != samples[("atroposd_replica_weight_version", (("component", "inference-1"),))]
+    )  # NaN: never answered
     assert samples[("atroposd_trainer_last_gather_seconds", (("component", "trainer"),))] == 0.02
     assert samples[("atroposd_trainer_gather_seconds_total", (("component", "trainer"),))] == 0.125
     # gather is inside the sync part, not a part of its own: the split still sums to the step

@@ -67,24 +67,45 @@ def test_child_config_is_private_atomic_and_replaces_a_planted_link(tmp_path: Pa
 
 
 def test_a_dead_daemons_runtime_files_are_removed_and_nothing_else(tmp_path: Path) -> None:
-    for name in ("inference-9001.sock", "config-abc.toml", ".config-abc.toml.12.34.tmp", "control.sock",
-                 "atroposd.pid", "other.toml"):
+    for name in (
+        "inference-9001.sock",
+        "config-abc.toml",
+        ".config-abc.toml.12.34.tmp",
+        "control.sock",
+        "atroposd.pid",
+        "other.toml",
+    ):
         (tmp_path / name).write_text("")
     remove_dead_runtime_files(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["atroposd.pid", "control.sock", "other.toml"]
 
 
 def test_ports_checked_are_every_port_the_job_binds() -> None:
-    cfg = parse_config({"api": {"port": 8100, "host": "0.0.0.0"}, "inference": {"port": 9100},
-                        "daemon": {"metrics_port": 9200},
-                        "env": [{"name": "a", "builtin": "arithmetic"},
-                                {"name": "b", "builtin": "arithmetic", "replicas": 2, "port_base": 7000}]})
-    assert ports_to_check(cfg) == [("0.0.0.0", 8100, "api.port"), ("127.0.0.1", 9100, "inference.port"),
-                                   ("127.0.0.1", 9200, "daemon.metrics_port"), ("127.0.0.1", 7000, "env[1].port_base"),
-                                   ("127.0.0.1", 7001, "env[1].port_base")]
-    external = parse_config({"api": {"enabled": False, "url": "http://10.0.0.5:8000"},
-                             "inference": {"enabled": False, "url": "http://10.0.0.6:9001"},
-                             "trainer": {"enabled": False}})
+    cfg = parse_config(
+        {
+            "api": {"port": 8100, "host": "0.0.0.0"},
+            "inference": {"port": 9100},
+            "daemon": {"metrics_port": 9200},
+            "env": [
+                {"name": "a", "builtin": "arithmetic"},
+                {"name": "b", "builtin": "arithmetic", "replicas": 2, "port_base": 7000},
+            ],
+        }
+    )
+    assert ports_to_check(cfg) == [
+        ("0.0.0.0", 8100, "api.port"),
+        ("127.0.0.1", 9100, "inference.port"),
+        ("127.0.0.1", 9200, "daemon.metrics_port"),
+        ("127.0.0.1", 7000, "env[1].port_base"),
+        ("127.0.0.1", 7001, "env[1].port_base"),
+    ]
+    external = parse_config(
+        {
+            "api": {"enabled": False, "url": "http://10.0.0.5:8000"},
+            "inference": {"enabled": False, "url": "http://10.0.0.6:9001"},
+            "trainer": {"enabled": False},
+        }
+    )
     assert ports_to_check(external) == []
 
 
@@ -93,7 +114,9 @@ def test_a_port_in_use_names_the_key_and_its_owner() -> None:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        with pytest.raises(StartFailed, match=rf"api.port: port {port} on 127.0.0.1 is already in use by pid {os.getpid()}"):
+        with pytest.raises(
+            StartFailed, match=rf"api.port: port {port} on 127.0.0.1 is already in use by pid {os.getpid()}"
+        ):
             check_port("127.0.0.1", port, "api.port")
     check_port("127.0.0.1", port, "api.port")  # free again
 

@@ -52,21 +52,24 @@ def _recover(tmp_path: Path, pid: int, ticks: int, segment: str, **fields: objec
 
 
 def test_a_clock_stepped_back_since_the_dead_daemon_started_does_not_keep_its_segments(
-        tmp_path: Path, dead_daemon: tuple[int, int], segment: str) -> None:
+    tmp_path: Path, dead_daemon: tuple[int, int], segment: str
+) -> None:
     """The wall clock read an hour later when the daemon started than now (stepped back since):
     its segment still counts as created after that start, and is removed."""
     pid, ticks = dead_daemon
     assert _recover(tmp_path, pid, ticks, segment, started_at=time.time() + 3600) == [segment]
 
 
-def test_a_record_of_an_earlier_boot_removes_nothing(tmp_path: Path, dead_daemon: tuple[int, int],
-                                                     segment: str) -> None:
+def test_a_record_of_an_earlier_boot_removes_nothing(
+    tmp_path: Path, dead_daemon: tuple[int, int], segment: str
+) -> None:
     pid, ticks = dead_daemon
     assert _recover(tmp_path, pid, ticks, segment, started_at=0.0, boot_id="another-boot") == []
 
 
-def test_an_older_record_without_boot_id_keeps_its_wall_clock_start(tmp_path: Path, dead_daemon: tuple[int, int],
-                                                                   segment: str) -> None:
+def test_an_older_record_without_boot_id_keeps_its_wall_clock_start(
+    tmp_path: Path, dead_daemon: tuple[int, int], segment: str
+) -> None:
     pid, ticks = dead_daemon
     assert _recover(tmp_path, pid, ticks, segment, started_at=time.time() + 3600, boot_id=None) == []
     assert _recover(tmp_path, pid, ticks, segment, started_at=time.time() - 3600, boot_id=None) == [segment]

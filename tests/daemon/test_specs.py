@@ -42,8 +42,15 @@ def _config(**sections: Any) -> Config:
 
 
 def _inputs(cfg: Config, base_env: dict[str, str] | None = None) -> SpecInputs:
-    return SpecInputs(cfg=cfg, paths=Paths.of(cfg), nonce=NONCE, model="/models/m", tokenizer="/models/tok",
-                      base_env=dict(BASE_ENV) if base_env is None else base_env, python=PY)
+    return SpecInputs(
+        cfg=cfg,
+        paths=Paths.of(cfg),
+        nonce=NONCE,
+        model="/models/m",
+        tokenizer="/models/tok",
+        base_env=dict(BASE_ENV) if base_env is None else base_env,
+        python=PY,
+    )
 
 
 def _atroposd_vars(spec: UnitSpec) -> dict[str, str]:
@@ -54,8 +61,10 @@ CHILD_CONFIG = f"/run/job/config-{NONCE}.toml"
 
 
 def test_built_in_job_with_two_env_replicas() -> None:
-    cfg = _config(trainer={"seed": 10, "steps": 40, "max_token_len": 256},
-                  env=[{"name": "math", "builtin": "arithmetic", "replicas": 2, "port_base": 7100, "group_size": 4}])
+    cfg = _config(
+        trainer={"seed": 10, "steps": 40, "max_token_len": 256},
+        env=[{"name": "math", "builtin": "arithmetic", "replicas": 2, "port_base": 7100, "group_size": 4}],
+    )
     ins = _inputs(cfg)
     specs = all_specs(ins)
     assert [s.name for s in specs] == ["api", "inference", "math-0", "math-1"]
@@ -69,23 +78,55 @@ def test_built_in_job_with_two_env_replicas() -> None:
 
     sock = "/run/job/inference-9001.sock"
     # the trainer is in this job and syncs through shared memory: the server waits for its weights
-    assert inference.argv == [PY, "-P", "-m", "atroposd", "inference", "-c", CHILD_CONFIG, "--control-socket", sock,
-                              "--await-weights"]
+    assert inference.argv == [
+        PY,
+        "-P",
+        "-m",
+        "atroposd",
+        "inference",
+        "-c",
+        CHILD_CONFIG,
+        "--control-socket",
+        sock,
+        "--await-weights",
+    ]
     assert inference.probe == InferenceProbe("http://127.0.0.1:9001", Path(sock))
     assert inference.death_signal == signal.SIGTERM
     assert inference.env["CUDA_VISIBLE_DEVICES"] == "0,1"  # device auto: the daemon's list
 
     for i, spec in enumerate((m0, m1)):
         name = f"math-{i}"
-        assert spec.argv == [PY, "-P", "-m", "atroposd", "env", "arithmetic", "-c", CHILD_CONFIG, "--name", name,
-                             "--replica", str(i)]
+        assert spec.argv == [
+            PY,
+            "-P",
+            "-m",
+            "atroposd",
+            "env",
+            "arithmetic",
+            "-c",
+            CHILD_CONFIG,
+            "--name",
+            name,
+            "--replica",
+            str(i),
+        ]
         assert _atroposd_vars(spec) == {
-            "ATROPOSD_API_URL": "http://127.0.0.1:8000", "ATROPOSD_INFERENCE_URL": "http://127.0.0.1:9001",
-            "ATROPOSD_INFERENCE_URLS": "http://127.0.0.1:9001", "ATROPOSD_OPENAI_URL": "http://127.0.0.1:9001/v1", "ATROPOSD_MODEL": "/models/m",
-            "ATROPOSD_TOKENIZER": "/models/tok", "ATROPOSD_GROUP_SIZE": "4", "ATROPOSD_MAX_TOKEN_LEN": "256",
-            "ATROPOSD_STEPS": "40", "ATROPOSD_NAME": name, "ATROPOSD_REPLICA": str(i),
-            "ATROPOSD_SEED": str(10 + i), "ATROPOSD_REPLICA_PORT": str(7100 + i), "ATROPOSD_INSTANCE": NONCE,
-            "ATROPOSD_WEIGHT": "1.0", "ATROPOSD_INFERENCE_TOKEN": "",  # the servers require none here
+            "ATROPOSD_API_URL": "http://127.0.0.1:8000",
+            "ATROPOSD_INFERENCE_URL": "http://127.0.0.1:9001",
+            "ATROPOSD_INFERENCE_URLS": "http://127.0.0.1:9001",
+            "ATROPOSD_OPENAI_URL": "http://127.0.0.1:9001/v1",
+            "ATROPOSD_MODEL": "/models/m",
+            "ATROPOSD_TOKENIZER": "/models/tok",
+            "ATROPOSD_GROUP_SIZE": "4",
+            "ATROPOSD_MAX_TOKEN_LEN": "256",
+            "ATROPOSD_STEPS": "40",
+            "ATROPOSD_NAME": name,
+            "ATROPOSD_REPLICA": str(i),
+            "ATROPOSD_SEED": str(10 + i),
+            "ATROPOSD_REPLICA_PORT": str(7100 + i),
+            "ATROPOSD_INSTANCE": NONCE,
+            "ATROPOSD_WEIGHT": "1.0",
+            "ATROPOSD_INFERENCE_TOKEN": "",  # the servers require none here
         }
         assert spec.env["PYTHONUNBUFFERED"] == "1" and spec.env["PATH"] == "/usr/bin"
         # two replicas: each is credited by its own name only, not by the environment's
@@ -94,21 +135,55 @@ def test_built_in_job_with_two_env_replicas() -> None:
 
 
 def test_external_api_and_inference_with_a_command_environment() -> None:
-    cfg = _config(api={"enabled": False, "url": "http://10.0.0.5:8000/", "token": "s3cret"},
-                  inference={"enabled": False, "url": "http://10.0.0.6:9001"},
-                  trainer={"enabled": False},
-                  env=[{"name": "web", "replicas": 2, "port_base": 7000, "ready": "started", "start_seconds": 0.5,
-                        "restart": "always", "max_restarts": 2, "restart_window": 9.0, "stop_signal": "INT",
-                        "ready_timeout": 33.0,
-                        "command": ["serve", "--api={api_url}", "{openai_url}", "--port", "{replica_port}",
-                                    "--seed", "{seed}", "--model", "{model}", "{name}/{replica}",
-                                    "--weight={weight}"], "weight": 0.25}])
+    cfg = _config(
+        api={"enabled": False, "url": "http://10.0.0.5:8000/", "token": "s3cret"},
+        inference={"enabled": False, "url": "http://10.0.0.6:9001"},
+        trainer={"enabled": False},
+        env=[
+            {
+                "name": "web",
+                "replicas": 2,
+                "port_base": 7000,
+                "ready": "started",
+                "start_seconds": 0.5,
+                "restart": "always",
+                "max_restarts": 2,
+                "restart_window": 9.0,
+                "stop_signal": "INT",
+                "ready_timeout": 33.0,
+                "command": [
+                    "serve",
+                    "--api={api_url}",
+                    "{openai_url}",
+                    "--port",
+                    "{replica_port}",
+                    "--seed",
+                    "{seed}",
+                    "--model",
+                    "{model}",
+                    "{name}/{replica}",
+                    "--weight={weight}",
+                ],
+                "weight": 0.25,
+            }
+        ],
+    )
     specs = all_specs(_inputs(cfg))
     assert [s.name for s in specs] == ["web-0", "web-1"]  # external components are not supervised
     for i, spec in enumerate(specs):
-        assert spec.argv == ["serve", "--api=http://10.0.0.5:8000", "http://10.0.0.6:9001/v1", "--port",
-                             str(7000 + i), "--seed", str(i), "--model", "/models/m", f"web-{i}/{i}",
-                             "--weight=0.25"]
+        assert spec.argv == [
+            "serve",
+            "--api=http://10.0.0.5:8000",
+            "http://10.0.0.6:9001/v1",
+            "--port",
+            str(7000 + i),
+            "--seed",
+            str(i),
+            "--model",
+            "/models/m",
+            f"web-{i}/{i}",
+            "--weight=0.25",
+        ]
         assert spec.env["ATROPOSD_WEIGHT"] == "0.25"
         assert spec.env["ATROPOSD_API_URL"] == "http://10.0.0.5:8000"
         assert spec.env["ATROPOSD_INFERENCE_URL"] == "http://10.0.0.6:9001"
@@ -120,11 +195,14 @@ def test_external_api_and_inference_with_a_command_environment() -> None:
 def test_a_single_replica_registers_under_its_name_or_the_environments_with_the_token() -> None:
     cfg = _config(api={"token": "s3cret"}, env=[{"name": "solo", "builtin": "arithmetic"}])
     (spec,) = env_specs(_inputs(cfg), cfg.env[0])
-    assert spec.probe == RegisteredProbe("http://127.0.0.1:8000", ("solo-0", "solo"), fallback=StartedProbe(1.0),
-                                         headers={"Authorization": "Bearer s3cret"})
+    assert spec.probe == RegisteredProbe(
+        "http://127.0.0.1:8000",
+        ("solo-0", "solo"),
+        fallback=StartedProbe(1.0),
+        headers={"Authorization": "Bearer s3cret"},
+    )
     assert spec.env["ATROPOSD_REPLICA_PORT"] == ""  # no port_base
-    assert api_spec(_inputs(cfg)).probe == HttpProbe("http://127.0.0.1:8000/info",
-                                                      {"Authorization": "Bearer s3cret"})
+    assert api_spec(_inputs(cfg)).probe == HttpProbe("http://127.0.0.1:8000/info", {"Authorization": "Bearer s3cret"})
 
 
 def test_api_command_gets_its_port() -> None:
@@ -146,16 +224,27 @@ def test_inference_on_a_gpu_by_uuid_without_a_trainer() -> None:
     assert spec.argv[-4:] == ["--port", "9100", "--device", "cuda:0"]
 
 
-@pytest.mark.parametrize(("configured", "expected"), [("SIGTERM", signal.SIGTERM), ("int", signal.SIGINT),
-                                                      ("SIGUSR1", signal.SIGUSR1), ("HUP", signal.SIGHUP)])
+@pytest.mark.parametrize(
+    ("configured", "expected"),
+    [("SIGTERM", signal.SIGTERM), ("int", signal.SIGINT), ("SIGUSR1", signal.SIGUSR1), ("HUP", signal.SIGHUP)],
+)
 def test_stop_signal_names(configured: str, expected: signal.Signals) -> None:
     cfg = _config(env=[{"name": "e", "builtin": "arithmetic", "stop_signal": configured}])
     assert env_specs(_inputs(cfg), cfg.env[0])[0].stop_signal == expected
 
 
 def test_children_never_inherit_systemds_variables() -> None:
-    base = child_base_env({**BASE_ENV, "NOTIFY_SOCKET": "/run/n", "WATCHDOG_USEC": "1", "WATCHDOG_PID": "1",
-                           "LISTEN_FDS": "1", "LISTEN_PID": "1", "LISTEN_FDNAMES": "x"})
+    base = child_base_env(
+        {
+            **BASE_ENV,
+            "NOTIFY_SOCKET": "/run/n",
+            "WATCHDOG_USEC": "1",
+            "WATCHDOG_PID": "1",
+            "LISTEN_FDS": "1",
+            "LISTEN_PID": "1",
+            "LISTEN_FDNAMES": "x",
+        }
+    )
     assert base == BASE_ENV
     cfg = _config(env=[{"name": "e", "builtin": "arithmetic"}])
     for spec in all_specs(_inputs(cfg, base)):
@@ -178,15 +267,32 @@ def test_specs_are_a_pure_function_of_their_inputs() -> None:
 
 
 def test_two_inference_replicas_each_on_its_port_socket_and_device() -> None:
-    cfg = _config(inference={"replicas": 2, "port": 9100, "device": ["cpu", "cpu"]}, trainer={"device": "cpu"},
-                  env=[{"name": "math", "builtin": "arithmetic", "replicas": 3}])
+    cfg = _config(
+        inference={"replicas": 2, "port": 9100, "device": ["cpu", "cpu"]},
+        trainer={"device": "cpu"},
+        env=[{"name": "math", "builtin": "arithmetic", "replicas": 3}],
+    )
     specs = all_specs(_inputs(cfg))
     assert [s.name for s in specs] == ["api", "inference-0", "inference-1", "math-0", "math-1", "math-2"]
     for i, spec in enumerate(specs[1:3]):
         sock = f"/run/job/inference-{9100 + i}.sock"
         assert spec.kind == "inference"
-        assert spec.argv == [PY, "-P", "-m", "atroposd", "inference", "-c", CHILD_CONFIG, "--control-socket", sock,
-                             "--port", str(9100 + i), "--device", "cpu", "--await-weights"]
+        assert spec.argv == [
+            PY,
+            "-P",
+            "-m",
+            "atroposd",
+            "inference",
+            "-c",
+            CHILD_CONFIG,
+            "--control-socket",
+            sock,
+            "--port",
+            str(9100 + i),
+            "--device",
+            "cpu",
+            "--await-weights",
+        ]
         # each replica's readiness: its own health and one real generation through its own socket
         assert spec.probe == InferenceProbe(f"http://127.0.0.1:{9100 + i}", Path(sock))
         assert spec.env["ATROPOSD_NAME"] == f"inference-{i}" and spec.env["ATROPOSD_REPLICA"] == str(i)
@@ -202,9 +308,17 @@ def test_two_inference_replicas_each_on_its_port_socket_and_device() -> None:
 
 
 def test_a_command_environment_gets_inference_url_and_urls() -> None:
-    cfg = _config(inference={"replicas": 3}, trainer={"enabled": False},
-                  env=[{"name": "web", "replicas": 4, "command": ["serve", "{inference_url}", "--all={inference_urls}",
-                                                                  "{openai_url}"]}])
+    cfg = _config(
+        inference={"replicas": 3},
+        trainer={"enabled": False},
+        env=[
+            {
+                "name": "web",
+                "replicas": 4,
+                "command": ["serve", "{inference_url}", "--all={inference_urls}", "{openai_url}"],
+            }
+        ],
+    )
     specs = env_specs(_inputs(cfg), cfg.env[0])
     urls = ",".join(f"http://127.0.0.1:{9001 + r}" for r in range(3))
     for i, spec in enumerate(specs):
@@ -224,8 +338,11 @@ def test_one_replica_keeps_todays_name_and_command_line() -> None:
 
 
 def test_replica_devices_several_gpus_and_uuids() -> None:
-    cfg = _config(inference={"replicas": 3, "engine": "vllm", "device": ["cuda:1", "cuda:2,cuda:3", "GPU-6f1e"]},
-                  trainer={"device": "cuda:0"}, env=[])
+    cfg = _config(
+        inference={"replicas": 3, "engine": "vllm", "device": ["cuda:1", "cuda:2,cuda:3", "GPU-6f1e"]},
+        trainer={"device": "cuda:0"},
+        env=[],
+    )
     r0, r1, r2 = inference_specs(_inputs(cfg, {"PATH": "/usr/bin"}))
     # every GPU entry becomes the child's visible GPUs, and the child computes on its cuda:0
     assert r0.argv[r0.argv.index("--device") + 1] == "cuda:0" and r0.env["CUDA_VISIBLE_DEVICES"] == "1"
@@ -236,8 +353,11 @@ def test_replica_devices_several_gpus_and_uuids() -> None:
 
 
 def test_a_daemon_with_its_own_visible_gpus_translates_every_entry() -> None:
-    cfg = _config(inference={"replicas": 2, "device": ["cuda:1", "cuda:2,cuda:3"]},
-                  trainer={"device": ["cuda:0", "cuda:1"], "weight_sync": "push"}, env=[])
+    cfg = _config(
+        inference={"replicas": 2, "device": ["cuda:1", "cuda:2,cuda:3"]},
+        trainer={"device": ["cuda:0", "cuda:1"], "weight_sync": "push"},
+        env=[],
+    )
     ins = _inputs(cfg, {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "4,5,6,7"})
     r0, r1 = inference_specs(ins)
     assert r0.env["CUDA_VISIBLE_DEVICES"] == "5" and r1.env["CUDA_VISIBLE_DEVICES"] == "6,7"
@@ -255,10 +375,15 @@ def test_cpu_and_auto_keep_the_daemons_visible_gpus() -> None:
 
 def test_nccl_variables_are_set_over_the_environment_gloos_interface_only_defaulted() -> None:
     cfg = _config(trainer={"device": ["cpu", "cpu"], "weight_sync": "push"}, env=[])
-    hostile = {"PATH": "/usr/bin", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_ENABLE_MONITORING": "1",
-               "GLOO_SOCKET_IFNAME": "eth7"}
-    (rank1,) = trainer_rank_specs(_inputs(cfg, hostile), store_address="127.0.0.1:1", secret="s", key=b"k" * 32,
-                                  joined=lambda r: True)
+    hostile = {
+        "PATH": "/usr/bin",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCH_NCCL_ENABLE_MONITORING": "1",
+        "GLOO_SOCKET_IFNAME": "eth7",
+    }
+    (rank1,) = trainer_rank_specs(
+        _inputs(cfg, hostile), store_address="127.0.0.1:1", secret="s", key=b"k" * 32, joined=lambda r: True
+    )
     assert rank1.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
     assert rank1.env["TORCH_NCCL_ENABLE_MONITORING"] == "0"
     assert rank1.env["GLOO_SOCKET_IFNAME"] == "eth7"
@@ -267,16 +392,18 @@ def test_nccl_variables_are_set_over_the_environment_gloos_interface_only_defaul
     assert trainer_group_env(cfg, {"PATH": "/usr/bin"}) == TRAINER_GROUP_ENV
 
 
-@pytest.mark.parametrize(("extra", "gpus", "expected"), [
-    ([], 1, []),
-    ([], 2, ["--tensor-parallel-size", "2"]),
-    (["--enable-prefix-caching"], 4, ["--enable-prefix-caching", "--tensor-parallel-size", "4"]),
-    (["--tensor-parallel-size", "1"], 2, ["--tensor-parallel-size", "1"]),  # extra_args win
-    (["-tp", "1"], 2, ["-tp", "1"]),
-    (["--tensor-parallel-size=1"], 2, ["--tensor-parallel-size=1"]),
-])
-def test_vllm_tensor_parallel_size_follows_the_replicas_gpus(extra: list[str], gpus: int,
-                                                            expected: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("extra", "gpus", "expected"),
+    [
+        ([], 1, []),
+        ([], 2, ["--tensor-parallel-size", "2"]),
+        (["--enable-prefix-caching"], 4, ["--enable-prefix-caching", "--tensor-parallel-size", "4"]),
+        (["--tensor-parallel-size", "1"], 2, ["--tensor-parallel-size", "1"]),  # extra_args win
+        (["-tp", "1"], 2, ["-tp", "1"]),
+        (["--tensor-parallel-size=1"], 2, ["--tensor-parallel-size=1"]),
+    ],
+)
+def test_vllm_tensor_parallel_size_follows_the_replicas_gpus(extra: list[str], gpus: int, expected: list[str]) -> None:
     assert tensor_parallel_args(extra, gpus) == expected
 
 
@@ -291,7 +418,7 @@ def _problems(raw: dict[str, Any] | str) -> list[str]:
 
 def _readme_several_gpu_example() -> str:
     text = (Path(__file__).parents[2] / "README.md").read_text()
-    section = text[text.index("One node with 8 GPUs, 4 trainer ranks and 4 vLLM replicas"):]
+    section = text[text.index("One node with 8 GPUs, 4 trainer ranks and 4 vLLM replicas") :]
     return section.split("```toml\n", 1)[1].split("```", 1)[0]
 
 
@@ -314,36 +441,50 @@ def test_the_readmes_several_gpu_example_places_every_process_on_its_own_gpu() -
     # a replica moved onto a trainer rank's GPU must say how much memory it may take
     raw["inference"]["device"] = ["cuda:3", "cuda:5", "cuda:6", "cuda:7"]
     problems = _problems(raw)
-    assert any(p.startswith("inference.vllm.gpu_memory_utilization: must be > 0") and
-               "replica 0 on 'cuda:3', trainer rank 3 on 'cuda:3'" in p for p in problems), problems
+    assert any(
+        p.startswith("inference.vllm.gpu_memory_utilization: must be > 0")
+        and "replica 0 on 'cuda:3', trainer rank 3 on 'cuda:3'" in p
+        for p in problems
+    ), problems
 
 
-@pytest.mark.parametrize(("inference", "trainer", "refused"), [
-    (["cuda", "cuda:1"], ["cuda:0"], True),  # cuda is cuda:0
-    (["cuda:1,cuda:2", "cuda:3"], ["cuda:0", "cuda:2"], True),  # one GPU of a tensor-parallel entry
-    (["cuda:1,cuda:2", "cuda:3"], ["cuda:0", "cuda:4"], False),
-    (["cpu", "cpu"], ["cuda:0"], False),
-])
-def test_vllm_replica_overlapping_a_trainer_rank_is_refused(inference: list[str], trainer: list[str],
-                                                            refused: bool) -> None:
-    raw: dict[str, Any] = {"inference": {"engine": "vllm", "replicas": 2, "device": inference},
-                           "trainer": {"device": trainer, "weight_sync": "push"}}
+@pytest.mark.parametrize(
+    ("inference", "trainer", "refused"),
+    [
+        (["cuda", "cuda:1"], ["cuda:0"], True),  # cuda is cuda:0
+        (["cuda:1,cuda:2", "cuda:3"], ["cuda:0", "cuda:2"], True),  # one GPU of a tensor-parallel entry
+        (["cuda:1,cuda:2", "cuda:3"], ["cuda:0", "cuda:4"], False),
+        (["cpu", "cpu"], ["cuda:0"], False),
+    ],
+)
+def test_vllm_replica_overlapping_a_trainer_rank_is_refused(
+    inference: list[str], trainer: list[str], refused: bool
+) -> None:
+    raw: dict[str, Any] = {
+        "inference": {"engine": "vllm", "replicas": 2, "device": inference},
+        "trainer": {"device": trainer, "weight_sync": "push"},
+    }
     problems = _problems(raw)
     assert any(p.startswith("inference.vllm.gpu_memory_utilization") for p in problems) is refused, problems
     raw["inference"]["vllm"] = {"gpu_memory_utilization": 0.4}
     fixed = _problems(raw)
     assert not any(p.startswith("inference.vllm.gpu_memory_utilization") for p in fixed), fixed
-@pytest.mark.parametrize(("entry", "parent", "expected"), [
-    ("cpu", "", ("cpu", None)),
-    ("cuda:3", "4,5,6,7", ("cuda:0", "7")),
-    ("cuda:3", "", ("cuda:0", "3")),
-    ("cuda", "", ("cuda:0", "0")),
-    ("auto", "4,5", ("auto", None)),
-    ("cuda:2,cuda:3", "", ("cuda:0", "2,3")),
-    ("cuda:2,cuda:3", "4,5,6,7", ("cuda:0", "6,7")),  # the daemon's own numbering
-    ("cuda:0,GPU-ab12", "3", ("cuda:0", "3,GPU-ab12")),
-    ("GPU-ab12", "", ("cuda:0", "GPU-ab12")),
-])
+
+
+@pytest.mark.parametrize(
+    ("entry", "parent", "expected"),
+    [
+        ("cpu", "", ("cpu", None)),
+        ("cuda:3", "4,5,6,7", ("cuda:0", "7")),
+        ("cuda:3", "", ("cuda:0", "3")),
+        ("cuda", "", ("cuda:0", "0")),
+        ("auto", "4,5", ("auto", None)),
+        ("cuda:2,cuda:3", "", ("cuda:0", "2,3")),
+        ("cuda:2,cuda:3", "4,5,6,7", ("cuda:0", "6,7")),  # the daemon's own numbering
+        ("cuda:0,GPU-ab12", "3", ("cuda:0", "3,GPU-ab12")),
+        ("GPU-ab12", "", ("cuda:0", "GPU-ab12")),
+    ],
+)
 def test_replica_device(entry: str, parent: str, expected: tuple[str, str | None]) -> None:
     env = {"CUDA_VISIBLE_DEVICES": parent} if parent else {}
     assert replica_device(entry, env) == expected

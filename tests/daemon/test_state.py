@@ -13,9 +13,12 @@ from atroposd.daemon.state import DaemonState, IllegalMove
 
 S = DaemonState
 LEGAL = {
-    (S.STARTING, S.RUNNING), (S.STARTING, S.STOPPING),
-    (S.RUNNING, S.DEGRADED), (S.RUNNING, S.STOPPING),
-    (S.DEGRADED, S.RUNNING), (S.DEGRADED, S.STOPPING),
+    (S.STARTING, S.RUNNING),
+    (S.STARTING, S.STOPPING),
+    (S.RUNNING, S.DEGRADED),
+    (S.RUNNING, S.STOPPING),
+    (S.DEGRADED, S.RUNNING),
+    (S.DEGRADED, S.STOPPING),
 }
 
 

@@ -13,9 +13,14 @@ from tests.support import free_port
 
 
 def _external() -> Config:
-    return parse_config({"api": {"enabled": False, "url": f"http://127.0.0.1:{free_port()}"},
-                         "inference": {"enabled": False, "url": f"http://127.0.0.1:{free_port()}"},
-                         "trainer": {"enabled": False}}, source="/etc/atroposd.toml")
+    return parse_config(
+        {
+            "api": {"enabled": False, "url": f"http://127.0.0.1:{free_port()}"},
+            "inference": {"enabled": False, "url": f"http://127.0.0.1:{free_port()}"},
+            "trainer": {"enabled": False},
+        },
+        source="/etc/atroposd.toml",
+    )
 
 
 def test_status_of_a_job_with_external_components_nobody_answers() -> None:
@@ -25,7 +30,9 @@ def test_status_of_a_job_with_external_components_nobody_answers() -> None:
     assert st["config"] == "/etc/atroposd.toml" and st["instance"] == "abcdef012345"
     assert st["trainer"] is None and st["queue"] is None and st["start_error"] is None
     assert [(c["name"], c["external"], c["state"], c["pid"]) for c in st["components"]] == [
-        ("api", True, "unreachable", None), ("inference", True, "unreachable", None)]
+        ("api", True, "unreachable", None),
+        ("inference", True, "unreachable", None),
+    ]
 
 
 def test_status_line_and_trainer_gauges() -> None:

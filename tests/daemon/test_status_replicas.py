@@ -30,8 +30,9 @@ def test_replica_index() -> None:
 
 def test_every_replica_is_a_component_with_its_health() -> None:
     port = free_port_pair()
-    cfg = parse_config({"inference": {"replicas": 2, "port": port}, "api": {"port": port + 2},
-                        "trainer": {"enabled": False}})
+    cfg = parse_config(
+        {"inference": {"replicas": 2, "port": port}, "api": {"port": port + 2}, "trainer": {"enabled": False}}
+    )
     view = View(cfg, units={n: StubUnit(n) for n in ("inference-0", "inference-1")})  # type: ignore[misc]
 
     async def main() -> dict[str, Any]:
@@ -51,15 +52,37 @@ def test_every_replica_is_a_component_with_its_health() -> None:
     st = anyio.run(main)
     rows = [c for c in st["components"] if c["kind"] == "inference"]
     assert [(c["name"], c["url"], c["weight_version"], c["generations"]) for c in rows] == [
-        ("inference-0", f"http://127.0.0.1:{port}", 7, 3), ("inference-1", f"http://127.0.0.1:{port + 1}", None, None)]
+        ("inference-0", f"http://127.0.0.1:{port}", 7, 3),
+        ("inference-1", f"http://127.0.0.1:{port + 1}", None, None),
+    ]
 
 
 def test_the_human_form_shows_each_replicas_weights_and_load() -> None:
     from atroposd.commands import _render_status
 
-    rows = [{"name": f"inference-{i}", "kind": "inference", "state": "ready", "pid": 10 + i, "restarts": i,
-             "last_exit": None, "weight_version": 7 - i, "generations": 30 + i} for i in range(2)]
-    text = _render_status({"state": "running", "pid": 1, "uptime_s": 3.0, "config": "/x.toml", "components": rows,
-                           "trainer": None, "queue": None})
+    rows = [
+        {
+            "name": f"inference-{i}",
+            "kind": "inference",
+            "state": "ready",
+            "pid": 10 + i,
+            "restarts": i,
+            "last_exit": None,
+            "weight_version": 7 - i,
+            "generations": 30 + i,
+        }
+        for i in range(2)
+    ]
+    text = _render_status(
+        {
+            "state": "running",
+            "pid": 1,
+            "uptime_s": 3.0,
+            "config": "/x.toml",
+            "components": rows,
+            "trainer": None,
+            "queue": None,
+        }
+    )
     assert "inference-0" in text and "inference-1" in text
     assert "replicas: inference-0 weights v7, 30 generations, inference-1 weights v6, 31 generations" in text

@@ -15,9 +15,13 @@ from tests.support import REPO, free_port, wait_for
 
 
 def test_start_reports_why_a_required_component_failed(job: Job) -> None:
-    job.write(**base_sections(job.dir, [env("worker", script("cooperative.py"))],
-                              api={"enabled": True, "url": "", "port": free_port(),
-                                   "command": script("crashloop.py", "2")}))
+    job.write(
+        **base_sections(
+            job.dir,
+            [env("worker", script("cooperative.py"))],
+            api={"enabled": True, "url": "", "port": free_port(), "command": script("crashloop.py", "2")},
+        )
+    )
     r = job.cli("start")
     assert r.returncode == 1
     assert "api did not become ready" in r.stderr
@@ -29,13 +33,24 @@ def test_start_reports_why_a_required_component_failed(job: Job) -> None:
 @pytest.mark.slow
 def test_adopted_orphans_are_reaped_and_own_children_keep_their_status(job: Job) -> None:
     pidfile = job.dir / "orphans"
-    job.write(**base_sections(job.dir, [env("maker", script("orphan_maker.py", str(pidfile), "1.5")),
-                                        env("crashy", script("crashloop.py", "3"), max_restarts=1)]))
+    job.write(
+        **base_sections(
+            job.dir,
+            [
+                env("maker", script("orphan_maker.py", str(pidfile), "1.5")),
+                env("crashy", script("crashloop.py", "3"), max_restarts=1),
+            ],
+        )
+    )
     assert job.cli("start").returncode == 0
     daemon = job.daemon_pid()
     assert daemon is not None
-    orphans = [int(p) for p in wait_for(lambda: pidfile.exists() and len(pidfile.read_text().split()) == 3
-                                        and pidfile.read_text(), what="orphans").split()]
+    orphans = [
+        int(p)
+        for p in wait_for(
+            lambda: pidfile.exists() and len(pidfile.read_text().split()) == 3 and pidfile.read_text(), what="orphans"
+        ).split()
+    ]
 
     def ppid(pid: int) -> int | None:
         try:
@@ -66,9 +81,25 @@ def test_a_client_refused_by_the_file_system_is_told_permission_denied(job: Job)
     assert job.cli("start").returncode == 0
     os.chmod(job.dir, 0o755)
     os.chmod(job.config, 0o644)
-    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
-                        "atroposd", "status", "-c", str(job.config)], capture_output=True, text=True, timeout=30,
-                       cwd=REPO, env={**os.environ, "HOME": "/"})
+    r = subprocess.run(
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            sys.executable,
+            "-m",
+            "atroposd",
+            "status",
+            "-c",
+            str(job.config),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=REPO,
+        env={**os.environ, "HOME": "/"},
+    )
     if "No module named" in r.stderr or "Permission denied: '/work" in r.stderr:
         pytest.skip("the interpreter is not usable by an unprivileged user here")
     assert r.returncode == 1, r.stderr

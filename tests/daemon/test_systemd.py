@@ -42,8 +42,9 @@ class Listener:
 
 
 @pytest.mark.parametrize("abstract", [False, True])
-def test_notifier_sends_and_strips_the_environment(short_tmp: Path, monkeypatch: pytest.MonkeyPatch,
-                                                   abstract: bool) -> None:
+def test_notifier_sends_and_strips_the_environment(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch, abstract: bool
+) -> None:
     path = f"@atroposd-test-{os.getpid()}" if abstract else str(short_tmp / "notify")
     listener = Listener(path)
     try:
@@ -76,8 +77,10 @@ def test_daemon_speaks_sd_notify_and_children_do_not_inherit_it(job: Job) -> Non
     job.write(**base_sections(job.dir, [env("worker", script("cooperative.py"))]))
     notify = str(job.dir / "notify")
     listener = Listener(notify)
-    proc = spawn([sys.executable, "-m", "atroposd", "run", "-c", str(job.config)],
-                 env={"NOTIFY_SOCKET": notify, "WATCHDOG_USEC": "300000"})
+    proc = spawn(
+        [sys.executable, "-m", "atroposd", "run", "-c", str(job.config)],
+        env={"NOTIFY_SOCKET": notify, "WATCHDOG_USEC": "300000"},
+    )
     try:
         wait_for(lambda: "READY=1" in listener.lines(), timeout=30, what="READY=1")
         assert any(ln.startswith("STATUS=") for ln in listener.lines())
@@ -122,11 +125,16 @@ def test_a_notify_socket_nobody_reads_never_blocks_the_daemon(job: Job) -> None:
     sink = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sink.bind(notify)  # bound, never read
     # watchdog pings every 10 ms fill the unread queue at once
-    proc = spawn([sys.executable, "-m", "atroposd", "run", "-c", str(job.config)],
-                 env={"NOTIFY_SOCKET": notify, "WATCHDOG_USEC": "20000"})
+    proc = spawn(
+        [sys.executable, "-m", "atroposd", "run", "-c", str(job.config)],
+        env={"NOTIFY_SOCKET": notify, "WATCHDOG_USEC": "20000"},
+    )
     try:
-        wait_for(lambda: job.cli("status", "--json").returncode == 0 and job.status()["state"] == "running",
-                 timeout=30, what="running")
+        wait_for(
+            lambda: job.cli("status", "--json").returncode == 0 and job.status()["state"] == "running",
+            timeout=30,
+            what="running",
+        )
         for _ in range(3):
             assert job.cli("status").returncode == 0
         proc.send_signal(signal.SIGTERM)

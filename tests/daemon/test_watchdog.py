@@ -34,15 +34,17 @@ class _Trainer:
 
 
 def _cfg(api_port: int) -> Config:
-    return parse_config({"api": {"port": api_port}, "trainer": {"stall_timeout": STALL, "batch_size": 8,
-                                                                 "micro_batch_size": 8}})
+    return parse_config(
+        {"api": {"port": api_port}, "trainer": {"stall_timeout": STALL, "batch_size": 8, "micro_batch_size": 8}}
+    )
 
 
 def _units(hub: LogHub) -> dict[str, Unit]:
     out = {}
     for name, kind in (("api", "api"), ("inference", "inference"), ("arithmetic-0", "env")):
-        spec = UnitSpec(name=name, kind=kind, argv=["true"], env={}, probe=StartedProbe(0.1), ready_timeout=1,
-                        stop_timeout=1)
+        spec = UnitSpec(
+            name=name, kind=kind, argv=["true"], env={}, probe=StartedProbe(0.1), ready_timeout=1, stop_timeout=1
+        )
         out[name] = Unit(spec, logs=hub)
     return out
 
@@ -72,6 +74,7 @@ def fake_api() -> Iterator[int]:
                 return urllib.request.urlopen(f"http://127.0.0.1:{port}/info", timeout=1).status == 200
             except OSError:
                 return False
+
         wait_for(up, timeout=20, what="the stand-in API")
         yield port
     finally:
@@ -79,10 +82,15 @@ def fake_api() -> Iterator[int]:
         proc.wait(timeout=10)
 
 
-def _watchdog(cfg: Config, trainer: _Trainer, units: dict[str, Unit], board: HeartbeatBoard,
-              ended: list[str], weights: WatchedSync | None = None) -> StallWatchdog:
-    return StallWatchdog(cfg, trainer=trainer, units=units, board=board, weights=weights,
-                         on_unresolved=ended.append)
+def _watchdog(
+    cfg: Config,
+    trainer: _Trainer,
+    units: dict[str, Unit],
+    board: HeartbeatBoard,
+    ended: list[str],
+    weights: WatchedSync | None = None,
+) -> StallWatchdog:
+    return StallWatchdog(cfg, trainer=trainer, units=units, board=board, weights=weights, on_unresolved=ended.append)
 
 
 async def _stalled_tick(w: StallWatchdog) -> None:
@@ -168,9 +176,18 @@ def test_a_weight_sync_that_does_not_return_is_bounded_named_and_counted(hub: Lo
     trainer, ended = _Trainer(), []  # type: ignore[var-annotated]
     port = free_port()
     script = Path(__file__).resolve().parent.parent / "child_scripts" / "fake_api.py"
-    server = Unit(UnitSpec(name="inference", kind="inference", argv=[sys.executable, str(script), str(port)],
-                           env=dict(os.environ), probe=HttpProbe(f"http://127.0.0.1:{port}/info"), ready_timeout=20,
-                           stop_timeout=3), logs=hub)
+    server = Unit(
+        UnitSpec(
+            name="inference",
+            kind="inference",
+            argv=[sys.executable, str(script), str(port)],
+            env=dict(os.environ),
+            probe=HttpProbe(f"http://127.0.0.1:{port}/info"),
+            ready_timeout=20,
+            stop_timeout=3,
+        ),
+        logs=hub,
+    )
     w = _watchdog(_cfg(free_port()), trainer, {"inference": server}, HeartbeatBoard(), ended, weights=watched)
     held: list[Any] = []
 
@@ -181,11 +198,14 @@ def test_a_weight_sync_that_does_not_return_is_bounded_named_and_counted(hub: Lo
             with anyio.fail_after(30):
                 await server.wait_until(lambda u: u.state == State.READY)
             first = server.pid
+
             async def hold() -> None:
                 async def keep(conn: Any) -> None:
                     held.append(conn)
                     await anyio.sleep_forever()
+
                 await listener.serve(keep)
+
             tg.start_soon(hold)
             await w.tick()
             stepped = anyio.Event()
@@ -193,6 +213,7 @@ def test_a_weight_sync_that_does_not_return_is_bounded_named_and_counted(hub: Lo
             async def step() -> None:
                 async with watched.paused(1):
                     stepped.set()
+
             t0 = time.monotonic()
             tg.start_soon(step)
             await _stalled_tick(w)
@@ -230,6 +251,7 @@ def test_a_timed_out_control_request_is_an_unreachable_server(tmp_path: Path) ->
             async def keep(conn: Any) -> None:
                 conns.append(conn)
                 await anyio.sleep_forever()
+
             tg.start_soon(listener.serve, keep)
             client = WeightControlClient(sock, timeout=0.3)
             try:
@@ -263,9 +285,18 @@ def test_steps_per_s_is_measured_over_a_recent_window() -> None:
 
 def _ranks_cfg(ranks: int, stall: float) -> Config:
     # the defaults' ratio: collective_timeout = 2 × stall_timeout (600 s and 300 s)
-    return parse_config({"trainer": {"stall_timeout": stall, "collective_timeout": 2 * stall,
-                                     "device": ["cpu"] * ranks, "weight_sync": "push", "batch_size": 8,
-                                     "micro_batch_size": 4}})
+    return parse_config(
+        {
+            "trainer": {
+                "stall_timeout": stall,
+                "collective_timeout": 2 * stall,
+                "device": ["cpu"] * ranks,
+                "weight_sync": "push",
+                "batch_size": 8,
+                "micro_batch_size": 4,
+            }
+        }
+    )
 
 
 async def _hold(w: StallWatchdog, seconds: float) -> None:
@@ -356,22 +387,46 @@ def test_a_stuck_collective_restarts_the_group_under_the_watchdog(short_tmp: Pat
     from tests.support import atroposd
 
     stall = 8.0
-    cfg = replica_job_config(short_tmp, replicas=1, steps=100_000, daemon={"stop_timeout": 5.0},
-                             trainer={"device": ["cpu", "cpu"], "batch_size": 16, "micro_batch_size": 4,
-                                      "join_timeout": 120.0, "checkpoint_every": 3, "restart_window": 600.0,
-                                      "stall_timeout": stall, "collective_timeout": 2 * stall})
+    cfg = replica_job_config(
+        short_tmp,
+        replicas=1,
+        steps=100_000,
+        daemon={"stop_timeout": 5.0},
+        trainer={
+            "device": ["cpu", "cpu"],
+            "batch_size": 16,
+            "micro_batch_size": 4,
+            "join_timeout": 120.0,
+            "checkpoint_every": 3,
+            "restart_window": 600.0,
+            "stall_timeout": stall,
+            "collective_timeout": 2 * stall,
+        },
+    )
     res = atroposd("start", "-c", str(cfg), env=daemon_env(), timeout=300)
     try:
         assert res.returncode == 0, f"start exited {res.returncode}: {res.stderr[-3000:]}"
-        wait_for(lambda: status(cfg)["trainer"]["last_checkpoint"] is not None, timeout=180, interval=0.5,
-                 what="a checkpoint")
+        wait_for(
+            lambda: status(cfg)["trainer"]["last_checkpoint"] is not None,
+            timeout=180,
+            interval=0.5,
+            what="a checkpoint",
+        )
         st = status(cfg)
         rank1, before = component(st, "trainer-1"), st["trainer"]["step"]
         os.kill(rank1["pid"], signal.SIGSTOP)
-        wait_for(lambda: status(cfg)["trainer"]["group_restarts"] >= 1, timeout=120, interval=0.5,
-                 what="the trainer group to restart after a stuck collective")
-        wait_for(lambda: status(cfg)["trainer"]["step"] > before + 1, timeout=180, interval=0.5,
-                 what="training past the pre-stop step")
+        wait_for(
+            lambda: status(cfg)["trainer"]["group_restarts"] >= 1,
+            timeout=120,
+            interval=0.5,
+            what="the trainer group to restart after a stuck collective",
+        )
+        wait_for(
+            lambda: status(cfg)["trainer"]["step"] > before + 1,
+            timeout=180,
+            interval=0.5,
+            what="training past the pre-stop step",
+        )
         st = status(cfg)
         assert st["state"] == "running", st["trainer"]
         log = (short_tmp / "state" / "logs" / "daemon.log").read_text(errors="replace")

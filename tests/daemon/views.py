@@ -23,9 +23,12 @@ class Trainer:
         return dict(self.values)
 
     def metrics_view(self) -> dict[str, Any]:
-        return {"last": self.last, "seconds": {"data_wait": 1.5, "compute": 2.0, "sync": 0.25, "gather": 0.125},
-                "tokens_total": 99,
-                "rejected_reasons": ["too_long", "token_out_of_range"]}
+        return {
+            "last": self.last,
+            "seconds": {"data_wait": 1.5, "compute": 2.0, "sync": 0.25, "gather": 0.125},
+            "tokens_total": 99,
+            "rejected_reasons": ["too_long", "token_out_of_range"],
+        }
 
 
 @dataclass

@@ -21,8 +21,9 @@ QUEUED_GROUPS = 24  # keep about this many of our groups queued, no more
 
 
 def _call(url: str, body: Any, method: str = "POST") -> Any:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method=method,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method=method, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=30) as resp:
         return json.loads(resp.read() or b"null")
 
@@ -31,14 +32,23 @@ def _group(i: int, size: int, equal: bool) -> dict[str, Any]:
     prompt = [1, 3 + i % 5, 4]
     tokens = [[*prompt, 5 + (i + k) % 4, 2] for k in range(size)]
     scores = [0.9] * size if equal else [float(k % 2) for k in range(size)]
-    return {"tokens": tokens, "masks": [[-100] * len(prompt) + t[len(prompt):] for t in tokens], "scores": scores,
-            "group_overrides": {"atroposd": {"accuracy": 1.0 if equal else 0.5}}}
+    return {
+        "tokens": tokens,
+        "masks": [[-100] * len(prompt) + t[len(prompt) :] for t in tokens],
+        "scores": scores,
+        "group_overrides": {"atroposd": {"accuracy": 1.0 if equal else 0.5}},
+    }
 
 
 def main() -> int:
     api, size, flag = sys.argv[1].rstrip("/"), int(sys.argv[2]), sys.argv[3]
-    body = {"max_token_length": 64, "desired_name": "equal-groups", "weight": 1.0, "group_size": size,
-            "min_batch_allocation": None}
+    body = {
+        "max_token_length": 64,
+        "desired_name": "equal-groups",
+        "weight": 1.0,
+        "group_size": size,
+        "min_batch_allocation": None,
+    }
     while True:
         try:
             answer = _call(f"{api}/register-env", body)

@@ -19,9 +19,16 @@ from tests.support import atroposd, free_port, free_port_pair, write_config
 MODEL_CACHE: Path | None = None
 
 
-def job_config(root: Path, *, steps: int = 30, seed: int = 0, trainer: Mapping[str, Any] | None = None,
-               envs: list[dict[str, Any]] | None = None, prebuilt_model: bool = True,
-               **sections: Mapping[str, Any]) -> Path:
+def job_config(
+    root: Path,
+    *,
+    steps: int = 30,
+    seed: int = 0,
+    trainer: Mapping[str, Any] | None = None,
+    envs: list[dict[str, Any]] | None = None,
+    prebuilt_model: bool = True,
+    **sections: Mapping[str, Any],
+) -> Path:
     """The embedded job, shortened, with its directories under ``root`` and free ports.
 
     ``prebuilt_model``: the state directory already holds ``builtin:tiny``, as the daemon would
@@ -32,19 +39,29 @@ def job_config(root: Path, *, steps: int = 30, seed: int = 0, trainer: Mapping[s
     while inf_port == api_port:
         inf_port = free_port()
     cfg: dict[str, Any] = {
-        "daemon": {"runtime_dir": str(root / "run"), "state_dir": str(root / "state"),
-                   "stop_timeout": 15.0, "log_format": "json"},
+        "daemon": {
+            "runtime_dir": str(root / "run"),
+            "state_dir": str(root / "state"),
+            "stop_timeout": 15.0,
+            "log_format": "json",
+        },
         "api": {"port": api_port},
         "inference": {"port": inf_port, "max_model_len": 64},
-        "trainer": {"steps": steps, "checkpoint_every": max(1, steps // 2), "seed": seed,
-                    "max_token_len": 64, **(trainer or {})},
+        "trainer": {
+            "steps": steps,
+            "checkpoint_every": max(1, steps // 2),
+            "seed": seed,
+            "max_token_len": 64,
+            **(trainer or {}),
+        },
         "env": envs if envs is not None else [{"name": "arithmetic", "builtin": "arithmetic"}],
     }
     for name, body in sections.items():
         cfg[name] = {**cfg.get(name, {}), **body}
     if prebuilt_model and cfg["inference"].get("model", "builtin:tiny") == "builtin:tiny":
-        place_builtin_model(Path(cfg["daemon"]["state_dir"]), int(cfg["trainer"]["seed"]),
-                            int(cfg["inference"]["max_model_len"]))
+        place_builtin_model(
+            Path(cfg["daemon"]["state_dir"]), int(cfg["trainer"]["seed"]), int(cfg["inference"]["max_model_len"])
+        )
     return write_config(root / "atroposd.toml", cfg)
 
 
@@ -63,9 +80,15 @@ def place_builtin_model(state_dir: Path, seed: int, max_model_len: int) -> None:
         shutil.copytree(built, dest)
 
 
-def replica_job_config(root: Path, *, replicas: int = 2, metrics_port: bool = False,
-                       api: Mapping[str, Any] | None = None, daemon: Mapping[str, Any] | None = None,
-                       **kw: Any) -> Path:
+def replica_job_config(
+    root: Path,
+    *,
+    replicas: int = 2,
+    metrics_port: bool = False,
+    api: Mapping[str, Any] | None = None,
+    daemon: Mapping[str, Any] | None = None,
+    **kw: Any,
+) -> Path:
     """``job_config`` with ``replicas`` (1 or 2) inference replicas on two free consecutive ports
     (replica i on port + i), the API (and, with ``metrics_port``, /metrics) on other free ports."""
     port = free_port_pair()
@@ -92,8 +115,9 @@ def replica_health(cfg: Path, replica: int) -> dict[str, Any]:
     config = load_config(cfg)
     port = config.inference.port + replica
     token = config.inference_token()  # with several nodes the servers require one (SPEC §12.3)
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/health",
-                                     headers={"Authorization": f"Bearer {token}"} if token else {})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/health", headers={"Authorization": f"Bearer {token}"} if token else {}
+    )
     with urllib.request.urlopen(request, timeout=5) as resp:
         body: dict[str, Any] = json.loads(resp.read())
     return body
@@ -150,8 +174,11 @@ SHORT_TASK: list[dict[str, Any]] = [{"name": "arithmetic", "builtin": "arithmeti
 
 def problem_lines(log_text: str, limit: int = 30) -> str:
     """The warning and error lines of a JSON log (what went wrong, not the orderly stop after it)."""
-    kept = [line[:1500] for line in log_text.splitlines()
-            if '"level":"error"' in line or '"level":"warning"' in line or "Traceback" in line]
+    kept = [
+        line[:1500]
+        for line in log_text.splitlines()
+        if '"level":"error"' in line or '"level":"warning"' in line or "Traceback" in line
+    ]
     return "--- warnings and errors ---\n" + "\n".join(kept[-limit:])
 
 
@@ -165,18 +192,29 @@ def run_short_learning_job(cfg: Path, state_dir: Path, *, steps: int = 400) -> l
 
     def mean(key: str, part: list[dict[str, Any]]) -> float:
         return float(sum(r[key] for r in part) / len(part))
+
     first, last = rows[:10], rows[-10:]
-    assert mean("reward_mean", last) >= mean("reward_mean", first) + 0.3, (mean("reward_mean", first),
-                                                                           mean("reward_mean", last))
-    assert mean("accuracy", last) >= mean("accuracy", first) + 0.3, (mean("accuracy", first),
-                                                                     mean("accuracy", last))
+    assert mean("reward_mean", last) >= mean("reward_mean", first) + 0.3, (
+        mean("reward_mean", first),
+        mean("reward_mean", last),
+    )
+    assert mean("accuracy", last) >= mean("accuracy", first) + 0.3, (mean("accuracy", first), mean("accuracy", last))
     return rows
 
 
-def cluster_configs(root: Path, *, nodes: int = 2, steps: int = 30, seed: int = 0,
-                    trainer: Mapping[str, Any] | None = None, cluster: Mapping[str, Any] | None = None,
-                    envs: list[dict[str, Any]] | None = None, daemon: Mapping[str, Any] | None = None,
-                    inference: Mapping[str, Any] | None = None, token: str | None = None) -> list[Path]:
+def cluster_configs(
+    root: Path,
+    *,
+    nodes: int = 2,
+    steps: int = 30,
+    seed: int = 0,
+    trainer: Mapping[str, Any] | None = None,
+    cluster: Mapping[str, Any] | None = None,
+    envs: list[dict[str, Any]] | None = None,
+    daemon: Mapping[str, Any] | None = None,
+    inference: Mapping[str, Any] | None = None,
+    token: str | None = None,
+) -> list[Path]:
     """One config per node of a job across ``nodes`` "machines" on loopback (SPEC §12.3): the
     same job, each node with its own runtime and state directories and inference ports (its
     own ``node_rank``), one API port and cluster port, a shared ``checkpoint_dir``, one token."""
@@ -197,13 +235,33 @@ def cluster_configs(root: Path, *, nodes: int = 2, steps: int = 30, seed: int = 
             inf = free_port_pair()
         taken |= {inf, inf + 1}
         (root / f"node{rank}").mkdir(exist_ok=True)
-        out.append(job_config(
-            root / f"node{rank}", steps=steps, seed=seed, envs=envs,
-            trainer={"device": "cpu", "checkpoint_dir": str(root / "checkpoints"), "batch_size": 16,
-                     "micro_batch_size": 4, "join_timeout": 120.0, **(trainer or {})},
-            api={"port": api_port}, inference={"port": inf, **(inference or {})},
-            daemon={"stop_timeout": 10.0, **(daemon or {})},
-            cluster={"nodes": nodes, "node_rank": rank, "head": "127.0.0.1", "port": cluster_port,
-                     "token_file": str(token_file), "heartbeat_timeout": 6.0, "join_timeout": 120.0,
-                     **(cluster or {})}))
+        out.append(
+            job_config(
+                root / f"node{rank}",
+                steps=steps,
+                seed=seed,
+                envs=envs,
+                trainer={
+                    "device": "cpu",
+                    "checkpoint_dir": str(root / "checkpoints"),
+                    "batch_size": 16,
+                    "micro_batch_size": 4,
+                    "join_timeout": 120.0,
+                    **(trainer or {}),
+                },
+                api={"port": api_port},
+                inference={"port": inf, **(inference or {})},
+                daemon={"stop_timeout": 10.0, **(daemon or {})},
+                cluster={
+                    "nodes": nodes,
+                    "node_rank": rank,
+                    "head": "127.0.0.1",
+                    "port": cluster_port,
+                    "token_file": str(token_file),
+                    "heartbeat_timeout": 6.0,
+                    "join_timeout": 120.0,
+                    **(cluster or {}),
+                },
+            )
+        )
     return out

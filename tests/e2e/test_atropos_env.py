@@ -13,12 +13,29 @@ from tests.support import REPO, atroposd, wait_for
 pytest.importorskip("atroposlib")
 
 EXAMPLE_COMMAND = [
-    sys.executable, str(REPO / "examples" / "atropos_arithmetic_env.py"), "serve",
-    "--env.tokenizer_name", "{tokenizer}", "--openai.tokenizer_name", "{tokenizer}",
-    "--openai.model_name", "{model}", "--openai.server_type", "vllm",
-    "--openai.base_url", "{inference_url}", "--openai.api_key", "x",
-    "--env.rollout_server_url", "{api_url}", "--env.total_steps", "{steps}",
-    "--env.group_size", "{group_size}", "--env.use_wandb", "false",
+    sys.executable,
+    str(REPO / "examples" / "atropos_arithmetic_env.py"),
+    "serve",
+    "--env.tokenizer_name",
+    "{tokenizer}",
+    "--openai.tokenizer_name",
+    "{tokenizer}",
+    "--openai.model_name",
+    "{model}",
+    "--openai.server_type",
+    "vllm",
+    "--openai.base_url",
+    "{inference_url}",
+    "--openai.api_key",
+    "x",
+    "--env.rollout_server_url",
+    "{api_url}",
+    "--env.total_steps",
+    "{steps}",
+    "--env.group_size",
+    "{group_size}",
+    "--env.use_wandb",
+    "false",
 ]
 
 
@@ -31,8 +48,12 @@ def test_unmodified_atroposlib_environment_trains(short_tmp: Path) -> None:
     try:
         assert res.returncode == 0, f"start exited {res.returncode}: {res.stderr[-3000:]}"
         assert component(status(cfg), "atropos-arith-0")["state"] == "ready"
-        wait_for(lambda: status(cfg)["trainer"]["step"] >= 5, timeout=180, interval=0.5,
-                 what="steps trained on the atroposlib environment's groups")
+        wait_for(
+            lambda: status(cfg)["trainer"]["step"] >= 5,
+            timeout=180,
+            interval=0.5,
+            what="steps trained on the atroposlib environment's groups",
+        )
         rows = metrics(short_tmp / "state")
         assert rows and all(r["tokens"] > 0 for r in rows)
     finally:

@@ -43,8 +43,13 @@ def _popen_run(cfg: Path, log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, **daemon_env()}
     env.pop("ATROPOSD_CONFIG", None)
     with log.open("wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "atroposd", "run", "-c", str(cfg)], stdout=out,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "atroposd", "run", "-c", str(cfg)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
 
 
 def _events(log: Path) -> list[dict[str, Any]]:
@@ -75,8 +80,9 @@ def _stop_proc(proc: subprocess.Popen[bytes]) -> None:
 def _lightweight(root: Path, **kw: Any) -> list[Path]:
     """Two nodes with no trainer, no inference server and no environment: the API on the head,
     the cluster link on both (what joining and refusing need)."""
-    return cluster_configs(root, envs=[], trainer={"enabled": False},
-                           inference={"enabled": False, "url": "http://127.0.0.1:9"}, **kw)
+    return cluster_configs(
+        root, envs=[], trainer={"enabled": False}, inference={"enabled": False, "url": "http://127.0.0.1:9"}, **kw
+    )
 
 
 def _dropped_metrics(port: int) -> dict[str, float]:
@@ -84,8 +90,13 @@ def _dropped_metrics(port: int) -> dict[str, float]:
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=15).read().decode()
-    return {s.labels["reason"]: s.value for f in text_string_to_metric_families(text)
-            if f.name == "atroposd_cluster_messages_dropped" for s in f.samples if s.name.endswith("_total")}
+    return {
+        s.labels["reason"]: s.value
+        for f in text_string_to_metric_families(text)
+        if f.name == "atroposd_cluster_messages_dropped"
+        for s in f.samples
+        if s.name.endswith("_total")
+    }
 
 
 def _replay_a_join(cfg: Path) -> str:
@@ -115,8 +126,11 @@ def _replay_a_join(cfg: Path) -> str:
 def test_wrong_token_is_refused_and_a_lonely_node_gives_up(short_tmp: Path) -> None:
     head_cfg, node_cfg = _lightweight(short_tmp, cluster={"join_timeout": 4.0})
     metrics_port = free_port()
-    head_cfg.write_text(head_cfg.read_text().replace("stop_timeout = 10.0\n",
-                                                     f"stop_timeout = 10.0\nmetrics_port = {metrics_port}\n", 1))
+    head_cfg.write_text(
+        head_cfg.read_text().replace(
+            "stop_timeout = 10.0\n", f"stop_timeout = 10.0\nmetrics_port = {metrics_port}\n", 1
+        )
+    )
     # a node started before its head waits for it, then gives up after join_timeout, clearly
     started = time.monotonic()
     res = atroposd("run", "-c", str(node_cfg), env=daemon_env(), timeout=120)
@@ -137,8 +151,11 @@ def test_wrong_token_is_refused_and_a_lonely_node_gives_up(short_tmp: Path) -> N
         res = atroposd("run", "-c", str(wrong_cfg), env=daemon_env(), timeout=120)
         assert res.returncode == 1
         assert "wrong cluster token" in res.stderr, res.stderr[-2000:]
-        wait_for(lambda: _has_event(short_tmp / "head.log", "refused a node"), timeout=10,
-                 what="the head's log naming the refusal")
+        wait_for(
+            lambda: _has_event(short_tmp / "head.log", "refused a node"),
+            timeout=10,
+            what="the head's log naming the refusal",
+        )
         nodes = status(head_cfg)["nodes"]
         assert [n["node_rank"] for n in nodes] == [0, 1]
         assert nodes[1]["state"] == "joining" and nodes[1]["host"] is None
@@ -157,8 +174,9 @@ def test_wrong_token_is_refused_and_a_lonely_node_gives_up(short_tmp: Path) -> N
 def _start_job(cfgs: list[Path], root: Path) -> list[subprocess.Popen[bytes]]:
     """Node 1 first (it waits for its head), then the head; both ``atroposd run``."""
     node = _popen_run(cfgs[1], root / "node1.log")
-    wait_for(lambda: _has_event(root / "node1.log", "waiting for the head"), timeout=60,
-             what="node 1 waiting for its head")
+    wait_for(
+        lambda: _has_event(root / "node1.log", "waiting for the head"), timeout=60, what="node 1 waiting for its head"
+    )
     head = _popen_run(cfgs[0], root / "head.log")
     return [head, node]
 
@@ -194,8 +212,12 @@ def _nothing_left(nonces: list[str]) -> None:
 @pytest.mark.slow
 def test_two_nodes_learn_and_node1_replicas_follow(short_tmp: Path) -> None:
     steps = 300
-    cfgs = cluster_configs(short_tmp, steps=steps, envs=SHORT_TASK,
-                           trainer={"batch_size": 32, "micro_batch_size": 8, "checkpoint_every": 100})
+    cfgs = cluster_configs(
+        short_tmp,
+        steps=steps,
+        envs=SHORT_TASK,
+        trainer={"batch_size": 32, "micro_batch_size": 8, "checkpoint_every": 100},
+    )
     procs = _start_job(cfgs, short_tmp)
     nonces: list[str] = []
     try:
@@ -223,12 +245,15 @@ def test_two_nodes_learn_and_node1_replicas_follow(short_tmp: Path) -> None:
 
     def mean(key: str, part: list[dict[str, Any]]) -> float:
         return float(sum(r[key] for r in part) / len(part))
+
     first, last = rows[:10], rows[-10:]
     assert mean("reward_mean", last) >= mean("reward_mean", first) + 0.3
     assert mean("accuracy", last) >= mean("accuracy", first) + 0.3
     # every rank's shard is in the shared checkpoint directory
-    assert {p.name for p in (short_tmp / "checkpoints" / f"step-{steps}" / "optimizer").iterdir()} >= \
-        {"__0_0.distcp", "__1_0.distcp"}
+    assert {p.name for p in (short_tmp / "checkpoints" / f"step-{steps}" / "optimizer").iterdir()} >= {
+        "__0_0.distcp",
+        "__1_0.distcp",
+    }
 
 
 @pytest.mark.slow
@@ -239,8 +264,12 @@ def test_node_killed_rejoins_sigstop_is_lost_and_head_stop_ends_all(short_tmp: P
     try:
         head_nonce, node_nonce = _head_running(cfgs)
         nonces = [head_nonce, node_nonce]
-        wait_for(lambda: status(cfgs[0])["trainer"]["last_checkpoint"] is not None, timeout=180, interval=0.5,
-                 what="a checkpoint")
+        wait_for(
+            lambda: status(cfgs[0])["trainer"]["last_checkpoint"] is not None,
+            timeout=180,
+            interval=0.5,
+            what="a checkpoint",
+        )
 
         # kill -9 of node 1's daemon: its processes go with it, the head finds it lost, the trainer waits
         before = status(cfgs[0])["trainer"]["step"]
@@ -248,14 +277,21 @@ def test_node_killed_rejoins_sigstop_is_lost_and_head_stop_ends_all(short_tmp: P
         procs[1].wait(10)
         wait_for(lambda: not processes_of_instance(node_nonce), timeout=10, what="node 1's processes gone")
         wait_for(lambda: _nodes(cfgs[0])[1]["state"] == "lost", timeout=30, what="the head marking node 1 lost")
-        wait_for(lambda: status(cfgs[0])["trainer"]["waiting_for"] == "ranks", timeout=30,
-                 what="the trainer waiting for its ranks")
+        wait_for(
+            lambda: status(cfgs[0])["trainer"]["waiting_for"] == "ranks",
+            timeout=30,
+            what="the trainer waiting for its ranks",
+        )
         restarts = status(cfgs[0])["trainer"]["group_restarts"]
 
         # node 1 again: it rejoins, and training passes its pre-kill step
         procs[1] = _popen_run(cfgs[1], short_tmp / "node1-again.log")
-        wait_for(lambda: _node_ready(cfgs[0], 1) and status(cfgs[0])["trainer"]["step"] > before + 2,
-                 timeout=240, interval=0.5, what="node 1 ready again and training past the pre-kill step")
+        wait_for(
+            lambda: _node_ready(cfgs[0], 1) and status(cfgs[0])["trainer"]["step"] > before + 2,
+            timeout=240,
+            interval=0.5,
+            what="node 1 ready again and training past the pre-kill step",
+        )
         node_nonce2 = status(cfgs[1])["instance"]
         assert node_nonce2 != node_nonce and not segments_of(node_nonce)
         nonces.append(node_nonce2)
@@ -267,8 +303,12 @@ def test_node_killed_rejoins_sigstop_is_lost_and_head_stop_ends_all(short_tmp: P
         stopped.suspend()
         try:
             t0 = time.monotonic()
-            wait_for(lambda: _nodes(cfgs[0])[1]["state"] == "lost", timeout=30, interval=0.2,
-                     what="the head finding the stopped node lost")
+            wait_for(
+                lambda: _nodes(cfgs[0])[1]["state"] == "lost",
+                timeout=30,
+                interval=0.2,
+                what="the head finding the stopped node lost",
+            )
             assert "no heartbeat" in (_nodes(cfgs[0])[1]["reason"] or "")
             assert time.monotonic() - t0 < 15
         finally:
@@ -278,8 +318,12 @@ def test_node_killed_rejoins_sigstop_is_lost_and_head_stop_ends_all(short_tmp: P
 
         # node 1 once more, then the head's stop ends every node
         procs[1] = _popen_run(cfgs[1], short_tmp / "node1-third.log")
-        wait_for(lambda: _node_ready(cfgs[0], 1) and status(cfgs[1])["state"] == "running", timeout=240,
-                 interval=0.5, what="node 1 ready a third time")
+        wait_for(
+            lambda: _node_ready(cfgs[0], 1) and status(cfgs[1])["state"] == "running",
+            timeout=240,
+            interval=0.5,
+            what="node 1 ready a third time",
+        )
         nonces.append(status(cfgs[1])["instance"])
         res = atroposd("stop", "-c", str(cfgs[0]), env=daemon_env(), timeout=180)
         assert res.returncode == 0, res.stderr
@@ -298,8 +342,9 @@ def test_reload_across_nodes_then_the_head_killed_takes_every_node_down(short_tm
     """``weight_sync = "reload"``: the head writes each version under the shared checkpoint_dir,
     node 1's first rank has its replica load it. Then the head is killed -9: node 1 exits 1
     within heartbeat_timeout and leaves nothing."""
-    cfgs = cluster_configs(short_tmp, steps=100_000, envs=SHORT_TASK, trainer={"weight_sync": "reload"},
-                           cluster={"heartbeat_timeout": 5.0})
+    cfgs = cluster_configs(
+        short_tmp, steps=100_000, envs=SHORT_TASK, trainer={"weight_sync": "reload"}, cluster={"heartbeat_timeout": 5.0}
+    )
     procs = _start_job(cfgs, short_tmp)
     nonces: list[str] = []
     try:

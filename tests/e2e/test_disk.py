@@ -18,8 +18,13 @@ def tiny_disk(short_tmp: Path) -> Iterator[Path]:
     """A 400 KiB tmpfs: too small for the built-in model's weights."""
     mnt = short_tmp / "disk"
     mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mnt)],
-                                           capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mnt)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("mounting a small tmpfs needs root")
     try:
         yield mnt
@@ -28,8 +33,9 @@ def tiny_disk(short_tmp: Path) -> Iterator[Path]:
 
 
 def test_full_disk_is_a_clear_start_error(short_tmp: Path, tiny_disk: Path) -> None:
-    cfg = job_config(short_tmp, daemon={"state_dir": str(tiny_disk / "state"), "log_format": "console"},
-                     prebuilt_model=False)
+    cfg = job_config(
+        short_tmp, daemon={"state_dir": str(tiny_disk / "state"), "log_format": "console"}, prebuilt_model=False
+    )
     res = atroposd("run", "-c", str(cfg), env=daemon_env(), timeout=180)
     out = res.stdout + res.stderr
     assert res.returncode == 1, out[-3000:]

@@ -32,12 +32,23 @@ def test_external_trainer_pulls_batches(short_tmp: Path) -> None:
         api = next(c for c in st["components"] if c["name"] == "api")
         assert api["state"] == "ready"
         api_url = f"http://127.0.0.1:{_port(cfg, 'api')}"
-        _http(f"{api_url}/register", {"wandb_group": "", "wandb_project": "", "batch_size": 16,
-                                      "max_token_len": 64, "checkpoint_dir": "", "save_checkpoint_interval": 0,
-                                      "starting_step": 0, "num_steps": 10})
+        _http(
+            f"{api_url}/register",
+            {
+                "wandb_group": "",
+                "wandb_project": "",
+                "batch_size": 16,
+                "max_token_len": 64,
+                "checkpoint_dir": "",
+                "save_checkpoint_interval": 0,
+                "starting_step": 0,
+                "num_steps": 10,
+            },
+        )
 
         def batch() -> Any:
             return _http(f"{api_url}/batch")["batch"]
+
         got = wait_for(batch, timeout=120, interval=0.2, what="a batch for the external trainer")
         assert sum(len(g["tokens"]) for g in got) == 16
         for g in got:

@@ -33,24 +33,45 @@ def _filtered_counter(port: int) -> float:
 def test_filter_groups_counts_all_equal_groups_and_trains_full_batches(short_tmp: Path) -> None:
     flag = short_tmp / "only-equal"
     port = free_port()
-    env = {"name": "equal", "command": [sys.executable, str(REPO / "tests" / "e2e" / "equal_groups_env.py"),
-                                        "{api_url}", str(GROUP), str(flag)], "group_size": GROUP}
-    cfg = job_config(short_tmp, steps=100_000, envs=[env], daemon={"metrics_port": port},
-                     trainer={"batch_size": BATCH, "micro_batch_size": BATCH, "filter_groups": True,
-                              "checkpoint_every": 100_000})
+    env = {
+        "name": "equal",
+        "command": [
+            sys.executable,
+            str(REPO / "tests" / "e2e" / "equal_groups_env.py"),
+            "{api_url}",
+            str(GROUP),
+            str(flag),
+        ],
+        "group_size": GROUP,
+    }
+    cfg = job_config(
+        short_tmp,
+        steps=100_000,
+        envs=[env],
+        daemon={"metrics_port": port},
+        trainer={"batch_size": BATCH, "micro_batch_size": BATCH, "filter_groups": True, "checkpoint_every": 100_000},
+    )
     res = atroposd("start", "-c", str(cfg), env=daemon_env(), timeout=300)
     try:
         assert res.returncode == 0, f"start exited {res.returncode}: {res.stderr[-3000:]}"
         wait_for(lambda: status(cfg)["trainer"]["step"] >= 10, timeout=180, interval=0.5, what="10 steps")
         # every group from now on has equal scores: nothing to train, the trainer waits visibly
         flag.touch()
-        wait_for(lambda: status(cfg)["trainer"]["waiting_for"] == "filtered", timeout=60, interval=0.3,
-                 what="the trainer waiting because every group was filtered")
+        wait_for(
+            lambda: status(cfg)["trainer"]["waiting_for"] == "filtered",
+            timeout=60,
+            interval=0.3,
+            what="the trainer waiting because every group was filtered",
+        )
         waiting_at = status(cfg)["trainer"]["step"]
         st = atroposd("status", "-c", str(cfg), timeout=60)
         assert "equal scores" in st.stdout, st.stdout
-        wait_for(lambda: status(cfg)["trainer"]["filtered_groups"] >= 40, timeout=60, interval=0.3,
-                 what="equal groups dropped while waiting")
+        wait_for(
+            lambda: status(cfg)["trainer"]["filtered_groups"] >= 40,
+            timeout=60,
+            interval=0.3,
+            what="equal groups dropped while waiting",
+        )
         before = status(cfg)["trainer"]
         scraped = _filtered_counter(port)
         after = status(cfg)["trainer"]
@@ -58,8 +79,12 @@ def test_filter_groups_counts_all_equal_groups_and_trains_full_batches(short_tmp
         assert after["step"] <= waiting_at + 1 and after["state"] == "waiting"  # no batch is formed of them
         counted = after["filtered_groups"]
         flag.unlink()
-        wait_for(lambda: status(cfg)["trainer"]["step"] >= waiting_at + 5, timeout=60, interval=0.3,
-                 what="training going on with trainable groups")
+        wait_for(
+            lambda: status(cfg)["trainer"]["step"] >= waiting_at + 5,
+            timeout=60,
+            interval=0.3,
+            what="training going on with trainable groups",
+        )
     finally:
         assert atroposd("stop", "-c", str(cfg), timeout=120).returncode == 0
     rows = metrics(short_tmp / "state")
@@ -73,5 +98,8 @@ def test_filter_groups_counts_all_equal_groups_and_trains_full_batches(short_tmp
         n = r["filtered_groups"] * GROUP
         expected = (0.5 * BATCH + 0.9 * n) / (BATCH + n)  # reward_mean: every group received
         assert math.isclose(r["reward_mean"], expected, rel_tol=1e-9), (r["reward_mean"], expected)
-        assert math.isclose(r["accuracy"], (0.5 * BATCH / GROUP + r["filtered_groups"]) /
-                            (BATCH / GROUP + r["filtered_groups"]), rel_tol=1e-9)
+        assert math.isclose(
+            r["accuracy"],
+            (0.5 * BATCH / GROUP + r["filtered_groups"]) / (BATCH / GROUP + r["filtered_groups"]),
+            rel_tol=1e-9,
+        )

@@ -26,14 +26,18 @@ SEQ = [1, 5, 6, 7, 2]  # a short sequence of the tiny vocabulary
 
 def _group(tokens: list[list[int]] | None = None, **over: Any) -> dict[str, Any]:
     tokens = tokens if tokens is not None else [SEQ] * 8
-    g: dict[str, Any] = {"tokens": tokens, "masks": [[-100, -100, *t[2:]] for t in tokens],
-                         "scores": [1.0, 0.0] * (len(tokens) // 2)}
+    g: dict[str, Any] = {
+        "tokens": tokens,
+        "masks": [[-100, -100, *t[2:]] for t in tokens],
+        "scores": [1.0, 0.0] * (len(tokens) // 2),
+    }
     g.update(over)
     return g
 
 
-def _post(url: str, body: bytes | dict[str, Any], *, headers: dict[str, str] | None = None,
-          method: str = "POST") -> int:
+def _post(
+    url: str, body: bytes | dict[str, Any], *, headers: dict[str, str] | None = None, method: str = "POST"
+) -> int:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     hdrs = {"Content-Type": "application/json", **(headers or {})}
     req = urllib.request.Request(url, data=data, headers=hdrs, method=method)
@@ -57,8 +61,9 @@ def _hostile(api: str) -> dict[str, int]:
         "ids_out_of_vocab": _post(f"{api}/scored_data", _group(big_ids)),
         "ids_negative": _post(f"{api}/scored_data", _group([[1, 5, -3, 7, 2]] * 8)),
         "advantage_absurd": _post(f"{api}/scored_data", _group(advantages=[[1e9] * 5] * 8)),
-        "distill_out_of_range": _post(f"{api}/scored_data", _group(
-            distill_token_ids=[[[10**6]] * 5] * 8, distill_logprobs=[[[-0.1]] * 5] * 8)),
+        "distill_out_of_range": _post(
+            f"{api}/scored_data", _group(distill_token_ids=[[[10**6]] * 5] * 8, distill_logprobs=[[[-0.1]] * 5] * 8)
+        ),
         # the API's to refuse
         "empty_group": _post(f"{api}/scored_data", {"tokens": [], "masks": [], "scores": []}),
         "score_nan": _post(f"{api}/scored_data", b'{"tokens": [[1,2]], "masks": [[1,2]], "scores": [NaN]}'),
@@ -67,11 +72,20 @@ def _hostile(api: str) -> dict[str, int]:
         "not_json": _post(f"{api}/scored_data", b"{not json"),
         "wrong_content_type": _post(f"{api}/scored_data", _group(), headers={"Content-Type": "text/plain"}),
         "foreign_host": _post(f"{api}/reset_data", b"", headers={"Host": "evil.example"}, method="GET"),
-        "register_absurd": _post(f"{api}/register-env", {
-            "max_token_length": 64, "desired_name": "hostile", "weight": 1.0, "group_size": 8,
-            "min_batch_allocation": 1e308}),
-        "register_huge_group": _post(f"{api}/register-env", {
-            "max_token_length": 64, "desired_name": "hostile", "weight": 1.0, "group_size": 10**9}),
+        "register_absurd": _post(
+            f"{api}/register-env",
+            {
+                "max_token_length": 64,
+                "desired_name": "hostile",
+                "weight": 1.0,
+                "group_size": 8,
+                "min_batch_allocation": 1e308,
+            },
+        ),
+        "register_huge_group": _post(
+            f"{api}/register-env",
+            {"max_token_length": 64, "desired_name": "hostile", "weight": 1.0, "group_size": 10**9},
+        ),
         "messages_without_role": _post(f"{api}/scored_data", _group(messages=[[{"content": "hi"}]] * 8)),
     }
 
@@ -82,15 +96,27 @@ def test_a_hostile_client_never_ends_the_job(short_tmp: Path) -> None:
 
     api = f"http://127.0.0.1:{load_config(cfg).api.port}"
     log = (short_tmp / "run.out").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "atroposd", "run", "-c", str(cfg)], stdout=log,
-                            stderr=subprocess.STDOUT, env={**daemon_env(), **_base_env()})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "atroposd", "run", "-c", str(cfg)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**daemon_env(), **_base_env()},
+    )
     try:
-        wait_for(lambda: status(cfg)["trainer"]["step"] >= 2, timeout=240, interval=0.5,
-                 what="the trainer's first steps")
+        wait_for(
+            lambda: status(cfg)["trainer"]["step"] >= 2, timeout=240, interval=0.5, what="the trainer's first steps"
+        )
         answers = _hostile(api)
         assert all(code < 500 for code in answers.values()), answers
-        for name in ("empty_group", "score_nan", "deep_passthrough", "not_json", "messages_without_role",
-                     "register_absurd", "register_huge_group"):
+        for name in (
+            "empty_group",
+            "score_nan",
+            "deep_passthrough",
+            "not_json",
+            "messages_without_role",
+            "register_absurd",
+            "register_huge_group",
+        ):
             assert 400 <= answers[name] < 500, (name, answers[name])
         assert answers["gzip_bomb"] == 413 and answers["wrong_content_type"] == 415
         assert answers["foreign_host"] == 421
@@ -100,6 +126,7 @@ def test_a_hostile_client_never_ends_the_job(short_tmp: Path) -> None:
         def counted() -> dict[str, int] | None:
             rejected = status(cfg)["trainer"]["rejected_groups"]
             return rejected if rejected.get("token_out_of_range", 0) >= 2 else None
+
         rejected = wait_for(counted, timeout=240, interval=0.5, what="the trainer to reject the bad groups")
         assert rejected.get("advantage_invalid", 0) >= 1, rejected
         assert proc.wait(timeout=400) == 0, (short_tmp / "run.out").read_text()[-3000:]

@@ -23,9 +23,22 @@ from tests.e2e.jobs import (
 )
 from tests.support import atroposd, wait_for
 
-REQUIRED_METRICS = {"step", "time", "loss", "reward_mean", "reward_std", "accuracy", "weight_version",
-                    "staleness", "mean_ratio", "clipped_fraction", "mean_kl", "grad_norm", "tokens",
-                    "skipped_steps"}
+REQUIRED_METRICS = {
+    "step",
+    "time",
+    "loss",
+    "reward_mean",
+    "reward_std",
+    "accuracy",
+    "weight_version",
+    "staleness",
+    "mean_ratio",
+    "clipped_fraction",
+    "mean_kl",
+    "grad_norm",
+    "tokens",
+    "skipped_steps",
+}
 
 
 def _segments_of_job(state_dir: Path) -> list[str]:
@@ -93,9 +106,14 @@ def test_faults_while_training(short_tmp: Path) -> None:
             def back(name: str = name, before: dict[str, Any] = before) -> bool:
                 c = component(status(cfg), name)
                 return c["state"] == "ready" and c["pid"] != before["pid"] and c["restarts"] > before["restarts"]
+
             wait_for(back, timeout=120, interval=0.5, what=f"{name} to be restarted")
-            wait_for(lambda step0=step0: status(cfg)["trainer"]["step"] >= step0 + 10, timeout=120, interval=0.5,
-                     what=f"training to advance after {name} was killed")
+            wait_for(
+                lambda step0=step0: status(cfg)["trainer"]["step"] >= step0 + 10,
+                timeout=120,
+                interval=0.5,
+                what=f"training to advance after {name} was killed",
+            )
         st = status(cfg)
         assert st["trainer"]["state"] in ("training", "waiting")  # waiting: between two batches
         rows = metrics(short_tmp / "state")
@@ -112,14 +130,26 @@ def test_daemon_kill9_then_start_resumes(short_tmp: Path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     try:
         st = status(cfg)
-        wait_for(lambda: (short_tmp / "state" / "checkpoints" / "step-20").is_dir(), timeout=120,
-                 interval=0.5, what="checkpoint step-20")
+        wait_for(
+            lambda: (short_tmp / "state" / "checkpoints" / "step-20").is_dir(),
+            timeout=120,
+            interval=0.5,
+            what="checkpoint step-20",
+        )
         children = [c["pid"] for c in st["components"]]
         kill9(st["pid"])
-        wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                                 for p in children), timeout=15, what="children to die with the daemon")
-        complete = sorted(int(p.name.split("-")[1]) for p in (short_tmp / "state" / "checkpoints").iterdir()
-                          if p.name.startswith("step-") and p.name.split("-")[1].isdigit())
+        wait_for(
+            lambda: (
+                not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in children)
+            ),
+            timeout=15,
+            what="children to die with the daemon",
+        )
+        complete = sorted(
+            int(p.name.split("-")[1])
+            for p in (short_tmp / "state" / "checkpoints").iterdir()
+            if p.name.startswith("step-") and p.name.split("-")[1].isdigit()
+        )
         restarted_at = time.time()
         res = atroposd("start", "-c", str(cfg), env=daemon_env(), timeout=240)
         assert res.returncode == 0, res.stderr[-3000:]
@@ -127,8 +157,9 @@ def test_daemon_kill9_then_start_resumes(short_tmp: Path) -> None:
         assert resumed["step"] >= complete[-1], (resumed, complete)
         wait_for(lambda: status(cfg)["trainer"]["step"] > complete[-1] + 3, timeout=90, what="steps after resume")
         rows = metrics(short_tmp / "state")
-        assert any(r["step"] == complete[-1] + 1 and r["time"] >= restarted_at for r in rows), \
+        assert any(r["step"] == complete[-1] + 1 and r["time"] >= restarted_at for r in rows), (
             "training did not continue at the step after the last complete checkpoint"
+        )
     finally:
         assert atroposd("stop", "-c", str(cfg), timeout=120).returncode == 0
 
@@ -138,6 +169,8 @@ def test_a_short_job_learns(short_tmp: Path) -> None:
     """The embedded job, shortened to a smaller task (operands 0–4: 25 problems, one-digit sums):
     reward and exact-match accuracy both rise well past a prompt-ignoring policy's. The daemon
     builds builtin:tiny itself, as on a user's first start."""
-    run_short_learning_job(job_config(short_tmp, steps=400, envs=SHORT_TASK, trainer={"checkpoint_every": 400},
-                                      prebuilt_model=False), short_tmp / "state")
+    run_short_learning_job(
+        job_config(short_tmp, steps=400, envs=SHORT_TASK, trainer={"checkpoint_every": 400}, prebuilt_model=False),
+        short_tmp / "state",
+    )
     assert "builtin model built" in (short_tmp / "state" / "logs" / "daemon.log").read_text()

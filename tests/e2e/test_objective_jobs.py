@@ -22,9 +22,12 @@ def _floor(rows: list[dict[str, Any]]) -> None:
 
 @pytest.mark.slow
 def test_gspo_with_clip_higher_and_filter_groups_learns(short_tmp: Path) -> None:
-    cfg = job_config(short_tmp, steps=STEPS, envs=SHORT_TASK,
-                     trainer={"checkpoint_every": STEPS, "loss": "gspo", "clip_eps_high": 0.28,
-                              "filter_groups": True})
+    cfg = job_config(
+        short_tmp,
+        steps=STEPS,
+        envs=SHORT_TASK,
+        trainer={"checkpoint_every": STEPS, "loss": "gspo", "clip_eps_high": 0.28, "filter_groups": True},
+    )
     rows = run_short_learning_job(cfg, short_tmp / "state", steps=STEPS)
     _floor(rows)
     assert all(r["sequences"] == 64 for r in rows)  # every batch full
@@ -33,9 +36,18 @@ def test_gspo_with_clip_higher_and_filter_groups_learns(short_tmp: Path) -> None
 
 @pytest.mark.slow
 def test_rloo_with_sum_norm_token_tis_and_cosine_learns(short_tmp: Path) -> None:
-    cfg = job_config(short_tmp, steps=STEPS, envs=SHORT_TASK,
-                     trainer={"checkpoint_every": STEPS, "advantage": "rloo", "loss_agg": "seq-mean-token-sum-norm",
-                              "rollout_correction": "token-tis", "lr_schedule": "cosine"})
+    cfg = job_config(
+        short_tmp,
+        steps=STEPS,
+        envs=SHORT_TASK,
+        trainer={
+            "checkpoint_every": STEPS,
+            "advantage": "rloo",
+            "loss_agg": "seq-mean-token-sum-norm",
+            "rollout_correction": "token-tis",
+            "lr_schedule": "cosine",
+        },
+    )
     rows = run_short_learning_job(cfg, short_tmp / "state", steps=STEPS)
     _floor(rows)
     assert all(r["rollout_corrected"] is not None and 0 <= r["rollout_corrected"] <= 1 for r in rows)

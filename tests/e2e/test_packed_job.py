@@ -17,8 +17,12 @@ def test_a_packed_job_in_chunks_learns_and_reports_entropy(short_tmp: Path) -> N
     over 16 completion positions at a time (a pass holds many more): reward and accuracy rise as
     in the padded job, and every step's ``entropy`` is a mean entropy per token (between 0 and
     log of the vocabulary), falling as the policy learns the answers."""
-    cfg = job_config(short_tmp, steps=400, envs=SHORT_TASK,
-                     trainer={"checkpoint_every": 400, "micro_batch_tokens": 512, "logprob_chunk": 16})
+    cfg = job_config(
+        short_tmp,
+        steps=400,
+        envs=SHORT_TASK,
+        trainer={"checkpoint_every": 400, "micro_batch_tokens": 512, "logprob_chunk": 16},
+    )
     rows = run_short_learning_job(cfg, short_tmp / "state")
     entropies = [r["entropy"] for r in rows]
     assert all(isinstance(e, float) and 0 < e < math.log(22) for e in entropies), entropies[:5]

@@ -45,8 +45,13 @@ def _checksum(checkpoint: Path, name: str = "model.safetensors") -> str:
 @pytest.mark.slow
 def test_collapse_rolls_back_recovers_then_exits_6_and_a_restart_keeps_the_count(short_tmp: Path) -> None:
     steps = 110
-    cfg = job_config(short_tmp, steps=steps, envs=SHORT_TASK, trainer={"checkpoint_every": 10},
-                     health={"known_good_after": 10, "max_rollbacks": 1})
+    cfg = job_config(
+        short_tmp,
+        steps=steps,
+        envs=SHORT_TASK,
+        trainer={"checkpoint_every": 10},
+        health={"known_good_after": 10, "max_rollbacks": 1},
+    )
     state = short_tmp / "state"
     env = {**daemon_env(), "ATROPOSD_TEST_LR_BURST": ",".join(map(str, BURSTS)) + f":{FACTOR:g}"}
     res = atroposd("run", "-c", str(cfg), env=env, timeout=400)
@@ -82,8 +87,10 @@ def test_collapse_rolls_back_recovers_then_exits_6_and_a_restart_keeps_the_count
     pre_entropy = statistics.mean(r["entropy"] for r in before)
     assert min(by_step[s]["entropy"] for s in range(BURSTS[0] + 1, first["step"] + 1)) < 0.5 * pre_entropy
     assert statistics.mean(r["entropy"] for r in after[5:]) > 0.8 * pre_entropy
-    assert statistics.mean(r["reward_mean"] for r in after[10:]) >= statistics.mean(
-        r["reward_mean"] for r in before) - 0.03
+    assert (
+        statistics.mean(r["reward_mean"] for r in after[10:])
+        >= statistics.mean(r["reward_mean"] for r in before) - 0.03
+    )
     assert rollback_steps(rows) == [first["step"] + 1]  # where `atroposd plot` marks it
 
     # past max_rollbacks the known-good weights were still restored and written, marked, counted
@@ -113,10 +120,19 @@ def test_two_ranks_roll_back_together(short_tmp: Path) -> None:
     """device = ["cpu", "cpu"]: every rank stops, loads the known-good checkpoint rank 0 picked and
     takes the halved learning rate; the group trains on to its last step."""
     steps, burst = 24, 14
-    cfg = replica_job_config(short_tmp, replicas=1, steps=steps,
-                             trainer={"device": ["cpu", "cpu"], "batch_size": 16, "micro_batch_size": 4,
-                                      "join_timeout": 120.0, "checkpoint_every": 4},
-                             health={"known_good_after": 4})
+    cfg = replica_job_config(
+        short_tmp,
+        replicas=1,
+        steps=steps,
+        trainer={
+            "device": ["cpu", "cpu"],
+            "batch_size": 16,
+            "micro_batch_size": 4,
+            "join_timeout": 120.0,
+            "checkpoint_every": 4,
+        },
+        health={"known_good_after": 4},
+    )
     env = {**daemon_env(), "ATROPOSD_TEST_LR_BURST": f"{burst}:{FACTOR:g}"}
     res = atroposd("run", "-c", str(cfg), env=env, timeout=400)
     assert res.returncode == 0, f"run exited {res.returncode}\n{problem_lines(res.stderr)}"

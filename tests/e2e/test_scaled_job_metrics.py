@@ -26,9 +26,19 @@ from tests.support import atroposd, wait_for
 
 
 def _config(root: Path) -> Path:
-    return replica_job_config(root, steps=100_000, metrics_port=True, daemon={"stop_timeout": 5.0},
-                              trainer={"device": ["cpu", "cpu"], "batch_size": 16, "micro_batch_size": 4,
-                                       "join_timeout": 120.0, "checkpoint_every": 100_000})
+    return replica_job_config(
+        root,
+        steps=100_000,
+        metrics_port=True,
+        daemon={"stop_timeout": 5.0},
+        trainer={
+            "device": ["cpu", "cpu"],
+            "batch_size": 16,
+            "micro_batch_size": 4,
+            "join_timeout": 120.0,
+            "checkpoint_every": 100_000,
+        },
+    )
 
 
 @pytest.mark.slow  # a whole job or a long search: run by .ci/run, not in the default run
@@ -43,8 +53,12 @@ def test_two_ranks_two_replicas_status_metrics_and_rows(short_tmp: Path) -> None
         st = status(cfg)
         nonce = st["instance"]
         assert st["trainer"]["ranks"] == 2 and component(st, "trainer-1")["kind"] == "trainer"
-        wait_for(lambda: len(metrics(state)) >= 4 and all(replica_health(cfg, i)["generations"] >= 1 for i in (0, 1)),
-                 timeout=180, interval=0.5, what="4 steps and both replicas serving")
+        wait_for(
+            lambda: len(metrics(state)) >= 4 and all(replica_health(cfg, i)["generations"] >= 1 for i in (0, 1)),
+            timeout=180,
+            interval=0.5,
+            what="4 steps and both replicas serving",
+        )
 
         # the human status: both ranks and both replicas
         human = atroposd("status", "-c", str(cfg), timeout=30)
@@ -55,11 +69,18 @@ def test_two_ranks_two_replicas_status_metrics_and_rows(short_tmp: Path) -> None
 
         # /metrics: each replica's generations and weight_version, the gather and sync time
         def polled(families: list[Any]) -> bool:  # the daemon polls each replica's /health every 2 s
-            return all(value(families, "atroposd_replica_generations_total", component=f"inference-{i}") >= 1
-                       and value(families, "atroposd_replica_weight_version", component=f"inference-{i}") >= 1
-                       for i in (0, 1))
-        wait_for(lambda: polled(scrape(metrics_port)[0]), timeout=30, interval=0.5,
-                 what="the daemon's poll to see both replicas serve trained weights")
+            return all(
+                value(families, "atroposd_replica_generations_total", component=f"inference-{i}") >= 1
+                and value(families, "atroposd_replica_weight_version", component=f"inference-{i}") >= 1
+                for i in (0, 1)
+            )
+
+        wait_for(
+            lambda: polled(scrape(metrics_port)[0]),
+            timeout=30,
+            interval=0.5,
+            what="the daemon's poll to see both replicas serve trained weights",
+        )
         families, _ = scrape(metrics_port)
         for i in (0, 1):
             assert value(families, "atroposd_inference_weight_version", component=f"inference-{i}") >= 1

@@ -49,8 +49,13 @@ def test_corrupted_replicas_resynced_or_restarted_and_the_job_goes_on(short_tmp:
     says the weights had not arrived; replica 1's after every update, also after its restart —
     resynced, restarted, still over: the job trains on replica 0 alone and says so. The canary
     prompts are the environment's own first prompts, kept in the checkpoints for a new start."""
-    cfg = replica_job_config(short_tmp, replicas=2, steps=8, trainer={"weight_sync": "push"},
-                             health={"canary_every": 2, "canary_prompts": 4, "drift_limit": 0.05})
+    cfg = replica_job_config(
+        short_tmp,
+        replicas=2,
+        steps=8,
+        trainer={"weight_sync": "push"},
+        health={"canary_every": 2, "canary_prompts": 4, "drift_limit": 0.05},
+    )
     # update 1 is the attach, update n + 1 the sync of step n: replica 0's update 3 is step 2's
     env = {**daemon_env(), "ATROPOSD_TEST_CORRUPT_WEIGHTS": "inference-0:3,inference-1:1+"}
     res = atroposd("run", "-c", str(cfg), env=env, timeout=300)
@@ -74,12 +79,19 @@ def test_corrupted_replicas_resynced_or_restarted_and_the_job_goes_on(short_tmp:
     assert [e["replica"] for e in restarting] == [1], restarting
     back = [e for e in events if e.get("event") == "replica restarted"]
     assert [e["unit"] for e in back] == ["inference-1"], back
-    reattached = [n for n, e in enumerate(events)
-                  if str(e.get("event")).startswith("weights re-attached") and e.get("replica") == 1]
-    ready = [n for n, e in enumerate(events) if e.get("event") == "state" and e.get("unit") == "inference-1"
-             and e.get("new") == "ready"]
-    assert len(reattached) == 1 and len(ready) == 2 and ready[0] < reattached[0] < ready[1], \
+    reattached = [
+        n
+        for n, e in enumerate(events)
+        if str(e.get("event")).startswith("weights re-attached") and e.get("replica") == 1
+    ]
+    ready = [
+        n
+        for n, e in enumerate(events)
+        if e.get("event") == "state" and e.get("unit") == "inference-1" and e.get("new") == "ready"
+    ]
+    assert len(reattached) == 1 and len(ready) == 2 and ready[0] < reattached[0] < ready[1], (
         "the restarted replica did not get the current weights before it served"
+    )
     without = [e for e in events if "the job goes on without it" in str(e.get("event"))]
     assert len(without) == 1 and without[0]["replica"] == 1 and without[0]["serving"] == [0], without
     assert not [e for e in events if e.get("event") == "replica back in rotation" and e.get("replica") == 1]
@@ -102,7 +114,7 @@ def test_corrupted_replicas_resynced_or_restarted_and_the_job_goes_on(short_tmp:
     cfg.write_text(text.replace("steps = 8\n", "steps = 10\n"))
     res = atroposd("run", "-c", str(cfg), env=daemon_env(), timeout=300)
     assert res.returncode == 0, f"run exited {res.returncode}\n{problem_lines(res.stderr)}\n{res.stderr[-3000:]}"
-    again = _events(state)[len(events):]
+    again = _events(state)[len(events) :]
     made = [e for e in again if e.get("event") == "replica sentinel"]
     assert made and made[0]["canary_source"].startswith("the checkpoint's"), made
     assert not [e for e in again if str(e.get("event")).startswith("canary prompts chosen")]
@@ -114,9 +126,12 @@ def test_corrupted_replicas_resynced_or_restarted_and_the_job_goes_on(short_tmp:
 def test_two_ranks_score_the_canary_together(short_tmp: Path) -> None:
     """Two gloo trainer ranks: every rank scores the canary (the sharded forward's collectives
     match) and rank 0's logprobs agree with the replica's."""
-    cfg = job_config(short_tmp, steps=6, trainer={"device": ["cpu", "cpu"], "batch_size": 8,
-                                                  "micro_batch_size": 4, "join_timeout": 120.0},
-                     health={"canary_every": 2, "canary_prompts": 4, "drift_limit": 0.05})
+    cfg = job_config(
+        short_tmp,
+        steps=6,
+        trainer={"device": ["cpu", "cpu"], "batch_size": 8, "micro_batch_size": 4, "join_timeout": 120.0},
+        health={"canary_every": 2, "canary_prompts": 4, "drift_limit": 0.05},
+    )
     res = atroposd("run", "-c", str(cfg), env=daemon_env(), timeout=300)
     assert res.returncode == 0, f"run exited {res.returncode}\n{problem_lines(res.stderr)}\n{res.stderr[-3000:]}"
     rows = metrics(short_tmp / "state")

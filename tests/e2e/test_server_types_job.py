@@ -26,7 +26,7 @@ def readme_section() -> str:
     text = (REPO / "README.md").read_text()
     start = text.index(SECTION)
     end = text.find("\n### ", start + len(SECTION))
-    return text[start:end if end >= 0 else len(text)]
+    return text[start : end if end >= 0 else len(text)]
 
 
 def readme_table() -> dict[str, dict[str, str]]:
@@ -69,9 +69,12 @@ def _api(cfg: Path, path: str, body: Any = None) -> Any:
     import tomllib
 
     port = tomllib.loads(cfg.read_text())["api"]["port"]
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method="POST" if body is not None else "GET",
-                                 data=json.dumps(body).encode() if body is not None else None,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        method="POST" if body is not None else "GET",
+        data=json.dumps(body).encode() if body is not None else None,
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=10) as resp:
         return json.loads(resp.read())
 
@@ -79,8 +82,10 @@ def _api(cfg: Path, path: str, body: Any = None) -> Any:
 def trained_groups(cfg: Path) -> dict[str, int]:
     """Per registered environment (its name): groups that left the queue into batches."""
     envs = _api(cfg, "/atroposd/registrations")["envs"]
-    return {e["name"]: _api(cfg, "/status-env", {"env_id": e["env_id"], "wait_s": 0, "dequeued": -1})["dequeued"]
-            for e in envs}
+    return {
+        e["name"]: _api(cfg, "/status-env", {"env_id": e["env_id"], "wait_s": 0, "dequeued": -1})["dequeued"]
+        for e in envs
+    }
 
 
 @pytest.mark.atroposlib
@@ -97,13 +102,18 @@ def test_an_environment_of_every_server_type_trains(short_tmp: Path) -> None:
     res = atroposd("start", "-c", str(cfg), env=daemon_env(), timeout=360)
     try:
         assert res.returncode == 0, f"start exited {res.returncode}: {res.stderr[-3000:]}"
-        wait_for(lambda: all(n > 0 for n in trained_groups(cfg).values()) and len(trained_groups(cfg)) == 4,
-                 timeout=240, interval=1.0, what="groups of every environment in trained batches")
+        wait_for(
+            lambda: all(n > 0 for n in trained_groups(cfg).values()) and len(trained_groups(cfg)) == 4,
+            timeout=240,
+            interval=1.0,
+            what="groups of every environment in trained batches",
+        )
         registered = sorted(trained_groups(cfg))  # "{name}" is the replica's name; the API adds "_<i>"
         assert [r.rsplit("-", 1)[0] for r in registered] == sorted(names), registered
         st = status(cfg)
         assert st["trainer"]["step"] >= 1 and st["trainer"]["state"] == "training", st["trainer"]
-        assert all(c["state"] == "ready" for c in st["components"] if c["name"].startswith("atropos-")), \
-            st["components"]
+        assert all(c["state"] == "ready" for c in st["components"] if c["name"].startswith("atropos-")), st[
+            "components"
+        ]
     finally:
         assert atroposd("stop", "-c", str(cfg), timeout=120).returncode == 0

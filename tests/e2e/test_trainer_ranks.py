@@ -59,9 +59,12 @@ def _stop_and_check(cfg: Path, nonce: str) -> None:
 
 @pytest.mark.slow
 def test_two_ranks_train_restart_after_kill_and_sigstop(short_tmp: Path) -> None:
-    cfg = _config(short_tmp, steps=100_000,
-                  trainer={"checkpoint_every": 5, "collective_timeout": 8.0, "restart_window": 600.0},
-                  daemon={"stop_timeout": 5.0})
+    cfg = _config(
+        short_tmp,
+        steps=100_000,
+        trainer={"checkpoint_every": 5, "collective_timeout": 8.0, "restart_window": 600.0},
+        daemon={"stop_timeout": 5.0},
+    )
     res = atroposd("start", "-c", str(cfg), env=daemon_env(), timeout=300)
     nonce = ""
     try:
@@ -79,10 +82,18 @@ def test_two_ranks_train_restart_after_kill_and_sigstop(short_tmp: Path) -> None
         st = wait_for(lambda: _ready_group(cfg), timeout=120, interval=0.2, what="trainer-1 ready")
         before, restarts, rank1 = st["trainer"]["step"], st["trainer"]["group_restarts"], component(st, "trainer-1")
         kill9(rank1["pid"])
-        wait_for(lambda: status(cfg)["trainer"]["group_restarts"] >= restarts + 1, timeout=60, interval=0.2,
-                 what="the trainer group to restart")
-        wait_for(lambda: _rank_ready_again(cfg, rank1["pid"]) and status(cfg)["trainer"]["step"] > before + 1,
-                 timeout=180, interval=0.5, what="a new trainer-1 and training past the pre-kill step")
+        wait_for(
+            lambda: status(cfg)["trainer"]["group_restarts"] >= restarts + 1,
+            timeout=60,
+            interval=0.2,
+            what="the trainer group to restart",
+        )
+        wait_for(
+            lambda: _rank_ready_again(cfg, rank1["pid"]) and status(cfg)["trainer"]["step"] > before + 1,
+            timeout=180,
+            interval=0.5,
+            what="a new trainer-1 and training past the pre-kill step",
+        )
         st = status(cfg)
         assert not psutil.pid_exists(rank1["pid"]) or psutil.Process(rank1["pid"]).status() == psutil.STATUS_ZOMBIE
         assert "trainer-1" in (st["trainer"]["last_fault"] or "")
@@ -94,11 +105,19 @@ def test_two_ranks_train_restart_after_kill_and_sigstop(short_tmp: Path) -> None
         before, restarts = st["trainer"]["step"], st["trainer"]["group_restarts"]
         os.kill(new1["pid"], signal.SIGSTOP)
         stopped_at = time.monotonic()
-        wait_for(lambda: status(cfg)["trainer"]["group_restarts"] >= restarts + 1, timeout=90, interval=0.2,
-                 what="the trainer group to restart after a stuck collective")
+        wait_for(
+            lambda: status(cfg)["trainer"]["group_restarts"] >= restarts + 1,
+            timeout=90,
+            interval=0.2,
+            what="the trainer group to restart after a stuck collective",
+        )
         assert time.monotonic() - stopped_at < 60
-        wait_for(lambda: _rank_ready_again(cfg, new1["pid"]) and status(cfg)["trainer"]["step"] > before + 1,
-                 timeout=180, interval=0.5, what="a new trainer-1 and training past the pre-stop step")
+        wait_for(
+            lambda: _rank_ready_again(cfg, new1["pid"]) and status(cfg)["trainer"]["step"] > before + 1,
+            timeout=180,
+            interval=0.5,
+            what="a new trainer-1 and training past the pre-stop step",
+        )
         assert not psutil.pid_exists(new1["pid"]) or psutil.Process(new1["pid"]).status() == psutil.STATUS_ZOMBIE
         st = status(cfg)
         assert st["trainer"]["weight_version"] >= st["trainer"]["step"]
@@ -152,7 +171,13 @@ def test_rank_that_never_joins_fails_the_start(short_tmp: Path) -> None:
 def test_two_ranks_two_replicas_learn(short_tmp: Path) -> None:
     """The whole job with device = ["cpu", "cpu"] and replicas = 2 learns the shortened task."""
     steps = 400
-    cfg = _config(short_tmp, replicas=2, steps=steps, seed=0, envs=SHORT_TASK,
-                  trainer={"batch_size": 32, "micro_batch_size": 8, "checkpoint_every": 200})
+    cfg = _config(
+        short_tmp,
+        replicas=2,
+        steps=steps,
+        seed=0,
+        envs=SHORT_TASK,
+        trainer={"batch_size": 32, "micro_batch_size": 8, "checkpoint_every": 200},
+    )
     rows = run_short_learning_job(cfg, short_tmp / "state", steps=steps)
     assert all(r["weight_version"] == r["step"] for r in rows)

@@ -52,8 +52,9 @@ def dashboard_metrics() -> set[str]:
 def test_one_metrics_page_for_the_live_job_and_the_dashboard_resolves(short_tmp: Path) -> None:
     pytest.importorskip("wandb")
     port = free_port()
-    cfg = job_config(short_tmp, steps=100_000, daemon={"metrics_port": port},
-                     wandb={"project": "atroposd-e2e", "mode": "offline"})
+    cfg = job_config(
+        short_tmp, steps=100_000, daemon={"metrics_port": port}, wandb={"project": "atroposd-e2e", "mode": "offline"}
+    )
     res = atroposd("start", "-c", str(cfg), env=daemon_env(), timeout=240)
     inference_pid = None
     try:
@@ -104,8 +105,9 @@ def test_one_metrics_page_for_the_live_job_and_the_dashboard_resolves(short_tmp:
     trained = [r["step"] for r in metrics(state)]
     assert logged[:stopped_at] == list(range(1, stopped_at + 1)) and logged == trained
     last = trained[-1]
-    cfg = job_config(short_tmp, steps=last + 3, daemon={"metrics_port": port},
-                     wandb={"project": "atroposd-e2e", "mode": "offline"})
+    cfg = job_config(
+        short_tmp, steps=last + 3, daemon={"metrics_port": port}, wandb={"project": "atroposd-e2e", "mode": "offline"}
+    )
     res = atroposd("run", "-c", str(cfg), env=daemon_env(), timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
     runs = offline_runs(state)

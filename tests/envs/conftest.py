@@ -48,9 +48,20 @@ class Api:
     batches: list[list[dict[str, Any]]] = field(default_factory=list)
 
     def register_trainer(self, batch_size: int = 16, max_token_len: int = 64, num_steps: int = 100) -> None:
-        http_json("POST", self.url + "/register", {
-            "wandb_group": "", "wandb_project": "", "batch_size": batch_size, "max_token_len": max_token_len,
-            "checkpoint_dir": "", "save_checkpoint_interval": 0, "starting_step": 0, "num_steps": num_steps})
+        http_json(
+            "POST",
+            self.url + "/register",
+            {
+                "wandb_group": "",
+                "wandb_project": "",
+                "batch_size": batch_size,
+                "max_token_len": max_token_len,
+                "checkpoint_dir": "",
+                "save_checkpoint_interval": 0,
+                "starting_step": 0,
+                "num_steps": num_steps,
+            },
+        )
 
     def get_batch(self) -> list[dict[str, Any]] | None:
         """One GET /batch (the first opens the env-registration gate)."""
@@ -136,11 +147,23 @@ class FakeInference:
         return http_json("POST", self.url + path, {})
 
 
-def start_fake_inference(tmp: Path, policy: str = "oracle", status: int = 200, port: int | None = None,
-                         wait: bool = True) -> FakeInference:
+def start_fake_inference(
+    tmp: Path, policy: str = "oracle", status: int = 200, port: int | None = None, wait: bool = True
+) -> FakeInference:
     port = port or free_port()
-    proc = spawn([sys.executable, str(HERE / "fake_inference.py"), "--port", str(port), "--policy", policy,
-                  "--status", str(status)], log=tmp / f"fake-inference-{port}.log")
+    proc = spawn(
+        [
+            sys.executable,
+            str(HERE / "fake_inference.py"),
+            "--port",
+            str(port),
+            "--policy",
+            policy,
+            "--status",
+            str(status),
+        ],
+        log=tmp / f"fake-inference-{port}.log",
+    )
     url = f"http://127.0.0.1:{port}"
     if wait:
         try:
@@ -195,13 +218,15 @@ class EnvProc:
             if self.proc.poll() is not None:
                 raise AssertionError(f"env exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
             if time.monotonic() > deadline:
-                raise AssertionError(f"no {event!r} ×{n} in the env log within {timeout}s:\n"
-                                     f"{self.log.read_text()[-3000:]}")
+                raise AssertionError(
+                    f"no {event!r} ×{n} in the env log within {timeout}s:\n{self.log.read_text()[-3000:]}"
+                )
             time.sleep(0.05)
 
 
-def held_back_env(api: Api, fake_inference: Callable[..., FakeInference],
-                  start_env: Callable[..., EnvProc]) -> tuple[FakeInference, EnvProc]:
+def held_back_env(
+    api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]
+) -> tuple[FakeInference, EnvProc]:
     """A built-in environment held back by a full queue: the limit is max_batches_offpolicy (1) ×
     batch (8) / group (4) = 2 groups queued or in flight, both queued when this returns."""
     from tests.support import wait_for
@@ -215,26 +240,65 @@ def held_back_env(api: Api, fake_inference: Callable[..., FakeInference],
 
 
 def env_config(tmp: Path, group_size: int = 4, weight: float = 1.0, **options: Any) -> Path:
-    return write_config(tmp / "atroposd.toml", {
-        "daemon": {"state_dir": str(tmp / "state"), "runtime_dir": str(tmp / "run"), "log_format": "json",
-                   "log_level": "debug"},  # the gate logs its transitions at debug level
-        "trainer": {"batch_size": 16, "micro_batch_size": 8, "max_token_len": 64},
-        "env": [{"name": "arithmetic", "builtin": "arithmetic", "group_size": group_size, "weight": weight,
-                 "options": options}],
-    })
+    return write_config(
+        tmp / "atroposd.toml",
+        {
+            "daemon": {
+                "state_dir": str(tmp / "state"),
+                "runtime_dir": str(tmp / "run"),
+                "log_format": "json",
+                "log_level": "debug",
+            },  # the gate logs its transitions at debug level
+            "trainer": {"batch_size": 16, "micro_batch_size": 8, "max_token_len": 64},
+            "env": [
+                {
+                    "name": "arithmetic",
+                    "builtin": "arithmetic",
+                    "group_size": group_size,
+                    "weight": weight,
+                    "options": options,
+                }
+            ],
+        },
+    )
 
 
 @pytest.fixture
 def start_env(tmp_path: Path, tokenizer_dir: Path) -> Iterator[Callable[..., EnvProc]]:
     procs: list[subprocess.Popen[bytes]] = []
 
-    def start(api_url: str, inference_url: str, *, group_size: int = 4, replica: int = 0,
-              tokenizer: Path | None = None, weight: float = 1.0, **options: Any) -> EnvProc:
+    def start(
+        api_url: str,
+        inference_url: str,
+        *,
+        group_size: int = 4,
+        replica: int = 0,
+        tokenizer: Path | None = None,
+        weight: float = 1.0,
+        **options: Any,
+    ) -> EnvProc:
         cfg = env_config(tmp_path, group_size, weight, **options)
         log = tmp_path / f"env-{len(procs)}.log"
-        proc = spawn([sys.executable, "-m", "atroposd", "env", "arithmetic", "-c", str(cfg), "--replica",
-                      str(replica), "--api-url", api_url, "--inference-url", inference_url,
-                      "--tokenizer", str(tokenizer or tokenizer_dir)], log=log)
+        proc = spawn(
+            [
+                sys.executable,
+                "-m",
+                "atroposd",
+                "env",
+                "arithmetic",
+                "-c",
+                str(cfg),
+                "--replica",
+                str(replica),
+                "--api-url",
+                api_url,
+                "--inference-url",
+                inference_url,
+                "--tokenizer",
+                str(tokenizer or tokenizer_dir),
+            ],
+            log=log,
+        )
         procs.append(proc)
         return EnvProc(proc, log)
 

@@ -58,8 +58,14 @@ def main() -> None:
     ap.add_argument("--policy", default="oracle")
     ap.add_argument("--status", type=int, default=200)
     args = ap.parse_args()
-    state: dict[str, Any] = {"requests": 0, "in_flight": 0, "version": 0, "bodies": [],
-                             "policy": args.policy, "status": args.status}
+    state: dict[str, Any] = {
+        "requests": 0,
+        "in_flight": 0,
+        "version": 0,
+        "bodies": [],
+        "policy": args.policy,
+        "status": args.status,
+    }
     released = asyncio.Event()
     released.set()
 
@@ -77,13 +83,15 @@ def main() -> None:
         prompt = body["prompt"]["prompt_token_ids"]
         rng = random.Random(body.get("seed"))
         outs = [completion(state["policy"], prompt, int(body["max_tokens"]), rng) for _ in range(int(body["n"]))]
-        return web.json_response({
-            "text": ["".join(VOCAB[t] for t in o) for o in outs],
-            "token_ids": outs,
-            "logprobs": [[[{str(t): -(0.1 + 0.01 * j)}] for j, t in enumerate(o)] for o in outs],
-            "finish_reasons": ["stop" if o and o[-1] == EOS else "length" for o in outs],
-            "weight_version": state["version"],
-        })
+        return web.json_response(
+            {
+                "text": ["".join(VOCAB[t] for t in o) for o in outs],
+                "token_ids": outs,
+                "logprobs": [[[{str(t): -(0.1 + 0.01 * j)}] for j, t in enumerate(o)] for o in outs],
+                "finish_reasons": ["stop" if o and o[-1] == EOS else "length" for o in outs],
+                "weight_version": state["version"],
+            }
+        )
 
     async def stats(request: web.Request) -> web.Response:
         return web.json_response({k: state[k] for k in ("requests", "in_flight", "bodies")})
@@ -97,8 +105,9 @@ def main() -> None:
 
     async def configure(request: web.Request) -> web.Response:
         body = await request.json()
-        state.update(requests=0, version=0, bodies=[], policy=body.get("policy", "oracle"),
-                     status=int(body.get("status", 200)))
+        state.update(
+            requests=0, version=0, bodies=[], policy=body.get("policy", "oracle"), status=int(body.get("status", 200))
+        )
         released.set()
         return web.json_response({})
 
@@ -111,9 +120,17 @@ def main() -> None:
         return web.json_response({})
 
     app = web.Application()
-    app.add_routes([web.post("/generate", generate), web.get("/stats", stats), web.get("/health", health),
-                    web.post("/set_version", set_version), web.post("/hold", hold),
-                    web.post("/release", release), web.post("/configure", configure)])
+    app.add_routes(
+        [
+            web.post("/generate", generate),
+            web.get("/stats", stats),
+            web.get("/health", health),
+            web.post("/set_version", set_version),
+            web.post("/hold", hold),
+            web.post("/release", release),
+            web.post("/configure", configure),
+        ]
+    )
     # Held requests must not delay a stop.
     web.run_app(app, host="127.0.0.1", port=args.port, print=None, shutdown_timeout=0.2)
 

@@ -43,7 +43,8 @@ def check_group(group: dict[str, Any], group_size: int) -> None:
 
 
 def test_env_registers_after_the_gate_and_posts_well_formed_groups(
-        api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
+    api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]
+) -> None:
     infer = fake_inference("oracle")
     api.register_trainer(batch_size=16, max_token_len=64)
     # Groups of 8 make bodies over 1 KiB: the client gzips them, as atroposlib's environments do.
@@ -70,7 +71,8 @@ def test_env_registers_after_the_gate_and_posts_well_formed_groups(
 
 
 def test_prompt_ignoring_policy_scores_a_third(
-        our_api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
+    our_api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]
+) -> None:
     """The exploit of EMBEDDED-TASK.md ("10" then EOS whatever the prompt) earns 0.5 or 0.1 per
     completion unless the sum is 10; accuracy shows it for what it is."""
     infer = fake_inference("fixed:10")
@@ -87,7 +89,8 @@ def test_prompt_ignoring_policy_scores_a_third(
 
 
 def test_throttles_when_the_queue_is_full_and_resumes_when_it_drains(
-        api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
+    api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]
+) -> None:
     infer, env = held_back_env(api, fake_inference, start_env)
     assert infer.stats()["requests"] == 2  # nothing generated beyond the limit
     for drained in (1, 2):
@@ -101,15 +104,23 @@ def test_throttles_when_the_queue_is_full_and_resumes_when_it_drains(
 
 @pytest.mark.parametrize(("weight", "other", "limit"), [(1.0, 3.0, 1), (3.0, 1.0, 3)])
 def test_weight_is_registered_and_sets_the_share_of_the_throttle(
-        api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc],
-        weight: float, other: float, limit: int) -> None:
+    api: Api,
+    fake_inference: Callable[..., FakeInference],
+    start_env: Callable[..., EnvProc],
+    weight: float,
+    other: float,
+    limit: int,
+) -> None:
     """Beside another environment of weight ``other``, this one's share of the off-policy
     budget (batch 16 / group 4 = 4 groups) is weight / (weight + other): it keeps that many
     groups queued or in flight, no more."""
     infer = fake_inference("uniform")
     api.start_trainer(batch_size=16, max_token_len=64)
-    http_json("POST", api.url + "/register-env", {"max_token_length": 64, "desired_name": "other",
-                                                  "weight": other, "group_size": 4})
+    http_json(
+        "POST",
+        api.url + "/register-env",
+        {"max_token_length": 64, "desired_name": "other", "weight": other, "group_size": 4},
+    )
     env = start_env(api.url, infer.url, group_size=4, concurrency=8, max_batches_offpolicy=1, weight=weight)
     env.wait_event("throttled")
     status = api.status_env(1)
@@ -120,7 +131,8 @@ def test_weight_is_registered_and_sets_the_share_of_the_throttle(
 
 
 def test_sigterm_abandons_generation_disconnects_and_exits_zero(
-        api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
+    api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]
+) -> None:
     infer = fake_inference("oracle")
     infer.post("/hold")  # every generation stays in flight
     api.start_trainer(batch_size=8, max_token_len=64)
@@ -135,7 +147,8 @@ def test_sigterm_abandons_generation_disconnects_and_exits_zero(
 
 
 def test_sigterm_while_waiting_for_the_trainer_exits_zero(
-        our_api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
+    our_api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]
+) -> None:
     infer = fake_inference("oracle")
     env = start_env(our_api.url, infer.url, group_size=4)
     env.wait_event("register-env: retrying")
@@ -145,7 +158,8 @@ def test_sigterm_while_waiting_for_the_trainer_exits_zero(
 
 
 def test_exploitable_options_are_warned_about_and_an_unreachable_api_is_waited_for(
-        start_env: Callable[..., EnvProc]) -> None:
+    start_env: Callable[..., EnvProc],
+) -> None:
     """With operands 0..2 the answer "2" alone earns 0.4; the log says so. The API is not up:
     the environment keeps trying, visibly, and still stops cleanly."""
     port = free_port()
@@ -159,8 +173,14 @@ def test_exploitable_options_are_warned_about_and_an_unreachable_api_is_waited_f
 
 
 def test_bad_options_exit_2(tmp_path: Path, tokenizer_dir: Path) -> None:
-    tok = ["--tokenizer", str(tokenizer_dir), "--api-url", "http://127.0.0.1:1", "--inference-url",
-           "http://127.0.0.1:1"]
+    tok = [
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--api-url",
+        "http://127.0.0.1:1",
+        "--inference-url",
+        "http://127.0.0.1:1",
+    ]
     cfg = env_config(tmp_path, operators=["/"])
     r = atroposd("env", "arithmetic", "-c", str(cfg), *tok)
     assert r.returncode == 2 and "env[0].options.operators" in r.stderr and "unknown operator" in r.stderr
@@ -181,7 +201,8 @@ def test_bad_options_exit_2(tmp_path: Path, tokenizer_dir: Path) -> None:
 
 
 def test_sequences_longer_than_max_token_len_exit_2(
-        our_api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
+    our_api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]
+) -> None:
     infer = fake_inference("oracle")
     our_api.start_trainer(batch_size=8, max_token_len=7)  # prompt 5 + max_tokens 3 = 8
     env = start_env(our_api.url, infer.url, group_size=4)
@@ -190,8 +211,9 @@ def test_sequences_longer_than_max_token_len_exit_2(
     assert infer.stats()["requests"] == 0
 
 
-def test_generate_4xx_exits_1(our_api: Api, fake_inference: Callable[..., FakeInference],
-                              start_env: Callable[..., EnvProc]) -> None:
+def test_generate_4xx_exits_1(
+    our_api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]
+) -> None:
     infer = fake_inference("oracle", status=400)
     our_api.start_trainer(batch_size=8, max_token_len=64)
     env = start_env(our_api.url, infer.url, group_size=4)

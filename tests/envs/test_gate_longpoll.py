@@ -24,7 +24,8 @@ def _status_env_requests(api: Api) -> float:
 
 
 def test_a_held_back_environment_long_polls_and_resumes_when_a_batch_is_taken(
-        our_api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
+    our_api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]
+) -> None:
     infer, _env = held_back_env(our_api, fake_inference, start_env)
     time.sleep(0.3)  # settled into its long-poll
     before = _status_env_requests(our_api)
@@ -46,7 +47,8 @@ def test_a_held_back_environment_long_polls_and_resumes_when_a_batch_is_taken(
 
 
 def test_against_run_api_the_gate_polls(
-        api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
+    api: Api, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]
+) -> None:
     """Both APIs: held back, then resumed by a batch taken (run-api: found by polling)."""
     infer, _env = held_back_env(api, fake_inference, start_env)
     assert len(api.get_batch() or []) == 2

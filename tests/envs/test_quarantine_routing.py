@@ -62,7 +62,8 @@ async def quarantined() -> AsyncIterator[tuple[str, dict[str, int]]]:
 
 
 async def test_a_quarantined_replica_is_routed_around_and_not_taken_back(
-        fake: FakeInference, quarantined: tuple[str, dict[str, int]]) -> None:
+    fake: FakeInference, quarantined: tuple[str, dict[str, int]]
+) -> None:
     url, hits = quarantined
     async with aiohttp.ClientSession() as session:
         client = InferenceClient(session, [url, fake.url])

@@ -38,12 +38,17 @@ def inference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Inference]:
     model = ensure_builtin_model(root / "state", seed=0, max_model_len=256)
     port = free_port()
     run_dir = Path(f"/tmp/apd-envs-{port}")  # the control socket path must stay short
-    cfg = write_config(root / "atroposd.toml", {
-        "daemon": {"runtime_dir": str(run_dir), "state_dir": str(root / "state")},
-        "inference": {"port": port, "max_model_len": 256, "model": str(model)},
-        "trainer": {"max_token_len": 128}})
-    proc = spawn([sys.executable, "-m", "atroposd", "inference", "-c", str(cfg), "--threads", "1"],
-                 log=root / "inference.log")
+    cfg = write_config(
+        root / "atroposd.toml",
+        {
+            "daemon": {"runtime_dir": str(run_dir), "state_dir": str(root / "state")},
+            "inference": {"port": port, "max_model_len": 256, "model": str(model)},
+            "trainer": {"max_token_len": 128},
+        },
+    )
+    proc = spawn(
+        [sys.executable, "-m", "atroposd", "inference", "-c", str(cfg), "--threads", "1"], log=root / "inference.log"
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -75,9 +80,19 @@ def real_api(tmp_path: Path) -> Iterator[Api]:
 
 def teacher_forced(url: str, tokens: list[int]) -> list[float | None]:
     """log p(tokens[i] | tokens[:i]) from the server's prompt_logprobs (None at position 0)."""
-    answer = http_json("POST", url + "/generate", {"prompt": {"prompt_token_ids": tokens}, "n": 1,
-                                                   "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 1,
-                                                   "logprobs": 0}, timeout=60)
+    answer = http_json(
+        "POST",
+        url + "/generate",
+        {
+            "prompt": {"prompt_token_ids": tokens},
+            "n": 1,
+            "max_tokens": 1,
+            "temperature": 1.0,
+            "prompt_logprobs": 1,
+            "logprobs": 0,
+        },
+        timeout=60,
+    )
     out: list[float | None] = []
     for tok, entry in zip(tokens, answer["prompt_logprobs"], strict=True):
         out.append(None if entry is None else float(entry[str(tok)]))
@@ -85,7 +100,8 @@ def teacher_forced(url: str, tokens: list[int]) -> list[float | None]:
 
 
 def test_env_with_the_real_inference_server_and_api(
-        inference: Inference, real_api: Api, start_env: Callable[..., EnvProc]) -> None:
+    inference: Inference, real_api: Api, start_env: Callable[..., EnvProc]
+) -> None:
     real_api.start_trainer(batch_size=8, max_token_len=64)
     env = start_env(real_api.url, inference.url, group_size=4, concurrency=2, tokenizer=inference.tokenizer)
     groups: list[dict[str, Any]] = []
@@ -97,8 +113,9 @@ def test_env_with_the_real_inference_server_and_api(
         version = group["group_overrides"]["atroposd"]["weight_version"]
         assert isinstance(version, int)
         assert 0.0 <= group["group_overrides"]["atroposd"]["accuracy"] <= 1.0
-        for tokens, masks, lps, s in zip(group["tokens"], group["masks"], group["inference_logprobs"],
-                                         group["scores"], strict=True):
+        for tokens, masks, lps, s in zip(
+            group["tokens"], group["masks"], group["inference_logprobs"], group["scores"], strict=True
+        ):
             assert len(tokens) == len(masks) == len(lps) and 5 < len(tokens) <= 8
             assert masks[:5] == [-100] * 5 and lps[:5] == [1.0] * 5
             assert masks[5:] == tokens[5:]
@@ -111,8 +128,18 @@ def test_env_with_the_real_inference_server_and_api(
 
 def test_greedy_evaluation_through_the_server(inference: Inference, tmp_path: Path) -> None:
     cfg = write_config(tmp_path / "atroposd.toml", {"daemon": {"state_dir": str(tmp_path / "state")}})
-    r = atroposd("env", "arithmetic", "-c", str(cfg), "--eval", "--inference-url", inference.url,
-                 "--tokenizer", str(inference.tokenizer), timeout=120)
+    r = atroposd(
+        "env",
+        "arithmetic",
+        "-c",
+        str(cfg),
+        "--eval",
+        "--inference-url",
+        inference.url,
+        "--tokenizer",
+        str(inference.tokenizer),
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout)
     assert result["total"] == 100

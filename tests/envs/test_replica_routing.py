@@ -58,8 +58,7 @@ async def test_both_replicas_serve_counted_per_replica(two_fakes: list[FakeInfer
     assert client.served() == served
 
 
-async def test_a_busy_replica_gets_no_new_request_until_the_other_is_as_busy(
-        two_fakes: list[FakeInference]) -> None:
+async def test_a_busy_replica_gets_no_new_request_until_the_other_is_as_busy(two_fakes: list[FakeInference]) -> None:
     a, b = two_fakes
     a.post("/hold")  # a's requests wait: it has one in flight
     async with aiohttp.ClientSession() as session:

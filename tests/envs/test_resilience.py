@@ -27,7 +27,8 @@ def _final_totals(env: EnvProc) -> dict[str, Any]:
 
 
 def test_503_is_retried_until_accepted_and_nothing_is_lost(
-        tmp_path: Path, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
+    tmp_path: Path, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]
+) -> None:
     # Room for 2 groups of 4; the environment may have 16 queued or in flight, so it hits 503s.
     api = start_api("atroposd", tmp_path, extra=("--max-queued-sequences", "8", "--full-wait", "0"))
     try:
@@ -56,7 +57,8 @@ def test_503_is_retried_until_accepted_and_nothing_is_lost(
 
 @pytest.mark.slow
 def test_api_restart_registers_again_and_resends(
-        tmp_path: Path, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
+    tmp_path: Path, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]
+) -> None:
     """run-api keeps nothing across a restart: the environment notices the lost connection, finds
     its env_id unknown, waits at the gate again and registers anew — once, although the status
     poll and two submissions all found the registration stale — and the groups scored while the
@@ -93,7 +95,8 @@ def test_api_restart_registers_again_and_resends(
 
 @pytest.mark.slow
 def test_api_restart_with_spool_keeps_the_registration(
-        tmp_path: Path, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]) -> None:
+    tmp_path: Path, fake_inference: Callable[..., FakeInference], start_env: Callable[..., EnvProc]
+) -> None:
     """atroposd's API brings its registrations and queue back from the spool: the environment
     keeps its env_id and carries on."""
     spool = ("--spool-dir", str(tmp_path / "spool"))
@@ -120,25 +123,64 @@ def test_api_restart_with_spool_keeps_the_registration(
             stop_process(api2.proc)
 
 
-def test_bearer_token_from_the_config(tmp_path: Path, tokenizer_dir: Path,
-                                      fake_inference: Callable[..., FakeInference]) -> None:
+def test_bearer_token_from_the_config(
+    tmp_path: Path, tokenizer_dir: Path, fake_inference: Callable[..., FakeInference]
+) -> None:
     """The environment sends ``[api] token``; an API that refuses it is a failure (exit 1)."""
     api = start_api("atroposd", tmp_path, extra=("--token", "s3cret"))
     infer = fake_inference("oracle")
     procs = []
     try:
-        urllib.request.urlopen(urllib.request.Request(
-            api.url + "/register", method="POST", data=json.dumps({
-                "wandb_group": "", "wandb_project": "", "batch_size": 8, "max_token_len": 64, "checkpoint_dir": "",
-                "save_checkpoint_interval": 0, "starting_step": 0, "num_steps": 10}).encode(),
-            headers={"Authorization": "Bearer s3cret", "Content-Type": "application/json"}), timeout=10).close()
+        urllib.request.urlopen(
+            urllib.request.Request(
+                api.url + "/register",
+                method="POST",
+                data=json.dumps(
+                    {
+                        "wandb_group": "",
+                        "wandb_project": "",
+                        "batch_size": 8,
+                        "max_token_len": 64,
+                        "checkpoint_dir": "",
+                        "save_checkpoint_interval": 0,
+                        "starting_step": 0,
+                        "num_steps": 10,
+                    }
+                ).encode(),
+                headers={"Authorization": "Bearer s3cret", "Content-Type": "application/json"},
+            ),
+            timeout=10,
+        ).close()
         for token in ("s3cret", "wrong"):
-            cfg = write_config(tmp_path / f"{token}.toml", {
-                "daemon": {"state_dir": str(tmp_path / "state"), "log_format": "json"}, "api": {"token": token},
-                "env": [{"name": "arithmetic", "builtin": "arithmetic", "group_size": 4}]})
+            cfg = write_config(
+                tmp_path / f"{token}.toml",
+                {
+                    "daemon": {"state_dir": str(tmp_path / "state"), "log_format": "json"},
+                    "api": {"token": token},
+                    "env": [{"name": "arithmetic", "builtin": "arithmetic", "group_size": 4}],
+                },
+            )
             log = tmp_path / f"env-{token}.log"
-            procs.append(spawn([sys.executable, "-m", "atroposd", "env", "arithmetic", "-c", str(cfg), "--api-url",
-                                api.url, "--inference-url", infer.url, "--tokenizer", str(tokenizer_dir)], log=log))
+            procs.append(
+                spawn(
+                    [
+                        sys.executable,
+                        "-m",
+                        "atroposd",
+                        "env",
+                        "arithmetic",
+                        "-c",
+                        str(cfg),
+                        "--api-url",
+                        api.url,
+                        "--inference-url",
+                        infer.url,
+                        "--tokenizer",
+                        str(tokenizer_dir),
+                    ],
+                    log=log,
+                )
+            )
         good, bad = (EnvProc(p, tmp_path / f"env-{t}.log") for p, t in zip(procs, ("s3cret", "wrong"), strict=True))
         assert bad.proc.wait(timeout=30) == 1
         assert "401" in bad.log.read_text() and "bearer token" in bad.log.read_text()

@@ -22,23 +22,26 @@ from atroposd.envs.generate import Completion, GenerateError, Generation, parse_
 from atroposd.envs.vocab import Vocab, VocabError
 
 
-@pytest.mark.parametrize(("answer", "text", "ended", "reward"), [
-    ("12", "12", True, 1.0),      # exact, then EOS
-    ("7", "7", True, 1.0),
-    ("12", "12", False, 0.4),     # right digits but no EOS: lead credit only
-    ("12", "13", True, 0.5),      # right lead, well formed
-    ("12", "1", True, 0.5),
-    ("12", "1+", True, 0.4),      # right lead, malformed
-    ("12", "21", True, 0.1),      # wrong lead, well formed
-    ("12", "", True, 0.0),        # EOS at once
-    ("12", "+", True, 0.0),
-    ("7", "70", True, 0.5),
-    ("-3", "-3", True, 1.0),
-    ("-3", "-4", True, 0.1),      # the lead of a negative answer is the sign and first digit
-    ("-3", "-", True, 0.0),
-    ("-3", "3", True, 0.1),
-    ("12", "12[BOS]", True, 0.4),  # a special token inside is never well formed
-])
+@pytest.mark.parametrize(
+    ("answer", "text", "ended", "reward"),
+    [
+        ("12", "12", True, 1.0),  # exact, then EOS
+        ("7", "7", True, 1.0),
+        ("12", "12", False, 0.4),  # right digits but no EOS: lead credit only
+        ("12", "13", True, 0.5),  # right lead, well formed
+        ("12", "1", True, 0.5),
+        ("12", "1+", True, 0.4),  # right lead, malformed
+        ("12", "21", True, 0.1),  # wrong lead, well formed
+        ("12", "", True, 0.0),  # EOS at once
+        ("12", "+", True, 0.0),
+        ("7", "70", True, 0.5),
+        ("-3", "-3", True, 1.0),
+        ("-3", "-4", True, 0.1),  # the lead of a negative answer is the sign and first digit
+        ("-3", "-", True, 0.0),
+        ("-3", "3", True, 0.1),
+        ("12", "12[BOS]", True, 0.4),  # a special token inside is never well formed
+    ],
+)
 def test_reward_table(answer: str, text: str, ended: bool, reward: float) -> None:
     assert score(answer, text, ended) == pytest.approx(reward)
 
@@ -82,9 +85,15 @@ def _brute_force_bound(problems: list[Problem], max_tokens: int) -> float:
     return best
 
 
-@pytest.mark.parametrize("options", [ArithmeticOptions(), ArithmeticOptions(operators=("-",)),
-                                     ArithmeticOptions(operators=("+", "-", "*")),
-                                     ArithmeticOptions(max_operand=4)])
+@pytest.mark.parametrize(
+    "options",
+    [
+        ArithmeticOptions(),
+        ArithmeticOptions(operators=("-",)),
+        ArithmeticOptions(operators=("+", "-", "*")),
+        ArithmeticOptions(max_operand=4),
+    ],
+)
 def test_prompt_ignoring_bound_matches_enumeration(options: ArithmeticOptions) -> None:
     problems = all_problems(options)
     value, _ = prompt_ignoring_bound(problems)
@@ -128,24 +137,30 @@ def test_group_layout(tokenizer_dir: Path) -> None:
     vocab = Vocab.load(tokenizer_dir)
     problem = Problem(7, "+", 5)
     prompt = vocab.encode_prompt(problem.prompt)
-    gen = Generation(completions=[
-        Completion([5, 6, 2], [-0.1, -0.2, -0.3], "stop"),       # "12" EOS: exact
-        Completion([5, 7, 2], [-0.4, -0.5, -0.6], "stop"),       # "13" EOS: 0.5
-        Completion([9, 9, 9], [-1.0, -1.1, -1.2], "length"),     # "555": 0.0
-        Completion([2], [-0.7], "stop"),                          # EOS at once
-    ], weight_version=4)
+    gen = Generation(
+        completions=[
+            Completion([5, 6, 2], [-0.1, -0.2, -0.3], "stop"),  # "12" EOS: exact
+            Completion([5, 7, 2], [-0.4, -0.5, -0.6], "stop"),  # "13" EOS: 0.5
+            Completion([9, 9, 9], [-1.0, -1.1, -1.2], "length"),  # "555": 0.0
+            Completion([2], [-0.7], "stop"),  # EOS at once
+        ],
+        weight_version=4,
+    )
     group = build_group(problem, prompt, gen, vocab, env_name="arithmetic-0", temperature=1.0, max_tokens=3)
     p = group.payload
     assert p["scores"] == [1.0, 0.5, 0.0, 0.0]
     assert group.correct == [True, False, False, False] and group.accuracy == 0.25
-    for tokens, masks, lps, c in zip(p["tokens"], p["masks"], p["inference_logprobs"], gen.completions,
-                                     strict=True):
+    for tokens, masks, lps, c in zip(p["tokens"], p["masks"], p["inference_logprobs"], gen.completions, strict=True):
         assert tokens == prompt + c.token_ids
         assert len(tokens) == len(masks) == len(lps)
         assert masks == [-100] * len(prompt) + c.token_ids
         assert lps == [1.0] * len(prompt) + c.logprobs
-    assert p["group_overrides"]["atroposd"] == {"weight_version": 4, "accuracy": 0.25, "reward_mean": 0.375,
-                                                "env": "arithmetic-0"}
+    assert p["group_overrides"]["atroposd"] == {
+        "weight_version": 4,
+        "accuracy": 0.25,
+        "reward_mean": 0.375,
+        "env": "arithmetic-0",
+    }
     assert p["generation_params"]["temperature"] == 1.0
     assert "env_id" not in p
     # each completion's finish reason, for trainer.overlong = "mask"
@@ -153,8 +168,12 @@ def test_group_layout(tokenizer_dir: Path) -> None:
 
 
 def test_parse_generation_checks_the_protocol() -> None:
-    ok = {"logprobs": [[[{"5": -0.1}], [{"2": -0.2}]]], "finish_reasons": ["stop"], "token_ids": [[5, 2]],
-          "weight_version": 3}
+    ok = {
+        "logprobs": [[[{"5": -0.1}], [{"2": -0.2}]]],
+        "finish_reasons": ["stop"],
+        "token_ids": [[5, 2]],
+        "weight_version": 3,
+    }
     gen = parse_generation(ok, 1)
     assert gen.completions[0].token_ids == [5, 2] and gen.completions[0].logprobs == [-0.1, -0.2]
     assert gen.weight_version == 3
@@ -201,9 +220,11 @@ def test_environment_modules_import_no_torch() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, atroposd.cli, atroposd.envoptions\n"
-            "from atroposd.envs import arithmetic, cli, client, generate, runner, vocab\n"
-            "heavy = sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules)\n"
-            "assert not heavy, heavy\n")
+    code = (
+        "import sys, atroposd.cli, atroposd.envoptions\n"
+        "from atroposd.envs import arithmetic, cli, client, generate, runner, vocab\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

@@ -43,12 +43,14 @@ class Server:
     log: Path
     root: Path
 
-    def http(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None,
-             timeout: float = 60) -> tuple[int, Any]:
+    def http(
+        self, method: str, path: str, body: Any = None, *, raw: bytes | None = None, timeout: float = 60
+    ) -> tuple[int, Any]:
         """(status, decoded JSON body) of a TCP request."""
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return resp.status, json.loads(resp.read() or b"null")
@@ -72,8 +74,12 @@ class Server:
 
         conn = _Conn("inference", timeout=timeout)
         try:
-            conn.request(method, path, body=json.dumps(body) if body is not None else None,
-                         headers={"Content-Type": "application/json"})
+            conn.request(
+                method,
+                path,
+                body=json.dumps(body) if body is not None else None,
+                headers={"Content-Type": "application/json"},
+            )
             resp = conn.getresponse()
             return resp.status, json.loads(resp.read() or b"null")
         finally:
@@ -83,19 +89,33 @@ class Server:
         return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
 
 
-def start_server(root: Path, model: Path, *, extra: list[str] | None = None, env: dict[str, str] | None = None,
-                 port: int | None = None, sections: dict[str, Any] | None = None) -> Server:
+def start_server(
+    root: Path,
+    model: Path,
+    *,
+    extra: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+    sections: dict[str, Any] | None = None,
+) -> Server:
     """Start `atroposd inference` and wait until /health answers 200 (or the process exits)."""
     port = port or free_port()
-    cfg = write_config(root / "atroposd.toml", {
-        "daemon": {"runtime_dir": str(root / "run"), "state_dir": str(root / "state")},
-        "inference": {"port": port, "max_model_len": MAX_MODEL_LEN, "model": str(model)},
-        "trainer": {"max_token_len": 128},
-        **(sections or {})})
+    cfg = write_config(
+        root / "atroposd.toml",
+        {
+            "daemon": {"runtime_dir": str(root / "run"), "state_dir": str(root / "state")},
+            "inference": {"port": port, "max_model_len": MAX_MODEL_LEN, "model": str(model)},
+            "trainer": {"max_token_len": 128},
+            **(sections or {}),
+        },
+    )
     sock = root / "run" / f"inference-{port}.sock"
     log = root / f"inference-{port}.log"
-    proc = spawn([sys.executable, "-m", "atroposd", "inference", "-c", str(cfg), "--control-socket", str(sock),
-                  *(extra or [])], env=env, log=log)
+    proc = spawn(
+        [sys.executable, "-m", "atroposd", "inference", "-c", str(cfg), "--control-socket", str(sock), *(extra or [])],
+        env=env,
+        log=log,
+    )
     server = Server(proc, f"http://127.0.0.1:{port}", sock, log, root)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -134,5 +154,8 @@ def server(server_root: Path, tiny_dir: Path) -> Iterator[Server]:
 
 
 def env_with_nonce(nonce: str) -> dict[str, str]:
-    return {"ATROPOSD_INSTANCE": nonce, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
-            **{k: v for k, v in os.environ.items() if k == "ATROPOSD_TEST_RUN"}}
+    return {
+        "ATROPOSD_INSTANCE": nonce,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+        **{k: v for k, v in os.environ.items() if k == "ATROPOSD_TEST_RUN"},
+    }

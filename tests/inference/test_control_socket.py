@@ -43,8 +43,9 @@ class _Engine:
 
 
 @asynccontextmanager
-async def control_site(path: Path, *, extra: Callable[[web.Application], None] | None = None,
-                       **kw: Any) -> AsyncIterator[None]:
+async def control_site(
+    path: Path, *, extra: Callable[[web.Application], None] | None = None, **kw: Any
+) -> AsyncIterator[None]:
     front = _Front(model_name="m", max_model_len=64, engine=_Engine())
     app = build_control_app(front, **kw)
     if extra is not None:

@@ -26,8 +26,11 @@ def gen_body(prompt: list[int] = PROMPT, **kw: Any) -> dict[str, Any]:
 
 
 def test_generate_response_shape(server: Server) -> None:
-    status, body = server.http("POST", "/generate", gen_body(n=3, max_tokens=4, temperature=1.0, top_p=1.0,
-                                                             ignore_eos=True, model="builtin:tiny"))
+    status, body = server.http(
+        "POST",
+        "/generate",
+        gen_body(n=3, max_tokens=4, temperature=1.0, top_p=1.0, ignore_eos=True, model="builtin:tiny"),
+    )
     assert status == 200, body
     assert {"text", "token_ids", "logprobs", "finish_reasons", "weight_version", "prompt_token_ids"} <= set(body)
     assert "prompt_logprobs" not in body  # only when asked
@@ -61,20 +64,24 @@ def test_health_info_models(server: Server, tiny_dir: Path) -> None:
     assert status == 200 and models["data"][0]["id"] == str(tiny_dir)
 
 
-@pytest.mark.parametrize("path, body, raw, message", [
-    ("/generate", None, b"{not json", "invalid JSON"),
-    ("/generate", {"prompt": "1+1="}, None, "prompt must be"),
-    ("/generate", gen_body(max_tokens=MAX_MODEL_LEN), None, "exceeds max_model_len"),
-    ("/generate", gen_body(n="2"), None, "n must be"),
-    ("/generate", gen_body([1, 22]), None, "outside the vocabulary"),
-    ("/generate", gen_body(best=1), None, "unknown field"),
-    ("/v1/completions", {"prompt": "1+1=", "stream": True}, None, "stream"),
-    ("/v1/completions", {"prompt": 5}, None, "prompt must be"),
-    ("/v1/completions", {"prompt": "1+", "max_tokens": MAX_MODEL_LEN}, None, "exceeds max_model_len"),
-    ("/v1/chat/completions", {"messages": "hi"}, None, "messages must be"),
-])
-def test_malformed_requests_get_400_with_a_message(server: Server, path: str, body: Any, raw: bytes | None,
-                                                   message: str) -> None:
+@pytest.mark.parametrize(
+    "path, body, raw, message",
+    [
+        ("/generate", None, b"{not json", "invalid JSON"),
+        ("/generate", {"prompt": "1+1="}, None, "prompt must be"),
+        ("/generate", gen_body(max_tokens=MAX_MODEL_LEN), None, "exceeds max_model_len"),
+        ("/generate", gen_body(n="2"), None, "n must be"),
+        ("/generate", gen_body([1, 22]), None, "outside the vocabulary"),
+        ("/generate", gen_body(best=1), None, "unknown field"),
+        ("/v1/completions", {"prompt": "1+1=", "stream": True}, None, "stream"),
+        ("/v1/completions", {"prompt": 5}, None, "prompt must be"),
+        ("/v1/completions", {"prompt": "1+", "max_tokens": MAX_MODEL_LEN}, None, "exceeds max_model_len"),
+        ("/v1/chat/completions", {"messages": "hi"}, None, "messages must be"),
+    ],
+)
+def test_malformed_requests_get_400_with_a_message(
+    server: Server, path: str, body: Any, raw: bytes | None, message: str
+) -> None:
     status, answer = server.http("POST", path, body, raw=raw)
     assert status == 400, answer
     text = answer["error"]["message"] if path.startswith("/v1") else answer["error"]
@@ -128,6 +135,7 @@ def test_concurrent_requests_all_answered(server: Server) -> None:
 
     async def run() -> list[dict[str, Any]]:
         async with aiohttp.ClientSession() as session:
+
             async def one(k: int) -> dict[str, Any]:
                 body = gen_body([BOS_ID, *range(4, 4 + 1 + k % 7)], n=4, max_tokens=3, seed=k)
                 async with session.post(server.url + "/generate", json=body) as resp:
@@ -150,11 +158,20 @@ def test_atroposlib_vllm_client_reads_the_responses(server: Server, tiny_dir: Pa
     from atroposlib.envs.server_handling.vllm_server import VLLMServer
 
     async def run() -> None:
-        client = VLLMServer(APIServerConfig(base_url=server.url + "/v1", model_name=str(tiny_dir),
-                                            tokenizer_name=str(tiny_dir), server_type="vllm", api_key="x",
-                                            health_check=False, timeout=60))
+        client = VLLMServer(
+            APIServerConfig(
+                base_url=server.url + "/v1",
+                model_name=str(tiny_dir),
+                tokenizer_name=str(tiny_dir),
+                server_type="vllm",
+                api_key="x",
+                health_check=False,
+                timeout=60,
+            )
+        )
         prompt_tokens, out_tokens, out_lps, reasons = await client.tokens_and_logprobs_completion(
-            prompt="1+3=", n=4, max_tokens=3, temperature=1.0, model=str(tiny_dir), ignore_eos=True)
+            prompt="1+3=", n=4, max_tokens=3, temperature=1.0, model=str(tiny_dir), ignore_eos=True
+        )
         assert prompt_tokens == PROMPT  # atroposlib tokenised with the same tokenizer (BOS added)
         assert len(out_tokens) == len(out_lps) == len(reasons) == 4
         assert all(len(t) == len(lp) == 3 for t, lp in zip(out_tokens, out_lps, strict=True))
@@ -167,8 +184,9 @@ def test_atroposlib_vllm_client_reads_the_responses(server: Server, tiny_dir: Pa
         assert all(PROMPT[j] in teacher["prompt_topk_token_ids"][j] for j in range(1, len(PROMPT)))
         completion = await client.completion(prompt="1+3=", n=2, max_tokens=3, model=str(tiny_dir))
         assert len(completion.choices) == 2 and all(isinstance(c.text, str) for c in completion.choices)
-        chat = await client.chat_completion(messages=[{"role": "user", "content": "1+3="}], n=2, max_tokens=3,
-                                            model=str(tiny_dir))
+        chat = await client.chat_completion(
+            messages=[{"role": "user", "content": "1+3="}], n=2, max_tokens=3, model=str(tiny_dir)
+        )
         assert len(chat.choices) == 2 and chat.choices[0].message.role == "assistant"
         # ManagedServer: the tracked sequences a trainer gets (tokens, -100 masks, 1.0 logprob sentinels).
         from atroposlib.envs.server_handling.managed_server import ManagedServer
@@ -178,11 +196,11 @@ def test_atroposlib_vllm_client_reads_the_responses(server: Server, tiny_dir: Pa
         nodes = managed.get_state()["nodes"]
         assert len(nodes) == 3
         for node in nodes:
-            assert node.tokens[:len(PROMPT)] == PROMPT and len(node.tokens) == len(PROMPT) + 3
-            assert node.masked_tokens[:len(PROMPT)] == [-100] * len(PROMPT)
-            assert node.masked_tokens[len(PROMPT):] == node.tokens[len(PROMPT):]
-            assert node.logprobs[:len(PROMPT)] == [1.0] * len(PROMPT)
-            assert all(lp <= 0 for lp in node.logprobs[len(PROMPT):])
+            assert node.tokens[: len(PROMPT)] == PROMPT and len(node.tokens) == len(PROMPT) + 3
+            assert node.masked_tokens[: len(PROMPT)] == [-100] * len(PROMPT)
+            assert node.masked_tokens[len(PROMPT) :] == node.tokens[len(PROMPT) :]
+            assert node.logprobs[: len(PROMPT)] == [1.0] * len(PROMPT)
+            assert all(lp <= 0 for lp in node.logprobs[len(PROMPT) :])
         await client.openai.close()
 
     asyncio.run(run())
@@ -194,15 +212,25 @@ def test_openai_client_with_logprobs(server: Server, tiny_dir: Path) -> None:
     async def run() -> None:
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x")
         try:
-            comp = await client.completions.create(model=str(tiny_dir), prompt="2+2=", max_tokens=3, logprobs=1,
-                                                   temperature=1.0, extra_body={"ignore_eos": True})
+            comp = await client.completions.create(
+                model=str(tiny_dir),
+                prompt="2+2=",
+                max_tokens=3,
+                logprobs=1,
+                temperature=1.0,
+                extra_body={"ignore_eos": True},
+            )
             lp = comp.choices[0].logprobs
             assert lp is not None and len(lp.tokens) == len(lp.token_logprobs) == 3
             special = {"[PAD]", "[BOS]", "[EOS]", "[UNK]"}  # in the tokens, skipped in the text (as vLLM does)
             assert "".join(t for t in lp.tokens if t not in special) == comp.choices[0].text
-            chat = await client.chat.completions.create(model=str(tiny_dir), max_tokens=3, logprobs=True,
-                                                        messages=[{"role": "user", "content": "2+2="}],
-                                                        extra_body={"ignore_eos": True})
+            chat = await client.chat.completions.create(
+                model=str(tiny_dir),
+                max_tokens=3,
+                logprobs=True,
+                messages=[{"role": "user", "content": "2+2="}],
+                extra_body={"ignore_eos": True},
+            )
             content = chat.choices[0].logprobs.content
             assert content is not None and len(content) == 3 and all(c.logprob <= 0 for c in content)
             several = await client.completions.create(model=str(tiny_dir), prompt=["1+1=", "3+3="], max_tokens=2)
@@ -216,8 +244,21 @@ def test_openai_client_with_logprobs(server: Server, tiny_dir: Path) -> None:
 def test_port_in_use_is_an_error_naming_the_port(server: Server, short_tmp: Path, tiny_dir: Path) -> None:
     port = server.url.rsplit(":", 1)[1]
     log = short_tmp / "second.log"
-    proc = spawn([sys.executable, "-m", "atroposd", "inference", "--port", port, "--model", str(tiny_dir),
-                  "--control-socket", str(short_tmp / "x.sock")], log=log)
+    proc = spawn(
+        [
+            sys.executable,
+            "-m",
+            "atroposd",
+            "inference",
+            "--port",
+            port,
+            "--model",
+            str(tiny_dir),
+            "--control-socket",
+            str(short_tmp / "x.sock"),
+        ],
+        log=log,
+    )
     try:
         code = proc.wait(120)
     finally:
@@ -231,8 +272,18 @@ def test_port_in_use_is_an_error_naming_the_port(server: Server, short_tmp: Path
 def test_a_device_that_is_not_there_is_a_usage_error(short_tmp: Path, tiny_dir: Path) -> None:
     from tests.support import atroposd, free_port
 
-    result = atroposd("inference", "--model", str(tiny_dir), "--device", "cuda:0", "--port", str(free_port()),
-                      "--control-socket", str(short_tmp / "s"), timeout=120)
+    result = atroposd(
+        "inference",
+        "--model",
+        str(tiny_dir),
+        "--device",
+        "cuda:0",
+        "--port",
+        str(free_port()),
+        "--control-socket",
+        str(short_tmp / "s"),
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr
     assert "inference.device = 'cuda:0' but CUDA is not available" in result.stderr
     assert not (short_tmp / "s").exists()
@@ -241,8 +292,9 @@ def test_a_device_that_is_not_there_is_a_usage_error(short_tmp: Path, tiny_dir: 
 def test_a_bad_model_directory_is_a_usage_error(short_tmp: Path) -> None:
     from tests.support import atroposd
 
-    result = atroposd("inference", "--model", str(short_tmp / "nope"), "--control-socket", str(short_tmp / "s"),
-                      timeout=120)
+    result = atroposd(
+        "inference", "--model", str(short_tmp / "nope"), "--control-socket", str(short_tmp / "s"), timeout=120
+    )
     assert result.returncode == 2
     assert "neither builtin:tiny nor an existing local directory" in result.stderr
 
@@ -282,8 +334,14 @@ def test_sigterm_while_generations_wait_at_a_paused_gate(short_tmp: Path, tiny_d
     answers: list[tuple[int, Any]] = []
     try:
         assert srv.control("POST", "/pause")[0] == 200
-        threads = [threading.Thread(target=lambda k=k: answers.append(
-            srv.http("POST", "/generate", gen_body(max_tokens=3, seed=k), timeout=60))) for k in range(6)]
+        threads = [
+            threading.Thread(
+                target=lambda k=k: answers.append(
+                    srv.http("POST", "/generate", gen_body(max_tokens=3, seed=k), timeout=60)
+                )
+            )
+            for k in range(6)
+        ]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 30  # all six reach the handler and wait at the gate
@@ -307,8 +365,11 @@ def test_sigterm_while_generations_wait_at_a_paused_gate(short_tmp: Path, tiny_d
 
 def _metrics(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     text = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
 
 
 def test_counts_generations_tokens_outcomes_and_pauses(server: Server) -> None:

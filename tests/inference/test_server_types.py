@@ -30,17 +30,23 @@ STOP_IDS = {14, 15, 16, 17}
 def _metrics(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     with urllib.request.urlopen(server.url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
 
 
 # ---------------------------------------------------------------------------- SGLang's /generate
 
 
 def test_sglang_generate_answers_as_sglang(server: Server) -> None:
-    body = {"input_ids": PROMPT, "return_logprob": True, "return_text_in_logprobs": False,
-            "sampling_params": {"max_new_tokens": 4, "n": 3, "temperature": 1.0, "ignore_eos": True,
-                                "sampling_seed": 7}}
+    body = {
+        "input_ids": PROMPT,
+        "return_logprob": True,
+        "return_text_in_logprobs": False,
+        "sampling_params": {"max_new_tokens": 4, "n": 3, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 7},
+    }
     status, answer = server.http("POST", "/generate", body)
     assert status == 200, answer
     assert isinstance(answer, list) and len(answer) == 3  # one object per sample when n > 1
@@ -51,24 +57,34 @@ def test_sglang_generate_answers_as_sglang(server: Server) -> None:
         assert meta["finish_reason"] == {"type": "length", "length": 4}
         assert (meta["prompt_tokens"], meta["completion_tokens"], meta["weight_version"]) == (5, 4, 0)
     # The same engine path as vLLM's body: the same seed gives the same tokens and logprobs.
-    status, vllm = server.http("POST", "/generate", {"prompt": {"prompt_token_ids": PROMPT}, "n": 3, "max_tokens": 4,
-                                                     "ignore_eos": True, "seed": 7, "logprobs": 0})
+    status, vllm = server.http(
+        "POST",
+        "/generate",
+        {"prompt": {"prompt_token_ids": PROMPT}, "n": 3, "max_tokens": 4, "ignore_eos": True, "seed": 7, "logprobs": 0},
+    )
     assert status == 200
     assert vllm["token_ids"] == [s["output_ids"] for s in answer]
-    assert [[next(iter(t[0].values())) for t in c] for c in vllm["logprobs"]] == \
-        [[lp for lp, _, _ in s["meta_info"]["output_token_logprobs"]] for s in answer]
+    assert [[next(iter(t[0].values())) for t in c] for c in vllm["logprobs"]] == [
+        [lp for lp, _, _ in s["meta_info"]["output_token_logprobs"]] for s in answer
+    ]
     # n = 1 is one object; text prompts are tokenized as SGLang does (BOS added).
-    status, one = server.http("POST", "/generate", {"text": "1+3=", "sampling_params": {"max_new_tokens": 2,
-                                                                                       "ignore_eos": True}})
+    status, one = server.http(
+        "POST", "/generate", {"text": "1+3=", "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
+    )
     assert status == 200 and isinstance(one, dict) and len(one["output_ids"]) == 2
     assert "output_token_logprobs" not in one["meta_info"]  # not asked
     assert one["meta_info"]["prompt_tokens"] == len(PROMPT)
 
 
 def test_sglang_stop_strings_prompt_logprobs_and_token_text(server: Server) -> None:
-    body = {"input_ids": PROMPT, "return_logprob": True, "return_text_in_logprobs": True, "logprob_start_len": 1,
-            "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 40, "n": 8, "stop": STOPS,
-                                                       "ignore_eos": True, "sampling_seed": 3}}
+    body = {
+        "input_ids": PROMPT,
+        "return_logprob": True,
+        "return_text_in_logprobs": True,
+        "logprob_start_len": 1,
+        "top_logprobs_num": 2,
+        "sampling_params": {"max_new_tokens": 40, "n": 8, "stop": STOPS, "ignore_eos": True, "sampling_seed": 3},
+    }
     status, answer = server.http("POST", "/generate", body)
     assert status == 200, answer
     stopped = 0
@@ -79,8 +95,9 @@ def test_sglang_stop_strings_prompt_logprobs_and_token_text(server: Server) -> N
             stopped += 1
             assert ids[-1] in STOP_IDS and meta["finish_reason"]["matched"] in STOPS
             special = {"[PAD]", "[BOS]", "[EOS]", "[UNK]"}  # in the token texts, skipped in the text
-            assert sample["text"] == "".join(text for _, _, text in meta["output_token_logprobs"][:-1]
-                                             if text not in special)
+            assert sample["text"] == "".join(
+                text for _, _, text in meta["output_token_logprobs"][:-1] if text not in special
+            )
         else:
             assert meta["finish_reason"] == {"type": "length", "length": 40} and len(ids) == 40
         assert all(len(top) == 2 for top in meta["output_top_logprobs"])
@@ -94,8 +111,16 @@ def test_sglang_stop_strings_prompt_logprobs_and_token_text(server: Server) -> N
 
 
 def test_trl_generate_answers_completion_ids(server: Server) -> None:
-    body = {"prompts": ["1+3=", "2+2="], "n": 3, "repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.0,
-            "top_k": -1, "min_p": 0.0, "max_tokens": 5}
+    body = {
+        "prompts": ["1+3=", "2+2="],
+        "n": 3,
+        "repetition_penalty": 1.0,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "min_p": 0.0,
+        "max_tokens": 5,
+    }
     status, answer = server.http("POST", "/generate/", body)
     assert status == 200, answer
     assert len(answer["completion_ids"]) == 6  # each prompt's n completions, in order
@@ -127,8 +152,10 @@ SGLANG_BAD: list[tuple[Any, str]] = [
     ({"input_ids": PROMPT, "sampling_params": {"min_new_tokens": 2}}, "min_new_tokens"),
     ({"input_ids": PROMPT, "sampling_params": {"frequency_penalty": 0.5}}, "frequency_penalty"),
     ({"input_ids": PROMPT, "sampling_params": {"json_schema": "{}"}}, "json_schema"),
-    ({"input_ids": PROMPT, "sampling_params": {"spaces_between_special_tokens": False}},
-     "spaces_between_special_tokens"),
+    (
+        {"input_ids": PROMPT, "sampling_params": {"spaces_between_special_tokens": False}},
+        "spaces_between_special_tokens",
+    ),
     ({"input_ids": PROMPT, "return_logprob": "yes"}, "return_logprob"),
     ({"input_ids": PROMPT, "top_logprobs_num": 1000}, "top_logprobs_num"),
     ({"input_ids": PROMPT, "logprob_start_len": len(PROMPT)}, "logprob_start_len"),
@@ -156,10 +183,12 @@ TRL_BAD: list[tuple[Any, str]] = [
 ]
 
 
-@pytest.mark.parametrize(("path", "body", "field"), [("/generate", b, f) for b, f in SGLANG_BAD]
-                         + [("/generate/", b, f) for b, f in TRL_BAD])
-def test_malformed_sglang_and_trl_bodies_get_400_naming_the_field(server: Server, path: str, body: Any,
-                                                                  field: str) -> None:
+@pytest.mark.parametrize(
+    ("path", "body", "field"), [("/generate", b, f) for b, f in SGLANG_BAD] + [("/generate/", b, f) for b, f in TRL_BAD]
+)
+def test_malformed_sglang_and_trl_bodies_get_400_naming_the_field(
+    server: Server, path: str, body: Any, field: str
+) -> None:
     status, answer = server.http("POST", path, body)
     assert status == 400, (status, answer)
     assert field in answer["error"], answer
@@ -169,23 +198,59 @@ def _junk(rng: random.Random, depth: int = 0) -> Any:
     """A JSON value of any kind, small."""
     kinds = ["int", "neg", "big", "float", "str", "bool", "null"] + (["list", "dict"] if depth < 2 else [])
     kind = rng.choice(kinds)
-    return {"int": lambda: rng.randint(0, 30), "neg": lambda: -rng.randint(1, 5), "big": lambda: 10 ** rng.randint(6, 30),
-            "float": lambda: rng.choice([0.0, 0.5, 1.0, 2.5, float("inf")]), "str": lambda: rng.choice(["", "x", "1+3="]),
-            "bool": lambda: rng.random() < 0.5, "null": lambda: None,
-            "list": lambda: [_junk(rng, depth + 1) for _ in range(rng.randint(0, 3))],
-            "dict": lambda: {rng.choice(["n", "a", "max_new_tokens"]): _junk(rng, depth + 1)}}[kind]()
+    return {
+        "int": lambda: rng.randint(0, 30),
+        "neg": lambda: -rng.randint(1, 5),
+        "big": lambda: 10 ** rng.randint(6, 30),
+        "float": lambda: rng.choice([0.0, 0.5, 1.0, 2.5, float("inf")]),
+        "str": lambda: rng.choice(["", "x", "1+3="]),
+        "bool": lambda: rng.random() < 0.5,
+        "null": lambda: None,
+        "list": lambda: [_junk(rng, depth + 1) for _ in range(rng.randint(0, 3))],
+        "dict": lambda: {rng.choice(["n", "a", "max_new_tokens"]): _junk(rng, depth + 1)},
+    }[kind]()
 
 
 def test_random_sglang_and_trl_bodies_are_never_a_500(server: Server) -> None:
     """Fields of SGLang's and TRL's bodies set to values of any JSON kind: each answer is a 200
     or a 400 with a message, never a 500 (fuzzseed: --fuzz-seed N replays a run)."""
     rng = fuzzseed.rng("inference-server-types")
-    sglang_top = ["input_ids", "text", "return_logprob", "return_text_in_logprobs", "logprob_start_len",
-                  "top_logprobs_num", "rid", "stream"]
-    sglang_sp = ["max_new_tokens", "n", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "sampling_seed",
-                 "ignore_eos", "skip_special_tokens", "no_stop_trim", "min_p"]
-    trl = ["prompts", "n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "repetition_penalty",
-           "generation_kwargs", "images"]
+    sglang_top = [
+        "input_ids",
+        "text",
+        "return_logprob",
+        "return_text_in_logprobs",
+        "logprob_start_len",
+        "top_logprobs_num",
+        "rid",
+        "stream",
+    ]
+    sglang_sp = [
+        "max_new_tokens",
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stop",
+        "stop_token_ids",
+        "sampling_seed",
+        "ignore_eos",
+        "skip_special_tokens",
+        "no_stop_trim",
+        "min_p",
+    ]
+    trl = [
+        "prompts",
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "max_tokens",
+        "repetition_penalty",
+        "generation_kwargs",
+        "images",
+    ]
     for _ in range(40):
         body: dict[str, Any] = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
         for key in rng.sample(sglang_top, rng.randint(1, 3)):
@@ -213,12 +278,17 @@ def test_invalid_json_on_the_trl_route_is_a_400(server: Server) -> None:
 def test_probes_are_counted_apart_from_rollouts(server: Server) -> None:
     before = _metrics(server)
     _, health = server.http("GET", "/health")
-    probes = [("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                        "max_tokens": 1}, "chat"),
-              ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 1}, "completions"),
-              ("/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}, "sglang"),
-              ("/generate", {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 1}, "generate"),
-              ("/generate/", {"prompts": ["hi"], "max_tokens": 1}, "trl")]
+    probes = [
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+            "chat",
+        ),
+        ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 1}, "completions"),
+        ("/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}, "sglang"),
+        ("/generate", {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 1}, "generate"),
+        ("/generate/", {"prompts": ["hi"], "max_tokens": 1}, "trl"),
+    ]
     for path, body, _ in probes:
         status, answer = server.http("POST", path, body)
         assert status == 200, answer
@@ -235,8 +305,13 @@ def test_probes_are_counted_apart_from_rollouts(server: Server) -> None:
     assert grew("atroposd_inference_probe_seconds_count") == len(probes)
     # Only the rollout counts as one: requests, samples, tokens, latency, /health's generations.
     assert grew("atroposd_inference_requests_total", route="generate", outcome="ok") == 1
-    assert sum(grew("atroposd_inference_requests_total", route=r, outcome="ok")
-               for r in ("sglang", "trl", "chat", "completions")) == 0
+    assert (
+        sum(
+            grew("atroposd_inference_requests_total", route=r, outcome="ok")
+            for r in ("sglang", "trl", "chat", "completions")
+        )
+        == 0
+    )
     assert grew("atroposd_inference_generations_total") == 1
     assert grew("atroposd_inference_generated_tokens_total") == 2
     assert server.http("GET", "/health")[1]["generations"] == health["generations"] + 1
@@ -299,9 +374,16 @@ def _manager(server: Server, tiny_dir: Path, server_type: str) -> Any:
     # server type"): TRL's class appends /generate/ to it; the others strip /v1 for their own routes.
     base = server.url if server_type == "trl" else server.url + "/v1"
     # TRL's class loads its tokenizer from model_name: a local directory here.
-    config = APIServerConfig(base_url=base, model_name=str(tiny_dir), tokenizer_name=str(tiny_dir),
-                             server_type=server_type, api_key="x", health_check=False, timeout=60,
-                             num_requests_for_eval=0)
+    config = APIServerConfig(
+        base_url=base,
+        model_name=str(tiny_dir),
+        tokenizer_name=str(tiny_dir),
+        server_type=server_type,
+        api_key="x",
+        health_check=False,
+        timeout=60,
+        num_requests_for_eval=0,
+    )
     return ServerManager(configs=[config])
 
 
@@ -337,6 +419,7 @@ def _no_stop_inside(ids: list[int], finish: str, max_tokens: int) -> None:
 
 async def _text_calls(manager: Any, tokenizer: Any) -> None:
     """What every class serves: completions and chat, n = 1 and n > 1, max_tokens."""
+
     def tokens(text: str | None) -> int:  # TRL's class decodes special tokens into the text
         return len(tokenizer.encode(text or "", add_special_tokens=False))
 
@@ -352,12 +435,14 @@ async def _token_calls(manager: Any, tokenizer: Any) -> None:
     """What the vllm and sglang classes add: token ids and logprobs (ManagedServer's path)."""
     for n in (1, 4):
         prompt, out, lps, reasons = await manager.tokens_and_logprobs_completion(
-            prompt="1+3=", n=n, max_tokens=3, temperature=1.0, ignore_eos=True)
+            prompt="1+3=", n=n, max_tokens=3, temperature=1.0, ignore_eos=True
+        )
         assert prompt == PROMPT and len(out) == len(lps) == len(reasons) == n
         assert all(len(t) == len(lp) == 3 for t, lp in zip(out, lps, strict=True))
         assert all(x <= 0 for lp in lps for x in lp)
     prompt, out, _, reasons = await manager.tokens_and_logprobs_completion(
-        prompt="1+3=", n=8, max_tokens=30, temperature=1.0, ignore_eos=True, stop=STOPS, seed=5)
+        prompt="1+3=", n=8, max_tokens=30, temperature=1.0, ignore_eos=True, stop=STOPS, seed=5
+    )
     finishes = [r["type"] if isinstance(r, dict) else r for r in reasons]
     for ids, finish in zip(out, finishes, strict=True):
         _no_stop_inside(ids, finish, 30)
@@ -367,21 +452,26 @@ async def _token_calls(manager: Any, tokenizer: Any) -> None:
         nodes = managed.get_state()["nodes"]
     assert len(nodes) == 3
     for node in nodes:
-        assert node.tokens[:len(PROMPT)] == PROMPT and len(node.tokens) == len(PROMPT) + 3
-        assert node.masked_tokens[:len(PROMPT)] == [-100] * len(PROMPT)
-        assert all(lp <= 0 for lp in node.logprobs[len(PROMPT):])
+        assert node.tokens[: len(PROMPT)] == PROMPT and len(node.tokens) == len(PROMPT) + 3
+        assert node.masked_tokens[: len(PROMPT)] == [-100] * len(PROMPT)
+        assert all(lp <= 0 for lp in node.logprobs[len(PROMPT) :])
 
 
 async def _text_stops(manager: Any, tokenizer: Any) -> None:
-    comp = await manager.completion(prompt="1+3=", n=8, max_tokens=30, temperature=1.0, stop=STOPS, seed=5,
-                                    extra_body={"ignore_eos": True})
+    comp = await manager.completion(
+        prompt="1+3=", n=8, max_tokens=30, temperature=1.0, stop=STOPS, seed=5, extra_body={"ignore_eos": True}
+    )
     assert any(c.finish_reason == "stop" for c in comp.choices)
     for c in comp.choices:
         assert not set(c.text) & set("".join(STOPS)), c.text  # the stop string is not in the text
 
 
 CASES: dict[str, Callable[[Any, Any], Awaitable[None]]] = {
-    "vllm": _token_calls, "sglang": _token_calls, "openai": _text_stops, "trl": lambda m, t: asyncio.sleep(0)}
+    "vllm": _token_calls,
+    "sglang": _token_calls,
+    "openai": _text_stops,
+    "trl": lambda m, t: asyncio.sleep(0),
+}
 
 
 @pytest.mark.atroposlib

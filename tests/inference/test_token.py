@@ -46,14 +46,19 @@ class _Engine:
         return {"weight_version": self.weight_version, "awaiting_weights": False}
 
     async def generate(self, request: Any, *, bypass_pause: bool = False) -> dict[str, Any]:
-        return {"logprobs": [[[{"7": -0.5}]]], "finish_reasons": ["length"], "token_ids": [[7]],
-                "weight_version": self.weight_version}
+        return {
+            "logprobs": [[[{"7": -0.5}]]],
+            "finish_reasons": ["length"],
+            "token_ids": [[7]],
+            "weight_version": self.weight_version,
+        }
 
 
 @asynccontextmanager
 async def server(token: str) -> AsyncIterator[tuple[str, web.Application]]:
-    front = _Front(model_name="m", max_model_len=64, engine=_Engine(), token=token,
-                   info={"model": "m", "tokenizer": {}})
+    front = _Front(
+        model_name="m", max_model_len=64, engine=_Engine(), token=token, info={"model": "m", "tokenizer": {}}
+    )
     app = build_tcp_app(front)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
@@ -79,8 +84,13 @@ async def test_every_route_refuses_a_request_without_the_token_with_401() -> Non
     async with server(TOKEN) as (url, app), aiohttp.ClientSession() as session:
         routes = _paths(app)
         assert ("POST", "/generate") in routes and ("GET", "/health") in routes and len(routes) >= 7
-        wrong = [{}, {"Authorization": "Bearer not-the-token"}, {"Authorization": f"Basic {TOKEN}"},
-                 {"Authorization": TOKEN}, {"Authorization": f"Bearer {TOKEN}x"}]
+        wrong = [
+            {},
+            {"Authorization": "Bearer not-the-token"},
+            {"Authorization": f"Basic {TOKEN}"},
+            {"Authorization": TOKEN},
+            {"Authorization": f"Bearer {TOKEN}x"},
+        ]
         for method, path in [*routes, ("GET", "/no-such-route")]:
             for headers in wrong:
                 async with session.request(method, url + path, json={}, headers=headers) as resp:
@@ -88,8 +98,9 @@ async def test_every_route_refuses_a_request_without_the_token_with_401() -> Non
                     assert resp.headers.get("WWW-Authenticate") == "Bearer"
         # with it, each route does its own work (an empty body is its own 400, never a 401)
         for method, path in routes:
-            async with session.request(method, url + path, json={},
-                                       headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+            async with session.request(
+                method, url + path, json={}, headers={"Authorization": f"Bearer {TOKEN}"}
+            ) as resp:
                 assert resp.status != 401, (method, path)
         async with session.get(url + "/health", headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
             assert resp.status == 200 and (await resp.json())["weight_version"] == 4
@@ -133,8 +144,12 @@ def test_the_daemon_hands_the_token_to_its_probes_and_children_never_on_a_comman
     from atroposd.process.liveness import InferenceLiveCheck
     from atroposd.process.probes import InferenceProbe
 
-    cfg = parse_config({"daemon": {"runtime_dir": str(tmp_path / "run"), "state_dir": str(tmp_path / "state")},
-                        "env": [{"name": "ext", "command": ["serve", "--openai.api_key", "{inference_token}"]}]})
+    cfg = parse_config(
+        {
+            "daemon": {"runtime_dir": str(tmp_path / "run"), "state_dir": str(tmp_path / "state")},
+            "env": [{"name": "ext", "command": ["serve", "--openai.api_key", "{inference_token}"]}],
+        }
+    )
     cfg.inference.token = TOKEN
     ins = SpecInputs(cfg=cfg, paths=Paths.of(cfg), nonce="n0", model="/m", tokenizer="/t", base_env={}, python="py")
     spec = inference_spec(ins)

@@ -31,23 +31,30 @@ from tests.support import atroposd, config_problems, stop_process, write_config
 WEATHER = TOOLS[0]
 
 
-@pytest.mark.parametrize(("body", "names"), [
-    ({"tools": "get_weather"}, "tools must be a list"),
-    ({"tools": [42]}, "tools[0] must be an object"),
-    ({"tools": [{"type": "retrieval", "function": {"name": "x"}}]}, "tools[0].type"),
-    ({"tools": [{"type": "function"}]}, "tools[0].function must be an object"),
-    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
-    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name 'get_weather' is given twice"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
-     "tools[0].function.parameters"),
-    ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice must be"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
-     "'get_time', which is not among tools"),
-    ({"tools": [WEATHER], "tool_choice": 3}, "tool_choice must be a string or an object"),
-    ({"tool_choice": "auto"}, "tool_choice needs tools"),
-    ({"tools": [], "tool_choice": "required"}, "needs at least one tool"),
-    ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
-])
+@pytest.mark.parametrize(
+    ("body", "names"),
+    [
+        ({"tools": "get_weather"}, "tools must be a list"),
+        ({"tools": [42]}, "tools[0] must be an object"),
+        ({"tools": [{"type": "retrieval", "function": {"name": "x"}}]}, "tools[0].type"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function must be an object"),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
+        ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name 'get_weather' is given twice"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
+            "tools[0].function.parameters",
+        ),
+        ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice must be"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+            "'get_time', which is not among tools",
+        ),
+        ({"tools": [WEATHER], "tool_choice": 3}, "tool_choice must be a string or an object"),
+        ({"tool_choice": "auto"}, "tool_choice needs tools"),
+        ({"tools": [], "tool_choice": "required"}, "needs at least one tool"),
+        ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ],
+)
 def test_a_malformed_tool_request_is_refused_naming_the_field(body: dict[str, Any], names: str) -> None:
     with pytest.raises(BadRequest, match=None) as err:
         tools.parse_tool_request(body)
@@ -59,8 +66,9 @@ def test_tool_request_defaults_and_named_choice() -> None:
     assert req is not None and req.choice == "auto" and req.parse_calls
     none = tools.parse_tool_request({"tools": [WEATHER], "tool_choice": "none"})
     assert none is not None and not none.parse_calls
-    named = tools.parse_tool_request({"tools": [WEATHER], "tool_choice": {"type": "function",
-                                                                          "function": {"name": "get_weather"}}})
+    named = tools.parse_tool_request(
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    )
     assert named is not None and named.choice == {"type": "function", "function": {"name": "get_weather"}}
     assert tools.parse_tool_request({"messages": []}) is None
 
@@ -69,23 +77,37 @@ def test_hermes_parser_reads_calls_and_leaves_other_text_as_content() -> None:
     req = tools.parse_tool_request({"tools": [WEATHER]})
     assert req is not None
     p = tools.HermesParser()
-    out = p.parse('Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-                  '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}', req)
+    out = p.parse(
+        'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}',
+        req,
+    )
     assert out.content == "Let me look."
-    assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [("get_weather", {"city": "Oslo"}),
-                                                                       ("get_weather", {"city": "Rome"})]
+    assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [
+        ("get_weather", {"city": "Oslo"}),
+        ("get_weather", {"city": "Rome"}),
+    ]
     assert len({c.id for c in out.calls}) == 2
     assert p.parse("no call here", req) == tools.ParsedOutput(content="no call here", calls=[])
-    for broken in ('<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',
-                   '<tool_call>{"name": "get_weather"}</tool_call>', '<tool_call>["get_weather"]</tool_call>'):
+    for broken in (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',
+        '<tool_call>{"name": "get_weather"}</tool_call>',
+        '<tool_call>["get_weather"]</tool_call>',
+    ):
         assert p.parse(broken, req) == tools.ParsedOutput(content=broken, calls=[]), broken
 
 
 def test_template_messages_read_arguments_and_text_parts() -> None:
-    msgs = tools.template_messages([
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}])
+    msgs = tools.template_messages(
+        [
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}],
+            },
+        ]
+    )
     assert msgs[0]["content"] == "ab"
     assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
     with pytest.raises(BadRequest, match=r"messages\[0\].tool_calls\[0\].function.arguments is not valid JSON"):
@@ -141,24 +163,30 @@ def test_tool_call_round_trip_through_the_openai_client(tool_server: Server, too
     assert "hermes (HermesParser)" in tool_server.log.read_text(), "tool_parser = auto: the template's format"
 
 
-@pytest.mark.parametrize(("extra", "names"), [
-    ({"tools": {"name": "get_weather"}}, "tools must be a list"),
-    ({"tools": [{"type": "function", "function": {"name": 7}}]}, "tools[0].function.name"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
-    ({"tool_choice": "required"}, "tool_choice needs tools"),
-    ({"return_token_ids": "yes"}, "return_token_ids"),
-])
-def test_malformed_tools_bodies_get_400_naming_the_field(tool_server: Server, extra: dict[str, Any],
-                                                          names: str) -> None:
-    status, body = tool_server.http("POST", "/v1/chat/completions",
-                                    {"messages": _question(), "max_tokens": 2, **extra})
+@pytest.mark.parametrize(
+    ("extra", "names"),
+    [
+        ({"tools": {"name": "get_weather"}}, "tools must be a list"),
+        ({"tools": [{"type": "function", "function": {"name": 7}}]}, "tools[0].function.name"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
+        ({"tool_choice": "required"}, "tool_choice needs tools"),
+        ({"return_token_ids": "yes"}, "return_token_ids"),
+    ],
+)
+def test_malformed_tools_bodies_get_400_naming_the_field(
+    tool_server: Server, extra: dict[str, Any], names: str
+) -> None:
+    status, body = tool_server.http("POST", "/v1/chat/completions", {"messages": _question(), "max_tokens": 2, **extra})
     assert status == 400, body
     assert names in body["error"]["message"]
 
 
 def test_completion_with_logprobs_returns_the_sampled_ids(tool_server: Server) -> None:
-    status, body = tool_server.http("POST", "/v1/completions", {"prompt": "The sky over", "max_tokens": 5,
-                                                                "logprobs": 0, "temperature": 1.0, "seed": 3})
+    status, body = tool_server.http(
+        "POST",
+        "/v1/completions",
+        {"prompt": "The sky over", "max_tokens": 5, "logprobs": 0, "temperature": 1.0, "seed": 3},
+    )
     assert status == 200, body
     choice = body["choices"][0]
     assert choice["token_ids"] == choice["logprobs"]["token_ids"] and len(choice["token_ids"]) >= 1
@@ -170,7 +198,8 @@ def test_completion_with_logprobs_returns_the_sampled_ids(tool_server: Server) -
 @pytest.mark.atroposlib
 @pytest.mark.parametrize("server_type", ["vllm", "sglang"])
 def test_three_turns_through_managed_server_reach_the_trainer_exactly(
-        tool_server: Server, tool_model: Path, server_type: str, tmp_path: Path) -> None:
+    tool_server: Server, tool_model: Path, server_type: str, tmp_path: Path
+) -> None:
     """A three-turn conversation through atroposlib's ManagedServer, as an environment runs it,
     posted to the API and taken by a trainer: the tokens the trainer trains on are exactly the
     ones sampled, each with its sampled logprob, and each in the very context it was sampled in
@@ -185,9 +214,19 @@ def test_three_turns_through_managed_server_reach_the_trainer_exactly(
     from tests.api.conftest import start_atroposd
 
     tok = AutoTokenizer.from_pretrained(str(tool_model))
-    manager = ServerManager(configs=[APIServerConfig(
-        server_type=server_type, base_url=tool_server.url + "/v1", model_name=str(tool_model),
-        tokenizer_name=str(tool_model), api_key="x", health_check=False, timeout=60)])
+    manager = ServerManager(
+        configs=[
+            APIServerConfig(
+                server_type=server_type,
+                base_url=tool_server.url + "/v1",
+                model_name=str(tool_model),
+                tokenizer_name=str(tool_model),
+                api_key="x",
+                health_check=False,
+                timeout=60,
+            )
+        ]
+    )
     backend = manager.servers[0]
     sampled: list[tuple[list[int], list[float]]] = []
     answer = backend._tokens_and_logprobs_completion_wrapper
@@ -205,24 +244,36 @@ def test_three_turns_through_managed_server_reach_the_trainer_exactly(
         async with manager.managed_server(tokenizer=tok) as managed:
             for turn, text in enumerate(users):
                 messages.append({"role": "user", "content": text})
-                reply = await managed.chat_completion(messages=messages, n=1, max_tokens=12, temperature=2.0,
-                                                      seed=11 + turn)
+                reply = await managed.chat_completion(
+                    messages=messages, n=1, max_tokens=12, temperature=2.0, seed=11 + turn
+                )
                 messages.append({"role": "assistant", "content": reply.choices[0].message.content})
             return managed.get_state()["nodes"]
 
     nodes = asyncio.run(converse())
     assert len(sampled) == 3 and len(nodes) == 1, "each turn extends the one conversation"
     node = nodes[0]
-    assert any(tok.encode(tok.decode(ids), add_special_tokens=False) != ids for ids, _ in sampled), \
+    assert any(tok.encode(tok.decode(ids), add_special_tokens=False) != ids for ids, _ in sampled), (
         "re-encoding the sampled text gives the same tokens: the test could not see a re-tokenization"
+    )
 
     api = start_atroposd(tmp_path)
     try:
         with BatchClient(api.url, batch_size=1, max_token_len=256) as trainer:
             trainer.register()
-            assert api.api.call("POST", "/scored_data", {"tokens": [node.tokens], "masks": [node.masked_tokens],
-                                                         "scores": [1.0],
-                                                         "inference_logprobs": [node.logprobs]}).status == 200
+            assert (
+                api.api.call(
+                    "POST",
+                    "/scored_data",
+                    {
+                        "tokens": [node.tokens],
+                        "masks": [node.masked_tokens],
+                        "scores": [1.0],
+                        "inference_logprobs": [node.logprobs],
+                    },
+                ).status
+                == 200
+            )
             batch = trainer.next_batch(timeout=30)
     finally:
         stop_process(api.proc)
@@ -237,8 +288,11 @@ def test_three_turns_through_managed_server_reach_the_trainer_exactly(
     # the batch gives it: the server, recomputing from the batch's tokens, agrees.
     spans = np.split(np.array(trained), np.where(np.diff(trained) > 1)[0] + 1)
     assert [len(s) for s in spans] == [len(ids) for ids, _ in sampled]
-    status, again = tool_server.http("POST", "/generate", {"prompt": {"prompt_token_ids": tokens}, "max_tokens": 1,
-                                                           "prompt_logprobs": 0, "temperature": 2.0})
+    status, again = tool_server.http(
+        "POST",
+        "/generate",
+        {"prompt": {"prompt_token_ids": tokens}, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 2.0},
+    )
     assert status == 200, again
     recomputed = [float(again["prompt_logprobs"][i][str(tokens[i])]) for i in trained]
     assert np.allclose(recomputed, logprobs[trained], atol=1e-4), (recomputed, logprobs[trained].tolist())

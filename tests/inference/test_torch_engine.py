@@ -94,11 +94,11 @@ async def test_seeds_reproduce_and_n_rows_differ(engine: TorchEngine) -> None:
 
 async def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(engine: TorchEngine) -> None:
     prompts = [[BOS_ID, *range(4, 4 + k)] for k in range(1, 17)]  # 16 different prompt lengths
-    alone = [await engine.generate(req(p, n=2, max_tokens=5, seed=k, ignore_eos=True))
-             for k, p in enumerate(prompts)]
+    alone = [await engine.generate(req(p, n=2, max_tokens=5, seed=k, ignore_eos=True)) for k, p in enumerate(prompts)]
     batches_before = engine.batches
-    together = await asyncio.gather(*(engine.generate(req(p, n=2, max_tokens=5, seed=k, ignore_eos=True))
-                                      for k, p in enumerate(prompts)))
+    together = await asyncio.gather(
+        *(engine.generate(req(p, n=2, max_tokens=5, seed=k, ignore_eos=True)) for k, p in enumerate(prompts))
+    )
     used = engine.batches - batches_before
     assert used <= 2, f"16 simultaneous requests took {used} batches"
     for one, many, p in zip(alone, together, prompts, strict=True):
@@ -130,16 +130,16 @@ async def test_stop_strings_stop_token_ids_eos_and_length(engine: TorchEngine) -
     assert text == tok.decode(ids, skip_special_tokens=True)
     stopped = await gen(stop=[chars[k]])
     assert stopped["finish_reasons"] == ["stop"]
-    assert stopped["token_ids"][0] == ids[:k + 1]  # the token that completed the stop string is kept
+    assert stopped["token_ids"][0] == ids[: k + 1]  # the token that completed the stop string is kept
     assert stopped["text"][0] == "".join(chars[:k])  # the stop string itself is not in the text
     kept = await gen(stop=chars[k], include_stop_str_in_output=True)
-    assert kept["text"][0] == "".join(chars[:k + 1])
+    assert kept["text"][0] == "".join(chars[: k + 1])
     by_id = await gen(stop_token_ids=[ids[k]])
-    assert by_id["finish_reasons"] == ["stop"] and by_id["token_ids"][0] == ids[:k + 1]
+    assert by_id["finish_reasons"] == ["stop"] and by_id["token_ids"][0] == ids[: k + 1]
     assert engine.eos_ids == {EOS_ID}
     engine.eos_ids = frozenset({ids[k]})  # make that token the end of sequence
     eos = await gen(ignore_eos=False)
-    assert eos["finish_reasons"] == ["stop"] and eos["token_ids"][0] == ids[:k + 1]
+    assert eos["finish_reasons"] == ["stop"] and eos["token_ids"][0] == ids[: k + 1]
     assert len(eos["logprobs"][0]) == k + 1  # a sampled EOS is the last token, with its logprob
     ignored = await gen()
     assert ignored["token_ids"][0] == ids and ignored["finish_reasons"] == ["length"]
@@ -159,21 +159,24 @@ async def test_prompt_logprobs_with_alternatives(engine: TorchEngine) -> None:
         assert len(item) == 3 and all(len(d) == 1 for d in item)  # sampled first, then the top 2
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"prompt": "1+1="}, "prompt must be"),
-    (req([]), "prompt must be"),
-    (req([1, 99]), "outside the vocabulary"),
-    (req(max_tokens=0), "max_tokens"),
-    (req(max_tokens=MAX_MODEL_LEN), "exceeds max_model_len"),
-    (req(n=0), "n must be"),
-    (req(temperature=-1), "temperature"),
-    (req(top_p=0), "top_p"),
-    (req(stop=[3]), "stop must be"),
-    (req(seed="x"), "seed must be"),
-    (req(frequency_penalty=0.5), "not supported"),
-    (req(bogus=1), "unknown field"),
-    ([1, 2], "JSON object"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"prompt": "1+1="}, "prompt must be"),
+        (req([]), "prompt must be"),
+        (req([1, 99]), "outside the vocabulary"),
+        (req(max_tokens=0), "max_tokens"),
+        (req(max_tokens=MAX_MODEL_LEN), "exceeds max_model_len"),
+        (req(n=0), "n must be"),
+        (req(temperature=-1), "temperature"),
+        (req(top_p=0), "top_p"),
+        (req(stop=[3]), "stop must be"),
+        (req(seed="x"), "seed must be"),
+        (req(frequency_penalty=0.5), "not supported"),
+        (req(bogus=1), "unknown field"),
+        ([1, 2], "JSON object"),
+    ],
+)
 async def test_bad_requests_are_refused(engine: TorchEngine, body: Any, message: str) -> None:
     with pytest.raises(BadRequest, match=message):
         await engine.generate(body)
@@ -266,13 +269,29 @@ def test_flat_llama_forward_matches_the_models_own(tiny_dir: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(str(tiny_dir)).eval()
     tok = AutoTokenizer.from_pretrained(str(tiny_dir))
     assert LlamaStepper.supports(model)
-    reqs = [GenerateParams(prompt_ids=[BOS_ID, *range(4, 4 + k)], n=1 + k % 3, max_tokens=4 + k, seed=k,
-                           prompt_logprobs=1 if k % 2 else None) for k in range(1, 7)]
+    reqs = [
+        GenerateParams(
+            prompt_ids=[BOS_ID, *range(4, 4 + k)],
+            n=1 + k % 3,
+            max_tokens=4 + k,
+            seed=k,
+            prompt_logprobs=1 if k % 2 else None,
+        )
+        for k in range(1, 7)
+    ]
     results = []
     for fast in (True, False):
         with torch.inference_mode():
-            results.append(decode_batch(model, reqs, tokenizer=tok, eos_ids=frozenset({EOS_ID}),
-                                        generator=torch.Generator().manual_seed(0), fast=fast))
+            results.append(
+                decode_batch(
+                    model,
+                    reqs,
+                    tokenizer=tok,
+                    eos_ids=frozenset({EOS_ID}),
+                    generator=torch.Generator().manual_seed(0),
+                    fast=fast,
+                )
+            )
     (fast_c, fast_p), (hf_c, hf_p) = results
     for a, b in zip(fast_c, hf_c, strict=True):
         for x, y in zip(a, b, strict=True):
@@ -303,8 +322,7 @@ async def test_a_failing_batch_answers_its_requests_and_the_engine_goes_on(engin
     engine.model.forward = None  # every forward pass raises TypeError
     engine.fast = False
     try:
-        results = await asyncio.gather(*(engine.generate(req(max_tokens=2)) for _ in range(3)),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*(engine.generate(req(max_tokens=2)) for _ in range(3)), return_exceptions=True)
         assert all(isinstance(r, TypeError) for r in results)
     finally:
         engine.model.forward = real

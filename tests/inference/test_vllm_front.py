@@ -17,8 +17,10 @@ import pytest
 from tests.inference.conftest import Server, env_with_nonce, start_server
 from tests.support import stop_process
 
-pytestmark = [pytest.mark.vllm,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+]
 
 SEQ = [1, 7, 14, 9, 17, 16, 6]
 
@@ -44,8 +46,18 @@ def test_routes_and_shapes(vllm_server: Server) -> None:
     srv = vllm_server
     status, info = srv.http("GET", "/info")
     assert status == 200 and info["engine"] == "vllm" and info["tokenizer"]["vocab_size"] == 22
-    status, body = srv.http("POST", "/generate", {"prompt": {"prompt_token_ids": SEQ[:5]}, "n": 3, "max_tokens": 3,
-                                                  "logprobs": 0, "temperature": 1.0, "ignore_eos": True})
+    status, body = srv.http(
+        "POST",
+        "/generate",
+        {
+            "prompt": {"prompt_token_ids": SEQ[:5]},
+            "n": 3,
+            "max_tokens": 3,
+            "logprobs": 0,
+            "temperature": 1.0,
+            "ignore_eos": True,
+        },
+    )
     assert status == 200, body
     assert len(body["logprobs"]) == 3 and all(len(c) == 3 for c in body["logprobs"])
     assert all(len(item) == 1 and len(item[0]) == 1 for c in body["logprobs"] for item in c)
@@ -78,8 +90,11 @@ def test_push_update_is_served(vllm_server: Server, tiny_dir: Path, nonce: str) 
     push = PushSync(nonce=nonce, weights_dir=weights_dir, control_socket=srv.socket)
     try:
         asyncio.run(push.attach(model, 4))
-        status, body = srv.http("POST", "/generate", {"prompt": {"prompt_token_ids": SEQ}, "max_tokens": 1,
-                                                      "temperature": 1.0, "prompt_logprobs": 0})
+        status, body = srv.http(
+            "POST",
+            "/generate",
+            {"prompt": {"prompt_token_ids": SEQ}, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0},
+        )
     finally:
         push.close()
     assert status == 200 and body["weight_version"] == 4

@@ -57,8 +57,11 @@ def local_logprobs(model: torch.nn.Module, tokens: list[int] = SEQ) -> list[floa
 
 
 def served(server: Server, tokens: list[int] = SEQ) -> tuple[list[float], int]:
-    status, body = server.http("POST", "/generate", {"prompt": {"prompt_token_ids": tokens}, "max_tokens": 1,
-                                                     "temperature": 1.0, "prompt_logprobs": 0})
+    status, body = server.http(
+        "POST",
+        "/generate",
+        {"prompt": {"prompt_token_ids": tokens}, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0},
+    )
     assert status == 200, body
     pl = body["prompt_logprobs"]
     return [pl[i][str(tokens[i])] for i in range(1, len(tokens))], body["weight_version"]

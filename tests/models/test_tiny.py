@@ -83,10 +83,14 @@ def test_same_seed_same_directory_other_seed_other_weights(tmp_path: Path, tiny_
 
 
 def test_concurrent_builders_get_one_complete_directory(tmp_path: Path) -> None:
-    code = ("import sys; from pathlib import Path; from atroposd.models.tiny import ensure_builtin_model;"
-            "print(ensure_builtin_model(Path(sys.argv[1]), 3, 64))")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    code = (
+        "import sys; from pathlib import Path; from atroposd.models.tiny import ensure_builtin_model;"
+        "print(ensure_builtin_model(Path(sys.argv[1]), 3, 64))"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     outs = []
     for p in procs:
         out, _ = p.communicate(timeout=120)
@@ -98,9 +102,13 @@ def test_concurrent_builders_get_one_complete_directory(tmp_path: Path) -> None:
 
 
 def test_resolve_builtin_and_local_and_errors(tmp_path: Path, tiny_dir: Path) -> None:
-    cfg = parse_config({"daemon": {"state_dir": str(tiny_dir.parent.parent)},
-                        "inference": {"max_model_len": 128},
-                        "trainer": {"max_token_len": 64}})
+    cfg = parse_config(
+        {
+            "daemon": {"state_dir": str(tiny_dir.parent.parent)},
+            "inference": {"max_model_len": 128},
+            "trainer": {"max_token_len": 64},
+        }
+    )
     assert resolve_model(cfg) == tiny_dir
     assert resolve_tokenizer(cfg) == tiny_dir
     local = parse_config({"inference": {"model": str(tiny_dir)}})
@@ -128,8 +136,10 @@ def test_fingerprint_compares_vocabulary_and_special_ids(tmp_path: Path, tiny_di
 
 
 def test_fingerprint_reads_tokenizer_files_without_torch(tiny_dir: Path) -> None:
-    code = ("import sys; from atroposd.models.resolve import tokenizer_fingerprint as f; import json;"
-            "print(json.dumps(f(sys.argv[1]))); assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+    code = (
+        "import sys; from atroposd.models.resolve import tokenizer_fingerprint as f; import json;"
+        "print(json.dumps(f(sys.argv[1]))); assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    )
     out = subprocess.run([sys.executable, "-c", code, str(tiny_dir)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     from transformers import AutoTokenizer

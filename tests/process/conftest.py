@@ -25,8 +25,15 @@ def script(name: str, *args: str) -> list[str]:
 def make_spec(name: str, argv: list[str], *, probe: Probe | None = None, **kw: Any) -> UnitSpec:
     import os
 
-    base: dict[str, Any] = dict(kind="env", env=dict(os.environ), ready_timeout=20.0, stop_timeout=3.0,
-                                restart="always", max_restarts=5, restart_window=60.0)
+    base: dict[str, Any] = dict(
+        kind="env",
+        env=dict(os.environ),
+        ready_timeout=20.0,
+        stop_timeout=3.0,
+        restart="always",
+        max_restarts=5,
+        restart_window=60.0,
+    )
     base.update(kw)
     return UnitSpec(name=name, argv=argv, probe=probe or StartedProbe(0.2), **base)
 

@@ -62,8 +62,14 @@ def test_a_stopped_http_child_is_declared_hung_killed_and_restarted(hub: LogHub)
             _kill_if_alive(pid)
         seen["pid"] = pid
 
-    spec = make_spec("api", script("fake_api.py", str(port)), kind="api", probe=HttpProbe(url), live=FAST,
-                     live_check=HttpLiveCheck(url, FAST.timeout))
+    spec = make_spec(
+        "api",
+        script("fake_api.py", str(port)),
+        kind="api",
+        probe=HttpProbe(url),
+        live=FAST,
+        live_check=HttpLiveCheck(url, FAST.timeout),
+    )
     unit = supervise(spec, hub, body)
     assert seen["failing"] in ("failing", "hung"), seen
     assert unit.restarts == 1
@@ -91,8 +97,14 @@ def test_liveness_off_leaves_a_stopped_child_alone(hub: LogHub) -> None:
             os.kill(pid, signal.SIGCONT)  # type: ignore[arg-type]
 
     off = LiveSettings(interval=0.0, timeout=0.5, failures=3)
-    spec = make_spec("api", script("fake_api.py", str(port)), kind="api", probe=HttpProbe(url), live=off,
-                     live_check=HttpLiveCheck(url, 0.5))
+    spec = make_spec(
+        "api",
+        script("fake_api.py", str(port)),
+        kind="api",
+        probe=HttpProbe(url),
+        live=off,
+        live_check=HttpLiveCheck(url, 0.5),
+    )
     unit = supervise(spec, hub, body)
     assert unit.restarts == 0
 
@@ -110,9 +122,14 @@ def test_generation_probe_finds_an_engine_whose_health_still_answers(hub: LogHub
         await _ready(unit, pid_not=first)
         exits.append(unit.last_exit)
 
-    spec = make_spec("inference", script("stuck_generation.py", str(port), str(sock)), kind="inference",
-                     probe=HttpProbe(f"http://127.0.0.1:{port}/health"),
-                     live=LiveSettings(interval=0.2, timeout=0.3, failures=2), live_check=check)
+    spec = make_spec(
+        "inference",
+        script("stuck_generation.py", str(port), str(sock)),
+        kind="inference",
+        probe=HttpProbe(f"http://127.0.0.1:{port}/health"),
+        live=LiveSettings(interval=0.2, timeout=0.3, failures=2),
+        live_check=check,
+    )
     unit = supervise(spec, hub, body)
     assert exits[0] is not None and exits[0].reason == "hung"
     assert unit.last_hung is not None and "generation" in unit.last_hung["reason"], unit.last_hung
@@ -143,8 +160,9 @@ def test_heartbeats_keep_a_child_live_and_their_absence_restarts_it(hub: LogHub,
             _kill_if_alive(pid)
 
     env = {**os.environ, heartbeat.ENV_SOCKET: str(path)}
-    spec = make_spec("env-0", script("beating.py", "env-0"), env=env, live=FAST,
-                     live_check=HeartbeatLiveCheck(board, FAST.timeout))
+    spec = make_spec(
+        "env-0", script("beating.py", "env-0"), env=env, live=FAST, live_check=HeartbeatLiveCheck(board, FAST.timeout)
+    )
 
     async def with_board(unit: Unit) -> None:  # the board serves beside the unit
         async with anyio.create_task_group() as tg:
@@ -177,8 +195,11 @@ def test_a_command_environment_is_live_while_it_uses_cpu(hub: LogHub, tmp_path: 
         finally:
             _kill_if_alive(pid)
 
-    spin = [sys.executable, "-c", "import signal,sys\nsignal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
-            "while True: pass"]
+    spin = [
+        sys.executable,
+        "-c",
+        "import signal,sys\nsignal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\nwhile True: pass",
+    ]
     spec = make_spec("cmd-0", spin, live=FAST, live_check=ActivityLiveCheck(board, api, FAST.timeout, quiet=0.0))
     unit = supervise(spec, hub, body)
     assert exits[0] is not None and exits[0].reason == "hung"
@@ -199,8 +220,7 @@ def test_a_declared_hang_is_a_failure_even_when_the_child_exits_0(hub: LogHub) -
         await _ready(unit, pid_not=pid)
         exits.append(unit.last_exit)
 
-    spec = make_spec("api", script("fake_api.py", str(port)), kind="api", probe=HttpProbe(url),
-                     restart="on-failure")
+    spec = make_spec("api", script("fake_api.py", str(port)), kind="api", probe=HttpProbe(url), restart="on-failure")
     unit = supervise(spec, hub, body)
     assert unit.restarts == 1
     assert exits[0] is not None and exits[0].reason == "hung" and exits[0].code == 0

@@ -14,8 +14,11 @@ from tests.support import stop_process, wait_for
 
 
 def _sleeper(nonce: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                            env={**os.environ, reaper.INSTANCE_VAR: nonce}, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        env={**os.environ, reaper.INSTANCE_VAR: nonce},
+        start_new_session=True,
+    )
 
 
 def _dead_daemon() -> tuple[int, float]:
@@ -29,12 +32,15 @@ def test_survivors_of_a_dead_daemon_are_terminated_and_others_spared(tmp_path: P
     pid, start = _dead_daemon()
     recorded, unrecorded, other = _sleeper("deadbeef0001"), _sleeper("deadbeef0001"), _sleeper("aliveaaa0002")
     try:
-        wait_for(lambda: all(psutil.Process(p.pid).environ().get(reaper.INSTANCE_VAR)
-                             for p in (recorded, unrecorded, other)), what="children running")
+        wait_for(
+            lambda: all(
+                psutil.Process(p.pid).environ().get(reaper.INSTANCE_VAR) for p in (recorded, unrecorded, other)
+            ),
+            what="children running",
+        )
         rec_start = psutil.Process(recorded.pid).create_time()
         path = tmp_path / "instance.json"
-        reaper.write_record(path, reaper.InstanceRecord("deadbeef0001", pid, start - 1.0,
-                                                        [(recorded.pid, rec_start)]))
+        reaper.write_record(path, reaper.InstanceRecord("deadbeef0001", pid, start - 1.0, [(recorded.pid, rec_start)]))
         record = reaper.recover_dead_instance(path, grace=2.0)
         assert record is not None and record.nonce == "deadbeef0001"
         assert recorded.wait(5) is not None and unrecorded.wait(5) is not None
@@ -49,8 +55,12 @@ def test_a_live_daemon_record_is_left_alone(tmp_path: Path) -> None:
     child = _sleeper("liveaaaa0003")
     try:
         path = tmp_path / "instance.json"
-        reaper.write_record(path, reaper.InstanceRecord("liveaaaa0003", me.pid, me.create_time(),
-                                                        [(child.pid, psutil.Process(child.pid).create_time())]))
+        reaper.write_record(
+            path,
+            reaper.InstanceRecord(
+                "liveaaaa0003", me.pid, me.create_time(), [(child.pid, psutil.Process(child.pid).create_time())]
+            ),
+        )
         assert reaper.recover_dead_instance(path) is None
         assert child.poll() is None
     finally:
@@ -63,8 +73,12 @@ def test_a_recycled_pid_is_not_mistaken_for_a_descendant(tmp_path: Path) -> None
         pid, start = _dead_daemon()
         path = tmp_path / "instance.json"
         # the record names the pid with another start time: a different process
-        reaper.write_record(path, reaper.InstanceRecord("deadbeef0005", pid, start,
-                                                        [(child.pid, psutil.Process(child.pid).create_time() - 5)]))
+        reaper.write_record(
+            path,
+            reaper.InstanceRecord(
+                "deadbeef0005", pid, start, [(child.pid, psutil.Process(child.pid).create_time() - 5)]
+            ),
+        )
         reaper.recover_dead_instance(path)
         assert child.poll() is None
     finally:

@@ -95,8 +95,16 @@ def test_a_stopped_component_leaves_no_segments(hub: LogHub, tmp_path: Path) -> 
         await unit.done.wait()
 
     try:
-        unit = supervise(make_spec("holder", script("shm_holder.py", "--grandchild", str(marker), old, a, b),
-                                   stop_timeout=2.0, restart="never"), hub, body)
+        unit = supervise(
+            make_spec(
+                "holder",
+                script("shm_holder.py", "--grandchild", str(marker), old, a, b),
+                stop_timeout=2.0,
+                restart="never",
+            ),
+            hub,
+            body,
+        )
         assert unit.state == State.STOPPED
         assert not _exists(a) and not _exists(b), "segments left by the stopped component"
         assert _exists(old)

@@ -54,8 +54,7 @@ def test_stubborn_child_and_setsid_grandchild_are_gone_within_stop_timeout(hub: 
         await unit.done.wait()
         measured["stop_s"] = time.monotonic() - t0
 
-    unit = supervise(make_spec("stubborn", script("stubborn.py", str(pidfile)), stop_timeout=stop_timeout), hub,
-                     body)
+    unit = supervise(make_spec("stubborn", script("stubborn.py", str(pidfile)), stop_timeout=stop_timeout), hub, body)
     assert unit.state == State.STOPPED
     assert measured["stop_s"] <= stop_timeout + 0.5, measured
     assert not _alive(int(measured["child"])) and not _alive(int(measured["grandchild"]))
@@ -99,8 +98,9 @@ def test_exit_code_2_before_ready_fails_at_once(hub: LogHub) -> None:
         await unit.wait_until(lambda u: u.state == State.FAILED)
 
     # A probe that cannot pass before the exit, however slow the interpreter starts under load.
-    unit = supervise(make_spec("usage", script("crashloop.py", "2"), max_restarts=5, probe=StartedProbe(30.0)),
-                     hub, body)
+    unit = supervise(
+        make_spec("usage", script("crashloop.py", "2"), max_restarts=5, probe=StartedProbe(30.0)), hub, body
+    )
     assert unit.state == State.FAILED and unit.restarts == 0
     assert unit.last_error and "usage or config error" in unit.last_error
 
@@ -112,8 +112,17 @@ def test_child_dying_during_readiness_fails_the_wait_at_once_with_its_log(hub: L
         await unit.settled.wait()
 
     t0 = time.monotonic()
-    unit = supervise(make_spec("dies", script("die_during_ready.py"), ready_timeout=60.0, restart="never",
-                               probe=HttpProbe(f"http://127.0.0.1:{port}/info")), hub, body)
+    unit = supervise(
+        make_spec(
+            "dies",
+            script("die_during_ready.py"),
+            ready_timeout=60.0,
+            restart="never",
+            probe=HttpProbe(f"http://127.0.0.1:{port}/info"),
+        ),
+        hub,
+        body,
+    )
     assert time.monotonic() - t0 < 5.0
     assert unit.state == State.FAILED
     assert unit.last_error is not None
@@ -131,8 +140,11 @@ def test_slow_child_becomes_ready_when_its_probe_passes(hub: LogHub) -> None:
         seen["ready_s"] = time.monotonic() - t0
         assert unit.state == State.READY
 
-    supervise(make_spec("slow", script("slow_ready.py", str(port), "1.0"),
-                        probe=HttpProbe(f"http://127.0.0.1:{port}/info")), hub, body)
+    supervise(
+        make_spec("slow", script("slow_ready.py", str(port), "1.0"), probe=HttpProbe(f"http://127.0.0.1:{port}/info")),
+        hub,
+        body,
+    )
     assert seen["ready_s"] >= 0.9
 
 
@@ -142,8 +154,17 @@ def test_readiness_deadline_kills_and_counts_the_attempt(hub: LogHub) -> None:
     async def body(unit: Unit) -> None:
         await unit.wait_until(lambda u: u.state == State.FAILED)
 
-    unit = supervise(make_spec("never-ready", script("cooperative.py"), ready_timeout=0.5, max_restarts=0,
-                               probe=HttpProbe(f"http://127.0.0.1:{port}/info")), hub, body)
+    unit = supervise(
+        make_spec(
+            "never-ready",
+            script("cooperative.py"),
+            ready_timeout=0.5,
+            max_restarts=0,
+            probe=HttpProbe(f"http://127.0.0.1:{port}/info"),
+        ),
+        hub,
+        body,
+    )
     assert unit.state == State.FAILED
     assert unit.last_error and "not ready after 0.5s" in unit.last_error
 
@@ -192,9 +213,9 @@ def test_finished_environment_is_stopped_not_restarted(hub: LogHub) -> None:
     async def body(unit: Unit) -> None:
         await unit.wait_until(lambda u: u.state == State.STOPPED and u.last_exit is not None)
 
-    unit = supervise(make_spec("done", script("crashloop.py", "0"), restart="on-failure",
-                               probe=StartedProbe(0.0)),
-                     hub, body)
+    unit = supervise(
+        make_spec("done", script("crashloop.py", "0"), restart="on-failure", probe=StartedProbe(0.0)), hub, body
+    )
     assert unit.state == State.STOPPED and unit.restarts == 0
 
 
@@ -235,7 +256,8 @@ def test_a_command_that_cannot_be_executed_is_an_exit_not_a_crash(hub: LogHub, t
     async def body(unit: Unit) -> None:
         await unit.wait_until(lambda u: u.state == State.FAILED)
 
-    unit = supervise(make_spec("missing", [str(tmp_path / "no-such-binary")], restart="never",
-                               probe=StartedProbe(30.0)), hub, body)
+    unit = supervise(
+        make_spec("missing", [str(tmp_path / "no-such-binary")], restart="never", probe=StartedProbe(30.0)), hub, body
+    )
     assert unit.last_exit is not None and unit.last_exit.code == 127
     assert unit.last_error and "cannot execute" in unit.last_error

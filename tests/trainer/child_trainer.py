@@ -36,8 +36,9 @@ def weights_hash(model: torch.nn.Module) -> str:
 
 def batch_for(step: int, cfg: object) -> object:
     t = cfg.trainer  # type: ignore[attr-defined]
-    return prepare_batch(make_groups(100 + step), micro_batch_size=t.micro_batch_size, max_token_len=64,
-                         adv_std_floor=0.1)
+    return prepare_batch(
+        make_groups(100 + step), micro_batch_size=t.micro_batch_size, max_token_len=64, adv_std_floor=0.1
+    )
 
 
 def train_step(learner: object, progress: Progress, cfg: object) -> float:

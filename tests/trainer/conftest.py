@@ -34,17 +34,36 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def make_cfg(state_dir: Path, model_dir: Path, **trainer: Any) -> Config:
     """A config for the trainer with ``model_dir`` as the model (no builtin build needed)."""
-    t = {"steps": 4, "batch_size": 16, "micro_batch_size": 8, "max_token_len": 64, "checkpoint_every": 2,
-         "keep_checkpoints": 2, "weight_sync": "reload", "device": "cpu"}
+    t = {
+        "steps": 4,
+        "batch_size": 16,
+        "micro_batch_size": 8,
+        "max_token_len": 64,
+        "checkpoint_every": 2,
+        "keep_checkpoints": 2,
+        "weight_sync": "reload",
+        "device": "cpu",
+    }
     t.update(trainer)
-    raw = {"daemon": {"state_dir": str(state_dir), "runtime_dir": str(state_dir / "run")},
-           "inference": {"model": str(model_dir), "max_model_len": 512}, "trainer": t}
+    raw = {
+        "daemon": {"state_dir": str(state_dir), "runtime_dir": str(state_dir / "run")},
+        "inference": {"model": str(model_dir), "max_model_len": 512},
+        "trainer": t,
+    }
     return parse_config(raw)
 
 
-def make_group(rng: random.Random, *, size: int = 8, prompt_len: int = 4, completion_len: int = 3,
-               logprobs: bool = True, version: int | None = 0, accuracy: float | None = None,
-               scores: list[float] | None = None) -> dict[str, Any]:
+def make_group(
+    rng: random.Random,
+    *,
+    size: int = 8,
+    prompt_len: int = 4,
+    completion_len: int = 3,
+    logprobs: bool = True,
+    version: int | None = 0,
+    accuracy: float | None = None,
+    scores: list[float] | None = None,
+) -> dict[str, Any]:
     """A scored group of sequences in run-api's wire format (prompt masked with -100)."""
     tokens, masks, lps = [], [], []
     for _ in range(size):
@@ -53,8 +72,11 @@ def make_group(rng: random.Random, *, size: int = 8, prompt_len: int = 4, comple
         tokens.append(prompt + completion)
         masks.append([-100] * prompt_len + completion)
         lps.append([1.0] * prompt_len + [round(-rng.uniform(1.5, 4.0), 4) for _ in completion])
-    group: dict[str, Any] = {"tokens": tokens, "masks": masks,
-                             "scores": scores if scores is not None else [rng.random() for _ in range(size)]}
+    group: dict[str, Any] = {
+        "tokens": tokens,
+        "masks": masks,
+        "scores": scores if scores is not None else [rng.random() for _ in range(size)],
+    }
     if logprobs:
         group["inference_logprobs"] = lps
     ext: dict[str, Any] = {}

@@ -37,9 +37,17 @@ def run_api(log: Path, port: int | None = None) -> Iterator[tuple[str, subproces
 @asynccontextmanager
 async def info_server(tokenizer: dict[str, Any], port: int) -> AsyncIterator[str]:
     """An inference stand-in: ``GET /info`` with the given tokenizer fingerprint."""
+
     async def info(_request: web.Request) -> web.Response:
-        return web.json_response({"model": "stand-in", "engine": "test", "weight_version": 0,
-                                  "tokenizer": tokenizer, "awaiting_weights": False})
+        return web.json_response(
+            {
+                "model": "stand-in",
+                "engine": "test",
+                "weight_version": 0,
+                "tokenizer": tokenizer,
+                "awaiting_weights": False,
+            }
+        )
 
     app = web.Application()
     app.router.add_get("/info", info)
@@ -53,16 +61,27 @@ async def info_server(tokenizer: dict[str, Any], port: int) -> AsyncIterator[str
         await runner.cleanup()
 
 
-async def produce(api_url: str, group_size: int = 8, max_queue: int = 4, seed: int = 0,
-                  accuracy: float | None = 0.25, first: list[dict[str, Any]] | None = None) -> None:
+async def produce(
+    api_url: str,
+    group_size: int = 8,
+    max_queue: int = 4,
+    seed: int = 0,
+    accuracy: float | None = 0.25,
+    first: list[dict[str, Any]] | None = None,
+) -> None:
     """Register as an environment (once the trainer has started) and keep the queue topped up;
     ``first``: groups posted as they are (with the env_id) before the generated ones."""
     rng = random.Random(seed)
     async with aiohttp.ClientSession() as http:
         env_id = None
         while env_id is None:
-            body = {"max_token_length": 64, "desired_name": "stand-in", "weight": 1.0,
-                    "group_size": group_size, "min_batch_allocation": None}
+            body = {
+                "max_token_length": 64,
+                "desired_name": "stand-in",
+                "weight": 1.0,
+                "group_size": group_size,
+                "min_batch_allocation": None,
+            }
             async with http.post(f"{api_url}/register-env", json=body) as resp:
                 data = await resp.json()
             if data.get("status") == "success":
@@ -91,8 +110,13 @@ async def produce_rollouts(api_url: str, inference_url: str, group_size: int = 8
     async with aiohttp.ClientSession() as http:
         env_id = None
         while env_id is None:
-            body = {"max_token_length": 64, "desired_name": "rollouts", "weight": 1.0, "group_size": group_size,
-                    "min_batch_allocation": None}
+            body = {
+                "max_token_length": 64,
+                "desired_name": "rollouts",
+                "weight": 1.0,
+                "group_size": group_size,
+                "min_batch_allocation": None,
+            }
             async with http.post(f"{api_url}/register-env", json=body) as resp:
                 data = await resp.json()
             if data.get("status") == "success":
@@ -106,8 +130,13 @@ async def produce_rollouts(api_url: str, inference_url: str, group_size: int = 8
                     continue
             d = rng.randrange(10)
             prompt = [1, 4 + d, 17]  # [BOS] d =
-            req = {"prompt": {"prompt_token_ids": prompt}, "n": group_size, "max_tokens": 2, "temperature": 1.0,
-                   "logprobs": 0}
+            req = {
+                "prompt": {"prompt_token_ids": prompt},
+                "n": group_size,
+                "max_tokens": 2,
+                "temperature": 1.0,
+                "logprobs": 0,
+            }
             async with http.post(f"{inference_url}/generate", json=req) as resp:
                 assert resp.status == 200, await resp.text()
                 out = await resp.json()
@@ -117,8 +146,14 @@ async def produce_rollouts(api_url: str, inference_url: str, group_size: int = 8
                 masks.append([-100] * len(prompt) + ids)
                 lps.append([1.0] * len(prompt) + [next(iter(e[0].values())) for e in lp])
                 scores.append(1.0 if ids and ids[0] == 4 + (d + 1) % 10 else 0.0)
-            group = {"tokens": tokens, "masks": masks, "scores": scores, "inference_logprobs": lps,
-                     "env_id": env_id, "group_overrides": {"atroposd": {"weight_version": out["weight_version"]}}}
+            group = {
+                "tokens": tokens,
+                "masks": masks,
+                "scores": scores,
+                "inference_logprobs": lps,
+                "env_id": env_id,
+                "group_overrides": {"atroposd": {"weight_version": out["weight_version"]}},
+            }
             async with http.post(f"{api_url}/scored_data", json=group) as resp:
                 assert resp.status == 200, await resp.text()
 

@@ -15,7 +15,8 @@ key: a pickle that would create MARKER, a JSON command without the key, a replay
 
 OUT (torch.save): {"losses": [...], "grad_norms": [...], "params": {name: full tensor},
 "step": last step, "resumed_from": step or None, "follower_codes": [exit code of each rank],
-"checkpoint_params": {name: full tensor} at C, "loaded_params": the same as loaded (before the steps), "in_flight": [steps trained while C's write was in flight]}. Batch i is ``make_groups(1000 + i, n=4)``.
+"checkpoint_params": {name: full tensor} at C, "loaded_params": the same as loaded (before the steps), "in_flight":
+[steps trained while C's write was in flight]}. Batch i is ``make_groups(1000 + i, n=4)``.
 """
 
 from __future__ import annotations
@@ -73,10 +74,24 @@ def main() -> int:
         env = {**os.environ, STORE_VAR: store.address, SECRET_VAR: "test-secret", KEY_VAR: store.key.hex()}
         for r in range(1, world):
             log = open(Path(args.out).with_suffix(f".rank{r}.log"), "ab")
-            followers.append(subprocess.Popen([sys.executable, "-m", "atroposd", "trainer-rank", "-c", args.config,
-                                               "--rank", str(r)], env=env, stdout=log, stderr=subprocess.STDOUT))
-        ranks = GroupRanks.join(store.store, prefix=prefix, key=store.key, rank=0, world=world, device=torch.device("cpu"),
-                                join_timeout=t.join_timeout, collective_timeout=t.collective_timeout)
+            followers.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "atroposd", "trainer-rank", "-c", args.config, "--rank", str(r)],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        ranks = GroupRanks.join(
+            store.store,
+            prefix=prefix,
+            key=store.key,
+            rank=0,
+            world=world,
+            device=torch.device("cpu"),
+            join_timeout=t.join_timeout,
+            collective_timeout=t.collective_timeout,
+        )
     else:
         ranks = OneRank()
     try:
@@ -84,13 +99,25 @@ def main() -> int:
         learner = build_learner(cfg, setup)
         checkpointer = setup.checkpointer(learner)
         step = setup.step
-        out: dict[str, Any] = {"losses": [], "grad_norms": [], "resumed_from": step if setup.restored else None,
-                               "in_flight": [], "loaded_params": full_params(learner.policy.model, ranks)}
+        out: dict[str, Any] = {
+            "losses": [],
+            "grad_norms": [],
+            "resumed_from": step if setup.restored else None,
+            "in_flight": [],
+            "loaded_params": full_params(learner.policy.model, ranks),
+        }
         writing = None
         for _ in range(args.steps):
-            batch = prepare_batch(make_groups(1000 + step, n=args.groups), micro_batch_size=t.micro_batch_size,
-                                  micro_batch_tokens=t.micro_batch_tokens, max_token_len=t.max_token_len, adv_std_floor=t.adv_std_floor,
-                                  vocab_size=learner.policy.vocab_size, advantage=t.advantage, overlong=t.overlong)
+            batch = prepare_batch(
+                make_groups(1000 + step, n=args.groups),
+                micro_batch_size=t.micro_batch_size,
+                micro_batch_tokens=t.micro_batch_tokens,
+                max_token_len=t.max_token_len,
+                adv_std_floor=t.adv_std_floor,
+                vocab_size=learner.policy.vocab_size,
+                advantage=t.advantage,
+                overlong=t.overlong,
+            )
             result = learner.compute(batch)
             assert result.finite, result
             learner.apply()
@@ -109,8 +136,12 @@ def main() -> int:
         out["params"] = full_params(learner.policy.model, ranks)
         out["step"] = step
         if args.attack and store is not None:
-            subprocess.run([sys.executable, "-m", "tests.trainer.store_client", store.address, args.attack],
-                           env={k: v for k, v in os.environ.items() if k != KEY_VAR}, check=True, timeout=60)
+            subprocess.run(
+                [sys.executable, "-m", "tests.trainer.store_client", store.address, args.attack],
+                env={k: v for k, v in os.environ.items() if k != KEY_VAR},
+                check=True,
+                timeout=60,
+            )
         ranks.command(Stop())
     finally:
         for p in followers:

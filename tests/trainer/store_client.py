@@ -29,8 +29,7 @@ def main() -> int:
 
     address, marker = sys.argv[1], sys.argv[2]
     host, _, port = address.rpartition(":")
-    store = dist.TCPStore(host, int(port), is_master=False, use_libuv=False,
-                          timeout=datetime.timedelta(seconds=10))
+    store = dist.TCPStore(host, int(port), is_master=False, use_libuv=False, timeout=datetime.timedelta(seconds=10))
     newest: dict[str, int] = {}
     for key in store.list_keys():
         m = re.fullmatch(r"(.*/)cmd/(\d+)", key)
@@ -42,9 +41,11 @@ def main() -> int:
     for prefix, seq in newest.items():
         replay = store.get(f"{prefix}cmd/{seq}")
         target = f"{prefix}cmd/{seq + 1}"
-        for value in (pickle.dumps(("stop", _Payload(marker))),
-                      b"0" * 64 + b'.{"seq":%d,"op":"stop","args":{}}' % (seq + 1),
-                      replay):
+        for value in (
+            pickle.dumps(("stop", _Payload(marker))),
+            b"0" * 64 + b'.{"seq":%d,"op":"stop","args":{}}' % (seq + 1),
+            replay,
+        ):
             store.set(target, value)
             time.sleep(0.4)
     print(f"wrote at the next command key of {len(newest)} prefix(es)")

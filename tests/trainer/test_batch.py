@@ -33,8 +33,12 @@ def test_group_advantage_values_and_size_one_rule() -> None:
 
 
 def test_rows_are_shifted_and_sentinels_become_missing() -> None:
-    group = {"tokens": [[1, 5, 6, 7, 2]], "masks": [[-100, -100, 6, 7, 2]], "scores": [1.0],
-             "inference_logprobs": [[1.0, 1.0, -0.5, 1.0, -0.7]]}
+    group = {
+        "tokens": [[1, 5, 6, 7, 2]],
+        "masks": [[-100, -100, 6, 7, 2]],
+        "scores": [1.0],
+        "inference_logprobs": [[1.0, 1.0, -0.5, 1.0, -0.7]],
+    }
     batch = prepare_batch([group], micro_batch_size=4, max_token_len=16, adv_std_floor=0.1)
     mb = batch.micro[0]
     assert mb.input_ids.tolist() == [[1, 5, 6, 7]]
@@ -84,10 +88,14 @@ def test_environment_advantages_and_overrides_win() -> None:
 
 
 def test_distill_payload_is_shifted_to_the_predicting_position() -> None:
-    group = {"tokens": [[1, 5, 6, 2]], "masks": [[-100, 5, 6, 2]], "scores": [1.0],
-             "inference_logprobs": [[1.0, -1.0, -1.0, -1.0]],
-             "distill_token_ids": [[None, [5, 7], [6], [2, 3]]],
-             "distill_logprobs": [[None, [-0.1, -2.0], [-0.2], [-0.3, -1.5]]]}
+    group = {
+        "tokens": [[1, 5, 6, 2]],
+        "masks": [[-100, 5, 6, 2]],
+        "scores": [1.0],
+        "inference_logprobs": [[1.0, -1.0, -1.0, -1.0]],
+        "distill_token_ids": [[None, [5, 7], [6], [2, 3]]],
+        "distill_logprobs": [[None, [-0.1, -2.0], [-0.2], [-0.3, -1.5]]],
+    }
     batch = prepare_batch([group], micro_batch_size=4, max_token_len=16, adv_std_floor=0.1, use_distill=True)
     mb = batch.micro[0]
     assert mb.distill_ids is not None and mb.distill_lp is not None
@@ -115,8 +123,9 @@ def test_metrics_writer_counts_what_it_cannot_write(tmp_path: Path) -> None:
 
 def _reasons(groups: list[Any], **kw: Any) -> dict[str, int]:
     try:
-        return prepare_batch(groups, micro_batch_size=8, max_token_len=32, adv_std_floor=0.1, vocab_size=22,
-                             **kw).rejected_by_reason
+        return prepare_batch(
+            groups, micro_batch_size=8, max_token_len=32, adv_std_floor=0.1, vocab_size=22, **kw
+        ).rejected_by_reason
     except BatchError as exc:
         return exc.rejected
 
@@ -124,6 +133,7 @@ def _reasons(groups: list[Any], **kw: Any) -> dict[str, int]:
 def test_each_defect_is_rejected_under_its_reason() -> None:
     """SPEC §13: out-of-vocabulary and negative ids, bad distillation ids, non-finite or absurd
     advantages and scores — each group rejected and counted by reason, the others trained on."""
+
     def group(**change: Any) -> dict[str, Any]:
         g = make_groups(5, n=1, size=2)[0]
         g.update(change)
@@ -144,34 +154,62 @@ def test_each_defect_is_rejected_under_its_reason() -> None:
     distill_high = group(distill_token_ids=[d_ids[0], [None] + [[22]] * 6], distill_logprobs=[d_lps[0], d_lps[0]])
     distill_low = group(distill_token_ids=[[None] + [[-2, 5]] * 6] * 2, distill_logprobs=d_lps)
     distill_nan = group(distill_token_ids=d_ids, distill_logprobs=[[None] + [[float("nan"), 0.0]] * 6] * 2)
-    distill_wide = group(distill_token_ids=[[None] + [[5] * 257] * 6] * 2,
-                         distill_logprobs=[[None] + [[-1.0] * 257] * 6] * 2)
-    groups = [good, vocab, negative, nan_scalar, huge_scalar, huge_list, ok_list, inf_score, huge_score,
-              distill_ok, distill_high, distill_low, distill_nan, distill_wide]
-    batch = prepare_batch(groups, micro_batch_size=8, max_token_len=32, adv_std_floor=0.1, vocab_size=22,
-                          use_distill=True)
-    assert batch.rejected_by_reason == {"token_out_of_range": 2, "advantage_invalid": 3, "score_invalid": 2,
-                                        "distill_invalid": 4}
+    distill_wide = group(
+        distill_token_ids=[[None] + [[5] * 257] * 6] * 2, distill_logprobs=[[None] + [[-1.0] * 257] * 6] * 2
+    )
+    groups = [
+        good,
+        vocab,
+        negative,
+        nan_scalar,
+        huge_scalar,
+        huge_list,
+        ok_list,
+        inf_score,
+        huge_score,
+        distill_ok,
+        distill_high,
+        distill_low,
+        distill_nan,
+        distill_wide,
+    ]
+    batch = prepare_batch(
+        groups, micro_batch_size=8, max_token_len=32, adv_std_floor=0.1, vocab_size=22, use_distill=True
+    )
+    assert batch.rejected_by_reason == {
+        "token_out_of_range": 2,
+        "advantage_invalid": 3,
+        "score_invalid": 2,
+        "distill_invalid": 4,
+    }
     assert batch.sequences == 3 * 2 and batch.rejected == 11
     # without distillation the teacher fields are not read, so they cannot reject a group
     assert _reasons([distill_high, distill_low]) == {}
     # without a vocabulary size, ids still must be ≥ 0
-    assert prepare_batch([vocab, negative], micro_batch_size=8, max_token_len=32,
-                         adv_std_floor=0.1).rejected_by_reason == {"token_out_of_range": 1}
+    assert prepare_batch(
+        [vocab, negative], micro_batch_size=8, max_token_len=32, adv_std_floor=0.1
+    ).rejected_by_reason == {"token_out_of_range": 1}
 
 
 def test_a_positive_or_out_of_float32_teacher_logprob_is_rejected() -> None:
     """Found by the batch fuzz: 3.4028235677973366e+38 is finite as a Python float but infinite
     in the float32 tensor; a log-probability is never positive anyway."""
+
     def group(lps: list[float]) -> dict[str, Any]:
         g = make_groups(5, n=1, size=2)[0]
         g.update(distill_token_ids=[[None] + [[5, 6]] * 6] * 2, distill_logprobs=[[None] + [lps] * 6] * 2)
         return g
 
-    for bad in ([0.0, 3.4028235677973366e+38], [-0.5, 0.7], [-1e300, -0.1]):
+    for bad in ([0.0, 3.4028235677973366e38], [-0.5, 0.7], [-1e300, -0.1]):
         assert _reasons([group(bad)], use_distill=True) == {"distill_invalid": 1}, bad
-    batch = prepare_batch([group([-0.5, 0.0]), group([-2.0, -1e20])], micro_batch_size=8, max_token_len=32,
-                          adv_std_floor=0.1, vocab_size=22, use_distill=True)
+    batch = prepare_batch(
+        [group([-0.5, 0.0]), group([-2.0, -1e20])],
+        micro_batch_size=8,
+        max_token_len=32,
+        adv_std_floor=0.1,
+        vocab_size=22,
+        use_distill=True,
+    )
     assert batch.rejected == 0 and batch.micro[0].distill_lp is not None
     assert bool(torch.isfinite(batch.micro[0].distill_lp).all())
 
@@ -184,6 +222,7 @@ def test_any_other_exception_of_one_group_is_a_rejection() -> None:
             return super().get(key, default)
 
     good = make_groups(6, n=2, size=2)
-    batch = prepare_batch([Hostile(good[0]), good[1], "not a group"], micro_batch_size=8, max_token_len=32,
-                          adv_std_floor=0.1)
+    batch = prepare_batch(
+        [Hostile(good[0]), good[1], "not a group"], micro_batch_size=8, max_token_len=32, adv_std_floor=0.1
+    )
     assert batch.rejected_by_reason == {"error": 1, "malformed": 1} and batch.sequences == 2

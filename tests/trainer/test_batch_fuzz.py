@@ -8,7 +8,8 @@ reason; groups are judged independently of their neighbours; what is accepted pa
 in-range, finite tensors; and on the tiny model it gives a finite loss and gradient.
 
 Case counts: ``CASES`` batches (about 5,000 groups, each also prepared alone) and
-``LOSS_CASES`` batches through the model, drawn from the run's fuzz seed (fresh each run, printed; ``--fuzz-seed N`` replays it). The
+``LOSS_CASES`` batches through the model, drawn from the run's fuzz seed (fresh each run, printed; ``--fuzz-seed N``
+replays it). The
 module takes about 15 s on an idle 2-core machine, 20-30 s on a loaded one.
 """
 
@@ -32,18 +33,32 @@ MAX_TOKEN_LEN = 16
 CASES = 2000  # batches of 1-4 groups: about 5,000 groups per run
 LOSS_CASES = 250  # batches also run through the tiny model's loss and backward
 
-FUZZ = settings(max_examples=CASES, deadline=None, database=None, derandomize=False,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=CASES,
+    deadline=None,
+    database=None,
+    derandomize=False,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 # Values of the wrong type, or of the right type and absurd.
-junk = st.one_of(st.none(), st.booleans(), st.text(max_size=3), st.integers(-2**70, 2**70),
-                 st.floats(allow_nan=True, allow_infinity=True), st.lists(st.integers(-3, 30), max_size=3),
-                 st.dictionaries(st.text(max_size=2), st.integers(), max_size=2))
-numbers = st.one_of(st.floats(-2.0, 2.0), st.floats(allow_nan=True, allow_infinity=True),
-                    st.integers(-2**80, 2**80),
-                    st.sampled_from([1e308, -1e308, 1e4, -1e4, 1e4 + 1, 1e15, 1e16, -0.0, 5e-324]))
+junk = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.text(max_size=3),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.lists(st.integers(-3, 30), max_size=3),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
+)
+numbers = st.one_of(
+    st.floats(-2.0, 2.0),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(-(2**80), 2**80),
+    st.sampled_from([1e308, -1e308, 1e4, -1e4, 1e4 + 1, 1e15, 1e16, -0.0, 5e-324]),
+)
 good_ids = st.integers(0, VOCAB - 1)
-bad_ids = st.one_of(st.integers(max_value=-1), st.integers(min_value=VOCAB), st.sampled_from([2**63, -2**63 - 1]))
+bad_ids = st.one_of(st.integers(max_value=-1), st.integers(min_value=VOCAB), st.sampled_from([2**63, -(2**63) - 1]))
 
 
 def _maybe(draw: st.DrawFn, valid: Any, bad: st.SearchStrategy[Any] = junk, p_bad: int = 12) -> Any:
@@ -64,8 +79,9 @@ def sequence_fields(draw: st.DrawFn, length: int) -> dict[str, Any]:
     if draw(st.integers(0, 8)) == 0:
         logprobs[rng.randrange(length)] = draw(st.one_of(numbers, st.none(), junk))
     k = rng.randint(1, 3)
-    d_ids: list[Any] = [None if rng.random() < 0.3 else [rng.randrange(-1, VOCAB) for _ in range(k)]
-                        for _ in range(length)]
+    d_ids: list[Any] = [
+        None if rng.random() < 0.3 else [rng.randrange(-1, VOCAB) for _ in range(k)] for _ in range(length)
+    ]
     if draw(st.integers(0, 6)) == 0:
         d_ids[rng.randrange(length)] = [draw(bad_ids)] * k
     d_lps: list[Any] = [None if e is None else [-rng.uniform(0.0, 10.0) for _ in range(k)] for e in d_ids]
@@ -93,8 +109,10 @@ def groups(draw: st.DrawFn) -> Any:
     group: dict[str, Any] = {
         "tokens": _maybe(draw, [s["tokens"] for s in seqs]),
         "masks": _maybe(draw, [s["masks"] for s in seqs]),
-        "scores": _maybe(draw, [draw(st.sampled_from([0.0, 1.0, 0.5, -1, 2]))
-                                if draw(st.integers(0, 8)) else draw(numbers) for _ in seqs]),
+        "scores": _maybe(
+            draw,
+            [draw(st.sampled_from([0.0, 1.0, 0.5, -1, 2])) if draw(st.integers(0, 8)) else draw(numbers) for _ in seqs],
+        ),
     }
     if draw(st.booleans()):
         group["inference_logprobs"] = _maybe(draw, [s["logprobs"] for s in seqs])
@@ -104,13 +122,25 @@ def groups(draw: st.DrawFn) -> Any:
         group["distill_token_ids"] = _maybe(draw, [s["d_ids"] for s in seqs])
         group["distill_logprobs"] = _maybe(draw, [s["d_lps"] for s in seqs])
     if draw(st.integers(0, 3)) == 0:
-        group["overrides"] = _maybe(draw, [{"temperature": draw(st.one_of(numbers, junk)),
-                                            "set_advantage_to_zero": draw(st.booleans())} for _ in seqs])
+        group["overrides"] = _maybe(
+            draw,
+            [
+                {"temperature": draw(st.one_of(numbers, junk)), "set_advantage_to_zero": draw(st.booleans())}
+                for _ in seqs
+            ],
+        )
     if draw(st.integers(0, 3)) == 0:
         group["generation_params"] = _maybe(draw, {"temperature": draw(st.one_of(st.floats(0.1, 2.0), numbers))})
     if draw(st.integers(0, 2)) == 0:
-        group["group_overrides"] = _maybe(draw, {"atroposd": {"weight_version": draw(st.one_of(
-            st.integers(0, 5), st.integers(-2**70, 2**70), junk)), "accuracy": draw(st.one_of(numbers, junk))}})
+        group["group_overrides"] = _maybe(
+            draw,
+            {
+                "atroposd": {
+                    "weight_version": draw(st.one_of(st.integers(0, 5), st.integers(-(2**70), 2**70), junk)),
+                    "accuracy": draw(st.one_of(numbers, junk)),
+                }
+            },
+        )
     lists = sorted(k for k in group if isinstance(group[k], list))
     if lists and draw(st.integers(0, 10)) == 0:  # mismatched lengths at the group level
         victim = draw(st.sampled_from(lists))
@@ -120,8 +150,14 @@ def groups(draw: st.DrawFn) -> Any:
 
 def _prepare(batch_groups: list[Any], use_distill: bool) -> RolloutBatch | BatchError:
     try:
-        return prepare_batch(batch_groups, micro_batch_size=3, max_token_len=MAX_TOKEN_LEN, adv_std_floor=0.1,
-                             use_distill=use_distill, vocab_size=VOCAB)
+        return prepare_batch(
+            batch_groups,
+            micro_batch_size=3,
+            max_token_len=MAX_TOKEN_LEN,
+            adv_std_floor=0.1,
+            use_distill=use_distill,
+            vocab_size=VOCAB,
+        )
     except BatchError as exc:  # anything else fails the property
         return exc
 
@@ -183,8 +219,15 @@ def fuzz_learner(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> An
     assert policy.vocab_size == VOCAB
     opt = build_optimizer(policy.trainable(), t)
     objective, reference = make_strategies(t)
-    return Learner(policy, opt, build_scheduler(opt, t.warmup_steps), objective=objective, reference=reference,
-                   max_grad_norm=t.max_grad_norm, distill_coef=t.distill_coef)
+    return Learner(
+        policy,
+        opt,
+        build_scheduler(opt, t.warmup_steps),
+        objective=objective,
+        reference=reference,
+        max_grad_norm=t.max_grad_norm,
+        distill_coef=t.distill_coef,
+    )
 
 
 @settings(FUZZ, max_examples=LOSS_CASES)

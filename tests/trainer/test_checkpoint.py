@@ -30,8 +30,13 @@ CHILD = Path(__file__).with_name("child_trainer.py")
 def _child(state_dir: Path, model_dir: Path, steps: int, mode: str, log: Path) -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     with open(log, "wb") as err:
-        return subprocess.Popen([sys.executable, str(CHILD), str(state_dir), str(model_dir), str(steps), mode],
-                                stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, str(CHILD), str(state_dir), str(model_dir), str(steps), mode],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            env=env,
+            start_new_session=True,
+        )
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
@@ -61,12 +66,14 @@ def test_resume_after_kill_gives_a_bit_identical_next_step(tiny_dir: Path, state
     assert weights_hash(learner.policy.model) == uninterrupted["hash"]
 
 
-def test_a_checkpoint_killed_mid_write_is_ignored_at_resume(tiny_dir: Path, state_dir: Path,
-                                                           tmp_path: Path) -> None:
+def test_a_checkpoint_killed_mid_write_is_ignored_at_resume(tiny_dir: Path, state_dir: Path, tmp_path: Path) -> None:
     proc = _child(state_dir, tiny_dir, 2, "kill-mid-write", tmp_path / "child.log")
     try:
-        wait_for(lambda: (state_dir / "mid-write").exists() or proc.poll() is not None, timeout=120,
-                 what="the child to be in the middle of writing step 3")
+        wait_for(
+            lambda: (state_dir / "mid-write").exists() or proc.poll() is not None,
+            timeout=120,
+            what="the child to be in the middle of writing step 3",
+        )
         assert proc.poll() is None, (tmp_path / "child.log").read_text()[-2000:]
     finally:
         _kill(proc)
@@ -138,4 +145,3 @@ def test_a_failed_write_removes_its_temporary_directory(state_dir: Path) -> None
     with pytest.raises(CheckpointError, match="no space left"):
         save_checkpoint(root, 5, model=Unsaveable(2, 2), tokenizer=None, lora=False, state={}, keep=2)
     assert list(root.iterdir()) == []
-

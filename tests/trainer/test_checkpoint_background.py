@@ -42,15 +42,18 @@ class WatchingFeed(ListFeed):
         self.seen.append((p.step, p.checkpoint_writing))
         if p.step == 3:
             model, opt = loop.learner.policy.model, loop.learner.optimizer
-            self.at_three = {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
-                             "exp_avg": [s["exp_avg"].clone() for s in opt.state.values()]}
+            self.at_three = {
+                "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                "exp_avg": [s["exp_avg"].clone() for s in opt.state.values()],
+            }
         if self.fetched + 1 == self.release_at:
             self.gate.set()
         return await super().next(data_timeout=data_timeout, envs_alive=envs_alive)
 
 
-async def test_steps_go_on_while_a_periodic_checkpoint_is_written(tiny_dir: Path, state_dir: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_steps_go_on_while_a_periodic_checkpoint_is_written(
+    tiny_dir: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     release = threading.Event()
     real = ckpt._write_checksums
 
@@ -66,9 +69,17 @@ async def test_steps_go_on_while_a_periodic_checkpoint_is_written(tiny_dir: Path
     learner = build_learner(cfg, setup)
     box: list[TrainingLoop] = []
     feed = WatchingFeed(box, release, release_at=6)  # released before step 6's batch
-    loop = TrainingLoop(tcfg=cfg.trainer, feed=feed, learner=learner, weights=RecordingSync(),  # type: ignore[arg-type]
-                        metrics=MetricsWriter(state_dir / "metrics.jsonl"), checkpointer=setup.checkpointer(learner),
-                        progress=Progress(total_steps=7), envs_alive=lambda: True, lock=anyio.Lock())
+    loop = TrainingLoop(
+        tcfg=cfg.trainer,
+        feed=feed,
+        learner=learner,
+        weights=RecordingSync(),  # type: ignore[arg-type]
+        metrics=MetricsWriter(state_dir / "metrics.jsonl"),
+        checkpointer=setup.checkpointer(learner),
+        progress=Progress(total_steps=7),
+        envs_alive=lambda: True,
+        lock=anyio.Lock(),
+    )
     box.append(loop)
     try:
         assert await loop.run() == "finished"
@@ -87,11 +98,14 @@ async def test_steps_go_on_while_a_periodic_checkpoint_is_written(tiny_dir: Path
         assert torch.equal(t, feed.at_three["weights"][name]), name
     saved = [s["exp_avg"] for s in restored.state["optimizer"]["state"].values()]
     assert all(torch.equal(a, b) for a, b in zip(saved, feed.at_three["exp_avg"], strict=True))
-    assert not torch.equal(restored.weights["model.norm.weight"], learner.policy.model.state_dict()["model.norm.weight"])
+    assert not torch.equal(
+        restored.weights["model.norm.weight"], learner.policy.model.state_dict()["model.norm.weight"]
+    )
 
 
 async def test_the_next_optimizer_step_waits_until_the_writer_has_read_the_weights(
-        tiny_dir: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tiny_dir: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The writer reads the live weights and optimizer state (no copy): held while it reads them,
     step 4's optimizer step waits for it (the trainer shows checkpointing meanwhile) and the
     checkpoint holds step 3's optimizer state, not step 4's."""
@@ -110,9 +124,17 @@ async def test_the_next_optimizer_step_waits_until_the_writer_has_read_the_weigh
     box: list[TrainingLoop] = []
     feed = WatchingFeed(box, threading.Event(), release_at=0)
     checkpointer = setup.checkpointer(learner)
-    loop = TrainingLoop(tcfg=cfg.trainer, feed=feed, learner=learner, weights=RecordingSync(),  # type: ignore[arg-type]
-                        metrics=MetricsWriter(state_dir / "metrics.jsonl"), checkpointer=checkpointer,
-                        progress=Progress(total_steps=5), envs_alive=lambda: True, lock=anyio.Lock())
+    loop = TrainingLoop(
+        tcfg=cfg.trainer,
+        feed=feed,
+        learner=learner,
+        weights=RecordingSync(),  # type: ignore[arg-type]
+        metrics=MetricsWriter(state_dir / "metrics.jsonl"),
+        checkpointer=checkpointer,
+        progress=Progress(total_steps=5),
+        envs_alive=lambda: True,
+        lock=anyio.Lock(),
+    )
     box.append(loop)
     shown = loop._fencing
     waits: list[tuple[int, bool, str]] = []

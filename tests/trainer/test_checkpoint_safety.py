@@ -37,8 +37,15 @@ def _model(seed: int, size: int = 4) -> torch.nn.Module:
 
 
 def _save(root: Path, step: int, *, keep: int = 3, size: int = 4, state: dict[str, Any] | None = None) -> Path:
-    return save_checkpoint(root, step, model=_model(step, size), tokenizer=None, lora=False,
-                           state=state or {"weight_version": step}, keep=keep)
+    return save_checkpoint(
+        root,
+        step,
+        model=_model(step, size),
+        tokenizer=None,
+        lora=False,
+        state=state or {"weight_version": step},
+        keep=keep,
+    )
 
 
 def _steps(root: Path) -> list[int]:
@@ -49,8 +56,9 @@ def _steps(root: Path) -> list[int]:
 def _tmpfs(path: Path, size: str) -> Iterator[Path]:
     """A small real file system at ``path`` (a full disk on demand); skips where mounting is not allowed."""
     path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:
@@ -140,8 +148,9 @@ def test_resume_falls_back_to_the_older_checkpoint(tiny_dir: Path, state_dir: Pa
 
 
 @pytest.mark.parametrize("where", ["safetensors", "torch.save"])
-def test_a_write_failure_of_any_kind_is_a_checkpoint_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                           where: str) -> None:
+def test_a_write_failure_of_any_kind_is_a_checkpoint_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
     """safetensors and torch.save report a full disk as SafetensorError / RuntimeError, not OSError."""
     _save(tmp_path, 1)
     if where == "safetensors":
@@ -152,6 +161,7 @@ def test_a_write_failure_of_any_kind_is_a_checkpoint_error(tmp_path: Path, monke
 
         monkeypatch.setattr("safetensors.torch.save_file", fail)
     else:
+
         def fail(*_a: object, **_kw: object) -> None:
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
 
@@ -178,8 +188,9 @@ class _FailingCheckpointer:
     def save(self, step: int, weight_version: int, skipped_steps: int, *, consolidate: bool = False) -> Path:
         raise self.exc
 
-    def start(self, step: int, weight_version: int, skipped_steps: int, *, background: bool = False,
-              consolidate: bool = False) -> Any:
+    def start(
+        self, step: int, weight_version: int, skipped_steps: int, *, background: bool = False, consolidate: bool = False
+    ) -> Any:
         import concurrent.futures
 
         future: concurrent.futures.Future[Path] = concurrent.futures.Future()
@@ -193,9 +204,17 @@ async def test_the_loop_counts_a_failed_checkpoint_and_goes_on(exc: BaseExceptio
 
     progress = Progress(total_steps=10, step=4)
     learner = SimpleNamespace(policy=SimpleNamespace(vocab_size=22), ranks=OneRank())
-    loop = TrainingLoop(tcfg=None, feed=None, learner=learner, weights=None, metrics=None,  # type: ignore[arg-type]
-                        checkpointer=_FailingCheckpointer(exc), progress=progress,  # type: ignore[arg-type]
-                        envs_alive=lambda: True, lock=None)  # type: ignore[arg-type]
+    loop = TrainingLoop(
+        tcfg=None,
+        feed=None,
+        learner=learner,
+        weights=None,
+        metrics=None,  # type: ignore[arg-type]
+        checkpointer=_FailingCheckpointer(exc),
+        progress=progress,  # type: ignore[arg-type]
+        envs_alive=lambda: True,
+        lock=None,
+    )  # type: ignore[arg-type]
     assert await loop.checkpoint() is None
     assert await loop.checkpoint() is None
     assert progress.checkpoint_failures == 2 and progress.checkpoint_error is not None
@@ -244,7 +263,8 @@ def _always_complete(root: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def test_keep_one_deletes_the_old_checkpoint_only_after_the_new_one_is_in_place(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _save(tmp_path, 1, keep=1)
     removed = _always_complete(tmp_path, monkeypatch)
     real_save = ckpt.torch.save
@@ -262,8 +282,9 @@ def test_keep_one_deletes_the_old_checkpoint_only_after_the_new_one_is_in_place(
 
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "rename-aside"])
-def test_saving_a_step_again_replaces_it_without_a_gap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                       exchange: bool) -> None:
+def test_saving_a_step_again_replaces_it_without_a_gap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
+) -> None:
     _save(tmp_path, 5, keep=1)
     first = (tmp_path / "step-5" / WEIGHTS_FILE).read_bytes()
     if exchange:
@@ -479,16 +500,18 @@ def test_optimizer_metadata_and_values_load_without_running_code(tmp_path: Path)
     payload = io.BytesIO()
     torch.save(_Planted(marker), payload)
     data = bytearray(shard.read_bytes())
-    data[info.offset:info.offset + info.length] = payload.getvalue()
+    data[info.offset : info.offset + info.length] = payload.getvalue()
     shard.write_bytes(bytes(data))
     good_meta = read_metadata(good)
     for k, i in good_meta.storage_data.items():  # the planted value is longer: move what follows
         if i.relative_path == info.relative_path and i.offset > info.offset:
-            good_meta.storage_data[k] = _StorageInfo(i.relative_path, i.offset + len(payload.getvalue()) - info.length,
-                                                     i.length, i.transform_descriptors)
+            good_meta.storage_data[k] = _StorageInfo(
+                i.relative_path, i.offset + len(payload.getvalue()) - info.length, i.length, i.transform_descriptors
+            )
         elif k.fqn == next(kk for kk, ii in metadata.storage_data.items() if ii is info).fqn:
-            good_meta.storage_data[k] = _StorageInfo(i.relative_path, i.offset, len(payload.getvalue()),
-                                                     i.transform_descriptors)
+            good_meta.storage_data[k] = _StorageInfo(
+                i.relative_path, i.offset, len(payload.getvalue()), i.transform_descriptors
+            )
     meta_file.write_bytes(pickle.dumps(good_meta))
     _rewrite_checksums(path)
     with pytest.raises(CheckpointError, match=r"Weights only load failed|Unsupported global"):

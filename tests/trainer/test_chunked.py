@@ -24,8 +24,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
 
 
-def full_scores(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, temps: torch.Tensor,
-                ids: torch.Tensor, lps: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def full_scores(
+    hidden: torch.Tensor,
+    head: torch.nn.Linear,
+    labels: torch.Tensor,
+    temps: torch.Tensor,
+    ids: torch.Tensor,
+    lps: torch.Tensor,
+    tau: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The unchunked computation: the whole [N, V] logits, autograd's gradients."""
     logits = head(hidden).float()  # [N, V]
     scaled = logits / temps[:, None]
@@ -65,20 +72,23 @@ def test_chunked_head_equals_the_full_logits_in_values_and_gradients(chunk: int,
         head.zero_grad()
         x = hidden.clone().requires_grad_(True)
         if chunked:
-            s = head_scores(x, head, labels, temps, chunk=chunk, teacher=(ids, teacher_probs(ids, lps, tau)), tau=tau,
-                            entropy=True)
+            s = head_scores(
+                x, head, labels, temps, chunk=chunk, teacher=(ids, teacher_probs(ids, lps, tau)), tau=tau, entropy=True
+            )
             assert s.entropy is not None and s.distill is not None and not s.entropy.requires_grad
             logp, entropy, ce = s.logp, s.entropy, s.distill
         else:
             logp, entropy, ce = full_scores(x, head, labels, temps, ids, lps, tau)
         ((logp * g_logp).sum() + (ce * g_ce).sum()).backward()
         assert x.grad is not None and head.weight.grad is not None
-        grads = [x.grad, head.weight.grad] + ([head.bias.grad] if head.bias is not None and head.bias.grad is not None
-                                              else [])
+        grads = [x.grad, head.weight.grad] + (
+            [head.bias.grad] if head.bias is not None and head.bias.grad is not None else []
+        )
         results.append([logp.detach(), entropy, ce.detach(), *grads])
     assert len(results[0]) == len(results[1]) == 5 + bias
-    for name, a, b in zip(("logp", "entropy", "distill", "grad hidden", "grad weight", "grad bias"),
-                          results[0], results[1], strict=False):
+    for name, a, b in zip(
+        ("logp", "entropy", "distill", "grad hidden", "grad weight", "grad bias"), results[0], results[1], strict=False
+    ):
         assert rel(a, b) < TOL, name
 
 
@@ -131,8 +141,9 @@ def test_the_backward_never_holds_more_than_a_chunk_of_logits() -> None:
 # ------------------------------------------------------------------ the learner on the tiny model
 
 
-def varied_groups(seed: int, *, n_groups: int = 3, size: int = 4, max_completion: int = 20,
-                  distill: bool = False) -> list[dict[str, Any]]:
+def varied_groups(
+    seed: int, *, n_groups: int = 3, size: int = 4, max_completion: int = 20, distill: bool = False
+) -> list[dict[str, Any]]:
     """Groups of varied prompt and completion lengths and temperatures (rows longer than a chunk)."""
     rng = random.Random(seed)
     groups = []
@@ -148,8 +159,13 @@ def varied_groups(seed: int, *, n_groups: int = 3, size: int = 4, max_completion
             overrides.append({"temperature": rng.choice([0.7, 1.0, 1.3])})
             d_ids.append([[] for _ in range(p_len)] + [rng.sample(range(22), 3) for _ in completion])
             d_lps.append([[] for _ in range(p_len)] + [[-rng.uniform(0.1, 5.0) for _ in range(3)] for _ in completion])
-        group: dict[str, Any] = {"tokens": tokens, "masks": masks, "scores": [rng.random() for _ in range(size)],
-                                 "inference_logprobs": lps, "overrides": overrides}
+        group: dict[str, Any] = {
+            "tokens": tokens,
+            "masks": masks,
+            "scores": [rng.random() for _ in range(size)],
+            "inference_logprobs": lps,
+            "overrides": overrides,
+        }
         if distill:
             group["distill_token_ids"], group["distill_logprobs"] = d_ids, d_lps
         groups.append(group)
@@ -164,8 +180,17 @@ def tiny_policy(tiny_dir: Path) -> Policy:
 def learner_for(policy: Policy, chunk: int, distill_coef: float = 0.0) -> Learner:
     opt = torch.optim.SGD(policy.trainable(), lr=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _s: 1.0)
-    return Learner(policy, opt, sched, objective=GrpoObjective(clip_eps=0.2, kl_coef=0.0), reference=NoReference(),
-                   max_grad_norm=1e9, distill_coef=distill_coef, distill_temperature=1.5, logprob_chunk=chunk)
+    return Learner(
+        policy,
+        opt,
+        sched,
+        objective=GrpoObjective(clip_eps=0.2, kl_coef=0.0),
+        reference=NoReference(),
+        max_grad_norm=1e9,
+        distill_coef=distill_coef,
+        distill_temperature=1.5,
+        logprob_chunk=chunk,
+    )
 
 
 def reference_step(policy: Policy, batch: RolloutBatch, distill_coef: float) -> tuple[float, torch.Tensor]:
@@ -183,8 +208,9 @@ def reference_step(policy: Policy, batch: RolloutBatch, distill_coef: float) -> 
         loss, _ = grpo_loss(logp, old, mb.advantages[mb.mask], clip_eps=0.2, denom=batch.completion_tokens)
         if distill_coef and mb.distill_ids is not None and mb.distill_lp is not None:
             d = (mb.distill_ids >= 0).any(-1) & mb.mask
-            dl, _ = distill_loss(logits[d], mb.distill_ids[d], mb.distill_lp[d], temperature=1.5,
-                                 denom=max(batch.distill_positions, 1))
+            dl, _ = distill_loss(
+                logits[d], mb.distill_ids[d], mb.distill_lp[d], temperature=1.5, denom=max(batch.distill_positions, 1)
+            )
             loss = loss + distill_coef * dl
         loss.backward()
         total += float(loss.detach())
@@ -197,10 +223,10 @@ def learner_step(learner: Learner, batch: RolloutBatch) -> tuple[float, torch.Te
     return r.loss, grads, r.entropy
 
 
-@pytest.mark.parametrize(("chunk", "micro", "distill"), [(1, 4, False), (5, 4, True), (7, 1, False),
-                                                          (1024, 12, True)])
-def test_learner_chunked_step_equals_the_full_logits_step(tiny_policy: Policy, chunk: int, micro: int,
-                                                          distill: bool) -> None:
+@pytest.mark.parametrize(("chunk", "micro", "distill"), [(1, 4, False), (5, 4, True), (7, 1, False), (1024, 12, True)])
+def test_learner_chunked_step_equals_the_full_logits_step(
+    tiny_policy: Policy, chunk: int, micro: int, distill: bool
+) -> None:
     """Loss and every gradient within 1e-5 relative by norm: chunks of 1, 5 (dividing no row), 7,
     1024 (one chunk); micro-batches of one row; distillation."""
     groups = varied_groups(chunk, distill=distill)
@@ -226,8 +252,10 @@ def test_entropy_is_the_mean_over_completion_tokens_at_the_rollout_temperature(t
     assert entropy == pytest.approx(total / batch.completion_tokens, rel=1e-5)
     with torch.no_grad():  # a hotter rollout has a flatter distribution
         mb = batch.micro[0]
-        hot = token_scores(tiny_policy.model, mb.input_ids, mb.mask, mb.labels, mb.temperature * 3, chunk=3,
-                           entropy=True).entropy
-        cold = token_scores(tiny_policy.model, mb.input_ids, mb.mask, mb.labels, mb.temperature, chunk=3,
-                            entropy=True).entropy
+        hot = token_scores(
+            tiny_policy.model, mb.input_ids, mb.mask, mb.labels, mb.temperature * 3, chunk=3, entropy=True
+        ).entropy
+        cold = token_scores(
+            tiny_policy.model, mb.input_ids, mb.mask, mb.labels, mb.temperature, chunk=3, entropy=True
+        ).entropy
     assert hot is not None and cold is not None and bool((hot > cold).all())

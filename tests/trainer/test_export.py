@@ -12,9 +12,13 @@ from tests.support import write_config
 
 
 def _cfg(tmp_path: Path) -> Path:
-    return write_config(tmp_path / "job.toml", {"daemon": {"state_dir": str(tmp_path / "state"),
-                                                           "runtime_dir": str(tmp_path / "run")},
-                                                "trainer": {"checkpoint_dir": str(tmp_path / "ckpt")}})
+    return write_config(
+        tmp_path / "job.toml",
+        {
+            "daemon": {"state_dir": str(tmp_path / "state"), "runtime_dir": str(tmp_path / "run")},
+            "trainer": {"checkpoint_dir": str(tmp_path / "ckpt")},
+        },
+    )
 
 
 def test_export_without_a_checkpoint_is_bad_usage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -23,8 +27,9 @@ def test_export_without_a_checkpoint_is_bad_usage(tmp_path: Path, capsys: pytest
     assert not (tmp_path / "out").exists()
 
 
-def test_export_of_a_step_that_has_no_checkpoint_names_the_steps(tmp_path: Path,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_export_of_a_step_that_has_no_checkpoint_names_the_steps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     for step in (2, 4):
         d = tmp_path / "ckpt" / f"step-{step}"
         d.mkdir(parents=True)

@@ -60,8 +60,9 @@ def _g(scores: list[float]) -> dict[str, object]:
 
 
 @asynccontextmanager
-async def batches_server(batches: list[list[dict[str, object]]], then: list[dict[str, object]] | None
-                         ) -> AsyncIterator[str]:
+async def batches_server(
+    batches: list[list[dict[str, object]]], then: list[dict[str, object]] | None
+) -> AsyncIterator[str]:
     """/batch answers each of ``batches`` once, then ``then`` forever (None: no batch)."""
     import json
 

@@ -29,8 +29,17 @@ from atroposd.trainer.group import (
 
 KEY = bytes(range(32))
 PREFIX = "s3cret/g1/"
-COMMANDS = [Compute(), Apply(), Discard(), Stop(), Gather(("a.weight", "b.bias")),
-            Gather(("x",), Push(1, 3, 7)), Reload("/w/v7", 7), Checkpoint("/c/.tmp-step-2"), Canary()]
+COMMANDS = [
+    Compute(),
+    Apply(),
+    Discard(),
+    Stop(),
+    Gather(("a.weight", "b.bias")),
+    Gather(("x",), Push(1, 3, 7)),
+    Reload("/w/v7", 7),
+    Checkpoint("/c/.tmp-step-2"),
+    Canary(),
+]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c.op)
@@ -59,17 +68,20 @@ def _signed(body: bytes, seq: int = 1) -> bytes:
     return group._mac(KEY, PREFIX, seq, body).encode() + b"." + body
 
 
-@pytest.mark.parametrize(("body", "error"), [
-    (b"not json", "not JSON"),
-    (b'{"seq":2,"op":"stop","args":{}}', "malformed"),
-    (b'{"seq":1,"op":"exec","args":{}}', "unknown op"),
-    (b'{"seq":1,"op":"stop","args":{"cmd":"id"}}', "unknown argument"),
-    (b'{"seq":1,"op":"gather","args":{"names":"a"}}', "names must be a list"),
-    (b'{"seq":1,"op":"gather","args":{"names":[1]}}', "must be a string"),
-    (b'{"seq":1,"op":"gather","args":{"names":[],"push":{"index":3,"count":3,"version":1}}}', "out of range"),
-    (b'{"seq":1,"op":"reload","args":{"path":"/p","version":true}}', "must be an integer"),
-    (b'{"seq":1,"op":"checkpoint","args":{}}', "must be a string"),
-])
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        (b"not json", "not JSON"),
+        (b'{"seq":2,"op":"stop","args":{}}', "malformed"),
+        (b'{"seq":1,"op":"exec","args":{}}', "unknown op"),
+        (b'{"seq":1,"op":"stop","args":{"cmd":"id"}}', "unknown argument"),
+        (b'{"seq":1,"op":"gather","args":{"names":"a"}}', "names must be a list"),
+        (b'{"seq":1,"op":"gather","args":{"names":[1]}}', "must be a string"),
+        (b'{"seq":1,"op":"gather","args":{"names":[],"push":{"index":3,"count":3,"version":1}}}', "out of range"),
+        (b'{"seq":1,"op":"reload","args":{"path":"/p","version":true}}', "must be an integer"),
+        (b'{"seq":1,"op":"checkpoint","args":{}}', "must be a string"),
+    ],
+)
 def test_signed_but_malformed_commands_are_refused(body: bytes, error: str) -> None:
     with pytest.raises(BadCommand, match=error):
         decode_command(_signed(body), key=KEY, prefix=PREFIX, seq=1)
@@ -111,8 +123,10 @@ def _pair(store: GroupStore, prefix: str) -> tuple[Any, Any]:
 
     scoped = dist.PrefixStore(prefix, store.store)
     cpu = torch.device("cpu")
-    return (GroupRanks(0, 2, cpu, scoped, key=store.key, prefix=prefix),
-            GroupRanks(1, 2, cpu, scoped, key=store.key, prefix=prefix))
+    return (
+        GroupRanks(0, 2, cpu, scoped, key=store.key, prefix=prefix),
+        GroupRanks(1, 2, cpu, scoped, key=store.key, prefix=prefix),
+    )
 
 
 def test_commands_through_a_real_store() -> None:
@@ -167,12 +181,17 @@ def _micro(seed: int, packed: bool = False) -> Any:
     g = torch.Generator().manual_seed(seed)
     b, t = (1, 7) if packed else (2, 5)
     return MicroBatch(
-        input_ids=torch.randint(0, 50, (b, t), generator=g), labels=torch.randint(0, 50, (b, t), generator=g),
-        mask=torch.rand(b, t, generator=g) > 0.5, old_logp=torch.randn(b, t, generator=g),
-        advantages=torch.randn(b, t, generator=g), temperature=torch.ones(2),
+        input_ids=torch.randint(0, 50, (b, t), generator=g),
+        labels=torch.randint(0, 50, (b, t), generator=g),
+        mask=torch.rand(b, t, generator=g) > 0.5,
+        old_logp=torch.randn(b, t, generator=g),
+        advantages=torch.randn(b, t, generator=g),
+        temperature=torch.ones(2),
         distill_ids=torch.full((b, t, 2), -1) if seed % 2 else None,
         distill_lp=torch.randn(b, t, 2, generator=g).to(torch.bfloat16) if seed % 2 else None,
-        loss_weight=None, seq_lens=torch.tensor([3, 4]) if packed else None)
+        loss_weight=None,
+        seq_lens=torch.tensor([3, 4]) if packed else None,
+    )
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -200,11 +219,13 @@ def test_a_share_travels_as_checked_tensors() -> None:
         decode_share(header, torch.cat([data, torch.zeros(1, dtype=torch.uint8)]))
     with pytest.raises(BadCommand, match="fewer bytes"):
         decode_share(header, data[:-1])
-    for bad, error in [(header.replace(b"torch.int64", b"torch.complex64", 1), "bad dtype"),
-                       (header.replace(b'"passes":3', b'"passes":1'), "passes"),
-                       (header.replace(b'"denom":40', b'"denom":-1'), "count"),
-                       (header.replace(b'"input_ids"', b'"code"', 1), "other fields"),
-                       (pickle.dumps(share), "not JSON")]:
+    for bad, error in [
+        (header.replace(b"torch.int64", b"torch.complex64", 1), "bad dtype"),
+        (header.replace(b'"passes":3', b'"passes":1'), "passes"),
+        (header.replace(b'"denom":40', b'"denom":-1'), "count"),
+        (header.replace(b'"input_ids"', b'"code"', 1), "other fields"),
+        (pickle.dumps(share), "not JSON"),
+    ]:
         with pytest.raises(BadCommand, match=error):
             decode_share(bad, data)
 

@@ -46,7 +46,7 @@ def test_a_healthy_run_never_trips(healthy: list[dict[str, Any]]) -> None:
 
 def _broken(rows: list[dict[str, Any]], at: int, n: int, **values: float) -> list[dict[str, Any]]:
     out = copy.deepcopy(rows)
-    for row in out[at:at + n]:
+    for row in out[at : at + n]:
         row.update(values)
     return out
 
@@ -159,7 +159,6 @@ def test_lr_scale_applies_to_a_restored_schedule() -> None:
     assert opt2.param_groups[0]["lr"] == pytest.approx(0.5 * 1e-3 * 6 / 10)
 
 
-
 def test_status_json_text_and_systemd_line_show_a_rollback() -> None:
     from types import SimpleNamespace
 
@@ -179,12 +178,27 @@ def test_status_json_text_and_systemd_line_show_a_rollback() -> None:
     assert clean["health"] == "ok" and clean["rollbacks"] == 0 and clean["known_good"] == "start"
     p = svc.progress
     p.health, p.rollbacks, p.dropped_groups = "entropy", 1, 12
-    p.last_rollback = {"step": 57, "detector": "entropy", "reason": "entropy 0.01 below 0.1× its running median",
-                       "to": "/var/lib/atroposd/checkpoints/step-40", "lr": 1.5e-4, "final": False}
+    p.last_rollback = {
+        "step": 57,
+        "detector": "entropy",
+        "reason": "entropy 0.01 below 0.1× its running median",
+        "to": "/var/lib/atroposd/checkpoints/step-40",
+        "lr": 1.5e-4,
+        "final": False,
+    }
     st = svc.status()
     assert st["rollbacks"] == 1 and st["max_rollbacks"] == 3 and st["last_rollback"]["to"].endswith("step-40")
-    text = _render_status({"state": "running", "pid": 1, "uptime_s": 1.0, "config": "/x.toml", "components": [],
-                           "trainer": st, "queue": None})
+    text = _render_status(
+        {
+            "state": "running",
+            "pid": 1,
+            "uptime_s": 1.0,
+            "config": "/x.toml",
+            "components": [],
+            "trainer": st,
+            "queue": None,
+        }
+    )
     assert "trainer: health: entropy tripped at the last step" in text
     assert "1 rollback(s) of at most 3; last at step 57: entropy 0.01" in text and "12 groups dropped" in text
     view = SimpleNamespace(units={}, state=DaemonState.RUNNING, trainer=svc, watchdog=None)
@@ -206,10 +220,18 @@ def _health_loop(tiny_dir: Path, state_dir: Path, *, steps: int, checkpoint_ever
     setup = load_for_training(cfg)
     learner = build_learner(cfg, setup)
     progress = Progress(total_steps=steps)
-    loop = TrainingLoop(tcfg=cfg.trainer, feed=ListFeed([]), learner=learner, weights=RecordingSync(),  # type: ignore[arg-type]
-                        metrics=MetricsWriter(state_dir / "metrics.jsonl"), checkpointer=setup.checkpointer(learner),
-                        progress=progress, envs_alive=lambda: True, lock=anyio.Lock(),
-                        health=HealthConfig(**health))
+    loop = TrainingLoop(
+        tcfg=cfg.trainer,
+        feed=ListFeed([]),
+        learner=learner,
+        weights=RecordingSync(),  # type: ignore[arg-type]
+        metrics=MetricsWriter(state_dir / "metrics.jsonl"),
+        checkpointer=setup.checkpointer(learner),
+        progress=progress,
+        envs_alive=lambda: True,
+        lock=anyio.Lock(),
+        health=HealthConfig(**health),
+    )
     loop.checkpointer.health = progress.health_record
     return loop
 

@@ -20,12 +20,24 @@ def _learner(tiny_dir: Path, tmp_path: Path, **trainer: object) -> Learner:
     cfg = make_cfg(tmp_path, tiny_dir, **trainer)
     t = cfg.trainer
     lora = {"r": t.lora_r, "alpha": t.lora_alpha, "targets": t.lora_targets} if t.mode == "lora" else None
-    policy = load_policy(tiny_dir, tiny_dir, device=torch.device("cpu"), dtype=torch.float32, lora=lora,
-                         need_reference=t.kl_coef > 0 and t.kl_reference == "initial")
+    policy = load_policy(
+        tiny_dir,
+        tiny_dir,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        lora=lora,
+        need_reference=t.kl_coef > 0 and t.kl_reference == "initial",
+    )
     opt = build_optimizer(policy.trainable(), t)
     objective, reference = make_strategies(t)
-    return Learner(policy, opt, build_scheduler(opt, t.warmup_steps), objective=objective, reference=reference,
-                   max_grad_norm=t.max_grad_norm)
+    return Learner(
+        policy,
+        opt,
+        build_scheduler(opt, t.warmup_steps),
+        objective=objective,
+        reference=reference,
+        max_grad_norm=t.max_grad_norm,
+    )
 
 
 def _snapshot(policy: Policy) -> dict[str, torch.Tensor]:
@@ -43,8 +55,7 @@ def test_selected_position_logprobs_equal_full_logits(tiny_dir: Path, tmp_path: 
     torch.testing.assert_close(fast, full, atol=1e-5, rtol=0)
 
 
-def test_on_policy_rollout_logprobs_give_ratio_one_and_no_logprob_difference(tiny_dir: Path,
-                                                                               tmp_path: Path) -> None:
+def test_on_policy_rollout_logprobs_give_ratio_one_and_no_logprob_difference(tiny_dir: Path, tmp_path: Path) -> None:
     learner = _learner(tiny_dir, tmp_path)
     batch = prepare_batch(make_groups(15, n=2), micro_batch_size=8, max_token_len=64, adv_std_floor=0.1)
     with torch.no_grad():  # the rollout logprobs the trainer itself would have sampled with
@@ -132,8 +143,9 @@ def test_training_raises_the_likelihood_of_preferred_completions(tiny_dir: Path,
 
 
 def test_lora_trains_only_the_adapters(tiny_dir: Path, tmp_path: Path) -> None:
-    learner = _learner(tiny_dir, tmp_path, mode="lora", weight_sync="reload", lr=1e-2, lora_r=4,
-                       kl_coef=0.04, kl_reference="initial")
+    learner = _learner(
+        tiny_dir, tmp_path, mode="lora", weight_sync="reload", lr=1e-2, lora_r=4, kl_coef=0.04, kl_reference="initial"
+    )
     names = [n for n, p in learner.policy.model.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names)
     before = _snapshot(learner.policy)

@@ -30,8 +30,9 @@ BOS, EOS, EQ = 1, 2, 17
 DIGIT0 = 4
 
 
-def sample(model: torch.nn.Module, prompts: list[list[int]], n: int, max_tokens: int = 2
-           ) -> tuple[list[list[int]], list[list[float]]]:
+def sample(
+    model: torch.nn.Module, prompts: list[list[int]], n: int, max_tokens: int = 2
+) -> tuple[list[list[int]], list[list[float]]]:
     """Temperature-1 sampling, full forward per token (tiny model): ids and their logprobs."""
     rows = [p for p in prompts for _ in range(n)]
     ids = torch.tensor(rows)  # [B, P] (equal prompt lengths)
@@ -63,8 +64,13 @@ async def environment(api_url: str, service: TrainerService, seed: int) -> None:
     async with aiohttp.ClientSession() as http:
         env_id = None
         while env_id is None:
-            body = {"max_token_length": 16, "desired_name": "next-digit", "weight": 1.0, "group_size": 8,
-                    "min_batch_allocation": None}
+            body = {
+                "max_token_length": 16,
+                "desired_name": "next-digit",
+                "weight": 1.0,
+                "group_size": 8,
+                "min_batch_allocation": None,
+            }
             async with http.post(f"{api_url}/register-env", json=body) as resp:
                 data = await resp.json()
             env_id = data.get("env_id") if data.get("status") == "success" else None
@@ -83,10 +89,16 @@ async def environment(api_url: str, service: TrainerService, seed: int) -> None:
             for g, d in enumerate(digits):
                 sl = slice(8 * g, 8 * g + 8)
                 prompt = [BOS, DIGIT0 + d, EQ]
-                groups.append({"tokens": [prompt + c for c in ids[sl]], "masks": [[-100] * 3 + c for c in ids[sl]],
-                               "inference_logprobs": [[1.0] * 3 + lp for lp in lps[sl]],
-                               "scores": [reward(d, c) for c in ids[sl]], "env_id": env_id,
-                               "group_overrides": {"atroposd": {"weight_version": version}}})
+                groups.append(
+                    {
+                        "tokens": [prompt + c for c in ids[sl]],
+                        "masks": [[-100] * 3 + c for c in ids[sl]],
+                        "inference_logprobs": [[1.0] * 3 + lp for lp in lps[sl]],
+                        "scores": [reward(d, c) for c in ids[sl]],
+                        "env_id": env_id,
+                        "group_overrides": {"atroposd": {"weight_version": version}},
+                    }
+                )
             async with http.post(f"{api_url}/scored_data_list", json=groups) as resp:
                 assert resp.status == 200, await resp.text()
 
@@ -97,12 +109,24 @@ async def test_the_trainer_learns_the_next_digit(tiny_dir: Path, state_dir: Path
     inf_port = free_port()
     with run_api(tmp_path / "api.log") as (api_url, _proc):
         async with info_server(tokenizer_fingerprint(tiny_dir), inf_port):
-            cfg = make_cfg(state_dir, tiny_dir, steps=steps, batch_size=64, micro_batch_size=32, kl_coef=0.0,
-                           checkpoint_every=1000, max_staleness=0)
+            cfg = make_cfg(
+                state_dir,
+                tiny_dir,
+                steps=steps,
+                batch_size=64,
+                micro_batch_size=32,
+                kl_coef=0.0,
+                checkpoint_every=1000,
+                max_staleness=0,
+            )
             cfg.api.enabled, cfg.api.url = False, api_url
             cfg.inference.port = inf_port
-            service = TrainerService(cfg, instance="t", weights=make_weight_sync(cfg, nonce="t", control_socket=None),
-                                     envs_alive=lambda: True)
+            service = TrainerService(
+                cfg,
+                instance="t",
+                weights=make_weight_sync(cfg, nonce="t", control_socket=None),
+                envs_alive=lambda: True,
+            )
             done = anyio.Event()
 
             async def trainer(*, task_status: Any) -> None:

@@ -63,9 +63,17 @@ def _loop(tiny_dir: Path, state_dir: Path, feed: ListFeed, steps: int) -> tuple[
     setup = load_for_training(cfg)
     learner = build_learner(cfg, setup)
     sync = RecordingSync()
-    loop = TrainingLoop(tcfg=cfg.trainer, feed=feed, learner=learner, weights=sync,  # type: ignore[arg-type]
-                        metrics=MetricsWriter(state_dir / "metrics.jsonl"), checkpointer=setup.checkpointer(learner),
-                        progress=Progress(total_steps=steps), envs_alive=lambda: True, lock=anyio.Lock())
+    loop = TrainingLoop(
+        tcfg=cfg.trainer,
+        feed=feed,
+        learner=learner,
+        weights=sync,  # type: ignore[arg-type]
+        metrics=MetricsWriter(state_dir / "metrics.jsonl"),
+        checkpointer=setup.checkpointer(learner),
+        progress=Progress(total_steps=steps),
+        envs_alive=lambda: True,
+        lock=anyio.Lock(),
+    )
     return loop, sync
 
 
@@ -105,8 +113,9 @@ async def test_a_non_finite_step_is_skipped_without_touching_the_weights(tiny_di
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-async def test_a_run_of_non_finite_steps_ends_the_run(tiny_dir: Path, state_dir: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_run_of_non_finite_steps_ends_the_run(
+    tiny_dir: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(loop_mod, "MAX_CONSECUTIVE_SKIPS", 3)
     loop, sync = _loop(tiny_dir, state_dir, ListFeed([]), steps=5)
     model = loop.learner.policy.model
@@ -136,7 +145,8 @@ async def test_a_batch_of_only_rejected_groups_is_skipped_and_counted(tiny_dir: 
 
 
 async def test_a_batch_whose_preparation_fails_past_the_group_checks_is_skipped(
-        tiny_dir: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tiny_dir: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from atroposd.trainer import batch as batch_mod
 
     real_pad = batch_mod._pad

@@ -48,9 +48,18 @@ async def _run(tiny_dir: Path, state_dir: Path, weights: Any, steps: int, **kw: 
     cfg = make_cfg(state_dir, tiny_dir, steps=steps, checkpoint_every=100)
     setup = load_for_training(cfg)
     learner = build_learner(cfg, setup)
-    loop = TrainingLoop(tcfg=cfg.trainer, feed=ListFeed([]), learner=learner, weights=weights,  # type: ignore[arg-type]
-                        metrics=MetricsWriter(state_dir / "metrics.jsonl"), checkpointer=setup.checkpointer(learner),
-                        progress=Progress(total_steps=steps), envs_alive=lambda: True, lock=anyio.Lock(), **kw)
+    loop = TrainingLoop(
+        tcfg=cfg.trainer,
+        feed=ListFeed([]),
+        learner=learner,
+        weights=weights,  # type: ignore[arg-type]
+        metrics=MetricsWriter(state_dir / "metrics.jsonl"),
+        checkpointer=setup.checkpointer(learner),
+        progress=Progress(total_steps=steps),
+        envs_alive=lambda: True,
+        lock=anyio.Lock(),
+        **kw,
+    )
     try:
         assert await loop.run() == "finished"
     finally:
@@ -60,8 +69,9 @@ async def _run(tiny_dir: Path, state_dir: Path, weights: Any, steps: int, **kw: 
 
 async def test_gather_time_of_the_steps_that_synced_and_the_replicas_counts(tiny_dir: Path, state_dir: Path) -> None:
     counts = iter([[3, 4], [5, None], [8, 9], [8, 12]])
-    loop, rows = await _run(tiny_dir, state_dir, WatchedSync(GatheringSync()), 4,
-                            replica_generations=lambda: next(counts))
+    loop, rows = await _run(
+        tiny_dir, state_dir, WatchedSync(GatheringSync()), 4, replica_generations=lambda: next(counts)
+    )
     assert [r["gather_s"] for r in rows] == [0.0, 0.5, 0.0, 1.0]
     assert all(r["sync_s"] >= 0 for r in rows)
     assert [r["replica_generations"] for r in rows] == [[3, 4], [5, None], [8, 9], [8, 12]]

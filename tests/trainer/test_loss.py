@@ -18,11 +18,16 @@ from atroposd.trainer.loss import (
 from atroposd.trainer.model import token_logprobs
 
 
-def _grad(logp0: list[float], old: list[float], adv: list[float], denom: int, **kw: Any
-          ) -> tuple[float, list[float]]:
+def _grad(logp0: list[float], old: list[float], adv: list[float], denom: int, **kw: Any) -> tuple[float, list[float]]:
     logp = torch.tensor(logp0, dtype=torch.float64, requires_grad=True)
-    loss, _ = grpo_loss(logp, torch.tensor(old, dtype=torch.float64), torch.tensor(adv, dtype=torch.float64),
-                        clip_eps=0.2, denom=denom, **kw)
+    loss, _ = grpo_loss(
+        logp,
+        torch.tensor(old, dtype=torch.float64),
+        torch.tensor(adv, dtype=torch.float64),
+        clip_eps=0.2,
+        denom=denom,
+        **kw,
+    )
     loss.backward()
     assert logp.grad is not None
     return float(loss.detach()), logp.grad.tolist()
@@ -35,13 +40,16 @@ def test_on_policy_ratio_one_gives_minus_advantage_gradient() -> None:
     assert grad == pytest.approx([-0.5, 0.5])
 
 
-@pytest.mark.parametrize(("ratio", "adv", "loss", "grad"), [
-    (1.5, 2.0, -2.4, 0.0),    # A > 0, r above 1+ε: clipped, no gradient
-    (1.5, -1.0, 1.5, 1.5),    # A < 0, r above 1+ε: unclipped (pessimistic) branch, gradient −r·A
-    (0.5, -1.0, 0.8, 0.0),    # A < 0, r below 1−ε: clipped
-    (0.5, 1.0, -0.5, -0.5),   # A > 0, r below 1−ε: unclipped
-    (1.1, 1.0, -1.1, -1.1),   # inside the range
-])
+@pytest.mark.parametrize(
+    ("ratio", "adv", "loss", "grad"),
+    [
+        (1.5, 2.0, -2.4, 0.0),  # A > 0, r above 1+ε: clipped, no gradient
+        (1.5, -1.0, 1.5, 1.5),  # A < 0, r above 1+ε: unclipped (pessimistic) branch, gradient −r·A
+        (0.5, -1.0, 0.8, 0.0),  # A < 0, r below 1−ε: clipped
+        (0.5, 1.0, -0.5, -0.5),  # A > 0, r below 1−ε: unclipped
+        (1.1, 1.0, -1.1, -1.1),  # inside the range
+    ],
+)
 def test_clip(ratio: float, adv: float, loss: float, grad: float) -> None:
     value, g = _grad([math.log(ratio) - 1.0], [-1.0], [adv], denom=1)
     assert value == pytest.approx(loss, rel=1e-9)
@@ -57,8 +65,15 @@ def test_stats_count_clipped_tokens_and_ratio() -> None:
 
 def test_huge_log_difference_with_zero_advantage_is_finite() -> None:
     logp = torch.tensor([500.0, -500.0], requires_grad=True)
-    loss, stats = grpo_loss(logp, torch.tensor([-400.0, 300.0]), torch.zeros(2), clip_eps=0.2, denom=2,
-                            ref_logp=torch.tensor([-400.0, 300.0]), kl_coef=0.04)
+    loss, stats = grpo_loss(
+        logp,
+        torch.tensor([-400.0, 300.0]),
+        torch.zeros(2),
+        clip_eps=0.2,
+        denom=2,
+        ref_logp=torch.tensor([-400.0, 300.0]),
+        kl_coef=0.04,
+    )
     loss.backward()
     assert math.isfinite(float(loss.detach())) and math.isfinite(float(stats.ratio_sum))
     assert logp.grad is not None and torch.isfinite(logp.grad).all()
@@ -71,8 +86,9 @@ def test_k3_kl_hand_value_and_penalty_gradient() -> None:
     # d = ref − logp = log 0.5: e^d − d − 1 = 0.5 + log 2 − 1
     assert float(kl.detach()) == pytest.approx(0.5 + math.log(2) - 1)
     assert float(k3_kl(ref, ref)) == 0.0
-    loss, stats = grpo_loss(logp, logp.detach(), torch.zeros(1, dtype=torch.float64), clip_eps=0.2, denom=1,
-                            ref_logp=ref, kl_coef=0.04)
+    loss, stats = grpo_loss(
+        logp, logp.detach(), torch.zeros(1, dtype=torch.float64), clip_eps=0.2, denom=1, ref_logp=ref, kl_coef=0.04
+    )
     loss.backward()
     assert float(loss.detach()) == pytest.approx(0.04 * (0.5 + math.log(2) - 1))
     # d/dlogp [e^(ref−logp) + logp] = 1 − e^(ref−logp) = 0.5

@@ -52,8 +52,7 @@ def test_the_intact_model_loads(tiny_dir: Path) -> None:
 
 
 def test_missing_weights_are_refused_not_initialised_at_random(tiny_dir: Path, tmp_path: Path) -> None:
-    broken = _edit_weights(tiny_dir, tmp_path / "broken",
-                           lambda w: w.pop("model.layers.0.mlp.up_proj.weight"))
+    broken = _edit_weights(tiny_dir, tmp_path / "broken", lambda w: w.pop("model.layers.0.mlp.up_proj.weight"))
     with pytest.raises(ModelLoadError, match=r"1 missing \(model\.layers\.0\.mlp\.up_proj\.weight\)"):
         _load(broken)
 
@@ -81,8 +80,7 @@ def test_a_tensor_left_on_the_meta_device_is_refused(tiny_dir: Path, monkeypatch
         _load(tiny_dir)
 
 
-def test_a_rotary_inv_freq_unlike_the_models_own_is_refused(tiny_dir: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rotary_inv_freq_unlike_the_models_own_is_refused(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def bf16_round_trip(model: torch.nn.Module) -> None:  # what a blanket dtype cast does to the buffer
         rotary = model.get_submodule("model.rotary_emb")
         rotary.inv_freq = rotary.inv_freq.to(torch.bfloat16).float()

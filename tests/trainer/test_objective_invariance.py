@@ -33,17 +33,25 @@ OBJECTIVES: dict[str, dict[str, Any]] = {
     "token-mis": {"rollout_correction": "token-mis"},
     "seq-mis": {"rollout_correction": "seq-mis", "rollout_correction_threshold": 1.5},
     "awsft-seq-mean": {"loss": "awsft", "loss_agg": "seq-mean-token-mean"},
-    "gspo-rloo-sum-norm-tis": {"loss": "gspo", "advantage": "rloo", "loss_agg": "seq-mean-token-sum-norm",
-                               "rollout_correction": "token-tis", "clip_eps_high": 0.28},
+    "gspo-rloo-sum-norm-tis": {
+        "loss": "gspo",
+        "advantage": "rloo",
+        "loss_agg": "seq-mean-token-sum-norm",
+        "rollout_correction": "token-tis",
+        "clip_eps_high": 0.28,
+    },
 }
 
 
 def _groups() -> list[dict[str, Any]]:
     """16 sequences of varied completion lengths; one group all equal, some truncated."""
     rng = random.Random(11)
-    groups = [make_group(rng, size=4, completion_len=1 + i, scores=scores)
-              for i, scores in enumerate(([1.0, 0.0, 0.5, 0.25], [0.3, 0.3, 0.3, 0.3], [0.9, 0.1, 0.1, 0.4],
-                                          [0.0, 1.0, 1.0, 0.0]))]
+    groups = [
+        make_group(rng, size=4, completion_len=1 + i, scores=scores)
+        for i, scores in enumerate(
+            ([1.0, 0.0, 0.5, 0.25], [0.3, 0.3, 0.3, 0.3], [0.9, 0.1, 0.1, 0.4], [0.0, 1.0, 1.0, 0.0])
+        )
+    ]
     groups[0]["overrides"] = [{"finish_reason": "length"}, {"finish_reason": "stop"}, {}, {}]
     groups[2]["group_overrides"] = {**groups[2].get("group_overrides", {}), "finish_reason": "length"}
     # far off the trainer's logprobs (~ −3): ρ ≫ C in group 3, ρ ≪ 1/C in group 1
@@ -54,21 +62,29 @@ def _groups() -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def policy(tiny_dir: Path) -> Any:
-    return load_policy(tiny_dir, tiny_dir, device=torch.device("cpu"), dtype=torch.float32, lora=None,
-                       need_reference=True)
+    return load_policy(
+        tiny_dir, tiny_dir, device=torch.device("cpu"), dtype=torch.float32, lora=None, need_reference=True
+    )
 
 
 def _learner(policy: Any, tmp_path: Path, tiny_dir: Path, **trainer: Any) -> tuple[Learner, Any]:
     t = make_cfg(tmp_path, tiny_dir, **trainer).trainer
     opt = build_optimizer(policy.trainable(), t)
     objective, reference = make_strategies(t)
-    return Learner(policy, opt, build_scheduler(opt, t.warmup_steps), objective=objective, reference=reference,
-                   max_grad_norm=1e9), t
+    return Learner(
+        policy, opt, build_scheduler(opt, t.warmup_steps), objective=objective, reference=reference, max_grad_norm=1e9
+    ), t
 
 
 def _batch(t: Any, **split: int) -> RolloutBatch:
-    return prepare_batch(_groups(), max_token_len=t.max_token_len, adv_std_floor=t.adv_std_floor,
-                         advantage=t.advantage, overlong=t.overlong, **{"micro_batch_size": 16, **split})
+    return prepare_batch(
+        _groups(),
+        max_token_len=t.max_token_len,
+        adv_std_floor=t.adv_std_floor,
+        advantage=t.advantage,
+        overlong=t.overlong,
+        **{"micro_batch_size": 16, **split},
+    )
 
 
 def _run(learner: Learner, batch: RolloutBatch) -> tuple[float, torch.Tensor, Any]:
@@ -108,7 +124,7 @@ def _skewed(learner: Learner, t: Any) -> RolloutBatch:
     with torch.no_grad():
         for mb in batch.micro:
             lp, _ = token_logprobs(learner.policy.model, mb.input_ids, mb.mask, mb.labels, mb.temperature)
-            wobble = torch.tensor([0.0, 0.1, -0.1]).repeat(lp.numel())[:lp.numel()]  # GSPO's mean ≠ each token's
+            wobble = torch.tensor([0.0, 0.1, -0.1]).repeat(lp.numel())[: lp.numel()]  # GSPO's mean ≠ each token's
             mb.old_logp[mb.mask] = lp - 0.22 - wobble
     return batch
 
@@ -129,8 +145,7 @@ def test_checkpoint_and_resume_keep_the_schedules_position(schedule: str, tiny_d
     from atroposd.trainer.optim import lr_factor
     from atroposd.trainer.setup import build_learner, load_for_training
 
-    cfg = make_cfg(tmp_path / "state", tiny_dir, lr_schedule=schedule, warmup_steps=1, steps=6, lr=1e-3,
-                   kl_coef=0.0)
+    cfg = make_cfg(tmp_path / "state", tiny_dir, lr_schedule=schedule, warmup_steps=1, steps=6, lr=1e-3, kl_coef=0.0)
     setup = load_for_training(cfg)
     learner = build_learner(cfg, setup)
     lrs = []

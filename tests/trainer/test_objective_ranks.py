@@ -10,9 +10,16 @@ import pytest
 
 from tests.trainer.test_ranks import LOSS_TOL, PARAM_TOL, _config, _run, _worst
 
-MENU = {"loss": "gspo", "clip_eps_high": 0.28, "rollout_correction": "seq-tis",
-        "rollout_correction_threshold": 1.5, "loss_agg": "seq-mean-token-mean", "advantage": "rloo",
-        "lr_schedule": "cosine", "steps": 3}
+MENU = {
+    "loss": "gspo",
+    "clip_eps_high": 0.28,
+    "rollout_correction": "seq-tis",
+    "rollout_correction_threshold": 1.5,
+    "loss_agg": "seq-mean-token-mean",
+    "advantage": "rloo",
+    "lr_schedule": "cosine",
+    "steps": 3,
+}
 
 
 @pytest.mark.slow  # two rank-0 runs with a real gloo group: ~55 s on 2 cores

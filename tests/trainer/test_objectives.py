@@ -35,8 +35,7 @@ def _t(values: list[float]) -> torch.Tensor:
     return torch.tensor(values, dtype=F64)
 
 
-def _loss_and_grad(logp0: list[float], old: list[float], adv: list[float], **kw: Any
-                   ) -> tuple[float, list[float], Any]:
+def _loss_and_grad(logp0: list[float], old: list[float], adv: list[float], **kw: Any) -> tuple[float, list[float], Any]:
     logp = torch.tensor(logp0, dtype=F64, requires_grad=True)
     kw.setdefault("clip_eps", 0.2)
     kw.setdefault("denom", len(logp0))
@@ -49,8 +48,16 @@ def _loss_and_grad(logp0: list[float], old: list[float], adv: list[float], **kw:
 # --------------------------------------------------------------------------- today's loss, pinned
 
 
-def _todays_grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, *, clip_eps: float,
-                      denom: int, ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0) -> torch.Tensor:
+def _todays_grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    *,
+    clip_eps: float,
+    denom: int,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> torch.Tensor:
     """The loss before the menu existed, copied verbatim: the defaults must give exactly this."""
     delta = (logp - old_logp.detach()).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     ratio = torch.exp(delta)
@@ -96,8 +103,9 @@ def test_default_advantages_are_todays() -> None:
     mean = sum(scores) / 4
     std = math.sqrt(sum((s - mean) ** 2 for s in scores) / 4)
     assert group_advantages(scores, 0.1) == [(s - mean) / max(std, 0.1) for s in scores]
-    batch = prepare_batch([make_group(random.Random(0), size=4, scores=scores)], micro_batch_size=4,
-                          max_token_len=64, adv_std_floor=0.1)
+    batch = prepare_batch(
+        [make_group(random.Random(0), size=4, scores=scores)], micro_batch_size=4, max_token_len=64, adv_std_floor=0.1
+    )
     mb = batch.micro[0]
     firsts = mb.advantages[torch.arange(4), mb.mask.float().argmax(1)]
     torch.testing.assert_close(firsts, torch.tensor([(s - mean) / max(std, 0.1) for s in scores]))
@@ -112,14 +120,17 @@ def test_clip_bounds() -> None:
     assert clip_bounds(0.2, 0.28) == (0.8, 1.28)
 
 
-@pytest.mark.parametrize(("ratio", "adv", "high", "loss", "grad", "clipped"), [
-    (1.25, 1.0, 0.0, -1.2, 0.0, 1),      # symmetric: above 1.2, clipped
-    (1.25, 1.0, 0.28, -1.25, -1.25, 0),  # clip-higher: 1.25 < 1.28, trained
-    (1.28, 1.0, 0.28, -1.28, -1.28, 0),  # exactly at the upper bound: inside
-    (1.3, 1.0, 0.28, -1.28, 0.0, 1),     # above it: clipped
-    (0.8, -1.0, 0.28, 0.8, 0.8, 0),      # exactly at the lower bound 1 − ε (unchanged by ε_high)
-    (0.7, -1.0, 0.28, 0.8, 0.0, 1),      # below it, A < 0: clipped
-])
+@pytest.mark.parametrize(
+    ("ratio", "adv", "high", "loss", "grad", "clipped"),
+    [
+        (1.25, 1.0, 0.0, -1.2, 0.0, 1),  # symmetric: above 1.2, clipped
+        (1.25, 1.0, 0.28, -1.25, -1.25, 0),  # clip-higher: 1.25 < 1.28, trained
+        (1.28, 1.0, 0.28, -1.28, -1.28, 0),  # exactly at the upper bound: inside
+        (1.3, 1.0, 0.28, -1.28, 0.0, 1),  # above it: clipped
+        (0.8, -1.0, 0.28, 0.8, 0.8, 0),  # exactly at the lower bound 1 − ε (unchanged by ε_high)
+        (0.7, -1.0, 0.28, 0.8, 0.0, 1),  # below it, A < 0: clipped
+    ],
+)
 def test_clip_higher(ratio: float, adv: float, high: float, loss: float, grad: float, clipped: int) -> None:
     value, g, stats = _loss_and_grad([math.log(ratio)], [0.0], [adv], clip_eps_high=high)
     assert value == pytest.approx(loss, rel=1e-12)
@@ -151,8 +162,9 @@ def test_gspo_clips_whole_sequences() -> None:
     # sequence 0: log-ratios 0.1, 0.3 → s = e^0.2 ≈ 1.221 > 1.2 with A = 1: clipped, no gradient
     # sequence 1: log-ratios 0.1, −0.1, 0 → s = 1 with A = −1: per token 1, gradient −A·s = 1
     seq = torch.tensor([0, 0, 1, 1, 1])
-    value, g, stats = _loss_and_grad([0.1, 0.3, 0.1, -0.1, 0.0], [0.0] * 5, [1.0, 1.0, -1.0, -1.0, -1.0],
-                                     sequence_level=True, seq=seq, num_seqs=2)
+    value, g, stats = _loss_and_grad(
+        [0.1, 0.3, 0.1, -0.1, 0.0], [0.0] * 5, [1.0, 1.0, -1.0, -1.0, -1.0], sequence_level=True, seq=seq, num_seqs=2
+    )
     assert value == pytest.approx((-1.2 * 2 + 3.0) / 5)
     assert g == pytest.approx([0.0, 0.0, 0.2, 0.2, 0.2])
     assert int(stats.clipped) == 2
@@ -174,24 +186,31 @@ def test_gspo_of_one_token_sequences_is_grpo() -> None:
 RHOS = [0.25, 0.5, 1.0, 2.0, 4.0]  # exp(log ρ) is exact for these
 
 
-@pytest.mark.parametrize(("mode", "weights", "corrected"), [
-    ("token-tis", [0.25, 0.5, 1.0, 2.0, 2.0], [False, False, False, False, True]),  # min(ρ, C); ρ = C kept
-    ("token-mis", [0.0, 1.0, 1.0, 1.0, 0.0], [True, False, False, False, True]),    # 1/C ≤ ρ ≤ C inclusive
-])
+@pytest.mark.parametrize(
+    ("mode", "weights", "corrected"),
+    [
+        ("token-tis", [0.25, 0.5, 1.0, 2.0, 2.0], [False, False, False, False, True]),  # min(ρ, C); ρ = C kept
+        ("token-mis", [0.0, 1.0, 1.0, 1.0, 0.0], [True, False, False, False, True]),  # 1/C ≤ ρ ≤ C inclusive
+    ],
+)
 def test_token_level_corrections(mode: str, weights: list[float], corrected: list[bool]) -> None:
     w, c = rollout_weights(torch.log(_t(RHOS)), torch.zeros(5, dtype=F64), mode=mode, threshold=2.0)
     assert w.tolist() == weights and c.tolist() == corrected
 
 
-@pytest.mark.parametrize(("mode", "weights", "corrected"), [
-    # ρ_seq: sequence 0 exp(mean(log 4, log 1)) = 2, sequence 1 exp(mean(log 0.25)) = 0.25, sequence 2 = 1
-    ("seq-tis", [1.5, 1.5, 0.25, 1.0, 1.0], [True, True, False, False, False]),
-    ("seq-mis", [0.0, 0.0, 0.0, 1.0, 1.0], [True, True, True, False, False]),
-])
+@pytest.mark.parametrize(
+    ("mode", "weights", "corrected"),
+    [
+        # ρ_seq: sequence 0 exp(mean(log 4, log 1)) = 2, sequence 1 exp(mean(log 0.25)) = 0.25, sequence 2 = 1
+        ("seq-tis", [1.5, 1.5, 0.25, 1.0, 1.0], [True, True, False, False, False]),
+        ("seq-mis", [0.0, 0.0, 0.0, 1.0, 1.0], [True, True, True, False, False]),
+    ],
+)
 def test_sequence_level_corrections(mode: str, weights: list[float], corrected: list[bool]) -> None:
     log_rho = torch.log(_t([4.0, 1.0, 0.25, 1.0, 1.0]))
-    w, c = rollout_weights(log_rho, torch.zeros(5, dtype=F64), mode=mode, threshold=1.5,
-                           seq=torch.tensor([0, 0, 1, 2, 2]), num_seqs=3)
+    w, c = rollout_weights(
+        log_rho, torch.zeros(5, dtype=F64), mode=mode, threshold=1.5, seq=torch.tensor([0, 0, 1, 2, 2]), num_seqs=3
+    )
     assert w.tolist() == pytest.approx(weights, rel=1e-12) and c.tolist() == corrected
 
 
@@ -207,8 +226,9 @@ def test_correction_takes_the_ratio_against_the_trainers_own_logprobs() -> None:
     # on-policy (ρ = 1), a correction changes nothing
     base = _loss_and_grad([-1.0, -2.0], [-1.0, -2.0], [1.0, -1.0])
     for mode in ("token-tis", "seq-tis", "token-mis", "seq-mis"):
-        got = _loss_and_grad([-1.0, -2.0], [-1.0, -2.0], [1.0, -1.0], correction=mode, seq=torch.tensor([0, 0]),
-                             num_seqs=1)
+        got = _loss_and_grad(
+            [-1.0, -2.0], [-1.0, -2.0], [1.0, -1.0], correction=mode, seq=torch.tensor([0, 0]), num_seqs=1
+        )
         assert got[0] == pytest.approx(base[0]) and got[1] == pytest.approx(base[1]) and int(got[2].corrected) == 0
 
 
@@ -230,31 +250,40 @@ def test_aggregation_weights_and_values() -> None:
     torch.testing.assert_close(w2, torch.tensor([[1 / 12, 1 / 12, 0.0], [1 / 12, 0.0, 0.0], [0.0, 0.0, 0.0]]))
     # per-token losses 1, 3 | 5 (on-policy, A = −l): seq-mean (2 + 5) / 2; sum-norm 9 / 12
     for weights, expected in ((w, 3.5), (w2, 0.75)):
-        value, _, _ = _loss_and_grad([0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [-1.0, -3.0, -5.0],
-                                     weight=weights[mask].to(F64))
+        value, _, _ = _loss_and_grad([0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [-1.0, -3.0, -5.0], weight=weights[mask].to(F64))
         assert value == pytest.approx(expected)
     # a packed row: the same sequences laid end to end, told apart by seq_ids
     packed = torch.tensor([[True, True, True]])
-    w3 = aggregation_weights(packed, "seq-mean-token-mean", sequences=2, trained_sequences=2, max_token_len=4,
-                             seq_ids=torch.tensor([[0, 0, 1]]))
+    w3 = aggregation_weights(
+        packed,
+        "seq-mean-token-mean",
+        sequences=2,
+        trained_sequences=2,
+        max_token_len=4,
+        seq_ids=torch.tensor([[0, 0, 1]]),
+    )
     assert w3 is not None and w3.tolist() == [[0.25, 0.25, 0.5]]
 
 
 # --------------------------------------------------------------------------- advantages
 
 
-@pytest.mark.parametrize(("mode", "expected"), [
-    ("group-std", [1.0, -1.0, -1.0, 1.0]),
-    ("group-mean", [0.5, -0.5, -0.5, 0.5]),
-    ("rloo", [2 / 3, -2 / 3, -2 / 3, 2 / 3]),  # 1 − (0 + 0 + 1)/3, 0 − (1 + 0 + 1)/3
-])
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("group-std", [1.0, -1.0, -1.0, 1.0]),
+        ("group-mean", [0.5, -0.5, -0.5, 0.5]),
+        ("rloo", [2 / 3, -2 / 3, -2 / 3, 2 / 3]),  # 1 − (0 + 0 + 1)/3, 0 − (1 + 0 + 1)/3
+    ],
+)
 def test_advantages(mode: str, expected: list[float]) -> None:
     assert group_advantages([1.0, 0.0, 0.0, 1.0], 0.1, mode) == pytest.approx(expected, rel=1e-15)
     assert group_advantages([0.3, 0.3, 0.3], 0.1, mode) == [0.0, 0.0, 0.0]  # all equal
     assert group_advantages([0.7], 0.1, mode) == [0.0]  # a group of one has no baseline
     rloo_two = group_advantages([1.0, 0.25], 0.1, mode)
-    assert rloo_two == pytest.approx({"group-std": [1.0, -1.0], "group-mean": [0.375, -0.375],
-                                      "rloo": [0.75, -0.75]}[mode])
+    assert rloo_two == pytest.approx(
+        {"group-std": [1.0, -1.0], "group-mean": [0.375, -0.375], "rloo": [0.75, -0.75]}[mode]
+    )
 
 
 def test_environment_advantages_replace_every_mode() -> None:
@@ -278,7 +307,8 @@ def test_overlong_mask_trains_no_token_of_a_truncated_completion() -> None:
     assert mask.trained_sequences == 2 and keep.trained_sequences == 3 and mask.truncated == 1
     # the advantages still see every score: sequence 0's is that of the group of three
     assert mask.micro[0].advantages[0, mask.micro[0].mask[0]].tolist() == pytest.approx(
-        keep.micro[0].advantages[0, keep.micro[0].mask[0]].tolist())
+        keep.micro[0].advantages[0, keep.micro[0].mask[0]].tolist()
+    )
     whole = dict(group, overrides=None, group_overrides={"finish_reason": "length"})
     assert all(is_truncated(whole, i) for i in range(3))
     # overrides[i] has the last word over group_overrides
@@ -341,8 +371,9 @@ def test_trains_nothing() -> None:
     assert trains_nothing(_group(rng, [1.0]))  # a group of one: no baseline
     assert not trains_nothing(_group(rng, [0.5, 0.25]))
     assert not trains_nothing(_group(rng, [0.5, 0.5], advantages=[1.0, -1.0]))  # its own advantages
-    assert not trains_nothing(_group(rng, [0.5, 0.5], distill_token_ids=[[[1]] * 7] * 2,
-                                     distill_logprobs=[[[-0.1]] * 7] * 2))
+    assert not trains_nothing(
+        _group(rng, [0.5, 0.5], distill_token_ids=[[[1]] * 7] * 2, distill_logprobs=[[[-0.1]] * 7] * 2)
+    )
     assert not trains_nothing(_group(rng, [0.5, "0.5"]))  # malformed: batch preparation rejects it
     assert not trains_nothing(_group(rng, [math.nan, math.nan]))
     assert not trains_nothing("not a group")
@@ -350,8 +381,14 @@ def test_trains_nothing() -> None:
 
 def test_group_filter_fills_full_batches_and_carries_the_rest() -> None:
     rng = random.Random(4)
-    eq1, a, eq2, b, c, d = (_group(rng, [1.0, 1.0]), _group(rng, [1.0, 0.0]), _group(rng, [0.0, 0.0]),
-                            _group(rng, [0.2, 0.4]), _group(rng, [0.3, 0.1]), _group(rng, [0.9, 0.8]))
+    eq1, a, eq2, b, c, d = (
+        _group(rng, [1.0, 1.0]),
+        _group(rng, [1.0, 0.0]),
+        _group(rng, [0.0, 0.0]),
+        _group(rng, [0.2, 0.4]),
+        _group(rng, [0.3, 0.1]),
+        _group(rng, [0.9, 0.8]),
+    )
     f = GroupFilter(batch_size=4)
     f.add([eq1, a])
     assert f.take() is None and not f.starved
@@ -403,8 +440,16 @@ def test_make_groups_helper_still_builds_batches() -> None:
 @pytest.mark.parametrize("keys", [{}, {"sequence_level": True}, {"correction": "seq-tis"}, {"correction": "token-mis"}])
 def test_no_trained_token_gives_a_zero_finite_loss(keys: dict[str, Any]) -> None:
     logp = torch.zeros(0, dtype=F64, requires_grad=True)
-    loss, stats = grpo_loss(logp, torch.zeros(0, dtype=F64), torch.zeros(0, dtype=F64), clip_eps=0.2, denom=0,
-                            seq=torch.zeros(0, dtype=torch.long), num_seqs=2, **keys)
+    loss, stats = grpo_loss(
+        logp,
+        torch.zeros(0, dtype=F64),
+        torch.zeros(0, dtype=F64),
+        clip_eps=0.2,
+        denom=0,
+        seq=torch.zeros(0, dtype=torch.long),
+        num_seqs=2,
+        **keys,
+    )
     assert float(loss.detach()) == 0.0 and float(stats.ratio_sum) == 0.0
 
 
@@ -414,8 +459,13 @@ def test_a_completion_without_trained_tokens_weighs_nothing() -> None:
     batch = prepare_batch([group], micro_batch_size=4, max_token_len=64, adv_std_floor=0.1)
     assert batch.sequences == 3 and batch.trained_sequences == 2
     mb = batch.micro[0]
-    w = aggregation_weights(mb.mask, "seq-mean-token-mean", sequences=batch.sequences,
-                            trained_sequences=batch.trained_sequences, max_token_len=64)
+    w = aggregation_weights(
+        mb.mask,
+        "seq-mean-token-mean",
+        sequences=batch.sequences,
+        trained_sequences=batch.trained_sequences,
+        max_token_len=64,
+    )
     assert w is not None and float(w[2].sum()) == 0.0 and float(w.sum()) == pytest.approx(1.0)
     # GSPO's mean over a sequence that has no token: the others' are unaffected
     seq = torch.tensor([0, 0, 2])

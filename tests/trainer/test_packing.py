@@ -52,8 +52,9 @@ def test_pack_rows_is_first_fit_decreasing_within_the_budget() -> None:
 def test_prepare_batch_packs_into_rows_of_at_most_micro_batch_tokens() -> None:
     groups = varied_groups(11, n_groups=4, distill=True)
     padded = prepare_batch(groups, micro_batch_size=4, max_token_len=64, adv_std_floor=0.1, use_distill=True)
-    packed = prepare_batch(groups, micro_batch_size=4, max_token_len=64, adv_std_floor=0.1, use_distill=True,
-                           micro_batch_tokens=64)
+    packed = prepare_batch(
+        groups, micro_batch_size=4, max_token_len=64, adv_std_floor=0.1, use_distill=True, micro_batch_tokens=64
+    )
     assert packed.completion_tokens == padded.completion_tokens
     assert packed.distill_positions == padded.distill_positions
     assert packed.sequences == padded.sequences == sum(mb.num_sequences for mb in packed.micro)
@@ -79,32 +80,43 @@ def test_a_packed_row_gives_each_sequence_the_logprobs_it_gets_alone(tiny_policy
     mask, with eager attention and an additive one; the same row as one sequence does not."""
     model = copy.deepcopy(tiny_policy.model)
     model.set_attn_implementation(attention)  # type: ignore[operator]
-    batch = prepare_batch(varied_groups(5), micro_batch_size=1, max_token_len=64, adv_std_floor=0.1,
-                          micro_batch_tokens=64)
+    batch = prepare_batch(
+        varied_groups(5), micro_batch_size=1, max_token_len=64, adv_std_floor=0.1, micro_batch_tokens=64
+    )
     mb = max(batch.micro, key=lambda m: m.num_sequences)
     assert mb.seq_lens is not None and mb.num_sequences >= 3
     with torch.no_grad():
-        packed = token_scores(model, mb.input_ids, mb.mask, mb.labels, mb.temperature, seq_lens=mb.seq_lens,
-                              chunk=4, entropy=True)
+        packed = token_scores(
+            model, mb.input_ids, mb.mask, mb.labels, mb.temperature, seq_lens=mb.seq_lens, chunk=4, entropy=True
+        )
         alone, alone_entropy = [], []
         start = 0
         for i, n in enumerate(mb.seq_lens.tolist()):
             sl = slice(start, start + n)
-            s = token_scores(model, mb.input_ids[:, sl], mb.mask[:, sl], mb.labels[:, sl], mb.temperature[i:i + 1],
-                             chunk=4, entropy=True)
+            s = token_scores(
+                model,
+                mb.input_ids[:, sl],
+                mb.mask[:, sl],
+                mb.labels[:, sl],
+                mb.temperature[i : i + 1],
+                chunk=4,
+                entropy=True,
+            )
             alone.append(s.logp)
             alone_entropy.append(s.entropy)
             start += n
         # the same row as one causal sequence attends across: its scores differ after the first
         whole = torch.repeat_interleave(mb.temperature, mb.seq_lens)[None, :]  # [1, T]
         crossing = token_scores(model, mb.input_ids, mb.mask, mb.labels, torch.ones(1), chunk=4).logp
-        plain = token_scores(model, mb.input_ids, mb.mask, mb.labels, torch.ones(mb.num_sequences),
-                             seq_lens=mb.seq_lens, chunk=4).logp
-        first = int(mb.mask[0, :int(mb.seq_lens[0])].sum())  # the first sequence sees no other
+        plain = token_scores(
+            model, mb.input_ids, mb.mask, mb.labels, torch.ones(mb.num_sequences), seq_lens=mb.seq_lens, chunk=4
+        ).logp
+        first = int(mb.mask[0, : int(mb.seq_lens[0])].sum())  # the first sequence sees no other
     torch.testing.assert_close(packed.logp, torch.cat(alone), atol=1e-5, rtol=1e-5)
     assert packed.entropy is not None
-    torch.testing.assert_close(packed.entropy, torch.cat([e for e in alone_entropy if e is not None]),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        packed.entropy, torch.cat([e for e in alone_entropy if e is not None]), atol=1e-5, rtol=1e-5
+    )
     assert len(set(whole[0].tolist())) > 1  # the sequences' own temperatures, per position
     torch.testing.assert_close(crossing[:first], plain[:first], atol=1e-5, rtol=1e-5)
     assert (crossing[first:] - plain[first:]).abs().max() > 1e-3
@@ -113,8 +125,17 @@ def test_a_packed_row_gives_each_sequence_the_logprobs_it_gets_alone(tiny_policy
 def learner_for(policy: Policy, objective: Objective, reference: Reference, distill: float = 0.0) -> Learner:
     opt = torch.optim.SGD(policy.trainable(), lr=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _s: 1.0)
-    return Learner(policy, opt, sched, objective=objective, reference=reference, max_grad_norm=1e9,
-                   distill_coef=distill, distill_temperature=1.5, logprob_chunk=5)
+    return Learner(
+        policy,
+        opt,
+        sched,
+        objective=objective,
+        reference=reference,
+        max_grad_norm=1e9,
+        distill_coef=distill,
+        distill_temperature=1.5,
+        logprob_chunk=5,
+    )
 
 
 def step(learner: Learner, batch: RolloutBatch) -> tuple[float, torch.Tensor, float | None, float]:
@@ -141,8 +162,7 @@ def test_packed_step_equals_the_padded_step(tiny_dir: Path, case: str) -> None:
     same way (mean_kl equal)."""
     distill = case == "distill"
     kl = 0.1 if case in ("grpo-kl-initial", "awsft") else 0.0
-    policy = load_policy(tiny_dir, tiny_dir, device=torch.device("cpu"), dtype=torch.float32,
-                         need_reference=kl > 0)
+    policy = load_policy(tiny_dir, tiny_dir, device=torch.device("cpu"), dtype=torch.float32, need_reference=kl > 0)
     assert getattr(policy.model.config, "_attn_implementation", None) == SEGMENT_SDPA  # attention per sequence
     with torch.no_grad():  # the policy moved away from its reference: the KL term is not zero
         for p in policy.model.parameters():
@@ -152,8 +172,14 @@ def test_packed_step_equals_the_padded_step(tiny_dir: Path, case: str) -> None:
     reference: Reference = InitialReference(chunk=5) if kl else NoReference()
     out = []
     for tokens in (0, 64 if case != "one-row" else 30):
-        batch = prepare_batch(groups, micro_batch_size=micro, max_token_len=30 if case == "one-row" else 64,
-                              adv_std_floor=0.1, use_distill=distill, micro_batch_tokens=tokens)
+        batch = prepare_batch(
+            groups,
+            micro_batch_size=micro,
+            max_token_len=30 if case == "one-row" else 64,
+            adv_std_floor=0.1,
+            use_distill=distill,
+            micro_batch_tokens=tokens,
+        )
         if tokens:
             assert all(mb.seq_lens is not None for mb in batch.micro)
         learner = learner_for(policy, objective_for(case, kl), reference, 0.5 if distill else 0.0)
@@ -168,8 +194,9 @@ def test_packed_step_equals_the_padded_step(tiny_dir: Path, case: str) -> None:
 
 
 def test_every_rank_runs_the_same_number_of_packed_passes() -> None:
-    batch = prepare_batch(varied_groups(2, n_groups=5), micro_batch_size=4, max_token_len=64, adv_std_floor=0.1,
-                          micro_batch_tokens=64)
+    batch = prepare_batch(
+        varied_groups(2, n_groups=5), micro_batch_size=4, max_token_len=64, adv_std_floor=0.1, micro_batch_tokens=64
+    )
     for world in (2, 3, len(batch.micro) + 1):
         shares = deal(batch.micro, world, batch.completion_tokens, batch.distill_positions)
         assert len({len(s.passes_with_weight()) for s in shares}) == 1
@@ -181,7 +208,9 @@ def test_config_check_names_a_micro_batch_tokens_below_max_token_len(tmp_path: P
     from atroposd.config import ConfigError
     from tests.trainer.conftest import make_cfg
 
-    with pytest.raises(ConfigError, match=r"trainer\.micro_batch_tokens: must be 0 \(off\) or ≥ trainer\.max_token_len"):
+    with pytest.raises(
+        ConfigError, match=r"trainer\.micro_batch_tokens: must be 0 \(off\) or ≥ trainer\.max_token_len"
+    ):
         make_cfg(tmp_path, tmp_path, micro_batch_tokens=63, max_token_len=64)
     with pytest.raises(ConfigError, match=r"trainer\.logprob_chunk: must be ≥ 1"):
         make_cfg(tmp_path, tmp_path, logprob_chunk=0)
@@ -210,8 +239,9 @@ def arithmetic_groups(seed: int) -> list[dict[str, Any]]:
     return groups
 
 
-def test_the_embedded_job_at_256_tokens_and_chunks_of_5_trains_as_the_padded_one(tiny_dir: Path,
-                                                                                 tmp_path: Path) -> None:
+def test_the_embedded_job_at_256_tokens_and_chunks_of_5_trains_as_the_padded_one(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
     """The embedded job's batches (64 sequences, max_token_len 64) packed into micro-batches of at
     most 256 tokens with the head over 5 completion positions at a time — more passes than at
     512 / 16, and a chunk that divides few of their counts — against the job's padded default
@@ -225,21 +255,45 @@ def test_the_embedded_job_at_256_tokens_and_chunks_of_5_trains_as_the_padded_one
     batches = [arithmetic_groups(seed) for seed in range(3)]
     weights, per_step = [], []
     for tokens, chunk in ((0, 1024), (256, 5)):
-        t = make_cfg(tmp_path, tiny_dir, batch_size=64, micro_batch_size=32, max_token_len=64,
-                     micro_batch_tokens=tokens, logprob_chunk=chunk).trainer
-        policy = load_policy(tiny_dir, tiny_dir, device=torch.device("cpu"), dtype=torch.float32,
-                             need_reference=t.kl_reference == "initial" and t.kl_coef > 0)
+        t = make_cfg(
+            tmp_path,
+            tiny_dir,
+            batch_size=64,
+            micro_batch_size=32,
+            max_token_len=64,
+            micro_batch_tokens=tokens,
+            logprob_chunk=chunk,
+        ).trainer
+        policy = load_policy(
+            tiny_dir,
+            tiny_dir,
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+            need_reference=t.kl_reference == "initial" and t.kl_coef > 0,
+        )
         objective, reference = make_strategies(t)
         assert t.kl_coef > 0 and isinstance(reference, InitialReference) and reference.chunk == chunk
         opt = torch.optim.AdamW(policy.trainable(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _s: 1.0)
-        learner = Learner(policy, opt, sched, objective=objective, reference=reference,
-                          max_grad_norm=t.max_grad_norm, logprob_chunk=chunk)
+        learner = Learner(
+            policy,
+            opt,
+            sched,
+            objective=objective,
+            reference=reference,
+            max_grad_norm=t.max_grad_norm,
+            logprob_chunk=chunk,
+        )
         results = []
         for groups in batches:
-            batch = prepare_batch(groups, micro_batch_size=t.micro_batch_size, max_token_len=t.max_token_len,
-                                  adv_std_floor=t.adv_std_floor, vocab_size=policy.vocab_size,
-                                  micro_batch_tokens=t.micro_batch_tokens)
+            batch = prepare_batch(
+                groups,
+                micro_batch_size=t.micro_batch_size,
+                max_token_len=t.max_token_len,
+                adv_std_floor=t.adv_std_floor,
+                vocab_size=policy.vocab_size,
+                micro_batch_tokens=t.micro_batch_tokens,
+            )
             rows = sorted(tuple(r) for g in groups for r in g["tokens"])
             if tokens:
                 assert len(batch.micro) >= 3  # more passes than the padded job's two
@@ -249,8 +303,8 @@ def test_the_embedded_job_at_256_tokens_and_chunks_of_5_trains_as_the_padded_one
                     pos = packed_inputs(policy.model, mb.seq_lens, mb.input_ids.shape[1])["position_ids"][0]
                     start = 0
                     for n in mb.seq_lens.tolist():
-                        assert pos[start:start + n].tolist() == list(range(n))  # positions restart
-                        packed.append((*mb.input_ids[0, start:start + n].tolist(), int(mb.labels[0, start + n - 1])))
+                        assert pos[start : start + n].tolist() == list(range(n))  # positions restart
+                        packed.append((*mb.input_ids[0, start : start + n].tolist(), int(mb.labels[0, start + n - 1])))
                         start += n
                 assert sorted(packed) == rows  # every sequence once, whole
                 assert sum(int(mb.mask.sum()) % chunk != 0 for mb in batch.micro) >= 2
@@ -268,8 +322,12 @@ def test_the_embedded_job_at_256_tokens_and_chunks_of_5_trains_as_the_padded_one
         assert ent_b == pytest.approx(ent_a, rel=TOL)
         assert kl_b == pytest.approx(kl_a, rel=1e-4, abs=1e-9)
     assert per_step[0][-1][3] > 0  # the policy moved away from its reference
-    start = torch.cat([p.detach().reshape(-1) for p in load_policy(tiny_dir, tiny_dir, device=torch.device("cpu"),
-                                                                   dtype=torch.float32).trainable()])
+    start = torch.cat(
+        [
+            p.detach().reshape(-1)
+            for p in load_policy(tiny_dir, tiny_dir, device=torch.device("cpu"), dtype=torch.float32).trainable()
+        ]
+    )
     # the same updates: AdamW divides each gradient by its own running size, so the steps' float32
     # rounding (1e-5 above) reaches the weights somewhat amplified, still far below any change in learning
     assert rel(weights[1] - start, weights[0] - start) < 1e-4
@@ -286,16 +344,22 @@ def test_the_packed_rows_attention_backward_fills_no_whole_row_gradient_per_sequ
     s, n, heads, dim = 48, 8, 2, 16
     bounds = torch.arange(0, s * n + 1, n, dtype=torch.int32)
     q, k, v = (torch.randn(1, heads, s * n, dim, requires_grad=True) for _ in range(3))
-    out, _ = _segment_sdpa(tiny_policy.model.model.layers[0].self_attn, q, k, v, None, scaling=dim ** -0.5,
-                           cu_seq_lens_q=bounds)
+    out, _ = _segment_sdpa(
+        tiny_policy.model.model.layers[0].self_attn, q, k, v, None, scaling=dim**-0.5, cu_seq_lens_q=bounds
+    )
     # the same as each sequence alone
-    alone = torch.nn.functional.scaled_dot_product_attention(q.detach()[0].reshape(heads, s, n, dim).transpose(0, 1),
-                                                             k.detach()[0].reshape(heads, s, n, dim).transpose(0, 1),
-                                                             v.detach()[0].reshape(heads, s, n, dim).transpose(0, 1),
-                                                             is_causal=True)  # [S, heads, n, dim]
+    alone = torch.nn.functional.scaled_dot_product_attention(
+        q.detach()[0].reshape(heads, s, n, dim).transpose(0, 1),
+        k.detach()[0].reshape(heads, s, n, dim).transpose(0, 1),
+        v.detach()[0].reshape(heads, s, n, dim).transpose(0, 1),
+        is_causal=True,
+    )  # [S, heads, n, dim]
     torch.testing.assert_close(out.detach()[0], alone.permute(0, 2, 1, 3).reshape(s * n, heads, dim))
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         out.sum().backward()
-    filled = sum(math.prod(e.input_shapes[0]) * e.count for e in prof.key_averages(group_by_input_shape=True)
-                 if e.key in ("aten::fill_", "aten::zero_") and e.input_shapes and e.input_shapes[0])
+    filled = sum(
+        math.prod(e.input_shapes[0]) * e.count
+        for e in prof.key_averages(group_by_input_shape=True)
+        if e.key in ("aten::fill_", "aten::zero_") and e.input_shapes and e.input_shapes[0]
+    )
     assert filled <= 6 * q.numel(), f"{filled / q.numel():.0f} rows' worth of zeros filled in the backward"

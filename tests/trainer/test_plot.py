@@ -12,8 +12,10 @@ from tests.support import atroposd, write_config
 
 
 def _config(tmp_path: Path) -> Path:
-    return write_config(tmp_path / "atroposd.toml", {"daemon": {"state_dir": str(tmp_path / "state"),
-                                                                "runtime_dir": str(tmp_path / "run")}})
+    return write_config(
+        tmp_path / "atroposd.toml",
+        {"daemon": {"state_dir": str(tmp_path / "state"), "runtime_dir": str(tmp_path / "run")}},
+    )
 
 
 def test_moving_average() -> None:
@@ -26,10 +28,17 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     state.mkdir()
     lines = []
     for step in range(1, 121):
-        row = {"step": step, "reward_mean": 0.1 + step / 200, "loss": math.sin(step / 10), "mean_kl": step / 1e4,
-               "clipped_fraction": 0.01, "staleness": step % 3, "accuracy": None if step < 5 else step / 150}
+        row = {
+            "step": step,
+            "reward_mean": 0.1 + step / 200,
+            "loss": math.sin(step / 10),
+            "mean_kl": step / 1e4,
+            "clipped_fraction": 0.01,
+            "staleness": step % 3,
+            "accuracy": None if step < 5 else step / 150,
+        }
         lines.append(orjson.dumps(row))
-    (state / "metrics.jsonl").write_bytes(b"\n".join(lines) + b"\n{\"step\": 121, \"loss")  # a torn last line
+    (state / "metrics.jsonl").write_bytes(b"\n".join(lines) + b'\n{"step": 121, "loss')  # a torn last line
     out = tmp_path / "out" / "m.png"
     r = atroposd("plot", "-c", str(cfg), "-o", str(out))
     assert r.returncode == 0, r.stderr
@@ -48,9 +57,23 @@ def test_missing_or_empty_metrics_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def _rows(n: int, *, reward0: float = 0.1) -> list[dict[str, object]]:
-    return [{"step": s, "reward_mean": reward0 + s / (2 * n), "accuracy": s / (2 * n), "loss": 1 / s,
-             "mean_kl": s / 1e4, "clipped_fraction": 0.01, "staleness": s % 2, "tokens": 600,
-             "batch_wait_s": 0.05, "compute_s": 0.2, "sync_s": 0.01, "step_s": 0.22} for s in range(1, n + 1)]
+    return [
+        {
+            "step": s,
+            "reward_mean": reward0 + s / (2 * n),
+            "accuracy": s / (2 * n),
+            "loss": 1 / s,
+            "mean_kl": s / 1e4,
+            "clipped_fraction": 0.01,
+            "staleness": s % 2,
+            "tokens": 600,
+            "batch_wait_s": 0.05,
+            "compute_s": 0.2,
+            "sync_s": 0.01,
+            "step_s": 0.22,
+        }
+        for s in range(1, n + 1)
+    ]
 
 
 def test_the_panels_moving_averages_and_the_time_split() -> None:
@@ -81,8 +104,9 @@ def test_two_runs_overlay_with_a_legend(tmp_path: Path) -> None:
         (tmp_path / name / "metrics.jsonl").write_bytes(b"\n".join(orjson.dumps(r) for r in _rows(40, reward0=r0)))
     out = tmp_path / "both.png"
     cfg = _config(tmp_path)
-    r = atroposd("plot", "-c", str(cfg), str(tmp_path / "run-a"), str(tmp_path / "run-b" / "metrics.jsonl"),
-                 "-o", str(out))
+    r = atroposd(
+        "plot", "-c", str(cfg), str(tmp_path / "run-a"), str(tmp_path / "run-b" / "metrics.jsonl"), "-o", str(out)
+    )
     assert r.returncode == 0, r.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 

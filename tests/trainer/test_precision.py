@@ -41,8 +41,9 @@ def _bf16_setup(tmp_path: Path, tiny_dir: Path, **trainer: Any) -> Any:
     return setup, build_learner(cfg, setup)
 
 
-def test_bf16_compute_keeps_an_update_below_its_resolution_in_the_float32_master(tmp_path: Path,
-                                                                                 tiny_dir: Path) -> None:
+def test_bf16_compute_keeps_an_update_below_its_resolution_in_the_float32_master(
+    tmp_path: Path, tiny_dir: Path
+) -> None:
     setup, learner = _bf16_setup(tmp_path, tiny_dir)
     assert setup.precision == Precision(compute="bfloat16", master="float32", compensated=False)
     model, optimizer = setup.policy.model, learner.optimizer
@@ -92,9 +93,11 @@ def test_the_compensated_optimizer_keeps_small_updates_on_bf16_parameters() -> N
     plain = start.to(torch.bfloat16).requires_grad_()
     kahan = start.to(torch.bfloat16).requires_grad_()
     ref = start.clone().requires_grad_()
-    optimizers = [torch.optim.AdamW([plain], lr=lr, weight_decay=0.0),
-                  compensated_adamw([kahan], lr=lr),
-                  torch.optim.AdamW([ref], lr=lr, weight_decay=0.0)]
+    optimizers = [
+        torch.optim.AdamW([plain], lr=lr, weight_decay=0.0),
+        compensated_adamw([kahan], lr=lr),
+        torch.optim.AdamW([ref], lr=lr, weight_decay=0.0),
+    ]
     for _ in range(steps):
         for p, opt in zip((plain, kahan, ref), optimizers, strict=True):
             p.grad = grad.to(p.dtype)
@@ -103,7 +106,7 @@ def test_the_compensated_optimizer_keeps_small_updates_on_bf16_parameters() -> N
     assert "master" not in optimizers[1].state[kahan]  # one bf16 copy: no master
     assert all(t.dtype == torch.bfloat16 for t in optimizers[1].state[kahan].values() if t.dim())
     assert float((start - ref.detach()).mean()) == pytest.approx(steps * lr, rel=0.05)
-    ulp = 2.0 ** -7
+    ulp = 2.0**-7
     assert float((kahan.detach().float() - ref.detach()).abs().max()) <= ulp
     assert float((start - kahan.detach().float()).mean()) > 0.5 * steps * lr
 
@@ -122,30 +125,75 @@ def test_float32_parameters_take_torchs_adamw_steps() -> None:
     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize(("kw", "expected"), [
-    ({"device_type": "cpu", "dtype": "auto", "compute_dtype": "auto", "inference_dtype": "float32",
-      "weight_sync": "shared"}, Precision("float32", "float32", False)),
-    ({"device_type": "cuda", "dtype": "auto", "compute_dtype": "auto", "inference_dtype": "bfloat16",
-      "weight_sync": "push"}, Precision("bfloat16", "float32", False)),
-    ({"device_type": "cuda", "dtype": "auto", "compute_dtype": "auto", "inference_dtype": "bfloat16",
-      "weight_sync": "shared"}, Precision("bfloat16", "bfloat16", True)),
-    ({"device_type": "cuda", "dtype": "bfloat16", "compute_dtype": "auto", "inference_dtype": "bfloat16",
-      "weight_sync": "push"}, Precision("bfloat16", "bfloat16", True)),
-    ({"device_type": "cpu", "dtype": "auto", "compute_dtype": "float32", "inference_dtype": "bfloat16",
-      "weight_sync": "reload"}, Precision("float32", "float32", False)),
-])
+@pytest.mark.parametrize(
+    ("kw", "expected"),
+    [
+        (
+            {
+                "device_type": "cpu",
+                "dtype": "auto",
+                "compute_dtype": "auto",
+                "inference_dtype": "float32",
+                "weight_sync": "shared",
+            },
+            Precision("float32", "float32", False),
+        ),
+        (
+            {
+                "device_type": "cuda",
+                "dtype": "auto",
+                "compute_dtype": "auto",
+                "inference_dtype": "bfloat16",
+                "weight_sync": "push",
+            },
+            Precision("bfloat16", "float32", False),
+        ),
+        (
+            {
+                "device_type": "cuda",
+                "dtype": "auto",
+                "compute_dtype": "auto",
+                "inference_dtype": "bfloat16",
+                "weight_sync": "shared",
+            },
+            Precision("bfloat16", "bfloat16", True),
+        ),
+        (
+            {
+                "device_type": "cuda",
+                "dtype": "bfloat16",
+                "compute_dtype": "auto",
+                "inference_dtype": "bfloat16",
+                "weight_sync": "push",
+            },
+            Precision("bfloat16", "bfloat16", True),
+        ),
+        (
+            {
+                "device_type": "cpu",
+                "dtype": "auto",
+                "compute_dtype": "float32",
+                "inference_dtype": "bfloat16",
+                "weight_sync": "reload",
+            },
+            Precision("float32", "float32", False),
+        ),
+    ],
+)
 def test_resolve_precision(kw: dict[str, str], expected: Precision) -> None:
     assert resolve_precision(**kw) == expected
 
 
-@pytest.mark.parametrize(("trainer", "inference", "key"), [
-    ({"dtype": "float16"}, {}, "trainer.dtype"),
-    ({"compute_dtype": "int8"}, {}, "trainer.compute_dtype"),
-    ({"compute_dtype": "float32", "weight_sync": "push"}, {"dtype": "bfloat16"}, "trainer.compute_dtype"),
-    ({"dtype": "bfloat16", "optimizer": "adafactor"}, {}, "trainer.dtype"),
-])
-def test_config_check_names_the_precision_key(trainer: dict[str, Any], inference: dict[str, Any],
-                                              key: str) -> None:
+@pytest.mark.parametrize(
+    ("trainer", "inference", "key"),
+    [
+        ({"dtype": "float16"}, {}, "trainer.dtype"),
+        ({"compute_dtype": "int8"}, {}, "trainer.compute_dtype"),
+        ({"compute_dtype": "float32", "weight_sync": "push"}, {"dtype": "bfloat16"}, "trainer.compute_dtype"),
+        ({"dtype": "bfloat16", "optimizer": "adafactor"}, {}, "trainer.dtype"),
+    ],
+)
+def test_config_check_names_the_precision_key(trainer: dict[str, Any], inference: dict[str, Any], key: str) -> None:
     with pytest.raises(ConfigError) as info:
         parse_config({"trainer": trainer, "inference": inference})
     assert any(str(p).startswith(key + ":") for p in info.value.problems), info.value.problems
@@ -158,18 +206,26 @@ def test_precision_adamw_on_a_gpu_takes_the_cpus_steps(compensated: bool) -> Non
     (or compensation) and the same bf16 weights after each step, to float32 rounding."""
     start = torch.linspace(-1.0, 1.0, 4096).to(torch.bfloat16)
     params = [start.clone().requires_grad_(), start.to("cuda:0").requires_grad_()]
-    opts = [compensated_adamw([p], lr=1e-5, weight_decay=0.01) if compensated else
-            PrecisionAdamW([p], lr=1e-5, weight_decay=0.01) for p in params]
+    opts = [
+        compensated_adamw([p], lr=1e-5, weight_decay=0.01)
+        if compensated
+        else PrecisionAdamW([p], lr=1e-5, weight_decay=0.01)
+        for p in params
+    ]
     for i in range(20):
         g = torch.randn(4096, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
         for p, opt in zip(params, opts, strict=True):
             p.grad = g.to(p.device)
             opt.step()
     cpu, gpu = params[0].detach(), params[1].detach().cpu()
-    assert float((cpu.float() - gpu.float()).abs().max()) <= 2.0 ** -7
+    assert float((cpu.float() - gpu.float()).abs().max()) <= 2.0**-7
     # the value the optimizer tracks: the master weights, or the bf16 weights plus what rounding dropped
-    tracked = [opt.state[p]["kahan_comp"].float().cpu() + p.detach().float().cpu() if compensated
-               else opt.state[p]["master"].cpu() for p, opt in zip(params, opts, strict=True)]
+    tracked = [
+        opt.state[p]["kahan_comp"].float().cpu() + p.detach().float().cpu()
+        if compensated
+        else opt.state[p]["master"].cpu()
+        for p, opt in zip(params, opts, strict=True)
+    ]
     torch.testing.assert_close(tracked[0], tracked[1], rtol=0, atol=1e-5)
 
 

@@ -27,17 +27,33 @@ PARAM_TOL = 1e-5
 
 def _config(root: Path, name: str, model_dir: Path, devices: str | list[str], **trainer: Any) -> Path:
     state = root / name
-    t = {"device": devices, "batch_size": 32, "micro_batch_size": 8, "max_token_len": 64, "weight_sync": "reload",
-         "checkpoint_dir": str(root / f"{name}-checkpoints"), **trainer}
-    return write_config(root / f"{name}.toml", {
-        "daemon": {"state_dir": str(state), "runtime_dir": str(state / "run")},
-        "inference": {"model": str(model_dir), "max_model_len": 512},
-        "trainer": t})
+    t = {
+        "device": devices,
+        "batch_size": 32,
+        "micro_batch_size": 8,
+        "max_token_len": 64,
+        "weight_sync": "reload",
+        "checkpoint_dir": str(root / f"{name}-checkpoints"),
+        **trainer,
+    }
+    return write_config(
+        root / f"{name}.toml",
+        {
+            "daemon": {"state_dir": str(state), "runtime_dir": str(state / "run")},
+            "inference": {"model": str(model_dir), "max_model_len": 512},
+            "trainer": t,
+        },
+    )
 
 
 def _run(cfg: Path, out: Path, *args: str) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-m", "tests.trainer.rank_zero", str(cfg), str(out), *args],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.trainer.rank_zero", str(cfg), str(out), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
     logs = "".join(p.read_text(errors="replace")[-2000:] for p in out.parent.glob(f"{out.stem}.rank*.log"))
     assert proc.returncode == 0, f"rank 0 exited {proc.returncode}\n{proc.stdout[-4000:]}\nrank logs:\n{logs}"
     result: dict[str, Any] = torch.load(out, weights_only=False)
@@ -56,11 +72,26 @@ def runs(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     root = tmp_path_factory.mktemp("ranks")
     one = _config(root, "one", tiny_dir, "cpu")
     two = _config(root, "two", tiny_dir, ["cpu", "cpu"])
-    return {"root": root, "model": tiny_dir, "one_cfg": one, "two_cfg": two,
-            "one": _run(one, root / "one.pt", "--steps", "3", "--checkpoint-at", "2"),
-            "marker": root / "pwned",
-            "two": _run(two, root / "two.pt", "--steps", "3", "--checkpoint-at", "2", "--background", "--final",
-                        "--attack", str(root / "pwned"))}
+    return {
+        "root": root,
+        "model": tiny_dir,
+        "one_cfg": one,
+        "two_cfg": two,
+        "one": _run(one, root / "one.pt", "--steps", "3", "--checkpoint-at", "2"),
+        "marker": root / "pwned",
+        "two": _run(
+            two,
+            root / "two.pt",
+            "--steps",
+            "3",
+            "--checkpoint-at",
+            "2",
+            "--background",
+            "--final",
+            "--attack",
+            str(root / "pwned"),
+        ),
+    }
 
 
 def test_two_ranks_equal_one_rank(runs: dict[str, Any]) -> None:
@@ -81,8 +112,15 @@ def test_two_ranks_packed_in_chunks_equal_one_rank_padded(runs: dict[str, Any]) 
     """SPEC §12.1 and §14 together: two ranks on packed micro-batches, the head in chunks of 3
     positions, activations checkpointed, give the padded one-rank steps."""
     root = runs["root"]
-    cfg = _config(root, "two-packed", runs["model"], ["cpu", "cpu"], micro_batch_tokens=64, logprob_chunk=3,
-                  activation_checkpointing=True)
+    cfg = _config(
+        root,
+        "two-packed",
+        runs["model"],
+        ["cpu", "cpu"],
+        micro_batch_tokens=64,
+        logprob_chunk=3,
+        activation_checkpointing=True,
+    )
     packed = _run(cfg, root / "two-packed.pt", "--steps", "3")
     one = runs["one"]
     for a, b in zip(one["losses"], packed["losses"], strict=True):
@@ -119,7 +157,9 @@ def test_sharded_checkpoint_layout(runs: dict[str, Any]) -> None:
     state = torch.load(step / "trainer_state.pt", weights_only=True)
     assert state["format"] == 2 and state["ranks"] == 2 and state["optimizer"] is None
     assert state["optimizer_dcp"] == "optimizer" and state["model_dcp"] == "model"
-    assert state["model_shapes"]["model.embed_tokens.weight"] == list(runs["two"]["params"]["model.embed_tokens.weight"].shape)
+    assert state["model_shapes"]["model.embed_tokens.weight"] == list(
+        runs["two"]["params"]["model.embed_tokens.weight"].shape
+    )
     table = json.loads((step / "checksums.json").read_text())["files"]
     assert {f"model/{shard_name(0)}", f"model/{shard_name(1)}", "optimizer/.metadata"} <= set(table)
     assert not list(step.parent.glob(".tmp-*"))
@@ -136,10 +176,12 @@ def test_resume_with_two_ranks_is_bit_identical(runs: dict[str, Any]) -> None:
         assert torch.equal(t, resumed["params"][name]), name
 
 
-@pytest.mark.parametrize(("source", "target", "devices"), [("two", "one-from-two", "cpu"),
-                                                           ("one", "two-from-one", ["cpu", "cpu"])])
-def test_resume_with_another_rank_count(runs: dict[str, Any], source: str, target: str,
-                                        devices: str | list[str]) -> None:
+@pytest.mark.parametrize(
+    ("source", "target", "devices"), [("two", "one-from-two", "cpu"), ("one", "two-from-one", ["cpu", "cpu"])]
+)
+def test_resume_with_another_rank_count(
+    runs: dict[str, Any], source: str, target: str, devices: str | list[str]
+) -> None:
     root = runs["root"]
     cfg = _config(root, target, runs["model"], devices)
     shutil.copytree(root / f"{source}-checkpoints" / "step-2", root / f"{target}-checkpoints" / "step-2")
@@ -202,8 +244,12 @@ def test_the_last_checkpoint_is_a_hugging_face_model(runs: dict[str, Any]) -> No
 
 
 def _export(cfg: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "atroposd", "export", "-c", str(cfg), *args, str(out)],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "atroposd", "export", "-c", str(cfg), *args, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize(("name", "files"), [("two", ["--step", "2"]), ("one", [])])
@@ -264,15 +310,31 @@ def test_a_format_1_checkpoint_still_resumes(tmp_path: Path, name: str, devices:
     shutil.copytree(LEGACY / "model", tmp_path / "model")
     shutil.copytree(LEGACY / name / "step-2", tmp_path / f"{name}-checkpoints" / "step-2")
     # the model is named as the checkpoint names it: relative to the job's working directory
-    cfg = write_config(tmp_path / f"{name}.toml", {
-        "daemon": {"state_dir": name, "runtime_dir": f"{name}/run"},
-        "inference": {"model": "model", "max_model_len": 512},
-        "trainer": {"device": devices, "batch_size": 32, "micro_batch_size": 8, "max_token_len": 64,
-                    "weight_sync": "reload", "checkpoint_dir": f"{name}-checkpoints"}})
+    cfg = write_config(
+        tmp_path / f"{name}.toml",
+        {
+            "daemon": {"state_dir": name, "runtime_dir": f"{name}/run"},
+            "inference": {"model": "model", "max_model_len": 512},
+            "trainer": {
+                "device": devices,
+                "batch_size": 32,
+                "micro_batch_size": 8,
+                "max_token_len": 64,
+                "weight_sync": "reload",
+                "checkpoint_dir": f"{name}-checkpoints",
+            },
+        },
+    )
     repo = Path(__file__).resolve().parent.parent.parent
-    proc = subprocess.run([sys.executable, "-m", "tests.trainer.rank_zero", str(cfg), str(tmp_path / "out.pt"),
-                           "--steps", "1"], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(repo)},
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.trainer.rank_zero", str(cfg), str(tmp_path / "out.pt"), "--steps", "1"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:]
     out = torch.load(tmp_path / "out.pt", weights_only=False)
     assert out["resumed_from"] == 2

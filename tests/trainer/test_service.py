@@ -23,9 +23,25 @@ from tests.trainer.helpers import info_server, produce, run_api
 
 pytestmark = pytest.mark.anyio
 
-REQUIRED = ("step", "time", "loss", "reward_mean", "reward_std", "accuracy", "weight_version", "staleness",
-            "mean_ratio", "clipped_fraction", "mean_kl", "grad_norm", "tokens", "skipped_steps", "lr",
-            "batch_wait_s", "step_s")
+REQUIRED = (
+    "step",
+    "time",
+    "loss",
+    "reward_mean",
+    "reward_std",
+    "accuracy",
+    "weight_version",
+    "staleness",
+    "mean_ratio",
+    "clipped_fraction",
+    "mean_kl",
+    "grad_norm",
+    "tokens",
+    "skipped_steps",
+    "lr",
+    "batch_wait_s",
+    "step_s",
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +71,9 @@ def _service(cfg: Config, *, envs_alive: bool = True) -> TrainerService:
     return TrainerService(cfg, instance="t", weights=weights, envs_alive=lambda: envs_alive)
 
 
-async def _train(cfg: Config, api_url: str, *, seed: int = 0,
-                 first: list[dict[str, Any]] | None = None) -> tuple[TrainerOutcome, TrainerService]:
+async def _train(
+    cfg: Config, api_url: str, *, seed: int = 0, first: list[dict[str, Any]] | None = None
+) -> tuple[TrainerOutcome, TrainerService]:
     service = _service(cfg)
     done = anyio.Event()
 
@@ -97,8 +114,9 @@ async def test_trains_checkpoints_and_resumes(tiny_dir: Path, state_dir: Path, a
         ckpts = sorted(p.name for p in (state_dir / "checkpoints").iterdir())
         assert ckpts == ["step-2", "step-4"]
         step4 = state_dir / "checkpoints" / "step-4"
-        assert {"config.json", "model.safetensors", "trainer_state.pt", "tokenizer.json"} <= \
-            {p.name for p in step4.iterdir()}
+        assert {"config.json", "model.safetensors", "trainer_state.pt", "tokenizer.json"} <= {
+            p.name for p in step4.iterdir()
+        }
         # the same job with more steps continues from step 4 with the same weight version
         cfg2 = _cfg(state_dir, tiny_dir, api_url, inf_port, steps=6, checkpoint_every=2, keep_checkpoints=2)
         outcome2, _ = await _train(cfg2, api_url, seed=1)
@@ -106,8 +124,9 @@ async def test_trains_checkpoints_and_resumes(tiny_dir: Path, state_dir: Path, a
         assert [r["step"] for r in _metrics(state_dir)] == [1, 2, 3, 4, 5, 6]
 
 
-async def test_hostile_groups_are_rejected_by_reason_and_training_goes_on(tiny_dir: Path, state_dir: Path,
-                                                                          api_url: str) -> None:
+async def test_hostile_groups_are_rejected_by_reason_and_training_goes_on(
+    tiny_dir: Path, state_dir: Path, api_url: str
+) -> None:
     """Groups that would crash the model (ids outside the vocabulary, negative ids) or poison the
     step (absurd advantages), posted through the real API: counted, never the job's end."""
     hostile = make_groups(7, n=4, size=8)
@@ -151,8 +170,9 @@ async def test_stop_while_waiting_for_data_checkpoints(tiny_dir: Path, state_dir
         assert service.status()["state"] == "stopped"
 
 
-async def test_no_data_and_no_environment_fails_after_data_timeout(tiny_dir: Path, state_dir: Path,
-                                                                   api_url: str) -> None:
+async def test_no_data_and_no_environment_fails_after_data_timeout(
+    tiny_dir: Path, state_dir: Path, api_url: str
+) -> None:
     inf_port = free_port()
     async with info_server(tokenizer_fingerprint(tiny_dir), inf_port):
         service = _service(_cfg(state_dir, tiny_dir, api_url, inf_port, data_timeout=0.5), envs_alive=False)
@@ -163,8 +183,7 @@ async def test_no_data_and_no_environment_fails_after_data_timeout(tiny_dir: Pat
     assert service.status()["state"] == "failed"
 
 
-async def test_tokenizer_mismatch_is_refused_before_any_rollout(tiny_dir: Path, state_dir: Path,
-                                                                api_url: str) -> None:
+async def test_tokenizer_mismatch_is_refused_before_any_rollout(tiny_dir: Path, state_dir: Path, api_url: str) -> None:
     inf_port = free_port()
     other = dict(tokenizer_fingerprint(tiny_dir), fingerprint="0" * 32)
     other["special_ids"] = dict(other["special_ids"], eos=7)

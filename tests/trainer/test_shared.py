@@ -22,27 +22,52 @@ from tests.trainer.helpers import produce_rollouts, run_api, wait_ok
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 
-async def test_shared_mode_rollouts_match_the_trainer(short_tmp: Path, tiny_dir: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_shared_mode_rollouts_match_the_trainer(
+    short_tmp: Path, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     nonce = "tr" + short_tmp.name[-6:].replace("_", "x")
     monkeypatch.setenv("ATROPOSD_INSTANCE", nonce)
     inf_port = free_port()
     state, run = short_tmp / "state", short_tmp / "run"
     run.mkdir(mode=0o700)
     with run_api(short_tmp / "api.log") as (api_url, _api):
-        cfg_path = write_config(short_tmp / "a.toml", {
-            "daemon": {"state_dir": str(state), "runtime_dir": str(run)},
-            "api": {"enabled": False, "url": api_url},
-            "inference": {"model": str(tiny_dir), "port": inf_port, "max_model_len": 512},
-            "trainer": {"steps": 6, "batch_size": 16, "micro_batch_size": 8, "max_token_len": 64,
-                        "checkpoint_every": 100, "weight_sync": "shared", "max_staleness": 0, "lr": 3e-3}})
+        cfg_path = write_config(
+            short_tmp / "a.toml",
+            {
+                "daemon": {"state_dir": str(state), "runtime_dir": str(run)},
+                "api": {"enabled": False, "url": api_url},
+                "inference": {"model": str(tiny_dir), "port": inf_port, "max_model_len": 512},
+                "trainer": {
+                    "steps": 6,
+                    "batch_size": 16,
+                    "micro_batch_size": 8,
+                    "max_token_len": 64,
+                    "checkpoint_every": 100,
+                    "weight_sync": "shared",
+                    "max_staleness": 0,
+                    "lr": 3e-3,
+                },
+            },
+        )
         from atroposd.config import load_config
 
         cfg = load_config(cfg_path)
         sock = run / f"inference-{inf_port}.sock"
-        inference = spawn([sys.executable, "-m", "atroposd", "inference", "-c", str(cfg_path), "--control-socket",
-                           str(sock), "--await-weights"], env={"PYTHONPATH": str(REPO)},
-                          log=short_tmp / "inference.log")
+        inference = spawn(
+            [
+                sys.executable,
+                "-m",
+                "atroposd",
+                "inference",
+                "-c",
+                str(cfg_path),
+                "--control-socket",
+                str(sock),
+                "--await-weights",
+            ],
+            env={"PYTHONPATH": str(REPO)},
+            log=short_tmp / "inference.log",
+        )
         weights = make_weight_sync(cfg, nonce=nonce, control_socket=sock)
         try:
             wait_ok(f"{cfg.inference_url}/health", inference)
@@ -69,8 +94,7 @@ async def test_shared_mode_rollouts_match_the_trainer(short_tmp: Path, tiny_dir:
                     assert abs(r["mean_ratio"] - 1.0) < 1e-3, r
                     assert r["clipped_fraction"] == 0.0, r
             assert sum(r["staleness"] == 0 for r in rows) >= 1  # how many is up to the rollout timing
-            async with aiohttp.ClientSession() as http, \
-                    http.get(f"{cfg.inference_url}/info") as resp:
+            async with aiohttp.ClientSession() as http, http.get(f"{cfg.inference_url}/info") as resp:
                 info = await resp.json()
             assert info["weight_version"] == 6
         finally:

@@ -27,11 +27,11 @@ def _records(path: Path) -> Iterator[bytes]:
         if room < 7:
             pos += room
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0 and length == 0:
             pos += room
             continue
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind == 1:
             yield chunk
         elif kind == 2:
@@ -62,13 +62,16 @@ def offline_runs(state_dir: Path) -> list[Path]:
 
 
 def _cfg(state_dir: Path, **wandb: Any) -> Config:
-    return parse_config({"daemon": {"state_dir": str(state_dir)},
-                         "wandb": {"project": "atroposd-test", "mode": "offline", **wandb}})
+    return parse_config(
+        {"daemon": {"state_dir": str(state_dir)}, "wandb": {"project": "atroposd-test", "mode": "offline", **wandb}}
+    )
 
 
 def test_flatten_nests_objects_and_drops_nulls() -> None:
     assert flatten({"step": 3, "staleness": None, "rejected_groups": {"too_long": 2}}) == {
-        "step": 3, "rejected_groups/too_long": 2}
+        "step": 3,
+        "rejected_groups/too_long": 2,
+    }
     assert flatten({"replica_generations": [4, None, 6]}) == {"replica_generations/0": 4, "replica_generations/2": 6}
 
 
@@ -111,14 +114,22 @@ def test_environments_get_the_run_group(tmp_path: Path) -> None:
     from atroposd.paths import Paths
 
     def env_of(cfg: Config) -> dict[str, str]:
-        ins = SpecInputs(cfg=cfg, paths=Paths.of(cfg), nonce="0123456789ab", model="m", tokenizer="t",
-                         base_env={}, python="/usr/bin/python3")
+        ins = SpecInputs(
+            cfg=cfg,
+            paths=Paths.of(cfg),
+            nonce="0123456789ab",
+            model="m",
+            tokenizer="t",
+            base_env={},
+            python="/usr/bin/python3",
+        )
         (spec,) = env_specs(ins, cfg.env[0])
         return {**spec.env, "argv": " ".join(spec.argv)}
 
     envs = [{"name": "e", "command": ["run", "--group", "{wandb_group}"]}]
-    on = parse_config({"daemon": {"state_dir": str(tmp_path)}, "env": envs,
-                       "wandb": {"project": "p", "mode": "offline"}})
+    on = parse_config(
+        {"daemon": {"state_dir": str(tmp_path)}, "env": envs, "wandb": {"project": "p", "mode": "offline"}}
+    )
     group = wandb_group(on)
     assert group.startswith("atroposd-") and group == wandb_group(on)  # kept in state_dir
     env = env_of(on)
@@ -151,12 +162,19 @@ def test_wandb_is_never_imported_without_a_project() -> None:
     import subprocess
     import sys
 
-    code = ("import sys\n"
-            "from atroposd.config import parse_config\n"
-            "from atroposd.daemon.specs import placeholder_values\n"
-            "from atroposd.trainer import service, wandb_sink\n"
-            "assert wandb_sink.wandb_group(parse_config({})) == ''\n"
-            "assert 'wandb' not in sys.modules, 'wandb imported'\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    code = (
+        "import sys\n"
+        "from atroposd.config import parse_config\n"
+        "from atroposd.daemon.specs import placeholder_values\n"
+        "from atroposd.trainer import service, wandb_sink\n"
+        "assert wandb_sink.wandb_group(parse_config({})) == ''\n"
+        "assert 'wandb' not in sys.modules, 'wandb imported'\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     assert res.returncode == 0, res.stderr

@@ -34,8 +34,16 @@ PROMPT = [1, *tokens("7+8=15|3*4=1")]
 class Server:
     """``atroposd inference --engine vllm`` as the daemon runs it: ``-c`` config, control socket."""
 
-    def __init__(self, root: Path, model_dir: Path, nonce: str, *, await_weights: bool = False,
-                 via_launcher: bool = False, trainer: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        model_dir: Path,
+        nonce: str,
+        *,
+        await_weights: bool = False,
+        via_launcher: bool = False,
+        trainer: dict[str, Any] | None = None,
+    ) -> None:
         self.port = free_port()
         self.socket = root / f"c{self.port}.sock"
         runtime, state = root / "run", root / "state"
@@ -44,14 +52,22 @@ class Server:
         for d in (self.weights, self.sync):
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.log = root / f"vllm-{self.port}.log"
-        config = write_config(root / f"vllm-{self.port}.toml", {
-            "daemon": {"runtime_dir": str(runtime), "state_dir": str(state)},
-            "inference": {"engine": "vllm", "model": str(model_dir), "port": self.port, "max_model_len": 256,
-                          "device": "cpu", "vllm": {"gpu_memory_utilization": 0.2}},
-            "trainer": {"max_token_len": 128, **(trainer or {})},
-        })
-        cmd = [sys.executable, "-m", "atroposd", "inference", "-c", str(config), "--control-socket",
-               str(self.socket)]
+        config = write_config(
+            root / f"vllm-{self.port}.toml",
+            {
+                "daemon": {"runtime_dir": str(runtime), "state_dir": str(state)},
+                "inference": {
+                    "engine": "vllm",
+                    "model": str(model_dir),
+                    "port": self.port,
+                    "max_model_len": 256,
+                    "device": "cpu",
+                    "vllm": {"gpu_memory_utilization": 0.2},
+                },
+                "trainer": {"max_token_len": 128, **(trainer or {})},
+            },
+        )
+        cmd = [sys.executable, "-m", "atroposd", "inference", "-c", str(config), "--control-socket", str(self.socket)]
         if await_weights:
             cmd.append("--await-weights")
         env = {"ATROPOSD_INSTANCE": nonce, "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -60,15 +76,18 @@ class Server:
         if via_launcher:
             # A stand-in daemon: starts the inference child in its own session with a parent-death
             # signal (SIGTERM), as the daemon does, then waits.
-            code = ("import ctypes, signal, subprocess, sys\n"
-                    "def pre():\n"
-                    "    ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)\n"
-                    f"p = subprocess.Popen({cmd!r}, start_new_session=True, preexec_fn=pre,"
-                    f" stdout=open({str(self.log)!r}, 'ab'), stderr=subprocess.STDOUT)\n"
-                    "print(p.pid, flush=True)\n"
-                    "p.wait()\n")
-            self.launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                                             env={**os.environ, **env})
+            code = (
+                "import ctypes, signal, subprocess, sys\n"
+                "def pre():\n"
+                "    ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)\n"
+                f"p = subprocess.Popen({cmd!r}, start_new_session=True, preexec_fn=pre,"
+                f" stdout=open({str(self.log)!r}, 'ab'), stderr=subprocess.STDOUT)\n"
+                "print(p.pid, flush=True)\n"
+                "p.wait()\n"
+            )
+            self.launcher = subprocess.Popen(
+                [sys.executable, "-c", code], stdout=subprocess.PIPE, env={**os.environ, **env}
+            )
             assert self.launcher.stdout is not None
             self.pid = int(self.launcher.stdout.readline())
             self.proc: subprocess.Popen[bytes] | None = None
@@ -103,8 +122,9 @@ class Server:
                 return False
             # readiness = /health plus one real generation (through the control socket's probe,
             # which bypasses a pause)
-            out = anyio.run(self.call, "POST", "/probe_generate",
-                            {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 1})
+            out = anyio.run(
+                self.call, "POST", "/probe_generate", {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 1}
+            )
             return bool(out["token_ids"][0])
 
         wait_for(ready, timeout=timeout, interval=0.5, what="vLLM engine ready")
@@ -122,8 +142,9 @@ class Server:
         import urllib.error
         import urllib.request
 
-        req = urllib.request.Request(self.url + "/generate", data=orjson.dumps(body),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + "/generate", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, orjson.loads(r.read())
@@ -219,8 +240,17 @@ def prompt_lp(out: dict[str, Any], seq: list[int]) -> list[float]:
 
 
 def test_generate_response_shape_and_logprobs(server: Server, model_dir: Path) -> None:
-    status, out = server.generate({"prompt": {"prompt_token_ids": PROMPT}, "n": 3, "max_tokens": 6,
-                                   "temperature": 0.7, "logprobs": 0, "prompt_logprobs": 1, "seed": 5})
+    status, out = server.generate(
+        {
+            "prompt": {"prompt_token_ids": PROMPT},
+            "n": 3,
+            "max_tokens": 6,
+            "temperature": 0.7,
+            "logprobs": 0,
+            "prompt_logprobs": 1,
+            "seed": 5,
+        }
+    )
     assert status == 200, out
     assert set(out) >= {"text", "token_ids", "logprobs", "finish_reasons", "weight_version", "prompt_logprobs"}
     assert len(out["token_ids"]) == len(out["logprobs"]) == len(out["finish_reasons"]) == len(out["text"]) == 3
@@ -234,7 +264,7 @@ def test_generate_response_shape_and_logprobs(server: Server, model_dir: Path) -
         # one-element list per token, keyed by the sampled id (Atropos reads ids from the keys)
         assert [next(iter(x[0].keys())) for x in lps] == [str(t) for t in ids]
         # processed logprobs: log_softmax(logits / T) of the sampled token, what the trainer computes
-        want = hf_logprobs(model, PROMPT + ids, 0.7)[len(PROMPT) - 1:]
+        want = hf_logprobs(model, PROMPT + ids, 0.7)[len(PROMPT) - 1 :]
         got = [next(iter(x[0].values())) for x in lps]
         assert max(abs(a - b) for a, b in zip(got, want.tolist(), strict=True)) < 2e-3, (got, want)
     # prompt logprobs include the actual prompt token and match the HF model
@@ -258,11 +288,13 @@ def test_metrics_hold_ours_and_vllms(server: Server) -> None:
 
 
 def test_bad_requests_are_400(server: Server) -> None:
-    for body, msg in (({"prompt": {"prompt_token_ids": PROMPT}, "top_p": 0.9}, "top_p"),
-                      ({"prompt": {"prompt_token_ids": PROMPT}, "top_k": 5}, "top_k"),
-                      ({"prompt": {"prompt_token_ids": []}}, "prompt"),
-                      ({"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 10_000}, "max_model_len"),
-                      ({"prompt": {"prompt_token_ids": PROMPT}, "bogus": 1}, "bogus")):
+    for body, msg in (
+        ({"prompt": {"prompt_token_ids": PROMPT}, "top_p": 0.9}, "top_p"),
+        ({"prompt": {"prompt_token_ids": PROMPT}, "top_k": 5}, "top_k"),
+        ({"prompt": {"prompt_token_ids": []}}, "prompt"),
+        ({"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 10_000}, "max_model_len"),
+        ({"prompt": {"prompt_token_ids": PROMPT}, "bogus": 1}, "bogus"),
+    ):
         status, out = server.generate(body)
         assert status == 400 and msg in out["error"], (body, out)
 
@@ -300,8 +332,9 @@ async def _push_roundtrip(server: Server, model_dir: Path, nonce: str, mode: str
         await sync.attach(model, base + 1)
         after = _train(model)
         await sync.after_step(model, base + 2)
-        status, out = await anyio.to_thread.run_sync(server.generate, {"prompt": {"prompt_token_ids": PROMPT},
-                                                                       "max_tokens": 1, "prompt_logprobs": 0})
+        status, out = await anyio.to_thread.run_sync(
+            server.generate, {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 1, "prompt_logprobs": 0}
+        )
         assert status == 200 and out["weight_version"] == base + 2
         got = torch.tensor(prompt_lp(out, PROMPT))
         assert (got - after).abs().max() < 2e-3, (got, after)  # lm_head re-tied: every logit follows
@@ -331,8 +364,12 @@ async def test_refused_update_keeps_serving(server: Server, model_dir: Path, non
     try:
         m = arena.manifest(99)
         name = "model.layers.0.mlp.up_proj.weight"
-        bad = dataclasses.replace(m, tensors=tuple(dataclasses.replace(t, shape=(128, 256), stride=(256, 1))
-                                                   if t.name == name else t for t in m.tensors))
+        bad = dataclasses.replace(
+            m,
+            tensors=tuple(
+                dataclasses.replace(t, shape=(128, 256), stride=(256, 1)) if t.name == name else t for t in m.tensors
+            ),
+        )
         path = manifest_path(server.weights, nonce)
         bad.write(path)
         version = (await server.call("GET", "/weight_info"))["weight_version"]
@@ -342,8 +379,9 @@ async def test_refused_update_keeps_serving(server: Server, model_dir: Path, non
         with pytest.raises(WeightControlError, match="only copies"):
             await server.call("POST", "/update_weights", {"manifest": str(path), "mode": "attach"})
         await server.call("POST", "/resume", {"weight_version": version})
-        status, out = await anyio.to_thread.run_sync(server.generate, {"prompt": {"prompt_token_ids": PROMPT},
-                                                                       "max_tokens": 2})
+        status, out = await anyio.to_thread.run_sync(
+            server.generate, {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 2}
+        )
         assert status == 200 and out["weight_version"] == version
         path.unlink()
     finally:
@@ -359,8 +397,9 @@ async def test_pause_holds_new_requests_until_resume(server: Server) -> None:
     answered = anyio.Event()
 
     async def ask() -> None:
-        results.append(await anyio.to_thread.run_sync(
-            server.generate, {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 3}))
+        results.append(
+            await anyio.to_thread.run_sync(server.generate, {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 3})
+        )
         answered.set()
 
     async with anyio.create_task_group() as tg:
@@ -437,12 +476,11 @@ def _split_fused(plan: list[list[str]]) -> None:
 async def _served_logprobs(server: Server) -> tuple[Any, int]:
     import torch
 
-    status, out = await anyio.to_thread.run_sync(server.generate, {"prompt": {"prompt_token_ids": PROMPT},
-                                                                   "max_tokens": 1, "prompt_logprobs": 0})
+    status, out = await anyio.to_thread.run_sync(
+        server.generate, {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 1, "prompt_logprobs": 0}
+    )
     assert status == 200, out
     return torch.tensor(prompt_lp(out, PROMPT)), int(out["weight_version"])
-
-
 
 
 @pytest.mark.anyio
@@ -458,8 +496,7 @@ async def test_bucketed_push_and_sharded_reload(server: Server, model_dir: Path,
     model = hf_model(model_dir)
     plan = plan_buckets(ModelSource(model).specs(), BUCKET)
     _split_fused(plan)
-    push = BucketPushSync(nonce=nonce, weights_dir=server.weights, control_socket=server.socket,
-                          bucket_bytes=BUCKET)
+    push = BucketPushSync(nonce=nonce, weights_dir=server.weights, control_socket=server.socket, bucket_bytes=BUCKET)
     reload = ReloadSync(sync_dir=server.sync, control_socket=server.socket, bucket_bytes=BUCKET)
     try:
         base = int((await server.call("GET", "/weight_info"))["weight_version"])
@@ -481,11 +518,12 @@ async def test_bucketed_push_and_sharded_reload(server: Server, model_dir: Path,
                 assert len(shards) == len(plan) and (reload.current / SYNC_INDEX_FILE).is_file()
                 assert not (reload.current / "model.safetensors").exists()
         # sampled tokens' logprobs, too: log_softmax(logits / T) of the new weights
-        status, out = await anyio.to_thread.run_sync(server.generate, {
-            "prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 4, "temperature": 0.8, "seed": 3})
+        status, out = await anyio.to_thread.run_sync(
+            server.generate, {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 4, "temperature": 0.8, "seed": 3}
+        )
         assert status == 200 and out["weight_version"] == base + 4
         ids = out["token_ids"][0]
-        want = hf_logprobs(model, PROMPT + ids, 0.8)[len(PROMPT) - 1:]
+        want = hf_logprobs(model, PROMPT + ids, 0.8)[len(PROMPT) - 1 :]
         got_lps = [next(iter(x[0].values())) for x in out["logprobs"][0]]
         assert max(abs(a - b) for a, b in zip(got_lps, want.tolist(), strict=True)) < 2e-3
     finally:
@@ -506,15 +544,16 @@ async def test_bucketed_push_refused_halfway_never_serves(server: Server, model_
     from atroposd.weights.sync import BucketPushSync
 
     model = hf_model(model_dir)
-    push = BucketPushSync(nonce=nonce, weights_dir=server.weights, control_socket=server.socket,
-                          bucket_bytes=BUCKET)
+    push = BucketPushSync(nonce=nonce, weights_dir=server.weights, control_socket=server.socket, bucket_bytes=BUCKET)
     try:
         base = int((await server.call("GET", "/weight_info"))["weight_version"])
         _train(model)
         # A tensor vLLM's model lacks, in the last bucket: the earlier buckets went into the
         # model, then the replica refuses, naming it.
         model.model.norm.register_parameter("extra", torch.nn.Parameter(torch.ones(3)))
-        with pytest.raises(WeightControlError, match=r"refused a bucket.*'model\.norm\.extra' is in the export but not"):
+        with pytest.raises(
+            WeightControlError, match=r"refused a bucket.*'model\.norm\.extra' is in the export but not"
+        ):
             await push.attach(model, base + 1)
         info = await server.call("GET", "/weight_info")
         assert info["paused"] is True and info["weight_version"] == base
@@ -530,19 +569,26 @@ async def test_bucketed_push_refused_halfway_never_serves(server: Server, model_
         last = Manifest.from_json(push.manifest_file.read_bytes())
         assert last.bucket is not None and last.bucket.index == last.bucket.count - 1
         dataclasses.replace(last, weight_version=base + 9, bucket=BucketRef(3, last.bucket.count)).write(
-            push.manifest_file)
+            push.manifest_file
+        )
         with pytest.raises(WeightControlError, match=r"bucket 3 of \d+ of weight_version \d+ arrived out of order"):
             await server.call("POST", "/update_weights", {"manifest": str(push.manifest_file), "mode": "copy"})
         async with anyio.create_task_group() as tg:
             results: list[Any] = []
 
             async def ask() -> None:
-                results.append(await anyio.to_thread.run_sync(server.generate, {
-                    "prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 1, "prompt_logprobs": 0}))
+                results.append(
+                    await anyio.to_thread.run_sync(
+                        server.generate, {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 1, "prompt_logprobs": 0}
+                    )
+                )
 
             async def probe() -> None:
-                results.append(await server.call("POST", "/probe_generate",
-                                                 {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 1}))
+                results.append(
+                    await server.call(
+                        "POST", "/probe_generate", {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 1}
+                    )
+                )
 
             tg.start_soon(ask)
             tg.start_soon(probe)

@@ -44,8 +44,9 @@ async def test_lora_adapters_through_reload(lora_server: tuple[Server, Path, str
     from atroposd.weights.sync import ReloadSync
 
     server, model_dir, _nonce = lora_server
-    model = get_peft_model(hf_model(model_dir), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                                           lora_dropout=0.0))
+    model = get_peft_model(
+        hf_model(model_dir), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    )
     sync = ReloadSync(sync_dir=server.sync, control_socket=server.socket)
     try:
         await sync.attach(model, 1)
@@ -61,8 +62,9 @@ async def test_lora_adapters_through_reload(lora_server: tuple[Server, Path, str
         after = hf_logprobs(model, PROMPT)
         assert (after - base).abs().max() > 0.05
         await sync.after_step(model, 2)
-        status, out = await anyio.to_thread.run_sync(server.generate, {"prompt": {"prompt_token_ids": PROMPT},
-                                                                       "max_tokens": 1, "prompt_logprobs": 0})
+        status, out = await anyio.to_thread.run_sync(
+            server.generate, {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 1, "prompt_logprobs": 0}
+        )
         assert status == 200 and out["weight_version"] == 2
         got = torch.tensor(prompt_lp(out, PROMPT))
         assert (got - after).abs().max() < 2e-3, (got, after)

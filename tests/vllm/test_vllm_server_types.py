@@ -39,15 +39,35 @@ class VllmServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = root / "vllm.log"
-        cfg = write_config(root / "atroposd.toml", {
-            "daemon": {"runtime_dir": str(root / "run"), "state_dir": str(root / "state")},
-            "inference": {"engine": "vllm", "model": str(model), "port": self.port, "max_model_len": MAX_MODEL_LEN,
-                          "device": "cpu", "vllm": {"gpu_memory_utilization": 0.2,
-                                                    "extra_args": ["--max-num-seqs", str(MAX_NUM_SEQS)]}},
-            "trainer": {"max_token_len": 128},
-        })
-        self.proc = spawn([sys.executable, "-m", "atroposd", "inference", "-c", str(cfg), "--control-socket",
-                           str(root / "run" / "c.sock")], env={"VLLM_CPU_KVCACHE_SPACE": "1"}, log=self.log)
+        cfg = write_config(
+            root / "atroposd.toml",
+            {
+                "daemon": {"runtime_dir": str(root / "run"), "state_dir": str(root / "state")},
+                "inference": {
+                    "engine": "vllm",
+                    "model": str(model),
+                    "port": self.port,
+                    "max_model_len": MAX_MODEL_LEN,
+                    "device": "cpu",
+                    "vllm": {"gpu_memory_utilization": 0.2, "extra_args": ["--max-num-seqs", str(MAX_NUM_SEQS)]},
+                },
+                "trainer": {"max_token_len": 128},
+            },
+        )
+        self.proc = spawn(
+            [
+                sys.executable,
+                "-m",
+                "atroposd",
+                "inference",
+                "-c",
+                str(cfg),
+                "--control-socket",
+                str(root / "run" / "c.sock"),
+            ],
+            env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+            log=self.log,
+        )
 
     def wait_ready(self) -> None:
         def ready() -> bool:
@@ -64,9 +84,12 @@ class VllmServer:
     def http(self, method: str, path: str, body: Any = None, timeout: float = 120) -> tuple[int, Any]:
         import urllib.error
 
-        req = urllib.request.Request(self.url + path, method=method,
-                                     data=orjson.dumps(body) if body is not None else None,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path,
+            method=method,
+            data=orjson.dumps(body) if body is not None else None,
+            headers={"Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, orjson.loads(r.read())
@@ -95,8 +118,11 @@ def server(tiny_dir: Path) -> Iterator[VllmServer]:
 def test_sglang_and_trl_bodies_on_the_vllm_engine(server: VllmServer) -> None:
     from tests.inference.test_server_types import PROMPT
 
-    body = {"input_ids": PROMPT, "return_logprob": True, "sampling_params": {"max_new_tokens": 4, "n": 3,
-                                                                            "ignore_eos": True, "seed": 11}}
+    body = {
+        "input_ids": PROMPT,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 4, "n": 3, "ignore_eos": True, "seed": 11},
+    }
     status, answer = server.http("POST", "/generate", body)
     assert status == 200, answer
     assert isinstance(answer, list) and len(answer) == 3
@@ -104,28 +130,48 @@ def test_sglang_and_trl_bodies_on_the_vllm_engine(server: VllmServer) -> None:
         meta = sample["meta_info"]
         assert [t for _, t, _ in meta["output_token_logprobs"]] == sample["output_ids"]
         assert meta["finish_reason"] == {"type": "length", "length": 4} and meta["weight_version"] == 0
-    status, vllm = server.http("POST", "/generate", {"prompt": {"prompt_token_ids": PROMPT}, "n": 3, "max_tokens": 4,
-                                                     "ignore_eos": True, "seed": 11, "logprobs": 0})
+    status, vllm = server.http(
+        "POST",
+        "/generate",
+        {
+            "prompt": {"prompt_token_ids": PROMPT},
+            "n": 3,
+            "max_tokens": 4,
+            "ignore_eos": True,
+            "seed": 11,
+            "logprobs": 0,
+        },
+    )
     assert status == 200
     assert sorted(vllm["token_ids"]) == sorted(s["output_ids"] for s in answer)  # the same seeded samples
-    status, trl = server.http("POST", "/generate/", {"prompts": ["1+3=", "2+2="], "n": 2, "max_tokens": 3,
-                                                     "top_k": -1, "top_p": 1.0, "min_p": 0.0,
-                                                     "repetition_penalty": 1.0})
+    status, trl = server.http(
+        "POST",
+        "/generate/",
+        {
+            "prompts": ["1+3=", "2+2="],
+            "n": 2,
+            "max_tokens": 3,
+            "top_k": -1,
+            "top_p": 1.0,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+        },
+    )
     assert status == 200, trl
     assert len(trl["completion_ids"]) == 4 and all(1 <= len(c) <= 3 for c in trl["completion_ids"])
-    for path, bad, field in [("/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": "x"}},
-                              "max_new_tokens"),
-                             ("/generate", {"input_ids": PROMPT, "sampling_params": {"top_p": 0.5}}, "top_p"),
-                             ("/generate/", {"prompts": ["1+3="], "min_p": 0.2}, "min_p"),
-                             ("/generate/", {"prompts": []}, "prompts")]:
+    for path, bad, field in [
+        ("/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": "x"}}, "max_new_tokens"),
+        ("/generate", {"input_ids": PROMPT, "sampling_params": {"top_p": 0.5}}, "top_p"),
+        ("/generate/", {"prompts": ["1+3="], "min_p": 0.2}, "min_p"),
+        ("/generate/", {"prompts": []}, "prompts"),
+    ]:
         status, answer = server.http("POST", path, bad)
         assert status == 400 and field in answer["error"], (path, bad, status, answer)
 
 
 @pytest.mark.atroposlib
 @pytest.mark.parametrize("server_type", ["vllm", "sglang", "openai", "trl"])
-def test_atroposlib_server_class_against_the_vllm_engine(server: VllmServer, tiny_dir: Path,
-                                                         server_type: str) -> None:
+def test_atroposlib_server_class_against_the_vllm_engine(server: VllmServer, tiny_dir: Path, server_type: str) -> None:
     pytest.importorskip("atroposlib")
     from transformers import AutoTokenizer
 
@@ -165,21 +211,29 @@ def test_a_probe_is_scheduled_ahead_of_queued_rollouts(server: VllmServer) -> No
 
     async def run() -> tuple[list[float], float]:
         async with aiohttp.ClientSession() as session:
+
             async def post(body: dict[str, Any]) -> float:
-                async with session.post(server.url + "/generate", json=body,
-                                        timeout=aiohttp.ClientTimeout(total=300)) as resp:
+                async with session.post(
+                    server.url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=300)
+                ) as resp:
                     assert resp.status == 200, await resp.text()
                     await resp.read()
                 return time.monotonic()
 
-            rollout = {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": MAX_MODEL_LEN - len(PROMPT) - 1,
-                       "ignore_eos": True}
+            rollout = {
+                "prompt": {"prompt_token_ids": PROMPT},
+                "max_tokens": MAX_MODEL_LEN - len(PROMPT) - 1,
+                "ignore_eos": True,
+            }
             rollouts = [asyncio.ensure_future(post(rollout)) for _ in range(3 * MAX_NUM_SEQS)]
             for _ in range(600):  # until vLLM runs MAX_NUM_SEQS of them and holds the rest waiting
                 async with session.get(server.url + "/metrics") as resp:
                     text = await resp.text()
-                waiting = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                              if line.startswith("vllm:num_requests_waiting"))
+                waiting = sum(
+                    float(line.rsplit(" ", 1)[1])
+                    for line in text.splitlines()
+                    if line.startswith("vllm:num_requests_waiting")
+                )
                 if waiting >= 1:
                     break
                 await asyncio.sleep(0.05)

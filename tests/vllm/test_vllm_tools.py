@@ -48,10 +48,14 @@ def test_our_hermes_parser_answers_as_vllms_does() -> None:
     req = tools.parse_tool_request({"tools": TOOLS})
     assert req is not None
     ours, theirs = tools.HermesParser(), tools.VllmParser("hermes", build_tokenizer())
-    for text in ('Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
-                 '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call><tool_call>{"name": "f", '
-                 '"arguments": {"a": [1, "\u00e9"]}}', "plain text", '<tool_call>{"name": "get_weather"}</tool_call>',
-                 '<tool_call>{"name": </tool_call>'):
+    for text in (
+        'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+        '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call><tool_call>{"name": "f", '
+        '"arguments": {"a": [1, "\u00e9"]}}',
+        "plain text",
+        '<tool_call>{"name": "get_weather"}</tool_call>',
+        '<tool_call>{"name": </tool_call>',
+    ):
         a, b = ours.parse(text, req), theirs.parse(text, req)
         assert a.content == b.content, text
         assert [(c.name, c.arguments) for c in a.calls] == [(c.name, c.arguments) for c in b.calls], text

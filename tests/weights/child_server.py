@@ -48,8 +48,9 @@ class Server:
     def __init__(self, model_dir: str, weights_dir: str, sync_dir: str) -> None:
         self.model_dir = model_dir
         self.model = build_model(model_dir)
-        self.state = ReceiverState(nonce=os.environ.get("ATROPOSD_INSTANCE", ""), weights_dir=Path(weights_dir),
-                                   sync_dir=Path(sync_dir))
+        self.state = ReceiverState(
+            nonce=os.environ.get("ATROPOSD_INSTANCE", ""), weights_dir=Path(weights_dir), sync_dir=Path(sync_dir)
+        )
         self.version: int | None = None
         self.paused = True  # starts awaiting weights
         self.resumed = asyncio.Event()
@@ -88,8 +89,9 @@ class Server:
             return web.json_response({"error": "pause first"}, status=409)
         body = await request.json()
         try:
-            result = await asyncio.to_thread(load_dir, self.model, body["path"],
-                                             weight_version=body.get("weight_version"), state=self.state)
+            result = await asyncio.to_thread(
+                load_dir, self.model, body["path"], weight_version=body.get("weight_version"), state=self.state
+            )
         except WeightUpdateError as exc:
             return web.json_response({"error": str(exc)}, status=400)
         self.updates += 1
@@ -108,8 +110,13 @@ class Server:
                 raise WeightUpdateError("pause first")
 
         try:
-            result = await self.bcast.handle(await request.json(), model=self.model, state=self.state,
-                                             require_paused=require_paused, compute=self.compute)
+            result = await self.bcast.handle(
+                await request.json(),
+                model=self.model,
+                state=self.state,
+                require_paused=require_paused,
+                compute=self.compute,
+            )
         except WeightUpdateError as exc:
             return web.json_response({"error": str(exc)}, status=400)
         return web.json_response(result)
@@ -121,8 +128,9 @@ class Server:
             return web.json_response({"error": "requests in flight"}, status=409)
         self.state.release(self.model)
         self.model = await asyncio.to_thread(build_model, self.model_dir)
-        self.state = ReceiverState(nonce=body["nonce"], weights_dir=Path(body["weights_dir"]),
-                                   sync_dir=Path(body["sync_dir"]))
+        self.state = ReceiverState(
+            nonce=body["nonce"], weights_dir=Path(body["weights_dir"]), sync_dir=Path(body["sync_dir"])
+        )
         self.version = None
         self.paused = True
         self.resumed.clear()
@@ -130,18 +138,27 @@ class Server:
         return web.json_response({"reset": True})
 
     async def info(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self.version, "paused": self.paused,
-                                  "attached": self.state.attached, "updates": self.updates, "pid": os.getpid(),
-                                  "waiting": self.waiting})
+        return web.json_response(
+            {
+                "weight_version": self.version,
+                "paused": self.paused,
+                "attached": self.state.attached,
+                "updates": self.updates,
+                "pid": os.getpid(),
+                "waiting": self.waiting,
+            }
+        )
 
     async def resources(self, request: web.Request) -> web.Response:
         maps = Path("/proc/self/maps").read_text().splitlines()  # noqa: ASYNC240 - a tiny procfs read
-        return web.json_response({
-            "fds": len(os.listdir("/proc/self/fd")),
-            "shm_maps": sum(1 for line in maps if "/dev/shm/atroposd" in line),
-            "rss": _rss(),
-            "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-        })
+        return web.json_response(
+            {
+                "fds": len(os.listdir("/proc/self/fd")),
+                "shm_maps": sum(1 for line in maps if "/dev/shm/atroposd" in line),
+                "rss": _rss(),
+                "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+            }
+        )
 
     async def logprobs(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -160,8 +177,9 @@ class Server:
             self.inflight -= 1
             if self.inflight == 0:
                 self.idle.set()
-        return web.Response(body=orjson.dumps({"logprobs": lps, "weight_version": version}),
-                            content_type="application/json")
+        return web.Response(
+            body=orjson.dumps({"logprobs": lps, "weight_version": version}), content_type="application/json"
+        )
 
 
 def _rss() -> int:

@@ -25,10 +25,20 @@ PROMPT = [1, 5, 12, 7, 17, 9, 3, 14, 2, 6]
 
 
 def tiny_config(**over: Any) -> LlamaConfig:
-    kw: dict[str, Any] = dict(vocab_size=22, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                              num_attention_heads=2, num_key_value_heads=2, head_dim=64,
-                              max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1,
-                              eos_token_id=2, pad_token_id=0)
+    kw: dict[str, Any] = dict(
+        vocab_size=22,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     kw.update(over)
     return LlamaConfig(**kw)
 
@@ -128,9 +138,18 @@ def _post(sock: Path, route: str, body: dict[str, Any]) -> None:
 def start_child(dirs: dict[str, Path], nonce: str, name: str, env: dict[str, str] | None = None) -> Child:
     sock = dirs["runtime"] / f"{name}.sock"
     log = dirs["runtime"] / f"{name}.log"
-    proc = spawn([sys.executable, str(HERE / "child_server.py"), str(dirs["model"]), str(sock),
-                  str(dirs["weights"]), str(dirs["sync"])],
-                 env={"ATROPOSD_INSTANCE": nonce, "PYTHONPATH": str(HERE.parent.parent), **(env or {})}, log=log)
+    proc = spawn(
+        [
+            sys.executable,
+            str(HERE / "child_server.py"),
+            str(dirs["model"]),
+            str(sock),
+            str(dirs["weights"]),
+            str(dirs["sync"]),
+        ],
+        env={"ATROPOSD_INSTANCE": nonce, "PYTHONPATH": str(HERE.parent.parent), **(env or {})},
+        log=log,
+    )
 
     def up() -> bool:
         if proc.poll() is not None:
@@ -166,8 +185,11 @@ class ChildFactory:
         """
         if self.pooled is None or self.pooled.proc.poll() is not None:
             return self.start()
-        _post(self.pooled.socket, "/reset", {"nonce": self.nonce, "weights_dir": str(self.dirs["weights"]),
-                                             "sync_dir": str(self.dirs["sync"])})
+        _post(
+            self.pooled.socket,
+            "/reset",
+            {"nonce": self.nonce, "weights_dir": str(self.dirs["weights"]), "sync_dir": str(self.dirs["sync"])},
+        )
         return self.pooled
 
     def stop_all(self) -> None:
@@ -214,5 +236,8 @@ def own_resources() -> dict[str, int]:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             rss = int(line.split()[1]) * 1024
-    return {"fds": len(os.listdir("/proc/self/fd")), "shm_maps": sum(1 for x in maps if "/dev/shm/atroposd" in x),
-            "rss": rss}
+    return {
+        "fds": len(os.listdir("/proc/self/fd")),
+        "shm_maps": sum(1 for x in maps if "/dev/shm/atroposd" in x),
+        "rss": rss,
+    }

@@ -63,8 +63,9 @@ def pair(tiny_dir: Path) -> Iterator[Replicas]:
 
 def bcast(launch: Replicas, servers: Sequence[Server], **kw: Any) -> BroadcastSync:
     kw.setdefault("form_timeout", 30.0)
-    sync = BroadcastSync(nonce=launch.nonce, control_sockets=[s.socket for s in servers], bucket_bytes=BUCKET,
-                         digest=True, **kw)
+    sync = BroadcastSync(
+        nonce=launch.nonce, control_sockets=[s.socket for s in servers], bucket_bytes=BUCKET, digest=True, **kw
+    )
     sync.deadline = 60.0
     return sync
 
@@ -93,20 +94,54 @@ def test_plan_round_trips_and_bad_plans_are_refused() -> None:
     assert all(s.offset % 64 == 0 for s in lay.slots)
     tensors = {"a": torch.arange(15, dtype=torch.float32).reshape(3, 5)}
     assert pack(layout([("a", specs["a"])]), tensors)[:60].view(torch.float32).tolist() == list(range(15))
-    for bad in ([], [[]], [[["a", "int64", [2]]]], [[["a", "float32", [-1]]]], [[["a", "float32", [True]]]],
-                [["a"]], "x"):
+    for bad in (
+        [],
+        [[]],
+        [[["a", "int64", [2]]]],
+        [[["a", "float32", [-1]]]],
+        [[["a", "float32", [True]]]],
+        [["a"]],
+        "x",
+    ):
         with pytest.raises(WeightUpdateError):
             parse_plan({"buckets": bad})
     rx = BroadcastReceiver("nonce1")
     with pytest.raises(WeightUpdateError, match="not this launch"):
-        rx.join({"op": "join", "store": "127.0.0.1:1", "prefix": "other/bcast/r0/f1/", "backend": "gloo",
-                 "deadline_s": 1.0, "timeout_s": 1.0}, torch.device("cpu"))
+        rx.join(
+            {
+                "op": "join",
+                "store": "127.0.0.1:1",
+                "prefix": "other/bcast/r0/f1/",
+                "backend": "gloo",
+                "deadline_s": 1.0,
+                "timeout_s": 1.0,
+            },
+            torch.device("cpu"),
+        )
     with pytest.raises(WeightUpdateError, match="backend"):
-        rx.join({"op": "join", "store": "127.0.0.1:1", "prefix": "nonce1/bcast/r0/f1/", "backend": "mpi",
-                 "deadline_s": 1.0, "timeout_s": 1.0}, torch.device("cpu"))
+        rx.join(
+            {
+                "op": "join",
+                "store": "127.0.0.1:1",
+                "prefix": "nonce1/bcast/r0/f1/",
+                "backend": "mpi",
+                "deadline_s": 1.0,
+                "timeout_s": 1.0,
+            },
+            torch.device("cpu"),
+        )
     with pytest.raises(WeightUpdateError, match="HOST:PORT"):
-        rx.join({"op": "join", "store": "nowhere", "prefix": "nonce1/bcast/r0/f1/", "backend": "gloo",
-                 "deadline_s": 1.0, "timeout_s": 1.0}, torch.device("cpu"))
+        rx.join(
+            {
+                "op": "join",
+                "store": "nowhere",
+                "prefix": "nonce1/bcast/r0/f1/",
+                "backend": "gloo",
+                "deadline_s": 1.0,
+                "timeout_s": 1.0,
+            },
+            torch.device("cpu"),
+        )
 
 
 def test_config_takes_broadcast_explicitly_and_auto_never_picks_it() -> None:
@@ -115,8 +150,12 @@ def test_config_takes_broadcast_explicitly_and_auto_never_picks_it() -> None:
     assert parse_toml('[trainer]\nweight_sync = "broadcast"\n').weight_sync == "broadcast"
     assert parse_toml('[inference]\nengine = "vllm"\n[trainer]\nweight_sync = "broadcast"\n').weight_sync == "broadcast"
     assert parse_toml('[trainer]\ndevice = ["cpu", "cpu"]\nweight_sync = "broadcast"\n').weight_sync == "broadcast"
-    for text in ("", '[inference]\nengine = "vllm"\n', '[trainer]\ndevice = ["cpu", "cpu"]\n',
-                 '[inference]\nreplicas = 2\n'):
+    for text in (
+        "",
+        '[inference]\nengine = "vllm"\n',
+        '[trainer]\ndevice = ["cpu", "cpu"]\n',
+        "[inference]\nreplicas = 2\n",
+    ):
         assert parse_toml(text).weight_sync != "broadcast"
     with pytest.raises(ConfigError) as info:
         parse_toml('[inference]\nenabled = false\n[trainer]\nweight_sync = "broadcast"\n')
@@ -134,8 +173,10 @@ def test_config_refuses_broadcast_across_nodes(tmp_path: Path) -> None:
 
     token = tmp_path / "token"
     token.write_text("s3cret-token-0123456789\n")
-    text = (f'[cluster]\nnodes = 2\nnode_rank = 0\nhead = "127.0.0.1"\ntoken_file = "{token}"\n'
-            f'[trainer]\ncheckpoint_dir = "{tmp_path / "ckpt"}"\nweight_sync = "broadcast"\n')
+    text = (
+        f'[cluster]\nnodes = 2\nnode_rank = 0\nhead = "127.0.0.1"\ntoken_file = "{token}"\n'
+        f'[trainer]\ncheckpoint_dir = "{tmp_path / "ckpt"}"\nweight_sync = "broadcast"\n'
+    )
     found = config_problems(text)
     assert any(p.startswith("trainer.weight_sync") and "one node" in p for p in found), found
     assert not any(p.startswith("trainer.weight_sync") for p in config_problems(text.replace("broadcast", "push")))
@@ -181,12 +222,18 @@ async def test_broadcast_reaches_every_replica_bit_for_bit(pair: Replicas) -> No
             assert row["formations"] == 1 and row["form_failures"] == row["send_failures"] == 0
             assert row["last_transfer_s"] > 0 and row["formation"].startswith(f"{pair.nonce}/bcast/r{i}/")
         cfg = SimpleNamespace(inference=SimpleNamespace(replicas=2))
-        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-                   for f in weight_sync_families(cfg, sync) for s in f.samples}
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in weight_sync_families(cfg, sync)
+            for s in f.samples
+        }
         assert samples[("atroposd_replica_weight_sync", (("component", "inference-1"), ("mode", "broadcast")))] == 1
         assert samples[("atroposd_replica_broadcast_group", (("component", "inference-0"),))] == 1.0
         assert samples[("atroposd_replica_broadcast_formations_total", (("component", "inference-1"),))] == 1.0
-        assert samples[("atroposd_replica_broadcast_failures_total", (("component", "inference-0"), ("kind", "send")))] == 0
+        assert (
+            samples[("atroposd_replica_broadcast_failures_total", (("component", "inference-0"), ("kind", "send")))]
+            == 0
+        )
     finally:
         sync.close()
 
@@ -203,8 +250,12 @@ async def test_a_replica_refuses_a_plan_that_does_not_fit_its_model(pair: Replic
         wrong = dict(specs)
         name = next(iter(wrong))
         wrong[name] = TensorSpec("float32", (1, *wrong[name].shape))
-        body = {"op": "receive", "formation": group.formation, "weight_version": 11,
-                "buckets": plan_body(wrong, [list(wrong)])}
+        body = {
+            "op": "receive",
+            "formation": group.formation,
+            "weight_version": 11,
+            "buckets": plan_body(wrong, [list(wrong)]),
+        }
         status, answer = await asyncio.to_thread(first.control, "POST", "/pause")
         assert status == 200
         status, answer = await asyncio.to_thread(first.control, "POST", "/broadcast", body)
@@ -212,8 +263,9 @@ async def test_a_replica_refuses_a_plan_that_does_not_fit_its_model(pair: Replic
         del body["buckets"][0][0]
         status, answer = await asyncio.to_thread(first.control, "POST", "/broadcast", body)
         assert status == 400 and "missing" in answer["error"], answer
-        status, answer = await asyncio.to_thread(first.control, "POST", "/broadcast",
-                                                 {**body, "formation": pair.nonce + "/bcast/r0/f999/"})
+        status, answer = await asyncio.to_thread(
+            first.control, "POST", "/broadcast", {**body, "formation": pair.nonce + "/bcast/r0/f999/"}
+        )
         assert status == 400 and "join again" in answer["error"], answer
         status, answer = await asyncio.to_thread(first.control, "POST", "/resume", {"weight_version": 10})
         assert status == 200
@@ -338,8 +390,10 @@ async def test_a_replica_killed_mid_broadcast_is_skipped_and_catches_up(tiny_dir
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                    reason="NCCL needs two GPUs (it refuses two ranks on one)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="NCCL needs two GPUs (it refuses two ranks on one)",
+)
 async def test_nccl_broadcast_between_two_gpus_bit_for_bit(tiny_dir: Path) -> None:
     """The NCCL twin of the gloo test: the trainer's model on cuda:0, a replica on cuda:1."""
     from tests.inference.conftest import env_with_nonce, start_server

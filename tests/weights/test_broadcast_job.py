@@ -51,10 +51,20 @@ def _log_tail(root: Path, lines: int = 40) -> str:
 
 # the only whole job in which a trainer rank dies under broadcast: both groups form again
 def test_two_ranks_broadcast_to_two_replicas_survive_a_rank_and_a_replica_killed(short_tmp: Path) -> None:
-    cfg = replica_job_config(short_tmp, replicas=2, metrics_port=True, steps=100_000,
-                             trainer={**RANKS, "weight_sync": "broadcast", "checkpoint_every": 4,
-                                      "collective_timeout": 4.0, "sync_bucket_mb": 1},
-                             daemon={"stop_timeout": 5.0})
+    cfg = replica_job_config(
+        short_tmp,
+        replicas=2,
+        metrics_port=True,
+        steps=100_000,
+        trainer={
+            **RANKS,
+            "weight_sync": "broadcast",
+            "checkpoint_every": 4,
+            "collective_timeout": 4.0,
+            "sync_bucket_mb": 1,
+        },
+        daemon={"stop_timeout": 5.0},
+    )
     res = atroposd("start", "-c", str(cfg), env=daemon_env(), timeout=300)
     nonce = ""
     try:
@@ -78,10 +88,18 @@ def test_two_ranks_broadcast_to_two_replicas_survive_a_rank_and_a_replica_killed
         rank1 = component(st, "trainer-1")
         before = status(cfg)["trainer"]["step"]
         kill9(rank1["pid"])
-        wait_for(lambda: status(cfg)["trainer"]["group_restarts"] >= 1, timeout=60, interval=0.2,
-                 what="the trainer group to restart")
-        wait_for(lambda: status(cfg)["trainer"]["step"] > before + 1, timeout=180, interval=0.5,
-                 what="training past the pre-kill step")
+        wait_for(
+            lambda: status(cfg)["trainer"]["group_restarts"] >= 1,
+            timeout=60,
+            interval=0.2,
+            what="the trainer group to restart",
+        )
+        wait_for(
+            lambda: status(cfg)["trainer"]["step"] > before + 1,
+            timeout=180,
+            interval=0.5,
+            what="training past the pre-kill step",
+        )
         st = status(cfg)
         for name in ("inference-0", "inference-1"):
             row = _sync(st, name)
@@ -95,13 +113,21 @@ def test_two_ranks_broadcast_to_two_replicas_survive_a_rank_and_a_replica_killed
         def back() -> bool:
             s = status(cfg)
             c = component(s, "inference-1")
-            return bool(c["state"] == "ready" and c["pid"] != victim["pid"]
-                        and c["weight_sync"]["formations"] > formed_before
-                        and (c.get("weight_version") or -1) >= s["trainer"]["weight_version"] - 2)
+            return bool(
+                c["state"] == "ready"
+                and c["pid"] != victim["pid"]
+                and c["weight_sync"]["formations"] > formed_before
+                and (c.get("weight_version") or -1) >= s["trainer"]["weight_version"] - 2
+            )
+
         wait_for(back, timeout=180, interval=0.5, what="replica 1 back, its group formed again, current")
         step = status(cfg)["trainer"]["step"]
-        wait_for(lambda: status(cfg)["trainer"]["step"] > step + 1, timeout=120, interval=0.5,
-                 what="training on after the replica came back")
+        wait_for(
+            lambda: status(cfg)["trainer"]["step"] > step + 1,
+            timeout=120,
+            interval=0.5,
+            what="training on after the replica came back",
+        )
         assert status(cfg)["state"] == "running"
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n--- daemon log ---\n{_log_tail(short_tmp)}") from exc
@@ -116,9 +142,11 @@ def test_two_ranks_broadcast_to_two_replicas_survive_a_rank_and_a_replica_killed
 def test_a_job_with_two_replicas_in_broadcast_mode_learns(short_tmp: Path) -> None:
     """test_job's shortened learning run with two replicas, weights by broadcast: the same floor."""
     rows = run_short_learning_job(
-        replica_job_config(short_tmp, steps=400, envs=SHORT_TASK,
-                           trainer={"checkpoint_every": 400, "weight_sync": "broadcast"}),
-        short_tmp / "state")
+        replica_job_config(
+            short_tmp, steps=400, envs=SHORT_TASK, trainer={"checkpoint_every": 400, "weight_sync": "broadcast"}
+        ),
+        short_tmp / "state",
+    )
     assert all(r["weight_version"] == r["step"] for r in rows)
     assert all(r["sync_transfer_s"] > 0 for r in rows)
     log = (short_tmp / "state" / "logs" / "daemon.log").read_text()

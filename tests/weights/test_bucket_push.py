@@ -119,8 +119,13 @@ def launch(tiny_dir: Path) -> Iterator[Replicas]:
 
 
 def push_sync(launch: Replicas, servers: Sequence[Server], **kw: Any) -> BucketPushSync:
-    return BucketPushSync(nonce=launch.nonce, weights_dir=launch.weights_dir,
-                          control_sockets=[s.socket for s in servers], bucket_bytes=BUCKET, **kw)
+    return BucketPushSync(
+        nonce=launch.nonce,
+        weights_dir=launch.weights_dir,
+        control_sockets=[s.socket for s in servers],
+        bucket_bytes=BUCKET,
+        **kw,
+    )
 
 
 def assert_serves(srv: Server, model: torch.nn.Module, version: int) -> None:
@@ -162,8 +167,13 @@ class Watched:
 
 
 def test_plan_buckets_in_order_every_name_once_and_a_large_tensor_alone() -> None:
-    specs = {"a": TensorSpec("float32", (10,)), "big": TensorSpec("float32", (1000,)),
-             "b": TensorSpec("bfloat16", (30,)), "c": TensorSpec("float32", (20,)), "d": TensorSpec("float16", (40,))}
+    specs = {
+        "a": TensorSpec("float32", (10,)),
+        "big": TensorSpec("float32", (1000,)),
+        "b": TensorSpec("bfloat16", (30,)),
+        "c": TensorSpec("float32", (20,)),
+        "d": TensorSpec("float16", (40,)),
+    }
     plan = plan_buckets(specs, 256)
     assert plan == [["a"], ["big"], ["b", "c"], ["d"]]
     assert [n for b in plan for n in b] == list(specs)
@@ -273,7 +283,9 @@ async def test_a_replica_refusing_halfway_never_serves_a_mix(launch: Replicas) -
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         train_step(model, opt)
         model.model.norm.register_parameter("extra", torch.nn.Parameter(torch.ones(3)))
-        with pytest.raises(WeightControlError, match=r"refused a bucket.*'model\.norm\.extra' is in the export but not"):
+        with pytest.raises(
+            WeightControlError, match=r"refused a bucket.*'model\.norm\.extra' is in the export but not"
+        ):
             await sync.after_step(model, 7)
         assert not sync.server_current and sync.replica_versions() == [6]
         status, info = await asyncio.to_thread(srv.control, "GET", "/weight_info")
@@ -328,8 +340,12 @@ async def test_a_bucket_of_another_dtype_or_shape_is_refused(launch: Replicas, b
 async def test_sharded_reload_writes_a_bucket_per_file_and_every_replica_loads_it(launch: Replicas) -> None:
     model = trainer_model(launch.tiny_dir, seed=41)
     source = Watched(model, launch.nonce)
-    sync = ReloadSync(sync_dir=launch.sync_dir, control_sockets=[s.socket for s in launch.servers],
-                      bucket_bytes=BUCKET, source_for=lambda m: source)
+    sync = ReloadSync(
+        sync_dir=launch.sync_dir,
+        control_sockets=[s.socket for s in launch.servers],
+        bucket_bytes=BUCKET,
+        source_for=lambda m: source,
+    )
     plan = plan_buckets(source.specs(), BUCKET)
     try:
         await sync.attach(model, 9)
@@ -357,15 +373,32 @@ async def test_sharded_reload_writes_a_bucket_per_file_and_every_replica_loads_i
     assert not list(launch.sync_dir.iterdir())
 
 
-def _bucket_manifest(staging: StagingBuffer, nonce: str, weights_dir: Path, tensors: dict[str, torch.Tensor],
-                     names: list[str], version: int, bucket: BucketRef, tied: dict[str, str]) -> Path:
+def _bucket_manifest(
+    staging: StagingBuffer,
+    nonce: str,
+    weights_dir: Path,
+    tensors: dict[str, torch.Tensor],
+    names: list[str],
+    version: int,
+    bucket: BucketRef,
+    tied: dict[str, str],
+) -> Path:
     start = process_start_time(os.getpid())
     assert start is not None
     entries = staging.fill(names, tensors)
     path = manifest_path(weights_dir, nonce)
-    Manifest(nonce=nonce, exporter_pid=os.getpid(), exporter_start_time=start, export_id=bucket.index + 1,
-             weight_version=version, transport="shm", segments=(staging.ref(),), tensors=tuple(entries), tied=tied,
-             bucket=bucket).write(path)
+    Manifest(
+        nonce=nonce,
+        exporter_pid=os.getpid(),
+        exporter_start_time=start,
+        export_id=bucket.index + 1,
+        weight_version=version,
+        transport="shm",
+        segments=(staging.ref(),),
+        tensors=tuple(entries),
+        tied=tied,
+        bucket=bucket,
+    ).write(path)
     return path
 
 
@@ -381,8 +414,9 @@ def test_the_receiver_takes_buckets_in_order_and_only_a_complete_set(short_tmp: 
     staging = StagingBuffer.create(nonce, max(bucket_bytes_of(specs, b) for b in plan), torch.device("cpu"))
 
     def send(i: int, version: int = 3, names: list[str] | None = None) -> dict[str, Any]:
-        path = _bucket_manifest(staging, nonce, weights_dir, mt.tensors, names or plan[i], version,
-                                BucketRef(i, len(plan)), mt.tied)
+        path = _bucket_manifest(
+            staging, nonce, weights_dir, mt.tensors, names or plan[i], version, BucketRef(i, len(plan)), mt.tied
+        )
         return apply_update(server, {"manifest": str(path), "mode": "copy", "weight_version": version}, state=state)
 
     try:

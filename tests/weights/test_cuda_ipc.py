@@ -16,16 +16,22 @@ import torch
 from atroposd.weights.sync import PushSync, SharedSync
 from tests.weights.conftest import ChildFactory, make_model, score, train_step
 
-pytestmark = [pytest.mark.gpu, pytest.mark.anyio,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.anyio,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 @pytest.mark.parametrize("mode", ["shared", "push"])
 async def test_cuda_ipc_sync(dirs: dict[str, Path], nonce: str, child_factory: ChildFactory, mode: str) -> None:
     child = child_factory.start(env={"CHILD_SERVER_DEVICE": "cuda:0"})
     model = make_model(0).to("cuda:0")  # type: ignore[arg-type]  # transformers types .to oddly
-    sync = (SharedSync(nonce=nonce, weights_dir=dirs["weights"], control_socket=child.socket) if mode == "shared"
-            else PushSync(nonce=nonce, weights_dir=dirs["weights"], control_socket=child.socket))
+    sync = (
+        SharedSync(nonce=nonce, weights_dir=dirs["weights"], control_socket=child.socket)
+        if mode == "shared"
+        else PushSync(nonce=nonce, weights_dir=dirs["weights"], control_socket=child.socket)
+    )
     try:
         await sync.attach(model, 0)
         assert sync.arena is not None and sync.arena.transport == "cuda_ipc"
@@ -51,8 +57,9 @@ async def test_cuda_ipc_sync(dirs: dict[str, Path], nonce: str, child_factory: C
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-async def test_shared_mode_refuses_a_trainer_on_another_gpu(dirs: dict[str, Path], nonce: str,
-                                                            child_factory: ChildFactory) -> None:
+async def test_shared_mode_refuses_a_trainer_on_another_gpu(
+    dirs: dict[str, Path], nonce: str, child_factory: ChildFactory
+) -> None:
     from atroposd.weights.client import WeightControlError
 
     child = child_factory.start(env={"CHILD_SERVER_DEVICE": "cuda:1"})
@@ -71,8 +78,7 @@ async def test_cuda_ipc_bucketed_push(dirs: dict[str, Path], nonce: str, child_f
 
     child = child_factory.start(env={"CHILD_SERVER_DEVICE": "cuda:0"})
     model = make_model(0).to("cuda:0")  # type: ignore[arg-type]
-    sync = BucketPushSync(nonce=nonce, weights_dir=dirs["weights"], control_socket=child.socket,
-                          bucket_bytes=200_000)
+    sync = BucketPushSync(nonce=nonce, weights_dir=dirs["weights"], control_socket=child.socket, bucket_bytes=200_000)
     try:
         await sync.attach(model, 0)
         assert sync.staging is not None and sync.staging.transport == "cuda_ipc"

@@ -25,15 +25,37 @@ OTHER = "GPU-99999999-aaaa-bbbb-cccc-000000000000"
 
 def torch_args(device: int = 0, numel: int = 4096) -> tuple[Any, ...]:
     """What reduce_tensor gives for a flat uint8 CUDA tensor (the handles are opaque bytes)."""
-    return (torch.Tensor, torch.Size([numel]), (1,), 0, torch.storage.TypedStorage, torch.uint8, device,
-            b"\x00storage\xff" * 4, numel, 0, False, b"/torch_123_ref", 7, b"\x01event" * 8, True)
+    return (
+        torch.Tensor,
+        torch.Size([numel]),
+        (1,),
+        0,
+        torch.storage.TypedStorage,
+        torch.uint8,
+        device,
+        b"\x00storage\xff" * 4,
+        numel,
+        0,
+        False,
+        b"/torch_123_ref",
+        7,
+        b"\x01event" * 8,
+        True,
+    )
 
 
 def cuda_manifest(uuid: str = UUID, handle: CudaIpcHandle | None = None) -> Manifest:
     handle = handle or handle_from_args(torch_args())
-    return Manifest(nonce="abcd", exporter_pid=os.getpid(), exporter_start_time=1, export_id=1, weight_version=0,
-                    transport="cuda_ipc", segments=(SegmentRef(index=0, name="cuda-abcd-0", size=4096, handle=handle,
-                                                               device_uuid=uuid),), tensors=())
+    return Manifest(
+        nonce="abcd",
+        exporter_pid=os.getpid(),
+        exporter_start_time=1,
+        export_id=1,
+        weight_version=0,
+        transport="cuda_ipc",
+        segments=(SegmentRef(index=0, name="cuda-abcd-0", size=4096, handle=handle, device_uuid=uuid),),
+        tensors=(),
+    )
 
 
 def test_handle_fields_round_trip_without_pickle() -> None:
@@ -69,8 +91,9 @@ def test_a_malformed_handle_is_refused(change: str) -> None:
         Manifest.from_json(orjson.dumps(data)).check_layout()
 
 
-@pytest.mark.parametrize("field, value", [(0, torch.nn.Parameter), (4, torch.UntypedStorage), (5, torch.float32),
-                                          (3, 8), (10, True)])
+@pytest.mark.parametrize(
+    "field, value", [(0, torch.nn.Parameter), (4, torch.UntypedStorage), (5, torch.float32), (3, 8), (10, True)]
+)
 def test_only_a_whole_flat_uint8_buffer_is_exported(field: int, value: Any) -> None:
     args = list(torch_args())
     args[field] = value
@@ -87,8 +110,9 @@ def test_each_buffer_is_exported_once(monkeypatch: pytest.MonkeyPatch) -> None:
 
     exports: list[int] = []
     syncs: list[Any] = []
-    monkeypatch.setattr(reductions, "reduce_tensor",
-                        lambda t: (exports.append(1), (None, torch_args(numel=t.numel()))[1]))
+    monkeypatch.setattr(
+        reductions, "reduce_tensor", lambda t: (exports.append(1), (None, torch_args(numel=t.numel()))[1])
+    )
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
     monkeypatch.setattr(cuda_ipc, "device_uuid", lambda device: UUID)
     monkeypatch.setattr(cuda_ipc, "ipc_collect", lambda: None)
@@ -107,8 +131,9 @@ def test_shared_mode_refuses_another_gpu() -> None:
 
 
 @pytest.mark.anyio
-async def test_shared_resume_waits_for_the_device(dirs: dict[str, Path], nonce: str,
-                                                  child_factory: ChildFactory) -> None:
+async def test_shared_resume_waits_for_the_device(
+    dirs: dict[str, Path], nonce: str, child_factory: ChildFactory
+) -> None:
     """The resume after a shared-mode step comes after the arena's device synchronisation."""
     child = child_factory.reuse()
     model = make_model(0)

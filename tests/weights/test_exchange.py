@@ -77,9 +77,11 @@ def test_segment_is_exclusive_private_and_not_tracked(nonce: str) -> None:
         v.copy_(torch.arange(4.0))
         # A child process attaches and exits: with multiprocessing.shared_memory on 3.11 its
         # resource tracker would unlink the segment here.
-        code = ("import sys; from atroposd.weights.shm import ShmSegment; import torch;"
-                f"s = ShmSegment.attach({name!r}, 4096); t = s.view(64, 16, torch.float32, (4,));"
-                "sys.exit(0 if t.tolist() == [0.0, 1.0, 2.0, 3.0] else 1)")
+        code = (
+            "import sys; from atroposd.weights.shm import ShmSegment; import torch;"
+            f"s = ShmSegment.attach({name!r}, 4096); t = s.view(64, 16, torch.float32, (4,));"
+            "sys.exit(0 if t.tolist() == [0.0, 1.0, 2.0, 3.0] else 1)"
+        )
         assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
         assert os.path.exists(f"/dev/shm/{name}")
         with pytest.raises(ShmError, match="still referenced"):
@@ -188,8 +190,22 @@ def test_copy_and_attach_give_the_trainer_weights(exported) -> None:
     assert torch.equal(score(server2), score(trainer))  # private copy kept the values
 
 
-@pytest.mark.parametrize("case", ["dtype16", "dtypebf16", "dtype_bad", "shape", "missing", "extra", "bounds",
-                                  "nonce", "dead_pid", "version", "segment_name"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "dtype16",
+        "dtypebf16",
+        "dtype_bad",
+        "shape",
+        "missing",
+        "extra",
+        "bounds",
+        "nonce",
+        "dead_pid",
+        "version",
+        "segment_name",
+    ],
+)
 def test_tampered_manifest_is_refused(exported, case: str, tmp_path: Path) -> None:
     _trainer, _arena, path, state = exported
     name = "model.layers.0.mlp.up_proj.weight"
@@ -324,7 +340,8 @@ def test_cleanup_stale_removes_only_dead_launches(dirs: dict[str, Path]) -> None
     try:
         removed = cleanup_stale(dirs["runtime"], lambda n: n == live)
         assert sorted(Path(r).name for r in removed) == sorted(
-            [segs[0].name, segs[1].name, f"manifest-{dead}.json", f".manifest-{dead}.json.1.2.tmp"])
+            [segs[0].name, segs[1].name, f"manifest-{dead}.json", f".manifest-{dead}.json.1.2.tmp"]
+        )
         assert list_segments(f"atroposd-{dead}-") == []
         assert len(list_segments(f"atroposd-{live}-")) == 2
         assert manifest_path(dirs["weights"], live).exists()
@@ -349,8 +366,7 @@ def test_manifest_rejects_bad_nonce(dirs: dict[str, Path]) -> None:
 def _peft(model: torch.nn.Module) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                            lora_dropout=0.0))
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
 
 
 def _lora_step(model: torch.nn.Module) -> None:

@@ -57,8 +57,14 @@ def staging_segments(nonce: str, exported: set[str]) -> dict[str, int]:
 async def test_push_through_host_staging_reaches_a_real_replica_bit_for_bit(pair: Replicas) -> None:
     direct, staged = pair.servers
     model = trainer_model(pair.tiny_dir, seed=5)
-    sync = PushSync(nonce=pair.nonce, weights_dir=pair.weights_dir, control_sockets=[direct.socket, staged.socket],
-                    paths=["direct", "host_staging"], bucket_bytes=BUCKET, digest=True)
+    sync = PushSync(
+        nonce=pair.nonce,
+        weights_dir=pair.weights_dir,
+        control_sockets=[direct.socket, staged.socket],
+        paths=["direct", "host_staging"],
+        bucket_bytes=BUCKET,
+        digest=True,
+    )
     sync.deadline = 60.0
     try:
         await sync.attach(model, 1)
@@ -107,8 +113,14 @@ async def test_push_through_host_staging_reaches_a_real_replica_bit_for_bit(pair
 async def test_a_restarted_staged_replica_gets_the_weights_from_reattach(pair: Replicas) -> None:
     _, staged = pair.servers
     model = trainer_model(pair.tiny_dir, seed=9)
-    sync = PushSync(nonce=pair.nonce, weights_dir=pair.weights_dir, control_sockets=[staged.socket],
-                    paths=["host_staging"], bucket_bytes=BUCKET, digest=True)
+    sync = PushSync(
+        nonce=pair.nonce,
+        weights_dir=pair.weights_dir,
+        control_sockets=[staged.socket],
+        paths=["host_staging"],
+        bucket_bytes=BUCKET,
+        digest=True,
+    )
     sync.deadline = 60.0
     try:
         await sync.attach(model, 7)
@@ -140,8 +152,12 @@ def test_each_replica_gets_its_path_and_auto_picks_push_off_the_trainers_device(
 
     # cuda:0 trains; replica 0 shares its GPU (CUDA IPC), replica 1 is on another, replica 2 is
     # tensor-parallel over two: both through host staging. auto then picks push, not shared.
-    gpus = _cfg(short_tmp, trainer__device="cuda:0", inference__device=["cuda", "cuda:1", "cuda:2,cuda:3"],
-                inference__replicas=3)
+    gpus = _cfg(
+        short_tmp,
+        trainer__device="cuda:0",
+        inference__device=["cuda", "cuda:1", "cuda:2,cuda:3"],
+        inference__replicas=3,
+    )
     assert push_paths(gpus) == ["direct", "host_staging", "host_staging"]
     assert gpus.weight_sync == "push"
     same = _cfg(short_tmp, trainer__device="cuda:1", inference__device="cuda:1", inference__replicas=2)
@@ -202,8 +218,9 @@ def test_a_job_pushes_through_host_staging_to_two_replicas(short_tmp: Path) -> N
     from tests.e2e.jobs import daemon_env, metrics, replica_job_config
     from tests.support import atroposd
 
-    cfg = replica_job_config(short_tmp, replicas=2, steps=4, trainer={"weight_sync": "push", "sync_every": 2,
-                                                                     "push_path": "host_staging"})
+    cfg = replica_job_config(
+        short_tmp, replicas=2, steps=4, trainer={"weight_sync": "push", "sync_every": 2, "push_path": "host_staging"}
+    )
     res = atroposd("run", "-c", str(cfg), env=daemon_env(), timeout=840)
     assert res.returncode == 0, f"run exited {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     state = short_tmp / "state"
@@ -216,7 +233,8 @@ def test_a_job_pushes_through_host_staging_to_two_replicas(short_tmp: Path) -> N
             assert r["sync_pause_s"] >= 0 and r["sync_transfer_s"] > 0
     log = "".join(f.read_text() for f in (state / "logs").glob("*.log"))
     created = [line for line in log.splitlines() if "staging buffer for the push created" in line]
-    assert created and all(re.search(r'host_staging"?\s*[:=]\s*[Tt]rue', line) for line in created), \
-        [line for line in log.splitlines() if "staging" in line][:5]
+    assert created and all(re.search(r'host_staging"?\s*[:=]\s*[Tt]rue', line) for line in created), [
+        line for line in log.splitlines() if "staging" in line
+    ][:5]
     nonces = set(re.findall(r"config-([0-9a-f]+)\.toml", log))
     assert nonces and not any(list_segments(f"atroposd-{n}-") for n in nonces)

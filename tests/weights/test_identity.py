@@ -56,8 +56,16 @@ def test_manifest_records_the_exporter_in_ticks() -> None:
 
     start = process_start_time(os.getpid())
     assert isinstance(start, int) and exporter_alive(os.getpid(), start)
-    m = Manifest(nonce="abcd", exporter_pid=os.getpid(), exporter_start_time=start, export_id=1, weight_version=0,
-                 transport="shm", segments=(), tensors=())
+    m = Manifest(
+        nonce="abcd",
+        exporter_pid=os.getpid(),
+        exporter_start_time=start,
+        export_id=1,
+        weight_version=0,
+        transport="shm",
+        segments=(),
+        tensors=(),
+    )
     assert Manifest.from_json(m.to_json()).exporter_start_time == start
     raw = m.to_json().replace(b'"exporter_start_time":%d' % start, b'"exporter_start_time":1.5')
     with pytest.raises(ManifestError, match="exporter_start_time must be an integer"):

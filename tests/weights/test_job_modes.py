@@ -32,8 +32,7 @@ def test_embedded_job_in_mode(short_tmp: Path, mode: str) -> None:
     assert not (state / "sync").exists() or not list((state / "sync").iterdir())
     # The server took the trainer's weights at start and every sync_every = 2 steps, by this mode's route.
     event = "weights updated" if mode == "push" else "weights loaded"
-    synced = [json.loads(line) for line in (state / "logs" / "inference.log").read_text().splitlines()
-              if event in line]
+    synced = [json.loads(line) for line in (state / "logs" / "inference.log").read_text().splitlines() if event in line]
     assert [e["weight_version"] for e in synced] == [0, 2, 4], synced
     if mode == "push":
         assert {e["mode"] for e in synced} == {"copy"}

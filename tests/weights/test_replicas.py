@@ -35,10 +35,10 @@ async def _step(sync: WeightSync, model: torch.nn.Module, opt: torch.optim.Optim
 
 
 @pytest.mark.slow  # a whole job or a long search: run by .ci/run, not in the default run
-@pytest.mark.parametrize("mode", ["shared", "push",
-                                  pytest.param("reload")])
-async def test_every_replica_follows_and_a_killed_one_catches_up(mode: str, dirs: dict[str, Path], nonce: str,
-                                                                 child_factory: ChildFactory) -> None:
+@pytest.mark.parametrize("mode", ["shared", "push", pytest.param("reload")])
+async def test_every_replica_follows_and_a_killed_one_catches_up(
+    mode: str, dirs: dict[str, Path], nonce: str, child_factory: ChildFactory
+) -> None:
     first, second = child_factory.reuse(), child_factory.start()
     model = make_model(0)
     sync = _sync(mode, dirs, nonce, [first.socket, second.socket])

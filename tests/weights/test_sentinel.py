@@ -39,8 +39,9 @@ async def _on_thread(fn: Any, *args: Any) -> Any:
 
 def _generate(url: str) -> int:
     body = json.dumps({"prompt": {"prompt_token_ids": [3, 4, 5]}, "max_tokens": 2}).encode()
-    req = urllib.request.Request(url + "/generate", data=body, method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/generate", data=body, method="POST", headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return int(resp.status)
@@ -68,8 +69,14 @@ async def test_corrupted_replica_is_quarantined_resynced_and_let_back(short_tmp:
         model.eval()
         sync = ReloadSync(sync_dir=short_tmp / "state" / "sync", control_socket=server.socket)
         await sync.attach(model, 1)
-        sentinel = Sentinel(every=2, limit=0.05, prompts=builtin_prompts(4, model.config.vocab_size),
-                            sockets=lambda: [server.socket], run=_on_thread, max_tokens=8)
+        sentinel = Sentinel(
+            every=2,
+            limit=0.05,
+            prompts=builtin_prompts(4, model.config.vocab_size),
+            sockets=lambda: [server.socket],
+            run=_on_thread,
+            max_tokens=8,
+        )
 
         # a healthy replica: only every second sync is checked, and its drift is near 0 (float32)
         await sentinel.after_sync(sync, model, 1)
@@ -125,8 +132,14 @@ async def test_corrupted_replica_is_quarantined_resynced_and_let_back(short_tmp:
         async def differs(fn: Any, _model: Any, *args: Any) -> Any:
             return await anyio.to_thread.run_sync(lambda: fn(bad, *args))
 
-        stubborn = Sentinel(every=1, limit=0.05, prompts=builtin_prompts(4, model.config.vocab_size),
-                            sockets=lambda: [server.socket], run=differs, max_tokens=8)
+        stubborn = Sentinel(
+            every=1,
+            limit=0.05,
+            prompts=builtin_prompts(4, model.config.vocab_size),
+            sockets=lambda: [server.socket],
+            run=differs,
+            max_tokens=8,
+        )
         with capture_logs() as logs:
             await stubborn.check_all(sync, model, 1)
         still = [e for e in logs if e["event"].startswith("replica still drifts")]
@@ -154,16 +167,25 @@ def test_drift_in_metrics_and_status_rows() -> None:
     from atroposd.daemon.metrics import sentinel_families
     from atroposd.daemon.status import _replica_drift
 
-    st = {"replica_drift": [0.0, 0.31], "quarantined": {"1": "drift"}, "resyncs": 1, "restarts": 0, "checks": 5,
-          "check_s": 0.05}
+    st = {
+        "replica_drift": [0.0, 0.31],
+        "quarantined": {"1": "drift"},
+        "resyncs": 1,
+        "restarts": 0,
+        "checks": 5,
+        "check_s": 0.05,
+    }
     fams = {f.name: f for f in sentinel_families(st)}
     drift = {s.labels["replica"]: s.value for s in fams["atroposd_replica_drift"].samples}
     held = {s.labels["replica"]: s.value for s in fams["atroposd_replica_quarantined"].samples}
     assert drift == {"0": 0.0, "1": 0.31} and held == {"0": 0.0, "1": 1.0}
     assert fams["atroposd_sentinel_resyncs"].samples[0].value == 1.0
     assert list(sentinel_families(None)) == []  # the sentinel off: no family
-    rows = [{"name": "inference-0", "kind": "inference"}, {"name": "inference-1", "kind": "inference"},
-            {"name": "api", "kind": "api"}]
+    rows = [
+        {"name": "inference-0", "kind": "inference"},
+        {"name": "inference-1", "kind": "inference"},
+        {"name": "api", "kind": "api"},
+    ]
     _replica_drift({"sentinel": st}, rows)
     assert [r.get("drift") for r in rows] == [0.0, 0.31, None]
 
@@ -174,12 +196,27 @@ def _group(prompt: list[int], completion: list[int]) -> dict[str, Any]:
 
 def test_canary_prompts_are_the_environments_first_distinct_prompts() -> None:
     built = builtin_prompts(3, 100)
-    sentinel = Sentinel(every=1, limit=0.05, prompts=built, sockets=lambda: [], run=_on_thread, wanted=3,
-                        vocab_size=100, max_prompt_len=4)
+    sentinel = Sentinel(
+        every=1,
+        limit=0.05,
+        prompts=built,
+        sockets=lambda: [],
+        run=_on_thread,
+        wanted=3,
+        vocab_size=100,
+        max_prompt_len=4,
+    )
     assert sentinel.status()["canary_source"] == "built-in"
     # malformed groups, an id outside the vocabulary, a group without a prompt: not taken
-    assert not sentinel.offer([{"tokens": "x"}, _group([5, 500], [6]), {"tokens": [[5, 6]], "masks": [[5, 6]]},
-                               _group([5, 6], [7]), _group([5, 6], [8])])  # the same prompt twice
+    assert not sentinel.offer(
+        [
+            {"tokens": "x"},
+            _group([5, 500], [6]),
+            {"tokens": [[5, 6]], "masks": [[5, 6]]},
+            _group([5, 6], [7]),
+            _group([5, 6], [8]),
+        ]
+    )  # the same prompt twice
     assert sentinel.prompts == built
     assert sentinel.offer([_group([9, 10, 11, 12, 13, 14], [15]), _group([20], [21]), _group([30], [31])])
     assert sentinel.prompts == [[5, 6], [9, 10, 11, 12], [20]]  # at most max_prompt_len tokens each
@@ -211,8 +248,13 @@ async def test_a_stop_does_not_wait_for_the_sentinels_restart_of_a_replica() -> 
         await anyio.sleep_forever()
         return True
 
-    service = TrainerService(Config(), instance="t", weights=None, envs_alive=lambda: True,  # type: ignore[arg-type]
-                             restart_replica=never_ready)
+    service = TrainerService(
+        Config(),
+        instance="t",
+        weights=None,
+        envs_alive=lambda: True,  # type: ignore[arg-type]
+        restart_replica=never_ready,
+    )
     result: list[bool] = []
 
     async def restart() -> None:

@@ -26,8 +26,9 @@ def _shared(dirs: dict[str, Path], nonce: str, child: Child) -> SharedSync:
     return SharedSync(nonce=nonce, weights_dir=dirs["weights"], control_socket=child.socket)
 
 
-async def test_shared_step_is_seen_by_the_server(dirs: dict[str, Path], nonce: str,
-                                                 child_factory: ChildFactory) -> None:
+async def test_shared_step_is_seen_by_the_server(
+    dirs: dict[str, Path], nonce: str, child_factory: ChildFactory
+) -> None:
     child = child_factory.reuse()
     model = make_model(0)
     sync = _shared(dirs, nonce, child)
@@ -56,8 +57,9 @@ async def test_shared_step_is_seen_by_the_server(dirs: dict[str, Path], nonce: s
     assert not (dirs["weights"] / f"manifest-{nonce}.json").exists()
 
 
-async def test_generation_during_a_step_carries_one_version(dirs: dict[str, Path], nonce: str,
-                                                            child_factory: ChildFactory) -> None:
+async def test_generation_during_a_step_carries_one_version(
+    dirs: dict[str, Path], nonce: str, child_factory: ChildFactory
+) -> None:
     child = child_factory.reuse()
     model = make_model(0)
     sync = _shared(dirs, nonce, child)
@@ -68,6 +70,7 @@ async def test_generation_during_a_step_carries_one_version(dirs: dict[str, Path
         old = score(model)
         async with anyio.create_task_group() as tg:
             async with sync.paused(1):
+
                 async def ask() -> None:
                     results.append(await child.logprobs())
 
@@ -88,10 +91,10 @@ async def test_generation_during_a_step_carries_one_version(dirs: dict[str, Path
 
 
 @pytest.mark.slow  # a whole job or a long search: run by .ci/run, not in the default run
-@pytest.mark.parametrize("mode", ["shared", "push",
-                                  pytest.param("reload")])
+@pytest.mark.parametrize("mode", ["shared", "push", pytest.param("reload")])
 async def test_killed_server_keeps_trainer_segments_and_restart_reattaches(
-        dirs: dict[str, Path], nonce: str, child_factory: ChildFactory, mode: str) -> None:
+    dirs: dict[str, Path], nonce: str, child_factory: ChildFactory, mode: str
+) -> None:
     """kill -9 of the inference server with a generation in flight, mid-training."""
     child = child_factory.start()
     model = make_model(0)
@@ -142,7 +145,8 @@ async def test_killed_server_keeps_trainer_segments_and_restart_reattaches(
 
 @pytest.mark.slow  # a whole job or a long search: run by .ci/run, not in the default run
 async def test_segments_removed_behind_the_trainer_are_exported_anew(
-        dirs: dict[str, Path], nonce: str, child_factory: ChildFactory) -> None:
+    dirs: dict[str, Path], nonce: str, child_factory: ChildFactory
+) -> None:
     """Someone removes the trainer's segments from /dev/shm (its mapping still works); after an
     inference restart the trainer exports into new segments and the server attaches to them."""
     child = child_factory.start()
@@ -185,8 +189,9 @@ def _make(mode: str, dirs: dict[str, Path], nonce: str, child: Child) -> PushSyn
 
 
 @pytest.mark.parametrize("mode", ["push", "reload"])
-async def test_push_and_reload_sync_every(dirs: dict[str, Path], nonce: str, child_factory: ChildFactory,
-                                          mode: str) -> None:
+async def test_push_and_reload_sync_every(
+    dirs: dict[str, Path], nonce: str, child_factory: ChildFactory, mode: str
+) -> None:
     child = child_factory.reuse()
     model = make_model(0)
     sync: PushSync | ReloadSync
@@ -225,8 +230,9 @@ async def test_push_and_reload_sync_every(dirs: dict[str, Path], nonce: str, chi
     assert not list(dirs["sync"].iterdir())
 
 
-async def test_refused_update_leaves_the_server_serving(dirs: dict[str, Path], nonce: str,
-                                                        child_factory: ChildFactory) -> None:
+async def test_refused_update_leaves_the_server_serving(
+    dirs: dict[str, Path], nonce: str, child_factory: ChildFactory
+) -> None:
     child = child_factory.reuse()
     model = make_model(0)
     sync = PushSync(nonce=nonce, weights_dir=dirs["weights"], control_socket=child.socket)
@@ -246,8 +252,7 @@ async def test_refused_update_leaves_the_server_serving(dirs: dict[str, Path], n
         sync.close()
 
 
-async def _leak_run(dirs: dict[str, Path], nonce: str, child_factory: ChildFactory, mode: str,
-                    syncs: int) -> None:
+async def _leak_run(dirs: dict[str, Path], nonce: str, child_factory: ChildFactory, mode: str, syncs: int) -> None:
     child = child_factory.reuse()
     model = make_model(0)
     sync: PushSync | ReloadSync | SharedSync
@@ -293,16 +298,18 @@ async def _leak_run(dirs: dict[str, Path], nonce: str, child_factory: ChildFacto
 
 
 @pytest.mark.parametrize("mode", ["push", "shared", "reload"])
-async def test_no_leak_over_syncs_quick(dirs: dict[str, Path], nonce: str, child_factory: ChildFactory,
-                                        mode: str) -> None:
+async def test_no_leak_over_syncs_quick(
+    dirs: dict[str, Path], nonce: str, child_factory: ChildFactory, mode: str
+) -> None:
     await _leak_run(dirs, nonce, child_factory, mode, 100)
 
 
 @pytest.mark.slow
 @pytest.mark.soak
 @pytest.mark.parametrize("mode", ["push", "shared", "reload"])
-async def test_no_leak_over_1000_syncs(dirs: dict[str, Path], nonce: str, child_factory: ChildFactory,
-                                       mode: str) -> None:
+async def test_no_leak_over_1000_syncs(
+    dirs: dict[str, Path], nonce: str, child_factory: ChildFactory, mode: str
+) -> None:
     await _leak_run(dirs, nonce, child_factory, mode, 1000)
 
 
@@ -324,12 +331,13 @@ from atroposd.weights.manifest import manifest_path
 from tests.weights.conftest import make_model
 m = make_model(0)
 a = ParameterArena.create(m, nonce={nonce!r})
-a.manifest(0).write(manifest_path(Path({str(dirs['weights'])!r}), {nonce!r}))
+a.manifest(0).write(manifest_path(Path({str(dirs["weights"])!r}), {nonce!r}))
 print("EXPORT-DONE", flush=True)
 sys.stdin.read()
 """
-    async with await anyio.open_process([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE) as proc:
+    async with await anyio.open_process(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    ) as proc:
         assert proc.stdout is not None
         seen = b""
         with anyio.fail_after(60):

@@ -7,7 +7,8 @@ Run with the atroposd of commit f6c261d (the last one that wrote format 1), from
 In WORK_DIR: ``model/`` (a 3,120-parameter Llama with builtin:tiny's tokenizer), then the job of
 ``tests.trainer.rank_zero`` with one rank and with two (three steps, a checkpoint after step 2),
 ``one-checkpoints/step-2`` and ``two-checkpoints/step-2``, ``expected.json`` (each job's losses and
-a sha256 of its weights after step 3) and ``<job>-step3.safetensors`` (those weights). The model is named relative to the job's working
+a sha256 of its weights after step 3) and ``<job>-step3.safetensors`` (those weights). The model is named relative to
+the job's working
 directory ("model"), as the checkpoints name it.
 """
 
@@ -28,8 +29,15 @@ from bench_ranks import build_llama  # noqa: E402
 
 from tests.support import write_config  # noqa: E402
 
-SIZE = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=2, head_dim=8)
+SIZE = dict(
+    vocab_size=32,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=8,
+)
 
 
 def main() -> None:
@@ -40,14 +48,37 @@ def main() -> None:
         build_llama(Path("model"), SIZE)
     results = {}
     for name, devices in (("one", "cpu"), ("two", ["cpu", "cpu"])):
-        write_config(Path(f"{name}.toml"), {
-            "daemon": {"state_dir": name, "runtime_dir": f"{name}/run"},
-            "inference": {"model": "model", "max_model_len": 512},
-            "trainer": {"device": devices, "batch_size": 32, "micro_batch_size": 8, "max_token_len": 64,
-                        "weight_sync": "reload", "checkpoint_dir": f"{name}-checkpoints"}})
+        write_config(
+            Path(f"{name}.toml"),
+            {
+                "daemon": {"state_dir": name, "runtime_dir": f"{name}/run"},
+                "inference": {"model": "model", "max_model_len": 512},
+                "trainer": {
+                    "device": devices,
+                    "batch_size": 32,
+                    "micro_batch_size": 8,
+                    "max_token_len": 64,
+                    "weight_sync": "reload",
+                    "checkpoint_dir": f"{name}-checkpoints",
+                },
+            },
+        )
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        subprocess.run([sys.executable, "-m", "tests.trainer.rank_zero", f"{name}.toml", f"{name}.pt", "--steps", "3",
-                        "--checkpoint-at", "2"], check=True, env=env)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tests.trainer.rank_zero",
+                f"{name}.toml",
+                f"{name}.pt",
+                "--steps",
+                "3",
+                "--checkpoint-at",
+                "2",
+            ],
+            check=True,
+            env=env,
+        )
         out = torch.load(f"{name}.pt", weights_only=False)
         h = hashlib.sha256()
         for k in sorted(out["params"]):
@@ -56,8 +87,9 @@ def main() -> None:
         results[name] = {"losses": out["losses"], "params_sha256": h.hexdigest()}
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in out["params"].items() if k != "lm_head.weight"},
-                  f"{name}-step3.safetensors")
+        save_file(
+            {k: v.contiguous() for k, v in out["params"].items() if k != "lm_head.weight"}, f"{name}-step3.safetensors"
+        )
     Path("expected.json").write_text(json.dumps(results, indent=1) + "\n")
 
 
