@@ -12,7 +12,8 @@
 * **Sampling.** Temperature, top-p, top-k, per-request seeds. The reported logprob of a sampled
   token is ``log_softmax(logits / temperature)`` over the full vocabulary, untruncated by
   top-p/top-k (SPEC §7) — exactly what the trainer recomputes. Greedy (temperature 0) reports
-  ``log_softmax(logits)``. ``prompt_logprobs`` are teacher-forced with the same scaling.
+  ``log_softmax(logits)``. ``prompt_logprobs`` are teacher-forced with the same scaling. The
+  decode kernel (batch, KV cache, sampling) is :mod:`atroposd.inference.decode`.
 * **Pause gate** (:mod:`atroposd.inference.gate`). ``pause()`` admits nothing new and returns
   once every admitted request has been answered; weight updates run only then (and never
   during a forward pass: a lock orders compute). Every response carries the
@@ -30,12 +31,13 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from atroposd.devices import resolve_torch
+from atroposd.inference.decode import decode_batch
 from atroposd.inference.gate import NotPaused, ShuttingDown, WeightGate
 from atroposd.inference.schema import (
     PROBE_MAX_TOKENS,
@@ -51,7 +53,7 @@ from atroposd.weights.protocol import WeightUpdateError
 if TYPE_CHECKING:
     from atroposd.config import Config
 
-__all__ = ["BadRequest", "NotPaused", "TorchEngine"]
+__all__ = ["BadRequest", "NotPaused", "TorchEngine", "decode_batch"]
 
 log = get_logger("inference.torch")
 
@@ -445,268 +447,6 @@ class TorchEngine(WeightGate):
             "queued": len(self._queue),
             "inflight": self._inflight,
         }
-
-
-# ---------------------------------------------------------------------------- decoding
-
-
-@dataclass
-class _Row:
-    """One sequence being generated (row ``index`` of the batch) for request ``job``."""
-
-    job: int
-    params: GenerateParams
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top: list[list[tuple[int, float]]] = field(default_factory=list)
-    finish: str | None = None
-    text: str | None = None  # set when a stop string ended the row
-
-
-def decode_batch(
-    model: Any,
-    requests: list[GenerateParams],
-    *,
-    tokenizer: Any,
-    eos_ids: frozenset[int],
-    generator: Any,
-    fast: bool = True,
-    early: Callable[..., None] | None = None,
-) -> tuple[list[list[Completion]], list[list[dict[str, float] | None] | None]]:
-    """Generate every request's ``n`` completions in one batch with a KV cache.
-
-    The prompt of a request is run once and its cache fanned out to its ``n`` rows; rows that
-    finish leave the batch. ``fast``: use the flat Llama forward where it applies
-    (:mod:`atroposd.inference.steppers`). Returns, per request, its completions and its prompt
-    logprobs (None when not asked). ``early(j, completions, prompt_logprobs)`` is called after the
-    first step for each request ``j`` that is done by then (a probe's one token), and its rows
-    leave the batch.
-    """
-    import torch
-
-    from atroposd.inference.steppers import HFStepper, make_stepper
-
-    device = model.get_input_embeddings().weight.device
-    stepper = make_stepper(model) if fast else HFStepper(model)
-    rows = [_Row(j, p) for j, p in enumerate(requests) for _ in range(p.n)]
-    lengths = [len(p.prompt_ids) for p in requests]
-    width = max(lengths)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    # Left padding: every prompt's last token sits in the last column.
-    ids = torch.full((len(requests), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(requests), width), dtype=torch.long)
-    for j, p in enumerate(requests):
-        ids[j, width - lengths[j] :] = torch.tensor(p.prompt_ids)
-        mask[j, width - lengths[j] :] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [R, W]
-    want_prompt = any(p.prompt_logprobs is not None for p in requests)
-
-    logits = stepper.prefill(ids, mask, positions, all_logits=want_prompt)  # [R, W or 1, V]
-    prompt_lps: list[list[dict[str, float] | None] | None] = (
-        _prompt_logprobs(logits, requests, width) if want_prompt else [None] * len(requests)
-    )
-    # Fan each request's prompt out to its n rows: [R, ...] → [B, ...].
-    fan = torch.tensor([r.job for r in rows], device=device)  # [B]
-    if len(rows) != len(requests):
-        stepper.select(fan)
-    full = logits[:, -1, :].float()[fan]  # [B, V]
-    next_pos = positions[fan][:, -1:] + 1  # [B, 1]
-    temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=device)  # [B]
-    sampler = _Sampler(rows, requests, temps, generator, device)
-    active = list(range(len(rows)))  # rows still in the cache, in cache order
-    for _step in range(max(p.max_tokens for p in requests)):
-        tokens, lps = sampler.sample(full)  # [B], [B] (finished rows sample too; ignored)
-        alternatives = sampler.alternatives()
-        token_list, lp_list = tokens.tolist(), lps.tolist()
-        for i in active:
-            if rows[i].finish is None:  # a finished row still in the cache decodes padding: ignore it
-                _advance(
-                    rows[i], token_list[i], lp_list[i], alternatives[i] if alternatives else None, eos_ids, tokenizer
-                )
-        keep = [k for k, i in enumerate(active) if rows[i].finish is None]  # positions in the cache
-        first_done = _step == 0 and early is not None and len(keep) < len(active)
-        if first_done:
-            assert early is not None
-            for j in sorted({rows[i].job for i in active if rows[i].finish is not None}):
-                mine = [r for r in rows if r.job == j]
-                if all(r.finish is not None for r in mine):
-                    early(j, _collect(mine, requests, tokenizer)[j], prompt_lps[j])
-        if not keep:
-            break
-        # Shrinking the cache copies it: worth it only once a good share of the rows is done (or
-        # at the first step, the prompt's cache alone, when probes are done).
-        if first_done or len(active) - len(keep) >= max(1, len(active) // 4):
-            index = torch.tensor(keep, device=device)
-            stepper.select(index)
-            next_pos = next_pos[index]
-            active = [active[k] for k in keep]
-        # Finished rows still in the cache decode padding; their results are final.
-        feed = torch.tensor(
-            [token_list[i] if rows[i].finish is None else pad for i in active], dtype=torch.long, device=device
-        )[:, None]  # [A, 1]
-        step_logits = stepper.step(feed, next_pos).float()  # [A, V]
-        next_pos = next_pos + 1
-        if len(active) == len(rows):
-            full = step_logits
-        else:
-            full = torch.zeros_like(full)
-            full[torch.tensor(active, device=device)] = step_logits
-    return _collect(rows, requests, tokenizer), prompt_lps
-
-
-def _advance(
-    r: _Row, token: int, lp: float, alts: list[tuple[int, float]] | None, eos_ids: frozenset[int], tokenizer: Any
-) -> None:
-    p = r.params
-    r.tokens.append(token)
-    r.logprobs.append(lp)
-    if alts is not None:
-        r.top.append(alts)
-    if (token in eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
-        r.finish = "stop"
-    elif p.stop:
-        text = tokenizer.decode(r.tokens, skip_special_tokens=p.skip_special_tokens)
-        hit = min(((text.find(s), s) for s in p.stop if s in text), default=None)
-        if hit is not None:
-            cut = hit[0] + (len(hit[1]) if p.include_stop_str_in_output else 0)
-            r.text = text[:cut]
-            r.finish = "stop"
-    if r.finish is None and len(r.tokens) >= p.max_tokens:
-        r.finish = "length"
-
-
-def _collect(rows: list[_Row], requests: list[GenerateParams], tokenizer: Any) -> list[list[Completion]]:
-    texts = _decode_texts(tokenizer, rows)
-    out: list[list[Completion]] = [[] for _ in requests]
-    for r, decoded in zip(rows, texts, strict=True):
-        text = r.text if r.text is not None else decoded
-        out[r.job].append(
-            Completion(
-                token_ids=r.tokens,
-                logprobs=r.logprobs,
-                finish_reason=r.finish or "length",
-                text=text,
-                top=r.top if r.params.logprobs else [],
-            )
-        )
-    return out
-
-
-def _decode_texts(tokenizer: Any, rows: list[_Row]) -> list[str]:
-    """Every row's text; one call into a fast tokenizer's backend per batch where possible."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    plain = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
-    if backend is not None and plain:
-        texts: list[str] = [""] * len(rows)
-        for skip in (True, False):
-            idx = [i for i, r in enumerate(rows) if r.params.skip_special_tokens is skip]
-            if idx:
-                for i, t in zip(
-                    idx, backend.decode_batch([rows[i].tokens for i in idx], skip_special_tokens=skip), strict=True
-                ):
-                    texts[i] = t
-        return texts
-    return [tokenizer.decode(r.tokens, skip_special_tokens=r.params.skip_special_tokens) for r in rows]
-
-
-class _Sampler:
-    """Vectorised sampling over the batch; per-request generators for seeded requests."""
-
-    def __init__(
-        self, rows: list[_Row], requests: list[GenerateParams], temps: Any, generator: Any, device: Any
-    ) -> None:
-        import torch
-
-        self.temps = temps
-        self.greedy = temps == 0  # [B]
-        self.any_greedy = bool(self.greedy.any())
-        self.scale = torch.where(self.greedy, torch.ones_like(temps), temps)[:, None]  # [B, 1]
-        self.top_p = torch.tensor([r.params.top_p for r in rows], device=device)[:, None]  # [B, 1]
-        self.top_k = [r.params.top_k for r in rows]
-        self.truncate = any(r.params.top_p < 1.0 for r in rows) or any(k > 0 for k in self.top_k)
-        self.want_alts = max((r.params.logprobs for r in rows), default=0)
-        self.generator = generator
-        self.device = device
-        # Rows of a seeded request draw their noise from that request's own generator.
-        self.seeded: list[tuple[int, int, Any]] = []
-        start = 0
-        for p in requests:
-            if p.seed is not None:
-                self.seeded.append((start, start + p.n, torch.Generator(device="cpu").manual_seed(p.seed)))
-            start += p.n
-        self.logp: Any = None
-
-    def sample(self, logits: Any) -> tuple[Any, Any]:
-        """logits [B, V] → (token ids [B], their log_softmax(logits / T) [B])."""
-        import torch
-
-        logp = torch.log_softmax(logits / self.scale, dim=-1)  # [B, V], untruncated
-        self.logp = logp
-        probs = logp.exp()
-        if self.truncate:
-            probs = self._truncate(probs)
-        # Exponential race: argmax(p / E), E ~ Exp(1), draws from p (one vectorised op per step).
-        noise = torch.empty(probs.shape, dtype=torch.float32).exponential_(generator=self.generator)
-        for lo, hi, gen in self.seeded:
-            noise[lo:hi].exponential_(generator=gen)
-        tokens = (probs / noise.to(probs.device).clamp_min(1e-30)).argmax(dim=-1)  # [B]
-        if self.any_greedy:
-            tokens = torch.where(self.greedy, logits.argmax(dim=-1), tokens)
-        return tokens, logp.gather(1, tokens[:, None])[:, 0]
-
-    def _truncate(self, probs: Any) -> Any:
-        import torch
-
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always).
-        before = sorted_p.cumsum(-1) - sorted_p
-        keep = before < self.top_p
-        ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-        k = torch.tensor([kk if kk > 0 else probs.shape[-1] for kk in self.top_k], device=probs.device)[:, None]
-        keep &= ranks < k
-        return torch.zeros_like(probs).scatter(1, order, sorted_p * keep)
-
-    def alternatives(self) -> list[list[tuple[int, float]]] | None:
-        """The top ``logprobs`` alternatives of the last sampled step, per row."""
-        if not self.want_alts:
-            return None
-        vals, idx = self.logp.topk(self.want_alts, dim=-1)
-        return [list(zip(i, v, strict=True)) for i, v in zip(idx.tolist(), vals.tolist(), strict=True)]
-
-
-def _prompt_logprobs(
-    logits: Any, requests: list[GenerateParams], width: int
-) -> list[list[dict[str, float] | None] | None]:
-    """Teacher-forced logprobs of every prompt token: [None, {id: lp, ...}, ...] per request
-    (the actual token, then the top-k alternatives). ``logits``: [R, W, V], one row per request."""
-    import torch
-
-    out: list[list[dict[str, float] | None] | None] = []
-    for row, p in enumerate(requests):
-        if p.prompt_logprobs is None:
-            out.append(None)
-            continue
-        length = len(p.prompt_ids)
-        t = p.temperature if p.temperature > 0 else 1.0
-        # Column c predicts the token of column c + 1: the prompt's columns W-L .. W-2.
-        lp = torch.log_softmax(logits[row, width - length : width - 1].float() / t, dim=-1)  # [L-1, V]
-        actual = torch.tensor(p.prompt_ids[1:], device=lp.device)
-        chosen = lp.gather(1, actual[:, None])[:, 0].tolist()
-        top_vals: list[list[float]] = []
-        top_idx: list[list[int]] = []
-        if p.prompt_logprobs > 0:
-            vals, idx = lp.topk(min(p.prompt_logprobs, lp.shape[-1]), dim=-1)
-            top_vals, top_idx = vals.tolist(), idx.tolist()
-        entries: list[dict[str, float] | None] = [None]
-        for j, tok in enumerate(p.prompt_ids[1:]):
-            entry = {str(tok): chosen[j]}
-            if top_idx:
-                for a, b in zip(top_idx[j], top_vals[j], strict=True):
-                    entry.setdefault(str(a), b)
-            entries.append(entry)
-        out.append(entries)
-    return out
 
 
 # ---------------------------------------------------------------------------- helpers
