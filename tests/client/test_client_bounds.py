@@ -5,8 +5,10 @@ host."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import warnings
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -104,3 +106,50 @@ def test_a_token_over_plain_http_to_another_host_warns_once() -> None:
     assert len(remote) == 1 and "192.0.2.1" in str(remote[0].message)
     assert attempts("http://127.0.0.1:9", "secret") == []
     assert attempts("http://192.0.2.1:9", "") == []
+
+
+@pytest.mark.parametrize("framing", ["content_length", "chunked", "until_close"])
+def test_an_inference_control_answer_is_read_up_to_its_cap(framing: str, short_tmp: Path) -> None:
+    """The inference server's control socket answers small JSON documents: one larger than
+    MAX_ANSWER_BYTES, whatever its framing, is a WeightsError, not read whole into memory."""
+    import socket
+    import threading
+
+    from atroposd.client.weights import MAX_ANSWER_BYTES, InferenceControl, WeightsError
+
+    body = b'{"weight_version": 1, "pad": "' + b"x" * (MAX_ANSWER_BYTES + (1 << 20)) + b'"}'
+    if framing == "content_length":
+        answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    elif framing == "chunked":
+        answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
+    else:
+        answer = b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + body
+    path = short_tmp / "inference-1.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(2)
+    srv.settimeout(10)
+
+    def serve() -> None:
+        for reply in (answer, b'HTTP/1.1 200 OK\r\nContent-Length: 22\r\n\r\n{"weight_version": 3}\n'):
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                buf = b""
+                while b"\r\n\r\n" not in buf:
+                    buf += conn.recv(4096)
+                with contextlib.suppress(OSError):  # the client stops reading at its cap
+                    conn.sendall(reply)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        control = InferenceControl(path, short_tmp / "sync", timeout=10)
+        with pytest.raises(WeightsError, match=f"more than {MAX_ANSWER_BYTES} bytes"):
+            control.weight_version()
+        assert control.weight_version() == 3, "an answer within the cap is read"
+    finally:
+        thread.join(10)
+        srv.close()
