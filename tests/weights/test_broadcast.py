@@ -2,13 +2,17 @@
 engine, the builtin tiny model): the trainer forms a process group with each replica and streams
 the weights bucket by bucket; after a sync every replica's tensors equal the trainer's bit for bit
 (float32, by sha256); a replica killed mid-broadcast is skipped and catches up; a trainer that
-fails mid-stream leaves no replica serving a mix and re-forms every group; a group whose peer
-never joins fails that replica's sync within its deadline and the next sync goes on."""
+fails mid-stream leaves no replica serving a mix and re-forms every group on fresh prefixes; a
+group whose peer never joins (it cannot reach the store, or waits in another formation) fails that
+replica's sync within the trainer's deadline and the next sync goes on; the store's values are
+read as bounded integers, never unpickled."""
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import os
+import pickle
 import signal
 import socket
 import time
@@ -19,9 +23,12 @@ from typing import Any
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from atroposd.daemon.metrics import weight_sync_families
 from atroposd.weights.broadcast import (
+    BroadcastFormTimeout,
+    BroadcastHub,
     BroadcastReceiver,
     layout,
     pack,
@@ -142,6 +149,71 @@ def test_plan_round_trips_and_bad_plans_are_refused() -> None:
             },
             torch.device("cpu"),
         )
+
+
+class _RunsWhenUnpickled:
+    """A pickle that creates ``path`` when loaded: if a store value were unpickled, it would exist."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.path,))
+
+
+def test_the_hub_forms_within_its_deadline_on_a_fresh_prefix_and_reads_only_integers(tmp_path: Path) -> None:
+    """The trainer's side of a formation, on a real TCPStore: each formation gets a prefix of its
+    own; nobody under it, or a worker missing, costs the deadline and names what is missing; the
+    store's values are parsed as bounded integers, never unpickled; an abandoned formation stops."""
+    import torch.distributed as dist
+
+    hub = BroadcastHub(secret="nonce1")
+    hub.store()
+    peer = dist.TCPStore("127.0.0.1", hub.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    try:
+        prefixes = [hub.next_prefix(0), hub.next_prefix(0), hub.next_prefix(1)]
+        assert len(set(prefixes)) == 3 and all(p.startswith("nonce1/bcast/r") for p in prefixes)
+        assert hub.join_request(prefixes[0], deadline_s=1.0, timeout_s=2.0)["store"] == f"127.0.0.1:{hub.port}"
+
+        # a replica that joined an earlier formation answers nothing for this one
+        dist.PrefixStore(prefixes[0], peer).set("world", "2")
+        dist.PrefixStore(prefixes[0], peer).set("arrived/1", "0")
+        t0 = time.monotonic()
+        with pytest.raises(BroadcastFormTimeout, match=r"within 0.5 s: the replica never joined"):
+            hub.form(prefixes[1], deadline_s=0.5, timeout_s=2.0)
+        assert 0.5 <= time.monotonic() - t0 < 3.0
+
+        # one worker of two arrived (a tensor-parallel replica): the missing rank is named
+        scoped = dist.PrefixStore(prefixes[2], peer)
+        scoped.set("world", "3")
+        scoped.set("arrived/1", "0")
+        t0 = time.monotonic()
+        with pytest.raises(BroadcastFormTimeout, match=r"worker rank\(s\) 2 of 2 never arrived"):
+            hub.form(prefixes[2], deadline_s=0.5, timeout_s=2.0)
+        assert 0.5 <= time.monotonic() - t0 < 3.0
+
+        # what a peer writes is data: a pickle is refused, never loaded; out-of-range sizes too
+        ran = tmp_path / "ran"
+        for value, error in (
+            (pickle.dumps(_RunsWhenUnpickled(ran), protocol=0), "not an integer"),
+            (pickle.dumps(_RunsWhenUnpickled(ran)), "not an integer"),
+            (b"1", "out of range"),
+            (b"70000", "out of range"),
+        ):
+            prefix = hub.next_prefix(2)
+            dist.PrefixStore(prefix, peer).set("world", value)
+            with pytest.raises(WeightUpdateError, match=error):
+                hub.form(prefix, deadline_s=5.0, timeout_s=2.0)
+        assert not ran.exists()
+
+        # a formation given up (its replica refused to join) stops waiting at once
+        t0 = time.monotonic()
+        with pytest.raises(BroadcastFormTimeout, match="abandoned"):
+            hub.form(hub.next_prefix(3), deadline_s=30.0, timeout_s=2.0, cancelled=lambda: True)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        del peer
+        hub.close()
 
 
 def test_config_takes_broadcast_explicitly_and_auto_never_picks_it() -> None:
@@ -311,6 +383,55 @@ async def test_a_peer_that_never_joins_fails_that_replica_within_the_deadline(pa
         sync.close()
 
 
+async def test_a_replica_that_never_arrives_costs_the_formation_deadline_and_nothing_else(pair: Replicas) -> None:
+    """Replica 1 answers the join but never arrives in the trainer's formation (its workers wait
+    in another one, far longer than the trainer's deadline): the trainer stops waiting at its own
+    deadline, that replica's sync fails (logged, counted, shown), replica 0 gets the weights, and
+    the next sync forms replica 1's group on a new prefix and brings it current."""
+    model = trainer_model(pair.tiny_dir, seed=13)
+    form_timeout = 2.0
+    sync = bcast(pair, pair.servers, form_timeout=form_timeout)
+    real = sync.hub.join_request
+
+    def elsewhere(prefix: str, **kw: Any) -> dict[str, Any]:
+        req = real(prefix, **kw)
+        if "/r1/" not in prefix:
+            return req
+        # a valid formation of this launch, but not the one the trainer waits on
+        return {**req, "prefix": prefix.replace("/r1/", "/r1-elsewhere/"), "deadline_s": 30.0, "timeout_s": 30.0}
+
+    try:
+        sync.hub.join_request = elsewhere  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        with capture_logs() as logs:
+            await sync.attach(model, 40)
+        took = time.monotonic() - t0
+        # the trainer's deadline ended it: the replica's own join would have waited 30 s
+        assert form_timeout <= took < form_timeout + 8.0, took
+        failed = [e for e in logs if e["event"].startswith("broadcast group did not form")]
+        assert len(failed) == 1 and failed[0]["replica"] == 1, logs
+        assert "within 2 s: the replica never joined" in failed[0]["error"], failed
+        assert sync.form_failures == 1 and 1 not in sync.groups and 0 in sync.groups
+        row = replica_sync_status(sync, 1)
+        assert row["group"] == "none" and row["form_failures"] == 1 and row["formations"] == 0, row
+        assert sync.replicas[0].current and not sync.replicas[1].current
+        assert sync.replica_versions() == [40, None]
+        assert_bit_for_bit(sync, model, [0])
+        await asyncio.to_thread(assert_serves, pair.servers[0], model, 40)
+
+        sync.hub.join_request = real  # type: ignore[method-assign]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        train_step(model, opt)
+        await sync.after_step(model, 41)
+        assert sync.server_current and sync.replica_versions() == [41, 41]
+        assert_bit_for_bit(sync, model, [0, 1])
+        assert sync.groups[1].formation.startswith(f"{pair.nonce}/bcast/r1/f")
+        assert replica_sync_status(sync, 1)["formations"] == 1
+        await asyncio.to_thread(assert_serves, pair.servers[1], model, 41)
+    finally:
+        sync.close()
+
+
 async def test_a_trainer_failing_mid_stream_leaves_no_mix_and_reforms_every_group(pair: Replicas) -> None:
     """A gather that fails halfway (a trainer rank lost): the error reaches the trainer, every
     group in flight is closed, no replica resumes with a mix, and the next attach (the trainer
@@ -321,6 +442,7 @@ async def test_a_trainer_failing_mid_stream_leaves_no_mix_and_reforms_every_grou
     try:
         await sync.attach(model, 30)
         formations = sync.formations
+        before = {i: g.formation for i, g in sync.groups.items()}
 
         async def fail_in_the_middle(i: int) -> None:
             if i == len(source.gathered) and i % len(plan_buckets(source.specs(), BUCKET)) == 3:
@@ -339,6 +461,8 @@ async def test_a_trainer_failing_mid_stream_leaves_no_mix_and_reforms_every_grou
         source.on_gather = None
         await sync.attach(model, 32)
         assert sync.formations == formations + 2 and sync.server_current
+        # each group formed again on a prefix of its own: a worker of the old one answers nothing
+        assert sorted(sync.groups) == [0, 1] and all(sync.groups[i].formation != before[i] for i in (0, 1))
         assert_bit_for_bit(sync, model, [0, 1])
         for srv in pair.servers:
             await asyncio.to_thread(assert_serves, srv, model, 32)
