@@ -16,6 +16,7 @@ import json
 import os
 import threading
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -529,6 +530,33 @@ def test_max_connections_from_the_flag_and_its_bound() -> None:
     assert settings.max_connections == 7 and not problems
     _, _, _, problems = cli.settings_from(ap.parse_args(["--max-connections", "0"]))
     assert problems and "--max-connections" in " ".join(problems), problems
+
+
+def test_a_wildcard_host_binds_cluster_bind_with_several_machines(tmp_path: Path) -> None:
+    """With several machines ``atroposd api -c`` binds ``[cluster] bind`` for a wildcard host (SPEC
+    §12.3: no port of a node listens on every interface); with one machine the host is as given."""
+    import argparse
+
+    from atroposd.api import cli
+
+    token = tmp_path / "cluster.token"
+    token.write_text("the-cluster-secret-of-the-job\n")
+    token.chmod(0o600)
+    common = f'[api]\nhost = "0.0.0.0"\n[daemon]\nstate_dir = "{tmp_path}/state"\nruntime_dir = "{tmp_path}/run"\n'
+    two = tmp_path / "two.toml"
+    two.write_text(
+        common + f'[cluster]\nnodes = 2\nnode_rank = 0\nhead = "127.0.0.1"\nbind = "127.0.0.2"\n'
+        f'token_file = "{token}"\n[trainer]\ncheckpoint_dir = "{tmp_path}/ckpt"\n'
+    )
+    one = tmp_path / "one.toml"
+    one.write_text(common)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-c", dest="config")
+    cli.add_arguments(ap)
+    settings, _, _, problems = cli.settings_from(ap.parse_args(["-c", str(two)]))
+    assert settings.host == "127.0.0.2" and not problems, (settings.host, problems)
+    settings, _, _, problems = cli.settings_from(ap.parse_args(["-c", str(one)]))
+    assert settings.host == "0.0.0.0" and not problems, (settings.host, problems)
 
 
 def test_aiohttp_floor_has_the_request_smuggling_fixes() -> None:
