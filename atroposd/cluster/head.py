@@ -37,8 +37,10 @@ from typing import TYPE_CHECKING, Any
 
 from atroposd.cluster.membership import (
     LOST,
+    ChangeCallback,
     Member,
     Membership,
+    NodeState,
     clean_rows,
     clean_text,
     clean_value,
@@ -194,7 +196,7 @@ class ClusterHead:
         units: Mapping[str, Any] | None = None,
         instance: str | None = None,
         check_join: JoinCheck | None = None,
-        on_change: Callable[[int, str, str, str], None] | None = None,
+        on_change: ChangeCallback | None = None,
         on_message: Callable[[int, Message], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         join_deadline: float = JOIN_DEADLINE_S,
@@ -370,8 +372,8 @@ class ClusterHead:
 
     # ------------------------------------------------------------------ internals
 
-    def _changed(self, rank: int, old: str, new: str, reason: str) -> None:
-        log.info("cluster node state", node_rank=rank, state=new, was=old, reason=reason or None)
+    def _changed(self, rank: int, old: NodeState, new: NodeState, reason: str) -> None:
+        log.info("cluster node state", node_rank=rank, state=new.value, was=old.value, reason=reason or None)
         self._changed_event.set()
         if self._user_on_change is not None:
             self._user_on_change(rank, old, new, reason)

@@ -15,6 +15,7 @@ escapes and other control characters taken out, so that ``status`` prints nothin
 
 from __future__ import annotations
 
+import enum
 import itertools
 import re
 import time
@@ -31,14 +32,27 @@ __all__ = [
     "STATES",
     "Member",
     "Membership",
+    "NodeState",
     "clean_rows",
     "clean_text",
     "clean_value",
     "replicas_ready",
 ]
 
-JOINING, READY, LOST = "joining", "ready", "lost"
-STATES = (JOINING, READY, LOST)
+
+class NodeState(str, enum.Enum):
+    """A node as the head sees it (its ``state`` in ``status --json``: the value)."""
+
+    JOINING = "joining"
+    READY = "ready"
+    LOST = "lost"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+JOINING, READY, LOST = NodeState.JOINING, NodeState.READY, NodeState.LOST
+STATES = tuple(NodeState)
 
 # Bounds on what a node's messages put in the head's memory and in ``status``.
 MAX_REPORT_ROWS = 256  # component rows of one node
@@ -103,7 +117,7 @@ class Member:
     units: dict[str, Any] = field(default_factory=dict)
     components: list[dict[str, Any]] = field(default_factory=list)
     ready: bool = False
-    state: str = JOINING
+    state: NodeState = JOINING
     reason: str = "not joined yet"
     since: float = 0.0
     last_seen: float | None = None
@@ -111,7 +125,7 @@ class Member:
 
 
 # (node_rank, old state, new state, reason)
-ChangeCallback = Callable[[int, str, str, str], None]
+ChangeCallback = Callable[[int, NodeState, NodeState, str], None]
 
 
 class Membership:
@@ -128,7 +142,7 @@ class Membership:
         now = clock()
         self.members: dict[int, Member] = {r: Member(r, since=now) for r in range(nodes)}
 
-    def _set(self, m: Member, state: str, reason: str) -> None:
+    def _set(self, m: Member, state: NodeState, reason: str) -> None:
         old = m.state
         if old != state:
             m.since = self.clock()
@@ -200,7 +214,7 @@ class Membership:
                     "host": m.host or None,
                     "address": m.address or None,
                     "pid": m.pid,
-                    "state": m.state,
+                    "state": m.state.value,
                     "reason": m.reason or None,
                     "since_s": round(now - m.since, 3),
                     "last_heartbeat_s": None if m.last_seen is None or r == 0 else round(now - m.last_seen, 3),

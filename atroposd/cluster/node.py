@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import inspect
 import os
 import socket
@@ -74,11 +75,26 @@ from atroposd.logs import get_logger
 if TYPE_CHECKING:
     from atroposd.config import ClusterConfig, Config
 
-__all__ = ["LEFT", "LOST", "STOPPED", "ClusterJoinTimeout", "ClusterNode", "ClusterRefused"]
+__all__ = ["LEFT", "LOST", "STOPPED", "ClusterJoinTimeout", "ClusterNode", "ClusterRefused", "LinkState"]
 
 log = get_logger("atroposd.cluster")
 
-STOPPED, LOST, LEFT = "stopped", "lost", "left"
+
+class LinkState(str, enum.Enum):
+    """A node's link to its head (its ``cluster.state`` in ``status --json``: the value):
+    ``joining`` until the head welcomed it, ``joined`` while it runs, then how ``run`` ended."""
+
+    JOINING = "joining"
+    JOINED = "joined"
+    STOPPED = "stopped"  # the head asked every node to stop
+    LOST = "lost"  # the head went silent, restarted, or refused a rejoin
+    LEFT = "left"  # this node stopped on its own
+
+    def __str__(self) -> str:
+        return self.value
+
+
+STOPPED, LOST, LEFT = LinkState.STOPPED, LinkState.LOST, LinkState.LEFT
 _JOIN_LOG_EVERY = 10.0
 
 Callback = Callable[..., "Awaitable[None] | None"]
@@ -305,7 +321,7 @@ class ClusterNode:
         self._dirty = True
         self._wake.set()
 
-    async def run(self) -> str:
+    async def run(self) -> LinkState:
         """Heartbeat until the job ends for this node: ``"stopped"``, ``"lost"`` (after
         ``on_lost_head`` ran) or ``"left"``. Call after ``join``."""
         if self._ch is None:
@@ -374,7 +390,7 @@ class ClusterNode:
             except (OSError, asyncio.TimeoutError):
                 pass  # a broken connection is the receiver's to notice; silence is checked above
 
-    async def _receive_loop(self) -> str:
+    async def _receive_loop(self) -> LinkState:
         while True:
             ch = self._ch
             assert ch is not None

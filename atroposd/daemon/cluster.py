@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.abc
 
 from atroposd.cluster import (
     LOST,
@@ -34,37 +35,19 @@ from atroposd.cluster import (
     ranks_key,
     store_secret,
 )
-from atroposd.cluster.membership import clean_text
+from atroposd.cluster.membership import NodeState, clean_text
 from atroposd.cluster.messages import Join, Message, RankExit, Ranks, RanksStopped, Resync
+from atroposd.cluster.node import LinkState
 from atroposd.config import ClusterError
+from atroposd.daemon.ranks import LocalRanks
 from atroposd.daemon.runtime import StartFailed
 from atroposd.exitcodes import Exit
 from atroposd.logs import get_logger
 from atroposd.process.unit import Unit
 
 if TYPE_CHECKING:
-    from atroposd.config import Config
-    from atroposd.daemon.specs import SpecInputs
-    from atroposd.process.unit import UnitSpec
-    from atroposd.trainer.service import TrainerService
-
-
-class Daemon(Protocol):
-    """What the links use of the daemon (:class:`atroposd.daemon.core.Daemon`)."""
-
-    cfg: Config
-    nonce: str
-    trainer: TrainerService | None
-    stopped: anyio.Event
-
-    @property
-    def units(self) -> Mapping[str, Unit]: ...
-    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None: ...
-    def set_status(self, text: str) -> None: ...
-    def spec_inputs(self) -> SpecInputs: ...
-    def add_unit(self, spec: UnitSpec, **kw: Any) -> Unit: ...
-    async def stop_units(self, units: list[Unit]) -> None: ...
-    def request_stop(self, reason: str, code: Exit = Exit.OK) -> None: ...
+    from atroposd.daemon.roles import RoleHost as Daemon
+    from atroposd.trainer.group import GroupStore
 
 
 __all__ = ["HeadLink", "NodeLink", "store_address"]
@@ -126,17 +109,24 @@ class HeadLink:
         self._ranks_stopped: dict[int, anyio.Event] = {}
         self.holds_ranks = cfg.trainer.enabled and cfg.trainer.local_ranks > 0
 
-    async def open(self) -> None:
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Open the cluster endpoint (before any child) with the head's own components reported."""
         try:
             await self.head.start()
         except ClusterStartError as exc:
             raise StartFailed(str(exc)) from None
+        self.report()
+        task_status.started()
 
     def report(self) -> None:
         self.head.report(_rows(list(self.daemon.units.values())))
 
     def nodes(self) -> list[dict[str, Any]]:
         return self.head.nodes()
+
+    def status(self) -> dict[str, Any]:
+        """The head's part of ``status --json``: every node (``nodes``) and its endpoint (``cluster``)."""
+        return {"nodes": self.nodes(), "cluster": self.view()}
 
     def view(self) -> dict[str, Any]:
         """The head's ``cluster`` of ``status --json``: the messages its endpoint dropped, by reason,
@@ -145,6 +135,25 @@ class HeadLink:
 
     def dropped(self) -> dict[str, int]:
         return self.head.dropped
+
+    def rank_exited(self, unit: Unit, how: str) -> None:
+        pass  # the head's own ranks: its trainer hears of them
+
+    def replica_restarted(self, replica: int) -> None:
+        pass  # the head's own replicas: its trainer pushes to them
+
+    async def group_store(self, world: int) -> GroupStore:
+        """The trainer group's store on ``cluster.port + 1`` of ``[cluster] bind`` (as the endpoint,
+        never every interface): every node's ranks connect to it."""
+        from atroposd.cluster.head import bind_address
+        from atroposd.trainer.group import GroupStore
+
+        c = self.daemon.cfg.cluster
+        bind = bind_address(c)
+        secret, key = self.store_secret, self.store_key
+        return await anyio.to_thread.run_sync(
+            lambda: GroupStore(secret=secret, world=world, host=bind, port=c.port + 1, advertise=c.head, key=key)
+        )
 
     def _check_join(self, msg: Join) -> str | None:
         ours = _units(self.daemon)
@@ -160,7 +169,7 @@ class HeadLink:
         """The nodes (other than the head) that are not ``ready``."""
         return [r for r, m in self.head.membership.members.items() if r and m.state != READY]
 
-    def _on_change(self, rank: int, old: str, new: str, reason: str) -> None:
+    def _on_change(self, rank: int, old: NodeState, new: NodeState, reason: str) -> None:
         trainer = self.daemon.trainer
         if new == LOST and rank and self.holds_ranks and trainer is not None:
             # Its ranks are gone with it: the group restarts once the node is back.
@@ -183,11 +192,16 @@ class HeadLink:
     def exited(self) -> list[str]:
         """The other nodes' trainer ranks that exited, and the rank-holding nodes lost."""
         lost = [
-            f"node {r} {m.state} ({m.reason})"
+            f"node {r} {m.state.value} ({m.reason})"
             for r, m in self.head.membership.members.items()
             if r and m.state == LOST and self.holds_ranks
         ]
         return [*self._rank_exits, *lost]
+
+    async def stop_nodes(self) -> None:
+        """Every other node stops (its ranks, environments, replicas) and confirms."""
+        c = self.daemon.cfg.daemon
+        await self.head.stop_all(3 * c.stop_timeout + 15)
 
     async def wait_nodes(self, on_wait: Callable[[list[int]], None]) -> None:
         """Wait until every node is ready (bounded by ``data_timeout``): a trainer group forms
@@ -231,10 +245,6 @@ class HeadLink:
                     with anyio.move_on_after(0.2):
                         await event.wait()
 
-    async def stop_nodes(self) -> None:
-        c = self.daemon.cfg.daemon
-        await self.head.stop_all(3 * c.stop_timeout + 15)
-
     async def close(self) -> None:
         await self.head.close()
 
@@ -258,11 +268,12 @@ class NodeLink:
             on_stop=self._stop,
             on_message=self._on_message,
         )
+        self.ranks = LocalRanks(daemon)
         self._store: Any = None
         self._generation = 0
         self._ranks_lock = anyio.Lock()
-        self.state = "joining"
-        self.outcome: str | None = None
+        self.state = LinkState.JOINING
+        self.outcome: LinkState | None = None
         self._asked_to_stop = False
         self._done = anyio.Event()
 
@@ -272,9 +283,14 @@ class NodeLink:
             await self.node.join()
         except (ClusterRefused, ClusterJoinTimeout) as exc:
             raise StartFailed(str(exc)) from None
-        self.state = "joined"
+        self.state = LinkState.JOINED
 
-    async def run(self) -> None:
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Join the head (before any child), then heartbeat until the job ends for this node."""
+        self.daemon.notifier.extend_timeout(self.daemon.cfg.cluster.join_timeout + 10)
+        await self.join()
+        self.report()
+        task_status.started()
         try:
             self.outcome = await self.node.run()
             self.state = self.outcome
@@ -290,9 +306,13 @@ class NodeLink:
         return {
             "node_rank": self.daemon.cfg.node_rank,
             "head": self.node.head_address,
-            "state": self.state,
+            "state": self.state.value,
             "dropped": self.node.dropped,
         }
+
+    def status(self) -> dict[str, Any]:
+        """A node's part of ``status --json``: its link (``cluster``)."""
+        return {"cluster": self.view()}
 
     def dropped(self) -> dict[str, int]:
         return self.node.dropped
@@ -313,13 +333,36 @@ class NodeLink:
         elif msg.op == "stop":
             self.daemon.spawn(self._stop_ranks)
 
-    def rank_exited(self, unit: Unit) -> None:
+    def rank_exited(self, unit: Unit, how: str) -> None:
         """A trainer rank of this node exited on its own: the head restarts the group."""
-        how = unit.last_exit.describe() if unit.last_exit else unit.state.value
         self.daemon.spawn(self.node.send, RankExit(name=unit.name, how=how))
 
     def replica_restarted(self, replica: int) -> None:
+        """An inference replica of this node restarted: the head pushes through this node's first rank."""
         self.daemon.spawn(self.node.send, Resync(replica=replica))
+
+    # the trainer group runs on the head: none of it here
+
+    async def group_store(self, world: int) -> GroupStore:
+        raise RuntimeError("a node other than the head hosts no trainer group")
+
+    async def wait_nodes(self, on_wait: Callable[[list[int]], None]) -> None:
+        pass
+
+    async def start_ranks(self, generation: int) -> None:
+        pass
+
+    async def stop_ranks(self) -> None:
+        pass
+
+    def exited(self) -> list[str]:
+        return []
+
+    def missing(self) -> list[int]:
+        return []
+
+    async def stop_nodes(self) -> None:
+        pass
 
     def _joined(self, rank: int) -> bool:
         import torch.distributed as dist
@@ -335,42 +378,34 @@ class NodeLink:
             return False
 
     async def _start_ranks(self, generation: int) -> None:
-        from atroposd.daemon import specs
         from atroposd.trainer.follower import connect_store
 
         async with self._ranks_lock:
-            await self._stop_rank_units()
+            await self.ranks.stop()
             if self._store is None:
                 address = store_address(self.daemon)
                 timeout = self.daemon.cfg.trainer.join_timeout
                 self._store = await anyio.to_thread.run_sync(connect_store, address, timeout)
                 self._store.set_timeout(datetime.timedelta(seconds=5))
             self._generation = generation
-            d = self.daemon
-            for spec in specs.trainer_rank_specs(
-                d.spec_inputs(),
-                store_address=store_address(d),
+            self.ranks.start(
+                store_address=store_address(self.daemon),
                 secret=self.store_secret,
                 key=self.store_key,
                 joined=self._joined,
-            ):
-                d.add_unit(spec)
+            )
             log.info("trainer ranks started for the head", generation=generation)
-
-    async def _stop_rank_units(self) -> None:
-        d = self.daemon
-        await d.stop_units([u for u in d.units.values() if u.kind == "trainer" and not u.done.is_set()])
 
     async def _stop_ranks(self) -> None:
         async with self._ranks_lock:
-            await self._stop_rank_units()
+            await self.ranks.stop()
         await self.node.send(RanksStopped())
 
-    async def finish(self) -> None:
+    async def close(self) -> None:
         """After this node's children stopped: leave (a stop of this node alone: its ranks leave,
         the trainer waits), or let the head hear that its stop is done; bounded."""
-        if self.outcome is None and not self._asked_to_stop and self.state != "joining":
+        if self.outcome is None and not self._asked_to_stop and self.state != LinkState.JOINING:
             await self.node.leave("stopped on its own")
-        if self.state != "joining":
+        if self.state != LinkState.JOINING:
             with anyio.move_on_after(5):
                 await self._done.wait()

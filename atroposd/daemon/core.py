@@ -34,9 +34,11 @@ from atroposd.config import ClusterError, Config, ConfigError, TokenError, load_
 from atroposd.control import ANSWER_LIMIT, ControlServer
 from atroposd.daemon import runtime, specs
 from atroposd.daemon import status as status_mod
+from atroposd.daemon.ranks import LocalRanks, RankHost
 from atroposd.daemon.recovery import RecoveryRecord, recover
 from atroposd.daemon.reload import env_of, plan_reload
 from atroposd.daemon.replicas import ReplicaHealth
+from atroposd.daemon.roles import ClusterRole, Standalone
 from atroposd.daemon.runtime import StartFailed
 from atroposd.daemon.specs import API_READY_TIMEOUT, SpecInputs
 from atroposd.daemon.state import (
@@ -61,7 +63,6 @@ from atroposd.process.unit import State, Unit, UnitSpec
 from atroposd.systemd import Notifier
 
 if TYPE_CHECKING:
-    from atroposd.daemon.cluster import HeadLink, NodeLink
     from atroposd.trainer.service import TrainerOutcome, TrainerService
     from atroposd.weights.sync import WeightSync
 
@@ -94,8 +95,10 @@ class Daemon:
         self._events_send, self._events = anyio.create_memory_object_stream[Event](math.inf)
         self._stop_requested = False
         self._stop_code = Exit.OK  # the exit code of a requested stop (1: a node lost its head)
-        # Several machines (SPEC §12.3): the head's link to the other nodes, or a node's to its head.
-        self.cluster: HeadLink | NodeLink | None = None
+        # This daemon's place in the job (SPEC §12.3): standalone, or with several machines the
+        # head's link to the other nodes (HeadLink), or a node's to its head (NodeLink).
+        self.cluster: ClusterRole = Standalone(self.nonce)
+        self.ranks = LocalRanks(self)  # this node's trainer-rank units
         self.stopped = anyio.Event()  # every child of this node is gone (set by _stop_all)
         self._start_scope: anyio.CancelScope | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -330,18 +333,8 @@ class Daemon:
         from atroposd.daemon.cluster import HeadLink, NodeLink
 
         assert self._tg is not None
-        if self.cfg.is_head:
-            link = HeadLink(self)
-            self.cluster = link
-            await link.open()
-            link.report()
-            return
-        node = NodeLink(self)
-        self.cluster = node
-        self.notifier.extend_timeout(self.cfg.cluster.join_timeout + 10)
-        await node.join()
-        node.report()
-        self._tg.start_soon(node.run, name="cluster node")
+        self.cluster = HeadLink(self) if self.cfg.is_head else NodeLink(self)
+        await self._tg.start(self.cluster.run, name="cluster link")
 
     async def _resolve_model(self) -> None:
         from atroposd.models.resolve import resolve_model, resolve_tokenizer
@@ -413,27 +406,12 @@ class Daemon:
     async def _rank_host(self) -> RankHost:
         """Trainer ranks 1..N-1 (SPEC §12.1): the store the group meets through (on a socket bound
         here, loopback) and the rank processes, started and stopped by the trainer."""
-        from atroposd.trainer.group import GroupStore
-
         # NCCL's variables set, overriding the environment; gloo's interface only defaulted.
         os.environ.update(specs.trainer_group_env(self.cfg, os.environ))
-        world = self.cfg.trainer.ranks
-        link = self.cluster
-        if link is not None:
-            # Several machines: on the head's cluster.port + 1, every node's ranks connect to it.
-            c = self.cfg.cluster
-            from atroposd.cluster.head import bind_address
-
-            # [cluster] bind, as the endpoint: never every interface
-            bind = bind_address(c)
-            secret, key = link.store_secret, link.store_key
-            store = await anyio.to_thread.run_sync(
-                lambda: GroupStore(secret=secret, world=world, host=bind, port=c.port + 1, advertise=c.head, key=key)
-            )
-        else:
-            store = await anyio.to_thread.run_sync(lambda: GroupStore(secret=self.nonce, world=world))
+        # Several machines: on the head's cluster.port + 1, every node's ranks connect to it.
+        store = await self.cluster.group_store(self.cfg.trainer.ranks)
         self.group_store = store
-        return RankHost(self, store)
+        return RankHost(self, store, self.cluster)
 
     async def _run_trainer(
         self, trainer: TrainerService, *, task_status: anyio.abc.TaskStatus[Any] = anyio.TASK_STATUS_IGNORED
@@ -449,14 +427,13 @@ class Daemon:
 
     def _inference_ready(self, replica: int) -> Callable[[Unit, bool], Awaitable[None]]:
         """The ready hook of inference replica ``replica``."""
-        from atroposd.daemon.cluster import NodeLink
 
         async def hook(unit: Unit, restarted: bool) -> None:
             # A restarted replica (--await-weights) gets the trainer's current weights before it serves.
             if restarted and self.trainer is not None:
                 await self.trainer.on_inference_restarted(replica)
-            elif restarted and isinstance(self.cluster, NodeLink):
-                self.cluster.replica_restarted(replica)  # the head pushes through this node's first rank
+            elif restarted:
+                self.cluster.replica_restarted(replica)  # a node's: the head pushes through its first rank
 
         return hook
 
@@ -510,8 +487,6 @@ class Daemon:
 
     async def _serve(self) -> Exit:
         """The reconciler: apply events until the job ends; returns the exit code."""
-        from atroposd.daemon.cluster import NodeLink
-
         async for event in self._events:
             if isinstance(event, StopRequested):
                 log.info("stopping", reason=event.reason)
@@ -529,16 +504,12 @@ class Daemon:
                 return Exit.RUNTIME
             unit = event.unit
             if unit.kind == "trainer":
-                if (
-                    unit.state in (State.FAILED, State.STOPPED)
-                    and self.units.get(unit.name) is unit
-                    and not unit.stop_requested
-                ):
-                    how = unit.last_exit.describe() if unit.last_exit else unit.state.value
+                how = self.ranks.exit_of(unit)
+                if how is not None:
                     if self.trainer is not None:
                         self.trainer.on_rank_exit(unit.name, how)
-                    elif isinstance(self.cluster, NodeLink):
-                        self.cluster.rank_exited(unit)  # the head restarts the whole group
+                    else:
+                        self.cluster.rank_exited(unit, how)  # a node's: the head restarts the whole group
                 continue  # a rank's exit restarts the trainer group: the trainer's state shows it
             if unit.kind in ("api", "inference") and unit.state == State.FAILED and self.units.get(unit.name) is unit:
                 log.error("job fails: a required component failed", unit=unit.name, error=unit.last_error)
@@ -586,8 +557,7 @@ class Daemon:
             for pid, status in self._reaper.reap(own=own, adopted=adopted):
                 log.debug("reaped an adopted orphan", pid=pid, status=status)
             self._record.update(self.units.values())
-            if self.cluster is not None:
-                self.cluster.report()
+            self.cluster.report()
             await anyio.sleep(TRACK_INTERVAL)
 
     async def _status_loop(self) -> None:
@@ -726,18 +696,12 @@ class Daemon:
                 self._trainer_scope.cancel()
                 with anyio.move_on_after(5):
                     await self._trainer_done.wait()
-        from atroposd.daemon.cluster import HeadLink, NodeLink
-
-        if isinstance(self.cluster, HeadLink):
-            # Every other node stops (its ranks, environments, replicas) and confirms.
-            await self.cluster.stop_nodes()
+        # The head: every other node stops (its ranks, environments, replicas) and confirms.
+        await self.cluster.stop_nodes()
         for kind in ("trainer", "env", "inference", "api"):
             await self.stop_units([u for u in self.units.values() if u.kind == kind])
         self.stopped.set()
-        if isinstance(self.cluster, NodeLink):
-            await self.cluster.finish()
-        elif isinstance(self.cluster, HeadLink):
-            await self.cluster.close()
+        await self.cluster.close()
         if self.group_store is not None:
             self.group_store.close()
         if self.weights is not None:
@@ -774,65 +738,6 @@ class Daemon:
         runtime.remove_child_config(self.paths, self.nonce)
         if all(u.done.is_set() for u in self.units.values()):
             self._record.remove()
-
-
-class RankHost:
-    """The daemon's side of the trainer ranks, as the trainer service sees it (``service.RankHost``)."""
-
-    def __init__(self, daemon: Daemon, store: Any) -> None:
-        self.daemon = daemon
-        self.store = store
-
-    def _link(self) -> HeadLink | None:
-        from atroposd.daemon.cluster import HeadLink
-
-        link = self.daemon.cluster
-        return link if isinstance(link, HeadLink) else None
-
-    async def start_ranks(self) -> None:
-        """(Re)start every rank 1..N-1 as a fresh process (a new unit per group generation); with
-        several machines, once every node is ready, each node starts its own ranks."""
-        d = self.daemon
-        await self.stop_ranks()
-        for spec in specs.trainer_rank_specs(
-            d.spec_inputs(),
-            store_address=self.store.address,
-            secret=self.store.secret,
-            key=self.store.key,
-            joined=self.store.joined,
-        ):
-            d.add_unit(spec)
-        link = self._link()
-        if link is not None:
-            await link.start_ranks(self.store.generation)
-
-    async def wait_nodes(self, on_wait: Callable[[list[int]], None]) -> None:
-        """Several machines: until every node is ready (the group forms with all its ranks)."""
-        link = self._link()
-        if link is not None:
-            await link.wait_nodes(on_wait)
-
-    def exited(self) -> list[str]:
-        """The ranks that exited without being asked to ("trainer-1 killed by SIGKILL"), and the
-        rank-holding nodes lost."""
-        link = self._link()
-        return [
-            f"{u.name} {u.last_exit.describe() if u.last_exit else u.state.value}"
-            for u in self.daemon.units.values()
-            if u.kind == "trainer" and u.state in (State.FAILED, State.STOPPED) and not u.stop_requested
-        ] + (link.exited() if link is not None else [])
-
-    def nodes_missing(self) -> list[int]:
-        """Rank-holding nodes not ready (lost or joining): a restart for them is not counted."""
-        link = self._link()
-        return link.missing() if link is not None else []
-
-    async def stop_ranks(self) -> None:
-        d = self.daemon
-        await d.stop_units([u for u in d.units.values() if u.kind == "trainer" and not u.done.is_set()])
-        link = self._link()
-        if link is not None:
-            await link.stop_ranks()
 
 
 def run_foreground(cfg: Config, notifier: Notifier) -> int:

@@ -460,22 +460,21 @@ def _own_families(d: DaemonView) -> list[tuple[Metric, str]]:
             log.warning("trainer metrics failed", error=f"{type(exc).__name__}: {exc}")
     if d.replica_health is not None:
         out += [(f, "daemon") for f in replica_families(d.replica_health)]
-    link = getattr(d, "cluster", None)
-    if link is not None:
-        out += [(f, "daemon") for f in cluster_families(link)]
+    dropped = d.cluster.dropped()
+    if dropped is not None:
+        out += [(f, "daemon") for f in cluster_families(dropped)]
     weights = getattr(d, "weights", None)
     if weights is not None and d.cfg.inference.enabled:
         out += [(f, "daemon") for f in weight_sync_families(d.cfg, weights)]
     return out
 
 
-def cluster_families(link: Any) -> Iterator[Metric]:
+def cluster_families(counts: dict[str, int]) -> Iterator[Metric]:
     """Several machines (SPEC §12.3): the cluster messages this node dropped, never acted on, by
     reason (a bad signature, the other direction, another session, a sequence number not above
     the last, a join for another connection's challenge, fields that do not check, no message)."""
     from atroposd.cluster.messages import REASONS
 
-    counts = link.dropped()
     dropped = _counter(
         "atroposd_cluster_messages_dropped", "Cluster endpoint messages dropped (never acted on), by reason", ["reason"]
     )

@@ -23,6 +23,7 @@ from atroposd.process.unit import State, Unit
 if TYPE_CHECKING:
     import aiohttp
 
+    from atroposd.daemon.roles import ClusterRole
     from atroposd.daemon.watchdog import StallWatchdog
 
 PROBE_TIMEOUT = 1.5
@@ -53,6 +54,8 @@ class DaemonView(Protocol):
     def watchdog(self) -> StallWatchdog | None: ...
     @property
     def replica_health(self) -> ReplicaHealth | None: ...
+    @property
+    def cluster(self) -> ClusterRole: ...
     def uptime(self) -> float: ...
 
 
@@ -130,14 +133,7 @@ def cluster_status(d: DaemonView) -> dict[str, Any]:
     cfg = d.cfg
     if not cfg.cluster.enabled:
         return {}
-    link = getattr(d, "cluster", None)
-    out: dict[str, Any] = {"node_rank": cfg.node_rank}
-    if link is None:
-        return out
-    if cfg.is_head:
-        out["nodes"] = link.nodes()
-    out["cluster"] = link.view()
-    return out
+    return {"node_rank": cfg.node_rank, **d.cluster.status()}
 
 
 def _size(obj: Any) -> int:

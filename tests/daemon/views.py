@@ -8,6 +8,7 @@ from typing import Any
 
 from atroposd.config import Config
 from atroposd.daemon.replicas import ReplicaHealth
+from atroposd.daemon.roles import ClusterRole, Standalone
 from atroposd.daemon.state import DaemonState
 from atroposd.process.unit import Unit
 
@@ -44,6 +45,7 @@ class View:
     start_error: str | None = None
     watchdog: None = None
     replica_health: ReplicaHealth | None = None
+    cluster: ClusterRole = field(default_factory=lambda: Standalone("abcdef012345"))
     uptime_s: float = 81.23456
 
     def uptime(self) -> float:

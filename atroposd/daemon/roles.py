@@ -1,0 +1,131 @@
+"""The daemon's place in a job (SPEC §12.3): one role object, asked instead of "am I the head?".
+
+The daemon always holds a :class:`ClusterRole`: :class:`Standalone` on one machine (every
+method a no-op), :class:`~atroposd.daemon.cluster.HeadLink` on node 0 of several, and
+:class:`~atroposd.daemon.cluster.NodeLink` on every other node. Each place where the daemon's
+behaviour depends on its place calls the role:
+
+- ``run`` opens the role's link before any child starts and runs it until ``close`` (the head's
+  endpoint; a node's join, then its heartbeats); it is started once open;
+- ``report`` hands this node's components to the link every half second;
+- ``status`` is the role's part of ``status --json``, ``dropped`` its messages dropped for
+  ``/metrics`` (None: no link);
+- ``rank_exited`` and ``replica_restarted`` tell the head about this node's trainer rank or
+  inference replica when the trainer runs elsewhere;
+- ``group_store`` is the store a trainer group of several ranks meets through;
+- ``wait_nodes``, ``start_ranks``, ``stop_ranks``, ``exited`` and ``missing`` drive the other
+  nodes' trainer ranks (the head's; nothing elsewhere);
+- ``stop_nodes`` runs before this node's children stop, ``close`` after.
+
+:class:`RoleHost` is what a role uses of the daemon: a stand-in implementing it runs a role in a
+test without a daemon.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+import anyio
+import anyio.abc
+
+from atroposd.exitcodes import Exit
+
+if TYPE_CHECKING:
+    from atroposd.config import Config
+    from atroposd.daemon.specs import SpecInputs
+    from atroposd.process.unit import Unit, UnitSpec
+    from atroposd.systemd import Notifier
+    from atroposd.trainer.group import GroupStore
+    from atroposd.trainer.service import TrainerService
+
+__all__ = ["ClusterRole", "RoleHost", "Standalone"]
+
+
+class RoleHost(Protocol):
+    """What a role uses of the daemon (:class:`atroposd.daemon.core.Daemon`)."""
+
+    cfg: Config
+    nonce: str
+    trainer: TrainerService | None
+    stopped: anyio.Event
+    notifier: Notifier
+
+    @property
+    def units(self) -> Mapping[str, Unit]: ...
+    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None: ...
+    def set_status(self, text: str) -> None: ...
+    def spec_inputs(self) -> SpecInputs: ...
+    def add_unit(self, spec: UnitSpec, **kw: Any) -> Unit: ...
+    async def stop_units(self, units: list[Unit]) -> None: ...
+    def request_stop(self, reason: str, code: Exit = Exit.OK) -> None: ...
+
+
+class ClusterRole(Protocol):
+    """The daemon's place in a job: standalone, the head, or another node."""
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None: ...
+    def report(self) -> None: ...
+    def status(self) -> dict[str, Any]: ...
+    def dropped(self) -> dict[str, int] | None: ...
+    def rank_exited(self, unit: Unit, how: str) -> None: ...
+    def replica_restarted(self, replica: int) -> None: ...
+    async def group_store(self, world: int) -> GroupStore: ...
+    async def wait_nodes(self, on_wait: Callable[[list[int]], None]) -> None: ...
+    async def start_ranks(self, generation: int) -> None: ...
+    async def stop_ranks(self) -> None: ...
+    def exited(self) -> list[str]: ...
+    def missing(self) -> list[int]: ...
+    async def stop_nodes(self) -> None: ...
+    async def close(self) -> None: ...
+
+
+class Standalone:
+    """One machine: no link, no other node; the trainer group's store is on loopback."""
+
+    def __init__(self, nonce: str) -> None:
+        self.nonce = nonce
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+
+    def report(self) -> None:
+        pass
+
+    def status(self) -> dict[str, Any]:
+        return {}
+
+    def dropped(self) -> dict[str, int] | None:
+        return None
+
+    def rank_exited(self, unit: Unit, how: str) -> None:
+        pass
+
+    def replica_restarted(self, replica: int) -> None:
+        pass
+
+    async def group_store(self, world: int) -> GroupStore:
+        from atroposd.trainer.group import GroupStore
+
+        return await anyio.to_thread.run_sync(lambda: GroupStore(secret=self.nonce, world=world))
+
+    async def wait_nodes(self, on_wait: Callable[[list[int]], None]) -> None:
+        pass
+
+    async def start_ranks(self, generation: int) -> None:
+        pass
+
+    async def stop_ranks(self) -> None:
+        pass
+
+    def exited(self) -> list[str]:
+        return []
+
+    def missing(self) -> list[int]:
+        return []
+
+    async def stop_nodes(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
