@@ -148,6 +148,8 @@ def parse_tool_request(body: Mapping[str, Any]) -> ToolRequest | None:
             raise BadRequest(f"{where}.function.description must be a string")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], Mapping):
             raise BadRequest(f"{where}.function.parameters must be a JSON Schema object, got {_kind(fn['parameters'])}")
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise BadRequest(f"{where}.function.strict must be true, false or null, got {_kind(fn['strict'])}")
     if choice is None:
         choice = "auto" if tools else "none"
     if isinstance(choice, str):
@@ -272,12 +274,15 @@ class VllmParser:
     def parse(self, text: str, request: ToolRequest) -> ParsedOutput:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-        req = ChatCompletionRequest(
-            messages=[{"role": "user", "content": ""}],
-            model="atroposd",
-            tools=request.tools,
-            tool_choice=request.choice,
-        )
+        try:
+            req = ChatCompletionRequest(
+                messages=[{"role": "user", "content": ""}],
+                model="atroposd",
+                tools=request.tools,
+                tool_choice=request.choice,
+            )
+        except ValueError as exc:  # pydantic's ValidationError: a tool vLLM's request model refuses
+            raise BadRequest(f"tools: {exc}") from None
         # A parser keeps state between calls (streaming): one instance per completion.
         info = self._cls(self._tokenizer).extract_tool_calls(text, req)
         if not info.tools_called:

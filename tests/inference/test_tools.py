@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -22,8 +23,9 @@ import pytest
 from atroposd.config import parse_toml
 from atroposd.inference import tools
 from atroposd.inference.schema import BadRequest
+from tests import fuzzseed
 from tests.inference.conftest import Server, start_server
-from tests.models.toolmodel import PROMPT, SYSTEM, TOOLS, check_round_trip
+from tests.models.toolmodel import PROMPT, SYSTEM, TOOL_RESULT, TOOLS, check_round_trip
 from tests.support import atroposd, config_problems, stop_process, write_config
 
 # ---------------------------------------------------------------------------- requests and parsers
@@ -43,6 +45,10 @@ WEATHER = TOOLS[0]
         (
             {"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
             "tools[0].function.parameters",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]},
+            "tools[0].function.strict must be true, false or null",
         ),
         ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice must be"),
         (
@@ -95,6 +101,85 @@ def test_hermes_parser_reads_calls_and_leaves_other_text_as_content() -> None:
         '<tool_call>["get_weather"]</tool_call>',
     ):
         assert p.parse(broken, req) == tools.ParsedOutput(content=broken, calls=[]), broken
+
+
+def random_tool_body(rng: random.Random, junk: float = 0.12) -> dict[str, Any]:
+    """A chat body's ``tools``, ``tool_choice``, ``parallel_tool_calls`` and a tool-call turn in
+    its messages, each part well-formed or (with probability ``junk``) a JSON value of any kind."""
+    from tests.inference.test_server_types import _junk
+
+    def maybe(valid: Any) -> Any:
+        return _junk(rng) if rng.random() < junk else valid
+
+    def function() -> Any:
+        fn: dict[str, Any] = {"name": maybe(rng.choice(["get_weather", "f", "g"]))}
+        for key, valid in (
+            ("description", "Current weather of a city."),
+            ("parameters", {"type": "object", "properties": {"city": {"type": "string"}}}),
+            ("strict", rng.random() < 0.5),
+        ):
+            if rng.random() < 0.5:
+                fn[key] = maybe(valid)
+        return maybe(fn)
+
+    body: dict[str, Any] = {}
+    if rng.random() < 0.9:
+        body["tools"] = maybe(
+            [maybe({"type": maybe("function"), "function": function()}) for _ in range(rng.randint(0, 3))]
+        )
+    if rng.random() < 0.7:
+        named = {"type": "function", "function": {"name": rng.choice(["get_weather", "f", "nope"])}}
+        body["tool_choice"] = maybe(rng.choice(["none", "auto", "required", named]))
+    if rng.random() < 0.3:
+        body["parallel_tool_calls"] = maybe(rng.random() < 0.5)
+    if rng.random() < 0.5:
+        arguments = maybe(rng.choice(['{"city": "Oslo"}', "{", "", {"city": "Oslo"}]))
+        call = maybe(
+            {"id": "c", "type": "function", "function": maybe({"name": maybe("get_weather"), "arguments": arguments})}
+        )
+        body["messages"] = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": PROMPT},
+            {"role": "assistant", "content": maybe(None), "tool_calls": maybe([call])},
+            {"role": "tool", "tool_call_id": "c", "content": maybe(TOOL_RESULT)},
+        ]
+    return body
+
+
+def check_accepted_tool_requests_parse(parser: tools.ToolParser, rng: random.Random, bodies: int = 300) -> int:
+    """Random tools bodies: each is refused with BadRequest or accepted, and ``parser`` reads a
+    completion holding a call against every accepted one without an error. Returns how many
+    were accepted."""
+    text = 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    accepted = 0
+    for _ in range(bodies):
+        body = random_tool_body(rng)
+        try:
+            req = tools.parse_tool_request(body)
+        except BadRequest:
+            continue
+        if req is None or not req.parse_calls:
+            continue
+        accepted += 1
+        out = parser.parse(text, req)
+        assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [("get_weather", {"city": "Oslo"})], (
+            fuzzseed.replay_hint(),
+            body,
+            out,
+        )
+    return accepted
+
+
+def test_a_tool_request_accepted_is_parsed_without_error() -> None:
+    """The parser this environment has for tool_parser = "hermes" (vLLM's where vLLM is
+    installed, else our own) reads a call against every tools body the server accepts
+    (fuzzseed: --fuzz-seed N replays a run)."""
+    from atroposd.models.tiny import build_tokenizer
+
+    parser = tools.make_parser("hermes", build_tokenizer(), None)
+    assert parser is not None
+    accepted = check_accepted_tool_requests_parse(parser, fuzzseed.rng("tool-requests"))
+    assert accepted >= 10, f"only {accepted} of 300 random bodies were accepted: the fuzz checks too little"
 
 
 def test_template_messages_read_arguments_and_text_parts() -> None:
@@ -171,6 +256,12 @@ def test_tool_call_round_trip_through_the_openai_client(tool_server: Server, too
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
         ({"tool_choice": "required"}, "tool_choice needs tools"),
         ({"return_token_ids": "yes"}, "return_token_ids"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "strict": [1]}}]}, "tools[0].function.strict"),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]},
+            "messages[0].tool_calls[0].function.arguments is not valid JSON",
+        ),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
     ],
 )
 def test_malformed_tools_bodies_get_400_naming_the_field(
@@ -179,6 +270,41 @@ def test_malformed_tools_bodies_get_400_naming_the_field(
     status, body = tool_server.http("POST", "/v1/chat/completions", {"messages": _question(), "max_tokens": 2, **extra})
     assert status == 400, body
     assert names in body["error"]["message"]
+
+
+def post_random_tools_bodies(url: str, rng: random.Random, count: int = 60) -> int:
+    """Chat requests with random tools, tool_choice and tool-call turns to the server at ``url``:
+    each is answered 200 or 400 with a message, never 500. Returns how many were answered 200."""
+    import urllib.error
+    import urllib.request
+
+    answered = 0
+    for _ in range(count):
+        body = {
+            "messages": _question(),
+            "max_tokens": rng.randint(1, 4),
+            "temperature": 1.0,
+            **random_tool_body(rng, junk=0.06),
+        }
+        req = urllib.request.Request(
+            url + "/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                status, answer = resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            status, answer = exc.code, json.loads(exc.read())
+        assert status in (200, 400), (fuzzseed.replay_hint(), body, status, answer)
+        if status == 400:
+            assert answer["error"]["message"], body
+        answered += status == 200
+    return answered
+
+
+def test_random_tools_bodies_are_never_a_500(tool_server: Server) -> None:
+    """Random tools bodies on the torch engine: 200 or 400, never 500 (fuzzseed: --fuzz-seed N replays a run)."""
+    answered = post_random_tools_bodies(tool_server.url, fuzzseed.rng("inference-tools"))
+    assert answered >= 3, f"only {answered} of 60 random bodies were answered: the fuzz reaches too little"
 
 
 def test_completion_with_logprobs_returns_the_sampled_ids(tool_server: Server) -> None:

@@ -16,6 +16,8 @@ import anyio
 import pytest
 
 from atroposd.inference import tools
+from tests import fuzzseed
+from tests.inference.test_tools import check_accepted_tool_requests_parse, post_random_tools_bodies
 from tests.models.toolmodel import TOOLS, check_round_trip
 from tests.vllm.test_vllm_engine import Server, assert_removed
 
@@ -32,12 +34,38 @@ def test_tool_round_trip_on_the_vllm_engine(tool_model: Path, short_tmp: Path) -
         mapped = srv.segments()
         anyio.run(check_round_trip, srv.url + "/v1", str(tool_model))
         assert "hermes (VllmParser)" in srv.log.read_text(), "tool_parser = auto: vLLM's Hermes parser"
+        # Random tools bodies: 200 or 400 naming the field, never 500 (vLLM's parser reads each
+        # accepted one; fuzzseed: --fuzz-seed N replays a run).
+        assert post_random_tools_bodies(srv.url, fuzzseed.rng("vllm-tools"), count=30) >= 1
         mapped |= srv.segments()
     finally:
         rc = srv.stop()
     assert rc == 0, f"the vLLM front exited {rc} on SIGTERM:\n{srv.log.read_text()[-3000:]}"
     assert not srv.group(), "EngineCore/Worker left behind"
     assert_removed(mapped)
+
+
+def test_vllms_parser_reads_every_tool_request_we_accept() -> None:
+    """Every tools body the server accepts, vLLM's parser (its own request model validates the
+    tools) reads without an error: a tool it would refuse (``strict`` not a boolean, say) is
+    refused before generating, naming the field (fuzzseed: --fuzz-seed N replays a run)."""
+    from atroposd.models.tiny import build_tokenizer
+
+    parser = tools.VllmParser("hermes", build_tokenizer())
+    accepted = check_accepted_tool_requests_parse(parser, fuzzseed.rng("vllm-tool-requests"), bodies=600)
+    assert accepted >= 20, accepted
+    weather = TOOLS[0]["function"]
+    for tool in (
+        {"function": weather},
+        {"type": "function", "function": {**weather, "strict": None}},
+        {"type": "function", "function": {**weather, "strict": True}},
+        {"type": "function", "function": {**weather, "parameters": {}}, "other": 1},
+    ):
+        for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
+            req = tools.parse_tool_request({"tools": [tool], "tool_choice": choice})
+            assert req is not None
+            out = parser.parse('<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>', req)
+            assert [c.name for c in out.calls] == ["get_weather"], (tool, choice)
 
 
 def test_our_hermes_parser_answers_as_vllms_does() -> None:
