@@ -1,5 +1,5 @@
 """The config's JSON Schema (``atroposd config schema``): generated from the one schema in
-config.py, shipped as atroposd/config.schema.json, and agreeing with ``config check`` on
+atroposd/config/schema.py, shipped as atroposd/config.schema.json, and agreeing with ``config check`` on
 everything a schema can express."""
 
 from __future__ import annotations

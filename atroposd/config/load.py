@@ -130,27 +130,34 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<dict>") -> Config:
     problems.extend(cross_checks(cfg, raw))
     if problems:
         raise ConfigError(problems, source)
+    cfg.warnings.extend(_warnings(cfg))
+    return cfg
+
+
+def _warnings(cfg: Config) -> list[str]:
+    """What a valid config should still be told about (``Config.warnings``)."""
+    warnings: list[str] = []
     if not cfg.env:
-        cfg.warnings.append("no [[env]]: the job has no environments (they must run elsewhere)")
+        warnings.append("no [[env]]: the job has no environments (they must run elsewhere)")
     if (
         cfg.api.enabled
         and not is_loopback(cfg.api.host)
         and not (cfg.api.token or cfg.api.token_file or credential_file(API_CREDENTIAL))
     ):
-        cfg.warnings.append(f"api.host = {cfg.api.host!r} is not loopback and api.token is empty")
+        warnings.append(f"api.host = {cfg.api.host!r} is not loopback and api.token is empty")
     for key, name in (
         ("api.token_file", cfg.api.token_file),
         ("inference.token_file", cfg.inference.token_file),
         ("cluster.token_file", cfg.cluster.token_file),
     ):
         if name and (warning := token_file_warning(name, key)) is not None:
-            cfg.warnings.append(warning)
+            warnings.append(warning)
     if cfg.wandb.enabled and cfg.trainer.enabled and not _installed("wandb"):
-        cfg.warnings.append(
+        warnings.append(
             "wandb.project is set but the wandb package is not installed "
             "(pip install 'atroposd[wandb]'); the job runs without it"
         )
-    return cfg
+    return warnings
 
 
 def _installed(module: str) -> bool:
