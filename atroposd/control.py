@@ -29,6 +29,7 @@ MAX_FRAME = 1 << 20
 ANSWER_LIMIT = MAX_FRAME - 4096  # what a handler's answer may take (the envelope has the rest)
 READ_TIMEOUT = 10.0
 ACCEPT_RETRY_S = 0.1
+ACCEPT_LOG_EVERY_S = 10.0  # a failing accept (no descriptors left) is logged at most this often
 SEND_TIMEOUT = 10.0  # an answer the client does not read within this is dropped
 _LEN = struct.Struct(">I")
 
@@ -136,17 +137,24 @@ class ControlServer:
             os.chown(self.path, -1, self.group_id)
         if task_status is not None:
             task_status.started()
+        failed, logged_at = 0, -ACCEPT_LOG_EVERY_S
         try:
             async with listener, anyio.create_task_group() as tg:
                 while True:
                     try:
                         stream = await listener.accept()
-                    except OSError as exc:  # EMFILE, ENOBUFS: wait a little, never end the daemon
-                        from atroposd.logs import get_logger
+                    except (OSError, anyio.BrokenResourceError) as exc:
+                        # EMFILE, ENFILE, ENOBUFS (anyio wraps them in BrokenResourceError): wait a
+                        # little and accept again, never end the daemon; logged at a bounded rate
+                        failed += 1
+                        now = anyio.current_time()
+                        if now - logged_at >= ACCEPT_LOG_EVERY_S:
+                            from atroposd.logs import get_logger
 
-                        get_logger("atroposd.control", component="daemon").warning(
-                            "control socket cannot accept", error=str(exc)
-                        )
+                            get_logger("atroposd.control", component="daemon").warning(
+                                "control socket cannot accept", error=_accept_error(exc), failures=failed
+                            )
+                            failed, logged_at = 0, now
                         await anyio.sleep(ACCEPT_RETRY_S)
                         continue
                     tg.start_soon(self._connection, stream)
@@ -224,6 +232,12 @@ class ControlServer:
                 cmd=_cmd_of(request),
                 deadline_s=self.send_timeout,
             )
+
+
+def _accept_error(exc: BaseException) -> str:
+    """What made an accept fail: the OS error itself when anyio wrapped it."""
+    cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+    return f"{type(cause).__name__}: {cause}"
 
 
 def _cmd_of(request: dict[str, Any]) -> str:

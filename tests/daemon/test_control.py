@@ -282,3 +282,74 @@ def test_status_cli_asks_for_one_node_and_reports_an_error_answer(
     assert [r.get("node") for r in seen] == [3, 9] and codes == [0, 1]
     assert "(cut to fit: the status of 2 bytes exceeds the control frame)" in out.out
     assert "node must be a node rank" in out.err and "Traceback" not in out.err
+
+
+_OUT_OF_DESCRIPTORS = """
+import os, resource, sys
+import anyio
+from atroposd import control
+
+async def handler(req):
+    return {"ok": True, "cmd": req.get("cmd")}
+
+async def main():
+    server = control.ControlServer(control.Path(sys.argv[1]), handler, read_timeout=30)
+    async with anyio.create_task_group() as tg:
+        await tg.start(server.serve)
+        # two descriptors more than are open now: the third connection finds none (EMFILE)
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 2, hard))
+        print("ready", flush=True)
+        await anyio.sleep(60)
+
+anyio.run(main)
+"""
+
+
+def test_a_failed_accept_waits_and_the_server_serves_on(short_tmp: Path) -> None:
+    """No file descriptor left for a connection (EMFILE at accept): the server logs it, waits
+    and accepts again once descriptors are free, instead of raising out of the daemon's task
+    group. A real descriptor limit, in a child process of its own."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.support import REPO
+
+    path = short_tmp / "control.sock"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _OUT_OF_DESCRIPTORS, str(path)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    idle: list[socket.socket] = []
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n", child.stderr
+        for _ in range(5):  # silent clients: two take the descriptors, the rest wait in the backlog
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(str(path))
+            idle.append(s)
+        time.sleep(0.5)  # accept fails with EMFILE, again and again
+        assert child.poll() is None, child.communicate()[1][-2000:]
+        for s in idle:
+            s.close()
+        idle.clear()
+        deadline = time.monotonic() + 10
+        while True:  # the closed clients' connections end, their descriptors come back
+            try:
+                answer = control.request(path, {"cmd": "ping"}, timeout=5)
+                break
+            except control.ControlError:
+                assert time.monotonic() < deadline, "the server never accepted again"
+                time.sleep(0.1)
+        assert answer == {"ok": True, "cmd": "ping"}
+        assert child.poll() is None
+    finally:
+        for s in idle:
+            s.close()
+        child.kill()
+        out, err = child.communicate(timeout=10)
+    logged = out + err  # structlog's default configuration writes to stdout
+    assert logged.count("control socket cannot accept") == 1 and "Too many open files" in logged, logged[-2000:]
