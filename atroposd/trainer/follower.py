@@ -90,7 +90,7 @@ class Follower:
         return None
 
     def gather(self, cmd: Gather) -> int | None:
-        from atroposd.trainer.ranks import gather_full
+        from atroposd.trainer.fsdp import gather_full
 
         tensors = gather_full(self.model, list(cmd.names))
         if self.feed is not None and cmd.push is not None:

@@ -21,11 +21,12 @@ import structlog
 
 from atroposd.trainer.batch import BatchError, RolloutBatch, prepare_batch
 from atroposd.trainer.checkpoint import CheckpointError
+from atroposd.trainer.compute import ComputeThread
 from atroposd.trainer.feed import BatchFeed
 from atroposd.trainer.health import Collapse, DropRule, HealthMonitor, Trip
 from atroposd.trainer.learner import Learner, StepResult
 from atroposd.trainer.metrics import MetricsWriter
-from atroposd.trainer.ranks import ComputeThread, is_group_error
+from atroposd.trainer.ranks import is_group_error
 from atroposd.trainer.setup import Checkpointer
 
 if TYPE_CHECKING:

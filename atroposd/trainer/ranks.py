@@ -20,38 +20,39 @@ What a step does with N ranks, so that it equals a step with one rank on the sam
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import dataclasses
 import datetime
-import functools
-import itertools
 import json
-import math
-import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import torch
 
 from atroposd.logs import get_logger
 from atroposd.trainer.batch import MicroBatch
+from atroposd.trainer.compute import ComputeThread, Fenced
+from atroposd.trainer.fsdp import (
+    checkpoint_activations,
+    decoder_layers,
+    full_tensor,
+    gather_full,
+    shard_model,
+)
 from atroposd.trainer.group import (
     COMMANDS_KEPT,
     BadCommand,
     Command,
-    Gather,
-    Push,
-    Reload,
     command_key,
     decode_command,
     encode_command,
     store_keys,
 )
+from atroposd.trainer.sharded_source import ShardedSource
+from atroposd.trainer.share import MAX_HEADER_BYTES, Share, deal, decode_share, encode_share
 
+# Rank strategies live here; what they use lives beside them and is importable from here too:
+# ``share`` (a step's share on the wire), ``fsdp`` (sharding, gathering), ``compute`` (rank 0's
+# compute thread), ``sharded_source`` (the weight sync's view of the sharded model).
 __all__ = [
     "ComputeThread",
     "Fenced",
@@ -61,6 +62,8 @@ __all__ = [
     "Ranks",
     "ShardedSource",
     "Share",
+    "checkpoint_activations",
+    "deal",
     "decode_share",
     "decoder_layers",
     "encode_share",
@@ -72,7 +75,6 @@ __all__ = [
 ]
 
 log = get_logger(__name__)
-_T = TypeVar("_T")
 
 # How often rank 0 looks for the other ranks' arrival while they start.
 JOIN_POLL_S = 0.05
@@ -89,111 +91,6 @@ CHECKPOINT_GROUP_TIMEOUT_S = 3600.0
 
 class JoinTimeout(RuntimeError):
     """A rank did not join the process group within ``[trainer] join_timeout``."""
-
-
-class Fenced(RuntimeError):
-    """Work of an earlier trainer group generation: its result is discarded."""
-
-
-@dataclass
-class Share:
-    """One rank's part of a step: its micro-batches and what the whole batch is normalised by."""
-
-    micro: list[MicroBatch]
-    passes: int  # every rank runs this many; passes past len(micro) run on ``pad`` with weight 0
-    pad: MicroBatch | None
-    denom: int  # completion tokens of the whole batch
-    distill_positions: int  # distillation positions of the whole batch
-
-    def passes_with_weight(self) -> list[tuple[MicroBatch, float]]:
-        out = [(mb, 1.0) for mb in self.micro]
-        if len(out) < self.passes:
-            assert self.pad is not None, "a zero-weight pass needs a micro-batch to run on"
-            out += [(self.pad, 0.0)] * (self.passes - len(out))
-        return out
-
-
-def deal(micro: Sequence[MicroBatch], world: int, denom: int, distill_positions: int) -> list[Share]:
-    """Round-robin micro-batches over ``world`` ranks; every rank gets the same number of passes."""
-    parts = [list(micro[r::world]) for r in range(world)]
-    passes = max((len(p) for p in parts), default=0)
-    pad = micro[0] if micro else None
-    return [Share(p, passes, pad if len(p) < passes else None, denom, distill_positions) for p in parts]
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a (possibly sharded) parameter; a collective for a DTensor."""
-    full = getattr(t, "full_tensor", None)
-    return full() if callable(full) else t
-
-
-def gather_full(model: torch.nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor]:
-    """The full tensors ``names`` of a sharded model, on every rank (collectives, in the same
-    order on every rank). Each FSDP2 unit that holds one of them is unsharded once — one
-    all-gather for the whole unit, not one per tensor — its tensors copied out, then resharded."""
-    from torch.distributed.fsdp import FSDPModule
-
-    from atroposd.trainer.model import ROOT_ATTR
-
-    units = sorted(
-        ((prefix + ".", m) for prefix, m in model.named_modules() if prefix and isinstance(m, FSDPModule)),
-        key=lambda u: -len(u[0]),
-    )
-    root = model.__dict__.get(ROOT_ATTR)
-    by_unit: dict[int, tuple[Any, list[str]]] = {}
-    order: list[int] = []
-    for name in names:
-        unit = next((m for prefix, m in units if name.startswith(prefix)), root)
-        key = id(unit)
-        if key not in by_unit:
-            by_unit[key] = (unit, [])
-            order.append(key)
-        by_unit[key][1].append(name)
-    out: dict[str, torch.Tensor] = {}
-    for key in order:
-        unit, members = by_unit[key]
-        if isinstance(unit, FSDPModule):
-            unit.unshard()
-        try:
-            for name in members:
-                out[name] = full_tensor(_named_tensor(model, name).detach()).clone()
-        finally:
-            if isinstance(unit, FSDPModule):
-                unit.reshard()
-    return out
-
-
-def _named_tensor(model: torch.nn.Module, name: str) -> torch.Tensor:
-    try:
-        return model.get_parameter(name)
-    except AttributeError:
-        return model.get_buffer(name)
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers of a Hugging Face causal LM (``model.model.layers`` and the like)."""
-    base: Any = model
-    get_decoder = getattr(model, "get_decoder", None)
-    if callable(get_decoder):
-        base = get_decoder() or model
-    layers = getattr(base, "layers", None)
-    if isinstance(layers, torch.nn.ModuleList) and len(layers):
-        return list(layers)
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
-    return list(lists[0]) if lists else []
-
-
-def checkpoint_activations(layers: Sequence[torch.nn.Module]) -> None:
-    """Recompute each layer's activations in the backward pass (the layer's names unchanged)."""
-    from torch.utils.checkpoint import checkpoint
-
-    for layer in layers:
-        forward = layer.forward
-
-        def wrapped(*args: Any, _forward: Callable[..., Any] = forward, **kwargs: Any) -> Any:
-            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
-
-        layer.forward = wrapped
 
 
 class Ranks(Protocol):
@@ -456,23 +353,8 @@ class GroupRanks:
         return [float(v) for v in t.cpu().tolist()]
 
     def shard(self, model: torch.nn.Module, *, mixed_precision: bool) -> None:
-        """FSDP2: ``fully_shard`` per decoder layer, then the root (mixed precision on a GPU).
-
-        The root unit is the model's :class:`~atroposd.trainer.model.LogprobModule`: the trainer
-        calls the decoder and the head itself (never the full logits), so the hooks that gather
-        the embedding, norm and head must surround that whole call."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        from atroposd.trainer.model import LogprobModule
-
-        kw: dict[str, Any] = {}
-        if mixed_precision:
-            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in decoder_layers(model):
-            fully_shard(layer, **kw)
-        root = LogprobModule(model)
-        fully_shard(root, **kw)
-        root.install()
+        """FSDP2 (:func:`~atroposd.trainer.fsdp.shard_model`)."""
+        shard_model(model, mixed_precision=mixed_precision)
 
     def barrier(self) -> None:
         import torch.distributed as dist
@@ -495,176 +377,6 @@ class GroupRanks:
                 dist.destroy_process_group()
             except Exception as exc:  # a group whose peer died: nothing more to release here
                 log.warning("the trainer group did not close cleanly", error=f"{type(exc).__name__}: {exc}")
-
-
-# The largest JSON header (a share's, a broadcast value) a rank accepts.
-MAX_HEADER_BYTES = 1 << 24
-# The dtypes a share's tensors may have.
-_SHARE_DTYPES = {
-    str(d): d
-    for d in (
-        torch.int64,
-        torch.int32,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.float64,
-        torch.bool,
-        torch.uint8,
-    )
-}
-
-
-def _micro_fields() -> list[str]:
-    return [f.name for f in dataclasses.fields(MicroBatch)]
-
-
-def encode_share(share: Share) -> tuple[bytes, torch.Tensor]:
-    """A share as a JSON header (its numbers; each micro-batch's tensors as dtype and shape, in
-    field order) and one flat uint8 tensor of the tensors' bytes (on the CPU)."""
-    parts: list[torch.Tensor] = []
-
-    def micro(mb: MicroBatch) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for name in _micro_fields():
-            t = getattr(mb, name)
-            if t is None:
-                out[name] = None
-                continue
-            t = t.detach().cpu().contiguous()
-            out[name] = [str(t.dtype), list(t.shape)]
-            parts.append(t.reshape(-1).view(torch.uint8))
-        return out
-
-    header = {
-        "passes": share.passes,
-        "denom": share.denom,
-        "distill_positions": share.distill_positions,
-        "micro": [micro(mb) for mb in share.micro],
-        "pad": None if share.pad is None else micro(share.pad),
-    }
-    data = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-    return json.dumps(header, separators=(",", ":")).encode(), data
-
-
-def _count(v: Any, what: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise BadCommand(f"a share's {what} must be a count")
-    return v
-
-
-def decode_share(header: bytes, data: torch.Tensor) -> Share:
-    """The share in a header and its bytes, checked: the fields a micro-batch has, known dtypes,
-    shapes of counts, and exactly as many bytes as they take. :class:`BadCommand` otherwise."""
-    try:
-        h = json.loads(header)
-    except ValueError as exc:
-        raise BadCommand("a share's header is not JSON") from exc
-    if not isinstance(h, dict) or set(h) != {"passes", "denom", "distill_positions", "micro", "pad"}:
-        raise BadCommand("a share's header is malformed")
-    if not isinstance(h["micro"], list):
-        raise BadCommand("a share's micro-batches must be a list")
-    names = _micro_fields()
-    offset = 0
-    flat = data.reshape(-1)
-
-    def micro(spec: Any) -> MicroBatch:
-        nonlocal offset
-        if not isinstance(spec, dict) or set(spec) != set(names):
-            raise BadCommand("a share's micro-batch has other fields than a micro-batch")
-        values: dict[str, torch.Tensor | None] = {}
-        for name in names:
-            item = spec[name]
-            if item is None:
-                values[name] = None
-                continue
-            if not (
-                isinstance(item, list) and len(item) == 2 and item[0] in _SHARE_DTYPES and isinstance(item[1], list)
-            ):
-                raise BadCommand(f"a share's tensor {name}: bad dtype or shape")
-            dtype, shape = _SHARE_DTYPES[item[0]], [_count(d, "shape") for d in item[1]]
-            n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            if offset + n > flat.numel():
-                raise BadCommand("a share has fewer bytes than its tensors take")
-            values[name] = flat[offset : offset + n].clone().view(dtype).reshape(shape)
-            offset += n
-        if any(values[n] is None for n in names[:6]):
-            raise BadCommand("a share's micro-batch lacks a required tensor")
-        return MicroBatch(**values)  # type: ignore[arg-type]
-
-    micros = [micro(m) for m in h["micro"]]
-    pad = None if h["pad"] is None else micro(h["pad"])
-    if offset != flat.numel():
-        raise BadCommand("a share has more bytes than its tensors take")
-    passes = _count(h["passes"], "passes")
-    if passes < len(micros) or (passes > len(micros) and pad is None):
-        raise BadCommand("a share's passes do not match its micro-batches")
-    return Share(micros, passes, pad, _count(h["denom"], "denom"), _count(h["distill_positions"], "distill_positions"))
-
-
-class ComputeThread:
-    """Rank 0's one compute thread (SPEC §12.1): every step's work runs here, in order, with the
-    device set on it. A group restart ``fence``s it: a thread stuck in a collective is left
-    behind (its late result is discarded, :class:`Fenced`) and a new one serves the next group.
-    A daemon thread: one that never returns must not hold up the process's exit."""
-
-    _ids = itertools.count(1)
-
-    def __init__(self, device: torch.device | None = None) -> None:
-        self.device = device
-        self.generation = 0
-        self._queue = self._start()
-
-    def _start(self) -> queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None]:
-        q: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None] = queue.SimpleQueue()
-        threading.Thread(target=self._serve, args=(q,), name=f"atroposd-compute-{next(self._ids)}", daemon=True).start()
-        return q
-
-    def _serve(self, q: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None]) -> None:
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        while True:
-            item = q.get()
-            if item is None:
-                return
-            fn, future = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # handed to the awaiting task
-                future.set_exception(exc)
-
-    async def run(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
-        """``fn(*args)`` on the compute thread; its result, unless the thread was fenced meanwhile."""
-        generation = self.generation
-        future: concurrent.futures.Future[_T] = concurrent.futures.Future()
-        self._queue.put((functools.partial(fn, *args, **kwargs), future))
-        result = await asyncio.wrap_future(future)
-        if generation != self.generation:
-            raise Fenced("the trainer group was restarted while this work ran")
-        return result
-
-    def fence(self) -> None:
-        """Abandon the current thread (it may be stuck): later work goes to a fresh one."""
-        self.generation += 1
-        old, self._queue = self._queue, self._start()
-        _drain(old)
-
-    def close(self) -> None:
-        _drain(self._queue)
-
-
-def _drain(q: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None]) -> None:
-    """Cancel the work still queued and tell the thread to end once its current work returns."""
-    while True:
-        try:
-            item = q.get_nowait()
-        except queue.Empty:
-            break
-        if item is not None:
-            item[1].cancel()
-    q.put(None)
 
 
 def is_group_error(exc: BaseException) -> bool:
@@ -701,46 +413,3 @@ def poisons_device(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return "CUDA error" in text or "cudaError" in text or "CUBLAS_STATUS" in text
-
-
-class ShardedSource:
-    """The weight sync's view of a sharded model (SPEC §12.1; a ``weights.source.TensorSource``):
-    full tensors gathered on rank 0's compute thread, every rank taking part (``gather``
-    command), one bucket at a time. ``specs`` and ``tied`` were taken before sharding."""
-
-    def __init__(
-        self, model: torch.nn.Module, ranks: Ranks, compute: ComputeThread, specs: dict[str, Any], tied: dict[str, str]
-    ) -> None:
-        self.model = model
-        self.ranks = ranks
-        self.compute = compute
-        self._specs = specs
-        self._tied = tied
-        self._next: dict[str, int] | None = None
-
-    def specs(self) -> dict[str, Any]:
-        return dict(self._specs)
-
-    def announce(self, index: int, count: int, version: int) -> None:
-        """The next gather is bucket ``index`` of ``count`` of a push of ``version``: the other
-        nodes' first ranks feed their own replicas from it (SPEC §12.3, Weights)."""
-        self._next = {"index": index, "count": count, "version": version}
-
-    def tied(self) -> dict[str, str]:
-        return dict(self._tied)
-
-    def lora(self) -> dict[str, Any] | None:
-        return None  # LoRA is refused with several ranks (config check)
-
-    async def announce_reload(self, path: Any, version: int) -> None:
-        """A ``reload`` wrote ``version`` at ``path`` (on the shared file system): the other nodes'
-        first ranks have their own replicas load it."""
-        await self.compute.run(self.ranks.command, Reload(str(path), version))
-
-    def _gather(self, names: Sequence[str], push: dict[str, int] | None) -> dict[str, torch.Tensor]:
-        self.ranks.command(Gather(tuple(names), None if push is None else Push(**push)))
-        return gather_full(self.model, names)
-
-    async def gather(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        push, self._next = self._next, None
-        return await self.compute.run(self._gather, list(names), push)

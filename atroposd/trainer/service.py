@@ -110,8 +110,8 @@ class TrainerService:
         replica_generations: Callable[[], list[int | None]] | None = None,
         restart_replica: Callable[[int, str], Awaitable[bool]] | None = None,
     ) -> None:
+        from atroposd.trainer.compute import ComputeThread
         from atroposd.trainer.loop import Progress
-        from atroposd.trainer.ranks import ComputeThread
 
         self.cfg = cfg
         self.instance = instance
@@ -649,7 +649,7 @@ class TrainerService:
         """With several ranks the weight sync reads the weights gathered on the compute thread."""
         if setup.ranks.world == 1:
             return
-        from atroposd.trainer.ranks import ShardedSource
+        from atroposd.trainer.sharded_source import ShardedSource
 
         source = ShardedSource(setup.policy.model, setup.ranks, self.compute, setup.tensor_specs, setup.tied)
         inner = getattr(self.weights, "inner", self.weights)

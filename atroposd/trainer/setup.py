@@ -39,12 +39,13 @@ from atroposd.trainer.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from atroposd.trainer.fsdp import checkpoint_activations, decoder_layers
 from atroposd.trainer.group import Checkpoint
 from atroposd.trainer.learner import Learner, make_strategies
 from atroposd.trainer.model import ModelLoadError, Policy, load_policy
 from atroposd.trainer.optim import build_optimizer, build_scheduler
 from atroposd.trainer.precision import Precision, resolve_precision
-from atroposd.trainer.ranks import OneRank, Ranks, checkpoint_activations, decoder_layers
+from atroposd.trainer.ranks import OneRank, Ranks
 
 __all__ = ["Checkpointer", "ResumeError", "Setup", "build_learner", "load_for_training"]
 

@@ -33,8 +33,9 @@ import torch
 from atroposd.clargs import load_or_exit
 from atroposd.trainer.batch import prepare_batch
 from atroposd.trainer.follower import KEY_VAR, SECRET_VAR, STORE_VAR
+from atroposd.trainer.fsdp import gather_full
 from atroposd.trainer.group import Gather, Stop
-from atroposd.trainer.ranks import GroupRanks, OneRank, Ranks, gather_full
+from atroposd.trainer.ranks import GroupRanks, OneRank, Ranks
 from atroposd.trainer.setup import build_learner, load_for_training
 from tests.trainer.conftest import make_groups
 

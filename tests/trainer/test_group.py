@@ -205,7 +205,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def test_a_share_travels_as_checked_tensors() -> None:
-    from atroposd.trainer.ranks import Share, decode_share, encode_share
+    from atroposd.trainer.share import Share, decode_share, encode_share
 
     share = Share([_micro(1), _micro(2, packed=True)], 3, _micro(3), 40, 6)
     header, data = encode_share(share)

@@ -23,7 +23,7 @@ from atroposd.trainer.learner import (
     Reference,
 )
 from atroposd.trainer.model import SEGMENT_SDPA, Policy, load_policy, packed_inputs, token_scores
-from atroposd.trainer.ranks import deal
+from atroposd.trainer.share import deal
 from tests import fuzzseed
 from tests.trainer.conftest import BOS, DIGITS, EOS
 from tests.trainer.test_chunked import TOL, rel, varied_groups

@@ -195,7 +195,7 @@ def test_resume_with_another_rank_count(
 
 def test_deal_gives_every_rank_the_same_passes() -> None:
     from atroposd.trainer.batch import prepare_batch
-    from atroposd.trainer.ranks import deal
+    from atroposd.trainer.share import deal
     from tests.trainer.conftest import make_groups
 
     batch = prepare_batch(make_groups(7, n=3), micro_batch_size=8, max_token_len=64, adv_std_floor=0.1)
@@ -211,7 +211,8 @@ def test_deal_gives_every_rank_the_same_passes() -> None:
 
 
 def test_group_errors_restart_the_group_but_a_poisoned_device_ends_the_job() -> None:
-    from atroposd.trainer.ranks import Fenced, JoinTimeout, is_group_error
+    from atroposd.trainer.compute import Fenced
+    from atroposd.trainer.ranks import JoinTimeout, is_group_error
 
     assert is_group_error(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
     assert is_group_error(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 4000ms"))
