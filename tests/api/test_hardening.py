@@ -413,6 +413,28 @@ def test_token_file_from_the_config(tmp_path: Path) -> None:
     assert out.returncode == 2 and "api.token_file" in out.stderr and "empty" in out.stderr
 
 
+def test_an_api_host_off_loopback_without_a_token_warns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The API's token stays optional (unmodified atroposlib environments send none), so a host
+    others can reach without one is a warning, not an error; a token, a token file or the
+    systemd credential silences it (SPEC §12.3)."""
+    from atroposd.config import parse_toml
+
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY", raising=False)
+    warning = "api.host = '0.0.0.0' is not loopback and api.token is empty"
+    assert warning in parse_toml('[api]\nhost = "0.0.0.0"\n').warnings
+    assert not [w for w in parse_toml('[api]\nhost = "127.0.0.1"\n').warnings if "api.host" in w]
+    token_file = tmp_path / "token"
+    token_file.write_text("a-token-of-the-api-of-this-job\n")
+    token_file.chmod(0o600)
+    for extra in ('token = "a-token-of-the-api-of-this-job"\n', f'token_file = "{token_file}"\n'):
+        assert warning not in parse_toml('[api]\nhost = "0.0.0.0"\n' + extra).warnings, extra
+    creds = tmp_path / "credentials"
+    creds.mkdir()
+    (creds / "atroposd-api.token").write_text("a-token-of-the-api-of-this-job\n")
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
+    assert warning not in parse_toml('[api]\nhost = "0.0.0.0"\n').warnings
+
+
 def test_spool_fsync_reaches_the_settings() -> None:
     assert ApiSettings.from_config(ApiConfig(spool_fsync=True), "/x").spool_fsync is True
     assert ApiSettings.from_config(ApiConfig(), "/x").spool_fsync is False
