@@ -307,18 +307,52 @@ def test_random_tools_bodies_are_never_a_500(tool_server: Server) -> None:
     assert answered >= 3, f"only {answered} of 60 random bodies were answered: the fuzz reaches too little"
 
 
-def test_completion_with_logprobs_returns_the_sampled_ids(tool_server: Server) -> None:
-    status, body = tool_server.http(
-        "POST",
-        "/v1/completions",
-        {"prompt": "The sky over", "max_tokens": 5, "logprobs": 0, "temperature": 1.0, "seed": 3},
-    )
-    assert status == 200, body
-    choice = body["choices"][0]
-    assert choice["token_ids"] == choice["logprobs"]["token_ids"] and len(choice["token_ids"]) >= 1
-    assert choice["prompt_token_ids"] == body["choices"][0]["prompt_token_ids"] and choice["prompt_token_ids"]
-    status, plain = tool_server.http("POST", "/v1/completions", {"prompt": "The sky over", "max_tokens": 2})
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_logprobs_come_with_the_exact_sampled_ids(tool_server: Server, tool_model: Path, route: str) -> None:
+    """A completion or chat request with logprobs returns the sampled ids beside them: exactly
+    the tokens the logprobs belong to, in the prompt's context (the server, scoring the prompt's
+    ids followed by them, gives back each logprob), which re-encoding the text would not give."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tool_model))
+    common = {"max_tokens": 12, "temperature": 2.0, "seed": 5, "n": 4}
+    if route == "completions":
+        body: dict[str, Any] = {"prompt": "Tell me about Rome.", "logprobs": 0, **common}
+    else:
+        body = {"messages": [{"role": "user", "content": "Tell me about Rome."}], "logprobs": True, **common}
+    path = "/v1/completions" if route == "completions" else "/v1/chat/completions"
+    status, out = tool_server.http("POST", path, body)
+    assert status == 200, out
+    assert len(out["choices"]) == 4
+    retokenized = 0
+    for choice in out["choices"]:
+        ids = choice["token_ids"]
+        if route == "completions":
+            prompt = choice["prompt_token_ids"]
+            assert prompt == tok.encode("Tell me about Rome.")
+            assert choice["logprobs"]["token_ids"] == ids
+            logprobs = choice["logprobs"]["token_logprobs"]
+        else:
+            prompt = out["prompt_token_ids"]
+            assert prompt == list(
+                tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
+            )
+            assert [c["token_id"] for c in choice["logprobs"]["content"]] == ids
+            logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
+        assert len(ids) == len(logprobs) >= 1
+        retokenized += tok.encode(tok.decode(ids), add_special_tokens=False) != ids
+        status, again = tool_server.http(
+            "POST",
+            "/generate",
+            {"prompt": {"prompt_token_ids": prompt + ids}, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 2.0},
+        )
+        assert status == 200, again
+        scored = [float(again["prompt_logprobs"][len(prompt) + k][str(t)]) for k, t in enumerate(ids)]
+        assert np.allclose(scored, logprobs, atol=1e-4), (scored, logprobs)
+    assert retokenized, "re-encoding the sampled text gives the same tokens: the test could not see a re-tokenization"
+    status, plain = tool_server.http("POST", path, {k: v for k, v in body.items() if k != "logprobs"})
     assert status == 200 and "token_ids" not in plain["choices"][0], "asked for neither: the plain OpenAI shape"
+    assert "prompt_token_ids" not in plain and "prompt_token_ids" not in plain["choices"][0]
 
 
 @pytest.mark.atroposlib
