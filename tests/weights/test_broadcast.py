@@ -392,13 +392,15 @@ async def test_a_replica_that_never_arrives_costs_the_formation_deadline_and_not
     form_timeout = 2.0
     sync = bcast(pair, pair.servers, form_timeout=form_timeout)
     real = sync.hub.join_request
+    strays: list[str] = []
 
     def elsewhere(prefix: str, **kw: Any) -> dict[str, Any]:
         req = real(prefix, **kw)
         if "/r1/" not in prefix:
             return req
         # a valid formation of this launch, but not the one the trainer waits on
-        return {**req, "prefix": prefix.replace("/r1/", "/r1-elsewhere/"), "deadline_s": 30.0, "timeout_s": 30.0}
+        strays.append(prefix.replace("/r1/", "/r1-elsewhere/"))
+        return {**req, "prefix": strays[-1], "deadline_s": 30.0, "timeout_s": 30.0}
 
     try:
         sync.hub.join_request = elsewhere  # type: ignore[method-assign]
@@ -418,6 +420,11 @@ async def test_a_replica_that_never_arrives_costs_the_formation_deadline_and_not
         assert sync.replica_versions() == [40, None]
         assert_bit_for_bit(sync, model, [0])
         await asyncio.to_thread(assert_serves, pair.servers[0], model, 40)
+        # the replica still waits in the other formation: it is formed from here and dropped, so
+        # its server is not held until its own deadline
+        assert len(strays) == 1
+        stray = await asyncio.to_thread(sync.hub.form, strays[0], deadline_s=10.0, timeout_s=10.0)
+        stray.close()
 
         sync.hub.join_request = real  # type: ignore[method-assign]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -502,6 +509,8 @@ async def test_a_replica_killed_mid_broadcast_is_skipped_and_catches_up(tiny_dir
 
             source.on_gather = None
             back = replicas.start()  # the restarted replica (the daemon keeps its socket path)
+            status, info = await asyncio.to_thread(back.control, "GET", "/weight_info")
+            assert status == 200 and info["awaiting_weights"] and info["paused"], info  # it serves nothing yet
             sync.replicas[1].socket = back.socket
             await sync.reattach(model, 5, 1)
             assert_bit_for_bit(sync, model, [1])
