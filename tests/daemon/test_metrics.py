@@ -328,6 +328,14 @@ def test_token_protected_series_need_the_metrics_token() -> None:
     assert wrong[0] == 401
     assert api_hits == ["Bearer " + "a" * 24]  # fetched once, with the API's token, for the good scrape
 
+    async def good_first(view: View) -> list[tuple[int, str]]:
+        async with counting_child(api_port, []), counting_child(inference_port, []), daemon_metrics(view, port):
+            return [await _get(port, {"Authorization": "Bearer " + "m" * 24}), await _get(port)]
+
+    # within the cache's second: the page gathered for the token is not the one a plain scrape gets
+    good, plain = anyio.run(good_first, _token_view(api_port, inference_port, metrics_token="m" * 24))
+    assert 'component="api",' in good[1] and plain[0] == 200 and 'component="api",' not in plain[1]
+
     api_hits.clear()
     plain, good, wrong = anyio.run(main, _token_view(api_port, inference_port))
     assert plain[0] == 200 and 'component="api",' not in plain[1]
