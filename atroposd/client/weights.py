@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import http.client
 import os
-import shutil
 import socket
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,10 +22,9 @@ from typing import Any
 
 import orjson
 
-__all__ = ["InferenceControl", "WeightsError"]
+from atroposd.weights.syncdir import prune_sync_dirs, write_tensors
 
-SYNC_FORMAT = "atroposd-sync-1"  # atroposd.weights.receiver.SYNC_FORMAT (that module needs torch)
-SYNC_WEIGHTS_FILE = "model.safetensors"
+__all__ = ["InferenceControl", "WeightsError"]
 
 
 MAX_ANSWER_BYTES = 16 << 20  # the inference server's control answers are small JSON documents
@@ -121,41 +119,14 @@ class InferenceControl:
     def write(self, tensors: Mapping[str, Any], weight_version: int, *, tied: Mapping[str, str] | None = None) -> Path:
         """Write ``{sync_dir}/v<weight_version>/model.safetensors`` from ``{name: array}`` (numpy
         or torch, the model's parameter names; ``tied``: alias name → the name it shares memory
-        with). Atomic (a temporary directory renamed); files 0600."""
-        meta = {
-            "format": SYNC_FORMAT,
-            "weight_version": str(weight_version),
-            "tied": orjson.dumps(dict(tied or {})).decode(),
-        }
-        self.sync_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        final = self.sync_dir / f"v{weight_version}"
-        tmp = self.sync_dir / f".tmp-v{weight_version}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(mode=0o700)
-        try:
-            file = tmp / SYNC_WEIGHTS_FILE
-            first = next(iter(tensors.values()), None)
-            if first is not None and type(first).__module__.startswith("torch"):
-                from safetensors.torch import save_file as save_torch
-
-                save_torch({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(file), metadata=meta)
-            else:
-                import numpy as np
-                from safetensors.numpy import save_file as save_numpy
-
-                save_numpy({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(file), metadata=meta)
-            os.chmod(file, 0o600)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return final
+        with). Atomic (a temporary directory renamed); files 0600. The writer is the trainer's own
+        (:mod:`atroposd.weights.syncdir`)."""
+        return write_tensors(self.sync_dir, weight_version, tensors, tied=tied)
 
     def publish(self, model: Any, weight_version: int) -> dict[str, Any]:
         """Write a torch module's weights (``atroposd.weights.reload``: canonical tensors, tied
         aliases, LoRA adapters) and load them; older version directories are removed."""
-        from atroposd.weights.reload import prune_sync_dirs, write_sync_dir
+        from atroposd.weights.reload import write_sync_dir
 
         path = write_sync_dir(model, self.sync_dir, weight_version)
         answer = self.load(path, weight_version)

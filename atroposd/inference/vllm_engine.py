@@ -401,15 +401,14 @@ class VllmEngine(WeightGate):
     async def load_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """``{"path", "weight_version"}``: load a directory the trainer wrote (reload mode)."""
         from atroposd.weights.manifest import ManifestError
-        from atroposd.weights.receiver import inspect_sync_dir
+        from atroposd.weights.syncdir import inspect_sync_dir
         from atroposd.weights.tensors import match_tensors
 
         if not isinstance(request.get("path"), str):
             raise WeightUpdateError("request is missing 'path'")
         self._require_paused()
-        file, version, exported, tied, lora = inspect_sync_dir(
-            request["path"], request.get("weight_version"), self.receiver
-        )
+        within = self.receiver.sync_dir if self.receiver is not None else None
+        file, version, exported, tied, lora = inspect_sync_dir(request["path"], request.get("weight_version"), within)
         if lora is not None:
             return await self._load_adapter(file.parent, version, lora)
         if self.lora_rank is not None:

@@ -106,14 +106,9 @@ class AtroposdWorkerExtension:
     def atroposd_reload_from_file(self, path: str) -> str:
         """Reload from a ``model.safetensors`` written by the trainer (``reload`` mode), or from
         the shards a ``model.safetensors.index.json`` lists."""
-        from safetensors import safe_open
+        from atroposd.weights.syncdir import read_tensors
 
-        from atroposd.weights.receiver import sync_shards
-
-        weights: list[tuple[str, Any]] = []
-        for shard, names in sync_shards(Path(path)).items():
-            with safe_open(str(shard), framework="pt", device="cpu") as f:
-                weights.extend((k, f.get_tensor(k)) for k in names)
+        weights: list[tuple[str, Any]] = list(read_tensors(Path(path)))
         total = sum(t.numel() * t.element_size() for _, t in weights)
         self._atroposd_reload(weights)
         return orjson.dumps({"tensors": len(weights), "bytes": total}).decode()

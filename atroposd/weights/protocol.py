@@ -1,7 +1,7 @@
-"""What both sides of a weight exchange share, torch-free: the layout of a ``reload`` sync
-directory (written by :mod:`atroposd.weights.reload` on the trainer's side, read by
-:mod:`atroposd.weights.receiver` on the server's) and the error a refused update raises, so
-that the inference front can name it in its ``except`` clauses without importing torch."""
+"""What both sides of a weight exchange share, torch-free: the names of a ``reload`` sync
+directory's files (written and read by :mod:`atroposd.weights.syncdir` only, for every writer
+and reader) and the error a refused update raises, so that the inference front can name it in
+its ``except`` clauses without importing torch."""
 
 from __future__ import annotations
 

@@ -38,7 +38,8 @@ Requests
     {"path": "<state_dir>/sync/v17", "weight_version": 17}         # both required
 
 reads ``model.safetensors`` of a directory written by the trainer (``reload`` mode), or the
-shards that ``model.safetensors.index.json`` lists (several trainer ranks).
+shards that ``model.safetensors.index.json`` lists (several trainer ranks), checked and read
+through :mod:`atroposd.weights.syncdir`.
 
 Every request is validated completely before any model memory is touched: manifest
 provenance (nonce, live exporter pid + start time, owner, mode), dtypes (allow-list, equal
@@ -58,18 +59,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
 import torch
 
 from atroposd.logs import get_logger
+from atroposd.weights import syncdir
 from atroposd.weights.manifest import Manifest, ManifestError, TensorSpec
-from atroposd.weights.protocol import (
-    SYNC_FORMAT,
-    SYNC_INDEX_FILE,
-    SYNC_WEIGHTS_FILE,
-    WeightUpdateError,
-)
+from atroposd.weights.protocol import WeightUpdateError
 from atroposd.weights.shm import ShmError, ShmSegment
+from atroposd.weights.syncdir import read_tensors, sync_shards
 from atroposd.weights.tensors import (
     ModelTensors,
     checksum,
@@ -676,126 +673,13 @@ def _inside(t: torch.Tensor, buf: torch.Tensor | None) -> bool:
 def inspect_sync_dir(
     path: str | os.PathLike[str], weight_version: int | None, state: ReceiverState | None
 ) -> tuple[Path, int, dict[str, TensorSpec], dict[str, str], dict[str, Any] | None]:
-    """Check a reload directory without loading tensors.
+    """Check a reload directory without loading tensors (:func:`atroposd.weights.syncdir.inspect_sync_dir`).
 
-    Returns (file, weight_version, exported tensor specs, tied aliases, LoRA spec or None);
-    ``file`` is ``model.safetensors``, or ``model.safetensors.index.json`` for a directory
-    written in shards (:func:`sync_shards` lists them). With ``state``, the directory must lie
-    in ``state.sync_dir``; its ``weight_version`` must equal ``weight_version`` when that is
-    given.
+    With ``state``, the directory must lie in ``state.sync_dir``; its ``weight_version`` must
+    equal ``weight_version`` when that is given.
     """
-    directory = Path(path)
-    if state is not None and state.sync_dir is not None:
-        real = Path(os.path.realpath(directory))
-        root = Path(os.path.realpath(state.sync_dir))
-        if root not in real.parents:
-            raise WeightUpdateError(f"{directory} is not inside the sync directory {state.sync_dir}")
-    file, index = directory / SYNC_WEIGHTS_FILE, directory / SYNC_INDEX_FILE
-    if index.is_file():
-        if file.exists():
-            raise WeightUpdateError(
-                f"{directory} holds both {SYNC_WEIGHTS_FILE} and {SYNC_INDEX_FILE}: which one "
-                "holds the weights is ambiguous"
-            )
-        return _inspect_index(index, weight_version)
-    if not file.is_file():
-        raise WeightUpdateError(f"{file} does not exist")
-    meta, exported = _inspect_file(file)
-    try:
-        version = int(meta["weight_version"])
-        tied = orjson.loads(meta.get("tied", "{}"))
-        lora = orjson.loads(meta["lora"]) if meta.get("lora") else None
-    except (KeyError, ValueError, orjson.JSONDecodeError) as exc:
-        raise WeightUpdateError(f"{file}: bad metadata ({exc!r})") from None
-    _check_version(file, version, weight_version)
-    return file, version, exported, tied, lora
-
-
-def _check_version(file: Path, version: int, wanted: int | None) -> None:
-    if wanted is not None and version != wanted:
-        raise WeightUpdateError(
-            f"{file} holds weight_version {version}, the request says {wanted}: stale weights refused"
-        )
-
-
-def _inspect_file(file: Path) -> tuple[dict[str, str], dict[str, TensorSpec]]:
-    """One safetensors file of a sync directory: its metadata (format checked) and tensor specs."""
-    from safetensors import safe_open
-
-    try:
-        handle = safe_open(str(file), framework="pt", device="cpu")
-    except Exception as exc:  # safetensors raises its own error types for a damaged file
-        raise WeightUpdateError(f"cannot read {file}: {exc}") from None
-    with handle as f:
-        meta = f.metadata() or {}
-        if meta.get("format") != SYNC_FORMAT:
-            raise WeightUpdateError(f"{file} is not an atroposd sync file (format {meta.get('format')!r})")
-        exported: dict[str, TensorSpec] = {}
-        for key in f.keys():
-            sl = f.get_slice(key)
-            exported[key] = TensorSpec(_st_dtype(sl.get_dtype(), key), tuple(sl.get_shape()))
-    return meta, exported
-
-
-def _read_index(index: Path) -> tuple[dict[str, Any], dict[str, str]]:
-    """The index's metadata and weight map (tensor → shard file name), checked for shape."""
-    try:
-        data = orjson.loads(index.read_bytes())
-    except (OSError, orjson.JSONDecodeError) as exc:
-        raise WeightUpdateError(f"cannot read {index}: {exc}") from None
-    meta = data.get("metadata") if isinstance(data, dict) else None
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(meta, dict) or not isinstance(weight_map, dict):
-        raise WeightUpdateError(f"{index} must be an object with 'metadata' and 'weight_map'")
-    if meta.get("format") != SYNC_FORMAT:
-        raise WeightUpdateError(f"{index} is not an atroposd sync index (format {meta.get('format')!r})")
-    for name, fname in weight_map.items():
-        if not isinstance(fname, str) or "/" in fname or fname in ("", ".", "..") or not fname.endswith(".safetensors"):
-            raise WeightUpdateError(f"{index}: tensor {name!r} maps to {fname!r}, not a shard file of the directory")
-    return meta, weight_map
-
-
-def sync_shards(file: Path) -> dict[Path, list[str]]:
-    """The safetensors files of a sync directory and the tensors each holds: ``file`` itself
-    (every tensor it holds) or, for an index, its shards in order."""
-    if file.name != SYNC_INDEX_FILE:
-        from safetensors import safe_open
-
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            return {file: list(f.keys())}
-    _meta, weight_map = _read_index(file)
-    shards: dict[Path, list[str]] = {}
-    for name, fname in weight_map.items():
-        shards.setdefault(file.parent / fname, []).append(name)
-    return dict(sorted(shards.items()))
-
-
-def _inspect_index(
-    index: Path, weight_version: int | None
-) -> tuple[Path, int, dict[str, TensorSpec], dict[str, str], dict[str, Any] | None]:
-    meta, _ = _read_index(index)
-    version, tied, lora = meta.get("weight_version"), meta.get("tied", {}), meta.get("lora")
-    if isinstance(version, bool) or not isinstance(version, int):
-        raise WeightUpdateError(f"{index}: weight_version must be an integer, got {version!r}")
-    if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
-        raise WeightUpdateError(f"{index}: 'tied' must map tensor names to tensor names")
-    if lora is not None and not isinstance(lora, dict):
-        raise WeightUpdateError(f"{index}: 'lora' must be an object or null")
-    _check_version(index, version, weight_version)
-    exported: dict[str, TensorSpec] = {}
-    for shard, names in sync_shards(index).items():
-        if not shard.is_file():
-            raise WeightUpdateError(f"{shard}, listed in {index.name}, does not exist")
-        meta_s, specs = _inspect_file(shard)
-        if meta_s.get("weight_version") != str(version):
-            raise WeightUpdateError(
-                f"{shard} holds weight_version {meta_s.get('weight_version')}, its index "
-                f"{version}: a shard of another sync"
-            )
-        if set(specs) != set(names):
-            raise WeightUpdateError(f"{shard} holds {sorted(specs)}; {index.name} lists {sorted(names)}")
-        exported.update(specs)
-    return index, version, exported, tied, lora
+    within = state.sync_dir if state is not None else None
+    return syncdir.inspect_sync_dir(path, weight_version, within)
 
 
 def load_dir(
@@ -812,8 +696,6 @@ def load_dir(
     when given) and ``tied``. With ``state``, the directory must lie in ``state.sync_dir``.
     Every tensor is checked before any is copied; one tensor is read at a time.
     """
-    from safetensors import safe_open
-
     file, version, exported, tied, lora = inspect_sync_dir(path, weight_version, state)
     try:
         ensure_lora(model, lora)
@@ -827,25 +709,14 @@ def load_dir(
     for mine, src in source.items():
         into.setdefault(src, []).append(mine)
     total = 0
-    for shard, names in sync_shards(file).items():
-        with safe_open(str(shard), framework="pt", device="cpu") as f, torch.no_grad():
-            for src in names:
-                if src not in into:
-                    continue
-                t = f.get_tensor(src)
-                for mine in into[src]:
-                    mt.tensors[mine].copy_(t)
-                total += t.numel() * t.element_size()
-                del t
+    with torch.no_grad():
+        for src, t in read_tensors(file, into):
+            for mine in into[src]:
+                mt.tensors[mine].copy_(t)
+            total += t.numel() * t.element_size()
+            del t
     if state is not None:
         state.weight_version = version
         state.buckets = None
     log.info("weights loaded", path=str(file.parent), weight_version=version, tensors=len(source), bytes=total)
     return {"weight_version": version, "mode": "load", "tensors": len(source), "bytes": total, "export_id": None}
-
-
-def _st_dtype(name: str, key: str) -> str:
-    mapping = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-    if name not in mapping:
-        raise WeightUpdateError(f"tensor {key!r}: dtype {name} is not allowed (allowed: float32, bfloat16, float16)")
-    return mapping[name]
