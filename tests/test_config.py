@@ -157,3 +157,13 @@ def test_weight_sync_auto_resolution() -> None:
     assert parse_toml("").weight_sync == "shared"
     assert parse_toml('[inference]\nengine = "vllm"\n').weight_sync == "push"
     assert parse_toml('[inference]\nengine = "vllm"\n[trainer]\nmode = "lora"\n').weight_sync == "reload"
+
+
+def test_an_env_entry_that_is_not_a_table_is_named_and_the_others_keep_their_index() -> None:
+    text = 'env = [1, {name = "a", builtin = "arithmetic"}, {name = "a", builtin = "nope"}]\n'
+    with pytest.raises(ConfigError) as info:
+        parse_toml(text)
+    rendered = [str(p) for p in info.value.problems]
+    assert any(p.startswith("env[0]:") and "must be a table" in p for p in rendered), rendered
+    assert any(p.startswith("env[2].name:") and "also env[1]" in p for p in rendered), rendered
+    assert any(p.startswith("env[2].builtin:") for p in rendered), rendered

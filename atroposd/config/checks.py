@@ -407,8 +407,14 @@ def _token_files(c: Checking) -> None:
 
 
 def _environments(c: Checking) -> None:
-    """Every ``[[env]]`` in turn, each through every rule of ``ENV_CHECKS``."""
-    for i, e in enumerate(c.cfg.env):
+    """Every ``[[env]]`` in turn, each through every rule of ``ENV_CHECKS``, named by its index in
+    the file (an entry that is not a table was refused while loading and has no environment)."""
+    raw = c.raw.get("env")
+    if isinstance(raw, list):
+        indexes = [j for j, item in enumerate(raw) if isinstance(item, Mapping)]
+    else:
+        indexes = list(range(len(c.cfg.env)))
+    for i, e in zip(indexes, c.cfg.env, strict=False):
         for check in ENV_CHECKS:
             check(c, i, e)
 
