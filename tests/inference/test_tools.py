@@ -25,7 +25,7 @@ from atroposd.inference import tools
 from atroposd.inference.schema import BadRequest
 from tests import fuzzseed
 from tests.inference.conftest import Server, start_server
-from tests.models.toolmodel import PROMPT, SYSTEM, TOOL_RESULT, TOOLS, check_round_trip
+from tests.models.toolmodel import PROMPT, SYSTEM, TOOL_CALL, TOOL_RESULT, TOOLS, check_round_trip
 from tests.support import atroposd, config_problems, stop_process, write_config
 
 # ---------------------------------------------------------------------------- requests and parsers
@@ -305,6 +305,54 @@ def test_random_tools_bodies_are_never_a_500(tool_server: Server) -> None:
     """Random tools bodies on the torch engine: 200 or 400, never 500 (fuzzseed: --fuzz-seed N replays a run)."""
     answered = post_random_tools_bodies(tool_server.url, fuzzseed.rng("inference-tools"))
     assert answered >= 3, f"only {answered} of 60 random bodies were answered: the fuzz reaches too little"
+
+
+@pytest.mark.atroposlib
+def test_tool_calls_through_atroposlibs_openai_class(tool_server: Server, tool_model: Path) -> None:
+    """An agent environment of the openai type calls tools as hermes-agent's do: ServerManager's
+    chat_completion with tools, n = 2, after the class's own health check (a one-token chat
+    completion); every choice comes back as the model's call."""
+    pytest.importorskip("atroposlib")
+    from atroposlib.envs.server_handling.server_baseline import APIServerConfig
+    from atroposlib.envs.server_handling.server_manager import ServerManager
+
+    from tests.inference.test_server_types import _close, _metrics
+
+    probe = ("atroposd_inference_probes_total", (("outcome", "ok"), ("route", "chat")))
+    probes_before = _metrics(tool_server)[probe]
+    manager = ServerManager(
+        configs=[
+            APIServerConfig(
+                server_type="openai",
+                base_url=tool_server.url + "/v1",
+                model_name=str(tool_model),
+                api_key="x",
+                timeout=60,
+                num_requests_for_eval=0,
+            )
+        ]
+    )
+
+    async def run() -> Any:
+        try:
+            return await manager.chat_completion(messages=_question(), tools=TOOLS, n=2, temperature=0.0)
+        finally:
+            for srv in manager.servers:
+                task = getattr(srv, "check_task", None)
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+            await _close(manager)
+
+    reply = asyncio.run(run())
+    assert _metrics(tool_server)[probe] > probes_before, "the class's health check came first"
+    assert len(reply.choices) == 2
+    for choice in reply.choices:
+        assert choice.finish_reason == "tool_calls", choice
+        calls = choice.message.tool_calls
+        assert calls is not None and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+            (TOOL_CALL["name"], TOOL_CALL["arguments"])
+        ]
 
 
 @pytest.mark.parametrize("route", ["completions", "chat"])
