@@ -364,6 +364,53 @@ async def test_torch_engine_answers_a_probe_ahead_of_queued_rollouts(engine: Tor
             assert len(ids) == 4 and max(abs(a - b) for a, b in zip(got, ref, strict=True)) < 2e-3
 
 
+@pytest.mark.anyio
+async def test_a_scoring_request_riding_as_a_probe_keeps_its_prompt_logprobs(engine: TorchEngine) -> None:
+    """atroposlib's get_logprobs (a teacher's scores) asks /generate for prompt_logprobs with
+    max_tokens = 1: a probe by its size. Riding on queued rollouts' batch, with prompts longer
+    and shorter than theirs, each gets the prompt logprobs and the token it gets alone."""
+    from tests.inference.test_torch_engine import reference_logprobs
+
+    prompts = {"long": [*PROMPT, 6, 15, 5, 17, 8, 16, 9, 17], "short": [BOS_ID, 9, 17]}
+
+    def scoring(ids: list[int]) -> dict[str, Any]:
+        return {"prompt": {"prompt_token_ids": ids}, "max_tokens": 1, "prompt_logprobs": 2, "temperature": 0.0}
+
+    alone = {name: await engine.generate(scoring(ids)) for name, ids in prompts.items()}
+    answers: dict[str, dict[str, Any]] = {}
+
+    async def run(name: str, body: dict[str, Any]) -> None:
+        answers[name] = await engine.generate(body)
+
+    rollout = {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 4, "ignore_eos": True}
+    batches = engine.batches
+    async with engine._compute:  # the model is busy: what arrives now queues
+        first = asyncio.create_task(run("first", {**rollout, "n": 3}))
+        for _ in range(10_000):
+            if engine._last_rows == 3 and not engine._queue:
+                break
+            await asyncio.sleep(0.001)
+        queued = [asyncio.create_task(run(f"rollout{i}", {**rollout, "n": 2})) for i in range(2)]
+        queued += [asyncio.create_task(run(name, scoring(ids))) for name, ids in prompts.items()]
+        for _ in range(10_000):
+            if len(engine._queue) == 4:
+                break
+            await asyncio.sleep(0.001)
+    await asyncio.wait_for(asyncio.gather(first, *queued), 60)
+    assert engine.batches - batches == 2, "the scoring requests rode on the rollouts' batch"
+    for name, ids in prompts.items():
+        got, want = answers[name], alone[name]
+        assert got["token_ids"] == want["token_ids"]
+        assert got["prompt_logprobs"][0] is None and len(got["prompt_logprobs"]) == len(ids)
+        for entry, ref in zip(got["prompt_logprobs"][1:], want["prompt_logprobs"][1:], strict=True):
+            assert entry.keys() == ref.keys() and all(abs(entry[k] - ref[k]) < 1e-5 for k in ref), (name, entry, ref)
+        # and they are the model's: the actual prompt token's logprob at each position
+        actual = [float(e[str(t)]) for e, t in zip(got["prompt_logprobs"][1:], ids[1:], strict=True)]
+        assert (
+            max(abs(a - b) for a, b in zip(actual, reference_logprobs(engine.model, ids, 1, 1.0), strict=True)) < 2e-3
+        )
+
+
 # ---------------------------------------------------------------------------- atroposlib's classes
 
 
