@@ -11,6 +11,7 @@ import dataclasses
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -235,3 +236,39 @@ async def test_the_endpoint_binds_cluster_bind_never_every_interface(cfg: Cluste
             bind_address(dataclasses.replace(cfg, head=name))
     else:
         assert bind_address(dataclasses.replace(cfg, head=name)) == resolved
+
+
+async def test_the_trainer_ranks_store_binds_the_endpoints_address(token_file: Path, tmp_path: Path) -> None:
+    """The head's trainer-group store (``cluster.port + 1``) listens where the endpoint does —
+    ``[cluster] bind``, by default the address ``head`` resolves to on this host — never on every
+    interface (before: every interface whenever the head was not a loopback address)."""
+    import anyio
+
+    from atroposd.daemon.cluster import HeadLink
+    from tests.cluster.test_links import Host, node_config
+    from tests.support import free_port_pair
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # sends nothing: the address of this host's default route
+        except OSError:
+            pytest.skip("this host has no address but loopback")
+        own = probe.getsockname()[0]
+    if own.startswith("127."):
+        pytest.skip("this host has no address but loopback")
+    port = free_port_pair()
+    cfg = node_config(token_file, tmp_path, port, 0)
+    cfg.cluster = dataclasses.replace(cfg.cluster, head=own)  # a head others reach, [cluster] bind unset
+    async with anyio.create_task_group() as tg:
+        store = await HeadLink(Host(cfg, tg)).group_store(world=2)
+        try:
+            listening = {
+                (c.laddr.ip, c.laddr.port)
+                for c in psutil.Process().net_connections(kind="tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == port + 1
+            }
+            assert listening == {(own, port + 1)}, listening
+            with pytest.raises(OSError):  # not on loopback: not every interface
+                await asyncio.open_connection("127.0.0.1", port + 1)
+        finally:
+            store.close()
