@@ -150,9 +150,11 @@ class HeadLink:
 
         c = self.daemon.cfg.cluster
         bind = bind_address(c)
+        # this node reaches it where it listens (``head`` may resolve elsewhere here: to 127.0.1.1)
+        here = c.head if bind in ("0.0.0.0", "::") else bind
         secret, key = self.store_secret, self.store_key
         return await anyio.to_thread.run_sync(
-            lambda: GroupStore(secret=secret, world=world, host=bind, port=c.port + 1, advertise=c.head, key=key)
+            lambda: GroupStore(secret=secret, world=world, host=bind, port=c.port + 1, advertise=here, key=key)
         )
 
     def _check_join(self, msg: Join) -> str | None:

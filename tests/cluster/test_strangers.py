@@ -272,3 +272,35 @@ async def test_the_trainer_ranks_store_binds_the_endpoints_address(token_file: P
                 await asyncio.open_connection("127.0.0.1", port + 1)
         finally:
             store.close()
+
+
+async def test_the_trainer_ranks_store_forms_on_a_bind_other_than_the_heads_name(
+    token_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``[cluster] bind`` set to another address than ``head`` resolves to on the head (a head
+    whose name is 127.0.1.1 in its own /etc/hosts): the store listens there only, and the head
+    and its own ranks reach it there (before: the store's own client dialled ``head`` and the
+    start hung until the store's timeout)."""
+    import anyio
+
+    from atroposd.daemon.cluster import HeadLink
+    from atroposd.trainer import group
+    from tests.cluster.test_links import Host, node_config
+    from tests.support import free_port_pair
+
+    monkeypatch.setattr(group, "STORE_TIMEOUT_S", 10.0)  # a store that cannot reach itself fails soon
+    port = free_port_pair()
+    cfg = node_config(token_file, tmp_path, port, 0)  # head = 127.0.0.1
+    cfg.cluster = dataclasses.replace(cfg.cluster, bind="127.0.0.3")
+    async with anyio.create_task_group() as tg:
+        store = await HeadLink(Host(cfg, tg)).group_store(world=2)
+        try:
+            assert store.address == f"127.0.0.3:{port + 1}"
+            listening = {
+                (c.laddr.ip, c.laddr.port)
+                for c in psutil.Process().net_connections(kind="tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == port + 1
+            }
+            assert listening == {("127.0.0.3", port + 1)}, listening
+        finally:
+            store.close()
