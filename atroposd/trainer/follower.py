@@ -1,7 +1,7 @@
 """``atroposd trainer-rank``: trainer ranks 1..N-1 (SPEC §12.1), supervised children of the daemon.
 
-A rank joins the process group through the daemon's store (``ATROPOSD_TRAINER_STORE`` =
-host:port; the group generation and the store prefix come from the store itself, so every
+A rank joins the process group through the daemon's store (``ATROPOSD_TRAINER_STORE``: the
+path of its file on one machine, host:port with several; the group generation and the store prefix come from the store itself, so every
 (re)formed group uses a fresh prefix), loads and shards the same model as rank 0 (and the same
 checkpoint), then does what rank 0 tells it, command by command: typed, MACed commands
 (:mod:`.group`) looked up in one dispatch table (``Follower``): a step's passes, the optimizer
@@ -15,7 +15,6 @@ process with exit 1: the daemon restarts the whole group from the last complete 
 
 from __future__ import annotations
 
-import datetime
 import os
 import threading
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from atroposd.trainer.group import (
     Gather,
     Reload,
     Stop,
+    connect_store,
     generation_key,
     key_from_env,
     store_keys,
@@ -55,15 +55,6 @@ TEST_HANG_VAR = "ATROPOSD_TEST_RANK_HANG"
 SECRET_VAR = "ATROPOSD_TRAINER_SECRET"
 # At its end a rank waits this long for its checkpoint shards still being written.
 SHARDS_FINISH_S = 60.0
-
-
-def connect_store(address: str, timeout: float) -> Any:
-    import torch.distributed as dist
-
-    host, _, port = address.rpartition(":")
-    return dist.TCPStore(
-        host.strip("[]"), int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout), use_libuv=False
-    )
 
 
 @dataclass

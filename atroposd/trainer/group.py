@@ -15,8 +15,13 @@ generation's prefix and the command's sequence number, so a value written by any
 replayed from another generation or another position, is refused (:class:`BadCommand`). Nothing
 a rank receives is unpickled.
 
-``GroupStore`` binds a socket itself (loopback on one node) and hands it to a c10d TCPStore
-(``master_listen_fd``): a TCPStore given 127.0.0.1 would otherwise listen on every interface.
+Where the store is (``GroupStore``): with every rank on this machine (no port given), a c10d
+FileStore in a private directory (mode 0700, made for the store; each file 0600), one file per
+group generation — a (re)formed group gets a fresh file and the previous one is removed; the
+directory goes when the store closes. Only this user can reach it: the ranks find it by its path
+(``address``). With several machines (a port given), a TCPStore on a socket the daemon binds
+itself and hands over (``master_listen_fd``): a TCPStore given 127.0.0.1 would otherwise listen
+on every interface.
 """
 
 from __future__ import annotations
@@ -25,9 +30,13 @@ import datetime
 import hashlib
 import hmac
 import json
+import os
 import secrets
+import shutil
 import socket
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 __all__ = [
@@ -46,6 +55,7 @@ __all__ = [
     "Reload",
     "Stop",
     "command_key",
+    "connect_store",
     "decode_command",
     "encode_command",
     "generation_key",
@@ -321,7 +331,11 @@ def decode_command(value: bytes, *, key: bytes, prefix: str, seq: int) -> Comman
 
 @dataclass
 class GroupStore:
-    """The daemon's side of the store: generations, the join check, and the group's key."""
+    """The daemon's side of the store: generations, the join check, and the group's key.
+
+    No ``port`` and no ``advertise`` (every rank on this machine): a FileStore per generation in a
+    private directory made under ``directory`` (the system's temporary directory by default).
+    A ``port`` (several machines): the TCPStore on ``host``:``port``."""
 
     secret: str
     world: int
@@ -330,10 +344,18 @@ class GroupStore:
     advertise: str | None = None
     # the ranks' command key: given (several machines: derived from the cluster token) or fresh
     key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
+    # one machine: where the store's private directory is made
+    directory: str | Path | None = None
     store: Any = field(init=False, default=None, repr=False)
     generation: int = field(init=False, default=0)
+    # one machine: the private directory and the current generation's file
+    private_dir: Path | None = field(init=False, default=None)
+    path: Path | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
+        if self.local:
+            self.private_dir = Path(tempfile.mkdtemp(prefix="atroposd-trainer-store-", dir=self.directory))
+            return
         import torch.distributed as dist
 
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
@@ -362,15 +384,42 @@ class GroupStore:
         sock.detach()
 
     @property
+    def local(self) -> bool:
+        """Every rank on this machine: the store is a file only this user can reach."""
+        return self.port == 0 and self.advertise is None
+
+    @property
     def address(self) -> str:
+        """Where the ranks find the store: the current generation's file (one machine), or
+        ``host:port``."""
+        if self.local:
+            if self.path is None:
+                raise RuntimeError("the trainer group's store has no generation yet (next_generation)")
+            return str(self.path)
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
 
     def next_generation(self) -> str:
-        """Start a new group generation; returns its store prefix."""
+        """Start a new group generation; returns its store prefix. One machine: in a fresh file,
+        the previous generation's removed."""
         self.generation += 1
+        if self.local:
+            self._next_file()
         self.store.set(generation_key(self.secret), str(self.generation))
         return store_keys(self.secret, self.generation)
+
+    def _next_file(self) -> None:
+        import torch.distributed as dist
+
+        if self.private_dir is None:
+            raise RuntimeError("the trainer group's store is closed")
+        path = self.private_dir / f"g{self.generation}"
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # ours, before torch opens it
+        store = dist.FileStore(str(path), -1)
+        store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        old, self.store, self.path = self.path, store, path
+        if old is not None:
+            old.unlink(missing_ok=True)
 
     def joined(self, rank: int) -> bool:
         """Has ``rank`` joined the current generation's process group?"""
@@ -378,6 +427,26 @@ class GroupStore:
 
     def close(self) -> None:
         self.store = None
+        self.path = None
+        if self.private_dir is not None:
+            shutil.rmtree(self.private_dir, ignore_errors=True)
+            self.private_dir = None
+
+
+def connect_store(address: str, timeout: float) -> Any:
+    """A rank's client of the group's store at ``address`` (a generation's file, or host:port)."""
+    import torch.distributed as dist
+
+    if address.startswith("/"):
+        if not os.path.isfile(address):  # the group was re-formed or closed meanwhile
+            raise FileNotFoundError(f"the trainer group's store {address} is gone")
+        store = dist.FileStore(address, -1)
+        store.set_timeout(datetime.timedelta(seconds=timeout))
+        return store
+    host, _, port = address.rpartition(":")
+    return dist.TCPStore(
+        host.strip("[]"), int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout), use_libuv=False
+    )
 
 
 def joined(store: Any, secret: str, generation: int, rank: int) -> bool:

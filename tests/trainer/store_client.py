@@ -3,7 +3,7 @@ lists the keys, finds the newest command key of each prefix and writes at the ne
 a pickle that would create MARKER when unpickled, a JSON command without the group's key, and a
 replay of the newest command's own value; each stays a moment so that a waiting rank reads it.
 
-    python -m tests.trainer.store_client HOST:PORT MARKER
+    python -m tests.trainer.store_client HOST:PORT|STORE_FILE MARKER
 """
 
 from __future__ import annotations
@@ -28,8 +28,12 @@ def main() -> int:
     import torch.distributed as dist
 
     address, marker = sys.argv[1], sys.argv[2]
-    host, _, port = address.rpartition(":")
-    store = dist.TCPStore(host, int(port), is_master=False, use_libuv=False, timeout=datetime.timedelta(seconds=10))
+    if address.startswith("/"):  # one machine: the store's file (this client runs as the same user)
+        store = dist.FileStore(address, -1)
+        store.set_timeout(datetime.timedelta(seconds=10))
+    else:
+        host, _, port = address.rpartition(":")
+        store = dist.TCPStore(host, int(port), is_master=False, use_libuv=False, timeout=datetime.timedelta(seconds=10))
     newest: dict[str, int] = {}
     for key in store.list_keys():
         m = re.fullmatch(r"(.*/)cmd/(\d+)", key)

@@ -5,7 +5,7 @@ generation for this position is refused, a share and a broadcast value travel as
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -94,43 +94,146 @@ def test_key_from_env() -> None:
             group.key_from_env(bad)
 
 
-def test_store_layout_and_the_join_check() -> None:
+# One machine (no port): a FileStore in a private directory; several machines: the TCPStore.
+STORES = ["file", "tcp"]
+
+
+def _store(kind: str) -> GroupStore:
+    from tests.support import free_port
+
+    return GroupStore(secret="s3cret", world=2, **({"port": free_port()} if kind == "tcp" else {}))
+
+
+def _readable(store: Any) -> list[str]:
+    return [k for k in store.list_keys() if store.check([k])]  # a FileStore lists one key of its own mangled
+
+
+@pytest.mark.parametrize("kind", STORES)
+def test_store_layout_and_the_join_check(kind: str) -> None:
     import torch.distributed as dist
 
-    store = GroupStore(secret="s3cret", world=2)
+    store = _store(kind)
     try:
-        assert store.host == "127.0.0.1" and len(store.key) == 32
+        assert store.local == (kind == "file") and len(store.key) == 32
         assert "key" not in repr(store) or store.key.hex() not in repr(store)
         assert GroupStore.__dataclass_fields__["key"].default_factory is not None
         assert store.next_generation() == "s3cret/g1/"
         assert store.store.get("s3cret/generation") == b"1"
         assert not store.joined(1)
-        dist.PrefixStore("s3cret/g1/", store.store).set("joined/1", "1")
-        assert store.joined(1)
-        assert store.next_generation() == "s3cret/g2/" and not store.joined(1)
+        # a rank marks itself joined through its own client of the store, at the generation's prefix
+        client = group.connect_store(store.address, 10)
+        assert client.get("s3cret/generation") == b"1"
+        theirs = dist.PrefixStore("s3cret/g1/", client)
+        theirs.set("joined/1", "1")
+        assert theirs.check(["joined/1"])  # a TCPStore's set is not answered: this waits for it
+        assert store.joined(1) and not store.joined(0)
+        theirs.set("joined/0", "1")
+        assert theirs.check(["joined/0"]) and store.joined(0)
+        # the keys of one generation: the generation key and what its ranks set under its prefix
+        assert sorted(_readable(store.store)) == ["s3cret/g1//joined/0", "s3cret/g1//joined/1", "s3cret/generation"]
+        assert store.next_generation() == "s3cret/g2/" and not store.joined(1) and not store.joined(0)
+        assert store.store.get("s3cret/generation") == b"2"
         # the key is never in the store
-        keys = store.store.list_keys()
-        assert all(store.key.hex() not in k for k in keys)
+        keys = _readable(store.store)
+        assert keys and all(store.key.hex() not in k for k in keys)
         assert all(store.key.hex().encode() not in store.store.get(k) for k in keys)
+        if kind == "tcp":
+            assert store.address == f"127.0.0.1:{store.port}"
+    finally:
+        store.close()
+
+
+def test_on_one_machine_the_store_is_a_private_file_per_generation(tmp_path: Any) -> None:
+    """SPEC §12.1: with every rank on this machine only this user reaches the store — a file, mode
+    0600, in a directory of mode 0700 made for it; each (re)formed group its own file, the
+    previous one removed; nothing left once the store closes. No port is listened on."""
+    import os
+    import stat
+
+    store = GroupStore(secret="s3cret", world=2, directory=tmp_path)
+    try:
+        d = store.private_dir
+        assert store.local and d is not None and d.parent == tmp_path and store.port == 0
+        st = os.stat(d)
+        assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
+        with pytest.raises(RuntimeError, match="no generation yet"):
+            store.address  # noqa: B018
+        store.next_generation()
+        first = store.address
+        st = os.stat(first)
+        assert os.path.dirname(first) == str(d) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+        client = group.connect_store(first, 10)
+        client.set("s3cret/g1//arrived/1", "1")
+        assert store.store.check(["s3cret/g1//arrived/1"])
+        store.next_generation()
+        second = store.address
+        assert second != first and not os.path.exists(first) and sorted(os.listdir(d)) == [os.path.basename(second)]
+        assert group.connect_store(second, 10).get("s3cret/generation") == b"2"
+        assert not store.store.check(["s3cret/g1//arrived/1"])  # a new file: nothing of the last generation
+        with pytest.raises(FileNotFoundError, match="is gone"):
+            group.connect_store(first, 10)
+    finally:
+        store.close()
+    assert not d.exists() and store.store is None and os.listdir(tmp_path) == []
+
+
+def test_two_ranks_form_a_gloo_group_through_the_one_machine_store() -> None:
+    """Two rank processes find the store at its address (its file on one machine), form the gloo
+    group, and rank 0's command and share reach rank 1 (the TCPStore: tests/e2e, several nodes)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.support import REPO
+
+    store = _store("file")
+    try:
+        prefix = store.next_generation()
+        args = [store.address, prefix, store.key.hex()]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.trainer.group_peer", str(r), *args],
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in (0, 1)
+        ]
+        outs = []
+        try:
+            for p in procs:
+                out, err = p.communicate(timeout=90)
+                assert p.returncode == 0, err[-3000:]
+                outs.append(json.loads(out.strip().splitlines()[-1]))
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+        assert outs[0] == {"rank": 0, "sum": [3.0]}
+        assert outs[1] == {"rank": 1, "command": "Compute", "micro": 1, "sum": [3.0]}
+        assert store.joined(0) and store.joined(1)
     finally:
         store.close()
 
 
 def _pair(store: GroupStore, prefix: str) -> tuple[Any, Any]:
+    """Rank 0 on the daemon's store, rank 1 on its own client of it (at the store's address)."""
     import torch.distributed as dist
 
     from atroposd.trainer.ranks import GroupRanks
 
-    scoped = dist.PrefixStore(prefix, store.store)
     cpu = torch.device("cpu")
+    theirs = group.connect_store(store.address, 10)
     return (
-        GroupRanks(0, 2, cpu, scoped, key=store.key, prefix=prefix),
-        GroupRanks(1, 2, cpu, scoped, key=store.key, prefix=prefix),
+        GroupRanks(0, 2, cpu, dist.PrefixStore(prefix, store.store), key=store.key, prefix=prefix),
+        GroupRanks(1, 2, cpu, dist.PrefixStore(prefix, theirs), key=store.key, prefix=prefix),
     )
 
 
-def test_commands_through_a_real_store() -> None:
-    store = GroupStore(secret="s3cret", world=2)
+@pytest.mark.parametrize("kind", STORES)
+def test_commands_through_a_real_store(kind: str) -> None:
+    store = _store(kind)
     try:
         leader, follower = _pair(store, store.next_generation())
         for command in COMMANDS * 2:  # past COMMANDS_KEPT: old keys are deleted
@@ -240,26 +343,126 @@ class _Recorder:
         return lambda *a, **k: self.calls.append((name, *a, *sorted(k.items())))
 
 
-def test_the_followers_dispatch_table() -> None:
+def _follower_ranks(store: GroupStore, prefix: str, share: Any, pairs: Any) -> Any:
+    """Rank 1 on its own client of a real store (the commands). What the process group carries
+    after a command (a share, the canary's pairs) is the value rank 0 would send."""
+    import torch.distributed as dist
+
+    from atroposd.trainer.ranks import GroupRanks
+
+    class FollowerRanks(GroupRanks):
+        received: ClassVar[list[str]] = []
+
+        def receive_share(self) -> Any:
+            self.received.append("share")
+            return share
+
+        def broadcast(self, value: Any) -> Any:
+            self.received.append("broadcast")
+            return pairs
+
+    FollowerRanks.received = []
+    scoped = dist.PrefixStore(prefix, group.connect_store(store.address, 10))
+    return FollowerRanks(1, 2, torch.device("cpu"), scoped, key=store.key, prefix=prefix)
+
+
+def test_each_command_reaches_its_handler_through_the_store() -> None:
+    import types
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from atroposd.trainer.follower import Follower
+    from atroposd.trainer.ranks import GroupRanks
+    from atroposd.trainer.share import Share
+
+    # one handler per command type, named after its op
+    assert set(Follower.HANDLERS) == {Compute, Apply, Discard, Stop, Gather, Reload, Checkpoint, Canary}
+    assert all(handler is getattr(Follower, kind.op) for kind, handler in Follower.HANDLERS.items())
+    store = GroupStore(secret="s3cret", world=2)
+    try:
+        prefix = store.next_generation()
+        leader = GroupRanks(
+            0, 2, torch.device("cpu"), dist.PrefixStore(prefix, store.store), key=store.key, prefix=prefix
+        )
+        share = Share([_micro(1)], 1, None, 10, 0)
+        ranks = _follower_ranks(store, prefix, share, [])
+        rec = _Recorder()
+        rec.policy = types.SimpleNamespace(vocab_size=50)  # type: ignore[attr-defined]
+        model = torch.nn.Linear(2, 2)
+        sent = [  # at most COMMANDS_KEPT ahead of the follower
+            Compute(),
+            Apply(),
+            Discard(),
+            Gather(("weight",), Push(0, 2, 3)),
+            Reload("/w/v3", 3),
+            Checkpoint("/c/t", background=False),
+            Canary(),
+            Stop(),
+        ]
+        for command in sent:
+            leader.command(command)
+        assert Follower(ranks, rec, rec, model, rec).follow() == 0
+        assert [c[0] for c in rec.calls] == [
+            "compute_share",
+            "apply_local",
+            "discard_local",
+            "bucket",
+            "load",
+            "write_shards",
+        ]
+        assert rec.calls[0][1] is share and ranks.received == ["share", "broadcast"]
+        bucket = rec.calls[3]
+        assert bucket[1] == ["weight"] and torch.equal(bucket[2]["weight"], model.weight.detach())
+        assert ("count", 2) in bucket and ("index", 0) in bucket and ("version", 3) in bucket
+        assert rec.calls[4][1:] == (Path("/w/v3"), 3)
+        assert rec.calls[5][1:] == (Path("/c/t"), ("background", False))
+        assert ranks.refused == 0 and ranks._seq == len(sent)
+    finally:
+        store.close()
+
+
+# What a store client without the group's key may write at the next command's key.
+REFUSED: list[tuple[str, Any, str]] = [
+    ("pickle", lambda key, prefix: pickle.dumps(("stop", None)), "no MAC"),
+    ("unsigned", lambda key, prefix: b"0" * 64 + b'.{"seq":1,"op":"stop","args":{}}', "bad MAC"),
+    ("other key", lambda key, prefix: encode_command(Stop(), key=bytes(32), prefix=prefix, seq=1), "bad MAC"),
+    ("other position", lambda key, prefix: encode_command(Stop(), key=key, prefix=prefix, seq=2), "bad MAC"),
+    ("other generation", lambda key, prefix: encode_command(Stop(), key=key, prefix="s3cret/g9/", seq=1), "bad MAC"),
+    (
+        "unknown op",
+        lambda key, prefix: (
+            group._mac(key, prefix, 1, b'{"seq":1,"op":"exec","args":{}}').encode()
+            + b'.{"seq":1,"op":"exec","args":{}}'
+        ),
+        "unknown op",
+    ),
+]
+
+
+@pytest.mark.parametrize(("value", "error"), [r[1:] for r in REFUSED], ids=[r[0] for r in REFUSED])
+def test_the_follower_refuses_and_counts_what_rank_0_did_not_send(
+    monkeypatch: pytest.MonkeyPatch, value: Any, error: str
+) -> None:
+    """A value at the next command's key that is not rank 0's (or, signed, names no command) is
+    counted and refused: the follower ends (the daemon restarts the group) and runs nothing."""
+    import torch.distributed as dist
+
+    from atroposd.trainer import ranks as ranks_mod
     from atroposd.trainer.follower import Follower
 
-    assert set(Follower.HANDLERS) == {Compute, Apply, Discard, Stop, Gather, Reload, Checkpoint, Canary}
-    rec = _Recorder()
-    ranks = _Recorder()
-    ranks.rank = 1  # type: ignore[attr-defined]
-    f = Follower(ranks, rec, rec, torch.nn.Linear(2, 2), rec)
-    assert f.run(Apply()) is None and f.run(Discard()) is None
-    assert f.run(Reload("/w/v3", 3)) is None and f.run(Checkpoint("/c/t")) is None
-    assert f.run(Gather(("weight",), Push(0, 2, 3))) is None
-    assert f.run(Stop()) == 0
-    names = [c[0] for c in rec.calls]
-    assert names == ["apply_local", "discard_local", "load", "write_shards", "bucket"]
-    assert rec.calls[2][1:] == (__import__("pathlib").Path("/w/v3"), 3)
-    assert rec.calls[4][1] == ["weight"] and ("version", 3) in rec.calls[4]
-    # the stream of commands until stop
-    queue = [Apply(), Apply(), Stop(), Apply()]
-    ranks.receive = lambda: queue.pop(0)  # type: ignore[attr-defined]
-    assert f.follow() == 0 and queue == [Apply()]
+    monkeypatch.setattr(ranks_mod, "BAD_COMMAND_GRACE_S", 0.2)
+    store = GroupStore(secret="s3cret", world=2)
+    try:
+        prefix = store.next_generation()
+        dist.PrefixStore(prefix, store.store).set("cmd/1", value(store.key, prefix))
+        ranks = _follower_ranks(store, prefix, None, None)
+        rec = _Recorder()
+        with pytest.raises(BadCommand, match=error):
+            Follower(ranks, rec, rec, torch.nn.Linear(2, 2), rec).follow()
+        assert ranks.refused == 1 and rec.calls == [] and ranks.received == []
+    finally:
+        store.close()
 
 
 def test_a_share_to_a_rank_that_does_not_receive_fails_within_collective_timeout() -> None:
