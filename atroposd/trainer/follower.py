@@ -1,16 +1,15 @@
 """``atroposd trainer-rank``: trainer ranks 1..N-1 (SPEC §12.1), supervised children of the daemon.
 
-A rank joins the process group through the daemon's store (``ATROPOSD_TRAINER_STORE``: the
-path of its file on one machine, host:port with several; the group generation and the store prefix come from the store itself, so every
-(re)formed group uses a fresh prefix), loads and shards the same model as rank 0 (and the same
-checkpoint), then does what rank 0 tells it, command by command: typed, MACed commands
-(:mod:`.group`) looked up in one dispatch table (``Follower``): a step's passes, the optimizer
-step or its discard, a gather of weights for a sync, a checkpoint's shards, the sentinel's
-canary scoring, stop. The group's
-key comes from the daemon in this process's environment (``ATROPOSD_TRAINER_KEY``); a store
-value that is not rank 0's is never run (the rank ends; the daemon restarts the group). Any failure of the group
-(rank 0 gone, a collective failed or timed out) ends the
-process with exit 1: the daemon restarts the whole group from the last complete checkpoint.
+A rank joins the process group through the daemon's store (``ATROPOSD_TRAINER_STORE``: the path of
+its file on one machine, host:port with several; the group generation and the store prefix come from
+the store itself, so every (re)formed group uses a fresh prefix), loads and shards the same model as
+rank 0 (and the same checkpoint), then does what rank 0 tells it, command by command: typed, MACed
+commands (:mod:`.group`) looked up in one dispatch table (``Follower``): a step's passes, the
+optimizer step or its discard, a gather of weights for a sync, a checkpoint's shards, the sentinel's
+canary scoring, stop. The group's key comes from the daemon in this process's environment
+(``ATROPOSD_TRAINER_KEY``); a store value that is not rank 0's is never run (the rank ends; the
+daemon restarts the group). Any failure of the group (rank 0 gone, a collective failed or timed out)
+ends the process with exit 1: the daemon restarts the whole group from the last complete checkpoint.
 """
 
 from __future__ import annotations

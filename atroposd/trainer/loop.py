@@ -165,8 +165,7 @@ class TrainingLoop:
         self.sentinel: Any = None
         # SPEC §12.1: the checkpoint being written in the background (its step and outcome)
         self._writing: tuple[int, concurrent.futures.Future[Path]] | None = None
-        if hasattr(checkpointer, "on_fence"):  # an optimizer step waiting for a writer is checkpoint time
-            checkpointer.on_fence = self._fencing
+        checkpointer.on_fence = self._fencing  # an optimizer step waiting for a writer is checkpoint time
 
     def request_stop(self) -> None:
         self.stop_requested = True
@@ -182,7 +181,7 @@ class TrainingLoop:
             groups = await self.feed.next(data_timeout=t.data_timeout, envs_alive=self.envs_alive)
             if groups is None:
                 break  # stop requested while waiting
-            filtered = list(getattr(self.feed, "last_filtered", None) or [])  # dropped by filter_groups
+            filtered = list(self.feed.last_filtered)  # dropped by filter_groups
             if self.drop is not None:
                 groups = self._drop_sampled_before_rollback(groups)
                 if not groups:  # every group came from the weights that collapsed: the next batch
@@ -214,7 +213,7 @@ class TrainingLoop:
                     p.canary_prompts = [list(x) for x in self.sentinel.prompts]  # kept in the checkpoints
                 timeline = {
                     "prepare_s": time.perf_counter() - step_start,
-                    **getattr(self.feed, "last_timeline", {}),
+                    **self.feed.last_timeline,
                 }  # the rollout side
                 # loss + backward + clip (worker thread; the event loop stays responsive)
                 result = await self.compute.run(self.learner.compute, batch)

@@ -96,6 +96,7 @@ class JoinTimeout(RuntimeError):
 class Ranks(Protocol):
     rank: int
     world: int
+    checkpoint_group: Any  # the checkpoints' own process group (several ranks); None alone
 
     def command(self, command: Command) -> None: ...
     def broadcast(self, value: Any) -> Any: ...

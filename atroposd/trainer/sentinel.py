@@ -21,12 +21,15 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from atroposd.logs import get_logger
 from atroposd.weights.client import WeightControlClient, WeightControlError
+
+if TYPE_CHECKING:
+    from atroposd.trainer.ranks import Ranks
 
 __all__ = [
     "CanaryResult",
@@ -103,7 +106,7 @@ class Sentinel:
         restart: Callable[[int], Awaitable[bool]] | None = None,
         max_tokens: int = CANARY_MAX_TOKENS,
         timeout: float = CANARY_TIMEOUT_S,
-        ranks: Callable[[], Any] | None = None,
+        ranks: Callable[[], Ranks | None] | None = None,
         source: str = "built-in",
         wanted: int = 0,
         vocab_size: int = 0,
@@ -262,7 +265,7 @@ class Sentinel:
             log.warning("canary answered at another weight_version", expected=version, got=seen, socket=str(sock))
         ranks = self.ranks() if self.ranks is not None else None
         items = [(p, t) for p, t, _ in answers]
-        if ranks is not None and getattr(ranks, "world", 1) > 1:
+        if ranks is not None and ranks.world > 1:
             ours = await self.run(score_on_ranks, ranks, model, items)
         else:
             ours = await self.run(_score_all, model, items)
@@ -531,7 +534,7 @@ def make_sentinel(
     run: RunOnCompute,
     vocab_size: int,
     *,
-    ranks: Callable[[], Any] | None = None,
+    ranks: Callable[[], Ranks | None] | None = None,
     restart: Callable[[int], Awaitable[bool]] | None = None,
     kept: Sequence[Sequence[int]] | None = None,
 ) -> Sentinel | None:

@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
@@ -25,6 +25,7 @@ from anyio.abc import TaskStatus
 from atroposd.config import Config
 from atroposd.paths import Paths
 from atroposd.restarts import RestartBudget
+from atroposd.trainer.host import RankHost
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -68,16 +69,6 @@ class _Rollback:
 
 class GroupFault(RuntimeError):
     """The trainer group failed (a rank exited, a collective failed or timed out): restart it."""
-
-
-class RankHost(Protocol):
-    """The daemon's side of the trainer ranks: the store it hosts and the rank processes."""
-
-    store: Any
-
-    async def start_ranks(self) -> None: ...
-    async def stop_ranks(self) -> None: ...
-    def exited(self) -> list[str]: ...
 
 
 @dataclass(frozen=True)
@@ -608,10 +599,8 @@ class TrainerService:
         p = self.progress
         p.state, p.waiting_for = "waiting", "ranks"
         host = self.rank_host
-        wait_nodes = getattr(host, "wait_nodes", None)
-        if wait_nodes is not None:
-            # Several machines: the group forms once every node is ready (a lost node is back).
-            await wait_nodes(self._waiting_for_nodes)
+        # Several machines: the group forms once every node is ready (a lost node is back).
+        await host.wait_nodes(self._waiting_for_nodes)
         self._rank_lost = None
         prefix = host.store.next_generation()
         await host.start_ranks()
@@ -692,7 +681,7 @@ class TrainerService:
         p = self.progress
         p.state, p.waiting_for = "waiting", "ranks"
         now = time.monotonic()
-        missing: list[int] = getattr(self.rank_host, "nodes_missing", list)()
+        missing = self.rank_host.nodes_missing() if self.rank_host is not None else []
         # A restart while a rank-holding node is lost or joining is not counted (SPEC §12.3):
         # the group waits for the node instead.
         self._restarts.record(now, counted=not missing)

@@ -193,7 +193,7 @@ class Checkpointer:
             staged = stage(policy.model, self.learner.optimizer, self.aliases)
             shapes = state["model_shapes"] = model_shapes(staged)
             ranks.command(Checkpoint(str(tmp), background=background))
-            group = getattr(ranks, "checkpoint_group", None)
+            group = ranks.checkpoint_group
 
             def shards(tmp: Path) -> None:
                 from atroposd.trainer.sharded import check_model_shards, check_shards, write_shards
@@ -241,7 +241,7 @@ class Checkpointer:
 
         self.wait_previous()
         staged = stage(self.learner.policy.model, self.learner.optimizer, self.aliases)
-        group = getattr(self.learner.ranks, "checkpoint_group", None)
+        group = self.learner.ranks.checkpoint_group
         read = self._read
 
         def write() -> None:

@@ -184,6 +184,7 @@ def test_a_real_full_disk(tmp_path: Path) -> None:
 class _FailingCheckpointer:
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
+        self.on_fence: Any = None
 
     def save(self, step: int, weight_version: int, skipped_steps: int, *, consolidate: bool = False) -> Path:
         raise self.exc

@@ -29,6 +29,8 @@ class ListFeed:
     def __init__(self, batches: list[list[Any]]) -> None:
         self.batches = batches
         self.fetched = self.released = 0
+        self.last_filtered: list[dict[str, Any]] = []  # filter_groups is off
+        self.last_timeline: dict[str, float | None] = {}
 
     async def next(self, *, data_timeout: float, envs_alive: Any) -> list[Any] | None:
         self.fetched += 1
