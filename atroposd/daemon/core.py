@@ -383,6 +383,7 @@ class Daemon:
                 control_sockets=socks,
                 bucketed=t.ranks > 1,
                 bucket_bytes=t.sync_bucket_mb << 20,
+                source_for=self._weight_source,
             )
         )
         host = None
@@ -402,6 +403,12 @@ class Daemon:
         status = self.trainer.status()
         if status.get("state") == "failed":
             raise StartFailed(f"trainer: {status.get('error')}")
+
+    def _weight_source(self, model: Any) -> Any:
+        """What the weight sync sends of ``model``: the trainer's source (with several ranks the
+        weights gathered from every rank; :meth:`TrainerService.weight_source`)."""
+        assert self.trainer is not None
+        return self.trainer.weight_source(model)
 
     async def _rank_host(self) -> RankHost:
         """Trainer ranks 1..N-1 (SPEC §12.1): the store the group meets through (on a socket bound

@@ -96,9 +96,10 @@ class WatchedSync:
     def replica_versions(self) -> list[int | None]:
         return list(self.inner.replica_versions())
 
-    async def after_step(self, model: Any, version: int) -> None:
+    async def after_step(self, model: Any, version: int) -> dict[str, float] | None:
         async with self._busy("after_step"):
-            await self.inner.after_step(model, version)
+            report: dict[str, float] | None = await self.inner.after_step(model, version)
+            return report
 
     @asynccontextmanager
     async def paused(self, new_version: int | None = None) -> AsyncIterator[None]:

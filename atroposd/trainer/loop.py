@@ -247,18 +247,17 @@ class TrainingLoop:
                     timeline["pause_s"] = time.perf_counter() - pause_start
                     p.weight_version += 1
                     p.step += 1
-                    before = getattr(self.weights, "last_sync", None)
-                    await self.weights.after_step(self.learner.policy.model, p.weight_version)
+                    # the sync's report when this step synced (None: it did not)
+                    report = await self.weights.after_step(self.learner.policy.model, p.weight_version)
                     if self.sentinel is not None and p.weight_version in self.weights.replica_versions():
                         # the canary checks of this sync, between steps (SPEC §15)
                         await self.sentinel.after_sync(self.weights, self.learner.policy.model, p.weight_version)
-                    after = getattr(self.weights, "last_sync", None)  # a new dict: this step synced
-                gather_s = float(after.get("gather_s", 0.0)) if isinstance(after, dict) and after is not before else 0.0
-                if isinstance(after, dict) and after is not before:
-                    # broadcast: the replicas' pause before the first byte and the transfer, apart
+                gather_s = float(report.get("gather_s", 0.0)) if report is not None else 0.0
+                if report is not None:
+                    # push / broadcast: the replicas' pause before the first byte and the transfer, apart
                     for key in ("sync_pause_s", "sync_transfer_s"):
-                        if key in after:
-                            timeline[key] = float(after[key])
+                        if key in report:
+                            timeline[key] = float(report[key])
                 sync_s = time.perf_counter() - sync_start
             finally:
                 self.feed.release()

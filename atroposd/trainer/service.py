@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
     from atroposd.trainer.health import Collapse
     from atroposd.trainer.ranks import Ranks
+    from atroposd.weights.source import TensorSource
     from atroposd.weights.sync import WeightSync
 
 if sys.version_info < (3, 11):  # pragma: no cover - exercised only on 3.10
@@ -113,6 +114,7 @@ class TrainerService:
         self._lock = anyio.Lock()
         self._loop: Any = None
         self._policy: Any = None
+        self._source: tuple[Any, TensorSource] | None = None  # (model, the source its sync reads)
         self._metrics: Any = None
         self._stop = False
         # Cancelled by a stop request that comes before training starts (waits for the
@@ -636,14 +638,22 @@ class TrainerService:
 
     def _attach_source(self, setup: Any) -> None:
         """With several ranks the weight sync reads the weights gathered on the compute thread."""
+        self._source = None
         if setup.ranks.world == 1:
             return
         from atroposd.trainer.sharded_source import ShardedSource
 
-        source = ShardedSource(setup.policy.model, setup.ranks, self.compute, setup.tensor_specs, setup.tied)
-        inner = getattr(self.weights, "inner", self.weights)
-        if hasattr(inner, "source_for"):
-            inner.source_for = lambda model: source
+        model = setup.policy.model
+        self._source = (model, ShardedSource(model, setup.ranks, self.compute, setup.tensor_specs, setup.tied))
+
+    def weight_source(self, model: Any) -> TensorSource:
+        """The tensors the weight sync sends of ``model`` (its ``source_for``): with several ranks
+        the full weights gathered from every rank on the compute thread, else the model's own."""
+        if self._source is not None and self._source[0] is model:
+            return self._source[1]
+        from atroposd.weights.source import ModelSource
+
+        return ModelSource(model)
 
     def on_rank_exit(self, name: str, how: str) -> None:
         """The daemon saw trainer rank ``name`` exit: the group restarts (unless the trainer is

@@ -31,8 +31,9 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from atroposd.logs import get_logger
 from atroposd.weights.client import WeightControlError
 from atroposd.weights.manifest import BucketRef, TensorSpec
+from atroposd.weights.replicas import Replica
 from atroposd.weights.source import bucket_bytes_of, plan_buckets
-from atroposd.weights.sync import BucketPushSync, Replica
+from atroposd.weights.sync_buckets import BucketPushSync
 
 __all__ = ["NODE_REPLICAS_VAR", "NodeFeed"]
 
@@ -117,7 +118,7 @@ class NodeFeed:
     async def _bucket(
         self, names: list[str], tensors: dict[str, torch.Tensor], index: int, count: int, version: int
     ) -> None:
-        s = self.sync
+        s, reps = self.sync, self.sync.replicas
         if index == 0 or self._version != version:
             if index != 0:
                 log.warning(
@@ -128,20 +129,20 @@ class NodeFeed:
                 self._live, self._version = [], version
                 return
             self._version = version
-            reached = await s._each(s.replicas, lambda r: s._pause(r, version))
-            self._live = [r for r, ok in zip(s.replicas, reached, strict=True) if ok]
+            reached = await reps.each(reps, lambda r: reps.pause(r, version))
+            self._live = [r for r, ok in zip(reps, reached, strict=True) if ok]
             for r in self._live:
                 r.current = False
         if self._live:
             await anyio.to_thread.run_sync(
-                s._write_bucket, names, tensors, self.size, version, self.tied, None, BucketRef(index, count)
+                s.write_bucket, names, tensors, self.size, version, self.tied, None, BucketRef(index, count)
             )
             refused: list[tuple[Replica, WeightControlError]] = []
-            took = await s._each(self._live, lambda r: s._copy_bucket(r, version, refused))
+            took = await reps.each(self._live, lambda r: s.copy_bucket(r, version, refused))
             self._live = [r for r, ok in zip(self._live, took, strict=True) if ok]
         if index == count - 1:
             if self._live:
-                await s._each(self._live, lambda r: s._resume(r, version))
+                await reps.each(self._live, lambda r: reps.resume(r, version))
                 self.pushes += 1
                 log.debug(
                     "this node's inference replicas took the weights",
@@ -164,8 +165,8 @@ class NodeFeed:
             )
 
     async def _load(self, path: Path, version: int) -> None:
-        s = self.sync
-        await s._each(s.replicas, lambda r: s._update(r, version, 0, "load", path, version))
+        reps = self.sync.replicas
+        await reps.each(reps, lambda r: reps.update(r, version, 0, "load", path, version))
 
     def _summary(self) -> None:
         f = self.feed_seconds

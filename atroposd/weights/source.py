@@ -16,7 +16,7 @@ never a second model.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -24,7 +24,20 @@ import torch
 from atroposd.weights.manifest import ALIGNMENT, TensorSpec, itemsize
 from atroposd.weights.tensors import dtype_name, lora_spec, model_tensors
 
-__all__ = ["ModelSource", "TensorSource", "bucket_bytes_of", "check_gathered", "plan_buckets", "spec_nbytes"]
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "ModelSource",
+    "SourceCache",
+    "SourceFor",
+    "TensorSource",
+    "bucket_bytes_of",
+    "check_gathered",
+    "plan_buckets",
+    "spec_nbytes",
+]
+
+# ``[trainer] sync_bucket_mb`` = 512
+DEFAULT_BUCKET_BYTES = 512 << 20
 
 
 @runtime_checkable
@@ -71,6 +84,27 @@ class ModelSource:
         if missing:
             raise KeyError(f"the model has no tensor {missing[0]!r}")
         return {n: tensors[n].detach() for n in names}
+
+
+#: The trainer's function giving a model's tensor source (``ModelSource`` with one rank; with
+#: several, a source that gathers the ranks' shards), given to the weight sync when it is made.
+SourceFor = Callable[[torch.nn.Module], TensorSource]
+
+
+class SourceCache:
+    """``source_for(model)``, made once per model (a new model: a new source)."""
+
+    def __init__(self, source_for: SourceFor = ModelSource) -> None:
+        self.source_for = source_for
+        self._source: tuple[torch.nn.Module, TensorSource] | None = None
+
+    def __call__(self, model: torch.nn.Module) -> TensorSource:
+        if self._source is None or self._source[0] is not model:
+            self._source = (model, self.source_for(model))
+        return self._source[1]
+
+    def forget(self) -> None:
+        self._source = None
 
 
 def spec_nbytes(spec: TensorSpec) -> int:

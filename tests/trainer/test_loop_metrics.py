@@ -25,8 +25,8 @@ pytestmark = pytest.mark.anyio
 
 
 class GatheringSync:
-    """Syncs every second step, each sync recording the seconds it 'gathered' (a new dict each
-    time, like the bucketed push)."""
+    """Syncs every second step, each sync reporting the seconds it 'gathered' (like the bucketed
+    push)."""
 
     mode = "push"
 
@@ -38,10 +38,12 @@ class GatheringSync:
     async def paused(self, new_version: int | None = None) -> AsyncIterator[None]:
         yield
 
-    async def after_step(self, model: torch.nn.Module, version: int) -> None:
+    async def after_step(self, model: torch.nn.Module, version: int) -> dict[str, float] | None:
         self.steps += 1
         if self.steps % 2 == 0:
             self.last_sync = {"buckets": 1, "bytes": 10, "gather_s": 0.25 * version, "seconds": 1.0}
+            return self.last_sync
+        return None
 
 
 async def _run(tiny_dir: Path, state_dir: Path, weights: Any, steps: int, **kw: Any) -> tuple[TrainingLoop, list[Any]]:

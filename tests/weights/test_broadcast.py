@@ -273,7 +273,8 @@ async def test_broadcast_reaches_every_replica_bit_for_bit(pair: Replicas) -> No
         before = local_logprobs(model)
         async with sync.paused(4):
             train_step(model, opt)
-        await sync.after_step(model, 4)
+        last = await sync.after_step(model, 4)
+        assert last is sync.last_sync  # the step's sync report, returned
         assert not close(before, local_logprobs(model), 1e-3)  # the step changed what is served
         assert_bit_for_bit(sync, model, [0, 1])
         for srv in (first, second):
@@ -281,7 +282,6 @@ async def test_broadcast_reaches_every_replica_bit_for_bit(pair: Replicas) -> No
             status, info = await asyncio.to_thread(srv.control, "GET", "/weight_info")
             assert status == 200 and info["weight_version"] == 4 and info["paused"] is False
         assert sync.formations == 2  # the groups are formed once per replica start, not per sync
-        last = sync.last_sync
         assert last["buckets"] == len(plan) and last["bytes"] >= model_bytes
         assert last["staging_bytes"] <= BUCKET < model_bytes / 4
         assert all(last[k] >= 0 for k in ("pause_s", "gather_s", "pack_s", "send_s"))

@@ -205,7 +205,8 @@ async def test_bucketed_push_reaches_every_replica_with_one_bucket_of_staging(la
         before = local_logprobs(model)
         async with sync.paused(4):
             train_step(model, opt)
-        await sync.after_step(model, 4)
+        report = await sync.after_step(model, 4)
+        assert report is sync.last_sync and report["buckets"] == len(plan)  # the step's sync, returned
         assert not close(before, local_logprobs(model), 1e-3)  # the step changed what is served
         for srv in (first, second):
             await asyncio.to_thread(assert_serves, srv, model, 4)

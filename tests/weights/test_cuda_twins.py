@@ -143,7 +143,7 @@ async def test_shared_resume_waits_for_the_device(
         await sync.attach(model, 0)
         assert sync.arena is not None
         arena = sync.arena
-        real_sync, real_call = arena.synchronize, sync._call
+        real_sync, real_call = arena.synchronize, sync.replicas.call
 
         def synchronize() -> None:
             events.append("synchronize")
@@ -154,7 +154,7 @@ async def test_shared_resume_waits_for_the_device(
             return await real_call(method, *args, **kw)
 
         object.__setattr__(arena, "synchronize", synchronize)
-        object.__setattr__(sync, "_call", call)
+        object.__setattr__(sync.replicas, "call", call)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         async with sync.paused(1):
             train_step(model, opt)

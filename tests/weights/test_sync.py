@@ -209,14 +209,20 @@ async def test_push_and_reload_sync_every(
         for v in (1, 2):
             async with sync.paused(v):
                 train_step(model, opt)
-            await sync.after_step(model, v)
+            report = await sync.after_step(model, v)
             lp, version = await child.logprobs()
             if v == 1:  # sync_every = 2: the server still has version 0
+                assert report is None  # no sync, no report
                 assert version == 0
                 torch.testing.assert_close(lp, v0, atol=ATOL, rtol=0)
                 assert (score(model) - v0).abs().max() > 1e-3
         assert version == 2
         torch.testing.assert_close(lp, score(model), atol=ATOL, rtol=0)
+        # the step that synced got the sync's report back: push times the pause and the copy apart
+        assert report is not None and 0 < report["seconds"] < 30
+        if mode == "push":
+            assert report is sync.last_sync
+            assert 0 <= report["sync_pause_s"] and 0 < report["sync_transfer_s"] <= report["seconds"]
         info = await child.call("GET", "/weight_info")
         assert info["updates"] == 2 and not info["attached"]
         res = await child.call("GET", "/resources")
