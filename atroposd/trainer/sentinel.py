@@ -557,7 +557,7 @@ def make_sentinel(
     else:
         prompts, source, wanted = builtin_prompts(h.canary_prompts, vocab_size), "built-in", h.canary_prompts
     # an environment prompt and its greedy tokens fit the replica's context
-    room = int(getattr(cfg.inference, "max_model_len", 0) or 0) - CANARY_MAX_TOKENS - 1
+    room = cfg.inference.max_model_len - CANARY_MAX_TOKENS - 1
     longest = min(CANARY_PROMPT_MAX, room) if room > 0 else CANARY_PROMPT_MAX
     sentinel = Sentinel(
         every=h.canary_every,
