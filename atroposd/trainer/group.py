@@ -21,9 +21,9 @@ group generation — a (re)formed group gets a fresh file and the previous one i
 directory goes when the store closes. Only this user can reach it: the ranks find it by its path
 (``address``). A FileStore only grows (a deleted key is one more record): about 0.4 KB a step,
 plus the tensor names of each sync's gathers (13 KB a step for a model of 291 tensors pushed in
-4 buckets), until the group re-forms. With several machines (a port given), a TCPStore on a socket the daemon binds
-itself and hands over (``master_listen_fd``): a TCPStore given 127.0.0.1 would otherwise listen
-on every interface.
+4 buckets), until the group re-forms. With several machines (a port given), a TCPStore on a
+socket the daemon binds itself and hands over (``master_listen_fd``): a TCPStore given 127.0.0.1
+would otherwise listen on every interface.
 """
 
 from __future__ import annotations
