@@ -177,3 +177,36 @@ def test_the_factory_gives_each_mode_the_trainers_source(short_tmp: Path) -> Non
         finally:
             sync.close()
             asked.clear()
+
+
+async def test_the_trainer_gives_the_sync_the_source_of_its_current_model(short_tmp: Path) -> None:
+    """What the daemon hands the sync as ``source_for``: with several ranks the source that
+    gathers the current model's shards, for any other model (or one rank) the model's own."""
+    from types import SimpleNamespace
+
+    from atroposd.config import load_config
+    from atroposd.trainer.service import TrainerService
+    from atroposd.trainer.sharded_source import ShardedSource
+    from atroposd.weights.source import ModelSource
+    from atroposd.weights.sync import make_weight_sync
+
+    cfg = load_config(None, discover=False)
+    cfg.daemon.runtime_dir, cfg.daemon.state_dir = str(short_tmp / "run"), str(short_tmp / "state")
+    cfg.trainer.weight_sync = "reload"
+    service = TrainerService(
+        cfg, instance="t", weights=make_weight_sync(cfg, nonce="t", control_socket=None), envs_alive=lambda: True
+    )
+    try:
+        model, other = make_model(0), make_model(1)
+        assert isinstance(service.weight_source(model), ModelSource)
+        ranks = SimpleNamespace(world=2)
+        service._attach_source(
+            SimpleNamespace(ranks=ranks, policy=SimpleNamespace(model=model), tensor_specs={}, tied={})
+        )
+        sharded = service.weight_source(model)
+        assert isinstance(sharded, ShardedSource) and sharded.model is model and sharded.ranks is ranks
+        assert isinstance(service.weight_source(other), ModelSource)
+        service._attach_source(SimpleNamespace(ranks=SimpleNamespace(world=1), policy=SimpleNamespace(model=model)))
+        assert isinstance(service.weight_source(model), ModelSource)  # a group of one rank: the model's own
+    finally:
+        service.compute.close()
