@@ -42,7 +42,13 @@ from atroposd.trainer.group import (
 )
 
 if TYPE_CHECKING:
+    import torch
+
     from atroposd.config import Config
+    from atroposd.trainer.learner import Learner
+    from atroposd.trainer.ranks import GroupRanks
+    from atroposd.trainer.setup import Checkpointer
+    from atroposd.weights.node_feed import NodeFeed
 
 __all__ = ["KEY_VAR", "SECRET_VAR", "STORE_VAR", "Follower", "generation_key", "serve"]
 
@@ -61,11 +67,11 @@ class Follower:
     """What a follower rank does for each of rank 0's commands: one handler per command type
     (``HANDLERS``); a handler returns an exit code to end the rank, or None to go on."""
 
-    ranks: Any  # GroupRanks
-    learner: Any
-    checkpointer: Any
-    model: Any
-    feed: Any = None  # NodeFeed: this node's replicas, fed by its first rank
+    ranks: GroupRanks
+    learner: Learner
+    checkpointer: Checkpointer
+    model: torch.nn.Module
+    feed: NodeFeed | None = None  # this node's replicas, fed by its first rank
 
     def compute(self, cmd: Compute) -> int | None:
         self.learner.compute_share(self.ranks.receive_share())
