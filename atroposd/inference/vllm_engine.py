@@ -48,7 +48,7 @@ from atroposd.inference import schema
 from atroposd.inference.gate import WeightGate
 from atroposd.inference.schema import BadRequest
 from atroposd.logs import get_logger
-from atroposd.weights.protocol import ADAPTER_DIR, WeightUpdateError
+from atroposd.weights.protocol import WeightUpdateError
 
 if TYPE_CHECKING:
     from atroposd.weights.manifest import Manifest
@@ -435,13 +435,15 @@ class VllmEngine(WeightGate):
         """Serve the adapter of a LoRA sync directory; the previous adapter is dropped."""
         from vllm.lora.request import LoRARequest
 
+        from atroposd.weights.syncdir import adapter_dir
+
         if self.lora_rank is None:
             raise WeightUpdateError(
                 'a LoRA adapter arrived but this engine was started without LoRA (trainer.mode is not "lora")'
             )
         if int(spec["r"]) > self.lora_rank:
             raise WeightUpdateError(f"adapter rank {spec['r']} exceeds the engine's lora rank {self.lora_rank}")
-        adapter = directory / ADAPTER_DIR
+        adapter = adapter_dir(directory)
         if not (adapter / "adapter_config.json").is_file():
             raise WeightUpdateError(f"{adapter} holds no PEFT adapter (adapter_config.json missing)")
         self._lora_ids += 1

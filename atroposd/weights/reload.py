@@ -23,9 +23,9 @@ import anyio
 import torch
 
 from atroposd.logs import get_logger
-from atroposd.weights.protocol import ADAPTER_DIR
 from atroposd.weights.source import TensorSource, check_gathered, plan_buckets, spec_nbytes
 from atroposd.weights.syncdir import (
+    adapter_dir,
     prune_sync_dirs,
     publishing,
     version_dir,
@@ -45,8 +45,8 @@ def _save_adapter(model: torch.nn.Module, directory: Path) -> None:
     if not hasattr(model, "save_pretrained"):
         return
     peft_model: Any = model
-    peft_model.save_pretrained(str(directory / ADAPTER_DIR))
-    for f in (directory / ADAPTER_DIR).iterdir():
+    peft_model.save_pretrained(str(adapter_dir(directory)))
+    for f in adapter_dir(directory).iterdir():
         os.chmod(f, 0o600)
 
 

@@ -36,6 +36,7 @@ import orjson
 
 from atroposd.weights.manifest import TensorSpec
 from atroposd.weights.protocol import (
+    ADAPTER_DIR,
     SYNC_FORMAT,
     SYNC_INDEX_FILE,
     SYNC_WEIGHTS_FILE,
@@ -44,6 +45,7 @@ from atroposd.weights.protocol import (
 )
 
 __all__ = [
+    "adapter_dir",
     "file_metadata",
     "inspect_sync_dir",
     "prune_sync_dirs",
@@ -64,6 +66,11 @@ __all__ = [
 def version_dir(sync_dir: Path, weight_version: int) -> Path:
     """Where version ``weight_version`` lives: ``sync_dir/v<weight_version>``."""
     return sync_dir / f"v{weight_version}"
+
+
+def adapter_dir(directory: Path) -> Path:
+    """Where a version's LoRA adapters lie (PEFT's layout, written by PEFT's ``save_pretrained``)."""
+    return directory / ADAPTER_DIR
 
 
 @contextmanager

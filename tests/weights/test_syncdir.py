@@ -90,7 +90,9 @@ def test_a_failed_write_publishes_nothing_and_leaves_nothing(tmp_path: Path) -> 
 
 def test_no_module_but_syncdir_names_a_reload_directorys_files() -> None:
     """A second writer or reader of the layout would have to name its files."""
-    names = re.compile(r"\b(SYNC_WEIGHTS_FILE|SYNC_INDEX_FILE|SYNC_FORMAT|shard_name)\b|\.tmp-v|atroposd-sync-1")
+    names = re.compile(
+        r"\b(SYNC_WEIGHTS_FILE|SYNC_INDEX_FILE|SYNC_FORMAT|ADAPTER_DIR|shard_name)\b|\.tmp-v|atroposd-sync-1"
+    )
     package = REPO / "atroposd"
     # trainer/hfshards.py's shard_name names a checkpoint's shards, another layout
     mine = ("weights/syncdir.py", "weights/protocol.py", "trainer/hfshards.py")
@@ -100,3 +102,24 @@ def test_no_module_but_syncdir_names_a_reload_directorys_files() -> None:
         if str(p.relative_to(package)) not in mine and names.search(p.read_text())
     ]
     assert others == []
+
+
+def test_a_lora_models_version_holds_its_adapters_and_loads_into_a_lora_server(tmp_path: Path) -> None:
+    from atroposd.trainer.model import _wrap_lora
+
+    lora = {"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}
+    trainer = _wrap_lora(make_model(0), lora)
+    with torch.no_grad():  # adapters that change what the model computes (PEFT starts B at zero)
+        for name, p in trainer.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    d = write_sync_dir(trainer, tmp_path, 3)
+    _, version, specs, _, spec = syncdir.inspect_sync_dir(d, 3)
+    assert version == 3 and spec is not None and spec["r"] == 4 and any("lora_B" in n for n in specs)
+    adapter = syncdir.adapter_dir(d)
+    assert (adapter / "adapter_config.json").is_file() and all(
+        f.stat().st_mode & 0o777 == 0o600 for f in adapter.iterdir()
+    )
+    server = make_model(1)
+    load_dir(server, d, weight_version=3)  # the server takes the LoRA structure and every tensor
+    assert torch.allclose(score(server), score(trainer), atol=1e-5)
