@@ -35,6 +35,9 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import anyio
+import anyio.abc
+
 from atroposd.cluster.membership import (
     LOST,
     ChangeCallback,
@@ -223,10 +226,14 @@ class ClusterHead:
         self._user_on_change = on_change
         self._on_message = on_message
         self._server: asyncio.base_events.Server | None = None
-        self._watch: asyncio.Task[None] | None = None
+        # accepted connections, handed from the server's callback to serve's group of handlers
+        self._accepted: asyncio.Queue[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = asyncio.Queue()
+        self._close_asked = asyncio.Event()
+        self._served = asyncio.Event()  # serve has returned (set while it never ran)
+        self._served.set()
+        self._runner: asyncio.Task[None] | None = None  # start's (a caller without a task group)
         self._channels: dict[int, Channel] = {}  # the admitted connection of each node
         self._open: set[Channel] = set()  # every connection, admitted or not
-        self._handlers: set[asyncio.Task[Any]] = set()
         self._stopped: dict[int, asyncio.Event] = {}
         self._stopping = False
         self._closing = False
@@ -247,42 +254,80 @@ class ClusterHead:
             return self.cfg.port
         return int(self._server.sockets[0].getsockname()[1])
 
+    async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Open the endpoint (ClusterStartError naming the port when it cannot) and serve it until
+        ``close``: the heartbeat watchdog and each connection's handler are tasks of this one's
+        groups, none outlives it. Started once the endpoint accepts connections."""
+        await self._bind()
+        await self._run(task_status.started)
+
     async def start(self) -> None:
-        """Open the endpoint; raises ClusterStartError naming the port when it cannot."""
+        """``serve`` for a caller without a task group: returns once the endpoint is open, serving
+        on in a task that ``close`` ends and waits for."""
+        await self._bind()
+        opened = asyncio.Event()
+        self._runner = asyncio.create_task(self._run(opened.set), name="cluster-endpoint")
+        await opened.wait()
+
+    async def _bind(self) -> None:
         if self.bind_host is None:
             self.bind_host = bind_address(self.cfg)
         where = f"{self.bind_host}:{self.cfg.port}"
         try:
             self._server = await asyncio.start_server(
-                self._serve, self.bind_host, self.cfg.port, limit=MAX_JOIN_BYTES, reuse_address=True
+                self._accept,
+                self.bind_host,
+                self.cfg.port,
+                limit=MAX_JOIN_BYTES,
+                reuse_address=True,
+                start_serving=False,
             )
         except OSError as exc:
             why = "already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
             raise ClusterStartError(f"cluster.port: cannot open the cluster endpoint on {where}: {why}") from None
-        self._watch = asyncio.create_task(self._watchdog(), name="cluster-watchdog")
-        log.info("cluster endpoint open", address=where, nodes=self.cfg.nodes, instance=self.instance)
+        self._served.clear()
+
+    async def _run(self, started: Callable[[], None]) -> None:
+        server = self._server
+        assert server is not None
+        try:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(self._watchdog, name="cluster-watchdog")
+                async with anyio.create_task_group() as connections:
+                    tasks.start_soon(self._handle_accepted, connections, name="cluster-accept")
+                    await server.start_serving()
+                    log.info(
+                        "cluster endpoint open",
+                        address=f"{self.bind_host}:{self.cfg.port}",
+                        nodes=self.cfg.nodes,
+                        instance=self.instance,
+                    )
+                    started()
+                    await self._close_asked.wait()
+                    # close() aborted every connection: a handler still running in 2 s is cancelled
+                    connections.cancel_scope.deadline = anyio.current_time() + 2.0
+                tasks.cancel_scope.cancel()
+        finally:
+            server.close()
+            try:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
+                    await server.wait_closed()
+            finally:
+                self._server = None
+                self._served.set()
 
     async def close(self) -> None:
         """Close the endpoint and every connection (nodes then find their head gone)."""
         self._closing = True
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
-            self._watch = None
+        self._close_asked.set()
         if self._server is not None:
             self._server.close()
         for ch in list(self._open):
             ch.abort()
-        if self._handlers:
-            _, stuck = await asyncio.wait(list(self._handlers), timeout=2.0)
-            for task in stuck:
-                task.cancel()
-            if stuck:
-                await asyncio.wait(stuck)
-        if self._server is not None:
-            await self._server.wait_closed()
-            self._server = None
+        await self._served.wait()
+        if self._runner is not None:
+            await self._runner
+            self._runner = None
 
     # ------------------------------------------------------------------ what the daemon asks
 
@@ -294,18 +339,15 @@ class ClusterHead:
         """The head's own components (node 0's row); ready by default once its replicas are."""
         self.membership.report(0, components, replicas_ready(components) if ready is None else ready)
 
-    async def wait_all_ready(self, timeout: float) -> bool:
+    async def wait_all_ready(self, timeout: float) -> bool:  # noqa: ASYNC109 - the answer is whether within it
         """Wait until every node is ``ready`` (node 0 included); False after ``timeout``."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        while True:
-            self._changed_event.clear()  # before the check: a change after it wakes the wait
-            if self.membership.all_ready():
-                return True
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                return False
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._changed_event.wait(), left)
+        with anyio.move_on_after(timeout):
+            while True:
+                self._changed_event.clear()  # before the check: a change after it wakes the wait
+                if self.membership.all_ready():
+                    return True
+                await self._changed_event.wait()
+        return self.membership.all_ready()
 
     @property
     def refused(self) -> int:
@@ -331,10 +373,18 @@ class ClusterHead:
     async def broadcast(self, msg: Message) -> list[int]:
         """``msg`` to every connected node; the nodes it reached."""
         targets = self.connected()
-        sent = await asyncio.gather(*(self.send(r, msg) for r in targets))
-        return [r for r, ok in zip(targets, sent, strict=True) if ok]
+        reached: list[int] = []
 
-    async def stop_all(self, timeout: float) -> dict[int, str]:
+        async def one(rank: int) -> None:
+            if await self.send(rank, msg):
+                reached.append(rank)
+
+        async with anyio.create_task_group() as tg:  # all at once: a node that does not read delays no other
+            for r in targets:
+                tg.start_soon(one, r)
+        return sorted(reached)
+
+    async def stop_all(self, timeout: float) -> dict[int, str]:  # noqa: ASYNC109 - the answer names it
         """Ask every connected node to stop, and wait (up to ``timeout``) until each says its
         processes are gone. Joins are refused from now on. Returns the nodes that did not
         confirm, each with the reason (empty: every node confirmed, or none was connected)."""
@@ -344,20 +394,21 @@ class ClusterHead:
             self._stopped.setdefault(r, asyncio.Event())
         # All at once: a node that does not read never delays another's stop. A failed send
         # means its connection is gone: the wait below sees it lost.
-        await asyncio.gather(*(ch.try_send(Stop(), self.interval * 2) for ch in targets.values()))
+        async with anyio.create_task_group() as tg:
+            for ch in targets.values():
+                tg.start_soon(ch.try_send, Stop(), self.interval * 2)
         log.info("asked the nodes to stop", nodes=sorted(targets))
-        deadline = asyncio.get_running_loop().time() + timeout
 
         def pending() -> list[int]:
             return [r for r in targets if not self._stopped[r].is_set() and self.membership.members[r].state != LOST]
 
-        while True:
-            self._changed_event.clear()
-            left = deadline - asyncio.get_running_loop().time()
-            if not pending() or left <= 0:
-                break
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._changed_event.wait(), min(left, self.interval))
+        with anyio.move_on_after(timeout):
+            while True:
+                self._changed_event.clear()
+                if not pending():
+                    break
+                with anyio.move_on_after(self.interval):
+                    await self._changed_event.wait()
         out: dict[int, str] = {}
         for r in targets:
             if self._stopped[r].is_set():
@@ -392,9 +443,25 @@ class ClusterHead:
 
     async def _watchdog(self) -> None:
         while True:
-            await asyncio.sleep(self.interval / 2)
+            await anyio.sleep(self.interval / 2)
             for rank in self.membership.silent():
                 self._lose(rank, f"no heartbeat for {self.cfg.heartbeat_timeout:g} s")
+
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A new connection (the server's callback): handed to serve's group of handlers."""
+        if self._closing:
+            writer.transport.abort()
+            return
+        self._accepted.put_nowait((reader, writer))
+
+    async def _handle_accepted(self, connections: anyio.abc.TaskGroup) -> None:
+        """Each accepted connection's handler, a task of ``connections``, until the endpoint closes."""
+        while True:
+            reader, writer = await self._accepted.get()
+            if self._closing:
+                writer.transport.abort()
+                continue
+            connections.start_soon(self._serve, reader, writer, name="cluster-connection")
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         ch = Channel(reader, writer, limit=MAX_JOIN_BYTES)
@@ -408,19 +475,17 @@ class ClusterHead:
             )
             ch.abort()
             return
-        task = asyncio.current_task()
-        assert task is not None
-        self._handlers.add(task)
         self._open.add(ch)
         self._pending.add(ch)
         try:
             await self._session(ch)
         except (OSError, asyncio.IncompleteReadError):
             pass
-        except asyncio.CancelledError:
-            pass  # close() ends the handlers; asyncio's server owns this task and must not see it
+        except Exception as exc:  # one connection's defect ends that connection, never the endpoint
+            asyncio.get_running_loop().call_exception_handler(
+                {"message": f"a cluster connection's handler failed (peer {ch.peer})", "exception": exc}
+            )
         finally:
-            self._handlers.discard(task)
             self._open.discard(ch)
             self._pending.discard(ch)
             ch.abort()
@@ -436,18 +501,20 @@ class ClusterHead:
     async def _refuse(self, ch: Channel, reason: str, *, fatal: bool = True) -> None:
         """A refusal: signed in the connection's session, unsigned when its join did not verify."""
         msg = Refused(reason=reason, fatal=fatal)
-        with contextlib.suppress(OSError, asyncio.TimeoutError):
-            await asyncio.wait_for(ch.send(msg) if ch.session is not None else ch.send_unsigned(msg), 2.0)
+        with contextlib.suppress(OSError, TimeoutError), anyio.fail_after(2.0):
+            await (ch.send(msg) if ch.session is not None else ch.send_unsigned(msg))
 
     async def _session(self, ch: Channel) -> None:
         challenge = new_challenge()
         try:
-            await asyncio.wait_for(ch.send_unsigned(Hello(challenge=challenge)), 2.0)
-            line = await asyncio.wait_for(ch.readline(), self.join_deadline)
+            with anyio.fail_after(2.0):
+                await ch.send_unsigned(Hello(challenge=challenge))
+            with anyio.fail_after(self.join_deadline):
+                line = await ch.readline()
             if not line:
                 return
             ch.session, values = open_join(self._auth, challenge, line)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._refusals(
                 "refused-silent",
                 "closed a connection that did not join in time",
@@ -584,8 +651,8 @@ class ClusterHead:
             # The same node, restarted (a new instance: the old one is told) or reconnected.
             self._channels.pop(rank, None)
             if m.instance != instance:
-                with contextlib.suppress(OSError, asyncio.TimeoutError):
-                    await asyncio.wait_for(held.send(Replaced(by_pid=msg.pid)), 1.0)
+                with contextlib.suppress(OSError, TimeoutError), anyio.fail_after(1.0):
+                    await held.send(Replaced(by_pid=msg.pid))
             held.abort()
         comps = clean_rows(msg.components)
         units = clean_value(msg.units)

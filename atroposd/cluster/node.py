@@ -36,6 +36,8 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import anyio
+import anyio.abc
 import orjson
 
 from atroposd.cluster.head import MAX_DROPPED, Drops, heartbeat_interval
@@ -157,8 +159,9 @@ class ClusterNode:
         self._wake = asyncio.Event()
         self._last_heard = 0.0
         self._lost_reason = ""
-        self._stop_task: asyncio.Task[None] | None = None
-        self._stop_done = False
+        self._tasks: anyio.abc.TaskGroup | None = None  # run's: the heartbeats, the stop
+        self._stopping = False  # the head asked this node to stop
+        self._stop_done = asyncio.Event()
         self._leaving = False
 
     @classmethod
@@ -199,8 +202,8 @@ class ClusterNode:
             head_instance=self.head_instance,
         )
 
-    async def _connect(self, timeout: float) -> Channel:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(self.cfg.head, self.cfg.port), timeout)
+    async def _connect(self) -> Channel:
+        reader, writer = await asyncio.open_connection(self.cfg.head, self.cfg.port)
         sock = writer.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
@@ -216,7 +219,8 @@ class ClusterNode:
         with its token: an unsigned or foreign answer is not its head's, and only a signed
         refusal ends it (anything else is a failed attempt, retried)."""
         welcomed = bool(self.head_instance)
-        line = await asyncio.wait_for(ch.readline(), self.cfg.heartbeat_timeout)
+        with anyio.fail_after(self.cfg.heartbeat_timeout):
+            line = await ch.readline()
         if not line:
             return None
         hello = open_unsigned(line)
@@ -225,7 +229,8 @@ class ClusterNode:
         nonce = new_challenge()
         ch.session = node_session(self._auth, hello.challenge, nonce)
         await ch.send(self._join_msg(hello.challenge, nonce), key=join_key(self._auth, hello.challenge))
-        line = await asyncio.wait_for(ch.readline(), self.cfg.heartbeat_timeout)
+        with anyio.fail_after(self.cfg.heartbeat_timeout):
+            line = await ch.readline()
         if not line:
             return None
         try:
@@ -265,8 +270,9 @@ class ClusterNode:
                 )
             error = ""
             try:
-                ch = await self._connect(min(left, 5.0))
-            except (OSError, asyncio.TimeoutError) as exc:
+                with anyio.fail_after(min(left, 5.0)):
+                    ch = await self._connect()
+            except (OSError, TimeoutError) as exc:
                 error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             else:
                 try:
@@ -275,7 +281,7 @@ class ClusterNode:
                     await ch.close()
                     log.error("refused by the head", head=self.head_address, node_rank=self.node_rank, reason=str(exc))
                     raise
-                except (OSError, BadMessage, asyncio.TimeoutError) as exc:
+                except (OSError, BadMessage, TimeoutError) as exc:
                     await ch.close()
                     error = f"{type(exc).__name__}: {exc}"
                 else:
@@ -301,7 +307,7 @@ class ClusterNode:
                     join_timeout=self.cfg.join_timeout,
                     error=error,
                 )
-            await asyncio.sleep(min(backoff, max(0.0, deadline - now)))
+            await anyio.sleep(min(backoff, max(0.0, deadline - now)))
             backoff = min(backoff * 2, 2.0)
 
     def _welcomed(self, ch: Channel, welcome: Welcome) -> None:
@@ -326,13 +332,16 @@ class ClusterNode:
         ``on_lost_head`` ran) or ``"left"``. Call after ``join``."""
         if self._ch is None:
             raise RuntimeError("join() first")
-        beats = asyncio.create_task(self._beat_loop(), name="cluster-heartbeat")
         try:
-            outcome = await self._receive_loop()
+            # the heartbeats, and the stop once the head asks for it, are tasks of this group:
+            # none outlives run
+            async with anyio.create_task_group() as tasks:
+                self._tasks = tasks
+                tasks.start_soon(self._beat_loop, name="cluster-heartbeat")
+                outcome = await self._receive_loop()
+                tasks.cancel_scope.cancel()
         finally:
-            beats.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beats
+            self._tasks = None
             if self._ch is not None:
                 await self._ch.close()
         if outcome == LOST:
@@ -352,8 +361,8 @@ class ClusterNode:
         self._leaving = True
         ch = self._ch
         if ch is not None:
-            with contextlib.suppress(OSError, asyncio.TimeoutError):
-                await asyncio.wait_for(ch.send(Leave(reason=reason)), self.interval * 2)
+            with contextlib.suppress(OSError, TimeoutError), anyio.fail_after(self.interval * 2):
+                await ch.send(Leave(reason=reason))
             await ch.close()
 
     def _lost(self, reason: str) -> None:
@@ -364,14 +373,10 @@ class ClusterNode:
 
     async def _beat_loop(self) -> None:
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.interval)
+            with anyio.move_on_after(self.interval):
+                await self._wake.wait()
             self._wake.clear()
-            if (
-                self._stop_task is None
-                and not self._leaving
-                and self._loop_time() - self._last_heard > self.give_up_after
-            ):
+            if not self._stopping and not self._leaving and self._loop_time() - self._last_heard > self.give_up_after:
                 self._lost(
                     f"nothing from the head at {self.head_address} for {self.give_up_after:g} s "
                     f"(cluster.heartbeat_timeout = {self.cfg.heartbeat_timeout:g} s)"
@@ -383,11 +388,11 @@ class ClusterNode:
             try:
                 if self._dirty:
                     self._dirty = False
-                    await asyncio.wait_for(
-                        ch.send(Report(components=self._components, ready=self._ready)), self.interval
-                    )
-                await asyncio.wait_for(ch.send(Beat()), self.interval)
-            except (OSError, asyncio.TimeoutError):
+                    with anyio.fail_after(self.interval):
+                        await ch.send(Report(components=self._components, ready=self._ready))
+                with anyio.fail_after(self.interval):
+                    await ch.send(Beat())
+            except (OSError, TimeoutError):
                 pass  # a broken connection is the receiver's to notice; silence is checked above
 
     async def _receive_loop(self) -> LinkState:
@@ -415,7 +420,7 @@ class ClusterNode:
                 msg = None
             if msg is not None:
                 now = self._loop_time()
-                if self._stop_task is None and not self._leaving and now - self._last_heard > self.give_up_after:
+                if not self._stopping and not self._leaving and now - self._last_heard > self.give_up_after:
                     # Arrived after a silence longer than the head allows (this process was
                     # frozen: these lines waited in the socket): the head has found this node
                     # lost meanwhile, whatever the buffered lines say.
@@ -428,15 +433,16 @@ class ClusterNode:
                 if isinstance(msg, Replaced):
                     self._lost(f"a newer start of this node (pid {msg.by_pid}) joined in its place")
                 elif isinstance(msg, Stop):
-                    if self._stop_task is None:
+                    if not self._stopping and self._tasks is not None:
                         log.info("the head asked this node to stop", node_rank=self.node_rank)
-                        self._stop_task = asyncio.create_task(self._stop(), name="cluster-stop")
+                        self._stopping = True
+                        self._tasks.start_soon(self._stop, name="cluster-stop")
                 elif isinstance(msg, Ranks) and self.on_message is not None:
                     self.on_message(msg)  # the daemon's own messages (trainer ranks)
                 continue
             # the connection ended
-            if self._stop_task is not None:
-                await self._stop_task
+            if self._stopping:
+                await self._stop_done.wait()
                 return STOPPED
             if self._leaving:
                 return LEFT
@@ -447,12 +453,12 @@ class ClusterNode:
         try:
             await _call(self.on_stop)
         finally:
-            self._stop_done = True
             ch = self._ch
             if ch is not None:
-                with contextlib.suppress(OSError, asyncio.TimeoutError):
-                    await asyncio.wait_for(ch.send(Stopped()), self.interval * 2)
+                with contextlib.suppress(OSError, TimeoutError), anyio.fail_after(self.interval * 2):
+                    await ch.send(Stopped())
                 await ch.close()
+            self._stop_done.set()
 
     async def _reconnect(self) -> bool:
         """Join the same head again before ``give_up_after`` runs out; False (the reason set)
@@ -476,18 +482,20 @@ class ClusterNode:
                 )
                 return False
             try:
-                ch = await self._connect(min(left, 2.0))
-            except (OSError, asyncio.TimeoutError):
-                await asyncio.sleep(min(backoff, max(0.0, deadline - self._loop_time())))
+                with anyio.fail_after(min(left, 2.0)):
+                    ch = await self._connect()
+            except (OSError, TimeoutError):
+                await anyio.sleep(min(backoff, max(0.0, deadline - self._loop_time())))
                 backoff = min(backoff * 2, 1.0)
                 continue
             try:
-                welcome = await asyncio.wait_for(self._handshake(ch), max(0.01, deadline - self._loop_time()))
+                with anyio.fail_after(max(0.01, deadline - self._loop_time())):
+                    welcome = await self._handshake(ch)
             except ClusterRefused as exc:
                 await ch.close()
                 self._lost(f"rejoin refused: {exc}")
                 return False
-            except (OSError, BadMessage, asyncio.TimeoutError):
+            except (OSError, BadMessage, TimeoutError):
                 await ch.close()
                 continue
             if welcome is None:

@@ -40,6 +40,7 @@ import hmac
 import secrets
 from typing import Any
 
+import anyio
 import orjson
 
 from atroposd.cluster.messages import (
@@ -334,13 +335,16 @@ class Channel:
             self.writer.write(self.session.seal(msg, key=key))
             await self.writer.drain()
 
-    async def try_send(self, msg: Message, timeout: float) -> bool:
-        """``send`` within ``timeout``; False when the connection failed or the peer did not read."""
-        try:
-            await asyncio.wait_for(self.send(msg), timeout)
-        except (OSError, asyncio.TimeoutError):
-            return False
-        return True
+    async def try_send(self, msg: Message, within: float) -> bool:
+        """``send`` within ``within`` seconds; False when the connection failed or the peer did
+        not read."""
+        with anyio.move_on_after(within):
+            try:
+                await self.send(msg)
+            except OSError:
+                return False
+            return True
+        return False
 
     async def send_unsigned(self, msg: Message) -> None:
         async with self._lock:
@@ -394,6 +398,7 @@ class Channel:
             return
         self.writer.close()
         try:
-            await asyncio.wait_for(self.writer.wait_closed(), 1.0)
-        except (OSError, asyncio.TimeoutError):
+            with anyio.fail_after(1.0):
+                await self.writer.wait_closed()
+        except (OSError, TimeoutError):
             self.abort()

@@ -110,13 +110,13 @@ class HeadLink:
         self.holds_ranks = cfg.trainer.enabled and cfg.trainer.local_ranks > 0
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Open the cluster endpoint (before any child) with the head's own components reported."""
+        """Open the cluster endpoint (before any child), the head's own components reported, and
+        serve it until ``close``; started once it is open."""
+        self.report()
         try:
-            await self.head.start()
+            await self.head.serve(task_status=task_status)
         except ClusterStartError as exc:
             raise StartFailed(str(exc)) from None
-        self.report()
-        task_status.started()
 
     def report(self) -> None:
         self.head.report(_rows(list(self.daemon.units.values())))
@@ -209,23 +209,22 @@ class HeadLink:
         """Wait until every node is ready (bounded by ``data_timeout``): a trainer group forms
         only with all of its ranks."""
         t = self.daemon.cfg.trainer
-        deadline = time.monotonic() + t.data_timeout
         last_log = 0.0
-        while True:
-            missing = self.missing()
-            if not missing:
-                break
+        with anyio.move_on_after(t.data_timeout):
+            while missing := self.missing():
+                on_wait(missing)
+                now = time.monotonic()
+                if now - last_log >= WAIT_LOG_EVERY_S:
+                    last_log = now
+                    log.info("the trainer group waits for nodes", nodes=missing, waited_for="ready")
+                await anyio.sleep(0.1)
+        missing = self.missing()
+        if missing:
             on_wait(missing)
-            now = time.monotonic()
-            if now > deadline:
-                raise RuntimeError(
-                    f"node(s) {', '.join(map(str, missing))} not ready within trainer.data_timeout "
-                    f"({t.data_timeout:g} s): the trainer group cannot form"
-                )
-            if now - last_log >= WAIT_LOG_EVERY_S:
-                last_log = now
-                log.info("the trainer group waits for nodes", nodes=missing, waited_for="ready")
-            await anyio.sleep(0.1)
+            raise RuntimeError(
+                f"node(s) {', '.join(map(str, missing))} not ready within trainer.data_timeout "
+                f"({t.data_timeout:g} s): the trainer group cannot form"
+            )
 
     async def start_ranks(self, generation: int) -> None:
         """Tell every node to start its trainer ranks for ``generation``."""

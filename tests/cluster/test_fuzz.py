@@ -343,7 +343,7 @@ async def test_the_endpoint_survives_fuzzed_messages_and_still_serves(cfg: Clust
             await _node_session(head.port, r.choice((1, 2)), batch)
         hint = fuzzseed.replay_hint()
         assert not errors, f"{hint}: {errors[:3]}"
-        assert head._watch is not None and not head._watch.done(), hint
+        assert head._runner is not None and not head._runner.done(), hint  # the watchdog's and handlers' task
         # every kind of bad line was met, dropped and counted by its reason
         dropped = head.dropped
         if CASES >= 5000:
