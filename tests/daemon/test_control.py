@@ -352,4 +352,7 @@ def test_a_failed_accept_waits_and_the_server_serves_on(short_tmp: Path) -> None
         child.kill()
         out, err = child.communicate(timeout=10)
     logged = out + err  # structlog's default configuration writes to stdout
-    assert logged.count("control socket cannot accept") == 1 and "Too many open files" in logged, logged[-2000:]
+    # five or more failed accepts in the half second, logged once (twice on a machine slow enough
+    # to pass the 10 s interval)
+    assert 1 <= logged.count("control socket cannot accept") <= 2, logged[-2000:]
+    assert "Too many open files" in logged, logged[-2000:]
