@@ -500,7 +500,7 @@ class Daemon:
                 return self._stop_code
             if isinstance(event, TrainerEnded):
                 code = Exit(event.outcome.exit_code)
-                log.info("trainer ended", state=event.outcome.state, code=int(code))
+                log.info("trainer ended", state=str(event.outcome.state), code=int(code))
                 return code
             if isinstance(event, ReloadRequested):
                 event.reply.set(await self._reload())

@@ -28,6 +28,7 @@ from atroposd.trainer.learner import Learner, StepResult
 from atroposd.trainer.metrics import MetricsWriter
 from atroposd.trainer.ranks import is_group_error
 from atroposd.trainer.setup import Checkpointer
+from atroposd.trainer.state import TrainerState
 
 if TYPE_CHECKING:
     from atroposd.config import HealthConfig, TrainerConfig
@@ -61,7 +62,7 @@ class Progress:
     step: int = 0
     weight_version: int = 0
     skipped_steps: int = 0
-    state: str = "waiting"
+    state: TrainerState = TrainerState.WAITING
     waiting_for: str | None = "model"
     last: dict[str, Any] = field(default_factory=dict)
     last_checkpoint: str | None = None
@@ -171,7 +172,7 @@ class TrainingLoop:
         self.stop_requested = True
         self.feed.cancel_wait()
 
-    async def run(self) -> str:
+    async def run(self) -> TrainerState:
         """Train until ``steps`` ("finished") or a stop request ("stopped")."""
         p, t = self.progress, self.t
         consecutive_skips = 0
@@ -189,7 +190,7 @@ class TrainingLoop:
                     continue
             p.filtered_groups += len(filtered)
             batch_wait = time.perf_counter() - wait_start
-            p.state, p.waiting_for = "training", None
+            p.state, p.waiting_for = TrainerState.TRAINING, None
             step_start = time.perf_counter()
             try:
                 # prepare: validate groups, advantages per group, pad micro-batches
@@ -275,7 +276,7 @@ class TrainingLoop:
                     self._mark_known_good()
             elif p.step % t.checkpoint_every == 0:
                 await self.checkpoint(background=True)
-        return "finished" if p.step >= p.total_steps else "stopped"
+        return TrainerState.FINISHED if p.step >= p.total_steps else TrainerState.STOPPED
 
     def _apply(self, burst: float | None) -> None:
         if burst is None:
@@ -381,7 +382,7 @@ class TrainingLoop:
         None then. Otherwise returns the complete directory (None: failed or abandoned)."""
         p = self.progress
         previous = p.state
-        p.state = "checkpointing"
+        p.state = TrainerState.CHECKPOINTING
         path = None
         try:
             with anyio.move_on_after(deadline_s):
@@ -459,10 +460,10 @@ class TrainingLoop:
         """The compute thread's optimizer step waits (True) or waited (False) for the checkpoint
         being written to read the weights: shown as checkpointing (the watchdog's clock stops)."""
         p = self.progress
-        if waiting and p.state == "training":
-            p.state = "checkpointing"
-        elif not waiting and p.state == "checkpointing":
-            p.state = "training"
+        if waiting and p.state == TrainerState.TRAINING:
+            p.state = TrainerState.CHECKPOINTING
+        elif not waiting and p.state == TrainerState.CHECKPOINTING:
+            p.state = TrainerState.TRAINING
 
     async def finish_checkpoint(self) -> None:
         """Wait for the checkpoint being written in the background, and take its outcome."""

@@ -26,6 +26,7 @@ from atroposd.config import Config
 from atroposd.paths import Paths
 from atroposd.restarts import RestartBudget
 from atroposd.trainer.host import RankHost
+from atroposd.trainer.state import TrainerState
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -76,7 +77,7 @@ class GroupFault(RuntimeError):
 class TrainerOutcome:
     """How ``run`` ended: ``finished`` (all steps), ``stopped`` (requested) or ``failed``."""
 
-    state: str
+    state: TrainerState
     step: int
     weight_version: int
     error: str | None = None
@@ -85,9 +86,9 @@ class TrainerOutcome:
     def exit_code(self) -> int:
         from atroposd.exitcodes import Exit
 
-        if self.state == "collapsed":  # past [health] max_rollbacks (SPEC §2, §15)
+        if self.state == TrainerState.COLLAPSED:  # past [health] max_rollbacks (SPEC §2, §15)
             return int(Exit.COLLAPSED)
-        return 1 if self.state == "failed" else 0
+        return 1 if self.state == TrainerState.FAILED else 0
 
 
 class TrainerService:
@@ -159,8 +160,8 @@ class TrainerService:
         """SPEC §2's ``trainer`` object."""
         p, last = self.progress, self.progress.last
         return {
-            "state": p.state,
-            "waiting_for": p.waiting_for if p.state == "waiting" else None,
+            "state": p.state.value,
+            "waiting_for": p.waiting_for if p.state == TrainerState.WAITING else None,
             "step": p.step,
             "total_steps": p.total_steps,
             "weight_version": p.weight_version,
@@ -270,12 +271,12 @@ class TrainerService:
                     await self._after_collapse(collapse)
         except Exception as group:  # any failure ends the job: state failed, exit 1 (SPEC §4)
             exc = _root_cause(group)
-            p.state, p.error = "failed", f"{type(exc).__name__}: {exc}"
+            p.state, p.error = TrainerState.FAILED, f"{type(exc).__name__}: {exc}"
             log.error("trainer failed", step=p.step, error=p.error, exc_info=not _expected(exc))
             if not self._started:
                 self._started = True
                 task_status.started()
-            self.outcome = TrainerOutcome("failed", p.step, p.weight_version, p.error)
+            self.outcome = TrainerOutcome(TrainerState.FAILED, p.step, p.weight_version, p.error)
             return self.outcome
         finally:
             with anyio.CancelScope(shield=True):
@@ -321,7 +322,7 @@ class TrainerService:
             self._setup_scope.cancel()
         with self._setup_scope:
             ranks = await self._form_group()
-            p.state, p.waiting_for = "waiting", "model"
+            p.state, p.waiting_for = TrainerState.WAITING, "model"
             setup = await self.compute.run(
                 load_for_training, self.cfg, ranks, pick=plan.target if plan is not None else None
             )
@@ -414,15 +415,15 @@ class TrainerService:
         loop = self._loop
         if self._setup_scope.cancelled_caught or loop is None:
             # stopped before training began: nothing new to checkpoint
-            p.state, p.waiting_for = "stopped", None
+            p.state, p.waiting_for = TrainerState.STOPPED, None
             log.info("trainer stopped before training began", step=p.step)
             if not self._started:
                 self._started = True
                 task_status.started()
-            return TrainerOutcome("stopped", p.step, p.weight_version)
+            return TrainerOutcome(TrainerState.STOPPED, p.step, p.weight_version)
         if self._stop:
             loop.request_stop()
-        p.state, p.waiting_for = "waiting", "data"
+        p.state, p.waiting_for = TrainerState.WAITING, "data"
         if not self._started:
             self._started = True
             task_status.started()
@@ -535,7 +536,7 @@ class TrainerService:
             "time": time.time(),
             "final": give_up,
         }
-        p.state, p.waiting_for = "waiting", "model"
+        p.state, p.waiting_for = TrainerState.WAITING, "model"
         log.error(
             "collapse detected: rolling back to the newest known-good weights",
             step=collapse.step,
@@ -581,13 +582,13 @@ class TrainerService:
         )
         if not plan.give_up:
             return None
-        p.state = "failed"
+        p.state = TrainerState.FAILED
         p.error = (
             f"the run collapsed past health.max_rollbacks = {self.cfg.health.max_rollbacks} "
             f"({p.rollbacks} collapses); last: {plan.reason}"
         )
         log.error("trainer ends: " + p.error, step=p.step, known_good=p.known_good)
-        return TrainerOutcome("collapsed", p.step, p.weight_version, p.error)
+        return TrainerOutcome(TrainerState.COLLAPSED, p.step, p.weight_version, p.error)
 
     # ------------------------------------------------------------------ trainer ranks (SPEC §12.1)
 
@@ -599,7 +600,7 @@ class TrainerService:
         if t.ranks == 1 or self.rank_host is None:
             return OneRank()
         p = self.progress
-        p.state, p.waiting_for = "waiting", "ranks"
+        p.state, p.waiting_for = TrainerState.WAITING, "ranks"
         host = self.rank_host
         # Several machines: the group forms once every node is ready (a lost node is back).
         await host.wait_nodes(self._waiting_for_nodes)
@@ -633,7 +634,7 @@ class TrainerService:
 
     def _waiting_for_nodes(self, nodes: list[int]) -> None:
         p = self.progress
-        p.state, p.waiting_for = "waiting", "ranks"
+        p.state, p.waiting_for = TrainerState.WAITING, "ranks"
         self.waiting_nodes = list(nodes)
 
     def _attach_source(self, setup: Any) -> None:
@@ -689,7 +690,7 @@ class TrainerService:
         """Stop every rank, fence the compute thread, wait the backoff; raise past max_restarts."""
         t = self.cfg.trainer
         p = self.progress
-        p.state, p.waiting_for = "waiting", "ranks"
+        p.state, p.waiting_for = TrainerState.WAITING, "ranks"
         now = time.monotonic()
         missing = self.rank_host.nodes_missing() if self.rank_host is not None else []
         # A restart while a rank-holding node is lost or joining is not counted (SPEC §12.3):
@@ -757,8 +758,8 @@ class TrainerService:
 
     def _on_wait(self, reason: str | None) -> None:
         p = self.progress
-        if p.state in ("waiting", "training"):
-            p.state, p.waiting_for = ("waiting", reason) if reason else ("training", None)
+        if p.state in (TrainerState.WAITING, TrainerState.TRAINING):
+            p.state, p.waiting_for = (TrainerState.WAITING, reason) if reason else (TrainerState.TRAINING, None)
 
     def _start_wandb(self, metrics: Any) -> Any:
         """W&B logging of every metrics row (its own thread; a failure is a warning)."""
