@@ -48,6 +48,22 @@ def test_announced_sizes_are_capped(answer: bytes) -> None:
         conn.close()
 
 
+@pytest.mark.parametrize("where", ["headers", "trailers"])
+def test_headers_and_trailers_are_capped(where: str) -> None:
+    """Response headers (and a chunked body's trailers) past 64 KiB are an error, not read on."""
+    endless = b"X-Pad: " + b"p" * (256 << 10)  # one header line that never ends
+    if where == "headers":
+        answer = b"HTTP/1.1 200 OK\r\n" + endless
+    else:
+        answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n" + endless
+    with scripted([[answer]]) as (port, _):
+        conn = HttpConnection("127.0.0.1", port, timeout=10, max_body=1 << 20)
+        error = "response headers too large" if where == "headers" else "chunked trailers too large"
+        with pytest.raises(ConnectionError, match=error):
+            conn.request("GET", "/batch")
+        conn.close()
+
+
 def _client(port: int, **kw: Any) -> BatchClient:
     return BatchClient(
         f"http://127.0.0.1:{port}", token="", batch_size=4, max_token_len=64, max_batch_bytes=1 << 20, **kw
