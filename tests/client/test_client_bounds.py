@@ -169,3 +169,30 @@ def test_an_inference_control_answer_is_read_up_to_its_cap(framing: str, short_t
     finally:
         thread.join(10)
         srv.close()
+
+
+def test_a_segment_is_mapped_only_when_private_and_as_large_as_announced() -> None:
+    """The client maps a batch segment only when it is this user's, mode 0600 and at least as
+    large as the API said; another user's mode or a short segment is refused before mapping."""
+    import os
+    import secrets
+
+    from atroposd.client.batches import _map_segment
+
+    name = f"atroposd-batch-test-{secrets.token_hex(8)}"
+    path = f"/dev/shm/{name}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, 4096)
+        m = _map_segment(name, 4096)
+        m.close()
+        with pytest.raises(ValueError, match="expected at least 8192"):
+            _map_segment(name, 8192)
+        os.fchmod(fd, 0o644)
+        with pytest.raises(PermissionError, match="expected 0600"):
+            _map_segment(name, 4096)
+        with pytest.raises(ValueError, match="not an atroposd segment name"):
+            _map_segment("../" + name, 4096)
+    finally:
+        os.close(fd)
+        os.unlink(path)
