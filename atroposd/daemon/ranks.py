@@ -3,9 +3,9 @@ head and the other nodes.
 
 :class:`LocalRanks` starts this node's ``trainer-<r>`` units from ``specs.trainer_rank_specs``
 (never rank 0, which runs in the head's daemon), stops them, names those that exited without
-being asked to, and tells a rank's exit from a stop. The head's :class:`RankHost` (the trainer
-service's ``RankHost``) uses it for its own ranks and the cluster role for the other nodes'; a
-node's link uses it when the head starts or stops its group.
+being asked to, and tells a rank's exit from a stop. The head's :class:`RankHost` (what the
+trainer needs of its host, ``trainer.host.RankHost``) uses it for its own ranks and the cluster
+role for the other nodes'; a node's link uses it when the head starts or stops its group.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class LocalRanks:
 
 
 class RankHost:
-    """The head's side of the trainer ranks, as the trainer service sees it (``service.RankHost``):
+    """The head's side of the trainer ranks, as the trainer service sees it (``trainer.host.RankHost``):
     its own rank units and, through the cluster role, the other nodes'."""
 
     def __init__(self, host: RoleHost, store: Any, role: ClusterRole) -> None:
