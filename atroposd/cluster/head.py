@@ -309,6 +309,8 @@ class ClusterHead:
                 tasks.cancel_scope.cancel()
         finally:
             server.close()
+            while not self._accepted.empty():  # accepted as the endpoint closed: never handled
+                self._accepted.get_nowait()[1].transport.abort()
             try:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
                     await server.wait_closed()
