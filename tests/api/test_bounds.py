@@ -438,6 +438,23 @@ def test_connections_past_the_cap_get_503() -> None:
     asyncio.run(run())
 
 
+def test_refused_connections_are_counted_each_and_logged_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """A flood past the cap is counted connection by connection but logged once per 10 s."""
+
+    async def run() -> None:
+        async with running(_settings(max_connections=1)) as (server, _, port):
+            idle = await asyncio.open_connection("127.0.0.1", port)
+            for _ in range(20):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                assert (await asyncio.wait_for(reader.read(), 5)).startswith(b"HTTP/1.1 503")
+                writer.close()
+            assert server.metrics.refused.labels("connections")._value.get() == 20
+            idle[1].close()
+
+    asyncio.run(run())
+    assert capsys.readouterr().out.count("connection refused: too many open") == 1
+
+
 def test_connection_cap_stays_below_the_descriptor_limit() -> None:
     import resource
 
