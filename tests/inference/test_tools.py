@@ -310,8 +310,8 @@ def test_random_tools_bodies_are_never_a_500(tool_server: Server) -> None:
 @pytest.mark.atroposlib
 def test_tool_calls_through_atroposlibs_openai_class(tool_server: Server, tool_model: Path) -> None:
     """An agent environment of the openai type calls tools as hermes-agent's do: ServerManager's
-    chat_completion with tools, n = 2, after the class's own health check (a one-token chat
-    completion); every choice comes back as the model's call."""
+    chat_completion with tools, n = 2, beside the class's own health check (a one-token chat
+    completion, answered as a probe); every choice comes back as the model's call."""
     pytest.importorskip("atroposlib")
     from atroposlib.envs.server_handling.server_baseline import APIServerConfig
     from atroposlib.envs.server_handling.server_manager import ServerManager
@@ -335,7 +335,14 @@ def test_tool_calls_through_atroposlibs_openai_class(tool_server: Server, tool_m
 
     async def run() -> Any:
         try:
-            return await manager.chat_completion(messages=_question(), tools=TOOLS, n=2, temperature=0.0)
+            reply = await manager.chat_completion(messages=_question(), tools=TOOLS, n=2, temperature=0.0)
+            for _ in range(200):  # the health check runs beside the call: until its probe was answered
+                if (await asyncio.to_thread(_metrics, tool_server))[probe] > probes_before:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the class's health check was never answered as a probe")
+            return reply
         finally:
             for srv in manager.servers:
                 task = getattr(srv, "check_task", None)
@@ -345,7 +352,6 @@ def test_tool_calls_through_atroposlibs_openai_class(tool_server: Server, tool_m
             await _close(manager)
 
     reply = asyncio.run(run())
-    assert _metrics(tool_server)[probe] > probes_before, "the class's health check came first"
     assert len(reply.choices) == 2
     for choice in reply.choices:
         assert choice.finish_reason == "tool_calls", choice
