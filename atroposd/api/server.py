@@ -62,15 +62,12 @@ log = get_logger("api.server")
 
 GZIP_MIN_BYTES = 1000  # upstream's GZipMiddleware minimum_size
 THREAD_MIN_BYTES = 256 << 10  # compress bigger responses off the event loop
-# Small request bodies inflate on the event loop (libdeflate: about 0.1 ms for a 44 KB group of
-# 8 × 512 tokens); handing each one to a thread cost more than the inflation itself (GIL
-# handovers and wake-ups: +0.15 ms of CPU per group, 15 % fewer groups/s on two cores). The loop
-# tries a body whose trailer says less than GUNZIP_THREAD_MIN_BYTES, with libdeflate into a
-# buffer of exactly that size: a trailer that lies (or is the last of several members) stops it
-# there, and the body goes to the inflater thread. So the loop never inflates more than
-# GUNZIP_THREAD_MIN_BYTES of a body, whatever its trailer says. Without libdeflate (Python
-# 3.10), bodies of GUNZIP_THREAD_MIN_COMPRESSED bytes or more as sent go to the thread
-# (deflate expands at most 1032 times: the loop inflates under about 4 MiB).
+# Groups normally reach the parse helper process still compressed; what the API inflates itself
+# (the other routes' bodies, groups while the helper is busy or down) inflates on the event loop
+# only when it is under GUNZIP_THREAD_MIN_COMPRESSED as sent and its trailer says it holds less
+# than GUNZIP_THREAD_MIN_BYTES (libdeflate: into a buffer of exactly that size, so a lying
+# trailer stops it there). Every larger body, whatever its trailer says, goes to the inflater
+# thread: the loop never inflates more than a few KiB as sent (at most GUNZIP_THREAD_MIN_BYTES).
 GUNZIP_THREAD_MIN_BYTES = 1 << 20
 GUNZIP_THREAD_MIN_COMPRESSED = 4 << 10
 RETRY_AFTER_S = 1
@@ -416,14 +413,18 @@ class ApiServer:
         return raw, gz
 
     def _on_loop(self, raw: bytes | bytearray) -> bytes | bytearray | None:
-        """A gzip body inflated on the event loop when that is cheap whatever its trailer says
-        (see GUNZIP_THREAD_MIN_BYTES); None: the inflater thread's to inflate."""
+        """A gzip body inflated on the event loop only when it is small compressed (under
+        GUNZIP_THREAD_MIN_COMPRESSED) and its trailer says it is small inflated (under
+        GUNZIP_THREAD_MIN_BYTES); None: the inflater thread's to inflate. Whatever a trailer
+        says, a larger body never inflates on the loop."""
+        if len(raw) >= GUNZIP_THREAD_MIN_COMPRESSED:
+            return None
         limit = min(self.settings.max_request_bytes, GUNZIP_THREAD_MIN_BYTES - 1)
         if _inflated_size(raw, True) > limit:
             return None
         if HAS_LIBDEFLATE:
             return gunzip_if_small(raw, limit)
-        return gunzip(raw, limit) if len(raw) < GUNZIP_THREAD_MIN_COMPRESSED else None
+        return gunzip(raw, limit)
 
     async def _inflate(self, raw: bytes | bytearray, gz: bool, charge: _Charge | None = None) -> bytes | bytearray:
         """``raw`` decompressed when it is gzip (at most ``max_request_bytes``); what it inflated

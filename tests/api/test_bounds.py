@@ -481,9 +481,8 @@ def _lying_bodies() -> dict[str, bytes]:
 def test_gzip_bodies_with_a_lying_trailer_inflate_off_the_event_loop(
     name: str, libdeflate: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A trailer that understates the inflated size no longer keeps the inflation on the loop:
-    the loop inflates at most what the trailer says (libdeflate, into a buffer of that size),
-    or, without libdeflate, nothing of a body of 4 KiB or more as sent."""
+    """A trailer that understates the inflated size never keeps the inflation on the loop: a
+    body of 4 KiB or more as sent inflates on the inflater thread whatever its trailer says."""
     raw = _lying_bodies()[name]
     assert server_module._inflated_size(raw, True) < server_module.GUNZIP_THREAD_MIN_BYTES
     threads: list[str] = []
@@ -507,21 +506,30 @@ def test_gzip_bodies_with_a_lying_trailer_inflate_off_the_event_loop(
     assert len(raw) >= server_module.GUNZIP_THREAD_MIN_COMPRESSED
 
 
-def test_gzip_bodies_whose_trailer_holds_still_inflate_on_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A group of 8 × 512 tokens (tens of KiB as sent) is inflated on the loop when its trailer
-    is right: handing it to a thread would cost more than inflating it."""
-    body = orjson.dumps(group(8, length=512, generation_params={"pad": os.urandom(4096).hex()}))
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_where_a_gzip_body_whose_trailer_holds_inflates(size: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body under GUNZIP_THREAD_MIN_COMPRESSED as sent (a few KiB) inflates on the loop, where a
+    thread would cost more than the inflation; a larger one goes to the inflater thread even
+    when its trailer is right (and small): whatever a trailer says, the loop inflates nothing
+    sent larger."""
+    pad = 256 if size == "small" else 4096
+    body = orjson.dumps(
+        group(8 if size == "large" else 1, length=512, generation_params={"pad": os.urandom(pad).hex()})
+    )
     raw = gzip.compress(body)
-    assert len(raw) > server_module.GUNZIP_THREAD_MIN_COMPRESSED
+    assert (len(raw) < server_module.GUNZIP_THREAD_MIN_COMPRESSED) == (size == "small"), len(raw)
+    assert server_module._inflated_size(raw, True) < server_module.GUNZIP_THREAD_MIN_BYTES
     threads: list[str] = []
-    real = server_module.gunzip_if_small
 
-    def spy(data: bytes, limit: int) -> Any:
-        threads.append(threading.current_thread().name)
-        return real(data, limit)
+    def spying(real: Any) -> Any:
+        def spy(data: bytes, limit: int) -> Any:
+            threads.append(threading.current_thread().name)
+            return real(data, limit)
 
-    monkeypatch.setattr(server_module, "gunzip_if_small", spy)
-    monkeypatch.setattr(server_module, "gunzip", None)  # the thread's: not called
+        return spy
+
+    monkeypatch.setattr(server_module, "gunzip_if_small", spying(server_module.gunzip_if_small))
+    monkeypatch.setattr(server_module, "gunzip", spying(server_module.gunzip))
 
     async def run() -> None:
         server = ApiServer(TrajectoryStore(64), _settings())
@@ -532,7 +540,10 @@ def test_gzip_bodies_whose_trailer_holds_still_inflate_on_the_loop(monkeypatch: 
             server._batcher.shutdown(wait=True)
 
     asyncio.run(run())
-    assert threads == [threading.main_thread().name]
+    if size == "small":
+        assert threads == [threading.main_thread().name]
+    else:
+        assert threads and all(t.startswith("api-inflate") for t in threads), threads
 
 
 def test_max_connections_from_the_flag_and_its_bound() -> None:
