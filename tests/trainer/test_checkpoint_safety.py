@@ -452,6 +452,35 @@ def test_a_sharded_checkpoint_naming_a_foreign_optimizer_path_is_refused(tmp_pat
     assert latest.restored is None and len(latest.set_aside) == 1
 
 
+def test_a_sharded_model_directory_is_verified_like_the_optimizers(tmp_path: Path) -> None:
+    """``model/`` (the ranks' model shards) loads only when the checksums cover every file in it,
+    only as a directory of the checkpoint, and only from its fixed name."""
+    path, _ = _save_sharded(tmp_path, 1)
+    (path / "model").mkdir()
+    (path / "model" / "__0_0.distcp").write_bytes(b"shard")
+    _rewrite_checksums(path)
+    ckpt._check_sharded(path, ckpt.verify_checksums(path))  # listed: accepted
+    (path / "model" / "__1_0.distcp").write_bytes(b"planted")
+    with pytest.raises(CheckpointError, match=r"does not cover: model/__1_0\.distcp"):
+        ckpt._check_sharded(path, ckpt.verify_checksums(path))
+    (path / "model" / "__1_0.distcp").unlink()
+    (path / CHECKSUM_FILE).unlink()
+    with pytest.raises(CheckpointError, match=r"without checksums\.json"):
+        ckpt._check_sharded(path, ckpt.verify_checksums(path))
+    ckpt._write_checksums(path)
+    state = torch.load(path / STATE_FILE, weights_only=True)
+    state["model_dcp"] = "../elsewhere"
+    torch.save(state, path / STATE_FILE)
+    _rewrite_checksums(path)
+    with pytest.raises(CheckpointError, match="names the model directory"):
+        ckpt.load_checkpoint(path)
+    elsewhere = tmp_path / "elsewhere"
+    (path / "model").rename(elsewhere)
+    (path / "model").symlink_to(elsewhere)
+    with pytest.raises(CheckpointError, match="model is not a directory of the checkpoint"):
+        ckpt._check_sharded(path, True)
+
+
 class _Planted:
     """Unpickling this runs ``open(marker, "w")``: what a planted pickle would do."""
 
