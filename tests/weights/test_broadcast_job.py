@@ -1,17 +1,24 @@
 """``weight_sync = "broadcast"`` in whole jobs through the command line (gloo, torch engine, two
-inference replicas): the job learns as in ``push``; with two trainer ranks, kill -9 of a rank and
-of a replica re-forms the broadcast groups and the job goes on; status --json shows each
-replica's mode and group, metrics.jsonl the sync's pause and transfer apart, /metrics a series per
-replica; stop leaves nothing."""
+inference replicas): the job learns as in ``push``; with two trainer ranks the replicas serve
+the weights the ranks gathered (the canary agrees with rank 0), kill -9 of a rank while a sync
+is under way and of a replica re-forms the broadcast groups and the job goes on; status --json
+shows each replica's mode and group, metrics.jsonl the sync's pause and transfer apart, /metrics
+a series per replica; stop leaves nothing."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import socket
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from atroposd.config import load_config
 from tests.e2e.jobs import (
     SHORT_TASK,
     component,
@@ -41,6 +48,60 @@ def _metrics_text(cfg_text: str) -> str:
     return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=15).read().decode()
 
 
+def _paused(sock: Path) -> bool:
+    """Whether the replica behind the weight-control socket ``sock`` is paused for a sync (its
+    ``GET /weight_info``)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(5)
+        conn.connect(str(sock))
+        conn.sendall(b"GET /weight_info HTTP/1.0\r\nHost: inference\r\n\r\n")
+        raw = b""
+        while chunk := conn.recv(65536):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.split(b" ", 2)[1] == b"200", raw[:300]
+    return bool(json.loads(body)["paused"])
+
+
+def _kill_rank_mid_sync(sock: Path, pid: int, *, within: float = 90.0) -> None:
+    """kill -9 of trainer rank ``pid`` while a weight sync is under way. Once the replica behind
+    ``sock`` is seen paused (the sync has begun), the rank is stopped: the sync's gathers wait for
+    it, so a replica still paused a moment later means the sync is waiting on the rank, which is
+    killed there. A sync that ended between the look and the stop lets the rank go on; the next
+    one is tried."""
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        if not _paused(sock):
+            time.sleep(0.005)
+            continue
+        os.kill(pid, signal.SIGSTOP)
+        killed = False
+        try:
+            time.sleep(0.3)  # well inside collective_timeout: the rank is lost to the kill, not a timeout
+            if _paused(sock):
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+                return
+        finally:
+            if not killed:
+                os.kill(pid, signal.SIGCONT)
+    raise AssertionError(f"no weight sync seen under way within {within:g} s")
+
+
+def _canary_rounds(root: Path) -> list[list[float | None]]:
+    """Each canary round's drift per replica so far (the daemon's log, read while it writes)."""
+    path = root / "state" / "logs" / "daemon.log"
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:  # not JSON, or the line being written
+            continue
+    over = [e for e in events if str(e.get("event")).startswith("replica drift over the limit")]
+    assert not over, over
+    return [e["replica_drift"] for e in events if e.get("event") == "canary check"]
+
+
 def _log_tail(root: Path, lines: int = 40) -> str:
     path = root / "state" / "logs" / "daemon.log"
     if not path.exists():
@@ -64,7 +125,10 @@ def test_two_ranks_broadcast_to_two_replicas_survive_a_rank_and_a_replica_killed
             "sync_bucket_mb": 1,
         },
         daemon={"stop_timeout": 5.0},
+        # the canary compares what each replica serves with rank 0's own scoring (SPEC §15)
+        health={"canary_every": 2, "canary_prompts": 4, "drift_limit": 0.05},
     )
+    control = short_tmp / "run" / f"inference-{load_config(cfg).inference.port}.sock"
     res = atroposd("start", "-c", str(cfg), env=daemon_env(), timeout=300)
     nonce = ""
     try:
@@ -83,11 +147,16 @@ def test_two_ranks_broadcast_to_two_replicas_survive_a_rank_and_a_replica_killed
             assert f'atroposd_replica_weight_sync{{component="{name}",mode="broadcast"}} 1.0' in text
             assert f'atroposd_replica_broadcast_formations_total{{component="{name}"}} 1.0' in text
             assert f'atroposd_replica_broadcast_group{{component="{name}"}} 1.0' in text
+        # the buckets the two ranks gathered are what the replicas serve: float32, the same tokens
+        wait_for(lambda: len(_canary_rounds(short_tmp)) >= 2, timeout=120, interval=0.5, what="two canary rounds")
+        rounds = _canary_rounds(short_tmp)
+        assert all(d is not None and d < 1e-3 for r in rounds for d in r) and len(rounds[-1]) == 2, rounds
 
-        # kill -9 of trainer rank 1: the trainer group restarts, and every broadcast group after it
+        # kill -9 of trainer rank 1 while a sync streams: the trainer group restarts, and every
+        # broadcast group after it
         rank1 = component(st, "trainer-1")
-        before = status(cfg)["trainer"]["step"]
-        kill9(rank1["pid"])
+        _kill_rank_mid_sync(control, rank1["pid"])
+        before = status(cfg)["trainer"]["step"]  # the step whose sync was cut: no step ends without the rank
         wait_for(
             lambda: status(cfg)["trainer"]["group_restarts"] >= 1,
             timeout=60,
@@ -122,13 +191,18 @@ def test_two_ranks_broadcast_to_two_replicas_survive_a_rank_and_a_replica_killed
 
         wait_for(back, timeout=180, interval=0.5, what="replica 1 back, its group formed again, current")
         step = status(cfg)["trainer"]["step"]
+        seen = len(_canary_rounds(short_tmp))
         wait_for(
-            lambda: status(cfg)["trainer"]["step"] > step + 1,
+            lambda: status(cfg)["trainer"]["step"] > step + 1 and len(_canary_rounds(short_tmp)) > seen,
             timeout=120,
             interval=0.5,
-            what="training on after the replica came back",
+            what="training on after the replica came back, and a canary round",
         )
         assert status(cfg)["state"] == "running"
+        # after both groups formed again (and replica 1's once more), the replicas still serve the
+        # ranks' weights
+        rounds = _canary_rounds(short_tmp)[seen:]
+        assert rounds and all(d is not None and d < 1e-3 for d in rounds[-1]) and len(rounds[-1]) == 2, rounds
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n--- daemon log ---\n{_log_tail(short_tmp)}") from exc
     finally:
