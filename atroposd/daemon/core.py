@@ -97,7 +97,7 @@ class Daemon:
         self._stop_code = Exit.OK  # the exit code of a requested stop (1: a node lost its head)
         # This daemon's place in the job (SPEC §12.3): standalone, or with several machines the
         # head's link to the other nodes (HeadLink), or a node's to its head (NodeLink).
-        self.cluster: ClusterRole = Standalone(self.nonce)
+        self.cluster: ClusterRole = Standalone(self.nonce, self.paths.runtime_dir)
         self.ranks = LocalRanks(self)  # this node's trainer-rank units
         self.stopped = anyio.Event()  # every child of this node is gone (set by _stop_all)
         self._start_scope: anyio.CancelScope | None = None

@@ -32,6 +32,8 @@ import anyio.abc
 from atroposd.exitcodes import Exit
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from atroposd.config import Config
     from atroposd.daemon.specs import SpecInputs
     from atroposd.process.unit import Unit, UnitSpec
@@ -81,10 +83,12 @@ class ClusterRole(Protocol):
 
 
 class Standalone:
-    """One machine: no link, no other node; the trainer group's store is on loopback."""
+    """One machine: no link, no other node; the trainer group's store is a file in a private
+    directory under the runtime directory."""
 
-    def __init__(self, nonce: str) -> None:
+    def __init__(self, nonce: str, store_dir: Path | None = None) -> None:
         self.nonce = nonce
+        self.store_dir = store_dir  # where the trainer group's store file goes (a private directory in it)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -107,7 +111,9 @@ class Standalone:
     async def group_store(self, world: int) -> GroupStore:
         from atroposd.trainer.group import GroupStore
 
-        return await anyio.to_thread.run_sync(lambda: GroupStore(secret=self.nonce, world=world))
+        return await anyio.to_thread.run_sync(
+            lambda: GroupStore(secret=self.nonce, world=world, directory=self.store_dir)
+        )
 
     async def wait_nodes(self, on_wait: Callable[[list[int]], None]) -> None:
         pass

@@ -18,7 +18,8 @@ a rank receives is unpickled.
 Where the store is (``GroupStore``): with every rank on this machine (no port given), a c10d
 FileStore in a private directory (mode 0700, made for the store; each file 0600), one file per
 group generation — a (re)formed group gets a fresh file and the previous one is removed; the
-directory goes when the store closes. Only this user can reach it: the ranks find it by its path
+directory goes when the store closes (the daemon's, in its runtime directory: one a killed daemon
+left goes when the next store is made). Only this user can reach it: the ranks find it by its path
 (``address``). A FileStore only grows (a deleted key is one more record): about 0.4 KB a step,
 plus the tensor names of each sync's gathers (13 KB a step for a model of 291 tensors pushed in
 4 buckets), until the group re-forms. With several machines (a port given), a TCPStore on a
@@ -69,6 +70,8 @@ __all__ = [
 STORE_TIMEOUT_S = 600.0
 # Command keys left in the store (older ones are deleted: a long run does not fill it).
 COMMANDS_KEPT = 8
+# One machine: the store's private directory is named with this prefix.
+STORE_DIR_PREFIX = "atroposd-trainer-store-"
 # The rank's command key (hex), in its environment.
 KEY_VAR = "ATROPOSD_TRAINER_KEY"
 _MAC_LEN = 64  # hex SHA-256
@@ -346,7 +349,8 @@ class GroupStore:
     advertise: str | None = None
     # the ranks' command key: given (several machines: derived from the cluster token) or fresh
     key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
-    # one machine: where the store's private directory is made
+    # one machine: where the store's private directory is made (the daemon: its runtime directory,
+    # where a directory left by a killed daemon is removed first)
     directory: str | Path | None = None
     store: Any = field(init=False, default=None, repr=False)
     generation: int = field(init=False, default=0)
@@ -356,7 +360,10 @@ class GroupStore:
 
     def __post_init__(self) -> None:
         if self.local:
-            self.private_dir = Path(tempfile.mkdtemp(prefix="atroposd-trainer-store-", dir=self.directory))
+            if self.directory is not None:  # the daemon's own directory: a killed daemon's store goes now
+                for stale in Path(self.directory).glob(STORE_DIR_PREFIX + "*"):
+                    shutil.rmtree(stale, ignore_errors=True)
+            self.private_dir = Path(tempfile.mkdtemp(prefix=STORE_DIR_PREFIX, dir=self.directory))
             return
         import torch.distributed as dist
 

@@ -175,6 +175,15 @@ def test_on_one_machine_the_store_is_a_private_file_per_generation(tmp_path: Any
     finally:
         store.close()
     assert not d.exists() and store.store is None and os.listdir(tmp_path) == []
+    # a killed daemon's store directory (in the daemon's runtime directory) goes at the next start
+    left = GroupStore(secret="s3cret", world=2, directory=tmp_path)
+    left.next_generation()
+    assert left.private_dir is not None and left.private_dir.exists()
+    again = GroupStore(secret="s3cret", world=2, directory=tmp_path)
+    try:
+        assert not left.private_dir.exists() and os.listdir(tmp_path) == [again.private_dir.name]  # type: ignore[union-attr]
+    finally:
+        again.close()
 
 
 def test_two_ranks_form_a_gloo_group_through_the_one_machine_store() -> None:
