@@ -88,6 +88,22 @@ def trained_groups(cfg: Path) -> dict[str, int]:
     }
 
 
+def inference_requests(cfg: Path) -> dict[str, float]:
+    """The inference server's answered requests (outcome ok) by route, from its /metrics."""
+    import tomllib
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = tomllib.loads(cfg.read_text())["inference"]["port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {
+        s.labels["route"]: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "atroposd_inference_requests_total" and s.labels.get("outcome") == "ok"
+    }
+
+
 @pytest.mark.atroposlib
 @pytest.mark.slow
 def test_an_environment_of_every_server_type_trains(short_tmp: Path) -> None:
@@ -110,8 +126,12 @@ def test_an_environment_of_every_server_type_trains(short_tmp: Path) -> None:
         )
         registered = sorted(trained_groups(cfg))  # "{name}" is the replica's name; the API adds "_<i>"
         assert [r.rsplit("-", 1)[0] for r in registered] == sorted(names), registered
+        served = inference_requests(cfg)  # each environment reached the route of its own type
+        assert all(served.get(route, 0) > 0 for route in ("generate", "sglang", "trl", "completions")), served
+        # training (a step may find the trainer a moment between states: waiting for the model)
+        wait_for(lambda: status(cfg)["trainer"]["state"] == "training", timeout=60, interval=0.5, what="training")
         st = status(cfg)
-        assert st["trainer"]["step"] >= 1 and st["trainer"]["state"] == "training", st["trainer"]
+        assert st["trainer"]["step"] >= 1, st["trainer"]
         assert all(c["state"] == "ready" for c in st["components"] if c["name"].startswith("atropos-")), st[
             "components"
         ]
