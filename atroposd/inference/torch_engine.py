@@ -201,6 +201,9 @@ class TorchEngine(WeightGate):
             if not job.future.done():
                 job.future.set_exception(ShuttingDown("the inference server is shutting down"))
         self._queue.clear()
+        endpoint = getattr(self, "_broadcast", None)
+        if endpoint is not None:  # a receive under way fails at once instead of holding the compute lock
+            endpoint.close()
         async with self._compute:
             if self.receiver is not None and self.model is not None:
                 await asyncio.to_thread(self.receiver.release, self.model)
