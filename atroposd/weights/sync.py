@@ -145,6 +145,7 @@ def make_weight_sync(
     sync: SharedSync | PushSync | BucketPushSync | ReloadSync | BroadcastSync
     buckets = int(bucket_bytes) if bucket_bytes is not None else DEFAULT_BUCKET_BYTES
     sources = source_for if source_for is not None else ModelSource
+    deadline = sync_deadline(float(getattr(cfg.trainer, "stall_timeout", 0.0)))
     if bucketed and mode == "shared":
         raise ValueError(
             'weight_sync = "shared" needs one trainer rank (the replicas compute on the trainer\'s '
@@ -193,7 +194,6 @@ def make_weight_sync(
 
         device, _ = resolve_torch(cfg.trainer.devices()[0], cfg.inference.dtype)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        deadline = sync_deadline(float(getattr(cfg.trainer, "stall_timeout", 0.0)))
         sync = BroadcastSync(
             nonce=nonce,
             control_sockets=sockets,
@@ -206,7 +206,7 @@ def make_weight_sync(
         )
     else:
         raise ValueError(f"unknown weight_sync mode {mode!r}")
-    sync.deadline = sync_deadline(float(getattr(cfg.trainer, "stall_timeout", 0.0)))
+    sync.deadline = deadline
     return sync
 
 
