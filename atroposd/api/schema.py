@@ -45,23 +45,6 @@ _I32 = np.iinfo(np.int32)
 _I64 = np.iinfo(np.int64)
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
 
-# Upstream's ScoredData fields in its output order (server.py _scored_data_to_dict).
-OUTPUT_ORDER = (
-    "tokens",
-    "masks",
-    "scores",
-    "advantages",
-    "ref_logprobs",
-    "messages",
-    "generation_params",
-    "inference_logprobs",
-    "overrides",
-    "group_overrides",
-    "images",
-    "env_id",
-    "distill_token_ids",
-    "distill_logprobs",
-)
 # Kept verbatim as JSON fragments: the API never looks inside them.
 # Rows of floats, stored flat like the token ids.
 FLOAT_ROWS = ("inference_logprobs", "advantages", "ref_logprobs")
