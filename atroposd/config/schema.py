@@ -184,6 +184,9 @@ class VllmConfig:
     )
     enforce_eager: bool = _k(False, "Disable CUDA graphs (always on for the CPU backend).")
     extra_args: list[str] = _k([], 'Extra engine arguments, e.g. ["--max-num-seqs", "64"].')
+    allow_untested: bool = _k(
+        False, "Start a vLLM outside the version range atroposd was tested against\n(refused at start otherwise)."
+    )
 
 
 @dataclass

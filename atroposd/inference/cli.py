@@ -74,6 +74,7 @@ def main(args: argparse.Namespace) -> int:
     from atroposd.devices import DeviceError
     from atroposd.inference.server import ControlSocketInUse, PortInUse, ServerOptions, serve
     from atroposd.inference.tools import ToolParserUnavailable
+    from atroposd.inference.vllm_range import UntestedVllm
     from atroposd.logs import configure_logging, get_logger
     from atroposd.models.resolve import BUILTIN_TINY, ModelError, resolve_model, resolve_tokenizer
     from atroposd.paths import Paths
@@ -108,7 +109,7 @@ def main(args: argparse.Namespace) -> int:
     )
     try:
         code = asyncio.run(serve(cfg, opts))
-    except (ModelError, DeviceError, ToolParserUnavailable) as exc:
+    except (ModelError, DeviceError, ToolParserUnavailable, UntestedVllm) as exc:
         print(f"atroposd inference: {exc}", file=sys.stderr)
         return Exit.USAGE
     except (PortInUse, ControlSocketInUse) as exc:

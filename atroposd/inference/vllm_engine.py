@@ -57,6 +57,18 @@ __all__ = ["REFUSED", "BadRequest", "VllmEngine", "sampling_kwargs"]
 
 log = get_logger(__name__)
 
+
+def check_installed_vllm(*, allow_untested: bool) -> None:
+    """Refuse a vLLM outside the tested range (SPEC §1: :class:`UntestedVllm`, naming the range),
+    or log a warning when ``allow_untested`` lets it start."""
+    from atroposd.inference.vllm_range import check_vllm_version, installed_vllm_version
+
+    version = installed_vllm_version()
+    warning = check_vllm_version(version, allow_untested=allow_untested)
+    if warning is not None:
+        log.warning("untested vLLM", version=version, detail=warning)
+
+
 # vLLM imports the worker extension by this name in each worker (atroposd.inference.vllm_worker)
 WORKER_EXTENSION = "atroposd.inference.vllm_worker.AtroposdWorkerExtension"
 CPU_DEFAULT_MEMORY_FRACTION = 0.2
@@ -137,6 +149,7 @@ class VllmEngine(WeightGate):
         from atroposd.weights.receiver import ReceiverState
 
         inf = cfg.inference
+        check_installed_vllm(allow_untested=inf.vllm.allow_untested)
         model = str(resolve_model(cfg))
         tokenizer = str(resolve_tokenizer(cfg))
         device, dtype = resolve(inf.device, inf.dtype, key="inference.device")
