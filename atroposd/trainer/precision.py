@@ -88,11 +88,22 @@ def compensated_adamw(
     weight_decay: float = 0.0,
 ) -> torch.optim.Optimizer:
     """AdamW with Kahan summation for low-precision parameters, from torch-optimi (decoupled
-    weight decay scaled by the learning rate, as ``torch.optim.AdamW``)."""
+    weight decay scaled by the learning rate, as ``torch.optim.AdamW``).
+
+    ``triton=False``: torch-optimi's default (None) compiles a Triton kernel at the first step
+    on a GPU, which needs a C compiler and Python's headers at run time; its foreach path
+    takes the same step without them."""
     from optimi import AdamW
 
     opt: torch.optim.Optimizer = AdamW(
-        params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decouple_lr=False, kahan_sum=True
+        params,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        decouple_lr=False,
+        kahan_sum=True,
+        triton=False,
     )
     return opt
 

@@ -267,3 +267,13 @@ def test_the_compensated_optimizer_resumes_from_its_state_dict_exactly() -> None
         opt_b.step()
     assert torch.equal(a.detach(), b.detach())
     assert torch.equal(opt_a.state[a]["kahan_comp"], opt_b.state[b]["kahan_comp"])
+
+
+def test_the_compensated_adamw_never_compiles_triton() -> None:
+    """torch-optimi compiles a Triton kernel at the first GPU step unless told not to (a C
+    compiler and Python's headers at run time): the compensated AdamW is built with it off."""
+    p = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
+    opt = compensated_adamw([p], lr=1e-3)
+    assert [g["triton"] for g in opt.param_groups] == [False]
+    assert opt.defaults["triton"] is False
+    assert opt.defaults["kahan_sum"] is True
