@@ -94,3 +94,37 @@ def test_every_rule_is_registered_once_and_short() -> None:
     assert sorted(registered) == sorted(rules), "a rule that never runs, or a registered function that is no rule"
     long = {name: n.end_lineno - n.lineno + 1 for name, n in rules.items() if (n.end_lineno or 0) - n.lineno >= 40}
     assert not long, f"rules of 40 lines or more (split them): {long}"
+
+
+@pytest.mark.parametrize(
+    ("trainer_device", "inference_device", "gpu"),
+    [
+        ("cuda:0", "cuda:0", "replica 0 on 'cuda:0', trainer rank 0 on 'cuda:0'"),
+        ("cuda", ["cuda:1", "cuda:0"], "replica 1 on 'cuda:0', trainer rank 0 on 'cuda'"),
+        (["cuda:0", "cuda:1"], ["cuda:2", "cuda:1,cuda:3"], "replica 1 on 'cuda:1', trainer rank 1 on 'cuda:1'"),
+    ],
+)
+def test_broadcast_to_a_replica_on_a_trainer_ranks_gpu_is_refused_naming_the_gpu(
+    trainer_device: str | list[str], inference_device: str | list[str], gpu: str
+) -> None:
+    """NCCL cannot put the trainer's rank and a replica's worker of one group on one GPU."""
+    replicas = len(inference_device) if isinstance(inference_device, list) else 1
+    raw = {
+        "inference": {"device": inference_device, "replicas": replicas},
+        "trainer": {"device": trainer_device, "weight_sync": "broadcast"},
+    }
+    problems = [m for path, m in _problems(raw) if path == "trainer.weight_sync"]
+    assert len(problems) == 1, problems
+    assert gpu in problems[0] and "NCCL" in problems[0] and '"push"' in problems[0]
+
+
+def test_broadcast_to_replicas_on_gpus_of_their_own_is_accepted() -> None:
+    cfg = parse_config(
+        {
+            "inference": {"device": ["cuda:2", "cuda:3"], "replicas": 2},
+            "trainer": {"device": ["cuda:0", "cuda:1"], "weight_sync": "broadcast"},
+        }
+    )
+    assert cfg.weight_sync == "broadcast"
+    # and on the CPU (gloo) a replica beside the trainer is fine
+    assert parse_config({"trainer": {"device": "cpu", "weight_sync": "broadcast"}}).weight_sync == "broadcast"

@@ -223,6 +223,16 @@ def _sync_placement(c: Checking) -> None:
             "trainer.weight_sync",
             f'"{c.sync}" needs a local inference server (inference.enabled = true); use "reload"',
         )
+    if c.sync == "broadcast" and inf.enabled:
+        # NCCL refuses a group with two ranks on one GPU (the trainer's sending rank and the
+        # replica's engine worker).
+        shared_gpu = _trainer_gpu_overlap(c.cfg)
+        if shared_gpu is not None:
+            c.add(
+                "trainer.weight_sync",
+                f'"broadcast" needs every replica on a GPU of its own, not a trainer rank\'s ({shared_gpu}): '
+                'NCCL cannot put two ranks of one group on one GPU; use "push" (CUDA IPC on a shared GPU)',
+            )
 
 
 def _vllm_shared_gpu(c: Checking) -> None:
