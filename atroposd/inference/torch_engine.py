@@ -4,9 +4,10 @@
 * **Batching.** Requests wait in a queue; one scheduler task takes everything queued when the
   model is free and decodes it as one batch (a request with ``n = 8`` is 8 rows), prompts
   left-padded, with the model's KV cache. Requests arriving while a batch runs form the next
-  one, so concurrent environments share forward passes. A probe (``max_tokens ≤ 1``: the health
-  checks of atroposlib's server classes, SPEC §7) is answered ahead of queued rollouts: queued
-  probes go first into the next batch, ride on its prefill (one more prompt row, no forward pass
+  one, so concurrent environments share forward passes. A probe (``max_tokens ≤ 1``, ``n = 1``, a
+  short prompt: the health checks of atroposlib's server classes, SPEC §7) is answered ahead of
+  queued rollouts — the daemon's own generations first, then at most ``PROBE_ROWS_PER_BATCH``
+  probe rows a batch: queued probes go first into the next batch, ride on its prefill (one more prompt row, no forward pass
   of their own) and are answered right after its first step, before the rollouts decode on;
   probes with no rollout queued form a batch by themselves.
 * **Sampling.** Temperature, top-p, top-k, per-request seeds. The reported logprob of a sampled
@@ -40,7 +41,7 @@ from atroposd.devices import resolve_torch
 from atroposd.inference.decode import decode_batch
 from atroposd.inference.gate import NotPaused, ShuttingDown, WeightGate
 from atroposd.inference.schema import (
-    PROBE_MAX_TOKENS,
+    PROBE_ROWS_PER_BATCH,
     BadRequest,
     Completion,
     GenerateParams,
@@ -58,12 +59,6 @@ __all__ = ["BadRequest", "NotPaused", "TorchEngine", "decode_batch"]
 log = get_logger("inference.torch")
 
 MAX_BATCH_ROWS = 256
-# Test hook (tests/e2e/test_sentinel.py): "NAME:N" makes the replica named NAME (its component
-# name, ATROPOSD_NAME) add noise to its weights right after its N-th weight update request
-# (/update_weights or /load), once; "NAME:N+" after the N-th and every later one — weights that
-# did not arrive as sent, made on purpose. Several entries, comma-separated. Copies only: a
-# replica that computes on the trainer's memory (shared) ignores it.
-TEST_CORRUPT_ENV = "ATROPOSD_TEST_CORRUPT_WEIGHTS"
 BATCH_WINDOW = 0.003  # seconds a partial batch may wait for the rest of its group
 
 
@@ -77,7 +72,7 @@ class _Job:
 
     def __post_init__(self) -> None:
         self.rows = self.params.n
-        self.probe = self.params.max_tokens <= PROBE_MAX_TOKENS
+        self.probe = self.params.lane != "rollout"  # a probe or the daemon's own (schema.with_lane)
 
 
 class TorchEngine(WeightGate):
@@ -295,8 +290,13 @@ class TorchEngine(WeightGate):
         rollout), then the rollouts in arrival order."""
         queue = [j for j in self._queue if not j.future.done()]
         jobs: list[_Job] = []
-        rows = probe_rows = 0
-        for job in sorted(queue, key=lambda j: not j.probe):  # stable: arrival order within each kind
+        rows = probe_rows = lane_rows = 0
+        lanes = {"own": 0, "probe": 1, "rollout": 2}
+        for job in sorted(queue, key=lambda j: lanes.get(j.params.lane, 2)):  # stable: arrival order in a lane
+            if job.params.lane == "probe":
+                if lane_rows >= PROBE_ROWS_PER_BATCH:
+                    continue  # a few probes a batch: the others wait for the next one
+                lane_rows += job.rows
             if jobs and rows + job.rows > self.max_batch_rows:
                 break
             jobs.append(job)
@@ -362,7 +362,6 @@ class TorchEngine(WeightGate):
         async with self._compute:
             t0 = time.perf_counter()
             result = await asyncio.to_thread(apply_update, self.model, request, state=self.receiver)
-            await self._test_corrupt()
         self.updates += 1
         return {**result, "seconds": round(time.perf_counter() - t0, 6)}
 
@@ -380,39 +379,8 @@ class TorchEngine(WeightGate):
             result = await asyncio.to_thread(
                 load_dir, self.model, request["path"], weight_version=version, state=self.receiver
             )
-            await self._test_corrupt()
         self.updates += 1
         return result
-
-    async def _test_corrupt(self) -> None:
-        """The test hook ``ATROPOSD_TEST_CORRUPT_WEIGHTS`` (see its definition)."""
-        own = os.environ.get("ATROPOSD_NAME")
-        mine = [
-            w
-            for n, _, w in (e.rpartition(":") for e in os.environ.get(TEST_CORRUPT_ENV, "").split(","))
-            if n and n == own and w.rstrip("+").isdigit()
-        ]
-        if not mine:
-            return
-        when = mine[0]
-        self._test_updates = getattr(self, "_test_updates", 0) + 1
-        nth = int(when.rstrip("+"))
-        if self._test_updates != nth and not (when.endswith("+") and self._test_updates > nth):
-            return
-        if self.receiver is not None and self.receiver.attached:
-            return  # the trainer's own memory
-
-        def corrupt() -> None:
-            import torch
-
-            gen = torch.Generator().manual_seed(1234 + self._test_updates)
-            with torch.no_grad():
-                for p in self.model.parameters():
-                    noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-                    p.add_((noise * 0.5).to(device=p.device, dtype=p.dtype))
-
-        await asyncio.to_thread(corrupt)
-        log.warning("test hook: the weights were corrupted after this update", update=self._test_updates)
 
     async def broadcast_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """``POST /broadcast`` (``weight_sync = "broadcast"``): join the trainer's group, receive

@@ -15,7 +15,6 @@ ends the process with exit 1: the daemon restarts the whole group from the last 
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,8 +54,6 @@ __all__ = ["KEY_VAR", "SECRET_VAR", "STORE_VAR", "Follower", "generation_key", "
 log = get_logger("atroposd.trainer.rank")
 
 STORE_VAR = "ATROPOSD_TRAINER_STORE"
-# Test hook (tests/e2e/test_trainer_ranks.py): "join" makes a rank hang before it joins.
-TEST_HANG_VAR = "ATROPOSD_TEST_RANK_HANG"
 SECRET_VAR = "ATROPOSD_TRAINER_SECRET"
 # At its end a rank waits this long for its checkpoint shards still being written.
 SHARDS_FINISH_S = 60.0
@@ -164,9 +161,6 @@ def serve(cfg: Config, rank: int) -> int:
     device, _ = resolve_torch(own, cfg.inference.dtype, key=f"trainer.device[{local}]")
     if device.type == "cpu":
         torch.set_num_threads(1)
-    if os.environ.get(TEST_HANG_VAR) == "join":  # test hook: a rank that never joins
-        log.warning("test hook: this rank never joins", rank=rank)
-        threading.Event().wait()
     store = connect_store(address, t.join_timeout)
     generation = int(store.get(generation_key(secret)))
     ranks = GroupRanks.join(

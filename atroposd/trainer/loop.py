@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import os
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -42,12 +40,6 @@ log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at fir
 MAX_CONSECUTIVE_SKIPS = 50
 # steps_per_s is measured over this recent window (SPEC §4): a stalled run shows 0.
 STEPS_WINDOW_S = 30.0
-# Test hook (tests/daemon/test_liveness.py): "STEP:FILE" blocks the compute thread at STEP for
-# good, once — unless FILE exists (it is created first), so the resumed job goes past it.
-TEST_STALL_ENV = "ATROPOSD_TEST_STALL_STEP"
-# Test hook (tests/e2e/test_rollback.py): "STEP,STEP,...:FACTOR" multiplies the learning rate by
-# FACTOR for the optimizer step of each STEP — a collapse made on purpose.
-TEST_LR_BURST_ENV = "ATROPOSD_TEST_LR_BURST"
 
 
 class TrainerError(RuntimeError):
@@ -243,7 +235,7 @@ class TrainingLoop:
                     pause_start = time.perf_counter()
                     async with self.weights.paused(p.weight_version + 1):
                         apply_start = time.perf_counter()
-                        await self.compute.run(self._apply, _test_lr_burst(p.step + 1))
+                        await self.compute.run(self._apply)
                         timeline["optimizer_s"] = time.perf_counter() - apply_start
                     timeline["pause_s"] = time.perf_counter() - pause_start
                     p.weight_version += 1
@@ -278,25 +270,11 @@ class TrainingLoop:
                 await self.checkpoint(background=True)
         return TrainerState.FINISHED if p.step >= p.total_steps else TrainerState.STOPPED
 
-    def _apply(self, burst: float | None) -> None:
-        if burst is None:
-            self.learner.apply()
-            return
-        groups = self.learner.optimizer.param_groups
-        saved = [g["lr"] for g in groups]
-        log.warning(
-            "test hook: the learning rate is multiplied for this step", step=self.progress.step + 1, factor=burst
-        )
-        for g in groups:
-            g["lr"] *= burst
-        try:
-            self.learner.apply()
-        finally:
-            for g, lr in zip(groups, saved, strict=True):
-                g["lr"] = lr
+    def _apply(self) -> None:
+        """The optimizer step of ``progress.step + 1`` (on the compute thread)."""
+        self.learner.apply()
 
     def _prepare(self, groups: list[dict[str, Any]], filtered: list[dict[str, Any]] | None = None) -> RolloutBatch:
-        _test_stall(self.progress.step + 1)
         t = self.t
         return prepare_batch(
             groups,
@@ -559,28 +537,6 @@ class TrainingLoop:
                 wait_s=round(batch_wait, 3),
             )
         return trip
-
-
-def _test_stall(step: int) -> None:
-    """The hook of ``TEST_STALL_ENV`` (never set outside tests): a compute thread stuck for good."""
-    spec = os.environ.get(TEST_STALL_ENV)
-    if not spec:
-        return
-    at, _, marker = spec.partition(":")
-    if step != int(at) or not marker or os.path.exists(marker):
-        return
-    Path(marker).touch()
-    log.warning("test hook: the compute thread blocks for good", step=step)
-    threading.Event().wait()
-
-
-def _test_lr_burst(step: int) -> float | None:
-    """The hook of ``TEST_LR_BURST_ENV`` (never set outside tests): the factor for ``step``."""
-    spec = os.environ.get(TEST_LR_BURST_ENV)
-    if not spec:
-        return None
-    steps, _, factor = spec.partition(":")
-    return float(factor) if str(step) in steps.split(",") else None
 
 
 def _round(x: float | None) -> float | None:

@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from tests.e2e.jobs import component, daemon_env, job_config, metrics, status
+from tests.faults import fault_env
 from tests.support import atroposd, free_port, wait_for
 
 # Short liveness settings: a stopped child is declared hung after 3 failed checks, 0.5 s apart.
@@ -129,8 +130,9 @@ def test_sigstop_of_each_child_while_training(short_tmp: Path) -> None:
 
 @pytest.mark.slow  # a whole job or a long search: run by .ci/run, not in the default run
 def test_unresolved_stall_ends_the_job_and_the_next_start_resumes(short_tmp: Path) -> None:
-    """A trainer step blocked in a test hook: status shows ``stalled`` at the trainer's own stage;
-    past twice stall_timeout the job exits 1; the next start resumes from the last checkpoint."""
+    """A trainer step blocked by the ``stall_step`` fault (tests/faults): status shows ``stalled``
+    at the trainer's own stage; past twice stall_timeout the job exits 1; the next start resumes
+    from the last checkpoint."""
     marker = short_tmp / "stalled-once"
     metrics_port = free_port()
     cfg = job_config(
@@ -139,7 +141,7 @@ def test_unresolved_stall_ends_the_job_and_the_next_start_resumes(short_tmp: Pat
         trainer={"checkpoint_every": 3, "stall_timeout": 3.0},
         daemon={"stop_timeout": 5.0, "metrics_port": metrics_port},
     )
-    env = {**daemon_env(), "ATROPOSD_TEST_STALL_STEP": f"5:{marker}"}
+    env = {**daemon_env(), **fault_env(stall_step={"step": 5, "marker": str(marker)})}
     with open(short_tmp / "run1.err", "wb") as err_file:
         proc = psutil.Popen(
             [*_cli(), "run", "-c", str(cfg)], env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=err_file

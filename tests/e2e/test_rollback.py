@@ -21,9 +21,10 @@ from tests.e2e.jobs import (
     problem_lines,
     replica_job_config,
 )
+from tests.faults import fault_env
 from tests.support import atroposd
 
-# The optimizer steps whose learning rate the test hook multiplies (atroposd.trainer.loop)
+# The optimizer steps whose learning rate the lr_burst fault multiplies (tests/faults)
 BURSTS = (40, 75)
 FACTOR = 3000.0
 
@@ -53,7 +54,7 @@ def test_collapse_rolls_back_recovers_then_exits_6_and_a_restart_keeps_the_count
         health={"known_good_after": 10, "max_rollbacks": 1},
     )
     state = short_tmp / "state"
-    env = {**daemon_env(), "ATROPOSD_TEST_LR_BURST": ",".join(map(str, BURSTS)) + f":{FACTOR:g}"}
+    env = {**daemon_env(), **fault_env(lr_burst={"steps": list(BURSTS), "factor": FACTOR})}
     res = atroposd("run", "-c", str(cfg), env=env, timeout=400)
     assert res.returncode == 6, f"run exited {res.returncode}\n{problem_lines(res.stderr)}"
     detected = _events(res.stderr, "collapse detected: rolling back to the newest known-good weights")
@@ -133,7 +134,7 @@ def test_two_ranks_roll_back_together(short_tmp: Path) -> None:
         },
         health={"known_good_after": 4},
     )
-    env = {**daemon_env(), "ATROPOSD_TEST_LR_BURST": f"{burst}:{FACTOR:g}"}
+    env = {**daemon_env(), **fault_env(lr_burst={"steps": [burst], "factor": FACTOR})}
     res = atroposd("run", "-c", str(cfg), env=env, timeout=400)
     assert res.returncode == 0, f"run exited {res.returncode}\n{problem_lines(res.stderr)}"
     detected = _events(res.stderr, "collapse detected: rolling back to the newest known-good weights")

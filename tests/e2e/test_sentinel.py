@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.e2e.jobs import daemon_env, job_config, metrics, problem_lines, replica_job_config
+from tests.faults import fault_env
 from tests.support import atroposd
 
 
@@ -57,7 +58,7 @@ def test_corrupted_replicas_resynced_or_restarted_and_the_job_goes_on(short_tmp:
         health={"canary_every": 2, "canary_prompts": 4, "drift_limit": 0.05},
     )
     # update 1 is the attach, update n + 1 the sync of step n: replica 0's update 3 is step 2's
-    env = {**daemon_env(), "ATROPOSD_TEST_CORRUPT_WEIGHTS": "inference-0:3,inference-1:1+"}
+    env = {**daemon_env(), **fault_env(corrupt_weights={"inference-0": "3", "inference-1": "1+"})}
     res = atroposd("run", "-c", str(cfg), env=env, timeout=300)
     state = short_tmp / "state"
     assert res.returncode == 0, f"run exited {res.returncode}\n{problem_lines(res.stderr)}\n{res.stderr[-3000:]}"

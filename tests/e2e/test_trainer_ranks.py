@@ -27,6 +27,7 @@ from tests.e2e.jobs import (
     segments_of,
     status,
 )
+from tests.faults import fault_env
 from tests.support import atroposd, wait_for
 
 RANKS = {"device": ["cpu", "cpu"], "batch_size": 16, "micro_batch_size": 4, "join_timeout": 120.0}
@@ -156,7 +157,7 @@ def _log_tail(root: Path, lines: int = 40) -> str:
 def test_rank_that_never_joins_fails_the_start(short_tmp: Path) -> None:
     cfg = _config(short_tmp, steps=10, trainer={"join_timeout": 4.0})
     started = time.monotonic()
-    res = atroposd("start", "-c", str(cfg), env={**daemon_env(), "ATROPOSD_TEST_RANK_HANG": "join"}, timeout=300)
+    res = atroposd("start", "-c", str(cfg), env={**daemon_env(), **fault_env(rank_hang="join")}, timeout=300)
     try:
         assert res.returncode != 0
         text = res.stdout + res.stderr
