@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.abc
 
-from atroposd import heartbeat
+from atroposd import gpuenv, heartbeat
 from atroposd.config import ClusterError, Config, ConfigError, TokenError, load_config
 from atroposd.control import ANSWER_LIMIT, ControlServer
 from atroposd.daemon import runtime, specs
@@ -118,6 +118,9 @@ class Daemon:
         self._record = RecoveryRecord(
             self.paths, nonce=self.nonce, pid=self.pid, start_time=self.start_time, started_at=self.started_at
         )
+        # NCCL's error handling before this process builds any group (rank 0 and the broadcast
+        # groups live here, whatever the rank count), over the environment (SPEC §12.1).
+        gpuenv.apply(os.environ)
         # Children start from the environment the daemon was given (before any narrowing of
         # CUDA_VISIBLE_DEVICES for the in-process trainer).
         self._base_env = specs.child_base_env(os.environ)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from atroposd import heartbeat
+from atroposd import gpuenv, heartbeat
 from atroposd.config import Config, EnvConfig, fill_placeholders
 from atroposd.net import is_loopback
 from atroposd.paths import Paths
@@ -218,6 +218,8 @@ def inference_spec(ins: SpecInputs, replica: int = 0) -> UnitSpec:
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
         env[GPUS_VAR] = str(len(gpu_entries(entry)))
+    # A replica may join an NCCL group (broadcast); a vLLM one starts its workers by spawn (SPEC §12.1).
+    gpuenv.apply(env, vllm=c.inference.engine == "vllm")
     # SIGTERM on the daemon's death: the server shuts its engine (and its process group) down.
     i = c.inference
     live = LiveSettings(i.live_interval, i.live_timeout, i.live_failures)
@@ -252,11 +254,7 @@ def inference_specs(ins: SpecInputs) -> list[UnitSpec]:
 # failed collective (SPEC §12.1): the daemon sets them for itself and gives them to every rank.
 # The NCCL ones are set, overriding the environment (its defaults end the process on a failed
 # collective, which would pre-empt the group restart); gloo's interface is only a default.
-TRAINER_GROUP_ENV = {
-    "GLOO_SOCKET_IFNAME": "lo",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
-    "TORCH_NCCL_ENABLE_MONITORING": "0",
-}
+TRAINER_GROUP_ENV = {"GLOO_SOCKET_IFNAME": "lo", **gpuenv.NCCL_ENV}
 TRAINER_GROUP_DEFAULTS = ("GLOO_SOCKET_IFNAME",)
 
 

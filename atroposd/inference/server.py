@@ -120,8 +120,12 @@ def make_engine(cfg: Config, name: str, *, await_weights: bool, threads: int | N
     Every engine answers a bad request with :class:`schema.BadRequest`, a refused weight
     update with :class:`WeightUpdateError` and an update outside a pause with
     :class:`NotPaused`: the routes catch exactly these."""
+    from atroposd import gpuenv
     from atroposd.weights.receiver import ReceiverState
 
+    # Before the device is resolved (a CUDA query), a broadcast group is built or vLLM starts
+    # its workers, whoever started this server (SPEC §12.1).
+    gpuenv.apply(os.environ, vllm=name == "vllm")
     receiver = ReceiverState.from_config(cfg)
     if name == "torch":
         from atroposd.inference.torch_engine import TorchEngine
@@ -497,8 +501,18 @@ def build_control_app(
     allowed = allowed_uids if allowed_uids is not None else frozenset({os.geteuid(), 0})
     app = web.Application(client_max_size=1024 * 1024, middlewares=[_control_guard(allowed, send_timeout)])
 
-    async def pause(_: web.Request) -> Any:
-        return await front.engine.pause()
+    async def pause(request: web.Request) -> Any:
+        # optional {"mode": "wait" | "keep", "clear_cache": bool}: an engine lists what it
+        # serves in ``pause_modes``; no body is "wait" (drain), on every engine
+        body = await _read_json(request, empty_ok=True)
+        body = body if isinstance(body, Mapping) else {}
+        mode, clear = body.get("mode"), body.get("clear_cache")
+        if mode is None and clear is None:
+            return await front.engine.pause()
+        modes = getattr(front.engine, "pause_modes", ("wait",))
+        if mode not in (None, *modes) or (clear is not None and len(modes) == 1):
+            raise schema.BadRequest(f"the {front.engine.name} engine pauses with mode {' or '.join(modes)} only")
+        return await front.engine.pause(mode=mode or "wait", clear_cache=clear)
 
     async def resume(request: web.Request) -> Any:
         body = await _read_json(request, empty_ok=True)

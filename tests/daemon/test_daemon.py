@@ -26,7 +26,9 @@ def _alive(pid: int) -> bool:
 def test_start_status_stop(job: Job) -> None:
     job.write(**base_sections(job.dir, [env("worker", script("cooperative.py"), replicas=2)]))
     t0 = time.monotonic()
-    r = job.cli("start")
+    # NCCL's defaults (and anything the launcher says) end a process on a failed collective:
+    # the daemon sets its own over them before anything, whatever the rank count (SPEC §12.1)
+    r = job.cli("start", env={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_ENABLE_MONITORING": "1"})
     start_s = time.monotonic() - t0
     assert r.returncode == 0, r.stderr
     assert "ready" in r.stdout
@@ -52,6 +54,9 @@ def test_start_status_stop(job: Job) -> None:
         assert environ["ATROPOSD_INSTANCE"] == st["instance"]
         assert environ["ATROPOSD_NAME"] in ("worker-0", "worker-1")
         assert "NOTIFY_SOCKET" not in environ
+        # what the daemon's own environment held when it started its children
+        assert environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2", environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+        assert environ["TORCH_NCCL_ENABLE_MONITORING"] == "0"
     human = job.cli("status")
     assert human.returncode == 0 and "worker-1" in human.stdout
     logs = job.cli("logs", "worker-0")

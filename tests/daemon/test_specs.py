@@ -488,3 +488,31 @@ def test_vllm_replica_overlapping_a_trainer_rank_is_refused(
 def test_replica_device(entry: str, parent: str, expected: tuple[str, str | None]) -> None:
     env = {"CUDA_VISIBLE_DEVICES": parent} if parent else {}
     assert replica_device(entry, env) == expected
+
+
+@pytest.mark.parametrize("engine", ["torch", "vllm"])
+def test_every_replica_gets_nccls_error_handling_and_a_vllm_one_spawns_its_workers(engine: str) -> None:
+    """SPEC §12.1: every process that may build an NCCL group (a replica: broadcast) has NCCL's
+    error handling set over the environment; a vLLM replica starts its engine's workers by
+    spawn and asks NVML, not CUDA, whether a GPU is there — whatever the environment said."""
+    hostile = {
+        "PATH": "/usr/bin",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+        "TORCH_NCCL_ENABLE_MONITORING": "1",
+        "VLLM_WORKER_MULTIPROC_METHOD": "fork",
+        "PYTORCH_NVML_BASED_CUDA_CHECK": "0",
+    }
+    extra = {"vllm": {"gpu_memory_utilization": 0.4}} if engine == "vllm" else {}
+    cfg = _config(
+        inference={"engine": engine, "replicas": 2, "device": ["cuda:1", "cuda:2,cuda:3"], **extra},
+        trainer={"device": "cuda:0", "weight_sync": "broadcast" if engine == "torch" else "push"},
+        env=[],
+    )
+    for spec in inference_specs(_inputs(cfg, hostile)):
+        assert spec.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+        assert spec.env["TORCH_NCCL_ENABLE_MONITORING"] == "0"
+        if engine == "vllm":
+            assert spec.env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+            assert spec.env["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"
+        else:  # the torch engine never forks a CUDA worker: the environment's own values stay
+            assert spec.env["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
