@@ -132,6 +132,10 @@ class Checkpointer:
         # told True / False around such a wait (the loop shows the trainer checkpointing meanwhile)
         self.on_fence: Callable[[bool], None] | None = None
         learner.fence = self.fence
+        # The rank's device, set on every writer thread before it reads a tensor (torch's current
+        # CUDA device is per thread: a new thread's is cuda:0, whatever the rank computes on).
+        self.device: torch.device = learner.policy.device
+        self.set_device: Callable[[torch.device], None] = set_thread_device
 
     def save(self, step: int, weight_version: int, skipped_steps: int, *, consolidate: bool = False) -> Path:
         """Write the checkpoint of ``step`` now (compute thread); raises CheckpointError."""
@@ -230,7 +234,7 @@ class Checkpointer:
                     read.set()
 
         read.clear()
-        future = _run(write, background, name=f"atroposd-checkpoint-{step}")
+        future = _run(write, background, name=f"atroposd-checkpoint-{step}", on_thread=self._on_writer_thread)
         self._writing = future
         return future
 
@@ -258,7 +262,11 @@ class Checkpointer:
                 read.set()
 
         read.clear()
-        self._writing = _run(write, background, name="atroposd-checkpoint-shards")
+        self._writing = _run(write, background, name="atroposd-checkpoint-shards", on_thread=self._on_writer_thread)
+
+    def _on_writer_thread(self) -> None:
+        """First thing on a writer thread: the rank's device (:attr:`set_device`)."""
+        self.set_device(self.device)
 
     def fence(self) -> None:
         """Before an optimizer step: wait until the writer in flight has read the live weights
@@ -297,11 +305,22 @@ class Checkpointer:
         self._abandoned.set()
 
 
-def _run(fn: Callable[[], Any], background: bool, *, name: str) -> concurrent.futures.Future[Any]:
+def set_thread_device(device: torch.device) -> None:
+    """Make ``device`` this thread's current CUDA device (nothing for the CPU). DCP's copies
+    and the stream it waits on are the current device's: on a rank not on ``cuda:0`` a thread
+    that never set it would wait on device 0 while the copies run on the rank's."""
+    if device.type == "cuda":  # GPU only
+        torch.cuda.set_device(device)
+
+
+def _run(
+    fn: Callable[[], Any], background: bool, *, name: str, on_thread: Callable[[], None] | None = None
+) -> concurrent.futures.Future[Any]:
     """``fn()`` now, or on a daemon thread of its own (one stuck in a collective of a broken
     group must not hold up the process's exit); its outcome in a future. ``fn`` — and what it
     holds: the live weights — is let go before the future is done (a rollback's re-attach
-    releases the weights' memory once the write is done)."""
+    releases the weights' memory once the write is done). ``on_thread``: called first on the
+    thread of its own (the rank's device), its failure the future's."""
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
     future.set_running_or_notify_cancel()
     box = [fn]
@@ -311,6 +330,8 @@ def _run(fn: Callable[[], Any], background: bool, *, name: str) -> concurrent.fu
             lower_priority()  # the writer yields the CPU to training
         work = box.pop()
         try:
+            if background and on_thread is not None:
+                on_thread()
             result = work()
         except BaseException as exc:  # handed to whoever waits on the future
             del work

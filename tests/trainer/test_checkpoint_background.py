@@ -157,3 +157,47 @@ async def test_the_next_optimizer_step_waits_until_the_writer_has_read_the_weigh
     assert all(torch.equal(a, b) for a, b in zip(saved, feed.at_three["exp_avg"], strict=True))
     for name, t in restored.weights.items():
         assert torch.equal(t, feed.at_three["weights"][name]), name
+
+
+async def test_a_background_writer_sets_the_ranks_device_on_its_thread_before_it_reads(
+    tiny_dir: Path, state_dir: Path
+) -> None:
+    """torch's current CUDA device is per thread (a new thread's is cuda:0): each writer thread
+    sets the rank's device first, before it reads a tensor or writes a file."""
+    from atroposd.trainer.setup import set_thread_device
+
+    cfg = make_cfg(state_dir, tiny_dir, steps=1, keep_checkpoints=2)
+    setup = load_for_training(cfg)
+    learner = build_learner(cfg, setup)
+    checkpointer = setup.checkpointer(learner)
+    assert checkpointer.set_device is set_thread_device and checkpointer.device == learner.policy.device
+    calls: list[tuple[torch.device, str, list[str]]] = []
+
+    def hook(device: torch.device) -> None:
+        written = sorted(p.name for p in setup.checkpoints_dir.iterdir()) if setup.checkpoints_dir.exists() else []
+        calls.append((device, threading.current_thread().name, written))
+
+    checkpointer.set_device = hook
+    path = checkpointer.start(1, 1, 0, background=True).result(timeout=120)
+    assert path.name == "step-1"
+    assert calls == [(learner.policy.device, "atroposd-checkpoint-1", [])], calls
+    checkpointer.save(2, 2, 0)  # at once, on the compute thread (whose device is set already)
+    assert len(calls) == 1
+    set_thread_device(torch.device("cpu"))  # nothing to set for the CPU
+
+
+@pytest.mark.gpu
+def test_set_thread_device_makes_the_ranks_gpu_current_on_a_new_thread() -> None:
+    from atroposd.trainer.setup import set_thread_device
+
+    last = torch.device("cuda", torch.cuda.device_count() - 1)
+    seen: list[int] = []
+
+    def writer() -> None:
+        set_thread_device(last)
+        seen.append(torch.cuda.current_device())
+
+    t = threading.Thread(target=writer)
+    t.start()
+    t.join()
+    assert seen == [last.index]
