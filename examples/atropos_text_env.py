@@ -16,7 +16,7 @@ runs unchanged with every ``--openai.server_type``. The task is the same single-
                "--env.rollout_server_url", "{api_url}", "--env.total_steps", "{steps}",
                "--env.group_size", "{group_size}", "--env.use_wandb", "false"]
 
-README.md ("Atropos environments of every server type") lists the flags each type needs.
+docs/ENVIRONMENTS.md ("Atropos environments of every server type") lists the flags each type needs.
 Requires ``pip install atroposlib`` (or ``pip install 'atroposd[atropos]'``).
 """
 

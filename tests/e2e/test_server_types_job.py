@@ -1,6 +1,6 @@
 """One daemon trains on an unmodified atroposlib environment of every server type (vllm, sglang,
-openai, trl), each started from README's `[[env]]` entries exactly ("Atropos environments of
-every server type"), which this test also checks against README's table."""
+openai, trl), each started from docs/ENVIRONMENTS.md's `[[env]]` entries exactly ("Atropos
+environments of every server type"), which this test also checks against that page's table."""
 
 from __future__ import annotations
 
@@ -18,21 +18,22 @@ from tests.support import REPO, atroposd, wait_for
 
 pytest.importorskip("atroposlib")
 
-SECTION = "### Atropos environments of every server type"
+SECTION = "## Atropos environments of every server type"
+PAGE = REPO / "docs" / "ENVIRONMENTS.md"
 TYPES = ("vllm", "sglang", "openai", "trl")
 
 
-def readme_section() -> str:
-    text = (REPO / "README.md").read_text()
+def doc_section() -> str:
+    text = PAGE.read_text()
     start = text.index(SECTION)
-    end = text.find("\n### ", start + len(SECTION))
+    end = text.find("\n## ", start + len(SECTION))
     return text[start : end if end >= 0 else len(text)]
 
 
-def readme_table() -> dict[str, dict[str, str]]:
+def doc_table() -> dict[str, dict[str, str]]:
     """server_type → the first placeholder of its base_url and model_name cells."""
     rows = {}
-    for line in readme_section().splitlines():
+    for line in doc_section().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 4 and cells[0].strip("`") in TYPES:
             first = [re.search(r"\{\w+\}", c) for c in cells[2:]]
@@ -41,11 +42,11 @@ def readme_table() -> dict[str, dict[str, str]]:
     return rows
 
 
-def readme_envs() -> list[dict[str, Any]]:
+def doc_envs() -> list[dict[str, Any]]:
     import tomllib
 
-    block = re.search(r"```toml\n(.*?)```", readme_section(), re.S)
-    assert block, "README's server-type section has no toml block"
+    block = re.search(r"```toml\n(.*?)```", doc_section(), re.S)
+    assert block, "docs/ENVIRONMENTS.md's server-type section has no toml block"
     return list(tomllib.loads(block.group(1))["env"])
 
 
@@ -53,8 +54,8 @@ def flag(command: list[str], name: str) -> str:
     return command[command.index(name) + 1]
 
 
-def test_readme_entries_follow_the_table() -> None:
-    table, envs = readme_table(), readme_envs()
+def test_the_documented_entries_follow_the_table() -> None:
+    table, envs = doc_table(), doc_envs()
     assert sorted(table) == sorted(TYPES)
     by_type = {flag(e["command"], "--openai.server_type"): e for e in envs}
     assert sorted(by_type) == sorted(TYPES)
@@ -107,7 +108,7 @@ def inference_requests(cfg: Path) -> dict[str, float]:
 @pytest.mark.atroposlib
 @pytest.mark.slow
 def test_an_environment_of_every_server_type_trains(short_tmp: Path) -> None:
-    envs = readme_envs()
+    envs = doc_envs()
     for env in envs:
         command = env["command"]
         env["command"] = [sys.executable, str(REPO / command[1]), *command[2:]]

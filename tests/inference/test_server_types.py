@@ -418,7 +418,7 @@ def _manager(server: Server, tiny_dir: Path, server_type: str) -> Any:
     from atroposlib.envs.server_handling.server_baseline import APIServerConfig
     from atroposlib.envs.server_handling.server_manager import ServerManager
 
-    # The base URL each type needs against atroposd (README: "Atropos environments of every
+    # The base URL each type needs against atroposd (docs/ENVIRONMENTS.md: "Atropos environments of every
     # server type"): TRL's class appends /generate/ to it; the others strip /v1 for their own routes.
     base = server.url if server_type == "trl" else server.url + "/v1"
     # TRL's class loads its tokenizer from model_name: a local directory here.
