@@ -518,10 +518,30 @@ def _render_status(st: dict[str, Any]) -> str:
     q = st.get("queue")
     if q:
         out.append(f"queue: {q.get('sequences')} sequences" + (f" of {q['capacity']}" if q.get("capacity") else ""))
+    out += _render_sandbox(st)
     out += _render_nodes(st)
     if st.get("truncated"):
         out.append(f"(cut to fit: {st['truncated']})")
     return "\n".join(out)
+
+
+def _render_sandbox(st: dict[str, Any]) -> list[str]:
+    """``[sandbox]``: each environment replica's live containers, the removals by reason."""
+    sb = st.get("sandbox")
+    if not isinstance(sb, dict):
+        return []
+    live = sb.get("containers") or {}
+    line = "sandbox: " + (", ".join(f"{k} {v}" for k, v in sorted(live.items())) or "no environment") + " containers"
+    removed = {k: v for k, v in (sb.get("removed") or {}).items() if v}
+    if removed:
+        line += "; removed " + ", ".join(f"{k} {v}" for k, v in sorted(removed.items()))
+    refused = sb.get("refused") or {}
+    if refused:
+        line += "; refused " + ", ".join(f"{k} {v}" for k, v in sorted(refused.items()))
+    out = [line]
+    if sb.get("engine_error"):
+        out.append(f"sandbox: the engine does not answer: {sb['engine_error']}")
+    return out
 
 
 def _render_nodes(st: dict[str, Any]) -> list[str]:

@@ -19,6 +19,7 @@ from atroposd.config.schema import (
     ENV_NAME_PATTERN,
     REPLICA_DEVICE_PATTERN,
     RESERVED_NAMES,
+    SANDBOX_ENGINE_PATTERN,
     SOCKET_PATH_MAX,
     URL_PATTERN,
     ClusterError,
@@ -519,6 +520,19 @@ def _control_socket(c: Checking) -> None:
         )
 
 
+def _sandbox(c: Checking) -> None:
+    """``[sandbox]``: the engine is a Unix socket URL; the memory a size the engines accept."""
+    from atroposd.sandbox.policy import parse_memory
+
+    sb = c.cfg.sandbox
+    if not re.match(SANDBOX_ENGINE_PATTERN, sb.engine):
+        c.add("sandbox.engine", f'must be "" (off) or unix:///PATH of the engine\'s socket, got {sb.engine!r}')
+    try:
+        parse_memory(sb.memory)
+    except ValueError as exc:
+        c.add("sandbox.memory", str(exc))
+
+
 def _socket_group(c: Checking) -> None:
     group = c.cfg.daemon.socket_group
     if group:
@@ -586,6 +600,7 @@ CHECKS: tuple[Callable[[Checking], None], ...] = (
     _api_command,
     _control_socket,
     _socket_group,
+    _sandbox,
 )
 
 # An environment's rules, in order (its port claims among them, after the job's own ports).

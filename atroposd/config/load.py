@@ -24,6 +24,7 @@ from atroposd.config.schema import (
     EnvConfig,
     HealthConfig,
     InferenceConfig,
+    SandboxConfig,
     TrainerConfig,
     WandbConfig,
 )
@@ -82,7 +83,7 @@ def parse_toml(text: str, *, source: str = "<string>") -> Config:
     return parse_config(raw, source=source)
 
 
-_SECTIONS = ("daemon", "api", "inference", "trainer", "wandb", "cluster", "health", "env")
+_SECTIONS = ("daemon", "api", "inference", "trainer", "wandb", "cluster", "health", "sandbox", "env")
 
 
 def parse_config(raw: Mapping[str, Any], *, source: str = "<dict>") -> Config:
@@ -100,6 +101,7 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<dict>") -> Config:
         ("wandb", WandbConfig),
         ("cluster", ClusterConfig),
         ("health", HealthConfig),
+        ("sandbox", SandboxConfig),
     ):
         value = raw.get(name, {})
         if not isinstance(value, Mapping):
@@ -124,6 +126,7 @@ def parse_config(raw: Mapping[str, Any], *, source: str = "<dict>") -> Config:
         wandb=sections["wandb"],
         cluster=sections["cluster"],
         health=sections["health"],
+        sandbox=sections["sandbox"],
         env=envs,
         source=source,
     )

@@ -15,6 +15,7 @@ from atroposd.config.schema import (
     EnvConfig,
     HealthConfig,
     InferenceConfig,
+    SandboxConfig,
     TrainerConfig,
     WandbConfig,
 )
@@ -114,6 +115,7 @@ def json_schema() -> dict[str, Any]:
             "wandb": _section_schema(WandbConfig),
             "cluster": _section_schema(ClusterConfig),
             "health": _section_schema(HealthConfig),
+            "sandbox": _section_schema(SandboxConfig),
             "env": {
                 "description": "The environments ([[env]]), each run as supervised children.",
                 "type": "array",

@@ -88,6 +88,7 @@ def _render(cfg: Config, *, comments: bool, resolved: bool) -> str:
     section("[wandb]", cfg.wandb, data["wandb"])
     section("[cluster]", cfg.cluster, data["cluster"])
     section("[health]", cfg.health, data["health"])
+    section("[sandbox]", cfg.sandbox, data["sandbox"])
     for e, ed in zip(cfg.env, data["env"], strict=False):
         section("[[env]]", e, ed)
     return "\n".join(out).rstrip() + "\n"

@@ -511,6 +511,32 @@ class HealthConfig:
     )
 
 
+SANDBOX_ENGINE_PATTERN = r"^$|^unix:///.+$"
+SANDBOX_MEMORY_PATTERN = r"^\s*\d+(\.\d+)?\s*[kmgtKMGT]?[iI]?[bB]?\s*$"
+
+
+@dataclass
+class SandboxConfig:
+    engine: str = _k(
+        "",
+        'The Docker-compatible engine\'s socket ("unix:///run/podman/podman.sock",\n'
+        '"unix:///var/run/docker.sock"); "" = off (no DOCKER_HOST is given). Each environment\n'
+        "replica gets DOCKER_HOST on a socket of its own in runtime_dir (docs/SANDBOX.md).",
+        schema={"pattern": SANDBOX_ENGINE_PATTERN},
+    )
+    max_containers: int = _k(32, "Live containers per environment replica; creating more is refused.", min=1)
+    memory: str = _k(
+        "4g", "Memory limit of a container whose request sets none.", schema={"pattern": SANDBOX_MEMORY_PATTERN}
+    )
+    max_age: float = _k(3600.0, "Seconds; an older container of the job is removed.", gt=0)
+    allow_privileged: bool = _k(
+        False,
+        "Allow privileged containers, host network/PID/IPC/user/cgroup namespaces, added\n"
+        "capabilities, devices, unconfined security options and bind mounts of host paths\n"
+        "(a mount of the engine's own socket is refused always).",
+    )
+
+
 CLUSTER_NODE_RANK_ENV = "ATROPOSD_NODE_RANK"
 SLURM_NODE_ID_ENV = "SLURM_NODEID"
 _TRAILING_ORDINAL = re.compile(r"-(\d+)$")
@@ -681,6 +707,7 @@ class Config:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     env: list[EnvConfig] = field(default_factory=list)
     # Where the config came from ("<built-in defaults>" when no file was found); not a key.
     source: str = field(default="<built-in defaults>", compare=False, metadata={"internal": True})

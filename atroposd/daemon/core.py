@@ -63,6 +63,7 @@ from atroposd.process.unit import State, Unit, UnitSpec
 from atroposd.systemd import Notifier
 
 if TYPE_CHECKING:
+    from atroposd.sandbox.manager import Sandbox
     from atroposd.trainer.service import TrainerOutcome, TrainerService
     from atroposd.weights.sync import WeightSync
 
@@ -124,6 +125,8 @@ class Daemon:
         # Children start from the environment the daemon was given (before any narrowing of
         # CUDA_VISIBLE_DEVICES for the in-process trainer).
         self._base_env = specs.child_base_env(os.environ)
+        # SPEC §16: the environments' engine sockets and their containers ([sandbox] engine set).
+        self.sandbox: Sandbox | None = None
 
     # ------------------------------------------------------------------ state
 
@@ -208,6 +211,7 @@ class Daemon:
                 self._check_checkpoint_dir()
                 runtime.check_ports(self.cfg)  # before anything binds (the metrics server included)
                 self._resolve_api_token()
+                self._open_sandbox()
             except StartFailed as exc:
                 log.error("start failed", reason=str(exc))
                 return Exit.RUNTIME
@@ -224,6 +228,8 @@ class Daemon:
                 tg.start_soon(self.notifier.watchdog_loop)
                 if self.cfg.daemon.metrics_port:
                     await tg.start(self._serve_metrics)
+                if self.sandbox is not None:
+                    tg.start_soon(self.sandbox.run)
                 code = await self._lifecycle()
                 if self.trainer is not None and not self._trainer_done.is_set():
                     self._exit_without_trainer(code, pid_fd)  # its compute thread does not return
@@ -289,8 +295,25 @@ class Daemon:
             board=self.board,
         )
 
+    def _open_sandbox(self) -> None:
+        if not self.cfg.sandbox.engine:
+            return
+        from atroposd.sandbox.manager import Sandbox
+
+        self.sandbox = Sandbox(
+            self.cfg, runtime_dir=self.paths.runtime_dir, state_dir=self.paths.state_dir, launch=self.nonce
+        )
+
     async def _start_all(self) -> None:
         head = self.cfg.is_head
+        if self.sandbox is not None:
+            # what an earlier launch of this job left on the engine goes before anything starts
+            from atroposd.sandbox.manager import SandboxUnavailable
+
+            try:
+                await self.sandbox.prepare()
+            except SandboxUnavailable as exc:
+                raise StartFailed(str(exc)) from None
         if self.cfg.cluster.enabled:
             await self._open_cluster()
         if self.cfg.inference.enabled or self.cfg.trainer.enabled:
@@ -485,6 +508,8 @@ class Daemon:
 
     def add_unit(self, spec: UnitSpec, **kw: Any) -> Unit:
         assert self._hub is not None and self._tg is not None
+        if self.sandbox is not None and spec.kind == "env":
+            spec.on_exit = self.sandbox.attach(spec.name, self.spawn)  # its socket exists before it starts
         unit = Unit(spec, logs=self._hub, on_change=self._unit_changed, **kw)
         self.units[spec.name] = unit
         self._tg.start_soon(unit.supervise, name=f"unit {spec.name}")
@@ -710,6 +735,8 @@ class Daemon:
         await self.cluster.stop_nodes()
         for kind in ("trainer", "env", "inference", "api"):
             await self.stop_units([u for u in self.units.values() if u.kind == kind])
+            if kind == "env" and self.sandbox is not None:
+                await self.sandbox.close()  # every object labelled with the job (SPEC §16)
         self.stopped.set()
         await self.cluster.close()
         if self.group_store is not None:

@@ -463,6 +463,9 @@ def _own_families(d: DaemonView) -> list[tuple[Metric, str]]:
     dropped = d.cluster.dropped()
     if dropped is not None:
         out += [(f, "daemon") for f in cluster_families(dropped)]
+    sandbox = getattr(d, "sandbox", None)
+    if sandbox is not None:  # SPEC §16: live containers per environment, removals by reason
+        out += [(f, "daemon") for f in sandbox.families()]
     weights = getattr(d, "weights", None)
     if weights is not None and d.cfg.inference.enabled:
         out += [(f, "daemon") for f in weight_sync_families(d.cfg, weights)]

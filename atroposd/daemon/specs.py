@@ -343,6 +343,8 @@ def env_specs(ins: SpecInputs, e: EnvConfig) -> list[UnitSpec]:
                 ins.cfg.api_url, names, fallback=StartedProbe(e.start_seconds), headers=api_headers(ins.cfg)
             )
         env = _wandb_env(ins, child_env(ins, values))
+        if ins.cfg.sandbox.engine:  # SPEC §16: the replica's own engine socket, served by the daemon
+            sandbox_env(ins, name, env)
         live, check = env_liveness(ins, e)
         if ins.board is not None:
             env[heartbeat.ENV_SOCKET] = str(ins.heartbeat_socket)
@@ -365,6 +367,16 @@ def env_specs(ins: SpecInputs, e: EnvConfig) -> list[UnitSpec]:
             )
         )
     return specs
+
+
+def sandbox_env(ins: SpecInputs, name: str, env: dict[str, str]) -> None:
+    """``DOCKER_HOST`` on the replica's own socket; the docker CLI's other ways of naming an
+    engine (a context, TLS settings) removed so that nothing bypasses it."""
+    from atroposd.sandbox.labels import socket_path
+
+    for key in ("DOCKER_CONTEXT", "DOCKER_TLS_VERIFY", "DOCKER_CERT_PATH"):
+        env.pop(key, None)
+    env["DOCKER_HOST"] = f"unix://{socket_path(ins.paths.runtime_dir, name)}"
 
 
 def env_liveness(ins: SpecInputs, e: EnvConfig) -> tuple[LiveSettings, LiveCheck]:

@@ -123,6 +123,12 @@ async def status(d: DaemonView) -> dict[str, Any]:
         "start_error": d.start_error,
     }
     out.update(cluster_status(d))
+    sandbox = getattr(d, "sandbox", None)
+    if sandbox is not None:  # SPEC §16: each environment's live containers, removals by reason
+        out["sandbox"] = sandbox.status()
+        for row in components:
+            if row.get("kind") == "env":
+                row["containers"] = sandbox.live.get(row["name"], 0)
     return out
 
 

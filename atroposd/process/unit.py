@@ -122,6 +122,10 @@ class UnitSpec:
     cwd: str | None = None
     live: LiveSettings | None = None  # liveness while it runs (SPEC §4); None or 0s: off
     live_check: LiveCheck | None = None
+    # Awaited after each exit, once the child and its descendants are gone, before any backoff:
+    # with True when it will be restarted, False when it stops for good (the daemon's clean-up of
+    # what the child left outside its process tree: its containers, SPEC §16). Bounded by its owner.
+    on_exit: Callable[[bool], Awaitable[None]] | None = None
 
 
 # Called with (unit, restarted) once the probe passed, before the unit is marked ready.
@@ -284,9 +288,10 @@ class Unit:
         try:
             while not self._stop.is_set():
                 exit_info = await self._run_once()
-                if exit_info is None:
-                    break
-                delay = self._after_exit(exit_info)
+                delay = self._after_exit(exit_info) if exit_info is not None else None
+                if self.spec.on_exit is not None:
+                    with anyio.CancelScope(shield=True):
+                        await self.spec.on_exit(delay is not None and not self._stop.is_set())
                 if delay is None:
                     break
                 with anyio.move_on_after(delay):
