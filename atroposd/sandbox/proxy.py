@@ -63,7 +63,10 @@ _SHARED = ("/_ping", "/version", "/info", "/auth", "/build")
 
 
 def docker_error(status: int, message: str) -> web.Response:
-    return web.json_response({"message": message}, status=status)
+    """A Docker API error: ``{"message": ...}`` as ``application/json`` exactly (the docker CLI
+    shows the message only for that content type)."""
+    body = json.dumps({"message": message}).encode()
+    return web.Response(status=status, body=body, headers={"Content-Type": "application/json"})
 
 
 def _no_such(kind: str, ref: str) -> Refused:
@@ -452,7 +455,7 @@ class ReplicaProxy:
                         body = keep(json.loads(raw))
                     except ValueError:
                         body = keep(None)
-                    return web.json_response(body, status=200)
+                    return web.Response(body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
                 out = web.StreamResponse(status=resp.status, reason=resp.reason, headers=_answer_headers(resp.headers))
                 length = resp.headers.get("Content-Length")
                 if length is not None and length.isdigit():
@@ -535,7 +538,9 @@ class ReplicaProxy:
                     except OSError:
                         pass
 
-        protocol.set_parser(Forwarder())  # type: ignore[arg-type]
+        forwarder = Forwarder()
+        protocol.set_parser(forwarder)  # type: ignore[arg-type]  # what aiohttp read past the head
+        client.set_protocol(_Upgraded(protocol, forwarder))
         try:
             while True:
                 chunk = await reader.read(PIPE_CHUNK)
@@ -550,6 +555,33 @@ class ReplicaProxy:
         finally:
             writer.close()
             protocol.force_close()
+
+
+class _Upgraded(asyncio.Protocol):
+    """The client's connection once upgraded: its bytes go to the engine; a half-close (stdin's
+    end, ``docker run -i``) is passed on while the answer still flows back (aiohttp's own protocol
+    would close the connection); the rest is aiohttp's, which ends the handler on a lost
+    connection."""
+
+    def __init__(self, inner: Any, forwarder: Any) -> None:
+        self.inner = inner
+        self.forwarder = forwarder
+
+    def data_received(self, data: bytes) -> None:
+        self.forwarder.feed_data(data)
+
+    def eof_received(self) -> bool:
+        self.forwarder.feed_eof()
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
 
 
 async def _resume_after(writer: asyncio.StreamWriter, transport: asyncio.Transport) -> None:
