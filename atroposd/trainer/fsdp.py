@@ -88,7 +88,9 @@ def checkpoint_activations(layers: Sequence[torch.nn.Module]) -> None:
 
 
 def shard_model(model: torch.nn.Module, *, mixed_precision: bool) -> None:
-    """FSDP2: ``fully_shard`` per decoder layer, then the root (mixed precision on a GPU).
+    """FSDP2: ``fully_shard`` per decoder layer, then the root; ``mixed_precision``: bf16
+    parameters and float32 reduction (on a GPU; any device may ask for it), the root's own
+    inputs never cast.
 
     The root unit is the model's :class:`~atroposd.trainer.model.LogprobModule`: the trainer
     calls the decoder and the head itself (never the full logits), so the hooks that gather
@@ -98,10 +100,17 @@ def shard_model(model: torch.nn.Module, *, mixed_precision: bool) -> None:
     from atroposd.trainer.model import LogprobModule
 
     kw: dict[str, Any] = {}
+    root_kw: dict[str, Any] = {}
     if mixed_precision:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        # The root's inputs stay as the trainer gives them: the policy would cast every
+        # floating-point argument (cast_forward_inputs), the sampling temperature (0.7 becomes
+        # 0.69921875) and the teacher's probabilities with them (SPEC §12.1).
+        root_kw["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
     for layer in decoder_layers(model):
         fully_shard(layer, **kw)
     root = LogprobModule(model)
-    fully_shard(root, **kw)
+    fully_shard(root, **root_kw)
     root.install()
