@@ -53,10 +53,12 @@ from atroposd.api.schema import (
 )
 from atroposd.api.shmbatch import ShmBatches
 from atroposd.config import ApiConfig
+from atroposd.httpbounds import FD_RESERVE, RETRY_AFTER_S, BodyRefused, CappedSite, Charge, Inflight, read_body
+from atroposd.httpbounds import connection_cap as _connection_cap
 from atroposd.logs import get_logger
 from atroposd.net import host_allowed, is_loopback, own_host_names
 
-__all__ = ["ApiMetrics", "ApiServer", "ApiSettings"]
+__all__ = ["FD_RESERVE", "ApiMetrics", "ApiServer", "ApiSettings"]
 
 log = get_logger("api.server")
 
@@ -70,14 +72,11 @@ THREAD_MIN_BYTES = 256 << 10  # compress bigger responses off the event loop
 # thread: the loop never inflates more than a few KiB as sent (at most GUNZIP_THREAD_MIN_BYTES).
 GUNZIP_THREAD_MIN_BYTES = 1 << 20
 GUNZIP_THREAD_MIN_COMPRESSED = 4 << 10
-RETRY_AFTER_S = 1
 BODY_TIMEOUT_S = 30.0  # a request body must arrive within this (a slow client holds a reservation)
 INFLIGHT_BODIES = 4  # bytes of bodies in flight (read, inflated, being parsed): this many max_request_bytes
 PARSE_THREAD_MIN_BYTES = 1 << 20  # the loop hands bodies this large to the inflater thread to parse
 PEER_LOOKUP_BUDGET_S = 0.5  # one peer-pid lookup at a time, for at most this long
 MAX_CONNECTIONS = 1024  # connections open at once (each held by a client, idle or not)
-FD_RESERVE = 64  # file descriptors kept for the spool, the helper, segments: the cap stays below the limit
-REFUSED_LINGER_S = 1.0  # a refused connection is closed after this (or when the client closes it)
 EMPTY_EXAMPLE: dict[str, list[Any]] = {
     "tokens": [],
     "masks": [],
@@ -111,12 +110,7 @@ class ApiSettings:
 
     def connection_cap(self) -> int:
         """``max_connections``, kept below the process's file descriptor limit."""
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        if soft == resource.RLIM_INFINITY:
-            return self.max_connections
-        return max(1, min(self.max_connections, soft - FD_RESERVE))
+        return _connection_cap(self.max_connections)
 
     def queue_bytes(self) -> int:
         """The byte budget of groups held: ``max_queued_bytes``, else 64 KiB per sequence of the
@@ -256,8 +250,7 @@ class ApiServer:
         self._inflater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="api-inflate")
         # One thread plans and writes binary batches (safetensors, shared memory).
         self._batcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="api-batch")
-        self.inflight_bytes = 0
-        self.max_inflight_bytes = INFLIGHT_BODIES * settings.max_request_bytes
+        self.inflight = Inflight(INFLIGHT_BODIES * settings.max_request_bytes)
         self._peer_lookup: asyncio.Lock = asyncio.Lock()
         self._own_hosts = own_host_names() if is_loopback(settings.host) else None
         self._site: CappedSite | None = None
@@ -308,13 +301,29 @@ class ApiServer:
             self.settings.port,
             cap=self.settings.connection_cap(),
             refused=self.metrics.refused.labels("connections"),
+            what="API",
         )
         return self._site
 
     def site_connections(self) -> int:
         """Connections open on the site (0 before it started)."""
-        site = self._site
-        return site.connections.open if site is not None and site.connections is not None else 0
+        return self._site.open if self._site is not None else 0
+
+    @property
+    def inflight_bytes(self) -> int:
+        return self.inflight.bytes
+
+    @inflight_bytes.setter
+    def inflight_bytes(self, value: int) -> None:
+        self.inflight.bytes = value
+
+    @property
+    def max_inflight_bytes(self) -> int:
+        return self.inflight.max_bytes
+
+    @max_inflight_bytes.setter
+    def max_inflight_bytes(self, value: int) -> None:
+        self.inflight.max_bytes = value
 
     # ------------------------------------------------------------------ middlewares
 
@@ -350,6 +359,15 @@ class ApiServer:
                     {"detail": f"Content-Type {request.content_type!r} is not JSON: send application/json"}, status=415
                 )
             return await handler(request)
+        except BodyRefused as exc:
+            if exc.status == 503:
+                self.metrics.refused.labels(exc.reason).inc()
+                headers = {"Retry-After": str(RETRY_AFTER_S)}
+            else:
+                self.metrics.rejected.labels(exc.reason).inc()
+                headers = None
+            log.info("request body refused", path=request.path, status=exc.status, error=str(exc))
+            return _json_plain({"detail": str(exc)}, status=exc.status, headers=headers)
         except InvalidRequest as exc:
             self.metrics.rejected.labels(exc.reason).inc()
             log.info("request rejected", path=request.path, status=exc.status, error=str(exc))
@@ -366,47 +384,12 @@ class ApiServer:
 
     # ------------------------------------------------------------------ bodies
 
-    async def _read_raw(self, request: web.Request, charge: _Charge) -> tuple[bytes | bytearray, bool]:
+    async def _read_raw(self, request: web.Request, charge: Charge) -> tuple[bytes | bytearray, bool]:
         """The request body as sent (at most ``max_request_bytes``) and whether it is gzip; its
-        bytes are charged as they arrive (the declared length at once), the gzip body's inflated
-        size by its trailer once it is read."""
+        bytes are charged as they arrive (:func:`atroposd.httpbounds.read_body`), the gzip body's
+        inflated size by its trailer once it is read."""
         limit = self.settings.max_request_bytes
-        declared = request.content_length
-        if declared is not None and declared > limit:
-            raise _too_large(limit)
-        charge.add(declared or 0)
-        # One chunk stays as it came (no copy); more are gathered in one buffer that grows in
-        # place and goes back to the system whole when the request ends.
-        parts: list[bytes | bytearray] = []
-
-        async def read() -> None:
-            got = 0
-            while chunk := await request.content.readany():
-                got += len(chunk)
-                if got > limit:
-                    raise _too_large(limit)
-                charge.add(got - charge.body)  # a chunked body: charged as it arrives
-                charge.body = max(charge.body, got)
-                if not parts:
-                    parts.append(chunk)
-                elif isinstance(parts[0], bytearray):
-                    parts[0] += chunk
-                else:
-                    parts[0] = bytearray(parts[0]) + chunk
-
-        charge.body = declared or 0
-        try:
-            await asyncio.wait_for(read(), self.settings.body_timeout)
-        except BaseException as exc:
-            # What arrived goes now: the exception's traceback holds read()'s frame in a cycle
-            # (through wait_for's task), which only the cyclic collector would break.
-            parts.clear()
-            if isinstance(exc, asyncio.TimeoutError):
-                raise InvalidRequest(
-                    f"request body not received within {self.settings.body_timeout:g} s", 408, "body_timeout"
-                ) from None
-            raise
-        raw = parts[0] if parts else b""
+        raw = await read_body(request, limit=limit, charge=charge, timeout=self.settings.body_timeout)
         gz = bool(raw) and "gzip" in request.headers.get("Content-Encoding", "").lower()
         if gz:
             charge.add(min(_inflated_size(raw, gz), limit))
@@ -426,7 +409,7 @@ class ApiServer:
             return gunzip_if_small(raw, limit)
         return gunzip(raw, limit)
 
-    async def _inflate(self, raw: bytes | bytearray, gz: bool, charge: _Charge | None = None) -> bytes | bytearray:
+    async def _inflate(self, raw: bytes | bytearray, gz: bool, charge: Charge | None = None) -> bytes | bytearray:
         """``raw`` decompressed when it is gzip (at most ``max_request_bytes``); what it inflated
         to beyond its trailer's word is charged after the fact."""
         if not gz:
@@ -441,7 +424,7 @@ class ApiServer:
 
     async def _read_json(self, request: web.Request, *, optional: bool = False) -> Any:
         """The JSON of a request body, its bytes charged while it is read and parsed."""
-        charge = _Charge(self)
+        charge = Charge(self.inflight)
         try:
             raw, gz = await self._read_raw(request, charge)
             return parse_json(await self._inflate(raw, gz, charge), optional=optional)
@@ -451,7 +434,7 @@ class ApiServer:
     async def _read_groups(self, request: web.Request, *, listed: bool) -> list[Group]:
         """The validated groups of a ``/scored_data`` (one) or ``/scored_data_list`` body: from
         the parse helper when it takes the body (:mod:`atroposd.api.ingest`), else parsed here."""
-        charge = _Charge(self)
+        charge = Charge(self.inflight)
         try:
             raw, gz = await self._read_raw(request, charge)
             size = len(raw) + (min(_inflated_size(raw, gz), self.settings.max_request_bytes) if gz else 0)
@@ -473,9 +456,10 @@ class ApiServer:
 
     def _charge(self, nbytes: int) -> None:
         """Count ``nbytes`` more of bodies in flight; 503 at once when they would pass the bound."""
-        if nbytes > 0 and self.inflight_bytes > 0 and self.inflight_bytes + nbytes > self.max_inflight_bytes:
-            raise QueueFull(f"too many request bytes in flight ({self.inflight_bytes}); try again", reason="inflight")
-        self.inflight_bytes += nbytes
+        try:
+            self.inflight.charge(nbytes)
+        except BodyRefused as exc:
+            raise QueueFull(str(exc), reason="inflight") from None
 
     # ------------------------------------------------------------------ upstream routes
 
@@ -789,141 +773,6 @@ def _groups_of(raw: bytes | bytearray, gz: bool, limit: int, listed: bool, max_t
 
 def _parse_groups(body: bytes | bytearray, listed: bool, max_token_len: int | None) -> list[Group]:
     return groups_from_body(body, listed=listed, max_token_len=max_token_len)
-
-
-def _too_large(limit: int) -> InvalidRequest:
-    return InvalidRequest(f"request body larger than max_request_bytes ({limit})", 413, "too_large")
-
-
-class _Charge:
-    """The bytes one request has charged against the in-flight bound; ``release`` gives them back."""
-
-    __slots__ = ("body", "n", "server")
-
-    def __init__(self, server: ApiServer) -> None:
-        self.server = server
-        self.n = 0
-        self.body = 0  # body bytes charged so far (the declared length, or what arrived)
-
-    def add(self, nbytes: int) -> None:
-        if nbytes > 0:
-            try:
-                self.server._charge(nbytes)
-            except QueueFull:
-                self.release()  # at once: other bodies read before this request unwinds find the room
-                raise
-            self.n += nbytes
-
-    def release(self) -> None:
-        self.server.inflight_bytes -= self.n
-        self.n = 0
-
-
-class _Refusal(asyncio.Protocol):
-    """A connection past the cap: answered 503 at once, its input discarded, closed."""
-
-    RESPONSE = (
-        b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: %d\r\n"
-        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s"
-    )
-
-    def __init__(self) -> None:
-        self._timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        detail = b'{"detail": "too many connections to the API; try again"}'
-        transport.write(self.RESPONSE % (RETRY_AFTER_S, len(detail), detail))
-        try:
-            transport.write_eof()  # the client reads the answer; a close now could reset it first
-        except OSError:
-            pass
-        self._timer = asyncio.get_running_loop().call_later(REFUSED_LINGER_S, transport.close)
-
-    def data_received(self, data: bytes) -> None:
-        pass  # discarded
-
-    def eof_received(self) -> bool:
-        return False  # closes the transport
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-
-
-class _Counted(asyncio.Protocol):
-    """The app's protocol for one connection, counted while it is open."""
-
-    __slots__ = ("cap", "inner")
-
-    def __init__(self, inner: Any, cap: _ConnectionCap) -> None:
-        self.inner = inner
-        self.cap = cap
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.inner.connection_made(transport)
-
-    def data_received(self, data: bytes) -> None:
-        self.inner.data_received(data)
-
-    def eof_received(self) -> bool | None:
-        return self.inner.eof_received()  # type: ignore[no-any-return]
-
-    def pause_writing(self) -> None:
-        self.inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.inner.resume_writing()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.cap.open -= 1
-        self.inner.connection_lost(exc)
-
-
-class _ConnectionCap:
-    """A protocol factory: the app's handler for up to ``cap`` connections at once, a 503 past it."""
-
-    def __init__(self, factory: Callable[[], Any], cap: int, refused: Any) -> None:
-        self.factory = factory
-        self.cap = cap
-        self.refused = refused  # a counter
-        self.open = 0
-        self._logged = 0.0
-
-    def __call__(self) -> asyncio.Protocol:
-        if self.open >= self.cap:
-            self.refused.inc()
-            now = time.monotonic()
-            if now - self._logged >= 10.0:  # one line per 10 s, whatever the rate
-                self._logged = now
-                log.warning("connection refused: too many open", cap=self.cap)
-            return _Refusal()
-        self.open += 1
-        return _Counted(self.factory(), self)
-
-
-class CappedSite(web.TCPSite):
-    """``web.TCPSite`` whose connections are capped (SPEC §13)."""
-
-    def __init__(self, runner: web.AppRunner, host: str, port: int, *, cap: int, refused: Any) -> None:
-        super().__init__(runner, host, port)
-        self.cap = cap
-        self.refused = refused
-        self.connections: _ConnectionCap | None = None
-
-    async def start(self) -> None:
-        await web.BaseSite.start(self)  # registers the site with its runner
-        server = self._runner.server
-        assert server is not None
-        self.connections = _ConnectionCap(server, self.cap, self.refused)
-        self._server = await asyncio.get_running_loop().create_server(
-            self.connections,
-            self._host,
-            self._port,
-            backlog=self._backlog,
-            reuse_address=self._reuse_address,
-            reuse_port=self._reuse_port,
-        )
 
 
 def _inflated_size(raw: bytes | bytearray, gz: bool) -> int:

@@ -55,6 +55,15 @@ class InferenceMetrics:
             registry=r,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
         )
+        self.refused = Counter(
+            "atroposd_inference_refused",
+            "Requests refused before they were read: connections past the cap, bodies in flight "
+            "past their bound (503), too large (413) or too slow (408), by reason",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ("connections", "inflight", "too_large", "body_timeout"):
+            self.refused.labels(reason)
         self.inflight = Gauge("atroposd_inference_requests_in_flight", "Generation requests being answered", registry=r)
         for route in GENERATE_ROUTES:  # every known label value from the start
             self.latency.labels(route)

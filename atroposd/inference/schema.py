@@ -8,8 +8,18 @@ each engine maps that to its own sampling parameters, refusing (with a ``BadRequ
 what it cannot honour — the vLLM engine refuses ``top_p < 1`` and ``top_k > 0`` (SPEC §7).
 
 Bounds that keep one request from allocating without limit (SPEC §13): ``n ≤ MAX_N``,
-``logprobs`` and ``prompt_logprobs ≤ MAX_LOGPROBS`` (vLLM's ``max_logprobs`` default),
-``n × max_tokens ≤ MAX_REQUEST_TOKENS``.
+``logprobs`` and ``prompt_logprobs ≤ MAX_LOGPROBS`` (vLLM's ``max_logprobs`` default), and
+for the whole request, whatever its number of prompts: at most ``MAX_PROMPTS`` prompts,
+``Σ prompts × n × max_tokens ≤ MAX_REQUEST_TOKENS`` (:func:`check_totals`), at most
+``MAX_REQUEST_TOKENS`` prompt tokens in all; a prompt given as text at most ``max_model_len ×
+TEXT_BYTES_PER_TOKEN`` bytes, refused before it is tokenized (:func:`check_text`); SGLang's
+``rid`` at most ``MAX_RID_CHARS`` characters (it is echoed once per sample).
+
+A request is a probe (:data:`LANES`: ``probe``) when it asks for ``max_tokens ≤ 1``, ``n = 1``
+and at most ``PROBE_MAX_PROMPT_TOKENS`` prompt tokens beyond the chat template's own
+(:func:`with_lane`, SPEC §7): the engines answer at most ``PROBE_ROWS_PER_BATCH`` of them
+ahead of each batch of rollouts. The daemon's own generations on the weight-control socket
+(readiness, liveness, canaries) have a lane of their own (``own``), never capped.
 """
 
 from __future__ import annotations
@@ -23,22 +33,29 @@ from typing import Any
 __all__ = [
     "MAX_LOGPROBS",
     "MAX_N",
+    "MAX_PROMPTS",
     "MAX_REQUEST_TOKENS",
+    "MAX_RID_CHARS",
+    "PROBE_MAX_PROMPT_TOKENS",
     "PROBE_MAX_TOKENS",
+    "PROBE_ROWS_PER_BATCH",
+    "TEXT_BYTES_PER_TOKEN",
     "BadRequest",
     "Completion",
     "GenerateParams",
     "SglangRequest",
     "chat_response",
+    "check_text",
+    "check_totals",
     "completion_response",
     "generate_response",
-    "is_probe",
     "is_sglang",
     "parse_generate",
     "parse_sglang",
     "parse_trl",
     "sglang_response",
     "trl_response",
+    "with_lane",
 ]
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default, which /generate inherits
@@ -66,6 +83,8 @@ class GenerateParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    #: the engine's queue it waits in (one of :data:`LANES`); set by the front, never by a body
+    lane: str = "rollout"
 
 
 @dataclass
@@ -108,8 +127,65 @@ MAX_N = 256
 # vLLM's ``ModelConfig.max_logprobs`` default (its processor refuses more, for logprobs and
 # prompt_logprobs alike): a larger k would materialise k entries per position.
 MAX_LOGPROBS = 20
-# Generated tokens one request may ask for (n × max_tokens): 64 completions of 16k tokens.
+# Generated tokens one request may ask for (Σ prompts × n × max_tokens): 64 completions of 16k
+# tokens; and the prompt tokens one request may give, all its prompts together.
 MAX_REQUEST_TOKENS = 1 << 20
+MAX_PROMPTS = 256  # prompts in one request (the completions route's list, TRL's prompts)
+MAX_RID_CHARS = 256  # SGLang's rid, echoed in every sample's meta_info
+# A prompt given as text is refused past max_model_len × this many bytes before it is tokenized
+# (no tokenizer makes a token of more than a few bytes of ordinary text).
+TEXT_BYTES_PER_TOKEN = 16
+# Probes (SPEC §7): what one may ask, and how many rows of them go ahead of each batch.
+PROBE_MAX_PROMPT_TOKENS = 64
+PROBE_ROWS_PER_BATCH = 4
+LANES = ("rollout", "probe", "own")
+
+
+def check_text(text: str, *, max_model_len: int, what: str = "prompt") -> None:
+    """A prompt given as text: :class:`BadRequest` past ``max_model_len × TEXT_BYTES_PER_TOKEN``
+    bytes (UTF-8), checked before anything tokenizes it."""
+    limit = max_model_len * TEXT_BYTES_PER_TOKEN
+    if len(text) > limit or (4 * len(text) > limit and len(text.encode("utf-8", "surrogatepass")) > limit):
+        raise BadRequest(
+            f"{what} is longer than max_model_len × {TEXT_BYTES_PER_TOKEN} = {limit} bytes; it cannot fit "
+            f"max_model_len ({max_model_len}) tokens"
+        )
+
+
+def check_count(count: int, what: str = "prompts") -> None:
+    """At most :data:`MAX_PROMPTS` prompts in one request (checked before any is read)."""
+    if count > MAX_PROMPTS:
+        raise BadRequest(f"{count} {what} in one request; at most {MAX_PROMPTS}: split the request")
+
+
+def check_totals(requests: Sequence[GenerateParams]) -> None:
+    """The whole request's bounds: at most :data:`MAX_PROMPTS` prompts, ``Σ n × max_tokens ≤
+    MAX_REQUEST_TOKENS`` and at most ``MAX_REQUEST_TOKENS`` prompt tokens in all."""
+    check_count(len(requests))
+    generated = sum(p.n * p.max_tokens for p in requests)
+    if generated > MAX_REQUEST_TOKENS:
+        raise BadRequest(
+            f"prompts × n × max_tokens = {generated} exceeds {MAX_REQUEST_TOKENS} generated tokens per "
+            "request; split the request"
+        )
+    prompt = sum(len(p.prompt_ids) for p in requests)
+    if prompt > MAX_REQUEST_TOKENS:
+        raise BadRequest(f"{prompt} prompt tokens exceed {MAX_REQUEST_TOKENS} per request; split the request")
+
+
+def with_lane(params: GenerateParams, *, template_tokens: int = 0, own: bool = False) -> GenerateParams:
+    """``params`` in its lane: ``own`` (the daemon's own generation of at most
+    ``PROBE_MAX_TOKENS``), ``probe`` (``max_tokens ≤ PROBE_MAX_TOKENS``, ``n = 1``, at most
+    ``PROBE_MAX_PROMPT_TOKENS`` prompt tokens beyond the chat template's ``template_tokens``), or
+    ``rollout``."""
+    short = params.max_tokens <= PROBE_MAX_TOKENS
+    if own and short:
+        lane = "own"
+    elif short and params.n == 1 and len(params.prompt_ids) <= PROBE_MAX_PROMPT_TOKENS + max(0, template_tokens):
+        lane = "probe"
+    else:
+        lane = "rollout"
+    return params if params.lane == lane else replace(params, lane=lane)
 
 
 def _check_fields(body: Any, known: Collection[str]) -> None:
@@ -126,12 +202,23 @@ def parse_generate(body: Any, *, max_model_len: int, vocab_size: int) -> Generat
     _check_fields(body, _KNOWN)
     prompt = body.get("prompt")
     ids = prompt.get("prompt_token_ids") if isinstance(prompt, Mapping) else None
-    if not isinstance(ids, list) or not ids or not all(_is_int(i) for i in ids):
-        raise BadRequest('prompt must be {"prompt_token_ids": [token ids, at least one]}')
+    ids = _check_ids(ids, max_model_len, 'prompt must be {"prompt_token_ids": [token ids, at least one]}')
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
         raise BadRequest(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
-    return sampling_params(body, ids, max_model_len=max_model_len, vocab_size=vocab_size)
+    return with_lane(sampling_params(body, ids, max_model_len=max_model_len, vocab_size=vocab_size))
+
+
+def _check_ids(ids: Any, max_model_len: int, message: str) -> list[int]:
+    """A prompt of token ids: a non-empty list of integers, refused at once when it is longer
+    than ``max_model_len`` (before its ids are looked at one by one)."""
+    if not isinstance(ids, list) or not ids:
+        raise BadRequest(message)
+    if len(ids) >= max_model_len:
+        raise BadRequest(f"prompt ({len(ids)} tokens) leaves no room below max_model_len ({max_model_len})")
+    if not all(_is_int(i) for i in ids):
+        raise BadRequest(message)
+    return ids
 
 
 def sampling_params(
@@ -354,21 +441,7 @@ def chat_response(model: str, gen: Mapping[str, Any], *, want_logprobs: bool, de
 
 # ---------------------------------------------------------------------------- probes
 
-PROBE_MAX_TOKENS = 1  # a generation request asking for at most this many tokens is a probe
-_MAX_KEYS = ("max_tokens", "max_new_tokens", "max_completion_tokens")
-
-
-def is_probe(body: Any) -> bool:
-    """Whether a generation body of any served shape (vLLM's or SGLang's ``/generate``, TRL's
-    ``/generate/``, the OpenAI routes) asks for at most :data:`PROBE_MAX_TOKENS` tokens: the
-    health checks of atroposlib's server classes, answered ahead of queued rollouts and counted
-    apart from them (SPEC §7). A body whose limit is missing or malformed is no probe."""
-    if not isinstance(body, Mapping):
-        return False
-    nested = body.get("sampling_params")
-    where: Mapping[str, Any] = nested if isinstance(nested, Mapping) else body
-    limit = next((where[k] for k in _MAX_KEYS if where.get(k) is not None), None)
-    return isinstance(limit, int) and not isinstance(limit, bool) and limit <= PROBE_MAX_TOKENS
+PROBE_MAX_TOKENS = 1  # a generation request asking for at most this many tokens may be a probe
 
 
 # ---------------------------------------------------------------------------- SGLang's /generate
@@ -445,13 +518,20 @@ def parse_sglang(
         raise BadRequest("stream = true is not supported; ask for the whole response")
     if body.get("input_ids") is not None and body.get("text") is not None:
         raise BadRequest("give input_ids or text, not both")
+    rid = body.get("rid")
+    if rid is not None and not isinstance(rid, str):
+        raise BadRequest(f"rid must be a string, got {rid!r:.100}")
+    if rid is not None and len(rid) > MAX_RID_CHARS:
+        raise BadRequest(f"rid is {len(rid)} characters long; at most {MAX_RID_CHARS}")
     if body.get("input_ids") is not None:
         ids = body["input_ids"]
-        if not isinstance(ids, list) or not ids or not all(_is_int(i) for i in ids):
-            raise BadRequest("input_ids must be a non-empty list of token ids (one prompt; batches are not served)")
+        _check_ids(
+            ids, max_model_len, "input_ids must be a non-empty list of token ids (one prompt; batches are not served)"
+        )
     elif body.get("text") is not None:
         if not isinstance(body["text"], str) or not body["text"]:
             raise BadRequest("text must be a non-empty string (one prompt; batches are not served)")
+        check_text(body["text"], max_model_len=max_model_len, what="text")
         ids = list(encode(body["text"]))
     else:
         raise BadRequest("input_ids or text is required")
@@ -485,11 +565,9 @@ def parse_sglang(
         raise BadRequest(f"sampling_params: {message}") from None
     top = _int(body, "top_logprobs_num", 0, lo=0, hi=min(vocab_size, MAX_LOGPROBS))
     start = _int(body, "logprob_start_len", -1, lo=-1, hi=len(ids) - 1)
-    rid = body.get("rid")
-    if rid is not None and not isinstance(rid, str):
-        raise BadRequest(f"rid must be a string, got {rid!r}")
     want = _bool(body, "return_logprob", False)
     params = replace(params, logprobs=top if want else 0, prompt_logprobs=(top if want and start >= 0 else None))
+    params = with_lane(params)
     return SglangRequest(
         params=params,
         return_logprob=want,
@@ -585,6 +663,9 @@ def parse_trl(
     prompts = body.get("prompts")
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p for p in prompts):
         raise BadRequest("prompts must be a non-empty list of non-empty strings")
+    check_count(len(prompts))
+    for i, prompt in enumerate(prompts):
+        check_text(prompt, max_model_len=max_model_len, what=f"prompts[{i}]")
     for key in ("images", "guided_decoding_regex"):
         if body.get(key) is not None:
             raise BadRequest(f"{key} is not supported")
@@ -604,11 +685,10 @@ def parse_trl(
     for prompt in prompts:
         ids = list(encode(prompt))
         if not ids:
-            raise BadRequest(f"prompt {prompt!r} encodes to no tokens")
+            raise BadRequest(f"prompt {prompt!r:.100} encodes to no tokens")
         out.append(sampling_params(fields, ids, max_model_len=max_model_len, vocab_size=vocab_size))
-    if len(out) * out[0].n * out[0].max_tokens > MAX_REQUEST_TOKENS:
-        raise BadRequest(f"prompts × n × max_tokens exceeds {MAX_REQUEST_TOKENS} generated tokens per request")
-    return out
+    check_totals(out)
+    return [with_lane(p) for p in out] if len(out) == 1 else out
 
 
 def trl_response(gens: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

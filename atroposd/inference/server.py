@@ -3,8 +3,17 @@
 TCP (``host:port``): ``GET /health``, ``POST /generate`` (SPEC §7: vLLM's body, or SGLang's, told
 apart by the body), ``POST /generate/`` (TRL's ``vllm-serve``), ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /info``. A generation request with
-``max_tokens ≤ 1`` is a probe (the health checks of atroposlib's server classes): the engines
-answer it ahead of queued rollouts, and ``/metrics`` counts it apart from them.
+``max_tokens ≤ 1``, ``n = 1`` and a short prompt is a probe (the health checks of atroposlib's
+server classes; ``schema.with_lane``): the engines answer a few of them ahead of queued
+rollouts, and ``/metrics`` counts them apart.
+
+The TCP port is bounded as the API is (SPEC §13, :mod:`atroposd.httpbounds`): connections are
+capped, request bodies are charged against one bound of bytes in flight as they arrive and
+must arrive within a deadline. Every request is bounded as a whole (``schema.check_totals``),
+text is refused past ``max_model_len × 16`` bytes before it is tokenized, and tokenizing,
+chat-template rendering and answer building run on worker threads (each with its own copy of
+the tokenizer), never on the event loop. A client that goes away takes its request with it:
+its handler is cancelled, and so is its queued generation.
 
 Weight control, only on a Unix socket (0600; it carries shared-memory handles): ``POST
 /pause``, ``POST /resume``, ``POST /update_weights``, ``POST /load``, ``GET /weight_info``,
@@ -23,20 +32,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import errno
 import os
 import signal
 import socket
 import stat
 import struct
+import threading
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 from aiohttp import web
 
+from atroposd.httpbounds import RETRY_AFTER_S, BodyRefused, CappedSite, Charge, Inflight, connection_cap, read_body
 from atroposd.inference import schema, tools
 from atroposd.inference.gate import NotPaused, ShuttingDown
 from atroposd.logs import get_logger
@@ -60,6 +73,12 @@ __all__ = [
 log = get_logger("inference")
 
 MAX_REQUEST_BYTES = 64 * 1024 * 1024
+MAX_CONNECTIONS = 1024  # connections open at once on the TCP port
+BODY_TIMEOUT_S = 30.0  # a request body must arrive within this
+INFLIGHT_BODIES = 4  # bytes of bodies in flight (read, being parsed): this many MAX_REQUEST_BYTES
+PARSE_THREAD_MIN_BYTES = 1 << 20  # a body this large is parsed on a worker thread
+SMALL_WORK_TOKENS = 1 << 14  # requests of fewer tokens (prompt + generated) use the small-work thread
+BIG_BODY_BYTES = 256 << 10  # bodies this large are prepared on the large-work thread
 
 
 class Engine(Protocol):
@@ -67,6 +86,8 @@ class Engine(Protocol):
 
     name: str
     weight_version: int
+    max_model_len: int
+    vocab_size: int
 
     async def start(self) -> None: ...
     async def close(self) -> None: ...
@@ -112,6 +133,42 @@ class _Front:
     #: SPEC §15: why the trainer's sentinel quarantined this replica (None: serving); while
     #: set, every generation route answers 503 and only the control socket's canary generates
     quarantined: str | None = None
+    #: the TCP port's bounds (SPEC §13): bytes of bodies in flight, a body's deadline, its size
+    inflight: Inflight = field(default_factory=lambda: Inflight(INFLIGHT_BODIES * MAX_REQUEST_BYTES))
+    body_timeout: float = BODY_TIMEOUT_S
+    max_request_bytes: int = MAX_REQUEST_BYTES
+    max_connections: int = MAX_CONNECTIONS
+    #: the chat template's own tokens around one user message (a probe may add 64 more)
+    template_tokens: int | None = None
+    _workers: dict[str, ThreadPoolExecutor] = field(default_factory=dict, repr=False)
+    _local: threading.local = field(default_factory=threading.local, repr=False)
+
+    def worker(self, big: bool) -> ThreadPoolExecutor:
+        """The thread that tokenizes, renders templates and builds answers: one for small work
+        (probes, ordinary rollouts), one for large, so that a large request never holds up a
+        probe's preparation. Each has its own copy of the tokenizer (a fast tokenizer is not
+        to be shared between threads)."""
+        name = "big" if big else "small"
+        pool = self._workers.get(name)
+        if pool is None:
+            pool = self._workers[name] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"inference-{name}")
+        return pool
+
+    async def off_loop(self, big: bool, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.worker(big), fn, *args)
+
+    def tok(self) -> Any:
+        """This worker thread's copy of the tokenizer."""
+        mine = getattr(self._local, "tokenizer", None)
+        if mine is None or getattr(self._local, "of", None) is not self.tokenizer:
+            mine = self._local.tokenizer = copy.deepcopy(self.tokenizer)
+            self._local.of = self.tokenizer
+        return mine
+
+    def close_workers(self) -> None:
+        for pool in self._workers.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+        self._workers.clear()
 
 
 def make_engine(cfg: Config, name: str, *, await_weights: bool, threads: int | None = None) -> Any:
@@ -164,6 +221,27 @@ async def _read_json(request: web.Request, *, empty_ok: bool = False) -> Any:
         raise schema.BadRequest(f"invalid JSON body: {exc}") from None
 
 
+async def _read_tcp_json(front: _Front, request: web.Request) -> Any:
+    """A TCP request's JSON body: read within the body deadline, its bytes charged against the
+    port's bound as they arrive (and while it is parsed), parsed on a worker thread when large."""
+    charge = Charge(front.inflight)
+    try:
+        raw = await read_body(request, limit=front.max_request_bytes, charge=charge, timeout=front.body_timeout)
+        request["body_bytes"] = len(raw)
+        if len(raw) >= PARSE_THREAD_MIN_BYTES:
+            return await front.off_loop(True, _loads, raw)
+        return _loads(raw)
+    finally:
+        charge.release()
+
+
+def _loads(raw: bytes | bytearray) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise schema.BadRequest(f"invalid JSON body: {exc}") from None
+
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -181,6 +259,13 @@ def _route(
             raise
         except schema.BadRequest as exc:
             return _error(400, str(exc), openai=openai)
+        except BodyRefused as exc:
+            if front.metrics is not None:
+                front.metrics.refused.labels(exc.reason).inc()
+            resp = _error(exc.status, str(exc), openai=openai)
+            if exc.status == 503:
+                resp.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return resp
         except NotPaused as exc:
             return _error(409, str(exc), openai=openai)
         except WeightUpdateError as exc:
@@ -228,9 +313,14 @@ def _counted(front: _Front, route: str, handler: Handler) -> Handler:
 def build_tcp_app(front: _Front) -> web.Application:
     from atroposd.inference.metrics import InferenceMetrics
 
-    app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[_bearer_guard(front)])
+    app = web.Application(client_max_size=front.max_request_bytes, middlewares=[_bearer_guard(front)])
     if front.metrics is None:
         front.metrics = InferenceMetrics(lambda: front.engine)
+
+    async def close_workers(_: web.Application) -> None:
+        front.close_workers()
+
+    app.on_cleanup.append(close_workers)
 
     async def health(_: web.Request) -> web.Response:
         if front.engine is None:
@@ -254,38 +344,55 @@ def build_tcp_app(front: _Front) -> web.Application:
             front.metrics.served(answer)
             front.generations += 1
 
+    def lanes(request: web.Request, params: list[schema.GenerateParams]) -> None:
+        request["probe"] = len(params) == 1 and params[0].lane == "probe"
+
     async def generate(request: web.Request) -> Any:
-        body = await _read_json(request)
-        request["probe"] = schema.is_probe(body)
+        body = await _read_tcp_json(front, request)
+        engine = front.engine
         if schema.is_sglang(body):  # SGLang's /generate shares the route, told apart by the body
             request["route"] = "sglang"
-            gen, out = await _sglang_generate(front, body)
-        else:
-            gen = out = await front.engine.generate(body)
+            req = await front.off_loop(_big_body(request), _sglang_request, front, body)
+            lanes(request, [req.params])
+            gen = await engine.generate(req.params)
+            gen.setdefault("prompt_token_ids", req.params.prompt_ids)
+            served(request, gen)
+            return await front.off_loop(_big([req.params]), _sglang_answer, front, req, gen)
+        params = await front.off_loop(
+            _big_body(request), _parse_generate, body, engine.max_model_len, engine.vocab_size
+        )
+        lanes(request, [params])
+        gen = await engine.generate(params)
         served(request, gen)
-        return out
+        return await front.off_loop(_big([params]), _dump, gen)
 
     async def trl_generate(request: web.Request) -> Any:
-        body = await _read_json(request)
-        request["probe"] = schema.is_probe(body)
-        gens = await _trl_generate(front, body)
+        body = await _read_tcp_json(front, request)
+        requests = await front.off_loop(_big_body(request), _trl_requests, front, body)
+        lanes(request, requests)
+        gens = await _generate_all(front, requests)
         for gen in gens:
             served(request, gen)
-        return schema.trl_response(gens)
+        return await front.off_loop(_big(requests), lambda: _dump(schema.trl_response(gens)))
 
     async def completions(request: web.Request) -> Any:
-        body = await _read_json(request)
-        request["probe"] = schema.is_probe(body)
-        out = await _openai_completions(front, body)
-        served(request, out)
-        return out
+        body = await _read_tcp_json(front, request)
+        requests = await front.off_loop(_big_body(request), _completion_requests, front, body)
+        lanes(request, requests)
+        gens = await _generate_all(front, requests)
+        out = await front.off_loop(_big(requests), _completion_answer, front, body, gens)
+        served(request, out[1])
+        return out[0]
 
     async def chat(request: web.Request) -> Any:
-        body = await _read_json(request)
-        request["probe"] = schema.is_probe(body)
-        out = await _openai_chat(front, body)
-        served(request, out)
-        return out
+        body = await _read_tcp_json(front, request)
+        prepared = await front.off_loop(_big_body(request), _chat_request, front, body)
+        lanes(request, [prepared.params])
+        gen = await front.engine.generate(prepared.params)
+        gen.setdefault("prompt_token_ids", prepared.params.prompt_ids)
+        out = await front.off_loop(_big([prepared.params]), _chat_answer, front, body, prepared, gen)
+        served(request, out[1])
+        return out[0]
 
     async def models(_: web.Request) -> Any:
         return {
@@ -330,6 +437,51 @@ def build_tcp_app(front: _Front) -> web.Application:
     return app
 
 
+def tcp_site(runner: web.AppRunner, front: _Front, host: str, port: int) -> CappedSite:
+    """The TCP port's listening site, its connections capped (SPEC §13)."""
+    refused = front.metrics.refused.labels("connections") if front.metrics is not None else None
+    return CappedSite(
+        runner, host, port, cap=connection_cap(front.max_connections), refused=refused, what="inference server"
+    )
+
+
+# ---------------------------------------------------------------------------- worker-thread steps
+# Each runs on one of the front's worker threads (``_Front.off_loop``), with its own tokenizer.
+
+
+def _big_body(request: web.Request) -> bool:
+    """Whether preparing a request is large work, by its body's size as it arrived."""
+    return int(request.get("body_bytes", 0)) >= BIG_BODY_BYTES
+
+
+def _big(requests: list[schema.GenerateParams]) -> bool:
+    return sum(len(p.prompt_ids) + p.n * p.max_tokens for p in requests) > SMALL_WORK_TOKENS
+
+
+def _parse_generate(body: Any, max_model_len: int, vocab_size: int) -> schema.GenerateParams:
+    return schema.parse_generate(body, max_model_len=max_model_len, vocab_size=vocab_size)
+
+
+def _dump(answer: Any) -> web.Response:
+    return _json(answer)
+
+
+async def _generate_all(front: _Front, requests: list[schema.GenerateParams]) -> list[dict[str, Any]]:
+    """Every request's generation, in order; when one fails or the client goes away the others
+    are cancelled (their queued work dropped)."""
+    tasks = [asyncio.ensure_future(front.engine.generate(p)) for p in requests]
+    try:
+        gens = list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    for gen, params in zip(gens, requests, strict=True):
+        gen.setdefault("prompt_token_ids", params.prompt_ids)  # for usage; not every engine echoes it
+    return gens
+
+
 _OPENAI_SAMPLING = (
     "n",
     "temperature",
@@ -349,9 +501,7 @@ _OPENAI_SAMPLING = (
 )
 
 
-def _generate_body(
-    front: _Front, body: Mapping[str, Any], ids: list[int], *, max_tokens: Any, logprobs: int
-) -> dict[str, Any]:
+def _generate_body(body: Mapping[str, Any], ids: list[int], *, max_tokens: Any, logprobs: int) -> dict[str, Any]:
     if body.get("stream"):
         raise schema.BadRequest("stream = true is not supported; ask for the whole response")
     out: dict[str, Any] = {"prompt": {"prompt_token_ids": ids}, "logprobs": logprobs}
@@ -362,18 +512,27 @@ def _generate_body(
 
 
 def _openai_prompts(front: _Front, prompt: Any) -> list[list[int]]:
-    """A completions ``prompt``: a string, token ids, or a list of either."""
-    tok = front.tokenizer
+    """A completions ``prompt``: a string, token ids, or a list of either (at most
+    ``MAX_PROMPTS``, each text within its byte bound before it is tokenized)."""
+    tok = front.tok()
+    limit = front.max_model_len
     if isinstance(prompt, str):
+        schema.check_text(prompt, max_model_len=limit)
         return [tok.encode(prompt)]
     if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
         return [list(prompt)]
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        return [ids for p in prompt for ids in _openai_prompts(front, p)]
+        schema.check_count(len(prompt))
+        for i, p in enumerate(prompt):
+            if isinstance(p, str):
+                schema.check_text(p, max_model_len=limit, what=f"prompt[{i}]")
+            elif not p or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                raise schema.BadRequest(f"prompt[{i}] must be a string or a non-empty list of token ids")
+        return [tok.encode(p) if isinstance(p, str) else list(p) for p in prompt]
     raise schema.BadRequest("prompt must be a string, a list of token ids, or a list of those")
 
 
-async def _openai_completions(front: _Front, body: Any) -> dict[str, Any]:
+def _completion_requests(front: _Front, body: Any) -> list[schema.GenerateParams]:
     if not isinstance(body, Mapping):
         raise schema.BadRequest("request must be a JSON object")
     if body.get("echo"):
@@ -383,34 +542,63 @@ async def _openai_completions(front: _Front, body: Any) -> dict[str, Any]:
         raise schema.BadRequest(f"logprobs must be a non-negative integer or null, got {k!r}")
     prompts = _openai_prompts(front, body.get("prompt"))
     max_tokens = body.get("max_tokens", schema.DEFAULT_MAX_TOKENS)
-    gens = await asyncio.gather(
-        *(
-            front.engine.generate(_generate_body(front, body, ids, max_tokens=max_tokens, logprobs=k or 0))
-            for ids in prompts
+    engine = front.engine
+    requests = [
+        schema.parse_generate(
+            _generate_body(body, ids, max_tokens=max_tokens, logprobs=k or 0),
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.vocab_size,
         )
-    )
-    for gen, ids in zip(gens, prompts, strict=True):
-        gen.setdefault("prompt_token_ids", ids)  # for usage; not every engine echoes the prompt
+        for ids in prompts
+    ]
+    schema.check_totals(requests)
+    if len(requests) > 1:  # several prompts are rollouts, whatever their size
+        requests = [replace(p, lane="rollout") for p in requests]
+    return requests
+
+
+def _completion_answer(front: _Front, body: Mapping[str, Any], gens: list[dict[str, Any]]) -> tuple[web.Response, Any]:
+    k = body.get("logprobs")
+    decode = _decoder(front)
     out = tools.with_token_ids(
-        schema.completion_response(front.model_name, gens[0], want_logprobs=k is not None, decode=_decoder(front)),
+        schema.completion_response(front.model_name, gens[0], want_logprobs=k is not None, decode=decode),
         gens[0],
         body,
     )
     for gen in gens[1:]:  # several prompts: their choices follow in order
         more = tools.with_token_ids(
-            schema.completion_response(front.model_name, gen, want_logprobs=k is not None, decode=_decoder(front)),
-            gen,
-            body,
+            schema.completion_response(front.model_name, gen, want_logprobs=k is not None, decode=decode), gen, body
         )
         for choice in more["choices"]:
             choice["index"] = len(out["choices"])
             out["choices"].append(choice)
         for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
             out["usage"][key] += more["usage"][key]
-    return out
+    return _json(out), out
 
 
-async def _openai_chat(front: _Front, body: Any) -> dict[str, Any]:
+@dataclass(frozen=True)
+class _Chat:
+    params: schema.GenerateParams
+    tool_req: Any
+    parse: bool
+    want: bool
+
+
+def _template_tokens(front: _Front) -> int:
+    """The chat template's own tokens around one empty user message (computed once)."""
+    if front.template_tokens is None:
+        try:
+            ids = front.tok().apply_chat_template(
+                [{"role": "user", "content": ""}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            front.template_tokens = len(list(ids))
+        except Exception:  # no template: chat requests are refused anyway
+            front.template_tokens = 0
+    return front.template_tokens
+
+
+def _chat_request(front: _Front, body: Any) -> _Chat:
     if not isinstance(body, Mapping):
         raise schema.BadRequest("request must be a JSON object")
     messages = body.get("messages")
@@ -421,9 +609,20 @@ async def _openai_chat(front: _Front, body: Any) -> dict[str, Any]:
     ):
         raise schema.BadRequest("messages must be a non-empty list of {role, content} objects")
     tool_req = tools.parse_tool_request(body)
+    # What the template renders is bounded before it renders: the messages and tools as text.
+    size = len(orjson.dumps(messages)) + (len(orjson.dumps(body.get("tools"))) if tool_req is not None else 0)
+    limit = front.max_model_len * schema.TEXT_BYTES_PER_TOKEN
+    if size > limit:
+        raise schema.BadRequest(
+            f"messages and tools are {size} bytes, longer than max_model_len × {schema.TEXT_BYTES_PER_TOKEN} = "
+            f"{limit}; they cannot fit max_model_len ({front.max_model_len}) tokens"
+        )
+    if tool_req is not None and front.tool_parser is not None and hasattr(front.tool_parser, "check"):
+        front.tool_parser.check(tool_req)  # once per request, before anything is generated
     extra = {"tools": tool_req.tools} if tool_req is not None and tool_req.tools else {}
+    tok = front.tok()
     try:
-        ids = front.tokenizer.apply_chat_template(
+        ids = tok.apply_chat_template(
             tools.template_messages(messages), add_generation_prompt=True, tokenize=True, return_dict=False, **extra
         )
     except schema.BadRequest:
@@ -439,48 +638,51 @@ async def _openai_chat(front: _Front, body: Any) -> dict[str, Any]:
     if max_tokens is None:
         max_tokens = max(1, front.max_model_len - len(ids))
     parse = front.tool_parser is not None and tool_req is not None and tool_req.parse_calls
-    request = _generate_body(front, body, ids, max_tokens=max_tokens, logprobs=top if want else 0)
+    request = _generate_body(body, ids, max_tokens=max_tokens, logprobs=top if want else 0)
     if parse and body.get("skip_special_tokens") is None:
         request["skip_special_tokens"] = False  # a model may mark its tool-call tags special (as vLLM does)
-    gen = await front.engine.generate(request)
-    gen.setdefault("prompt_token_ids", ids)
-    out = schema.chat_response(front.model_name, gen, want_logprobs=want, decode=_decoder(front))
-    if parse and tool_req is not None:
-        tools.apply_tool_calls(out, gen, front.tool_parser, tool_req, front.tokenizer)
-    return tools.with_token_ids(out, gen, body)
-
-
-async def _sglang_generate(front: _Front, body: Any) -> tuple[dict[str, Any], Any]:
-    """SGLang's ``/generate``: parsed by the one SGLang parser, generated by the engine, answered
-    as SGLang answers (``schema.sglang_response``). Returns (the engine's response, the answer)."""
     engine = front.engine
-    req = schema.parse_sglang(
-        body, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size, encode=front.tokenizer.encode
+    params = schema.parse_generate(request, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size)
+    params = schema.with_lane(params, template_tokens=_template_tokens(front))
+    return _Chat(params, tool_req, parse, want)
+
+
+def _chat_answer(front: _Front, body: Mapping[str, Any], chat: _Chat, gen: dict[str, Any]) -> tuple[web.Response, Any]:
+    out = schema.chat_response(front.model_name, gen, want_logprobs=chat.want, decode=_decoder(front))
+    if chat.parse and chat.tool_req is not None:
+        tools.apply_tool_calls(out, gen, front.tool_parser, chat.tool_req, front.tok())
+    out = tools.with_token_ids(out, gen, body)
+    return _json(out), out
+
+
+def _sglang_request(front: _Front, body: Any) -> schema.SglangRequest:
+    """SGLang's ``/generate``, parsed by the one SGLang parser (text tokenized here)."""
+    engine = front.engine
+    return schema.parse_sglang(
+        body, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size, encode=front.tok().encode
     )
-    gen = await engine.generate(req.params)
-    gen.setdefault("prompt_token_ids", req.params.prompt_ids)
-    tok = front.tokenizer
+
+
+def _sglang_answer(front: _Front, req: schema.SglangRequest, gen: dict[str, Any]) -> web.Response:
+    """SGLang's answer (``schema.sglang_response``)."""
+    tok = front.tok()
 
     def decode(ids: list[int], skip_special_tokens: bool) -> str:
         return str(tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
-    return gen, schema.sglang_response(req, gen, decode=decode)
+    return _json(schema.sglang_response(req, gen, decode=decode))
 
 
-async def _trl_generate(front: _Front, body: Any) -> list[dict[str, Any]]:
+def _trl_requests(front: _Front, body: Any) -> list[schema.GenerateParams]:
     """TRL ``vllm-serve``'s ``/generate/``: one engine request per prompt, in order."""
     engine = front.engine
-    requests = schema.parse_trl(
-        body, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size, encode=front.tokenizer.encode
+    return schema.parse_trl(
+        body, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size, encode=front.tok().encode
     )
-    gens = await asyncio.gather(*(engine.generate(params) for params in requests))
-    for gen, params in zip(gens, requests, strict=True):
-        gen.setdefault("prompt_token_ids", params.prompt_ids)
-    return list(gens)
 
 
 def _decoder(front: _Front) -> Callable[[int], str]:
-    tok = front.tokenizer
+    tok = front.tok()
 
     def decode(tid: int) -> str:
         return str(tok.decode([tid]))
@@ -550,7 +752,7 @@ def build_control_app(
         if not body:
             first = front.info.get("tokenizer", {}).get("special_ids", {}).get("bos")
             body = {"prompt": {"prompt_token_ids": [first if first is not None else 0]}, "max_tokens": 1}
-        return await front.engine.generate(body, bypass_pause=True)
+        return await front.engine.generate(_own(front, body), bypass_pause=True)
 
     app.router.add_post("/pause", _route(front, pause))
     app.router.add_post("/resume", _route(front, resume))
@@ -577,12 +779,20 @@ def build_control_app(
         body = await _read_json(request)
         if not isinstance(body, Mapping):
             raise schema.BadRequest("the canary body must be a /generate body")
-        return await front.engine.generate({**body, "temperature": 0.0})
+        return await front.engine.generate(_own(front, {**body, "temperature": 0.0}))
 
     app.router.add_post("/probe_generate", _route(front, probe))
     app.router.add_post("/quarantine", _route(front, quarantine))
     app.router.add_post("/canary", _route(front, canary))
     return app
+
+
+def _own(front: _Front, body: Any) -> schema.GenerateParams:
+    """A generation of the daemon's own (readiness, liveness, canary) in its own lane: never
+    behind the clients' probes, whatever their number (SPEC §7)."""
+    engine = front.engine
+    params = schema.parse_generate(body, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size)
+    return schema.with_lane(params, own=True)
 
 
 # ---------------------------------------------------------------------------- serve
@@ -607,7 +817,11 @@ async def serve(cfg: Any, opts: ServerOptions, *, ready: Callable[[], None] | No
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    tcp = web.AppRunner(build_tcp_app(front), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+    # handler_cancellation: a client that goes away cancels its handler, and with it its queued
+    # generation (the engines drop a cancelled request's work).
+    tcp = web.AppRunner(
+        build_tcp_app(front), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S, handler_cancellation=True
+    )
     control = web.AppRunner(build_control_app(front), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     sock = opts.control_socket
     engine = None
@@ -615,7 +829,7 @@ async def serve(cfg: Any, opts: ServerOptions, *, ready: Callable[[], None] | No
     try:
         await tcp.setup()
         try:
-            await web.TCPSite(tcp, opts.host, opts.port).start()
+            await tcp_site(tcp, front, opts.host, opts.port).start()
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise PortInUse(f"port {opts.port} on {opts.host} is already in use") from None

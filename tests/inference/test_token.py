@@ -38,6 +38,8 @@ class _Engine:
 
     name = "stand-in"
     weight_version = 4
+    max_model_len = 64
+    vocab_size = 32
 
     async def check_health(self) -> None:
         return None
