@@ -258,8 +258,8 @@ class VllmEngine(WeightGate):
         self, request: Mapping[str, Any] | schema.GenerateParams, *, bypass_pause: bool = False
     ) -> dict[str, Any]:
         """One Atropos ``/generate`` request (or one the front parsed already) → its response
-        (SPEC §7). A probe (``max_tokens ≤ 1``) is scheduled ahead of queued rollouts (vLLM's
-        priority scheduling, :data:`PROBE_PRIORITY`)."""
+        (SPEC §7). The daemon's own generations and a few probes (``schema.with_lane``) are
+        scheduled ahead of queued rollouts (vLLM's priority scheduling, :data:`PROBE_PRIORITY`)."""
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         if isinstance(request, schema.GenerateParams):
@@ -267,13 +267,30 @@ class VllmEngine(WeightGate):
         else:
             parsed, kw = self.validate(request)
         params = SamplingParams(**kw, output_kind=RequestOutputKind.FINAL_ONLY)
-        priority = PROBE_PRIORITY if parsed.max_tokens <= schema.PROBE_MAX_TOKENS else 0
+        # The daemon's own generations always go ahead; a client's probe (schema.with_lane) only
+        # while fewer than PROBE_ROWS_PER_BATCH are ahead already, else it waits as a rollout.
+        probing = self.__dict__.setdefault("_probing", [0])
+        ahead = parsed.lane == "own" or (parsed.lane == "probe" and probing[0] < schema.PROBE_ROWS_PER_BATCH)
+        priority = PROBE_PRIORITY if ahead else 0
+        if parsed.lane == "probe" and ahead:
+            probing[0] += 1
+        try:
+            return await self._generate(parsed, params, priority, bypass_pause)
+        finally:
+            if parsed.lane == "probe" and ahead:
+                probing[0] -= 1
+
+    async def _generate(
+        self, parsed: schema.GenerateParams, params: Any, priority: int, bypass_pause: bool
+    ) -> dict[str, Any]:
         if bypass_pause:
             await self._weights_whole()
         async with self._admitted(bypass_pause) as version:
             final = None
             async for out in self.engine.generate(
-                {"prompt_token_ids": parsed.prompt_ids},
+                # The prefix cache is keyed by the admission version: a request admitted after
+                # a swap never reuses KV that older weights computed (SPEC §7).
+                {"prompt_token_ids": parsed.prompt_ids, "cache_salt": f"atroposd-v{version}"},
                 params,
                 request_id=f"gen-{uuid.uuid4().hex}",
                 lora_request=self._lora,
