@@ -10,7 +10,7 @@ the same answer either way. The loop hands a body over only while the helper hol
 ``DEPTH`` (one parsing, one waiting) and parses the others itself (:meth:`ParseHelper.groups`
 answers None for those): both stay busy and neither
 waits for the other. Bodies under ``MIN_BYTES`` are cheaper to parse than to hand over. What
-it gains is measured by ``benchmarks/bench_api.py`` (the README's measured table).
+it gains is measured by ``benchmarks/bench_api.py`` (docs/MEASURED.md's table of the parts).
 
 The helper is a child of the API process: it dies with it (parent-death signal, and it exits
 when its socket closes), ignores SIGTERM/SIGINT so that a group stop lets the API close it, and

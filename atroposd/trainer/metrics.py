@@ -7,7 +7,7 @@ rollout logprob of the same tokens), entropy (the policy's mean entropy per comp
 the rollout temperature, computed chunk by chunk with the logprobs) (+ distill_loss, distill_token_count when
 distillation is on),
 and the step's timeline: compute_s, sync_s, prepare_s, optimizer_s, pause_s, fetch_s,
-rollout_gate_s, rollout_generate_s, rollout_delivery_s (:mod:`atroposd.timeline`, README
+rollout_gate_s, rollout_generate_s, rollout_delivery_s (:mod:`atroposd.timeline`, docs/WATCHING.md
 "Where a step's time goes").
 ``staleness`` = the weight version trained *from* minus the oldest weight version the batch's
 rollouts were generated with (null when the environments do not report it).
