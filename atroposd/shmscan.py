@@ -8,6 +8,7 @@ in use) and the vLLM engine (the message-queue segments its EngineCore leaves).
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Iterable
 
@@ -19,6 +20,7 @@ __all__ = [
     "boot_id",
     "boot_seconds",
     "mapped_shm",
+    "torch_segments_of",
     "unlink_orphaned_segments",
     "wall_of_boot",
 ]
@@ -90,6 +92,29 @@ def mapped_shm(prefix: str = "", pids: Iterable[int] | None = None) -> dict[str,
             if key in by_inode:
                 found.setdefault(name, set()).update(by_inode[key])
     return found
+
+
+# torch's own files in /dev/shm: its CUDA IPC reference counters (a producer's, one file for
+# many exports) and tensors shared through the file system. torch names each after the process
+# that made it: "/torch_<pid>_<random>_<counter>" (at::NewProcessWideShmHandle).
+TORCH_SEGMENT_RE = re.compile(r"^torch_(\d+)_\d+_\d+$")
+
+
+def torch_segments_of(pids: Iterable[int], directory: str | None = None) -> list[str]:
+    """The names of torch's own ``/dev/shm`` files (:data:`TORCH_SEGMENT_RE`) that the processes
+    ``pids`` made, sorted. Nothing else is looked at: whether one may go (no live process maps
+    it, it is this user's, made since the job started) is :func:`unlink_orphaned_segments`'s."""
+    wanted = set(pids)
+    try:
+        names = os.listdir(directory if directory is not None else SHM_DIR)
+    except OSError:  # pragma: no cover - no /dev/shm
+        return []
+    out = []
+    for name in names:
+        m = TORCH_SEGMENT_RE.match(name)
+        if m is not None and int(m.group(1)) in wanted:
+            out.append(name)
+    return sorted(out)
 
 
 def _shm_inodes(prefix: str) -> dict[str, tuple[str, int]]:

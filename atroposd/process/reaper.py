@@ -39,7 +39,7 @@ from atroposd.fsutil import write_atomic
 from atroposd.logs import get_logger
 from atroposd.pids import TIME_SLACK, Start, is_alive, same_process, start_ticks
 from atroposd.shmscan import OWN_SEGMENT_PREFIX as OWN_SEGMENT_PREFIX  # re-exported for the daemon
-from atroposd.shmscan import boot_id, mapped_shm, unlink_orphaned_segments, wall_of_boot
+from atroposd.shmscan import boot_id, mapped_shm, torch_segments_of, unlink_orphaned_segments, wall_of_boot
 
 log = get_logger("atroposd.reaper")
 
@@ -332,10 +332,29 @@ def recover_dead_instance(path: Path, *, grace: float = 2.0) -> InstanceRecord |
         t0 = time.monotonic()
         terminate(left, grace=grace)
         log.info("left-over processes gone", seconds=round(time.monotonic() - t0, 3))
+    segments |= set(torch_segments_of(dead_job_pids(record, left)))
     removed = unlink_orphaned_segments(segments, since=record.wall_start)
     if removed:
         log.info("removed shared-memory segments the dead daemon's processes left", segments=removed)
     return record
+
+
+def dead_job_pids(record: InstanceRecord, left: Iterable[psutil.Process] = ()) -> list[int]:
+    """The pids of the dead daemon of ``record`` and of its processes (recorded, or found and
+    terminated: ``left``) that no other process holds now: whatever torch named after them in
+    /dev/shm is theirs. A pid another live process holds again is left out (its files may be
+    that process's); this process's own pid counts (a container's next daemon often gets the
+    dead one's pid), since whatever torch file it made itself so far it still maps."""
+    pids = {record.pid, *(pid for pid, _ in record.descendants), *(p.pid for p in left)}
+    me = os.getpid()
+    return sorted(pid for pid in pids if pid == me or not psutil.pid_exists(pid) or _zombie(pid))
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
 
 
 def describe(proc: psutil.Process) -> dict[str, Any]:
