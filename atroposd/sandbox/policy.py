@@ -98,6 +98,9 @@ class Policy:
         ``VolumesFrom``, ``Links``) is this replica's; checked only for those fields."""
         if not isinstance(body, dict):
             raise _bad("the create body", "a JSON object", body)
+        image = body.get("Image")
+        if not isinstance(image, str) or not image:
+            raise _bad("Image", "an image name (a non-empty string)", image)
         labels = body.get("Labels")
         if labels is not None and not (isinstance(labels, dict) and all(isinstance(v, str) for v in labels.values())):
             raise _bad("Labels", "an object of strings", labels)

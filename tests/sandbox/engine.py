@@ -108,7 +108,7 @@ class Podman:
         self.podman("import", "--change", "ENV=PATH=/bin", str(tar), IMAGE)
         argv = ["podman", "--root", str(self.dir / "storage"), "--runroot", str(self.dir / "runroot")]
         argv += ["--storage-driver", "vfs", "system", "service", "--time", "0", self.url]
-        log = open(self.dir / "service.log", "wb")  # noqa: SIM115 (the service's own log, closed with it)
+        log = open(self.dir / "service.log", "wb")  # the service's own log
         self.proc = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         deadline = time.monotonic() + 30

@@ -96,7 +96,7 @@ def test_docker_py_create_start_logs_wait_exec_remove_labelled(job: Job, podman:
         assert (result.exit_code, result.output) == (4, b"from-exec\n")
     finally:
         sleeper.remove(force=True)
-    assert not podman.containers(f"label=atroposd.env=box", "label=atroposd.replica=0")
+    assert not podman.containers("label=atroposd.env=box", "label=atroposd.replica=0")
 
 
 def test_docker_cli_run_attach_stdin_volumes_networks(job: Job, podman: Podman) -> None:
@@ -136,13 +136,13 @@ def test_a_replica_reaches_only_its_own(job: Job, podman: Podman) -> None:
         for cid in (direct, foreign, sibling.id):
             assert cid not in listed
             for attempt in (
-                lambda: mine.containers.get(cid),
-                lambda: mine.api.stop(cid, timeout=0),
-                lambda: mine.api.remove_container(cid, force=True),
-                lambda: mine.api.exec_create(cid, ["true"]),
+                mine.containers.get,
+                lambda ref: mine.api.stop(ref, timeout=0),
+                lambda ref: mine.api.remove_container(ref, force=True),
+                lambda ref: mine.api.exec_create(ref, ["true"]),
             ):
                 with pytest.raises(docker.errors.NotFound, match="No such container"):
-                    attempt()
+                    attempt(cid)
         r = cli(job, "rm", direct[:12])
         assert r.returncode != 0 and r.stderr.strip() == f"Error response from daemon: No such container: {direct[:12]}"
         # all three untouched on the engine
