@@ -90,14 +90,20 @@ def _external_urls(c: Checking) -> None:
 
 def _trainer_loss(c: Checking) -> None:
     t = c.cfg.trainer
-    if 0 < t.clip_eps_high < t.clip_eps:
+    for key in ("clip_eps", "clip_eps_high"):
+        value = getattr(t, key)
+        if isinstance(value, str) and value != "auto":
+            c.add(f"trainer.{key}", f'must be a number or "auto", got {value!r}')
+    eps, high = t.clip_range()
+    if 0 < high < eps:
         c.add(
             "trainer.clip_eps_high",
-            f"must be ≥ trainer.clip_eps ({t.clip_eps:g}) or 0 (off): clip-higher widens the upper bound",
+            f"must be ≥ trainer.clip_eps ({eps:g}) or 0 (off): clip-higher widens the upper bound",
         )
     if t.loss == "awsft":
         for key, default in (("clip_eps_high", 0.0), ("rollout_correction", "none")):
-            if getattr(t, key) != default:
+            value = getattr(t, key)
+            if value != default and value != "auto":
                 c.add(f"trainer.{key}", 'has no effect with trainer.loss = "awsft" (no importance ratio)')
 
 
@@ -468,6 +474,16 @@ def _env_group_size(c: Checking, i: int, e: EnvConfig) -> None:
     cfg = c.cfg
     if cfg.trainer.enabled and e.group_size > cfg.trainer.batch_size:
         c.add(f"env[{i}].group_size", f"must be ≤ trainer.batch_size ({cfg.trainer.batch_size})")
+    t = cfg.trainer
+    if t.enabled and t.mini_batches > 1 and e.group_size <= t.batch_size:
+        # SPEC §14: mini-batches of whole groups, as many groups in each
+        groups = t.batch_size // e.group_size
+        if t.batch_size % e.group_size or groups % t.mini_batches:
+            c.add(
+                "trainer.mini_batches",
+                f"must divide the batch's groups: trainer.batch_size ({t.batch_size}) holds "
+                f"{t.batch_size / e.group_size:g} groups of env[{i}].group_size ({e.group_size})",
+            )
     if e.group_size > cfg.api.max_queued_sequences:
         c.add(f"env[{i}].group_size", f"must be ≤ api.max_queued_sequences ({cfg.api.max_queued_sequences})")
 
@@ -522,6 +538,7 @@ def _control_socket(c: Checking) -> None:
 
 def _sandbox(c: Checking) -> None:
     """``[sandbox]``: the engine is a Unix socket URL; the memory a size the engines accept."""
+    from atroposd.sandbox.labels import SOCKET_TAIL
     from atroposd.sandbox.policy import parse_memory
 
     sb = c.cfg.sandbox
@@ -531,6 +548,13 @@ def _sandbox(c: Checking) -> None:
         parse_memory(sb.memory)
     except ValueError as exc:
         c.add("sandbox.memory", str(exc))
+    runtime = len(str(c.cfg.runtime_dir).encode())
+    if sb.engine and runtime + SOCKET_TAIL > SOCKET_PATH_MAX:
+        c.add(
+            "daemon.runtime_dir",
+            f"is {runtime} bytes; with [sandbox] engine set the environments' sockets in it need it to be "
+            f"at most {SOCKET_PATH_MAX - SOCKET_TAIL}",
+        )
 
 
 def _socket_group(c: Checking) -> None:

@@ -72,7 +72,11 @@ def socket_path(runtime_dir: Path, unit: str) -> Path:
     path = Path(runtime_dir) / SOCKET_DIR / f"{unit}.sock"
     if len(os.fsencode(path)) <= 107:
         return path
-    return Path(runtime_dir) / SOCKET_DIR / f"{hashlib.sha256(unit.encode()).hexdigest()[:16]}.sock"
+    return Path(runtime_dir) / SOCKET_DIR / f"{hashlib.sha256(unit.encode()).hexdigest()[:12]}.sock"
+
+
+# The longest tail socket_path adds to runtime_dir: "/sandbox/" + 12 hex digits + ".sock".
+SOCKET_TAIL = len(f"/{SOCKET_DIR}/") + 12 + len(".sock")
 
 
 def engine_path(engine: str) -> str:
