@@ -235,6 +235,8 @@ def _check_value(typ: Any, value: Any, meta: Mapping[str, Any]) -> tuple[str | N
         # A value of one of several types (a device, or a list of devices): the arm of its own type.
         arms = get_args(typ)
         arm = next((a for a in arms if isinstance(value, get_origin(a) or a)), None)
+        if arm is None and float in arms and isinstance(value, int) and not isinstance(value, bool):
+            arm = float  # a whole number for a number-or-string key ("auto")
         if arm is None:
             return "must be " + " or ".join(
                 _ARM_NAMES.get(a, str(a)) for a in arms
@@ -284,7 +286,7 @@ def _check_value(typ: Any, value: Any, meta: Mapping[str, Any]) -> tuple[str | N
     return None, value
 
 
-_ARM_NAMES: dict[Any, str] = {str: "a string", list[str]: "an array of strings"}
+_ARM_NAMES: dict[Any, str] = {str: "a string", list[str]: "an array of strings", float: "a number"}
 
 
 def _num(v: float) -> str:

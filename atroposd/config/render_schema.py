@@ -29,8 +29,11 @@ def _key_schema(typ: Any, f: dataclasses.Field[Any]) -> dict[str, Any]:
     meta = f.metadata
     origin = get_origin(typ)
     out: dict[str, Any]
-    if origin is types.UnionType:  # str | list[str]: a JSON type per arm
-        out = {"type": [_JSON_TYPES.get(a, "array") for a in get_args(typ)], "items": {"type": "string"}}
+    if origin is types.UnionType:  # str | list[str], float | str: a JSON type per arm
+        arms = get_args(typ)
+        out = {"type": [_JSON_TYPES.get(a, "array") for a in arms]}
+        if any(get_origin(a) is list for a in arms):
+            out["items"] = {"type": "string"}
     elif origin is list:
         (item,) = get_args(typ)
         out = {"type": "array", "items": {"type": _JSON_TYPES[item]}}

@@ -262,6 +262,10 @@ class InferenceConfig:
     vllm: VllmConfig = field(default_factory=VllmConfig, metadata={"doc": 'Only read when engine = "vllm".'})
 
 
+# ``clip_eps = "auto"`` / ``clip_eps_high = "auto"``: each loss's own range (SPEC §14)
+AUTO_CLIP: dict[str, tuple[float, float]] = {"grpo": (0.2, 0.0), "awsft": (0.2, 0.0), "gspo": (3e-4, 4e-4)}
+
+
 @dataclass
 class TrainerConfig:
     enabled: bool = _k(True, "false: API + inference + environments only, for an external trainer.")
@@ -314,12 +318,21 @@ class TrainerConfig:
         "completion tokens) | awsft (advantage-weighted SFT)",
         choices=("grpo", "gspo", "awsft"),
     )
-    clip_eps: float = _k(0.2, "Importance-ratio clip: [1 - clip_eps, 1 + clip_eps] ...", gt=0, max=1)
-    clip_eps_high: float = _k(
-        0.0,
-        "... unless > 0: the upper bound is 1 + clip_eps_high (DAPO's clip-higher;\nat least clip_eps).",
+    clip_eps: float | str = _k(
+        "auto",
+        "Importance-ratio clip: [1 - clip_eps, 1 + clip_eps] ... auto: 0.2 (grpo, awsft),\n"
+        "3e-4 (gspo: the GSPO paper's sequence-level range).",
+        gt=0,
+        max=1,
+        schema={"pattern": "^auto$"},
+    )
+    clip_eps_high: float | str = _k(
+        "auto",
+        "... unless > 0: the upper bound is 1 + clip_eps_high (DAPO's clip-higher;\nat least clip_eps). "
+        "auto: 0 (grpo, awsft), 4e-4 (gspo).",
         min=0,
         max=10,
+        schema={"pattern": "^auto$"},
     )
     loss_agg: str = _k(
         "token-mean",
@@ -367,6 +380,17 @@ class TrainerConfig:
         "this many tokens, attention never crossing sequences, instead of\n"
         "micro_batch_size padded rows; at least max_token_len. 0 = off.",
         min=0,
+    )
+    ppo_epochs: int = _k(
+        1,
+        "Passes over each batch (verl's ppo_epochs, TRL's num_iterations); the weights\nsync once per batch.",
+        min=1,
+    )
+    mini_batches: int = _k(
+        1,
+        "Optimizer steps per pass: the batch's groups split into this many parts\n"
+        "(verl's ppo_mini_batch_size, TRL's steps_per_generation); divides the batch's groups.",
+        min=1,
     )
     kl_coef: float = _k(0.04, "k3 KL penalty toward kl_reference; logged as mean_kl. 0 = off.", min=0)
     kl_reference: str = _k(
@@ -456,6 +480,20 @@ class TrainerConfig:
     def device_of(self, rank: int) -> str:
         """The device of global trainer rank ``rank`` (on its own node)."""
         return self.devices()[rank % self.local_ranks]
+
+    def clip_range(self) -> tuple[float, float]:
+        """(clip_eps, clip_eps_high) in use: a number set in the file as given; ``"auto"`` the
+        loss's own (SPEC §14: 0.2 and 0 for grpo and awsft, 3e-4 and 4e-4 for gspo)."""
+        eps, high = AUTO_CLIP.get(self.loss, AUTO_CLIP["grpo"])
+        return (
+            eps if isinstance(self.clip_eps, str) else float(self.clip_eps),
+            high if isinstance(self.clip_eps_high, str) else float(self.clip_eps_high),
+        )
+
+    @property
+    def optimizer_steps_per_batch(self) -> int:
+        """Optimizer steps on each batch (SPEC §14: ppo_epochs × mini_batches)."""
+        return int(self.ppo_epochs) * int(self.mini_batches)
 
 
 @dataclass

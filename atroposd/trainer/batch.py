@@ -132,6 +132,10 @@ class MicroBatch:
     seq_lens:    None for padded rows (one sequence per row); for a packed micro-batch
                  (``micro_batch_tokens``) [S] long, the lengths of the S sequences laid end to end
                  in its one row (B = 1, T = Σ seq_lens, no padding); ``temperature`` is then [S]
+    flat_index:  several optimizer steps per batch (SPEC §14): [B, T] long, each position's place
+                 in the batch's flat positions (:meth:`RolloutBatch.flat_size`; -1 = padding), or None
+    policy_old:  several optimizer steps per batch: [B, T] float32, π_old — the trainer's own
+                 logprobs before the batch's first update (NaN = not known yet), or None
     """
 
     input_ids: torch.Tensor
@@ -144,6 +148,8 @@ class MicroBatch:
     distill_lp: torch.Tensor | None = None
     loss_weight: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
+    flat_index: torch.Tensor | None = None
+    policy_old: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -177,6 +183,8 @@ class MicroBatch:
                     "distill_lp",
                     "loss_weight",
                     "seq_lens",
+                    "flat_index",
+                    "policy_old",
                 )
             )
         )
@@ -200,10 +208,80 @@ class RolloutBatch:
     reward_mean_trained: float | None = None  # over the trained groups (reward_mean: every received)
     filtered_groups: int = 0  # groups received for this step and dropped by filter_groups
     truncated: int = 0  # sequences reported truncated (finish_reason = "length")
+    # several optimizer steps per batch (``prepare_batch(keep_rows=True)``): the sequences and,
+    # per trained group, the indices of its rows — what mini-batches are formed from
+    rows: list[SequenceRow] = field(default_factory=list)
+    group_rows: list[list[int]] = field(default_factory=list)
 
     @property
     def rejected(self) -> int:
         return sum(self.rejected_by_reason.values())
+
+    @property
+    def groups(self) -> int:
+        """Trained groups (kept rows only)."""
+        return len(self.group_rows)
+
+    def flat_size(self) -> int:
+        """Positions of the batch's rows laid end to end (the flat buffers of π_old and advantages)."""
+        return sum(len(r.input_ids) for r in self.rows)
+
+    def mini_batch(
+        self,
+        groups: Sequence[int],
+        *,
+        micro_batch_size: int,
+        micro_batch_tokens: int = 0,
+        advantages: torch.Tensor | None = None,
+        policy_old: torch.Tensor | None = None,
+    ) -> RolloutBatch:
+        """The batch of the groups ``groups`` (indices into ``group_rows``), in that order, as
+        micro-batches formed like :func:`prepare_batch`'s, each with its ``flat_index``;
+        ``advantages`` / ``policy_old`` [flat_size()] replace the rows' advantages / give π_old.
+        Counts are the mini-batch's own (its loss is normalised over itself); the rewards and
+        accuracy are the whole batch's."""
+        offsets = [0]
+        for r in self.rows:
+            offsets.append(offsets[-1] + len(r.input_ids))
+        sel = [i for g in groups for i in self.group_rows[g]]
+        rows = [self.rows[i] for i in sel]
+        if micro_batch_tokens > 0:
+            bins = [[sel[j] for j in b] for b in pack_rows([len(r.input_ids) for r in rows], micro_batch_tokens)]
+            micro = [_pack([self.rows[i] for i in b]) for b in bins]
+            for mb, b in zip(micro, bins, strict=True):
+                mb.flat_index = torch.cat([torch.arange(offsets[i], offsets[i + 1], dtype=torch.long) for i in b])[
+                    None, :
+                ]  # [1, T]
+        else:
+            bins = [sel[i : i + micro_batch_size] for i in range(0, len(sel), micro_batch_size)]
+            micro = [_pad([self.rows[i] for i in b]) for b in bins]
+            for mb, b in zip(micro, bins, strict=True):
+                index = torch.full(mb.mask.shape, -1, dtype=torch.long)  # [B, T]
+                for row, i in enumerate(b):
+                    index[row, : offsets[i + 1] - offsets[i]] = torch.arange(offsets[i], offsets[i + 1])
+                mb.flat_index = index
+        for mb in micro:
+            assert mb.flat_index is not None
+            index = mb.flat_index
+            valid = index >= 0
+            at = index.clamp(min=0)
+            if advantages is not None:
+                mb.advantages = torch.where(valid, advantages[at], torch.zeros((), dtype=advantages.dtype))
+            if policy_old is not None:
+                mb.policy_old = torch.where(valid, policy_old[at], torch.full((), math.nan)).to(torch.float32)
+        return RolloutBatch(
+            micro=micro,
+            sequences=len(rows),
+            completion_tokens=int(sum(int(m.mask.sum()) for m in micro)),
+            distill_positions=sum(int((m.distill_ids >= 0).any(-1).sum()) for m in micro if m.distill_ids is not None),
+            reward_mean=self.reward_mean,
+            reward_std=self.reward_std,
+            accuracy=self.accuracy,
+            weight_versions=self.weight_versions,
+            missing_logprobs=int(sum(int((m.mask & m.old_logp.isnan()).sum()) for m in micro)),
+            trained_sequences=sum(any(r.mask) for r in rows),
+            reward_mean_trained=self.reward_mean_trained,
+        )
 
 
 def group_advantages(scores: Sequence[float], std_floor: float, mode: str = "group-std") -> list[float]:
@@ -492,6 +570,7 @@ def prepare_batch(
     advantage: str = "group-std",
     overlong: str = "keep",
     filtered: Sequence[Any] = (),
+    keep_rows: bool = False,
 ) -> RolloutBatch:
     """Validate the groups, compute advantages and pad into micro-batches of ≤ micro_batch_size.
 
@@ -503,6 +582,8 @@ def prepare_batch(
     overlong: ``keep`` | ``mask`` (a sequence reported truncated trains no token).
     filtered: groups received for this step but dropped by ``filter_groups`` (all scores equal):
     never trained, but their scores and accuracy count in ``reward_mean`` and ``accuracy``.
+    keep_rows: keep the sequences and each group's rows in the batch (``RolloutBatch.mini_batch``:
+    several optimizer steps per batch, SPEC §14).
     Raises BatchError (with the rejections by reason) when no group is usable.
     """
 
@@ -512,6 +593,7 @@ def prepare_batch(
     versions: list[int] = []
     rejected: dict[str, int] = {}
     truncated = 0
+    group_index: list[list[int]] = []  # each kept group's rows
     for gi, group in enumerate(groups):
         try:
             group_rows = _rows_of_group(
@@ -541,6 +623,7 @@ def prepare_batch(
                     exc_info=True,
                 )
             continue
+        group_index.append(list(range(len(rows), len(rows) + len(group_rows))))
         rows.extend(group_rows)
         scores.extend(float(s) for s in group["scores"])
         truncated += sum(is_truncated(group, i) for i in range(len(group_rows)))
@@ -590,4 +673,6 @@ def prepare_batch(
         reward_mean_trained=math.fsum(trained_scores) / len(trained_scores),
         filtered_groups=len(filtered),
         truncated=truncated,
+        rows=rows if keep_rows else [],
+        group_rows=group_index if keep_rows else [],
     )

@@ -33,6 +33,7 @@ from atroposd.trainer.group import (
     Discard,
     Gather,
     Reload,
+    Score,
     Stop,
     connect_store,
     generation_key,
@@ -71,7 +72,11 @@ class Follower:
     feed: NodeFeed | None = None  # this node's replicas, fed by its first rank
 
     def compute(self, cmd: Compute) -> int | None:
-        self.learner.compute_share(self.ranks.receive_share())
+        self.learner.compute_share(self.ranks.receive_share(), capture=cmd.capture)
+        return None
+
+    def score(self, cmd: Score) -> int | None:
+        self.learner.score_share(self.ranks.receive_share(), cmd.size)
         return None
 
     def apply(self, cmd: Apply) -> int | None:
@@ -113,6 +118,7 @@ class Follower:
 
     HANDLERS: ClassVar[dict[type[Any], Callable[[Follower, Any], int | None]]] = {
         Compute: compute,
+        Score: score,
         Apply: apply,
         Discard: discard,
         Gather: gather,

@@ -56,6 +56,7 @@ __all__ = [
     "GroupStore",
     "Push",
     "Reload",
+    "Score",
     "Stop",
     "command_key",
     "connect_store",
@@ -132,17 +133,43 @@ def _only(args: dict[str, Any], names: set[str], op: str) -> None:
 
 @dataclass(frozen=True)
 class Compute:
-    """Run this rank's share of a step (the share follows on the process group)."""
+    """Run this rank's share of a step (the share follows on the process group). ``capture`` > 0:
+    the passes' logprobs are π_old of a batch of that many flat positions, summed over the ranks
+    (several optimizer steps per batch, SPEC §14)."""
 
     op: ClassVar[str] = "compute"
+    capture: int = 0
 
     def args(self) -> dict[str, Any]:
-        return {}
+        return {"capture": self.capture} if self.capture else {}
 
     @classmethod
     def parse(cls, args: dict[str, Any]) -> Compute:
-        _only(args, set(), cls.op)
-        return cls()
+        _only(args, {"capture"}, cls.op)
+        capture = _int(args.get("capture", 0), "compute: capture")
+        if capture < 0:
+            raise BadCommand("compute: capture out of range")
+        return cls(capture)
+
+
+@dataclass(frozen=True)
+class Score:
+    """Score this rank's share without gradients: π_old of a batch of ``size`` flat positions,
+    summed over the ranks (the share follows on the process group; SPEC §14)."""
+
+    op: ClassVar[str] = "score"
+    size: int
+
+    def args(self) -> dict[str, Any]:
+        return {"size": self.size}
+
+    @classmethod
+    def parse(cls, args: dict[str, Any]) -> Score:
+        _only(args, {"size"}, cls.op)
+        size = _int(args.get("size"), "score: size")
+        if size < 0:
+            raise BadCommand("score: size out of range")
+        return cls(size)
 
 
 @dataclass(frozen=True)
@@ -291,8 +318,10 @@ class Canary:
         return cls()
 
 
-Command = Compute | Apply | Discard | Stop | Gather | Reload | Checkpoint | Canary
-_PARSERS: dict[str, Any] = {c.op: c.parse for c in (Compute, Apply, Discard, Stop, Gather, Reload, Checkpoint, Canary)}
+Command = Compute | Score | Apply | Discard | Stop | Gather | Reload | Checkpoint | Canary
+_PARSERS: dict[str, Any] = {
+    c.op: c.parse for c in (Compute, Score, Apply, Discard, Stop, Gather, Reload, Checkpoint, Canary)
+}
 
 
 def _mac(key: bytes, prefix: str, seq: int, body: bytes) -> str:

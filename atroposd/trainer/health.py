@@ -9,7 +9,9 @@ They hold only a short window of the run's own history, so the same code runs on
   finite (each was skipped, never applied).
 - ``grad_norm``: the gradient norm (before clipping) above ``GRAD_SPIKE`` × its running median.
 - ``clipped_fraction``: above ``CLIPPED_LIMIT`` for ``PATIENCE`` steps in a row while its running
-  median was below half of that — the ratio runs away from the rollouts' policy.
+  median was below half of that — the ratio runs away from the rollouts' policy. Only where a
+  clip can act (:func:`clip_acts`): with awsft there is no ratio, and with a rollout correction
+  and one optimizer step per batch the ratio is 1 (its clipped fraction is 0 at every step).
 - ``reward_spread``: the batch's reward spread (``reward_std``) at 0 for ``PATIENCE`` steps in a
   row after a running median of at least ``SPREAD_HAD`` — while the mean reward is not above its
   running median (a run that masters its task loses its spread too, with a rising reward).
@@ -51,6 +53,7 @@ __all__ = [
     "NonFinite",
     "SpreadVanish",
     "Trip",
+    "clip_acts",
     "replay",
 ]
 
@@ -227,6 +230,15 @@ class EntropyCollapse:
         return None
 
 
+def clip_acts(loss: str, rollout_correction: str, optimizer_steps_per_batch: int) -> bool:
+    """Can the ratio's clip act under this objective (SPEC §14)? Not for awsft (no ratio); with a
+    rollout correction only from the second optimizer step on a batch (the ratio is taken against
+    the trainer's own logprobs before the first update)."""
+    if loss == "awsft":
+        return False
+    return rollout_correction == "none" or optimizer_steps_per_batch > 1
+
+
 @dataclass
 class HealthMonitor:
     """Every detector over one run, and the healthy steps since the last checkpoint.
@@ -236,6 +248,8 @@ class HealthMonitor:
     belongs to the weights that collapsed."""
 
     max_nonfinite_steps: int = 3
+    # the clipped-fraction detector watches only where a clip can act (:func:`clip_acts`)
+    clip_acts: bool = True
     healthy_steps: int = 0
     last_trip: Trip | None = None
     detectors: list[Any] = field(default_factory=list)
@@ -245,7 +259,9 @@ class HealthMonitor:
 
     def reset(self) -> None:
         self.nonfinite = NonFinite(self.max_nonfinite_steps)
-        self.detectors = [GradSpike(), ClippedRunaway(), SpreadVanish(), EntropyCollapse()]
+        self.detectors = [GradSpike(), SpreadVanish(), EntropyCollapse()]
+        if self.clip_acts:
+            self.detectors.insert(1, ClippedRunaway())
         self.healthy_steps = 0
 
     def step(self, row: Mapping[str, Any]) -> Trip | None:
@@ -268,9 +284,11 @@ class HealthMonitor:
         return trip
 
 
-def replay(rows: Iterable[Mapping[str, Any]], *, max_nonfinite_steps: int = 3) -> list[tuple[int, Trip]]:
+def replay(
+    rows: Iterable[Mapping[str, Any]], *, max_nonfinite_steps: int = 3, clip_acts: bool = True
+) -> list[tuple[int, Trip]]:
     """Run a recorded ``metrics.jsonl`` through the detectors: ``(step, trip)`` for each trip."""
-    monitor = HealthMonitor(max_nonfinite_steps=max_nonfinite_steps)
+    monitor = HealthMonitor(max_nonfinite_steps=max_nonfinite_steps, clip_acts=clip_acts)
     out = []
     for row in rows:
         trip = monitor.step(row)

@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from atroposd.logs import get_logger
 from atroposd.trainer.batch import MicroBatch, RolloutBatch
-from atroposd.trainer.group import Apply, Compute, Discard
+from atroposd.trainer.group import Apply, Compute, Discard, Score
 from atroposd.trainer.logprobs import teacher_probs
 from atroposd.trainer.loss import (
     LossStats,
@@ -40,6 +41,8 @@ from atroposd.trainer.ranks import OneRank, Ranks, Share, full_tensor
 
 if TYPE_CHECKING:
     from atroposd.config import TrainerConfig
+
+log = get_logger(__name__)
 
 __all__ = [
     "AwsftObjective",
@@ -79,6 +82,8 @@ class StepResult:
     rollout_corrected: float | None = None
     # the policy's mean entropy per completion token, at the rollout temperature (SPEC §14)
     entropy: float | None = None
+    # optimizer steps this batch took (SPEC §14: ppo_epochs × mini_batches; 1 by default)
+    optimizer_steps: int = 1
 
 
 class Reference(Protocol):
@@ -148,6 +153,7 @@ def set_aggregation(batch: RolloutBatch, loss_agg: str, max_token_len: int) -> N
 
 class Objective(Protocol):
     def prepare(self, batch: RolloutBatch) -> None: ...
+    def aggregate(self, batch: RolloutBatch) -> None: ...
     def loss(
         self,
         logp: torch.Tensor,
@@ -156,6 +162,7 @@ class Objective(Protocol):
         ref: torch.Tensor | None,
         denom: int,
         tokens: Tokens | None = None,
+        policy_old: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, LossStats]: ...
 
 
@@ -187,6 +194,10 @@ class GrpoObjective:
     def prepare(self, batch: RolloutBatch) -> None:
         set_aggregation(batch, self.loss_agg, self.max_token_len)
 
+    def aggregate(self, batch: RolloutBatch) -> None:
+        """``loss_agg``'s weights over one mini-batch (its loss is normalised over itself)."""
+        set_aggregation(batch, self.loss_agg, self.max_token_len)
+
     def loss(
         self,
         logp: torch.Tensor,
@@ -195,6 +206,7 @@ class GrpoObjective:
         ref: torch.Tensor | None,
         denom: int,
         tokens: Tokens | None = None,
+        policy_old: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, LossStats]:
         seq, num_seqs, weight = (tokens.seq, tokens.num_seqs, tokens.weight) if tokens is not None else (None, 0, None)
         return grpo_loss(
@@ -212,7 +224,42 @@ class GrpoObjective:
             weight=weight,
             correction=self.correction,
             threshold=self.threshold,
+            policy_old=policy_old,
         )
+
+
+def _combine(results: list[StepResult], batch: RolloutBatch, seconds: float) -> StepResult:
+    """One metrics row of a batch's optimizer steps (SPEC §14): the batch's means (the loss over
+    the steps; ratio, KL, entropy and the shares over their tokens), the last step's
+    ``clipped_fraction`` and ``grad_norm``."""
+    last = results[-1]
+    tokens = sum(r.tokens for r in results) or 1
+
+    def mean(name: str) -> float | None:
+        values = [(float(getattr(r, name)), r.tokens) for r in results if getattr(r, name) is not None]
+        if not values:
+            return None
+        return sum(v * n for v, n in values) / max(sum(n for _, n in values), 1)
+
+    d_tokens = sum(r.distill_token_count for r in results)
+    return StepResult(
+        loss=sum(r.loss for r in results) / len(results),
+        grad_norm=last.grad_norm,
+        finite=True,
+        mean_ratio=sum(r.mean_ratio * r.tokens for r in results) / tokens,
+        clipped_fraction=last.clipped_fraction,
+        mean_kl=sum(r.mean_kl * r.tokens for r in results) / tokens,
+        tokens=batch.completion_tokens,
+        compute_s=seconds,
+        distill_loss=(
+            sum((r.distill_loss or 0.0) * r.distill_token_count for r in results) / d_tokens if d_tokens else None
+        ),
+        distill_token_count=d_tokens,
+        logprob_diff_abs_mean=mean("logprob_diff_abs_mean"),
+        rollout_corrected=mean("rollout_corrected"),
+        entropy=mean("entropy"),
+        optimizer_steps=len(results),
+    )
 
 
 def _first_positions(mb: MicroBatch) -> torch.Tensor:
@@ -245,6 +292,10 @@ class AwsftObjective:
             mb.advantages = weights[offset : offset + n][mb.sequence_ids()].contiguous()  # [B, T]
             offset += n
 
+    def aggregate(self, batch: RolloutBatch) -> None:
+        """``loss_agg``'s weights over one mini-batch (its advantages were normalised over the batch)."""
+        set_aggregation(batch, self.loss_agg, self.max_token_len)
+
     def loss(
         self,
         logp: torch.Tensor,
@@ -253,6 +304,7 @@ class AwsftObjective:
         ref: torch.Tensor | None,
         denom: int,
         tokens: Tokens | None = None,
+        policy_old: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, LossStats]:
         from atroposd.trainer.loss import k3_kl
 
@@ -270,10 +322,11 @@ def make_strategies(tcfg: TrainerConfig) -> tuple[Objective, Reference]:
     if tcfg.loss == "awsft":
         objective = AwsftObjective(kl_coef=tcfg.kl_coef, loss_agg=tcfg.loss_agg, max_token_len=tcfg.max_token_len)
     else:
+        clip_eps, clip_eps_high = tcfg.clip_range()
         objective = GrpoObjective(
-            clip_eps=tcfg.clip_eps,
+            clip_eps=clip_eps,
             kl_coef=tcfg.kl_coef,
-            clip_eps_high=tcfg.clip_eps_high,
+            clip_eps_high=clip_eps_high,
             sequence_level=tcfg.loss == "gspo",
             loss_agg=tcfg.loss_agg,
             max_token_len=tcfg.max_token_len,
@@ -310,6 +363,11 @@ class Learner:
         distill_temperature: float = 1.0,
         ranks: Ranks | None = None,
         logprob_chunk: int = DEFAULT_CHUNK,
+        ppo_epochs: int = 1,
+        mini_batches: int = 1,
+        seed: int = 0,
+        micro_batch_size: int = 32,
+        micro_batch_tokens: int = 0,
     ) -> None:
         self.policy = policy
         self.optimizer = optimizer
@@ -325,10 +383,29 @@ class Learner:
         # Called before every optimizer step: a checkpoint being written has read the weights
         # (the checkpointer's fence; SPEC §12.1, checkpoints in the background)
         self.fence: Callable[[], None] | None = None
+        # SPEC §14: optimizer steps per batch (``train``), and how its mini-batches are formed
+        self.ppo_epochs = max(1, int(ppo_epochs))
+        self.mini_batches = max(1, int(mini_batches))
+        self.seed = int(seed)
+        self.micro_batch_size = max(1, int(micro_batch_size))
+        self.micro_batch_tokens = int(micro_batch_tokens)
+        # the logprobs a capturing pass left (π_old of the batch's flat positions, every rank's summed)
+        self.captured: torch.Tensor | None = None
 
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+    @property
+    def steps_per_batch(self) -> int:
+        """Optimizer steps on each batch: ppo_epochs × mini_batches (1: ``compute`` then ``apply``;
+        more: ``train`` takes them all)."""
+        return self.ppo_epochs * self.mini_batches
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps the weights have taken (the schedule's position: kept in checkpoints)."""
+        return int(getattr(self.scheduler, "last_epoch", 0))
 
     def compute(self, batch: RolloutBatch) -> StepResult:
         """Forward/backward over every micro-batch (dealt over the ranks) and clip; gradients are
@@ -339,9 +416,12 @@ class Learner:
         share = self.ranks.share(batch.micro, max(batch.completion_tokens, 1), batch.distill_positions)
         return self.compute_share(share, start=start)
 
-    def compute_share(self, share: Share, *, start: float | None = None) -> StepResult:
-        """This rank's passes; the loss and statistics summed over the ranks."""
+    def compute_share(self, share: Share, *, start: float | None = None, capture: int = 0) -> StepResult:
+        """This rank's passes; the loss and statistics summed over the ranks. ``capture`` > 0: the
+        passes' logprobs, before any update, are π_old of the batch's ``capture`` flat positions
+        (``captured``, summed over the ranks)."""
         start = time.perf_counter() if start is None else start
+        buf = torch.zeros(capture, dtype=torch.float32) if capture else None
         self.optimizer.zero_grad(set_to_none=True)
         denom = share.denom
         # FSDP2 averages gradients over the ranks: scaled by the rank count, the average of the
@@ -377,10 +457,17 @@ class Learner:
             logp = scores.logp
             old = mb.old_logp[mb.mask]  # [N]
             present = ~torch.isnan(old)  # [N]
-            old = torch.where(present, old, logp.detach())  # missing → on-policy
+            pi_old = None
+            if mb.policy_old is not None:  # a later optimizer step on the batch: π_old where known
+                known = mb.policy_old[mb.mask]  # [N]
+                pi_old = torch.where(torch.isnan(known), logp.detach(), known)
+            old = torch.where(present, old, logp.detach() if pi_old is None else pi_old)  # missing → on-policy
             adv = mb.advantages[mb.mask]  # [N]
             ref = self.reference.logprobs(self.policy, mb, old)
-            loss, stats = self.objective.loss(logp, old, adv, ref, denom, trained_tokens(mb))
+            if pi_old is None:
+                loss, stats = self.objective.loss(logp, old, adv, ref, denom, trained_tokens(mb))
+            else:
+                loss, stats = self.objective.loss(logp, old, adv, ref, denom, trained_tokens(mb), policy_old=pi_old)
             if teacher is not None and scores.distill is not None:
                 # Σ over the positions with a teacher of −Σ_k p_T·log q_S (0 elsewhere) / the batch's count
                 loss = loss + self.distill_coef * scores.distill.sum() / max(share.distill_positions, 1)
@@ -391,6 +478,8 @@ class Learner:
                 (loss * (scale * weight) if scale * weight != 1.0 else loss).backward()
             if not weight:
                 continue  # a zero-weight pass: its collectives ran, it counts for nothing
+            if buf is not None and mb.flat_index is not None:
+                buf[mb.flat_index[mb.mask].cpu()] = logp.detach().float().cpu()
             diff_sum += float((logp.detach() - old)[present].abs().sum())
             diff_n += int(present.sum())
             total += loss.detach().double().cpu()
@@ -408,6 +497,8 @@ class Learner:
             )
         )
         d_tokens, diff_n = int(d_tokens_f), int(diff_n_f)
+        if buf is not None:
+            self.captured = self.ranks.sum_tensor(buf)
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
         return StepResult(
             loss=loss_value,
@@ -424,6 +515,110 @@ class Learner:
             rollout_corrected=corrected / denom if corrects else None,
             entropy=entropy_sum / denom,
         )
+
+    def score_share(self, share: Share, size: int) -> torch.Tensor:
+        """This rank's passes without gradients: their logprobs in a buffer of the batch's ``size``
+        flat positions, summed over the ranks (π_old of a batch's later mini-batches)."""
+        buf = torch.zeros(size, dtype=torch.float32)
+        device = self.policy.device
+        with torch.no_grad():
+            for mb_cpu, weight in share.passes_with_weight():
+                mb = mb_cpu.to(device)
+                logp, _ = token_logprobs(
+                    self.policy.model,
+                    mb.input_ids,
+                    mb.mask,
+                    mb.labels,
+                    mb.temperature,
+                    seq_lens=mb.seq_lens,
+                    chunk=self.logprob_chunk,
+                )
+                if weight and mb.flat_index is not None:
+                    buf[mb.flat_index[mb.mask].cpu()] = logp.detach().float().cpu()
+        return self.ranks.sum_tensor(buf)
+
+    def score(self, batch: RolloutBatch, size: int) -> torch.Tensor:
+        """Rank 0: π_old of ``batch``'s positions with every rank (``score_share``)."""
+        self.ranks.command(Score(size))
+        share = self.ranks.share(batch.micro, max(batch.completion_tokens, 1), batch.distill_positions)
+        return self.score_share(share, size)
+
+    def _compute_mini(self, mini: RolloutBatch, capture: int) -> StepResult:
+        self.ranks.command(Compute(capture))
+        share = self.ranks.share(mini.micro, max(mini.completion_tokens, 1), mini.distill_positions)
+        return self.compute_share(share, capture=capture)
+
+    def order(self, step: int, epoch: int, groups: int) -> list[list[int]]:
+        """The mini-batches of pass ``epoch`` over batch ``step``: its groups in a fresh random
+        order (the same for the same seed, step and pass: a resumed run takes the same steps),
+        split into ``mini_batches`` parts of whole groups (as even as the count allows)."""
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 1_009 + epoch)
+        perm = torch.randperm(groups, generator=gen).tolist()
+        parts = min(self.mini_batches, max(groups, 1))
+        size, extra = divmod(len(perm), parts)
+        out, at = [], 0
+        for i in range(parts):
+            n = size + (1 if i < extra else 0)
+            out.append(perm[at : at + n])
+            at += n
+        return [p for p in out if p]
+
+    def train(self, batch: RolloutBatch, step: int) -> StepResult:
+        """Several optimizer steps on one batch (SPEC §14): ``ppo_epochs`` passes, each over the
+        batch's groups in a fresh random order, split into ``mini_batches`` mini-batches; each
+        mini-batch's loss normalised over itself, its gradient applied at once. π_old (the
+        trainer's logprobs before the first update) comes from the first step's own pass, and a
+        pass without gradients over the rest of the batch when it has several mini-batches; it is
+        needed with a rollout correction and where the sampler's logprobs are missing. A first
+        step that is not finite skips the batch (nothing applied); a later one ends its steps there.
+        ``batch`` from ``prepare_batch(keep_rows=True)``; ``step`` is the batch's step number."""
+        start = time.perf_counter()
+        size = batch.flat_size()
+        mbs, mbt = self.micro_batch_size, self.micro_batch_tokens
+        whole = batch.mini_batch(range(batch.groups), micro_batch_size=mbs, micro_batch_tokens=mbt)
+        self.objective.prepare(whole)  # awsft: advantages normalised over the whole batch
+        advantages = torch.zeros(size, dtype=torch.float32)
+        for mb in whole.micro:
+            assert mb.flat_index is not None
+            advantages[mb.flat_index[mb.mask]] = mb.advantages[mb.mask].float()
+        del whole
+        corrects = getattr(self.objective, "correction", "none") != "none"
+        needs_old = corrects or batch.missing_logprobs > 0
+        policy_old: torch.Tensor | None = None
+        results: list[StepResult] = []
+        for epoch in range(self.ppo_epochs):
+            parts = self.order(step, epoch, batch.groups)
+            for part in parts:
+                first = not results
+                mini = batch.mini_batch(
+                    part, micro_batch_size=mbs, micro_batch_tokens=mbt, advantages=advantages, policy_old=policy_old
+                )
+                self.objective.aggregate(mini)
+                r = self._compute_mini(mini, size if first and needs_old else 0)
+                if first and needs_old:
+                    policy_old, self.captured = self.captured, None
+                    rest = [g for p in parts if p is not part for g in p]
+                    if r.finite and rest and policy_old is not None:
+                        # the rest of the batch before the first update: no gradients
+                        rest_batch = batch.mini_batch(rest, micro_batch_size=mbs, micro_batch_tokens=mbt)
+                        policy_old = policy_old + self.score(rest_batch, size)
+                if not r.finite:
+                    self.discard()
+                    if first:
+                        r.compute_s = time.perf_counter() - start
+                        r.optimizer_steps = 0
+                        return r  # nothing applied: the batch is skipped
+                    log.warning(
+                        "a later optimizer step on the batch was not finite: the batch's steps end here",
+                        step=step,
+                        optimizer_steps=len(results),
+                        loss=r.loss,
+                        grad_norm=r.grad_norm,
+                    )
+                    return _combine(results, batch, time.perf_counter() - start)
+                self.apply()
+                results.append(r)
+        return _combine(results, batch, time.perf_counter() - start)
 
     def apply(self) -> None:
         """The optimizer step (in shared mode: while the inference server is paused)."""

@@ -21,7 +21,7 @@ from atroposd.trainer.batch import BatchError, RolloutBatch, prepare_batch
 from atroposd.trainer.checkpoint import CheckpointError
 from atroposd.trainer.compute import ComputeThread
 from atroposd.trainer.feed import BatchFeed
-from atroposd.trainer.health import Collapse, DropRule, HealthMonitor, Trip
+from atroposd.trainer.health import Collapse, DropRule, HealthMonitor, Trip, clip_acts
 from atroposd.trainer.learner import Learner, StepResult
 from atroposd.trainer.metrics import MetricsWriter
 from atroposd.trainer.ranks import is_group_error
@@ -151,7 +151,10 @@ class TrainingLoop:
         # SPEC §15: the collapse detectors, the checkpoints waiting to become known-good, and
         # the rule that drops groups sampled between a collapse and its rollback
         self.hcfg = health
-        self.monitor = HealthMonitor(max_nonfinite_steps=health.max_nonfinite_steps if health else 3)
+        self.monitor = HealthMonitor(
+            max_nonfinite_steps=health.max_nonfinite_steps if health else 3,
+            clip_acts=clip_acts(tcfg.loss, tcfg.rollout_correction, tcfg.optimizer_steps_per_batch),
+        )
         self.pending_good: list[tuple[int, Path]] = []
         self.drop = drop
         # SPEC §15: the replica sentinel (atroposd.trainer.sentinel; None: canary_every = 0)
@@ -209,10 +212,20 @@ class TrainingLoop:
                     **self.feed.last_timeline,
                 }  # the rollout side
                 # loss + backward + clip (worker thread; the event loop stays responsive)
-                result = await self.compute.run(self.learner.compute, batch)
+                multi = self.learner.steps_per_batch > 1
+                if multi:
+                    # several optimizer steps on the batch (SPEC §14): every one of them changes the
+                    # weights, so in shared mode the server is paused for all of them
+                    async with self.lock, self.weights.paused(p.weight_version + 1):
+                        apply_start = time.perf_counter()
+                        result = await self.compute.run(self.learner.train, batch, p.step + 1)
+                        timeline["optimizer_s"] = time.perf_counter() - apply_start
+                else:
+                    result = await self.compute.run(self.learner.compute, batch)
                 if not result.finite:
                     # never step on NaN/inf: in shared mode the server computes on these weights
-                    await self.compute.run(self.learner.discard)
+                    if not multi:
+                        await self.compute.run(self.learner.discard)
                     p.skipped_steps += 1
                     consecutive_skips += 1
                     log.warning(
@@ -232,12 +245,13 @@ class TrainingLoop:
                 # step + sync: shared mode pauses generation only around optimizer.step
                 sync_start = time.perf_counter()
                 async with self.lock:
-                    pause_start = time.perf_counter()
-                    async with self.weights.paused(p.weight_version + 1):
-                        apply_start = time.perf_counter()
-                        await self.compute.run(self._apply)
-                        timeline["optimizer_s"] = time.perf_counter() - apply_start
-                    timeline["pause_s"] = time.perf_counter() - pause_start
+                    if not multi:
+                        pause_start = time.perf_counter()
+                        async with self.weights.paused(p.weight_version + 1):
+                            apply_start = time.perf_counter()
+                            await self.compute.run(self._apply)
+                            timeline["optimizer_s"] = time.perf_counter() - apply_start
+                        timeline["pause_s"] = time.perf_counter() - pause_start
                     p.weight_version += 1
                     p.step += 1
                     # the sync's report when this step synced (None: it did not)
@@ -278,6 +292,7 @@ class TrainingLoop:
         t = self.t
         return prepare_batch(
             groups,
+            keep_rows=self.learner.steps_per_batch > 1,
             micro_batch_size=t.micro_batch_size,
             micro_batch_tokens=t.micro_batch_tokens,
             max_token_len=t.max_token_len,
@@ -506,6 +521,8 @@ class TrainingLoop:
             "filtered_groups": batch.filtered_groups,
             "rollout_corrected": r.rollout_corrected,
             "entropy": r.entropy,  # the policy's mean entropy per completion token (SPEC §14)
+            # SPEC §14: optimizer steps the weights have taken in all (ppo_epochs × mini_batches a batch)
+            "optimizer_steps": self.learner.optimizer_steps,
         }
         if self.replica_generations is not None:
             record["replica_generations"] = self.replica_generations()

@@ -209,6 +209,7 @@ def grpo_loss(
     weight: torch.Tensor | None = None,
     correction: str = "none",
     threshold: float = 2.0,
+    policy_old: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """Clipped-ratio policy gradient (PPO/GRPO) with an optional k3 KL penalty.
 
@@ -227,15 +228,19 @@ def grpo_loss(
     (verl's decoupled form: its value is 1 on the first pass) and weights each token's policy
     term by :func:`rollout_weights` against the sampler's ``old_logp``; ``weight`` [N] (from
     :func:`aggregation_weights`) replaces ``/ denom`` by Σ weight · per-token loss.
+
+    Several optimizer steps per batch (SPEC §14): ``policy_old`` [N] is π_old, the trainer's own
+    logprobs before the batch's first update (None: ``logp`` detached, its value in the first
+    step). With a correction the ratio is clipped against it and ρ compares it with the sampler.
     """
     lo, hi = clip_bounds(clip_eps, clip_eps_high)
     is_weight: torch.Tensor | None = None
     corrected: torch.Tensor | None = None
     if correction != "none":
+        anchor = logp.detach() if policy_old is None else policy_old.detach()
         is_weight, corrected = rollout_weights(
-            logp, old_logp, mode=correction, threshold=threshold, seq=seq, num_seqs=num_seqs
+            anchor, old_logp, mode=correction, threshold=threshold, seq=seq, num_seqs=num_seqs
         )
-        anchor = logp.detach()
     else:
         anchor = old_logp.detach()
     delta = (logp - anchor).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)  # [N]

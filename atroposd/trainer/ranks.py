@@ -102,6 +102,7 @@ class Ranks(Protocol):
     def broadcast(self, value: Any) -> Any: ...
     def share(self, micro: Sequence[MicroBatch], denom: int, distill_positions: int) -> Share: ...
     def sum(self, values: Sequence[float]) -> list[float]: ...
+    def sum_tensor(self, t: torch.Tensor) -> torch.Tensor: ...
     def shard(self, model: torch.nn.Module, *, mixed_precision: bool) -> None: ...
     def barrier(self) -> None: ...
     def settle(self) -> None: ...
@@ -126,6 +127,9 @@ class OneRank:
 
     def sum(self, values: Sequence[float]) -> list[float]:
         return [float(v) for v in values]
+
+    def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        return t
 
     def shard(self, model: torch.nn.Module, *, mixed_precision: bool) -> None:
         pass
@@ -352,6 +356,14 @@ class GroupRanks:
         )
         dist.all_reduce(t)
         return [float(v) for v in t.cpu().tolist()]
+
+    def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (on the CPU) summed over the ranks, on the CPU (every rank calls it)."""
+        import torch.distributed as dist
+
+        out = t.to(self._wire_device())
+        dist.all_reduce(out)
+        return out.cpu()
 
     def shard(self, model: torch.nn.Module, *, mixed_precision: bool) -> None:
         """FSDP2 (:func:`~atroposd.trainer.fsdp.shard_model`)."""

@@ -482,7 +482,8 @@ def build_learner(cfg: Config, setup: Setup) -> Learner:
     """Optimizer (on the attached parameters), scheduler, strategies; restores their state."""
     t = cfg.trainer
     optimizer = build_optimizer(setup.policy.trainable(), t, precision=setup.precision)
-    scheduler = build_scheduler(optimizer, t.warmup_steps, t.lr_schedule, t.steps)
+    # the schedule counts optimizer steps (SPEC §14: steps × ppo_epochs × mini_batches in all)
+    scheduler = build_scheduler(optimizer, t.warmup_steps, t.lr_schedule, t.steps * t.optimizer_steps_per_batch)
     if setup.restored is not None:
         from atroposd.trainer.sharded import load_optimizer
 
@@ -497,6 +498,19 @@ def build_learner(cfg: Config, setup: Setup) -> Learner:
     if scale != 1.0:
         log.info("learning rate scaled after rollbacks", rank=setup.ranks.rank, scale=scale, lr=t.lr * scale)
     objective, reference = make_strategies(t)
+    if setup.ranks.rank == 0:
+        eps, high = t.clip_range()
+        log.info(
+            "trainer objective",
+            loss=t.loss,
+            clip_range=None if t.loss == "awsft" else f"[{1 - eps:g}, {1 + (high if high > 0 else eps):g}]",
+            clip_eps=eps,
+            clip_eps_high=high,
+            rollout_correction=t.rollout_correction,
+            ppo_epochs=t.ppo_epochs,
+            mini_batches=t.mini_batches,
+            lr_schedule_steps=t.steps * t.optimizer_steps_per_batch,
+        )
     learner = Learner(
         setup.policy,
         optimizer,
@@ -508,6 +522,11 @@ def build_learner(cfg: Config, setup: Setup) -> Learner:
         distill_temperature=t.distill_temperature,
         ranks=setup.ranks,
         logprob_chunk=t.logprob_chunk,
+        ppo_epochs=t.ppo_epochs,
+        mini_batches=t.mini_batches,
+        seed=t.seed,
+        micro_batch_size=t.micro_batch_size,
+        micro_batch_tokens=t.micro_batch_tokens,
     )
     setup.ranks.settle()  # every rank is set up: collectives are bounded by collective_timeout from here
     return learner

@@ -1,6 +1,7 @@
 """Rank 0 of a trainer group, outside the daemon, for the rank tests: it hosts the store, starts
 the real ``atroposd trainer-rank`` children, and trains seeded batches exactly as the loop does
-(learner.compute → apply; checkpoints through the Checkpointer), then writes what it saw.
+(learner.compute → apply, or learner.train with several optimizer steps per batch; checkpoints
+through the Checkpointer), then writes what it saw.
 
     python -m tests.trainer.rank_zero CONFIG OUT [--steps K] [--checkpoint-at C] [--first-batch B]
         [--attack MARKER] [--background] [--final]
@@ -118,10 +119,15 @@ def main() -> int:
                 vocab_size=learner.policy.vocab_size,
                 advantage=t.advantage,
                 overlong=t.overlong,
+                keep_rows=learner.steps_per_batch > 1,
             )
-            result = learner.compute(batch)
+            if learner.steps_per_batch > 1:  # several optimizer steps on the batch (SPEC §14)
+                result = learner.train(batch, step + 1)
+            else:
+                result = learner.compute(batch)
+                assert result.finite, result
+                learner.apply()
             assert result.finite, result
-            learner.apply()
             step += 1
             out["losses"].append(result.loss)
             out["grad_norms"].append(result.grad_norm)

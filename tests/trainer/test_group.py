@@ -22,6 +22,7 @@ from atroposd.trainer.group import (
     GroupStore,
     Push,
     Reload,
+    Score,
     Stop,
     decode_command,
     encode_command,
@@ -39,6 +40,8 @@ COMMANDS = [
     Reload("/w/v7", 7),
     Checkpoint("/c/.tmp-step-2"),
     Canary(),
+    Compute(capture=40),
+    Score(40),
 ]
 
 
@@ -386,7 +389,7 @@ def test_each_command_reaches_its_handler_through_the_store() -> None:
     from atroposd.trainer.share import Share
 
     # one handler per command type, named after its op
-    assert set(Follower.HANDLERS) == {Compute, Apply, Discard, Stop, Gather, Reload, Checkpoint, Canary}
+    assert set(Follower.HANDLERS) == {Compute, Score, Apply, Discard, Stop, Gather, Reload, Checkpoint, Canary}
     assert all(handler is getattr(Follower, kind.op) for kind, handler in Follower.HANDLERS.items())
     store = GroupStore(secret="s3cret", world=2)
     try:
