@@ -46,8 +46,12 @@ def missing() -> str | None:
         return "podman is not installed (scripts/setup-sandbox installs podman, runc and busybox-static)"
     if shutil.which("runc") is None:
         return "runc is not installed (scripts/setup-sandbox)"
-    if _busybox() is None:
-        return "no static busybox to build the test image from (apt-get install busybox-static)"
+    busybox = _busybox()
+    if busybox is None:
+        return "no busybox to build the test image from (apt-get install busybox-static)"
+    linked = subprocess.run(["ldd", busybox], capture_output=True, text=True)
+    if "not a dynamic executable" not in linked.stdout + linked.stderr:
+        return f"{busybox} is linked dynamically: the test image needs busybox-static (scripts/setup-sandbox)"
     return None
 
 
