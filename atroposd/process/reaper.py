@@ -352,7 +352,7 @@ def dead_job_pids(record: InstanceRecord, left: Iterable[psutil.Process] = ()) -
 
 def _zombie(pid: int) -> bool:
     try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
     except psutil.Error:
         return True
 
