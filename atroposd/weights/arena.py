@@ -192,14 +192,15 @@ class ParameterArena:
                     "not be re-allocated after attach"
                 )
 
-    def manifest(self, weight_version: int, *, with_checksums: bool = True) -> Manifest:
-        """Describe the current contents as export ``export_id`` (incremented per call)."""
+    def manifest(self, weight_version: int, *, with_checksums: bool = True, consumer: int = 0) -> Manifest:
+        """Describe the current contents as export ``export_id`` (incremented per call); CUDA
+        IPC: with ``consumer``'s handles (one export per consumer cycle, :meth:`new_cycle`)."""
         self.export_id += 1
         seg_refs = []
         for seg in self.segments:
             handle, uuid = (None, None)
             if self.transport == "cuda_ipc":
-                handle, uuid = seg.export_handle()  # type: ignore[attr-defined]
+                handle, uuid = seg.export_handle(consumer)  # type: ignore[attr-defined]
             index = int(seg.name.rsplit("-", 1)[1])
             seg_refs.append(SegmentRef(index=index, name=seg.name, size=seg.size, handle=handle, device_uuid=uuid))
         entries = []
@@ -230,6 +231,12 @@ class ParameterArena:
             lora=self._lora,
             created_at=time.time(),
         )
+
+    def new_cycle(self, consumer: int) -> None:
+        """CUDA IPC: ``consumer`` (re)starts; the next manifest for it carries new exports."""
+        if self.transport == "cuda_ipc":
+            for seg in self.segments:
+                seg.new_cycle(consumer)  # type: ignore[attr-defined]
 
     def release(self) -> None:
         """Copy the tensors back to private memory, then unmap and unlink every buffer."""

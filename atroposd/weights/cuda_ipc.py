@@ -6,19 +6,23 @@ manifest segment carries ``handle`` (the fields of torch's ``reduce_tensor`` exp
 JSON values, :class:`~atroposd.weights.manifest.CudaIpcHandle`: nothing is unpickled) and the
 physical GPU's UUID instead of a segment name.
 
-Each buffer is exported once (``export_handle`` caches it): every torch export of a storage
-wraps it in a new ref-counted IPC entry that lives as long as the storage, so re-exporting the
-long-lived arena at every sync would grow without bound. Later exports synchronise the device
-and hand out the same handle.
+One export per rebuild/release cycle (SPEC §7). Every torch export of a storage wraps it in a
+new reference-counted IPC entry (a counter set to 1 in the producer's ``/dev/shm/torch_*``
+file), which the block's memory waits on when the producer frees it; each consumer rebuild of
+that export takes the counter down by one when the rebuilt storage is released. So an export
+pairs with exactly one consumer rebuild and one release: rebuilding the same export at every
+sync drives the (unsigned) counter below zero and strands the block, and each rebuild opens
+the export's IPC event anew. Hence:
 
-Release protocol (VLLM-NOTES §3):
-
-* producer: one ``reduce_tensor`` per flat buffer for the arena's life; keep the buffers alive
-  (they are the trainer's parameters) until the consumer acknowledged; after each export and
-  on close, ``gc.collect()`` then ``torch.cuda.ipc_collect()``;
-* consumer: rebuild once per export, copy (push) or compute on views (shared),
-  ``torch.cuda.synchronize()``, drop every view and the rebuilt tensor, ``gc.collect()``,
-  and only then acknowledge.
+* producer (:class:`CudaSegment`): ``export_handle(consumer)`` exports once per consumer
+  cycle and hands the same handle out at every later sync of that consumer (each call still
+  waits for the device); ``new_cycle(consumer)`` — a consumer that (re)starts — makes the next
+  call export anew. The buffers (the trainer's parameters) stay alive for the arena's life; on
+  close ``gc.collect()`` then ``torch.cuda.ipc_collect()``;
+* consumer (:class:`CudaImports`): rebuild each export once and hold the mapping for the
+  export's life, as the shm path keeps its segments mapped; at every sync copy (push) or
+  compute on views (shared), ``torch.cuda.synchronize()``, drop the views, then acknowledge;
+  the mapping is released when the producer's export changes, and on ``release``.
 
 Handles only ever travel through the 0600 manifest in ``runtime_dir`` and the 0600 Unix
 control socket. The GPU calls need a GPU (the tests marked ``gpu`` run them); the mapping
@@ -28,13 +32,15 @@ between torch's export tuple and the manifest's fields is tested on the CPU.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from atroposd.weights.manifest import CudaIpcHandle
+from atroposd.weights.manifest import CudaIpcHandle, SegmentRef
 
 __all__ = [
+    "CudaImports",
     "CudaSegment",
     "device_index_for_uuid",
     "device_uuid",
@@ -141,7 +147,9 @@ class CudaSegment:
         self.name = name
         self.size = int(buffer.numel())
         self.buffer: torch.Tensor | None = buffer
-        self._export: tuple[CudaIpcHandle, str] | None = None
+        # consumer → its cycle's export (handle, GPU UUID); ``exports``: torch exports made
+        self._exports: dict[int, tuple[CudaIpcHandle, str]] = {}
+        self.exports = 0
 
     @classmethod
     def allocate(cls, name: str, size: int, device: torch.device) -> CudaSegment:
@@ -158,18 +166,25 @@ class CudaSegment:
         base = self.buffer.data_ptr()
         return base <= t.data_ptr() < base + self.size
 
-    def export_handle(self) -> tuple[CudaIpcHandle, str]:
-        """(handle, GPU UUID) of the buffer, after the device finished every queued kernel.
-
-        The handle is made once per buffer and reused (see the module docstring)."""
+    def export_handle(self, consumer: int = 0) -> tuple[CudaIpcHandle, str]:
+        """(handle, GPU UUID) of the buffer for ``consumer``, after the device finished every
+        queued kernel: exported at the first call of the consumer's cycle, the same handle at
+        every later one (see the module docstring)."""
         assert self.buffer is not None
         torch.cuda.synchronize(self.buffer.device)
-        if self._export is None:
+        export = self._exports.get(consumer)
+        if export is None:
             from torch.multiprocessing.reductions import reduce_tensor
 
             _rebuild, args = reduce_tensor(self.buffer)
-            self._export = handle_from_args(tuple(args)), device_uuid(self.buffer.device)
-        return self._export
+            export = self._exports[consumer] = handle_from_args(tuple(args)), device_uuid(self.buffer.device)
+            self.exports += 1
+        return export
+
+    def new_cycle(self, consumer: int = 0) -> None:
+        """``consumer`` (re)starts: its next :meth:`export_handle` exports anew (the export it
+        had is released by the process that rebuilt it, or went with that process)."""
+        self._exports.pop(consumer, None)
 
     def synchronize(self) -> None:
         """Wait for every kernel queued on the buffer's device (the optimizer's step)."""
@@ -178,7 +193,7 @@ class CudaSegment:
 
     def close(self) -> None:
         self.buffer = None
-        self._export = None
+        self._exports.clear()
         ipc_collect()
 
     def unlink(self) -> None:
@@ -194,6 +209,59 @@ def rebuild_segment(handle: CudaIpcHandle, uuid: str) -> torch.Tensor:
 
     tensor: torch.Tensor = rebuild_cuda_tensor(*handle_args(handle, device_index_for_uuid(uuid)))
     return tensor
+
+
+def export_key(seg: SegmentRef) -> tuple[Any, ...]:
+    """What tells one export from another: a new export of the same buffer has its own
+    reference counter (file and offset)."""
+    h = seg.handle
+    assert h is not None
+    return (seg.name, seg.device_uuid, h.storage_handle, h.ref_counter_handle, h.ref_counter_offset)
+
+
+class CudaImports:
+    """A consumer's mappings of the producer's CUDA IPC exports, by segment name: each export
+    rebuilt once (``rebuild``: :func:`rebuild_segment`) and held for the export's life — every
+    sync of that export reuses the mapping — and released when the producer's export of a
+    segment changes (or the segment is gone from the export) and on :meth:`release`.
+    ``rebuilds`` and ``releases`` count the cycles."""
+
+    def __init__(self, rebuild: Callable[[CudaIpcHandle, str], torch.Tensor] | None = None) -> None:
+        self._rebuild = rebuild if rebuild is not None else rebuild_segment
+        self._held: dict[str, tuple[tuple[Any, ...], torch.Tensor]] = {}
+        self.rebuilds = 0
+        self.releases = 0
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def map(self, segments: Iterable[SegmentRef]) -> dict[int, torch.Tensor]:
+        """The flat buffer of each segment of one export, by segment index (each rebuilt only if
+        this export was not mapped already); mappings of other exports are released first."""
+        segs = list(segments)
+        keys = {seg.name: export_key(seg) for seg in segs}
+        for name in [n for n, (key, _) in self._held.items() if keys.get(n) != key]:
+            self._drop(name)
+        out: dict[int, torch.Tensor] = {}
+        for seg in segs:
+            held = self._held.get(seg.name)
+            if held is None:
+                assert seg.handle is not None and seg.device_uuid is not None  # check_layout
+                buf = self._rebuild(seg.handle, seg.device_uuid)
+                self.rebuilds += 1
+                held = self._held[seg.name] = (keys[seg.name], buf)
+            out[seg.index] = held[1]
+        return out
+
+    def release(self) -> None:
+        """Release every mapping (the caller dropped its views and synchronised first)."""
+        for name in list(self._held):
+            self._drop(name)
+
+    def _drop(self, name: str) -> None:
+        del self._held[name]
+        self.releases += 1
+        gc.collect()  # the rebuilt storage goes now: torch releases its reference on the export
 
 
 def ipc_collect() -> None:

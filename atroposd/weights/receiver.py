@@ -29,9 +29,11 @@ Requests
   are mapped read-only once per export and kept in ``state.sources`` while the trainer keeps
   exporting the same segments (the trainer trains in them; each sync is then one memory copy,
   and a sync maps nothing new); they are unmapped when the export's segments change, on an
-  ``attach`` or ``load``, and by :meth:`ReceiverState.release`. A CUDA export is rebuilt,
-  copied, synchronised and dropped before returning (one rebuild per export; the trainer then
-  calls ``ipc_collect``).
+  ``attach`` or ``load``, and by :meth:`ReceiverState.release`. A CUDA export is likewise
+  rebuilt once and its mapping held for the export's life (``state.imports``: one
+  rebuild/release cycle per export, SPEC §7); each sync copies from it, synchronises and drops
+  its views before answering; the mapping is released when the trainer's export changes and by
+  :meth:`ReceiverState.release`.
 
 ``POST /load``::
 
@@ -149,6 +151,8 @@ class ReceiverState:
     weight_version: int | None = None
     # a bucketed push that started and has not completed: the model holds a mix of versions
     buckets: BucketProgress | None = None
+    # CUDA IPC: the trainer's exports, each rebuilt once and held for its life (a CudaImports)
+    imports: Any = None
 
     @classmethod
     def from_config(cls, cfg: Any, nonce: str | None = None) -> ReceiverState:
@@ -210,10 +214,19 @@ class ReceiverState:
         self.weight_version = manifest.weight_version
         return True
 
+    def cuda_imports(self) -> Any:
+        """The :class:`~atroposd.weights.cuda_ipc.CudaImports` of this process (made at first use)."""
+        if self.imports is None:
+            from atroposd.weights.cuda_ipc import CudaImports
+
+            self.imports = CudaImports()
+        return self.imports
+
     def release(self, model: torch.nn.Module | None = None) -> None:
         """Drop every mapping. With ``model``, first give its tensors private copies."""
         self.release_sources()
         if not self.segments:
+            self._release_imports()
             return
         if model is not None:
             _privatize(model, self.segments)
@@ -226,6 +239,12 @@ class ReceiverState:
         self.segments = []
         self.export_id = None
         gc.collect()
+        self._release_imports()
+
+    def _release_imports(self) -> None:
+        if self.imports is not None and len(self.imports):
+            torch.cuda.synchronize()
+            self.imports.release()
 
     def release_sources(self) -> None:
         """Unmap the push-mode copy sources (no model tensor ever views them)."""
@@ -389,7 +408,7 @@ def _apply_bucket(model: torch.nn.Module, manifest: Manifest, state: ReceiverSta
                 mt.tensors[mine].copy_(v)
                 del v
         else:
-            mapped_cuda = _map_segments(manifest)
+            mapped_cuda = _map_segments(manifest, state)
             try:
                 for mine, src in source.items():
                     e = manifest.entry(src)
@@ -398,8 +417,7 @@ def _apply_bucket(model: torch.nn.Module, manifest: Manifest, state: ReceiverSta
                     )
                 torch.cuda.synchronize()
             finally:
-                mapped_cuda.clear()
-                gc.collect()
+                mapped_cuda.clear()  # the views go; the mapping stays for the export's life
     total = sum(manifest.entry(src).nbytes for src in set(source.values()))
     for mine, src in source.items():
         e = manifest.entry(src)
@@ -443,22 +461,21 @@ def other_gpu(manifest: Manifest, own_uuid: str) -> str | None:
     return None
 
 
-def _map_segments(manifest: Manifest) -> dict[int, Any]:
+def _map_segments(manifest: Manifest, state: ReceiverState) -> dict[int, Any]:
+    """Every segment of ``manifest``: shm segments attached anew, CUDA exports through
+    ``state``'s imports (rebuilt once per export, held for its life)."""
     mapped: dict[int, Any] = {}
     try:
-        for seg in manifest.segments:
-            if manifest.transport == "shm":
-                mapped[seg.index] = ShmSegment.attach(seg.name, seg.size)
-            else:
-                from atroposd.weights.cuda_ipc import rebuild_segment
-
-                assert seg.handle is not None and seg.device_uuid is not None  # check_layout
-                buf = rebuild_segment(seg.handle, seg.device_uuid)
-                if buf.numel() < seg.size:
+        if manifest.transport != "shm":
+            mapped = state.cuda_imports().map(manifest.segments)
+            for seg in manifest.segments:
+                if mapped[seg.index].numel() < seg.size:
                     raise WeightUpdateError(
-                        f"CUDA segment {seg.index} is {buf.numel()} bytes; the manifest says {seg.size}"
+                        f"CUDA segment {seg.index} is {mapped[seg.index].numel()} bytes; the manifest says {seg.size}"
                     )
-                mapped[seg.index] = buf
+            return mapped
+        for seg in manifest.segments:
+            mapped[seg.index] = ShmSegment.attach(seg.name, seg.size)
     except (ShmError, OSError) as exc:
         for m in mapped.values():
             if isinstance(m, ShmSegment):
@@ -485,7 +502,7 @@ def _attach(
     if manifest.transport == "shm" and device.type != "cpu":
         raise WeightUpdateError("attach to POSIX shared memory needs a model on the CPU")
     state.release_sources()
-    mapped = _map_segments(manifest)
+    mapped = _map_segments(manifest, state)
     views: dict[str, torch.Tensor] = {}
     problem: str | None = None
     for mine, src in source.items():
@@ -575,7 +592,7 @@ def _copy(
             for tmp, dst in staging:
                 dst.copy_(tmp, non_blocking=False)
     else:
-        mapped = _map_segments(manifest)
+        mapped = _map_segments(manifest, state)
         try:
             with torch.no_grad():
                 for mine, src in source.items():
@@ -588,8 +605,7 @@ def _copy(
                     del v
             torch.cuda.synchronize()
         finally:
-            mapped.clear()
-            gc.collect()
+            mapped.clear()  # the views go; the mapping stays for the export's life
     with torch.no_grad():
         for mine, first in later:
             mt.tensors[mine].copy_(mt.tensors[first])

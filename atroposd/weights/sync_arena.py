@@ -9,6 +9,7 @@ every target replica takes from them. Each mode holds one, and a
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -88,35 +89,64 @@ class ExportedModel:
         version: int,
         fallback: int,
         timed: Callable[[float, float], None] | None = None,
+        *,
+        new_cycle: bool = False,
     ) -> bool:
         """Write the manifest for ``version``; each target takes it (attach or copy) while paused,
         all in parallel (a refused one resumes with its own version, else ``fallback``). True
-        when every target did."""
+        when every target did.
+
+        CUDA IPC: each target gets its own export (one per rebuild/release cycle, SPEC §7), the
+        same at every sync; ``new_cycle`` (the targets (re)start) exports anew for them. With
+        several targets their manifests are written and taken one after another."""
         assert self.arena is not None, "attach() first"
         arena = self.arena
+        if arena.transport == "cuda_ipc":
+            if new_cycle:
+                for r in targets:
+                    arena.new_cycle(r.index)
+            ok = True
+            for r in targets:
+                manifest = await anyio.to_thread.run_sync(functools.partial(arena.manifest, version, consumer=r.index))
+                manifest.write(self.manifest_file)
+                ok = await self._take(replicas, r, version, fallback, timed) and ok
+            return ok
         manifest = await anyio.to_thread.run_sync(arena.manifest, version)
         manifest.write(self.manifest_file)
 
         async def one(r: Replica) -> bool:
-            async with replicas.connected(r):
-                try:
-                    return await replicas.update(
-                        r,
-                        version,
-                        fallback,
-                        "update_weights",
-                        self.manifest_file,
-                        self.update_mode,
-                        version,
-                        timed=timed,
-                    )
-                finally:
-                    if arena.transport == "cuda_ipc":
-                        from atroposd.weights.cuda_ipc import ipc_collect
-
-                        ipc_collect()
+            return await self._take(replicas, r, version, fallback, timed)
 
         return all(await replicas.each(targets, one))
+
+    async def _take(
+        self,
+        replicas: Replicas,
+        r: Replica,
+        version: int,
+        fallback: int,
+        timed: Callable[[float, float], None] | None,
+    ) -> bool:
+        """``r`` takes the manifest written (attach or copy)."""
+        arena = self.arena
+        assert arena is not None
+        async with replicas.connected(r):
+            try:
+                return await replicas.update(
+                    r,
+                    version,
+                    fallback,
+                    "update_weights",
+                    self.manifest_file,
+                    self.update_mode,
+                    version,
+                    timed=timed,
+                )
+            finally:
+                if arena.transport == "cuda_ipc":
+                    from atroposd.weights.cuda_ipc import ipc_collect
+
+                    ipc_collect()
 
     def close(self) -> None:
         """Give the model private memory back, unlink every segment, remove the manifest."""
@@ -181,7 +211,7 @@ class SharedSync(OnReplicas):
         every replica, since the others compute on the old ones."""
         fresh = await anyio.to_thread.run_sync(self.export.ensure, model)
         targets = list(self.replicas) if fresh else self.replicas.targets(replica)
-        await self.export.send(self.replicas, targets, version, self.version)
+        await self.export.send(self.replicas, targets, version, self.version, new_cycle=True)
         self.version = version
 
     @asynccontextmanager
@@ -303,7 +333,7 @@ class PushSync(OnReplicas):
         serves. Buffers exported anew (segments removed behind the trainer) go to every
         replica."""
         fresh = await anyio.to_thread.run_sync(self.export.ensure, model)
-        await self._push(version, list(self.replicas) if fresh else self.replicas.targets(replica))
+        await self._push(version, list(self.replicas) if fresh else self.replicas.targets(replica), new_cycle=True)
 
     def paused(self, new_version: int | None = None) -> AbstractAsyncContextManager[None]:
         return unpaused(new_version)
@@ -318,7 +348,7 @@ class PushSync(OnReplicas):
             self.cadence.done()
         return self.last_sync
 
-    async def _push(self, version: int, targets: Sequence[Replica]) -> bool:
+    async def _push(self, version: int, targets: Sequence[Replica], *, new_cycle: bool = False) -> bool:
         """The direct targets from the exported buffers and the staged ones through the staging
         buffer, in parallel; True when every target took the weights."""
         staged = [r for r in targets if self.paths[r.index] == "host_staging"]
@@ -335,7 +365,7 @@ class PushSync(OnReplicas):
         async def direct_part() -> bool:
             if not direct:
                 return True
-            ok = await self.export.send(self.replicas, direct, version, self.version, timed)
+            ok = await self.export.send(self.replicas, direct, version, self.version, timed, new_cycle=new_cycle)
             self.version = version
             return ok
 

@@ -50,8 +50,9 @@ async def test_cuda_ipc_sync(dirs: dict[str, Path], nonce: str, child_factory: C
         for v in range(2, 22):
             await sync.after_step(model, v)
         assert torch.cuda.memory_allocated() <= before  # nothing grows across exports
-        # One torch export per buffer for the arena's life: every sync reuses its handle.
+        # One torch export per buffer and consumer cycle: every sync reuses its handle.
         assert [seg.export_handle() for seg in sync.arena.segments] == handles  # type: ignore[attr-defined]
+        assert [seg.exports for seg in sync.arena.segments] == [1] * len(handles)  # type: ignore[attr-defined]
     finally:
         sync.close()
 

@@ -124,6 +124,78 @@ def test_each_buffer_is_exported_once(monkeypatch: pytest.MonkeyPatch) -> None:
     seg.close()
 
 
+def _export(offset: int, name: str = "cuda-abcd-0", index: int = 0) -> SegmentRef:
+    """A segment of one export: each torch export of a buffer has its own reference counter slot."""
+    args = list(torch_args())
+    args[12] = offset
+    return SegmentRef(index=index, name=name, size=4096, handle=handle_from_args(tuple(args)), device_uuid=UUID)
+
+
+def test_a_consumer_rebuilds_each_export_once_and_holds_it_for_the_exports_life() -> None:
+    """SPEC §7: one rebuild/release cycle per export — 100 syncs of one export rebuild it once
+    (each rebuild would release one reference of the export and open its IPC event again); a
+    new export releases the old mapping, then rebuilds once; ``release`` lets every mapping go."""
+    import gc
+    import weakref
+
+    rebuilt: list[tuple[bytes, int]] = []
+
+    def rebuild(handle: CudaIpcHandle, uuid: str) -> torch.Tensor:
+        assert uuid == UUID
+        rebuilt.append((handle.ref_counter_handle, handle.ref_counter_offset))
+        return torch.zeros(handle.numel, dtype=torch.uint8)  # the CPU stands in for the mapped GPU block
+
+    imports = cuda_ipc.CudaImports(rebuild)
+    first = imports.map([_export(7)])
+    mapping = weakref.ref(first[0])
+    for _ in range(100):
+        assert imports.map([_export(7)])[0] is first[0]
+    assert (imports.rebuilds, imports.releases, len(imports)) == (1, 0, 1)
+    del first
+    gc.collect()
+    assert mapping() is not None  # held while the export lives, by nobody but the imports
+    second = imports.map([_export(8), _export(3, "cuda-abcd-1", 1)])  # the trainer exported anew
+    assert mapping() is None
+    assert rebuilt == [(b"/torch_123_ref", 7), (b"/torch_123_ref", 8), (b"/torch_123_ref", 3)]
+    assert (imports.rebuilds, imports.releases) == (3, 1) and sorted(second) == [0, 1]
+    held = [weakref.ref(t) for t in second.values()]
+    del second
+    imports.map([_export(3, "cuda-abcd-1", 1)])  # a segment gone from the export: released
+    assert (imports.releases, len(imports)) == (2, 1) and held[0]() is None and held[1]() is not None
+    imports.release()
+    assert (imports.releases, len(imports)) == (3, 0) and held[1]() is None
+
+
+def test_the_producer_exports_once_per_consumer_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each consumer gets an export of its own, the same at every sync; a consumer that
+    (re)starts gets a new one (its old reference went with its process)."""
+    import torch.multiprocessing.reductions as reductions
+
+    slots = iter(range(100, 200))
+
+    def reduce(t: torch.Tensor) -> tuple[None, tuple[Any, ...]]:
+        args = list(torch_args(numel=t.numel()))
+        args[12] = next(slots)  # torch gives each export a counter slot of its own
+        return None, tuple(args)
+
+    monkeypatch.setattr(reductions, "reduce_tensor", reduce)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(cuda_ipc, "device_uuid", lambda device: UUID)
+    monkeypatch.setattr(cuda_ipc, "ipc_collect", lambda: None)
+    seg = CudaSegment("cuda-abcd-0", torch.empty(4096, dtype=torch.uint8))  # the CPU stands in for the GPU
+    a = seg.export_handle(0)
+    b = seg.export_handle(1)
+    assert a[0].ref_counter_offset != b[0].ref_counter_offset
+    for _ in range(100):
+        assert seg.export_handle(0) == a and seg.export_handle(1) == b
+    assert seg.exports == 2
+    seg.new_cycle(1)  # replica 1 restarted
+    c = seg.export_handle(1)
+    assert c != b and seg.export_handle(0) == a and seg.exports == 3
+    seg.close()
+    assert seg.buffer is None
+
+
 def test_shared_mode_refuses_another_gpu() -> None:
     assert other_gpu(cuda_manifest(UUID), UUID) is None
     problem = other_gpu(cuda_manifest(OTHER), UUID)
