@@ -329,6 +329,8 @@ class Daemon:
                 # original list).
                 os.environ["CUDA_VISIBLE_DEVICES"] = rank0
             self.spawn(self._preload_trainer)
+            # after CUDA_VISIBLE_DEVICES is narrowed (the check may ask torch about CUDA)
+            await self._check_shm()
         else:
             self._preloaded.set()
         ins = self.spec_inputs()
@@ -377,6 +379,26 @@ class Daemon:
                 f"cannot prepare the model under {self.cfg.state_dir}: {type(exc).__name__}: {exc}"
             ) from None
         self.model_path, self.tokenizer_path = str(model), str(tokenizer)
+
+    async def _check_shm(self) -> None:
+        """/dev/shm must hold what the weight sync puts there (a container's is 64 MB unless
+        given more): refused when it never can, warned about when only its free space is short."""
+        from atroposd.weights.shmspace import check_shm, shm_need
+
+        def verdict_of() -> Any:
+            need = shm_need(self.cfg, Path(self.model_path))
+            return check_shm(need) if need is not None else None
+
+        try:
+            verdict = await anyio.to_thread.run_sync(verdict_of)
+        except ValueError as exc:  # a device that cannot be used here: the trainer says so too
+            log.warning("/dev/shm's room for the weight sync not checked", reason=str(exc))
+            return
+        if verdict is None:
+            return
+        if verdict.level == "refuse":
+            raise StartFailed(verdict.message)
+        log.warning("/dev/shm is short", problem=verdict.message)
 
     async def _until_ready(self, unit: Unit) -> None:
         self.set_status(f"starting {unit.name}")
