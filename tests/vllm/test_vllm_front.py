@@ -1,6 +1,6 @@
 """The shared front with the vLLM engine (``--engine vllm``): the same routes and shapes as
 with the torch engine, and a push weight update through the control socket. Needs the vllm
-venv: ``.venv-vllm/bin/pytest -m vllm tests/inference``."""
+venv: ``.venv-vllm/bin/python -m pytest -m vllm tests/vllm``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.inference.conftest import Server, env_with_nonce, start_server
+from atroposd.models.tiny import ensure_builtin_model
+from tests.inference.conftest import MAX_MODEL_LEN, Server, env_with_nonce, start_server
 from tests.support import stop_process
 
 pytestmark = [
@@ -23,6 +24,12 @@ pytestmark = [
 ]
 
 SEQ = [1, 7, 14, 9, 17, 16, 6]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """builtin:tiny, as the inference tests build it."""
+    return ensure_builtin_model(tmp_path_factory.mktemp("tiny-state"), seed=0, max_model_len=MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="module")
