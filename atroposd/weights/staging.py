@@ -18,7 +18,7 @@ trainer fills it once per bucket for all such replicas.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -141,15 +141,25 @@ class StagingBuffer:
             self.segment.close()
 
 
-# cudaHostRegisterReadOnly: a mapping the process may only read (a replica's view of the buffer)
-_REGISTER_READ_ONLY = 0x08
+# cudaHostRegister's flags: Portable — pinned for every CUDA context of the process, not only the
+# current device's (a replica's host-to-device copies, a rank's device-to-host ones, whichever
+# device is current on the thread that copies); ReadOnly — a mapping the process may only read
+# (a replica's view of the buffer).
+REGISTER_PORTABLE = 0x01
+REGISTER_READ_ONLY = 0x08
 
 
-def pin_host(segment: ShmSegment, *, read_only: bool = False) -> None:
-    """Page-lock ``segment``'s mapping for CUDA (``cudaHostRegister``): copies between it and a
-    GPU then run as DMA at the bus's rate instead of through a bounce buffer."""
-    flags = _REGISTER_READ_ONLY if read_only else 0
-    err = torch.cuda.cudart().cudaHostRegister(segment.address, segment.size, flags)
+def _cuda_host_register(address: int, size: int, flags: int) -> int:
+    return int(torch.cuda.cudart().cudaHostRegister(address, size, flags))  # GPU only
+
+
+def pin_host(
+    segment: ShmSegment, *, read_only: bool = False, register: Callable[[int, int, int], int] = _cuda_host_register
+) -> None:
+    """Page-lock ``segment``'s mapping for CUDA (``cudaHostRegister``, portable): copies between
+    it and a GPU then run as DMA at the bus's rate instead of through a bounce buffer."""
+    flags = REGISTER_PORTABLE | (REGISTER_READ_ONLY if read_only else 0)
+    err = register(segment.address, segment.size, flags)
     if int(err) != 0:
         raise RuntimeError(
             f"cudaHostRegister of the staging segment {segment.name} ({segment.size} bytes) "

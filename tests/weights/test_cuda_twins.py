@@ -234,3 +234,33 @@ async def test_shared_resume_waits_for_the_device(
         assert events == ["pause", "step", "synchronize", "resume"]
     finally:
         sync.close()
+
+
+def test_host_staging_pages_are_pinned_portable() -> None:
+    """The staging segment is page-locked for every CUDA context of the process (portable), not
+    only the device current on the pinning thread; a replica's view also read-only."""
+    import secrets
+
+    from atroposd.weights.shm import ShmSegment
+    from atroposd.weights.staging import REGISTER_PORTABLE, REGISTER_READ_ONLY, pin_host
+
+    calls: list[tuple[int, int, int]] = []
+
+    def register(address: int, size: int, flags: int) -> int:  # cudaHostRegister's place
+        calls.append((address, size, flags))
+        return 0
+
+    seg = ShmSegment.create(f"atroposd-{secrets.token_hex(6)}-0", 1 << 16)
+    try:
+        pin_host(seg, register=register)
+        pin_host(seg, read_only=True, register=register)
+        assert calls == [
+            (seg.address, seg.size, REGISTER_PORTABLE),
+            (seg.address, seg.size, REGISTER_PORTABLE | REGISTER_READ_ONLY),
+        ]
+        assert (REGISTER_PORTABLE, REGISTER_READ_ONLY) == (0x01, 0x08)  # cudaHostRegisterPortable, ...ReadOnly
+        with pytest.raises(RuntimeError, match=r"cudaHostRegister .* failed: CUDA error 2"):
+            pin_host(seg, register=lambda address, size, flags: 2)
+    finally:
+        seg.unlink()
+        seg.close()
