@@ -180,6 +180,22 @@ def _decode_texts(tokenizer: Any, rows: list[_Row]) -> list[str]:
     return [tokenizer.decode(r.tokens, skip_special_tokens=r.params.skip_special_tokens) for r in rows]
 
 
+def noise_generator(generator: Any, device: Any) -> Any:
+    """The generator a batch draws its unseeded noise from, on ``device``: the engine's own when it
+    is there already, else one seeded by a single draw from it (the engine's seed still decides
+    every batch's noise, one scalar a batch crosses from the host)."""
+    import torch
+
+    if generator is None:
+        return None
+    dev = torch.device(device)
+    gdev = generator.device
+    if gdev.type == dev.type and (dev.index is None or gdev.index in (None, dev.index)):
+        return generator
+    seed = int(torch.randint(0, 2**62, (), generator=generator))
+    return torch.Generator(device=dev).manual_seed(seed)
+
+
 class _Sampler:
     """Vectorised sampling over the batch; per-request generators for seeded requests."""
 
@@ -196,14 +212,17 @@ class _Sampler:
         self.top_k = [r.params.top_k for r in rows]
         self.truncate = any(r.params.top_p < 1.0 for r in rows) or any(k > 0 for k in self.top_k)
         self.want_alts = max((r.params.logprobs for r in rows), default=0)
-        self.generator = generator
         self.device = device
-        # Rows of a seeded request draw their noise from that request's own generator.
+        # The [B, V] noise is drawn on the model's device (on the CPU it would cost each decode
+        # step a vocabulary's worth of host random numbers and a copy).
+        self.generator = noise_generator(generator, device)
+        # Rows of a seeded request draw their noise from that request's own generator, on the
+        # model's device too: the same seed gives the same tokens on the same device.
         self.seeded: list[tuple[int, int, Any]] = []
         start = 0
         for p in requests:
             if p.seed is not None:
-                self.seeded.append((start, start + p.n, torch.Generator(device="cpu").manual_seed(p.seed)))
+                self.seeded.append((start, start + p.n, torch.Generator(device=device).manual_seed(p.seed)))
             start += p.n
         self.logp: Any = None
 
@@ -217,10 +236,12 @@ class _Sampler:
         if self.truncate:
             probs = self._truncate(probs)
         # Exponential race: argmax(p / E), E ~ Exp(1), draws from p (one vectorised op per step).
-        noise = torch.empty(probs.shape, dtype=torch.float32).exponential_(generator=self.generator)
+        noise = torch.empty(probs.shape, dtype=torch.float32, device=probs.device).exponential_(
+            generator=self.generator
+        )
         for lo, hi, gen in self.seeded:
             noise[lo:hi].exponential_(generator=gen)
-        tokens = (probs / noise.to(probs.device).clamp_min(1e-30)).argmax(dim=-1)  # [B]
+        tokens = (probs / noise.clamp_min(1e-30)).argmax(dim=-1)  # [B]
         if self.any_greedy:
             tokens = torch.where(self.greedy, logits.argmax(dim=-1), tokens)
         return tokens, logp.gather(1, tokens[:, None])[:, 0]
