@@ -105,11 +105,18 @@ class ExportedModel:
             if new_cycle:
                 for r in targets:
                     arena.new_cycle(r.index)
-            ok = True
-            for r in targets:
-                manifest = await anyio.to_thread.run_sync(functools.partial(arena.manifest, version, consumer=r.index))
-                manifest.write(self.manifest_file)
-                ok = await self._take(replicas, r, version, fallback, timed) and ok
+            ok, error = True, None
+            for r in targets:  # as Replicas.each: every target tried, the first failure raised
+                try:
+                    manifest = await anyio.to_thread.run_sync(
+                        functools.partial(arena.manifest, version, consumer=r.index)
+                    )
+                    manifest.write(self.manifest_file)
+                    ok = await self._take(replicas, r, version, fallback, timed) and ok
+                except Exception as exc:
+                    error = error or exc
+            if error is not None:
+                raise error
             return ok
         manifest = await anyio.to_thread.run_sync(arena.manifest, version)
         manifest.write(self.manifest_file)
