@@ -502,7 +502,11 @@ def _render_status(st: dict[str, Any]) -> str:
             )
         sen = t.get("sentinel")
         if isinstance(sen, dict):
-            drift = ", ".join("-" if d is None else f"{d:.3g}" for d in sen.get("replica_drift") or [])
+            values = ["-" if d is None else f"{d:.3g}" for d in sen.get("replica_drift") or []]
+            names = [str(n) for n in sen.get("replicas") or []]
+            if len(names) == len(values) and not all(n.isdigit() for n in names):  # other nodes' replicas too
+                values = [f"{n}: {v}" for n, v in zip(names, values, strict=True)]
+            drift = ", ".join(values)
             text = (
                 f"sentinel: drift [{drift}] (limit {sen.get('drift_limit')}), canary prompts "
                 f"{sen.get('canary_prompts')} {sen.get('canary_source')}, {sen.get('resyncs') or 0} resyncs, "

@@ -6,7 +6,10 @@ defaults (the embedded job of SPEC §8, one key changed), once per seed, the cho
 on one choice). Measured per run: the job time (from the launch of ``atroposd run``) until the
 moving reward — the mean ``reward_mean`` of the last 50 steps — first reaches 0.8, and the step
 it reaches it at. A run is stopped (SIGINT, the orderly stop) once it reached the target, or
-after ``--max-s`` seconds without it ("–" in the table).
+after ``--max-s`` seconds without it ("–" in the table). Beside the time, each run records its
+exit code (0 for the orderly stop), its rollbacks (``rollbacks`` of its last metrics row) and its
+health events (the rows whose ``health`` is not "ok": the collapse detector that tripped): a
+"–" that is a crash, or a time that came after a rollback, says so in the table.
 
 Prints a Markdown table (per choice: each seed's seconds, the mean, and the mean relative to
 the default's) and one JSON line with every run; writes each run's metrics.jsonl under --out.
@@ -35,7 +38,8 @@ REPO = Path(__file__).resolve().parent.parent
 # name → the [trainer] keys that differ from the defaults
 CHOICES: dict[str, dict[str, Any]] = {
     "default": {},
-    "gspo": {"loss": "gspo"},
+    "gspo": {"loss": "gspo"},  # its own clip range (clip_eps = "auto": 3e-4 / 4e-4)
+    "gspo-clip-0.2": {"loss": "gspo", "clip_eps": 0.2, "clip_eps_high": 0.0},  # GRPO's range, as before "auto"
     "clip-higher-0.28": {"clip_eps_high": 0.28},
     "seq-mean-token-mean": {"loss_agg": "seq-mean-token-mean"},
     "seq-mean-token-sum-norm": {"loss_agg": "seq-mean-token-sum-norm"},
@@ -49,6 +53,8 @@ CHOICES: dict[str, dict[str, Any]] = {
     "seq-mis": {"rollout_correction": "seq-mis"},
     "linear": {"lr_schedule": "linear"},
     "cosine": {"lr_schedule": "cosine"},
+    "ppo-epochs-2": {"ppo_epochs": 2},
+    "ppo-epochs-2-mini-2": {"ppo_epochs": 2, "mini_batches": 2},
 }
 QUICK = ["default", "gspo", "clip-higher-0.28", "filter-groups", "rloo", "token-tis"]
 WINDOW = 50
@@ -139,9 +145,11 @@ def run_one(choice: str, seed: int, out_dir: Path, max_s: float) -> dict[str, An
                     proc.wait()
         rows = _rows(metrics)
         hit = reached_at(rows)
+        code = proc.returncode
         if metrics.is_file():
             (out_dir / f"{choice}-seed{seed}.metrics.jsonl").write_text(metrics.read_text())
     first = rows[0]["time"] - launched if rows else None
+    events = [{"step": r.get("step"), "health": r.get("health")} for r in rows if r.get("health", "ok") != "ok"]
     return {
         "choice": choice,
         "seed": seed,
@@ -151,7 +159,26 @@ def run_one(choice: str, seed: int, out_dir: Path, max_s: float) -> dict[str, An
         "reached_s": None if hit is None else round(rows[hit]["time"] - launched, 1),
         "reached_step": None if hit is None else rows[hit]["step"],
         "steps_per_s": round((len(rows) - 1) / (rows[-1]["time"] - rows[0]["time"]), 2) if len(rows) > 1 else None,
+        # what a "–" or a late time hides: the job's exit code (0: the orderly stop), its rollbacks
+        # and the health events of its metrics rows (SPEC §15)
+        "exit_code": code,
+        "rollbacks": int(rows[-1].get("rollbacks", 0) or 0) if rows else 0,
+        "health_events": events,
     }
+
+
+def _flags(r: dict[str, Any]) -> str:
+    """A run's exit code, rollbacks and health events, when any is not the orderly one."""
+    out = []
+    if r.get("exit_code") not in (0, None):
+        out.append(f"exit {r['exit_code']}")
+    if r.get("rollbacks"):
+        out.append(f"{r['rollbacks']} rollback{'s' if r['rollbacks'] != 1 else ''}")
+    events = r.get("health_events") or []
+    if events:
+        kinds = sorted({str(e["health"]) for e in events})
+        out.append(f"{len(events)} health event{'s' if len(events) != 1 else ''}: {', '.join(kinds)}")
+    return f" [{'; '.join(out)}]" if out else ""
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -176,10 +203,12 @@ def table(results: list[dict[str, Any]], seeds: list[int]) -> list[str]:
         cells, times = [], []
         for s in seeds:
             r = by.get((c, s))
-            if r is None or r["reached_s"] is None:
+            if r is None:
                 cells.append("–")
+            elif r["reached_s"] is None:
+                cells.append(f"– ({r['steps_run']} steps){_flags(r)}")
             else:
-                cells.append(f"{r['reached_s']} ({r['reached_step']})")
+                cells.append(f"{r['reached_s']} ({r['reached_step']}){_flags(r)}")
                 times.append(r["reached_s"])
         complete = len(times) == len(seeds)
         mean = _mean(times) if complete else None

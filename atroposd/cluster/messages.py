@@ -28,6 +28,10 @@ __all__ = [
     "Ack",
     "BadMessage",
     "Beat",
+    "CanaryAnswer",
+    "CanaryAsk",
+    "Care",
+    "Cared",
     "Hello",
     "Join",
     "LineTooLong",
@@ -238,6 +242,62 @@ class Resync(Message):
     replica: int
 
 
+# ---------------------------------------------------------------------------- the sentinel (SPEC §15)
+
+
+@dataclass(frozen=True)
+class CanaryAsk(Message):
+    """The head's replica sentinel: the node's inference replica ``replica`` generates greedily
+    from the canary ``prompts`` (rows ``{"ids": [token ids]}``), ``max_tokens`` each; the node
+    answers with a :class:`CanaryAnswer` of the same ``request``. The node scores nothing."""
+
+    TYPE: ClassVar[str] = "canary"
+    DIRECTION: ClassVar[str] = H2N
+    request: int
+    replica: int
+    prompts: list[dict[str, Any]]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class CanaryAnswer(Message):
+    """A node's replica's greedy tokens for the head's :class:`CanaryAsk`: one row per prompt,
+    ``{"tokens": [ids], "logprobs": [numbers], "weight_version": int or null}``; ``error``: why
+    there is none (the replica did not answer)."""
+
+    TYPE: ClassVar[str] = "canary_answer"
+    DIRECTION: ClassVar[str] = N2H
+    request: int
+    replica: int
+    answers: list[dict[str, Any]]
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Care(Message):
+    """The head's sentinel's word on a node's replica: ``quarantine`` it (its generation routes
+    answer 503), ``release`` it, or ``restart`` it; answered by :class:`Cared`."""
+
+    TYPE: ClassVar[str] = "care"
+    DIRECTION: ClassVar[str] = H2N
+    request: int
+    replica: int
+    op: Literal["quarantine", "release", "restart"]
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Cared(Message):
+    """A node did what :class:`Care` asked (``ok``), or not (``detail`` says why)."""
+
+    TYPE: ClassVar[str] = "cared"
+    DIRECTION: ClassVar[str] = N2H
+    request: int
+    replica: int
+    ok: bool
+    detail: str = ""
+
+
 MESSAGES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
@@ -256,6 +316,10 @@ MESSAGES: dict[str, type[Message]] = {
         RanksStopped,
         RankExit,
         Resync,
+        CanaryAsk,
+        CanaryAnswer,
+        Care,
+        Cared,
     )
 }
 

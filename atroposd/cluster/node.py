@@ -45,6 +45,8 @@ from atroposd.cluster.membership import replicas_ready
 from atroposd.cluster.messages import (
     FRAMING,
     Beat,
+    CanaryAsk,
+    Care,
     Hello,
     Join,
     Leave,
@@ -437,8 +439,8 @@ class ClusterNode:
                         log.info("the head asked this node to stop", node_rank=self.node_rank)
                         self._stopping = True
                         self._tasks.start_soon(self._stop, name="cluster-stop")
-                elif isinstance(msg, Ranks) and self.on_message is not None:
-                    self.on_message(msg)  # the daemon's own messages (trainer ranks)
+                elif isinstance(msg, (Ranks, CanaryAsk, Care)) and self.on_message is not None:
+                    self.on_message(msg)  # the daemon's own messages (trainer ranks, the head's sentinel)
                 continue
             # the connection ended
             if self._stopping:

@@ -7,6 +7,10 @@ the head's own components, hosts the trainer ranks' store on ``cluster.port + 1`
 every node is ``ready`` (``waiting_for = "ranks"``; bounded by ``data_timeout``), then tells each
 node to start its ranks for the new generation. A node's rank that exits, and a node that is
 lost, are faults of the trainer group; a node's restarted inference replica asks for a push.
+The head's replica sentinel (SPEC §15) reaches every node's replicas (:class:`RemoteReplica`):
+a node's replica generates the canary (``CanaryAsk`` → ``CanaryAnswer``; the node scores
+nothing), and a drifting one is quarantined, released or restarted by its own node at the
+head's word (``Care`` → ``Cared``).
 
 Node i > 0: :class:`NodeLink` waits for the head (``join_timeout``), joins, heartbeats, reports
 its components, starts and stops its trainer ranks when the head says so, and stops the node
@@ -16,6 +20,7 @@ again and it rejoins).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import time
 from collections.abc import Callable
@@ -36,7 +41,18 @@ from atroposd.cluster import (
     store_secret,
 )
 from atroposd.cluster.membership import NodeState, clean_text
-from atroposd.cluster.messages import Join, Message, RankExit, Ranks, RanksStopped, Resync
+from atroposd.cluster.messages import (
+    CanaryAnswer,
+    CanaryAsk,
+    Care,
+    Cared,
+    Join,
+    Message,
+    RankExit,
+    Ranks,
+    RanksStopped,
+    Resync,
+)
 from atroposd.cluster.node import LinkState
 from atroposd.config import ClusterError
 from atroposd.daemon.ranks import LocalRanks
@@ -50,11 +66,13 @@ if TYPE_CHECKING:
     from atroposd.trainer.group import GroupStore
 
 
-__all__ = ["HeadLink", "NodeLink", "store_address"]
+__all__ = ["HeadLink", "NodeLink", "RemoteReplica", "store_address"]
 
 log = get_logger("atroposd.daemon")
 
 RANKS_STOP_GRACE_S = 10.0
+# The sentinel's requests to a node: at most this many canary prompts, ids per prompt, tokens each.
+MAX_CANARY_PROMPTS, MAX_CANARY_IDS, MAX_CANARY_TOKENS = 64, 4096, 256
 # Rank exits of the other nodes kept between two group starts (each restarts the group anyway).
 MAX_RANK_EXITS = 64
 # How often a waiting head logs which nodes its trainer group waits for.
@@ -87,6 +105,65 @@ def _rows(units: list[Unit]) -> list[dict[str, Any]]:
     return [u.status() for u in units]
 
 
+class RemoteReplica:
+    """Inference replica ``replica`` of node ``node``, for the head's sentinel (the protocol of
+    :class:`atroposd.trainer.sentinel.RemoteReplica`): requests over the node's signed link,
+    answered by its node."""
+
+    def __init__(self, link: HeadLink, node: int, replica: int) -> None:
+        self.link, self.node, self.replica = link, node, replica
+        self.label = f"node {node} replica {replica}"
+
+    def __str__(self) -> str:
+        return self.label
+
+    async def canary(self, bodies: Any, within: float) -> list[dict[str, Any]]:
+        from atroposd.weights.client import WeightControlError
+
+        prompts = [{"ids": list(b["prompt"]["prompt_token_ids"])} for b in bodies]
+        max_tokens = int(bodies[0]["max_tokens"]) if bodies else 1
+        ask = CanaryAsk(request=0, replica=self.replica, prompts=prompts, max_tokens=max_tokens)
+        answer = await self.link.ask(self.node, ask, within)
+        if not isinstance(answer, CanaryAnswer):
+            raise WeightControlError(f"{self.label}: no canary answer within {within:g} s", timed_out=True)
+        if answer.error:
+            raise WeightControlError(f"{self.label}: {clean_text(answer.error, 300)}")
+        return [_canary_row(row, max_tokens) for row in answer.answers[: len(bodies)]]
+
+    async def care(self, op: str, reason: str, within: float) -> bool:
+        assert op in ("quarantine", "release", "restart")
+        care = Care(request=0, replica=self.replica, op=op, reason=clean_text(reason, 300))  # type: ignore[arg-type]
+        answer = await self.link.ask(self.node, care, within)
+        if not isinstance(answer, Cared):
+            log.warning("a node did not answer the sentinel", replica=self.label, op=op, waited_s=within)
+            return False
+        if not answer.ok:
+            log.warning("a node could not do what the sentinel asked", replica=self.label, op=op, detail=answer.detail)
+        return answer.ok
+
+
+def _canary_row(row: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """A node's canary row as a ``POST /canary`` answer (what the sentinel reads), checked: at most
+    ``max_tokens`` integer ids, as many finite logprobs; WeightControlError otherwise."""
+    import math
+
+    from atroposd.weights.client import WeightControlError
+
+    tokens, lps, version = row.get("tokens"), row.get("logprobs"), row.get("weight_version")
+    ok = (
+        isinstance(tokens, list)
+        and isinstance(lps, list)
+        and len(tokens) == len(lps) <= max_tokens
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens)
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in lps)
+        and (version is None or (isinstance(version, int) and not isinstance(version, bool)))
+    )
+    if not ok:
+        raise WeightControlError("a node's canary answer does not check")
+    assert isinstance(tokens, list) and isinstance(lps, list)
+    return {"logprobs": [[[{str(t): float(x)}] for t, x in zip(tokens, lps, strict=True)]], "weight_version": version}
+
+
 class HeadLink:
     """Node 0's link to the others."""
 
@@ -108,6 +185,38 @@ class HeadLink:
         self._rank_exits: list[str] = []
         self._ranks_stopped: dict[int, anyio.Event] = {}
         self.holds_ranks = cfg.trainer.enabled and cfg.trainer.local_ranks > 0
+        # the sentinel's requests in flight: request id → (node, the answer once it came)
+        self._requests = 0
+        self._answers: dict[int, tuple[int, anyio.Event, list[Message]]] = {}
+
+    def remote_replicas(self) -> list[RemoteReplica]:
+        """Every other node's inference replicas (as many as each node said it runs when it joined)."""
+        out: list[RemoteReplica] = []
+        for r, m in sorted(self.head.membership.members.items()):
+            if r == 0:
+                continue
+            n = m.units.get("replicas", 0)
+            count = n if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= 256 else 0
+            out.extend(RemoteReplica(self, r, i) for i in range(count))
+        return out
+
+    async def ask(self, node: int, msg: CanaryAsk | Care, timeout: float) -> Message | None:  # noqa: ASYNC109
+        """Send ``msg`` (its request id set here) to ``node`` and wait up to ``timeout`` for the
+        node's answer of the same request; None when it did not come."""
+        self._requests += 1
+        request = self._requests
+        msg = dataclasses.replace(msg, request=request)
+        event = anyio.Event()
+        box: list[Message] = []
+        self._answers[request] = (node, event, box)
+        try:
+            if not await self.head.send(node, msg):
+                return None
+            with anyio.move_on_after(timeout):
+                await event.wait()
+            return box[0] if box else None
+        finally:
+            self._answers.pop(request, None)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Open the cluster endpoint (before any child), the head's own components reported, and
@@ -190,6 +299,11 @@ class HeadLink:
         elif isinstance(msg, Resync) and trainer is not None:
             # A replica of that node restarted: a full push reaches it through its node's first rank.
             self.daemon.spawn(trainer.on_remote_replica_restarted, f"node {rank} replica {msg.replica}")
+        elif isinstance(msg, (CanaryAnswer, Cared)):
+            waiting = self._answers.get(msg.request)
+            if waiting is not None and waiting[0] == rank and not waiting[2]:  # the node asked, once
+                waiting[2].append(msg)
+                waiting[1].set()
 
     def exited(self) -> list[str]:
         """The other nodes' trainer ranks that exited, and the rank-holding nodes lost."""
@@ -327,12 +441,109 @@ class NodeLink:
         await self.daemon.stopped.wait()
 
     def _on_message(self, msg: Message) -> None:
+        if isinstance(msg, CanaryAsk):
+            self.daemon.spawn(self._canary, msg)
+            return
+        if isinstance(msg, Care):
+            self.daemon.spawn(self._care, msg)
+            return
         if not isinstance(msg, Ranks):
             return
         if msg.op == "start":
             self.daemon.spawn(self._start_ranks, msg.generation)
         elif msg.op == "stop":
             self.daemon.spawn(self._stop_ranks)
+
+    def _socket(self, replica: int) -> Any:
+        inf = self.daemon.cfg.inference
+        if not inf.enabled or not 0 <= replica < inf.replicas:
+            return None
+        return self.daemon.paths.inference_socket(inf.port + replica)
+
+    async def _canary(self, msg: CanaryAsk) -> None:
+        """The head's sentinel: this node's replica generates the canary; the tokens go back."""
+        import asyncio
+
+        from atroposd.trainer.sentinel import _completion
+        from atroposd.weights.client import WeightControlClient, WeightControlError
+
+        sock = self._socket(msg.replica)
+        prompts = [p.get("ids") for p in msg.prompts]
+        if sock is None:
+            error = f"no inference replica {msg.replica} on node {self.daemon.cfg.node_rank}"
+        elif not (
+            0 < len(prompts) <= MAX_CANARY_PROMPTS
+            and 0 < msg.max_tokens <= MAX_CANARY_TOKENS
+            and all(
+                isinstance(p, list)
+                and 0 < len(p) <= MAX_CANARY_IDS
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p)
+                for p in prompts
+            )
+        ):
+            error = "the canary request does not check"
+        else:
+            error = ""
+        answers: list[dict[str, Any]] = []
+        if not error:
+            client = WeightControlClient(sock, timeout=60.0)
+            try:
+                bodies = [
+                    {
+                        "prompt": {"prompt_token_ids": p},
+                        "max_tokens": msg.max_tokens,
+                        "n": 1,
+                        "temperature": 0.0,
+                        "logprobs": 0,
+                    }
+                    for p in prompts
+                ]
+                replies = await asyncio.gather(*(client.request("POST", "/canary", b) for b in bodies))
+                for ans in replies:
+                    tokens, lps = _completion(ans)
+                    version = ans.get("weight_version")
+                    answers.append(
+                        {
+                            "tokens": tokens,
+                            "logprobs": lps,
+                            "weight_version": version if isinstance(version, int) else None,
+                        }
+                    )
+            except (WeightControlError, ValueError, TypeError, KeyError) as exc:
+                error, answers = f"replica {msg.replica}: {type(exc).__name__}: {exc}"[:300], []
+            finally:
+                await client.close()
+        await self.node.send(CanaryAnswer(request=msg.request, replica=msg.replica, answers=answers, error=error))
+
+    async def _care(self, msg: Care) -> None:
+        """The head's sentinel's word on this node's replica: quarantine, release or restart it."""
+        from atroposd.weights.client import WeightControlClient, WeightControlError
+
+        sock = self._socket(msg.replica)
+        ok, detail = False, ""
+        reason = clean_text(msg.reason, 300)
+        if sock is None:
+            detail = f"no inference replica {msg.replica} on node {self.daemon.cfg.node_rank}"
+        elif msg.op == "restart":
+            log.warning("the head's sentinel restarts a replica of this node", replica=msg.replica, reason=reason)
+            ok = await self.daemon.restart_replica(msg.replica, f"the head's sentinel: {reason}")
+            detail = "" if ok else "the replica was not back ready after its restart"
+        else:
+            on = msg.op == "quarantine"
+            client = WeightControlClient(sock, timeout=60.0)
+            try:
+                await client.request("POST", "/quarantine", {"quarantine": on, "reason": reason})
+                ok = True
+                log.warning(
+                    "replica quarantined at the head's word" if on else "replica back in rotation at the head's word",
+                    replica=msg.replica,
+                    reason=reason,
+                )
+            except WeightControlError as exc:
+                detail = str(exc)[:300]
+            finally:
+                await client.close()
+        await self.node.send(Cared(request=msg.request, replica=msg.replica, ok=ok, detail=detail))
 
     def rank_exited(self, unit: Unit, how: str) -> None:
         """A trainer rank of this node exited on its own: the head restarts the group."""
@@ -341,6 +552,9 @@ class NodeLink:
     def replica_restarted(self, replica: int) -> None:
         """An inference replica of this node restarted: the head pushes through this node's first rank."""
         self.daemon.spawn(self.node.send, Resync(replica=replica))
+
+    def remote_replicas(self) -> list[RemoteReplica]:
+        return []  # the head's sentinel checks this node's replicas
 
     # the trainer group runs on the head: none of it here
 

@@ -445,6 +445,7 @@ class Daemon:
             rank_host=host,
             replica_generations=self.replica_health.generations,
             restart_replica=self.restart_replica if inf.enabled else None,
+            remote_replicas=self.cluster.remote_replicas,  # several machines: the sentinel reaches them
         )
         assert self._tg is not None
         await self._tg.start(self._run_trainer, self.trainer)

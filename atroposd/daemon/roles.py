@@ -23,7 +23,7 @@ test without a daemon.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
@@ -36,9 +36,11 @@ if TYPE_CHECKING:
 
     from atroposd.config import Config
     from atroposd.daemon.specs import SpecInputs
+    from atroposd.paths import Paths
     from atroposd.process.unit import Unit, UnitSpec
     from atroposd.systemd import Notifier
     from atroposd.trainer.group import GroupStore
+    from atroposd.trainer.sentinel import RemoteReplica
     from atroposd.trainer.service import TrainerService
 
 __all__ = ["ClusterRole", "RoleHost", "Standalone"]
@@ -52,6 +54,7 @@ class RoleHost(Protocol):
     trainer: TrainerService | None
     stopped: anyio.Event
     notifier: Notifier
+    paths: Paths
 
     @property
     def units(self) -> Mapping[str, Unit]: ...
@@ -61,6 +64,7 @@ class RoleHost(Protocol):
     def add_unit(self, spec: UnitSpec, **kw: Any) -> Unit: ...
     async def stop_units(self, units: list[Unit]) -> None: ...
     def request_stop(self, reason: str, code: Exit = Exit.OK) -> None: ...
+    async def restart_replica(self, replica: int, reason: str) -> bool: ...
 
 
 class ClusterRole(Protocol):
@@ -72,6 +76,7 @@ class ClusterRole(Protocol):
     def dropped(self) -> dict[str, int] | None: ...
     def rank_exited(self, unit: Unit, how: str) -> None: ...
     def replica_restarted(self, replica: int) -> None: ...
+    def remote_replicas(self) -> Sequence[RemoteReplica]: ...
     async def group_store(self, world: int) -> GroupStore: ...
     async def wait_nodes(self, on_wait: Callable[[list[int]], None]) -> None: ...
     async def start_ranks(self, generation: int) -> None: ...
@@ -107,6 +112,9 @@ class Standalone:
 
     def replica_restarted(self, replica: int) -> None:
         pass
+
+    def remote_replicas(self) -> list[RemoteReplica]:
+        return []  # one machine: every replica is this node's
 
     async def group_store(self, world: int) -> GroupStore:
         from atroposd.trainer.group import GroupStore

@@ -568,7 +568,8 @@ class Learner:
         batch's groups in a fresh random order, split into ``mini_batches`` mini-batches; each
         mini-batch's loss normalised over itself, its gradient applied at once. π_old (the
         trainer's logprobs before the first update) comes from the first step's own pass, and a
-        pass without gradients over the rest of the batch when it has several mini-batches; it is
+        pass without gradients over the rest of the batch (before it) when it has several
+        mini-batches; it is
         needed with a rollout correction and where the sampler's logprobs are missing. A first
         step that is not finite skips the batch (nothing applied); a later one ends its steps there.
         ``batch`` from ``prepare_batch(keep_rows=True)``; ``step`` is the batch's step number."""
@@ -594,14 +595,18 @@ class Learner:
                     part, micro_batch_size=mbs, micro_batch_tokens=mbt, advantages=advantages, policy_old=policy_old
                 )
                 self.objective.aggregate(mini)
+                rest_old = None
+                rest = [g for p in parts if p is not part for g in p]
+                if first and needs_old and rest:
+                    # the rest of the batch before the first update, without gradients (first: no
+                    # gradient of the step is pending while it runs)
+                    rest_batch = batch.mini_batch(rest, micro_batch_size=mbs, micro_batch_tokens=mbt)
+                    rest_old = self.score(rest_batch, size)
                 r = self._compute_mini(mini, size if first and needs_old else 0)
                 if first and needs_old:
                     policy_old, self.captured = self.captured, None
-                    rest = [g for p in parts if p is not part for g in p]
-                    if r.finite and rest and policy_old is not None:
-                        # the rest of the batch before the first update: no gradients
-                        rest_batch = batch.mini_batch(rest, micro_batch_size=mbs, micro_batch_tokens=mbt)
-                        policy_old = policy_old + self.score(rest_batch, size)
+                    if policy_old is not None and rest_old is not None:
+                        policy_old = policy_old + rest_old
                 if not r.finite:
                     self.discard()
                     if first:

@@ -13,6 +13,11 @@ last sync's weights had not arrived. Still over: it is restarted when a restart 
 more; still over after that, the job goes on with the replicas that pass, this one kept in
 quarantine, and the log says so (drift that stays while the weights are the trainer's: the
 replica computes differently — kernels, dtype, tokenizer or chat template).
+
+Several machines (SPEC §12.3): the head's sentinel checks every node's replicas too
+(:class:`RemoteReplica`: the node's replica generates, over the signed cluster messages, and the
+head's trainer scores the tokens); a drifting one is quarantined, resynced (a push through its
+node's first rank) and restarted by its own node at the head's word.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -33,6 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CanaryResult",
+    "RemoteReplica",
     "Sentinel",
     "builtin_prompts",
     "canary_items",
@@ -48,9 +54,30 @@ CANARY_MAX_TOKENS = 16  # greedy tokens per canary prompt
 CANARY_PROMPT_LEN = 12  # tokens of a built-in canary prompt
 CANARY_TIMEOUT_S = 60.0
 CANARY_PROMPT_MAX = 48  # tokens of an environment's prompt kept for the canary (its beginning)
+# Another node's replica that answers from a version older than the sync's is asked again this
+# many times, this long apart (its node's first rank may still be feeding it the sync).
+REMOTE_VERSION_TRIES, REMOTE_VERSION_WAIT_S = 25, 0.2
 
 #: runs ``fn(*args)`` on the trainer's compute thread and returns its result
 RunOnCompute = Callable[..., Awaitable[Any]]
+
+
+class RemoteReplica(Protocol):
+    """An inference replica of another node, reached through the cluster link (SPEC §12.3)."""
+
+    label: str  # "node N replica I"
+
+    async def canary(self, bodies: Sequence[dict[str, Any]], within: float) -> list[dict[str, Any]]:
+        """The replica's answers to the canary requests ``bodies`` (as ``POST /canary`` answers:
+        ``logprobs`` and ``weight_version``); :class:`WeightControlError` when it does not answer."""
+        ...
+
+    async def care(self, op: str, reason: str, within: float) -> bool:
+        """``quarantine``, ``release`` or ``restart`` the replica, by its own node; True when done."""
+        ...
+
+
+Target = Path | RemoteReplica | None
 
 
 def builtin_prompts(
@@ -111,6 +138,8 @@ class Sentinel:
         wanted: int = 0,
         vocab_size: int = 0,
         max_prompt_len: int = CANARY_PROMPT_MAX,
+        remote: Callable[[], Sequence[RemoteReplica]] | None = None,
+        restart_timeout: float = 300.0,
     ) -> None:
         self.every = every
         self.limit = limit
@@ -123,6 +152,8 @@ class Sentinel:
         self.max_prompt_len = max(1, max_prompt_len)
         self._seen: dict[tuple[int, ...], None] = {}  # environment prompts so far, in arrival order
         self.sockets = sockets
+        self.remote = remote  # the other nodes' replicas (the head of several machines)
+        self.restart_timeout = restart_timeout
         self.run = run
         self.restart = restart
         self.ranks = ranks  # the trainer's current ranks (several: every rank scores the canary)
@@ -140,14 +171,28 @@ class Sentinel:
 
     # ------------------------------------------------------------------ reporting
 
+    def targets(self) -> list[Target]:
+        """Every replica checked: this node's (their weight-control sockets), then every other
+        node's (several machines, on the head)."""
+        out: list[Target] = list(self.sockets())
+        if self.remote is not None:
+            out.extend(self.remote())
+        return out
+
+    def labels(self) -> list[str]:
+        """Each checked replica's name: its index here, "node N replica I" on another node."""
+        return [t.label if _is_remote(t) else str(i) for i, t in enumerate(self.targets())]  # type: ignore[union-attr]
+
     def replica_drift(self) -> list[float | None]:
-        """Each replica's last drift (None: not checked yet), like ``replica_generations``."""
-        n = len(self.sockets())
+        """Each replica's last drift (None: not checked yet), like ``replica_generations``; the
+        other nodes' replicas after this node's."""
+        n = len(self.targets())
         return [self.drift[i] if i < len(self.drift) else None for i in range(n)]
 
     def status(self) -> dict[str, Any]:
         return {
             "replica_drift": self.replica_drift(),
+            "replicas": self.labels(),
             "drift_limit": self.limit,
             "canary_every": self.every,
             "quarantined": {str(k): v for k, v in sorted(self.quarantined.items())},
@@ -199,7 +244,7 @@ class Sentinel:
 
     async def check_all(self, sync: Any, model: torch.nn.Module, version: int) -> list[float | None]:
         start = time.perf_counter()
-        sockets = list(self.sockets())
+        sockets = self.targets()
         while len(self.drift) < len(sockets):
             self.drift.append(None)
         for i, sock in enumerate(sockets):
@@ -229,11 +274,13 @@ class Sentinel:
         )
         return list(self.drift)
 
-    async def measure(self, sock: Path, model: torch.nn.Module, version: int) -> CanaryResult | None:
-        """Generate greedily from every canary prompt on the replica behind ``sock`` and score the
-        same tokens here; None when the replica does not answer."""
+    async def measure(self, sock: Target, model: torch.nn.Module, version: int) -> CanaryResult | None:
+        """Generate greedily from every canary prompt on the replica behind ``sock`` (this node's
+        weight-control socket, or another node's replica) and score the same tokens here; None
+        when the replica does not answer."""
         start = time.perf_counter()
-        client = WeightControlClient(sock, timeout=self.timeout)
+        assert sock is not None
+        client = None if _is_remote(sock) else WeightControlClient(sock, timeout=self.timeout)  # type: ignore[arg-type]
         answers: list[tuple[list[int], list[int], list[float]]] = []
         seen: int | None = None
         try:
@@ -248,9 +295,24 @@ class Sentinel:
                 }
                 for prompt in self.prompts
             ]
-            replies = await asyncio.gather(*(client.request("POST", "/canary", b) for b in bodies))
+            if client is None:
+                # another node's replica gets the sync through its node's first rank: it may still be
+                # applying it when the head's sync returns, so an answer from an older version is
+                # asked again for a short while
+                for _ in range(REMOTE_VERSION_TRIES):
+                    replies = await sock.canary(bodies, self.timeout)  # type: ignore[union-attr]
+                    if len(replies) != len(bodies):
+                        raise WeightControlError(f"{len(replies)} canary answers for {len(bodies)} prompts")
+                    got = [a.get("weight_version") for a in replies]
+                    if not any(isinstance(v, int) and v < version for v in got):
+                        break
+                    await asyncio.sleep(REMOTE_VERSION_WAIT_S)
+            else:
+                replies = await asyncio.gather(*(client.request("POST", "/canary", b) for b in bodies))
             for prompt, ans in zip(self.prompts, replies, strict=True):
                 tokens, lps = _completion(ans)
+                if self.vocab_size and not all(0 <= t < self.vocab_size for t in tokens):
+                    raise WeightControlError("a canary answer holds token ids outside the vocabulary")
                 seen = ans.get("weight_version") if isinstance(ans.get("weight_version"), int) else seen
                 if tokens:
                     answers.append((prompt, tokens, lps))
@@ -260,7 +322,8 @@ class Sentinel:
             )
             return None
         finally:
-            await client.close()
+            if client is not None:
+                await client.close()
         if seen is not None and seen != version:
             log.warning("canary answered at another weight_version", expected=version, got=seen, socket=str(sock))
         ranks = self.ranks() if self.ranks is not None else None
@@ -282,8 +345,13 @@ class Sentinel:
 
     # ------------------------------------------------------------------ over the limit
 
-    async def _quarantine(self, sock: Path, on: bool, reason: str = "") -> None:
-        client = WeightControlClient(sock, timeout=self.timeout)
+    async def _quarantine(self, sock: Target, on: bool, reason: str = "") -> None:
+        if _is_remote(sock):  # by its own node, at this word
+            if not await sock.care("quarantine" if on else "release", reason, self.timeout):  # type: ignore[union-attr]
+                log.warning("quarantine not reached", replica=str(sock), on=on)
+            return
+        assert sock is not None
+        client = WeightControlClient(sock, timeout=self.timeout)  # type: ignore[arg-type]
         try:
             await client.request("POST", "/quarantine", {"quarantine": on, "reason": reason})
         except WeightControlError as exc:
@@ -291,32 +359,37 @@ class Sentinel:
         finally:
             await client.close()
 
-    async def _release(self, i: int, sock: Path, *, drift: float | None) -> None:
+    async def _release(self, i: int, sock: Target, *, drift: float | None) -> None:
         self.quarantined.pop(i, None)
         await self._quarantine(sock, False)
         log.info("replica back in rotation", replica=i, drift=_r(drift), drift_limit=self.limit)
 
-    async def _remeasure(self, i: int, sock: Path, model: torch.nn.Module, version: int) -> float | None:
+    async def _remeasure(self, i: int, sock: Target, model: torch.nn.Module, version: int) -> float | None:
         """Replica ``i``'s canary again: its drift, recorded (None: no answer or no token)."""
         again = await self.measure(sock, model, version)
         self.drift[i] = None if again is None else again.drift
         return self.drift[i]
 
-    async def _resync(self, i: int, sock: Path, sync: Any, model: torch.nn.Module, version: int) -> float | None:
-        """Sync replica ``i`` again with the trainer's weights, then :meth:`_remeasure` it."""
+    async def _resync(self, i: int, sock: Target, sync: Any, model: torch.nn.Module, version: int) -> float | None:
+        """Sync replica ``i`` again with the trainer's weights, then :meth:`_remeasure` it. Another
+        node's replica: a push that reaches the other nodes only (their first ranks feed theirs)."""
+        from atroposd.weights.sync import REMOTE_ONLY
+
         self.resyncs += 1
-        await sync.reattach(model, version, replica=i)
+        await sync.reattach(model, version, replica=REMOTE_ONLY if _is_remote(sock) else i)
         return await self._remeasure(i, sock, model, version)
 
     async def _heal(self, i: int, sync: Any, model: torch.nn.Module, version: int, drift: float) -> None:
-        sock = self.sockets()[i]
+        sock = self.targets()[i]
         assert sock is not None
+        remote = _is_remote(sock)
         reason = f"canary drift {drift:.4g} over drift_limit {self.limit:g} at weight_version {version}"
         self.quarantined[i] = reason
         await self._quarantine(sock, True, reason)
         log.warning(
             "replica drift over the limit: quarantined, syncing it again",
             replica=i,
+            **({"where": sock.label} if remote else {}),  # type: ignore[union-attr]
             drift=_r(drift),
             drift_limit=self.limit,
             weight_version=version,
@@ -333,7 +406,7 @@ class Sentinel:
             )
             await self._release(i, sock, drift=after)
             return
-        if self.restart is not None:
+        if remote or self.restart is not None:
             log.warning(
                 "replica still drifts after a resync: restarting it",
                 replica=i,
@@ -342,9 +415,16 @@ class Sentinel:
                 weight_version=version,
             )
             self.restarts += 1
-            if await self.restart(i):
+            if remote:  # its own node restarts it; the head pushes the current weights to it
+                back = await sock.care("restart", reason, self.restart_timeout)  # type: ignore[union-attr]
+                if back:
+                    await sync.reattach(model, version, replica=_remote_only())
+            else:
+                assert self.restart is not None
+                back = await self.restart(i)
+            if back:
                 # the restarted replica got the current weights before it served (reattach)
-                sock = self.sockets()[i] or sock
+                sock = self.targets()[i] or sock
                 after = await self._remeasure(i, sock, model, version)
                 if after is not None and after <= self.limit:
                     log.warning(
@@ -361,7 +441,7 @@ class Sentinel:
             else:
                 log.warning("the replica's restart did not bring it back ready", replica=i)
         self.given_up.add(i)
-        if len(self.quarantined) >= len(self.sockets()):
+        if len(self.quarantined) >= len(self.targets()):
             # no replica would be left to generate: the job keeps this one serving, and says so
             log.error(
                 "replica still drifts with the trainer's weights, and no other replica passes: it "
@@ -385,20 +465,20 @@ class Sentinel:
             drift_limit=self.limit,
             cause="drift with the same weights",
             restarted=self.restart is not None,
-            serving=[j for j in range(len(self.sockets())) if j not in self.quarantined],
+            serving=[j for j in range(len(self.targets())) if j not in self.quarantined],
         )
 
     async def _recheck(self, i: int, sync: Any, model: torch.nn.Module, version: int, drift: float) -> None:
         """A replica given up on (still over after its restart) that is over again: synced again and
         measured; back in rotation if it passes, else kept out — never restarted again."""
-        sock = self.sockets()[i]
+        sock = self.targets()[i]
         assert sock is not None
         after = await self._resync(i, sock, sync, model, version)
         if after is not None and after <= self.limit:
             self.given_up.discard(i)
             await self._release(i, sock, drift=after)
             return
-        if i in self.quarantined or len(self.quarantined) + 1 < len(self.sockets()):
+        if i in self.quarantined or len(self.quarantined) + 1 < len(self.targets()):
             reason = f"canary drift {drift:.4g} over drift_limit {self.limit:g} at weight_version {version}"
             self.quarantined[i] = reason
             await self._quarantine(sock, True, reason)  # again: it may have restarted meanwhile
@@ -528,6 +608,17 @@ def _r(x: float | None) -> float | None:
     return None if x is None else round(x, 5)
 
 
+def _is_remote(target: Any) -> bool:
+    """Another node's replica (reached through the cluster link), not a socket of this node's."""
+    return target is not None and not isinstance(target, Path)
+
+
+def _remote_only() -> int:
+    from atroposd.weights.sync import REMOTE_ONLY
+
+    return REMOTE_ONLY
+
+
 def make_sentinel(
     cfg: Any,
     weights: Any,
@@ -537,15 +628,17 @@ def make_sentinel(
     ranks: Callable[[], Ranks | None] | None = None,
     restart: Callable[[int], Awaitable[bool]] | None = None,
     kept: Sequence[Sequence[int]] | None = None,
+    remote: Callable[[], Sequence[RemoteReplica]] | None = None,
 ) -> Sentinel | None:
     """The job's sentinel (``[health] canary_every``; None when 0 or without local replicas): the
     control socket of every replica the weight sync reaches; the canary prompts ``kept`` by a
     checkpoint, else the built-in ones until the environments' first prompts arrive. ``ranks``:
     the trainer's current ranks (several: every rank scores the canary); ``restart``: restarts
-    replica i and returns once it serves the current weights again (True) or failed (False)."""
+    replica i and returns once it serves the current weights again (True) or failed (False);
+    ``remote``: the other nodes' replicas (the head of several machines)."""
     h = cfg.health
     inner = getattr(weights, "inner", weights)
-    if h.canary_every <= 0 or not getattr(inner, "replicas", None):
+    if h.canary_every <= 0 or not (getattr(inner, "replicas", None) or (remote is not None and remote())):
         return None
 
     def sockets() -> list[Path | None]:
@@ -571,6 +664,10 @@ def make_sentinel(
         wanted=wanted,
         vocab_size=vocab_size,
         max_prompt_len=longest,
+        remote=remote,
+        restart_timeout=max(60.0, cfg.trainer.stall_timeout / 2)
+        if cfg.trainer.stall_timeout > 0
+        else cfg.daemon.stop_timeout + cfg.inference.ready_timeout + 60.0,
     )
     log.info(
         "replica sentinel",
@@ -582,5 +679,6 @@ def make_sentinel(
         canary_prompts=len(prompts),
         ranks=cfg.trainer.ranks,
         restart=restart is not None,
+        other_nodes_replicas=[r.label for r in remote()] if remote is not None else [],
     )
     return sentinel

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
     from atroposd.trainer.health import Collapse
     from atroposd.trainer.ranks import Ranks
+    from atroposd.trainer.sentinel import RemoteReplica
     from atroposd.weights.source import TensorSource
     from atroposd.weights.sync import WeightSync
 
@@ -102,6 +103,7 @@ class TrainerService:
         rank_host: RankHost | None = None,
         replica_generations: Callable[[], list[int | None]] | None = None,
         restart_replica: Callable[[int, str], Awaitable[bool]] | None = None,
+        remote_replicas: Callable[[], Sequence[RemoteReplica]] | None = None,
     ) -> None:
         from atroposd.trainer.compute import ComputeThread
         from atroposd.trainer.loop import Progress
@@ -126,6 +128,7 @@ class TrainerService:
         self.compute = ComputeThread()
         self.rank_host = rank_host
         self.replica_generations = replica_generations  # each replica's generations served, last known
+        self.remote_replicas = remote_replicas  # several machines: the other nodes' replicas (the sentinel's)
         self._feed: Any = None
         self._wandb: Any = None
         self._ranks: Any = None
@@ -406,6 +409,7 @@ class TrainerService:
                     ranks=self._current_ranks,
                     restart=self._sentinel_restart if self.restart_replica else None,
                     kept=p.canary_prompts,
+                    remote=self.remote_replicas,
                 )
             self._loop.sentinel = self._sentinel
             if plan is not None:

@@ -61,6 +61,10 @@ SAMPLES: list[Message] = [
     m.RanksStopped(),
     m.RankExit(name="trainer-1", how="exited 1"),
     m.Resync(replica=0),
+    m.CanaryAsk(request=1, replica=0, prompts=[{"ids": [3, 4, 5]}], max_tokens=16),
+    m.CanaryAnswer(request=1, replica=0, answers=[{"tokens": [7], "logprobs": [-0.5], "weight_version": 2}]),
+    m.Care(request=2, replica=0, op="quarantine", reason="canary drift 0.3 over drift_limit 0.05"),
+    m.Cared(request=2, replica=0, ok=True),
 ]
 
 

@@ -26,7 +26,13 @@ def test_gspo_with_clip_higher_and_filter_groups_learns(short_tmp: Path) -> None
         short_tmp,
         steps=STEPS,
         envs=SHORT_TASK,
-        trainer={"checkpoint_every": STEPS, "loss": "gspo", "clip_eps_high": 0.28, "filter_groups": True},
+        trainer={
+            "checkpoint_every": STEPS,
+            "loss": "gspo",
+            "clip_eps": 0.2,  # set: GRPO's lower bound with clip-higher, not gspo's own range
+            "clip_eps_high": 0.28,
+            "filter_groups": True,
+        },
     )
     rows = run_short_learning_job(cfg, short_tmp / "state", steps=STEPS)
     _floor(rows)
