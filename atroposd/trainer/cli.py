@@ -19,6 +19,10 @@ def main(args: argparse.Namespace) -> int:
 
     cfg = load_or_exit(args)
     configure_logging(cfg.daemon.log_level, cfg.daemon.log_format, component=f"trainer-{args.rank}")
+    from atroposd import gpuenv
+
+    # before the group is built, whoever started this rank (the daemon gives them too; SPEC §12.1)
+    gpuenv.apply(os.environ)
     from atroposd.trainer.follower import serve
 
     try:
