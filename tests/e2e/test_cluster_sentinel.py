@@ -78,7 +78,7 @@ def test_node1_replica_corrupted_once_is_found_from_the_head_and_healed(short_tm
     for cfg in cfgs:
         cfg.write_text(cfg.read_text() + HEALTH)
     # node 1's replica adds noise to its weights after its 4th weight update, once
-    node = _popen(cfgs[1], short_tmp / "node1.log", fault_env(corrupt_weights={"inference-0": "4"}))
+    node = _popen(cfgs[1], short_tmp / "node1.log", fault_env(corrupt_weights={"inference": "4"}))
     procs = [node]
     nonces: list[str] = []
     try:
