@@ -607,7 +607,10 @@ class Daemon:
         """Every 0.5 s: record descendants, reap adopted orphans, update the recovery record."""
         while True:
             units = list(self.units.values())
-            tree = reaper.descendant_map(u.pid for u in units if u.pid is not None)
+            # a scan of the process table (tens of ms on a busy machine) in a worker thread: the
+            # loop meanwhile serves the control socket, the environments' engine sockets, probes
+            roots = [u.pid for u in units if u.pid is not None]
+            tree = await anyio.to_thread.run_sync(reaper.descendant_map, roots)
             for unit in units:
                 unit.rescan(tree.get(unit.pid, []) if unit.pid is not None else [])
             own = {u.pid for u in self.units.values() if u.pid is not None}

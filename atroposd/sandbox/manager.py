@@ -190,11 +190,16 @@ class Sandbox:
 
     async def close(self) -> None:
         """Stop: the proxies close, every object labelled with the job is removed."""
-        for proxy in list(self.proxies.values()):
+
+        async def close_one(proxy: ReplicaProxy) -> None:
             try:
                 await proxy.close()
             except Exception:
                 log.exception("closing an environment's engine socket failed", unit=proxy.owner.unit)
+
+        async with anyio.create_task_group() as tg:
+            for proxy in list(self.proxies.values()):
+                tg.start_soon(close_one, proxy)
         try:
             swept = await sweep(self.engine, self.labels, self.stop_timeout)
             self._count("stop", swept.containers)

@@ -38,6 +38,7 @@ from atroposd.sandbox.policy import Policy, Refused
 
 log = get_logger("atroposd.sandbox")
 
+MAX_KNOWN_EXECS = 4096
 MAX_JSON_BODY = 1 << 20  # create and exec bodies: a few hundred bytes in practice
 HEAD_LIMIT = 64 << 10  # the engine's response head on an upgrade
 PIPE_CHUNK = 64 << 10
@@ -106,6 +107,7 @@ class ReplicaProxy:
         self._runner: web.AppRunner | None = None
         self._sock: socket.socket | None = None
         self._pipes: set[asyncio.Task[Any]] = set()
+        self._inode = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -124,6 +126,7 @@ class ReplicaProxy:
         finally:
             os.umask(old)
         os.chmod(self.path, 0o600)
+        self._inode = os.stat(self.path).st_ino
         sock.listen(128)
         sock.setblocking(False)
         self._sock = sock
@@ -146,7 +149,8 @@ class ReplicaProxy:
             self._sock.close()
         self._sock = None
         try:
-            self.path.unlink()
+            if os.stat(self.path).st_ino == self._inode:  # not a newer proxy's socket at the same path
+                self.path.unlink()
         except FileNotFoundError:
             pass
 
@@ -244,8 +248,13 @@ class ReplicaProxy:
             await self._container(container)
         except Refused:
             raise _no_such("exec instance", ref) from None
-        self.execs.add(eid)
+        self._remember_exec(eid)
         return eid
+
+    def _remember_exec(self, eid: str) -> None:
+        if len(self.execs) >= MAX_KNOWN_EXECS:  # one exec a group for days: forget, ask the engine again
+            self.execs.clear()
+        self.execs.add(eid)
 
     def _owned_sync(self, ref: str) -> bool:
         return ref in self.containers
@@ -308,11 +317,15 @@ class ReplicaProxy:
                     await self._container(ref.split(":", 1)[0])
         checked = self.policy.check_container(body, self.owner, self._owned_sync)
         async with self._create_lock:
-            live = await self.engine.containers(self.owner.filters())
-            if len(live) >= self.max_containers:
+            # Every container of the replica was created through here, so the ids it knows cover
+            # them all (some may be gone since: --rm, max_age); the engine is asked only near the limit.
+            if len(self.containers) >= self.max_containers:
+                live = await self.engine.containers(self.owner.filters())
+                self.containers = {str(c["Id"]) for c in live if isinstance(c.get("Id"), str)}
+            if len(self.containers) >= self.max_containers:
                 raise Refused(
                     409,
-                    f"atroposd: this environment replica has {len(live)} containers, its limit "
+                    f"atroposd: this environment replica has {len(self.containers)} containers, its limit "
                     f"([sandbox] max_containers = {self.max_containers}); remove one first",
                     "max_containers",
                 )
@@ -333,7 +346,7 @@ class ReplicaProxy:
             raise Refused(403, "atroposd: a privileged exec (refused by [sandbox])", "privileged")
         resp, answer = await self._call_json(request, path, body)
         if isinstance(answer, dict) and isinstance(answer.get("Id"), str):
-            self.execs.add(answer["Id"])
+            self._remember_exec(answer["Id"])
         return resp
 
     async def _volumes(self, request: web.Request, prefix: str, parts: list[str]) -> web.StreamResponse:
@@ -456,8 +469,14 @@ class ReplicaProxy:
                     except ValueError:
                         body = keep(None)
                     return web.Response(body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-                out = web.StreamResponse(status=resp.status, reason=resp.reason, headers=_answer_headers(resp.headers))
                 length = resp.headers.get("Content-Length")
+                if length is not None and length.isdigit() and int(length) <= MAX_JSON_BODY:
+                    # a sized answer (inspect, ping, create): whole, in one write
+                    body_bytes = await resp.read()
+                    return web.Response(
+                        status=resp.status, reason=resp.reason, body=body_bytes, headers=_answer_headers(resp.headers)
+                    )
+                out = web.StreamResponse(status=resp.status, reason=resp.reason, headers=_answer_headers(resp.headers))
                 if length is not None and length.isdigit():
                     out.content_length = int(length)
                 await out.prepare(request)

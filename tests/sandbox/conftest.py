@@ -43,6 +43,7 @@ def sandbox_env(name: str, command: list[str] | None = None, **kw: Any) -> dict[
         "ready": "started",
         "start_seconds": 0.2,
         "restart": "always",
+        "live_interval": 0,  # the test drives its socket while the environment sleeps
     }
     base.update(kw)
     return base

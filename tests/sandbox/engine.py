@@ -88,6 +88,8 @@ class Podman:
 
     dir: Path
     proc: subprocess.Popen[bytes] | None = None
+    # vfs: a copy of the image per container, nothing mounted that could outlive the service
+    driver: str = "vfs"
 
     @property
     def socket(self) -> Path:
@@ -103,7 +105,7 @@ class Podman:
 
     def podman(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         argv = ["podman", "--root", str(self.dir / "storage"), "--runroot", str(self.dir / "runroot")]
-        argv += ["--storage-driver", "vfs", *args]
+        argv += ["--storage-driver", self.driver, *args]
         return subprocess.run(argv, env=self.env, capture_output=True, text=True, check=check, timeout=timeout)
 
     def start(self) -> None:
@@ -111,7 +113,7 @@ class Podman:
         tar = busybox_rootfs(self.dir)
         self.podman("import", "--change", "ENV=PATH=/bin", str(tar), IMAGE)
         argv = ["podman", "--root", str(self.dir / "storage"), "--runroot", str(self.dir / "runroot")]
-        argv += ["--storage-driver", "vfs", "system", "service", "--time", "0", self.url]
+        argv += ["--storage-driver", self.driver, "system", "service", "--time", "0", self.url]
         log = open(self.dir / "service.log", "wb")  # the service's own log
         self.proc = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()

@@ -196,6 +196,10 @@ def test_status_and_metrics_show_live_containers(job: Job) -> None:
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert 'atroposd_sandbox_containers{component="daemon",env="other"} 2.0' in body
         assert "atroposd_sandbox_removed_total" in body and "atroposd_sandbox_refused_total" in body
+        from tests.e2e.test_watching import dashboard_metrics
+
+        wanted = {m for m in dashboard_metrics() if m.startswith("atroposd_sandbox_")}
+        assert len(wanted) == 3 and all(m in body for m in wanted), wanted  # the dashboard's sandbox panels
     finally:
         for b in boxes:
             b.remove(force=True)
