@@ -227,7 +227,7 @@ async def _read_tcp_json(front: _Front, request: web.Request) -> Any:
     charge = Charge(front.inflight)
     try:
         raw = await read_body(request, limit=front.max_request_bytes, charge=charge, timeout=front.body_timeout)
-        request["body_bytes"] = len(raw)
+        request[BODY_BYTES] = len(raw)
         if len(raw) >= PARSE_THREAD_MIN_BYTES:
             return await front.off_loop(True, _loads, raw)
         return _loads(raw)
@@ -243,6 +243,11 @@ def _loads(raw: bytes | bytearray) -> Any:
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# What a generation route notes on its request: a probe (counted apart), the route's name when
+# the body decides it (SGLang's /generate), the body's size as it arrived.
+PROBE = web.RequestKey("probe", bool)
+ROUTE = web.RequestKey("route", str)
+BODY_BYTES = web.RequestKey("body_bytes", int)
 
 
 def _route(
@@ -301,10 +306,10 @@ def _counted(front: _Front, route: str, handler: Handler) -> Handler:
             return response
         finally:
             front.metrics.end(
-                request.get("route", route),
+                request.get(ROUTE, route),
                 start,
                 ok=response is not None and response.status < 400,
-                probe=bool(request.get("probe")),
+                probe=bool(request.get(PROBE)),
             )
 
     return counted
@@ -340,18 +345,18 @@ def build_tcp_app(front: _Front) -> web.Application:
 
     def served(request: web.Request, answer: Any) -> None:
         """Count a rollout's samples and tokens; a probe is counted apart (``_counted``)."""
-        if not request.get("probe"):
+        if not request.get(PROBE):
             front.metrics.served(answer)
             front.generations += 1
 
     def lanes(request: web.Request, params: list[schema.GenerateParams]) -> None:
-        request["probe"] = len(params) == 1 and params[0].lane == "probe"
+        request[PROBE] = len(params) == 1 and params[0].lane == "probe"
 
     async def generate(request: web.Request) -> Any:
         body = await _read_tcp_json(front, request)
         engine = front.engine
         if schema.is_sglang(body):  # SGLang's /generate shares the route, told apart by the body
-            request["route"] = "sglang"
+            request[ROUTE] = "sglang"
             req = await front.off_loop(_big_body(request), _sglang_request, front, body)
             lanes(request, [req.params])
             gen = await engine.generate(req.params)
@@ -437,6 +442,14 @@ def build_tcp_app(front: _Front) -> web.Application:
     return app
 
 
+def tcp_runner(front: _Front, **kwargs: Any) -> web.AppRunner:
+    """The TCP app's runner. A client that goes away cancels its handler (``handler_cancellation``),
+    and with it its generation, queued or waiting: the engines drop a cancelled request's work."""
+    return web.AppRunner(
+        build_tcp_app(front), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S, handler_cancellation=True, **kwargs
+    )
+
+
 def tcp_site(runner: web.AppRunner, front: _Front, host: str, port: int) -> CappedSite:
     """The TCP port's listening site, its connections capped (SPEC §13)."""
     refused = front.metrics.refused.labels("connections") if front.metrics is not None else None
@@ -451,7 +464,7 @@ def tcp_site(runner: web.AppRunner, front: _Front, host: str, port: int) -> Capp
 
 def _big_body(request: web.Request) -> bool:
     """Whether preparing a request is large work, by its body's size as it arrived."""
-    return int(request.get("body_bytes", 0)) >= BIG_BODY_BYTES
+    return request.get(BODY_BYTES, 0) >= BIG_BODY_BYTES
 
 
 def _big(requests: list[schema.GenerateParams]) -> bool:
@@ -521,8 +534,10 @@ def _openai_prompts(front: _Front, prompt: Any) -> list[list[int]]:
         return [tok.encode(prompt)]
     if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
         return [list(prompt)]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         schema.check_count(len(prompt))
+        if not all(isinstance(p, (str, list)) for p in prompt):
+            raise schema.BadRequest("prompt must be a string, a list of token ids, or a list of those")
         for i, p in enumerate(prompt):
             if isinstance(p, str):
                 schema.check_text(p, max_model_len=limit, what=f"prompt[{i}]")
@@ -817,11 +832,7 @@ async def serve(cfg: Any, opts: ServerOptions, *, ready: Callable[[], None] | No
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    # handler_cancellation: a client that goes away cancels its handler, and with it its queued
-    # generation (the engines drop a cancelled request's work).
-    tcp = web.AppRunner(
-        build_tcp_app(front), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S, handler_cancellation=True
-    )
+    tcp = tcp_runner(front)
     control = web.AppRunner(build_control_app(front), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     sock = opts.control_socket
     engine = None

@@ -7,8 +7,8 @@
   one, so concurrent environments share forward passes. A probe (``max_tokens ≤ 1``, ``n = 1``, a
   short prompt: the health checks of atroposlib's server classes, SPEC §7) is answered ahead of
   queued rollouts — the daemon's own generations first, then at most ``PROBE_ROWS_PER_BATCH``
-  probe rows a batch: queued probes go first into the next batch, ride on its prefill (one more prompt row, no forward pass
-  of their own) and are answered right after its first step, before the rollouts decode on;
+  probe rows a batch: queued probes go first into the next batch, ride on its prefill (one more
+  prompt row, no forward pass of their own) and are answered right after its first step, before the rollouts decode on;
   probes with no rollout queued form a batch by themselves.
 * **Sampling.** Temperature, top-p, top-k, per-request seeds. The reported logprob of a sampled
   token is ``log_softmax(logits / temperature)`` over the full vocabulary, untruncated by
@@ -240,6 +240,9 @@ class TorchEngine(WeightGate):
             if self._queue:
                 self._wake.set()
             async with self._compute:
+                jobs = [j for j in jobs if not j.future.done()]  # a client gone while it waited: dropped
+                if not jobs:
+                    continue
                 # A cancelled scheduler (shutdown) must not abandon a forward pass that still
                 # reads the weights: the batch runs on, and close() waits for it.
                 self._running = asyncio.ensure_future(

@@ -378,6 +378,35 @@ def test_a_refused_body_gives_its_room_back_at_once() -> None:
     asyncio.run(run())
 
 
+def test_declared_but_idle_bodies_hold_no_room() -> None:
+    """Four connections that declare bodies of max_request_bytes and send nothing hold no room:
+    an honest upload goes through (the declared lengths used to be charged before any byte
+    arrived, so four idle connections made every upload a 503 for the body deadline)."""
+
+    async def run() -> None:
+        async with running(_settings(max_request_bytes=1 << 20)) as (server, url, port), aiohttp.ClientSession() as s:
+            idle = []
+            for _ in range(server_module.INFLIGHT_BODIES):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(
+                    b"POST /scored_data HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n" % (1 << 20)
+                )
+                await writer.drain()
+                idle.append(writer)
+            await asyncio.sleep(0.2)  # every handler is waiting for its body
+            await _start(s, url, 4)
+            status, body = await _post(s, url + "/scored_data", group(2))
+            assert status == 200, (status, body[:200])
+            assert server.inflight_bytes == 0
+            assert server.metrics.refused.labels("inflight")._value.get() == 0
+            for w in idle:
+                w.close()
+            await _until(lambda: server.inflight_bytes == 0)
+
+    asyncio.run(run())
+
+
 def test_a_chunked_body_past_max_request_bytes_is_413_as_it_arrives() -> None:
     async def run() -> None:
         async with running(_settings(max_request_bytes=64 << 10)) as (server, _, port):
