@@ -240,8 +240,7 @@ class CudaImports:
         this export was not mapped already); mappings of other exports are released first."""
         segs = list(segments)
         keys = {seg.name: export_key(seg) for seg in segs}
-        for name in [n for n, (key, _) in self._held.items() if keys.get(n) != key]:
-            self._drop(name)
+        self._drop([n for n, (key, _) in self._held.items() if keys.get(n) != key])
         out: dict[int, torch.Tensor] = {}
         for seg in segs:
             held = self._held.get(seg.name)
@@ -255,13 +254,15 @@ class CudaImports:
 
     def release(self) -> None:
         """Release every mapping (the caller dropped its views and synchronised first)."""
-        for name in list(self._held):
-            self._drop(name)
+        self._drop(list(self._held))
 
-    def _drop(self, name: str) -> None:
-        del self._held[name]
-        self.releases += 1
-        gc.collect()  # the rebuilt storage goes now: torch releases its reference on the export
+    def _drop(self, names: list[str]) -> None:
+        # The last reference to a rebuilt storage goes here (the callers dropped their views):
+        # torch releases its reference on the export at once, or at the next collection when a
+        # view still sits in a reference cycle — once either way.
+        for name in names:
+            del self._held[name]
+            self.releases += 1
 
 
 def ipc_collect() -> None:

@@ -135,7 +135,6 @@ def test_a_consumer_rebuilds_each_export_once_and_holds_it_for_the_exports_life(
     """SPEC §7: one rebuild/release cycle per export — 100 syncs of one export rebuild it once
     (each rebuild would release one reference of the export and open its IPC event again); a
     new export releases the old mapping, then rebuilds once; ``release`` lets every mapping go."""
-    import gc
     import weakref
 
     rebuilt: list[tuple[bytes, int]] = []
@@ -152,7 +151,6 @@ def test_a_consumer_rebuilds_each_export_once_and_holds_it_for_the_exports_life(
         assert imports.map([_export(7)])[0] is first[0]
     assert (imports.rebuilds, imports.releases, len(imports)) == (1, 0, 1)
     del first
-    gc.collect()
     assert mapping() is not None  # held while the export lives, by nobody but the imports
     second = imports.map([_export(8), _export(3, "cuda-abcd-1", 1)])  # the trainer exported anew
     assert mapping() is None
