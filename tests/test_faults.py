@@ -22,12 +22,14 @@ PATCHED = {
     "lr_burst": ("atroposd.trainer.loop", "TrainingLoop._apply"),
     "rank_hang": ("atroposd.trainer.follower", "connect_store"),
     "corrupt_weights": ("atroposd.inference.torch_engine", "TorchEngine.update_weights"),
+    "skip_weights": ("atroposd.inference.vllm_engine", "VllmEngine._transfer"),
 }
 SETTINGS = {
     "stall_step": {"step": 5, "marker": "/nonexistent/marker"},
     "lr_burst": {"steps": [3, 4], "factor": 10.0},
     "rank_hang": "join",
     "corrupt_weights": {"inference-0": "2+"},
+    "skip_weights": {"inference-0": "3"},
 }
 
 

@@ -96,9 +96,10 @@ def _trainer_loss(c: Checking) -> None:
             c.add(f"trainer.{key}", f'must be a number or "auto", got {value!r}')
     eps, high = t.clip_range()
     if 0 < high < eps:
+        auto = f' (here "auto": {high:g} for loss = "{t.loss}")' if isinstance(t.clip_eps_high, str) else ""
         c.add(
             "trainer.clip_eps_high",
-            f"must be ≥ trainer.clip_eps ({eps:g}) or 0 (off): clip-higher widens the upper bound",
+            f"must be ≥ trainer.clip_eps ({eps:g}) or 0 (off){auto}: clip-higher widens the upper bound",
         )
     if t.loss == "awsft":
         for key, default in (("clip_eps_high", 0.0), ("rollout_correction", "none")):

@@ -156,12 +156,44 @@ def _patch_corrupt_weights(module: types.ModuleType, s: dict[str, str]) -> None:
         setattr(cls, name, wrapped(original))
 
 
+def _check_skip_weights(s: Any) -> None:
+    ok = isinstance(s, dict) and all(isinstance(k, str) and isinstance(v, str) and v.isdigit() for k, v in s.items())
+    if not ok:
+        raise ValueError(f"skip_weights wants {{replica name: 'N'}}, got {s!r}")
+
+
+def _patch_skip_weights(module: types.ModuleType, s: dict[str, str]) -> None:
+    """The vLLM replica named NAME (``ATROPOSD_NAME``) leaves out the transfer of its N-th whole
+    weight update (a push's one ``start`` and ``finish`` step of vLLM's weight-transfer
+    lifecycle), once: the update is answered as done and the replica serves the new version's
+    number with the old weights — weights that did not arrive."""
+    when = s.get(os.environ.get("ATROPOSD_NAME", ""))
+    if when is None:
+        return
+    nth = int(when)
+    cls = module.VllmEngine
+    original = cls._transfer
+    count = 0
+
+    async def transfer(self: Any, update_info: Any, *, start: bool, finish: bool) -> Any:
+        nonlocal count
+        if start and finish:
+            count += 1
+            if count == nth:
+                _log("fault: this weight update's transfer was left out", update=count)
+                return None
+        return await original(self, update_info, start=start, finish=finish)
+
+    cls._transfer = transfer
+
+
 # name → (the module it patches, the patch, the check of its setting)
 FAULTS: dict[str, tuple[str, Callable[[types.ModuleType, Any], None], Callable[[Any], None]]] = {
     "stall_step": ("atroposd.trainer.loop", _patch_stall_step, _check_stall_step),
     "lr_burst": ("atroposd.trainer.loop", _patch_lr_burst, _check_lr_burst),
     "rank_hang": ("atroposd.trainer.follower", _patch_rank_hang, _check_rank_hang),
     "corrupt_weights": ("atroposd.inference.torch_engine", _patch_corrupt_weights, _check_corrupt_weights),
+    "skip_weights": ("atroposd.inference.vllm_engine", _patch_skip_weights, _check_skip_weights),
 }
 
 

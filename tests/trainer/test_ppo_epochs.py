@@ -326,6 +326,10 @@ def test_config_check_refuses_mini_batches_that_do_not_divide_the_groups(tmp_pat
     assert bad and "divide the batch's groups" in bad[0] and "4 groups" in bad[0], bad
     bad = [p for p in problems(clip_eps="wide") if "clip_eps" in p]
     assert bad and '"auto"' in bad[0], bad
+    # gspo's own upper bound (auto: 4e-4) below a lower clip_eps set in the file: named
+    bad = [p for p in problems(loss="gspo", clip_eps=0.2) if "clip_eps_high" in p]
+    assert bad and '"auto": 0.0004 for loss = "gspo"' in bad[0], bad
+    assert not problems(loss="gspo", clip_eps=0.2, clip_eps_high=0.28)
 
 
 # ---------------------------------------------------------------------------- two ranks
@@ -336,8 +340,8 @@ def test_two_epochs_on_two_ranks_equal_one_rank(tiny_dir: Path, tmp_path: Path) 
     from tests.trainer.test_ranks import LOSS_TOL, PARAM_TOL, _config, _run, _worst
 
     menu = {"ppo_epochs": 2, "mini_batches": 2, "rollout_correction": "token-tis", "steps": 3}
-    one = _run(_config(tmp_path, "one", tiny_dir, "cpu", **menu), tmp_path / "one.pt", "--steps", "2")
-    two = _run(_config(tmp_path, "two", tiny_dir, ["cpu", "cpu"], **menu), tmp_path / "two.pt", "--steps", "2")
+    one = _run(_config(tmp_path, "one", tiny_dir, "cpu", **menu), tmp_path / "one.pt", "--steps", "1")
+    two = _run(_config(tmp_path, "two", tiny_dir, ["cpu", "cpu"], **menu), tmp_path / "two.pt", "--steps", "1")
     for a, b in zip(one["losses"], two["losses"], strict=True):
         assert abs(a - b) <= LOSS_TOL, (one["losses"], two["losses"])
     assert _worst(one["params"], two["params"]) <= PARAM_TOL
