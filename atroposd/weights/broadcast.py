@@ -7,19 +7,22 @@ weights through it, bucket by bucket. A group is never the trainer group and nev
 group: each is a backend object of its own (``ProcessGroupGloo`` / ``ProcessGroupNCCL`` built on
 a store), so it lives beside the trainer's FSDP group and is dropped on its own.
 
-Rendezvous (:class:`BroadcastHub`, trainer side): the hub hosts a c10d TCPStore on a socket it
-bound itself (loopback on one node). Each formation uses a fresh store prefix
-``{secret}/bcast/r{replica}/f{n}/`` (the secret is the launch nonce): a worker of an abandoned
-formation can never answer for a new one. The replica's side writes its worker count
-(``world``) and one ``arrived/{rank}`` key per worker; the hub waits for them up to the
-formation deadline (naming what is missing), and only then builds its end of the group, so a
-peer that never joins costs the deadline and nothing else. Store values are plain strings:
-nothing received is unpickled (SPEC §12.1).
+Rendezvous (:class:`BroadcastHub`, trainer side): a c10d FileStore in a private directory
+(mode 0700, made for it; the file 0600), like the trainer group's one-machine store — no TCP port
+is listened on for it, so only this user (and root) reaches it; its path goes to each replica
+over the replica's weight-control socket, and a replica joins only through a store file of this
+user in a directory of this user's that no one else may enter (:meth:`JoinRequest.parse`). Each
+formation uses a fresh store prefix ``{secret}/bcast/r{replica}/f{n}/`` (the secret is the launch
+nonce): a worker of an abandoned formation can never answer for a new one. The replica's side
+writes its worker count (``world``) and one ``arrived/{rank}`` key per worker; the hub waits for
+them up to the formation deadline (naming what is missing, the list cut), and only then builds
+its end of the group, so a peer that never joins costs the deadline and nothing else. Store
+values are plain strings: nothing received is unpickled (SPEC §12.1).
 
 What travels (``POST /broadcast`` on the weight-control socket, JSON validated field by field;
 the tensors go through the group as raw bytes)::
 
-    {"op": "join", "store": "127.0.0.1:PORT", "prefix": "...", "backend": "gloo",
+    {"op": "join", "store": "/run/.../atroposd-bcast-store-XXXX/store", "prefix": "...", "backend": "gloo",
      "deadline_s": 30.0, "timeout_s": 150.0}
         → the replica joins (ranks 1..W of W + 1) and answers {"formation", "world"}
     {"op": "receive", "formation": "...", "weight_version": 17,
@@ -41,12 +44,15 @@ the server refuses to resume until a complete set arrived.
 from __future__ import annotations
 
 import datetime
-import ipaddress
-import socket
+import os
+import shutil
+import stat
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -82,6 +88,8 @@ BACKENDS = ("gloo", "nccl")
 FORM_POLL_S = 0.02
 STORE_TIMEOUT_S = 600.0
 MAX_TENSORS = 1 << 20
+STORE_DIR_PREFIX = "atroposd-bcast-store-"  # the hub's private directory
+MISSING_NAMED = 8  # worker ranks named in a formation's error; the rest counted
 
 
 class BroadcastFormTimeout(RuntimeError):
@@ -146,13 +154,6 @@ def _timeout(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(seconds))
 
 
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 class BroadcastGroup:
     """One formed group: rank ``rank`` of ``world``; rank 0 (the trainer) sends."""
 
@@ -174,23 +175,17 @@ class BroadcastGroup:
         world: int,
         backend: str,
         device: torch.device,
-        host: str,
         timeout_s: float,
         formation: str,
     ) -> BroadcastGroup:
-        """The backend object itself (never the default group). gloo is pinned to loopback when
-        the store is on loopback (one node)."""
+        """The backend object itself (never the default group). gloo is pinned to loopback: the
+        store is a file, every member is on this machine."""
         import torch.distributed as dist
 
         if backend == "gloo":
             opts = getattr(dist.ProcessGroupGloo, "_Options")()  # noqa: B009 - untyped in torch's stubs
             opts._timeout = _timeout(timeout_s)
-            dev = (
-                dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
-                if _loopback(host)
-                else dist.ProcessGroupGloo.create_default_device()
-            )
-            opts._devices = [dev]
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
             pg: Any = dist.ProcessGroupGloo(store, rank, world, opts)
         elif backend == "nccl":  # pragma: no cover - needs GPUs (NCCL refuses two ranks on one GPU)
             torch.cuda.set_device(device)
@@ -234,54 +229,65 @@ class BroadcastGroup:
 
 
 class BroadcastHub:
-    """The trainer's side: the store the groups meet through, and each formation."""
+    """The trainer's side: the store the groups meet through, and each formation.
+
+    The store is a FileStore in a private directory made under ``directory`` (the system's
+    temporary directory by default); it goes when the hub closes."""
 
     def __init__(
-        self, *, secret: str, backend: str = "gloo", device: torch.device | None = None, host: str = "127.0.0.1"
+        self,
+        *,
+        secret: str,
+        backend: str = "gloo",
+        device: torch.device | None = None,
+        directory: str | os.PathLike[str] | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown broadcast backend {backend!r} (one of {', '.join(BACKENDS)})")
         self.secret = secret
         self.backend = backend
         self.device = device if device is not None else torch.device("cpu")
-        self.host = host
-        self.port = 0
+        self.directory = directory
+        self.path: str | None = None  # the store's file, once made
         self.formations = 0
         self._store: Any = None
+        self._private_dir: str | None = None
         self._lock = threading.Lock()
 
     def store(self) -> Any:
-        """The TCPStore (hosted here, on a socket bound here: on loopback it listens nowhere else)."""
+        """The FileStore (a file of mode 0600 in a directory of mode 0700 made for it)."""
         with self._lock:
             if self._store is None:
                 import torch.distributed as dist
 
-                family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-                sock = socket.socket(family, socket.SOCK_STREAM)
+                if self.directory is not None:  # the daemon's own directory: a killed daemon's store goes now
+                    for stale in Path(self.directory).glob(STORE_DIR_PREFIX + "*"):
+                        shutil.rmtree(stale, ignore_errors=True)
+                private = tempfile.mkdtemp(prefix=STORE_DIR_PREFIX, dir=self.directory)  # 0700
                 try:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                    sock.bind((self.host, 0))
-                    sock.listen(256)
-                    self.port = int(sock.getsockname()[1])
-                    self._store = dist.TCPStore(
-                        self.host,
-                        self.port,
-                        is_master=True,
-                        master_listen_fd=sock.fileno(),
-                        wait_for_workers=False,
-                        use_libuv=False,
-                        timeout=_timeout(STORE_TIMEOUT_S),
-                    )
+                    path = os.path.join(private, "store")
+                    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # ours, before torch opens it
+                    store = dist.FileStore(path, -1)
+                    store.set_timeout(_timeout(STORE_TIMEOUT_S))
                 except BaseException:
-                    sock.close()
+                    shutil.rmtree(private, ignore_errors=True)
                     raise
-                sock.detach()  # the store's server owns the socket now
+                self._store, self.path, self._private_dir = store, path, private
             return self._store
 
     @property
     def address(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
+        """Where a replica finds the store: its file's path."""
+        if self.path is None:
+            raise RuntimeError("the broadcast store is not made yet (store())")
+        return self.path
+
+    def size(self) -> int:
+        """Bytes the store's file holds (0 before it is made)."""
+        try:
+            return os.stat(self.path).st_size if self.path is not None else 0
+        except OSError:
+            return 0
 
     def next_prefix(self, replica: int) -> str:
         """A fresh store prefix for one formation of ``replica``'s group."""
@@ -313,17 +319,18 @@ class BroadcastHub:
         while True:
             if not world and scoped.check(["world"]):
                 world = _store_int(scoped.get("world"), "world", 2, 1 << 16)
-            if world:
-                missing = [r for r in range(1, world) if not scoped.check([f"arrived/{r}"])]
-                if not missing:
-                    break
+            if world and scoped.check([f"arrived/{r}" for r in range(1, world)]):  # one look at them all
+                break
             if cancelled():
                 raise BroadcastFormTimeout("the broadcast group was abandoned while it formed")
             if time.monotonic() > deadline:
+                missing = [r for r in range(1, world) if not scoped.check([f"arrived/{r}"])]
+                named = ", ".join(map(str, missing[:MISSING_NAMED]))
+                more = f" and {len(missing) - MISSING_NAMED} more" if len(missing) > MISSING_NAMED else ""
                 what = (
                     "the replica never joined"
                     if not world
-                    else f"worker rank(s) {', '.join(map(str, missing))} of {world - 1} never arrived"
+                    else f"worker rank(s) {named}{more} of {world - 1} never arrived"
                 )
                 raise BroadcastFormTimeout(f"the broadcast group did not form within {deadline_s:g} s: {what}")
             time.sleep(FORM_POLL_S)
@@ -333,14 +340,17 @@ class BroadcastHub:
             world=world,
             backend=self.backend,
             device=self.device,
-            host=self.host,
             timeout_s=timeout_s,
             formation=prefix,
         )
         return group
 
     def close(self) -> None:
-        self._store = None
+        with self._lock:
+            self._store = None
+            private, self._private_dir, self.path = self._private_dir, None, None
+        if private is not None:
+            shutil.rmtree(private, ignore_errors=True)
 
 
 def _store_int(raw: bytes, what: str, low: int, high: int) -> int:
@@ -369,8 +379,7 @@ def _get(body: Mapping[str, Any], key: str, typ: type | tuple[type, ...]) -> Any
 
 @dataclass(frozen=True)
 class JoinRequest:
-    host: str
-    port: int
+    path: str  # the store's file
     prefix: str
     backend: str
     deadline_s: float
@@ -379,10 +388,6 @@ class JoinRequest:
     @classmethod
     def parse(cls, body: Mapping[str, Any], *, secret: str) -> JoinRequest:
         store = _get(body, "store", str)
-        host, sep, port_s = store.rpartition(":")
-        host = host.strip("[]")
-        if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
-            raise WeightUpdateError(f"broadcast 'store' must be HOST:PORT, got {store!r}")
         prefix = _get(body, "prefix", str)
         if not secret or not prefix.startswith(f"{secret}/bcast/") or len(prefix) > 200:
             raise WeightUpdateError("broadcast 'prefix' is not this launch's (a stale or foreign formation)")
@@ -393,7 +398,28 @@ class JoinRequest:
         timeout = float(_get(body, "timeout_s", (int, float)))
         if not 0 < deadline <= 86400 or not 0 < timeout <= 86400:
             raise WeightUpdateError("broadcast 'deadline_s' and 'timeout_s' must be in (0, 86400]")
-        return cls(host, int(port_s), prefix, backend, deadline, timeout)
+        check_store_path(store)  # last: what the file system says
+        return cls(store, prefix, backend, deadline, timeout)
+
+
+def check_store_path(path: str) -> None:
+    """A broadcast store a replica may join: an absolute path to a regular file of this user's
+    (not a link), in a directory of this user's that no one else may enter or write (0700) —
+    the trainer's private store, never one another user could have made or can reach."""
+    if not path.startswith("/") or len(path) > 4096:
+        raise WeightUpdateError(
+            f"broadcast 'store' must be the absolute path of the trainer's store, got {path!r:.200}"
+        )
+    me = os.geteuid()
+    try:
+        parent = os.lstat(os.path.dirname(path))
+        st = os.lstat(path)
+    except OSError as exc:
+        raise WeightUpdateError(f"broadcast store {path!r:.200} cannot be read: {exc.strerror}") from None
+    if not stat.S_ISDIR(parent.st_mode) or parent.st_uid != me or parent.st_mode & 0o077:
+        raise WeightUpdateError(f"broadcast store {path!r:.200} is not in a private directory of this user (0700)")
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != me or st.st_mode & 0o077:
+        raise WeightUpdateError(f"broadcast store {path!r:.200} is not a private file of this user (0600)")
 
 
 def parse_plan(body: Mapping[str, Any]) -> list[list[tuple[str, TensorSpec]]]:
@@ -475,7 +501,8 @@ class BroadcastReceiver:
         if not 1 <= rank < world:
             raise WeightUpdateError(f"broadcast rank {rank} is outside 1..{world - 1}")
         self.leave()
-        store = dist.TCPStore(req.host, req.port, is_master=False, timeout=_timeout(req.deadline_s), use_libuv=False)
+        store = dist.FileStore(req.path, -1)
+        store.set_timeout(_timeout(req.deadline_s))
         scoped = dist.PrefixStore(req.prefix, store)
         if rank == 1:
             scoped.set("world", str(world))
@@ -486,7 +513,6 @@ class BroadcastReceiver:
             world=world,
             backend=req.backend,
             device=device if req.backend == "nccl" else torch.device("cpu"),
-            host=req.host,
             timeout_s=req.timeout_s,
             formation=req.prefix,
         )

@@ -203,6 +203,7 @@ def make_weight_sync(
             backend=backend,
             device=device,
             form_timeout=min(float(cfg.trainer.join_timeout), deadline),
+            store_dir=Paths.of(cfg).runtime_dir,
         )
     else:
         raise ValueError(f"unknown weight_sync mode {mode!r}")

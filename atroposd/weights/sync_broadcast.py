@@ -74,13 +74,15 @@ class BroadcastSync(OnReplicas):
         device: torch.device | None = None,
         form_timeout: float = 60.0,
         digest: bool = False,
+        store_dir: Path | None = None,
     ) -> None:
         from atroposd.weights.broadcast import BroadcastHub
 
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.replicas = Replicas(sockets_of(control_socket, control_sockets))
-        self.hub = BroadcastHub(secret=nonce, backend=backend, device=device)
+        # the rendezvous: a FileStore in a private directory under store_dir (the runtime directory)
+        self.hub = BroadcastHub(secret=nonce, backend=backend, device=device, directory=store_dir)
         self.cadence = Cadence(sync_every)
         self.bucket_bytes = bucket_bytes
         self.source = SourceCache(source_for)

@@ -10,7 +10,6 @@ read as bounded integers, never unpickled."""
 from __future__ import annotations
 
 import asyncio
-import datetime
 import os
 import pickle
 import signal
@@ -117,7 +116,7 @@ def test_plan_round_trips_and_bad_plans_are_refused() -> None:
         rx.join(
             {
                 "op": "join",
-                "store": "127.0.0.1:1",
+                "store": "/nowhere/store",
                 "prefix": "other/bcast/r0/f1/",
                 "backend": "gloo",
                 "deadline_s": 1.0,
@@ -129,7 +128,7 @@ def test_plan_round_trips_and_bad_plans_are_refused() -> None:
         rx.join(
             {
                 "op": "join",
-                "store": "127.0.0.1:1",
+                "store": "/nowhere/store",
                 "prefix": "nonce1/bcast/r0/f1/",
                 "backend": "mpi",
                 "deadline_s": 1.0,
@@ -137,11 +136,11 @@ def test_plan_round_trips_and_bad_plans_are_refused() -> None:
             },
             torch.device("cpu"),
         )
-    with pytest.raises(WeightUpdateError, match="HOST:PORT"):
+    with pytest.raises(WeightUpdateError, match="absolute path"):
         rx.join(
             {
                 "op": "join",
-                "store": "nowhere",
+                "store": "127.0.0.1:1",
                 "prefix": "nonce1/bcast/r0/f1/",
                 "backend": "gloo",
                 "deadline_s": 1.0,
@@ -162,18 +161,21 @@ class _RunsWhenUnpickled:
 
 
 def test_the_hub_forms_within_its_deadline_on_a_fresh_prefix_and_reads_only_integers(tmp_path: Path) -> None:
-    """The trainer's side of a formation, on a real TCPStore: each formation gets a prefix of its
-    own; nobody under it, or a worker missing, costs the deadline and names what is missing; the
-    store's values are parsed as bounded integers, never unpickled; an abandoned formation stops."""
+    """The trainer's side of a formation, on its real FileStore: each formation gets a prefix of
+    its own; nobody under it, or a worker missing, costs the deadline and names what is missing
+    (the list cut); the store's values are parsed as bounded integers, never unpickled; an
+    abandoned formation stops."""
     import torch.distributed as dist
 
-    hub = BroadcastHub(secret="nonce1")
+    hub = BroadcastHub(secret="nonce1", directory=tmp_path)
     hub.store()
-    peer = dist.TCPStore("127.0.0.1", hub.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    assert hub.path is not None and Path(hub.path).parent.parent == tmp_path
+    assert os.stat(Path(hub.path).parent).st_mode & 0o777 == 0o700 and os.stat(hub.path).st_mode & 0o777 == 0o600
+    peer = dist.FileStore(hub.address, -1)
     try:
         prefixes = [hub.next_prefix(0), hub.next_prefix(0), hub.next_prefix(1)]
         assert len(set(prefixes)) == 3 and all(p.startswith("nonce1/bcast/r") for p in prefixes)
-        assert hub.join_request(prefixes[0], deadline_s=1.0, timeout_s=2.0)["store"] == f"127.0.0.1:{hub.port}"
+        assert hub.join_request(prefixes[0], deadline_s=1.0, timeout_s=2.0)["store"] == hub.path
 
         # a replica that joined an earlier formation answers nothing for this one
         dist.PrefixStore(prefixes[0], peer).set("world", "2")
@@ -211,8 +213,57 @@ def test_the_hub_forms_within_its_deadline_on_a_fresh_prefix_and_reads_only_inte
         with pytest.raises(BroadcastFormTimeout, match="abandoned"):
             hub.form(hub.next_prefix(3), deadline_s=30.0, timeout_s=2.0, cancelled=lambda: True)
         assert time.monotonic() - t0 < 2.0
+
+        # a world of 65,536 workers with none arrived: the error names eight and counts the rest
+        prefix = hub.next_prefix(4)
+        dist.PrefixStore(prefix, peer).set("world", "65536")
+        with pytest.raises(BroadcastFormTimeout) as info:
+            hub.form(prefix, deadline_s=0.2, timeout_s=2.0)
+        assert "1, 2, 3, 4, 5, 6, 7, 8 and 65527 more of 65535" in str(info.value) and len(str(info.value)) < 300
     finally:
         del peer
+        private = Path(hub.path).parent if hub.path else None
+        hub.close()
+        assert private is not None and not private.exists(), "the store's directory goes with the hub"
+
+
+@pytest.mark.slow
+def test_a_stranger_cannot_reach_the_broadcast_rendezvous(tmp_path: Path) -> None:
+    """Another user of the machine (a child that drops to nobody when the tests run as root)
+    cannot open the rendezvous store to write into it: it is a file in a private directory, and
+    the trainer listens on no TCP port for it (it used to be a loopback TCPStore any local user
+    could connect to, write any key of, and grow without bound)."""
+    from tests.unprivileged import run_unprivileged
+
+    hub = BroadcastHub(secret="nonce1")
+    try:
+        address = hub.join_request(hub.next_prefix(0), deadline_s=1.0, timeout_s=2.0)["store"]
+        code = (
+            "import sys, datetime\n"
+            "address = sys.argv[1]\n"
+            "try:\n"
+            "    if address.startswith('/'):\n"
+            "        open(address, 'ab').close()\n"
+            "        store = dist.FileStore(address, -1)\n"
+            "    else:\n"
+            "        host, _, port = address.rpartition(':')\n"
+            "        store = dist.TCPStore(host, int(port), is_master=False, "
+            "timeout=datetime.timedelta(seconds=5), use_libuv=False)\n"
+            "    store.set('nonce1/bcast/r0/f2/world', '65536')\n"
+            "    print('REACHED')\n"
+            "except Exception as exc:\n"
+            "    print('REFUSED', type(exc).__name__, exc)\n"
+        )
+        result = run_unprivileged(code, [address], setup="import torch.distributed as dist")
+        assert "REFUSED" in result.stdout and "REACHED" not in result.stdout, (result.stdout, result.stderr[-2000:])
+        # and its file is only reachable through a directory of this user's that no one else may enter
+        from atroposd.weights.broadcast import check_store_path
+
+        check_store_path(address)
+        os.chmod(Path(address).parent, 0o755)
+        with pytest.raises(WeightUpdateError, match="private directory"):
+            check_store_path(address)
+    finally:
         hub.close()
 
 
@@ -359,7 +410,7 @@ async def test_a_peer_that_never_joins_fails_that_replica_within_the_deadline(pa
 
     def misdirected(prefix: str, **kw: Any) -> dict[str, Any]:
         req = real(prefix, **kw)
-        return {**req, "store": f"127.0.0.1:{dead_port}"} if "/r1/" in prefix else req
+        return {**req, "store": f"/nonexistent/{dead_port}/store"} if "/r1/" in prefix else req
 
     try:
         sync.hub.join_request = misdirected  # type: ignore[method-assign]
