@@ -5,7 +5,9 @@ the message naming the size needed and ``--shm-size``."""
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,3 +95,47 @@ def test_a_small_tmpfs_refuses_what_cannot_fit_and_warns_when_only_free_space_is
     warned = check_shm(ShmNeed(2 * MIB, "the host staging buffer"), small_tmpfs)
     assert warned is not None and warned.level == "warn"
     assert "needs 2 MiB" in warned.message and "--shm-size=" in warned.message
+
+
+def _huge_model(tiny: Path, into: Path) -> Path:
+    """The tiny model's directory with a weights file whose header names a 160 GB float32 tensor
+    (no data follows: nothing reads past the header before the check)."""
+    import shutil
+
+    d = into / "huge"
+    shutil.copytree(tiny, d)
+    for f in d.glob("*.safetensors"):
+        f.unlink()
+    header = json.dumps({"huge": {"dtype": "F32", "shape": [200_000, 200_000], "data_offsets": [0, 160_000_000_000]}})
+    raw = header.encode()
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+    return d
+
+
+@pytest.mark.slow  # a daemon start: about 10 s here, more on a loaded machine
+def test_a_start_is_refused_when_dev_shm_cannot_hold_the_exported_weights(short_tmp: Path) -> None:
+    """A real daemon, the exported weights of a model larger than /dev/shm: the start fails
+    (exit 1) before any child starts, its log naming the size needed and --shm-size."""
+    from atroposd.models.tiny import ensure_builtin_model
+    from tests.support import atroposd, write_config
+
+    model = _huge_model(ensure_builtin_model(short_tmp / "tiny", 0, 256), short_tmp)
+    cfg = write_config(
+        short_tmp / "atroposd.toml",
+        {
+            "daemon": {
+                "runtime_dir": str(short_tmp / "run"),
+                "state_dir": str(short_tmp / "state"),
+                "log_format": "json",
+            },
+            "inference": {"model": str(model), "device": "cpu", "max_model_len": 256},
+            "trainer": {"device": "cpu", "weight_sync": "push", "max_token_len": 128},
+            "env": [],
+        },
+    )
+    r = atroposd("run", "-c", str(cfg), timeout=90)
+    logs = list((short_tmp / "state").rglob("daemon.log"))
+    log = r.stdout + r.stderr + "".join(p.read_text(errors="replace") for p in logs)
+    assert r.returncode == 1, (r.stdout[-2000:], r.stderr[-2000:])
+    assert "--shm-size=" in log and "/dev/shm holds" in log and "needs 149.0 GiB" in log, log[-3000:]
+    assert "exported weights" in log
