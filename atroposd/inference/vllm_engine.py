@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import time
 import uuid
@@ -69,8 +70,10 @@ def check_installed_vllm(*, allow_untested: bool) -> None:
         log.warning("untested vLLM", version=version, detail=warning)
 
 
-# vLLM imports the worker extension by this name in each worker (atroposd.inference.vllm_worker)
+# vLLM imports the worker extension by this name in each worker (atroposd.inference.vllm_worker);
+# importing it registers atroposd's weight-transfer engine under this backend name.
 WORKER_EXTENSION = "atroposd.inference.vllm_worker.AtroposdWorkerExtension"
+TRANSFER_BACKEND = "atroposd"
 CPU_DEFAULT_MEMORY_FRACTION = 0.2
 # How long a probe generation waits for a bucketed push under way before it fails.
 PROBE_WAIT_S = 60.0
@@ -133,6 +136,7 @@ class VllmEngine(WeightGate):
         self._update_lock = asyncio.Lock()
         self._whole = asyncio.Event()  # set: no bucketed push under way (_settle)
         self._whole.set()
+        self._session = False  # a weight-transfer session (start_weight_update) not yet finished
         # LoRA (trainer.mode = "lora"): adapters arrive through reload; generations use the newest.
         self.lora_rank = lora_rank
         self._lora: Any = None  # the current LoRARequest
@@ -189,6 +193,11 @@ class VllmEngine(WeightGate):
         # Probes (max_tokens ≤ 1: health checks) go ahead of queued rollouts (lower = sooner).
         args.scheduling_policy = "priority"
         args.worker_extension_cls = WORKER_EXTENSION
+        # Every weight update goes through vLLM's weight-transfer lifecycle into atroposd's own
+        # engine, which the worker extension registers in each worker (vllm_transfer.py).
+        from vllm.config import WeightTransferConfig
+
+        args.weight_transfer_config = WeightTransferConfig(backend=TRANSFER_BACKEND)
         args.seed = self.seed
         # vLLM's own statistics on: its Prometheus metrics (vllm:*) join the server's /metrics
         # (atroposd.inference.metrics); its periodic throughput line goes to this server's log.
@@ -344,13 +353,13 @@ class VllmEngine(WeightGate):
         async with self._update_lock:
             t0 = time.perf_counter()
             try:
-                results = await self._worker_call("atroposd_reload_from_manifest", manifest.to_json().decode())
+                await self._transfer({"manifest": manifest.to_json().decode()}, start=True, finish=True)
                 self.receiver.buckets = None  # a whole model replaces any push that stopped halfway
                 self.receiver.weight_version = manifest.weight_version
             finally:
                 self._settle()
         self.updates += 1
-        stats = orjson.loads(results[0])
+        stats = _manifest_stats(manifest)
         log.info("weights updated", weight_version=manifest.weight_version, seconds=time.perf_counter() - t0, **stats)
         return {"weight_version": manifest.weight_version, "mode": "copy", "export_id": manifest.export_id, **stats}
 
@@ -380,12 +389,14 @@ class VllmEngine(WeightGate):
         async with self._update_lock:
             t0 = time.perf_counter()
             try:
-                results = await self._worker_call("atroposd_load_bucket", manifest.to_json().decode())
+                await self._transfer(
+                    {"manifest": manifest.to_json().decode()}, start=index == 0, finish=index + 1 == count
+                )
                 complete = self.receiver.bucket_applied(manifest, progress)
             finally:
                 self._settle()
         self.updates += 1
-        stats = orjson.loads(results[0])
+        stats = _manifest_stats(manifest)
         seconds = time.perf_counter() - t0
         log.debug(
             "bucket loaded",
@@ -430,7 +441,7 @@ class VllmEngine(WeightGate):
 
     async def load_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """``{"path", "weight_version"}``: load a directory the trainer wrote (reload mode)."""
-        from atroposd.weights.manifest import ManifestError
+        from atroposd.weights.manifest import ManifestError, itemsize
         from atroposd.weights.syncdir import inspect_sync_dir
         from atroposd.weights.tensors import match_tensors
 
@@ -452,14 +463,15 @@ class VllmEngine(WeightGate):
             raise WeightUpdateError(str(exc)) from None
         async with self._update_lock:
             try:
-                results = await self._worker_call("atroposd_reload_from_file", str(file))
+                await self._transfer({"path": str(file)}, start=True, finish=True)
                 if self.receiver is not None:
                     self.receiver.buckets = None  # a whole model replaces any push that stopped halfway
                     self.receiver.weight_version = version
             finally:
                 self._settle()
         self.updates += 1
-        return {"weight_version": version, "mode": "load", "export_id": None, **orjson.loads(results[0])}
+        total = sum(itemsize(sp.dtype) * math.prod(sp.shape) for sp in exported.values())
+        return {"weight_version": version, "mode": "load", "export_id": None, "tensors": len(exported), "bytes": total}
 
     async def _load_adapter(self, directory: Path, version: int, spec: Mapping[str, Any]) -> dict[str, Any]:
         """Serve the adapter of a LoRA sync directory; the previous adapter is dropped."""
@@ -492,25 +504,45 @@ class VllmEngine(WeightGate):
         self.updates += 1
         return {"weight_version": version, "mode": "load", "export_id": None, "adapter": str(adapter)}
 
-    async def _worker_call(self, method: str, arg: str) -> list[Any]:
-        """Run a worker-extension method on every worker, then drop the prefix cache.
+    async def _transfer(self, update_info: dict[str, str] | None, *, start: bool, finish: bool) -> None:
+        """One step of vLLM's weight-transfer lifecycle on every worker (atroposd's transfer
+        engine, :mod:`atroposd.inference.vllm_transfer`): ``start`` opens a session (finishing
+        one left open by a push that stopped halfway), ``update_info`` is one chunk, ``finish``
+        closes it and drops the prefix cache.
 
-        The worker reads and checks every tensor before it reloads anything, so a failure
-        there (a segment gone, a checksum off) leaves the served weights as they were; it is
-        answered as a refused update, naming the cause.
+        A worker reads and checks a chunk before it loads any of it, and vLLM's reload starts
+        with the first chunk loaded, so a whole model refused (a segment gone, a checksum off)
+        leaves the served weights as they were; it is answered as a refused update, naming the
+        cause.
         """
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
         try:
-            results: list[Any] = await self.engine.collective_rpc(method, args=(arg,))
+            if start:
+                if self._session:  # vLLM has no abort: the transfer engine drops what arrived
+                    self._session = False
+                    await self.engine.finish_weight_update()
+                await self.engine.start_weight_update()
+                self._session = True
+            if update_info is not None:
+                try:
+                    await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+                except BaseException:
+                    self._session = False  # vLLM's worker ends the session on an error
+                    raise
+            if finish:
+                self._session = False
+                await self.engine.finish_weight_update()
         except Exception as exc:  # vLLM wraps the worker's exception in its own types
             raise WeightUpdateError(f"the vLLM worker refused the update: {exc}") from exc
-        await self.engine.reset_prefix_cache()
-        return results
+        if finish:
+            await self.engine.reset_prefix_cache()
 
     async def broadcast_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """``POST /broadcast`` (``weight_sync = "broadcast"``, atroposd.weights.broadcast): every
         worker joins the trainer's group; a receive is checked whole against the model's
         checkpoint-format tensors, then streamed by the workers in the background; finish waits."""
-        from atroposd.weights.broadcast import JoinRequest, check_plan, parse_plan
+        from atroposd.weights.broadcast import JoinRequest, check_plan, layout, parse_plan
         from atroposd.weights.receiver import BucketProgress
 
         if self.receiver is None or not self.receiver.nonce:
@@ -533,7 +565,9 @@ class VllmEngine(WeightGate):
             workers = len(await self.engine.collective_rpc("atroposd_ping"))
             body = orjson.dumps({"join": dict(request), "secret": self.receiver.nonce, "world": 1 + workers}).decode()
             try:
-                await self.engine.collective_rpc("atroposd_broadcast_join", args=(body,))
+                from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+                await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={"broadcast": body}))
             except Exception as exc:  # vLLM wraps the worker's exception in its own types
                 raise WeightUpdateError(f"the vLLM workers did not join the broadcast group: {exc}") from exc
             state["formation"] = request["prefix"]
@@ -556,26 +590,37 @@ class VllmEngine(WeightGate):
             progress = BucketProgress(version, len(plan))
             self.receiver.buckets = progress  # the model is mid-reload until the last bucket
             self._settle()
-            body = orjson.dumps(
-                {
-                    "formation": formation,
-                    "weight_version": version,
-                    "buckets": [[[n, sp.dtype, list(sp.shape)] for n, sp in b] for b in plan],
-                }
-            ).decode()
+            chunks = [
+                orjson.dumps(
+                    {
+                        "formation": formation,
+                        "weight_version": version,
+                        "index": i,
+                        "buckets": len(plan),
+                        "tensors": [[n, sp.dtype, list(sp.shape)] for n, sp in b],
+                    }
+                ).decode()
+                for i, b in enumerate(plan)
+            ]
 
             async def run() -> dict[str, Any]:
                 t0 = time.perf_counter()
                 async with self._update_lock:
                     try:
-                        results = await self._worker_call("atroposd_broadcast_receive", body)
+                        # one lifecycle session; each bucket is one update_weights chunk
+                        for i, chunk in enumerate(chunks):
+                            await self._transfer({"broadcast": chunk}, start=i == 0, finish=i + 1 == len(chunks))
                         assert self.receiver is not None
                         self.receiver.buckets = None
                         self.receiver.weight_version = version
                     finally:
                         self._settle()
                 self.updates += 1
-                stats: dict[str, Any] = orjson.loads(results[0])
+                stats = {
+                    "tensors": sum(len(b) for b in plan),
+                    "bytes": sum(layout(b).size for b in plan),
+                    "buckets": len(plan),
+                }
                 return {"weight_version": version, **stats, "seconds": round(time.perf_counter() - t0, 6)}
 
             state["task"] = asyncio.get_running_loop().create_task(run())
@@ -605,6 +650,10 @@ class VllmEngine(WeightGate):
             "engine": self.name,
             "pid": os.getpid(),
         }
+
+
+def _manifest_stats(manifest: Manifest) -> dict[str, int]:
+    return {"tensors": len(manifest.tensors), "bytes": sum(t.nbytes for t in manifest.tensors)}
 
 
 def _build_engine(args: Any) -> Any:

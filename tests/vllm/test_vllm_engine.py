@@ -113,9 +113,13 @@ class Server:
     def wait_ready(self, timeout: float = 600) -> None:
         import urllib.request
 
+        exited: list[str] = []
+
         def ready() -> bool:
             if self.proc is not None and self.proc.poll() is not None:
-                raise AssertionError(f"vLLM front exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+                # ends the wait at once (wait_for would retry an exception until its timeout)
+                exited.append(f"vLLM front exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+                return True
             try:
                 urllib.request.urlopen(self.url + "/health", timeout=2).close()
             except OSError:
@@ -128,6 +132,8 @@ class Server:
             return bool(out["token_ids"][0])
 
         wait_for(ready, timeout=timeout, interval=0.5, what="vLLM engine ready")
+        if exited:
+            raise AssertionError(exited[0])
 
     async def call(self, method: str, route: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         from atroposd.weights.client import WeightControlClient
