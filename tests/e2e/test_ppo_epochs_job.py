@@ -11,7 +11,7 @@ import pytest
 
 from tests.e2e.jobs import SHORT_TASK, job_config, run_short_learning_job
 
-PPO_STEPS = 150
+PPO_STEPS = 100
 GSPO_STEPS = 300
 
 
