@@ -4,7 +4,8 @@
   machine's image lacks (torch's own environment and transformers are there), pinned to this
   environment's versions, each line marked with the Python versions that need it;
 * ``wheels/``: a wheel of each for CPython 3.10, 3.11, 3.12 and 3.13 (manylinux x86_64), so that
-  ``run`` installs whatever Python the machine has (``--dry-run``: none);
+  ``run`` installs whatever Python the machine has (``--dry-run``: none); a pinned version
+  without a wheel for one of them is loosened, for that Python only, to what its requirers ask;
 * ``qwen-0.5b/``: the config and tokenizer of a Qwen2.5-0.5B-shaped model (its weights are drawn
   on the GPU machine, never carried);
 * ``jobs/``: the jobs' configs as ``run`` writes them there, each passed through ``config check``.
@@ -28,9 +29,13 @@ LIMIT_BYTES = 64 << 20
 PYTHONS = ("3.10", "3.11", "3.12", "3.13")
 #: what the GPU machine's image already holds: never carried
 PREINSTALLED = ("torch", "transformers", "tokenizers", "safetensors", "numpy")
+#: of the test extra, what the ``gpu``-marked tests and their conftests need (not atroposlib, wandb,
+#: docker...: those tests do not run there, and their wheels would not fit 64 MiB)
+GPU_TESTS_NEED = ("pytest", "pytest-timeout", "hypothesis")
 #: what ``run`` itself needs: NVML's bindings
 RUN_ONLY = ("nvidia-ml-py>=12",)
-#: torch's own environment (torch 2.11 wheels bring these): never carried
+#: torch's own environment (torch 2.11 wheels bring these): never carried (packaging and
+#: typing-extensions are: atroposd and anyio ask for newer ones than an image may hold)
 TORCH_ENV = {
     "torch",
     "triton",
@@ -41,14 +46,12 @@ TORCH_ENV = {
     "markupsafe",
     "fsspec",
     "filelock",
-    "typing-extensions",
     "setuptools",
     "huggingface-hub",
     "pyyaml",
     "regex",
     "requests",
     "tqdm",
-    "packaging",
     "certifi",
     "charset-normalizer",
     "idna",
@@ -62,12 +65,13 @@ class PrepareError(RuntimeError):
 
 
 def requirements() -> list[str]:
-    """atroposd's dependencies (and its tests') that the GPU machine's environment lacks."""
+    """atroposd's dependencies (and its gpu tests') that the GPU machine's environment lacks."""
     import tomllib
+    from packaging.requirements import Requirement
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    # the tests' own needs too (the gpu-marked tests run there); matplotlib only draws plots
-    tests = [d for d in project["optional-dependencies"]["test"] if not d.startswith("matplotlib")]
+    # of the tests' own needs, what the gpu-marked tests and their conftests import
+    tests = [d for d in project["optional-dependencies"]["test"] if _norm(Requirement(d).name) in GPU_TESTS_NEED]
     out = []
     for dep in [*project["dependencies"], *tests, *RUN_ONLY]:
         match = re.match(r"[A-Za-z0-9_.-]+", dep.strip())
@@ -80,90 +84,120 @@ def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def closure(reqs: list[str], python: str) -> dict[str, str]:
-    """``{name: "name==version"}`` of every distribution ``reqs`` need on ``python`` (this
-    environment's versions; a requirement not installed here keeps its own specifier), less what
-    the GPU machine's image holds."""
+def closure(reqs: list[str], python: str, parents: dict[str, set[str]] | None = None) -> dict[str, tuple[str, str]]:
+    """``{name: (pin, loose)}`` of every distribution ``reqs`` need on ``python``, less what the
+    GPU machine's image holds: ``pin`` is ``name==version`` of this environment (a requirement
+    not installed here keeps its specifier), ``loose`` the name with what its requirers ask.
+    ``parents``, when given, gets each name's requirers."""
     from importlib import metadata
 
     from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
 
     skip = {_norm(n) for n in PREINSTALLED} | TORCH_ENV
     seen: dict[str, str] = {}
-    todo = list(reqs)
+    asked: dict[str, SpecifierSet] = {}
+    todo: list[tuple[str, str | None]] = [(r, None) for r in reqs]
     while todo:
-        req = Requirement(todo.pop())
+        text, parent = todo.pop()
+        req = Requirement(text)
         if req.marker is not None and not req.marker.evaluate({"python_version": python, "extra": ""}):
             continue
         name = _norm(req.name)
-        if name in skip or name in seen or (name.startswith("nvidia-") and name != "nvidia-ml-py"):
+        if name in skip or (name.startswith("nvidia-") and name != "nvidia-ml-py"):
+            continue
+        asked[name] = asked.get(name, SpecifierSet()) & req.specifier
+        if parents is not None and parent is not None:
+            parents.setdefault(name, set()).add(parent)
+        if name in seen:
             continue
         try:
             dist = metadata.distribution(name)
         except metadata.PackageNotFoundError:
-            seen[name] = f"{name}{req.specifier}"  # not installed here: pip resolves it, or prepare fails
+            seen[name] = ""  # not installed here: pip resolves it, or prepare fails
             continue
-        seen[name] = f"{name}=={dist.version}"
-        todo += list(dist.requires or [])
-    return seen
+        seen[name] = dist.version
+        todo += [(r, name) for r in dist.requires or []]
+    out = {}
+    for name, version in seen.items():
+        loose = f"{name}{asked[name]}"
+        out[name] = (f"{name}=={version}" if version else loose, loose)
+    return out
 
 
-def pinned(reqs: list[str]) -> list[str]:
-    """One line per pin, with the Pythons that need it as an environment marker when not all do."""
-    by_python = {py: closure(reqs, py) for py in PYTHONS}
-    pins = sorted({pin for c in by_python.values() for pin in c.values()})
-    lines = []
-    for pin in pins:
-        need = [py for py in PYTHONS if pin in by_python[py].values()]
+def pinned(reqs: list[str]) -> dict[str, dict[str, str]]:
+    """Per Python: ``{name: requirement}``, each pinned to this environment's version."""
+    return {py: {name: pin for name, (pin, _loose) in closure(reqs, py).items()} for py in PYTHONS}
+
+
+def lines(per_python: dict[str, dict[str, str]]) -> list[str]:
+    """requirements.txt: one line per requirement, marked with the Pythons that take it when not all do."""
+    every = sorted({r for reqs in per_python.values() for r in reqs.values()})
+    out = []
+    for req in every:
+        need = [py for py in PYTHONS if req in per_python[py].values()]
         if len(need) == len(PYTHONS):
-            lines.append(pin)
+            out.append(req)
         else:
-            lines.append(pin + " ; " + " or ".join(f'python_version == "{py}"' for py in need))
-    return lines
+            out.append(req + " ; " + " or ".join(f'python_version == "{py}"' for py in need))
+    return out
 
 
-def download(out: Path, lines: list[str]) -> None:
-    """Each pin's wheel for each Python that needs it (binary wheels only; pip fails on a pin
-    it cannot resolve, and so does prepare)."""
-    from packaging.requirements import Requirement
+_NOT_FOUND = re.compile(r"No matching distribution found for ([A-Za-z0-9_.-]+)==")
 
+
+def download(out: Path, reqs: list[str], per_python: dict[str, dict[str, str]]) -> None:
+    """Each requirement's wheel for each Python (binary wheels only). A pin with no wheel for a
+    Python (a version that dropped it) is loosened to what its requirers ask, for that Python
+    alone, and resolved by pip; one pip cannot resolve fails ``prepare``, naming it."""
     wheels = out / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     for py in PYTHONS:
-        pins = []
-        for line in lines:
-            req = Requirement(line)
-            if req.marker is None or req.marker.evaluate({"python_version": py, "extra": ""}):
-                pins.append(f"{req.name}{req.specifier}")
-        res = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "-d",
-                str(wheels),
-                "--only-binary=:all:",
-                "--python-version",
-                py,
-                "--implementation",
-                "cp",
-                "--platform",
-                "manylinux2014_x86_64",
-                "--platform",
-                "manylinux_2_17_x86_64",
-                "--platform",
-                "manylinux_2_28_x86_64",
-                "--platform",
-                "any",
-                *pins,
-            ],
-            capture_output=True,
-            text=True,
-        )
-        if res.returncode != 0:
-            raise PrepareError(f"no wheel for CPython {py} of a requirement: {res.stderr.strip()[-1500:]}")
+        parents: dict[str, set[str]] = {}
+        loose = {name: lo for name, (_pin, lo) in closure(reqs, py, parents).items()}
+        for _attempt in range(40):
+            res = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--no-deps",
+                    "-d",
+                    str(wheels),
+                    "--only-binary=:all:",
+                    "--python-version",
+                    py,
+                    "--implementation",
+                    "cp",
+                    "--platform",
+                    "manylinux2014_x86_64",
+                    "--platform",
+                    "manylinux_2_17_x86_64",
+                    "--platform",
+                    "manylinux_2_28_x86_64",
+                    "--platform",
+                    "any",
+                    *sorted(per_python[py].values()),
+                ],
+                capture_output=True,
+                text=True,
+            )
+            if res.returncode == 0:
+                break
+            miss = _NOT_FOUND.search(res.stderr)
+            name = _norm(miss.group(1)) if miss else None
+            if name is None or name not in per_python[py] or per_python[py][name] == name:
+                raise PrepareError(f"a requirement has no wheel for CPython {py}: {res.stderr.strip()[-1500:]}")
+            if per_python[py][name] != loose[name]:
+                per_python[py][name] = loose[name]  # what its requirers ask
+            else:  # its requirers pin it: the newest for this Python, and they loosened as well
+                per_python[py][name] = name
+                for parent in parents.get(name, ()):
+                    if parent in per_python[py] and per_python[py][parent] != name:
+                        per_python[py][parent] = loose[parent]
+        else:
+            raise PrepareError(f"the requirements for CPython {py} did not resolve: {res.stderr.strip()[-1500:]}")
 
 
 def write_model_files(out: Path) -> Path:
@@ -214,10 +248,12 @@ def job_configs(out: Path, model: Path) -> dict[str, Path]:
 
 def prepare(out: Path, dry_run: bool) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
-    lines = pinned(requirements())
-    (out / "requirements.txt").write_text("\n".join(lines) + "\n")
+    reqs = requirements()
+    per_python = pinned(reqs)
     if not dry_run:
-        download(out, lines)
+        download(out, reqs, per_python)
+    req_lines = lines(per_python)
+    (out / "requirements.txt").write_text("\n".join(req_lines) + "\n")
     model = write_model_files(out)
     configs = job_configs(out, model)
     carried = sum(
@@ -228,7 +264,7 @@ def prepare(out: Path, dry_run: bool) -> dict[str, Any]:
     if carried > LIMIT_BYTES:
         raise PrepareError(f"{out} holds {carried} bytes, over the {LIMIT_BYTES}-byte limit")
     return {
-        "requirements": lines,
+        "requirements": req_lines,
         "pythons": list(PYTHONS),
         "wheels": len(list((out / "wheels").glob("*.whl"))) if not dry_run else 0,
         "model": str(model),

@@ -170,6 +170,7 @@ def run_phase(name: str, ctx: Context, limit_s: float) -> dict[str, Any]:
     argv = [ctx.python, "-m", "gpucheck.phases", name, ctx.to_json(), str(result_file), str(time.time() + limit_s)]
     at = _now()
     t0 = time.monotonic()
+    cpu0 = _children_cpu()
     proc: subprocess.Popen[Any] | None = None
     status, reason, killed = "failed", None, []
     rc: int | None = None
@@ -194,6 +195,7 @@ def run_phase(name: str, ctx: Context, limit_s: float) -> dict[str, Any]:
             killed = stop_tree(proc)
             rc = proc.returncode
     wall = round(time.monotonic() - t0, 2)
+    cpu = round(_children_cpu() - cpu0, 2)
     left_segments = remove_segments(ctx.nonce)
     record = load_record(result_file)
     checks = record.get("checks", [])
@@ -212,6 +214,7 @@ def run_phase(name: str, ctx: Context, limit_s: float) -> dict[str, Any]:
         "device": ctx.device,
         "at": at,
         "wall_s": wall,
+        "cpu_s": cpu,
         "deadline_s": round(limit_s, 1),
         "exit": rc,
         "figures": record.get("figures", {}),
@@ -224,6 +227,14 @@ def run_phase(name: str, ctx: Context, limit_s: float) -> dict[str, Any]:
     return obj
 
 
+def _children_cpu() -> float:
+    """CPU seconds of this process's reaped descendants (a phase's, once it ended)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return float(usage.ru_utime + usage.ru_stime)
+
+
 def summary(jsonl: Path) -> dict[str, Any]:
     """One line for the terminal: each phase's status and wall time."""
     rows = []
@@ -231,5 +242,7 @@ def summary(jsonl: Path) -> dict[str, Any]:
         rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
     return {
         "jsonl": str(jsonl),
-        "phases": {r["phase"]: {"status": r["status"], "wall_s": r.get("wall_s")} for r in rows},
+        "phases": {
+            r["phase"]: {"status": r["status"], "wall_s": r.get("wall_s"), "cpu_s": r.get("cpu_s")} for r in rows
+        },
     }
