@@ -209,12 +209,14 @@ class Replaced(Message):
 
 @dataclass(frozen=True)
 class Ranks(Message):
-    """Start (for ``generation``) or stop a node's trainer ranks."""
+    """Start (for ``generation`` of the head's ``launch``: its nonce, in the store prefix and the
+    command key) or stop a node's trainer ranks."""
 
     TYPE: ClassVar[str] = "ranks"
     DIRECTION: ClassVar[str] = H2N
     op: Literal["start", "stop"]
     generation: int = 0
+    launch: str = ""
 
 
 @dataclass(frozen=True)

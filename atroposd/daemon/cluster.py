@@ -261,9 +261,11 @@ class HeadLink:
         bind = bind_address(c)
         # this node reaches it where it listens (``head`` may resolve elsewhere here: to 127.0.1.1)
         here = c.head if bind in ("0.0.0.0", "::") else bind
-        secret, key = self.store_secret, self.store_key
+        secret, key, launch = self.store_secret, self.store_key, self.daemon.nonce
         return await anyio.to_thread.run_sync(
-            lambda: GroupStore(secret=secret, world=world, host=bind, port=c.port + 1, advertise=here, key=key)
+            lambda: GroupStore(
+                secret=secret, world=world, host=bind, port=c.port + 1, advertise=here, key=key, launch=launch
+            )
         )
 
     def _check_join(self, msg: Join) -> str | None:
@@ -344,7 +346,8 @@ class HeadLink:
         """Tell every node to start its trainer ranks for ``generation``."""
         self._rank_exits = []
         self._ranks_stopped = {}
-        reached = await self.head.broadcast(Ranks(op="start", generation=generation))
+        # the head's launch nonce: the nodes' ranks use this launch's store prefix and command key
+        reached = await self.head.broadcast(Ranks(op="start", generation=generation, launch=self.daemon.nonce))
         log.info("nodes asked to start their trainer ranks", nodes=reached, generation=generation)
 
     async def stop_ranks(self) -> None:
@@ -386,6 +389,7 @@ class NodeLink:
         self.ranks = LocalRanks(daemon)
         self._store: Any = None
         self._generation = 0
+        self._launch = ""  # the head launch whose ranks this node runs (its start message says)
         self._ranks_lock = anyio.Lock()
         self.state = LinkState.JOINING
         self.outcome: LinkState | None = None
@@ -450,7 +454,7 @@ class NodeLink:
         if not isinstance(msg, Ranks):
             return
         if msg.op == "start":
-            self.daemon.spawn(self._start_ranks, msg.generation)
+            self.daemon.spawn(self._start_ranks, msg.generation, msg.launch)
         elif msg.op == "stop":
             self.daemon.spawn(self._stop_ranks)
 
@@ -582,18 +586,21 @@ class NodeLink:
     def _joined(self, rank: int) -> bool:
         import torch.distributed as dist
 
-        from atroposd.trainer.group import store_keys
+        from atroposd.trainer.group import launch_secret, store_keys
 
         if self._store is None:
             return False
         try:
-            scoped = dist.PrefixStore(store_keys(self.store_secret, self._generation), self._store)
+            scoped = dist.PrefixStore(
+                store_keys(launch_secret(self.store_secret, self._launch), self._generation), self._store
+            )
             return bool(scoped.check([f"joined/{rank}"]))
         except Exception:
             return False
 
-    async def _start_ranks(self, generation: int) -> None:
+    async def _start_ranks(self, generation: int, launch: str = "") -> None:
         from atroposd.trainer.follower import connect_store
+        from atroposd.trainer.group import launch_key, launch_secret
 
         async with self._ranks_lock:
             await self.ranks.stop()
@@ -602,14 +609,14 @@ class NodeLink:
                 timeout = self.daemon.cfg.trainer.join_timeout
                 self._store = await anyio.to_thread.run_sync(connect_store, address, timeout)
                 self._store.set_timeout(datetime.timedelta(seconds=5))
-            self._generation = generation
+            self._generation, self._launch = generation, launch
             self.ranks.start(
                 store_address=store_address(self.daemon),
-                secret=self.store_secret,
-                key=self.store_key,
+                secret=launch_secret(self.store_secret, launch),
+                key=launch_key(self.store_key, launch),
                 joined=self._joined,
             )
-            log.info("trainer ranks started for the head", generation=generation)
+            log.info("trainer ranks started for the head", generation=generation, launch=launch)
 
     async def _stop_ranks(self) -> None:
         async with self._ranks_lock:

@@ -464,7 +464,7 @@ def tcp_site(runner: web.AppRunner, front: _Front, host: str, port: int) -> Capp
 
 def _big_body(request: web.Request) -> bool:
     """Whether preparing a request is large work, by its body's size as it arrived."""
-    return request.get(BODY_BYTES, 0) >= BIG_BODY_BYTES
+    return int(request.get(BODY_BYTES, 0)) >= BIG_BODY_BYTES
 
 
 def _big(requests: list[schema.GenerateParams]) -> bool:
@@ -724,11 +724,11 @@ def build_control_app(
         body = await _read_json(request, empty_ok=True)
         body = body if isinstance(body, Mapping) else {}
         mode, clear = body.get("mode"), body.get("clear_cache")
-        if mode is None and clear is None:
-            return await front.engine.pause()
         modes = getattr(front.engine, "pause_modes", ("wait",))
         if mode not in (None, *modes) or (clear is not None and len(modes) == 1):
             raise schema.BadRequest(f"the {front.engine.name} engine pauses with mode {' or '.join(modes)} only")
+        if len(modes) == 1 or (mode is None and clear is None):
+            return await front.engine.pause()
         return await front.engine.pause(mode=mode or "wait", clear_cache=clear)
 
     async def resume(request: web.Request) -> Any:

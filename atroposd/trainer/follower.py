@@ -35,6 +35,7 @@ from atroposd.trainer.group import (
     Reload,
     Score,
     Stop,
+    command_box,
     connect_store,
     generation_key,
     key_from_env,
@@ -178,6 +179,7 @@ def serve(cfg: Config, rank: int) -> int:
         device=device,
         join_timeout=t.join_timeout,
         collective_timeout=t.collective_timeout,
+        commands=command_box(address),
     )
     feed = None
     checkpointer: Any = None

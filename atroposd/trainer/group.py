@@ -20,11 +20,19 @@ FileStore in a private directory (mode 0700, made for the store; each file 0600)
 group generation — a (re)formed group gets a fresh file and the previous one is removed; the
 directory goes when the store closes (the daemon's, in its runtime directory: one a killed daemon
 left goes when the next store is made). Only this user can reach it: the ranks find it by its path
-(``address``). A FileStore only grows (a deleted key is one more record): about 0.4 KB a step,
-plus the tensor names of each sync's gathers (13 KB a step for a model of 291 tensors pushed in
-4 buckets), until the group re-forms. With several machines (a port given), a TCPStore on a
-socket the daemon binds itself and hands over (``master_listen_fd``): a TCPStore given 127.0.0.1
-would otherwise listen on every interface.
+(``address``). A FileStore only grows (a deleted key is one more record), so rank 0's commands do
+not go through it on one machine: they are files of their own in a directory beside the
+generation's store file (:class:`CommandBox`, 0700; each command written whole and renamed into
+place, ``COMMANDS_KEPT`` kept), so that what the group holds does not grow with the steps — the
+store file keeps only the rendezvous. ``GroupStore.size_bytes`` (``status --json``:
+``trainer.group_store_bytes``) says how much it holds. With several machines (a port given), a
+TCPStore on a socket the daemon binds itself and hands over (``master_listen_fd``): a TCPStore
+given 127.0.0.1 would otherwise listen on every interface; a deleted key's memory goes back.
+
+Several machines: the head's launch nonce (``launch``, carried to every node in the signed
+``ranks`` start message) is part of the store prefix and of the command key
+(:func:`launch_secret`, :func:`launch_key`): a command recorded in one launch of the head never
+verifies in the next, where generations start at 1 again.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import secrets
 import shutil
 import socket
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -64,6 +73,8 @@ __all__ = [
     "encode_command",
     "generation_key",
     "key_from_env",
+    "launch_key",
+    "launch_secret",
     "store_keys",
 ]
 
@@ -92,6 +103,19 @@ def store_keys(secret: str, generation: int) -> str:
 def command_key(seq: int) -> str:
     """The key (under a generation's prefix) of rank 0's ``seq``-th command."""
     return f"cmd/{seq}"
+
+
+def launch_secret(secret: str, launch: str) -> str:
+    """The store secret of one launch of the head (``launch``: its nonce; "" leaves it as is)."""
+    return f"{secret}/l{launch}" if launch else secret
+
+
+def launch_key(key: bytes, launch: str) -> bytes:
+    """The command key of one launch of the head: HMAC-SHA256 of the launch under the group's
+    key ("" leaves it as is)."""
+    if not launch:
+        return key
+    return hmac.new(key, b"atroposd trainer launch\n" + launch.encode(), hashlib.sha256).digest()
 
 
 def key_from_env(environ: dict[str, str] | Any) -> bytes:
@@ -360,6 +384,94 @@ def decode_command(value: bytes, *, key: bytes, prefix: str, seq: int) -> Comman
     return command
 
 
+# ---------------------------------------------------------------------------- commands on one machine
+
+COMMANDS_DIR_SUFFIX = ".cmd"  # beside a generation's store file: its commands
+_POLL_FIRST_S, _POLL_S = 0.001, 0.01  # a waiting rank looks this often (the first 0.1 s, then)
+
+
+class CommandBox:
+    """Rank 0's commands on one machine, as files in a private directory beside the generation's
+    store file: the few store methods the ranks use for commands (``set``, ``get``, ``wait``,
+    ``check``, ``delete_key``). A command is written to a file of its own and renamed into place
+    (a reader never sees half of one); a deleted one is gone, so the directory holds at most
+    ``COMMANDS_KEPT`` commands, however long the run. A rank whose directory is gone (the group
+    re-formed or closed) gets an error, not a wait."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+
+    def _path(self, key: str) -> Path:
+        name = key.replace("/", "-")
+        if not name.replace("-", "").isalnum():
+            raise ValueError(f"not a command key: {key!r}")
+        return self.directory / name
+
+    def _gone(self) -> RuntimeError:
+        return RuntimeError(f"the trainer group's commands {self.directory} are gone (the group re-formed or closed)")
+
+    def set(self, key: str, value: bytes | str) -> None:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        path = self._path(key)
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileNotFoundError:
+            raise self._gone() from None
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+
+    def get(self, key: str) -> bytes:
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            if not self.directory.is_dir():
+                raise self._gone() from None
+            raise KeyError(key) from None
+        try:
+            with os.fdopen(fd, "rb") as f:
+                return f.read(_MAX_COMMAND_BYTES + 1)
+        except BaseException:
+            raise
+
+    def check(self, keys: list[str]) -> bool:
+        if not self.directory.is_dir():
+            raise self._gone()
+        return all(self._path(k).exists() for k in keys)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        """Until every key is there; a RuntimeError naming the timeout when ``timeout`` passes."""
+        start = time.monotonic()
+        limit = timeout.total_seconds() if timeout is not None else STORE_TIMEOUT_S
+        while not self.check(keys):
+            waited = time.monotonic() - start
+            if waited > limit:
+                raise RuntimeError(f"Wait timeout after {limit:g} s for {keys}")
+            time.sleep(_POLL_FIRST_S if waited < 0.1 else _POLL_S)
+
+    def delete_key(self, key: str) -> bool:
+        try:
+            self._path(key).unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+    def size_bytes(self) -> int:
+        try:
+            return sum(e.stat().st_size for e in os.scandir(self.directory))
+        except OSError:
+            return 0
+
+
+def command_box(address: str) -> CommandBox | None:
+    """The commands of the generation whose store is at ``address`` (a file: one machine), or
+    None (host:port: several machines, where commands go through the TCPStore)."""
+    return CommandBox(address + COMMANDS_DIR_SUFFIX) if address.startswith("/") else None
+
+
 # ---------------------------------------------------------------------------- the store
 
 
@@ -381,6 +493,8 @@ class GroupStore:
     # one machine: where the store's private directory is made (the daemon: its runtime directory,
     # where a directory left by a killed daemon is removed first)
     directory: str | Path | None = None
+    # several machines: the head's launch nonce, in the prefix and the key (launch_secret, launch_key)
+    launch: str = ""
     store: Any = field(init=False, default=None, repr=False)
     generation: int = field(init=False, default=0)
     # one machine: the private directory and the current generation's file
@@ -388,6 +502,8 @@ class GroupStore:
     path: Path | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
+        self.secret = launch_secret(self.secret, self.launch)
+        self.key = launch_key(self.key, self.launch)
         if self.local:
             if self.directory is not None:  # the daemon's own directory: a killed daemon's store goes now
                 for stale in Path(self.directory).glob(STORE_DIR_PREFIX + "*"):
@@ -453,11 +569,29 @@ class GroupStore:
             raise RuntimeError("the trainer group's store is closed")
         path = self.private_dir / f"g{self.generation}"
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # ours, before torch opens it
+        os.mkdir(str(path) + COMMANDS_DIR_SUFFIX, 0o700)  # its commands (CommandBox)
         store = dist.FileStore(str(path), -1)
         store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
         old, self.store, self.path = self.path, store, path
         if old is not None:
             old.unlink(missing_ok=True)
+            shutil.rmtree(str(old) + COMMANDS_DIR_SUFFIX, ignore_errors=True)
+
+    def commands(self) -> Any:
+        """Where rank 0 writes its commands: the current generation's :class:`CommandBox` (one
+        machine), None with several machines (the TCPStore under the generation's prefix)."""
+        return command_box(str(self.path)) if self.local and self.path is not None else None
+
+    def size_bytes(self) -> int | None:
+        """What the store holds on disk (one machine: the generation's file and its commands);
+        None with several machines (the TCPStore is in memory)."""
+        if not self.local or self.path is None:
+            return None
+        try:
+            size = os.stat(self.path).st_size
+        except OSError:
+            return 0
+        return size + CommandBox(str(self.path) + COMMANDS_DIR_SUFFIX).size_bytes()
 
     def joined(self, rank: int) -> bool:
         """Has ``rank`` joined the current generation's process group?"""

@@ -174,6 +174,7 @@ class GroupRanks:
         join_timeout: float,
         collective_timeout: float,
         cancelled: Callable[[], bool] = lambda: False,
+        commands: Any = None,
     ) -> GroupRanks:
         """Join the group through ``store`` under ``prefix``.
 
@@ -223,7 +224,8 @@ class GroupRanks:
         )
         scoped.set(f"joined/{rank}", "1")
         log.info("joined the trainer group", rank=rank, world=world, backend=backend)
-        ranks = cls(rank, world, device, scoped, key=key, prefix=prefix)
+        # rank 0's commands: the store under the prefix, or (one machine) their own files (CommandBox)
+        ranks = cls(rank, world, device, scoped if commands is None else commands, key=key, prefix=prefix)
         ranks.collective_timeout = collective_timeout
         ranks.checkpoint_group = checkpoint_group
         return ranks

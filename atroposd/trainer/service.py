@@ -190,6 +190,8 @@ class TrainerService:
             # trainer ranks (SPEC §12.1): N, and the group's restarts after faults
             "ranks": self.cfg.trainer.ranks,
             "group_restarts": self.group_restarts,
+            # bytes the trainer group's store holds on disk (one machine; null: none, or in memory)
+            "group_store_bytes": self._group_store_bytes(),
             "last_fault": self.last_fault,
             "waiting_for_nodes": list(self.waiting_nodes) if p.waiting_for == "ranks" else [],
             # SPEC §15: the last step's health ("ok" or the detector that tripped), rollbacks within
@@ -205,6 +207,14 @@ class TrainerService:
             # SPEC §15: each replica's canary drift, quarantines, resyncs, the time per check
             "sentinel": self._sentinel.status() if self._sentinel is not None else None,
         }
+
+    def _group_store_bytes(self) -> int | None:
+        try:
+            store = getattr(self.rank_host, "store", None) if self.rank_host is not None else None
+            size = store.size_bytes() if store is not None else None
+        except Exception:  # no store yet, or one being replaced: nothing to show this time
+            return None
+        return size if isinstance(size, int) else None
 
     def metrics_view(self) -> dict[str, Any]:
         """What /metrics reads beyond the status: the last metrics row and the running totals."""
@@ -627,6 +637,7 @@ class TrainerService:
                 join_timeout=t.join_timeout,
                 collective_timeout=t.collective_timeout,
                 cancelled=lambda: self._stop or self.compute.generation != generation or self._rank_lost is not None,
+                commands=host.store.commands(),
             )
         except Exception as exc:
             if self._rank_lost is not None and not self._stop:

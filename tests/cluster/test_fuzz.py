@@ -168,7 +168,7 @@ def _fields(r: random.Random, kind: str) -> dict[str, Any]:
         "leave": lambda: {"reason": _string(r)},
         "rank_exit": lambda: {"name": _string(r), "how": _string(r)},
         "resync": lambda: {"replica": r.choice((0, 1, -1, 2**62))},
-        "ranks": lambda: {"op": r.choice(("start", "stop")), "generation": r.randint(-3, 9)},
+        "ranks": lambda: {"op": r.choice(("start", "stop")), "generation": r.randint(-3, 9), "launch": _string(r)},
         "refused": lambda: {"reason": _string(r), "fatal": r.random() < 0.5},
         "ack": lambda: {"beat": r.randint(0, 9)},
         "replaced": lambda: {"by_pid": r.randint(0, 9)},

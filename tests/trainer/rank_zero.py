@@ -93,6 +93,7 @@ def main() -> int:
             device=torch.device("cpu"),
             join_timeout=t.join_timeout,
             collective_timeout=t.collective_timeout,
+            commands=store.commands(),
         )
     else:
         ranks = OneRank()

@@ -28,6 +28,25 @@ def main() -> int:
     import torch.distributed as dist
 
     address, marker = sys.argv[1], sys.argv[2]
+    from atroposd.trainer.group import command_box
+
+    box = command_box(address)
+    if box is not None:  # one machine: the commands are files beside the store's (this client runs as the same user)
+        seqs = [int(n[4:]) for n in os.listdir(box.directory) if re.fullmatch(r"cmd-\d+", n)]
+        if not seqs:
+            print("no command keys found", file=sys.stderr)
+            return 2
+        seq = max(seqs)
+        replay = box.get(f"cmd/{seq}")
+        for value in (
+            pickle.dumps(("stop", _Payload(marker))),
+            b"0" * 64 + b'.{"seq":%d,"op":"stop","args":{}}' % (seq + 1),
+            replay,
+        ):
+            box.set(f"cmd/{seq + 1}", value)
+            time.sleep(0.4)
+        print("wrote at the next command key")
+        return 0
     if address.startswith("/"):  # one machine: the store's file (this client runs as the same user)
         store = dist.FileStore(address, -1)
         store.set_timeout(datetime.timedelta(seconds=10))

@@ -170,7 +170,7 @@ def test_on_one_machine_the_store_is_a_private_file_per_generation(tmp_path: Any
         assert store.store.check(["s3cret/g1//arrived/1"])
         store.next_generation()
         second = store.address
-        assert second != first and not os.path.exists(first) and sorted(os.listdir(d)) == [os.path.basename(second)]
+        assert second != first and not os.path.exists(first) and sorted(os.listdir(d)) == [os.path.basename(second), os.path.basename(second) + ".cmd"]
         assert group.connect_store(second, 10).get("s3cret/generation") == b"2"
         assert not store.store.check(["s3cret/g1//arrived/1"])  # a new file: nothing of the last generation
         with pytest.raises(FileNotFoundError, match="is gone"):
@@ -499,3 +499,126 @@ def test_a_share_to_a_rank_that_does_not_receive_fails_within_collective_timeout
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["error"] is not None and result["group_error"], result
     assert result["seconds"] < 15, result  # collective_timeout (2 s), not join_timeout (60 s)
+
+
+# ---------------------------------------------------------------------------- bounded, launch-bound
+
+
+def _leader_and_follower(store: GroupStore, prefix: str) -> tuple[Any, Any]:
+    """Rank 0 and rank 1 as the daemon and a rank process set them up: commands through the
+    generation's command box on one machine (the scoped store with several, or before there was one)."""
+    import torch.distributed as dist
+
+    from atroposd.trainer.ranks import GroupRanks
+
+    cpu = torch.device("cpu")
+    mine = getattr(store, "commands", lambda: None)()
+    theirs = getattr(group, "command_box", lambda a: None)(store.address)
+    return (
+        GroupRanks(0, 2, cpu, mine or dist.PrefixStore(prefix, store.store), key=store.key, prefix=prefix),
+        GroupRanks(
+            1,
+            2,
+            cpu,
+            theirs or dist.PrefixStore(prefix, group.connect_store(store.address, 10)),
+            key=store.key,
+            prefix=prefix,
+        ),
+    )
+
+
+def _held(store: GroupStore) -> int:
+    import os
+
+    size = getattr(store, "size_bytes", None)
+    return int(size()) if size is not None else os.stat(store.address).st_size
+
+
+@pytest.mark.slow
+def test_the_one_machine_store_stays_flat_over_ten_thousand_commands() -> None:
+    """Rank 0's commands do not grow what the group holds (a FileStore only grows: each command
+    was one more record, about 13 KB a synced step, for as long as the group lived)."""
+    store = GroupStore(secret="s3cret", world=2)
+    try:
+        leader, follower = _leader_and_follower(store, store.next_generation())
+        names = tuple(f"model.layers.{i}.mlp.weight" for i in range(40))
+        sent = [Compute(), Gather(names, Push(0, 4, 1)), Apply()]
+        sizes = []
+        for i in range(10_000):
+            command = sent[i % len(sent)]
+            leader.command(command)
+            assert follower.receive() == command
+            if i in (99, 9_999):
+                sizes.append(_held(store))
+        assert follower.refused == 0
+        assert sizes[1] <= sizes[0] + 4096, sizes
+    finally:
+        store.close()
+
+
+def test_commands_as_files_beside_the_store_private_and_bounded() -> None:
+    import os
+
+    store = GroupStore(secret="s3cret", world=2)
+    try:
+        prefix = store.next_generation()
+        box = store.commands()
+        assert isinstance(box, group.CommandBox) and os.stat(box.directory).st_mode & 0o777 == 0o700
+        assert group.command_box(store.address).directory == box.directory
+        assert group.command_box("127.0.0.1:29401") is None  # several machines: the TCPStore
+        leader, follower = _leader_and_follower(store, prefix)
+        for command in COMMANDS * 2:
+            leader.command(command)
+            assert follower.receive() == command
+        files = sorted(os.listdir(box.directory))
+        assert len(files) == group.COMMANDS_KEPT and all(
+            os.stat(box.directory / f).st_mode & 0o777 == 0o600 for f in files
+        )
+        assert store.size_bytes() == os.stat(store.address).st_size + box.size_bytes()
+        # a re-formed group: the previous generation's commands are gone, and a rank still
+        # waiting on them gets an error at once instead of a wait
+        first = box
+        store.next_generation()
+        assert not first.directory.exists()
+        with pytest.raises(RuntimeError, match="gone"):
+            first.wait(["cmd/99"])
+    finally:
+        store.close()
+
+
+def test_a_command_replayed_across_two_launches_of_the_head_is_refused() -> None:
+    """Several machines: the prefix and the command key come from the cluster token and the
+    head's launch nonce, so an Apply recorded in one launch does not verify in the next, where a
+    Discard was due at the same generation and position (generations start at 1 each launch)."""
+    from atroposd.cluster.messages import Ranks, decode, fields
+    from tests.support import free_port
+
+    token_key = bytes(range(32))
+    first = GroupStore(secret="tok-secret", world=2, port=free_port(), key=token_key, launch="launch-one")
+    second = GroupStore(secret="tok-secret", world=2, port=free_port(), key=token_key, launch="launch-two")
+    try:
+        p1, p2 = first.next_generation(), second.next_generation()
+        assert p1 != p2 and first.key != second.key
+        recorded = encode_command(Apply(), key=first.key, prefix=p1, seq=1)
+        assert decode_command(recorded, key=first.key, prefix=p1, seq=1) == Apply()
+        with pytest.raises(BadCommand, match="bad MAC"):
+            decode_command(recorded, key=second.key, prefix=p2, seq=1)
+        # a node derives the same prefix and key from its token and the head's start message
+        msg = decode("ranks", fields(Ranks(op="start", generation=1, launch="launch-two")), "h2n")
+        assert isinstance(msg, Ranks) and msg.launch == "launch-two"
+        assert group.store_keys(group.launch_secret("tok-secret", msg.launch), 1) == p2
+        assert group.launch_key(token_key, msg.launch) == second.key
+        # the replayed value, written where the next command is due, is refused by the rank
+        leader, follower = _leader_and_follower(second, p2)
+        leader.store.set("cmd/1", recorded)
+        from atroposd.trainer import ranks as ranks_mod
+
+        grace, ranks_mod.BAD_COMMAND_GRACE_S = ranks_mod.BAD_COMMAND_GRACE_S, 0.2
+        try:
+            with pytest.raises(BadCommand, match="bad MAC"):
+                follower.receive()
+        finally:
+            ranks_mod.BAD_COMMAND_GRACE_S = grace
+    finally:
+        first.close()
+        second.close()
