@@ -221,6 +221,18 @@ def test_packed_equals_padded_with_several_steps(tiny_dir: Path, tmp_path: Path,
     assert worst <= 1e-5
 
 
+def test_lora_takes_several_steps_on_its_adapters_only(tiny_dir: Path, tmp_path: Path) -> None:
+    learner = _tiny_learner(
+        tiny_dir, tmp_path, mode="lora", lora_r=4, lr=1e-2, kl_coef=0.0, ppo_epochs=2, rollout_correction="token-tis"
+    )
+    before = _params(learner)
+    result = learner.train(_batch(learner, 5), step=1)
+    assert result.finite and result.optimizer_steps == 2 and learner.optimizer_steps == 2
+    after = _params(learner)
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all("lora_" in k for k in changed), sorted(changed)[:5]
+
+
 def test_the_schedule_counts_optimizer_steps(tiny_dir: Path, tmp_path: Path) -> None:
     # 2 batches × 2 passes × 2 mini-batches: the linear schedule reaches 0 at optimizer step 8
     learner = _tiny_learner(
