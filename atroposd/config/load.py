@@ -148,6 +148,16 @@ def _warnings(cfg: Config) -> list[str]:
         and not (cfg.api.token or cfg.api.token_file or credential_file(API_CREDENTIAL))
     ):
         warnings.append(f"api.host = {cfg.api.host!r} is not loopback and api.token is empty")
+    if (
+        cfg.inference.enabled
+        and not is_loopback(cfg.inference.host)
+        and not cfg.inference.token_file
+        and cfg.cluster.nodes <= 1  # several machines: a token derived from the cluster token
+    ):
+        warnings.append(
+            f"inference.host = {cfg.inference.host!r} is not loopback and inference.token_file is empty: "
+            "whoever reaches the port can generate"
+        )
     for key, name in (
         ("api.token_file", cfg.api.token_file),
         ("inference.token_file", cfg.inference.token_file),

@@ -269,11 +269,17 @@ class VllmParser:
         self.name = name
         self._cls = ToolParserManager.get_tool_parser(name)
         self._tokenizer = tokenizer
+        self._last: tuple[ToolRequest, Any] | None = None  # the request checked last, and its model
         self._cls(tokenizer)  # its constructor checks the tokenizer (some need their tokens in it)
 
-    def parse(self, text: str, request: ToolRequest) -> ParsedOutput:
+    def check(self, request: ToolRequest) -> Any:
+        """vLLM's request model of ``request``'s tools, built (and so validated) once per
+        request — before anything is generated — however many choices are parsed with it."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
+        last = self._last
+        if last is not None and last[0] is request:
+            return last[1]
         try:
             req = ChatCompletionRequest(
                 messages=[{"role": "user", "content": ""}],
@@ -283,6 +289,11 @@ class VllmParser:
             )
         except ValueError as exc:  # pydantic's ValidationError: a tool vLLM's request model refuses
             raise BadRequest(f"tools: {exc}") from None
+        self._last = (request, req)
+        return req
+
+    def parse(self, text: str, request: ToolRequest) -> ParsedOutput:
+        req = self.check(request)
         # A parser keeps state between calls (streaming): one instance per completion.
         info = self._cls(self._tokenizer).extract_tool_calls(text, req)
         if not info.tools_called:

@@ -351,3 +351,18 @@ def test_a_departed_clients_queued_work_is_dropped(tiny_dir: Path) -> None:
             assert engine.batched_rows == before + 1, "the departed client's rows were decoded"
 
     asyncio.run(run())
+
+
+def test_a_wildcard_inference_host_without_a_token_warns(tmp_path: Path) -> None:
+    """As the API's: a host others can reach with no inference token is a warning at config
+    check; a token file, or several machines (a token derived from the cluster token), silence it."""
+    from atroposd.config import parse_toml
+
+    warning = "inference.host = '0.0.0.0' is not loopback and inference.token_file is empty"
+    assert any(warning in w for w in parse_toml('[inference]\nhost = "0.0.0.0"\n').warnings)
+    assert not [w for w in parse_toml('[inference]\nhost = "127.0.0.1"\n').warnings if "inference.host" in w]
+    token = tmp_path / "token"
+    token.write_text("an-inference-token-of-this-job\n")
+    token.chmod(0o600)
+    cfg = parse_toml(f'[inference]\nhost = "0.0.0.0"\ntoken_file = "{token}"\n')
+    assert not [w for w in cfg.warnings if "inference.host" in w]

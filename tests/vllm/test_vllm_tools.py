@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -87,3 +88,32 @@ def test_our_hermes_parser_answers_as_vllms_does() -> None:
         a, b = ours.parse(text, req), theirs.parse(text, req)
         assert a.content == b.content, text
         assert [(c.name, c.arguments) for c in a.calls] == [(c.name, c.arguments) for c in b.calls], text
+
+
+def test_tools_are_validated_once_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's request model validates a request's tools once, however many choices are parsed
+    with it (it was built once per choice, up to 256 times a request, on the event loop)."""
+    from vllm.entrypoints.openai.chat_completion import protocol
+
+    from atroposd.models.tiny import build_tokenizer
+
+    built: list[int] = []
+    real = protocol.ChatCompletionRequest
+
+    class Counting(real):  # type: ignore[misc, valid-type]
+        def __init__(self, **kw: Any) -> None:
+            built.append(1)
+            super().__init__(**kw)
+
+    monkeypatch.setattr(protocol, "ChatCompletionRequest", Counting)
+    parser = tools.VllmParser("hermes", build_tokenizer())
+    req = tools.parse_tool_request({"tools": TOOLS, "tool_choice": "auto"})
+    assert req is not None
+    for _ in range(8):  # eight choices of one request
+        out = parser.parse('<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>', req)
+        assert [c.name for c in out.calls] == ["get_weather"]
+    assert len(built) == 1
+    other = tools.parse_tool_request({"tools": TOOLS, "tool_choice": "required"})
+    assert other is not None
+    parser.parse("plain text", other)
+    assert len(built) == 2  # the next request: its own
