@@ -206,6 +206,7 @@ def install(ctx: Context, rec: Record, deadline: float) -> None:
                 timeout=120,
             )
         python = str(venv / "bin" / "python")
+        _see_this_environment(python)
         # the system's pip, run by the venv's interpreter, installs into the venv; each pin's
         # wheel for this Python (prepare carried CPython 3.10-3.13)
         res = subprocess.run(
@@ -236,6 +237,24 @@ def install(ctx: Context, rec: Record, deadline: float) -> None:
     rec.check("children import the checkout", Path(seen["atroposd_file"]).resolve().is_relative_to(ROOT))
 
 
+def _see_this_environment(python: str) -> None:
+    """The venv sees this interpreter's packages even when this interpreter is itself a venv
+    (``--system-site-packages`` reaches only the base installation's): a ``.pth`` file in the
+    venv names this one's site directories, after the venv's own."""
+    import site
+
+    res = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    dirs = [*site.getsitepackages(), site.getusersitepackages()]
+    pth = Path(res.stdout.strip()) / "gpu-check-outer.pth"
+    pth.write_text("".join(f"{d}\n" for d in dirs if Path(d).is_dir()))
+
+
 # ----------------------------------------------------------------------------------- model
 
 
@@ -254,7 +273,7 @@ def _draw(src: Path, dest: Path, config: dict[str, Any], device: str) -> int:
     (dest / "config.json").write_text(json.dumps({**base, **config}, indent=1))
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(dest)), torch_dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(dest)), dtype=torch.bfloat16)
     model.save_pretrained(str(dest))
     return sum(p.numel() for p in model.parameters())
 
@@ -337,7 +356,7 @@ def nccl(ctx: Context, rec: Record, deadline: float) -> None:
         rec.check(f"the group's backend is {ctx.backend}", dist.get_backend() == ctx.backend, dist.get_backend())
 
         model_dir = models(ctx)["small"]
-        policy = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).to(device)
+        policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device)
         aliases = tied_aliases(policy)
         ranks.shard(policy, mixed_precision=True)  # FSDP2 with the GPU's policy (bf16 params, fp32 reduce)
         root = policy.__dict__[ROOT_ATTR]
@@ -368,7 +387,7 @@ def nccl(ctx: Context, rec: Record, deadline: float) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             _sync(device)
-            return {"loss": float(loss), "grad_norm": float(full), "grad_type": grad_kind}
+            return {"loss": float(loss.detach()), "grad_norm": float(full.detach()), "grad_type": grad_kind}
 
         before = {n: t.clone() for n, t in gather_full(policy, list(stage_names(policy, aliases))).items()}
         master = PrecisionAdamW(params, lr=1e-3)
@@ -432,7 +451,6 @@ def nccl(ctx: Context, rec: Record, deadline: float) -> None:
             world=1,
             backend=ctx.backend,
             device=device,
-            host="127.0.0.1",
             timeout_s=30.0,
             formation="gpu-check",
         )
@@ -518,7 +536,7 @@ def ipc(ctx: Context, rec: Record, deadline: float) -> None:
         return int(torch.cuda.memory_reserved(device)) if cuda else None
 
     torch_files0 = len(shm_files("torch_"))
-    policy = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=_torch_dtype(ctx)).to(device)
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_torch_dtype(ctx)).to(device)
     _sync(device)
     if cuda:
         torch.cuda.empty_cache()
@@ -708,7 +726,7 @@ def bandwidth(ctx: Context, rec: Record, deadline: float) -> None:
         del host
     finally:
         staging.close()
-    policy = AutoModelForCausalLM.from_pretrained(models(ctx)["model"], torch_dtype=_torch_dtype(ctx)).to(device)
+    policy = AutoModelForCausalLM.from_pretrained(models(ctx)["model"], dtype=_torch_dtype(ctx)).to(device)
     arena = ParameterArena.create(policy, nonce=ctx.nonce)
     try:
         seg = arena.segments[0]
