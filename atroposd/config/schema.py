@@ -724,7 +724,7 @@ class EnvConfig:
     live_interval: float = _k(
         5.0,
         "Seconds between liveness checks: a built-in environment's heartbeat; a command's\n"
-        "registrations with the API or its CPU use (README, Troubleshooting); 0 = off.",
+        "registrations with the API or its CPU use (docs/TROUBLESHOOTING.md); 0 = off.",
         min=0,
     )
     live_timeout: float = _k(5.0, "Seconds without a heartbeat (built-in) that count as one failed check.", gt=0)
