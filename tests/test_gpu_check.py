@@ -169,6 +169,23 @@ def test_a_phase_past_its_deadline_is_stopped_and_recorded(short_tmp: Path) -> N
     assert proc.returncode == 1
 
 
+def test_a_run_stopped_by_sigterm_records_the_phase_under_way(short_tmp: Path) -> None:
+    """SIGTERM of the run (a caller's timeout) stops the phase under way, with what it started,
+    and records it before the run exits."""
+    log = short_tmp / "out" / "logs" / "preflight.log"
+    proc = _rehearse(short_tmp, "--phases", "preflight,install")
+    try:
+        wait_for(lambda: log.exists() and log.stat().st_size > 0, timeout=60, what="the preflight phase under way")
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    finally:
+        _kill_group(proc)
+    rows = _lines(short_tmp / "out" / "gpu-check.jsonl")
+    assert [r["phase"] for r in rows] == ["preflight"], rows
+    assert rows[0]["status"] == "failed" and rows[0]["interrupted"] is True and "SIGTERM" in rows[0]["reason"]
+    assert proc.returncode == 1
+
+
 def test_bad_arguments_are_refused_naming_them(short_tmp: Path) -> None:
     res = subprocess.run(
         [sys.executable, str(SCRIPT), "run", "--rehearse", "--phases", "preflight,warp", str(short_tmp)],

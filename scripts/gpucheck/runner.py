@@ -128,6 +128,8 @@ def run(
                 continue
             result = run_phase(name, ctx, limit)
             append(jsonl, result)
+            if result.get("interrupted"):
+                return 1
             if result["status"] != "ok":
                 failed += 1
             if name == "install" and result["status"] == "ok" and result["figures"].get("python"):
@@ -173,6 +175,7 @@ def run_phase(name: str, ctx: Context, limit_s: float) -> dict[str, Any]:
     cpu0 = _children_cpu()
     proc: subprocess.Popen[Any] | None = None
     status, reason, killed = "failed", None, []
+    interrupted: str | None = None
     rc: int | None = None
     try:
         proc = start(argv, log=log, env=env)
@@ -180,6 +183,8 @@ def run_phase(name: str, ctx: Context, limit_s: float) -> dict[str, Any]:
             rc = proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
             reason = f"passed its deadline of {limit_s:.0f} s: stopped"
+        except Interrupted as exc:  # the run itself is being stopped: this phase is recorded first
+            reason = interrupted = f"the run was interrupted by {exc}: stopped"
         else:
             if rc == 0:
                 status = "ok"
@@ -222,6 +227,7 @@ def run_phase(name: str, ctx: Context, limit_s: float) -> dict[str, Any]:
         **({"stopped_pids": killed} if killed else {}),
         **({"left_segments": left_segments} if left_segments else {}),
         **({"env": PHASE_ENV[name]} if name in PHASE_ENV else {}),
+        **({"interrupted": True} if interrupted else {}),
         "log_tail": tail(log),
     }
     return obj
