@@ -4,7 +4,6 @@ identity checks, unwritable directories."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from atroposd.trainer.setup import ResumeError, build_learner, load_for_training
 from tests.support import REPO, wait_for
 from tests.trainer.child_trainer import batch_for, weights_hash
 from tests.trainer.conftest import make_cfg
-from tests.unprivileged import run_unprivileged, shared_dir
+from tests.unprivileged import shared_dir, unprivileged
 
 CHILD = Path(__file__).with_name("child_trainer.py")
 
@@ -125,33 +124,13 @@ def test_lora_checkpoint_round_trip(tiny_dir: Path, state_dir: Path) -> None:
     assert all(torch.equal(adapters[k], restored[k]) for k in adapters)
 
 
-# Run by an unprivileged child (as ``nobody`` when the tests run as root, which ignores
-# directory permissions).
-_IMPORTS = """
-import sys
-from pathlib import Path
-
-import torch
-
-from atroposd.trainer.checkpoint import CheckpointError, save_checkpoint
-"""
-_UNWRITABLE = """
-try:
-    save_checkpoint(Path(sys.argv[1]), 1, model=torch.nn.Linear(2, 2), tokenizer=None, lora=False, state={}, keep=2)
-except CheckpointError as exc:
-    print(exc)
-    sys.exit(3)
-"""
-
-
 def test_unwritable_checkpoint_directory_is_a_clear_error() -> None:
-    with shared_dir() as d:
+    """As an unprivileged user (as root: with nobody's effective uid, root ignores permissions)."""
+    with shared_dir() as d, unprivileged():
         root = d / "checkpoints"
-        made = run_unprivileged(f"import os; os.mkdir({str(root)!r}, 0o500)")
-        assert made.returncode == 0, made.stderr[-2000:]
-        res = run_unprivileged(_UNWRITABLE, [str(root)], setup=_IMPORTS)
-        assert res.returncode == 3, (res.stdout + res.stderr)[-3000:]
-        assert re.search(r"not writable|cannot write", res.stdout), res.stdout
+        root.mkdir(mode=0o500)
+        with pytest.raises(CheckpointError, match=r"not writable|cannot write"):
+            save_checkpoint(root, 1, model=torch.nn.Linear(2, 2), tokenizer=None, lora=False, state={}, keep=2)
         assert list(root.iterdir()) == []
 
 
