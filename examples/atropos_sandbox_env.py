@@ -113,10 +113,16 @@ class SandboxArithmeticEnv(BaseEnv):
         return self.rng.randint(0, 9), self.rng.randint(0, 9)
 
     def _score_in_box(self, answer: int, texts: list[str]) -> list[float]:
-        result = self.box.exec_run(["awk", "-v", f"ans={answer}", "--", AWK_SCORE, *texts])
-        if result.exit_code != 0:
-            raise RuntimeError(f"scoring in the container failed ({result.exit_code}): {result.output[-500:]!r}")
-        return [float(line) for line in result.output.decode().split()]
+        # An engine may lose the output of a very short exec (podman 4.3 does, about one in 60
+        # here): a score per completion, or the exec again.
+        for _ in range(3):
+            result = self.box.exec_run(["awk", "-v", f"ans={answer}", "--", AWK_SCORE, *texts])
+            if result.exit_code != 0:
+                raise RuntimeError(f"scoring in the container failed ({result.exit_code}): {result.output[-500:]!r}")
+            scores = [float(line) for line in result.output.decode().split()]
+            if len(scores) == len(texts):
+                return scores
+        raise RuntimeError(f"the container answered {len(scores)} scores for {len(texts)} completions, three times")
 
     async def collect_trajectories(self, item: tuple[int, int]) -> tuple[ScoredDataGroup, list[Any]]:
         a, b = item

@@ -5,10 +5,10 @@ without the job's labels is ever touched."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,11 @@ def lines(path: Path) -> list[str]:
 
 def labelled(podman: Podman, job: Job) -> list[dict[str, Any]]:
     return podman.containers(f"label=atroposd.job={job_id(job.state_dir)}")
+
+
+def events(job: Job) -> list[dict[str, Any]]:
+    log = job.state_dir / "logs" / "daemon.log"
+    return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
 
 
 def outsiders(podman: Podman) -> list[str]:
@@ -94,10 +99,13 @@ def test_kill_9_of_the_daemon_then_the_next_start_removes_them(podman: Podman, s
         assert job.status()["sandbox"]["removed"]["crash"] == 3
         assert "left-vol" not in podman.podman("volume", "ls", "-q").stdout
         assert "left-net" not in podman.podman("network", "ls").stdout
-        started = time.monotonic()
         assert job.cli("stop", timeout=60).returncode == 0
-        # three containers whose first process ignores SIGTERM: killed and removed in parallel
-        assert time.monotonic() - started < 3.0 + 3.0  # stop_timeout, the daemon's own stop aside
+        # three containers whose first process ignores SIGTERM: killed and removed in parallel,
+        # within stop_timeout as the daemon measured it (the command's wall time adds interpreters)
+        removals = [
+            e for e in events(job) if e.get("event") == "removed an environment's containers" and e["reason"] == "stop"
+        ]
+        assert removals and all(e["seconds"] < 3.0 and not e["left"] for e in removals), removals
         assert not labelled(podman, job)
         assert {c["Id"] for c in podman.containers()} >= set(keep)
     finally:
