@@ -47,11 +47,19 @@ os.environ.setdefault(RUN_MARKER, uuid.uuid4().hex)
 _MARK = os.environ[RUN_MARKER]
 
 
+# A process older than this run cannot carry its marker: its environment is not read (the
+# check runs around every test, and reading every process's environment is most of its cost).
+# The margin covers create_time's granularity (the boot time it is counted from is in seconds).
+_RUN_START = time.time() - 2.0
+
+
 def _marked_processes() -> list[psutil.Process]:
     me = os.getpid()
     found = []
-    for proc in psutil.process_iter(["pid", "uids"]):
+    for proc in psutil.process_iter(["pid", "uids", "create_time"]):
         if proc.pid == me or proc.info["uids"] is None or proc.info["uids"].real != os.getuid():
+            continue
+        if proc.info["create_time"] is not None and proc.info["create_time"] < _RUN_START:
             continue
         try:
             if proc.environ().get(RUN_MARKER) == _MARK and proc.status() != psutil.STATUS_ZOMBIE:
@@ -73,6 +81,8 @@ def _shm_segments() -> set[str]:
 def _unmapped(names: set[str]) -> set[str]:
     """The segments no live process maps: a segment some process still maps belongs to a job that
     is running (possibly not this test's: tests may share the machine with a real job)."""
+    if not names:
+        return set()  # nothing to look up: every process's maps are not read for nothing
     from atroposd.shmscan import mapped_shm  # a leaf: no torch to import for the check
 
     in_use = mapped_shm(prefix="")
