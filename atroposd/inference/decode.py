@@ -7,17 +7,78 @@ rows that finish leave the batch. Sampling (:class:`_Sampler`) is vectorised ove
 temperature, top-p, top-k, per-request seeds; the reported logprob of a sampled token is
 ``log_softmax(logits / temperature)`` over the full vocabulary (SPEC §7). ``prompt_logprobs``
 are teacher-forced with the same scaling.
+
+In-flight weight updates (SPEC §7): a :class:`Freezer` stops the batch between two decode steps
+(after a step's tokens are sampled and recorded, before the next forward pass) while the
+weights change, and lets it go on: nothing sampled is lost or resampled, each token's logprob
+is the one of the weights that sampled it, and each row records from which token on it was
+sampled under which version (``Completion.versions``). With ``recompute`` the frozen rows'
+KV cache is computed again with the new weights (one prefill over prompt and tokens so far)
+before they go on; without it they decode over the old KV.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from atroposd.inference.schema import Completion, GenerateParams
 
-__all__ = ["decode_batch"]
+__all__ = ["Freezer", "FrozenAbort", "Thaw", "decode_batch"]
+
+
+class FrozenAbort(RuntimeError):
+    """A frozen batch was told not to go on (the server is stopping)."""
+
+
+@dataclass(frozen=True)
+class Thaw:
+    """How a frozen batch goes on: the weight version it now decodes with (None: unchanged),
+    whether to recompute its KV cache with the new weights, or to stop (``abort``)."""
+
+    version: int | None = None
+    recompute: bool = False
+    abort: bool = False
+
+
+class Freezer:
+    """Stops a batch between two decode steps and lets it go on (thread-safe).
+
+    The event loop calls :meth:`request`; the compute thread, at the next point between two
+    steps, calls :meth:`park`, which calls ``on_parked`` (from the compute thread) and blocks
+    until :meth:`thaw` gives it a :class:`Thaw`."""
+
+    def __init__(self, on_parked: Callable[[], object] | None = None) -> None:
+        self.on_parked = on_parked
+        self._want = threading.Event()
+        self._go = threading.Event()
+        self._thaw = Thaw()
+        self.parks = 0
+
+    def request(self) -> None:
+        self._want.set()
+
+    def requested(self) -> bool:
+        return self._want.is_set()
+
+    def park(self) -> Thaw:
+        """Compute thread: freeze here until thawed."""
+        self._want.clear()  # a request after this point freezes the batch again
+        self.parks += 1
+        if self.on_parked is not None:
+            self.on_parked()
+        self._go.wait()
+        self._go.clear()
+        thaw = self._thaw
+        if thaw.abort:
+            self._go.set()  # every later park returns at once too
+        return thaw
+
+    def thaw(self, thaw: Thaw) -> None:
+        self._thaw = thaw
+        self._go.set()
 
 
 @dataclass
@@ -31,6 +92,7 @@ class _Row:
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     finish: str | None = None
     text: str | None = None  # set when a stop string ended the row
+    versions: list[list[int]] = field(default_factory=list)  # [[token_index, weight_version], ...]
 
 
 def decode_batch(
@@ -42,6 +104,8 @@ def decode_batch(
     generator: Any,
     fast: bool = True,
     early: Callable[..., None] | None = None,
+    versions: list[int] | None = None,
+    freezer: Freezer | None = None,
 ) -> tuple[list[list[Completion]], list[list[dict[str, float] | None] | None]]:
     """Generate every request's ``n`` completions in one batch with a KV cache.
 
@@ -50,7 +114,9 @@ def decode_batch(
     (:mod:`atroposd.inference.steppers`). Returns, per request, its completions and its prompt
     logprobs (None when not asked). ``early(j, completions, prompt_logprobs)`` is called after the
     first step for each request ``j`` that is done by then (a probe's one token), and its rows
-    leave the batch.
+    leave the batch. ``versions``: each request's weight version (its rows' records start with
+    it); ``freezer``: stops the batch between two steps for an in-flight weight update (the
+    module docstring).
     """
     import torch
 
@@ -59,6 +125,9 @@ def decode_batch(
     device = model.get_input_embeddings().weight.device
     stepper = make_stepper(model) if fast else HFStepper(model)
     rows = [_Row(j, p) for j, p in enumerate(requests) for _ in range(p.n)]
+    if versions is not None:
+        for r in rows:
+            r.versions.append([0, int(versions[r.job])])
     lengths = [len(p.prompt_ids) for p in requests]
     width = max(lengths)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -115,7 +184,16 @@ def decode_batch(
         feed = torch.tensor(
             [token_list[i] if rows[i].finish is None else pad for i in active], dtype=torch.long, device=device
         )[:, None]  # [A, 1]
-        step_logits = stepper.step(feed, next_pos).float()  # [A, V]
+        recomputed = None
+        if freezer is not None and freezer.requested():
+            # Between two steps: every token so far is sampled and recorded; the weights may change now.
+            thaw = freezer.park()
+            if thaw.abort:
+                raise FrozenAbort("the inference server is shutting down")
+            changed = thaw.version is not None and _swapped(rows, active, thaw.version)
+            if changed and thaw.recompute:
+                recomputed = _recompute(stepper, rows, active, pad, device)
+        step_logits = stepper.step(feed, next_pos).float() if recomputed is None else recomputed  # [A, V]
         next_pos = next_pos + 1
         if len(active) == len(rows):
             full = step_logits
@@ -123,6 +201,38 @@ def decode_batch(
             full = torch.zeros_like(full)
             full[torch.tensor(active, device=device)] = step_logits
     return _collect(rows, requests, tokenizer), prompt_lps
+
+
+def _swapped(rows: list[_Row], active: list[int], version: int) -> bool:
+    """Record ``version`` from the next token on in every unfinished row; whether any row changed."""
+    changed = False
+    for i in active:
+        r = rows[i]
+        if r.finish is None and r.versions and r.versions[-1][1] != version:
+            r.versions.append([len(r.tokens), version])
+            changed = True
+        elif r.finish is None and not r.versions:
+            changed = True
+    return changed
+
+
+def _recompute(stepper: Any, rows: list[_Row], active: list[int], pad: int, device: Any) -> Any:
+    """The cache of rows ``active`` (in cache order) computed again with the current weights: one
+    left-padded prefill over each row's prompt and every token it sampled (the last one, not yet
+    fed, included); returns the next token's logits [A, V] (what ``step`` would have given)."""
+    import torch
+
+    seqs = [list(rows[i].params.prompt_ids) + rows[i].tokens for i in active]
+    width = max(len(x) for x in seqs)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for k, x in enumerate(seqs):
+        ids[k, width - len(x) :] = torch.tensor(x)
+        mask[k, width - len(x) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = stepper.prefill(ids, mask, positions, all_logits=False)  # [A, 1, V]
+    return logits[:, -1, :].float()
 
 
 def _advance(
@@ -158,6 +268,7 @@ def _collect(rows: list[_Row], requests: list[GenerateParams], tokenizer: Any) -
                 finish_reason=r.finish or "length",
                 text=text,
                 top=r.top if r.params.logprobs else [],
+                versions=r.versions,
             )
         )
     return out

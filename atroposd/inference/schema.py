@@ -90,13 +90,16 @@ class GenerateParams:
 @dataclass
 class Completion:
     """One generated sequence. ``logprobs[i]`` is the sampled token's logprob at step i;
-    ``top[i]`` the requested alternatives ``[(id, logprob), ...]`` (empty when not asked)."""
+    ``top[i]`` the requested alternatives ``[(id, logprob), ...]`` (empty when not asked);
+    ``versions`` the weight versions that sampled it, ``[[token_index, version], ...]`` (SPEC §7).
+    """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
     text: str = ""
     top: list[list[tuple[int, float]]] = field(default_factory=list)
+    versions: list[list[int]] = field(default_factory=list)
 
 
 # Fields vLLM's SamplingParams accepts that are meaningful here only at their neutral value:
@@ -355,9 +358,19 @@ def generate_response(
         "prompt": prompt_text,
         "prompt_token_ids": params.prompt_ids,
     }
+    records = [c.versions or [[0, weight_version]] for c in completions]
+    if any(len(r) > 1 for r in records):  # only a response with a completion that spans a swap carries it
+        body["weight_versions"] = records
     if params.prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs
     return body
+
+
+def spans_of(gen: Mapping[str, Any], i: int) -> list[list[int]] | None:
+    """Completion ``i``'s ``[[token_index, version], ...]`` when it spans a weight swap, else None."""
+    records = gen.get("weight_versions")
+    record = records[i] if isinstance(records, list) and i < len(records) else None
+    return record if isinstance(record, list) and len(record) > 1 else None
 
 
 def _choice_tokens(gen: Mapping[str, Any], i: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
@@ -399,12 +412,24 @@ def completion_response(model: str, gen: Mapping[str, Any], *, want_logprobs: bo
         "created": int(time.time()),
         "model": model,
         "choices": [
-            {"index": i, "text": text, "finish_reason": reason, "logprobs": logprobs(i) if want_logprobs else None}
+            _with_spans(
+                {"index": i, "text": text, "finish_reason": reason, "logprobs": logprobs(i) if want_logprobs else None},
+                gen,
+                i,
+            )
             for i, (text, reason) in enumerate(zip(gen["text"], gen["finish_reasons"], strict=True))
         ],
         "usage": _usage(gen),
         "weight_version": gen["weight_version"],
     }
+
+
+def _with_spans(choice: dict[str, Any], gen: Mapping[str, Any], i: int) -> dict[str, Any]:
+    """An OpenAI choice with ``weight_versions`` (an extension field) when its completion spans a swap."""
+    spans = spans_of(gen, i)
+    if spans is not None:
+        choice["weight_versions"] = spans
+    return choice
 
 
 def chat_response(model: str, gen: Mapping[str, Any], *, want_logprobs: bool, decode: Any) -> dict[str, Any]:
@@ -426,12 +451,16 @@ def chat_response(model: str, gen: Mapping[str, Any], *, want_logprobs: bool, de
         "created": int(time.time()),
         "model": model,
         "choices": [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": reason,
-                "logprobs": {"content": [item(*t) for t in _choice_tokens(gen, i)]} if want_logprobs else None,
-            }
+            _with_spans(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": reason,
+                    "logprobs": {"content": [item(*t) for t in _choice_tokens(gen, i)]} if want_logprobs else None,
+                },
+                gen,
+                i,
+            )
             for i, (text, reason) in enumerate(zip(gen["text"], gen["finish_reasons"], strict=True))
         ],
         "usage": _usage(gen),
@@ -614,6 +643,9 @@ def sglang_response(
             "cached_tokens": 0,
             "weight_version": gen["weight_version"],
         }
+        spans = spans_of(gen, i)
+        if spans is not None:
+            meta["weight_versions"] = spans
         if req.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, text_of(t)] for t, lp, _ in toks]
             if req.top_logprobs_num:

@@ -15,10 +15,15 @@
   top-p/top-k (SPEC §7) — exactly what the trainer recomputes. Greedy (temperature 0) reports
   ``log_softmax(logits)``. ``prompt_logprobs`` are teacher-forced with the same scaling. The
   decode kernel (batch, KV cache, sampling) is :mod:`atroposd.inference.decode`.
-* **Pause gate** (:mod:`atroposd.inference.gate`). ``pause()`` admits nothing new and returns
-  once every admitted request has been answered; weight updates run only then (and never
-  during a forward pass: a lock orders compute). Every response carries the
-  ``weight_version`` it was admitted under.
+* **Pause gate** (:mod:`atroposd.inference.gate`). ``pause()`` (mode ``wait``) admits nothing
+  new and returns once every admitted request has been answered; weight updates run only then
+  (and never during a forward pass: a lock orders compute). ``pause(mode="keep")`` admits
+  nothing new and freezes the running batch between two decode steps (SPEC §7, in-flight
+  updates): the compute lock is let go while it is frozen, the weights change, and ``resume``
+  lets it go on with the new version (its KV recomputed with the new weights unless
+  ``clear_cache = false``); requests queued but not begun start after the resume. Every
+  response carries the ``weight_version`` its batch began under, and ``weight_versions`` when
+  a completion spans a swap.
 * **Weights** arrive through :mod:`atroposd.weights.receiver` (attach/copy an export, load a
   reload directory).
 
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Mapping
@@ -38,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from atroposd.devices import resolve_torch
-from atroposd.inference.decode import decode_batch
+from atroposd.inference.decode import Freezer, FrozenAbort, Thaw, decode_batch
 from atroposd.inference.gate import NotPaused, ShuttingDown, WeightGate
 from atroposd.inference.schema import (
     PROBE_ROWS_PER_BATCH,
@@ -59,6 +65,8 @@ __all__ = ["BadRequest", "NotPaused", "TorchEngine", "decode_batch"]
 log = get_logger("inference.torch")
 
 MAX_BATCH_ROWS = 256
+#: what the weight-control pause accepts (inference/server.py): "wait" drains, "keep" freezes
+PAUSE_MODES = ("wait", "keep")
 BATCH_WINDOW = 0.003  # seconds a partial batch may wait for the rest of its group
 
 
@@ -79,6 +87,7 @@ class TorchEngine(WeightGate):
     """A Hugging Face causal LM behind the inference-engine methods (see vllm_engine.VllmEngine)."""
 
     name = "torch"
+    pause_modes = PAUSE_MODES
 
     def __init__(
         self,
@@ -115,12 +124,22 @@ class TorchEngine(WeightGate):
         self._queue: list[_Job] = []
         self._wake = asyncio.Event()
         self._compute = asyncio.Lock()  # one forward pass or weight update at a time
+        self._owns_compute = False  # the scheduler holds it (let go while a batch is frozen)
         self._scheduler: asyncio.Task[None] | None = None
         self._running: asyncio.Future[list[dict[str, Any]]] | None = None  # the batch being computed
         self._running_jobs: list[_Job] = []
         self._generator: Any = None
         self.batches = 0
         self.batched_rows = 0
+        # In-flight updates (pause mode "keep"): while held, no forward pass runs (a running batch
+        # is frozen between two steps, with the compute lock let go) until resume thaws it.
+        self._hold = False
+        self._thawed = asyncio.Event()
+        self._thawed.set()
+        self._recompute = True  # the frozen rows' KV computed again with the new weights at resume
+        self._freezer: Freezer | None = None  # the running batch's
+        self._parked = asyncio.Event()  # the running batch is frozen (set from the compute thread)
+        self.frozen_syncs = 0  # keep-pauses that froze a running batch
 
     @classmethod
     def from_config(
@@ -182,6 +201,9 @@ class TorchEngine(WeightGate):
 
     async def close(self) -> None:
         self._close_gate()
+        if self._freezer is not None:  # a frozen batch ends now: its requests get 503 (ShuttingDown)
+            self._freezer.thaw(Thaw(abort=True))
+        self._thawed.set()
         task, self._scheduler = self._scheduler, None
         if task is not None:
             task.cancel()
@@ -239,24 +261,72 @@ class TorchEngine(WeightGate):
                 continue
             if self._queue:
                 self._wake.set()
-            async with self._compute:
+            await self._compute.acquire()
+            self._owns_compute = True
+            try:
+                if self._hold:  # a keep-pause: nothing begins before resume
+                    await self._held()
                 jobs = [j for j in jobs if not j.future.done()]  # a client gone while it waited: dropped
                 if not jobs:
                     continue
+                if self._closing:
+                    for job in jobs:
+                        job.future.set_exception(ShuttingDown("the inference server is shutting down"))
+                    continue
+                for job in jobs:  # the version the batch begins under (unchanged since admission unless held)
+                    job.version = self.weight_version
+                loop = asyncio.get_running_loop()
+                self._parked.clear()
+                freezer = self._freezer = Freezer(functools.partial(loop.call_soon_threadsafe, self._parked.set))
                 # A cancelled scheduler (shutdown) must not abandon a forward pass that still
                 # reads the weights: the batch runs on, and close() waits for it.
-                self._running = asyncio.ensure_future(
-                    asyncio.to_thread(self._run_batch, jobs, asyncio.get_running_loop())
-                )
+                self._running = asyncio.ensure_future(asyncio.to_thread(self._run_batch, jobs, loop, freezer))
                 self._running_jobs = jobs
-                await asyncio.wait({self._running})  # neither raises nor cancels the batch
+                try:
+                    await self._run_frozen(self._running, freezer)
+                finally:
+                    self._freezer = None
                 self._answer(jobs, self._running)
+            finally:
+                if self._owns_compute:
+                    self._owns_compute = False
+                    self._compute.release()
+
+    async def _run_frozen(self, running: asyncio.Future[Any], freezer: Freezer) -> None:
+        """Wait for the batch (holding the compute lock); each time it is frozen for a keep-pause,
+        let the lock go until resume, then thaw it with the version resumed with."""
+        while True:
+            parked = asyncio.ensure_future(self._parked.wait())
+            try:
+                await asyncio.wait({running, parked}, return_when=asyncio.FIRST_COMPLETED)  # never raises
+            finally:
+                parked.cancel()
+            if running.done():
+                return
+            self._parked.clear()
+            self.frozen_syncs += 1
+            thaw = await self._held()
+            freezer.thaw(thaw)
+
+    async def _held(self) -> Thaw:
+        """Let the compute lock go until resume (or close); how the frozen batch goes on."""
+        self._owns_compute = False
+        self._compute.release()
+        await self._thawed.wait()
+        await self._compute.acquire()
+        self._owns_compute = True
+        if self._closing:
+            return Thaw(abort=True)
+        return Thaw(version=self.weight_version, recompute=self._recompute)
 
     @staticmethod
     def _answer(jobs: list[_Job], done: asyncio.Future[list[dict[str, Any]]]) -> None:
         """Deliver a finished batch: each request its result, or the batch's error to all."""
         exc = done.exception() if not done.cancelled() else RuntimeError("the batch was cancelled")
-        if exc is not None:
+        if isinstance(exc, FrozenAbort):
+            exc = ShuttingDown(str(exc))
+            log.warning("frozen generations ended by the shutdown", requests=len(jobs))
+        elif exc is not None:
             log.error("batch failed", requests=len(jobs), error=f"{type(exc).__name__}: {exc}", exc_info=exc)
         for i, job in enumerate(jobs):
             if job.future.done():  # a client that went away cancelled its future
@@ -311,7 +381,9 @@ class TorchEngine(WeightGate):
             self._last_rows = rows - probe_rows
         return jobs
 
-    def _run_batch(self, jobs: list[_Job], loop: asyncio.AbstractEventLoop | None = None) -> list[dict[str, Any]]:
+    def _run_batch(
+        self, jobs: list[_Job], loop: asyncio.AbstractEventLoop | None = None, freezer: Freezer | None = None
+    ) -> list[dict[str, Any]]:
         import torch
 
         def response(j: int, comps: list[Completion], plp: list[dict[str, float] | None] | None) -> dict[str, Any]:
@@ -338,6 +410,8 @@ class TorchEngine(WeightGate):
                 generator=self._generator,
                 fast=self.fast,
                 early=early,
+                versions=[j.version for j in jobs],
+                freezer=freezer,
             )
         self.batches += 1
         self.batched_rows += sum(j.rows for j in jobs)
@@ -345,14 +419,56 @@ class TorchEngine(WeightGate):
 
     # ------------------------------------------------------------------ weight control
 
-    async def pause(self) -> dict[str, Any]:
-        """Admit nothing new; return once every admitted generation has been answered."""
+    async def pause(self, mode: str = "wait", clear_cache: bool | None = None) -> dict[str, Any]:
+        """``mode = "wait"``: admit nothing new; return once every admitted generation has been
+        answered. ``"keep"``: admit nothing new; freeze the running batch between two decode steps
+        and return once no forward pass runs (the weights may change until :meth:`resume`).
+        ``clear_cache`` (keep; default true): the frozen rows' KV is computed again with the
+        weights they resume on; false keeps the old KV."""
+        if mode not in PAUSE_MODES:
+            raise BadRequest(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        if clear_cache is not None and not isinstance(clear_cache, bool):
+            raise BadRequest(f"clear_cache must be true or false, got {clear_cache!r}")
+        if mode == "keep":
+            if not self._paused:
+                self.pauses += 1
+                self._paused_at = time.monotonic()
+            self._paused = True
+            self.held_for_update = True
+            self._resumed.clear()
+            self._recompute = clear_cache is not False
+            self._hold = True
+            self._thawed.clear()
+            if self._freezer is not None:
+                self._freezer.request()
+            # The running batch lets the lock go once frozen (or finished); none begins while held.
+            async with self._compute:
+                pass
+            return {"paused": True, "weight_version": self.weight_version, "mode": mode, "frozen": self._inflight}
+        if self._hold:  # a drain after a keep-pause: the frozen batch goes on (same weights) and drains
+            self._release_hold()
         result = await super().pause()
         # A batch whose every client went away still computes: let it finish before the
         # caller touches the weights (in shared mode the trainer writes them in place).
         async with self._compute:
             pass
+        return result if clear_cache is None else {**result, "mode": mode}
+
+    async def resume(self, weight_version: int | None = None) -> dict[str, Any]:
+        """Open the gate with ``weight_version`` (SPEC §7); a frozen batch goes on, its next
+        tokens sampled from the weights loaded meanwhile and recorded under that version."""
+        result = await super().resume(weight_version)
+        self._release_hold()
         return result
+
+    def _release_hold(self) -> None:
+        self._hold = False
+        self._thawed.set()
+
+    def _require_paused(self) -> None:
+        # A keep-pause: the generations in flight are frozen or not begun, no forward pass runs.
+        if not self._paused or (self._inflight and not self._hold):
+            raise NotPaused("pause generation before updating weights (POST /pause)")
 
     async def update_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """``{"manifest", "mode": "attach"|"copy", "weight_version"?}`` (shared / push mode; a
@@ -410,6 +526,7 @@ class TorchEngine(WeightGate):
             "updates": self.updates,
             "awaiting_weights": self.awaiting_weights,
             "waiting": self.waiting,
+            "held": self._hold,
             "engine": self.name,
             "pid": os.getpid(),
         }
@@ -420,6 +537,7 @@ class TorchEngine(WeightGate):
             "rows": self.batched_rows,
             "queued": len(self._queue),
             "inflight": self._inflight,
+            "frozen_syncs": self.frozen_syncs,
         }
 
 
