@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -184,6 +185,7 @@ def main() -> int:
     finally:
         if podman is not None:
             podman.stop()
+        shutil.rmtree(root, ignore_errors=True)
     rows = []
     report: dict[str, Any] = {"bench": "sandbox", "rounds": args.rounds, "engine": "podman" if podman else engine}
     for what, label in (("lifecycle", "create-start-wait-remove"), ("exec", "exec round trip")):

@@ -151,4 +151,25 @@ class Podman:
                 except subprocess.TimeoutExpired:
                     self.proc.kill()
                     self.proc.wait(5)
+            self._stop_monitors()
             shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _stop_monitors(self) -> None:
+        """The service's conmon monitors: each exec session's waits 300 s after the exec ends
+        (podman keeps its exit status), detached from the service. Found by this service's own
+        directory in their command lines, stopped by pid."""
+        import psutil
+
+        mine = []
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                if any(str(self.dir) in arg for arg in proc.info["cmdline"] or []):
+                    mine.append(proc)
+            except (psutil.Error, TypeError):
+                continue
+        for proc in mine:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(mine, timeout=5)
