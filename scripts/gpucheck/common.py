@@ -234,25 +234,28 @@ def shm_size() -> dict[str, int]:
 
 
 def device_memory(device: str) -> dict[str, Any] | None:
-    """The device's memory in use, device-wide (every process's), by NVML when it is there, else by
-    ``cudaMemGetInfo``; None on the CPU."""
+    """The device's memory in use, device-wide (every process's): ``cudaMemGetInfo`` (a CUDA
+    context in this process, made here when there is none), and NVML's count beside it when NVML
+    is there; None on the CPU."""
     if not device.startswith("cuda"):
         return None
+    import torch
+
     index = int(device.split(":", 1)[1]) if ":" in device else 0
+    free, total = torch.cuda.mem_get_info(index)
+    out: dict[str, Any] = {"used_bytes": int(total - free), "total_bytes": int(total)}
     try:
         import pynvml
 
         pynvml.nvmlInit()
         try:
             info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
-            return {"used_bytes": int(info.used), "total_bytes": int(info.total), "by": "nvml"}
+            out["nvml_used_bytes"] = int(info.used)
         finally:
             pynvml.nvmlShutdown()
-    except Exception:  # no NVML here: the CUDA runtime's view (this process's context included)
-        import torch
-
-        free, total = torch.cuda.mem_get_info(index)
-        return {"used_bytes": int(total - free), "total_bytes": int(total), "by": "cudaMemGetInfo"}
+    except Exception:  # no NVML here (its bindings or the library): cudaMemGetInfo alone
+        out["nvml_used_bytes"] = None
+    return out
 
 
 def wait_until(pred: Any, timeout: float, interval: float = 0.1) -> Any:

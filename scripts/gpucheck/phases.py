@@ -13,6 +13,7 @@ exception is recorded with its traceback's tail and the process exits 1.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -35,6 +36,7 @@ from gpucheck.common import (
     Context,
     Record,
     child_env,
+    descendants,
     device_memory,
     shm_files,
     shm_size,
@@ -356,7 +358,7 @@ def nccl(ctx: Context, rec: Record, deadline: float) -> None:
         rec.check(f"the group's backend is {ctx.backend}", dist.get_backend() == ctx.backend, dist.get_backend())
 
         model_dir = models(ctx)["small"]
-        policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device)
+        policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device)  # type: ignore[arg-type]
         aliases = tied_aliases(policy)
         ranks.shard(policy, mixed_precision=True)  # FSDP2 with the GPU's policy (bf16 params, fp32 reduce)
         root = policy.__dict__[ROOT_ATTR]
@@ -536,7 +538,7 @@ def ipc(ctx: Context, rec: Record, deadline: float) -> None:
         return int(torch.cuda.memory_reserved(device)) if cuda else None
 
     torch_files0 = len(shm_files("torch_"))
-    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_torch_dtype(ctx)).to(device)
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_torch_dtype(ctx)).to(device)  # type: ignore[arg-type]
     _sync(device)
     if cuda:
         torch.cuda.empty_cache()
@@ -726,7 +728,7 @@ def bandwidth(ctx: Context, rec: Record, deadline: float) -> None:
         del host
     finally:
         staging.close()
-    policy = AutoModelForCausalLM.from_pretrained(models(ctx)["model"], dtype=_torch_dtype(ctx)).to(device)
+    policy = AutoModelForCausalLM.from_pretrained(models(ctx)["model"], dtype=_torch_dtype(ctx)).to(device)  # type: ignore[arg-type]
     arena = ParameterArena.create(policy, nonce=ctx.nonce)
     try:
         seg = arena.segments[0]
@@ -924,7 +926,7 @@ def job(ctx: Context, rec: Record, deadline: float, kind: str) -> None:
     before = device_memory(ctx.device)
     rec.figure("device_memory_before", before)
     proc: subprocess.Popen[Any] | None = None
-    t0, started = time.monotonic(), time.time()
+    t0 = time.monotonic()
     try:
         proc = start([sys.executable, "-m", "atroposd", "run", "-c", str(path)], log=root / "run.log", env=env)
 
@@ -938,6 +940,9 @@ def job(ctx: Context, rec: Record, deadline: float, kind: str) -> None:
             raise PhaseError(f"atroposd run exited {proc.returncode} after {len(rows)} step(s); see its log")
         if len(rows) < ctx.steps:
             raise PhaseError(f"{len(rows)} of {ctx.steps} steps within the phase's deadline")
+        # the job's own segments (what its processes map now): each must be gone after the stop
+        mapped = _shm_mapped([proc.pid, *descendants(proc.pid)])
+        rec.figure("segments_mapped", sorted(mapped))
         t1 = time.monotonic()
         proc.send_signal(signal.SIGTERM)  # a requested stop (its checkpoint abandoned at once)
         try:
@@ -978,15 +983,23 @@ def job(ctx: Context, rec: Record, deadline: float, kind: str) -> None:
             "loss": [r.get("loss") for r in rows],
         }
     )
-    left = [n for n in shm_files("atroposd-") if _created_since(n, started)]
+    left = sorted(n for n in rec.figures.get("segments_mapped", []) if (Path("/dev/shm") / n).exists())
     rec.check("no segment of the job left after stop", not left, left)
 
 
-def _created_since(name: str, t: float) -> bool:
-    try:
-        return (Path("/dev/shm") / name).stat().st_ctime >= t
-    except OSError:
-        return False
+def _shm_mapped(pids: list[int]) -> set[str]:
+    """The /dev/shm files (atroposd's segments, torch's) that the processes ``pids`` map."""
+    names: set[str] = set()
+    for pid in pids:
+        try:
+            text = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+            if path.startswith("/dev/shm/"):
+                names.add(path.removeprefix("/dev/shm/").removesuffix(" (deleted)"))
+    return names
 
 
 # ------------------------------------------------------------------------------------ main
@@ -1000,7 +1013,9 @@ PHASES: dict[str, Callable[[Context, Record, float], None]] = {
     "ipc_expandable": ipc,
     "bandwidth": bandwidth,
     "gpu_tests": gpu_tests,
-    **{kind: (lambda c, r, d, _k=kind: job(c, r, d, _k)) for kind in JOB_KINDS},
+    "job_push": functools.partial(job, kind="job_push"),
+    "job_shared": functools.partial(job, kind="job_shared"),
+    "job_host_staging": functools.partial(job, kind="job_host_staging"),
 }
 
 

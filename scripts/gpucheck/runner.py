@@ -4,7 +4,8 @@ appended to ``gpu-check.jsonl`` (and flushed to disk) as it ends.
 A phase that passes its deadline, hangs or dies is stopped with everything it started (its whole
 process tree, by parent pid: a job's daemon and its children included) and recorded as failed
 with what it had measured so far and its log's tail; the run goes on with the next phase. A phase
-that the run's deadline leaves less than ``MIN_PHASE_S`` seconds is recorded as skipped. A run
+that the run's deadline leaves less than its least time (``MIN_PHASE_S``; a whole job's for the
+last two jobs) is recorded as skipped. A run
 killed at any moment (SIGKILL of its process group included) leaves every finished phase in the
 file: each line is written whole and fsynced before the next phase starts.
 """
@@ -34,23 +35,24 @@ from gpucheck.common import (
     tail,
 )
 
-#: (phase, its own deadline in seconds), in the order they run
-PHASES: tuple[tuple[str, float], ...] = (
-    ("preflight", 45.0),
-    ("install", 120.0),
-    ("model", 120.0),
-    ("nccl", 150.0),
-    ("ipc", 120.0),
-    ("ipc_expandable", 120.0),
-    ("bandwidth", 60.0),
-    ("job_push", 180.0),
-    ("gpu_tests", 240.0),
-    ("job_shared", 150.0),
-    ("job_host_staging", 150.0),
-)
-PHASE_NAMES = tuple(name for name, _ in PHASES)
 DEFAULT_DEADLINE_S = 360.0
 MIN_PHASE_S = 10.0
+#: (phase, its own deadline, the least time the run must have left for it to start), in the
+#: order they run; the last two jobs run only while the run has time left for a whole job
+PHASES: tuple[tuple[str, float, float], ...] = (
+    ("preflight", 45.0, MIN_PHASE_S),
+    ("install", 120.0, MIN_PHASE_S),
+    ("model", 120.0, MIN_PHASE_S),
+    ("nccl", 150.0, MIN_PHASE_S),
+    ("ipc", 120.0, MIN_PHASE_S),
+    ("ipc_expandable", 120.0, MIN_PHASE_S),
+    ("bandwidth", 60.0, MIN_PHASE_S),
+    ("job_push", 180.0, MIN_PHASE_S),
+    ("gpu_tests", 240.0, MIN_PHASE_S),
+    ("job_shared", 150.0, 60.0),
+    ("job_host_staging", 150.0, 60.0),
+)
+PHASE_NAMES = tuple(name for name, _, _ in PHASES)
 JSONL = "gpu-check.jsonl"
 #: what every phase's process gets in its environment on top of the run's (``ipc_expandable``:
 #: torch's allocator with expandable segments, in the producer and the consumer both)
@@ -118,13 +120,14 @@ def run(
     old = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     failed = 0
     try:
-        for name, own_s in PHASES:
+        for name, own_s, least_s in PHASES:
             if name not in wanted:
                 continue
             left = deadline_s - (time.monotonic() - t_start)
             limit = min(own_s if phase_deadline_s is None else phase_deadline_s, left)
-            if left < MIN_PHASE_S:
-                append(jsonl, _skipped(name, ctx, f"the run's deadline ({deadline_s:g} s) leaves {max(left, 0):.0f} s"))
+            if left < least_s:
+                why = f"the run's deadline ({deadline_s:g} s) leaves {max(left, 0):.0f} s, under its {least_s:g} s"
+                append(jsonl, _skipped(name, ctx, why))
                 continue
             result = run_phase(name, ctx, limit)
             append(jsonl, result)
