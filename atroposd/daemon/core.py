@@ -700,6 +700,8 @@ class Daemon:
         for u in gone:
             if self.units.get(u.name) is u:
                 del self.units[u.name]
+            if self.sandbox is not None:
+                await self.sandbox.detach(u.name)  # its engine socket goes with it
         ins = self.spec_inputs()
         new_envs = {e.name: e for e in new.env}
         for name in plan.start:

@@ -127,6 +127,14 @@ class Sandbox:
         spawn(proxy.start)
         return self._on_exit(owner)
 
+    async def detach(self, name: str) -> None:
+        """A replica removed for good (``reload``): its socket closes (its containers went when
+        its unit stopped)."""
+        proxy = self.proxies.pop(name, None)
+        self.live.pop(name, None)
+        if proxy is not None:
+            await proxy.close()
+
     def _on_exit(self, owner: Owner) -> Callable[[bool], Awaitable[None]]:
         async def on_exit(restarting: bool) -> None:
             await self.remove_replica(owner, "restart" if restarting else "stop")

@@ -160,3 +160,22 @@ def test_max_containers_refuses_the_next_create(podman: Podman, sandbox_tmp: Pat
         assert job.status()["sandbox"]["refused"]["max_containers"] == 1
     finally:
         assert job.cli("stop", timeout=60).returncode == 0
+
+
+def test_reload_removing_an_environment_removes_its_containers_and_socket(podman: Podman, sandbox_tmp: Path) -> None:
+    kept, dropped = sandbox_tmp / "kept", sandbox_tmp / "dropped"
+    envs = [sandbox_env("box", starter(kept, 1)), sandbox_env("gone", starter(dropped, 2))]
+    job = sandbox_job(sandbox_tmp, podman, envs)
+    assert job.cli("start").returncode == 0
+    try:
+        wait_for(lambda: len(lines(kept)) == 1 and len(lines(dropped)) == 2, timeout=30, what="the containers")
+        job.write(env=[envs[0]])
+        r = job.cli("reload")
+        assert r.returncode == 0, r.stderr
+        assert not (job.runtime_dir / "sandbox" / "gone-0.sock").exists()
+        assert (job.runtime_dir / "sandbox" / "box-0.sock").exists()
+        assert {c["Id"] for c in labelled(podman, job)} == set(lines(kept))
+        assert job.status()["sandbox"]["removed"]["stop"] == 2
+    finally:
+        assert job.cli("stop", timeout=60).returncode == 0
+    assert not labelled(podman, job)
