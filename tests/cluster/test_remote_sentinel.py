@@ -115,3 +115,80 @@ async def test_a_remote_replica_is_checked_quarantined_resynced_and_released() -
     assert sentinel.resyncs == 1 and sentinel.restarts == 0 and not sentinel.quarantined
     status = sentinel.status()
     assert status["replicas"] == ["node 1 replica 0"] and status["replica_drift"] == drift
+
+
+# ---------------------------------------------------------------------------- over the real links
+
+
+class SentinelHost:
+    """A node's stand-in daemon as the sentinel's words use it: its paths and its replica restarts."""
+
+    def __init__(self, host: Any) -> None:
+        self.host = host
+        self.restarts: list[tuple[int, str]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.host, name)
+
+    @property
+    def paths(self) -> Any:
+        from atroposd.paths import Paths
+
+        return Paths.of(self.host.cfg)
+
+    async def restart_replica(self, replica: int, reason: str) -> bool:
+        self.restarts.append((replica, reason))
+        return True
+
+
+async def test_the_sentinels_words_cross_the_links_and_a_node_checks_them(token_file: Any, tmp_path: Any) -> None:
+    """A head link and node 1's link over loopback (``tests/cluster/test_links.py``'s stand-in
+    daemons): the head reaches node 1's replica by its own request ids; node 1 answers a canary
+    its replica cannot give, and one out of bounds or for a replica it does not run, with the
+    reason (never generated); it restarts its replica at the head's word; a quarantine its replica
+    cannot take is answered as not done."""
+    import dataclasses
+
+    from atroposd.cluster.messages import CanaryAnswer, CanaryAsk, Care, Cared
+    from atroposd.daemon.cluster import HeadLink, NodeLink
+    from tests.cluster.conftest import until
+    from tests.cluster.test_links import Host, Trainer, node_config
+    from tests.support import free_port_pair
+
+    port = free_port_pair()
+    async with anyio.create_task_group() as tg:
+        head = HeadLink(Host(node_config(token_file, tmp_path, port, 0), tg, Trainer()))
+        await tg.start(head.run)
+        node_cfg = node_config(token_file, tmp_path / "node1", port, 1)
+        node_cfg.cluster = dataclasses.replace(node_cfg.cluster, port=port)
+        node_host = SentinelHost(Host(node_cfg, tg))
+        node = NodeLink(node_host)  # type: ignore[arg-type]
+        await tg.start(node.run)
+        try:
+            await until(lambda: head.remote_replicas(), 10, "node 1 joined")
+            (replica,) = head.remote_replicas()
+            assert replica.label == "node 1 replica 0"
+            body = {"prompt": {"prompt_token_ids": [3, 4]}, "max_tokens": 4, "n": 1, "temperature": 0.0, "logprobs": 0}
+            with pytest.raises(WeightControlError, match="replica 0"):
+                await replica.canary([body], 10)  # nothing listens on its socket here
+            for ask, why in (
+                (CanaryAsk(request=0, replica=0, prompts=[], max_tokens=4), "does not check"),
+                (CanaryAsk(request=0, replica=0, prompts=[{"ids": [-1]}], max_tokens=4), "does not check"),
+                (CanaryAsk(request=0, replica=0, prompts=[{"ids": [3]}], max_tokens=10_000), "does not check"),
+                (CanaryAsk(request=0, replica=7, prompts=[{"ids": [3]}], max_tokens=4), "no inference replica 7"),
+            ):
+                answer = await head.ask(1, ask, 10)
+                assert isinstance(answer, CanaryAnswer) and why in answer.error and not answer.answers, answer
+            assert await replica.care("restart", "canary drift 0.4 over drift_limit 0.05", 10)
+            assert node_host.restarts == [(0, "the head's sentinel: canary drift 0.4 over drift_limit 0.05")]
+            assert not await replica.care("quarantine", "drift", 10)  # its socket does not answer
+            answer = await head.ask(1, Care(request=0, replica=3, op="release"), 10)
+            assert isinstance(answer, Cared) and not answer.ok and "no inference replica 3" in answer.detail
+            assert head._answers == {}  # every request answered and forgotten
+            assert not any(head.dropped().values()) and not any(node.dropped().values())
+        finally:
+            node_host.stopped.set()
+            with anyio.fail_after(10):
+                await node.close()
+                await head.close()
+            tg.cancel_scope.cancel()
