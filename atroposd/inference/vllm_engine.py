@@ -46,7 +46,7 @@ import orjson
 
 from atroposd.devices import resolve
 from atroposd.inference import schema
-from atroposd.inference.gate import WeightGate
+from atroposd.inference.gate import NotPaused, WeightGate
 from atroposd.inference.schema import BadRequest
 from atroposd.logs import get_logger
 from atroposd.weights.protocol import WeightUpdateError
@@ -74,6 +74,10 @@ def check_installed_vllm(*, allow_untested: bool) -> None:
 # importing it registers atroposd's weight-transfer engine under this backend name.
 WORKER_EXTENSION = "atroposd.inference.vllm_worker.AtroposdWorkerExtension"
 TRANSFER_BACKEND = "atroposd"
+# How the weight-control pause treats generations in flight (vLLM's pause_generation modes):
+# "wait" drains them (no new admission until resume), "keep" freezes them between two decode
+# steps; they go on after resume, on whatever weights were loaded meanwhile.
+PAUSE_MODES = ("wait", "keep")
 CPU_DEFAULT_MEMORY_FRACTION = 0.2
 # How long a probe generation waits for a bucketed push under way before it fails.
 PROBE_WAIT_S = 60.0
@@ -98,6 +102,7 @@ class VllmEngine(WeightGate):
     """AsyncLLM behind the inference-engine methods: generate, pause/resume, weights, close."""
 
     name = "vllm"
+    pause_modes = PAUSE_MODES  # what the weight-control pause route accepts (inference/server.py)
 
     def __init__(
         self,
@@ -136,6 +141,10 @@ class VllmEngine(WeightGate):
         self._update_lock = asyncio.Lock()
         self._whole = asyncio.Event()  # set: no bucketed push under way (_settle)
         self._whole.set()
+        # vLLM's scheduler paused (pause_generation) until resume; with "keep", generations in
+        # flight are frozen and weights may change under them.
+        self._engine_paused = False
+        self._frozen = False
         self._session = False  # a weight-transfer session (start_weight_update) not yet finished
         # LoRA (trainer.mode = "lora"): adapters arrive through reload; generations use the newest.
         self.lora_rank = lora_rank
@@ -231,6 +240,10 @@ class VllmEngine(WeightGate):
         self._starting = asyncio.get_running_loop().run_in_executor(None, _build_engine, args)
         self.engine = await asyncio.shield(self._starting)
         self._starting = None
+        # vLLM labels every output token with its engine's weight version: from here on the
+        # label is the version generation was resumed with (resume), so that a completion that
+        # spans a swap reports where it happened (_version_record).
+        await self.engine.update_weight_version(str(self.weight_version))
 
     async def close(self, timeout: float = 1.5) -> None:
         """Shut the engine down (waiting for one still starting); then kill what is left of its
@@ -316,6 +329,62 @@ class VllmEngine(WeightGate):
         return params, sampling_kwargs(params)
 
     # ------------------------------------------------------------------ weight control
+
+    async def pause(self, mode: str = "wait", clear_cache: bool | None = None) -> dict[str, Any]:
+        """Stop generation for a weight update, through vLLM's own ``pause_generation``.
+
+        ``mode = "wait"`` (the default): admit nothing new and return once every admitted
+        generation has been answered. ``"keep"``: admit nothing new and freeze the generations in
+        flight between two decode steps; weights may then change under them, and they go on at
+        :meth:`resume`, each token sampled after the swap from the new weights (its logprob
+        theirs), the response's ``weight_versions`` naming where. ``clear_cache`` (default: true
+        for "keep", false for "wait", whose update drops the prefix cache anyway) drops the KV
+        and prefix caches as it pauses, so that frozen sequences recompute their KV with the
+        weights they resume on; false keeps the frozen KV of the old weights.
+        """
+        if mode not in PAUSE_MODES:
+            raise BadRequest(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        if clear_cache is not None and not isinstance(clear_cache, bool):
+            raise BadRequest(f"clear_cache must be true or false, got {clear_cache!r}")
+        clear = clear_cache if clear_cache is not None else mode == "keep"
+        if mode == "wait":
+            out = await super().pause()
+            if self.engine is not None:
+                await self.engine.pause_generation(mode="wait", clear_cache=clear)
+                self._engine_paused = True
+            return {**out, "mode": mode}
+        if not self._paused:
+            self.pauses += 1
+            self._paused_at = time.monotonic()
+        self._paused = True
+        self.held_for_update = True
+        self._resumed.clear()
+        if self.engine is not None:
+            await self.engine.pause_generation(mode="keep", clear_cache=clear)
+            self._engine_paused = True
+        self._frozen = True
+        return {"paused": True, "weight_version": self.weight_version, "mode": mode, "frozen": self._inflight}
+
+    async def resume(self, weight_version: int | None = None) -> dict[str, Any]:
+        """Open the gate with ``weight_version`` (unless a bucketed push stopped halfway) and let
+        vLLM's scheduler go on: frozen generations continue, their next tokens labelled with the
+        new version."""
+        problem = self.receiver.incomplete() if self.receiver is not None else None
+        if problem is not None:
+            raise WeightUpdateError(problem)
+        if self.engine is not None:
+            if weight_version is not None:
+                await self.engine.update_weight_version(str(int(weight_version)))
+            if self._engine_paused:
+                await self.engine.resume_generation()
+                self._engine_paused = False
+        self._frozen = False
+        return await super().resume(weight_version)
+
+    def _require_paused(self) -> None:
+        # With "keep", the generations in flight are frozen in vLLM's scheduler: weights may change.
+        if not self._paused or (self._inflight and not self._frozen):
+            raise NotPaused("pause generation before updating weights (POST /pause)")
 
     async def update_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """``{"manifest", "mode": "copy", "weight_version"?}``: copy an export in (push), or one
@@ -762,6 +831,21 @@ def sampling_kwargs(params: schema.GenerateParams) -> dict[str, Any]:
     return kw
 
 
+def _version_record(completion: Any, admitted: int) -> list[list[int]]:
+    """``[[token_index, version], ...]``: from which output token on each weight version sampled
+    this completion, starting at ``[0, admitted]`` (vLLM's spans of its weight-version labels,
+    which :meth:`VllmEngine.resume` sets)."""
+    record = [[0, admitted]]
+    for span in getattr(completion, "weight_versions", None) or ():
+        try:
+            version = int(span.version)
+        except (TypeError, ValueError):  # a label atroposd did not set
+            continue
+        if version != record[-1][1]:
+            record.append([int(span.start), version])
+    return record
+
+
 def _response(out: Any, version: int, *, want_prompt_logprobs: bool) -> dict[str, Any]:
     """RequestOutput → the Atropos response: logprobs[completion][token] = [{"<id>": lp}]."""
     completions = sorted(out.outputs, key=lambda c: c.index)
@@ -782,6 +866,9 @@ def _response(out: Any, version: int, *, want_prompt_logprobs: bool) -> dict[str
         "finish_reasons": [c.finish_reason for c in completions],
         "weight_version": version,
     }
+    records = [_version_record(c, version) for c in completions]
+    if any(len(r) > 1 for r in records):  # only a completion that spans a swap carries it
+        body["weight_versions"] = records
     if want_prompt_logprobs:
         pl: list[Any] = []
         for pos, entry in enumerate(out.prompt_logprobs or []):

