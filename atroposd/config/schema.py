@@ -449,6 +449,20 @@ class TrainerConfig:
         "all of them; host_staging = through the staging buffer for every replica.",
         choices=("auto", "host_staging"),
     )
+    inflight: str = _k(
+        "keep",
+        "What a weight sync does with the generations in flight. keep = freeze them between\n"
+        "two decode steps, swap the weights, let them go on (the tokens after the swap come\n"
+        "from the new weights; a response that spans a swap carries weight_versions);\n"
+        "drain = admit nothing new and wait until every admitted generation has finished.",
+        choices=("keep", "drain"),
+    )
+    inflight_kv: str = _k(
+        "recompute",
+        "inflight = keep: recompute = the frozen sequences' KV cache is computed again with\n"
+        "the new weights before they go on; keep = they decode over the old KV (faster, staler).",
+        choices=("recompute", "keep"),
+    )
     join_timeout: float = _k(300.0, "Seconds every trainer rank may take to join the process group.", gt=0)
     collective_timeout: float = _k(600.0, "Seconds a collective may run before the trainer group is restarted.", gt=0)
     max_restarts: int = _k(

@@ -526,7 +526,8 @@ class TorchEngine(WeightGate):
             "updates": self.updates,
             "awaiting_weights": self.awaiting_weights,
             "waiting": self.waiting,
-            "held": self._hold,
+            "held": self._hold,  # a keep-pause: generations in flight frozen or not begun
+            "inflight": self._inflight,
             "engine": self.name,
             "pid": os.getpid(),
         }

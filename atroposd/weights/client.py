@@ -67,8 +67,9 @@ class WeightControlClient:
             raise WeightControlError(f"{method} {route} answered {resp.status}: {msg}", resp.status)
         return data if isinstance(data, dict) else {"result": data}
 
-    async def pause(self) -> dict[str, Any]:
-        return await self.request("POST", "/pause")
+    async def pause(self, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``body``: ``{"mode": "keep" | "wait", "clear_cache"?}`` (none: drain, on every engine)."""
+        return await self.request("POST", "/pause", body)
 
     async def resume(self, weight_version: int) -> dict[str, Any]:
         return await self.request("POST", "/resume", {"weight_version": weight_version})

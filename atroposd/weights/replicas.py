@@ -12,6 +12,11 @@ and marked not current: the restarted server starts paused (``--await-weights``)
 current weights from the mode's ``reattach`` before it serves again. Any other refusal is
 raised. Each control request has its own deadline (:func:`sync_deadline`); one that passes it
 counts in ``sync_timeouts`` (the daemon's watchdog restarts the server).
+
+In-flight updates (SPEC §7): ``pause_body`` is what every pause asks for (:func:`pause_request`
+of ``[trainer] inflight`` and ``inflight_kv``): with ``inflight = "keep"`` a replica freezes its
+running generations instead of draining them. A replica whose engine pauses only by draining
+(a 400 naming its modes) is paused that way, once with a warning.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ __all__ = [
     "Replica",
     "Replicas",
     "SyncReport",
+    "pause_request",
     "sockets_of",
     "sync_deadline",
     "unpaused",
@@ -60,6 +66,17 @@ def sync_deadline(stall_timeout: float) -> float:
     return max(MIN_DEADLINE, stall_timeout / 2) if stall_timeout > 0 else DEFAULT_DEADLINE
 
 
+def pause_request(inflight: str = "keep", inflight_kv: str = "recompute") -> dict[str, Any] | None:
+    """The weight-control ``/pause`` body of ``[trainer] inflight`` / ``inflight_kv`` (None: drain)."""
+    if inflight == "drain":
+        return None
+    if inflight != "keep" or inflight_kv not in ("recompute", "keep"):
+        raise ValueError(
+            f"inflight must be keep or drain and inflight_kv recompute or keep, got {inflight!r}, {inflight_kv!r}"
+        )
+    return {"mode": "keep", "clear_cache": inflight_kv == "recompute"}
+
+
 def _unreachable(exc: WeightControlError) -> bool:
     """The server is not there to take weights now: dead (no answer), or answering 503 (its engine
     still loading, or shutting down). It gets the current weights when it is ready again."""
@@ -77,6 +94,8 @@ class Replica:
     #: the weight_version it was last resumed with (None: never reached)
     version: int | None = None
     conn: WeightControlClient | None = field(default=None, repr=False)
+    #: its engine pauses only by draining (it refused a keep-pause)
+    drain_only: bool = False
 
 
 class Replicas(Sequence[Replica]):
@@ -88,6 +107,8 @@ class Replicas(Sequence[Replica]):
         #: update is skipped and ``sync_timeouts`` counts it)
         self.deadline = deadline
         self.sync_timeouts = 0
+        #: the /pause body of every pause (None: drain); :func:`pause_request`
+        self.pause_body: dict[str, Any] | None = None
 
     @overload
     def __getitem__(self, i: int) -> Replica: ...
@@ -213,8 +234,23 @@ class Replicas(Sequence[Replica]):
             return False
 
     async def pause(self, r: Replica, version: int) -> bool:
-        """``r`` admits no new generation once its in-flight ones finished; False: not reached."""
-        return await self.reached(r, version, "pause")
+        """``r`` admits no new generation and no forward pass runs: its in-flight generations
+        finished (drain) or frozen (``pause_body`` keep); False: not reached."""
+        body = None if r.drain_only else self.pause_body
+        if body is None:
+            return await self.reached(r, version, "pause")
+        try:
+            return await self.reached(r, version, "pause", body)
+        except WeightControlError as exc:
+            if exc.status != 400:
+                raise
+            r.drain_only = True
+            log.warning(
+                "inference replica does not keep generations in flight through a sync; it drains them",
+                replica=r.index,
+                error=str(exc),
+            )
+            return await self.reached(r, version, "pause")
 
     async def resume(self, r: Replica, version: int) -> bool:
         """``r`` generates again, with ``version``; it holds the current weights."""

@@ -68,6 +68,7 @@ from atroposd.weights.replicas import (
     Replica,
     Replicas,
     SyncReport,
+    pause_request,
     sockets_of,
     sync_deadline,
 )
@@ -208,6 +209,10 @@ def make_weight_sync(
     else:
         raise ValueError(f"unknown weight_sync mode {mode!r}")
     sync.deadline = deadline
+    # in-flight updates (SPEC §7): how every replica's pause treats the generations in flight
+    sync.replicas.pause_body = pause_request(
+        str(getattr(cfg.trainer, "inflight", "keep")), str(getattr(cfg.trainer, "inflight_kv", "recompute"))
+    )
     return sync
 
 
