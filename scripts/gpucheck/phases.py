@@ -157,7 +157,9 @@ def preflight(ctx: Context, rec: Record, deadline: float) -> None:
     if not rec.check("CUDA is available", torch.cuda.is_available()):
         return
     props = torch.cuda.get_device_properties(0)
-    nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else None
+    import torch.distributed as dist
+
+    nccl = torch.cuda.nccl.version() if dist.is_nccl_available() else None
     rec.figures_update(
         {
             "gpu": props.name,
@@ -772,17 +774,14 @@ def bandwidth(ctx: Context, rec: Record, deadline: float) -> None:
 
 
 def gpu_tests(ctx: Context, rec: Record, deadline: float) -> None:
-    """Every ``gpu``-marked test, named file by file, each one's outcome (in the rehearsal they
-    find no CUDA and skip)."""
-    import xml.etree.ElementTree as ET
-
+    """Every ``gpu``-marked test, named file by file, each one's outcome as it ends (in the
+    rehearsal they find no CUDA and skip)."""
     files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if "mark.gpu" in p.read_text())
     rec.figure("files", files)
-    junit = Path(ctx.work) / "gpu-tests.xml"
-    junit.unlink(missing_ok=True)
-    argv = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-p", "gpucheck.nocuda"]
-    argv += ["--junitxml", str(junit)]
-    proc = start([*argv, *files], log=None, env=child_env(ctx))
+    outcomes = Path(ctx.work) / "gpu-tests.jsonl"
+    outcomes.unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-p", "gpucheck.pytest_plugin"]
+    proc = start([*argv, *files], log=None, env=child_env(ctx, {"GPU_CHECK_TEST_LOG": str(outcomes)}))
     limit = max(5.0, deadline - time.time() - 10)
     try:
         rc = proc.wait(timeout=limit)
@@ -795,25 +794,27 @@ def gpu_tests(ctx: Context, rec: Record, deadline: float) -> None:
         rec.check(f"the gpu tests ended within {limit:.0f} s", False)
     by_file: dict[str, list[dict[str, Any]]] = {}
     counts: dict[str, int] = {}
-    if junit.exists():
-        for case in ET.parse(junit).getroot().iter("testcase"):
-            outcome, message = "passed", None
-            for tag in ("failure", "error", "skipped"):
-                el = case.find(tag)
-                if el is not None:
-                    outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
-                    message = (el.get("message") or "")[:300]
-                    break
-            module = case.get("classname", "").split(".")
-            name = "/".join(module[:-1]) + ".py" if module and module[-1][:1].isupper() else "/".join(module) + ".py"
-            entry = {"test": case.get("name"), "outcome": outcome, "s": float(case.get("time") or 0)}
-            if message:
-                entry["message"] = message
-            by_file.setdefault(name, []).append(entry)
-            counts[outcome] = counts.get(outcome, 0) + 1
+    for row in _jsonl(outcomes):
+        entry = {k: v for k, v in row.items() if k not in ("file", "when")}
+        by_file.setdefault(str(row["file"]), []).append(entry)
+        counts[row["outcome"]] = counts.get(row["outcome"], 0) + 1
     rec.figures_update({"tests": by_file, "counts": counts})
     rec.check("no gpu test failed", not counts.get("failed") and not counts.get("error"), counts)
-    rec.check("every gpu test file ran", bool(by_file) and rc in (0, 5), rc)
+    rec.check("every gpu test file ran", set(by_file) == set(files) and rc in (0, 5), rc)
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    rows = []
+    for line in text.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut by a kill
+    return rows
 
 
 # ------------------------------------------------------------------------------------ jobs
