@@ -5,8 +5,10 @@ the daemon, the engine and the socket go on serving."""
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import string
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests import fuzzseed
-from tests.daemon.conftest import Job
+from tests.daemon.conftest import Job, _teardown
 from tests.sandbox.conftest import IMAGE, sandbox_env, sandbox_job, socket_of
 from tests.sandbox.engine import Podman
 
@@ -81,14 +83,17 @@ FIELDS = [
 ]  # fmt: skip
 
 
-@pytest.fixture
-def job(podman: Podman, sandbox_tmp: Path) -> Any:
-    j = sandbox_job(sandbox_tmp, podman, [sandbox_env("box")])
-    assert j.cli("start").returncode == 0
+@pytest.fixture(scope="module")
+def job(podman: Podman) -> Any:
+    """One daemon for the module: each test ends by checking it still serves."""
+    d = Path(tempfile.mkdtemp(prefix="apd-sb-", dir="/tmp"))
+    j = sandbox_job(d, podman, [sandbox_env("box")])
     try:
+        assert j.cli("start").returncode == 0
         yield j
     finally:
-        assert j.cli("stop", timeout=60).returncode == 0
+        _teardown(j)
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def sock(job: Job) -> Path:
