@@ -155,6 +155,21 @@ def check_text(text: str, *, max_model_len: int, what: str = "prompt") -> None:
         )
 
 
+def check_texts(texts: Sequence[str], *, max_model_len: int, what: str = "prompt") -> None:
+    """Several prompts given as text: each within :func:`check_text`'s bound, and all of them
+    together within ``MAX_REQUEST_TOKENS × TEXT_BYTES_PER_TOKEN`` characters (before any is
+    tokenized)."""
+    total = 0
+    for i, text in enumerate(texts):
+        check_text(text, max_model_len=max_model_len, what=f"{what}[{i}]")
+        total += len(text)
+    if total > MAX_REQUEST_TOKENS * TEXT_BYTES_PER_TOKEN:
+        raise BadRequest(
+            f"the request's prompts hold {total} characters; at most {MAX_REQUEST_TOKENS * TEXT_BYTES_PER_TOKEN} "
+            "in all: split the request"
+        )
+
+
 def check_count(count: int, what: str = "prompts") -> None:
     """At most :data:`MAX_PROMPTS` prompts in one request (checked before any is read)."""
     if count > MAX_PROMPTS:
@@ -696,8 +711,7 @@ def parse_trl(
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p for p in prompts):
         raise BadRequest("prompts must be a non-empty list of non-empty strings")
     check_count(len(prompts))
-    for i, prompt in enumerate(prompts):
-        check_text(prompt, max_model_len=max_model_len, what=f"prompts[{i}]")
+    check_texts(prompts, max_model_len=max_model_len, what="prompts")
     for key in ("images", "guided_decoding_regex"):
         if body.get(key) is not None:
             raise BadRequest(f"{key} is not supported")

@@ -532,17 +532,16 @@ def _openai_prompts(front: _Front, prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str):
         schema.check_text(prompt, max_model_len=limit)
         return [tok.encode(prompt)]
-    if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
-        return [list(prompt)]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) and not isinstance(prompt[0], bool):
+        return [prompt]  # one prompt of token ids: its length, then its ids, checked as /generate's
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         schema.check_count(len(prompt))
         if not all(isinstance(p, (str, list)) for p in prompt):
             raise schema.BadRequest("prompt must be a string, a list of token ids, or a list of those")
         for i, p in enumerate(prompt):
-            if isinstance(p, str):
-                schema.check_text(p, max_model_len=limit, what=f"prompt[{i}]")
-            elif not p or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            if isinstance(p, list) and (not p or not all(isinstance(t, int) and not isinstance(t, bool) for t in p)):
                 raise schema.BadRequest(f"prompt[{i}] must be a string or a non-empty list of token ids")
+        schema.check_texts([p for p in prompt if isinstance(p, str)], max_model_len=limit)
         return [tok.encode(p) if isinstance(p, str) else list(p) for p in prompt]
     raise schema.BadRequest("prompt must be a string, a list of token ids, or a list of those")
 

@@ -157,6 +157,9 @@ def test_whole_request_bounds_name_the_problem() -> None:
     with pytest.raises(schema.BadRequest, match="max_model_len × 16"):
         schema.check_text("é" * 2049, max_model_len=256)
     schema.check_text("é" * 2048, max_model_len=256)
+    schema.check_texts(["x" * (1 << 20)] * 16, max_model_len=1 << 16)
+    with pytest.raises(schema.BadRequest, match="in all"):
+        schema.check_texts(["x" * (1 << 20)] * 17, max_model_len=1 << 16)
     body = {"input_ids": [1, 2], "rid": "r" * 257}
     with pytest.raises(schema.BadRequest, match="rid is 257 characters"):
         schema.parse_sglang(body, max_model_len=64, vocab_size=32, encode=lambda t: [1])
@@ -342,9 +345,13 @@ def test_a_departed_clients_queued_work_is_dropped(tiny_dir: Path) -> None:
             before = engine.batched_rows
             async with engine._compute:  # the model is busy: the request queues
                 body = {"prompt": {"prompt_token_ids": PROMPT}, "n": 64, "max_tokens": 50, "ignore_eos": True}
-                with pytest.raises(asyncio.TimeoutError):
-                    await _post(s, url + "/generate", body, timeout=0.5)
-                await _until(lambda: front.metrics.inflight._value.get() == 0)  # its handler ended
+                client = asyncio.ensure_future(_post(s, url + "/generate", body, timeout=60))
+                # it reached the engine (queued, or taken into the batch that waits for the model)
+                await _until(lambda: bool(engine._queue) or engine._last_rows == 64, timeout=30)
+                client.cancel()  # the client goes away: its connection closes
+                with contextlib.suppress(asyncio.CancelledError):
+                    await client
+                await _until(lambda: front.metrics.inflight._value.get() == 0, timeout=30)  # its handler ended
             # a request sent after it is answered after it would have been
             status, _ = await _post(s, url + "/generate", {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 1})
             assert status == 200
