@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["EXT_KEY", "extension", "extension_for_write"]
+__all__ = ["EXT_KEY", "extension", "extension_for_write", "sampled_versions", "version_records"]
 
 #: the one ``group_overrides`` key for atroposd's extensions
 EXT_KEY = "atroposd"
@@ -37,3 +37,48 @@ def extension_for_write(payload: dict[str, Any]) -> dict[str, Any] | None:
     if ext is None:
         ext = overrides[EXT_KEY] = {}
     return ext if isinstance(ext, dict) else None
+
+
+def version_records(group: Any, sequences: int) -> list[list[tuple[int, int]]] | None:
+    """A group's ``group_overrides.atroposd.weight_versions`` (SPEC §7): per sequence, the
+    ``[token_index, version]`` pairs of the weights that sampled its completion's tokens, from
+    ``[0, weight_version]`` on (token indices count the completion's tokens). None when absent;
+    ValueError naming what is wrong when malformed."""
+    ext = extension(group)
+    raw = ext.get("weight_versions")
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) != sequences:
+        raise ValueError(f"weight_versions must be a list with one entry per sequence ({sequences}), got {raw!r:.200}")
+    admitted = ext.get("weight_version")
+    out: list[list[tuple[int, int]]] = []
+    for i, record in enumerate(raw):
+        if not isinstance(record, list) or not record:
+            raise ValueError(f"weight_versions[{i}] must be a non-empty list of [token_index, version] pairs")
+        pairs: list[tuple[int, int]] = []
+        for pair in record:
+            if not isinstance(pair, list) or len(pair) != 2 or not all(type(x) is int and 0 <= x < 2**53 for x in pair):
+                raise ValueError(f"weight_versions[{i}]: {pair!r:.80} is not a [token_index, version] pair")
+            if pairs and (pair[0] <= pairs[-1][0] or pair[1] == pairs[-1][1]):
+                raise ValueError(f"weight_versions[{i}]: token indices must increase and versions change")
+            pairs.append((pair[0], pair[1]))
+        if pairs[0][0] != 0:
+            raise ValueError(f"weight_versions[{i}] must start at token 0")
+        if type(admitted) is int and pairs[0][1] != admitted:
+            raise ValueError(f"weight_versions[{i}] starts at version {pairs[0][1]}, not weight_version {admitted}")
+        out.append(pairs)
+    return out
+
+
+def sampled_versions(group: Any) -> list[int]:
+    """Every weight version a group's tokens were sampled under: from ``weight_versions`` when
+    it carries a valid one, else its ``weight_version`` (empty: it says nothing)."""
+    version = extension(group).get("weight_version")
+    tokens = group.get("tokens") if isinstance(group, Mapping) else None
+    try:
+        records = version_records(group, len(tokens) if isinstance(tokens, list) else -1)
+    except ValueError:
+        records = None
+    if records:
+        return sorted({v for record in records for _, v in record})
+    return [version] if type(version) is int else []

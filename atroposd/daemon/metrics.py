@@ -101,6 +101,11 @@ _LAST_STEP = (
     ("learning_rate", "lr", "Learning rate of the last step"),
     ("batch_tokens", "tokens", "Tokens in the last batch"),
     ("batch_sequences", "sequences", "Sequences in the last batch"),
+    (
+        "swapped_token_share",
+        "swapped_token_share",
+        "Share of the last batch's trained completion tokens sampled after a weight swap (in-flight updates)",
+    ),
 )
 _STATUS_GAUGES = (
     ("step", "step", "Optimizer steps done"),

@@ -20,7 +20,8 @@ enumerating every completion. A policy that ignores the prompt is a mixture of f
 so no such policy, stochastic or not, does better.
 
 Accuracy. Every group carries ``group_overrides.atroposd = {"weight_version", "accuracy",
-"reward_mean", "env"}`` (SPEC §5 extensions; clients that do not know it ignore it):
+"reward_mean", "env"}`` (SPEC §5 extensions; clients that do not know it ignore it), and
+``weight_versions`` when a completion spans a weight swap (SPEC §7):
 ``accuracy`` is the fraction of the group's completions that are exactly right.
 
 What is sent. ``tokens`` = prompt + completion (a sampled EOS included); ``masks`` = -100 over
@@ -143,6 +144,14 @@ def build_group(
         scores.append(score(problem.answer, text, ended))
         correct.append(is_exact(problem.answer, text, ended))
     accuracy = sum(correct) / len(correct)
+    ext: dict[str, Any] = {
+        "weight_version": generation.weight_version,
+        "accuracy": accuracy,
+        "reward_mean": sum(scores) / len(scores),
+        "env": env_name,
+    }
+    if generation.weight_versions is not None:  # a completion spans a weight swap (SPEC §7)
+        ext["weight_versions"] = generation.weight_versions
     payload = {
         "tokens": tokens,
         "masks": masks,
@@ -151,14 +160,7 @@ def build_group(
         # per completion: "length" = truncated at max_tokens (trainer.overlong = "mask" trains none of it)
         "overrides": [{"finish_reason": c.finish_reason} for c in generation.completions],
         "generation_params": {"temperature": temperature, "top_p": 1.0, "max_tokens": max_tokens},
-        "group_overrides": {
-            EXT_KEY: {
-                "weight_version": generation.weight_version,
-                "accuracy": accuracy,
-                "reward_mean": sum(scores) / len(scores),
-                "env": env_name,
-            }
-        },
+        "group_overrides": {EXT_KEY: ext},
     }
     return ScoredGroup(payload=payload, scores=scores, correct=correct, weight_version=generation.weight_version)
 

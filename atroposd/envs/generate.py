@@ -39,6 +39,8 @@ class Completion:
 class Generation:
     completions: list[Completion]
     weight_version: int | None
+    #: per completion, ``[[token_index, version], ...]`` when one spans a weight swap (SPEC §7)
+    weight_versions: list[list[list[int]]] | None = None
 
 
 # A replica marked down is asked whether it is ready again at most this often.
@@ -224,7 +226,23 @@ def parse_generation(answer: dict[str, Any], n: int) -> Generation:
                 )
         completions.append(Completion(token_ids=ids, logprobs=lps, finish_reason=str(reasons[i])))
     version = answer.get("weight_version")
-    return Generation(completions=completions, weight_version=int(version) if version is not None else None)
+    spans = answer.get("weight_versions")
+    if spans is not None and (
+        not isinstance(spans, list)
+        or len(spans) != n
+        or not all(
+            isinstance(r, list)
+            and r
+            and all(isinstance(x, list) and len(x) == 2 and all(type(y) is int for y in x) for x in r)
+            for r in spans
+        )
+    ):
+        raise GenerateError(f"/generate: expected 'weight_versions' for {n} completions, got {_shape(spans)}")
+    return Generation(
+        completions=completions,
+        weight_version=int(version) if version is not None else None,
+        weight_versions=spans,
+    )
 
 
 def _read_logprobs(per_token: Any, index: int) -> tuple[list[int], list[float]]:

@@ -39,7 +39,7 @@ from typing import Any
 import structlog
 import torch
 
-from atroposd.groupext import extension
+from atroposd.groupext import extension, version_records
 
 __all__ = [
     "ADVANTAGES",
@@ -79,6 +79,7 @@ REASONS = (
     "advantage_invalid",
     "logprob_invalid",
     "distill_invalid",
+    "weight_versions",
     "error",
 )
 
@@ -202,6 +203,8 @@ class RolloutBatch:
     reward_std: float
     accuracy: float | None  # mean of the groups' reported exact-match accuracy, when any
     weight_versions: list[int] = field(default_factory=list)  # per group that reported one
+    # trained completion tokens sampled after a weight swap (groups carrying weight_versions, SPEC §7)
+    swapped_tokens: int = 0
     rejected_by_reason: dict[str, int] = field(default_factory=dict)  # groups dropped, by reason
     missing_logprobs: int = 0  # completion tokens without a rollout logprob
     trained_sequences: int = 0  # sequences with at least one trained token
@@ -591,6 +594,7 @@ def prepare_batch(
     scores: list[float] = []
     accuracies: list[float] = []
     versions: list[int] = []
+    swapped = 0
     rejected: dict[str, int] = {}
     truncated = 0
     group_index: list[list[int]] = []  # each kept group's rows
@@ -607,6 +611,10 @@ def prepare_batch(
             )
             ext = extension(group)
             acc, version = ext.get("accuracy"), ext.get("weight_version")
+            try:
+                records = version_records(group, len(group_rows))
+            except ValueError as exc:
+                raise GroupRejected("weight_versions", str(exc)) from None
         except GroupRejected as exc:
             rejected[exc.reason] = rejected.get(exc.reason, 0) + 1
             if sum(rejected.values()) <= LOGGED_PER_BATCH:
@@ -631,6 +639,9 @@ def prepare_batch(
             accuracies.append(float(acc))  # an accuracy: anything else is ignored
         if type(version) is int and 0 <= version < 2**53:
             versions.append(version)
+        for row, record in zip(group_rows, records or (), strict=False):
+            if len(record) > 1:  # its trained tokens from the first swap's index on
+                swapped += max(0, sum(row.mask) - record[1][0])
     if sum(rejected.values()) > LOGGED_PER_BATCH:
         log.warning("groups rejected in this batch", by_reason=rejected, logged=LOGGED_PER_BATCH)
     trained_scores = list(scores)
@@ -667,6 +678,7 @@ def prepare_batch(
         reward_std=std,
         accuracy=(math.fsum(accuracies) / len(accuracies)) if accuracies else None,
         weight_versions=versions,
+        swapped_tokens=swapped,
         rejected_by_reason=rejected,
         missing_logprobs=missing,
         trained_sequences=sum(any(r.mask) for r in rows),

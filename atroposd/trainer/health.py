@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from atroposd.groupext import extension
+from atroposd.groupext import sampled_versions
 from atroposd.timeline import group_timing
 
 __all__ = [
@@ -309,18 +309,21 @@ class Collapse(RuntimeError):
 @dataclass(frozen=True)
 class DropRule:
     """After a rollback: the groups sampled after the known-good weights and before the replicas
-    had the rolled-back ones are dropped — by ``weight_version`` where a group carries it (above
-    ``good_version`` and below ``resync_version``), else by the time it was posted (before
-    ``resync_time``, a Unix time)."""
+    had the rolled-back ones are dropped — by the versions its tokens were sampled under where a
+    group carries them (``weight_versions``, else ``weight_version``: one above ``good_version``
+    and below ``resync_version``), else by the time it was posted (before ``resync_time``, a
+    Unix time)."""
 
     good_version: int
     resync_version: int
     resync_time: float
 
     def drops(self, group: Mapping[str, Any]) -> bool:
-        version = extension(group).get("weight_version")
-        if isinstance(version, int) and not isinstance(version, bool):
-            return self.good_version < version < self.resync_version
+        # a group whose tokens span a weight swap (SPEC §7) goes when any of its versions does:
+        # its newest, and also an older one when it was sampled on into the resynced weights
+        versions = sampled_versions(group)
+        if versions:
+            return any(self.good_version < v < self.resync_version for v in versions)
         timing = group_timing(group)
         posted = timing.get("posted_at") if timing is not None else None
         if isinstance(posted, (int, float)) and not isinstance(posted, bool):

@@ -520,6 +520,8 @@ class TrainingLoop:
             "reward_mean_trained": batch.reward_mean_trained,
             "filtered_groups": batch.filtered_groups,
             "rollout_corrected": r.rollout_corrected,
+            # SPEC §7: the share of the trained completion tokens sampled after a weight swap
+            "swapped_token_share": (batch.swapped_tokens / batch.completion_tokens) if batch.completion_tokens else 0.0,
             "entropy": r.entropy,  # the policy's mean entropy per completion token (SPEC §14)
             # SPEC §14: optimizer steps the weights have taken in all (ppo_epochs × mini_batches a batch)
             "optimizer_steps": self.learner.optimizer_steps,

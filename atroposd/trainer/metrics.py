@@ -17,7 +17,8 @@ The objective menu (SPEC §14): ``reward_mean_trained`` (the mean score of the t
 ``reward_mean`` and ``accuracy`` cover every group received for the step, the ones
 ``filter_groups`` dropped included), ``filtered_groups`` (groups dropped for this step) and
 ``rollout_corrected`` (the share of the batch's tokens a rollout correction truncated or masked;
-null without one).
+null without one). ``swapped_token_share`` (SPEC §7): the share of the batch's trained completion
+tokens sampled after a weight swap (by the groups' ``weight_versions``; 0 when none carries one).
 
 A write that fails (disk full, unwritable) is dropped and counted, never fatal (SPEC §4).
 Each row also goes to the writer's ``sinks`` (W&B: :mod:`atroposd.trainer.wandb_sink`).
