@@ -128,3 +128,31 @@ def test_a_sync_swaps_the_weights_under_a_running_generation_in_every_mode(
             await one(mode, seed=7 + k, version=10 * k)
 
     asyncio.run(run())
+
+
+def test_stop_while_frozen_answers_the_frozen_generation_and_exits_cleanly(tiny_dir: Path) -> None:
+    root = Path(tempfile.mkdtemp(prefix="atpd-ifs-", dir="/tmp"))
+    srv = start_server(root, tiny_dir)
+    try:
+
+        async def run() -> tuple[int, float]:
+            import aiohttp
+
+            body = {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": TOKENS, "ignore_eos": True}
+            async with aiohttp.ClientSession() as session:
+                pending = asyncio.ensure_future(session.post(srv.url + "/generate", json=body))
+                await _running(srv)
+                status, paused = await asyncio.to_thread(srv.control, "POST", "/pause", {"mode": "keep"})
+                assert status == 200 and paused["mode"] == "keep", paused
+                t0 = time.monotonic()
+                srv.proc.terminate()
+                resp = await asyncio.wait_for(pending, 60)
+                return resp.status, time.monotonic() - t0
+
+        status, seconds = asyncio.run(run())
+        assert status == 503 and seconds < 30
+        assert srv.proc.wait(60) == 0, srv.tail()
+        assert not srv.socket.exists()
+    finally:
+        stop_process(srv.proc)
+        shutil.rmtree(root, ignore_errors=True)
