@@ -311,10 +311,16 @@ def model(ctx: Context, rec: Record, deadline: float) -> None:
 
 def nccl(ctx: Context, rec: Record, deadline: float) -> None:
     """One trainer rank as the daemon forms it, with everything several ranks use switched on."""
-    from atroposd import gpuenv
+    from atroposd.config.load import parse_toml
+    from atroposd.daemon.specs import trainer_group_env
 
-    gpuenv.apply(os.environ)  # before the first group, as the daemon sets them (whatever the rank count)
-    rec.figure("nccl_env", {k: os.environ[k] for k in gpuenv.NCCL_ENV})
+    # before the first group, what the daemon sets in its own environment (gloo on loopback, NCCL's
+    # error handling), for a job of this machine
+    work = Path(ctx.work)
+    job = job_config(work / "nccl-job", "job_push", model_dir=models(ctx)["small"], rehearse=ctx.rehearse, run_dir=work)
+    group_env = trainer_group_env(parse_toml(toml(job)), os.environ)
+    os.environ.update(group_env)
+    rec.figure("group_env", group_env)
 
     import torch
     import torch.distributed as dist
@@ -340,7 +346,6 @@ def nccl(ctx: Context, rec: Record, deadline: float) -> None:
     from atroposd.weights.broadcast import BroadcastGroup
 
     device = torch.device(ctx.device)
-    work = Path(ctx.work)
     store = GroupStore(secret=ctx.nonce, world=1, directory=str(work))
     ranks = None
     try:
