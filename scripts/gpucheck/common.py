@@ -121,6 +121,9 @@ def child_env(ctx: Context | None = None, extra: Mapping[str, str] | None = None
     """Every child imports this checkout (never an installed atroposd) and downloads nothing."""
     env = dict(os.environ)
     path = [str(ROOT), str(SCRIPTS)]
+    site = (ctx.extra.get("site") if ctx is not None else None) or os.environ.get("GPU_CHECK_SITE")
+    if site:  # the carried wheels, where no venv could be made
+        path.append(str(site))
     if env.get("PYTHONPATH"):
         path.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(path)

@@ -203,27 +203,37 @@ def install(ctx: Context, rec: Record, deadline: float) -> None:
                 "the folder along"
             )
         venv = Path(ctx.work) / "venv"
+        site_dir: Path | None = None
         if not (venv / "bin" / "python").exists():
-            subprocess.run(
+            made = subprocess.run(
                 [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
-                check=True,
+                capture_output=True,
+                text=True,
                 timeout=120,
             )
-        python = str(venv / "bin" / "python")
-        _see_this_environment(python)
-        # the system's pip, run by the venv's interpreter, installs into the venv; each pin's
-        # wheel for this Python (prepare carried CPython 3.10-3.13)
-        res = subprocess.run(
-            [python, "-m", "pip", "install", "--no-index", "--no-deps", "--find-links", str(wheels), "-r", str(reqs)],
-            capture_output=True,
-            text=True,
-            timeout=max(10.0, deadline - time.time() - 15),
-        )
+            if made.returncode != 0:  # no venv module (a bare Debian Python): a directory on PYTHONPATH instead
+                rec.figure("venv", f"not made: {made.stderr.strip()[-300:]}")
+                shutil.rmtree(venv, ignore_errors=True)
+                site_dir = Path(ctx.work) / "site"
+        if site_dir is None:
+            python = str(venv / "bin" / "python")
+            _see_this_environment(python)
+            target: list[str] = []
+        else:
+            target = ["--target", str(site_dir)]
+            os.environ["GPU_CHECK_SITE"] = str(site_dir)
+            rec.figure("site", str(site_dir))
+        # the system's pip, run by the venv's interpreter, installs into the venv (--isolated: no
+        # configuration of the machine's in the way); each pin's wheel for this Python (prepare
+        # carried CPython 3.10-3.13)
+        pip = [python, "-m", "pip", "--isolated"]
+        argv = [*pip, "install", "--no-index", "--no-deps", "--find-links", str(wheels), *target, "-r", str(reqs)]
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=max(10.0, deadline - time.time() - 15))
         print(res.stdout[-4000:], res.stderr[-4000:], flush=True)
         if res.returncode != 0:
             raise PhaseError(f"pip install from the carried wheels failed: {res.stderr.strip()[-800:]}")
         rec.figure("requirements", len(reqs.read_text().splitlines()))
-        check = subprocess.run([python, "-m", "pip", "check"], capture_output=True, text=True, timeout=120)
+        check = subprocess.run([*pip, "check"], capture_output=True, text=True, timeout=120, env=child_env(ctx))
         rec.figure("pip_check", {"exit": check.returncode, "tail": (check.stdout + check.stderr)[-1500:]})
     # on the GPU machine what the phases import, from the venv; in the rehearsal only where
     # atroposd comes from (this environment is the tests' own)

@@ -115,8 +115,11 @@ def run(
         python=sys.executable,
     )
     venv_python = work / "venv" / "bin" / "python"
-    if not rehearse and venv_python.exists() and "install" not in wanted:
-        ctx.python = str(venv_python)  # an earlier run's install, reused by a rerun of some phases
+    if not rehearse and "install" not in wanted:  # an earlier run's install, reused by a rerun of some phases
+        if venv_python.exists():
+            ctx.python = str(venv_python)
+        elif (work / "site").is_dir():
+            ctx.extra["site"] = str(work / "site")
     old = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     failed = 0
     try:
@@ -137,6 +140,8 @@ def run(
                 failed += 1
             if name == "install" and result["status"] == "ok" and result["figures"].get("python"):
                 ctx.python = str(result["figures"]["python"])
+                if result["figures"].get("site"):
+                    ctx.extra["site"] = result["figures"]["site"]
     except Interrupted as exc:
         append(jsonl, _skipped("run", ctx, f"interrupted by {exc}", status="failed"))
         return 1
