@@ -170,7 +170,11 @@ def test_on_one_machine_the_store_is_a_private_file_per_generation(tmp_path: Any
         assert store.store.check(["s3cret/g1//arrived/1"])
         store.next_generation()
         second = store.address
-        assert second != first and not os.path.exists(first) and sorted(os.listdir(d)) == [os.path.basename(second), os.path.basename(second) + ".cmd"]
+        assert (
+            second != first
+            and not os.path.exists(first)
+            and sorted(os.listdir(d)) == [os.path.basename(second), os.path.basename(second) + ".cmd"]
+        )
         assert group.connect_store(second, 10).get("s3cret/generation") == b"2"
         assert not store.store.check(["s3cret/g1//arrived/1"])  # a new file: nothing of the last generation
         with pytest.raises(FileNotFoundError, match="is gone"):
