@@ -771,3 +771,45 @@ async def test_admitted_after_a_swap_no_old_prefix_cache(server: Server, model_d
         assert [v for _, v in out["weight_versions"][0]] == [old, new]
     finally:
         arena.release()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_model_refused_by_the_worker_leaves_the_served_weights(
+    server: Server, model_dir: Path, nonce: str
+) -> None:
+    """A whole-model push whose last tensor fails the worker's checksum check is refused before
+    vLLM's reload touches the model: the served logprobs stay exactly the same, and the next
+    good push is served."""
+    import dataclasses
+
+    from atroposd.weights.arena import ParameterArena
+    from atroposd.weights.client import WeightControlError
+    from atroposd.weights.manifest import manifest_path
+
+    model = hf_model(model_dir)
+    _train(model)  # other weights than the served ones
+    arena = ParameterArena.create(model, nonce=nonce)
+    path = manifest_path(server.weights, nonce)
+    try:
+        served, version = await _served_logprobs(server)
+        m = arena.manifest(version + 1)
+        last = m.tensors[-1].name
+        bad = tuple(
+            dataclasses.replace(t, checksum=(t.checksum or 0.0) + 1.0) if t.name == last else t for t in m.tensors
+        )
+        dataclasses.replace(m, tensors=bad).write(path)
+        await server.call("POST", "/pause")
+        with pytest.raises(WeightControlError, match=r"refused the update.*checksum differs"):
+            await server.call("POST", "/update_weights", {"manifest": str(path), "mode": "copy"})
+        await server.call("POST", "/resume", {"weight_version": version})
+        after, again = await _served_logprobs(server)
+        assert again == version and (after - served).abs().max() < 1e-6, (after, served)
+        await server.call("POST", "/pause")
+        await _push_arena(server, arena, nonce, version + 1)
+        await server.call("POST", "/resume", {"weight_version": version + 1})
+        got, now = await _served_logprobs(server)
+        assert now == version + 1 and (got - hf_logprobs(model, PROMPT)).abs().max() < 2e-3
+    finally:
+        arena.release()
+        path.unlink(missing_ok=True)
