@@ -287,7 +287,7 @@ class VllmParser:
                 tools=request.tools,
                 tool_choice=request.choice,
             )
-        except ValueError as exc:  # pydantic's ValidationError: a tool vLLM's request model refuses
+        except Exception as exc:  # pydantic's ValidationError, vLLM's own VLLMValidationError (not a ValueError)
             raise BadRequest(f"tools: {exc}") from None
         self._last = (request, req)
         return req
