@@ -264,7 +264,7 @@ class TorchEngine(WeightGate):
             await self._compute.acquire()
             self._owns_compute = True
             try:
-                if self._hold:  # a keep-pause: nothing begins before resume
+                while self._hold and not self._closing:  # a keep-pause: nothing begins before resume
                     await self._held()
                 jobs = [j for j in jobs if not j.future.done()]  # a client gone while it waited: dropped
                 if not jobs:
@@ -306,6 +306,8 @@ class TorchEngine(WeightGate):
             self._parked.clear()
             self.frozen_syncs += 1
             thaw = await self._held()
+            while self._hold and not self._closing:  # paused again before the lock came back
+                thaw = await self._held()
             freezer.thaw(thaw)
 
     async def _held(self) -> Thaw:
