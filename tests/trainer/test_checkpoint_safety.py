@@ -201,12 +201,13 @@ class _FailingCheckpointer:
 
 @pytest.mark.parametrize("exc", [RuntimeError("unexpected pos 576 vs 534"), CheckpointError("disk full")])
 async def test_the_loop_counts_a_failed_checkpoint_and_goes_on(exc: BaseException) -> None:
+    from atroposd.config import TrainerConfig
     from atroposd.trainer.loop import Progress, TrainingLoop
 
     progress = Progress(total_steps=10, step=4)
     learner = SimpleNamespace(policy=SimpleNamespace(vocab_size=22), ranks=OneRank())
     loop = TrainingLoop(
-        tcfg=None,
+        tcfg=TrainerConfig(),
         feed=None,
         learner=learner,
         weights=None,
