@@ -123,9 +123,43 @@ def test_a_sync_swaps_the_weights_under_a_running_generation_in_every_mode(
             assert max(abs(a - b) for a, b in zip(lps[at:], after[at:], strict=True)) < 1e-5, mode
             assert max(abs(a - b) for a, b in zip(before, after, strict=True)) > 1e-3, mode
 
+    async def refused() -> None:
+        """A sync refused half-way (the load fails after the pause froze the generation): the
+        replica resumes with the version it had, and the frozen generation goes on with the old
+        weights, saying so (one version, the old weights' logprobs)."""
+        import aiohttp
+
+        from atroposd.weights.client import WeightControlError
+        from atroposd.weights.replicas import Replicas
+
+        model = trainer_model(tiny_dir, seed=3)
+        push = _sync("push", srv, nonce)
+        push.replicas.pause_body = pause_request()
+        try:
+            await push.attach(model, 50)
+        finally:
+            push.close()
+        reps = Replicas([srv.socket], deadline=60)
+        reps.pause_body = pause_request()
+        reps[0].version = 50
+        body = {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": TOKENS, "ignore_eos": True, "logprobs": 0}
+        async with aiohttp.ClientSession() as session:
+            pending = asyncio.ensure_future(session.post(srv.url + "/generate", json=body))
+            await _running(srv)
+            with pytest.raises(WeightControlError, match="does not exist"):
+                await reps.update(reps[0], 51, 50, "load", srv.root / "state" / "sync" / "v51", 51)
+            answer = await (await asyncio.wait_for(pending, 120)).json()
+        assert answer["weight_version"] == 50 and "weight_versions" not in answer
+        info = await asyncio.to_thread(srv.control, "GET", "/weight_info")
+        assert info[1]["weight_version"] == 50 and not info[1]["paused"]
+        ids, lps = answer["token_ids"][0], _logprobs(answer, 0)
+        ref = score_completion(model, PROMPT, ids)
+        assert max(abs(a - b) for a, b in zip(lps, ref, strict=True)) < 1e-5
+
     async def run() -> None:
         for k, mode in enumerate(("shared", "push", "reload", "broadcast")):
             await one(mode, seed=7 + k, version=10 * k)
+        await refused()
 
     asyncio.run(run())
 
