@@ -192,6 +192,10 @@ def serve(cfg: Config, rank: int) -> int:
 
         # The first rank of a node other than the head feeds that node's replicas (SPEC §12.3).
         feed = NodeFeed.from_environ(Paths.of(cfg).weights_dir, setup.tensor_specs, setup.tied, t.sync_bucket_mb << 20)
+        if feed is not None:  # in-flight updates (SPEC §7): this node's replicas paused as the head's are
+            from atroposd.weights.replicas import pause_request
+
+            feed.sync.replicas.pause_body = pause_request(t.inflight, t.inflight_kv)
         log.info(
             "trainer rank ready",
             rank=rank,
