@@ -6,16 +6,38 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+
+from tests.support import REPO
 
 NOBODY = 65534
 
 
 def is_root() -> bool:
     return os.geteuid() == 0
+
+
+def run_unprivileged(
+    code: str, args: Sequence[str] = (), *, setup: str = "", timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``python -c CODE ARGS`` as this user, or, when this user is root, in a child that runs
+    ``setup`` (imports: the interpreter's own files may be out of an unprivileged user's reach)
+    and then drops to ``nobody`` (uid and gid 65534, no supplementary groups) before ``code`` —
+    for a check that must be another process (another user's process reaching for ours)."""
+    drop = f"import os\nos.setgroups([])\nos.setgid({NOBODY})\nos.setuid({NOBODY})\n" if is_root() else ""
+    return subprocess.run(
+        [sys.executable, "-c", f"{setup}\n{drop}{code}", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, "HOME": "/"},
+    )
 
 
 @contextmanager
