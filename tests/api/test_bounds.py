@@ -387,7 +387,7 @@ def test_declared_but_idle_bodies_hold_no_room() -> None:
         async with running(_settings(max_request_bytes=1 << 20)) as (server, url, port), aiohttp.ClientSession() as s:
             idle = []
             for _ in range(server_module.INFLIGHT_BODIES):
-                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                _reader, writer = await asyncio.open_connection("127.0.0.1", port)
                 writer.write(
                     b"POST /scored_data HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                     b"Content-Length: %d\r\n\r\n" % (1 << 20)
