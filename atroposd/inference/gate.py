@@ -88,14 +88,19 @@ class WeightGate:
             if self._inflight == 0:
                 self._idle.set()
 
-    async def pause(self) -> dict[str, Any]:
-        """Admit nothing new; return once every admitted generation has been answered."""
+    def hold_admissions(self) -> None:
+        """Admit nothing new until :meth:`resume` (a pause's first half, whatever its mode):
+        counted once per pause, however often it is asked again before the resume."""
         if not self._paused:
             self.pauses += 1
             self._paused_at = time.monotonic()
         self._paused = True
         self.held_for_update = True
         self._resumed.clear()
+
+    async def pause(self) -> dict[str, Any]:
+        """Admit nothing new; return once every admitted generation has been answered."""
+        self.hold_admissions()
         await self._idle.wait()
         return {"paused": True, "weight_version": self.weight_version}
 

@@ -432,12 +432,7 @@ class TorchEngine(WeightGate):
         if clear_cache is not None and not isinstance(clear_cache, bool):
             raise BadRequest(f"clear_cache must be true or false, got {clear_cache!r}")
         if mode == "keep":
-            if not self._paused:
-                self.pauses += 1
-                self._paused_at = time.monotonic()
-            self._paused = True
-            self.held_for_update = True
-            self._resumed.clear()
+            self.hold_admissions()
             self._recompute = clear_cache is not False
             self._hold = True
             self._thawed.clear()

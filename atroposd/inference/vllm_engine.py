@@ -353,12 +353,7 @@ class VllmEngine(WeightGate):
                 await self.engine.pause_generation(mode="wait", clear_cache=clear)
                 self._engine_paused = True
             return {**out, "mode": mode}
-        if not self._paused:
-            self.pauses += 1
-            self._paused_at = time.monotonic()
-        self._paused = True
-        self.held_for_update = True
-        self._resumed.clear()
+        self.hold_admissions()
         if self.engine is not None:
             await self.engine.pause_generation(mode="keep", clear_cache=clear)
             self._engine_paused = True
