@@ -628,33 +628,36 @@ def _vllm_counter(server: Server, name: str) -> float:
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
-def _wait_counter(server: Server, name: str, at_least: float) -> None:
-    wait_for(lambda: _vllm_counter(server, name) >= at_least, timeout=120, interval=0.01, what=f"{name} >= {at_least}")
-
-
 async def _generate_until_frozen(server: Server, body: dict[str, Any], tg: Any, pause: dict[str, Any]) -> list[Any]:
-    """Start ``body`` in ``tg`` and, once vLLM has counted its prefill (its first token sampled),
-    pause with ``pause``, a "keep" pause that must find it in flight. Returns the list its answer
-    will be appended to. On a loaded machine the generation may end before the pause: then the
-    pause is undone and another one is started (three tries)."""
-    prompt_len = len(body["prompt"]["prompt_token_ids"])
-    for _ in range(3):
+    """Start ``body`` in ``tg`` and pause with ``pause``, a "keep" pause that must find it in
+    flight with some of its tokens sampled. Returns the list its answer will be appended to.
+
+    When to pause is measured, not guessed: one generation of ``body`` is timed first, and the
+    pause comes a third of that time after the request is sent. A try whose generation ended
+    before the pause, or that the pause found not yet admitted, is undone and tried again with
+    the delay halved or grown (six tries): on a quiet machine a tiny model's 200 tokens take
+    well under a second, on a loaded one many seconds."""
+    started = time.monotonic()
+    await anyio.to_thread.run_sync(server.generate, body)
+    delay = (time.monotonic() - started) / 3
+    for _ in range(6):
         results: list[Any] = []
 
         async def ask(into: list[Any] = results) -> None:
             into.append(await anyio.to_thread.run_sync(server.generate, body))
 
-        before = _vllm_counter(server, "vllm:prompt_tokens_total")
         tg.start_soon(ask)
-        await anyio.to_thread.run_sync(_wait_counter, server, "vllm:prompt_tokens_total", before + prompt_len)
+        await anyio.sleep(delay)
         out = await server.call("POST", "/pause", pause)
         assert out["paused"] and out["mode"] == "keep"
         if out["frozen"] == 1 and not results:
             return results
+        ended = bool(results)
         version = (await server.call("GET", "/weight_info"))["weight_version"]
         await server.call("POST", "/resume", {"weight_version": version})
         await anyio.to_thread.run_sync(functools.partial(wait_for, results.__len__, timeout=120, what="its end"))
-    raise AssertionError("three generations ended before a pause froze them")
+        delay = delay / 2 if ended else delay * 1.5
+    raise AssertionError("six generations ended before a pause froze them, or were not admitted")
 
 
 async def _push_arena(server: Server, arena: Any, nonce: str, version: int) -> None:
