@@ -24,7 +24,7 @@ import dataclasses
 import datetime
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 import anyio.abc
@@ -468,7 +468,7 @@ class NodeLink:
         """The head's sentinel: this node's replica generates the canary; the tokens go back."""
         import asyncio
 
-        from atroposd.trainer.sentinel import _completion
+        from atroposd.trainer.sentinel import _completion, canary_body
         from atroposd.weights.client import WeightControlClient, WeightControlError
 
         sock = self._socket(msg.replica)
@@ -492,16 +492,7 @@ class NodeLink:
         if not error:
             client = WeightControlClient(sock, timeout=60.0)
             try:
-                bodies = [
-                    {
-                        "prompt": {"prompt_token_ids": p},
-                        "max_tokens": msg.max_tokens,
-                        "n": 1,
-                        "temperature": 0.0,
-                        "logprobs": 0,
-                    }
-                    for p in prompts
-                ]
+                bodies = [canary_body(cast("list[int]", p), msg.max_tokens) for p in prompts]  # checked above
                 replies = await asyncio.gather(*(client.request("POST", "/canary", b) for b in bodies))
                 for ans in replies:
                     tokens, lps = _completion(ans)

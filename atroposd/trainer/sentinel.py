@@ -285,16 +285,7 @@ class Sentinel:
         seen: int | None = None
         try:
             # every prompt at once: the engine batches them as it batches rollouts
-            bodies = [
-                {
-                    "prompt": {"prompt_token_ids": prompt},
-                    "max_tokens": self.max_tokens,
-                    "n": 1,
-                    "temperature": 0.0,
-                    "logprobs": 0,
-                }
-                for prompt in self.prompts
-            ]
+            bodies = [canary_body(prompt, self.max_tokens) for prompt in self.prompts]
             if client is None:
                 # another node's replica gets the sync through its node's first rank: it may still be
                 # applying it when the head's sync returns, so an answer from an older version is
@@ -590,6 +581,12 @@ def _group_prompt(group: Any, vocab_size: int, limit: int) -> list[int] | None:
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt):
         return None
     return prompt
+
+
+def canary_body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """The ``POST /canary`` request of one canary prompt: greedy, its sampled tokens' logprobs
+    (the same from the head's sentinel and from a node answering it over the cluster link)."""
+    return {"prompt": {"prompt_token_ids": prompt}, "max_tokens": max_tokens, "n": 1, "temperature": 0.0, "logprobs": 0}
 
 
 def _completion(ans: dict[str, Any]) -> tuple[list[int], list[float]]:

@@ -899,19 +899,8 @@ def toml(cfg: dict[str, Any]) -> str:
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
-    try:
-        text = path.read_text()
-    except OSError:
-        return []
-    rows = []
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a line being written
-        if isinstance(row, dict) and "step" in row:
-            rows.append(row)
-    return rows
+    """A job's metrics.jsonl rows so far (a line being written is left out)."""
+    return [row for row in _jsonl(path) if isinstance(row, dict) and "step" in row]
 
 
 def _precision(logs: Path) -> dict[str, Any] | None:
