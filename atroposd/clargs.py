@@ -10,10 +10,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from atroposd.config import Config, ConfigError, check_fields, load_config
 from atroposd.exitcodes import Exit
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 def add_config(p: argparse.ArgumentParser) -> None:
@@ -35,7 +38,9 @@ def load_or_exit(args: argparse.Namespace) -> Config:
         raise SystemExit(Exit.USAGE) from None
 
 
-def apply_flags(section: Any, prefix: str, args: argparse.Namespace, flags: Mapping[str, str]) -> list[str]:
+def apply_flags(
+    section: DataclassInstance, prefix: str, args: argparse.Namespace, flags: Mapping[str, str]
+) -> list[str]:
     """Set each given flag (``args`` attribute → the section's key in ``flags``) on a config
     section and check it against the schema's rules for that key (type, choices, bounds):
     one message per bad flag, naming it as typed (``--max-model-len must be ≥ 8, got 4``)."""

@@ -18,13 +18,16 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, TextIO, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, TextIO, cast
 
 from atroposd import control
 from atroposd.config import Config
 from atroposd.exitcodes import Exit
 from atroposd.paths import Paths, RuntimeDirError, private_umask
 from atroposd.pyexec import python_module
+
+if TYPE_CHECKING:
+    from atroposd.progress import StatusPoller
 
 FOLLOW_INTERVAL = 0.25
 
@@ -165,7 +168,7 @@ def run(cfg: Config, args: argparse.Namespace) -> int:
             stream.set_footer("")
 
 
-def _progress_line(cfg: Config, stream: _Tee) -> Any:
+def _progress_line(cfg: Config, stream: _Tee) -> StatusPoller:
     """On a terminal: one live progress line below the log, redrawn every second."""
     from atroposd.progress import StatusPoller, fit, run_line
 
@@ -241,7 +244,7 @@ class _StartProgress:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.started = time.monotonic()
-        self.poller: Any = None
+        self.poller: StatusPoller | None = None
         self.shown = False
         self._lock = threading.Lock()
         if sys.stderr.isatty():
@@ -663,7 +666,7 @@ def _follow(cfg: Config, path: Path, pos: int) -> int:
             fh.close()
 
 
-def _drain(fh: Any) -> int:
+def _drain(fh: BinaryIO) -> int:
     data = fh.read()
     if data:
         sys.stdout.write(data.decode(errors="replace"))

@@ -19,11 +19,15 @@ import socket
 import struct
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from atroposd.exitcodes import Exit
+
+if TYPE_CHECKING:
+    from anyio.abc import SocketStream, TaskStatus
+    from structlog.typing import FilteringBoundLogger
 
 MAX_FRAME = 1 << 20
 ANSWER_LIMIT = MAX_FRAME - 4096  # what a handler's answer may take (the envelope has the rest)
@@ -126,7 +130,7 @@ class ControlServer:
 
             self.group_id = grp.getgrnam(socket_group).gr_gid
 
-    async def serve(self, *, task_status: Any = None) -> None:
+    async def serve(self, *, task_status: TaskStatus[None] | None = None) -> None:
         import anyio
 
         with contextlib.suppress(FileNotFoundError):
@@ -162,7 +166,7 @@ class ControlServer:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
 
-    async def _connection(self, stream: Any) -> None:
+    async def _connection(self, stream: SocketStream) -> None:
         """One client: every error stays in its connection (the client gets ``{"ok": false,
         "error": ...}`` when it can still be told); nothing but cancellation leaves this task,
         which runs in the daemon's main task group."""
@@ -190,7 +194,7 @@ class ControlServer:
         except Exception as exc:  # closing a connection the peer broke
             log.debug("control connection close failed", error=f"{type(exc).__name__}: {exc}")
 
-    async def _serve_one(self, stream: Any, log: Any) -> None:
+    async def _serve_one(self, stream: SocketStream, log: FilteringBoundLogger) -> None:
         import anyio
         from anyio.abc import SocketAttribute
         from anyio.streams.buffered import BufferedByteReceiveStream
@@ -262,14 +266,14 @@ def encode_answer(answer: dict[str, Any]) -> bytes:
         return encode({"ok": False, "error": f"the answer cannot be encoded: {exc}"})
 
 
-async def _send(stream: Any, answer: dict[str, Any], timeout: float) -> bool:
-    """Send one answer within ``timeout``: a client that stops reading cannot pin the task.
+async def _send(stream: SocketStream, answer: dict[str, Any], send_timeout: float) -> bool:
+    """Send one answer within ``send_timeout``: a client that stops reading cannot pin the task.
     False when it was not delivered."""
     import anyio
 
     frame = encode_answer(answer)
     try:
-        with anyio.fail_after(timeout):
+        with anyio.fail_after(send_timeout):
             await stream.send(frame)
         return True
     except (TimeoutError, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):

@@ -33,7 +33,7 @@ class ArithmeticOptions:
     max_batches_offpolicy: int = 1
 
 
-BUILTIN_OPTIONS: dict[str, type] = {"arithmetic": ArithmeticOptions}
+BUILTIN_OPTIONS: dict[str, type[ArithmeticOptions]] = {"arithmetic": ArithmeticOptions}
 #: The names a ``[[env]] builtin`` (and ``atroposd env NAME``) accepts.
 BUILTIN_ENVS: tuple[str, ...] = tuple(BUILTIN_OPTIONS)
 
@@ -59,13 +59,13 @@ def options_schema(builtin: str) -> dict[str, Any]:
     return {"type": "object", "properties": props, "additionalProperties": False}
 
 
-def parse_options(builtin: str, options: Mapping[str, Any]) -> Any:
+def parse_options(builtin: str, options: Mapping[str, Any]) -> ArithmeticOptions:
     """Build the options object of a built-in environment; raises ValueError listing every problem."""
     problems = validate_options(builtin, options)
     if problems:
         raise ValueError("; ".join(f"options.{k}: {m}" if k else m for k, m in problems))
     cls = BUILTIN_OPTIONS[builtin]
-    kwargs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in options.items()}
+    kwargs: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in options.items()}
     return cls(**kwargs)
 
 
@@ -124,7 +124,7 @@ def _arithmetic_problems(options: Mapping[str, Any]) -> list[tuple[str, str]]:
     return []
 
 
-def _describe(default: Any) -> str:
+def _describe(default: object) -> str:
     if isinstance(default, bool):
         return "true or false"
     if isinstance(default, int):

@@ -18,7 +18,7 @@ __all__ = ["EXT_KEY", "extension", "extension_for_write", "sampled_versions", "v
 EXT_KEY = "atroposd"
 
 
-def extension(group: Any) -> Mapping[str, Any]:
+def extension(group: object) -> Mapping[str, Any]:
     """A group's ``group_overrides.atroposd`` (empty when absent or not a mapping)."""
     overrides = group.get("group_overrides") if isinstance(group, Mapping) else None
     ext = overrides.get(EXT_KEY) if isinstance(overrides, Mapping) else None
@@ -39,7 +39,7 @@ def extension_for_write(payload: dict[str, Any]) -> dict[str, Any] | None:
     return ext if isinstance(ext, dict) else None
 
 
-def version_records(group: Any, sequences: int) -> list[list[tuple[int, int]]] | None:
+def version_records(group: object, sequences: int) -> list[list[tuple[int, int]]] | None:
     """A group's ``group_overrides.atroposd.weight_versions`` (SPEC §7): per sequence, the
     ``[token_index, version]`` pairs of the weights that sampled its completion's tokens, from
     ``[0, weight_version]`` on (token indices count the completion's tokens). None when absent;
@@ -70,7 +70,7 @@ def version_records(group: Any, sequences: int) -> list[list[tuple[int, int]]] |
     return out
 
 
-def sampled_versions(group: Any) -> list[int]:
+def sampled_versions(group: object) -> list[int]:
     """Every weight version a group's tokens were sampled under: from ``weight_versions`` when
     it carries a valid one, else its ``weight_version`` (empty: it says nothing)."""
     version = extension(group).get("weight_version")

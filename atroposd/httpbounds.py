@@ -19,7 +19,7 @@ import asyncio
 import resource
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 from aiohttp import web
 
@@ -183,12 +183,18 @@ class _Refusal(asyncio.Protocol):
             self._timer.cancel()
 
 
+class RefusalCounter(Protocol):
+    """What counts refused connections: a Prometheus counter (its ``inc``)."""
+
+    def inc(self) -> None: ...
+
+
 class _Counted(asyncio.Protocol):
     """The app's protocol for one connection, counted while it is open."""
 
     __slots__ = ("cap", "inner")
 
-    def __init__(self, inner: Any, cap: ConnectionCap) -> None:
+    def __init__(self, inner: asyncio.Protocol, cap: ConnectionCap) -> None:
         self.inner = inner
         self.cap = cap
 
@@ -199,7 +205,7 @@ class _Counted(asyncio.Protocol):
         self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        return self.inner.eof_received()  # type: ignore[no-any-return]
+        return self.inner.eof_received()
 
     def pause_writing(self) -> None:
         self.inner.pause_writing()
@@ -215,17 +221,20 @@ class _Counted(asyncio.Protocol):
 class ConnectionCap:
     """A protocol factory: the app's handler for up to ``cap`` connections at once, a 503 past it."""
 
-    def __init__(self, factory: Callable[[], Any], cap: int, refused: Any, what: str) -> None:
+    def __init__(
+        self, factory: Callable[[], asyncio.Protocol], cap: int, refused: RefusalCounter | None, what: str
+    ) -> None:
         self.factory = factory
         self.cap = cap
-        self.refused = refused  # a counter (``inc()``)
+        self.refused = refused  # a counter (``inc()``); None: not counted
         self.open = 0
         self.detail = b'{"detail": "too many connections to the %s; try again"}' % what.encode()
         self._logged = 0.0
 
     def __call__(self) -> asyncio.Protocol:
         if self.open >= self.cap:
-            self.refused.inc()
+            if self.refused is not None:
+                self.refused.inc()
             now = time.monotonic()
             if now - self._logged >= 10.0:  # one line per 10 s, whatever the rate
                 self._logged = now
@@ -239,7 +248,14 @@ class CappedSite(web.TCPSite):
     """``web.TCPSite`` whose connections are capped (SPEC §13)."""
 
     def __init__(
-        self, runner: web.AppRunner, host: str, port: int, *, cap: int, refused: Any, what: str = "server"
+        self,
+        runner: web.AppRunner,
+        host: str,
+        port: int,
+        *,
+        cap: int,
+        refused: RefusalCounter | None,
+        what: str = "server",
     ) -> None:
         super().__init__(runner, host, port)
         self.cap = cap

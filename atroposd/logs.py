@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable, MutableMapping
 from typing import Any, TextIO
 
 import orjson
 import structlog
+from structlog.typing import FilteringBoundLogger, Processor
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
-def _orjson_dumps(obj: Any, default: Any = None) -> str:
+def _orjson_dumps(obj: object, default: Callable[[Any], object] | None = None) -> str:
     return orjson.dumps(obj, default=default or str).decode()
 
 
@@ -29,14 +31,14 @@ def configure_logging(
     """
     stream = stream or sys.stderr
     use_json = fmt == "json" or (fmt == "auto" and not stream.isatty())
-    shared: list[Any] = [
+    shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.stdlib.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     if component:
         shared.insert(0, _bind_component(component))
-    renderer: Any = (
+    renderer: Processor = (
         structlog.processors.JSONRenderer(serializer=_orjson_dumps)
         if use_json
         else structlog.dev.ConsoleRenderer(colors=stream.isatty())
@@ -60,15 +62,16 @@ def configure_logging(
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
-def _bind_component(component: str) -> Any:
-    def processor(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+def _bind_component(component: str) -> Processor:
+    def processor(_logger: object, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
         event.setdefault("component", component)
         return event
 
     return processor
 
 
-def get_logger(name: str | None = None, **bound: Any) -> Any:
+def get_logger(name: str | None = None, **bound: object) -> FilteringBoundLogger:
     """A lazy logger: safe at import time, it takes the configuration of ``configure_logging``
     whenever that runs (binding eagerly would freeze the default configuration)."""
-    return structlog.get_logger(name, **bound)
+    logger: FilteringBoundLogger = structlog.get_logger(name, **bound)
+    return logger

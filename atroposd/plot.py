@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 from atroposd.exitcodes import Exit
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
     from atroposd.config import Config
 
 __all__ = ["Run", "draw", "main", "moving_average", "plot_metrics", "plot_runs", "rollback_steps"]
@@ -67,7 +70,7 @@ def window_for(n: int) -> int:
     return max(1, min(n, max(5, min(50, n // 10))))
 
 
-def _number(v: Any) -> TypeGuard[float]:
+def _number(v: object) -> TypeGuard[float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -105,7 +108,7 @@ def _throughput(rows: Sequence[dict[str, Any]]) -> tuple[list[int], list[float]]
     return xs, ys
 
 
-def draw(runs: Sequence[Run], *, title: str = "") -> Any:
+def draw(runs: Sequence[Run], *, title: str = "") -> Figure:
     """The figure: the learning panels, the per-step time split and the throughput; one colour
     per run, with a legend when several runs overlay. Raises PlotError without matplotlib."""
     try:
@@ -177,7 +180,7 @@ def draw(runs: Sequence[Run], *, title: str = "") -> Any:
     return fig
 
 
-def _time_split(ax: Any, runs: Sequence[Run], colors: Sequence[str]) -> None:
+def _time_split(ax: Axes, runs: Sequence[Run], colors: Sequence[str]) -> None:
     """Where each step's time went. One run: stacked areas; several: a line per part and run."""
     ax.set_title(TIME_PANEL)
     drawn = False
@@ -225,7 +228,7 @@ def _robust_range(raw: Sequence[float], smooth: Sequence[float]) -> tuple[float,
     return min(kept[0], min(smooth)), max(kept[-1], max(smooth))
 
 
-def _clip_start(ax: Any, series: Sequence[Sequence[float]], skip: int) -> None:
+def _clip_start(ax: Axes, series: Sequence[Sequence[float]], skip: int) -> None:
     """Scale the y axis to the values after the first ``skip`` steps (the start-up steps, a
     model load or a first compile, would flatten the rest)."""
     tops = [max(s[skip:]) for s in series if len(s) > skip]
@@ -233,7 +236,7 @@ def _clip_start(ax: Any, series: Sequence[Sequence[float]], skip: int) -> None:
         ax.set_ylim(0, max(tops) * 1.15)
 
 
-def _finish_panel(ax: Any, drawn: bool, *, legend: bool) -> None:
+def _finish_panel(ax: Axes, drawn: bool, *, legend: bool) -> None:
     ax.grid(alpha=0.3)
     if not drawn:
         ax.text(0.5, 0.5, "not reported", ha="center", va="center", transform=ax.transAxes, color="gray")

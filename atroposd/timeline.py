@@ -43,13 +43,13 @@ def stamp_timing(payload: dict[str, Any], *, gate_s: float, generate_s: float) -
         ext[TIMING_KEY] = {"gate_s": round(gate_s, 6), "generate_s": round(generate_s, 6), "posted_at": time.time()}
 
 
-def group_timing(group: Any) -> Mapping[str, Any] | None:
+def group_timing(group: object) -> Mapping[str, Any] | None:
     """The timing :func:`stamp_timing` put into a group (None when it has none)."""
     timing = extension(group).get(TIMING_KEY)
     return timing if isinstance(timing, Mapping) else None
 
 
-def _seconds(value: Any) -> float | None:
+def _seconds(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return float(value)

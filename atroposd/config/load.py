@@ -12,7 +12,7 @@ import types
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, TypeVar, get_args, get_origin, get_type_hints
 
 from atroposd.config.checks import cross_checks
 from atroposd.config.errors import ConfigError, Problem
@@ -30,6 +30,11 @@ from atroposd.config.schema import (
 )
 from atroposd.config.tokens import API_CREDENTIAL, credential_file, token_file_warning
 from atroposd.net import is_loopback
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_Section = TypeVar("_Section", bound="DataclassInstance")
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -183,7 +188,7 @@ def _installed(module: str) -> bool:
         return False
 
 
-def _type_name(value: Any) -> str:
+def _type_name(value: object) -> str:
     return {
         bool: "a boolean",
         int: "an integer",
@@ -201,7 +206,7 @@ def _suggest(name: str, known: Sequence[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _build(cls: type, raw: Mapping[str, Any], prefix: str, problems: list[Problem]) -> Any:
+def _build(cls: type[_Section], raw: Mapping[str, Any], prefix: str, problems: list[Problem]) -> _Section:
     hints = get_type_hints(cls)
     known = {f.name: f for f in fields(cls) if not f.metadata.get("internal")}
     kwargs: dict[str, Any] = {}
@@ -226,7 +231,7 @@ def _build(cls: type, raw: Mapping[str, Any], prefix: str, problems: list[Proble
     return cls(**kwargs)
 
 
-def check_fields(section: Any, prefix: str, names: Sequence[str]) -> list[Problem]:
+def check_fields(section: DataclassInstance, prefix: str, names: Sequence[str]) -> list[Problem]:
     """Check values set on a built section after loading (command-line flags) against the
     schema's rules for those keys: type, choices and bounds, as ``load_config`` does."""
     hints = get_type_hints(type(section))
@@ -239,7 +244,7 @@ def check_fields(section: Any, prefix: str, names: Sequence[str]) -> list[Proble
     return problems
 
 
-def _check_value(typ: Any, value: Any, meta: Mapping[str, Any]) -> tuple[str | None, Any]:
+def _check_value(typ: object, value: object, meta: Mapping[str, Any]) -> tuple[str | None, object]:
     origin = get_origin(typ)
     if origin is types.UnionType:
         # A value of one of several types (a device, or a list of devices): the arm of its own type.

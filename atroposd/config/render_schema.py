@@ -25,7 +25,7 @@ _JSON_TYPES: dict[Any, str] = {bool: "boolean", int: "integer", float: "number",
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 
-def _key_schema(typ: Any, f: dataclasses.Field[Any]) -> dict[str, Any]:
+def _key_schema(typ: object, f: dataclasses.Field[Any]) -> dict[str, Any]:
     meta = f.metadata
     origin = get_origin(typ)
     out: dict[str, Any]

@@ -7,16 +7,19 @@ import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from atroposd.config.load import load_config
 from atroposd.config.schema import Config, InferenceConfig
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 def to_dict(cfg: Config, *, resolved: bool = True) -> dict[str, Any]:
     """The config as plain TOML-able data (internal fields dropped; paths resolved if asked)."""
 
-    def conv(obj: Any) -> Any:
+    def conv(obj: object) -> object:
         if dataclasses.is_dataclass(obj):
             return {f.name: conv(getattr(obj, f.name)) for f in fields(obj) if not f.metadata.get("internal")}
         if isinstance(obj, list):
@@ -25,7 +28,7 @@ def to_dict(cfg: Config, *, resolved: bool = True) -> dict[str, Any]:
             return {k: conv(v) for k, v in obj.items()}
         return obj
 
-    out = conv(cfg)
+    out = cast("dict[str, Any]", conv(cfg))  # a dataclass converts to a dict
     if resolved:
         out["daemon"]["runtime_dir"] = str(cfg.runtime_dir)
         out["daemon"]["state_dir"] = str(cfg.state_dir)
@@ -34,7 +37,7 @@ def to_dict(cfg: Config, *, resolved: bool = True) -> dict[str, Any]:
     return dict(out)
 
 
-def _toml_value(v: Any) -> str:
+def _toml_value(v: object) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int):
@@ -63,7 +66,7 @@ def _render(cfg: Config, *, comments: bool, resolved: bool) -> str:
     data = to_dict(cfg, resolved=resolved)
     out: list[str] = []
 
-    def section(header: str, cls_obj: Any, values: Mapping[str, Any]) -> None:
+    def section(header: str, cls_obj: DataclassInstance, values: Mapping[str, Any]) -> None:
         out.append(header)
         for f in fields(cls_obj):
             if f.metadata.get("internal") or dataclasses.is_dataclass(getattr(cls_obj, f.name)):

@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from atroposd.config.dirs import default_runtime_dir, default_state_dir
 from atroposd.config.placeholders import PLACEHOLDERS, placeholder_pattern
@@ -45,8 +45,11 @@ ENV_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 RESERVED_NAMES = ("api", "inference", "trainer", "daemon")
 
 
+_V = TypeVar("_V")
+
+
 def _k(
-    default: Any,
+    default: _V,
     doc: str,
     *,
     choices: Sequence[Any] | None = None,
@@ -55,7 +58,7 @@ def _k(
     gt: float | None = None,
     example: bool = True,
     schema: Mapping[str, Any] | None = None,
-) -> Any:
+) -> _V:
     """A config key: its default, the comment shown above it, and simple value rules.
 
     ``schema``: JSON Schema keywords for rules that ``checks`` applies to this key alone
