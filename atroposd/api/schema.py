@@ -34,11 +34,13 @@ __all__ = [
     "check_distill",
     "check_passthrough",
     "dumps",
+    "env_id_of",
     "group_from_json",
     "group_to_json",
     "narrow_rows",
     "text_depth",
     "value_depth",
+    "wait_seconds",
 ]
 
 _I32 = np.iinfo(np.int32)
@@ -659,3 +661,41 @@ def _finite_int(v: Any, default: int) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         return default
     return int(v)
+
+
+# ----------------------------------------------------------------------------- request parameters
+
+
+def env_id_of(body: object) -> int:
+    """The ``env_id`` of a request body (an integer, or an integral number or string)."""
+    if not isinstance(body, dict) or body.get("env_id") is None:
+        raise InvalidRequest("field required: env_id")
+    value = body["env_id"]
+    if not isinstance(value, (int, float, str)):
+        raise InvalidRequest("env_id must be an integer")
+    try:
+        env_id = int(value)
+    except (TypeError, ValueError):
+        raise InvalidRequest("env_id must be an integer") from None
+    if isinstance(value, bool) or (isinstance(value, float) and value != env_id):
+        raise InvalidRequest("env_id must be an integer")
+    return env_id
+
+
+# The longest a long-poll (GET /batch?wait=, /status-env "wait_s") is held.
+MAX_WAIT_S = 30.0
+
+
+def wait_seconds(value: object) -> float:
+    """A long-poll's wait: a number of seconds in [0, MAX_WAIT_S]; absent: 0 (answer at once)."""
+    if value is None:
+        return 0.0
+    if not isinstance(value, (int, float, str)):
+        raise InvalidRequest(f"wait must be a number of seconds, got {value!r}")
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise InvalidRequest(f"wait must be a number of seconds, got {value!r}") from None
+    if isinstance(value, bool) or not 0 <= seconds <= MAX_WAIT_S:
+        raise InvalidRequest(f"wait must be between 0 and {MAX_WAIT_S:g} seconds, got {value!r}")
+    return seconds

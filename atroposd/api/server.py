@@ -9,27 +9,23 @@ Request bodies may be gzip (decompressed here, bounded by ``max_request_bytes``,
 bomb never allocates its expanded size). Every body that a route reads counts against one bound
 of bytes in flight as it arrives (a chunked body chunk by chunk), and connections are capped
 (past ``max_connections`` a new one is answered 503 and closed). Responses of 1000 bytes and
-more are gzip'ed when the client accepts it, as run-api does. The level depends on the peer: to a client on the same
-host
-the bytes cost nothing and deflating a 64-sequence batch costs six times its serialisation, so
-the gzip stream uses stored blocks (level 0: a CRC pass); to a remote client, level 1.
+more are gzip'ed when the client accepts it, as run-api does (:mod:`atroposd.api.httpio`).
+
+Beside the routes: the settings (:mod:`atroposd.api.settings`), the metrics
+(:mod:`atroposd.api.metrics`), the peer pid lookup (:mod:`atroposd.api.peers`) and the
+connection cap (:mod:`atroposd.httpbounds`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import os
 import time
-import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from atroposd import pids
@@ -41,20 +37,34 @@ from atroposd.api.bodies import (
     gunzip_if_small,
     parse_json,
 )
+from atroposd.api.httpio import (
+    accepts_gzip,
+    batch_body,
+    encode,
+    from_a_web_page,
+    is_json,
+    json_plain,
+    json_reply,
+    send,
+    token_ok,
+)
 from atroposd.api.ingest import ParseHelper
-from atroposd.api.queue import BYTES_PER_SEQUENCE, QueueFull, TrajectoryStore
+from atroposd.api.metrics import ApiMetrics
+from atroposd.api.peers import PeerLookup
+from atroposd.api.queue import QueueFull, TrajectoryStore
 from atroposd.api.schema import (
     EnvRegistration,
     Group,
     InvalidRequest,
     TrainerRegistration,
     dumps,
+    env_id_of,
     group_to_json,
+    wait_seconds,
 )
+from atroposd.api.settings import ApiSettings
 from atroposd.api.shmbatch import ShmBatches
-from atroposd.config import ApiConfig
 from atroposd.httpbounds import FD_RESERVE, RETRY_AFTER_S, BodyRefused, CappedSite, Charge, Inflight, read_body
-from atroposd.httpbounds import connection_cap as _connection_cap
 from atroposd.logs import get_logger
 from atroposd.net import host_allowed, is_loopback, own_host_names
 
@@ -62,8 +72,6 @@ __all__ = ["FD_RESERVE", "ApiMetrics", "ApiServer", "ApiSettings"]
 
 log = get_logger("api.server")
 
-GZIP_MIN_BYTES = 1000  # upstream's GZipMiddleware minimum_size
-THREAD_MIN_BYTES = 256 << 10  # compress bigger responses off the event loop
 # Groups normally reach the parse helper process still compressed; what the API inflates itself
 # (the other routes' bodies, groups while the helper is busy or down) inflates on the event loop
 # only when it is under GUNZIP_THREAD_MIN_COMPRESSED as sent and its trailer says it holds less
@@ -72,11 +80,8 @@ THREAD_MIN_BYTES = 256 << 10  # compress bigger responses off the event loop
 # thread: the loop never inflates more than a few KiB as sent (at most GUNZIP_THREAD_MIN_BYTES).
 GUNZIP_THREAD_MIN_BYTES = 1 << 20
 GUNZIP_THREAD_MIN_COMPRESSED = 4 << 10
-BODY_TIMEOUT_S = 30.0  # a request body must arrive within this (a slow client holds a reservation)
 INFLIGHT_BODIES = 4  # bytes of bodies in flight (read, inflated, being parsed): this many max_request_bytes
 PARSE_THREAD_MIN_BYTES = 1 << 20  # the loop hands bodies this large to the inflater thread to parse
-PEER_LOOKUP_BUDGET_S = 0.5  # one peer-pid lookup at a time, for at most this long
-MAX_CONNECTIONS = 1024  # connections open at once (each held by a client, idle or not)
 EMPTY_EXAMPLE: dict[str, list[Any]] = {
     "tokens": [],
     "masks": [],
@@ -91,154 +96,6 @@ EMPTY_EXAMPLE: dict[str, list[Any]] = {
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-@dataclass
-class ApiSettings:
-    """What the API process runs with: the ``[api]`` section (defaults: ``ApiConfig``) after flags."""
-
-    host: str
-    port: int
-    token: str
-    max_queued_sequences: int
-    max_request_bytes: int
-    full_wait: float
-    spool_dir: str | None  # None: nothing survives a restart
-    shm_ack_timeout: float = 30.0
-    spool_fsync: bool = False
-    body_timeout: float = BODY_TIMEOUT_S
-    max_queued_bytes: int | None = None  # None: the default of queue_bytes()
-    max_connections: int = MAX_CONNECTIONS
-
-    def connection_cap(self) -> int:
-        """``max_connections``, kept below the process's file descriptor limit."""
-        return _connection_cap(self.max_connections)
-
-    def queue_bytes(self) -> int:
-        """The byte budget of groups held: ``max_queued_bytes``, else 64 KiB per sequence of the
-        cap, and never less than two bodies of ``max_request_bytes`` (any acceptable body fits)."""
-        if self.max_queued_bytes is not None:
-            return self.max_queued_bytes
-        return max(self.max_queued_sequences * BYTES_PER_SEQUENCE, 2 * self.max_request_bytes)
-
-    @classmethod
-    def from_config(cls, api: ApiConfig, spool_dir: str | None) -> ApiSettings:
-        return cls(
-            host=api.host,
-            port=api.port,
-            token=api.token,
-            max_queued_sequences=api.max_queued_sequences,
-            max_request_bytes=api.max_request_bytes,
-            full_wait=api.full_wait,
-            spool_dir=spool_dir,
-            spool_fsync=api.spool_fsync,
-            shm_ack_timeout=api.shm_ack_timeout,
-            max_connections=api.max_connections,
-        )
-
-
-# The reasons a submission is refused (503) or a request rejected (4xx), as /metrics labels them.
-REFUSED_REASONS = ("full", "spool", "inflight", "connections")
-REJECTED_REASONS = (
-    "invalid",
-    "invalid_json",
-    "invalid_gzip",
-    "too_large",
-    "too_long",
-    "length_mismatch",
-    "score_count",
-    "non_finite_score",
-    "unknown_env",
-    "unauthorized",
-    "distill_invalid",
-)
-
-
-class ApiMetrics:
-    """Prometheus metrics of one API process (its own registry)."""
-
-    def __init__(self, store: TrajectoryStore, helper: ParseHelper | None = None) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-        self.registry = r = CollectorRegistry()
-        for name, doc, fn in (
-            ("queue_sequences", "Sequences held (queue + buffers + formed batches)", lambda: store.held),
-            ("queue_groups", "Groups in the queue", lambda: len(store.queue)),
-            (
-                "buffered_sequences",
-                "Sequences in mixed-size buffers",
-                lambda: sum(g.n for b in store.buffers.values() for g in b),
-            ),
-            ("formed_batches", "Batches formed and not yet served", lambda: len(store.formed)),
-            ("capacity_sequences", "max_queued_sequences", lambda: store.capacity),
-            ("waiting_submissions", "Submissions waiting for room", lambda: store.waiting),
-            ("current_step", "Batches formed (upstream step)", lambda: store.step),
-        ):
-            Gauge(f"atroposd_api_{name}", doc, registry=r).set_function(fn)
-        parsed = Gauge(
-            "atroposd_api_parsed_bodies",
-            "Posted bodies parsed, by where (helper process or event loop)",
-            ["where"],
-            registry=r,
-        )
-        parsed.labels("helper").set_function(lambda: helper.handed if helper is not None else 0)
-        parsed.labels("loop").set_function(lambda: helper.on_loop if helper is not None else 0)
-        Gauge(
-            "atroposd_api_parse_helper_restarts", "Times the parse helper was started again", registry=r
-        ).set_function(lambda: helper.restarts if helper is not None else 0)
-        self.accepted_groups = Counter("atroposd_api_accepted_groups", "Groups accepted", registry=r)
-        self.accepted_sequences = Counter("atroposd_api_accepted_sequences", "Sequences accepted", registry=r)
-        self.refused = Counter(
-            "atroposd_api_refused",
-            "Submissions refused with 503 (queue full or spool write failed)",
-            ["reason"],
-            registry=r,
-        )
-        self.rejected = Counter("atroposd_api_rejected", "Requests rejected with a 4xx", ["reason"], registry=r)
-        self.batches_served = Counter("atroposd_api_batches_served", "Batches delivered", registry=r)
-        self.sequences_served = Counter("atroposd_api_sequences_served", "Sequences delivered", registry=r)
-        Gauge(
-            "atroposd_api_queue_bytes", "Bytes of groups held (passthrough fields included)", registry=r
-        ).set_function(lambda: store.held_bytes)
-        Gauge(
-            "atroposd_api_spool_set_aside", "Spool records or damaged regions set aside at the last start", registry=r
-        ).set_function(lambda: store.spool.set_aside if store.spool is not None else 0)
-        Gauge("atroposd_api_spool_ack_failures", "Acknowledgements the spool could not write", registry=r).set_function(
-            lambda: store.spool.ack_failures if store.spool is not None else 0
-        )
-        self.peer_lookups_skipped = Counter(
-            "atroposd_api_peer_lookups_skipped",
-            "Registrations whose peer pid was not looked up (another lookup running)",
-            registry=r,
-        )
-        self.batch_write_failures = Counter(
-            "atroposd_api_batch_write_failures",
-            "Batches whose response could not be written (served again)",
-            registry=r,
-        )
-        for reason in REFUSED_REASONS:  # every known label value from the start (dashboards resolve)
-            self.refused.labels(reason)
-        for reason in REJECTED_REASONS:
-            self.rejected.labels(reason)
-        self.latency = Histogram(
-            "atroposd_api_request_seconds",
-            "Request latency",
-            ["route"],
-            registry=r,
-            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-        )
-        self._latency_by_route: dict[str, Any] = {}
-
-    def observe(self, route: str, seconds: float) -> None:
-        child = self._latency_by_route.get(route)
-        if child is None:
-            child = self._latency_by_route[route] = self.latency.labels(route)
-        child.observe(seconds)
-
-    def render(self) -> bytes:
-        from prometheus_client import generate_latest
-
-        return generate_latest(self.registry)
-
-
 class ApiServer:
     def __init__(self, store: TrajectoryStore, settings: ApiSettings, helper: ParseHelper | None = None) -> None:
         self.store = store
@@ -251,7 +108,7 @@ class ApiServer:
         # One thread plans and writes binary batches (safetensors, shared memory).
         self._batcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="api-batch")
         self.inflight = Inflight(INFLIGHT_BODIES * settings.max_request_bytes)
-        self._peer_lookup: asyncio.Lock = asyncio.Lock()
+        self.peers = PeerLookup(self.metrics.peer_lookups_skipped)
         self._own_hosts = own_host_names() if is_loopback(settings.host) else None
         self._site: CappedSite | None = None
         self.shm = ShmBatches(
@@ -336,26 +193,26 @@ class ApiServer:
             if self._own_hosts is not None and not host_allowed(request.headers.get("Host"), self._own_hosts):
                 # A page in a browser on this host must not reach a loopback API through DNS rebinding.
                 self.metrics.rejected.labels("misdirected").inc()
-                return _json_plain(
+                return json_plain(
                     {
                         "detail": "Host header names another host; this API answers only to "
                         "localhost, loopback addresses and this machine's names"
                     },
                     status=421,
                 )
-            if _from_a_web_page(request):
+            if from_a_web_page(request):
                 # A page's GET (an image, a link) passes the Host check: its Host is ours.
                 self.metrics.rejected.labels("cross_site").inc()
-                return _json_plain({"detail": "requests from a web page of another site are refused"}, status=403)
+                return json_plain({"detail": "requests from a web page of another site are refused"}, status=403)
             token = self.settings.token
-            if token and not _token_ok(request.headers.get("Authorization", ""), token):
+            if token and not token_ok(request.headers.get("Authorization", ""), token):
                 self.metrics.rejected.labels("unauthorized").inc()
-                return _json_plain(
+                return json_plain(
                     {"detail": "missing or wrong bearer token"}, status=401, headers={"WWW-Authenticate": "Bearer"}
                 )
-            if request.method == "POST" and "Content-Type" in request.headers and not _is_json(request.content_type):
+            if request.method == "POST" and "Content-Type" in request.headers and not is_json(request.content_type):
                 self.metrics.rejected.labels("media_type").inc()
-                return _json_plain(
+                return json_plain(
                     {"detail": f"Content-Type {request.content_type!r} is not JSON: send application/json"}, status=415
                 )
             return await handler(request)
@@ -367,17 +224,17 @@ class ApiServer:
                 self.metrics.rejected.labels(exc.reason).inc()
                 headers = None
             log.info("request body refused", path=request.path, status=exc.status, error=str(exc))
-            return _json_plain({"detail": str(exc)}, status=exc.status, headers=headers)
+            return json_plain({"detail": str(exc)}, status=exc.status, headers=headers)
         except InvalidRequest as exc:
             self.metrics.rejected.labels(exc.reason).inc()
             log.info("request rejected", path=request.path, status=exc.status, error=str(exc))
-            return _json_plain({"detail": str(exc)}, status=exc.status)
+            return json_plain({"detail": str(exc)}, status=exc.status)
         except QueueFull as exc:
             if exc.too_large:
                 self.metrics.rejected.labels("too_large").inc()
-                return _json_plain({"detail": str(exc)}, status=413)
+                return json_plain({"detail": str(exc)}, status=413)
             self.metrics.refused.labels(exc.reason).inc()
-            return _json_plain({"detail": str(exc)}, status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+            return json_plain({"detail": str(exc)}, status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
         finally:
             route = request.match_info.route.resource
             self.metrics.observe(route.canonical if route is not None else "unmatched", time.perf_counter() - start)
@@ -464,7 +321,7 @@ class ApiServer:
     # ------------------------------------------------------------------ upstream routes
 
     async def root(self, request: web.Request) -> web.StreamResponse:
-        return await _json(request, {"message": "AtroposLib API"})
+        return await json_reply(request, {"message": "AtroposLib API"})
 
     async def register(self, request: web.Request) -> web.StreamResponse:
         reg = TrainerRegistration.from_json(await self._read_json(request))
@@ -478,11 +335,11 @@ class ApiServer:
             requesters=self.store.requesters,
         )
         # A 128-bit int, as upstream's uuid4().int; orjson stops at 64 bits.
-        return await _send(request, b'{"uuid":%d}' % uid)
+        return await send(request, b'{"uuid":%d}' % uid)
 
     async def register_env(self, request: web.Request) -> web.StreamResponse:
         req = EnvRegistration.parse_request(await self._read_json(request))
-        pid = await self._peer_pid(request)
+        pid = await self.peers.pid(request)
         start = pids.start_ticks(pid) if pid is not None else None  # identity: boot-relative, exact
         try:
             answer = self.store.register_env(req, peer=(pid, start) if pid is not None and start is not None else None)
@@ -506,29 +363,29 @@ class ApiServer:
                 group_size=req["group_size"],
                 peer_pid=pid,
             )
-        return await _json(request, answer)
+        return await json_reply(request, answer)
 
     async def disconnect_env(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_json(request)
-        env_id = _env_id(body)
-        return await _json(request, self.store.disconnect_env(env_id))
+        env_id = env_id_of(body)
+        return await json_reply(request, self.store.disconnect_env(env_id))
 
     async def wandb_info(self, request: web.Request) -> web.StreamResponse:
         reg = self.store.registration
-        return await _json(
+        return await json_reply(
             request, {"group": reg.wandb_group if reg else None, "project": reg.wandb_project if reg else None}
         )
 
     async def info(self, request: web.Request) -> web.StreamResponse:
         reg = self.store.registration
-        return await _json(
+        return await json_reply(
             request, {"batch_size": reg.batch_size if reg else -1, "max_token_len": reg.max_token_len if reg else -1}
         )
 
     async def batch(self, request: web.Request) -> web.StreamResponse:
         store = self.store
         if store.registration is None:
-            return await _json(
+            return await json_reply(
                 request, {"status": "error", "message": "Trainer not registered. Call /register first.", "batch": []}
             )
         fmt = binary.requested_format(request.headers.get("Accept", ""), request.query.get("format"))
@@ -536,7 +393,7 @@ class ApiServer:
             raise InvalidRequest(
                 "shared-memory batches are for trainers on the API's host; use format=safetensors", 400, "shm_remote"
             )
-        wait = _wait_seconds(request.query.get("wait"))
+        wait = wait_seconds(request.query.get("wait"))
         deadline = time.monotonic() + wait
         while True:
             epoch = store.epoch
@@ -550,7 +407,7 @@ class ApiServer:
             # ?wait=S (an atroposd extension): hold the request until a batch can be formed
             await store.wait_changed(left)
         if batch is None:
-            return await _json(request, {"batch": None})
+            return await json_reply(request, {"batch": None})
         if fmt == "shm":
             try:
                 offer = await self.shm.offer(batch, epoch, store.served_step)
@@ -561,18 +418,18 @@ class ApiServer:
                 log.error("cannot write a batch into shared memory", error=str(exc))
                 # Like a full spool: the batch went back to the queue, the trainer retries (or asks
                 # for format=safetensors); a 503, never a 500 (SPEC §13).
-                return _json_plain(
+                return json_plain(
                     {"detail": f"cannot create a shared-memory segment: {exc}", "shm": False},
                     status=503,
                     headers={"Retry-After": "1"},
                 )
-            return await _json(request, {"shm": offer})
+            return await json_reply(request, {"shm": offer})
         resp = web.StreamResponse()
         try:
             if fmt == "safetensors":
                 body, headers = await self._safetensors(request, batch, store.served_step)
             else:
-                body, headers = await _encode(request, _batch_body(batch))
+                body, headers = await encode(request, batch_body(batch))
             resp.headers.update(headers)
             resp.content_length = len(body)
             await resp.prepare(request)
@@ -602,7 +459,7 @@ class ApiServer:
                 batch,
                 step,
                 remote=not is_loopback(request.remote),
-                accepts_gzip=_accepts_gzip(request),
+                accepts_gzip=accepts_gzip(request),
             ),
         )
 
@@ -613,17 +470,17 @@ class ApiServer:
         batch_id = body.get("batch_id") if isinstance(body, dict) else None
         if not isinstance(batch_id, str) or not batch_id:
             raise InvalidRequest("field required: batch_id (a string)")
-        return await _json(request, self.shm.ack(batch_id, release=bool(body.get("release", False))))
+        return await json_reply(request, self.shm.ack(batch_id, release=bool(body.get("release", False))))
 
     async def latest_example(self, request: web.Request) -> web.StreamResponse:
         g = self.store.latest
-        return await _send(request, dumps(group_to_json(g)) if g is not None else dumps(EMPTY_EXAMPLE))
+        return await send(request, dumps(group_to_json(g)) if g is not None else dumps(EMPTY_EXAMPLE))
 
     async def scored_data(self, request: web.Request) -> web.StreamResponse:
         answers = await self._accept(await self._read_groups(request, listed=False))
         if answers is None:
             return self._spool_refusal(None)
-        return await _json(request, answers[0])
+        return await json_reply(request, answers[0])
 
     async def scored_data_list(self, request: web.Request) -> web.StreamResponse:
         groups = await self._read_groups(request, listed=True)
@@ -635,7 +492,7 @@ class ApiServer:
         if buffered:
             out["buffered"] = len(buffered)
             out["last_buffer_size"] = buffered[-1]["buffer_size"]
-        return await _json(request, out)
+        return await json_reply(request, out)
 
     async def _accept(self, groups: list[Group]) -> list[dict[str, Any]] | None:
         """Reserve room (waiting up to full_wait), then accept all groups or none; None when the
@@ -654,23 +511,23 @@ class ApiServer:
     def _spool_refusal(self, exc: OSError | None) -> web.Response:
         self.metrics.refused.labels("spool").inc()
         detail = "the spool cannot keep this request" + (f": {exc}" if exc else "")
-        return _json_plain({"detail": detail}, status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+        return json_plain({"detail": detail}, status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
     async def status(self, request: web.Request) -> web.StreamResponse:
-        return await _json(request, self.store.status())
+        return await json_reply(request, self.store.status())
 
     async def status_env(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_json(request, optional=True)
         if (body is None or (isinstance(body, dict) and "env_id" not in body)) and "env_id" in request.query:
             body = {"env_id": request.query["env_id"]}  # the form later atroposlib forks send
-        env_id = _env_id(body)
+        env_id = env_id_of(body)
         answer = self.store.status_env(env_id)
         if not isinstance(body, dict) or "wait_s" not in body:
-            return await _json(request, answer)  # as run-api answers
+            return await json_reply(request, answer)  # as run-api answers
         # An atroposd extension: {"wait_s": S, "dequeued": N} holds the answer until this
         # environment's groups leave the queue (its "dequeued" count is no longer N), the
         # environments change, or S seconds pass; the answer adds "dequeued".
-        wait = _wait_seconds(body.get("wait_s"))
+        wait = wait_seconds(body.get("wait_s"))
         seen = body.get("dequeued")
         deadline = time.monotonic() + wait
         while isinstance(seen, int) and self.store.dequeued_of(env_id) == seen:
@@ -682,7 +539,7 @@ class ApiServer:
             if self.store.env_version != version:
                 break
         answer = self.store.status_env(env_id)
-        return await _json(request, {**answer, "dequeued": self.store.dequeued_of(env_id)})
+        return await json_reply(request, {**answer, "dequeued": self.store.dequeued_of(env_id)})
 
     async def reset_data(self, request: web.Request) -> web.StreamResponse:
         self.store.reset()
@@ -697,74 +554,12 @@ class ApiServer:
             {"env_id": e.registered_id, "name": e.real_name, "connected": e.connected, "peer_pid": e.peer_pid}
             for e in self.store.envs
         ]
-        return await _json(request, {"registrations": list(self.registrations), "envs": envs})
+        return await json_reply(request, {"registrations": list(self.registrations), "envs": envs})
 
     async def metrics_route(self, request: web.Request) -> web.StreamResponse:
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    async def _peer_pid(self, request: web.Request) -> int | None:
-        """The pid of the process holding the client end of this connection (loopback only)."""
-        transport = request.transport
-        peer = transport.get_extra_info("peername") if transport is not None else None
-        if not peer or len(peer) < 2:
-            return None
-        key = (str(peer[0]), int(peer[1]))
-        if not is_loopback(key[0]):
-            return None
-        # Not cached: atroposlib opens a new connection per request, and a port is soon reused.
-        # One lookup at a time, each within a time budget: registrations cannot make the API scan
-        # the host's sockets without bound.
-        if self._peer_lookup.locked():
-            self.metrics.peer_lookups_skipped.inc()
-            return None
-        async with self._peer_lookup:
-            return await asyncio.to_thread(_find_pid, key, time.monotonic() + PEER_LOOKUP_BUDGET_S)
-
-
-def _find_pid(local: tuple[str, int], deadline: float) -> int | None:
-    """The pid owning the TCP socket bound to ``local``: its inode from /proc/net/tcp{,6}, then
-    the processes' fd tables (newest pid first), until ``deadline``."""
-    ip, port = local
-    inode = _socket_inode(port)
-    if inode is None:
-        return None
-    target = f"socket:[{inode}]"
-    try:
-        pids_found = sorted((int(p) for p in os.listdir("/proc") if p.isdigit()), reverse=True)
-    except OSError:
-        return None
-    for pid in pids_found:
-        if time.monotonic() > deadline:
-            log.info("peer pid lookup ran out of time", peer=f"{ip}:{port}")
-            return None
-        try:
-            with os.scandir(f"/proc/{pid}/fd") as fds:
-                for fd in fds:
-                    try:
-                        if os.readlink(fd.path) == target:
-                            return pid
-                    except OSError:
-                        continue
-        except OSError:
-            continue
-    return None
-
-
-def _socket_inode(port: int) -> int | None:
-    """Inode of the TCP socket whose local port is ``port`` (the client's end of the connection)."""
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f, None)
-                for line in f:
-                    fields = line.split()
-                    if len(fields) > 9 and int(fields[1].rsplit(":", 1)[1], 16) == port and fields[9] != "0":
-                        return int(fields[9])
-        except (OSError, ValueError):
-            continue
-    return None
 
 
 def _groups_of(raw: bytes | bytearray, gz: bool, limit: int, listed: bool, max_token_len: int | None) -> list[Group]:
@@ -781,98 +576,3 @@ def _inflated_size(raw: bytes | bytearray, gz: bool) -> int:
     if not gz:
         return len(raw)
     return int.from_bytes(raw[-4:], "little") if len(raw) >= 18 else len(raw)
-
-
-def _token_ok(header: str, token: str) -> bool:
-    try:
-        given = header.encode("utf-8")
-    except UnicodeError:  # undecodable bytes in the header: not our token
-        return False
-    return hmac.compare_digest(given, f"Bearer {token}".encode())
-
-
-def _is_json(mimetype: str) -> bool:
-    mimetype = mimetype.lower()
-    return mimetype == "application/json" or (mimetype.startswith("application/") and mimetype.endswith("+json"))
-
-
-def _from_a_web_page(request: web.Request) -> bool:
-    """A browser marks what a page makes it fetch (Fetch Metadata; Origin on cross-site
-    requests); no API client sends these headers."""
-    site = request.headers.get("Sec-Fetch-Site")
-    if site is not None and site.lower() not in ("same-origin", "none"):
-        return True
-    origin = request.headers.get("Origin")
-    if origin is None or origin == "null":
-        return origin == "null"
-    host = origin.split("://", 1)[-1].split("/", 1)[0]
-    return host.lower() != (request.headers.get("Host") or "").lower()
-
-
-def _env_id(body: Any) -> int:
-    if not isinstance(body, dict) or body.get("env_id") is None:
-        raise InvalidRequest("field required: env_id")
-    value = body["env_id"]
-    try:
-        env_id = int(value)
-    except (TypeError, ValueError):
-        raise InvalidRequest("env_id must be an integer") from None
-    if isinstance(value, bool) or (isinstance(value, float) and value != env_id):
-        raise InvalidRequest("env_id must be an integer")
-    return env_id
-
-
-# The longest a long-poll (GET /batch?wait=, /status-env "wait_s") is held.
-MAX_WAIT_S = 30.0
-
-
-def _wait_seconds(value: Any) -> float:
-    """A long-poll's wait: a number of seconds in [0, MAX_WAIT_S]; absent: 0 (answer at once)."""
-    if value is None:
-        return 0.0
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        raise InvalidRequest(f"wait must be a number of seconds, got {value!r}") from None
-    if isinstance(value, bool) or not 0 <= seconds <= MAX_WAIT_S:
-        raise InvalidRequest(f"wait must be between 0 and {MAX_WAIT_S:g} seconds, got {value!r}")
-    return seconds
-
-
-def _batch_body(batch: list[Group]) -> bytes:
-    return dumps({"batch": [group_to_json(g) for g in batch]})
-
-
-def _accepts_gzip(request: web.Request) -> bool:
-    return "gzip" in request.headers.get("Accept-Encoding", "").lower()
-
-
-def _json_plain(obj: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json", headers=headers)
-
-
-async def _json(request: web.Request, obj: Any) -> web.StreamResponse:
-    return await _send(request, dumps(obj))
-
-
-async def _send(request: web.Request, body: bytes) -> web.Response:
-    body, headers = await _encode(request, body)
-    return web.Response(body=body, headers=headers)
-
-
-async def _encode(request: web.Request, body: bytes) -> tuple[bytes, dict[str, str]]:
-    """The JSON body, gzip'ed when large and the client accepts it."""
-    headers = {"Content-Type": "application/json"}
-    if len(body) >= GZIP_MIN_BYTES and _accepts_gzip(request):
-        level = 0 if is_loopback(request.remote) else 1
-        if len(body) >= THREAD_MIN_BYTES and level > 0:
-            body = await asyncio.to_thread(_gzip, body, level)
-        else:
-            body = _gzip(body, level)
-        headers["Content-Encoding"] = "gzip"
-    return body, headers
-
-
-def _gzip(body: bytes, level: int = 1) -> bytes:
-    c = zlib.compressobj(level, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
-    return c.compress(body) + c.flush()

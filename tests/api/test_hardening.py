@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 import pytest
 
+from atroposd.api import peers
 from atroposd.api import server as server_module
 from atroposd.api.batching import find_groups_summing_to_target
 from atroposd.api.bodies import groups_from_body
@@ -505,8 +506,8 @@ def test_peer_lookup_finds_the_pid_within_its_budget() -> None:
     client = socket.create_connection(listener.getsockname())
     try:
         local = client.getsockname()
-        assert server_module._find_pid((local[0], local[1]), time.monotonic() + 10) == os.getpid()
-        assert server_module._find_pid((local[0], local[1]), time.monotonic() - 1) is None  # out of time
+        assert peers.find_pid((local[0], local[1]), time.monotonic() + 10) == os.getpid()
+        assert peers.find_pid((local[0], local[1]), time.monotonic() - 1) is None  # out of time
     finally:
         client.close()
         listener.close()
@@ -523,8 +524,8 @@ def test_only_one_peer_lookup_runs_at_a_time() -> None:
                     def get_extra_info(name: str) -> Any:
                         return ("127.0.0.1", 1)
 
-            async with server._peer_lookup:
-                assert await server._peer_pid(Req()) is None  # type: ignore[arg-type]
+            async with server.peers.lock:
+                assert await server.peers.pid(Req()) is None  # type: ignore[arg-type]
             assert server.metrics.peer_lookups_skipped._value.get() == 1
         finally:
             server._inflater.shutdown(wait=True)
