@@ -15,19 +15,20 @@ import ctypes
 import importlib.util
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 PR_SET_PDEATHSIG = 1
 
 
-def _load_exit_codes() -> Any:
+def _load_exit_codes() -> type[Exit]:
     """``atroposd.exitcodes.Exit``, loaded from its file (run as a script, the package is not importable)."""
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "exitcodes.py")
     spec = importlib.util.spec_from_file_location("_atroposd_exitcodes", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.Exit
+    exit_codes: type[Exit] = module.Exit
+    return exit_codes
 
 
 if TYPE_CHECKING or __name__ != "__main__":

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import anyio.abc
@@ -36,6 +36,9 @@ import psutil
 
 from atroposd.heartbeat import MAX_BEAT_BYTES, Beat, decode
 from atroposd.logs import get_logger
+
+if TYPE_CHECKING:
+    import aiohttp
 
 
 class Unit(Protocol):
@@ -91,7 +94,7 @@ class LiveCheck(Protocol):
         """A new attempt of the child begins: forget the last one's state."""
 
 
-def _session(timeout: float) -> Any:
+def _session(timeout: float) -> aiohttp.ClientSession:
     import aiohttp
 
     return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout))

@@ -9,11 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
 from atroposd.logs import get_logger
+
+if TYPE_CHECKING:
+    import aiohttp
 
 log = get_logger("atroposd.probes")
 
@@ -71,7 +74,7 @@ class ConditionProbe:
             await anyio.sleep(POLL_INTERVAL)
 
 
-def _session(timeout: float = REQUEST_TIMEOUT) -> Any:
+def _session(timeout: float = REQUEST_TIMEOUT) -> aiohttp.ClientSession:
     import aiohttp
 
     return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout))
@@ -94,7 +97,7 @@ class HttpProbe:
                 await anyio.sleep(POLL_INTERVAL)
 
 
-async def get_ok(session: Any, url: str, headers: dict[str, str] | None = None) -> bool:
+async def get_ok(session: aiohttp.ClientSession, url: str, headers: dict[str, str] | None = None) -> bool:
     import aiohttp
 
     try:
@@ -178,7 +181,7 @@ class RegisteredProbe:
     def _credits(self, reg: dict[str, Any], pids: set[int]) -> bool:
         return reg.get("peer_pid") in pids or reg.get("desired_name") in self.names
 
-    async def _fetch(self, session: Any, url: str) -> list[dict[str, Any]] | None:
+    async def _fetch(self, session: aiohttp.ClientSession, url: str) -> list[dict[str, Any]] | None:
         import aiohttp
 
         try:

@@ -230,7 +230,7 @@ class InstanceRecord:
         return 0.0  # unknown: every segment named in the record is a candidate
 
 
-def _start(value: Any) -> Start:
+def _start(value: int | float | str) -> Start:
     """A recorded start as written: int ticks stay exact, anything else is legacy seconds."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value

@@ -43,7 +43,7 @@ class Engine:
             self._session = None
 
     async def call(
-        self, method: str, path: str, *, params: Mapping[str, str] | None = None, body: Any = None
+        self, method: str, path: str, *, params: Mapping[str, str] | None = None, body: object = None
     ) -> tuple[int, Any]:
         """``(status, decoded JSON or None)``; EngineError when the engine cannot be reached."""
         data = None if body is None else json.dumps(body).encode()
@@ -118,7 +118,7 @@ class Engine:
         return status in (200, 204, 404)
 
 
-def _has(labels: Any, wanted: list[str]) -> bool:
+def _has(labels: object, wanted: list[str]) -> bool:
     """Whether ``labels`` carries every ``key=value`` of ``wanted`` (checked here as well as by
     the engine's filter: nothing without the job's labels is ever touched)."""
     if not isinstance(labels, dict):

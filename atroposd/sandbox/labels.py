@@ -56,7 +56,7 @@ class Owner:
         return [f"{JOB}={self.job}", f"{ENV}={self.env}", f"{REPLICA}={self.replica}"]
 
 
-def with_labels(given: Any, owner: Owner) -> dict[str, str]:
+def with_labels(given: Mapping[str, str] | None, owner: Owner) -> dict[str, str]:
     """A client's labels with ours set over them (a client cannot set ``atroposd.*`` itself)."""
     out = {k: v for k, v in (given or {}).items() if not str(k).startswith(PREFIX)}
     out.update(owner.labels)

@@ -56,7 +56,7 @@ class Refused(Exception):
         self.reason = reason
 
 
-def _bad(field: str, expected: str, value: Any) -> Refused:
+def _bad(field: str, expected: str, value: object) -> Refused:
     return Refused(400, f"atroposd: {field} must be {expected}, got {type(value).__name__}", "bad_body")
 
 
@@ -91,7 +91,7 @@ class Policy:
         if not self.allow_privileged:
             raise _forbidden(f"{field} is a bind mount of the host path {source}", "bind_mount")
 
-    def check_container(self, body: Any, owner: Owner, owned: Callable[[str], bool]) -> dict[str, Any]:
+    def check_container(self, body: object, owner: Owner, owned: Callable[[str], bool]) -> dict[str, Any]:
         """The create body to forward (labels set, memory defaulted), or Refused.
 
         ``owned(ref)``: whether a container named by ``ref`` (``container:ref`` namespaces,
@@ -203,7 +203,7 @@ class Policy:
             if kind == "volume" and options is not None:
                 self._check_driver_options(f"HostConfig.Mounts[{i}].VolumeOptions.DriverConfig.Options", options)
 
-    def _check_driver_options(self, field: str, options: Any) -> None:
+    def _check_driver_options(self, field: str, options: object) -> None:
         if not isinstance(options, dict):
             raise _bad(field.rsplit(".DriverConfig", 1)[0], "an object", options)
         driver = options.get("DriverConfig") or {}
@@ -211,7 +211,7 @@ class Policy:
             raise _bad(field, "an object", driver)
         self.check_driver_opts(field, driver.get("Options"))
 
-    def check_driver_opts(self, field: str, opts: Any) -> None:
+    def check_driver_opts(self, field: str, opts: object) -> None:
         """A volume's driver options: ``device`` with a host path (``o=bind``) is a bind mount."""
         if opts is None:
             return
@@ -221,7 +221,7 @@ class Policy:
         if device.startswith("/") or "bind" in opts.get("o", ""):
             self._host_path(field, device or "?")
 
-    def check_volume(self, body: Any, owner: Owner) -> dict[str, Any]:
+    def check_volume(self, body: object, owner: Owner) -> dict[str, Any]:
         if not isinstance(body, dict):
             raise _bad("the volume create body", "a JSON object", body)
         labels = body.get("Labels")
@@ -230,7 +230,7 @@ class Policy:
         self.check_driver_opts("DriverOpts", body.get("DriverOpts"))
         return {**body, "Labels": with_labels(labels, owner)}
 
-    def check_network(self, body: Any, owner: Owner) -> dict[str, Any]:
+    def check_network(self, body: object, owner: Owner) -> dict[str, Any]:
         if not isinstance(body, dict):
             raise _bad("the network create body", "a JSON object", body)
         labels = body.get("Labels")

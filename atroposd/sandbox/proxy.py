@@ -23,7 +23,7 @@ import json
 import os
 import re
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -72,6 +72,17 @@ def docker_error(status: int, message: str) -> web.Response:
 
 def _no_such(kind: str, ref: str) -> Refused:
     return Refused(404, f"No such {kind}: {ref}", "not_owned")
+
+
+#: narrows a decoded JSON answer (a list) to what the replica may see
+_Keep = Callable[[object], object]
+
+
+class _Feed(Protocol):
+    """Where the client's bytes go once a connection is upgraded."""
+
+    def feed_data(self, data: bytes) -> tuple[bool, bytes]: ...
+    def feed_eof(self) -> None: ...
 
 
 class Stats(Protocol):
@@ -176,8 +187,10 @@ class ReplicaProxy:
         head = parts[0] if parts else ""
         method = request.method
 
-        async def fwd(path: str = rel, **kw: Any) -> web.StreamResponse:
-            return await self._forward(request, prefix + path, **kw)
+        async def fwd(
+            path: str = rel, *, query: Sequence[tuple[str, str]] | None = None, keep: _Keep | None = None
+        ) -> web.StreamResponse:
+            return await self._forward(request, prefix + path, query=query, keep=keep)
 
         if rel in _SHARED or head in ("images", "distribution"):
             if rel == "/build":
@@ -259,7 +272,7 @@ class ReplicaProxy:
     def _owned_sync(self, ref: str) -> bool:
         return ref in self.containers
 
-    def _keep_list(self, body: Any) -> Any:
+    def _keep_list(self, body: object) -> list[dict[str, Any]]:
         if not isinstance(body, list):
             return []
         kept = [c for c in body if isinstance(c, dict) and self.owner.owns(c.get("Labels"))]
@@ -294,7 +307,7 @@ class ReplicaProxy:
 
     # ------------------------------------------------------------------ creates
 
-    async def _json_body(self, request: web.Request, what: str) -> Any:
+    async def _json_body(self, request: web.Request, what: str) -> object:
         raw = await request.read()  # past MAX_JSON_BODY: aiohttp answers 413
         if not raw:
             return {}
@@ -357,7 +370,7 @@ class ReplicaProxy:
             return resp
         if parts == ["volumes"]:
 
-            def keep(body: Any) -> Any:
+            def keep(body: object) -> object:
                 if isinstance(body, dict):
                     vols = body.get("Volumes") or []
                     body["Volumes"] = [v for v in vols if isinstance(v, dict) and self.owner.owns(v.get("Labels"))]
@@ -395,17 +408,17 @@ class ReplicaProxy:
             if len(parts) == 3:
                 if parts[2] not in ("connect", "disconnect") or method != "POST":
                     raise Refused(404, f"atroposd: {request.path} is not a network route", "not_served")
-                body = await self._json_body(request, "network connect")
-                ref = body.get("Container") if isinstance(body, dict) else None
-                if not isinstance(ref, str):
+                connect = await self._json_body(request, "network connect")
+                ref = connect.get("Container") if isinstance(connect, dict) else None
+                if not isinstance(connect, dict) or not isinstance(ref, str):
                     raise Refused(400, "atroposd: Container must be a string", "bad_body")
-                body["Container"] = await self._container(ref)
-                resp, _ = await self._call_json(request, f"{prefix}/networks/{nid}/{parts[2]}", body)
+                connect["Container"] = await self._container(ref)
+                resp, _ = await self._call_json(request, f"{prefix}/networks/{nid}/{parts[2]}", connect)
                 return resp
             return await self._forward(request, f"{prefix}/networks/{nid}")
         raise Refused(404, f"atroposd: {request.path} is not a network route", "not_served")
 
-    def _keep_owned(self, body: Any) -> Any:
+    def _keep_owned(self, body: object) -> list[dict[str, Any]]:
         return (
             [n for n in body if isinstance(n, dict) and self.owner.owns(n.get("Labels"))]
             if isinstance(body, list)
@@ -418,7 +431,7 @@ class ReplicaProxy:
     def _headers(request: web.Request) -> CIMultiDict[str]:
         return CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _HOP)
 
-    async def _call_json(self, request: web.Request, path: str, body: Any) -> tuple[web.Response, Any]:
+    async def _call_json(self, request: web.Request, path: str, body: object) -> tuple[web.Response, object]:
         """Send a checked JSON body; the answer as a response and decoded."""
         headers = self._headers(request)
         headers["Content-Type"] = "application/json"
@@ -444,12 +457,12 @@ class ReplicaProxy:
         request: web.Request,
         path: str,
         *,
-        query: Any = None,
-        keep: Callable[[Any], Any] | None = None,
+        query: Sequence[tuple[str, str]] | None = None,
+        keep: _Keep | None = None,
     ) -> web.StreamResponse:
         """Forward as it is, the body and the answer streamed; ``keep`` narrows a JSON answer."""
         headers = self._headers(request)
-        data: Any = None
+        data: AsyncIterator[bytes] | None = None
         if request.body_exists:
             if request.content_length is not None:
                 headers["Content-Length"] = str(request.content_length)
@@ -582,7 +595,7 @@ class _Upgraded(asyncio.Protocol):
     would close the connection); the rest is aiohttp's, which ends the handler on a lost
     connection."""
 
-    def __init__(self, inner: Any, forwarder: Any) -> None:
+    def __init__(self, inner: asyncio.BaseProtocol, forwarder: _Feed) -> None:
         self.inner = inner
         self.forwarder = forwarder
 
@@ -618,7 +631,7 @@ async def _stream(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
         yield chunk
 
 
-def _answer_headers(headers: Any) -> CIMultiDict[str]:
+def _answer_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _HOP)
 
 
