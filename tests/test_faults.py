@@ -24,6 +24,7 @@ PATCHED = {
     "rank_hang": ("atroposd.trainer.follower", "connect_store"),
     "corrupt_weights": ("atroposd.inference.torch_engine", "TorchEngine.update_weights"),
     "skip_weights": ("atroposd.inference.vllm_engine", "VllmEngine._transfer"),
+    "hold_resume": ("atroposd.weights.replicas", "Replicas.reached"),
 }
 SETTINGS = {
     "stall_step": {"step": 5, "marker": "/nonexistent/marker"},
@@ -31,6 +32,7 @@ SETTINGS = {
     "rank_hang": "join",
     "corrupt_weights": {"inference-0": "2+"},
     "skip_weights": {"inference-0": "3"},
+    "hold_resume": {"dir": "/nonexistent"},
 }
 
 

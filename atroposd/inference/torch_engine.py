@@ -38,7 +38,7 @@ import contextlib
 import functools
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -140,6 +140,9 @@ class TorchEngine(WeightGate):
         self._freezer: Freezer | None = None  # the running batch's
         self._parked = asyncio.Event()  # the running batch is frozen (set from the compute thread)
         self.frozen_syncs = 0  # keep-pauses that froze a running batch
+        # A refused weight update that had already changed the model (a copy found damaged once
+        # made): the model holds weights of no version; resume is refused until a whole one arrives.
+        self._torn: str | None = None
 
     @classmethod
     def from_config(
@@ -454,9 +457,32 @@ class TorchEngine(WeightGate):
     async def resume(self, weight_version: int | None = None) -> dict[str, Any]:
         """Open the gate with ``weight_version`` (SPEC §7); a frozen batch goes on, its next
         tokens sampled from the weights loaded meanwhile and recorded under that version."""
+        if self._torn is not None:
+            raise WeightUpdateError(self._torn)
         result = await super().resume(weight_version)
         self._release_hold()
         return result
+
+    @contextlib.asynccontextmanager
+    async def _whole_or_held(self) -> AsyncIterator[None]:
+        """Around a weight update: one refused after it had changed the model's tensors (a push
+        whose copy fails its checksum once made) leaves the model holding weights of no
+        version, so the replica may not resume with the version it had (its frozen generations
+        would go on, and new ones begin, labelled with weights they are not sampled from):
+        :meth:`resume` is refused until a whole version arrived. A refusal that changed
+        nothing leaves the replica as it was."""
+        before = await asyncio.to_thread(_fingerprint, self.model)
+        try:
+            yield
+        except WeightUpdateError as exc:
+            if await asyncio.to_thread(_fingerprint, self.model) != before:
+                self._torn = (
+                    f"a refused weight update had changed the model already ({exc}): it holds no "
+                    f"whole weight_version; resume waits for a complete update"
+                )
+                log.error("weight update refused after it changed the model", error=str(exc))
+            raise
+        self._torn = None
 
     def _release_hold(self) -> None:
         self._hold = False
@@ -475,7 +501,7 @@ class TorchEngine(WeightGate):
         if self.receiver is None:
             raise WeightUpdateError("this server has no weight receiver")
         self._require_paused()
-        async with self._compute:
+        async with self._compute, self._whole_or_held():
             t0 = time.perf_counter()
             result = await asyncio.to_thread(apply_update, self.model, request, state=self.receiver)
         self.updates += 1
@@ -491,7 +517,7 @@ class TorchEngine(WeightGate):
         if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
             raise WeightUpdateError(f"'weight_version' must be an integer, got {version!r}")
         self._require_paused()
-        async with self._compute:
+        async with self._compute, self._whole_or_held():
             result = await asyncio.to_thread(
                 load_dir, self.model, request["path"], weight_version=version, state=self.receiver
             )
@@ -546,6 +572,24 @@ def _deliver(future: asyncio.Future[dict[str, Any]], result: dict[str, Any]) -> 
     """Answer a request on the event loop (a probe answered before its batch ends)."""
     if not future.done():  # a client that went away cancelled it
         future.set_result(result)
+
+
+def _fingerprint(model: object) -> list[float]:
+    """The sum of the first elements of each of the model's tensors (what the exporter's
+    checksum covers): whether a weight update changed the model's values."""
+    import torch
+
+    from atroposd.weights.tensors import CHECKSUM_ELEMENTS, model_tensors
+
+    if not isinstance(model, torch.nn.Module):
+        return []
+    tensors = list(model_tensors(model).tensors.values())
+    if not tensors:
+        return []
+    with torch.no_grad():
+        sums = torch.stack([t.detach().reshape(-1)[:CHECKSUM_ELEMENTS].to(torch.float64).sum() for t in tensors])
+        sums = torch.nan_to_num(sums, nan=-1.0e300)  # NaN as a value, equal to itself
+    return [float(x) for x in sums.tolist()]
 
 
 def _eos_ids(tokenizer: Any, model: Any) -> set[int]:

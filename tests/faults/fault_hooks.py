@@ -187,6 +187,33 @@ def _patch_skip_weights(module: types.ModuleType, s: dict[str, str]) -> None:
     cls._transfer = transfer
 
 
+def _check_hold_resume(s: Any) -> None:
+    if not (isinstance(s, dict) and isinstance(s.get("dir"), str)):
+        raise ValueError(f"hold_resume wants {{'dir': path}}, got {s!r}")
+
+
+def _patch_hold_resume(module: types.ModuleType, s: dict[str, str]) -> None:
+    """The weight sync holds a replica paused mid-swap: while the file ``DIR/hold`` exists, the
+    sync's resume of a replica (after its pause and its weights, before it generates again)
+    waits; it creates ``DIR/held`` (the replica's socket and the version) as it starts waiting
+    and removes it when the hold file is gone. With ``inflight = "keep"`` the replica's running
+    generations stay frozen meanwhile."""
+    cls = module.Replicas
+    original = cls.reached
+    hold, held = Path(s["dir"]) / "hold", Path(s["dir"]) / "held"
+
+    async def reached(self: Any, r: Any, version: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method == "resume" and hold.exists():
+            held.write_text(f"{r.socket} {version}\n")
+            _log("fault: the sync holds the replica paused before its resume", socket=str(r.socket), version=version)
+            while hold.exists():  # noqa: ASYNC110 - the test says when by a file, from another process
+                await asyncio.sleep(0.02)
+            held.unlink(missing_ok=True)
+        return await original(self, r, version, method, *args, **kwargs)
+
+    cls.reached = reached
+
+
 # name → (the module it patches, the patch, the check of its setting)
 FAULTS: dict[str, tuple[str, Callable[[types.ModuleType, Any], None], Callable[[Any], None]]] = {
     "stall_step": ("atroposd.trainer.loop", _patch_stall_step, _check_stall_step),
@@ -194,6 +221,7 @@ FAULTS: dict[str, tuple[str, Callable[[types.ModuleType, Any], None], Callable[[
     "rank_hang": ("atroposd.trainer.follower", _patch_rank_hang, _check_rank_hang),
     "corrupt_weights": ("atroposd.inference.torch_engine", _patch_corrupt_weights, _check_corrupt_weights),
     "skip_weights": ("atroposd.inference.vllm_engine", _patch_skip_weights, _check_skip_weights),
+    "hold_resume": ("atroposd.weights.replicas", _patch_hold_resume, _check_hold_resume),
 }
 
 

@@ -1,0 +1,244 @@
+"""In-flight weight updates under faults, on the torch engine (SPEC §7): a sync that fails half-way
+while generations are frozen, a probe or a canary under a swap, every answer's version record;
+and, through whole jobs, a replica killed while frozen and a stop while frozen.
+
+Every answer's version record is consistent: ``weight_version`` is the version it was admitted
+under; ``weight_versions`` (only when the completion spans a swap) starts at ``[0,
+weight_version]``, its token indexes and versions strictly increase, and no version in it is
+above the replica's current one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from atroposd.inference.torch_engine import TorchEngine
+from atroposd.models.tiny import BOS_ID
+from atroposd.trainer.sentinel import score_completion
+from atroposd.weights.protocol import WeightUpdateError
+from atroposd.weights.receiver import ReceiverState
+from atroposd.weights.reload import write_sync_dir
+from tests.inference.conftest import MAX_MODEL_LEN
+
+PROMPT = [BOS_ID, 5, 14, 7, 17]
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """The reference forward passes on one thread, as the engine's (the machine's cores are shared)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def nonce() -> str:
+    return "iff" + secrets.token_hex(5)
+
+
+@pytest.fixture
+async def engine(tiny_dir: Path, tmp_path: Path, nonce: str) -> AsyncIterator[TorchEngine]:
+    weights = tmp_path / "weights"
+    weights.mkdir(mode=0o700)
+    receiver = ReceiverState(nonce=nonce, weights_dir=weights, sync_dir=tmp_path / "sync")
+    eng = TorchEngine(model_dir=tiny_dir, max_model_len=MAX_MODEL_LEN, seed=0, receiver=receiver)
+    await eng.start()
+    try:
+        yield eng
+    finally:
+        await eng.close()
+
+
+def req(**kw: Any) -> dict[str, Any]:
+    return {"prompt": {"prompt_token_ids": PROMPT}, "logprobs": 0, **kw}
+
+
+def logprobs_of(resp: dict[str, Any], i: int) -> list[float]:
+    return [float(next(iter(item[0].values()))) for item in resp["logprobs"][i]]
+
+
+def other_weights(tiny_dir: Path, seed: int = 1) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model.eval()
+
+
+def snapshot(model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def same_weights(model: Any, before: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+async def started(eng: TorchEngine) -> None:
+    deadline = time.monotonic() + 30
+    while eng._freezer is None:  # the engine exposes no event for a started batch
+        assert time.monotonic() < deadline, "the batch never started"
+        await asyncio.sleep(0.0005)
+
+
+def check_record(resp: dict[str, Any], admitted: int, current: int) -> list[list[list[int]]]:
+    """The answer's version record is consistent (module docstring); returns each completion's."""
+    assert resp["weight_version"] == admitted, resp["weight_version"]
+    records = resp.get("weight_versions")
+    if records is None:
+        return [[[0, admitted]] for _ in resp["token_ids"]]
+    assert len(records) == len(resp["token_ids"])
+    assert any(len(r) > 1 for r in records), records  # only a completion that spans a swap carries it
+    for record, ids in zip(records, resp["token_ids"], strict=True):
+        assert record[0] == [0, admitted], record
+        at = [a for a, _ in record]
+        versions = [v for _, v in record]
+        assert at == sorted(set(at)) and all(0 <= a <= len(ids) for a in at), record
+        assert versions == sorted(set(versions)) and versions[-1] <= current, (record, current)
+    return [list(r) for r in records]
+
+
+# ---------------------------------------------------------------------------- a sync failing half-way
+
+
+async def freeze(eng: TorchEngine, body: dict[str, Any]) -> asyncio.Future[dict[str, Any]]:
+    """Start ``body`` and freeze it with a keep-pause (its KV recomputed at resume)."""
+    gen = asyncio.ensure_future(eng.generate(body))
+    await started(eng)
+    paused = await eng.pause(mode="keep", clear_cache=True)
+    assert paused["frozen"] == 1 and not gen.done(), "the generation finished instead of freezing"
+    return gen
+
+
+@pytest.mark.anyio
+async def test_a_sync_refused_half_way_resumes_the_frozen_generations_on_the_old_weights(
+    engine: TorchEngine, tiny_dir: Path, tmp_path: Path, nonce: str
+) -> None:
+    """Frozen generations, then every way a sync is refused before it changes the model: a push
+    whose manifest does not match the model, a push whose export lost a segment (its trainer
+    died half-way), a reload directory cut short, one of another version. The replica resumes
+    with the version it had; the frozen generations go on with the old weights and say so (one
+    version, the old weights' logprobs token by token); it serves on and takes the next sync."""
+    from atroposd.weights.arena import ParameterArena
+    from atroposd.weights.manifest import manifest_path
+
+    old = snapshot(engine.model)
+    gen = await freeze(engine, req(n=2, max_tokens=160, temperature=1.0, ignore_eos=True))
+    arena = ParameterArena.create(other_weights(tiny_dir), nonce=nonce, max_segment_bytes=256 * 1024)
+    path = manifest_path(engine.receiver.weights_dir, nonce)
+    try:
+        good = arena.manifest(1)
+        assert len(good.segments) > 2
+        name = "model.layers.1.mlp.up_proj.weight"  # [256, 128] exported as [128, 256]
+        dataclasses.replace(
+            good,
+            tensors=tuple(
+                dataclasses.replace(t, shape=(128, 256), stride=(256, 1)) if t.name == name else t for t in good.tensors
+            ),
+        ).write(path)
+        with pytest.raises(WeightUpdateError, match=r"up_proj\.weight.*shape"):
+            await engine.update_weights({"manifest": str(path), "mode": "copy"})
+        assert same_weights(engine.model, old)
+        good.write(path)
+        os.unlink(f"/dev/shm/{good.segments[-1].name}")
+        with pytest.raises(WeightUpdateError):
+            await engine.update_weights({"manifest": str(path), "mode": "copy"})
+        assert same_weights(engine.model, old)
+    finally:
+        arena.release()
+        path.unlink(missing_ok=True)
+    sync = tmp_path / "sync"
+    cut = write_sync_dir(other_weights(tiny_dir, seed=2), sync, 2)
+    weights_file = cut / "model.safetensors"
+    weights_file.write_bytes(weights_file.read_bytes()[: weights_file.stat().st_size // 2])
+    stale = write_sync_dir(other_weights(tiny_dir, seed=3), sync, 3)
+    for directory, version in ((cut, 2), (stale, 4)):
+        with pytest.raises(WeightUpdateError):
+            await engine.load_weights({"path": str(directory), "weight_version": version})
+        assert same_weights(engine.model, old)
+    assert engine.updates == 0
+
+    await engine.resume(0)  # as the sync does after a refusal: the version the replica had
+    resp = await asyncio.wait_for(gen, 60)
+    assert check_record(resp, 0, engine.weight_version) == [[[0, 0]], [[0, 0]]]
+    assert "weight_versions" not in resp  # no swap happened
+    for i in range(2):
+        ids, lps = resp["token_ids"][i], logprobs_of(resp, i)
+        assert len(ids) == 160
+        ref = score_completion(engine.model, PROMPT, ids)
+        assert max(abs(a - b) for a, b in zip(lps, ref, strict=True)) < 1e-5
+    later = await engine.generate(req(max_tokens=4))
+    assert later["weight_version"] == 0 and "weight_versions" not in later
+    # and the next sync goes through
+    await engine.pause(mode="keep")
+    model = other_weights(tiny_dir, seed=4)
+    await engine.load_weights({"path": str(write_sync_dir(model, sync, 5)), "weight_version": 5})
+    await engine.resume(5)
+    after = await engine.generate(req(max_tokens=8, temperature=1.0, ignore_eos=True))
+    assert after["weight_version"] == 5
+    ref = score_completion(model, PROMPT, after["token_ids"][0])
+    assert max(abs(a - b) for a, b in zip(logprobs_of(after, 0), ref, strict=True)) < 1e-5
+
+
+@pytest.mark.anyio
+async def test_a_push_refused_after_its_copy_never_serves_under_the_old_version(
+    engine: TorchEngine, tiny_dir: Path, tmp_path: Path, nonce: str
+) -> None:
+    """A push whose export is damaged (a checksum off), found only once copied: the model holds
+    weights of no version, so the replica may not resume with the old version — its frozen
+    generations would go on, labelled old, on other weights. Resume is refused, naming why,
+    until a whole version arrives; then the frozen generations go on and their record names
+    the swap (the old weights' logprobs before it, the new ones' after)."""
+    from atroposd.weights.arena import ParameterArena
+    from atroposd.weights.manifest import manifest_path
+
+    old = other_weights(tiny_dir)
+    old.load_state_dict(snapshot(engine.model))
+    gen = await freeze(engine, req(max_tokens=160, temperature=1.0, ignore_eos=True))
+    arena = ParameterArena.create(other_weights(tiny_dir), nonce=nonce)
+    path = manifest_path(engine.receiver.weights_dir, nonce)
+    try:
+        good = arena.manifest(1)
+        first = good.tensors[0].name
+        dataclasses.replace(
+            good,
+            tensors=tuple(
+                dataclasses.replace(t, checksum=(t.checksum or 0.0) + 1.0) if t.name == first else t
+                for t in good.tensors
+            ),
+        ).write(path)
+        with pytest.raises(WeightUpdateError, match="checksum"):
+            await engine.update_weights({"manifest": str(path), "mode": "copy"})
+    finally:
+        arena.release()
+        path.unlink(missing_ok=True)
+    with pytest.raises(WeightUpdateError, match="no whole weight_version"):
+        await engine.resume(0)
+    held = asyncio.ensure_future(engine.generate(req(max_tokens=4)))
+    await asyncio.sleep(0.1)
+    assert not gen.done() and not held.done(), "a generation ran on the weights of no version"
+    model = other_weights(tiny_dir, seed=4)
+    await engine.load_weights({"path": str(write_sync_dir(model, tmp_path / "sync", 5)), "weight_version": 5})
+    await engine.resume(5)
+    resp = await asyncio.wait_for(gen, 60)
+    ((_, v0), (at, v1)) = check_record(resp, 0, engine.weight_version)[0]
+    assert (v0, v1) == (0, 5) and 0 < at < 160
+    ids, lps = resp["token_ids"][0], logprobs_of(resp, 0)
+    before, after = score_completion(old, PROMPT, ids), score_completion(model, PROMPT, ids)
+    assert max(abs(a - b) for a, b in zip(lps[:at], before[:at], strict=True)) < 1e-5
+    assert max(abs(a - b) for a, b in zip(lps[at:], after[at:], strict=True)) < 1e-5
+    answer = await asyncio.wait_for(held, 30)
+    assert answer["weight_version"] == 5 and "weight_versions" not in answer
