@@ -11,6 +11,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from atroposd.exitcodes import Exit
+from atroposd.inference.engine import ENGINE_NAMES
 
 if TYPE_CHECKING:
     from atroposd.config import Config
@@ -22,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="port to bind (default [inference] port)")
     parser.add_argument("--model", help="builtin:tiny or a local Hugging Face model directory")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
-    parser.add_argument("--engine", choices=("torch", "vllm"), help="inference engine (default [inference] engine)")
+    parser.add_argument("--engine", choices=ENGINE_NAMES, help="inference engine (default [inference] engine)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
     parser.add_argument("--device", help="auto | cpu | cuda:N | a GPU UUID")
     parser.add_argument("--max-model-len", type=int, metavar="N", help="longest prompt + completion, in tokens")

@@ -20,10 +20,13 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from atroposd.logs import get_logger
 from atroposd.weights.protocol import WeightUpdateError
+
+if TYPE_CHECKING:
+    from atroposd.weights.receiver import ReceiverState
 
 __all__ = ["NotPaused", "ShuttingDown", "WeightGate"]
 
@@ -40,7 +43,7 @@ class ShuttingDown(RuntimeError):
 
 class WeightGate:
     #: the engine's :class:`atroposd.weights.receiver.ReceiverState` (None: takes no weights)
-    receiver: Any = None
+    receiver: ReceiverState | None = None
 
     def __init__(self, *, await_weights: bool) -> None:
         self.weight_version = 0

@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prometheus_client.core import CounterMetricFamily
+
+    from atroposd.inference.engine import Engine
 
 __all__ = ["GENERATE_ROUTES", "InferenceMetrics"]
 
@@ -20,7 +25,7 @@ GENERATE_ROUTES = ("generate", "sglang", "trl", "completions", "chat")
 
 
 class InferenceMetrics:
-    def __init__(self, engine: Callable[[], Any]) -> None:
+    def __init__(self, engine: Callable[[], Engine | None]) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = r = CollectorRegistry()
@@ -71,18 +76,22 @@ class InferenceMetrics:
                 self.requests.labels(route, outcome)
                 self.probes.labels(route, outcome)
 
-        def gate(attr: str) -> Callable[[], float]:
-            return lambda: float(getattr(engine(), attr, 0) or 0)
+        def gate(read: Callable[[Engine], float]) -> Callable[[], float]:
+            def value() -> float:
+                e = engine()
+                return 0.0 if e is None else float(read(e) or 0)
+
+            return value
 
         Gauge("atroposd_inference_weight_version", "Weight version being served", registry=r).set_function(
-            gate("weight_version")
+            gate(lambda e: e.weight_version)
         )
         Gauge("atroposd_inference_paused", "1 while generation is paused for a weight update", registry=r).set_function(
-            lambda: 1.0 if getattr(engine(), "paused", False) else 0.0
+            gate(lambda e: 1.0 if e.paused else 0.0)
         )
         r.register(_GateCounters(engine))
         Gauge("atroposd_inference_waiting_requests", "Generations held at a paused gate", registry=r).set_function(
-            gate("waiting")
+            gate(lambda e: e.waiting)
         )
         Gauge("atroposd_inference_engine_ready", "1 once the engine serves", registry=r).set_function(
             lambda: 0.0 if engine() is None else 1.0
@@ -101,13 +110,11 @@ class InferenceMetrics:
         self.latency.labels(route).observe(time.perf_counter() - start)
         self.requests.labels(route, "ok" if ok else "error").inc()
 
-    def served(self, result: Any) -> Any:
-        """Count a generation response's samples and tokens; returns it unchanged."""
-        if isinstance(result, Mapping):
-            samples, tokens = _count(result)
-            self.generations.inc(samples)
-            self.tokens.inc(tokens)
-        return result
+    def served(self, result: Mapping[str, object]) -> None:
+        """Count a generation response's samples and tokens."""
+        samples, tokens = _count(result)
+        self.generations.inc(samples)
+        self.tokens.inc(tokens)
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest
@@ -119,28 +126,28 @@ class InferenceMetrics:
 class _GateCounters:
     """The gate's running totals, as counters read at each scrape."""
 
-    def __init__(self, engine: Callable[[], Any]) -> None:
+    def __init__(self, engine: Callable[[], Engine | None]) -> None:
         self.engine = engine
 
-    def collect(self) -> Iterator[Any]:
+    def collect(self) -> Iterator[CounterMetricFamily]:
         from prometheus_client.core import CounterMetricFamily
 
         gate = self.engine()
-        for name, attr, doc in (
-            ("atroposd_inference_pauses", "pauses", "Pauses for weight updates since start"),
+        for name, value, doc in (
+            ("atroposd_inference_pauses", gate.pauses if gate else 0, "Pauses for weight updates since start"),
             (
                 "atroposd_inference_paused_seconds",
-                "paused_seconds",
+                gate.paused_seconds if gate else 0.0,
                 "Seconds generation was paused for weight updates (divided by pauses: the pause per sync)",
             ),
-            ("atroposd_inference_weight_updates", "updates", "Weight updates applied since start"),
+            ("atroposd_inference_weight_updates", gate.updates if gate else 0, "Weight updates applied since start"),
         ):
             c = CounterMetricFamily(name, doc)
-            c.add_metric([], float(getattr(gate, attr, 0) or 0))
+            c.add_metric([], float(value or 0))
             yield c
 
 
-def _count(result: Mapping[str, Any]) -> tuple[int, int]:
+def _count(result: Mapping[str, object]) -> tuple[int, int]:
     """(samples, generated tokens) of a /generate or an OpenAI-style response."""
     ids = result.get("token_ids")
     if isinstance(ids, list):

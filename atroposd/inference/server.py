@@ -23,9 +23,10 @@ holds generation paused for a weight update it answers ``skipped`` without gener
 an update refuses to run beside a generation in flight).
 
 The TCP port is bound before the model loads, so a port in use fails at once; ``/health``
-answers 503 until the engine is up. An engine is any object with the methods of
-:class:`Engine`; the OpenAI routes translate to ``/generate`` requests, so they work with
-every engine.
+answers 503 until the engine is up. An engine is what :class:`~atroposd.inference.engine.Engine`
+says, made by name from :data:`~atroposd.inference.engine.ENGINES`; the front calls nothing
+else of it. The OpenAI routes translate to ``/generate`` requests, so they work with every
+engine. Weight-control bodies are decoded on arrival (:mod:`atroposd.weights.control`).
 """
 
 from __future__ import annotations
@@ -44,19 +45,25 @@ from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from atroposd.httpbounds import RETRY_AFTER_S, BodyRefused, CappedSite, Charge, Inflight, connection_cap, read_body
 from atroposd.inference import schema, tools
+from atroposd.inference.engine import Engine, make_engine
 from atroposd.inference.gate import NotPaused, ShuttingDown
 from atroposd.logs import get_logger
+from atroposd.weights.control import BroadcastOp, LoadWeights, PauseBody, QuarantineBody, ResumeBody, UpdateWeights
 from atroposd.weights.protocol import WeightUpdateError
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from atroposd.config import Config
+    from atroposd.inference.metrics import InferenceMetrics
 
 __all__ = [
     "ControlSocketInUse",
@@ -81,27 +88,6 @@ SMALL_WORK_TOKENS = 1 << 14  # requests of fewer tokens (prompt + generated) use
 BIG_BODY_BYTES = 256 << 10  # bodies this large are prepared on the large-work thread
 
 
-class Engine(Protocol):
-    """What the front needs of an engine (TorchEngine, VllmEngine)."""
-
-    name: str
-    weight_version: int
-    max_model_len: int
-    vocab_size: int
-
-    async def start(self) -> None: ...
-    async def close(self) -> None: ...
-    async def check_health(self) -> None: ...
-    async def generate(
-        self, request: Mapping[str, Any] | schema.GenerateParams, *, bypass_pause: bool = False
-    ) -> dict[str, Any]: ...
-    async def pause(self) -> dict[str, Any]: ...
-    async def resume(self, weight_version: int | None = None) -> dict[str, Any]: ...
-    async def update_weights(self, request: Mapping[str, Any]) -> dict[str, Any]: ...
-    async def load_weights(self, request: Mapping[str, Any]) -> dict[str, Any]: ...
-    async def weight_info(self) -> dict[str, Any]: ...
-
-
 @dataclass
 class ServerOptions:
     host: str
@@ -120,14 +106,14 @@ class _Front:
     model_name: str
     max_model_len: int
     await_weights: bool = False
-    engine: Any = None
-    tokenizer: Any = None
+    engine: Engine | None = None
+    tokenizer: PreTrainedTokenizerBase | None = None
     info: dict[str, Any] = field(default_factory=dict)
     #: requests answered on /generate and the OpenAI routes (``/health``: load per replica)
     generations: int = 0
     #: ``[inference] tool_parser``'s parser (atroposd.inference.tools), None when off
-    tool_parser: Any = None
-    metrics: Any = None  # InferenceMetrics, made by build_tcp_app
+    tool_parser: tools.ToolParser | None = None
+    metrics: InferenceMetrics | None = None  # made by build_tcp_app
     #: the bearer token every TCP route requires ("" = none; SPEC §12.3)
     token: str = ""
     #: SPEC §15: why the trainer's sentinel quarantined this replica (None: serving); while
@@ -154,16 +140,29 @@ class _Front:
             pool = self._workers[name] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"inference-{name}")
         return pool
 
-    async def off_loop(self, big: bool, fn: Callable[..., Any], *args: Any) -> Any:
+    async def off_loop(self, big: bool, fn: Callable[..., _T], *args: object) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self.worker(big), fn, *args)
 
-    def tok(self) -> Any:
+    def tok(self) -> PreTrainedTokenizerBase:
         """This worker thread's copy of the tokenizer."""
-        mine = getattr(self._local, "tokenizer", None)
+        mine: PreTrainedTokenizerBase | None = getattr(self._local, "tokenizer", None)
         if mine is None or getattr(self._local, "of", None) is not self.tokenizer:
             mine = self._local.tokenizer = copy.deepcopy(self.tokenizer)
             self._local.of = self.tokenizer
+        if mine is None:
+            raise RuntimeError("the tokenizer is still loading")
         return mine
+
+    def ready(self) -> Engine:
+        """The engine; the routes that need one are refused with 503 until it is up (``_route``)."""
+        if self.engine is None:
+            raise ShuttingDown("the engine is still loading")
+        return self.engine
+
+    def counted(self) -> InferenceMetrics:
+        if self.metrics is None:
+            raise RuntimeError("the metrics are made with the TCP app")
+        return self.metrics
 
     def close_workers(self) -> None:
         for pool in self._workers.values():
@@ -171,34 +170,13 @@ class _Front:
         self._workers.clear()
 
 
-def make_engine(cfg: Config, name: str, *, await_weights: bool, threads: int | None = None) -> Any:
-    """The engine named ``name`` for ``cfg``. vLLM is imported only here.
-
-    Every engine answers a bad request with :class:`schema.BadRequest`, a refused weight
-    update with :class:`WeightUpdateError` and an update outside a pause with
-    :class:`NotPaused`: the routes catch exactly these."""
-    from atroposd import gpuenv
-    from atroposd.weights.receiver import ReceiverState
-
-    # Before the device is resolved (a CUDA query), a broadcast group is built or vLLM starts
-    # its workers, whoever started this server (SPEC §12.1).
-    gpuenv.apply(os.environ, vllm=name == "vllm")
-    receiver = ReceiverState.from_config(cfg)
-    if name == "torch":
-        from atroposd.inference.torch_engine import TorchEngine
-
-        return TorchEngine.from_config(cfg, receiver=receiver, await_weights=await_weights, threads=threads)
-    if name == "vllm":
-        from atroposd.inference.vllm_engine import VllmEngine
-
-        return VllmEngine.from_config(cfg, receiver=receiver, await_weights=await_weights)
-    raise ValueError(f"unknown engine {name!r} (known: torch, vllm)")
+_T = TypeVar("_T")
 
 
 # ---------------------------------------------------------------------------- helpers
 
 
-def _json(body: Any, status: int = 200) -> web.Response:
+def _json(body: object, status: int = 200) -> web.Response:
     return web.Response(
         body=orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS), status=status, content_type="application/json"
     )
@@ -211,7 +189,7 @@ def _error(status: int, message: str, *, openai: bool = False) -> web.Response:
     return _json({"error": message}, status)
 
 
-async def _read_json(request: web.Request, *, empty_ok: bool = False) -> Any:
+async def _read_json(request: web.Request, *, empty_ok: bool = False) -> object:
     raw = await request.read()
     if not raw and empty_ok:
         return {}
@@ -221,7 +199,7 @@ async def _read_json(request: web.Request, *, empty_ok: bool = False) -> Any:
         raise schema.BadRequest(f"invalid JSON body: {exc}") from None
 
 
-async def _read_tcp_json(front: _Front, request: web.Request) -> Any:
+async def _read_tcp_json(front: _Front, request: web.Request) -> object:
     """A TCP request's JSON body: read within the body deadline, its bytes charged against the
     port's bound as they arrive (and while it is parsed), parsed on a worker thread when large."""
     charge = Charge(front.inflight)
@@ -235,7 +213,7 @@ async def _read_tcp_json(front: _Front, request: web.Request) -> Any:
         charge.release()
 
 
-def _loads(raw: bytes | bytearray) -> Any:
+def _loads(raw: bytes | bytearray) -> object:
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -243,6 +221,8 @@ def _loads(raw: bytes | bytearray) -> Any:
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: what a route answers: a response, or a JSON object (answered 200)
+Answer = web.StreamResponse | dict[str, Any]
 # What a generation route notes on its request: a probe (counted apart), the route's name when
 # the body decides it (SGLang's /generate), the body's size as it arrived.
 PROBE = web.RequestKey("probe", bool)
@@ -251,7 +231,7 @@ BODY_BYTES = web.RequestKey("body_bytes", int)
 
 
 def _route(
-    front: _Front, fn: Callable[[web.Request], Awaitable[Any]], *, openai: bool = False, needs_engine: bool = True
+    front: _Front, fn: Callable[[web.Request], Awaitable[Answer]], *, openai: bool = False, needs_engine: bool = True
 ) -> Handler:
     """Wrap a route: engine readiness, JSON errors, the status of each refusal."""
 
@@ -299,13 +279,14 @@ def _counted(front: _Front, route: str, handler: Handler) -> Handler:
             return _error(
                 503, f"this replica is quarantined: {front.quarantined}", openai=route in ("completions", "chat")
             )
-        start = front.metrics.begin()
+        metrics = front.counted()
+        start = metrics.begin()
         response: web.StreamResponse | None = None
         try:
             response = await handler(request)
             return response
         finally:
-            front.metrics.end(
+            metrics.end(
                 request.get(ROUTE, route),
                 start,
                 ok=response is not None and response.status < 400,
@@ -321,6 +302,7 @@ def build_tcp_app(front: _Front) -> web.Application:
     app = web.Application(client_max_size=front.max_request_bytes, middlewares=[_bearer_guard(front)])
     if front.metrics is None:
         front.metrics = InferenceMetrics(lambda: front.engine)
+    metrics_of = front.metrics
 
     async def close_workers(_: web.Application) -> None:
         front.close_workers()
@@ -328,33 +310,34 @@ def build_tcp_app(front: _Front) -> web.Application:
     app.on_cleanup.append(close_workers)
 
     async def health(_: web.Request) -> web.Response:
-        if front.engine is None:
+        engine = front.engine
+        if engine is None:
             return _error(503, "the engine is still loading")
         try:
-            await front.engine.check_health()
+            await engine.check_health()
         except Exception as exc:  # the engine's own error types: report them, keep the front up
             return _error(503, f"engine unhealthy: {exc}")
         return _json(
             {
                 "status": "ok",
-                "weight_version": front.engine.weight_version,
+                "weight_version": engine.weight_version,
                 "generations": front.generations,
                 "quarantined": front.quarantined is not None,
             }
         )
 
-    def served(request: web.Request, answer: Any) -> None:
+    def served(request: web.Request, answer: Mapping[str, object]) -> None:
         """Count a rollout's samples and tokens; a probe is counted apart (``_counted``)."""
         if not request.get(PROBE):
-            front.metrics.served(answer)
+            metrics_of.served(answer)
             front.generations += 1
 
     def lanes(request: web.Request, params: list[schema.GenerateParams]) -> None:
         request[PROBE] = len(params) == 1 and params[0].lane == "probe"
 
-    async def generate(request: web.Request) -> Any:
+    async def generate(request: web.Request) -> Answer:
         body = await _read_tcp_json(front, request)
-        engine = front.engine
+        engine = front.ready()
         if schema.is_sglang(body):  # SGLang's /generate shares the route, told apart by the body
             request[ROUTE] = "sglang"
             req = await front.off_loop(_big_body(request), _sglang_request, front, body)
@@ -371,7 +354,7 @@ def build_tcp_app(front: _Front) -> web.Application:
         served(request, gen)
         return await front.off_loop(_big([params]), _dump, gen)
 
-    async def trl_generate(request: web.Request) -> Any:
+    async def trl_generate(request: web.Request) -> Answer:
         body = await _read_tcp_json(front, request)
         requests = await front.off_loop(_big_body(request), _trl_requests, front, body)
         lanes(request, requests)
@@ -380,7 +363,7 @@ def build_tcp_app(front: _Front) -> web.Application:
             served(request, gen)
         return await front.off_loop(_big(requests), lambda: _dump(schema.trl_response(gens)))
 
-    async def completions(request: web.Request) -> Any:
+    async def completions(request: web.Request) -> Answer:
         body = await _read_tcp_json(front, request)
         requests = await front.off_loop(_big_body(request), _completion_requests, front, body)
         lanes(request, requests)
@@ -389,17 +372,17 @@ def build_tcp_app(front: _Front) -> web.Application:
         served(request, out[1])
         return out[0]
 
-    async def chat(request: web.Request) -> Any:
+    async def chat(request: web.Request) -> Answer:
         body = await _read_tcp_json(front, request)
         prepared = await front.off_loop(_big_body(request), _chat_request, front, body)
         lanes(request, [prepared.params])
-        gen = await front.engine.generate(prepared.params)
+        gen = await front.ready().generate(prepared.params)
         gen.setdefault("prompt_token_ids", prepared.params.prompt_ids)
         out = await front.off_loop(_big([prepared.params]), _chat_answer, front, body, prepared, gen)
         served(request, out[1])
         return out[0]
 
-    async def models(_: web.Request) -> Any:
+    async def models(_: web.Request) -> Answer:
         return {
             "object": "list",
             "data": [
@@ -412,12 +395,13 @@ def build_tcp_app(front: _Front) -> web.Application:
             ],
         }
 
-    async def info(_: web.Request) -> Any:
+    async def info(_: web.Request) -> Answer:
         if not front.info:
             return _error(503, "the model is still being resolved")
-        if front.engine is None:  # loading: the tokenizer can already be compared
+        engine = front.engine
+        if engine is None:  # loading: the tokenizer can already be compared
             return {**front.info, "weight_version": None, "awaiting_weights": front.await_weights, "ready": False}
-        weights = await front.engine.weight_info()
+        weights = await engine.weight_info()
         return {
             **front.info,
             "weight_version": weights.get("weight_version"),
@@ -429,7 +413,7 @@ def build_tcp_app(front: _Front) -> web.Application:
     async def metrics(_: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        return web.Response(body=front.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=metrics_of.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
@@ -442,11 +426,11 @@ def build_tcp_app(front: _Front) -> web.Application:
     return app
 
 
-def tcp_runner(front: _Front, **kwargs: Any) -> web.AppRunner:
+def tcp_runner(front: _Front) -> web.AppRunner:
     """The TCP app's runner. A client that goes away cancels its handler (``handler_cancellation``),
     and with it its generation, queued or waiting: the engines drop a cancelled request's work."""
     return web.AppRunner(
-        build_tcp_app(front), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S, handler_cancellation=True, **kwargs
+        build_tcp_app(front), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S, handler_cancellation=True
     )
 
 
@@ -471,18 +455,19 @@ def _big(requests: list[schema.GenerateParams]) -> bool:
     return sum(len(p.prompt_ids) + p.n * p.max_tokens for p in requests) > SMALL_WORK_TOKENS
 
 
-def _parse_generate(body: Any, max_model_len: int, vocab_size: int) -> schema.GenerateParams:
+def _parse_generate(body: object, max_model_len: int, vocab_size: int) -> schema.GenerateParams:
     return schema.parse_generate(body, max_model_len=max_model_len, vocab_size=vocab_size)
 
 
-def _dump(answer: Any) -> web.Response:
+def _dump(answer: object) -> web.Response:
     return _json(answer)
 
 
 async def _generate_all(front: _Front, requests: list[schema.GenerateParams]) -> list[dict[str, Any]]:
     """Every request's generation, in order; when one fails or the client goes away the others
     are cancelled (their queued work dropped)."""
-    tasks = [asyncio.ensure_future(front.engine.generate(p)) for p in requests]
+    engine = front.ready()
+    tasks = [asyncio.ensure_future(engine.generate(p)) for p in requests]
     try:
         gens = list(await asyncio.gather(*tasks))
     except BaseException:
@@ -514,7 +499,7 @@ _OPENAI_SAMPLING = (
 )
 
 
-def _generate_body(body: Mapping[str, Any], ids: list[int], *, max_tokens: Any, logprobs: int) -> dict[str, Any]:
+def _generate_body(body: Mapping[str, Any], ids: list[int], *, max_tokens: object, logprobs: int) -> dict[str, Any]:
     if body.get("stream"):
         raise schema.BadRequest("stream = true is not supported; ask for the whole response")
     out: dict[str, Any] = {"prompt": {"prompt_token_ids": ids}, "logprobs": logprobs}
@@ -524,7 +509,7 @@ def _generate_body(body: Mapping[str, Any], ids: list[int], *, max_tokens: Any, 
     return out
 
 
-def _openai_prompts(front: _Front, prompt: Any) -> list[list[int]]:
+def _openai_prompts(front: _Front, prompt: object) -> list[list[int]]:
     """A completions ``prompt``: a string, token ids, or a list of either (at most
     ``MAX_PROMPTS``, each text within its byte bound before it is tokenized)."""
     tok = front.tok()
@@ -546,7 +531,7 @@ def _openai_prompts(front: _Front, prompt: Any) -> list[list[int]]:
     raise schema.BadRequest("prompt must be a string, a list of token ids, or a list of those")
 
 
-def _completion_requests(front: _Front, body: Any) -> list[schema.GenerateParams]:
+def _completion_requests(front: _Front, body: object) -> list[schema.GenerateParams]:
     if not isinstance(body, Mapping):
         raise schema.BadRequest("request must be a JSON object")
     if body.get("echo"):
@@ -556,7 +541,7 @@ def _completion_requests(front: _Front, body: Any) -> list[schema.GenerateParams
         raise schema.BadRequest(f"logprobs must be a non-negative integer or null, got {k!r}")
     prompts = _openai_prompts(front, body.get("prompt"))
     max_tokens = body.get("max_tokens", schema.DEFAULT_MAX_TOKENS)
-    engine = front.engine
+    engine = front.ready()
     requests = [
         schema.parse_generate(
             _generate_body(body, ids, max_tokens=max_tokens, logprobs=k or 0),
@@ -594,7 +579,7 @@ def _completion_answer(front: _Front, body: Mapping[str, Any], gens: list[dict[s
 @dataclass(frozen=True)
 class _Chat:
     params: schema.GenerateParams
-    tool_req: Any
+    tool_req: tools.ToolRequest | None
     parse: bool
     want: bool
 
@@ -612,7 +597,7 @@ def _template_tokens(front: _Front) -> int:
     return front.template_tokens
 
 
-def _chat_request(front: _Front, body: Any) -> _Chat:
+def _chat_request(front: _Front, body: object) -> _Chat:
     if not isinstance(body, Mapping):
         raise schema.BadRequest("request must be a JSON object")
     messages = body.get("messages")
@@ -633,17 +618,19 @@ def _chat_request(front: _Front, body: Any) -> _Chat:
         )
     if tool_req is not None and front.tool_parser is not None and hasattr(front.tool_parser, "check"):
         front.tool_parser.check(tool_req)  # once per request, before anything is generated
-    extra = {"tools": tool_req.tools} if tool_req is not None and tool_req.tools else {}
+    given: list[dict[str, Any] | Callable[..., Any]] | None = (
+        list(tool_req.tools) if tool_req is not None and tool_req.tools else None
+    )
     tok = front.tok()
     try:
-        ids = tok.apply_chat_template(
-            tools.template_messages(messages), add_generation_prompt=True, tokenize=True, return_dict=False, **extra
+        rendered = tok.apply_chat_template(
+            tools.template_messages(messages), add_generation_prompt=True, tokenize=True, return_dict=False, tools=given
         )
     except schema.BadRequest:
         raise
     except Exception as exc:  # jinja and tokenizer errors: the client's messages did not fit the template
         raise schema.BadRequest(f"cannot apply the chat template: {exc}") from None
-    ids = list(ids)
+    ids = list(cast("list[int]", rendered))  # tokenize=True, return_dict=False: the token ids
     want = bool(body.get("logprobs"))
     top = body.get("top_logprobs") or 0
     if isinstance(top, bool) or not isinstance(top, int) or top < 0:
@@ -655,7 +642,7 @@ def _chat_request(front: _Front, body: Any) -> _Chat:
     request = _generate_body(body, ids, max_tokens=max_tokens, logprobs=top if want else 0)
     if parse and body.get("skip_special_tokens") is None:
         request["skip_special_tokens"] = False  # a model may mark its tool-call tags special (as vLLM does)
-    engine = front.engine
+    engine = front.ready()
     params = schema.parse_generate(request, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size)
     params = schema.with_lane(params, template_tokens=_template_tokens(front))
     return _Chat(params, tool_req, parse, want)
@@ -663,15 +650,15 @@ def _chat_request(front: _Front, body: Any) -> _Chat:
 
 def _chat_answer(front: _Front, body: Mapping[str, Any], chat: _Chat, gen: dict[str, Any]) -> tuple[web.Response, Any]:
     out = schema.chat_response(front.model_name, gen, want_logprobs=chat.want, decode=_decoder(front))
-    if chat.parse and chat.tool_req is not None:
+    if chat.parse and chat.tool_req is not None and front.tool_parser is not None:
         tools.apply_tool_calls(out, gen, front.tool_parser, chat.tool_req, front.tok())
     out = tools.with_token_ids(out, gen, body)
     return _json(out), out
 
 
-def _sglang_request(front: _Front, body: Any) -> schema.SglangRequest:
+def _sglang_request(front: _Front, body: object) -> schema.SglangRequest:
     """SGLang's ``/generate``, parsed by the one SGLang parser (text tokenized here)."""
-    engine = front.engine
+    engine = front.ready()
     return schema.parse_sglang(
         body, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size, encode=front.tok().encode
     )
@@ -687,9 +674,9 @@ def _sglang_answer(front: _Front, req: schema.SglangRequest, gen: dict[str, Any]
     return _json(schema.sglang_response(req, gen, decode=decode))
 
 
-def _trl_requests(front: _Front, body: Any) -> list[schema.GenerateParams]:
+def _trl_requests(front: _Front, body: object) -> list[schema.GenerateParams]:
     """TRL ``vllm-serve``'s ``/generate/``: one engine request per prompt, in order."""
-    engine = front.engine
+    engine = front.ready()
     return schema.parse_trl(
         body, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size, encode=front.tok().encode
     )
@@ -717,56 +704,48 @@ def build_control_app(
     allowed = allowed_uids if allowed_uids is not None else frozenset({os.geteuid(), 0})
     app = web.Application(client_max_size=1024 * 1024, middlewares=[_control_guard(allowed, send_timeout)])
 
-    async def pause(request: web.Request) -> Any:
+    async def pause(request: web.Request) -> Answer:
         # optional {"mode": "wait" | "keep", "clear_cache": bool}: an engine lists what it
         # serves in ``pause_modes``; no body is "wait" (drain), on every engine
+        engine = front.ready()
+        modes = engine.pause_modes
+        body = PauseBody.parse(await _read_json(request, empty_ok=True), engine=engine.name, modes=modes)
+        if len(modes) == 1 or (body.mode is None and body.clear_cache is None):
+            return await engine.pause()
+        return await engine.pause(mode=body.mode or "wait", clear_cache=body.clear_cache)
+
+    async def resume(request: web.Request) -> Answer:
+        body = ResumeBody.parse(await _read_json(request, empty_ok=True))
+        return await front.ready().resume(body.weight_version)
+
+    async def update(request: web.Request) -> Answer:
+        return await front.ready().update_weights(UpdateWeights.parse(await _read_json(request)))
+
+    async def load(request: web.Request) -> Answer:
+        return await front.ready().load_weights(LoadWeights.parse(await _read_json(request)))
+
+    async def weight_info(_: web.Request) -> Answer:
+        return await front.ready().weight_info()
+
+    async def broadcast(request: web.Request) -> Answer:
+        return await front.ready().broadcast_weights(BroadcastOp.parse(await _read_json(request)))
+
+    async def probe(request: web.Request) -> Answer:
         body = await _read_json(request, empty_ok=True)
-        body = body if isinstance(body, Mapping) else {}
-        mode, clear = body.get("mode"), body.get("clear_cache")
-        modes = getattr(front.engine, "pause_modes", ("wait",))
-        if mode not in (None, *modes) or (clear is not None and len(modes) == 1):
-            raise schema.BadRequest(f"the {front.engine.name} engine pauses with mode {' or '.join(modes)} only")
-        if len(modes) == 1 or (mode is None and clear is None):
-            return await front.engine.pause()
-        return await front.engine.pause(mode=mode or "wait", clear_cache=clear)
-
-    async def resume(request: web.Request) -> Any:
-        body = await _read_json(request, empty_ok=True)
-        version = body.get("weight_version") if isinstance(body, Mapping) else None
-        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
-            raise schema.BadRequest(f"weight_version must be a non-negative integer, got {version!r}")
-        return await front.engine.resume(version)
-
-    async def update(request: web.Request) -> Any:
-        return await front.engine.update_weights(await _read_json(request))
-
-    async def load(request: web.Request) -> Any:
-        return await front.engine.load_weights(await _read_json(request))
-
-    async def weight_info(_: web.Request) -> Any:
-        return await front.engine.weight_info()
-
-    async def broadcast(request: web.Request) -> Any:
-        engine = front.engine
-        if not hasattr(engine, "broadcast_weights"):
-            raise schema.BadRequest(f"the {engine.name} engine does not take weights by broadcast")
-        return await engine.broadcast_weights(await _read_json(request))
-
-    async def probe(request: web.Request) -> Any:
-        body = await _read_json(request, empty_ok=True)
-        if getattr(front.engine, "held_for_update", False):
+        engine = front.ready()
+        if engine.held_for_update:
             # The trainer paused generation to change the weights: a probe's generation now
             # would be in flight when the update arrives, which refuses it (409). The control
             # socket answering is the sign of life until the trainer resumes.
             return {
                 "skipped": "generation is paused for a weight update",
                 "paused": True,
-                "weight_version": front.engine.weight_version,
+                "weight_version": engine.weight_version,
             }
         if not body:
             first = front.info.get("tokenizer", {}).get("special_ids", {}).get("bos")
             body = {"prompt": {"prompt_token_ids": [first if first is not None else 0]}, "max_tokens": 1}
-        return await front.engine.generate(_own(front, body), bypass_pause=True)
+        return await engine.generate(_own(front, body), bypass_pause=True)
 
     app.router.add_post("/pause", _route(front, pause))
     app.router.add_post("/resume", _route(front, resume))
@@ -775,25 +754,22 @@ def build_control_app(
     app.router.add_get("/weight_info", _route(front, weight_info))
     app.router.add_post("/broadcast", _route(front, broadcast))
 
-    async def quarantine(request: web.Request) -> Any:
-        body = await _read_json(request)
-        if not isinstance(body, Mapping) or not isinstance(body.get("quarantine"), bool):
-            raise schema.BadRequest("quarantine must be true or false")
-        reason = body.get("reason")
-        front.quarantined = (str(reason) if reason else "drift over the limit") if body["quarantine"] else None
+    async def quarantine(request: web.Request) -> Answer:
+        body = QuarantineBody.parse(await _read_json(request))
+        front.quarantined = body.reason if body.quarantine else None
         log.warning(
-            "quarantined: generation requests get 503" if body["quarantine"] else "back in rotation",
+            "quarantined: generation requests get 503" if body.quarantine else "back in rotation",
             reason=front.quarantined,
         )
-        return {"quarantined": front.quarantined is not None, "weight_version": front.engine.weight_version}
+        return {"quarantined": front.quarantined is not None, "weight_version": front.ready().weight_version}
 
-    async def canary(request: web.Request) -> Any:
+    async def canary(request: web.Request) -> Answer:
         # SPEC §15: the sentinel's greedy generation; served while quarantined, waits at a
         # paused gate like any generation (so it carries exactly one weight_version)
         body = await _read_json(request)
         if not isinstance(body, Mapping):
             raise schema.BadRequest("the canary body must be a /generate body")
-        return await front.engine.generate(_own(front, {**body, "temperature": 0.0}))
+        return await front.ready().generate(_own(front, {**body, "temperature": 0.0}))
 
     app.router.add_post("/probe_generate", _route(front, probe))
     app.router.add_post("/quarantine", _route(front, quarantine))
@@ -801,10 +777,10 @@ def build_control_app(
     return app
 
 
-def _own(front: _Front, body: Any) -> schema.GenerateParams:
+def _own(front: _Front, body: object) -> schema.GenerateParams:
     """A generation of the daemon's own (readiness, liveness, canary) in its own lane: never
     behind the clients' probes, whatever their number (SPEC §7)."""
-    engine = front.engine
+    engine = front.ready()
     params = schema.parse_generate(body, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size)
     return schema.with_lane(params, own=True)
 
@@ -819,7 +795,7 @@ class PortInUse(RuntimeError):
     pass
 
 
-async def serve(cfg: Any, opts: ServerOptions, *, ready: Callable[[], None] | None = None) -> int:
+async def serve(cfg: Config, opts: ServerOptions, *, ready: Callable[[], None] | None = None) -> int:
     """Run the server until SIGTERM/SIGINT; 0 on a requested stop."""
     front = _Front(
         model_name=cfg.inference.model,
@@ -834,7 +810,7 @@ async def serve(cfg: Any, opts: ServerOptions, *, ready: Callable[[], None] | No
     tcp = tcp_runner(front)
     control = web.AppRunner(build_control_app(front), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     sock = opts.control_socket
-    engine = None
+    engine: Engine | None = None
     sock_ours = False
     try:
         await tcp.setup()
@@ -887,7 +863,7 @@ async def serve(cfg: Any, opts: ServerOptions, *, ready: Callable[[], None] | No
                 sock.unlink()
 
 
-async def _wait_or_stop(work: Awaitable[Any], stop: asyncio.Event) -> None:
+async def _wait_or_stop(work: Awaitable[object], stop: asyncio.Event) -> None:
     """Await ``work`` unless a stop request comes first (then cancel it)."""
     task = asyncio.ensure_future(work)
     stopper = asyncio.ensure_future(stop.wait())
@@ -959,7 +935,7 @@ def peer_uid(request: web.Request) -> int | None:
     return int(uid)
 
 
-def _bearer_guard(front: _Front) -> Any:
+def _bearer_guard(front: _Front) -> Middleware:
     """The TCP routes' middleware: with a token configured, every route (whatever it is) answers
     401 to a request without ``Authorization: Bearer <token>`` (compared in constant time),
     before its body is read. Refusals are logged at most once every 10 s."""
@@ -993,7 +969,7 @@ def _bearer_guard(front: _Front) -> Any:
     return guard
 
 
-def _control_guard(allowed_uids: frozenset[int], send_timeout: float) -> Any:
+def _control_guard(allowed_uids: frozenset[int], send_timeout: float) -> Middleware:
     """The control socket's middleware: only this user (or root) is served (SO_PEERCRED), and
     each answer is sent within ``send_timeout`` (a client that stops reading is dropped, it
     does not hold the handler)."""
@@ -1021,7 +997,7 @@ async def _send(request: web.Request, resp: web.StreamResponse) -> None:
     await resp.write_eof()
 
 
-def _info(cfg: Any, opts: ServerOptions) -> tuple[dict[str, Any], Any]:
+def _info(cfg: Config, opts: ServerOptions) -> tuple[dict[str, Any], PreTrainedTokenizerBase]:
     """The /info body and the tokenizer (for the OpenAI routes), before the engine loads.
 
     The fingerprint is computed from the loaded tokenizer, exactly as the trainer does.
@@ -1041,7 +1017,7 @@ def _info(cfg: Any, opts: ServerOptions) -> tuple[dict[str, Any], Any]:
     return info, tokenizer
 
 
-def _tool_parser(cfg: Any, tokenizer: Any) -> Any:
+def _tool_parser(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> tools.ToolParser | None:
     """``[inference] tool_parser``'s parser for the chat route (None: off, or ``auto`` found no
     format); raises :class:`tools.ToolParserUnavailable` (a usage error)."""
     from atroposd.models.resolve import resolve_model

@@ -55,10 +55,16 @@ from atroposd.inference.schema import (
     parse_generate,
 )
 from atroposd.logs import get_logger
+from atroposd.weights.control import BroadcastOp, LoadWeights, UpdateWeights
 from atroposd.weights.protocol import WeightUpdateError
 
 if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
     from atroposd.config import Config
+    from atroposd.weights.broadcast import BroadcastEndpoint
+    from atroposd.weights.receiver import ReceiverState
 
 __all__ = ["BadRequest", "NotPaused", "TorchEngine", "decode_batch"]
 
@@ -87,7 +93,7 @@ class TorchEngine(WeightGate):
     """A Hugging Face causal LM behind the inference-engine methods (see vllm_engine.VllmEngine)."""
 
     name = "torch"
-    pause_modes = PAUSE_MODES
+    pause_modes: tuple[str, ...] = PAUSE_MODES
 
     def __init__(
         self,
@@ -98,7 +104,7 @@ class TorchEngine(WeightGate):
         device: str = "auto",
         max_model_len: int = 4096,
         seed: int = 0,
-        receiver: Any = None,
+        receiver: ReceiverState | None = None,
         await_weights: bool = False,
         threads: int | None = None,
         max_batch_rows: int = MAX_BATCH_ROWS,
@@ -116,8 +122,8 @@ class TorchEngine(WeightGate):
         self.batch_window = batch_window
         self.fast = True  # the flat Llama forward where it applies (atroposd.inference.steppers)
         self._last_rows = 0
-        self.model: Any = None
-        self.tokenizer: Any = None
+        self.model: PreTrainedModel | None = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
         self.vocab_size = 0
         self.eos_ids: frozenset[int] = frozenset()
         super().__init__(await_weights=await_weights)
@@ -128,7 +134,8 @@ class TorchEngine(WeightGate):
         self._scheduler: asyncio.Task[None] | None = None
         self._running: asyncio.Future[list[dict[str, Any]]] | None = None  # the batch being computed
         self._running_jobs: list[_Job] = []
-        self._generator: Any = None
+        self._generator: torch.Generator | None = None
+        self._broadcast: BroadcastEndpoint | None = None  # weight_sync = "broadcast": made at its first op
         self.batches = 0
         self.batched_rows = 0
         # In-flight updates (pause mode "keep"): while held, no forward pass runs (a running batch
@@ -146,7 +153,12 @@ class TorchEngine(WeightGate):
 
     @classmethod
     def from_config(
-        cls, cfg: Config, *, receiver: Any = None, await_weights: bool = False, threads: int | None = None
+        cls,
+        cfg: Config,
+        *,
+        receiver: ReceiverState | None = None,
+        await_weights: bool = False,
+        threads: int | None = None,
     ) -> TorchEngine:
         """An engine for ``cfg.inference`` (builtin:tiny is built on demand)."""
         from atroposd.models.resolve import resolve_model, resolve_tokenizer
@@ -189,7 +201,9 @@ class TorchEngine(WeightGate):
         model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=dtype)
         self.model = model.to(device).eval()
         self.model.requires_grad_(False)
-        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        weight = model.get_input_embeddings().weight
+        assert isinstance(weight, torch.Tensor)
+        self.vocab_size = int(weight.shape[0])
         self.eos_ids = frozenset(_eos_ids(self.tokenizer, self.model))
         self._generator = torch.Generator(device="cpu").manual_seed(self.seed)
         log.info(
@@ -221,7 +235,7 @@ class TorchEngine(WeightGate):
             if not job.future.done():
                 job.future.set_exception(ShuttingDown("the inference server is shutting down"))
         self._queue.clear()
-        endpoint = getattr(self, "_broadcast", None)
+        endpoint = self._broadcast
         if endpoint is not None:  # a receive under way fails at once instead of holding the compute lock
             endpoint.close()
         async with self._compute:
@@ -238,7 +252,7 @@ class TorchEngine(WeightGate):
     # ------------------------------------------------------------------ generation
 
     async def generate(
-        self, request: Mapping[str, Any] | GenerateParams, *, bypass_pause: bool = False
+        self, request: Mapping[str, object] | GenerateParams, *, bypass_pause: bool = False
     ) -> dict[str, Any]:
         """One Atropos ``/generate`` request (or one the front parsed already) → its response (SPEC §7)."""
         params = request if isinstance(request, GenerateParams) else self.validate(request)
@@ -248,7 +262,7 @@ class TorchEngine(WeightGate):
             self._wake.set()
             return await job.future
 
-    def validate(self, request: Any) -> GenerateParams:
+    def validate(self, request: object) -> GenerateParams:
         """The request parsed as every engine parses it; this engine honours all of it
         (top-p and top-k included: its logprobs are untruncated, SPEC §7)."""
         return parse_generate(request, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
@@ -391,13 +405,16 @@ class TorchEngine(WeightGate):
     ) -> list[dict[str, Any]]:
         import torch
 
+        tokenizer, model = self.tokenizer, self._loaded()
+        assert tokenizer is not None
+
         def response(j: int, comps: list[Completion], plp: list[dict[str, float] | None] | None) -> dict[str, Any]:
             job = jobs[j]
             return generate_response(
                 job.params,
                 comps,
                 weight_version=job.version,
-                prompt_text=self.tokenizer.decode(job.params.prompt_ids),
+                prompt_text=str(tokenizer.decode(job.params.prompt_ids)),
                 prompt_logprobs=plp,
             )
 
@@ -408,9 +425,9 @@ class TorchEngine(WeightGate):
 
         with torch.inference_mode():
             completions, prompt_lps = decode_batch(
-                self.model,
+                model,
                 [j.params for j in jobs],
-                tokenizer=self.tokenizer,
+                tokenizer=tokenizer,
                 eos_ids=self.eos_ids,
                 generator=self._generator,
                 fast=self.fast,
@@ -493,9 +510,15 @@ class TorchEngine(WeightGate):
         if not self._paused or (self._inflight and not self._hold):
             raise NotPaused("pause generation before updating weights (POST /pause)")
 
-    async def update_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
+    def _loaded(self) -> PreTrainedModel:
+        if self.model is None:
+            raise RuntimeError("model not loaded")
+        return self.model
+
+    async def update_weights(self, request: UpdateWeights | Mapping[str, object]) -> dict[str, Any]:
         """``{"manifest", "mode": "attach"|"copy", "weight_version"?}`` (shared / push mode; a
-        bucket manifest: one bucket of a bucketed push, mode ``copy``)."""
+        bucket manifest: one bucket of a bucketed push, mode ``copy``), checked by
+        :func:`atroposd.weights.receiver.check_update` against the model's own tensors."""
         from atroposd.weights.receiver import apply_update
 
         if self.receiver is None:
@@ -503,41 +526,42 @@ class TorchEngine(WeightGate):
         self._require_paused()
         async with self._compute, self._whole_or_held():
             t0 = time.perf_counter()
-            result = await asyncio.to_thread(apply_update, self.model, request, state=self.receiver)
+            result = await asyncio.to_thread(apply_update, self._loaded(), request, state=self.receiver)
         self.updates += 1
         return {**result, "seconds": round(time.perf_counter() - t0, 6)}
 
-    async def load_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
+    async def load_weights(self, request: LoadWeights | Mapping[str, object]) -> dict[str, Any]:
         """``{"path", "weight_version"}``: load a directory the trainer wrote (reload mode)."""
         from atroposd.weights.receiver import load_dir
 
-        if not isinstance(request, Mapping) or not isinstance(request.get("path"), str):
-            raise WeightUpdateError("request is missing 'path'")
-        version = request.get("weight_version")
-        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
-            raise WeightUpdateError(f"'weight_version' must be an integer, got {version!r}")
+        body = LoadWeights.parse(request)
         self._require_paused()
         async with self._compute, self._whole_or_held():
             result = await asyncio.to_thread(
-                load_dir, self.model, request["path"], weight_version=version, state=self.receiver
+                load_dir, self._loaded(), body.path, weight_version=body.weight_version, state=self.receiver
             )
         self.updates += 1
         return result
 
-    async def broadcast_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
+    async def broadcast_weights(self, request: BroadcastOp | Mapping[str, object]) -> dict[str, Any]:
         """``POST /broadcast`` (``weight_sync = "broadcast"``): join the trainer's group, receive
         a sync's buckets into the model, finish (``atroposd.weights.broadcast``)."""
         from atroposd.weights.broadcast import BroadcastEndpoint
 
         if self.receiver is None or not self.receiver.nonce:
             raise WeightUpdateError("this server has no weight receiver (no launch nonce)")
-        endpoint = getattr(self, "_broadcast", None)
+        body = BroadcastOp.parse(request)
+        endpoint = self._broadcast
         if endpoint is None:
             endpoint = self._broadcast = BroadcastEndpoint(self.receiver.nonce)
         result = await endpoint.handle(
-            request, model=self.model, state=self.receiver, require_paused=self._require_paused, compute=self._compute
+            body.body,
+            model=self._loaded(),
+            state=self.receiver,
+            require_paused=self._require_paused,
+            compute=self._compute,
         )
-        if isinstance(request, Mapping) and request.get("op") == "finish":
+        if body.op == "finish":
             self.updates += 1
         return result
 
@@ -592,7 +616,7 @@ def _fingerprint(model: object) -> list[float]:
     return [float(x) for x in sums.tolist()]
 
 
-def _eos_ids(tokenizer: Any, model: Any) -> set[int]:
+def _eos_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> set[int]:
     ids: set[int] = set()
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))

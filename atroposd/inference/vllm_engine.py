@@ -49,10 +49,19 @@ from atroposd.inference import schema
 from atroposd.inference.gate import NotPaused, WeightGate
 from atroposd.inference.schema import BadRequest
 from atroposd.logs import get_logger
+from atroposd.weights.control import BroadcastOp, LoadWeights, UpdateWeights
 from atroposd.weights.protocol import WeightUpdateError
 
 if TYPE_CHECKING:
-    from atroposd.weights.manifest import Manifest
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.lora.request import LoRARequest
+    from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from atroposd.config import Config
+    from atroposd.weights.manifest import Manifest, TensorSpec
+    from atroposd.weights.receiver import CheckedUpdate, ReceiverState
 
 __all__ = ["REFUSED", "BadRequest", "VllmEngine", "sampling_kwargs"]
 
@@ -102,7 +111,7 @@ class VllmEngine(WeightGate):
     """AsyncLLM behind the inference-engine methods: generate, pause/resume, weights, close."""
 
     name = "vllm"
-    pause_modes = PAUSE_MODES  # what the weight-control pause route accepts (inference/server.py)
+    pause_modes: tuple[str, ...] = PAUSE_MODES  # what the weight-control pause route accepts (inference/server.py)
 
     def __init__(
         self,
@@ -115,7 +124,7 @@ class VllmEngine(WeightGate):
         gpu_memory_utilization: float = 0.0,
         enforce_eager: bool = False,
         extra_args: list[str] | None = None,
-        receiver: Any = None,
+        receiver: ReceiverState | None = None,
         seed: int = 0,
         await_weights: bool = False,
         lora_rank: int | None = None,
@@ -135,9 +144,9 @@ class VllmEngine(WeightGate):
         self.seed = seed
         self.vocab_size = 0  # the embedding's rows, read from the model's config at start
         super().__init__(await_weights=await_weights)
-        self.engine: Any = None
-        self._starting: asyncio.Future[Any] | None = None
-        self._expected: tuple[dict[str, Any], dict[str, str]] | None = None
+        self.engine: AsyncLLM | None = None
+        self._starting: asyncio.Future[AsyncLLM] | None = None
+        self._expected: tuple[dict[str, TensorSpec], dict[str, str]] | None = None
         self._update_lock = asyncio.Lock()
         self._whole = asyncio.Event()  # set: no bucketed push under way (_settle)
         self._whole.set()
@@ -148,11 +157,18 @@ class VllmEngine(WeightGate):
         self._session = False  # a weight-transfer session (start_weight_update) not yet finished
         # LoRA (trainer.mode = "lora"): adapters arrive through reload; generations use the newest.
         self.lora_rank = lora_rank
-        self._lora: Any = None  # the current LoRARequest
+        self._lora: LoRARequest | None = None  # the adapter generations use
         self._lora_ids = 0
+        self._probing = 0  # clients' probes scheduled ahead of the rollouts now
+        # weight_sync = "broadcast": the receive under way, its (formation, version), the group joined
+        self._bcast_task: asyncio.Task[dict[str, Any]] | None = None
+        self._bcast_key: tuple[object, object] | None = None
+        self._bcast_formation: object = None
 
     @classmethod
-    def from_config(cls, cfg: Any, *, receiver: Any = None, await_weights: bool = False) -> VllmEngine:
+    def from_config(
+        cls, cfg: Config, *, receiver: ReceiverState | None = None, await_weights: bool = False
+    ) -> VllmEngine:
         """An engine for ``cfg.inference`` (the model resolved to a local directory first).
 
         ``receiver`` defaults to ``ReceiverState.from_config(cfg)`` (nonce from
@@ -165,7 +181,9 @@ class VllmEngine(WeightGate):
         check_installed_vllm(allow_untested=inf.vllm.allow_untested)
         model = str(resolve_model(cfg))
         tokenizer = str(resolve_tokenizer(cfg))
-        device, dtype = resolve(inf.device, inf.dtype, key="inference.device")
+        # A device list names one device per replica; a server is told its own (inference/cli.py).
+        one = inf.device if isinstance(inf.device, str) else cfg.inference_devices()[0]
+        device, dtype = resolve(one, inf.dtype, key="inference.device")
         return cls(
             model=model,
             tokenizer=tokenizer,
@@ -184,7 +202,7 @@ class VllmEngine(WeightGate):
 
     # ------------------------------------------------------------------ lifecycle
 
-    def engine_args(self) -> Any:
+    def engine_args(self) -> AsyncEngineArgs:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -243,7 +261,7 @@ class VllmEngine(WeightGate):
         # vLLM labels every output token with its engine's weight version: from here on the
         # label is the version generation was resumed with (resume), so that a completion that
         # spans a swap reports where it happened (_version_record).
-        await self.engine.update_weight_version(str(self.weight_version))
+        await self._started().update_weight_version(str(self.weight_version))
 
     async def close(self, timeout: float = 1.5) -> None:
         """Shut the engine down (waiting for one still starting); then kill what is left of its
@@ -259,7 +277,7 @@ class VllmEngine(WeightGate):
                 with contextlib.suppress(Exception):
                     engine = await starting
             if engine is not None:
-                if self.__dict__.get("_bcast", {}).get("formation"):
+                if self._bcast_formation:
                     # a worker still in a broadcast group leaves it first (else it lingers at shutdown)
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(engine.collective_rpc("atroposd_broadcast_leave"), 5.0)
@@ -277,7 +295,7 @@ class VllmEngine(WeightGate):
     # ------------------------------------------------------------------ generation
 
     async def generate(
-        self, request: Mapping[str, Any] | schema.GenerateParams, *, bypass_pause: bool = False
+        self, request: Mapping[str, object] | schema.GenerateParams, *, bypass_pause: bool = False
     ) -> dict[str, Any]:
         """One Atropos ``/generate`` request (or one the front parsed already) → its response
         (SPEC §7). The daemon's own generations and a few probes (``schema.with_lane``) are
@@ -291,25 +309,24 @@ class VllmEngine(WeightGate):
         params = SamplingParams(**kw, output_kind=RequestOutputKind.FINAL_ONLY)
         # The daemon's own generations always go ahead; a client's probe (schema.with_lane) only
         # while fewer than PROBE_ROWS_PER_BATCH are ahead already, else it waits as a rollout.
-        probing = self.__dict__.setdefault("_probing", [0])
-        ahead = parsed.lane == "own" or (parsed.lane == "probe" and probing[0] < schema.PROBE_ROWS_PER_BATCH)
+        ahead = parsed.lane == "own" or (parsed.lane == "probe" and self._probing < schema.PROBE_ROWS_PER_BATCH)
         priority = PROBE_PRIORITY if ahead else 0
         if parsed.lane == "probe" and ahead:
-            probing[0] += 1
+            self._probing += 1
         try:
             return await self._generate(parsed, params, priority, bypass_pause)
         finally:
             if parsed.lane == "probe" and ahead:
-                probing[0] -= 1
+                self._probing -= 1
 
     async def _generate(
-        self, parsed: schema.GenerateParams, params: Any, priority: int, bypass_pause: bool
+        self, parsed: schema.GenerateParams, params: SamplingParams, priority: int, bypass_pause: bool
     ) -> dict[str, Any]:
         if bypass_pause:
             await self._weights_whole()
         async with self._admitted(bypass_pause) as version:
             final = None
-            async for out in self.engine.generate(
+            async for out in self._started().generate(
                 # The prefix cache is keyed by the admission version: a request admitted after
                 # a swap never reuses KV that older weights computed (SPEC §7).
                 {"prompt_token_ids": parsed.prompt_ids, "cache_salt": f"atroposd-v{version}"},
@@ -322,7 +339,7 @@ class VllmEngine(WeightGate):
         assert final is not None
         return _response(final, version, want_prompt_logprobs=parsed.prompt_logprobs is not None)
 
-    def validate(self, request: Any) -> tuple[schema.GenerateParams, dict[str, Any]]:
+    def validate(self, request: object) -> tuple[schema.GenerateParams, dict[str, Any]]:
         """The request parsed as every engine parses it, and its ``SamplingParams`` arguments
         (a :class:`BadRequest` for a malformed request or one this engine cannot honour)."""
         params = schema.parse_generate(request, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
@@ -381,45 +398,44 @@ class VllmEngine(WeightGate):
         if not self._paused or (self._inflight and not self._frozen):
             raise NotPaused("pause generation before updating weights (POST /pause)")
 
-    async def update_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
-        """``{"manifest", "mode": "copy", "weight_version"?}``: copy an export in (push), or one
-        bucket of a bucketed push (a manifest with ``bucket``; :meth:`_update_bucket`)."""
-        from atroposd.weights.manifest import Manifest, ManifestError
+    def _started(self) -> AsyncLLM:
+        if self.engine is None:
+            raise RuntimeError("engine not started")
+        return self.engine
 
-        if self.receiver is None or not self.receiver.nonce:
-            raise WeightUpdateError("this server has no launch nonce (ATROPOSD_INSTANCE); it cannot accept weights")
-        if request.get("mode") != "copy":
-            raise WeightUpdateError(
-                f"the vLLM engine only copies weights (mode 'copy'), got {request.get('mode')!r}"
-                " (vLLM fuses and repacks weights: no shared mode)"
-            )
-        if not isinstance(request.get("manifest"), str):
-            raise WeightUpdateError("request is missing 'manifest'")
-        self._require_paused()
-        expected, tied = self._expected or ({}, {})
-        try:
-            manifest = Manifest.load(
-                Path(request["manifest"]), expected_nonce=self.receiver.nonce, weights_dir=self.receiver.weights_dir
-            )
-            if "weight_version" in request and request["weight_version"] != manifest.weight_version:
-                raise ManifestError(
-                    f"manifest holds weight_version {manifest.weight_version}, the request says "
-                    f"{request['weight_version']}: stale manifest refused"
-                )
-            if manifest.lora is not None:
-                raise ManifestError("LoRA exports go through reload mode with the vLLM engine")
-            if manifest.bucket is None:
-                manifest.check_against(expected, tied)
-        except ManifestError as exc:
-            raise WeightUpdateError(str(exc)) from None
-        if manifest.bucket is not None:
-            return await self._update_bucket(manifest, expected, tied)
+    def _update_targets(self, manifest: Manifest) -> tuple[dict[str, TensorSpec], dict[str, str]]:
+        """What an update is checked against: the checkpoint-format tensors vLLM loads."""
+        from atroposd.weights.manifest import ManifestError
+
+        if manifest.lora is not None:
+            raise ManifestError("LoRA exports go through reload mode with the vLLM engine")
+        return self._expected or ({}, {})
+
+    async def update_weights(self, request: UpdateWeights | Mapping[str, object]) -> dict[str, Any]:
+        """``{"manifest", "mode": "copy", "weight_version"?}``: copy an export in (push), or one
+        bucket of a bucketed push (a manifest with ``bucket``; :meth:`_update_bucket`), checked by
+        :func:`atroposd.weights.receiver.check_update` against the checkpoint-format tensors."""
+        from atroposd.weights.receiver import ReceiverState, check_update
+
+        receiver = self.receiver or ReceiverState(nonce="", weights_dir=Path())  # no nonce: refused
+        checked = check_update(
+            request,
+            receiver,
+            self._update_targets,
+            engine="vLLM",
+            modes=("copy",),
+            note=" (vLLM fuses and repacks weights: no shared mode)",
+            ready=self._require_paused,
+        )
+        manifest = checked.manifest
+        if checked.progress is not None:
+            return await self._update_bucket(checked, receiver)
         async with self._update_lock:
             t0 = time.perf_counter()
             try:
                 await self._transfer({"manifest": manifest.to_json().decode()}, start=True, finish=True)
-                self.receiver.buckets = None  # a whole model replaces any push that stopped halfway
-                self.receiver.weight_version = manifest.weight_version
+                receiver.buckets = None  # a whole model replaces any push that stopped halfway
+                receiver.weight_version = manifest.weight_version
             finally:
                 self._settle()
         self.updates += 1
@@ -427,28 +443,17 @@ class VllmEngine(WeightGate):
         log.info("weights updated", weight_version=manifest.weight_version, seconds=time.perf_counter() - t0, **stats)
         return {"weight_version": manifest.weight_version, "mode": "copy", "export_id": manifest.export_id, **stats}
 
-    async def _update_bucket(
-        self, manifest: Manifest, expected: Mapping[str, Any], tied: Mapping[str, str]
-    ) -> dict[str, Any]:
-        """One bucket of a bucketed push (several trainer ranks), with the receiver's order and
-        completeness checks (:class:`~atroposd.weights.receiver.BucketProgress`): bucket 0
-        starts a push, each next bucket continues it, and the last one must complete the model
-        — checked before the worker loads it. The workers stream the buckets into vLLM's
-        checkpoint-format reload
+    async def _update_bucket(self, checked: CheckedUpdate, receiver: ReceiverState) -> dict[str, Any]:
+        """One bucket of a bucketed push (several trainer ranks), in order and (the last one)
+        completing the model, as :func:`~atroposd.weights.receiver.check_update` checked before
+        the worker loads it. The workers stream the buckets into vLLM's checkpoint-format reload
         (:meth:`~atroposd.inference.vllm_worker.AtroposdWorkerExtension.atroposd_load_bucket`); the
         served version changes only at ``/resume``, which is refused until the last bucket is in
         (``ReceiverState.incomplete``)."""
-        from atroposd.weights.manifest import ManifestError
-
-        assert manifest.bucket is not None and self.receiver is not None
+        manifest, progress = checked.manifest, checked.progress
+        assert manifest.bucket is not None and progress is not None
         index, count = manifest.bucket.index, manifest.bucket.count
-        progress = self.receiver.next_bucket(manifest)
-        try:
-            filled = manifest.check_bucket(expected, tied)
-        except ManifestError as exc:
-            raise WeightUpdateError(f"bucket {index} of {count}: {exc}") from None
-        progress.cover(manifest, filled, expected)
-        self.receiver.buckets = progress  # from here until the last bucket the model is mid-reload
+        receiver.buckets = progress  # from here until the last bucket the model is mid-reload
         self._settle()
         async with self._update_lock:
             t0 = time.perf_counter()
@@ -456,7 +461,7 @@ class VllmEngine(WeightGate):
                 await self._transfer(
                     {"manifest": manifest.to_json().decode()}, start=index == 0, finish=index + 1 == count
                 )
-                complete = self.receiver.bucket_applied(manifest, progress)
+                complete = receiver.bucket_applied(manifest, progress)
             finally:
                 self._settle()
         self.updates += 1
@@ -503,28 +508,26 @@ class VllmEngine(WeightGate):
             problem = self.receiver.incomplete() if self.receiver is not None else None
             raise WeightUpdateError(problem or "a bucketed push is under way") from None
 
-    async def load_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
-        """``{"path", "weight_version"}``: load a directory the trainer wrote (reload mode)."""
-        from atroposd.weights.manifest import ManifestError, itemsize
-        from atroposd.weights.syncdir import inspect_sync_dir
-        from atroposd.weights.tensors import match_tensors
+    async def load_weights(self, request: LoadWeights | Mapping[str, object]) -> dict[str, Any]:
+        """``{"path", "weight_version"}``: load a directory the trainer wrote (reload mode),
+        checked by :func:`atroposd.weights.receiver.check_load`; a LoRA directory's adapter is
+        served as an adapter."""
+        from atroposd.weights.manifest import itemsize
+        from atroposd.weights.receiver import check_load
 
-        if not isinstance(request.get("path"), str):
-            raise WeightUpdateError("request is missing 'path'")
-        self._require_paused()
-        within = self.receiver.sync_dir if self.receiver is not None else None
-        file, version, exported, tied, lora = inspect_sync_dir(request["path"], request.get("weight_version"), within)
-        if lora is not None:
-            return await self._load_adapter(file.parent, version, lora)
-        if self.lora_rank is not None:
-            raise WeightUpdateError(
-                'this engine serves LoRA adapters (trainer.mode = "lora"); the sync directory holds a full model'
-            )
-        expected, my_tied = self._expected or ({}, {})
-        try:
-            match_tensors(exported, tied, expected, my_tied)
-        except ManifestError as exc:
-            raise WeightUpdateError(str(exc)) from None
+        def targets(lora: Mapping[str, Any] | None) -> tuple[dict[str, TensorSpec], dict[str, str]] | None:
+            if lora is not None:
+                return None
+            if self.lora_rank is not None:
+                raise WeightUpdateError(
+                    'this engine serves LoRA adapters (trainer.mode = "lora"); the sync directory holds a full model'
+                )
+            return self._expected or ({}, {})
+
+        checked = check_load(request, self.receiver, targets, ready=self._require_paused)
+        file, version, exported = checked.file, checked.weight_version, checked.exported
+        if checked.lora is not None:
+            return await self._load_adapter(file.parent, version, checked.lora)
         async with self._update_lock:
             try:
                 await self._transfer({"path": str(file)}, start=True, finish=True)
@@ -558,13 +561,13 @@ class VllmEngine(WeightGate):
         )
         async with self._update_lock:
             try:
-                await self.engine.add_lora(request)
+                await self._started().add_lora(request)
             except Exception as exc:  # vLLM reports a bad adapter with its own exception types
                 raise WeightUpdateError(f"vLLM refused the adapter {adapter}: {exc}") from exc
             previous, self._lora = self._lora, request
             if previous is not None:
-                await self.engine.remove_lora(previous.lora_int_id)
-            await self.engine.reset_prefix_cache()
+                await self._started().remove_lora(previous.lora_int_id)
+            await self._started().reset_prefix_cache()
         self.updates += 1
         return {"weight_version": version, "mode": "load", "export_id": None, "adapter": str(adapter)}
 
@@ -585,24 +588,24 @@ class VllmEngine(WeightGate):
             if start:
                 if self._session:  # vLLM has no abort: the transfer engine drops what arrived
                     self._session = False
-                    await self.engine.finish_weight_update()
-                await self.engine.start_weight_update()
+                    await self._started().finish_weight_update()
+                await self._started().start_weight_update()
                 self._session = True
             if update_info is not None:
                 try:
-                    await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+                    await self._started().update_weights(WeightTransferUpdateRequest(update_info=update_info))
                 except BaseException:
                     self._session = False  # vLLM's worker ends the session on an error
                     raise
             if finish:
                 self._session = False
-                await self.engine.finish_weight_update()
+                await self._started().finish_weight_update()
         except Exception as exc:  # vLLM wraps the worker's exception in its own types
             raise WeightUpdateError(f"the vLLM worker refused the update: {exc}") from exc
         if finish:
-            await self.engine.reset_prefix_cache()
+            await self._started().reset_prefix_cache()
 
-    async def broadcast_weights(self, request: Mapping[str, Any]) -> dict[str, Any]:
+    async def broadcast_weights(self, request: BroadcastOp | Mapping[str, object]) -> dict[str, Any]:
         """``POST /broadcast`` (``weight_sync = "broadcast"``, atroposd.weights.broadcast): every
         worker joins the trainer's group; a receive is checked whole against the model's
         checkpoint-format tensors, then streamed by the workers in the background; finish waits."""
@@ -611,48 +614,48 @@ class VllmEngine(WeightGate):
 
         if self.receiver is None or not self.receiver.nonce:
             raise WeightUpdateError("this server has no launch nonce (ATROPOSD_INSTANCE); it cannot accept weights")
-        if not isinstance(request, Mapping) or not isinstance(request.get("op"), str):
-            raise WeightUpdateError("broadcast request must be a JSON object with an 'op'")
-        op = request["op"]
-        state: dict[str, Any] = self.__dict__.setdefault("_bcast", {"task": None, "key": None, "formation": None})
+        receiver = self.receiver
+        parsed = BroadcastOp.parse(request)
+        op, fields = parsed.op, parsed.body
+        engine = self._started()
         if op in ("join", "leave"):
-            task, state["task"], state["key"] = state["task"], None, None
+            task, self._bcast_task, self._bcast_key = self._bcast_task, None, None
             if task is not None and not task.done():
-                await self.engine.collective_rpc("atroposd_broadcast_leave")
+                await engine.collective_rpc("atroposd_broadcast_leave")
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(asyncio.shield(task), 30.0)
-            state["formation"] = None
+            self._bcast_formation = None
             if op == "leave":
-                await self.engine.collective_rpc("atroposd_broadcast_leave")
+                await engine.collective_rpc("atroposd_broadcast_leave")
                 return {"left": True}
-            JoinRequest.parse(request, secret=self.receiver.nonce)
-            workers = len(await self.engine.collective_rpc("atroposd_ping"))
-            body = orjson.dumps({"join": dict(request), "secret": self.receiver.nonce, "world": 1 + workers}).decode()
+            JoinRequest.parse(fields, secret=self.receiver.nonce)
+            workers = len(await engine.collective_rpc("atroposd_ping"))
+            body = orjson.dumps({"join": dict(fields), "secret": self.receiver.nonce, "world": 1 + workers}).decode()
             try:
                 from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-                await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={"broadcast": body}))
+                await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={"broadcast": body}))
             except Exception as exc:  # vLLM wraps the worker's exception in its own types
                 raise WeightUpdateError(f"the vLLM workers did not join the broadcast group: {exc}") from exc
-            state["formation"] = request["prefix"]
-            return {"formation": request["prefix"], "world": 1 + workers}
+            self._bcast_formation = fields["prefix"]
+            return {"formation": fields["prefix"], "world": 1 + workers}
         if op == "receive":
             self._require_paused()
-            if state["task"] is not None and not state["task"].done():
+            if self._bcast_task is not None and not self._bcast_task.done():
                 raise WeightUpdateError("a broadcast is already being received")
-            formation, version = request.get("formation"), request.get("weight_version")
-            if formation is None or formation != state["formation"]:
+            formation, version = fields.get("formation"), fields.get("weight_version")
+            if formation is None or formation != self._bcast_formation:
                 raise WeightUpdateError(
                     f"broadcast formation {formation!r} is not the group this replica joined "
-                    f"({state['formation']}); join again"
+                    f"({self._bcast_formation}); join again"
                 )
             if isinstance(version, bool) or not isinstance(version, int) or version < 0:
                 raise WeightUpdateError("'weight_version' must be a non-negative integer")
-            plan = parse_plan(request)
+            plan = parse_plan(fields)
             expected, tied = self._expected or ({}, {})
             check_plan(plan, expected, tied)
             progress = BucketProgress(version, len(plan))
-            self.receiver.buckets = progress  # the model is mid-reload until the last bucket
+            receiver.buckets = progress  # the model is mid-reload until the last bucket
             self._settle()
             chunks = [
                 orjson.dumps(
@@ -674,9 +677,8 @@ class VllmEngine(WeightGate):
                         # one lifecycle session; each bucket is one update_weights chunk
                         for i, chunk in enumerate(chunks):
                             await self._transfer({"broadcast": chunk}, start=i == 0, finish=i + 1 == len(chunks))
-                        assert self.receiver is not None
-                        self.receiver.buckets = None
-                        self.receiver.weight_version = version
+                        receiver.buckets = None
+                        receiver.weight_version = version
                     finally:
                         self._settle()
                 self.updates += 1
@@ -687,14 +689,15 @@ class VllmEngine(WeightGate):
                 }
                 return {"weight_version": version, **stats, "seconds": round(time.perf_counter() - t0, 6)}
 
-            state["task"] = asyncio.get_running_loop().create_task(run())
-            state["key"] = (formation, version)
+            self._bcast_task = asyncio.get_running_loop().create_task(run())
+            self._bcast_key = (formation, version)
             return {"accepted": True, "formation": formation, "weight_version": version, "buckets": len(plan)}
         if op == "finish":
-            key = (request.get("formation"), request.get("weight_version"))
-            if state["task"] is None or state["key"] != key:
+            key = (fields.get("formation"), fields.get("weight_version"))
+            task = self._bcast_task
+            if task is None or self._bcast_key != key:
                 raise WeightUpdateError(f"no broadcast of weight_version {key[1]} under way in {key[0]!r}")
-            task, state["task"], state["key"] = state["task"], None, None
+            self._bcast_task, self._bcast_key = None, None
             result: dict[str, Any] = await asyncio.shield(task)
             log.info(
                 "weights received by broadcast",
@@ -720,7 +723,7 @@ def _manifest_stats(manifest: Manifest) -> dict[str, int]:
     return {"tensors": len(manifest.tensors), "bytes": sum(t.nbytes for t in manifest.tensors)}
 
 
-def _build_engine(args: Any) -> Any:
+def _build_engine(args: AsyncEngineArgs) -> AsyncLLM:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     return AsyncLLM.from_engine_args(args)
@@ -826,7 +829,7 @@ def sampling_kwargs(params: schema.GenerateParams) -> dict[str, Any]:
     return kw
 
 
-def _version_record(completion: Any, admitted: int) -> list[list[int]]:
+def _version_record(completion: CompletionOutput, admitted: int) -> list[list[int]]:
     """``[[token_index, version], ...]``: from which output token on each weight version sampled
     this completion, starting at ``[0, admitted]`` (vLLM's spans of its weight-version labels,
     which :meth:`VllmEngine.resume` sets)."""
@@ -841,7 +844,7 @@ def _version_record(completion: Any, admitted: int) -> list[list[int]]:
     return record
 
 
-def _response(out: Any, version: int, *, want_prompt_logprobs: bool) -> dict[str, Any]:
+def _response(out: RequestOutput, version: int, *, want_prompt_logprobs: bool) -> dict[str, Any]:
     """RequestOutput → the Atropos response: logprobs[completion][token] = [{"<id>": lp}]."""
     completions = sorted(out.outputs, key=lambda c: c.index)
     logprobs = []

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,7 @@ import torch
 
 from atroposd.logs import get_logger
 from atroposd.weights import syncdir
+from atroposd.weights.control import UPDATE_MODES, LoadWeights, UpdateWeights
 from atroposd.weights.manifest import Manifest, ManifestError, TensorSpec
 from atroposd.weights.protocol import WeightUpdateError
 from atroposd.weights.shm import ShmError, ShmSegment
@@ -81,9 +82,11 @@ from atroposd.weights.tensors import (
 
 __all__ = [
     "BucketProgress",
+    "CheckedUpdate",
     "ReceiverState",
     "WeightUpdateError",
     "apply_update",
+    "check_update",
     "inspect_sync_dir",
     "load_dir",
     "other_gpu",
@@ -295,56 +298,114 @@ def _owns(seg: Any, t: torch.Tensor) -> bool:
     return False
 
 
-def _field(request: Mapping[str, Any], key: str, typ: type) -> Any:
-    if key not in request:
-        raise WeightUpdateError(f"request is missing {key!r}")
-    value = request[key]
-    if typ is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise WeightUpdateError(f"{key!r} must be an integer, got {value!r}")
-    if typ is str and not isinstance(value, str):
-        raise WeightUpdateError(f"{key!r} must be a string, got {value!r}")
-    return value
+ModelTargets = Callable[[Manifest], "tuple[Mapping[str, TensorSpec], Mapping[str, str]]"]
 
 
-def apply_update(model: torch.nn.Module, request: Mapping[str, Any], *, state: ReceiverState) -> dict[str, Any]:
-    """Attach to or copy from the export a manifest describes (see the module docstring)."""
-    if not isinstance(request, Mapping):
-        raise WeightUpdateError("request must be a JSON object")
-    mode = _field(request, "mode", str)
-    if mode not in ("attach", "copy"):
-        raise WeightUpdateError(f"'mode' must be 'attach' or 'copy', got {mode!r}")
-    path = Path(_field(request, "manifest", str))
+@dataclass(frozen=True)
+class CheckedUpdate:
+    """A weight update that passed every check, before any model memory is touched.
+
+    ``source``: the model's tensor name → the exported one it is filled from (the whole model,
+    or the tensors a bucket fills). ``progress``: for a bucket, the push it belongs to, already
+    checked to be in order (and, for the last bucket, complete); the engine records it in
+    ``state.buckets`` before it touches the model and calls ``state.bucket_applied`` after."""
+
+    request: UpdateWeights
+    manifest: Manifest
+    source: dict[str, str]
+    progress: BucketProgress | None = None
+
+    @property
+    def mode(self) -> str:
+        return self.request.mode
+
+
+def check_update(
+    request: UpdateWeights | Mapping[str, object],
+    state: ReceiverState,
+    targets: ModelTargets,
+    *,
+    engine: str = "torch",
+    modes: Collection[str] = UPDATE_MODES,
+    note: str = "",
+    ready: Callable[[], None] | None = None,
+) -> CheckedUpdate:
+    """The one check of ``POST /update_weights`` that every engine calls (SPEC §7).
+
+    In order: the body (:class:`~atroposd.weights.control.UpdateWeights`); the engine takes its
+    ``mode`` (``modes``; ``note`` says why not); this server has a launch nonce; ``ready()`` (the
+    engine's own precondition, such as a pause); the manifest's provenance
+    (:meth:`Manifest.load`: this launch's, a live exporter, in ``state.weights_dir``); its
+    ``weight_version`` equals the request's; a bucket is copied and arrives in order
+    (:meth:`ReceiverState.next_bucket`); every tensor against ``targets(manifest)`` (the
+    engine's tensors and aliases: names, dtypes, shapes; nothing missing, nothing extra — or,
+    for a bucket, each one known, and the last bucket completing the model). Anything wrong is
+    a :class:`WeightUpdateError` naming it, and nothing was changed."""
+    body = UpdateWeights.parse(request)
+    if body.mode not in modes:
+        takes = (
+            "only copies weights (mode 'copy')"
+            if tuple(modes) == ("copy",)
+            else f"takes weights with mode {' or '.join(map(repr, modes))} only"
+        )
+        raise WeightUpdateError(f"the {engine} engine {takes}, got {body.mode!r}{note}")
     if not state.nonce:
         raise WeightUpdateError("this server has no launch nonce (ATROPOSD_INSTANCE); it cannot accept weights")
+    if ready is not None:
+        ready()
     try:
-        manifest = Manifest.load(path, expected_nonce=state.nonce, weights_dir=state.weights_dir)
+        manifest = Manifest.load(Path(body.manifest), expected_nonce=state.nonce, weights_dir=state.weights_dir)
     except ManifestError as exc:
         raise WeightUpdateError(str(exc)) from None
-    if "weight_version" in request:
-        want = _field(request, "weight_version", int)
-        if want != manifest.weight_version:
-            raise WeightUpdateError(
-                f"manifest holds weight_version {manifest.weight_version}, the request says "
-                f"{want}: stale manifest refused"
-            )
-    if manifest.bucket is not None:
-        if mode != "copy":
-            raise WeightUpdateError(f"a bucket of a bucketed push is copied (mode 'copy'), not {mode!r}")
-        out = _apply_bucket(model, manifest, state)
-        if request.get("digest") is True:  # the sha256 of each tensor the bucket filled, as the model holds it
+    if body.weight_version is not None and body.weight_version != manifest.weight_version:
+        raise WeightUpdateError(
+            f"manifest holds weight_version {manifest.weight_version}, the request says "
+            f"{body.weight_version}: stale manifest refused"
+        )
+    if manifest.bucket is None:
+        try:
+            expected, tied = targets(manifest)
+            return CheckedUpdate(body, manifest, manifest.check_against(expected, tied))
+        except ManifestError as exc:
+            raise WeightUpdateError(str(exc)) from None
+    if body.mode != "copy":
+        raise WeightUpdateError(f"a bucket of a bucketed push is copied (mode 'copy'), not {body.mode!r}")
+    index, count = manifest.bucket.index, manifest.bucket.count
+    progress = state.next_bucket(manifest)
+    try:
+        expected, tied = targets(manifest)
+        filled = manifest.check_bucket(expected, tied)
+    except ManifestError as exc:
+        raise WeightUpdateError(f"bucket {index} of {count}: {exc}") from None
+    progress.cover(manifest, filled, expected)
+    return CheckedUpdate(body, manifest, filled, progress)
+
+
+def apply_update(
+    model: torch.nn.Module, request: UpdateWeights | Mapping[str, object], *, state: ReceiverState
+) -> dict[str, Any]:
+    """Attach to or copy from the export a manifest describes (see the module docstring), once
+    :func:`check_update` passed it against the model's own tensors."""
+
+    def targets(manifest: Manifest) -> tuple[dict[str, TensorSpec], dict[str, str]]:
+        ensure_lora(model, manifest.lora)
+        if manifest.bucket is not None and state.segments:
+            state.release(model)  # leave shared mode: the model gets its own memory back
+        mt = model_tensors(model)
+        return mt.specs(), mt.tied
+
+    checked = check_update(request, state, targets)
+    manifest, source, mode = checked.manifest, checked.source, checked.mode
+    if checked.progress is not None:
+        out = _apply_bucket(model, checked, state)
+        filled = out.pop("filled")
+        if checked.request.digest:  # the sha256 of each tensor the bucket filled, as the model holds it
             from atroposd.weights.tensors import tensor_digest
 
             mt = model_tensors(model)
-            out["digests"] = {n: tensor_digest(mt.tensors[n]) for n in out.pop("filled")}
-        else:
-            out.pop("filled")
+            out["digests"] = {n: tensor_digest(mt.tensors[n]) for n in filled}
         return out
-    try:
-        ensure_lora(model, manifest.lora)
-        mt = model_tensors(model)
-        source = manifest.check_against(mt.specs(), mt.tied)
-    except ManifestError as exc:
-        raise WeightUpdateError(str(exc)) from None
+    mt = model_tensors(model)
     device = next(iter(mt.tensors.values())).device
     if manifest.transport == "cuda_ipc" and device.type != "cuda":
         raise WeightUpdateError("a CUDA IPC export needs a model on a GPU")
@@ -377,21 +438,14 @@ def apply_update(model: torch.nn.Module, request: Mapping[str, Any], *, state: R
     }
 
 
-def _apply_bucket(model: torch.nn.Module, manifest: Manifest, state: ReceiverState) -> dict[str, Any]:
-    """Copy one bucket of a bucketed push (see the module docstring). Everything is checked
-    before any memory is touched; from the first copied bucket on, ``state.buckets`` records
-    the push until its last bucket completed the model."""
-    assert manifest.bucket is not None
+def _apply_bucket(model: torch.nn.Module, checked: CheckedUpdate, state: ReceiverState) -> dict[str, Any]:
+    """Copy one bucket of a bucketed push (see the module docstring), checked by
+    :func:`check_update`; from the first copied bucket on, ``state.buckets`` records the push
+    until its last bucket completed the model."""
+    manifest, source, progress = checked.manifest, checked.source, checked.progress
+    assert manifest.bucket is not None and progress is not None
     index, count = manifest.bucket.index, manifest.bucket.count
-    progress = state.next_bucket(manifest)
-    try:
-        ensure_lora(model, manifest.lora)
-        if state.segments:
-            state.release(model)  # leave shared mode: the model gets its own memory back
-        mt = model_tensors(model)
-        source = manifest.check_bucket(mt.specs(), mt.tied)
-    except ManifestError as exc:
-        raise WeightUpdateError(f"bucket {index} of {count}: {exc}") from None
+    mt = model_tensors(model)
     device = next(iter(mt.tensors.values())).device
     if manifest.transport == "cuda_ipc" and device.type != "cuda":
         raise WeightUpdateError("a CUDA IPC export needs a model on a GPU")
@@ -426,7 +480,6 @@ def _apply_bucket(model: torch.nn.Module, manifest: Manifest, state: ReceiverSta
                 f"tensor {mine!r}: checksum after the copy differs from the exporter's "
                 "(the export changed during the copy?)"
             )
-    progress.cover(manifest, source, mt.tensors)
     complete = state.bucket_applied(manifest, progress)
     log.debug(
         "bucket copied",
@@ -698,6 +751,48 @@ def inspect_sync_dir(
     return syncdir.inspect_sync_dir(path, weight_version, within)
 
 
+LoadTargets = Callable[["Mapping[str, Any] | None"], "tuple[Mapping[str, TensorSpec], Mapping[str, str]] | None"]
+
+
+@dataclass(frozen=True)
+class CheckedLoad:
+    """A reload directory that passed every check, before any tensor is read: ``file`` (the
+    weights file or the shards' index), its ``weight_version``, the tensors it holds, the
+    model's tensor name → the exported one (empty for a LoRA adapter the engine serves as one),
+    and its LoRA metadata."""
+
+    request: LoadWeights
+    file: Path
+    weight_version: int
+    exported: dict[str, TensorSpec]
+    source: dict[str, str]
+    lora: dict[str, Any] | None
+
+
+def check_load(
+    request: LoadWeights | Mapping[str, object],
+    state: ReceiverState | None,
+    targets: LoadTargets,
+    *,
+    ready: Callable[[], None] | None = None,
+) -> CheckedLoad:
+    """The one check of ``POST /load`` that every engine calls: the body
+    (:class:`~atroposd.weights.control.LoadWeights`), ``ready()`` (the engine's precondition),
+    the directory (:func:`inspect_sync_dir`: in ``state.sync_dir``, its format and
+    ``weight_version``), then its tensors against ``targets(lora)`` — the engine's tensors and
+    aliases, or None when the engine serves the directory's LoRA adapter as an adapter."""
+    body = LoadWeights.parse(request)
+    if ready is not None:
+        ready()
+    file, version, exported, tied, lora = inspect_sync_dir(body.path, body.weight_version, state)
+    try:
+        mine = targets(lora)
+        source = {} if mine is None else match_tensors(exported, tied, mine[0], mine[1])
+    except ManifestError as exc:
+        raise WeightUpdateError(str(exc)) from None
+    return CheckedLoad(body, file, version, exported, source, lora)
+
+
 def load_dir(
     model: torch.nn.Module,
     path: str | os.PathLike[str],
@@ -706,21 +801,23 @@ def load_dir(
     state: ReceiverState | None = None,
 ) -> dict[str, Any]:
     """Load a directory the trainer wrote for ``reload`` (``model.safetensors``, or the shards
-    of ``model.safetensors.index.json``).
+    of ``model.safetensors.index.json``), once :func:`check_load` passed it.
 
     The metadata carries ``format`` and ``weight_version`` (which must equal ``weight_version``
     when given) and ``tied``. With ``state``, the directory must lie in ``state.sync_dir``.
     Every tensor is checked before any is copied; one tensor is read at a time.
     """
-    file, version, exported, tied, lora = inspect_sync_dir(path, weight_version, state)
-    try:
+
+    def targets(lora: Mapping[str, Any] | None) -> tuple[dict[str, TensorSpec], dict[str, str]]:
         ensure_lora(model, lora)
         if state is not None:
             state.release(model)
         mt = model_tensors(model)
-        source = match_tensors(exported, tied, mt.specs(), mt.tied)
-    except ManifestError as exc:
-        raise WeightUpdateError(str(exc)) from None
+        return mt.specs(), mt.tied
+
+    checked = check_load(LoadWeights(str(path), weight_version), state, targets)
+    file, version, source = checked.file, checked.weight_version, checked.source
+    mt = model_tensors(model)
     into: dict[str, list[str]] = {}
     for mine, src in source.items():
         into.setdefault(src, []).append(mine)

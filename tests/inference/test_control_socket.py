@@ -149,12 +149,11 @@ async def test_an_answer_nobody_reads_does_not_hold_the_server(short_tmp: Path) 
 
 
 class _PausingEngine(_Engine):
-    """Records how the pause route calls it; ``modes``: its ``pause_modes`` (None: it has none)."""
+    """Records how the pause route calls it; ``modes``: its ``pause_modes`` (None: drain only)."""
 
     def __init__(self, modes: tuple[str, ...] | None) -> None:
         self.name = "vllm" if modes else "torch"
-        if modes:
-            self.pause_modes = modes
+        self.pause_modes = modes or ("wait",)
         self.calls: list[dict[str, Any]] = []
 
     async def pause(self, **kw: Any) -> dict[str, Any]:
