@@ -41,20 +41,22 @@ import math
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
 
 from atroposd.daemon.specs import api_headers, inference_headers
-from atroposd.daemon.status import DaemonView, trainer_status
+from atroposd.daemon.status import DaemonView, TrainerView, trainer_status
 from atroposd.logs import get_logger
 from atroposd.net import host_allowed, own_host_names
 from atroposd.process.unit import State
 
 if TYPE_CHECKING:
-    from prometheus_client.metrics_core import Metric
+    import aiohttp
+    from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+    from atroposd.config import Config
     from atroposd.daemon.replicas import ReplicaHealth
 
 __all__ = [
@@ -149,7 +151,7 @@ def scrape_targets(d: DaemonView) -> list[Target]:
     return out
 
 
-def _base_url(unit: Any, default: str) -> str:
+def _base_url(unit: object, default: str) -> str:
     url = getattr(getattr(getattr(unit, "spec", None), "probe", None), "url", None)
     return url.rstrip("/") if isinstance(url, str) and url.startswith("http") else default
 
@@ -157,19 +159,19 @@ def _base_url(unit: Any, default: str) -> str:
 # ----------------------------------------------------------------------------- families
 
 
-def _gauge(name: str, doc: str, labels: Iterable[str] = ()) -> Any:
+def _gauge(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
     from prometheus_client.core import GaugeMetricFamily
 
     return GaugeMetricFamily(name, doc, labels=list(labels))
 
 
-def _counter(name: str, doc: str, labels: Iterable[str] = ()) -> Any:
+def _counter(name: str, doc: str, labels: Iterable[str] = ()) -> CounterMetricFamily:
     from prometheus_client.core import CounterMetricFamily
 
     return CounterMetricFamily(name, doc, labels=list(labels))
 
 
-def _num(x: Any) -> float:
+def _num(x: object) -> float:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else math.nan
 
 
@@ -202,7 +204,7 @@ def supervisor_families(d: DaemonView) -> Iterator[Metric]:
     yield at
 
 
-def trainer_families(trainer: Any) -> Iterator[Metric]:
+def trainer_families(trainer: TrainerView) -> Iterator[Metric]:
     """The in-process trainer's status and its last metrics row."""
     st = trainer.status()
     view = trainer.metrics_view() if hasattr(trainer, "metrics_view") else {}
@@ -295,7 +297,7 @@ def trainer_families(trainer: Any) -> Iterator[Metric]:
     yield dropped
 
 
-def sentinel_families(sentinel: Any) -> Iterator[Metric]:
+def sentinel_families(sentinel: object) -> Iterator[Metric]:
     """SPEC §15: each replica's last canary drift, whether it is quarantined, and the sentinel's
     resyncs and time per check (the trainer's status; nothing while the sentinel is off)."""
     if not isinstance(sentinel, dict):
@@ -413,7 +415,7 @@ def _component_of(family: Metric) -> str:
     return "trainer" if family.name.startswith("atroposd_trainer_") else "daemon"
 
 
-async def _scrape(session: Any, target: Target, limit: int | None = None) -> bytes | None:
+async def _scrape(session: aiohttp.ClientSession, target: Target, limit: int | None = None) -> bytes | None:
     """A child's text, at most ``limit`` bytes (default :data:`MAX_CHILD_BYTES`; None: no
     answer, an error, or more than that)."""
     import aiohttp
@@ -491,7 +493,7 @@ def cluster_families(counts: dict[str, int]) -> Iterator[Metric]:
     yield dropped
 
 
-def weight_sync_families(cfg: Any, weights: Any) -> Iterator[Metric]:
+def weight_sync_families(cfg: Config, weights: object) -> Iterator[Metric]:
     """Each replica's weight-sync mode, and for ``broadcast`` its group: formations, failures,
     the last transfer's seconds."""
     from atroposd.daemon.specs import inference_name

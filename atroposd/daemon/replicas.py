@@ -44,7 +44,7 @@ async def fetch_health(
     return data if isinstance(data, dict) else None
 
 
-def _count(x: Any) -> int | None:
+def _count(x: object) -> int | None:
     return x if isinstance(x, int) and not isinstance(x, bool) and x >= 0 else None
 
 
@@ -83,12 +83,13 @@ class ReplicaHealth:
         self.polls = 0  # rounds finished
 
     @classmethod
-    def of(cls, cfg: Config, **kw: Any) -> ReplicaHealth:
+    def of(cls, cfg: Config, *, interval: float = POLL_INTERVAL, timeout: float = POLL_TIMEOUT) -> ReplicaHealth:
         """Every replica of ``cfg`` (supervised or the one external server), by component name."""
         from atroposd.daemon.specs import inference_headers
 
         urls = cfg.inference_urls
-        return cls([inference_name(cfg, i) for i in range(len(urls))], urls, headers=inference_headers(cfg), **kw)
+        names = [inference_name(cfg, i) for i in range(len(urls))]
+        return cls(names, urls, interval=interval, timeout=timeout, headers=inference_headers(cfg))
 
     def generations(self) -> list[int | None]:
         """Generations each replica answered, last known; replica 0 first."""

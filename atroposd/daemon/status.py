@@ -142,7 +142,7 @@ def cluster_status(d: DaemonView) -> dict[str, Any]:
     return {"node_rank": cfg.node_rank, **d.cluster.status()}
 
 
-def _size(obj: Any) -> int:
+def _size(obj: object) -> int:
     import orjson
 
     return len(orjson.dumps(obj, default=str))

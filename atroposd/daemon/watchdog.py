@@ -40,7 +40,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
@@ -48,6 +48,12 @@ from atroposd.config import Config
 from atroposd.logs import get_logger
 from atroposd.process.liveness import HeartbeatBoard
 from atroposd.process.unit import State, Unit
+
+if TYPE_CHECKING:
+    import torch
+
+    from atroposd.trainer.loop import Progress
+    from atroposd.weights.sync import WeightSync
 
 log = get_logger("atroposd.watchdog")
 
@@ -65,12 +71,12 @@ API_STATUS_TIMEOUT = 3.0
 class WatchedSync:
     """A weight sync that records which call is in flight and since when (``busy``)."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: WeightSync) -> None:
         self.inner = inner
         self.mode: str = inner.mode
         self.busy: tuple[str, float] | None = None
 
-    def __getattr__(self, name: str) -> Any:  # server_current, sync_timeouts, arena, ...
+    def __getattr__(self, name: str) -> object:  # server_current, sync_timeouts, arena, ...
         return getattr(self.inner, name)
 
     @property
@@ -85,18 +91,18 @@ class WatchedSync:
         finally:
             self.busy = None
 
-    async def attach(self, model: Any, version: int) -> None:
+    async def attach(self, model: torch.nn.Module, version: int) -> None:
         async with self._busy("attach"):
             await self.inner.attach(model, version)
 
-    async def reattach(self, model: Any, version: int, replica: int | None = None) -> None:
+    async def reattach(self, model: torch.nn.Module, version: int, replica: int | None = None) -> None:
         async with self._busy("reattach"):
             await self.inner.reattach(model, version, replica)
 
     def replica_versions(self) -> list[int | None]:
         return list(self.inner.replica_versions())
 
-    async def after_step(self, model: Any, version: int) -> dict[str, float] | None:
+    async def after_step(self, model: torch.nn.Module, version: int) -> dict[str, float] | None:
         async with self._busy("after_step"):
             report: dict[str, float] | None = await self.inner.after_step(model, version)
             return report
@@ -123,7 +129,7 @@ class WatchedSync:
 
 class TrainerHandle(Protocol):
     @property
-    def progress(self) -> Any: ...
+    def progress(self) -> Progress: ...
 
 
 @dataclass
@@ -242,7 +248,7 @@ class StallWatchdog:
             log.error("stall not resolved: the job ends", reason=reason)
             self.on_unresolved(reason)
 
-    def clock_stopped(self, p: Any, now: float) -> bool:
+    def clock_stopped(self, p: Progress, now: float) -> bool:
         """Whether the stall clock stands still now: the group forms or re-forms, or (several
         ranks) the step computes within ``collective_timeout``, which bounds its collectives."""
         t = self.cfg.trainer
@@ -262,7 +268,7 @@ class StallWatchdog:
         self._compute_since = None
         return False
 
-    def _run_clock(self, p: Any, now: float) -> None:
+    def _run_clock(self, p: Progress, now: float) -> None:
         """Count the time since the last tick as stopped when the clock stood still."""
         last, self._last_tick = self._last_tick, now
         if self.clock_stopped(p, now) and last is not None:
@@ -281,7 +287,7 @@ class StallWatchdog:
 
     # ------------------------------------------------------------------ diagnosis
 
-    async def _diagnose(self, p: Any) -> str:
+    async def _diagnose(self, p: Progress) -> str:
         if self.weights is not None and self.weights.busy is not None:
             return "weight_sync"
         if p.state != "waiting":

@@ -251,7 +251,7 @@ def _gpus(entry: str, dtype: str, resolve: Callable[..., tuple[str, str]]) -> li
     return out
 
 
-def replica_sync_status(sync: Any, replica: int) -> dict[str, Any]:
+def replica_sync_status(sync: object, replica: int) -> dict[str, Any]:
     """Replica ``replica``'s weight sync as ``status --json`` shows it: the mode it got, and for
     ``push`` its path, for ``broadcast`` its group (formed or not, formations and failures, the
     last transfer)."""
