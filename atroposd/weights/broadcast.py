@@ -51,9 +51,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, overload
 
 import torch
 
@@ -68,6 +69,13 @@ from atroposd.weights.manifest import (
 )
 from atroposd.weights.protocol import WeightUpdateError
 from atroposd.weights.tensors import tensor_digest
+
+if TYPE_CHECKING:
+    import asyncio
+
+    import torch.distributed as dist
+
+    from atroposd.weights.receiver import ReceiverState
 
 __all__ = [
     "BACKENDS",
@@ -150,6 +158,13 @@ def pack(lay: Layout, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | N
 # ---------------------------------------------------------------------------- process groups
 
 
+class _Backend(Protocol):
+    """What a formed group's backend object (``ProcessGroupGloo``, ``ProcessGroupNCCL``) is used
+    for here; torch's stubs leave ``broadcast`` off their ``Backend`` class."""
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> dist.Work: ...
+
+
 def _timeout(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(seconds))
 
@@ -157,8 +172,10 @@ def _timeout(seconds: float) -> datetime.timedelta:
 class BroadcastGroup:
     """One formed group: rank ``rank`` of ``world``; rank 0 (the trainer) sends."""
 
-    def __init__(self, pg: Any, *, rank: int, world: int, backend: str, device: torch.device, formation: str) -> None:
-        self.pg = pg
+    def __init__(
+        self, pg: _Backend, *, rank: int, world: int, backend: str, device: torch.device, formation: str
+    ) -> None:
+        self.pg: _Backend | None = pg  # None once closed
         self.rank = rank
         self.world = world
         self.backend = backend
@@ -169,7 +186,7 @@ class BroadcastGroup:
     @classmethod
     def build(
         cls,
-        store: Any,
+        store: dist.Store,
         *,
         rank: int,
         world: int,
@@ -186,12 +203,12 @@ class BroadcastGroup:
             opts = getattr(dist.ProcessGroupGloo, "_Options")()  # noqa: B009 - untyped in torch's stubs
             opts._timeout = _timeout(timeout_s)
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-            pg: Any = dist.ProcessGroupGloo(store, rank, world, opts)
+            pg = cast("_Backend", dist.ProcessGroupGloo(store, rank, world, opts))
         elif backend == "nccl":  # pragma: no cover - needs GPUs (NCCL refuses two ranks on one GPU)
             torch.cuda.set_device(device)
             nopts = dist.ProcessGroupNCCL.Options()
             nopts._timeout = _timeout(timeout_s)
-            pg = dist.ProcessGroupNCCL(store, rank, world, nopts)
+            pg = cast("_Backend", dist.ProcessGroupNCCL(store, rank, world, nopts))
         else:
             raise ValueError(f"unknown broadcast backend {backend!r} (one of {', '.join(BACKENDS)})")
         return cls(pg, rank=rank, world=world, backend=backend, device=device, formation=formation)
@@ -201,12 +218,13 @@ class BroadcastGroup:
         group's timeout)."""
         import torch.distributed as dist
 
-        if self.closed:
+        pg = self.pg
+        if self.closed or pg is None:
             raise RuntimeError(f"broadcast group {self.formation} is closed")
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
-        self.pg.broadcast([buf], opts).wait()
+        pg.broadcast([buf], opts).wait()
         if self.backend == "nccl":  # pragma: no cover - needs GPUs
             torch.cuda.current_stream(self.device).synchronize()
 
@@ -250,11 +268,11 @@ class BroadcastHub:
         self.directory = directory
         self.path: str | None = None  # the store's file, once made
         self.formations = 0
-        self._store: Any = None
+        self._store: dist.FileStore | None = None
         self._private_dir: str | None = None
         self._lock = threading.Lock()
 
-    def store(self) -> Any:
+    def store(self) -> dist.FileStore:
         """The FileStore (a file of mode 0600 in a directory of mode 0700 made for it)."""
         with self._lock:
             if self._store is None:
@@ -366,7 +384,15 @@ def _store_int(raw: bytes, what: str, low: int, high: int) -> int:
 # ---------------------------------------------------------------------------- requests (validated)
 
 
-def _get(body: Mapping[str, Any], key: str, typ: type | tuple[type, ...]) -> Any:
+_T = TypeVar("_T")
+_U = TypeVar("_U")
+
+
+@overload
+def _get(body: Mapping[str, Any], key: str, typ: type[_T]) -> _T: ...
+@overload
+def _get(body: Mapping[str, Any], key: str, typ: tuple[type[_T], type[_U]]) -> _T | _U: ...
+def _get(body: Mapping[str, Any], key: str, typ: type | tuple[type, ...]) -> object:
     if key not in body:
         raise WeightUpdateError(f"broadcast request is missing {key!r}")
     value = body[key]
@@ -579,11 +605,17 @@ class BroadcastEndpoint:
 
     def __init__(self, secret: str) -> None:
         self.receiver = BroadcastReceiver(secret)
-        self._task: Any = None
+        self._task: asyncio.Task[dict[str, Any]] | None = None
         self._key: tuple[str, int] | None = None
 
     async def handle(
-        self, body: Any, *, model: torch.nn.Module, state: Any, require_paused: Callable[[], None], compute: Any
+        self,
+        body: object,
+        *,
+        model: torch.nn.Module,
+        state: ReceiverState,
+        require_paused: Callable[[], None],
+        compute: AbstractAsyncContextManager[object],
     ) -> dict[str, Any]:
         import asyncio
 

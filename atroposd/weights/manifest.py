@@ -109,7 +109,7 @@ class CudaIpcHandle:
         }
 
     @classmethod
-    def from_dict(cls, raw: Any, what: str) -> CudaIpcHandle:
+    def from_dict(cls, raw: object, what: str) -> CudaIpcHandle:
         fields = (
             "numel",
             "storage_handle",
@@ -146,7 +146,7 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
-def _unb64(value: Any, what: str) -> bytes:
+def _unb64(value: object, what: str) -> bytes:
     if not isinstance(value, str):
         raise ManifestError(f"{what} must be a base64 string")
     try:
@@ -560,13 +560,13 @@ def match_tensors(
     return source
 
 
-def _opt_str(value: Any, what: str) -> str | None:
+def _opt_str(value: object, what: str) -> str | None:
     if value is not None and not isinstance(value, str):
         raise ManifestError(f"{what} must be a string, got {value!r}")
     return value
 
 
-def _int(value: Any, what: str) -> int:
+def _int(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ManifestError(f"{what} must be an integer, got {value!r}")
     return value

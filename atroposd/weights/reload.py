@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Protocol, cast
 
 import anyio
 import torch
@@ -40,11 +40,17 @@ __all__ = ["prune_sync_dirs", "write_sharded_sync_dir", "write_sync_dir"]
 log = get_logger(__name__)
 
 
+class _Pretrained(Protocol):
+    """A PEFT model: it saves its adapters alone."""
+
+    def save_pretrained(self, save_directory: str) -> None: ...
+
+
 def _save_adapter(model: torch.nn.Module, directory: Path) -> None:
     """The adapters alone, in PEFT's layout, for engines that serve LoRA adapters (vLLM)."""
     if not hasattr(model, "save_pretrained"):
         return
-    peft_model: Any = model
+    peft_model = cast(_Pretrained, model)
     peft_model.save_pretrained(str(adapter_dir(directory)))
     for f in adapter_dir(directory).iterdir():
         os.chmod(f, 0o600)

@@ -159,7 +159,7 @@ class Replicas(Sequence[Replica]):
             with anyio.CancelScope(shield=True):
                 await conn.close()
 
-    async def call(self, method: str, *args: Any, replica: Replica) -> dict[str, Any]:
+    async def call(self, method: str, *args: object, replica: Replica) -> dict[str, Any]:
         """One control request (``method`` of :class:`WeightControlClient`) to ``replica``; one
         past its deadline is logged and counted, and raised like any other failure."""
         try:
@@ -176,7 +176,7 @@ class Replicas(Sequence[Replica]):
                 )
             raise
 
-    async def _call_once(self, method: str, *args: Any, replica: Replica) -> dict[str, Any]:
+    async def _call_once(self, method: str, *args: object, replica: Replica) -> dict[str, Any]:
         if replica.conn is not None:
             result: dict[str, Any] = await getattr(replica.conn, method)(*args)
             return result
@@ -209,7 +209,7 @@ class Replicas(Sequence[Replica]):
         return [results[i] for i in range(len(targets))]
 
     async def reached(
-        self, r: Replica, version: int, method: str, *args: Any, answers: list[dict[str, Any]] | None = None
+        self, r: Replica, version: int, method: str, *args: object, answers: list[dict[str, Any]] | None = None
     ) -> bool:
         """One control call to ``r``; False when the replica is not there to take weights (dead,
         past the deadline, or 503): it is marked not current, with a warning, and gets the
@@ -266,7 +266,7 @@ class Replicas(Sequence[Replica]):
         version: int,
         fallback: int,
         method: str,
-        *args: Any,
+        *args: object,
         timed: Callable[[float, float], None] | None = None,
     ) -> bool:
         """Pause ``r``, give it ``version`` (``method``: update_weights or load), resume it. A

@@ -22,7 +22,6 @@ import warnings
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -260,8 +259,7 @@ def read_into(name: str, size: int, targets: Iterable[tuple[int, torch.Tensor]])
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory (no copy)."""
     flat = tensor.detach().reshape(-1).view(torch.uint8)
-    array: Any = flat.numpy()
-    return memoryview(array).cast("B")
+    return flat.numpy().data.cast("B")
 
 
 def _split(jobs: list[tuple[int, memoryview]], parts: int) -> list[list[tuple[int, memoryview]]]:

@@ -24,7 +24,10 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from atroposd.config import Config
 
 __all__ = ["SHM_DIR", "ShmNeed", "ShmVerdict", "check_shm", "model_bytes", "shm_need"]
 
@@ -81,7 +84,7 @@ def model_bytes(model_dir: Path, dtype_bytes: int) -> tuple[int, int] | None:
     return total, largest
 
 
-def shm_need(cfg: Any, model_dir: Path) -> ShmNeed | None:
+def shm_need(cfg: Config, model_dir: Path) -> ShmNeed | None:
     """What this node's trainer puts into ``/dev/shm`` for the weight sync (see the module
     docstring), or None when it puts nothing there (``reload``, ``broadcast``, CUDA IPC) or the
     model's size cannot be read."""
