@@ -24,6 +24,13 @@ of the wrong type or of disagreeing lengths, sequences longer than ``max_token_l
 other exception from one group's preparation is a rejection too (reason ``error``). What
 passes the checks pads into tensors without error and gives a finite loss.
 
+The group's shape is checked by the schema the API checked it with (:mod:`atroposd.groups`:
+the fields present and of their types, equal row lengths, one finite score per sequence, the
+distillation fields' shape and top-k bound), with the same messages naming the same field;
+the trainer's own checks (vocabulary, magnitudes, at least two tokens) follow. A group the
+schema refuses is ``malformed``, or ``score_invalid`` / ``distill_invalid`` / ``too_long``
+where the schema names that defect.
+
 A rollout logprob that is missing (no ``inference_logprobs``, or the 1.0 sentinel at a
 completion position — a log-probability is never positive) is NaN in ``old_logp``; the loss
 then uses the current policy's own (detached) logprob there: ratio 1, on-policy.
@@ -34,15 +41,18 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
+import numpy as np
 import structlog
 import torch
 
 from atroposd.groupext import extension, version_records
+from atroposd.groups import DISTILL, MAX_DISTILL_K, Group, SchemaError, check_distill_values, group_from_json
 
 __all__ = [
     "ADVANTAGES",
+    "MAX_DISTILL_K",
     "REASONS",
     "BatchError",
     "GroupRejected",
@@ -53,6 +63,8 @@ __all__ = [
     "is_truncated",
     "pack_rows",
     "prepare_batch",
+    "rows_of_group",
+    "typed_group",
 ]
 
 ADVANTAGES = ("group-std", "group-mean", "rloo")
@@ -60,7 +72,6 @@ ADVANTAGES = ("group-std", "group-mean", "rloo")
 IGNORE = -100
 MAX_ABS_ADVANTAGE = 1e4  # SPEC §13: a larger advantage is absurd
 MAX_ABS_SCORE = 1e15  # beyond this, float64 sums of scores lose unit precision (and squares overflow)
-MAX_DISTILL_K = 256  # teacher top-k per position: more would let one group allocate [B, T, K] at will
 MIN_LOGPROB = -1e4  # a sampled token is never this unlikely: a lower rollout logprob is garbage
 # A teacher's top-k logprob: at most 0 (a little above for rounding), and within float32's range.
 MIN_TEACHER_LOGPROB, MAX_TEACHER_LOGPROB = -1e30, 1e-3
@@ -83,6 +94,8 @@ REASONS = (
     "error",
 )
 
+T = TypeVar("T")
+
 log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
 
@@ -95,11 +108,13 @@ class BatchError(ValueError):
 
 
 class GroupRejected(ValueError):
-    """One group that cannot be trained on: ``reason`` is one of ``REASONS``."""
+    """One group that cannot be trained on: ``reason`` is one of ``REASONS``, ``field`` the
+    group's field at fault (None: the group as a whole)."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+        self.field = field
 
 
 @dataclass
@@ -318,20 +333,50 @@ def is_truncated(group: Mapping[str, Any], i: int) -> bool:
     return False
 
 
-def _temperature(group: Mapping[str, Any], i: int) -> float:
-    """overrides[i].temperature > generation_params.temperature > group_overrides.temperature > 1."""
-    for source in (_index(group.get("overrides"), i), group.get("generation_params"), group.get("group_overrides")):
+def _truncated(group: Mapping[str, Any], n: int) -> int:
+    """How many of the group's ``n`` sequences are reported truncated (:func:`is_truncated`)."""
+    if group.get("overrides") is None and group.get("group_overrides") is None:
+        return 0
+    return sum(is_truncated(group, i) for i in range(n))
+
+
+def _temperatures(group: Mapping[str, Any], n: int) -> list[float]:
+    """Per sequence: overrides[i].temperature > generation_params.temperature >
+    group_overrides.temperature > 1."""
+    overrides = group.get("overrides")
+    shared: list[float] = []  # the group's own temperature, once it is needed
+
+    def group_temperature() -> float:
+        if not shared:
+            shared.append(_temperature_of((group.get("generation_params"), group.get("group_overrides"))))
+        return shared[0]
+
+    if not isinstance(overrides, list):
+        return [group_temperature()] * n
+    out = []
+    for i in range(n):
+        over = _index(overrides, i)
+        if isinstance(over, Mapping) and over.get("temperature") is not None:
+            out.append(_temperature_of((over,)))
+        else:
+            out.append(group_temperature())
+    return out
+
+
+def _temperature_of(sources: tuple[object, ...]) -> float:
+    """The first temperature given in ``sources`` (mappings), within bounds (else 1.0); 1.0 when none."""
+    for source in sources:
         if isinstance(source, Mapping) and source.get("temperature") is not None:
             t = _number(source["temperature"], "malformed", "temperature")
             return t if MIN_TEMPERATURE <= t <= MAX_TEMPERATURE else 1.0
     return 1.0
 
 
-def _index(seq: Any, i: int) -> Any:
+def _index(seq: object, i: int) -> object:
     return seq[i] if isinstance(seq, list) and i < len(seq) else None
 
 
-def _number(x: Any, reason: str, what: str) -> float:
+def _number(x: object, reason: str, what: str) -> float:
     """``x`` as a float: an int or a float (not a bool, not a string), else rejected."""
     if type(x) is float:
         return x
@@ -343,26 +388,52 @@ def _number(x: Any, reason: str, what: str) -> float:
     raise GroupRejected("malformed", f"{what}: {type(x).__name__} is not a number")
 
 
-def _ids(values: Any, vocab_size: int | None, what: str, *, low: int = 0) -> list[int]:
+def _ids(values: object, vocab_size: int | None, what: str, *, low: int = 0, field: str | None = None) -> list[int]:
     """A list of int token ids in ``[low, vocab_size)`` (``[low, 2**31)`` without a vocabulary)."""
     if not isinstance(values, list) or not all(type(v) is int for v in values):
-        raise GroupRejected("malformed", f"{what} is not a list of integers")
+        raise GroupRejected("malformed", f"{what} is not a list of integers", field)
     high = vocab_size if vocab_size is not None else 2**31
     if values and (min(values) < low or max(values) >= high):
         bad = next(v for v in values if v < low or v >= high)
         reason = "distill_invalid" if low < 0 else "token_out_of_range"
-        raise GroupRejected(reason, f"{what}: id {bad} outside [{low}, {vocab_size})")
+        raise GroupRejected(reason, f"{what}: id {bad} outside [{low}, {vocab_size})", field)
     return values
 
 
-def _list(x: Any, n: int, what: str) -> list[Any]:
+def _list(x: object, n: int, what: str, field: str | None = None) -> list[object]:
     if not isinstance(x, list) or len(x) != n:
-        raise GroupRejected("malformed", f"{what}: expected a list of {n} entries")
+        raise GroupRejected("malformed", f"{what}: expected a list of {n} entries", field)
     return x
 
 
-def _rows_of_group(
-    group: Any,
+# The trainer's reason for a group the shared schema refuses (by the schema's reason); any other: malformed.
+_SCHEMA_REASONS = {"non_finite_score": "score_invalid", "distill_invalid": "distill_invalid", "too_long": "too_long"}
+# What the trainer reads through the schema besides tokens, masks and scores. ``advantages`` is
+# read on its own: the trainer also takes one number per sequence there (an atroposd extension),
+# and ``overrides``, ``generation_params`` and ``group_overrides`` are passthrough JSON to the
+# schema, read leniently where they are used.
+_TRAINED_FIELDS = ("inference_logprobs",)
+
+
+def typed_group(group: object, *, use_distill: bool = False) -> Group:
+    """``group`` checked by the schema the API checked it with (:func:`atroposd.groups.group_from_json`)
+    and in its typed form; GroupRejected (the trainer's reason, the schema's message and field)
+    when the schema refuses it. The distillation fields are checked when ``use_distill``."""
+    if not isinstance(group, Mapping):
+        raise GroupRejected("malformed", f"a group is an object, not {type(group).__name__}")
+    try:
+        typed = group_from_json(group, fields=_TRAINED_FIELDS)
+        if use_distill:
+            given = {name: group[name] for name in DISTILL if group.get(name) is not None}
+            if given:
+                check_distill_values(given, typed.tokens.lengths())
+    except SchemaError as exc:
+        raise GroupRejected(_SCHEMA_REASONS.get(exc.reason, "malformed"), str(exc), exc.field) from None
+    return typed
+
+
+def rows_of_group(
+    group: object,
     *,
     std_floor: float,
     max_token_len: int,
@@ -371,116 +442,119 @@ def _rows_of_group(
     advantage: str = "group-std",
     mask_truncated: bool = False,
 ) -> list[SequenceRow]:
-    """The group's sequences as shifted rows; raises GroupRejected when the group is unusable."""
-    if not isinstance(group, Mapping):
-        raise GroupRejected("malformed", f"a group is an object, not {type(group).__name__}")
-    tokens, masks, scores = group.get("tokens"), group.get("masks"), group.get("scores")
-    if not isinstance(tokens, list) or not isinstance(masks, list) or not isinstance(scores, list):
-        raise GroupRejected("malformed", "group without tokens, masks and scores")
-    if not (len(tokens) == len(masks) == len(scores)) or not tokens:
+    """The group's sequences as shifted rows; raises GroupRejected when the group is unusable:
+    first the schema's checks (:func:`typed_group`), then the trainer's own (vocabulary, bounds
+    on scores, advantages, logprobs and teacher logprobs, at least two tokens a sequence)."""
+    # A sequence longer than the trainer takes is too_long whatever else is wrong with it.
+    sequences = group.get("tokens") if isinstance(group, Mapping) else None
+    for i, tok in enumerate(sequences if isinstance(sequences, list) else ()):
+        if isinstance(tok, list) and len(tok) > max_token_len:
+            raise GroupRejected(
+                "too_long", f"sequence {i}: {len(tok)} tokens > trainer.max_token_len {max_token_len}", "tokens"
+            )
+    typed = typed_group(group, use_distill=use_distill)
+    assert isinstance(group, Mapping)  # typed_group said so
+    bounds = typed.tokens.bounds
+    n = typed.n
+    for i in range(n):
+        if bounds[i + 1] - bounds[i] < 2:
+            raise GroupRejected("malformed", f"sequence {i}: fewer than 2 tokens", "tokens")
+    flat = typed.tokens.flat
+    high = vocab_size if vocab_size is not None else 2**31
+    out = (flat < 0) | (flat >= high)
+    if out.any():
+        at = int(np.argmax(out))
+        i = int(np.searchsorted(bounds, at, side="right")) - 1
         raise GroupRejected(
-            "malformed", f"group has {len(tokens)} token lists, {len(masks)} masks, {len(scores)} scores"
+            "token_out_of_range", f"sequence {i}: tokens: id {int(flat[at])} outside [0, {vocab_size})", "tokens"
         )
-    score_values = [_number(s, "score_invalid", "scores") for s in scores]
-    if not all(math.isfinite(s) and abs(s) <= MAX_ABS_SCORE for s in score_values):
+    scores = typed.scores
+    if float(np.abs(scores).max()) > MAX_ABS_SCORE:
         raise GroupRejected(
-            "score_invalid", f"non-finite or absurd (|s| > {MAX_ABS_SCORE:g}) score in {score_values[:8]}"
+            "score_invalid", f"non-finite or absurd (|s| > {MAX_ABS_SCORE:g}) score in {scores[:8].tolist()}", "scores"
         )
-    advs = group_advantages(score_values, std_floor, advantage)
-    logprobs = group.get("inference_logprobs")
+    advs = group_advantages(scores.tolist(), std_floor, advantage)
+    tokens = flat.tolist()
+    masks = (typed.masks.flat != IGNORE).tolist()
+    logprobs: list[float] | None = None
+    if typed.logprobs is not None:
+        lp = typed.logprobs.flat
+        low = lp < MIN_LOGPROB  # NaN is not: it is a missing logprob
+        low[bounds[:-1]] = False  # a sequence's first entry predicts nothing
+        if low.any():
+            i = int(np.searchsorted(bounds, int(np.argmax(low)), side="right")) - 1
+            raise GroupRejected(
+                "logprob_invalid", f"sequence {i}: a rollout logprob < {MIN_LOGPROB:g}", "inference_logprobs"
+            )
+        # missing: the 1.0 sentinel (a log-probability is never positive), NaN, +inf
+        logprobs = np.where(lp <= 0.0, lp, math.nan).tolist()
     env_advantages = group.get("advantages")
     overrides = group.get("overrides")
     d_ids = group.get("distill_token_ids") if use_distill else None
     d_lps = group.get("distill_logprobs") if use_distill else None
-    for name, value in (
-        ("inference_logprobs", logprobs),
-        ("advantages", env_advantages),
-        ("overrides", overrides),
-        ("distill_token_ids", d_ids),
-        ("distill_logprobs", d_lps),
-    ):
+    for name, value in (("advantages", env_advantages), ("overrides", overrides)):
         if value is not None and not isinstance(value, list):
-            raise GroupRejected("malformed", f"{name} is not a list")
+            raise GroupRejected("malformed", f"{name} is not a list", name)
     rows = []
-    for i, (tok, msk) in enumerate(zip(tokens, masks, strict=True)):
-        if not isinstance(tok, list) or not isinstance(msk, list):
-            raise GroupRejected("malformed", f"sequence {i}: tokens and masks must be lists")
-        if len(tok) > max_token_len:
-            raise GroupRejected("too_long", f"sequence {i}: {len(tok)} tokens > trainer.max_token_len {max_token_len}")
-        if len(tok) != len(msk):
-            raise GroupRejected("malformed", f"sequence {i}: {len(tok)} tokens but {len(msk)} mask entries")
-        if len(tok) < 2:
-            raise GroupRejected("malformed", f"sequence {i}: fewer than 2 tokens")
-        _ids(tok, vocab_size, f"sequence {i}: tokens")
-        if not all(type(m) is int for m in msk):
-            raise GroupRejected("malformed", f"sequence {i}: masks are not integers")
-        n = len(tok) - 1
-        lp = _index(logprobs, i)
-        if lp is not None:
-            lp = _list(lp, len(tok), f"sequence {i}: inference_logprobs")
-        mask = [m != IGNORE for m in msk[1:]]
+    for i in range(n):
+        a, b = bounds[i], bounds[i + 1]
+        length = b - a
+        mask = masks[a + 1 : b]
         if mask_truncated and is_truncated(group, i):
-            mask = [False] * n  # a truncated completion carries no loss (DAPO's overlong masking)
-        old = _rollout_logprobs(lp[1:], i) if lp is not None else [math.nan] * n
+            mask = [False] * (length - 1)  # a truncated completion carries no loss (DAPO's overlong masking)
+        old = logprobs[a + 1 : b] if logprobs is not None else [math.nan] * (length - 1)
         over = _index(overrides, i)
         zero = isinstance(over, Mapping) and bool(over.get("set_advantage_to_zero"))
         env_adv = _index(env_advantages, i)
         if zero:
-            adv = [0.0] * n
+            adv = [0.0] * (length - 1)
         elif isinstance(env_adv, list):
-            adv = _list(env_adv, len(tok), f"sequence {i}: advantages")[1:]
-            if not all(type(a) is float for a in adv):  # the usual case needs no conversion
-                adv = [_number(a, "advantage_invalid", f"sequence {i}: advantages") for a in adv]
+            values = _list(env_adv, length, f"sequence {i}: advantages", "advantages")[1:]
+            if all(type(a) is float for a in values):  # the usual case needs no conversion
+                adv = cast("list[float]", values)
+            else:
+                adv = [_number(a, "advantage_invalid", f"sequence {i}: advantages") for a in values]
         elif env_adv is not None:
-            adv = [_number(env_adv, "advantage_invalid", f"sequence {i}: advantage")] * n
+            adv = [_number(env_adv, "advantage_invalid", f"sequence {i}: advantage")] * (length - 1)
         else:
-            adv = [advs[i]] * n
-        if not all(abs(a) <= MAX_ABS_ADVANTAGE for a in adv):  # NaN fails too
+            adv = [advs[i]] * (length - 1)
+        if not (abs(adv[0]) <= MAX_ABS_ADVANTAGE if env_adv is None else all(abs(a) <= MAX_ABS_ADVANTAGE for a in adv)):
             raise GroupRejected(
-                "advantage_invalid", f"sequence {i}: non-finite or absurd advantage (|A| > {MAX_ABS_ADVANTAGE:g})"
+                "advantage_invalid",
+                f"sequence {i}: non-finite or absurd advantage (|A| > {MAX_ABS_ADVANTAGE:g})",
+                "advantages",
             )
+        tok = tokens[a:b]
         row = SequenceRow(
             input_ids=tok[:-1],
             labels=tok[1:],
             mask=mask,
             old_logp=old,
             advantages=adv,
-            temperature=_temperature(group, i),
+            temperature=1.0,  # below
         )
         ids_i, lps_i = _index(d_ids, i), _index(d_lps, i)
         if ids_i is not None or lps_i is not None:
-            row.distill_ids, row.distill_lp = _distill_rows(ids_i, lps_i, len(tok), vocab_size, i)
+            row.distill_ids, row.distill_lp = _distill_rows(ids_i, lps_i, length, vocab_size, i)
         rows.append(row)
+    for row, t in zip(rows, _temperatures(group, n), strict=True):
+        row.temperature = t
     return rows
 
 
-def _rollout_logprobs(values: list[Any], i: int) -> list[float]:
-    """Rollout logprobs as floats, NaN where missing (None, the 1.0 sentinel, NaN, +inf)."""
-    if not all(type(x) is float for x in values):  # the usual case: all floats, one pass each below
-        values = [
-            math.nan if x is None else _number(x, "logprob_invalid", f"sequence {i}: inference_logprobs")
-            for x in values
-        ]
-    if any(x < MIN_LOGPROB for x in values):
-        raise GroupRejected("logprob_invalid", f"sequence {i}: a rollout logprob < {MIN_LOGPROB:g}")
-    return [x if x <= 0.0 else math.nan for x in values]  # NaN <= 0 is False: stays missing
-
-
 def _distill_rows(
-    ids_i: Any, lps_i: Any, length: int, vocab_size: int | None, i: int
+    ids_i: object, lps_i: object, length: int, vocab_size: int | None, i: int
 ) -> tuple[list[list[int]], list[list[float]]]:
-    """The teacher's top-k of one sequence, shifted: ids in [-1, vocab) (-1 = padding), finite logprobs."""
+    """The teacher's top-k of one sequence, shifted: ids in [-1, vocab) (-1 = padding), logprobs
+    within a log-probability's range (their shape the schema checked: :func:`typed_group`)."""
     what = f"sequence {i}: distill_token_ids/distill_logprobs"
-    ids_i, lps_i = _list(ids_i, length, what), _list(lps_i, length, what)
+    ids_i, lps_i = _list(ids_i, length, what, DISTILL[0]), _list(lps_i, length, what, DISTILL[1])
     out_ids: list[list[int]] = []
     out_lps: list[list[float]] = []
     # Entry t is the teacher's top-k for token t: the input position t-1 predicts it.
     for e_ids, e_lps in zip(ids_i[1:], lps_i[1:], strict=True):
-        e_ids, e_lps = e_ids or [], e_lps or []
-        ids = _ids(e_ids, vocab_size, what, low=-1)
-        if len(ids) > MAX_DISTILL_K:
-            raise GroupRejected("distill_invalid", f"{what}: {len(ids)} teacher ids at one position > {MAX_DISTILL_K}")
-        lps = [_number(x, "distill_invalid", what) for x in _list(e_lps, len(ids), what)]
+        ids = _ids(e_ids or [], vocab_size, what, low=-1, field=DISTILL[0])
+        lps = [_number(x, "distill_invalid", what) for x in _list(e_lps or [], len(ids), what, DISTILL[1])]
         # A log-probability is never positive, and one beyond float32's range (3.5e38) would
         # become infinite in the tensor: both are garbage, not a teacher's output.
         if not all(
@@ -489,7 +563,9 @@ def _distill_rows(
             if k >= 0
         ):
             raise GroupRejected(
-                "distill_invalid", f"{what}: non-finite, positive or absurd (< {MIN_TEACHER_LOGPROB:g}) teacher logprob"
+                "distill_invalid",
+                f"{what}: non-finite, positive or absurd (< {MIN_TEACHER_LOGPROB:g}) teacher logprob",
+                DISTILL[1],
             )
         out_ids.append(ids)
         out_lps.append([x if k >= 0 else -1e9 for x, k in zip(lps, ids, strict=True)])
@@ -500,7 +576,7 @@ def _pad(rows: Sequence[SequenceRow]) -> MicroBatch:
     # Padded Python lists, then one tensor per field: far cheaper than per-row tensor writes.
     t = max(len(r.input_ids) for r in rows)
 
-    def padded(values: Sequence[Any], fill: Any) -> list[Any]:
+    def padded(values: Sequence[T], fill: T) -> list[T]:
         return list(values) + [fill] * (t - len(values))
 
     input_ids = torch.tensor([padded(r.input_ids, 0) for r in rows], dtype=torch.long)  # [B, T]
@@ -600,7 +676,7 @@ def prepare_batch(
     group_index: list[list[int]] = []  # each kept group's rows
     for gi, group in enumerate(groups):
         try:
-            group_rows = _rows_of_group(
+            group_rows = rows_of_group(
                 group,
                 std_floor=adv_std_floor,
                 max_token_len=max_token_len,
@@ -634,7 +710,7 @@ def prepare_batch(
         group_index.append(list(range(len(rows), len(rows) + len(group_rows))))
         rows.extend(group_rows)
         scores.extend(float(s) for s in group["scores"])
-        truncated += sum(is_truncated(group, i) for i in range(len(group_rows)))
+        truncated += _truncated(group, len(group_rows))
         if isinstance(acc, (int, float)) and not isinstance(acc, bool) and 0 <= acc <= 1:
             accuracies.append(float(acc))  # an accuracy: anything else is ignored
         if type(version) is int and 0 <= version < 2**53:
