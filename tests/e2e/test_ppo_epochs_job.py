@@ -11,7 +11,8 @@ import pytest
 
 from tests.e2e.jobs import SHORT_TASK, job_config, run_short_learning_job
 
-PPO_STEPS = 100
+# 100 steps left the accuracy's gain at 0.30-0.48 over four runs: too close to the floor.
+PPO_STEPS = 150
 GSPO_STEPS = 300
 
 
