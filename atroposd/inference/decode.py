@@ -22,9 +22,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from atroposd.inference.schema import Completion, GenerateParams
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from atroposd.inference.steppers import HFStepper, LlamaStepper
 
 __all__ = ["Freezer", "FrozenAbort", "Thaw", "decode_batch"]
 
@@ -96,12 +102,12 @@ class _Row:
 
 
 def decode_batch(
-    model: Any,
+    model: PreTrainedModel,
     requests: list[GenerateParams],
     *,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     eos_ids: frozenset[int],
-    generator: Any,
+    generator: torch.Generator | None,
     fast: bool = True,
     early: Callable[..., None] | None = None,
     versions: list[int] | None = None,
@@ -122,7 +128,9 @@ def decode_batch(
 
     from atroposd.inference.steppers import HFStepper, make_stepper
 
-    device = model.get_input_embeddings().weight.device
+    embedding = model.get_input_embeddings().weight
+    assert isinstance(embedding, torch.Tensor)
+    device = embedding.device
     stepper = make_stepper(model) if fast else HFStepper(model)
     rows = [_Row(j, p) for j, p in enumerate(requests) for _ in range(p.n)]
     if versions is not None:
@@ -216,7 +224,9 @@ def _swapped(rows: list[_Row], active: list[int], version: int) -> bool:
     return changed
 
 
-def _recompute(stepper: Any, rows: list[_Row], active: list[int], pad: int, device: Any) -> Any:
+def _recompute(
+    stepper: HFStepper | LlamaStepper, rows: list[_Row], active: list[int], pad: int, device: torch.device
+) -> torch.Tensor:
     """The cache of rows ``active`` (in cache order) computed again with the current weights: one
     left-padded prefill over each row's prompt and every token it sampled (the last one, not yet
     fed, included); returns the next token's logits [A, V] (what ``step`` would have given)."""
@@ -236,7 +246,12 @@ def _recompute(stepper: Any, rows: list[_Row], active: list[int], pad: int, devi
 
 
 def _advance(
-    r: _Row, token: int, lp: float, alts: list[tuple[int, float]] | None, eos_ids: frozenset[int], tokenizer: Any
+    r: _Row,
+    token: int,
+    lp: float,
+    alts: list[tuple[int, float]] | None,
+    eos_ids: frozenset[int],
+    tokenizer: PreTrainedTokenizerBase,
 ) -> None:
     p = r.params
     r.tokens.append(token)
@@ -246,7 +261,7 @@ def _advance(
     if (token in eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
         r.finish = "stop"
     elif p.stop:
-        text = tokenizer.decode(r.tokens, skip_special_tokens=p.skip_special_tokens)
+        text = str(tokenizer.decode(r.tokens, skip_special_tokens=p.skip_special_tokens))
         hit = min(((text.find(s), s) for s in p.stop if s in text), default=None)
         if hit is not None:
             cut = hit[0] + (len(hit[1]) if p.include_stop_str_in_output else 0)
@@ -256,7 +271,9 @@ def _advance(
         r.finish = "length"
 
 
-def _collect(rows: list[_Row], requests: list[GenerateParams], tokenizer: Any) -> list[list[Completion]]:
+def _collect(
+    rows: list[_Row], requests: list[GenerateParams], tokenizer: PreTrainedTokenizerBase
+) -> list[list[Completion]]:
     texts = _decode_texts(tokenizer, rows)
     out: list[list[Completion]] = [[] for _ in requests]
     for r, decoded in zip(rows, texts, strict=True):
@@ -274,7 +291,7 @@ def _collect(rows: list[_Row], requests: list[GenerateParams], tokenizer: Any) -
     return out
 
 
-def _decode_texts(tokenizer: Any, rows: list[_Row]) -> list[str]:
+def _decode_texts(tokenizer: PreTrainedTokenizerBase, rows: list[_Row]) -> list[str]:
     """Every row's text; one call into a fast tokenizer's backend per batch where possible."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     plain = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
@@ -288,10 +305,10 @@ def _decode_texts(tokenizer: Any, rows: list[_Row]) -> list[str]:
                 ):
                     texts[i] = t
         return texts
-    return [tokenizer.decode(r.tokens, skip_special_tokens=r.params.skip_special_tokens) for r in rows]
+    return [str(tokenizer.decode(r.tokens, skip_special_tokens=r.params.skip_special_tokens)) for r in rows]
 
 
-def noise_generator(generator: Any, device: Any) -> Any:
+def noise_generator(generator: torch.Generator | None, device: torch.device | str) -> torch.Generator | None:
     """The generator a batch draws its unseeded noise from, on ``device``: the engine's own when it
     is there already, else one seeded by a single draw from it (the engine's seed still decides
     every batch's noise, one scalar a batch crosses from the host)."""
@@ -311,7 +328,12 @@ class _Sampler:
     """Vectorised sampling over the batch; per-request generators for seeded requests."""
 
     def __init__(
-        self, rows: list[_Row], requests: list[GenerateParams], temps: Any, generator: Any, device: Any
+        self,
+        rows: list[_Row],
+        requests: list[GenerateParams],
+        temps: torch.Tensor,
+        generator: torch.Generator | None,
+        device: torch.device,
     ) -> None:
         import torch
 
@@ -329,15 +351,15 @@ class _Sampler:
         self.generator = noise_generator(generator, device)
         # Rows of a seeded request draw their noise from that request's own generator, on the
         # model's device too: the same seed gives the same tokens on the same device.
-        self.seeded: list[tuple[int, int, Any]] = []
+        self.seeded: list[tuple[int, int, torch.Generator]] = []
         start = 0
         for p in requests:
             if p.seed is not None:
                 self.seeded.append((start, start + p.n, torch.Generator(device=device).manual_seed(p.seed)))
             start += p.n
-        self.logp: Any = None
+        self.logp: torch.Tensor | None = None
 
-    def sample(self, logits: Any) -> tuple[Any, Any]:
+    def sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [B, V] → (token ids [B], their log_softmax(logits / T) [B])."""
         import torch
 
@@ -357,7 +379,7 @@ class _Sampler:
             tokens = torch.where(self.greedy, logits.argmax(dim=-1), tokens)
         return tokens, logp.gather(1, tokens[:, None])[:, 0]
 
-    def _truncate(self, probs: Any) -> Any:
+    def _truncate(self, probs: torch.Tensor) -> torch.Tensor:
         import torch
 
         sorted_p, order = probs.sort(dim=-1, descending=True)
@@ -371,14 +393,14 @@ class _Sampler:
 
     def alternatives(self) -> list[list[tuple[int, float]]] | None:
         """The top ``logprobs`` alternatives of the last sampled step, per row."""
-        if not self.want_alts:
+        if not self.want_alts or self.logp is None:
             return None
         vals, idx = self.logp.topk(self.want_alts, dim=-1)
         return [list(zip(i, v, strict=True)) for i, v in zip(idx.tolist(), vals.tolist(), strict=True)]
 
 
 def _prompt_logprobs(
-    logits: Any, requests: list[GenerateParams], width: int
+    logits: torch.Tensor, requests: list[GenerateParams], width: int
 ) -> list[list[dict[str, float] | None] | None]:
     """Teacher-forced logprobs of every prompt token: [None, {id: lp, ...}, ...] per request
     (the actual token, then the top-k alternatives). ``logits``: [R, W, V], one row per request."""

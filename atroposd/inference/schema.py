@@ -206,18 +206,19 @@ def with_lane(params: GenerateParams, *, template_tokens: int = 0, own: bool = F
     return params if params.lane == lane else replace(params, lane=lane)
 
 
-def _check_fields(body: Any, known: Collection[str]) -> None:
+def _check_fields(body: object, known: Collection[str]) -> Mapping[str, Any]:
     """A request body is a JSON object of known fields only (each route's first check)."""
     if not isinstance(body, Mapping):
         raise BadRequest("request must be a JSON object")
     unknown = sorted(set(body) - set(known))
     if unknown:
         raise BadRequest(f"unknown field(s): {', '.join(unknown)}")
+    return body
 
 
-def parse_generate(body: Any, *, max_model_len: int, vocab_size: int) -> GenerateParams:
+def parse_generate(raw: object, *, max_model_len: int, vocab_size: int) -> GenerateParams:
     """Validate an Atropos ``/generate`` body (see the module docstring)."""
-    _check_fields(body, _KNOWN)
+    body = _check_fields(raw, _KNOWN)
     prompt = body.get("prompt")
     ids = prompt.get("prompt_token_ids") if isinstance(prompt, Mapping) else None
     ids = _check_ids(ids, max_model_len, 'prompt must be {"prompt_token_ids": [token ids, at least one]}')
@@ -227,7 +228,7 @@ def parse_generate(body: Any, *, max_model_len: int, vocab_size: int) -> Generat
     return with_lane(sampling_params(body, ids, max_model_len=max_model_len, vocab_size=vocab_size))
 
 
-def _check_ids(ids: Any, max_model_len: int, message: str) -> list[int]:
+def _check_ids(ids: object, max_model_len: int, message: str) -> list[int]:
     """A prompt of token ids: a non-empty list of integers, refused at once when it is longer
     than ``max_model_len`` (before its ids are looked at one by one)."""
     if not isinstance(ids, list) or not ids:
@@ -307,7 +308,7 @@ def sampling_params(
     )
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -403,7 +404,9 @@ def _usage(gen: Mapping[str, Any]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_response(model: str, gen: Mapping[str, Any], *, want_logprobs: bool, decode: Any) -> dict[str, Any]:
+def completion_response(
+    model: str, gen: Mapping[str, Any], *, want_logprobs: bool, decode: Callable[[int], str]
+) -> dict[str, Any]:
     """OpenAI ``text_completion`` from a /generate response (one prompt)."""
 
     def logprobs(i: int) -> dict[str, Any]:
@@ -447,7 +450,9 @@ def _with_spans(choice: dict[str, Any], gen: Mapping[str, Any], i: int) -> dict[
     return choice
 
 
-def chat_response(model: str, gen: Mapping[str, Any], *, want_logprobs: bool, decode: Any) -> dict[str, Any]:
+def chat_response(
+    model: str, gen: Mapping[str, Any], *, want_logprobs: bool, decode: Callable[[int], str]
+) -> dict[str, Any]:
     """OpenAI ``chat.completion`` from a /generate response; logprobs in the ``content`` form."""
 
     def item(tid: int, lp: float, alts: list[tuple[int, float]]) -> dict[str, Any]:
@@ -530,7 +535,7 @@ _SGLANG_FIELDS = {
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's own default
 
 
-def is_sglang(body: Any) -> bool:
+def is_sglang(body: object) -> bool:
     """Whether a ``/generate`` body is SGLang's (``input_ids`` or ``text``, ``sampling_params``)
     rather than vLLM's (``prompt``): the two share the route and are told apart by the body."""
     return (
@@ -553,11 +558,11 @@ class SglangRequest:
 
 
 def parse_sglang(
-    body: Any, *, max_model_len: int, vocab_size: int, encode: Callable[[str], list[int]]
+    raw: object, *, max_model_len: int, vocab_size: int, encode: Callable[[str], list[int]]
 ) -> SglangRequest:
     """Validate an SGLang ``/generate`` body (SPEC §7); ``encode`` tokenizes ``text`` as
     SGLang does (special tokens added). Errors name the SGLang field."""
-    _check_fields(body, _SGLANG_FIELDS)
+    body = _check_fields(raw, _SGLANG_FIELDS)
     if body.get("stream"):
         raise BadRequest("stream = true is not supported; ask for the whole response")
     if body.get("input_ids") is not None and body.get("text") is not None:
@@ -702,11 +707,11 @@ _TRL_FIELDS = {
 
 
 def parse_trl(
-    body: Any, *, max_model_len: int, vocab_size: int, encode: Callable[[str], list[int]]
+    raw: object, *, max_model_len: int, vocab_size: int, encode: Callable[[str], list[int]]
 ) -> list[GenerateParams]:
     """Validate TRL ``vllm-serve``'s ``/generate/`` body (SPEC §7): one request per prompt, each
     with ``n`` samples; ``encode`` tokenizes a prompt as vLLM does (special tokens added)."""
-    _check_fields(body, _TRL_FIELDS)
+    body = _check_fields(raw, _TRL_FIELDS)
     prompts = body.get("prompts")
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p for p in prompts):
         raise BadRequest("prompts must be a non-empty list of non-empty strings")

@@ -616,7 +616,7 @@ def _chat_request(front: _Front, body: object) -> _Chat:
             f"messages and tools are {size} bytes, longer than max_model_len × {schema.TEXT_BYTES_PER_TOKEN} = "
             f"{limit}; they cannot fit max_model_len ({front.max_model_len}) tokens"
         )
-    if tool_req is not None and front.tool_parser is not None and hasattr(front.tool_parser, "check"):
+    if tool_req is not None and front.tool_parser is not None:
         front.tool_parser.check(tool_req)  # once per request, before anything is generated
     given: list[dict[str, Any] | Callable[..., Any]] | None = (
         list(tool_req.tools) if tool_req is not None and tool_req.tools else None

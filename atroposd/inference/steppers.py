@@ -18,24 +18,28 @@ Shapes: B rows, T new tokens per row, S cached positions, V vocabulary.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from transformers.cache_utils import Cache
+
 __all__ = ["HFStepper", "LlamaStepper", "make_stepper"]
 
 
-def make_stepper(model: Any) -> HFStepper | LlamaStepper:
+def make_stepper(model: PreTrainedModel) -> HFStepper | LlamaStepper:
     return LlamaStepper(model) if LlamaStepper.supports(model) else HFStepper(model)
 
 
 class HFStepper:
     """The model's own forward with its cache object."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
-        self.cache: Any = None
+        self.cache: Cache | None = None
         self.mask: torch.Tensor | None = None  # [B, S] 1 = a real token
         # transformers 5.24 renamed the cache argument and output field ``past_key_values`` to
         # ``cache`` (the old name warns); older releases only know the old one.
@@ -58,8 +62,8 @@ class HFStepper:
 
     def select(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` (in that order; repeats fan a row out)."""
-        assert self.mask is not None
-        self.cache.reorder_cache(index)
+        assert self.mask is not None and self.cache is not None
+        self.cache.reorder_cache(index)  # type: ignore[arg-type]  # a long tensor (LongTensor is no static type)
         self.mask = self.mask[index]
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -78,17 +82,19 @@ class HFStepper:
         return last
 
 
-def _returned_cache(out: Any) -> Any:
+def _returned_cache(out: object) -> Cache:
     """The cache a forward returned: ``out.cache`` (transformers ≥ 5.24), else ``out.past_key_values``."""
     if "cache" in getattr(out, "__dataclass_fields__", {}):
-        return out.cache
-    return out.past_key_values
+        cache: Cache = getattr(out, "cache")  # noqa: B009 (transformers < 5.24 has no such field)
+        return cache
+    past: Cache = getattr(out, "past_key_values")  # noqa: B009
+    return past
 
 
 class LlamaStepper:
     """transformers' Llama forward, flat (see the module docstring for when it applies)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         cfg = model.config
         self.model = model
         self.layers = list(model.model.layers)
@@ -96,7 +102,9 @@ class LlamaStepper:
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.eps = float(cfg.rms_norm_eps)
-        device = model.get_input_embeddings().weight.device
+        embedding = model.get_input_embeddings().weight
+        assert isinstance(embedding, torch.Tensor)
+        device = embedding.device
         theta = float(_rope(cfg)["rope_theta"])
         self.inv_freq = 1.0 / theta ** (
             torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
@@ -106,7 +114,7 @@ class LlamaStepper:
         self.valid: torch.Tensor | None = None  # [B, S] bool: a real token
 
     @staticmethod
-    def supports(model: Any) -> bool:
+    def supports(model: torch.nn.Module) -> bool:
         cfg = getattr(model, "config", None)
         if cfg is None or getattr(cfg, "model_type", None) != "llama":
             return False
@@ -202,7 +210,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-def _rope(cfg: Any) -> dict[str, Any]:
+def _rope(cfg: object) -> dict[str, Any]:
     params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
     if isinstance(params, dict) and params:
         return params

@@ -21,9 +21,13 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from atroposd.inference.schema import BadRequest
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from atroposd.toolparsers import (
     AUTO,
     BUILTIN_PARSERS,
@@ -94,6 +98,10 @@ class ParsedOutput:
 
 class ToolParser(Protocol):
     name: str
+
+    def check(self, request: ToolRequest) -> object:
+        """Validate a request's tools, once per request, before anything is generated
+        (a :class:`BadRequest` naming the problem)."""
 
     def parse(self, text: str, request: ToolRequest) -> ParsedOutput: ...
 
@@ -219,7 +227,7 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
     return out
 
 
-def _kind(v: Any) -> str:
+def _kind(v: object) -> str:
     return {
         list: "a list",
         dict: "an object",
@@ -243,6 +251,9 @@ class HermesParser:
     START, END = "<tool_call>", "</tool_call>"
     _CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 
+    def check(self, request: ToolRequest) -> None:
+        """Nothing beyond :func:`parse_tool_request`'s checks."""
+
     def parse(self, text: str, request: ToolRequest) -> ParsedOutput:
         if self.START not in text:
             return ParsedOutput(content=text, calls=[])
@@ -263,7 +274,7 @@ class VllmParser:
     """A parser of vLLM's registry (``vllm.tool_parsers.ToolParserManager``), given the
     model's tokenizer, called as vLLM's chat route calls it."""
 
-    def __init__(self, name: str, tokenizer: Any) -> None:
+    def __init__(self, name: str, tokenizer: PreTrainedTokenizerBase) -> None:
         from vllm.tool_parsers import ToolParserManager
 
         self.name = name
@@ -272,7 +283,7 @@ class VllmParser:
         self._last: tuple[ToolRequest, Any] | None = None  # the request checked last, and its model
         self._cls(tokenizer)  # its constructor checks the tokenizer (some need their tokens in it)
 
-    def check(self, request: ToolRequest) -> Any:
+    def check(self, request: ToolRequest) -> ChatCompletionRequest:
         """vLLM's request model of ``request``'s tools, built (and so validated) once per
         request — before anything is generated — however many choices are parsed with it."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -320,7 +331,7 @@ def detect_parser(model_dir: Path | None, chat_template: str | None) -> str | No
     return None
 
 
-def make_parser(setting: str, tokenizer: Any, model_dir: Path | None) -> ToolParser | None:
+def make_parser(setting: str, tokenizer: PreTrainedTokenizerBase, model_dir: Path | None) -> ToolParser | None:
     """The parser ``[inference] tool_parser = setting`` asks for (None: off, or ``auto`` found
     no format); vLLM's where vLLM is installed. Raises :class:`ToolParserUnavailable`."""
     if setting == "":
@@ -358,7 +369,11 @@ def make_parser(setting: str, tokenizer: Any, model_dir: Path | None) -> ToolPar
 
 
 def apply_tool_calls(
-    response: dict[str, Any], gen: Mapping[str, Any], parser: ToolParser, request: ToolRequest, tokenizer: Any
+    response: dict[str, Any],
+    gen: Mapping[str, Any],
+    parser: ToolParser,
+    request: ToolRequest,
+    tokenizer: PreTrainedTokenizerBase,
 ) -> None:
     """Turn each chat choice whose text holds tool calls into OpenAI's shape, in place: the
     message's ``content`` (the text before the calls, or null) and ``tool_calls``, and
@@ -376,7 +391,7 @@ def apply_tool_calls(
         choice["finish_reason"] = "tool_calls"
 
 
-def _without_stop_token(text: str, token_ids: Sequence[int], reason: str, tokenizer: Any) -> str:
+def _without_stop_token(text: str, token_ids: Sequence[int], reason: str, tokenizer: PreTrainedTokenizerBase) -> str:
     """The text without the EOS token's own text: decoded with special tokens kept (for the
     parser), a sampled EOS would otherwise end the content (vLLM's text never holds it)."""
     eos = getattr(tokenizer, "eos_token_id", None)
