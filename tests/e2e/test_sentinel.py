@@ -17,27 +17,6 @@ from tests.faults import fault_env
 from tests.support import atroposd
 
 
-@pytest.mark.slow
-def test_healthy_job_drift_stays_near_zero(short_tmp: Path) -> None:
-    cfg = job_config(short_tmp, steps=12, health={"canary_every": 2, "canary_prompts": 4, "drift_limit": 0.05})
-    res = atroposd("run", "-c", str(cfg), env=daemon_env(), timeout=300)
-    assert res.returncode == 0, f"run exited {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
-    rows = metrics(short_tmp / "state")
-    assert [r["step"] for r in rows] == list(range(1, 13))
-    drift = [r["replica_drift"] for r in rows]
-    assert drift[0] == [None], drift  # the first sync is not checked (canary_every = 2)
-    checked = [d[0] for d in drift[1:] if d[0] is not None]
-    assert checked, drift
-    assert all(d < 1e-3 for d in checked), drift  # float32 on the CPU: the same weights, the same tokens
-    log = (short_tmp / "state" / "logs" / "daemon.log").read_text()
-    events = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
-    assert not [e for e in events if "drift over the limit" in str(e.get("event"))]
-    # the cost of each check is reported: one line per round, with its seconds
-    rounds = [e for e in events if e.get("event") == "canary check"]
-    assert len(rounds) == 12 // 2 and all(e["seconds"] > 0 for e in rounds), rounds
-    print("sentinel: seconds per canary round", [e["seconds"] for e in rounds])
-
-
 def _events(state: Path) -> list[dict[str, Any]]:
     log = (state / "logs" / "daemon.log").read_text()
     return [json.loads(line) for line in log.splitlines() if line.startswith("{")]
@@ -125,8 +104,11 @@ def test_corrupted_replicas_resynced_or_restarted_and_the_job_goes_on(short_tmp:
 
 @pytest.mark.slow
 def test_two_ranks_score_the_canary_together(short_tmp: Path) -> None:
-    """Two gloo trainer ranks: every rank scores the canary (the sharded forward's collectives
-    match) and rank 0's logprobs agree with the replica's."""
+    """A healthy job on two gloo trainer ranks: every rank scores the canary (the sharded
+    forward's collectives match) and rank 0's logprobs agree with the replica's: the drift stays
+    near 0 at every checked sync (the first is not checked: canary_every = 2), and the daemon
+    reports the seconds of each round. (One rank's healthy drift: the second run of the
+    corrupted-replicas job above, both replicas healthy again.)"""
     cfg = job_config(
         short_tmp,
         steps=6,
@@ -138,8 +120,12 @@ def test_two_ranks_score_the_canary_together(short_tmp: Path) -> None:
     rows = metrics(short_tmp / "state")
     assert [r["step"] for r in rows] == list(range(1, 7))
     events = _events(short_tmp / "state")
-    rounds = [e["replica_drift"][0] for e in events if e.get("event") == "canary check"]
+    checks = [e for e in events if e.get("event") == "canary check"]
+    rounds = [e["replica_drift"][0] for e in checks]
     assert len(rounds) == 3 and all(d is not None and d < 1e-3 for d in rounds), rounds  # float32: the same
+    assert all(e["seconds"] > 0 for e in checks), checks  # the cost of each round is reported
+    print("sentinel: seconds per canary round", [e["seconds"] for e in checks])
+    assert rows[0]["replica_drift"] == [None], rows[0]  # the first sync is not checked (canary_every = 2)
     assert all(r["replica_drift"][0] is not None for r in rows[1:]), rows
     made = [e for e in events if e.get("event") == "replica sentinel"]
     assert made and made[0]["ranks"] == 2, made
