@@ -40,12 +40,15 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
 
-from atroposd.api.schema import DISTILL, MAX_DISTILL_K, PASSTHROUGH
+from atroposd.api.schema import DISTILL, MAX_DISTILL_K, PASSTHROUGH, Group
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = [
     "CONTENT_TYPE",
@@ -107,7 +110,7 @@ def _fits(bounds: np.ndarray, lengths: np.ndarray) -> bool:
     return bool(bounds.size == lengths.size + 1 and (np.diff(bounds) <= lengths).all())
 
 
-def _ragged_from_rows(value: Any, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+def _ragged_from_rows(value: object, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """Rows of numbers as (flat float64, bounds); None when they are not one flat row of numbers
     per sequence, each no longer than the sequence's tokens."""
     n = lengths.size
@@ -130,7 +133,7 @@ def _ragged_from_rows(value: Any, lengths: np.ndarray) -> tuple[np.ndarray, np.n
     return flat, bounds
 
 
-def _numbers(value: Any, integer: bool) -> np.ndarray | None:
+def _numbers(value: object, integer: bool) -> np.ndarray | None:
     """A flat list of numbers as int64 / float64; None when it is not one (floats are not ids)."""
     if not isinstance(value, list):
         return None
@@ -147,7 +150,7 @@ def _numbers(value: Any, integer: bool) -> np.ndarray | None:
     return a.astype(np.int64 if integer else np.float64)
 
 
-def _distill_rows(value: Any, lengths: np.ndarray, integer: bool) -> list[np.ndarray] | None:
+def _distill_rows(value: object, lengths: np.ndarray, integer: bool) -> list[np.ndarray] | None:
     """Per sequence a [positions, k] array (k may vary by position: padded here with -1 / 0.0;
     a null sequence or position has none); None when ``value`` is not one list per sequence of
     at most one entry per token, each a list of at most ``MAX_DISTILL_K`` numbers. Checked
@@ -191,7 +194,7 @@ def _split_rest(
     return distill, rest
 
 
-def rows_from_group(g: Any) -> GroupRows:
+def rows_from_group(g: Group) -> GroupRows:
     """The API's in-memory :class:`~atroposd.api.schema.Group` as layout rows."""
     bounds = np.asarray(g.tokens.bounds, dtype=np.int64)
     lengths = np.diff(bounds)
@@ -221,7 +224,7 @@ def rows_from_group(g: Any) -> GroupRows:
     )
 
 
-def _parsed(text: bytes) -> Any:
+def _parsed(text: bytes) -> object:
     """A kept field's JSON as a value (re-serialised into groups_json in one canonical form, so
     that the file does not depend on how the field was posted); the text itself if orjson cannot
     parse it back (an integer beyond 64 bits)."""
@@ -286,7 +289,7 @@ class BatchLayout:
     offsets: dict[str, int]  # name -> byte offset in the file
     size: int  # total file size
 
-    def fill(self, buf: Any) -> None:
+    def fill(self, buf: Buffer) -> None:
         """Write the whole file into ``buf`` (a writable buffer of at least ``size`` bytes)."""
         mv = memoryview(buf).cast("B")
         mv[: len(self.header)] = self.header
@@ -440,7 +443,7 @@ def batch_arrays(groups: Sequence[Mapping[str, Any]], max_bytes: int | None = No
     return layout.arrays()
 
 
-def decode(buf: Any) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def decode(buf: Buffer) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """(tensors, metadata) of a safetensors file in ``buf``: numpy views of ``buf``, no copy.
 
     Raises LayoutError for anything malformed (bad header, offsets out of bounds, unknown dtype).

@@ -13,7 +13,6 @@ its plain shape, else from orjson and the full checks of :mod:`atroposd.api.sche
 from __future__ import annotations
 
 import zlib
-from typing import Any
 
 import orjson
 
@@ -98,7 +97,7 @@ def _gunzip_stream(raw: bytes | bytearray, limit: int) -> bytes:
     return b"".join(out)
 
 
-def parse_json(raw: bytes | bytearray, *, optional: bool = False) -> Any:
+def parse_json(raw: bytes | bytearray, *, optional: bool = False) -> object:
     if not raw.strip():
         if optional:
             return None

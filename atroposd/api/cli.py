@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from atroposd.exitcodes import Exit
+
+if TYPE_CHECKING:
+    from atroposd.api.settings import ApiSettings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +75,7 @@ _FLAGS = {
 }
 
 
-def settings_from(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
+def settings_from(args: argparse.Namespace) -> tuple[ApiSettings, str, str, list[str]]:
     """(ApiSettings, log level, log format, problems with the flags) from -c and the flags. The
     token: ``--token``, else ``--token-file``, else ``[api] token``, else ``[api] token_file``,
     else ``$ATROPOSD_API_TOKEN``."""
@@ -112,7 +115,7 @@ def settings_from(args: argparse.Namespace) -> tuple[Any, str, str, list[str]]:
     return s, args.log_level or level, fmt, problems
 
 
-def _check(s: Any) -> list[str]:
+def _check(s: ApiSettings) -> list[str]:
     """What the config schema cannot check: the token's characters and the hidden test flags."""
     problems = []
     if not s.token.isascii() or any(c.isspace() for c in s.token):

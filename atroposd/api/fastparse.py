@@ -67,7 +67,7 @@ def parse_groups(raw: bytes | bytearray, *, listed: bool, max_token_len: int | N
         if listed:
             if not isinstance(doc, simdjson.Array):
                 return None
-            items = list(doc)
+            items: list[object] = list(doc)
             brackets = 1
         else:
             items = [doc]
@@ -102,7 +102,7 @@ def parse_groups(raw: bytes | bytearray, *, listed: bool, max_token_len: int | N
     ]
 
 
-def _parse(raw: bytes | bytearray) -> Any:
+def _parse(raw: bytes | bytearray) -> object:
     """The document of ``raw`` from this thread's parser. Every proxy of it must be gone before
     the thread parses again (``parse_groups`` drops them before it returns); should one still
     be alive, the parser refuses, and a new one takes its place."""
@@ -118,7 +118,7 @@ def _parse(raw: bytes | bytearray) -> Any:
     return parser.parse(raw)
 
 
-def _extract(item: Any) -> dict[str, Any] | None:
+def _extract(item: object) -> dict[str, Any] | None:
     if not isinstance(item, simdjson.Object):
         return None
     keys = list(item.keys())
@@ -127,8 +127,8 @@ def _extract(item: Any) -> dict[str, Any] | None:
     brackets = sum(k.count("[") for k in keys)
     rows: dict[str, Ragged | None] = {}
     extras: dict[str, bytes] = {}
-    scores: Any = None
-    env_id: Any = None
+    scores: object = None
+    env_id: object = None
     for key in keys:
         value = item[key]
         if key in INT_ROWS or key in FLOAT_ROWS:
@@ -188,7 +188,7 @@ def _check_kept(key: str, mini: bytes) -> None:
         raise InvalidRequest(f"{key} nests deeper than {MAX_PASSTHROUGH_DEPTH} levels", 422, "too_deep")
 
 
-def _rows(value: Any, name: str, *, integer: bool) -> Ragged | None:
+def _rows(value: object, name: str, *, integer: bool) -> Ragged | None:
     if not isinstance(value, simdjson.Array):
         return None
     bounds = [0]

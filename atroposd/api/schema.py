@@ -72,37 +72,52 @@ MAX_NAME_CHARS = 256
 InvalidRequest = SchemaError
 
 
-def dumps(obj: Any) -> bytes:
+def dumps(obj: object) -> bytes:
     return orjson.dumps(obj, option=_NUMPY)
 
 
 # ----------------------------------------------------------------------------- registrations
 
 
-def _field(obj: Mapping[str, Any], name: str, kind: type, *, optional: bool = False) -> Any:
+def _present(obj: Mapping[str, object], name: str) -> object:
     if name not in obj or obj[name] is None:
-        if optional:
-            return None
         raise InvalidRequest(f"field required: {name}")
-    v = obj[name]
-    if kind is str:
-        if not isinstance(v, str):
-            raise InvalidRequest(f"{name} must be a string")
-        return v
+    return obj[name]
+
+
+def _str(obj: Mapping[str, object], name: str) -> str:
+    v = _present(obj, name)
+    if not isinstance(v, str):
+        raise InvalidRequest(f"{name} must be a string")
+    return v
+
+
+def _number(obj: Mapping[str, object], name: str) -> int | float:
+    v = _present(obj, name)
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise InvalidRequest(f"{name} must be a number")
-    if kind is int:
-        if not math.isfinite(v) or v != int(v):
-            raise InvalidRequest(f"{name} must be an integer")
-        if not _I64.min <= int(v) <= _I64.max:
-            raise InvalidRequest(f"{name}: integer out of range")
-        return int(v)
+    return v
+
+
+def _int(obj: Mapping[str, object], name: str) -> int:
+    v = _number(obj, name)
+    if not math.isfinite(v) or v != int(v):
+        raise InvalidRequest(f"{name} must be an integer")
+    if not _I64.min <= int(v) <= _I64.max:
+        raise InvalidRequest(f"{name}: integer out of range")
+    return int(v)
+
+
+def _float(obj: Mapping[str, object], name: str, *, optional: bool = False) -> float | None:
+    if optional and (name not in obj or obj[name] is None):
+        return None
+    v = _number(obj, name)
     if not math.isfinite(v):
         raise InvalidRequest(f"{name} must be a finite number")
     return float(v)
 
 
-def _object(obj: Any, what: str) -> Mapping[str, Any]:
+def _object(obj: object, what: str) -> Mapping[str, object]:
     if not isinstance(obj, Mapping):
         raise InvalidRequest(f"body must be a JSON object ({what})")
     return obj
@@ -122,17 +137,17 @@ class TrainerRegistration:
     num_steps: int
 
     @classmethod
-    def from_json(cls, obj: Any) -> TrainerRegistration:
+    def from_json(cls, obj: object) -> TrainerRegistration:
         o = _object(obj, "Registration")
         reg = cls(
-            wandb_group=_field(o, "wandb_group", str),
-            wandb_project=_field(o, "wandb_project", str),
-            batch_size=_field(o, "batch_size", int),
-            max_token_len=_field(o, "max_token_len", int),
-            checkpoint_dir=_field(o, "checkpoint_dir", str),
-            save_checkpoint_interval=_field(o, "save_checkpoint_interval", int),
-            starting_step=_field(o, "starting_step", int),
-            num_steps=_field(o, "num_steps", int),
+            wandb_group=_str(o, "wandb_group"),
+            wandb_project=_str(o, "wandb_project"),
+            batch_size=_int(o, "batch_size"),
+            max_token_len=_int(o, "max_token_len"),
+            checkpoint_dir=_str(o, "checkpoint_dir"),
+            save_checkpoint_interval=_int(o, "save_checkpoint_interval"),
+            starting_step=_int(o, "starting_step"),
+            num_steps=_int(o, "num_steps"),
         )
         if reg.batch_size < 1:
             raise InvalidRequest("batch_size must be at least 1")
@@ -160,15 +175,15 @@ class EnvRegistration:
     peer_start: int | float | None = None  # pids.Start: ticks since boot (a float: older wall-clock form)
 
     @staticmethod
-    def parse_request(obj: Any) -> dict[str, Any]:
+    def parse_request(obj: object) -> dict[str, Any]:
         """Validate a ``POST /register-env`` body (RegisterEnv)."""
         o = _object(obj, "RegisterEnv")
-        req = {
-            "max_token_length": _field(o, "max_token_length", int),
-            "desired_name": _field(o, "desired_name", str),
-            "weight": _field(o, "weight", float),
-            "group_size": _field(o, "group_size", int),
-            "min_batch_allocation": _field(o, "min_batch_allocation", float, optional=True),
+        req: dict[str, Any] = {
+            "max_token_length": _int(o, "max_token_length"),
+            "desired_name": _str(o, "desired_name"),
+            "weight": _float(o, "weight"),
+            "group_size": _int(o, "group_size"),
+            "min_batch_allocation": _float(o, "min_batch_allocation", optional=True),
         }
         if req["max_token_length"] < 1:
             raise InvalidRequest(f"max_token_length must be at least 1, got {req['max_token_length']}")
@@ -210,7 +225,7 @@ class EnvRegistration:
         return env
 
 
-def _finite_int(v: Any, default: int) -> int:
+def _finite_int(v: object, default: int) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         return default
     return int(v)

@@ -279,7 +279,7 @@ class ApiServer:
             charge.add(len(body) - min(_inflated_size(raw, gz), limit))
         return body
 
-    async def _read_json(self, request: web.Request, *, optional: bool = False) -> Any:
+    async def _read_json(self, request: web.Request, *, optional: bool = False) -> object:
         """The JSON of a request body, its bytes charged while it is read and parsed."""
         charge = Charge(self.inflight)
         try:
@@ -468,7 +468,7 @@ class ApiServer:
         with ``release``, cannot be read and is to be served again)."""
         body = await self._read_json(request)
         batch_id = body.get("batch_id") if isinstance(body, dict) else None
-        if not isinstance(batch_id, str) or not batch_id:
+        if not isinstance(body, dict) or not isinstance(batch_id, str) or not batch_id:
             raise InvalidRequest("field required: batch_id (a string)")
         return await json_reply(request, self.shm.ack(batch_id, release=bool(body.get("release", False))))
 

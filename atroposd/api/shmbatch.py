@@ -47,6 +47,9 @@ from atroposd.fsutil import write_atomic
 from atroposd.logs import get_logger
 
 if TYPE_CHECKING:
+    from aiohttp import web
+
+    from atroposd.api.metrics import ApiMetrics
     from atroposd.api.queue import TrajectoryStore
     from atroposd.api.schema import Group
 
@@ -174,7 +177,7 @@ class ShmBatches:
         *,
         ack_timeout: float,
         spool_dir: str | None,
-        metrics: Any = None,
+        metrics: ApiMetrics | None = None,
         executor: Executor | None = None,
     ) -> None:
         self.store = store
@@ -234,10 +237,10 @@ class ShmBatches:
             except OSError as exc:
                 log.warning("cannot remove the shared-memory record", path=str(self.record), error=str(exc))
 
-    async def on_startup(self, app: Any) -> None:
+    async def on_startup(self, app: web.Application) -> None:
         self.start()
 
-    async def on_cleanup(self, app: Any) -> None:
+    async def on_cleanup(self, app: web.Application) -> None:
         self.close()
 
     # ------------------------------------------------------------------ batches
