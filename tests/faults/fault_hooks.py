@@ -188,25 +188,31 @@ def _patch_skip_weights(module: types.ModuleType, s: dict[str, str]) -> None:
 
 
 def _check_hold_resume(s: Any) -> None:
-    if not (isinstance(s, dict) and isinstance(s.get("dir"), str)):
-        raise ValueError(f"hold_resume wants {{'dir': path}}, got {s!r}")
+    seconds = s.get("seconds") if isinstance(s, dict) else None
+    ok = isinstance(s, dict) and isinstance(s.get("dir"), str) and set(s) <= {"dir", "seconds"}
+    if not ok or not (seconds is None or (isinstance(seconds, (int, float)) and seconds > 0)):
+        raise ValueError(f"hold_resume wants {{'dir': path, 'seconds'?: number > 0}}, got {s!r}")
 
 
 def _patch_hold_resume(module: types.ModuleType, s: dict[str, str]) -> None:
     """The weight sync holds a replica paused mid-swap: while the file ``DIR/hold`` exists, the
     sync's resume of a replica (after its pause and its weights, before it generates again)
-    waits; it creates ``DIR/held`` (the replica's socket and the version) as it starts waiting
-    and removes it when the hold file is gone. With ``inflight = "keep"`` the replica's running
-    generations stay frozen meanwhile."""
+    waits — ``seconds`` at most when given, as a slow transfer would; it creates ``DIR/held``
+    (the replica's socket and the version) as it starts waiting and removes it as it goes on.
+    With ``inflight = "keep"`` the replica's running generations stay frozen meanwhile."""
+    import time
+
     cls = module.Replicas
     original = cls.reached
     hold, held = Path(s["dir"]) / "hold", Path(s["dir"]) / "held"
+    limit = s.get("seconds")
 
     async def reached(self: Any, r: Any, version: int, method: str, *args: Any, **kwargs: Any) -> Any:
         if method == "resume" and hold.exists():
             held.write_text(f"{r.socket} {version}\n")
             _log("fault: the sync holds the replica paused before its resume", socket=str(r.socket), version=version)
-            while hold.exists():  # noqa: ASYNC110 - the test says when by a file, from another process
+            until = None if limit is None else time.monotonic() + float(limit)
+            while hold.exists() and (until is None or time.monotonic() < until):  # noqa: ASYNC110 - a file says when
                 await asyncio.sleep(0.02)
             held.unlink(missing_ok=True)
         return await original(self, r, version, method, *args, **kwargs)

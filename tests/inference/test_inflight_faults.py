@@ -242,3 +242,225 @@ async def test_a_push_refused_after_its_copy_never_serves_under_the_old_version(
     assert max(abs(a - b) for a, b in zip(lps[at:], after[at:], strict=True)) < 1e-5
     answer = await asyncio.wait_for(held, 30)
     assert answer["weight_version"] == 5 and "weight_versions" not in answer
+
+
+# ---------------------------------------------------------------------------- probes and canaries under a swap
+
+
+@pytest.mark.anyio
+async def test_a_probe_and_the_sentinels_canary_under_a_swap_carry_consistent_records(
+    engine: TorchEngine, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """A probe (one token) and the sentinel's canary requests (greedy, 16 tokens) in the batch a
+    sync freezes: the probe is answered before the freeze, under one version; each canary spans
+    the swap and says where: the old weights' logprobs before it, the new ones' after."""
+    from atroposd.trainer.sentinel import CANARY_MAX_TOKENS, builtin_prompts, canary_body
+
+    old = other_weights(tiny_dir)
+    old.load_state_dict(snapshot(engine.model))
+    prompts = builtin_prompts(4, engine.vocab_size)
+    rollout = asyncio.ensure_future(engine.generate(req(max_tokens=200, temperature=1.0, ignore_eos=True)))
+    canaries = [asyncio.ensure_future(engine.generate(canary_body(p, CANARY_MAX_TOKENS))) for p in prompts]
+    probe = asyncio.ensure_future(engine.generate({"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 1}))
+    await started(engine)
+    await engine.pause(mode="keep")
+    await asyncio.sleep(0.01)
+    assert probe.done() and not rollout.done(), "the probe waited for the swap, or nothing froze"
+    frozen = [c for c in canaries if not c.done()]
+    assert frozen, "every canary ended before the sync froze the batch"
+    model = other_weights(tiny_dir, seed=6)
+    await engine.load_weights({"path": str(write_sync_dir(model, tmp_path / "sync", 1)), "weight_version": 1})
+    await engine.resume(1)
+    answer = await probe
+    assert check_record(answer, 0, 1) == [[[0, 0]]] and len(answer["token_ids"][0]) == 1
+    check_record(await rollout, 0, 1)
+    for prompt, future in zip(prompts, canaries, strict=True):
+        resp = await asyncio.wait_for(future, 30)
+        (record,) = check_record(resp, 0, 1)
+        ids, lps = resp["token_ids"][0], logprobs_of(resp, 0)
+        at = record[1][0] if len(record) > 1 else len(ids)
+        if future in frozen:
+            assert [v for _, v in record] == [0, 1] and 0 < at < len(ids), record
+        before, after = score_completion(old, prompt, ids), score_completion(model, prompt, ids)
+        assert max(abs(a - b) for a, b in zip(lps[:at], before[:at], strict=True)) < 1e-5
+        assert max(abs(a - b) for a, b in zip(lps[at:], after[at:], strict=True)) < 1e-5
+
+
+@pytest.mark.anyio
+async def test_every_answer_through_several_swaps_has_a_consistent_version_record(
+    engine: TorchEngine, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Waves of requests of every shape (long and short, n up to 3, probes, canaries) through
+    three swaps and one refused sync in between: every answer's record is consistent, and each
+    token's logprob is the one of the weights its record names."""
+    from atroposd.trainer.sentinel import canary_body
+
+    models = {0: other_weights(tiny_dir)}
+    models[0].load_state_dict(snapshot(engine.model))
+    pending: list[tuple[list[int], asyncio.Future[dict[str, Any]]]] = []
+
+    def wave(k: int) -> None:
+        for i in range(6):
+            prompt = [BOS_ID, 4 + (i + k) % 10, 14, 5 + i, 17]
+            if i == 0:
+                body = {"prompt": {"prompt_token_ids": prompt}, "max_tokens": 1, "logprobs": 0}  # a probe
+            elif i == 1:
+                body = canary_body(prompt, 16)
+            else:
+                body = {
+                    "prompt": {"prompt_token_ids": prompt},
+                    "max_tokens": 8 * i + 4 * k,
+                    "n": 1 + i % 3,
+                    "temperature": 1.0,
+                    "ignore_eos": True,
+                    "logprobs": 0,
+                    "seed": 100 * k + i,
+                }
+            pending.append((prompt, asyncio.ensure_future(engine.generate(body))))
+
+    swaps = 0
+    for version in (1, 2, 3, 4):
+        wave(version)
+        await started(engine)
+        await asyncio.sleep(0.002 * version)
+        await engine.pause(mode="keep")
+        if version == 3:  # refused: a directory of another version
+            path = write_sync_dir(other_weights(tiny_dir, seed=30), tmp_path / "sync", 30)
+            with pytest.raises(WeightUpdateError):
+                await engine.load_weights({"path": str(path), "weight_version": version})
+            await engine.resume(engine.weight_version)
+            continue
+        models[version] = other_weights(tiny_dir, seed=10 + version)
+        path = write_sync_dir(models[version], tmp_path / "sync", version)
+        await engine.load_weights({"path": str(path), "weight_version": version})
+        await engine.resume(version)
+        swaps += 1
+    wave(5)
+    spanning = 0
+    for prompt, future in pending:
+        resp = await asyncio.wait_for(future, 60)
+        assert resp["weight_version"] in models
+        records = check_record(resp, resp["weight_version"], engine.weight_version)
+        spanning += "weight_versions" in resp
+        for i, record in enumerate(records):
+            ids, lps = resp["token_ids"][i], logprobs_of(resp, i)
+            ends = [at for at, _ in record[1:]] + [len(ids)]
+            for (at, version), end in zip(record, ends, strict=True):
+                assert version in models, record  # never the refused sync's number
+                ref = score_completion(models[version], prompt, ids)
+                assert max((abs(a - b) for a, b in zip(lps[at:end], ref[at:end], strict=True)), default=0) < 1e-5
+    assert swaps == 3 and engine.weight_version == 4
+    assert spanning >= 2, "too few answers spanned a swap for the check to mean much"
+
+
+# ---------------------------------------------------------------------------- whole jobs: kill -9 and stop while frozen
+
+
+def _weight_info(socket: Path) -> dict[str, Any]:
+    from atroposd.weights.client import WeightControlClient
+
+    async def ask() -> dict[str, Any]:
+        client = WeightControlClient(socket, timeout=10)
+        try:
+            return await client.request("GET", "/weight_info")
+        finally:
+            await client.close()
+
+    return asyncio.run(ask())
+
+
+def _hold(hold_dir: Path) -> tuple[Path, int]:
+    """Hold the job's next sync before its resume (``hold_resume``): the replica paused with its
+    generations frozen mid-swap. Returns its control socket and the version held."""
+    from tests.support import wait_for
+
+    (hold_dir / "hold").touch()
+    held = hold_dir / "held"
+    wait_for(held.exists, timeout=120, interval=0.02, what="the sync held before its resume")
+    socket, version = held.read_text().split()
+    info = _weight_info(Path(socket))
+    assert info["paused"] and info["held"], info  # a keep-pause: frozen, the weights swapped
+    return Path(socket), int(version)
+
+
+@pytest.mark.slow
+def test_a_replica_killed_while_frozen_comes_back_and_a_stop_while_frozen_leaves_nothing(short_tmp: Path) -> None:
+    """A job (inflight = "keep"): its sync is held with the replica paused mid-swap, its
+    generations frozen; kill -9 of the replica then: the daemon restarts it, the trainer goes
+    on (the sync finds the replica gone and gives it the weights when it is back), the API —
+    and every group it accepted — untouched. Held again, ``atroposd stop``: the sync ends, the
+    trainer stops at the step's end, exit 0, no process of the job and no shared-memory segment
+    left. Every step's groups were trained: none
+    rejected for its version record, none dropped."""
+    import psutil
+
+    from tests.e2e.jobs import (
+        component,
+        daemon_env,
+        job_config,
+        kill9,
+        metrics,
+        problem_lines,
+        processes_of_instance,
+        replica_health,
+        segments_of,
+        status,
+    )
+    from tests.faults import fault_env
+    from tests.support import atroposd, wait_for
+
+    hold_dir = short_tmp / "hold"
+    hold_dir.mkdir()
+    cfg = job_config(short_tmp, steps=100_000, trainer={"inflight": "keep"})
+    # a sync held 6 s at most: a stop while it is held waits for the sync, as for a slow transfer
+    env = {**daemon_env(), **fault_env(hold_resume={"dir": str(hold_dir), "seconds": 6})}
+    res = atroposd("start", "-c", str(cfg), env=env, timeout=300)
+    nonce, pids = "", []
+    stopped = None
+    try:
+        assert res.returncode == 0, f"start exited {res.returncode}: {res.stderr[-3000:]}"
+        st = status(cfg)
+        nonce = st["instance"]
+        api = component(st, "api")
+        wait_for(lambda: status(cfg)["trainer"]["step"] >= 5, timeout=120, interval=0.2, what="training steps")
+
+        before = component(status(cfg), "inference")
+        _, version = _hold(hold_dir)
+        kill9(before["pid"])
+        (hold_dir / "hold").unlink()
+        step = status(cfg)["trainer"]["step"]
+
+        def back() -> bool:
+            c = component(status(cfg), "inference")
+            return c["state"] == "ready" and c["pid"] != before["pid"] and c["restarts"] > before["restarts"]
+
+        wait_for(back, timeout=180, interval=0.3, what="the killed replica restarted")
+        wait_for(lambda: status(cfg)["trainer"]["step"] >= step + 10, timeout=180, interval=0.3, what="training on")
+        assert replica_health(cfg, 0)["weight_version"] > version  # the trainer's weights, not the base model
+        after = component(status(cfg), "api")
+        assert (after["pid"], after["restarts"]) == (api["pid"], api["restarts"])
+
+        pids = [c["pid"] for c in status(cfg)["components"] if c.get("pid")]
+        socket, _ = _hold(hold_dir)
+        t0 = time.monotonic()
+        stopped = atroposd("stop", "-c", str(cfg), timeout=120)
+        seconds = time.monotonic() - t0
+    finally:
+        (hold_dir / "hold").unlink(missing_ok=True)
+        if stopped is None:
+            atroposd("stop", "-c", str(cfg), timeout=120)
+    log = (short_tmp / "state" / "logs" / "daemon.log").read_text()
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert seconds < 45 and "abandoning" not in log, (seconds, problem_lines(log))
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    assert processes_of_instance(nonce) == []
+    assert segments_of(nonce) == []
+    assert not socket.exists()
+    rows = metrics(short_tmp / "state")
+    steps = [r["step"] for r in rows]
+    assert steps == list(range(1, len(rows) + 1))
+    assert all(not r["rejected_groups"] and not r["dropped_groups"] for r in rows), [
+        (r["step"], r["rejected_groups"], r["dropped_groups"])
+        for r in rows
+        if r["rejected_groups"] or r["dropped_groups"]
+    ]
