@@ -11,9 +11,16 @@ import argparse
 import dataclasses
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from atroposd.exitcodes import Exit
+
+if TYPE_CHECKING:
+    from atroposd.config import Config, EnvConfig
+    from atroposd.envs.arithmetic import ArithmeticTask
+
+T = TypeVar("T")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,7 +90,7 @@ class _Usage(Exception):
 EXPLOIT_LIMIT = 0.35
 
 
-def _warn_if_exploitable(task: Any) -> None:
+def _warn_if_exploitable(task: ArithmeticTask) -> None:
     from atroposd.envs.arithmetic import prompt_ignoring_bound
     from atroposd.logs import get_logger
 
@@ -159,7 +166,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _inference_token(cfg: Any) -> str:
+def _inference_token(cfg: Config) -> str:
     """The inference servers' bearer token: ``$ATROPOSD_INFERENCE_TOKEN`` (from the daemon), else
     the config's (``[inference] token_file``, or derived from the cluster token)."""
     from atroposd.config import INFERENCE_TOKEN_ENV
@@ -170,7 +177,7 @@ def _inference_token(cfg: Any) -> str:
         raise _Usage(str(exc)) from None
 
 
-def _find_env(envs: list[Any], name: str, builtin: str, node_rank: int = 0) -> Any:
+def _find_env(envs: list[EnvConfig], name: str, builtin: str, node_rank: int = 0) -> EnvConfig | None:
     """The [[env]] whose replica (or own) name is ``name``; without a name, the first of this builtin."""
     for e in envs:
         if name and (name == e.name or name in e.replica_names(node_rank)):
@@ -180,7 +187,7 @@ def _find_env(envs: list[Any], name: str, builtin: str, node_rank: int = 0) -> A
     return None
 
 
-def _inference_urls(flag: str | None, cfg: Any) -> tuple[str, ...]:
+def _inference_urls(flag: str | None, cfg: Config) -> tuple[str, ...]:
     """Every inference replica this environment may use: ``--inference-url`` alone when given,
     else $ATROPOSD_INFERENCE_URLS (comma-separated, from the daemon), else $ATROPOSD_INFERENCE_URL
     alone, else the config's replicas."""
@@ -193,7 +200,7 @@ def _inference_urls(flag: str | None, cfg: Any) -> tuple[str, ...]:
     return (single,) if single else tuple(cfg.inference_urls)
 
 
-def _pick(flag: Any, variable: str, kind: type, default: Any) -> Any:
+def _pick(flag: T | None, variable: str, kind: Callable[[str], T], default: T) -> T:
     if flag is not None:
         return flag
     raw = os.environ.get(variable)
@@ -202,7 +209,7 @@ def _pick(flag: Any, variable: str, kind: type, default: Any) -> Any:
     try:
         return kind(raw)
     except ValueError:
-        raise _Usage(f"${variable} must be {kind.__name__}, got {raw!r}") from None
+        raise _Usage(f"${variable} must be {getattr(kind, '__name__', kind)}, got {raw!r}") from None
 
 
 def _parse_option_flags(items: list[str]) -> dict[str, Any]:
@@ -223,7 +230,7 @@ def _parse_option_flags(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def _configured_tokenizer(cfg: Any) -> str:
+def _configured_tokenizer(cfg: Config) -> str:
     from atroposd.models.resolve import ModelError, resolve_tokenizer
 
     try:

@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 import anyio
 import orjson
+from structlog.typing import FilteringBoundLogger
 
 from atroposd.envs.retry import CONNECTION_ERRORS, Backoff, Retry, retry_after
 from atroposd.logs import get_logger
@@ -115,7 +116,7 @@ class AtroposEnvClient:
         registration: EnvRegistration,
         *,
         token: str = "",
-        log: Any = None,
+        log: FilteringBoundLogger | None = None,
     ) -> None:
         self._session = session
         self._url = api_url.rstrip("/")
@@ -267,7 +268,7 @@ class AtroposEnvClient:
     # ------------------------------------------------------------------ HTTP
 
     async def _request(
-        self, method: str, path: str, body: Any = None, *, scored: bool = False, probe: bool = False
+        self, method: str, path: str, body: object = None, *, scored: bool = False, probe: bool = False
     ) -> dict[str, Any]:
         """One request. Transient failures raise Retry; permanent ones ApiError/GroupRejected.
 
@@ -340,7 +341,7 @@ class QueueGate:
     before it; an answer that overlapped a post is asked again once the posts are answered.
     """
 
-    def __init__(self, client: AtroposEnvClient, *, limit: int, log: Any = None) -> None:
+    def __init__(self, client: AtroposEnvClient, *, limit: int, log: FilteringBoundLogger | None = None) -> None:
         self._client = client
         self.limit = max(1, limit)
         self._log = log or get_logger("envs.gate")

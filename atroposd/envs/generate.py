@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import anyio
 import orjson
+from structlog.typing import FilteringBoundLogger
 
 from atroposd.envs.retry import CONNECTION_ERRORS, Backoff, Retry, retry_after
 from atroposd.logs import get_logger
@@ -73,7 +74,12 @@ class InferenceClient:
     ``RECHECK_S``). With every replica down the client waits with a visible backoff, as with one."""
 
     def __init__(
-        self, session: aiohttp.ClientSession, url: str | Sequence[str], *, log: Any = None, token: str = ""
+        self,
+        session: aiohttp.ClientSession,
+        url: str | Sequence[str],
+        *,
+        log: FilteringBoundLogger | None = None,
+        token: str = "",
     ) -> None:
         self._session = session
         # The inference servers' bearer token (SPEC §12.3), on every request when there is one.
@@ -245,7 +251,7 @@ def parse_generation(answer: dict[str, Any], n: int) -> Generation:
     )
 
 
-def _read_logprobs(per_token: Any, index: int) -> tuple[list[int], list[float]]:
+def _read_logprobs(per_token: object, index: int) -> tuple[list[int], list[float]]:
     if not isinstance(per_token, list):
         raise GenerateError(f"/generate: logprobs[{index}] is {_shape(per_token)}, not a list")
     ids: list[int] = []
@@ -264,7 +270,7 @@ def _read_logprobs(per_token: Any, index: int) -> tuple[list[int], list[float]]:
     return ids, lps
 
 
-def _shape(value: Any) -> str:
+def _shape(value: object) -> str:
     if isinstance(value, list):
         return f"a list of {len(value)}"
     return "nothing" if value is None else type(value).__name__

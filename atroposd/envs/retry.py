@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import random
-from typing import Any
 
 import aiohttp
 import anyio
+from structlog.typing import FilteringBoundLogger
 
 # Retry pacing: exponential from BACKOFF_START to BACKOFF_CAP, with jitter; a Retry-After is
 # honoured up to RETRY_AFTER_CAP.
@@ -32,7 +32,7 @@ class Backoff:
     """Exponential backoff with jitter, and a notice at the first failure and then every
     NOTICE_EVERY seconds, so a long wait is visible without flooding the log."""
 
-    def __init__(self, log: Any, what: str) -> None:
+    def __init__(self, log: FilteringBoundLogger, what: str) -> None:
         self._log, self._what = log, what
         self._delay = BACKOFF_START
         self._attempts = 0

@@ -23,11 +23,12 @@ from __future__ import annotations
 import math
 import signal
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import aiohttp
 import anyio
 from anyio.abc import TaskGroup
+from structlog.typing import FilteringBoundLogger
 
 from atroposd.envs.client import (
     ApiError,
@@ -62,7 +63,11 @@ class ScoredGroup:
         return sum(self.correct) / len(self.correct)
 
 
-class EnvTask(Protocol):
+#: a task's item: what one group is rolled out from (the arithmetic task's: a problem)
+Item = TypeVar("Item")
+
+
+class EnvTask(Protocol[Item]):
     """What the runner needs from a task."""
 
     @property
@@ -70,9 +75,9 @@ class EnvTask(Protocol):
 
     def describe(self) -> dict[str, Any]: ...
 
-    def next_item(self) -> Any: ...
+    def next_item(self) -> Item: ...
 
-    async def rollout(self, item: Any, infer: InferenceClient, group_size: int) -> ScoredGroup: ...
+    async def rollout(self, item: Item, infer: InferenceClient, group_size: int) -> ScoredGroup: ...
 
 
 class UsageError(Exception):
@@ -122,8 +127,10 @@ class _Window:
                 self.timing[i] += seconds
 
 
-class EnvRunner:
-    def __init__(self, task: EnvTask, settings: RunnerSettings, *, log: Any = None) -> None:
+class EnvRunner(Generic[Item]):
+    def __init__(
+        self, task: EnvTask[Item], settings: RunnerSettings, *, log: FilteringBoundLogger | None = None
+    ) -> None:
         self.task = task
         self.settings = settings
         self.log = log or get_logger("envs", env=settings.name)
@@ -244,7 +251,7 @@ class EnvRunner:
                 raise
             groups.start_soon(self._one_group, self.task.next_item(), api, infer, anyio.current_time() - wanted)
 
-    async def _one_group(self, item: Any, api: AtroposEnvClient, infer: InferenceClient, gate_s: float = 0.0) -> None:
+    async def _one_group(self, item: Item, api: AtroposEnvClient, infer: InferenceClient, gate_s: float = 0.0) -> None:
         settled = False  # accepted by the API, or rejected by it for good
         accepted = False
         group: ScoredGroup | None = None
