@@ -21,9 +21,8 @@ again and it rejoins).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import anyio
@@ -55,13 +54,15 @@ from atroposd.cluster.messages import (
 )
 from atroposd.cluster.node import LinkState
 from atroposd.config import ClusterError
-from atroposd.daemon.ranks import LocalRanks
 from atroposd.daemon.runtime import StartFailed
 from atroposd.exitcodes import Exit
 from atroposd.logs import get_logger
 from atroposd.process.unit import Unit
+from atroposd.trainer.supervisor import NodeLost, RankExited
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from atroposd.daemon.roles import RoleHost as Daemon
     from atroposd.trainer.group import GroupStore
 
@@ -73,8 +74,6 @@ log = get_logger("atroposd.daemon")
 RANKS_STOP_GRACE_S = 10.0
 # The sentinel's requests to a node: at most this many canary prompts, ids per prompt, tokens each.
 MAX_CANARY_PROMPTS, MAX_CANARY_IDS, MAX_CANARY_TOKENS = 64, 4096, 256
-# Rank exits of the other nodes kept between two group starts (each restarts the group anyway).
-MAX_RANK_EXITS = 64
 # How often a waiting head logs which nodes its trainer group waits for.
 WAIT_LOG_EVERY_S = 10.0
 
@@ -117,7 +116,7 @@ class RemoteReplica:
     def __str__(self) -> str:
         return self.label
 
-    async def canary(self, bodies: Any, within: float) -> list[dict[str, Any]]:
+    async def canary(self, bodies: Sequence[dict[str, Any]], within: float) -> list[dict[str, Any]]:
         from atroposd.weights.client import WeightControlError
 
         prompts = [{"ids": list(b["prompt"]["prompt_token_ids"])} for b in bodies]
@@ -182,7 +181,6 @@ class HeadLink:
             on_change=self._on_change,
             on_message=self._on_message,
         )
-        self._rank_exits: list[str] = []
         self._ranks_stopped: dict[int, anyio.Event] = {}
         self.holds_ranks = cfg.trainer.enabled and cfg.trainer.local_ranks > 0
         # the sentinel's requests in flight: request id → (node, the answer once it came)
@@ -245,9 +243,6 @@ class HeadLink:
     def dropped(self) -> dict[str, int]:
         return self.head.dropped
 
-    def rank_exited(self, unit: Unit, how: str) -> None:
-        pass  # the head's own ranks: its trainer hears of them
-
     def replica_restarted(self, replica: int) -> None:
         pass  # the head's own replicas: its trainer pushes to them
 
@@ -283,19 +278,15 @@ class HeadLink:
         return [r for r, m in self.head.membership.members.items() if r and m.state != READY]
 
     def _on_change(self, rank: int, old: NodeState, new: NodeState, reason: str) -> None:
-        trainer = self.daemon.trainer
-        if new == LOST and rank and self.holds_ranks and trainer is not None:
+        if new == LOST and rank and self.holds_ranks:
             # Its ranks are gone with it: the group restarts once the node is back.
-            trainer.on_rank_exit(f"node {rank}", f"lost ({reason})")
+            self.daemon.fleet.fault(NodeLost(rank, reason))
 
     def _on_message(self, rank: int, msg: Message) -> None:
         trainer = self.daemon.trainer
         if isinstance(msg, RankExit):
             # a node's strings, cleaned where they arrive (SPEC §13): bounded, no terminal escapes
-            name, how = clean_text(msg.name, 128), clean_text(msg.how, 256)
-            self._rank_exits = [*self._rank_exits[-(MAX_RANK_EXITS - 1) :], f"{name} on node {rank} {how}"]
-            if trainer is not None:
-                trainer.on_rank_exit(f"{name} on node {rank}", how)
+            self.daemon.fleet.fault(RankExited(clean_text(msg.name, 128), clean_text(msg.how, 256), node=rank))
         elif isinstance(msg, RanksStopped):
             self._ranks_stopped.setdefault(rank, anyio.Event()).set()
         elif isinstance(msg, Resync) and trainer is not None:
@@ -306,15 +297,6 @@ class HeadLink:
             if waiting is not None and waiting[0] == rank and not waiting[2]:  # the node asked, once
                 waiting[2].append(msg)
                 waiting[1].set()
-
-    def exited(self) -> list[str]:
-        """The other nodes' trainer ranks that exited, and the rank-holding nodes lost."""
-        lost = [
-            f"node {r} {m.state.value} ({m.reason})"
-            for r, m in self.head.membership.members.items()
-            if r and m.state == LOST and self.holds_ranks
-        ]
-        return [*self._rank_exits, *lost]
 
     async def stop_nodes(self) -> None:
         """Every other node stops (its ranks, environments, replicas) and confirms."""
@@ -344,7 +326,6 @@ class HeadLink:
 
     async def start_ranks(self, generation: int) -> None:
         """Tell every node to start its trainer ranks for ``generation``."""
-        self._rank_exits = []
         self._ranks_stopped = {}
         # the head's launch nonce: the nodes' ranks use this launch's store prefix and command key
         reached = await self.head.broadcast(Ranks(op="start", generation=generation, launch=self.daemon.nonce))
@@ -386,10 +367,6 @@ class NodeLink:
             on_stop=self._stop,
             on_message=self._on_message,
         )
-        self.ranks = LocalRanks(daemon)
-        self._store: Any = None
-        self._generation = 0
-        self._launch = ""  # the head launch whose ranks this node runs (its start message says)
         self._ranks_lock = anyio.Lock()
         self.state = LinkState.JOINING
         self.outcome: LinkState | None = None
@@ -410,11 +387,18 @@ class NodeLink:
         await self.join()
         self.report()
         task_status.started()
+        self.daemon.spawn(self._forward_faults)  # until the daemon's end
         try:
             self.outcome = await self.node.run()
             self.state = self.outcome
         finally:
             self._done.set()
+
+    async def _forward_faults(self) -> None:
+        """This node's ranks that exited on their own: the head restarts the group."""
+        async for fault in self.daemon.fleet.faults():
+            if isinstance(fault, RankExited):
+                self.daemon.spawn(self.node.send, RankExit(name=fault.rank, how=fault.how))
 
     def report(self) -> None:
         self.node.report(_rows(list(self.daemon.units.values())))
@@ -458,7 +442,7 @@ class NodeLink:
         elif msg.op == "stop":
             self.daemon.spawn(self._stop_ranks)
 
-    def _socket(self, replica: int) -> Any:
+    def _socket(self, replica: int) -> Path | None:
         inf = self.daemon.cfg.inference
         if not inf.enabled or not 0 <= replica < inf.replicas:
             return None
@@ -489,7 +473,7 @@ class NodeLink:
         else:
             error = ""
         answers: list[dict[str, Any]] = []
-        if not error:
+        if sock is not None and not error:
             client = WeightControlClient(sock, timeout=60.0)
             try:
                 bodies = [canary_body(cast("list[int]", p), msg.max_tokens) for p in prompts]  # checked above
@@ -540,10 +524,6 @@ class NodeLink:
                 await client.close()
         await self.node.send(Cared(request=msg.request, replica=msg.replica, ok=ok, detail=detail))
 
-    def rank_exited(self, unit: Unit, how: str) -> None:
-        """A trainer rank of this node exited on its own: the head restarts the group."""
-        self.daemon.spawn(self.node.send, RankExit(name=unit.name, how=how))
-
     def replica_restarted(self, replica: int) -> None:
         """An inference replica of this node restarted: the head pushes through this node's first rank."""
         self.daemon.spawn(self.node.send, Resync(replica=replica))
@@ -551,67 +531,25 @@ class NodeLink:
     def remote_replicas(self) -> list[RemoteReplica]:
         return []  # the head's sentinel checks this node's replicas
 
-    # the trainer group runs on the head: none of it here
-
-    async def group_store(self, world: int) -> GroupStore:
-        raise RuntimeError("a node other than the head hosts no trainer group")
-
-    async def wait_nodes(self, on_wait: Callable[[list[int]], None]) -> None:
-        pass
-
-    async def start_ranks(self, generation: int) -> None:
-        pass
-
-    async def stop_ranks(self) -> None:
-        pass
-
-    def exited(self) -> list[str]:
-        return []
-
-    def missing(self) -> list[int]:
-        return []
-
     async def stop_nodes(self) -> None:
-        pass
-
-    def _joined(self, rank: int) -> bool:
-        import torch.distributed as dist
-
-        from atroposd.trainer.group import launch_secret, store_keys
-
-        if self._store is None:
-            return False
-        try:
-            scoped = dist.PrefixStore(
-                store_keys(launch_secret(self.store_secret, self._launch), self._generation), self._store
-            )
-            return bool(scoped.check([f"joined/{rank}"]))
-        except Exception:
-            return False
+        pass  # only the head stops other nodes
 
     async def _start_ranks(self, generation: int, launch: str = "") -> None:
-        from atroposd.trainer.follower import connect_store
         from atroposd.trainer.group import launch_key, launch_secret
 
         async with self._ranks_lock:
-            await self.ranks.stop()
-            if self._store is None:
-                address = store_address(self.daemon)
-                timeout = self.daemon.cfg.trainer.join_timeout
-                self._store = await anyio.to_thread.run_sync(connect_store, address, timeout)
-                self._store.set_timeout(datetime.timedelta(seconds=5))
-            self._generation, self._launch = generation, launch
-            self.ranks.start(
-                store_address=store_address(self.daemon),
+            await self.daemon.fleet.follow(
+                store_address(self.daemon),
                 secret=launch_secret(self.store_secret, launch),
                 key=launch_key(self.store_key, launch),
-                joined=self._joined,
+                generation=generation,
+                connect_timeout=self.daemon.cfg.trainer.join_timeout,
             )
             log.info("trainer ranks started for the head", generation=generation, launch=launch)
 
     async def _stop_ranks(self) -> None:
         async with self._ranks_lock:
-            await self.ranks.stop()
+            await self.daemon.fleet.stop_here()
         await self.node.send(RanksStopped())
 
     async def close(self) -> None:

@@ -34,7 +34,7 @@ from atroposd.config import ClusterError, Config, ConfigError, TokenError, load_
 from atroposd.control import ANSWER_LIMIT, ControlServer
 from atroposd.daemon import runtime, specs
 from atroposd.daemon import status as status_mod
-from atroposd.daemon.ranks import LocalRanks, RankHost
+from atroposd.daemon.ranks import Fleet
 from atroposd.daemon.recovery import RecoveryRecord, recover
 from atroposd.daemon.reload import env_of, plan_reload
 from atroposd.daemon.replicas import ReplicaHealth
@@ -98,8 +98,9 @@ class Daemon:
         self._stop_code = Exit.OK  # the exit code of a requested stop (1: a node lost its head)
         # This daemon's place in the job (SPEC §12.3): standalone, or with several machines the
         # head's link to the other nodes (HeadLink), or a node's to its head (NodeLink).
-        self.cluster: ClusterRole = Standalone(self.nonce, self.paths.runtime_dir)
-        self.ranks = LocalRanks(self)  # this node's trainer-rank units
+        self.cluster: ClusterRole = Standalone()
+        # Every trainer rank but rank 0 (this node's units; on the head, the other nodes' too).
+        self.fleet = Fleet(self, store_dir=self.paths.runtime_dir, secret=self.nonce)
         self.stopped = anyio.Event()  # every child of this node is gone (set by _stop_all)
         self._start_scope: anyio.CancelScope | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -362,6 +363,8 @@ class Daemon:
 
         assert self._tg is not None
         self.cluster = HeadLink(self) if self.cfg.is_head else NodeLink(self)
+        if isinstance(self.cluster, HeadLink):
+            self.fleet.nodes = self.cluster  # the head reaches the other nodes' ranks through its link
         await self._tg.start(self.cluster.run, name="cluster link")
 
     async def _resolve_model(self) -> None:
@@ -434,15 +437,15 @@ class Daemon:
                 source_for=self._weight_source,
             )
         )
-        host = None
+        fleet = None
         if self.cfg.trainer.ranks > 1:
-            host = await self._rank_host()
+            fleet = await self._open_fleet()
         self.trainer = TrainerService(
             self.cfg,
             instance=self.nonce,
             weights=self.weights,
             envs_alive=self.envs_alive,
-            rank_host=host,
+            fleet=fleet,
             replica_generations=self.replica_health.generations,
             restart_replica=self.restart_replica if inf.enabled else None,
             remote_replicas=self.cluster.remote_replicas,  # several machines: the sentinel reaches them
@@ -459,15 +462,14 @@ class Daemon:
         assert self.trainer is not None
         return self.trainer.weight_source(model)
 
-    async def _rank_host(self) -> RankHost:
+    async def _open_fleet(self) -> Fleet:
         """Trainer ranks 1..N-1 (SPEC §12.1): the store the group meets through (on a socket bound
         here, loopback) and the rank processes, started and stopped by the trainer."""
         # NCCL's variables set, overriding the environment; gloo's interface only defaulted.
         os.environ.update(specs.trainer_group_env(self.cfg, os.environ))
         # Several machines: on the head's cluster.port + 1, every node's ranks connect to it.
-        store = await self.cluster.group_store(self.cfg.trainer.ranks)
-        self.group_store = store
-        return RankHost(self, store, self.cluster)
+        self.group_store = await self.fleet.open(self.cfg.trainer.ranks)
+        return self.fleet
 
     async def _run_trainer(
         self, trainer: TrainerService, *, task_status: anyio.abc.TaskStatus[Any] = anyio.TASK_STATUS_IGNORED
@@ -562,12 +564,7 @@ class Daemon:
                 return Exit.RUNTIME
             unit = event.unit
             if unit.kind == "trainer":
-                how = self.ranks.exit_of(unit)
-                if how is not None:
-                    if self.trainer is not None:
-                        self.trainer.on_rank_exit(unit.name, how)
-                    else:
-                        self.cluster.rank_exited(unit, how)  # a node's: the head restarts the whole group
+                self.fleet.unit_changed(unit)  # a rank's exit: a fault on the fleet's stream
                 continue  # a rank's exit restarts the trainer group: the trainer's state shows it
             if unit.kind in ("api", "inference") and unit.state == State.FAILED and self.units.get(unit.name) is unit:
                 log.error("job fails: a required component failed", unit=unit.name, error=unit.last_error)

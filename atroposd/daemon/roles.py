@@ -10,12 +10,12 @@ behaviour depends on its place calls the role:
 - ``report`` hands this node's components to the link every half second;
 - ``status`` is the role's part of ``status --json``, ``dropped`` its messages dropped for
   ``/metrics`` (None: no link);
-- ``rank_exited`` and ``replica_restarted`` tell the head about this node's trainer rank or
-  inference replica when the trainer runs elsewhere;
-- ``group_store`` is the store a trainer group of several ranks meets through;
-- ``wait_nodes``, ``start_ranks``, ``stop_ranks``, ``exited`` and ``missing`` drive the other
-  nodes' trainer ranks (the head's; nothing elsewhere);
+- ``replica_restarted`` tells the head about this node's inference replica when the trainer
+  runs elsewhere; ``remote_replicas`` are the other nodes' replicas the head's sentinel checks;
 - ``stop_nodes`` runs before this node's children stop, ``close`` after.
+
+The trainer ranks are not the role's: the daemon's :class:`~atroposd.daemon.ranks.Fleet` holds
+them (the head's link reaches the other nodes' for it; a node's link forwards its rank exits).
 
 :class:`RoleHost` is what a role uses of the daemon: a stand-in implementing it runs a role in a
 test without a daemon.
@@ -32,14 +32,12 @@ import anyio.abc
 from atroposd.exitcodes import Exit
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from atroposd.config import Config
+    from atroposd.daemon.ranks import Fleet
     from atroposd.daemon.specs import SpecInputs
     from atroposd.paths import Paths
     from atroposd.process.unit import Unit, UnitSpec
     from atroposd.systemd import Notifier
-    from atroposd.trainer.group import GroupStore
     from atroposd.trainer.sentinel import RemoteReplica
     from atroposd.trainer.service import TrainerService
 
@@ -55,13 +53,14 @@ class RoleHost(Protocol):
     stopped: anyio.Event
     notifier: Notifier
     paths: Paths
+    fleet: Fleet
 
     @property
     def units(self) -> Mapping[str, Unit]: ...
-    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None: ...
+    def spawn(self, fn: Callable[..., Awaitable[object]], *args: object) -> None: ...
     def set_status(self, text: str) -> None: ...
     def spec_inputs(self) -> SpecInputs: ...
-    def add_unit(self, spec: UnitSpec, **kw: Any) -> Unit: ...
+    def add_unit(self, spec: UnitSpec, **kw: object) -> Unit: ...
     async def stop_units(self, units: list[Unit]) -> None: ...
     def request_stop(self, reason: str, code: Exit = Exit.OK) -> None: ...
     async def restart_replica(self, replica: int, reason: str) -> bool: ...
@@ -74,26 +73,14 @@ class ClusterRole(Protocol):
     def report(self) -> None: ...
     def status(self) -> dict[str, Any]: ...
     def dropped(self) -> dict[str, int] | None: ...
-    def rank_exited(self, unit: Unit, how: str) -> None: ...
     def replica_restarted(self, replica: int) -> None: ...
     def remote_replicas(self) -> Sequence[RemoteReplica]: ...
-    async def group_store(self, world: int) -> GroupStore: ...
-    async def wait_nodes(self, on_wait: Callable[[list[int]], None]) -> None: ...
-    async def start_ranks(self, generation: int) -> None: ...
-    async def stop_ranks(self) -> None: ...
-    def exited(self) -> list[str]: ...
-    def missing(self) -> list[int]: ...
     async def stop_nodes(self) -> None: ...
     async def close(self) -> None: ...
 
 
 class Standalone:
-    """One machine: no link, no other node; the trainer group's store is a file in a private
-    directory under the runtime directory."""
-
-    def __init__(self, nonce: str, store_dir: Path | None = None) -> None:
-        self.nonce = nonce
-        self.store_dir = store_dir  # where the trainer group's store file goes (a private directory in it)
+    """One machine: no link, no other node."""
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -107,36 +94,11 @@ class Standalone:
     def dropped(self) -> dict[str, int] | None:
         return None
 
-    def rank_exited(self, unit: Unit, how: str) -> None:
-        pass
-
     def replica_restarted(self, replica: int) -> None:
         pass
 
     def remote_replicas(self) -> list[RemoteReplica]:
         return []  # one machine: every replica is this node's
-
-    async def group_store(self, world: int) -> GroupStore:
-        from atroposd.trainer.group import GroupStore
-
-        return await anyio.to_thread.run_sync(
-            lambda: GroupStore(secret=self.nonce, world=world, directory=self.store_dir)
-        )
-
-    async def wait_nodes(self, on_wait: Callable[[list[int]], None]) -> None:
-        pass
-
-    async def start_ranks(self, generation: int) -> None:
-        pass
-
-    async def stop_ranks(self) -> None:
-        pass
-
-    def exited(self) -> list[str]:
-        return []
-
-    def missing(self) -> list[int]:
-        return []
 
     async def stop_nodes(self) -> None:
         pass

@@ -49,7 +49,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
 __all__ = [
     "COMMANDS_KEPT",
@@ -137,13 +140,13 @@ class BadCommand(ValueError):
 # ---------------------------------------------------------------------------- commands
 
 
-def _str(value: Any, what: str) -> str:
+def _str(value: object, what: str) -> str:
     if not isinstance(value, str):
         raise BadCommand(f"{what} must be a string")
     return value
 
 
-def _int(value: Any, what: str) -> int:
+def _int(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise BadCommand(f"{what} must be an integer")
     return value
@@ -250,7 +253,7 @@ class Push:
     version: int
 
     @classmethod
-    def parse(cls, value: Any) -> Push:
+    def parse(cls, value: object) -> Push:
         if not isinstance(value, dict) or set(value) != {"index", "count", "version"}:
             raise BadCommand("gather: push must be {index, count, version}")
         push = cls(
@@ -495,7 +498,7 @@ class GroupStore:
     directory: str | Path | None = None
     # several machines: the head's launch nonce, in the prefix and the key (launch_secret, launch_key)
     launch: str = ""
-    store: Any = field(init=False, default=None, repr=False)
+    store: Store | None = field(init=False, default=None, repr=False)
     generation: int = field(init=False, default=0)
     # one machine: the private directory and the current generation's file
     private_dir: Path | None = field(init=False, default=None)
@@ -559,6 +562,8 @@ class GroupStore:
         self.generation += 1
         if self.local:
             self._next_file()
+        if self.store is None:
+            raise RuntimeError("the trainer group's store is closed")
         self.store.set(generation_key(self.secret), str(self.generation))
         return store_keys(self.secret, self.generation)
 
@@ -577,7 +582,7 @@ class GroupStore:
             old.unlink(missing_ok=True)
             shutil.rmtree(str(old) + COMMANDS_DIR_SUFFIX, ignore_errors=True)
 
-    def commands(self) -> Any:
+    def commands(self) -> CommandBox | None:
         """Where rank 0 writes its commands: the current generation's :class:`CommandBox` (one
         machine), None with several machines (the TCPStore under the generation's prefix)."""
         return command_box(str(self.path)) if self.local and self.path is not None else None
@@ -605,7 +610,7 @@ class GroupStore:
             self.private_dir = None
 
 
-def connect_store(address: str, timeout: float) -> Any:
+def connect_store(address: str, timeout: float) -> Store:
     """A rank's client of the group's store at ``address`` (a generation's file, or host:port)."""
     import torch.distributed as dist
 
@@ -621,12 +626,20 @@ def connect_store(address: str, timeout: float) -> Any:
     )
 
 
-def joined(store: Any, secret: str, generation: int, rank: int) -> bool:
-    """The join check: ``rank`` marked itself joined under ``generation``'s prefix (a readiness
-    signal only: it starts nothing)."""
+def joined(store: Store | None, secret: str, generation: int, rank: int) -> bool:
+    """The join check, the head's and every node's: ``rank`` marked itself joined under
+    ``generation``'s prefix (a readiness signal only: it starts nothing). False while there is no
+    store; a store that cannot be asked is an error naming the rank and the generation (the
+    rank's readiness probe fails with it)."""
     import torch.distributed as dist
 
     if store is None:
         return False
-    scoped = dist.PrefixStore(store_keys(secret, generation), store)
-    return bool(scoped.check([f"joined/{rank}"]))
+    try:
+        scoped = dist.PrefixStore(store_keys(secret, generation), store)
+        return bool(scoped.check([f"joined/{rank}"]))
+    except Exception as exc:
+        raise RuntimeError(
+            f"the join check of trainer rank {rank} (group generation {generation}) could not read the "
+            f"group's store: {type(exc).__name__}: {exc}"
+        ) from exc

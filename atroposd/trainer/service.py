@@ -12,8 +12,7 @@ The daemon owns ``weights`` and calls ``weights.close()`` once the inference ser
 
 from __future__ import annotations
 
-import sys
-import time
+import functools
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -25,53 +24,43 @@ from anyio.abc import TaskStatus
 from atroposd.config import Config
 from atroposd.paths import Paths
 from atroposd.restarts import RestartBudget
-from atroposd.trainer.host import RankHost
+from atroposd.trainer.rollback import Rollback, finish_rollback, plan_rollback, restore_health
+from atroposd.trainer.startup import check_inference_tokenizer, registration, start_wandb
 from atroposd.trainer.state import TrainerState
+from atroposd.trainer.supervisor import (
+    BACKOFF_FIRST_S,
+    BACKOFF_MAX_S,
+    Fleet,
+    GroupFault,
+    GroupState,
+    GroupSupervisor,
+    root_cause,
+)
 
 if TYPE_CHECKING:
-    from pathlib import Path
+    import torch
 
+    from atroposd.trainer.feed import BatchFeed
     from atroposd.trainer.health import Collapse
+    from atroposd.trainer.loop import TrainingLoop
+    from atroposd.trainer.metrics import MetricsWriter
+    from atroposd.trainer.model import Policy
     from atroposd.trainer.ranks import Ranks
-    from atroposd.trainer.sentinel import RemoteReplica
+    from atroposd.trainer.sentinel import RemoteReplica, Sentinel
+    from atroposd.trainer.setup import Setup
+    from atroposd.trainer.wandb_sink import WandbSink
     from atroposd.weights.source import TensorSource
     from atroposd.weights.sync import WeightSync
 
-if sys.version_info < (3, 11):  # pragma: no cover - exercised only on 3.10
-    from exceptiongroup import BaseExceptionGroup
-
-__all__ = ["GroupFault", "RankHost", "TrainerOutcome", "TrainerService"]
+__all__ = ["Fleet", "GroupFault", "TrainerOutcome", "TrainerService"]
 
 log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
-INFO_TIMEOUT_S = 10.0
 PROGRESS_EVERY = 10
-# Backoff before a trainer group restarts (SPEC §4's schedule).
-BACKOFF_FIRST_S = 1.0
-BACKOFF_MAX_S = 60.0
-# After a failed collective, how long to wait for the daemon to see which rank exited (the reason).
-RANK_EXIT_GRACE_S = 1.0
 # Before the trainer group closes, how long a checkpoint still being written may take to finish.
 CHECKPOINT_FINISH_S = 300.0
 # How often the sentinel's wait for a replica's restart looks for a stop request.
 STOP_POLL_S = 0.2
-
-
-@dataclass(frozen=True)
-class _Rollback:
-    """A collapse to roll back from (SPEC §15): where to (a known-good checkpoint, or the starting
-    weights), the step and version to go on from, and whether the job then ends (exit 6)."""
-
-    target: Path | str
-    step: int
-    weight_version: int
-    skipped_steps: int
-    give_up: bool
-    reason: str
-
-
-class GroupFault(RuntimeError):
-    """The trainer group failed (a rank exited, a collective failed or timed out): restart it."""
 
 
 @dataclass(frozen=True)
@@ -100,7 +89,7 @@ class TrainerService:
         instance: str,
         weights: WeightSync,
         envs_alive: Callable[[], bool],
-        rank_host: RankHost | None = None,
+        fleet: Fleet | None = None,
         replica_generations: Callable[[], list[int | None]] | None = None,
         restart_replica: Callable[[int, str], Awaitable[bool]] | None = None,
         remote_replicas: Callable[[], Sequence[RemoteReplica]] | None = None,
@@ -115,34 +104,33 @@ class TrainerService:
         self.paths = Paths.of(cfg)
         self.progress = Progress(total_steps=cfg.trainer.steps)
         self._lock = anyio.Lock()
-        self._loop: Any = None
-        self._policy: Any = None
+        self._loop: TrainingLoop | None = None
+        self._policy: Policy | None = None
         self._source: tuple[Any, TensorSource] | None = None  # (model, the source its sync reads)
-        self._metrics: Any = None
-        self._stop = False
+        self._metrics: MetricsWriter | None = None
         # Cancelled by a stop request that comes before training starts (waits for the
         # inference server or the API must not hold up the daemon's stop).
         self._setup_scope = anyio.CancelScope()
         self.outcome: TrainerOutcome | None = None  # set when run() returns
         # Rank 0's one compute thread: every step's work, in order (SPEC §12.1).
         self.compute = ComputeThread()
-        self.rank_host = rank_host
+        self.fleet = fleet if cfg.trainer.ranks > 1 else None  # ranks 1..N-1, here and on the other nodes
         self.replica_generations = replica_generations  # each replica's generations served, last known
         self.remote_replicas = remote_replicas  # several machines: the other nodes' replicas (the sentinel's)
-        self._feed: Any = None
-        self._wandb: Any = None
-        self._ranks: Any = None
+        self._feed: BatchFeed | None = None
+        self._wandb: WandbSink | None = None
+        self._ranks: Ranks | None = None
         self._ranks_generation = 0
-        self._rank_lost: str | None = None
-        self._attempt_scope: anyio.CancelScope | None = None
         t = cfg.trainer
-        self._restarts = RestartBudget(t.max_restarts, t.restart_window, first=BACKOFF_FIRST_S, cap=BACKOFF_MAX_S)
-        self.group_restarts = 0
-        self.last_fault: str | None = None
-        self.waiting_nodes: list[int] = []  # several machines: the nodes a re-forming group waits for
+        self.group = GroupSupervisor(
+            self.fleet,
+            budget=RestartBudget(t.max_restarts, t.restart_window, first=BACKOFF_FIRST_S, cap=BACKOFF_MAX_S),
+            restart_window=t.restart_window,
+            on_move=self._on_group_move,
+        )
         self._started = False  # task_status.started() was called
-        self._rollback: _Rollback | None = None  # a collapse the next attempt rolls back from
-        self._sentinel: Any = None  # SPEC §15: the replica sentinel, made once per job
+        self._rollback: Rollback | None = None  # a collapse the next attempt rolls back from
+        self._sentinel: Sentinel | None = None  # SPEC §15: the replica sentinel, made once per job
         # The daemon's restart of inference replica i (returns once it serves the current weights
         # again: True, or failed: False); the replicas the sentinel restarts now.
         self.restart_replica = restart_replica
@@ -153,7 +141,7 @@ class TrainerService:
 
     def request_stop(self) -> None:
         """Finish (or abandon) the current step, checkpoint within checkpoint_timeout, return."""
-        self._stop = True
+        self.group.stopping = True
         if self._loop is not None:
             self._loop.request_stop()
         else:
@@ -189,11 +177,11 @@ class TrainerService:
             "filtered_groups": p.filtered_groups,
             # trainer ranks (SPEC §12.1): N, and the group's restarts after faults
             "ranks": self.cfg.trainer.ranks,
-            "group_restarts": self.group_restarts,
+            "group_restarts": self.group.restarts,
             # bytes the trainer group's store holds on disk (one machine; null: none, or in memory)
             "group_store_bytes": self._group_store_bytes(),
-            "last_fault": self.last_fault,
-            "waiting_for_nodes": list(self.waiting_nodes) if p.waiting_for == "ranks" else [],
+            "last_fault": self.group.last_fault,
+            "waiting_for_nodes": list(self.group.waiting_nodes) if p.waiting_for == "ranks" else [],
             # SPEC §15: the last step's health ("ok" or the detector that tripped), rollbacks within
             # the job, the last one (what tripped, to where, the learning rate after it), the newest
             # known-good checkpoint ("start": the starting weights), groups dropped by rollbacks
@@ -210,7 +198,7 @@ class TrainerService:
 
     def _group_store_bytes(self) -> int | None:
         try:
-            store = getattr(self.rank_host, "store", None) if self.rank_host is not None else None
+            store = self.fleet.store if self.fleet is not None else None
             size = store.size_bytes() if store is not None else None
         except Exception:  # no store yet, or one being replaced: nothing to show this time
             return None
@@ -267,23 +255,17 @@ class TrainerService:
         )
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> TrainerOutcome:
-        from atroposd.trainer.health import Collapse
-
         p = self.progress
         try:
-            while True:
-                try:
-                    outcome = await self._attempt(task_status)
-                    self.outcome = outcome
-                    return outcome
-                except GroupFault as fault:
-                    if not self._started:
-                        raise  # a group that never trained: the start fails
-                    await self._after_fault(fault)
-                except Collapse as collapse:
-                    await self._after_collapse(collapse)
+            self.outcome = await self.group.run(
+                lambda: self._attempt_once(task_status),
+                started=lambda: self._started,
+                halt=self._halt,
+                collapsed=self._after_collapse,
+            )
+            return self.outcome
         except Exception as group:  # any failure ends the job: state failed, exit 1 (SPEC §4)
-            exc = _root_cause(group)
+            exc = root_cause(group)
             p.state, p.error = TrainerState.FAILED, f"{type(exc).__name__}: {exc}"
             log.error("trainer failed", step=p.step, error=p.error, exc_info=not _expected(exc))
             if not self._started:
@@ -302,24 +284,6 @@ class TrainerService:
                 await anyio.to_thread.run_sync(self._wandb.close, abandon_on_cancel=True)
             self.compute.close()
 
-    async def _attempt(self, task_status: TaskStatus[None]) -> TrainerOutcome:
-        """One trainer group, from its forming (several ranks) to the end of training; a failure
-        of the group (not of the trainer) is raised as a :class:`GroupFault`."""
-        from atroposd.trainer.health import Collapse
-
-        try:
-            return await self._attempt_once(task_status)
-        except (GroupFault, Collapse):
-            raise
-        except Exception as exc:
-            root = _root_cause(exc)
-            if isinstance(root, Collapse):
-                raise root from None
-            fault = self._as_fault(exc)
-            if fault is not None:
-                raise fault from exc
-            raise
-
     async def _attempt_once(self, task_status: TaskStatus[None]) -> TrainerOutcome:
         from atroposd.trainer.feed import BatchFeed, GroupFilter
         from atroposd.trainer.loop import TrainingLoop
@@ -328,10 +292,10 @@ class TrainerService:
 
         p = self.progress
         plan = self._rollback
-        restart = self.group_restarts > 0 or plan is not None
+        restart = self.group.restarts > 0 or plan is not None
         self._loop = None
         self._setup_scope = anyio.CancelScope()
-        if self._stop:
+        if self.group.stopping:
             self._setup_scope.cancel()
         with self._setup_scope:
             ranks = await self._form_group()
@@ -345,7 +309,7 @@ class TrainerService:
             p.step, p.skipped_steps = setup.step, setup.skipped_steps
             p.weight_version = setup.weight_version
             if not self._started:
-                self._restore_health(setup)
+                restore_health(self.progress, setup.health, self.paths.checkpoints_dir)
             setup.lr_scale = p.lr_scale  # this process's own (halved at each rollback)
             if plan is not None:
                 # The step counter and weight_version keep increasing (SPEC §15).
@@ -359,7 +323,7 @@ class TrainerService:
             p.last_checkpoint = str(setup.restored_from) if setup.restored_from else None
             if not restart:
                 p.waiting_for = "inference"
-                await self._check_inference_tokenizer(setup.tokenizer_fingerprint)
+                await check_inference_tokenizer(self.cfg, setup.tokenizer_fingerprint, str(self._policy.source))
             # The server computes with (shared) or loads (push/reload) the trainer's weights
             # and version before any rollout — also the restored ones after a resume. One rank:
             # the optimizer is built on the attached parameters (shared memory in shared and push
@@ -372,7 +336,7 @@ class TrainerService:
             if self._metrics is None:
                 self._metrics = MetricsWriter(self.paths.metrics_file)
                 if self.cfg.wandb.enabled:
-                    self._wandb = self._start_wandb(self._metrics)
+                    self._wandb = start_wandb(self.cfg, self._metrics)
             if setup.restored_from is not None and plan is None:
                 self._metrics.truncate_after(p.step)
             if self._feed is None:
@@ -380,7 +344,7 @@ class TrainerService:
                 t = self.cfg.trainer
                 feed = BatchFeed(
                     self.cfg.api_url,
-                    self._registration,
+                    functools.partial(registration, self.cfg, self.paths.checkpoints_dir, p),
                     max_ahead=t.max_staleness,
                     token=self.cfg.api.token,
                     on_wait=self._on_wait,
@@ -435,33 +399,34 @@ class TrainerService:
                 self._started = True
                 task_status.started()
             return TrainerOutcome(TrainerState.STOPPED, p.step, p.weight_version)
-        if self._stop:
+        if self.group.stopping:
             loop.request_stop()
         p.state, p.waiting_for = TrainerState.WAITING, "data"
+        self.group.move(GroupState.TRAINING, "the group formed")
         if not self._started:
             self._started = True
             task_status.started()
         elif restart:
             log.info(
-                "trainer group restarted", step=p.step, weight_version=p.weight_version, restarts=self.group_restarts
+                "trainer group restarted", step=p.step, weight_version=p.weight_version, restarts=self.group.restarts
             )
-        async with anyio.create_task_group() as tg:
-            self._attempt_scope = tg.cancel_scope
-            assert self._feed is not None
-            tg.start_soon(self._feed.run)
-            result = await loop.run()
-            tg.cancel_scope.cancel()
-        self._raise_if_rank_lost()
+        with self.group.training():  # cancelled at the group's first fault
+            async with anyio.create_task_group() as tg:
+                assert self._feed is not None
+                tg.start_soon(self._feed.run)
+                result = await loop.run()
+                tg.cancel_scope.cancel()
+        self.group.check()
         if result == "stopped" and p.last_checkpoint != str(self.paths.checkpoints_dir / f"step-{p.step}"):
             await loop.checkpoint(deadline_s=self.cfg.daemon.checkpoint_timeout)
-        self._raise_if_rank_lost()
+        self.group.check()
         p.state = result
         log.info("trainer " + result, step=p.step, weight_version=p.weight_version)
         return TrainerOutcome(result, p.step, p.weight_version)
 
     # ------------------------------------------------------------------ the sentinel (SPEC §15)
 
-    def _current_ranks(self) -> Any:
+    def _current_ranks(self) -> Ranks | None:
         return self._loop.learner.ranks if self._loop is not None else None
 
     async def _sentinel_restart(self, replica: int) -> bool:
@@ -483,7 +448,7 @@ class TrainerService:
 
                 async def stop_requested() -> None:
                     # a stop does not wait for the restart: the step ends and the trainer checkpoints
-                    while not self._stop:  # noqa: ASYNC110
+                    while not self.group.stopping:  # noqa: ASYNC110
                         await anyio.sleep(STOP_POLL_S)
                     log.info("stop requested: the step no longer waits for the replica's restart", replica=replica)
                     tg.cancel_scope.cancel()
@@ -500,149 +465,51 @@ class TrainerService:
 
     # ------------------------------------------------------------------ rollback (SPEC §15)
 
-    def _restore_health(self, setup: Any) -> None:
-        """At the start: the rollbacks, the learning rate's scale and the known-good marks the
-        checkpoints kept."""
-        from atroposd.trainer.checkpoint import newest_known_good
-
-        p, h = self.progress, setup.health
-        p.rollbacks = int(h.get("rollbacks", 0))
-        p.lr_scale = float(h.get("lr_scale", 1.0))
-        p.dropped_groups = int(h.get("dropped_groups", 0))
-        kept = h.get("canary_prompts")
-        if isinstance(kept, list) and all(isinstance(x, list) for x in kept):
-            p.canary_prompts = [list(x) for x in kept]  # checked against the vocabulary by make_sentinel
-        last = h.get("last_rollback")
-        p.last_rollback = dict(last) if isinstance(last, dict) else None
-        drop = h.get("drop")
-        if isinstance(drop, dict):  # the queue may still hold groups of the weights that collapsed
-            from atroposd.trainer.health import DropRule
-
-            p.drop = DropRule(int(drop["good_version"]), int(drop["resync_version"]), float(drop["resync_time"]))
-        good = newest_known_good(self.paths.checkpoints_dir)
-        p.known_good = str(good) if good is not None else "start"
-        if p.rollbacks:
-            log.info(
-                "health restored from the checkpoint",
-                rollbacks=p.rollbacks,
-                lr_scale=p.lr_scale,
-                known_good=p.known_good,
-            )
-
     async def _after_collapse(self, collapse: Collapse) -> None:
-        """A detector tripped: plan the rollback to the newest known-good weights (the next attempt
-        loads them), with the learning rate halved; past max_rollbacks the job then ends (exit 6)."""
-        from atroposd.trainer.checkpoint import newest_known_good
-        from atroposd.trainer.setup import START
-
-        p, h = self.progress, self.cfg.health
-        good = newest_known_good(self.paths.checkpoints_dir)
-        p.rollbacks += 1
-        p.lr_scale /= 2
-        give_up = p.rollbacks > h.max_rollbacks
-        target = good if good is not None else START
-        p.last_rollback = {
-            "step": collapse.step,
-            "detector": collapse.trip.detector,
-            "reason": collapse.trip.reason,
-            "to": str(target),
-            "lr": self.cfg.trainer.lr * p.lr_scale,
-            "time": time.time(),
-            "final": give_up,
-        }
-        p.state, p.waiting_for = TrainerState.WAITING, "model"
-        log.error(
-            "collapse detected: rolling back to the newest known-good weights",
-            step=collapse.step,
-            detector=collapse.trip.detector,
-            reason=collapse.trip.reason,
-            to=str(target),
-            rollbacks=p.rollbacks,
-            max_rollbacks=h.max_rollbacks,
-            lr=self.cfg.trainer.lr * p.lr_scale,
-            **({"then": "the job ends (exit 6)"} if give_up else {}),
-        )
-        self._rollback = _Rollback(target, p.step, p.weight_version, p.skipped_steps, give_up, str(collapse))
+        """A detector tripped: plan the rollback (the next generation loads the known-good weights)."""
+        self._rollback = plan_rollback(self.cfg, self.progress, collapse, self.paths.checkpoints_dir)
         await self._close_group()  # several ranks: every rank loads the known-good checkpoint afresh
 
-    async def _finish_rollback(self, plan: _Rollback, good_version: int) -> TrainerOutcome | None:
-        """The known-good weights are loaded and every replica has them: write them as a checkpoint
-        of the current step (known-good, carrying the count), drop what the collapsed weights
-        sampled; past max_rollbacks end here (exit 6)."""
-        from atroposd.trainer.checkpoint import mark_known_good
-        from atroposd.trainer.health import DropRule
-
-        p = self.progress
+    async def _finish_rollback(self, plan: Rollback, good_version: int) -> TrainerOutcome | None:
+        """The known-good weights are loaded: checkpoint them; past max_rollbacks end here (exit 6)."""
         assert self._loop is not None
         self._rollback = None
-        p.drop = self._loop.drop = DropRule(good_version, p.weight_version, time.time())
-        path = await self._loop.checkpoint()
-        if path is not None:
-            mark_known_good(
-                path, {"step": p.step, "rollback": p.rollbacks, "from": str(plan.target), "time": time.time()}
-            )
-            p.known_good = str(path)
-        if p.last_rollback is not None:
-            p.last_rollback["weight_version"] = p.weight_version
-        p.health = "ok"
-        log.warning(
-            "rolled back",
-            step=p.step,
-            weight_version=p.weight_version,
-            to=str(plan.target),
-            checkpoint=str(path) if path else None,
-            rollbacks=p.rollbacks,
-            lr=self.cfg.trainer.lr * p.lr_scale,
-        )
-        if not plan.give_up:
+        error = await finish_rollback(self.cfg, self.progress, self._loop, plan, good_version)
+        if error is None:
             return None
-        p.state = TrainerState.FAILED
-        p.error = (
-            f"the run collapsed past health.max_rollbacks = {self.cfg.health.max_rollbacks} "
-            f"({p.rollbacks} collapses); last: {plan.reason}"
-        )
-        log.error("trainer ends: " + p.error, step=p.step, known_good=p.known_good)
-        return TrainerOutcome(TrainerState.COLLAPSED, p.step, p.weight_version, p.error)
+        p = self.progress
+        return TrainerOutcome(TrainerState.COLLAPSED, p.step, p.weight_version, error)
 
     # ------------------------------------------------------------------ trainer ranks (SPEC §12.1)
 
     async def _form_group(self) -> Ranks:
-        """One rank: the trainer alone. Several: start ranks 1..N-1 and form the process group."""
+        """One rank: the trainer alone. Several: a new generation of ranks 1..N-1 (the supervisor
+        starts them once every node is ready), and the process group formed with them."""
+        from atroposd.devices import resolve_torch
         from atroposd.trainer.ranks import GroupRanks, OneRank
 
         t = self.cfg.trainer
-        if t.ranks == 1 or self.rank_host is None:
+        if self.fleet is None:
             return OneRank()
         p = self.progress
         p.state, p.waiting_for = TrainerState.WAITING, "ranks"
-        host = self.rank_host
-        # Several machines: the group forms once every node is ready (a lost node is back).
-        await host.wait_nodes(self._waiting_for_nodes)
-        self._rank_lost = None
-        prefix = host.store.next_generation()
-        await host.start_ranks()
+        prefix = await self.group.form(self._waiting_for_nodes)
         generation = self.compute.generation
-        from atroposd.devices import resolve_torch
-
         device, _ = await anyio.to_thread.run_sync(resolve_torch, t.devices()[0], self.cfg.inference.dtype)
-        try:
-            ranks: GroupRanks = await self.compute.run(
-                GroupRanks.join,
-                host.store.store,
-                prefix=prefix,
-                key=host.store.key,
-                rank=0,
-                world=t.ranks,
-                device=device,
-                join_timeout=t.join_timeout,
-                collective_timeout=t.collective_timeout,
-                cancelled=lambda: self._stop or self.compute.generation != generation or self._rank_lost is not None,
-                commands=host.store.commands(),
-            )
-        except Exception as exc:
-            if self._rank_lost is not None and not self._stop:
-                raise GroupFault(self._rank_lost) from exc
-            raise
+        group, store = self.group, self.fleet.store
+        ranks: GroupRanks = await self.compute.run(
+            GroupRanks.join,
+            store.store,
+            prefix=prefix,
+            key=store.key,
+            rank=0,
+            world=t.ranks,
+            device=device,
+            join_timeout=t.join_timeout,
+            collective_timeout=t.collective_timeout,
+            cancelled=lambda: group.stopping or self.compute.generation != generation or group.fault is not None,
+            commands=store.commands(),
+        )
         self._ranks = ranks
         self._ranks_generation = generation
         return ranks
@@ -650,9 +517,9 @@ class TrainerService:
     def _waiting_for_nodes(self, nodes: list[int]) -> None:
         p = self.progress
         p.state, p.waiting_for = TrainerState.WAITING, "ranks"
-        self.waiting_nodes = list(nodes)
+        self.group.waiting_nodes = list(nodes)
 
-    def _attach_source(self, setup: Any) -> None:
+    def _attach_source(self, setup: Setup) -> None:
         """With several ranks the weight sync reads the weights gathered on the compute thread."""
         self._source = None
         if setup.ranks.world == 1:
@@ -662,7 +529,7 @@ class TrainerService:
         model = setup.policy.model
         self._source = (model, ShardedSource(model, setup.ranks, self.compute, setup.tensor_specs, setup.tied))
 
-    def weight_source(self, model: Any) -> TensorSource:
+    def weight_source(self, model: torch.nn.Module) -> TensorSource:
         """The tensors the weight sync sends of ``model`` (its ``source_for``): with several ranks
         the full weights gathered from every rank on the compute thread, else the model's own."""
         if self._source is not None and self._source[0] is model:
@@ -671,82 +538,24 @@ class TrainerService:
 
         return ModelSource(model)
 
-    def on_rank_exit(self, name: str, how: str) -> None:
-        """The daemon saw trainer rank ``name`` exit: the group restarts (unless the trainer is
-        stopping or done, when ranks leave on purpose)."""
-        if self._stop or self.outcome is not None or self.cfg.trainer.ranks == 1:
-            return
-        if self._rank_lost is None:
-            self._rank_lost = f"{name} {how}"
-            log.error("a trainer rank exited; the group restarts", rank=name, exit=how)
-        if self._attempt_scope is not None:
-            self._attempt_scope.cancel()
+    def _on_group_move(self, state: GroupState) -> None:
+        if state == GroupState.FAULTED:
+            self.progress.state, self.progress.waiting_for = TrainerState.WAITING, "ranks"
+
+    async def _halt(self) -> None:
+        """What is left of a faulted generation: its checkpoint being written is never installed,
+        the compute thread is fenced, every rank stopped."""
         if self._loop is not None:
-            self._loop.request_stop()
-
-    def _raise_if_rank_lost(self) -> None:
-        if self._rank_lost is not None and not self._stop:
-            raise GroupFault(self._rank_lost)
-
-    def _as_fault(self, exc: BaseException) -> GroupFault | None:
-        """A failure of the group (not of the trainer itself) as a fault to restart from."""
-        if self.cfg.trainer.ranks == 1 or self._stop:
-            return None
-        root = _root_cause(exc)
-        if self._rank_lost is not None:
-            return GroupFault(self._rank_lost)
-        from atroposd.trainer.ranks import Fenced, is_group_error
-
-        if isinstance(root, Fenced) or is_group_error(root):
-            return GroupFault(f"a collective failed: {type(root).__name__}: {str(root)[:300]}")
-        return None
-
-    async def _after_fault(self, fault: GroupFault) -> None:
-        """Stop every rank, fence the compute thread, wait the backoff; raise past max_restarts."""
-        t = self.cfg.trainer
-        p = self.progress
-        p.state, p.waiting_for = TrainerState.WAITING, "ranks"
-        now = time.monotonic()
-        missing = self.rank_host.nodes_missing() if self.rank_host is not None else []
-        # A restart while a rank-holding node is lost or joining is not counted (SPEC §12.3):
-        # the group waits for the node instead.
-        self._restarts.record(now, counted=not missing)
-        self.group_restarts += 1
-        if self._rank_lost is None and self.rank_host is not None:
-            # A collective failed: name the rank whose exit broke it, once its unit has seen it.
-            with anyio.move_on_after(RANK_EXIT_GRACE_S):
-                while not self.rank_host.exited():  # noqa: ASYNC110 - the units notice exits by polling
-                    await anyio.sleep(0.05)
-            exited = self.rank_host.exited()
-            if exited:
-                fault = GroupFault(f"{', '.join(exited)}: {fault}")
-        self.last_fault = str(fault)
-        if self._loop is not None:  # a checkpoint still being written is never installed now
             self._loop.abandon_checkpoint()
         self.compute.fence()
         await self._close_group()
-        if self._restarts.exhausted:
-            raise GroupFault(
-                f"{self._restarts.count} trainer group restarts within {t.restart_window:g} s "
-                f"(trainer.max_restarts = {t.max_restarts}); last: {fault}"
-            )
-        delay = self._restarts.backoff()
-        log.error(
-            "trainer group failed; restarting from the last complete checkpoint",
-            reason=str(fault),
-            restarts=self.group_restarts,
-            backoff_s=delay,
-        )
-        with anyio.move_on_after(delay):
-            while not self._stop:  # noqa: ASYNC110 - a stop request ends the wait early
-                await anyio.sleep(0.1)
 
     async def _close_group(self) -> None:
         """Tell the other ranks to stop (a group still intact), stop their processes, close ours."""
         from atroposd.trainer.group import Stop
 
         ranks, self._ranks = self._ranks, None
-        intact = self._rank_lost is None and self.compute.generation == self._ranks_generation
+        intact = self.group.fault is None and self.compute.generation == self._ranks_generation
         if intact and self._loop is not None:
             # A checkpoint being written finishes first (any rank count): its writer reads the live
             # weights, which a rollback's re-attach releases, and the next attempt's start removes
@@ -762,8 +571,8 @@ class TrainerService:
                     await self.compute.run(ranks.command, Stop())
                 except Exception as exc:
                     log.warning("trainer ranks not told to stop", error=f"{type(exc).__name__}: {exc}")
-        if self.rank_host is not None and self.cfg.trainer.ranks > 1:
-            await self.rank_host.stop_ranks()
+        if self.fleet is not None:
+            await self.fleet.stop()
         if ranks is not None:
             # A group whose peer died may hang in its teardown: never on the event loop, bounded.
             with anyio.move_on_after(5):
@@ -775,84 +584,6 @@ class TrainerService:
         p = self.progress
         if p.state in (TrainerState.WAITING, TrainerState.TRAINING):
             p.state, p.waiting_for = (TrainerState.WAITING, reason) if reason else (TrainerState.TRAINING, None)
-
-    def _start_wandb(self, metrics: Any) -> Any:
-        """W&B logging of every metrics row (its own thread; a failure is a warning)."""
-        from atroposd.config import to_dict
-        from atroposd.trainer.wandb_sink import WandbSink
-
-        config = to_dict(self.cfg)
-        if config["api"].get("token"):
-            config["api"]["token"] = "<set>"  # never a secret in the run's config
-        sink = WandbSink.start(self.cfg, config)
-        metrics.sinks.append(sink.log)
-        return sink
-
-    def _registration(self) -> dict[str, Any]:
-        t = self.cfg.trainer
-        # Atropos environments read the group and project from the API (/wandb_info) to group
-        # their own W&B runs with the trainer's.
-        from atroposd.trainer.wandb_sink import wandb_group
-
-        w = self.cfg.wandb
-        return {
-            "wandb_group": wandb_group(self.cfg),
-            "wandb_project": w.project if w.enabled else "",
-            "batch_size": t.batch_size,
-            "max_token_len": t.max_token_len,
-            "checkpoint_dir": str(self.paths.checkpoints_dir),
-            "save_checkpoint_interval": t.checkpoint_every,
-            "starting_step": self.progress.step,
-            "num_steps": t.steps,
-        }
-
-    async def _check_inference_tokenizer(self, local: dict[str, Any]) -> None:
-        """Compare the inference server's tokenizer (``GET /info``) with the trainer's."""
-        import aiohttp
-        import orjson
-
-        from atroposd.trainer.model import check_tokenizers
-
-        url = f"{self.cfg.inference_url}/info"
-        token = self.cfg.inference.token  # the inference servers' bearer token, if any (SPEC §12.3)
-        auth = {"Authorization": f"Bearer {token}"} if token else {}
-        deadline = time.monotonic() + max(INFO_TIMEOUT_S, self.cfg.inference.ready_timeout)
-        delay = 0.05
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=INFO_TIMEOUT_S)) as session:
-            while True:
-                try:
-                    async with session.get(url, headers=auth) as resp:
-                        body = await resp.read()
-                        status = resp.status
-                    break
-                except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(
-                            f"inference server at {self.cfg.inference_url} not reachable: {exc}"
-                        ) from exc
-                await anyio.sleep(delay)
-                delay = min(delay * 2, 1.0)
-        if status == 404:
-            log.warning("the inference server has no /info; its tokenizer cannot be compared", url=url)
-            return
-        info = orjson.loads(body) if status == 200 else None
-        remote = info.get("tokenizer") if isinstance(info, dict) else None
-        if not isinstance(info, dict) or not isinstance(remote, dict):
-            log.warning("the inference server's /info has no tokenizer fingerprint", url=url, status=status)
-            return
-        check_tokenizers(
-            local,
-            remote,
-            local_name=str(self._policy.source),
-            remote_name=f"{info.get('model')} at {self.cfg.inference_url}",
-        )
-
-
-def _root_cause(exc: BaseException) -> BaseException:
-    """The one error inside (nested) single-member exception groups of the loop's task group."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
 
 
 def _expected(exc: BaseException) -> bool:

@@ -3,11 +3,12 @@
 recording what the link asks of it), over a real loopback socket with the real wire and
 messages.
 
-A node joins (its join signed for the head's challenge) and heartbeats; a rank exit and a
-resync a node reports reach the head's trainer; the head's request to stop the ranks returns
-once the node confirmed it; the head's stop reaches the node's daemon and its confirmation the
-head; a node that leaves is a fault of the trainer group; a rank exit replayed in the session
-and a join replayed on another connection are refused, counted, and never acted on.
+A node joins (its join signed for the head's challenge) and heartbeats; a rank exit a node's
+fleet reports reaches the head's fleet as a typed fault, and a resync the head's trainer; the
+head's request to stop the ranks returns once the node confirmed it; the head's stop reaches the
+node's daemon and its confirmation the head; a node that leaves is a fault of the trainer group;
+a rank exit replayed in the session and a join replayed on another connection are refused,
+counted, and never acted on.
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ from atroposd.cluster.wire import open_unsigned
 from atroposd.config import Config, parse_toml
 from atroposd.daemon.cluster import HeadLink, NodeLink
 from atroposd.daemon.metrics import cluster_families
+from atroposd.daemon.ranks import Fleet
 from atroposd.daemon.roles import Standalone
 from atroposd.exitcodes import Exit
 from atroposd.process.unit import Unit
 from atroposd.systemd import Notifier
+from atroposd.trainer.supervisor import Fault, NodeLost, RankExited
 from tests.cluster.conftest import HEARTBEAT_TIMEOUT, RawNode, until
 from tests.cluster.test_replay import Relay
 from tests.support import free_port_pair
@@ -47,11 +50,7 @@ class Trainer:
     """The head's trainer service as the head's link calls it."""
 
     def __init__(self) -> None:
-        self.rank_exits: list[tuple[str, str]] = []
         self.resyncs: list[str] = []
-
-    def on_rank_exit(self, name: str, how: str) -> None:
-        self.rank_exits.append((name, how))
 
     async def on_remote_replica_restarted(self, what: str) -> None:
         self.resyncs.append(what)
@@ -71,6 +70,14 @@ class Host:
         self.stops: list[tuple[str, Exit]] = []
         self.stopped_units: list[list[Unit]] = []
         self._tg = tg
+        self.fleet = Fleet(self)  # type: ignore[arg-type]  # no unit is started here
+        self.seen: list[Fault] = []
+
+    def faults(self) -> list[Fault]:
+        """The faults on this daemon's fleet stream so far (the head's: what its trainer group reads)."""
+        while (fault := self.fleet.faults().get_nowait()) is not None:
+            self.seen.append(fault)
+        return self.seen
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         self._tg.start_soon(fn, *args)
@@ -89,13 +96,6 @@ class Host:
 
     def request_stop(self, reason: str, code: Exit = Exit.OK) -> None:
         self.stops.append((reason, code))
-
-
-@dataclasses.dataclass
-class RankUnit:
-    """A trainer rank's unit as ``rank_exited`` reads it (its name)."""
-
-    name: str
 
 
 def node_config(token_file: Path, tmp_path: Path, port: int, rank: int) -> Config:
@@ -170,25 +170,24 @@ async def test_a_node_link_joins_the_head_link_and_heartbeats(token_file: Path, 
         r = row(job)
         assert r["state"] == "ready" and r["joins"] == 1
         assert r["last_heartbeat_s"] < HEARTBEAT_TIMEOUT / 2
-        assert job.head.missing() == [] and job.head.exited() == []
+        assert job.head.missing() == [] and job.head_host.faults() == []
         assert not any(job.head.dropped().values()) and not any(job.node.dropped().values())
-        assert job.node_host.stops == [] and job.trainer.rank_exits == []
+        assert job.node_host.stops == []
 
 
-async def test_a_rank_exit_and_a_resync_of_a_node_reach_the_heads_trainer(token_file: Path, tmp_path: Path) -> None:
+async def test_a_rank_exit_and_a_resync_of_a_node_reach_the_head(token_file: Path, tmp_path: Path) -> None:
     async with linked(token_file, tmp_path) as job:
-        job.node.rank_exited(RankUnit("trainer-1"), "killed by SIGKILL")  # type: ignore[arg-type]
-        await until(lambda: job.trainer.rank_exits, 5, "the rank exit at the head's trainer")
-        assert job.trainer.rank_exits == [("trainer-1 on node 1", "killed by SIGKILL")]
-        assert job.head.exited() == ["trainer-1 on node 1 killed by SIGKILL"]
+        job.node_host.fleet.fault(RankExited("trainer-1", "killed by SIGKILL"))  # a unit of node 1 exited
+        await until(job.head_host.faults, 5, "the rank exit on the head's fleet")
+        assert job.head_host.faults() == [RankExited("trainer-1", "killed by SIGKILL", node=1)]
+        assert str(job.head_host.faults()[0]) == "trainer-1 on node 1 killed by SIGKILL"
         job.node.replica_restarted(0)
         await until(lambda: job.trainer.resyncs, 5, "the resync at the head's trainer")
         assert job.trainer.resyncs == ["node 1 replica 0"]
-        # the head's own ranks and replicas are its trainer's: its link sends nothing for them
-        job.head.rank_exited(RankUnit("trainer-0"), "exited with code 1")  # type: ignore[arg-type]
+        # the head's own replicas are its trainer's: its link sends nothing for them
         job.head.replica_restarted(0)
         await anyio.sleep(0.3)
-        assert job.trainer.rank_exits == [("trainer-1 on node 1", "killed by SIGKILL")]
+        assert job.head_host.faults() == [RankExited("trainer-1", "killed by SIGKILL", node=1)]
         assert job.trainer.resyncs == ["node 1 replica 0"]
 
 
@@ -216,7 +215,7 @@ async def test_the_heads_stop_reaches_the_node_and_its_confirmation_the_head(tok
                 await job.node._done.wait()
         assert job.node.outcome == LinkState.STOPPED and job.node.status()["cluster"]["state"] == "stopped"
         assert (row(job)["state"], row(job)["reason"]) == ("lost", "stopped")
-        assert job.trainer.rank_exits == [("node 1", "lost (stopped)")]
+        assert job.head_host.faults() == [NodeLost(1, "stopped")]
 
 
 async def test_a_node_that_leaves_is_a_fault_of_the_trainer_group(token_file: Path, tmp_path: Path) -> None:
@@ -226,8 +225,8 @@ async def test_a_node_that_leaves_is_a_fault_of_the_trainer_group(token_file: Pa
         assert job.node.outcome == LinkState.LEFT
         await until(lambda: row(job)["state"] == "lost", 5, "node 1 lost")
         assert job.head.missing() == [1]
-        assert job.trainer.rank_exits == [("node 1", "lost (left: stopped on its own)")]
-        assert job.head.exited() == ["node 1 lost (left: stopped on its own)"]
+        assert job.head_host.faults() == [NodeLost(1, "left: stopped on its own")]
+        assert str(job.head_host.faults()[0]) == "node 1 lost (left: stopped on its own)"
 
 
 async def test_replayed_lines_are_refused_counted_and_never_acted_on(token_file: Path, tmp_path: Path) -> None:
@@ -243,8 +242,8 @@ async def test_replayed_lines_are_refused_counted_and_never_acted_on(token_file:
         async with linked(token_file, tmp_path, via=via) as job:
             assert relay is not None
             await until(lambda: row(job)["state"] == "ready", 5, "node 1 ready")
-            job.node.rank_exited(RankUnit("trainer-1"), "killed by SIGKILL")  # type: ignore[arg-type]
-            await until(lambda: job.trainer.rank_exits, 5, "the rank exit at the head's trainer")
+            job.node_host.fleet.fault(RankExited("trainer-1", "killed by SIGKILL"))
+            await until(job.head_host.faults, 5, "the rank exit on the head's fleet")
             # the same line again, in the same session: its sequence number is not new
             await relay.inject_to_head(relay.line_to_head("rank_exit"))
             await until(lambda: job.head.dropped()[SEQUENCE], 5, "the replay counted")
@@ -263,7 +262,7 @@ async def test_replayed_lines_are_refused_counted_and_never_acted_on(token_file:
             assert (counted[SEQUENCE], counted[CHALLENGE]) == (1.0, 1.0)
             # neither was acted on: one rank exit, node 1 still holds its slot in its session
             await anyio.sleep(0.3)
-            assert job.trainer.rank_exits == [("trainer-1 on node 1", "killed by SIGKILL")]
+            assert job.head_host.faults() == [RankExited("trainer-1", "killed by SIGKILL", node=1)]
             assert (row(job)["state"], row(job)["joins"]) == ("ready", 1)
             assert job.node.state == LinkState.JOINED
     finally:
@@ -272,6 +271,5 @@ async def test_replayed_lines_are_refused_counted_and_never_acted_on(token_file:
 
 
 def test_standalone_is_a_role_with_no_link() -> None:
-    role = Standalone("abcdef012345")
-    assert role.status() == {} and role.dropped() is None
-    assert role.exited() == [] and role.missing() == []
+    role = Standalone()
+    assert role.status() == {} and role.dropped() is None and role.remote_replicas() == []

@@ -306,19 +306,21 @@ async def test_the_trainer_ranks_store_forms_on_a_bind_other_than_the_heads_name
             store.close()
 
 
-async def test_a_nodes_rank_exits_are_cleaned_and_the_last_64_kept(token_file: Path, tmp_path: Path) -> None:
-    """A node reports its trainer ranks' exits: the head keeps the last 64 of them (what status
-    shows of them), each cleaned of terminal escapes and cut, whatever the node sends."""
-    from tests.cluster.test_links import RankUnit, linked
+async def test_a_nodes_rank_exits_arrive_cleaned(token_file: Path, tmp_path: Path) -> None:
+    """A node reports its trainer ranks' exits: each reaches the head's fleet as a fault cleaned of
+    terminal escapes and cut, whatever the node sends."""
+    from atroposd.trainer.supervisor import RankExited
+    from tests.cluster.test_links import linked
 
     async with linked(token_file, tmp_path) as job:
-        for i in range(100):  # one at a time: the head keeps them in arrival order
-            job.node.rank_exited(RankUnit(f"trainer-{i}\x1b[2J\x1b]0;t\x07"), "killed \x9b1m" + "z" * 1000)  # type: ignore[arg-type]
-            await until(lambda n=i + 1: len(job.trainer.rank_exits) == n, 5, f"exit {i} at the head")
-        exits = job.head.exited()
-        assert len(exits) == 64, len(exits)
-        assert exits[0].startswith("trainer-36 on node 1 killed ") and exits[-1].startswith("trainer-99 on node 1 ")
-        for line in exits:
+        for i in range(100):  # one at a time: the head's fleet has them in arrival order
+            job.node_host.fleet.fault(RankExited(f"trainer-{i}\x1b[2J\x1b]0;t\x07", "killed \x9b1m" + "z" * 1000))
+            await until(lambda n=i + 1: len(job.head_host.faults()) == n, 5, f"exit {i} at the head")
+        faults = job.head_host.faults()
+        assert all(isinstance(f, RankExited) and f.node == 1 for f in faults)
+        assert str(faults[0]).startswith("trainer-0") and str(faults[-1]).startswith("trainer-99 on node 1 killed ")
+        for f in faults:
+            line = str(f)
             assert not any(ch in line for ch in "\x1b\x9b\x07") and len(line) < 400, line[:80]
-        name, how = job.trainer.rank_exits[-1]
-        assert name == "trainer-99 on node 1" and how.startswith("killed ") and len(how) <= 256, how[:80]
+        last = faults[-1]
+        assert isinstance(last, RankExited) and last.how.startswith("killed ") and len(last.how) <= 256

@@ -1,4 +1,4 @@
-"""This node's trainer-rank units (``daemon/ranks.py``, ``LocalRanks``) over real child processes:
+"""This node's trainer-rank units (``daemon/ranks.py``, ``Fleet``) over real child processes:
 a rank that exits on its own is named with how it ended; one the daemon stopped, or one whose
 unit was replaced by a newer group's, is not."""
 
@@ -15,10 +15,11 @@ import anyio
 import anyio.abc
 import pytest
 
-from atroposd.daemon.ranks import LocalRanks
+from atroposd.daemon.ranks import Fleet
 from atroposd.process.logfiles import LogHub
 from atroposd.process.probes import StartedProbe
 from atroposd.process.unit import State, Unit, UnitSpec
+from atroposd.trainer.supervisor import RankExited
 
 pytestmark = pytest.mark.anyio
 
@@ -36,7 +37,7 @@ def hub(tmp_path: Path) -> Iterator[LogHub]:
 
 
 class Host:
-    """A stand-in daemon: real units supervised in a task group (what ``LocalRanks`` uses)."""
+    """A stand-in daemon: real units supervised in a task group (what ``Fleet`` uses)."""
 
     def __init__(self, hub: LogHub, tg: anyio.abc.TaskGroup) -> None:
         self.hub, self.tg = hub, tg
@@ -71,7 +72,7 @@ def rank_spec(name: str, code: str) -> UnitSpec:
 async def test_a_rank_that_exits_on_its_own_is_named_one_stopped_is_not(hub: LogHub) -> None:
     async with anyio.create_task_group() as tg:
         host = Host(hub, tg)
-        ranks = LocalRanks(host)  # type: ignore[arg-type]
+        ranks = Fleet(host)  # type: ignore[arg-type]
         crashed = host.add_unit(rank_spec("trainer-1", "import time, sys; time.sleep(0.5); sys.exit(3)"))
         killed = host.add_unit(rank_spec("trainer-2", "import time; time.sleep(60)"))
         stopped = host.add_unit(rank_spec("trainer-3", "import time; time.sleep(60)"))
@@ -90,10 +91,20 @@ async def test_a_rank_that_exits_on_its_own_is_named_one_stopped_is_not(hub: Log
             "trainer-2 killed by SIGKILL (possibly the out-of-memory killer)",
         ]
         assert [u.name for u in ranks.units()] == ["trainer-1", "trainer-2", "trainer-3"]  # no env
+        # each exit on its own is a typed fault on the fleet's one stream, in order
+        for unit in (crashed, killed, other):
+            ranks.unit_changed(unit)
+        assert [ranks.faults().get_nowait(), ranks.faults().get_nowait(), ranks.faults().get_nowait()] == [
+            RankExited("trainer-1", "exited with code 3"),
+            RankExited("trainer-2", "killed by SIGKILL (possibly the out-of-memory killer)"),
+            None,  # not a rank
+        ]
         with anyio.fail_after(20):
             await ranks.stop()  # the ranks still running: trainer-3 only
         assert stopped.done.is_set() and not other.done.is_set()
         assert ranks.exit_of(stopped) is None and "trainer-3" not in " ".join(ranks.exited())
+        ranks.unit_changed(stopped)  # asked to stop: no fault
+        assert ranks.faults().get_nowait() is None
         # a newer group's unit under the same name: the old one's exit is no longer news
         host.units["trainer-1"] = stopped
         assert ranks.exit_of(crashed) is None

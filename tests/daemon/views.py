@@ -45,7 +45,7 @@ class View:
     start_error: str | None = None
     watchdog: None = None
     replica_health: ReplicaHealth | None = None
-    cluster: ClusterRole = field(default_factory=lambda: Standalone("abcdef012345"))
+    cluster: ClusterRole = field(default_factory=lambda: Standalone())
     uptime_s: float = 81.23456
 
     def uptime(self) -> float:
