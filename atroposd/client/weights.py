@@ -18,11 +18,15 @@ import os
 import socket
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from atroposd.weights.control import LoadWeights, ResumeBody
 from atroposd.weights.syncdir import prune_sync_dirs, write_tensors
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["InferenceControl", "WeightsError"]
 
@@ -74,7 +78,7 @@ class InferenceControl:
         paths = Paths.of(cfg)
         return cls(paths.inference_socket(cfg.inference.port), paths.sync_dir)
 
-    def request(self, method: str, route: str, body: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def request(self, method: str, route: str, body: Mapping[str, object] | None = None) -> dict[str, Any]:
         conn = _UnixConnection(str(self.socket_path), self.timeout)
         try:
             conn.request(
@@ -109,11 +113,11 @@ class InferenceControl:
         (resumed even when the load fails: the server keeps generating with the old weights)."""
         self.request("POST", "/pause")
         try:
-            answer = self.request("POST", "/load", {"path": str(path), "weight_version": weight_version})
+            answer = self.request("POST", "/load", LoadWeights(str(path), weight_version).fields())
         except BaseException:
-            self.request("POST", "/resume", {})  # the old weights, under their own version
+            self.request("POST", "/resume", ResumeBody().fields())  # the old weights, under their own version
             raise
-        self.request("POST", "/resume", {"weight_version": weight_version})
+        self.request("POST", "/resume", ResumeBody(weight_version).fields())
         return answer
 
     def write(self, tensors: Mapping[str, Any], weight_version: int, *, tied: Mapping[str, str] | None = None) -> Path:
@@ -123,7 +127,7 @@ class InferenceControl:
         (:mod:`atroposd.weights.syncdir`)."""
         return write_tensors(self.sync_dir, weight_version, tensors, tied=tied)
 
-    def publish(self, model: Any, weight_version: int) -> dict[str, Any]:
+    def publish(self, model: torch.nn.Module, weight_version: int) -> dict[str, Any]:
         """Write a torch module's weights (``atroposd.weights.reload``: canonical tensors, tied
         aliases, LoRA adapters) and load them; older version directories are removed."""
         from atroposd.weights.reload import write_sync_dir

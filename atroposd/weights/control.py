@@ -7,7 +7,8 @@ per body, and its strict decoding on arrival.
 and ``POST /quarantine`` (:class:`QuarantineBody`). Each ``parse`` takes the JSON document as it
 arrived and returns the typed body, or raises :class:`ControlBodyError` naming the field that
 is missing or of the wrong type (the server answers 400 with its message). Fields a body does
-not name are ignored. ``/pause`` and ``/resume`` take no body at all as their defaults.
+not name are ignored. ``/pause`` and ``/resume`` take no body at all as their defaults. Each
+body's ``fields()`` is the JSON object it travels as (what the sending side writes).
 
 Torch-free and a leaf (the standard library and :mod:`atroposd.weights.protocol`): the front
 decodes bodies before any engine module is imported, and the receiver
@@ -91,6 +92,14 @@ class PauseBody:
         assert mode is None or isinstance(mode, str)
         return cls(mode, clear)
 
+    def fields(self) -> dict[str, object]:
+        out: dict[str, object] = {}
+        if self.mode is not None:
+            out["mode"] = self.mode
+        if self.clear_cache is not None:
+            out["clear_cache"] = self.clear_cache
+        return out
+
 
 @dataclass(frozen=True)
 class ResumeBody:
@@ -104,6 +113,9 @@ class ResumeBody:
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise ControlBodyError(f"weight_version must be a non-negative integer, got {version!r}")
         return cls(version)
+
+    def fields(self) -> dict[str, object]:
+        return {} if self.weight_version is None else {"weight_version": self.weight_version}
 
 
 @dataclass(frozen=True)
@@ -129,6 +141,14 @@ class UpdateWeights:
                 return cls(manifest, known, _optional_int(fields, "weight_version"), fields.get("digest") is True)
         raise ControlBodyError(f"'mode' must be 'attach' or 'copy', got {mode!r}")
 
+    def fields(self) -> dict[str, object]:
+        out: dict[str, object] = {"manifest": self.manifest, "mode": self.mode}
+        if self.weight_version is not None:
+            out["weight_version"] = self.weight_version
+        if self.digest:
+            out["digest"] = True
+        return out
+
 
 @dataclass(frozen=True)
 class LoadWeights:
@@ -146,6 +166,12 @@ class LoadWeights:
         if not isinstance(fields.get("path"), str):
             raise ControlBodyError("request is missing 'path'")
         return cls(str(fields["path"]), _optional_int(fields, "weight_version"))
+
+    def fields(self) -> dict[str, object]:
+        out: dict[str, object] = {"path": self.path}
+        if self.weight_version is not None:
+            out["weight_version"] = self.weight_version
+        return out
 
 
 @dataclass(frozen=True)
