@@ -36,13 +36,21 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from atroposd.logs import get_logger
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from vllm.config import VllmConfig, WeightTransferConfig
+
+    from atroposd.weights.broadcast import BroadcastReceiver
+    from atroposd.weights.manifest import Manifest, TensorEntry
 
 __all__ = ["BACKEND", "AtroposdInitInfo", "AtroposdTransferEngine", "AtroposdUpdateInfo", "register"]
 
@@ -91,7 +99,9 @@ class AtroposdTransferEngine(WeightTransferEngine[AtroposdInitInfo, AtroposdUpda
     update_info_cls = AtroposdUpdateInfo
     supports_draft_weight_update = False
 
-    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+    def __init__(
+        self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device, model: torch.nn.Module
+    ) -> None:
         super().__init__(config, vllm_config, device, model)
         # Recorded now, while vLLM's ties (lm_head ↔ embed_tokens) hold: the layerwise reload gives
         # every layer new parameters, which unties an alias.
@@ -101,7 +111,7 @@ class AtroposdTransferEngine(WeightTransferEngine[AtroposdInitInfo, AtroposdUpda
         # The bucketed push or broadcast under way: (weight_version, buckets, next bucket).
         self._stream: tuple[int, int, int] | None = None
         self._held: list[Any] = []  # CUDA IPC buffers whose views vLLM may still hold until finish
-        self._bcast: Any = None  # atroposd.weights.broadcast.BroadcastReceiver
+        self._bcast: BroadcastReceiver | None = None
 
     # ------------------------------------------------------------------ vLLM's interface
 
@@ -240,7 +250,7 @@ class AtroposdTransferEngine(WeightTransferEngine[AtroposdInitInfo, AtroposdUpda
         try:  # a multi-token-prediction model checks its weights are complete on each load
             from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
-            partial: Any = disable_mtp_completeness_check()
+            partial: AbstractContextManager[object] = disable_mtp_completeness_check()
         except ImportError:
             partial = contextlib.nullcontext()
         with partial, torch.no_grad():
@@ -282,7 +292,7 @@ class AtroposdTransferEngine(WeightTransferEngine[AtroposdInitInfo, AtroposdUpda
 class _Export:
     """One manifest's tensors, segment by segment, in this worker's hands."""
 
-    def __init__(self, manifest: Any, device: torch.device) -> None:
+    def __init__(self, manifest: Manifest, device: torch.device) -> None:
         self.manifest = manifest
         self.device = device
         self._buffers: dict[int, torch.Tensor] = {}
@@ -333,13 +343,14 @@ class _Export:
                     raise ValueError(f"tensor {name!r}: checksum differs from the exporter's")
             yield weights
 
-    def _view(self, e: Any) -> torch.Tensor:
+    def _view(self, e: TensorEntry) -> torch.Tensor:
         from atroposd.weights.cuda_ipc import rebuild_segment
         from atroposd.weights.tensors import torch_dtype
 
         buf = self._buffers.get(e.segment)
         if buf is None:  # rebuilt once per export; check_layout guarantees the handle and UUID
             seg = next(s for s in self.manifest.segments if s.index == e.segment)
+            assert seg.handle is not None and seg.device_uuid is not None
             buf = self._buffers[e.segment] = rebuild_segment(seg.handle, seg.device_uuid)
         return buf[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype)).view(tuple(e.shape))
 
@@ -353,9 +364,9 @@ class _Export:
             torch.cuda.synchronize()
 
 
-def _tied_groups(model: Any) -> list[list[tuple[Any, str]]]:
+def _tied_groups(model: torch.nn.Module) -> list[list[tuple[torch.nn.Module, str]]]:
     """Parameters shared between modules: [[(module, attr), ...] per shared Parameter], first owner first."""
-    by_id: dict[int, list[tuple[Any, str]]] = {}
+    by_id: dict[int, list[tuple[torch.nn.Module, str]]] = {}
     for _name, module in model.named_modules(remove_duplicate=False):
         for attr, p in module._parameters.items():
             if p is not None and (module, attr) not in by_id.setdefault(id(p), []):
