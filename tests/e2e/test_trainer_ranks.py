@@ -155,7 +155,7 @@ def _log_tail(root: Path, lines: int = 40) -> str:
 
 
 def test_rank_that_never_joins_fails_the_start(short_tmp: Path) -> None:
-    cfg = _config(short_tmp, steps=10, trainer={"join_timeout": 4.0})
+    cfg = _config(short_tmp, steps=10, trainer={"join_timeout": 2.0})
     started = time.monotonic()
     res = atroposd("start", "-c", str(cfg), env={**daemon_env(), **fault_env(rank_hang="join")}, timeout=300)
     try:
