@@ -23,7 +23,7 @@ import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -34,6 +34,11 @@ from atroposd.api.schema import MAX_DISTILL_K
 from atroposd.client._http import BodyTooLarge, HttpConnection
 from atroposd.net import is_loopback
 from atroposd.shmscan import SegmentCheckError, check_private_segment
+
+if TYPE_CHECKING:
+    import torch
+
+_D = TypeVar("_D")
 
 try:
     import _posixshmem
@@ -99,7 +104,11 @@ class Batch:
     def __contains__(self, name: object) -> bool:
         return name in self.arrays
 
-    def get(self, name: str, default: Any = None) -> Any:
+    @overload
+    def get(self, name: str) -> np.ndarray | None: ...
+    @overload
+    def get(self, name: str, default: _D) -> np.ndarray | _D: ...
+    def get(self, name: str, default: object = None) -> object:
         return self.arrays.get(name, default)
 
     @property
@@ -157,7 +166,7 @@ class Batch:
             )
         return out
 
-    def torch(self, device: Any = None) -> dict[str, Any]:
+    def torch(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
         """The arrays as torch tensors (sharing memory with the arrays on the CPU; copied to
         ``device`` when given). Needs torch."""
         import torch
@@ -249,7 +258,7 @@ class BatchClient:
             )
         return self._conn
 
-    def _request(self, method: str, path: str, body: Any = None) -> tuple[int, str, bytearray]:
+    def _request(self, method: str, path: str, body: object = None) -> tuple[int, str, bytearray]:
         """(status, content type, body) of one request on the kept-alive connection."""
         headers = {"Accept-Encoding": "gzip" if self._gzip else "identity"}
         if self.token:

@@ -6,9 +6,12 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from atroposd.config import Config
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 BUILTIN_TINY = "builtin:tiny"
 
@@ -61,7 +64,7 @@ def tokenizer_fingerprint(path: str | Path) -> dict[str, Any]:
     return fingerprint_of(AutoTokenizer.from_pretrained(str(path)))
 
 
-def fingerprint_of(tokenizer: Any) -> dict[str, Any]:
+def fingerprint_of(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     """The same fingerprint from a loaded tokenizer: two tokenizers that map every token to
     the same id and agree on the special ids have equal fingerprints."""
     special = {name: getattr(tokenizer, f"{name}_token_id", None) for name in SPECIAL}

@@ -33,9 +33,12 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from atroposd.logs import get_logger
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 log = get_logger("models")
 
@@ -142,7 +145,7 @@ def build_tiny(path: Path, *, seed: int, max_model_len: int) -> None:
     )
 
 
-def build_tokenizer(max_model_len: int = 4096) -> Any:
+def build_tokenizer(max_model_len: int = 4096) -> PreTrainedTokenizerFast:
     """The character-level ``PreTrainedTokenizerFast`` of the tiny model (needs no torch)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast

@@ -60,12 +60,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
 
 from atroposd.fsutil import fsync_dir
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 from atroposd.trainer.ckptfiles import CHECKSUM_FILE, CheckpointError
 
 __all__ = [
@@ -347,7 +350,7 @@ def save_checkpoint(
     step: int,
     *,
     model: torch.nn.Module,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     lora: bool,
     state: dict[str, Any],
     keep: int,

@@ -10,13 +10,14 @@ import itertools
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
 __all__ = ["ComputeThread", "Fenced"]
 
 _T = TypeVar("_T")
+_P = ParamSpec("_P")
 
 
 class Fenced(RuntimeError):
@@ -56,7 +57,7 @@ class ComputeThread:
             except BaseException as exc:  # handed to the awaiting task
                 future.set_exception(exc)
 
-    async def run(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    async def run(self, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
         """``fn(*args)`` on the compute thread; its result, unless the thread was fenced meanwhile."""
         generation = self.generation
         future: concurrent.futures.Future[_T] = concurrent.futures.Future()

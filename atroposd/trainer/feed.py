@@ -55,7 +55,7 @@ class DataTimeout(RuntimeError):
     pass
 
 
-def trains_nothing(group: Any) -> bool:
+def trains_nothing(group: object) -> bool:
     """Whether ``filter_groups`` drops ``group``: its scores are all equal (finite numbers), and
     it carries neither its own ``advantages`` nor distillation fields. A malformed group is not
     dropped here: batch preparation rejects it by reason."""
@@ -71,7 +71,7 @@ def trains_nothing(group: Any) -> bool:
     return bool(max(scores) == min(scores))
 
 
-def _sequences(group: Any) -> int:
+def _sequences(group: object) -> int:
     tokens = group.get("tokens") if isinstance(group, Mapping) else None
     return len(tokens) if isinstance(tokens, list) else 1
 
@@ -362,7 +362,7 @@ class _ApiHttpError(Exception):
     pass
 
 
-def _field(body: bytes, key: str) -> Any:
+def _field(body: bytes, key: str) -> object:
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -370,7 +370,7 @@ def _field(body: bytes, key: str) -> Any:
     return data.get(key) if isinstance(data, dict) else None
 
 
-def _parse(body: bytes) -> Any:
+def _parse(body: bytes) -> object:
     """A ``/batch`` answer. NaN and Infinity literals (Python's json writes them; orjson refuses
     them) are read too, so that batch preparation judges each group instead of the whole batch
     being lost; a body that is not JSON at all is logged and read as "no batch"."""

@@ -182,7 +182,7 @@ def serve(cfg: Config, rank: int) -> int:
         commands=command_box(address),
     )
     feed = None
-    checkpointer: Any = None
+    checkpointer: Checkpointer | None = None
     try:
         setup = load_for_training(cfg, ranks)
         learner = build_learner(cfg, setup)

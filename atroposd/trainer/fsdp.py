@@ -63,7 +63,7 @@ def _named_tensor(model: torch.nn.Module, name: str) -> torch.Tensor:
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers of a Hugging Face causal LM (``model.model.layers`` and the like)."""
-    base: Any = model
+    base: object = model
     get_decoder = getattr(model, "get_decoder", None)
     if callable(get_decoder):
         base = get_decoder() or model
@@ -81,7 +81,7 @@ def checkpoint_activations(layers: Sequence[torch.nn.Module]) -> None:
     for layer in layers:
         forward = layer.forward
 
-        def wrapped(*args: Any, _forward: Callable[..., Any] = forward, **kwargs: Any) -> Any:
+        def wrapped(*args: object, _forward: Callable[..., object] = forward, **kwargs: Any) -> object:
             return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
 
         layer.forward = wrapped

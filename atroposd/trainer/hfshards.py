@@ -100,7 +100,7 @@ def _header(file: Path) -> tuple[dict[str, Any], int]:
     return header, 8 + n
 
 
-def _ints(value: Any, what: str, file: Path) -> list[int]:
+def _ints(value: object, what: str, file: Path) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
         raise ShardError(f"{file.name}: {what} must be a list of counts")
     return list(value)

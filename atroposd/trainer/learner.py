@@ -21,7 +21,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -354,7 +354,7 @@ class Learner:
         self,
         policy: Policy,
         optimizer: torch.optim.Optimizer,
-        scheduler: Any,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
         *,
         objective: Objective,
         reference: Reference,

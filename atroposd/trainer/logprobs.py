@@ -22,7 +22,7 @@ same bound on the logits, more temporaries per chunk.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +55,21 @@ def _spans(n: int, chunk: int) -> list[tuple[int, int]]:
     return [(i, min(i + step, n)) for i in range(0, n, step)]
 
 
+class _HeadCtx(Protocol):
+    """What :class:`ChunkedHead` keeps from its forward for its backward: torch's function
+    context, with the chunking and distillation settings set on it."""
+
+    chunk: int
+    tau: float
+    distill: bool
+    compute_dtype: torch.dtype
+    saved_tensors: tuple[torch.Tensor, ...]
+    needs_input_grad: tuple[bool, ...]
+
+    def save_for_backward(self, *tensors: torch.Tensor | None) -> None: ...
+    def mark_non_differentiable(self, *args: torch.Tensor) -> None: ...
+
+
 class ChunkedHead(torch.autograd.Function):
     """``(hidden [N, H], weight [V, H], bias [V] | None, labels [N], temps [N], chunk, teacher ids
     [N, K] | None, teacher probs [N, K] | None, τ, want entropy)`` → ``(logp [N], entropy [N] or
@@ -62,7 +77,7 @@ class ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
+        ctx: _HeadCtx,
         hidden: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
@@ -110,7 +125,7 @@ class ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def backward(
-        ctx: Any, g_logp: torch.Tensor | None, _g_entropy: torch.Tensor | None, g_ce: torch.Tensor | None
+        ctx: _HeadCtx, g_logp: torch.Tensor | None, _g_entropy: torch.Tensor | None, g_ce: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, bias, labels, temps, lse, t_ids, t_probs, lse_t = ctx.saved_tensors
         cd: torch.dtype = ctx.compute_dtype

@@ -30,6 +30,7 @@ from atroposd.trainer.state import TrainerState
 
 if TYPE_CHECKING:
     from atroposd.config import HealthConfig, TrainerConfig
+    from atroposd.trainer.sentinel import Sentinel
     from atroposd.weights.sync import WeightSync
 
 __all__ = ["Progress", "TrainerError", "TrainingLoop"]
@@ -158,7 +159,7 @@ class TrainingLoop:
         self.pending_good: list[tuple[int, Path]] = []
         self.drop = drop
         # SPEC §15: the replica sentinel (atroposd.trainer.sentinel; None: canary_every = 0)
-        self.sentinel: Any = None
+        self.sentinel: Sentinel | None = None
         # SPEC §12.1: the checkpoint being written in the background (its step and outcome)
         self._writing: tuple[int, concurrent.futures.Future[Path]] | None = None
         checkpointer.on_fence = self._fencing  # an optimizer step waiting for a writer is checkpoint time

@@ -28,12 +28,15 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 import torch
 
 from atroposd.trainer.logprobs import TokenScores, head_scores
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "DEFAULT_CHUNK",
@@ -71,7 +74,7 @@ class Policy:
     """
 
     model: torch.nn.Module
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     source: Path
     device: torch.device
     dtype: torch.dtype
@@ -139,8 +142,11 @@ def load_policy(
     torch.manual_seed(seed)
     model: torch.nn.Module
     try:
-        loaded: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, output_loading_info=True)
-        model, info = loaded
+        # with output_loading_info: (the model, what its loading found); transformers types the model alone
+        model, info = cast(
+            "tuple[torch.nn.Module, dict[str, Any]]",
+            AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, output_loading_info=True),
+        )
     except Exception as exc:  # OSError, ValueError, a size mismatch's RuntimeError, safetensors' own errors
         raise ModelLoadError(f"cannot load the model from {model_dir}: {type(exc).__name__}: {exc}") from exc
     check_loading_info(info, model_dir)
@@ -419,7 +425,8 @@ def _segment_sdpa(
     scaling: float | None = None,
     is_causal: bool | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
-    **kwargs: Any,
+    position_bias: torch.Tensor | None = None,
+    **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """SDPA, and for one packed row (``cu_seq_lens_q``: the sequences' bounds) causal SDPA over each
     sequence alone — what flash attention's varlen kernel does, without the ``[T, T]`` block mask
@@ -428,7 +435,16 @@ def _segment_sdpa(
 
     if cu_seq_lens_q is None:
         out: tuple[torch.Tensor, None] = sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            position_bias=position_bias,
+            **kwargs,
         )
         return out
     # One split per tensor, not a slice per sequence: a slice's backward writes its gradient into a
@@ -436,9 +452,18 @@ def _segment_sdpa(
     # layer, most of the packed row's attention time); a split's backward is one concatenation.
     sizes = [b - a for a, b in itertools.pairwise(int(x) for x in cu_seq_lens_q.tolist())]
     parts = [
-        sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True, **kwargs)[
-            0
-        ]  # [1, L, heads, D]
+        sdpa_attention_forward(
+            module,
+            q,
+            k,
+            v,
+            None,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=True,
+            position_bias=position_bias,
+            **kwargs,
+        )[0]  # [1, L, heads, D]
         for q, k, v, n in zip(query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2), sizes, strict=True)
         if n > 0
     ]

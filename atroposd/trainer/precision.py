@@ -23,9 +23,9 @@ checkpoint.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -139,8 +139,12 @@ class PrecisionAdamW(torch.optim.Optimizer):
                 if key != "step" and isinstance(value, torch.Tensor):
                     self.state[p][key] = value.detach().to(device=p.device, copy=True)
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -34,7 +34,9 @@ from atroposd.logs import get_logger
 from atroposd.weights.client import WeightControlClient, WeightControlError
 
 if TYPE_CHECKING:
+    from atroposd.config import Config
     from atroposd.trainer.ranks import Ranks
+    from atroposd.weights.sync import WeightSync
 
 __all__ = [
     "CanaryResult",
@@ -236,13 +238,13 @@ class Sentinel:
         self.syncs += 1
         return self.every > 0 and self.syncs % self.every == 0
 
-    async def after_sync(self, sync: Any, model: torch.nn.Module, version: int) -> None:
+    async def after_sync(self, sync: WeightSync, model: torch.nn.Module, version: int) -> None:
         """After a sync that reached the replicas: every ``every``-th one, check each replica."""
         if not self.due():
             return
         await self.check_all(sync, model, version)
 
-    async def check_all(self, sync: Any, model: torch.nn.Module, version: int) -> list[float | None]:
+    async def check_all(self, sync: WeightSync, model: torch.nn.Module, version: int) -> list[float | None]:
         start = time.perf_counter()
         sockets = self.targets()
         while len(self.drift) < len(sockets):
@@ -361,7 +363,9 @@ class Sentinel:
         self.drift[i] = None if again is None else again.drift
         return self.drift[i]
 
-    async def _resync(self, i: int, sock: Target, sync: Any, model: torch.nn.Module, version: int) -> float | None:
+    async def _resync(
+        self, i: int, sock: Target, sync: WeightSync, model: torch.nn.Module, version: int
+    ) -> float | None:
         """Sync replica ``i`` again with the trainer's weights, then :meth:`_remeasure` it. Another
         node's replica: a push that reaches the other nodes only (their first ranks feed theirs)."""
         from atroposd.weights.sync import REMOTE_ONLY
@@ -370,7 +374,7 @@ class Sentinel:
         await sync.reattach(model, version, replica=REMOTE_ONLY if _is_remote(sock) else i)
         return await self._remeasure(i, sock, model, version)
 
-    async def _heal(self, i: int, sync: Any, model: torch.nn.Module, version: int, drift: float) -> None:
+    async def _heal(self, i: int, sync: WeightSync, model: torch.nn.Module, version: int, drift: float) -> None:
         sock = self.targets()[i]
         assert sock is not None
         remote = _is_remote(sock)
@@ -459,7 +463,7 @@ class Sentinel:
             serving=[j for j in range(len(self.targets())) if j not in self.quarantined],
         )
 
-    async def _recheck(self, i: int, sync: Any, model: torch.nn.Module, version: int, drift: float) -> None:
+    async def _recheck(self, i: int, sync: WeightSync, model: torch.nn.Module, version: int, drift: float) -> None:
         """A replica given up on (still over after its restart) that is over again: synced again and
         measured; back in rotation if it passes, else kept out — never restarted again."""
         sock = self.targets()[i]
@@ -518,7 +522,7 @@ def _score_all(model: torch.nn.Module, items: Sequence[tuple[list[int], list[int
 
 
 def score_on_ranks(
-    ranks: Any, model: torch.nn.Module, items: Sequence[tuple[list[int], list[int]]]
+    ranks: Ranks, model: torch.nn.Module, items: Sequence[tuple[list[int], list[int]]]
 ) -> list[list[float]]:
     """Rank 0 of several: tell every rank to score the canary (``Canary``), send them the
     (prompt, completion) pairs, and score them together (the sharded forward's collectives
@@ -530,7 +534,7 @@ def score_on_ranks(
     return _score_all(model, items)
 
 
-def follow_canary(ranks: Any, model: torch.nn.Module, vocab_size: int) -> None:
+def follow_canary(ranks: Ranks, model: torch.nn.Module, vocab_size: int) -> None:
     """A follower rank's side of :func:`score_on_ranks`: rank 0's pairs, checked, scored."""
     from atroposd.trainer.group import BadCommand
 
@@ -541,7 +545,7 @@ def follow_canary(ranks: Any, model: torch.nn.Module, vocab_size: int) -> None:
     _score_all(model, items)
 
 
-def canary_items(value: Any, vocab_size: int) -> list[tuple[list[int], list[int]]] | None:
+def canary_items(value: object, vocab_size: int) -> list[tuple[list[int], list[int]]] | None:
     """Broadcast canary pairs as (prompt, completion) lists of token ids, or None when malformed."""
     if not isinstance(value, list):
         return None
@@ -561,7 +565,7 @@ def canary_items(value: Any, vocab_size: int) -> list[tuple[list[int], list[int]
     return out
 
 
-def _group_prompt(group: Any, vocab_size: int, limit: int) -> list[int] | None:
+def _group_prompt(group: object, vocab_size: int, limit: int) -> list[int] | None:
     """The prompt of a group's first sequence (its masked -100 prefix), at most ``limit`` tokens
     of it; None when the group has none or is malformed."""
     if not isinstance(group, dict):
@@ -605,7 +609,7 @@ def _r(x: float | None) -> float | None:
     return None if x is None else round(x, 5)
 
 
-def _is_remote(target: Any) -> bool:
+def _is_remote(target: object) -> bool:
     """Another node's replica (reached through the cluster link), not a socket of this node's."""
     return target is not None and not isinstance(target, Path)
 
@@ -617,8 +621,8 @@ def _remote_only() -> int:
 
 
 def make_sentinel(
-    cfg: Any,
-    weights: Any,
+    cfg: Config,
+    weights: WeightSync,
     run: RunOnCompute,
     vocab_size: int,
     *,

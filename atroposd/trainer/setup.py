@@ -532,7 +532,7 @@ def build_learner(cfg: Config, setup: Setup) -> Learner:
     return learner
 
 
-def scale_lr(optimizer: torch.optim.Optimizer, scheduler: Any, base_lr: float) -> None:
+def scale_lr(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, base_lr: float) -> None:
     """Set the schedule's base learning rate to ``base_lr`` at its current position (a restored
     scheduler carries the base it was saved with)."""
     scheduler.base_lrs = [base_lr for _ in optimizer.param_groups]

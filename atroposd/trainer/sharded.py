@@ -44,11 +44,17 @@ import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from atroposd.logs import get_logger
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.planner import ReadItem
 
 __all__ = [
     "MODEL_DIR",
@@ -134,7 +140,7 @@ def file_index(model: dict[str, Any], limit: int | None = None) -> dict[str, int
     return out
 
 
-def write_shards(staged: Staged, path: Path, group: Any = None) -> None:
+def write_shards(staged: Staged, path: Path, group: dist.ProcessGroup | None = None) -> None:
     """Every rank (collectives on ``group``): the model's shards as safetensors under
     ``path/model`` (DCP's Hugging Face storage writer, one file per rank and part of the model)
     and the optimizer's under ``path/optimizer``."""
@@ -286,7 +292,7 @@ _SHARD_FILE = re.compile(r"__\d+_\d+\.distcp")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> object:
         if (module, name) in _METADATA_GLOBALS:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -294,7 +300,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
 
 
-def read_metadata(data: bytes) -> Any:
+def read_metadata(data: bytes) -> Metadata:
     """DCP's ``.metadata`` through the allow-list; its storage entries must name shard files of
     the same directory (``__<rank>_<n>.distcp``) at non-negative offsets. Raises CheckpointError."""
     from torch.distributed.checkpoint.metadata import Metadata
@@ -319,31 +325,31 @@ def read_metadata(data: bytes) -> Any:
     return metadata
 
 
-def _reader(path: Path) -> Any:
+def _reader(path: Path) -> FileSystemReader:
     """DCP's file-system reader with :func:`read_metadata` in place of its ``pickle.load``."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class VerifiedReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            rank = kwargs.get("rank")
+        def read_metadata(self, *args: object, rank: int | None = None, **kwargs: object) -> Metadata:
             name = ".metadata" if rank is None else f"__{int(rank)}.metadata"
             metadata = read_metadata((path / name).read_bytes())
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
+            storage_meta = getattr(metadata, "storage_meta", None)
+            if storage_meta is None:
+                storage_meta = metadata.storage_meta = StorageMeta()
+            storage_meta.load_id = self.load_id
             return metadata
 
     return VerifiedReader(str(path))
 
 
-def _planner() -> Any:
+def _planner() -> DefaultLoadPlanner:
     """DCP's default load planner, its non-tensor values loaded with ``weights_only``."""
     from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint._traverse import set_element
 
     class WeightsOnlyPlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
             loaded = torch.load(value, weights_only=True)
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)

@@ -4,6 +4,7 @@ on rank 0's compute thread with every rank taking part."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -53,7 +54,7 @@ class ShardedSource:
     def lora(self) -> dict[str, Any] | None:
         return None  # LoRA is refused with several ranks (config check)
 
-    async def announce_reload(self, path: Any, version: int) -> None:
+    async def announce_reload(self, path: Path, version: int) -> None:
         """A ``reload`` wrote ``version`` at ``path`` (on the shared file system): the other nodes'
         first ranks have their own replicas load it."""
         await self.compute.run(self.ranks.command, Reload(str(path), version))

@@ -96,7 +96,7 @@ def encode_share(share: Share) -> tuple[bytes, torch.Tensor]:
     return json.dumps(header, separators=(",", ":")).encode(), data
 
 
-def _count(v: Any, what: str) -> int:
+def _count(v: object, what: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise BadCommand(f"a share's {what} must be a count")
     return v
@@ -117,7 +117,7 @@ def decode_share(header: bytes, data: torch.Tensor) -> Share:
     offset = 0
     flat = data.reshape(-1)
 
-    def micro(spec: Any) -> MicroBatch:
+    def micro(spec: object) -> MicroBatch:
         nonlocal offset
         if not isinstance(spec, dict) or set(spec) != set(names):
             raise BadCommand("a share's micro-batch has other fields than a micro-batch")

@@ -26,11 +26,18 @@ import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import structlog
 
 from atroposd.fsutil import write_atomic
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from wandb import Run
+
+    from atroposd.config import Config
 
 __all__ = ["WandbSink", "flatten", "run_file", "run_identity", "wandb_group"]
 
@@ -66,7 +73,7 @@ def run_identity(state_dir: Path, *, create: bool = True) -> dict[str, str] | No
     return ident
 
 
-def wandb_group(cfg: Any) -> str:
+def wandb_group(cfg: Config) -> str:
     """The group environments get: ``[wandb] group``, else (W&B on) this state dir's run's group."""
     if cfg.wandb.group:
         return str(cfg.wandb.group)
@@ -94,7 +101,7 @@ def flatten(record: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 class WandbSink:
     """Logs rows to one W&B run from a worker thread; :meth:`log` never blocks or raises."""
 
-    def __init__(self, cfg: Any, config_dict: Mapping[str, Any]) -> None:
+    def __init__(self, cfg: Config, config_dict: Mapping[str, Any]) -> None:
         self.cfg = cfg
         self.config_dict = dict(config_dict)
         self.state_dir = Path(cfg.state_dir)
@@ -107,7 +114,7 @@ class WandbSink:
         self._thread = threading.Thread(target=self._work, name="wandb", daemon=True)
 
     @classmethod
-    def start(cls, cfg: Any, config_dict: Mapping[str, Any]) -> WandbSink:
+    def start(cls, cfg: Config, config_dict: Mapping[str, Any]) -> WandbSink:
         sink = cls(cfg, config_dict)
         sink._thread.start()
         return sink
@@ -143,7 +150,7 @@ class WandbSink:
             except queue.Empty:
                 break
 
-    def _init(self) -> Any:
+    def _init(self) -> Run:
         try:
             import wandb
         except ImportError as exc:
@@ -161,7 +168,7 @@ class WandbSink:
             group=self.group or None,
             name=w.name or None,
             tags=list(w.tags) or None,
-            mode=w.mode,
+            mode=cast(Literal["online", "offline", "disabled"], w.mode),  # the config's choices
             id=self.run_id or None,
             resume="allow",
             dir=str(self.state_dir),
@@ -198,7 +205,7 @@ class WandbSink:
         _teardown()
 
 
-def _require_credentials(wandb: Any) -> None:
+def _require_credentials(wandb: ModuleType) -> None:
     """Online: credentials must already exist — W&B never prompts on the daemon's terminal."""
     import inspect
 
