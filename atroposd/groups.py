@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import orjson
@@ -122,11 +122,13 @@ def _row_array(row: object, name: str, i: int) -> np.ndarray:
 def _rectangular(rows: list[object]) -> np.ndarray | None:
     """All rows at once when they are lists of one length (the common case): one numpy call
     instead of one per row. None when ragged or not plain lists."""
-    if not rows or not all(type(r) is list for r in rows):
+    first = rows[0] if rows else None
+    if type(first) is not list or not first:
         return None
-    lists = cast("list[list[object]]", rows)
-    if len({len(r) for r in lists}) != 1 or not lists[0]:
-        return None
+    width = len(first)
+    for r in rows:
+        if type(r) is not list or len(r) != width:
+            return None
     try:
         a = np.array(rows)
     except (ValueError, TypeError):
@@ -197,8 +199,9 @@ def narrow_rows(flat: np.ndarray, bounds: list[int], name: str, *, integer: bool
     """float64 for numbers; int32 for integers when they fit (token ids do), else int64."""
     if not integer:
         return Ragged(flat.astype(np.float64, copy=False), bounds)
-    if flat.size and (int(flat.min()) < _I32.min or int(flat.max()) > _I32.max):
-        if flat.dtype.kind == "u" or int(flat.min()) < _I64.min or int(flat.max()) > _I64.max:
+    low, high = (int(flat.min()), int(flat.max())) if flat.size else (0, 0)
+    if low < _I32.min or high > _I32.max:
+        if flat.dtype.kind == "u" or low < _I64.min or high > _I64.max:
             raise SchemaError(f"{name}: integer out of range", field=name)
         return Ragged(flat.astype(np.int64), bounds)
     return Ragged(flat.astype(np.int32), bounds)

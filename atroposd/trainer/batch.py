@@ -495,6 +495,7 @@ def rows_of_group(
     for name, value in (("advantages", env_advantages), ("overrides", overrides)):
         if value is not None and not isinstance(value, list):
             raise GroupRejected("malformed", f"{name} is not a list", name)
+    distilled = d_ids is not None or d_lps is not None
     rows = []
     for i in range(n):
         a, b = bounds[i], bounds[i + 1]
@@ -503,9 +504,9 @@ def rows_of_group(
         if mask_truncated and is_truncated(group, i):
             mask = [False] * (length - 1)  # a truncated completion carries no loss (DAPO's overlong masking)
         old = logprobs[a + 1 : b] if logprobs is not None else [math.nan] * (length - 1)
-        over = _index(overrides, i)
-        zero = isinstance(over, Mapping) and bool(over.get("set_advantage_to_zero"))
-        env_adv = _index(env_advantages, i)
+        over = _index(overrides, i) if overrides is not None else None
+        zero = over is not None and isinstance(over, Mapping) and bool(over.get("set_advantage_to_zero"))
+        env_adv = _index(env_advantages, i) if env_advantages is not None else None
         if zero:
             adv = [0.0] * (length - 1)
         elif isinstance(env_adv, list):
@@ -533,9 +534,10 @@ def rows_of_group(
             advantages=adv,
             temperature=1.0,  # below
         )
-        ids_i, lps_i = _index(d_ids, i), _index(d_lps, i)
-        if ids_i is not None or lps_i is not None:
-            row.distill_ids, row.distill_lp = _distill_rows(ids_i, lps_i, length, vocab_size, i)
+        if distilled:
+            ids_i, lps_i = _index(d_ids, i), _index(d_lps, i)
+            if ids_i is not None or lps_i is not None:
+                row.distill_ids, row.distill_lp = _distill_rows(ids_i, lps_i, length, vocab_size, i)
         rows.append(row)
     for row, t in zip(rows, _temperatures(group, n), strict=True):
         row.temperature = t
