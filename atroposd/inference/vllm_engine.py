@@ -46,7 +46,7 @@ import orjson
 
 from atroposd.devices import resolve
 from atroposd.inference import schema
-from atroposd.inference.gate import NotPaused, WeightGate
+from atroposd.inference.gate import NotPaused, ShuttingDown, WeightGate
 from atroposd.inference.schema import BadRequest
 from atroposd.logs import get_logger
 from atroposd.weights.control import BroadcastOp, LoadWeights, UpdateWeights
@@ -337,6 +337,11 @@ class VllmEngine(WeightGate):
             ):
                 final = out
         assert final is not None
+        if any(c.finish_reason == "abort" for c in final.outputs):
+            # vLLM aborts what it is generating as it shuts down (also a generation a keep-pause
+            # holds frozen): a 503 as from every engine, never a 200 with a completion cut short
+            # that an environment would score as a rollout
+            raise ShuttingDown("the inference server is shutting down (vLLM aborted the generation)")
         return _response(final, version, want_prompt_logprobs=parsed.prompt_logprobs is not None)
 
     def validate(self, request: object) -> tuple[schema.GenerateParams, dict[str, Any]]:
