@@ -143,7 +143,7 @@ class _RefusalLog:
         self._last: dict[str, float] = {}
         self._quiet: dict[str, int] = {}
 
-    def __call__(self, kind: str, message: str, **fields: Any) -> None:
+    def __call__(self, kind: str, message: str, **fields: object) -> None:
         self.refused += 1
         now = self.clock()
         last = self._last.get(kind)
@@ -163,7 +163,7 @@ class Drops:
         self.counts: dict[str, int] = dict.fromkeys(REASONS, 0)
         self._log = _RefusalLog(clock=clock)
 
-    def __call__(self, reason: str, error: str, **fields: Any) -> None:
+    def __call__(self, reason: str, error: str, **fields: object) -> None:
         self.counts[reason] = self.counts.get(reason, 0) + 1
         self._log(
             f"dropped-{reason}", "dropped a cluster message", reason=reason, error=clean_text(error, 200), **fields

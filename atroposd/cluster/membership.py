@@ -69,7 +69,7 @@ _ESCAPES = re.compile(
 _CONTROLS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
-def clean_text(value: Any, limit: int = MAX_TEXT) -> str:
+def clean_text(value: object, limit: int = MAX_TEXT) -> str:
     """``value`` as a string a terminal shows as it is: escapes and control characters taken
     out, at most ``limit`` characters."""
     text = value if isinstance(value, str) else str(value)
@@ -95,7 +95,7 @@ def clean_value(value: Any, depth: int = 0) -> Any:
     return clean_text(value)
 
 
-def clean_rows(rows: Any) -> list[dict[str, Any]]:
+def clean_rows(rows: object) -> list[dict[str, Any]]:
     """A node's component rows: the objects of a list, at most ``MAX_REPORT_ROWS``, each cleaned."""
     if not isinstance(rows, list):
         return []

@@ -329,7 +329,7 @@ MESSAGES: dict[str, type[Message]] = {
 # ---------------------------------------------------------------------------- checks
 
 
-def _kind(value: Any) -> str:
+def _kind(value: object) -> str:
     return (
         "null"
         if value is None
@@ -344,41 +344,42 @@ def _kind(value: Any) -> str:
     )
 
 
-def _show(name: Any) -> str:
+def _show(name: object) -> str:
     text = str(name)
     text = "".join(c if c.isprintable() else "?" for c in text[:40])
     return repr(text + ("…" if len(str(name)) > 40 else ""))
 
 
-Check = typing.Callable[[Any], "tuple[bool, Any]"]
+Check = typing.Callable[[object], "tuple[bool, object]"]
 
 
-def _is_int(v: Any) -> tuple[bool, Any]:
+def _is_int(v: object) -> tuple[bool, object]:
     return isinstance(v, int) and not isinstance(v, bool), v
 
 
-def _is_float(v: Any) -> tuple[bool, Any]:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-    return ok, float(v) if ok else v
+def _is_float(v: object) -> tuple[bool, object]:
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return True, float(v)
+    return False, v
 
 
-def _is_str(v: Any) -> tuple[bool, Any]:
+def _is_str(v: object) -> tuple[bool, object]:
     return isinstance(v, str), v
 
 
-def _is_bool(v: Any) -> tuple[bool, Any]:
+def _is_bool(v: object) -> tuple[bool, object]:
     return isinstance(v, bool), v
 
 
-def _is_object(v: Any) -> tuple[bool, Any]:
+def _is_object(v: object) -> tuple[bool, object]:
     return isinstance(v, dict), v
 
 
-def _is_rows(v: Any) -> tuple[bool, Any]:
+def _is_rows(v: object) -> tuple[bool, object]:
     return isinstance(v, list) and all(isinstance(r, dict) for r in v), v
 
 
-def _checker(hint: Any) -> tuple[Check, str]:
+def _checker(hint: object) -> tuple[Check, str]:
     if hint is int:
         return _is_int, "an integer"
     if hint is float:

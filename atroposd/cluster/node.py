@@ -112,7 +112,7 @@ class ClusterJoinTimeout(Exception):
     """The head did not answer within ``join_timeout``."""
 
 
-async def _call(cb: Callback | None, *args: Any) -> None:
+async def _call(cb: Callback | None, *args: object) -> None:
     if cb is None:
         return
     result = cb(*args)

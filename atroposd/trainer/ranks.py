@@ -24,7 +24,7 @@ import datetime
 import json
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -73,6 +73,11 @@ __all__ = [
     "poisons_device",
     "store_keys",
 ]
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup, Store, Work
+
+    from atroposd.trainer.group import CommandBox
 
 log = get_logger(__name__)
 
@@ -148,7 +153,14 @@ class GroupRanks:
     """One member of the trainer's process group (``rank`` of ``world``)."""
 
     def __init__(
-        self, rank: int, world: int, device: torch.device, store: Any = None, *, key: bytes = b"", prefix: str = ""
+        self,
+        rank: int,
+        world: int,
+        device: torch.device,
+        store: Any = None,  # a torch Store (it takes bytes values) or a CommandBox
+        *,
+        key: bytes = b"",
+        prefix: str = "",
     ) -> None:
         self.rank = rank
         self.world = world
@@ -159,12 +171,12 @@ class GroupRanks:
         self._seq = 0
         self.refused = 0  # store values at a command's key that were not rank 0's
         self.collective_timeout = 600.0
-        self.checkpoint_group: Any = None  # the checkpoints' process group (gloo)
+        self.checkpoint_group: ProcessGroup | None = None  # the checkpoints' process group (gloo)
 
     @classmethod
     def join(
         cls,
-        store: Any,
+        store: Store,
         *,
         prefix: str,
         key: bytes,
@@ -174,7 +186,7 @@ class GroupRanks:
         join_timeout: float,
         collective_timeout: float,
         cancelled: Callable[[], bool] = lambda: False,
-        commands: Any = None,
+        commands: CommandBox | None = None,
     ) -> GroupRanks:
         """Join the group through ``store`` under ``prefix``.
 
@@ -250,11 +262,14 @@ class GroupRanks:
         The value is checked (:func:`~atroposd.trainer.group.decode_command`): one that is not
         rank 0's is counted and read again for ``BAD_COMMAND_GRACE_S`` (rank 0's own write
         replaces it), then :class:`BadCommand` ends this rank — never is it run."""
+        store = self.store
+        if store is None:
+            raise RuntimeError("this trainer rank has no store to receive rank 0's commands from")
         self._seq += 1
         key = command_key(self._seq)
         while True:
             try:
-                self.store.wait([key], datetime.timedelta(seconds=COMMAND_WAIT_S))
+                store.wait([key], datetime.timedelta(seconds=COMMAND_WAIT_S))
                 break
             except Exception as exc:  # the store says "timeout" for a wait that ran out
                 if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
@@ -262,7 +277,7 @@ class GroupRanks:
         deadline = time.monotonic() + BAD_COMMAND_GRACE_S
         last = None
         while True:
-            value = self.store.get(key)
+            value = store.get(key)
             try:
                 return decode_command(value, key=self._key, prefix=self._prefix, seq=self._seq)
             except BadCommand as exc:
@@ -301,11 +316,13 @@ class GroupRanks:
                 self._point(dist.isend(data.to(dev), dst=r))
         return shares[0]
 
-    def _point(self, work: Any) -> None:
+    def _point(self, work: Work | None) -> None:
         """Wait for one send or receive within ``collective_timeout``. A plain ``dist.send`` to a
         rank that does not receive (stopped, hung) waits for the group's join-time timeout
         instead: gloo bounds a point-to-point wait by the timeout its connections were made
         with, not by the one :meth:`settle` sets."""
+        if work is None:
+            raise RuntimeError("a send or receive of a rank outside the trainer group")
         work.wait(timeout=datetime.timedelta(seconds=self.collective_timeout))
 
     def receive_share(self) -> Share:

@@ -497,6 +497,8 @@ class TrainerService:
         generation = self.compute.generation
         device, _ = await anyio.to_thread.run_sync(resolve_torch, t.devices()[0], self.cfg.inference.dtype)
         group, store = self.group, self.fleet.store
+        if store.store is None:
+            raise RuntimeError("the trainer group's store is closed")
         ranks: GroupRanks = await self.compute.run(
             GroupRanks.join,
             store.store,
