@@ -175,7 +175,12 @@ async def test_a_failed_collective_is_named_by_the_rank_exit_that_follows_it() -
     assert group.restarts == 1 and group.budget.count == 0
 
 
-async def test_past_max_restarts_the_group_stops_and_a_group_that_never_trained_fails_at_once() -> None:
+async def test_past_max_restarts_the_group_stops_and_a_group_that_never_trained_fails_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from atroposd.trainer import supervisor as module
+
+    monkeypatch.setattr(module, "RANK_EXIT_GRACE_S", 0.05)  # no rank exit names these failures
     fleet = StandFleet()
     group = supervisor(fleet, max_restarts=1)
 
