@@ -24,14 +24,13 @@ def anyio_backend() -> str:
 
 
 class _Engine:
-    """Records the pauses the control route passes on; ``modes``: its ``pause_modes``."""
+    """Records the pauses the control route passes on; ``modes``: its ``pause_modes`` (None: drain only)."""
 
     weight_version = 0
 
     def __init__(self, modes: tuple[str, ...] | None) -> None:
         self.name = "torch"
-        if modes is not None:
-            self.pause_modes = modes
+        self.pause_modes = modes or ("wait",)
         self.calls: list[dict[str, Any]] = []
 
     async def pause(self, **kw: Any) -> dict[str, Any]:
