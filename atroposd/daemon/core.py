@@ -63,8 +63,13 @@ from atroposd.process.unit import State, Unit, UnitSpec
 from atroposd.systemd import Notifier
 
 if TYPE_CHECKING:
+    import torch
+
     from atroposd.sandbox.manager import Sandbox
+    from atroposd.trainer.group import GroupStore
     from atroposd.trainer.service import TrainerOutcome, TrainerService
+    from atroposd.weights.shmspace import ShmVerdict
+    from atroposd.weights.source import TensorSource
     from atroposd.weights.sync import WeightSync
 
 log = get_logger("atroposd.daemon")
@@ -89,7 +94,7 @@ class Daemon:
         self.units: dict[str, Unit] = {}
         self.trainer: TrainerService | None = None
         self.weights: WeightSync | None = None
-        self.group_store: Any = None  # trainer ranks' store (several ranks)
+        self.group_store: GroupStore | None = None  # trainer ranks' store (several ranks)
         self.model_path: str = cfg.inference.model
         self.tokenizer_path: str = cfg.inference.tokenizer or cfg.inference.model
         self.start_error: str | None = None
@@ -182,7 +187,7 @@ class Daemon:
     def uptime(self) -> float:
         return time.monotonic() - self._t0
 
-    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+    def spawn(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
         """Run ``fn(*args)`` in the daemon's task group (a failure is logged, never raised)."""
 
         async def guarded() -> None:
@@ -388,7 +393,7 @@ class Daemon:
         given more): refused when it never can, warned about when only its free space is short."""
         from atroposd.weights.shmspace import check_shm, shm_need
 
-        def verdict_of() -> Any:
+        def verdict_of() -> ShmVerdict | None:
             need = shm_need(self.cfg, Path(self.model_path))
             return check_shm(need) if need is not None else None
 
@@ -456,7 +461,7 @@ class Daemon:
         if status.get("state") == "failed":
             raise StartFailed(f"trainer: {status.get('error')}")
 
-    def _weight_source(self, model: Any) -> Any:
+    def _weight_source(self, model: torch.nn.Module) -> TensorSource:
         """What the weight sync sends of ``model``: the trainer's source (with several ranks the
         weights gathered from every rank; :meth:`TrainerService.weight_source`)."""
         assert self.trainer is not None
