@@ -307,3 +307,42 @@ async def test_a_wrong_manifest_is_refused_by_the_one_checked_path_on_the_vllm_e
     with pytest.raises(WeightUpdateError, match=r"the vLLM engine only copies weights \(mode 'copy'\), got 'attach'"):
         await eng.update_weights({"manifest": str(path), "mode": "attach"})
     assert receiver.weight_version is None and receiver.buckets is None and eng.updates == 0
+
+
+# ---------------------------------------------------------------------------- the control bodies
+
+
+def test_control_bodies_are_checked_on_arrival_naming_the_field() -> None:
+    from atroposd.weights.control import ControlBodyError, PauseBody, QuarantineBody, ResumeBody
+
+    for parse, body, message in (
+        (UpdateWeights.parse, [], "request must be a JSON object"),
+        (UpdateWeights.parse, {"manifest": "/m"}, "request is missing 'mode'"),
+        (UpdateWeights.parse, {"manifest": "/m", "mode": "steal"}, "'mode' must be 'attach' or 'copy', got 'steal'"),
+        (UpdateWeights.parse, {"manifest": 3, "mode": "copy"}, "'manifest' must be a string, got 3"),
+        (
+            UpdateWeights.parse,
+            {"manifest": "/m", "mode": "copy", "weight_version": "3"},
+            "'weight_version' must be an integer, got '3'",
+        ),
+        (LoadWeights.parse, {"weight_version": 3}, "request is missing 'path'"),
+        (LoadWeights.parse, {"path": "/d", "weight_version": True}, "'weight_version' must be an integer, got True"),
+        (ResumeBody.parse, {"weight_version": -1}, "weight_version must be a non-negative integer, got -1"),
+        (BroadcastOp.parse, {"formation": "f"}, "broadcast request must be a JSON object with an 'op'"),
+        (BroadcastOp.parse, {"op": "dance"}, "unknown broadcast op 'dance' (join, receive, finish, leave)"),
+        (QuarantineBody.parse, {"quarantine": "yes"}, "quarantine must be true or false"),
+    ):
+        with pytest.raises(ControlBodyError) as refused:
+            parse(body)
+        assert str(refused.value) == message and isinstance(refused.value, WeightUpdateError)
+    with pytest.raises(ControlBodyError, match="clear_cache must be true or false, got 'no'"):
+        PauseBody.parse({"clear_cache": "no"}, engine="torch", modes=("wait", "keep"))
+    # no body: the defaults; each body's fields() is what the sending side writes, and reads back
+    assert PauseBody.parse(None, engine="torch", modes=("wait", "keep")) == PauseBody()
+    assert ResumeBody.parse(None) == ResumeBody() and ResumeBody().fields() == {}
+    assert QuarantineBody.parse({"quarantine": True}).reason == "drift over the limit"
+    assert UpdateWeights.parse({"manifest": "/m", "mode": "copy", "digest": 1}).digest is False
+    for typed in (UpdateWeights("/m", "attach", 3, True), LoadWeights("/d", 4), ResumeBody(2)):
+        assert type(typed).parse(json.loads(json.dumps(typed.fields()))) == typed
+    keep = PauseBody("keep", False)
+    assert PauseBody.parse(keep.fields(), engine="torch", modes=("wait", "keep")) == keep
