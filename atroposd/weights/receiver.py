@@ -59,7 +59,7 @@ import os
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -79,6 +79,14 @@ from atroposd.weights.tensors import (
     same_checksum,
     torch_dtype,
 )
+
+if TYPE_CHECKING:
+    from atroposd.config import Config
+    from atroposd.weights.cuda_ipc import CudaImports
+
+#: what the CPU push's mirror was laid out for: the export's segments (name, size), and each
+#: model tensor's (name, segment, offset) in it
+MirrorKey = tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int, int], ...]]
 
 __all__ = [
     "BucketProgress",
@@ -148,17 +156,17 @@ class ReceiverState:
     pinned: set[str] = field(default_factory=set)
     # push mode on CPU: the model's own tensors laid out like the export (one flat private
     # buffer per segment), so that a sync is one contiguous copy per segment
-    mirror_key: Any = None
+    mirror_key: MirrorKey | None = None
     mirror: dict[str, torch.Tensor] = field(default_factory=dict)
     export_id: int | None = None
     weight_version: int | None = None
     # a bucketed push that started and has not completed: the model holds a mix of versions
     buckets: BucketProgress | None = None
     # CUDA IPC: the trainer's exports, each rebuilt once and held for its life (a CudaImports)
-    imports: Any = None
+    imports: CudaImports | None = None
 
     @classmethod
-    def from_config(cls, cfg: Any, nonce: str | None = None) -> ReceiverState:
+    def from_config(cls, cfg: Config, nonce: str | None = None) -> ReceiverState:
         from atroposd.paths import Paths
 
         paths = Paths.of(cfg)
@@ -217,7 +225,7 @@ class ReceiverState:
         self.weight_version = manifest.weight_version
         return True
 
-    def cuda_imports(self) -> Any:
+    def cuda_imports(self) -> CudaImports:
         """The :class:`~atroposd.weights.cuda_ipc.CudaImports` of this process (made at first use)."""
         if self.imports is None:
             from atroposd.weights.cuda_ipc import CudaImports
@@ -289,7 +297,7 @@ def _privatize(model: torch.nn.Module, segments: list[Any]) -> None:
             mt.rebind(name, t.detach().clone())
 
 
-def _owns(seg: Any, t: torch.Tensor) -> bool:
+def _owns(seg: object, t: torch.Tensor) -> bool:
     if isinstance(seg, ShmSegment):
         return seg.owns(t)
     if isinstance(seg, torch.Tensor):
@@ -537,7 +545,9 @@ def _map_segments(manifest: Manifest, state: ReceiverState) -> dict[int, Any]:
     return mapped
 
 
-def _view(mapped: Any, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def _view(
+    mapped: ShmSegment | torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
     if isinstance(mapped, ShmSegment):
         return mapped.view(offset, nbytes, dtype, shape)
     view: torch.Tensor = mapped[offset : offset + nbytes].view(dtype).view(shape)
