@@ -837,15 +837,21 @@ def sampling_kwargs(params: schema.GenerateParams) -> dict[str, Any]:
 def _version_record(completion: CompletionOutput, admitted: int) -> list[list[int]]:
     """``[[token_index, version], ...]``: from which output token on each weight version sampled
     this completion, starting at ``[0, admitted]`` (vLLM's spans of its weight-version labels,
-    which :meth:`VllmEngine.resume` sets)."""
+    which :meth:`VllmEngine.resume` sets). A version no token was sampled under is left out: a
+    generation admitted before a keep-pause but first scheduled after it starts at the version
+    it was resumed with (:func:`_response` reports that one as its ``weight_version``)."""
     record = [[0, admitted]]
     for span in getattr(completion, "weight_versions", None) or ():
         try:
-            version = int(span.version)
+            version, start = int(span.version), int(span.start)
         except (TypeError, ValueError):  # a label atroposd did not set
             continue
-        if version != record[-1][1]:
-            record.append([int(span.start), version])
+        if version == record[-1][1]:
+            continue
+        if start <= record[-1][0]:  # nothing sampled under the version before
+            record[-1][1] = version
+        else:
+            record.append([start, version])
     return record
 
 
@@ -870,6 +876,9 @@ def _response(out: RequestOutput, version: int, *, want_prompt_logprobs: bool) -
         "weight_version": version,
     }
     records = [_version_record(c, version) for c in completions]
+    began = {r[0][1] for r in records}
+    if len(began) == 1:  # the version its first tokens were sampled under (a later one when it began after a swap)
+        body["weight_version"] = began.pop()
     if any(len(r) > 1 for r in records):  # only a completion that spans a swap carries it
         body["weight_versions"] = records
     if want_prompt_logprobs:

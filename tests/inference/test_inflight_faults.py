@@ -353,6 +353,53 @@ async def test_every_answer_through_several_swaps_has_a_consistent_version_recor
     assert spanning >= 2, "too few answers spanned a swap for the check to mean much"
 
 
+def test_a_vllm_generation_begun_after_a_swap_is_of_the_new_version_alone() -> None:
+    """The vLLM engine's answer from vLLM's weight-version spans (``CompletionOutput.weight_versions``:
+    a span starts where an output token arrives under another label). A generation admitted
+    under version 4 but first scheduled after a keep-pause's resume to 5 has one span, (5, from
+    token 0): its answer is of version 5 alone — not ``[[0, 4], [0, 5]]``, whose repeated token
+    index the trainer rejects. One that spans the swap names it; a label atroposd did not set is
+    ignored. (Shaped as vLLM's output objects: the engine's code needs no vLLM here.)"""
+    from types import SimpleNamespace
+
+    from atroposd.inference.vllm_engine import _response
+
+    def output(spans: list[tuple[str, int]], n_tokens: int = 3) -> Any:
+        ends = [s for _, s in spans[1:]] + [n_tokens]
+        completion = SimpleNamespace(
+            index=0,
+            text="abc",
+            token_ids=list(range(5, 5 + n_tokens)),
+            logprobs=[{5 + i: SimpleNamespace(logprob=-0.5)} for i in range(n_tokens)],
+            finish_reason="length",
+            weight_versions=[SimpleNamespace(version=v, start=s, end=e) for (v, s), e in zip(spans, ends, strict=True)],
+        )
+        return SimpleNamespace(outputs=[completion], prompt_logprobs=None)
+
+    begun_after = _response(output([("5", 0)]), 4, want_prompt_logprobs=False)
+    assert begun_after["weight_version"] == 5 and "weight_versions" not in begun_after
+    check_record(begun_after, 5, 5)
+    spanning = _response(output([("4", 0), ("5", 2)]), 4, want_prompt_logprobs=False)
+    assert check_record(spanning, 4, 5) == [[[0, 4], [2, 5]]]
+    begun_after_then_spanning = _response(output([("5", 0), ("6", 1)]), 4, want_prompt_logprobs=False)
+    assert check_record(begun_after_then_spanning, 5, 6) == [[[0, 5], [1, 6]]]
+    unlabelled = _response(output([("x", 0), ("4", 1)]), 4, want_prompt_logprobs=False)
+    assert unlabelled["weight_version"] == 4 and "weight_versions" not in unlabelled
+    for answer in (begun_after, spanning, begun_after_then_spanning):  # what the trainer accepts
+        from atroposd.groupext import version_records
+
+        group = {
+            "tokens": [[1, 2, 5, 6, 7]],
+            "group_overrides": {
+                "atroposd": {
+                    "weight_version": answer["weight_version"],
+                    **({"weight_versions": answer["weight_versions"]} if "weight_versions" in answer else {}),
+                }
+            },
+        }
+        version_records(group, 1)
+
+
 # ---------------------------------------------------------------------------- whole jobs: kill -9 and stop while frozen
 
 
