@@ -9,9 +9,10 @@ watched through its ``metrics.jsonl``: when the moving mean of ``reward_mean`` o
 otherwise it ends at ``--cap`` steps (the job's ``steps``).
 
 Per run: the step at which the moving mean first reached the target, the wall seconds from
-the first step to that step (``train_s``) and from the launch (``wall_s``), and the training
-steps/s. Prints a table per seed and the mean ± spread (half the range over the seeds) per
-mode, and writes everything as JSON (``--json``, default ``/tmp/bench_inflight_learning.json``).
+the first step to that step (``train_s``) and from the launch (``wall_s``), the training
+steps/s, and (JSON) the mean ``swapped_token_share`` and staleness of the trained steps.
+Prints a table per seed and the mean ± spread (half the range over the seeds) per mode, and
+writes everything as JSON (``--json``, default ``/tmp/bench_inflight_learning.json``).
 
 The criterion: ``keep`` reaches the target in no more steps (and no more training seconds)
 than ``drain`` beyond the seeds' spread.
@@ -140,6 +141,13 @@ def run_one(seed: int, mode: str, args: argparse.Namespace) -> dict[str, Any]:
             round((len(rows) - 1) / (float(rows[-1]["time"]) - t_first), 2) if len(rows) > 1 else None
         ),
         "reward_last_50": round(sum(float(r["reward_mean"]) for r in rows[-50:]) / max(1, len(rows[-50:])), 3),
+        # what keep changes in what is trained: the tokens sampled after a swap, and the staleness
+        "swapped_token_share": round(
+            sum(float(r.get("swapped_token_share") or 0.0) for r in rows) / max(1, len(rows)), 4
+        ),
+        "staleness_mean": round(
+            sum(float(r["staleness"]) for r in rows if r.get("staleness") is not None) / max(1, len(rows)), 2
+        ),
     }
     if args.keep_dirs:
         result["dir"] = str(root)
