@@ -416,9 +416,10 @@ def _weight_info(socket: Path) -> dict[str, Any]:
     return asyncio.run(ask())
 
 
-def _hold(hold_dir: Path) -> tuple[Path, int]:
+def _hold(hold_dir: Path, *, frozen: bool = True) -> tuple[Path, int]:
     """Hold the job's next sync before its resume (``hold_resume``): the replica paused with its
-    generations frozen mid-swap. Returns its control socket and the version held."""
+    generations frozen mid-swap (``frozen``: the torch engine's weight_info says so; vLLM's says
+    only paused). Returns its control socket and the version held."""
     from tests.support import wait_for
 
     (hold_dir / "hold").touch()
@@ -426,8 +427,45 @@ def _hold(hold_dir: Path) -> tuple[Path, int]:
     wait_for(held.exists, timeout=120, interval=0.02, what="the sync held before its resume")
     socket, version = held.read_text().split()
     info = _weight_info(Path(socket))
-    assert info["paused"] and info["held"], info  # a keep-pause: frozen, the weights swapped
+    assert info["paused"] and (info["held"] if frozen else True), info  # a keep-pause, the weights swapped
     return Path(socket), int(version)
+
+
+def kill_the_held_replica_and_train_on(
+    cfg: Path, hold_dir: Path, *, frozen: bool = True, restart_timeout: float = 180, steps_after: int = 10
+) -> None:
+    """With the job's sync held mid-swap (:func:`_hold`), kill -9 its replica and let the sync go
+    on: the daemon restarts the replica, the trainer trains ``steps_after`` more steps, the replica
+    serves the trainer's weights (never the base model's), and the API was never restarted."""
+    from tests.e2e.jobs import component, kill9, replica_health, status
+    from tests.support import wait_for
+
+    api = component(status(cfg), "api")
+    before = component(status(cfg), "inference")
+    _, version = _hold(hold_dir, frozen=frozen)
+    kill9(before["pid"])
+    (hold_dir / "hold").unlink()
+    step = status(cfg)["trainer"]["step"]
+
+    def back() -> bool:
+        c = component(status(cfg), "inference")
+        return c["state"] == "ready" and c["pid"] != before["pid"] and c["restarts"] > before["restarts"]
+
+    wait_for(back, timeout=restart_timeout, interval=0.3, what="the killed replica restarted")
+    wait_for(lambda: status(cfg)["trainer"]["step"] >= step + steps_after, timeout=300, interval=0.3, what="training")
+    assert replica_health(cfg, 0)["weight_version"] > version  # the trainer's weights, not the base model
+    after = component(status(cfg), "api")
+    assert (after["pid"], after["restarts"]) == (api["pid"], api["restarts"])
+
+
+def assert_every_group_trained(rows: list[dict[str, Any]]) -> None:
+    """Every step's groups were trained: none rejected (for its version record or else), none dropped."""
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    assert all(not r["rejected_groups"] and not r["dropped_groups"] for r in rows), [
+        (r["step"], r["rejected_groups"], r["dropped_groups"])
+        for r in rows
+        if r["rejected_groups"] or r["dropped_groups"]
+    ]
 
 
 @pytest.mark.slow
@@ -442,14 +480,11 @@ def test_a_replica_killed_while_frozen_comes_back_and_a_stop_while_frozen_leaves
     import psutil
 
     from tests.e2e.jobs import (
-        component,
         daemon_env,
         job_config,
-        kill9,
         metrics,
         problem_lines,
         processes_of_instance,
-        replica_health,
         segments_of,
         status,
     )
@@ -466,26 +501,9 @@ def test_a_replica_killed_while_frozen_comes_back_and_a_stop_while_frozen_leaves
     stopped = None
     try:
         assert res.returncode == 0, f"start exited {res.returncode}: {res.stderr[-3000:]}"
-        st = status(cfg)
-        nonce = st["instance"]
-        api = component(st, "api")
+        nonce = status(cfg)["instance"]
         wait_for(lambda: status(cfg)["trainer"]["step"] >= 5, timeout=120, interval=0.2, what="training steps")
-
-        before = component(status(cfg), "inference")
-        _, version = _hold(hold_dir)
-        kill9(before["pid"])
-        (hold_dir / "hold").unlink()
-        step = status(cfg)["trainer"]["step"]
-
-        def back() -> bool:
-            c = component(status(cfg), "inference")
-            return c["state"] == "ready" and c["pid"] != before["pid"] and c["restarts"] > before["restarts"]
-
-        wait_for(back, timeout=180, interval=0.3, what="the killed replica restarted")
-        wait_for(lambda: status(cfg)["trainer"]["step"] >= step + 10, timeout=180, interval=0.3, what="training on")
-        assert replica_health(cfg, 0)["weight_version"] > version  # the trainer's weights, not the base model
-        after = component(status(cfg), "api")
-        assert (after["pid"], after["restarts"]) == (api["pid"], api["restarts"])
+        kill_the_held_replica_and_train_on(cfg, hold_dir)
 
         pids = [c["pid"] for c in status(cfg)["components"] if c.get("pid")]
         socket, _ = _hold(hold_dir)
@@ -503,11 +521,4 @@ def test_a_replica_killed_while_frozen_comes_back_and_a_stop_while_frozen_leaves
     assert processes_of_instance(nonce) == []
     assert segments_of(nonce) == []
     assert not socket.exists()
-    rows = metrics(short_tmp / "state")
-    steps = [r["step"] for r in rows]
-    assert steps == list(range(1, len(rows) + 1))
-    assert all(not r["rejected_groups"] and not r["dropped_groups"] for r in rows), [
-        (r["step"], r["rejected_groups"], r["dropped_groups"])
-        for r in rows
-        if r["rejected_groups"] or r["dropped_groups"]
-    ]
+    assert_every_group_trained(metrics(short_tmp / "state"))
