@@ -117,7 +117,8 @@ def test_watch_ends_cleanly_on_ctrl_c(tmp_path: Path) -> None:
         env={**os.environ, "PYTHONPATH": os.getcwd()},
     )
     try:
-        wait_for(lambda: standin.served >= 2, timeout=20, what="two redraws")
+        # the third request follows the second redraw (an answer served is not yet drawn)
+        wait_for(lambda: standin.served >= 3, timeout=20, what="two redraws")
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=20)
     finally:
