@@ -458,14 +458,18 @@ def kill_the_held_replica_and_train_on(
     assert (after["pid"], after["restarts"]) == (api["pid"], api["restarts"])
 
 
-def assert_every_group_trained(rows: list[dict[str, Any]]) -> None:
-    """Every step's groups were trained: none rejected (for its version record or else), none dropped."""
+def assert_every_group_trained(rows: list[dict[str, Any]], log: str = "") -> None:
+    """Every step's groups were trained: none rejected (for its version record or else), none
+    dropped. ``log``: the daemon's, whose warnings (a rejection's detail) a failure shows."""
+    from tests.e2e.jobs import problem_lines
+
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
-    assert all(not r["rejected_groups"] and not r["dropped_groups"] for r in rows), [
+    lost = [
         (r["step"], r["rejected_groups"], r["dropped_groups"])
         for r in rows
         if r["rejected_groups"] or r["dropped_groups"]
     ]
+    assert not lost, f"{lost}\n{problem_lines(log)}"
 
 
 @pytest.mark.slow
@@ -521,4 +525,4 @@ def test_a_replica_killed_while_frozen_comes_back_and_a_stop_while_frozen_leaves
     assert processes_of_instance(nonce) == []
     assert segments_of(nonce) == []
     assert not socket.exists()
-    assert_every_group_trained(metrics(short_tmp / "state"))
+    assert_every_group_trained(metrics(short_tmp / "state"), log)
