@@ -424,7 +424,11 @@ def _hold(hold_dir: Path, *, frozen: bool = True) -> tuple[Path, int]:
 
     (hold_dir / "hold").touch()
     held = hold_dir / "held"
-    wait_for(held.exists, timeout=120, interval=0.02, what="the sync held before its resume")
+
+    def written() -> bool:  # the fault writes the file after creating it: read it once whole
+        return held.exists() and len(held.read_text().split()) == 2
+
+    wait_for(written, timeout=120, interval=0.02, what="the sync held before its resume")
     socket, version = held.read_text().split()
     info = _weight_info(Path(socket))
     assert info["paused"] and (info["held"] if frozen else True), info  # a keep-pause, the weights swapped
