@@ -29,8 +29,8 @@ from atroposd.weights.protocol import WeightUpdateError
 from atroposd.weights.receiver import ReceiverState
 from atroposd.weights.reload import write_sync_dir
 from tests.inference.conftest import MAX_MODEL_LEN
-
-PROMPT = [BOS_ID, 5, 14, 7, 17]
+from tests.inference.test_inflight import PROMPT, logprobs_of, req
+from tests.inference.test_inflight import new_weights as other_weights
 
 
 @pytest.fixture(autouse=True)
@@ -58,25 +58,6 @@ async def engine(tiny_dir: Path, tmp_path: Path, nonce: str) -> AsyncIterator[To
         yield eng
     finally:
         await eng.close()
-
-
-def req(**kw: Any) -> dict[str, Any]:
-    return {"prompt": {"prompt_token_ids": PROMPT}, "logprobs": 0, **kw}
-
-
-def logprobs_of(resp: dict[str, Any], i: int) -> list[float]:
-    return [float(next(iter(item[0].values()))) for item in resp["logprobs"][i]]
-
-
-def other_weights(tiny_dir: Path, seed: int = 1) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model.eval()
 
 
 def snapshot(model: Any) -> dict[str, torch.Tensor]:
