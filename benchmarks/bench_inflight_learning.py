@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_objectives import _rows, reached_at
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -71,30 +73,6 @@ def _config(root: Path, seed: int, mode: str, cap: int) -> Path:
     return path
 
 
-def _rows(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            break  # a line being written
-    return out
-
-
-def _reached(rows: list[dict[str, Any]], window: int, target: float) -> int | None:
-    """The index of the first row at which the mean reward of the last ``window`` rows is ≥ target."""
-    total = 0.0
-    for i, row in enumerate(rows):
-        total += float(row["reward_mean"])
-        if i >= window:
-            total -= float(rows[i - window]["reward_mean"])
-        if i + 1 >= window and total / window >= target:
-            return i
-    return None
-
-
 def run_one(seed: int, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix=f"ifl-{mode[0]}{seed}-", dir="/tmp"))
     cfg = _config(root, seed, mode, args.cap)
@@ -111,7 +89,7 @@ def run_one(seed: int, mode: str, args: argparse.Namespace) -> dict[str, Any]:
         while proc.poll() is None:
             time.sleep(1.0)
             if hit is None:
-                hit = _reached(_rows(metrics), args.window, args.target)
+                hit = reached_at(_rows(metrics), args.window, args.target)
                 if hit is not None:
                     hit_wall = time.monotonic() - t0
                     stopped = True
@@ -126,7 +104,7 @@ def run_one(seed: int, mode: str, args: argparse.Namespace) -> dict[str, Any]:
         log.close()
     rows = _rows(metrics)
     if hit is None:
-        hit = _reached(rows, args.window, args.target)
+        hit = reached_at(rows, args.window, args.target)
     t_first = float(rows[0]["time"]) if rows else 0.0
     result: dict[str, Any] = {
         "seed": seed,
