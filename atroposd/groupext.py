@@ -59,7 +59,10 @@ def version_records(group: object, sequences: int) -> list[list[tuple[int, int]]
         for pair in record:
             if not isinstance(pair, list) or len(pair) != 2 or not all(type(x) is int and 0 <= x < 2**53 for x in pair):
                 raise ValueError(f"weight_versions[{i}]: {pair!r:.80} is not a [token_index, version] pair")
-            if pairs and (pair[0] <= pairs[-1][0] or pair[1] == pairs[-1][1]):
+            # [[0, weight_version], [0, v], ...]: the first span may be empty (a copy of an n > 1
+            # request first scheduled after a swap that its siblings began before)
+            empty_first = len(pairs) == 1 and pair[0] == 0
+            if pairs and ((pair[0] <= pairs[-1][0] and not empty_first) or pair[1] == pairs[-1][1]):
                 raise ValueError(f"weight_versions[{i}]: token indices must increase and versions change")
             pairs.append((pair[0], pair[1]))
         if pairs[0][0] != 0:
@@ -79,6 +82,11 @@ def sampled_versions(group: object) -> list[int]:
         records = version_records(group, len(tokens) if isinstance(tokens, list) else -1)
     except ValueError:
         records = None
-    if records:
-        return sorted({v for record in records for _, v in record})
+    if records:  # a span of no tokens (an empty first one) sampled nothing
+        return sorted({v for record in records for j, (at, v) in enumerate(record) if not _empty(record, j)})
     return [version] if type(version) is int else []
+
+
+def _empty(record: list[tuple[int, int]], j: int) -> bool:
+    """Whether span ``j`` of a record holds no token (the next one starts where it does)."""
+    return j + 1 < len(record) and record[j + 1][0] == record[j][0]

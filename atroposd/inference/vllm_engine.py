@@ -839,7 +839,8 @@ def _version_record(completion: CompletionOutput, admitted: int) -> list[list[in
     this completion, starting at ``[0, admitted]`` (vLLM's spans of its weight-version labels,
     which :meth:`VllmEngine.resume` sets). A version no token was sampled under is left out: a
     generation admitted before a keep-pause but first scheduled after it starts at the version
-    it was resumed with (:func:`_response` reports that one as its ``weight_version``)."""
+    it was resumed with (:func:`_response` reports the oldest first version of a request's
+    copies as its ``weight_version``)."""
     record = [[0, admitted]]
     for span in getattr(completion, "weight_versions", None) or ():
         try:
@@ -876,9 +877,14 @@ def _response(out: RequestOutput, version: int, *, want_prompt_logprobs: bool) -
         "weight_version": version,
     }
     records = [_version_record(c, version) for c in completions]
-    began = {r[0][1] for r in records}
-    if len(began) == 1:  # the version its first tokens were sampled under (a later one when it began after a swap)
-        body["weight_version"] = began.pop()
+    # The version its first tokens were sampled under (a later one than the admission's when it
+    # began after a swap). The n copies of one request may begin on both sides of a keep-swap (vLLM
+    # schedules them as room frees up): the response then names the oldest, and a copy that began
+    # on newer weights opens its record with an empty span, [[0, oldest], [0, its own], ...], so
+    # every record starts at [0, weight_version] (SPEC §7) and says which weights sampled what.
+    began = min(r[0][1] for r in records) if records else version
+    body["weight_version"] = began
+    records = [r if r[0][1] == began else [[0, began], *r] for r in records]
     if any(len(r) > 1 for r in records):  # only a completion that spans a swap carries it
         body["weight_versions"] = records
     if want_prompt_logprobs:

@@ -39,9 +39,17 @@ def test_weight_versions_are_checked_and_swapped_tokens_counted() -> None:
     batch = _prepare([swapped, plain])
     assert batch.swapped_tokens == 3 and batch.completion_tokens == 16
     assert batch.weight_versions == [3, 3]  # the admission versions: staleness counts from them
+    # a copy first scheduled after the swap its sibling began before: an empty first span, and
+    # every one of its tokens sampled after the swap
+    late = _group([[[0, 3], [0, 4]], [[0, 3], [3, 4]]])
+    assert version_records(late, 2) == [[(0, 3), (0, 4)], [(0, 3), (3, 4)]]
+    assert sampled_versions(late) == [3, 4] and sampled_versions(_group([[[0, 3], [0, 4]], [[0, 3], [0, 4]]])) == [4]
+    assert _prepare([late]).swapped_tokens == 4 + 1
     for bad, why in (
         ([[[0, 3]]], "one entry per sequence"),
-        ([[[0, 3], [0, 4]], [[0, 3]]], "increase"),
+        ([[[0, 3], [0, 4], [0, 5]], [[0, 3]]], "increase"),  # only the first span may be empty
+        ([[[0, 3], [2, 4], [2, 5]], [[0, 3]]], "increase"),
+        ([[[0, 3], [0, 3]], [[0, 3]]], "versions change"),
         ([[[1, 3]], [[0, 3]]], "start at token 0"),
         ([[[0, 2]], [[0, 3]]], "not weight_version 3"),
         ([[[0, 3], [2, "4"]], [[0, 3]]], "pair"),
