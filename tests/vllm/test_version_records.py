@@ -52,7 +52,9 @@ def _answer(admitted: int, spans: list[list[tuple[int, int, int]] | None], lengt
 def _group_of(answer: dict[str, Any]) -> dict[str, Any]:
     """The group an environment posts from the answer (the built-in environments' fields)."""
     n = len(answer["token_ids"])
-    g = make_group(random.Random(1), size=n, completion_len=len(answer["token_ids"][0]), version=answer["weight_version"])
+    g = make_group(
+        random.Random(1), size=n, completion_len=len(answer["token_ids"][0]), version=answer["weight_version"]
+    )
     g["scores"] = [float(i % 2) for i in range(n)]
     if "weight_versions" in answer:
         g["group_overrides"]["atroposd"]["weight_versions"] = answer["weight_versions"]
