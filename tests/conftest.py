@@ -26,6 +26,7 @@ def pytest_configure(config: pytest.Config) -> None:
     seed = config.getoption("--fuzz-seed")
     if seed is not None:
         os.environ["ATROPOSD_FUZZ_SEED"] = str(seed)
+    from tests import fuzzseed  # noqa: F401  (draws the run's seed into the environment: every worker shares it)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -42,8 +43,14 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 # Every process a test starts inherits this marker, so escaped grandchildren are found too.
+# Under pytest-xdist (scripts/test runs two workers) each worker marks its own: ``<run>.<worker>``,
+# and what another worker's tests started (or left in /dev/shm) is theirs to check, not this one's.
 RUN_MARKER = "ATROPOSD_TEST_RUN"
 os.environ.setdefault(RUN_MARKER, uuid.uuid4().hex)
+_RUN = os.environ[RUN_MARKER].split(".", 1)[0]
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER:
+    os.environ[RUN_MARKER] = f"{_RUN}.{_WORKER}"
 _MARK = os.environ[RUN_MARKER]
 
 
@@ -94,6 +101,54 @@ def _marked_processes() -> list[psutil.Process]:
     return found
 
 
+def _other_workers() -> tuple[set[int], set[str]]:
+    """The pids and atroposd instance nonces (``ATROPOSD_INSTANCE``) of the processes the other
+    workers' tests started: the segments named after them are theirs (empty when not under xdist)."""
+    pids: set[int] = set()
+    nonces: set[str] = set()
+    if not _WORKER:
+        return pids, nonces
+    uid = os.getuid()
+    for pid in _young_pids():
+        try:
+            proc = psutil.Process(pid)
+            if proc.uids().real != uid:
+                continue
+            env = proc.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+        mark = env.get(RUN_MARKER, "")
+        if mark.split(".", 1)[0] == _RUN and mark != _MARK:
+            pids.add(pid)
+            if env.get("ATROPOSD_INSTANCE"):
+                nonces.add(env["ATROPOSD_INSTANCE"])
+    return pids, nonces
+
+
+def _not_others(names: set[str]) -> set[str]:
+    """``names`` less the segments another worker's live processes own: atroposd's weight segments
+    (``atroposd-<nonce>-…``) of their instances and torch's files (``torch_<pid>_…``) of their pids.
+    What else they leave on the way (multiprocessing's semaphores) is gone within a moment: a
+    segment counts as left behind only when it is still there, unmapped, two seconds on."""
+    if not _WORKER or not names:
+        return names
+    deadline = time.monotonic() + 2.0
+    while True:
+        pids, nonces = _other_workers()
+        left = set()
+        for name in names:
+            if name.startswith("atroposd-") and name[len("atroposd-") :].split("-", 1)[0] in nonces:
+                continue
+            if name.startswith("torch_") and name.split("_")[1].isdigit() and int(name.split("_")[1]) in pids:
+                continue
+            left.add(name)
+        left = _unmapped({n for n in left if os.path.exists(f"/dev/shm/{n}")})
+        if not left or time.monotonic() >= deadline:
+            return left
+        names = left
+        time.sleep(0.2)
+
+
 def _shm_segments() -> set[str]:
     """Every name in /dev/shm: atroposd's weight segments, and what children leave (vLLM's
     ``psm_*`` message queues, multiprocessing's ``sem.mp-*``)."""
@@ -135,7 +190,7 @@ def no_leaks_at_the_end() -> Iterator[None]:
     left: set[str] = set()
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline:  # a stopping child's own clean-up may still be running
-        left = {n for n in _unmapped(_shm_segments() - before) if _created_since(n, start)}
+        left = _not_others({n for n in _unmapped(_shm_segments() - before) if _created_since(n, start)})
         if not left:
             return
         time.sleep(0.1)
@@ -183,7 +238,7 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
             p.send_signal(signal.SIGKILL)
         except psutil.Error:
             pass
-    new_shm = _unmapped(_shm_segments() - before_shm)
+    new_shm = _not_others(_unmapped(_shm_segments() - before_shm))
     for name in new_shm:
         try:
             os.unlink(f"/dev/shm/{name}")
