@@ -25,7 +25,7 @@ from atroposd.config import Config
 from atroposd.paths import Paths
 from atroposd.restarts import RestartBudget
 from atroposd.trainer.rollback import Rollback, finish_rollback, plan_rollback, restore_health
-from atroposd.trainer.startup import check_inference_tokenizer, registration, start_wandb
+from atroposd.trainer.startup import check_inference_tokenizer, expected_failure, registration, start_wandb
 from atroposd.trainer.state import TrainerState
 from atroposd.trainer.supervisor import (
     BACKOFF_FIRST_S,
@@ -56,11 +56,9 @@ __all__ = ["Fleet", "GroupFault", "TrainerOutcome", "TrainerService"]
 
 log = structlog.get_logger("trainer", component="trainer")  # lazy: bound at first use
 
-PROGRESS_EVERY = 10
-# Before the trainer group closes, how long a checkpoint still being written may take to finish.
-CHECKPOINT_FINISH_S = 300.0
-# How often the sentinel's wait for a replica's restart looks for a stop request.
-STOP_POLL_S = 0.2
+PROGRESS_EVERY = 10  # steps
+CHECKPOINT_FINISH_S = 300.0  # before the trainer group closes: a checkpoint being written may finish
+STOP_POLL_S = 0.2  # how often the sentinel's wait for a replica's restart looks for a stop request
 
 
 @dataclass(frozen=True)
@@ -141,7 +139,7 @@ class TrainerService:
 
     def request_stop(self) -> None:
         """Finish (or abandon) the current step, checkpoint within checkpoint_timeout, return."""
-        self.group.stopping = True
+        self.group.stop()
         if self._loop is not None:
             self._loop.request_stop()
         else:
@@ -258,16 +256,18 @@ class TrainerService:
         p = self.progress
         try:
             self.outcome = await self.group.run(
-                lambda: self._attempt_once(task_status),
+                lambda prefix: self._attempt_once(task_status, prefix),
                 started=lambda: self._started,
                 halt=self._halt,
                 collapsed=self._after_collapse,
+                stopped=lambda: self._stopped_before_training(task_status),
+                on_wait=self._waiting_for_nodes,
             )
             return self.outcome
         except Exception as group:  # any failure ends the job: state failed, exit 1 (SPEC §4)
             exc = root_cause(group)
             p.state, p.error = TrainerState.FAILED, f"{type(exc).__name__}: {exc}"
-            log.error("trainer failed", step=p.step, error=p.error, exc_info=not _expected(exc))
+            log.error("trainer failed", step=p.step, error=p.error, exc_info=not expected_failure(exc))
             if not self._started:
                 self._started = True
                 task_status.started()
@@ -284,7 +284,8 @@ class TrainerService:
                 await anyio.to_thread.run_sync(self._wandb.close, abandon_on_cancel=True)
             self.compute.close()
 
-    async def _attempt_once(self, task_status: TaskStatus[None]) -> TrainerOutcome:
+    async def _attempt_once(self, task_status: TaskStatus[None], prefix: str | None) -> TrainerOutcome:
+        """One generation: join the ranks started under ``prefix`` (None: one rank), load, train."""
         from atroposd.trainer.feed import BatchFeed, GroupFilter
         from atroposd.trainer.loop import TrainingLoop
         from atroposd.trainer.metrics import MetricsWriter
@@ -298,7 +299,7 @@ class TrainerService:
         if self.group.stopping:
             self._setup_scope.cancel()
         with self._setup_scope:
-            ranks = await self._form_group()
+            ranks = await self._join_group(prefix)
             p.state, p.waiting_for = TrainerState.WAITING, "model"
             setup = await self.compute.run(
                 load_for_training, self.cfg, ranks, pick=plan.target if plan is not None else None
@@ -392,13 +393,7 @@ class TrainerService:
                     return outcome
         loop = self._loop
         if self._setup_scope.cancelled_caught or loop is None:
-            # stopped before training began: nothing new to checkpoint
-            p.state, p.waiting_for = TrainerState.STOPPED, None
-            log.info("trainer stopped before training began", step=p.step)
-            if not self._started:
-                self._started = True
-                task_status.started()
-            return TrainerOutcome(TrainerState.STOPPED, p.step, p.weight_version)
+            return self._stopped_before_training(task_status)
         if self.group.stopping:
             loop.request_stop()
         p.state, p.waiting_for = TrainerState.WAITING, "data"
@@ -482,18 +477,25 @@ class TrainerService:
 
     # ------------------------------------------------------------------ trainer ranks (SPEC §12.1)
 
-    async def _form_group(self) -> Ranks:
-        """One rank: the trainer alone. Several: a new generation of ranks 1..N-1 (the supervisor
-        starts them once every node is ready), and the process group formed with them."""
+    def _stopped_before_training(self, task_status: TaskStatus[None]) -> TrainerOutcome:
+        """A stop before the generation trained: nothing new to checkpoint."""
+        p = self.progress
+        p.state, p.waiting_for = TrainerState.STOPPED, None
+        log.info("trainer stopped before training began", step=p.step)
+        if not self._started:
+            self._started = True
+            task_status.started()
+        return TrainerOutcome(TrainerState.STOPPED, p.step, p.weight_version)
+
+    async def _join_group(self, prefix: str | None) -> Ranks:
+        """One rank (``prefix`` None): the trainer alone. Several: the process group formed with
+        the generation of ranks 1..N-1 the supervisor started under ``prefix``."""
         from atroposd.devices import resolve_torch
         from atroposd.trainer.ranks import GroupRanks, OneRank
 
         t = self.cfg.trainer
-        if self.fleet is None:
+        if self.fleet is None or prefix is None:
             return OneRank()
-        p = self.progress
-        p.state, p.waiting_for = TrainerState.WAITING, "ranks"
-        prefix = await self.group.form(self._waiting_for_nodes)
         generation = self.compute.generation
         device, _ = await anyio.to_thread.run_sync(resolve_torch, t.devices()[0], self.cfg.inference.dtype)
         group, store = self.group, self.fleet.store
@@ -545,15 +547,15 @@ class TrainerService:
             self.progress.state, self.progress.waiting_for = TrainerState.WAITING, "ranks"
 
     async def _halt(self) -> None:
-        """What is left of a faulted generation: its checkpoint being written is never installed,
-        the compute thread is fenced, every rank stopped."""
+        """Rank 0's part of a faulted generation (the supervisor stops the others): its checkpoint
+        being written never installed, the compute thread fenced, its end of the group closed."""
         if self._loop is not None:
             self._loop.abandon_checkpoint()
         self.compute.fence()
-        await self._close_group()
+        await self._close_group(fleet=False)
 
-    async def _close_group(self) -> None:
-        """Tell the other ranks to stop (a group still intact), stop their processes, close ours."""
+    async def _close_group(self, *, fleet: bool = True) -> None:
+        """Tell the other ranks to stop (a group intact), stop their processes (``fleet``), close ours."""
         from atroposd.trainer.group import Stop
 
         ranks, self._ranks = self._ranks, None
@@ -573,7 +575,7 @@ class TrainerService:
                     await self.compute.run(ranks.command, Stop())
                 except Exception as exc:
                     log.warning("trainer ranks not told to stop", error=f"{type(exc).__name__}: {exc}")
-        if self.fleet is not None:
+        if fleet and self.fleet is not None:
             await self.fleet.stop()
         if ranks is not None:
             # A group whose peer died may hang in its teardown: never on the event loop, bounded.
@@ -586,14 +588,3 @@ class TrainerService:
         p = self.progress
         if p.state in (TrainerState.WAITING, TrainerState.TRAINING):
             p.state, p.waiting_for = (TrainerState.WAITING, reason) if reason else (TrainerState.TRAINING, None)
-
-
-def _expected(exc: BaseException) -> bool:
-    from atroposd.devices import DeviceError
-    from atroposd.trainer.checkpoint import CheckpointError
-    from atroposd.trainer.feed import DataTimeout
-    from atroposd.trainer.model import ModelLoadError
-    from atroposd.trainer.optim import OptimizerError
-    from atroposd.trainer.setup import ResumeError
-
-    return isinstance(exc, (DataTimeout, DeviceError, ModelLoadError, OptimizerError, CheckpointError, ResumeError))

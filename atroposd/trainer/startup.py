@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from atroposd.trainer.metrics import MetricsWriter
     from atroposd.trainer.wandb_sink import WandbSink
 
-__all__ = ["check_inference_tokenizer", "registration", "start_wandb"]
+__all__ = ["check_inference_tokenizer", "expected_failure", "registration", "start_wandb"]
 
 log = structlog.get_logger("trainer", component="trainer")
 
@@ -95,3 +95,15 @@ async def check_inference_tokenizer(cfg: Config, local: dict[str, Any], local_na
         local_name=local_name,
         remote_name=f"{info.get('model')} at {cfg.inference_url}",
     )
+
+
+def expected_failure(exc: BaseException) -> bool:
+    """A failure the trainer names in one line (its log entry carries no traceback)."""
+    from atroposd.devices import DeviceError
+    from atroposd.trainer.checkpoint import CheckpointError
+    from atroposd.trainer.feed import DataTimeout
+    from atroposd.trainer.model import ModelLoadError
+    from atroposd.trainer.optim import OptimizerError
+    from atroposd.trainer.setup import ResumeError
+
+    return isinstance(exc, (DataTimeout, DeviceError, ModelLoadError, OptimizerError, CheckpointError, ResumeError))

@@ -16,11 +16,12 @@ rank 0's own work, a collective that failed or timed out (:class:`CollectiveFail
 monitor reads the stream for the whole run and cancels the generation's training (the scope of
 :meth:`GroupSupervisor.training`) at its first fault.
 
-:meth:`GroupSupervisor.run` has the shape of torchelastic's ``_invoke_run``: run a generation
-(``attempt``), then look at how it ended — an outcome stops the group; a fault restarts it within
-``trainer.max_restarts`` per ``trainer.restart_window`` after a backoff (1 s doubling to 60 s;
-a restart while a rank-holding node is missing is not counted, SPEC §12.3), or ends the job past
-them; a collapse rolls back (SPEC §15) and forms the group again.
+:meth:`GroupSupervisor.run` has the shape of torchelastic's ``_invoke_run``: start a generation's
+ranks (:meth:`GroupSupervisor.form`) and train it (``attempt``), then look at how it ended — an
+outcome stops the group; a fault stops the ranks and restarts them within ``trainer.max_restarts``
+per ``trainer.restart_window`` after a backoff (1 s doubling to 60 s; a restart while a
+rank-holding node is missing is not counted, SPEC §12.3), or ends the job past them; a collapse
+rolls back (SPEC §15) and forms the group again.
 """
 
 from __future__ import annotations
@@ -215,6 +216,7 @@ class GroupSupervisor:
         self.budget = budget
         self.restart_window = restart_window
         self._training: anyio.CancelScope | None = None  # the running generation's training
+        self._forming: anyio.CancelScope | None = None  # a generation being formed (a stop cancels it)
         self.on_move = on_move  # told each new state
         self.state = GroupState.FORMING
         self.stopping = False  # a stop was requested: ranks leave on purpose
@@ -234,6 +236,13 @@ class GroupSupervisor:
         self.state = new
         self.on_move(new)
         log.debug("trainer group", old=old.value, new=new.value, reason=reason)
+
+    def stop(self) -> None:
+        """A stop was requested: ranks leave on purpose from now on, and a generation being
+        formed (waiting for a lost node, say) is not waited for."""
+        self.stopping = True
+        if self._forming is not None:
+            self._forming.cancel()
 
     # ------------------------------------------------------------------ faults
 
@@ -284,31 +293,52 @@ class GroupSupervisor:
 
     # ------------------------------------------------------------------ a generation
 
-    async def form(self, on_wait: Callable[[list[int]], None]) -> str:
+    async def form(self, on_wait: Callable[[list[int]], None]) -> str | None:
         """Several ranks: once every node is ready, start a new generation's ranks; returns its
-        store prefix."""
+        store prefix (None: a stop came first)."""
         assert self.fleet is not None
-        await self.fleet.ready(on_wait)  # several machines: a lost node is back
-        self.fault, self.seen = None, []
-        return await self.fleet.start()
+        if self.stopping:
+            return None
+        with anyio.CancelScope() as scope:
+            self._forming = scope
+            try:
+                on_wait([])  # the group forms: waiting for its ranks
+                await self.fleet.ready(on_wait)  # several machines: a lost node is back
+                self.fault, self.seen = None, []
+                return await self.fleet.start()
+            finally:
+                self._forming = None
+        return None
 
     async def run(
         self,
-        attempt: Callable[[], Awaitable[T]],
+        attempt: Callable[[str | None], Awaitable[T]],
         *,
         started: Callable[[], bool],
         halt: Callable[[], Awaitable[None]],
         collapsed: Callable[[Collapse], Awaitable[None]],
+        stopped: Callable[[], T],
+        on_wait: Callable[[list[int]], None] = lambda nodes: None,
     ) -> T:
-        """Run generations until one ends with an outcome: ``attempt`` forms and trains one;
-        ``halt`` stops what is left of a faulted one; ``collapsed`` plans a rollback."""
+        """Run generations until one ends with an outcome. Each generation: with several ranks,
+        the supervisor starts its ranks (:meth:`form`, ``on_wait`` told the nodes it waits for),
+        then ``attempt(prefix)`` joins and trains them (one rank: ``attempt(None)``). ``halt``
+        stops rank 0's own part of a faulted one (the supervisor stops the fleet's ranks);
+        ``collapsed`` plans a rollback; ``stopped`` is the outcome of a stop while forming."""
         failure: Exception | None = None
         outcome: T | None = None
+
+        async def generation() -> T:
+            if self.fleet is None:
+                return await attempt(None)
+            prefix = await self.form(on_wait)
+            return stopped() if prefix is None else await attempt(prefix)
+
         async with anyio.create_task_group() as tg:
             if self.fleet is not None:
                 tg.start_soon(self._monitor, self.fleet)
             try:
-                outcome = await self._invoke(attempt, started, halt, collapsed)
+                outcome = await self._invoke(generation, started, halt, collapsed)
             except Exception as exc:  # raised outside the task group: not wrapped in a group
                 failure = exc
             tg.cancel_scope.cancel()
@@ -373,6 +403,8 @@ class GroupSupervisor:
             if self.seen:
                 fault = GroupFault(fault.fault, f"{', '.join(map(str, self.seen))}: {fault}")
         self.last_fault = str(fault)
+        if self.fleet is not None:
+            await self.fleet.stop()  # every other rank, here and on the other nodes
         await halt()
         if self.budget.exhausted:
             raise GroupFault(

@@ -29,6 +29,10 @@ from atroposd.trainer.supervisor import (
 pytestmark = pytest.mark.anyio
 
 
+def stopped() -> TrainerState:
+    return TrainerState.STOPPED
+
+
 class StandFleet:
     """What the supervisor asks of the daemon's fleet, recorded; faults through a real stream."""
 
@@ -122,8 +126,8 @@ async def test_a_rank_exit_on_the_fleets_stream_restarts_the_group() -> None:
     group = supervisor(fleet)
     attempts: list[str] = []
 
-    async def attempt() -> TrainerState:
-        prefix = await group.form(lambda nodes: None)
+    async def attempt(prefix: str | None) -> TrainerState:
+        assert prefix is not None  # the supervisor started the generation's ranks before
         attempts.append(prefix)
         group.move(GroupState.TRAINING)
         if len(attempts) == 2:
@@ -137,16 +141,18 @@ async def test_a_rank_exit_on_the_fleets_stream_restarts_the_group() -> None:
 
     async def halt() -> None:
         fleet.calls.append("halt")
-        await fleet.stop()
 
     async def collapsed(collapse: object) -> None:
         raise AssertionError("no collapse here")
 
     with anyio.fail_after(10):
-        outcome = await group.run(attempt, started=lambda: True, halt=halt, collapsed=collapsed)
+        outcome = await group.run(
+            attempt, started=lambda: True, halt=halt, collapsed=collapsed, stopped=lambda: TrainerState.STOPPED
+        )
     assert outcome == TrainerState.FINISHED
     assert attempts == ["g1/", "g2/"]  # the next generation's ranks were started
-    assert fleet.calls == ["ready", "start 1", "halt", "stop", "ready", "start 2"]
+    # the supervisor stops the fleet's ranks itself, then rank 0's part halts
+    assert fleet.calls == ["ready", "start 1", "stop", "halt", "ready", "start 2"]
     assert (group.restarts, group.last_fault) == (1, "trainer-1 on node 1 killed by SIGKILL")
     assert group.state == GroupState.STOPPED and group.budget.count == 1
 
@@ -156,10 +162,9 @@ async def test_a_failed_collective_is_named_by_the_rank_exit_that_follows_it() -
     group = supervisor(fleet)
     runs = 0
 
-    async def attempt() -> TrainerState:
+    async def attempt(prefix: str | None) -> TrainerState:
         nonlocal runs
         runs += 1
-        await group.form(lambda nodes: None)
         group.move(GroupState.TRAINING)
         if runs == 2:
             return TrainerState.STOPPED
@@ -170,7 +175,7 @@ async def test_a_failed_collective_is_named_by_the_rank_exit_that_follows_it() -
         pass
 
     with anyio.fail_after(10):
-        await group.run(attempt, started=lambda: True, halt=nothing, collapsed=nothing)
+        await group.run(attempt, started=lambda: True, halt=nothing, collapsed=nothing, stopped=stopped)
     assert group.last_fault == "node 1 lost (connection closed): a collective failed: Fenced: the group was re-formed"
     assert group.restarts == 1 and group.budget.count == 0
 
@@ -184,8 +189,7 @@ async def test_past_max_restarts_the_group_stops_and_a_group_that_never_trained_
     fleet = StandFleet()
     group = supervisor(fleet, max_restarts=1)
 
-    async def attempt() -> TrainerState:
-        await group.form(lambda nodes: None)
+    async def attempt(prefix: str | None) -> TrainerState:
         group.move(GroupState.TRAINING)
         raise RuntimeError("gloo: connection reset by peer")
 
@@ -193,14 +197,14 @@ async def test_past_max_restarts_the_group_stops_and_a_group_that_never_trained_
         pass
 
     with anyio.fail_after(10), pytest.raises(GroupFault, match=r"2 trainer group restarts within 60 s") as info:
-        await group.run(attempt, started=lambda: True, halt=nothing, collapsed=nothing)
+        await group.run(attempt, started=lambda: True, halt=nothing, collapsed=nothing, stopped=stopped)
     assert isinstance(info.value.fault, CollectiveFailed) and "gloo" in info.value.fault.error
     assert group.state == GroupState.STOPPED and fleet.generation == 2
 
     fleet = StandFleet()
     group = supervisor(fleet)
     with anyio.fail_after(10), pytest.raises(GroupFault, match="a collective failed"):
-        await group.run(attempt, started=lambda: False, halt=nothing, collapsed=nothing)
+        await group.run(attempt, started=lambda: False, halt=nothing, collapsed=nothing, stopped=stopped)
     assert group.state == GroupState.STOPPED and group.restarts == 0 and fleet.generation == 1
 
 
@@ -236,3 +240,34 @@ async def test_the_faults_kept_to_name_are_the_last_64() -> None:
     for f in faults:
         group.on_fault(f)
     assert group.fault == faults[0] and group.seen == faults[36:]
+
+
+async def test_a_stop_while_the_group_waits_for_a_lost_node_ends_it_without_training() -> None:
+    class WaitingFleet(StandFleet):
+        async def ready(self, on_wait: Callable[[list[int]], None]) -> None:
+            self.calls.append("ready")
+            on_wait([1])
+            await anyio.sleep(30)  # node 1 never comes back
+
+    fleet = WaitingFleet(missing=[1])
+    group = supervisor(fleet)
+    waited: list[list[int]] = []
+
+    async def attempt(prefix: str | None) -> TrainerState:
+        raise AssertionError("no generation trains: none was started")
+
+    async def nothing(*args: object) -> None:
+        pass
+
+    async def stop_soon() -> None:
+        await anyio.sleep(0.2)
+        group.stop()
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stop_soon)
+            outcome = await group.run(
+                attempt, started=lambda: True, halt=nothing, collapsed=nothing, stopped=stopped, on_wait=waited.append
+            )
+    assert outcome == TrainerState.STOPPED and group.state == GroupState.STOPPED
+    assert waited == [[], [1]] and fleet.calls == ["ready"] and group.stopping
