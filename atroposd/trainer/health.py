@@ -7,7 +7,10 @@ They hold only a short window of the run's own history, so the same code runs on
 
 - ``nonfinite``: ``max_nonfinite_steps`` steps in a row whose loss or gradient norm was not
   finite (each was skipped, never applied).
-- ``grad_norm``: the gradient norm (before clipping) above ``GRAD_SPIKE`` × its running median.
+- ``grad_norm``: the gradient norm (before clipping) above ``GRAD_SPIKE_ONCE`` × its running
+  median at one step, or above ``GRAD_SPIKE`` × on ``SPIKE_REPEAT`` of the last ``SPIKE_WITHIN``
+  steps: weights blown up by one step give millions ×, while a healthy run's lone spike reaches
+  tens × (clipping bounds what it applies).
 - ``clipped_fraction``: above ``CLIPPED_LIMIT`` for ``PATIENCE`` steps in a row while its running
   median was below half of that — the ratio runs away from the rollouts' policy. Only where a
   clip can act (:func:`clip_acts`): with awsft there is no ratio, and with a rollout correction
@@ -40,7 +43,10 @@ __all__ = [
     "CLIPPED_LIMIT",
     "ENTROPY_DROP",
     "GRAD_SPIKE",
+    "GRAD_SPIKE_ONCE",
     "PATIENCE",
+    "SPIKE_REPEAT",
+    "SPIKE_WITHIN",
     "SPREAD_HAD",
     "WARMUP",
     "WINDOW",
@@ -59,9 +65,14 @@ __all__ = [
 
 WINDOW = 50  # steps in the running medians
 WARMUP = 10  # steps of history before the ratio detectors may trip
-PATIENCE = 3  # steps in a row a condition must hold (the gradient spike trips at once)
-GRAD_SPIKE = 50.0  # × the running median of the gradient norm (a healthy embedded run reaches 16×, one with
-# filter_groups 24×: a false trip halves the learning rate of a healthy run)
+PATIENCE = 3  # steps in a row a condition must hold (a gradient spike: SPIKE_REPEAT of SPIKE_WITHIN)
+# × the running median of the gradient norm. A healthy embedded run reaches 16×, one with filter_groups
+# 24×, one with gspo, clip-higher and filter_groups 70× at one step (a false trip rolls a healthy run
+# back and halves its learning rate); weights blown up by one step (a 3000× learning rate) give 10^6-10^7×.
+GRAD_SPIKE = 50.0  # on SPIKE_REPEAT of the last SPIKE_WITHIN steps
+GRAD_SPIKE_ONCE = 1000.0  # at one step
+SPIKE_REPEAT = 2
+SPIKE_WITHIN = 3
 CLIPPED_LIMIT = 0.5  # share of completion tokens whose ratio was clipped
 ENTROPY_DROP = 0.1  # × the running median of the entropy
 SPREAD_HAD = 0.05  # the running median of reward_std that counts as "had spread"
@@ -120,25 +131,41 @@ class NonFinite:
 
 
 class GradSpike:
-    """The gradient norm against its running median."""
+    """The gradient norm against its running median: far above it once, or well above it again."""
 
     name = "grad_norm"
 
-    def __init__(self, factor: float = GRAD_SPIKE) -> None:
-        self.factor = factor
+    def __init__(
+        self,
+        factor: float = GRAD_SPIKE,
+        once: float = GRAD_SPIKE_ONCE,
+        repeat: int = SPIKE_REPEAT,
+        within: int = SPIKE_WITHIN,
+    ) -> None:
+        self.factor, self.once, self.repeat = factor, once, repeat
         self.history = _Running()
+        self.recent: deque[bool] = deque(maxlen=within)  # over ``factor`` at each of the last steps
 
     def observe(self, row: Mapping[str, Any]) -> Trip | None:
         g = _number(row, "grad_norm")
         if g is None or not math.isfinite(g):
             return None
         median = self.history.median
-        if self.history.ready and median > _EPS and g > self.factor * median:
+        armed = self.history.ready and median > _EPS
+        self.recent.append(armed and g > self.factor * median)
+        if armed and g > self.once * median:
             return Trip(
                 self.name,
-                f"gradient norm {g:.4g} is {g / median:.1f}× its running median {median:.4g} (limit {self.factor:g}×)",
+                f"gradient norm {g:.4g} is {g / median:.1f}× its running median {median:.4g} (limit {self.once:g}×)",
             )
-        self.history.add(g)
+        if sum(self.recent) >= self.repeat:
+            return Trip(
+                self.name,
+                f"gradient norm {g:.4g} is {g / median:.1f}× its running median {median:.4g}, over "
+                f"{self.factor:g}× at {sum(self.recent)} of the last {len(self.recent)} steps",
+            )
+        if not self.recent[-1]:
+            self.history.add(g)  # a spike does not move the baseline it is measured against
         return None
 
 

@@ -51,13 +51,27 @@ def _broken(rows: list[dict[str, Any]], at: int, n: int, **values: float) -> lis
     return out
 
 
-def test_gradient_norm_spike_trips_at_once(healthy: list[dict[str, Any]]) -> None:
+def test_gradient_norm_far_over_its_median_trips_at_once_and_well_over_it_when_it_repeats(
+    healthy: list[dict[str, Any]],
+) -> None:
     median = sorted(r["grad_norm"] for r in healthy[250:300])[25]
-    trips = replay(_broken(healthy, 300, 1, grad_norm=median * 200))
+    # weights blown up by one step: millions of times the median (a 3000x learning rate gave 10^7x)
+    trips = replay(_broken(healthy, 300, 1, grad_norm=median * 2000))
     assert [(s, t.detector) for s, t in trips] == [(301, "grad_norm")]
-    assert "running median" in trips[0][1].reason
-    # a step at 30x the median is not a spike (a run with filter_groups reached 24x)
-    assert replay(_broken(healthy, 300, 1, grad_norm=median * 30)) == []
+    assert "running median" in trips[0][1].reason and "limit 1000" in trips[0][1].reason
+    # one step at 200x is a healthy run's lone spike (gspo with clip-higher and filter_groups
+    # reached 70x, and clipping bounds what it applies); a second within three steps is not
+    assert replay(_broken(healthy, 300, 1, grad_norm=median * 200)) == []
+    twice = _broken(healthy, 300, 1, grad_norm=median * 200)
+    twice[302]["grad_norm"] = median * 200
+    trips = replay(twice)
+    assert [(s, t.detector) for s, t in trips] == [(303, "grad_norm")]
+    assert "at 2 of the last 3 steps" in trips[0][1].reason
+    apart = _broken(healthy, 300, 1, grad_norm=median * 200)
+    apart[304]["grad_norm"] = median * 200
+    assert replay(apart) == []
+    # steps at 30x the median are no spike, in a row either (a run with filter_groups reached 24x)
+    assert replay(_broken(healthy, 300, 3, grad_norm=median * 30)) == []
 
 
 def test_clipped_fraction_running_away(healthy: list[dict[str, Any]]) -> None:
