@@ -154,16 +154,18 @@ class GradSpike:
         armed = self.history.ready and median > _EPS
         self.recent.append(armed and g > self.factor * median)
         if armed and g > self.once * median:
+            self.recent.clear()  # a trip is told once: the next steps start a new count
             return Trip(
                 self.name,
                 f"gradient norm {g:.4g} is {g / median:.1f}× its running median {median:.4g} (limit {self.once:g}×)",
             )
         if sum(self.recent) >= self.repeat:
-            return Trip(
-                self.name,
+            reason = (
                 f"gradient norm {g:.4g} is {g / median:.1f}× its running median {median:.4g}, over "
-                f"{self.factor:g}× at {sum(self.recent)} of the last {len(self.recent)} steps",
+                f"{self.factor:g}× at {sum(self.recent)} of the last {len(self.recent)} steps"
             )
+            self.recent.clear()
+            return Trip(self.name, reason)
         if not self.recent[-1]:
             self.history.add(g)  # a spike does not move the baseline it is measured against
         return None

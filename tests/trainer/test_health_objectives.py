@@ -79,8 +79,11 @@ def test_each_detector_trips_on_a_break_in_each_run(name: str) -> None:
     at = len(rows) // 2
     acts = _acts(name)
     median = statistics.median(r["grad_norm"] for r in rows[at - 50 : at])
-    trips = replay(_broken(rows, at, 1, grad_norm=median * 200), clip_acts=acts)
+    trips = replay(_broken(rows, at, 1, grad_norm=median * 2000), clip_acts=acts)  # blown up once
     assert [t.detector for _, t in trips] == ["grad_norm"], trips
+    trips = replay(_broken(rows, at, 2, grad_norm=median * 200), clip_acts=acts)  # well over it, again
+    assert [(s, t.detector) for s, t in trips] == [(rows[at + 1]["step"], "grad_norm")], trips
+    assert replay(_broken(rows, at, 1, grad_norm=median * 200), clip_acts=acts) == []  # a lone spike
     trips = replay(_broken(rows, at, 4, entropy=0.001), clip_acts=acts)
     assert [t.detector for _, t in trips][:1] == ["entropy"], trips
     runaway = replay(_broken(rows, at, 5, clipped_fraction=0.95), clip_acts=acts)
