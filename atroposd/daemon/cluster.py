@@ -243,9 +243,6 @@ class HeadLink:
     def dropped(self) -> dict[str, int]:
         return self.head.dropped
 
-    def replica_restarted(self, replica: int) -> None:
-        pass  # the head's own replicas: its trainer pushes to them
-
     async def group_store(self, world: int) -> GroupStore:
         """The trainer group's store on ``cluster.port + 1`` of ``[cluster] bind`` (as the endpoint,
         never every interface): every node's ranks connect to it."""
@@ -527,12 +524,6 @@ class NodeLink:
     def replica_restarted(self, replica: int) -> None:
         """An inference replica of this node restarted: the head pushes through this node's first rank."""
         self.daemon.spawn(self.node.send, Resync(replica=replica))
-
-    def remote_replicas(self) -> list[RemoteReplica]:
-        return []  # the head's sentinel checks this node's replicas
-
-    async def stop_nodes(self) -> None:
-        pass  # only the head stops other nodes
 
     async def _start_ranks(self, generation: int, launch: str = "") -> None:
         from atroposd.trainer.group import launch_key, launch_secret

@@ -65,6 +65,7 @@ from atroposd.systemd import Notifier
 if TYPE_CHECKING:
     import torch
 
+    from atroposd.daemon.cluster import HeadLink, NodeLink
     from atroposd.sandbox.manager import Sandbox
     from atroposd.trainer.group import GroupStore
     from atroposd.trainer.service import TrainerOutcome, TrainerService
@@ -104,6 +105,9 @@ class Daemon:
         # This daemon's place in the job (SPEC §12.3): standalone, or with several machines the
         # head's link to the other nodes (HeadLink), or a node's to its head (NodeLink).
         self.cluster: ClusterRole = Standalone()
+        # several machines: the link again, as what only that role does (SPEC §12.3)
+        self.head: HeadLink | None = None
+        self.node_link: NodeLink | None = None
         # Every trainer rank but rank 0 (this node's units; on the head, the other nodes' too).
         self.fleet = Fleet(self, store_dir=self.paths.runtime_dir, secret=self.nonce)
         self.stopped = anyio.Event()  # every child of this node is gone (set by _stop_all)
@@ -367,9 +371,11 @@ class Daemon:
         from atroposd.daemon.cluster import HeadLink, NodeLink
 
         assert self._tg is not None
-        self.cluster = HeadLink(self) if self.cfg.is_head else NodeLink(self)
-        if isinstance(self.cluster, HeadLink):
-            self.fleet.nodes = self.cluster  # the head reaches the other nodes' ranks through its link
+        if self.cfg.is_head:
+            self.cluster = self.head = HeadLink(self)
+            self.fleet.nodes = self.head  # the head reaches the other nodes' ranks through its link
+        else:
+            self.cluster = self.node_link = NodeLink(self)
         await self._tg.start(self.cluster.run, name="cluster link")
 
     async def _resolve_model(self) -> None:
@@ -453,7 +459,8 @@ class Daemon:
             fleet=fleet,
             replica_generations=self.replica_health.generations,
             restart_replica=self.restart_replica if inf.enabled else None,
-            remote_replicas=self.cluster.remote_replicas,  # several machines: the sentinel reaches them
+            # several machines: the head's sentinel reaches the other nodes' replicas
+            remote_replicas=self.head.remote_replicas if self.head is not None else None,
         )
         assert self._tg is not None
         await self._tg.start(self._run_trainer, self.trainer)
@@ -495,8 +502,8 @@ class Daemon:
             # A restarted replica (--await-weights) gets the trainer's current weights before it serves.
             if restarted and self.trainer is not None:
                 await self.trainer.on_inference_restarted(replica)
-            elif restarted:
-                self.cluster.replica_restarted(replica)  # a node's: the head pushes through its first rank
+            elif restarted and self.node_link is not None:
+                self.node_link.replica_restarted(replica)  # a node's: the head pushes through its first rank
 
         return hook
 
@@ -762,7 +769,8 @@ class Daemon:
                 with anyio.move_on_after(5):
                     await self._trainer_done.wait()
         # The head: every other node stops (its ranks, environments, replicas) and confirms.
-        await self.cluster.stop_nodes()
+        if self.head is not None:
+            await self.head.stop_nodes()
         for kind in ("trainer", "env", "inference", "api"):
             await self.stop_units([u for u in self.units.values() if u.kind == kind])
             if kind == "env" and self.sandbox is not None:

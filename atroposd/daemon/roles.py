@@ -10,9 +10,12 @@ behaviour depends on its place calls the role:
 - ``report`` hands this node's components to the link every half second;
 - ``status`` is the role's part of ``status --json``, ``dropped`` its messages dropped for
   ``/metrics`` (None: no link);
-- ``replica_restarted`` tells the head about this node's inference replica when the trainer
-  runs elsewhere; ``remote_replicas`` are the other nodes' replicas the head's sentinel checks;
-- ``stop_nodes`` runs before this node's children stop, ``close`` after.
+- ``close`` runs after this node's children stopped.
+
+What one role alone does is not the role's: the daemon calls it on that link — the head's
+``stop_nodes`` (before its children stop) and ``remote_replicas`` (the other nodes' replicas its
+sentinel checks), a node's ``replica_restarted`` (the head pushes weights to the restarted
+replica through this node's first rank).
 
 The trainer ranks are not the role's: the daemon's :class:`~atroposd.daemon.ranks.Fleet` holds
 them (the head's link reaches the other nodes' for it; a node's link forwards its rank exits).
@@ -23,7 +26,7 @@ test without a daemon.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
@@ -38,7 +41,6 @@ if TYPE_CHECKING:
     from atroposd.paths import Paths
     from atroposd.process.unit import Unit, UnitSpec
     from atroposd.systemd import Notifier
-    from atroposd.trainer.sentinel import RemoteReplica
     from atroposd.trainer.service import TrainerService
 
 __all__ = ["ClusterRole", "RoleHost", "Standalone"]
@@ -73,9 +75,6 @@ class ClusterRole(Protocol):
     def report(self) -> None: ...
     def status(self) -> dict[str, Any]: ...
     def dropped(self) -> dict[str, int] | None: ...
-    def replica_restarted(self, replica: int) -> None: ...
-    def remote_replicas(self) -> Sequence[RemoteReplica]: ...
-    async def stop_nodes(self) -> None: ...
     async def close(self) -> None: ...
 
 
@@ -93,15 +92,6 @@ class Standalone:
 
     def dropped(self) -> dict[str, int] | None:
         return None
-
-    def replica_restarted(self, replica: int) -> None:
-        pass
-
-    def remote_replicas(self) -> list[RemoteReplica]:
-        return []  # one machine: every replica is this node's
-
-    async def stop_nodes(self) -> None:
-        pass
 
     async def close(self) -> None:
         pass
