@@ -45,9 +45,12 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 # Every process a test starts inherits this marker, so escaped grandchildren are found too.
 # Under pytest-xdist (scripts/test runs two workers) each worker marks its own: ``<run>.<worker>``,
 # and what another worker's tests started (or left in /dev/shm) is theirs to check, not this one's.
+# A run a test starts inside this one (tests/test_leak_check.py) is ``<run>-<name>``: its processes
+# are another worker's to this run, and this run's to it.
 RUN_MARKER = "ATROPOSD_TEST_RUN"
 os.environ.setdefault(RUN_MARKER, uuid.uuid4().hex)
 _RUN = os.environ[RUN_MARKER].split(".", 1)[0]
+_ROOT = _RUN.split("-", 1)[0]
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _WORKER:
     os.environ[RUN_MARKER] = f"{_RUN}.{_WORKER}"
@@ -118,7 +121,7 @@ def _other_workers() -> tuple[set[int], set[str]]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
             continue
         mark = env.get(RUN_MARKER, "")
-        if mark.split(".", 1)[0] == _RUN and mark != _MARK:
+        if mark.split(".", 1)[0].split("-", 1)[0] == _ROOT and mark != _MARK:
             pids.add(pid)
             if env.get("ATROPOSD_INSTANCE"):
                 nonces.add(env["ATROPOSD_INSTANCE"])

@@ -83,6 +83,32 @@ def pytest_runtest_logreport(report):
 """
 
 
+def _inner_processes(inner: str) -> list[str]:
+    """The inner run's processes still alive (killed): none, once it returned."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + 5.0
+    while True:
+        found = []
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                if proc.environ().get("ATROPOSD_TEST_RUN", "").startswith(inner):
+                    found.append(proc)
+            except psutil.Error:
+                continue
+        if not found or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    for proc in found:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    return [f"{p.pid} {' '.join(p.info['cmdline'] or [])[:120]}" for p in found]
+
+
 def test_each_worker_is_blamed_for_its_own_leaks_only(tmp_path: Path) -> None:
     suite = tmp_path / "suite"
     sync = tmp_path / "sync"
@@ -103,7 +129,9 @@ def test_each_worker_is_blamed_for_its_own_leaks_only(tmp_path: Path) -> None:
         "PYTHONPATH": f"{REPO}{os.pathsep}{suite}",
         "LEAK_SYNC_DIR": str(sync),
     }
-    env.pop("ATROPOSD_TEST_RUN", None)  # the inner run marks its own processes
+    # the inner run marks its own processes, as a run inside this one (tests/conftest.py)
+    inner = f"{os.environ['ATROPOSD_TEST_RUN'].split('.', 1)[0]}-inner{os.urandom(4).hex()}"
+    env["ATROPOSD_TEST_RUN"] = inner
     env.pop("PYTEST_XDIST_WORKER", None)
     run = subprocess.run(
         [
@@ -132,6 +160,8 @@ def test_each_worker_is_blamed_for_its_own_leaks_only(tmp_path: Path) -> None:
         timeout=240,
     )
     out = run.stdout + run.stderr
+    left = _inner_processes(inner)
+    assert not left, f"the inner run left processes behind: {left}"
     assert run.returncode == 1, out[-4000:]
     assert "PASSED test_a.py::test_1_a_holds_a_process_and_a_segment_while_the_other_checks" in out, out[-4000:]
     assert "PASSED test_b.py::test_2_b_holds_a_process_and_a_segment_while_the_other_checks" in out, out[-4000:]

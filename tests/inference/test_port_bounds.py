@@ -355,6 +355,8 @@ def test_a_departed_clients_queued_work_is_dropped(tiny_dir: Path) -> None:
             # a request sent after it is answered after it would have been
             status, _ = await _post(s, url + "/generate", {"prompt": {"prompt_token_ids": PROMPT}, "max_tokens": 1})
             assert status == 200
+            # a probe is answered after its batch's first step; the batch is counted when it ends
+            await _until(lambda: engine.batched_rows > before, timeout=30)
             assert engine.batched_rows == before + 1, "the departed client's rows were decoded"
 
     asyncio.run(run())
