@@ -89,15 +89,25 @@ def _young_pids() -> list[int]:
     return out
 
 
-def _marked_processes() -> list[psutil.Process]:
+def run_processes() -> Iterator[tuple[psutil.Process, dict[str, str]]]:
+    """This user's live processes started since the run began, each with its environment."""
     uid = os.getuid()
-    found = []
     for pid in _young_pids():
         try:
             proc = psutil.Process(pid)
             if proc.uids().real != uid:
                 continue
-            if proc.environ().get(RUN_MARKER) == _MARK and proc.status() != psutil.STATUS_ZOMBIE:
+            env = proc.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+        yield proc, env
+
+
+def _marked_processes() -> list[psutil.Process]:
+    found = []
+    for proc, env in run_processes():
+        try:
+            if env.get(RUN_MARKER) == _MARK and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
             continue
@@ -111,20 +121,13 @@ def _other_workers() -> tuple[set[int], set[str]]:
     nonces: set[str] = set()
     if not _WORKER:
         return pids, nonces
-    uid = os.getuid()
-    for pid in _young_pids():
-        try:
-            proc = psutil.Process(pid)
-            if proc.uids().real != uid:
-                continue
-            env = proc.environ()
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
-            continue
+    for proc, env in run_processes():
         mark = env.get(RUN_MARKER, "")
-        if mark.split(".", 1)[0].split("-", 1)[0] == _ROOT and mark != _MARK:
-            pids.add(pid)
-            if env.get("ATROPOSD_INSTANCE"):
-                nonces.add(env["ATROPOSD_INSTANCE"])
+        if mark.split(".", 1)[0].split("-", 1)[0] != _ROOT or mark == _MARK:
+            continue
+        pids.add(proc.pid)
+        if env.get("ATROPOSD_INSTANCE"):
+            nonces.add(env["ATROPOSD_INSTANCE"])
     return pids, nonces
 
 
@@ -135,14 +138,16 @@ def _not_others(names: set[str]) -> set[str]:
     segment counts as left behind only when it is still there, unmapped, two seconds on."""
     if not _WORKER or not names:
         return names
+    from atroposd.shmscan import OWN_SEGMENT_PREFIX, TORCH_SEGMENT_RE  # a leaf: no torch to import
+
     deadline = time.monotonic() + 2.0
     while True:
         pids, nonces = _other_workers()
+        owners = tuple(f"{OWN_SEGMENT_PREFIX}{nonce}-" for nonce in nonces)
         left = set()
         for name in names:
-            if name.startswith("atroposd-") and name[len("atroposd-") :].split("-", 1)[0] in nonces:
-                continue
-            if name.startswith("torch_") and name.split("_")[1].isdigit() and int(name.split("_")[1]) in pids:
+            torch_file = TORCH_SEGMENT_RE.match(name)
+            if name.startswith(owners) or (torch_file is not None and int(torch_file.group(1)) in pids):
                 continue
             left.add(name)
         left = _unmapped({n for n in left if os.path.exists(f"/dev/shm/{n}")})

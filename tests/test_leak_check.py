@@ -10,8 +10,12 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
+import psutil
+
+from tests.conftest import RUN_MARKER, run_processes
 from tests.support import REPO
 
 HOLDER = """
@@ -85,28 +89,20 @@ def pytest_runtest_logreport(report):
 
 def _inner_processes(inner: str) -> list[str]:
     """The inner run's processes still alive (killed): none, once it returned."""
-    import time
-
-    import psutil
-
     deadline = time.monotonic() + 5.0
     while True:
-        found = []
-        for proc in psutil.process_iter(["pid", "cmdline"]):
-            try:
-                if proc.environ().get("ATROPOSD_TEST_RUN", "").startswith(inner):
-                    found.append(proc)
-            except psutil.Error:
-                continue
+        found = [proc for proc, env in run_processes() if env.get(RUN_MARKER, "").startswith(inner)]
         if not found or time.monotonic() >= deadline:
             break
         time.sleep(0.1)
+    left = []
     for proc in found:
         try:
+            left.append(f"{proc.pid} {' '.join(proc.cmdline())[:120]}")
             proc.kill()
         except psutil.Error:
             pass
-    return [f"{p.pid} {' '.join(p.info['cmdline'] or [])[:120]}" for p in found]
+    return left
 
 
 def test_each_worker_is_blamed_for_its_own_leaks_only(tmp_path: Path) -> None:
@@ -130,8 +126,8 @@ def test_each_worker_is_blamed_for_its_own_leaks_only(tmp_path: Path) -> None:
         "LEAK_SYNC_DIR": str(sync),
     }
     # the inner run marks its own processes, as a run inside this one (tests/conftest.py)
-    inner = f"{os.environ['ATROPOSD_TEST_RUN'].split('.', 1)[0]}-inner{os.urandom(4).hex()}"
-    env["ATROPOSD_TEST_RUN"] = inner
+    inner = f"{os.environ[RUN_MARKER].split('.', 1)[0]}-inner{os.urandom(4).hex()}"
+    env[RUN_MARKER] = inner
     env.pop("PYTEST_XDIST_WORKER", None)
     run = subprocess.run(
         [

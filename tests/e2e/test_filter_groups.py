@@ -73,13 +73,12 @@ def test_filter_groups_counts_all_equal_groups_and_trains_full_batches(short_tmp
         # A fetch of equal groups alone also happens while mixed groups flow (one in three is
         # equal), and the trainable groups queued before the flag train first: starved means
         # waiting for "filtered" with the step standing still for a second.
-        wait_for(
-            lambda: _starved_at(cfg) is not None,
+        waiting_at = wait_for(  # a step past the first 10: never 0
+            lambda: _starved_at(cfg),
             timeout=90,
             interval=0.3,
             what="the trainer waiting because every group was filtered",
         )
-        waiting_at = status(cfg)["trainer"]["step"]
         shown = atroposd("status", "-c", str(cfg), timeout=60).stdout
         assert "equal scores" in shown, shown
         wait_for(
