@@ -83,7 +83,7 @@ def sampled_versions(group: object) -> list[int]:
     except ValueError:
         records = None
     if records:  # a span of no tokens (an empty first one) sampled nothing
-        return sorted({v for record in records for j, (at, v) in enumerate(record) if not _empty(record, j)})
+        return sorted({v for record in records for j, (_, v) in enumerate(record) if not _empty(record, j)})
     return [version] if type(version) is int else []
 
 

@@ -102,12 +102,11 @@ class Daemon:
         self._events_send, self._events = anyio.create_memory_object_stream[Event](math.inf)
         self._stop_requested = False
         self._stop_code = Exit.OK  # the exit code of a requested stop (1: a node lost its head)
-        # This daemon's place in the job (SPEC §12.3): standalone, or with several machines the
-        # head's link to the other nodes (HeadLink), or a node's to its head (NodeLink).
-        self.cluster: ClusterRole = Standalone()
-        # several machines: the link again, as what only that role does (SPEC §12.3)
+        # Several machines (SPEC §12.3): the head's link to the other nodes, or a node's to its head
+        # (``cluster`` is the one this daemon has, as a role; standalone without either).
         self.head: HeadLink | None = None
         self.node_link: NodeLink | None = None
+        self._standalone = Standalone()
         # Every trainer rank but rank 0 (this node's units; on the head, the other nodes' too).
         self.fleet = Fleet(self, store_dir=self.paths.runtime_dir, secret=self.nonce)
         self.stopped = anyio.Event()  # every child of this node is gone (set by _stop_all)
@@ -139,6 +138,13 @@ class Daemon:
         self.sandbox: Sandbox | None = None
 
     # ------------------------------------------------------------------ state
+
+    @property
+    def cluster(self) -> ClusterRole:
+        """This daemon's place in the job: the head's link, a node's, or standalone."""
+        if self.head is not None:
+            return self.head
+        return self.node_link if self.node_link is not None else self._standalone
 
     @property
     def state(self) -> DaemonState:
@@ -372,10 +378,10 @@ class Daemon:
 
         assert self._tg is not None
         if self.cfg.is_head:
-            self.cluster = self.head = HeadLink(self)
+            self.head = HeadLink(self)
             self.fleet.nodes = self.head  # the head reaches the other nodes' ranks through its link
         else:
-            self.cluster = self.node_link = NodeLink(self)
+            self.node_link = NodeLink(self)
         await self._tg.start(self.cluster.run, name="cluster link")
 
     async def _resolve_model(self) -> None:

@@ -494,8 +494,9 @@ class TrainerService:
         from atroposd.trainer.ranks import GroupRanks, OneRank
 
         t = self.cfg.trainer
-        if self.fleet is None or prefix is None:
+        if self.fleet is None:
             return OneRank()
+        assert prefix is not None, "the supervisor starts a generation's ranks before its attempt"
         generation = self.compute.generation
         device, _ = await anyio.to_thread.run_sync(resolve_torch, t.devices()[0], self.cfg.inference.dtype)
         group, store = self.group, self.fleet.store
