@@ -10,8 +10,10 @@ this node:
   children there) and the head was told once it returned;
 - ``"lost"``: nothing came from the head for ``give_up_after`` (``heartbeat_timeout`` less one
   heartbeat interval, so that the daemon's children are stopped within ``heartbeat_timeout``),
-  or it restarted, or it refused a rejoin; ``on_lost_head`` ran first — the daemon stops its children there and
-  exits 1, so that its launcher starts it again and it rejoins;
+  or its endpoint refused every reconnection for one heartbeat interval (the head exited: a
+  head closes its endpoint only at its end), or it restarted, or it refused a rejoin;
+  ``on_lost_head`` ran first — the daemon stops its children there, by ``stop_by``, and exits
+  1, so that its launcher starts it again and it rejoins;
 - ``"left"``: this node stopped on its own (``leave``).
 
 A connection that breaks is re-established within ``give_up_after`` when the same head
@@ -178,6 +180,13 @@ class ClusterNode:
 
     def _loop_time(self) -> float:
         return asyncio.get_running_loop().time()
+
+    @property
+    def stop_by(self) -> float:
+        """When a node that lost its head must have stopped its children (``time.monotonic()``,
+        the event loop's clock): ``heartbeat_timeout`` after the head was last heard, when the
+        head finds this node lost and may start its trainer group again without it."""
+        return self._last_heard + self.cfg.heartbeat_timeout
 
     # ------------------------------------------------------------------ joining
 
@@ -475,6 +484,7 @@ class ClusterNode:
             within_s=round(max(0.0, deadline - self._loop_time()), 1),
         )
         backoff = 0.05
+        refused_since: float | None = None
         while not self._lost_reason:
             left = deadline - self._loop_time()
             if left <= 0:
@@ -486,7 +496,23 @@ class ClusterNode:
             try:
                 with anyio.fail_after(min(left, 2.0)):
                     ch = await self._connect()
+            except ConnectionRefusedError:
+                # Nothing listens there: a head closes its endpoint only at its end (killed,
+                # crashed). Refused for an interval (not one blip of a proxy in between): lost now,
+                # which leaves the children the rest of heartbeat_timeout to stop.
+                now = self._loop_time()
+                refused_since = now if refused_since is None else refused_since
+                if now - refused_since >= self.interval:
+                    self._lost(
+                        f"the head at {self.head_address} refuses connections: its endpoint is closed "
+                        "(the head exited or was killed)"
+                    )
+                    return False
+                await anyio.sleep(min(backoff, max(0.0, deadline - now)))
+                backoff = min(backoff * 2, 1.0)
+                continue
             except (OSError, TimeoutError):
+                refused_since = None
                 await anyio.sleep(min(backoff, max(0.0, deadline - self._loop_time())))
                 backoff = min(backoff * 2, 1.0)
                 continue

@@ -418,7 +418,9 @@ class NodeLink:
         return self.node.dropped
 
     def _lost_head(self, reason: str) -> None:
-        self.daemon.request_stop(f"lost the head: {reason}", code=Exit.RUNTIME)
+        # the head starts its trainer group again without this node once it finds it lost:
+        # this node's ranks are gone by then
+        self.daemon.request_stop(f"lost the head: {reason}", code=Exit.RUNTIME, by=self.node.stop_by)
 
     async def _stop(self) -> None:
         self._asked_to_stop = True

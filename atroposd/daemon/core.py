@@ -102,6 +102,7 @@ class Daemon:
         self._events_send, self._events = anyio.create_memory_object_stream[Event](math.inf)
         self._stop_requested = False
         self._stop_code = Exit.OK  # the exit code of a requested stop (1: a node lost its head)
+        self._stop_by: float | None = None  # a requested stop's deadline for every child, if any
         # Several machines (SPEC §12.3): the head's link to the other nodes, or a node's to its head
         # (``cluster`` is the one this daemon has, as a role; standalone without either).
         self.head: HeadLink | None = None
@@ -598,12 +599,14 @@ class Daemon:
                 self._move(new, f"failed: {', '.join(failed)}" if failed else "no component failed")
             self.notifier.status(status_mod.status_line(self))
 
-    def request_stop(self, reason: str, code: Exit = Exit.OK) -> None:
+    def request_stop(self, reason: str, code: Exit = Exit.OK, *, by: float | None = None) -> None:
         """Desired state: stopped.  SIGTERM, SIGINT and ``atroposd stop`` all come here; a node
-        that lost its head stops with ``code`` 1."""
+        that lost its head stops with ``code`` 1, every child gone ``by`` then (``time.monotonic()``;
+        each child's stop_timeout shortened to what is left)."""
         if not self._stop_requested:
             self._stop_requested = True
             self._stop_code = code
+            self._stop_by = by
             if self._start_scope is not None:
                 self._start_scope.cancel()
         self._events_send.send_nowait(StopRequested(reason))
@@ -808,7 +811,7 @@ class Daemon:
 
     async def stop_units(self, units: list[Unit]) -> None:
         for u in units:
-            u.request_stop()
+            u.request_stop(by=self._stop_by)
         for u in units:
             await u.done.wait()
 

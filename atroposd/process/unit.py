@@ -49,6 +49,8 @@ BACKOFF_JITTER = 0.2
 # How long the log pump may keep draining a closed child's pipe before it is cut off.
 PUMP_DRAIN = 1.0
 DESCENDANT_POLL = 0.02
+# The least a stop bounded by ``request_stop(by=...)`` gives a child: its TERM, then the KILL.
+MIN_STOP = 0.5
 
 
 class State(str, enum.Enum):
@@ -178,11 +180,16 @@ class Unit:
         self.hung_count = 0
         self._hung = anyio.Event()
         self._live_tg: anyio.abc.TaskGroup | None = None
+        self._stop_by: float | None = None  # request_stop's bound on the stop, if any
 
     # ------------------------------------------------------------------ public
 
-    def request_stop(self) -> None:
-        """Ask the unit to stop its child and end ``supervise()`` (idempotent)."""
+    def request_stop(self, *, by: float | None = None) -> None:
+        """Ask the unit to stop its child and end ``supervise()`` (idempotent). ``by``
+        (``time.monotonic()``): the child is killed by then at the latest, however long its
+        ``stop_timeout`` (a node that lost its head has until the head finds it lost)."""
+        if by is not None:
+            self._stop_by = by if self._stop_by is None else min(self._stop_by, by)
         self._stop.set()
 
     @property
@@ -523,6 +530,8 @@ class Unit:
         with anyio.CancelScope(shield=True):
             t0 = time.monotonic()
             timeout = self.spec.stop_timeout
+            if requested and self._stop_by is not None:
+                timeout = max(MIN_STOP, min(timeout, self._stop_by - t0))
             grace = max(0.0, timeout - min(2.0, timeout * 0.25))
             self.rescan()
             # What the processes map now: what they leave in /dev/shm if killed before their cleanup.

@@ -53,7 +53,7 @@ async def node(cfg: ClusterConfig, token: bytes, rank: int, child: subprocess.Po
 
     def on_lost_head(reason: str) -> None:
         stop_children()
-        event("lost", reason=reason, at=time.time())
+        event("lost", reason=reason, at=time.time(), stop_by_in=n.stop_by - time.monotonic())
 
     n = ClusterNode(
         cfg,

@@ -172,9 +172,12 @@ async def test_a_head_killed_9_ends_every_node_within_heartbeat_timeout(
     assert [n.proc.returncode for n in nodes] == [1, 1]
     for n in nodes:
         lost = n.event("lost")
-        assert lost is not None and "unreachable" in lost["reason"], n.events
-        # on_lost_head ran (its children stopped) within heartbeat_timeout of the kill
+        # the head's endpoint refused the reconnections: lost then, not after heartbeat_timeout's silence
+        assert lost is not None and "refuses connections" in lost["reason"], n.events
+        # on_lost_head ran (its children stopped) within heartbeat_timeout of the kill, and the
+        # node's stop had the rest of it (stop_by: heartbeat_timeout after the head last spoke)
         assert lost["at"] - killed_at < HEARTBEAT_TIMEOUT, lost["at"] - killed_at
+        assert 0 < lost["stop_by_in"] <= HEARTBEAT_TIMEOUT, lost
     for c in children:  # the node's on_lost_head stopped its children
         assert not c.is_running() or c.status() == psutil.STATUS_ZOMBIE
 
@@ -267,6 +270,84 @@ async def test_a_broken_connection_is_mended_but_a_restarted_head_is_lost(cfg: C
             assert await asyncio.wait_for(task, HEARTBEAT_TIMEOUT + 3) == "lost"
             assert len(lost) == 1 and "this head restarted since the node joined" in lost[0], lost
             assert row(head2, 1)["state"] == "joining" and row(head2, 1)["host"] is None
+
+
+class Relay:
+    """A TCP relay between the nodes and the head (the network in between): ``cut`` drops every
+    connection through it; with ``silent`` set it accepts and relays nothing, as a head that is
+    frozen or a path that black-holes its packets."""
+
+    def __init__(self, to_port: int) -> None:
+        self.to_port = to_port
+        self.silent = False
+        self._writers: list[asyncio.StreamWriter] = []
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.append(writer)
+        if self.silent:
+            return  # held open, never answered
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.to_port)
+        self._writers.append(up_writer)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.transport.abort()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    def cut(self) -> None:
+        for w in self._writers:
+            w.transport.abort()
+        self._writers.clear()
+
+    async def close(self) -> None:
+        self.cut()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+
+async def test_a_head_gone_from_its_port_is_lost_at_once_an_unreachable_one_after_give_up_after(
+    cfg: ClusterConfig,
+) -> None:
+    """A node that lost its connection finds its head gone as soon as the port refuses it for a
+    heartbeat interval (a head closes its endpoint only at its end); a head it cannot reach at
+    all (a relay that answers nothing) is lost after ``give_up_after``. Either way the daemon's
+    stop has until ``stop_by``, heartbeat_timeout after the head last spoke."""
+    loop = asyncio.get_running_loop()
+    lost: list[str] = []
+    async with running_head(cfg) as head, running_node(cfg, 1, on_lost_head=lost.append) as (node, task):
+        await head.close()
+        t0 = loop.time()
+        assert await asyncio.wait_for(task, HEARTBEAT_TIMEOUT + 3) == "lost"
+        took = loop.time() - t0
+        assert len(lost) == 1 and "refuses connections: its endpoint is closed" in lost[0], lost
+        assert node.interval <= took < node.give_up_after, took
+        assert node.stop_by > loop.time()  # what is left of heartbeat_timeout is the stop's
+
+    relay = Relay(cfg.port)
+    through = dataclasses.replace(cfg, port=await relay.start())
+    lost.clear()
+    try:
+        async with running_head(cfg) as head, running_node(through, 1, on_lost_head=lost.append) as (node, task):
+            relay.silent = True  # from now on nothing reaches the head
+            relay.cut()
+            t0 = loop.time()
+            assert await asyncio.wait_for(task, HEARTBEAT_TIMEOUT + 3) == "lost"
+            took = loop.time() - t0
+            assert len(lost) == 1 and "has been unreachable for" in lost[0], lost
+            assert node.give_up_after - node.interval <= took <= HEARTBEAT_TIMEOUT + 1, took
+            await until(lambda: row(head, 1)["state"] == LOST, HEARTBEAT_TIMEOUT + 3, "the head to find node 1 lost")
+    finally:
+        await relay.close()
 
 
 async def test_a_port_in_use_is_an_error_naming_it(cfg: ClusterConfig) -> None:

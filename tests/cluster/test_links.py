@@ -68,6 +68,7 @@ class Host:
         self.units: dict[str, Unit] = {}
         self.statuses: list[str] = []
         self.stops: list[tuple[str, Exit]] = []
+        self.stop_by: float | None = None
         self.stopped_units: list[list[Unit]] = []
         self._tg = tg
         self.fleet = Fleet(self)  # type: ignore[arg-type]  # no unit is started here
@@ -94,8 +95,9 @@ class Host:
     async def stop_units(self, units: list[Unit]) -> None:
         self.stopped_units.append(list(units))
 
-    def request_stop(self, reason: str, code: Exit = Exit.OK) -> None:
+    def request_stop(self, reason: str, code: Exit = Exit.OK, *, by: float | None = None) -> None:
         self.stops.append((reason, code))
+        self.stop_by = by
 
 
 def node_config(token_file: Path, tmp_path: Path, port: int, rank: int) -> Config:
@@ -186,6 +188,23 @@ async def test_a_rank_exit_and_a_resync_of_a_node_reach_the_head(token_file: Pat
         assert job.trainer.resyncs == ["node 1 replica 0"]
         # the head's own replicas are its trainer's: the head's link has nothing to send for them
         assert not hasattr(job.head, "replica_restarted")
+
+
+async def test_a_node_that_lost_its_head_stops_with_code_1_by_heartbeat_timeout(
+    token_file: Path, tmp_path: Path
+) -> None:
+    """The head's endpoint gone (its end): the node's daemon stops with exit code 1, every child
+    gone by heartbeat_timeout after the head last spoke — when the head would find it lost."""
+    async with linked(token_file, tmp_path) as job:
+        await until(lambda: row(job)["state"] == "ready", 5, "node 1 ready")
+        await job.head.close()
+        await until(lambda: job.node_host.stops, HEARTBEAT_TIMEOUT + 3, "the node's daemon asked to stop")
+        asked_at = time.monotonic()
+        [(reason, code)] = job.node_host.stops
+        assert code == Exit.RUNTIME and reason.startswith("lost the head: the head at 127.0.0.1:"), reason
+        by = job.node_host.stop_by
+        assert by is not None and asked_at < by <= asked_at + HEARTBEAT_TIMEOUT, (asked_at, by)
+        assert job.node.outcome == LinkState.LOST
 
 
 async def test_the_heads_stop_ranks_returns_once_the_node_confirmed(token_file: Path, tmp_path: Path) -> None:

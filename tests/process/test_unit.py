@@ -60,6 +60,33 @@ def test_stubborn_child_and_setsid_grandchild_are_gone_within_stop_timeout(hub: 
     assert not _alive(int(measured["child"])) and not _alive(int(measured["grandchild"]))
 
 
+def test_a_stop_with_a_deadline_kills_a_stubborn_child_by_then_whatever_its_stop_timeout(
+    hub: LogHub, tmp_path: Path
+) -> None:
+    """A node that lost its head stops with a deadline (``request_stop(by=...)``): a child that
+    ignores its TERM is killed by then, not after its 20 s stop_timeout; its grandchild too."""
+    pidfile = tmp_path / "pids"
+    measured: dict[str, float] = {}
+
+    async def body(unit: Unit) -> None:
+        await _ready(unit)
+        child, grandchild = map(int, (await _wait_file(pidfile)).split())
+        measured["child"], measured["grandchild"] = child, grandchild
+        while grandchild not in unit.tracked:
+            unit.rescan()
+            await anyio.sleep(0.02)
+        t0 = time.monotonic()
+        unit.request_stop(by=t0 + 1.0)
+        unit.request_stop()  # a later stop without one keeps the deadline
+        await unit.done.wait()
+        measured["stop_s"] = time.monotonic() - t0
+
+    unit = supervise(make_spec("stubborn", script("stubborn.py", str(pidfile)), stop_timeout=20.0), hub, body)
+    assert unit.state == State.STOPPED
+    assert 0.5 <= measured["stop_s"] <= 1.0 + 0.5, measured
+    assert not _alive(int(measured["child"])) and not _alive(int(measured["grandchild"]))
+
+
 def test_cooperative_child_stops_at_once(hub: LogHub, tmp_path: Path) -> None:
     marker = tmp_path / "marker"
     measured: dict[str, float] = {}
