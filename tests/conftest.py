@@ -29,6 +29,21 @@ def pytest_configure(config: pytest.Config) -> None:
     from tests import fuzzseed  # noqa: F401  (draws the run's seed into the environment: every worker shares it)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A ``gpu`` test skips, saying so, where torch sees no CUDA device (``-m gpu`` on a CPU
+    machine reports skips, not failures)."""
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in gpu:
+        item.add_marker(skip)
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     from tests import fuzzseed
 
