@@ -7,7 +7,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -116,6 +116,24 @@ def run_processes() -> Iterator[tuple[psutil.Process, dict[str, str]]]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
             continue
         yield proc, env
+
+
+def kill_left(
+    find: Callable[[], list[psutil.Process]], *, within: float = 5.0, poll: float = 0.1, width: int = 120
+) -> list[str]:
+    """Wait up to ``within`` for ``find()`` to come back empty; kill what it still finds then.
+    Each killed process described as ``pid command line`` (cut to ``width``)."""
+    deadline = time.monotonic() + within
+    while (found := find()) and time.monotonic() < deadline:
+        time.sleep(poll)
+    left = []
+    for proc in found:
+        try:
+            left.append(f"{proc.pid} {' '.join(proc.cmdline())[:width]}")
+            proc.send_signal(signal.SIGKILL)
+        except psutil.Error:
+            pass
+    return left
 
 
 def _marked_processes() -> list[psutil.Process]:
@@ -247,20 +265,7 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     before_shm = _shm_segments()
     before = {p.pid for p in _marked_processes()}
     yield
-    deadline = time.monotonic() + 5.0
-    leaked: list[psutil.Process] = []
-    while time.monotonic() < deadline:
-        leaked = [p for p in _marked_processes() if p.pid not in before]
-        if not leaked:
-            break
-        time.sleep(0.05)
-    descr = []
-    for p in leaked:
-        try:
-            descr.append(f"{p.pid} {' '.join(p.cmdline())[:160]}")
-            p.send_signal(signal.SIGKILL)
-        except psutil.Error:
-            pass
+    descr = kill_left(lambda: [p for p in _marked_processes() if p.pid not in before], poll=0.05, width=160)
     new_shm = _not_others(_unmapped(_shm_segments() - before_shm))
     for name in new_shm:
         try:

@@ -10,12 +10,9 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
-import psutil
-
-from tests.conftest import RUN_MARKER, run_processes
+from tests.conftest import RUN_MARKER, kill_left, run_processes
 from tests.support import REPO
 
 HOLDER = """
@@ -89,20 +86,7 @@ def pytest_runtest_logreport(report):
 
 def _inner_processes(inner: str) -> list[str]:
     """The inner run's processes still alive (killed): none, once it returned."""
-    deadline = time.monotonic() + 5.0
-    while True:
-        found = [proc for proc, env in run_processes() if env.get(RUN_MARKER, "").startswith(inner)]
-        if not found or time.monotonic() >= deadline:
-            break
-        time.sleep(0.1)
-    left = []
-    for proc in found:
-        try:
-            left.append(f"{proc.pid} {' '.join(proc.cmdline())[:120]}")
-            proc.kill()
-        except psutil.Error:
-            pass
-    return left
+    return kill_left(lambda: [proc for proc, env in run_processes() if env.get(RUN_MARKER, "").startswith(inner)])
 
 
 def test_each_worker_is_blamed_for_its_own_leaks_only(tmp_path: Path) -> None:
