@@ -496,24 +496,22 @@ class ClusterNode:
             try:
                 with anyio.fail_after(min(left, 2.0)):
                     ch = await self._connect()
-            except ConnectionRefusedError:
-                # Nothing listens there: a head closes its endpoint only at its end (killed,
-                # crashed). Refused for an interval (not one blip of a proxy in between): lost now,
-                # which leaves the children the rest of heartbeat_timeout to stop.
+            except (OSError, TimeoutError) as exc:
                 now = self._loop_time()
-                refused_since = now if refused_since is None else refused_since
-                if now - refused_since >= self.interval:
-                    self._lost(
-                        f"the head at {self.head_address} refuses connections: its endpoint is closed "
-                        "(the head exited or was killed)"
-                    )
-                    return False
+                if not isinstance(exc, ConnectionRefusedError):
+                    refused_since = None
+                else:
+                    # Nothing listens there: a head closes its endpoint only at its end (killed,
+                    # crashed). Refused for an interval (not one blip of a proxy in between): lost
+                    # now, which leaves the children the rest of heartbeat_timeout to stop.
+                    refused_since = now if refused_since is None else refused_since
+                    if now - refused_since >= self.interval:
+                        self._lost(
+                            f"the head at {self.head_address} refuses connections: its endpoint is closed "
+                            "(the head exited or was killed)"
+                        )
+                        return False
                 await anyio.sleep(min(backoff, max(0.0, deadline - now)))
-                backoff = min(backoff * 2, 1.0)
-                continue
-            except (OSError, TimeoutError):
-                refused_since = None
-                await anyio.sleep(min(backoff, max(0.0, deadline - self._loop_time())))
                 backoff = min(backoff * 2, 1.0)
                 continue
             try:
