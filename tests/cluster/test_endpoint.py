@@ -26,7 +26,7 @@ from atroposd.cluster import (
     ClusterStartError,
 )
 from atroposd.config import ClusterConfig
-from tests.cluster.conftest import HEARTBEAT_TIMEOUT, Peer, until
+from tests.cluster.conftest import HEARTBEAT_TIMEOUT, Peer, Relay, until
 
 pytestmark = pytest.mark.anyio
 
@@ -272,49 +272,6 @@ async def test_a_broken_connection_is_mended_but_a_restarted_head_is_lost(cfg: C
             assert row(head2, 1)["state"] == "joining" and row(head2, 1)["host"] is None
 
 
-class Relay:
-    """A TCP relay between the nodes and the head (the network in between): ``cut`` drops every
-    connection through it; with ``silent`` set it accepts and relays nothing, as a head that is
-    frozen or a path that black-holes its packets."""
-
-    def __init__(self, to_port: int) -> None:
-        self.to_port = to_port
-        self.silent = False
-        self._writers: list[asyncio.StreamWriter] = []
-        self._server: asyncio.Server | None = None
-
-    async def start(self) -> int:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        return int(self._server.sockets[0].getsockname()[1])
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.append(writer)
-        if self.silent:
-            return  # held open, never answered
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.to_port)
-        self._writers.append(up_writer)
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(OSError):
-                while data := await src.read(65536):
-                    dst.write(data)
-                    await dst.drain()
-            dst.transport.abort()
-
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
-
-    def cut(self) -> None:
-        for w in self._writers:
-            w.transport.abort()
-        self._writers.clear()
-
-    async def close(self) -> None:
-        self.cut()
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-
-
 async def test_a_head_gone_from_its_port_is_lost_at_once_an_unreachable_one_after_give_up_after(
     cfg: ClusterConfig,
 ) -> None:
@@ -334,7 +291,8 @@ async def test_a_head_gone_from_its_port_is_lost_at_once_an_unreachable_one_afte
         assert node.stop_by > loop.time()  # what is left of heartbeat_timeout is the stop's
 
     relay = Relay(cfg.port)
-    through = dataclasses.replace(cfg, port=await relay.start())
+    await relay.start()
+    through = dataclasses.replace(cfg, port=relay.port)
     lost.clear()
     try:
         async with running_head(cfg) as head, running_node(through, 1, on_lost_head=lost.append) as (node, task):

@@ -37,8 +37,7 @@ from atroposd.exitcodes import Exit
 from atroposd.process.unit import Unit
 from atroposd.systemd import Notifier
 from atroposd.trainer.supervisor import Fault, NodeLost, RankExited
-from tests.cluster.conftest import HEARTBEAT_TIMEOUT, RawNode, until
-from tests.cluster.test_replay import Relay
+from tests.cluster.conftest import HEARTBEAT_TIMEOUT, RawNode, Relay, until
 from tests.support import free_port_pair
 
 pytestmark = pytest.mark.anyio

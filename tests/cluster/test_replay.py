@@ -24,75 +24,10 @@ from atroposd.cluster.head import MAX_DROPPED
 from atroposd.cluster.messages import Message, RankExit, Ranks, Refused, Resync
 from atroposd.cluster.wire import open_unsigned
 from atroposd.config import ClusterConfig
-from tests.cluster.conftest import HEARTBEAT_TIMEOUT, RawNode, until
+from tests.cluster.conftest import HEARTBEAT_TIMEOUT, RawNode, Relay, until
 from tests.cluster.test_endpoint import READY_REPLICA, TOKEN, running_head, running_node
-from tests.support import free_port
 
 pytestmark = pytest.mark.anyio
-
-
-class Relay:
-    """A TCP relay from a node to the head that records every line in each direction and can
-    write a line of its own into the running connection, towards either side."""
-
-    def __init__(self, head_port: int) -> None:
-        self.head_port = head_port
-        self.to_head: list[bytes] = []  # what the node sent
-        self.to_node: list[bytes] = []  # what the head sent
-        self._up: asyncio.StreamWriter | None = None
-        self._down: asyncio.StreamWriter | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._writers: list[asyncio.StreamWriter] = []
-        self.server: asyncio.base_events.Server | None = None
-        self.port = 0
-
-    async def start(self) -> None:
-        self.port = free_port()
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.head_port)
-        self._up, self._down = up_writer, writer
-        self._writers += [writer, up_writer]
-        pumps = [
-            asyncio.create_task(self._pump(reader, up_writer, self.to_head)),
-            asyncio.create_task(self._pump(up_reader, writer, self.to_node)),
-        ]
-        self._tasks.update(pumps)
-        await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-        for w in (writer, up_writer):
-            w.transport.abort()
-
-    @staticmethod
-    async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, record: list[bytes]) -> None:
-        with contextlib.suppress(ConnectionError, OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
-            while line := await reader.readline():
-                record.append(line)
-                writer.write(line)
-                await writer.drain()
-
-    def line_to_head(self, kind: str, start: int = 0) -> bytes:
-        """The first line of type ``kind`` the node sent (from index ``start``)."""
-        return next(x for x in self.to_head[start:] if f'"t":"{kind}"'.encode() in x)
-
-    async def inject_to_head(self, line: bytes) -> None:
-        assert self._up is not None
-        self._up.write(line)
-        await self._up.drain()
-
-    async def inject_to_node(self, line: bytes) -> None:
-        assert self._down is not None
-        self._down.write(line)
-        await self._down.drain()
-
-    async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-        for w in self._writers:
-            w.transport.abort()
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 @contextlib.asynccontextmanager
