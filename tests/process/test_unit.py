@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -36,9 +37,12 @@ async def _wait_file(path: Path) -> str:
     return await apath.read_text()
 
 
-def test_stubborn_child_and_setsid_grandchild_are_gone_within_stop_timeout(hub: LogHub, tmp_path: Path) -> None:
+def _stop_stubborn(
+    hub: LogHub, tmp_path: Path, stop_timeout: float, stop: Callable[[Unit, float], None]
+) -> tuple[Unit, dict[str, float]]:
+    """A child that ignores its TERM, with a setsid grandchild: ``stop(unit, t0)`` once both are
+    tracked; the time until the unit is done, and the two pids."""
     pidfile = tmp_path / "pids"
-    stop_timeout = 2.0
     measured: dict[str, float] = {}
 
     async def body(unit: Unit) -> None:
@@ -50,11 +54,17 @@ def test_stubborn_child_and_setsid_grandchild_are_gone_within_stop_timeout(hub: 
             unit.rescan()
             await anyio.sleep(0.02)
         t0 = time.monotonic()
-        unit.request_stop()
+        stop(unit, t0)
         await unit.done.wait()
         measured["stop_s"] = time.monotonic() - t0
 
     unit = supervise(make_spec("stubborn", script("stubborn.py", str(pidfile)), stop_timeout=stop_timeout), hub, body)
+    return unit, measured
+
+
+def test_stubborn_child_and_setsid_grandchild_are_gone_within_stop_timeout(hub: LogHub, tmp_path: Path) -> None:
+    stop_timeout = 2.0
+    unit, measured = _stop_stubborn(hub, tmp_path, stop_timeout, lambda unit, t0: unit.request_stop())
     assert unit.state == State.STOPPED
     assert measured["stop_s"] <= stop_timeout + 0.5, measured
     assert not _alive(int(measured["child"])) and not _alive(int(measured["grandchild"]))
@@ -65,23 +75,12 @@ def test_a_stop_with_a_deadline_kills_a_stubborn_child_by_then_whatever_its_stop
 ) -> None:
     """A node that lost its head stops with a deadline (``request_stop(by=...)``): a child that
     ignores its TERM is killed by then, not after its 20 s stop_timeout; its grandchild too."""
-    pidfile = tmp_path / "pids"
-    measured: dict[str, float] = {}
 
-    async def body(unit: Unit) -> None:
-        await _ready(unit)
-        child, grandchild = map(int, (await _wait_file(pidfile)).split())
-        measured["child"], measured["grandchild"] = child, grandchild
-        while grandchild not in unit.tracked:
-            unit.rescan()
-            await anyio.sleep(0.02)
-        t0 = time.monotonic()
+    def stop(unit: Unit, t0: float) -> None:
         unit.request_stop(by=t0 + 1.0)
         unit.request_stop()  # a later stop without one keeps the deadline
-        await unit.done.wait()
-        measured["stop_s"] = time.monotonic() - t0
 
-    unit = supervise(make_spec("stubborn", script("stubborn.py", str(pidfile)), stop_timeout=20.0), hub, body)
+    unit, measured = _stop_stubborn(hub, tmp_path, 20.0, stop)
     assert unit.state == State.STOPPED
     assert 0.5 <= measured["stop_s"] <= 1.0 + 0.5, measured
     assert not _alive(int(measured["child"])) and not _alive(int(measured["grandchild"]))
